@@ -1,0 +1,32 @@
+# The two commands a new user runs: `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+DEMO_CHECKPOINT ?= .cache/demo-small-mixtral
+CHECKPOINT ?=
+
+.PHONY: setup demo test protos bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	touch $@
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m moe_mesh.demo $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT),--create $(DEMO_CHECKPOINT))
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+# Regenerates protos/moe_mesh/v1/*_pb2*.py(i); tests/test_protos.py fails when the committed copy is stale.
+protos: $(STAMP)
+	$(PY) -m moe_mesh.protogen
+
+bench: $(STAMP)
+	$(PY) bench/engine_vs_transformers.py
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache bench/results

@@ -1,0 +1,68 @@
+"""Architecture specs: what a HuggingFace config.json means to moe-mesh, one file per family.
+
+Each family module defines `parse(config, get) -> ModelSpec` and `names(spec) -> TensorNames`.
+`get(key, default=REQUIRED)` raises a CheckpointError naming config.json and the missing field.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from common.arch.spec import REQUIRED, ModelSpec, TensorNames
+from common.errors import CheckpointError, UnsupportedModelError
+
+__all__ = ["ModelSpec", "TensorNames", "load_spec", "parse_spec", "FAMILIES"]
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+def _family_module(model_type: str) -> Any:
+    from common.arch import mixtral, olmoe, qwen2_moe, qwen3_moe
+
+    return {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "olmoe": olmoe}[model_type]
+
+
+def parse_spec(config: dict[str, Any], source: str = "config.json") -> ModelSpec:
+    """Build the ModelSpec of a parsed config.json; errors name `source` and the field."""
+
+    def get(key: str, default: Any = REQUIRED) -> Any:
+        value = config.get(key, default)
+        if value is REQUIRED or (value is None and default is REQUIRED):
+            raise CheckpointError(f"missing config field {key!r}", file=source)
+        return value
+
+    model_type = get("model_type")
+    if model_type not in FAMILIES:
+        raise UnsupportedModelError(f"unsupported architecture model_type={model_type!r}; "
+                                    f"supported: {', '.join(FAMILIES)}", file=source)
+    try:
+        spec = _family_module(model_type).parse(config, get)
+    except CheckpointError as e:
+        if e.file is None:
+            raise type(e)(str(e), file=source) from e
+        raise
+    if spec.top_k > spec.num_experts:
+        raise CheckpointError(f"num_experts_per_tok={spec.top_k} exceeds the {spec.num_experts} experts", file=source)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise UnsupportedModelError(f"rope_type={rope.get('rope_type', rope.get('type'))!r} is not supported; "
+                                    "only 'default' RoPE is", file=source)
+    return spec
+
+
+def load_spec(checkpoint_dir: Path) -> ModelSpec:
+    """Read and parse `checkpoint_dir/config.json`."""
+    path = Path(checkpoint_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError("config.json not found", file=str(path)) from e
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"config.json is not valid JSON ({e})", file=str(path)) from e
+    return parse_spec(config, str(path))
+
+
+def tensor_names(spec: ModelSpec) -> TensorNames:
+    return _family_module(spec.family).names(spec)

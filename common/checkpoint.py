@@ -1,0 +1,171 @@
+"""Selective, memory-mapped loading of HuggingFace-layout MoE checkpoints.
+
+A process loads only what it serves: the router the dense part (`load_dense`), an expert service
+its (layer, expert) pairs (`load_experts`). Tensors are views into memory-mapped safetensors
+files, so untouched tensors cost no memory. Experts may be stored per expert (published
+checkpoints) or fused as 3-D tensors (transformers v5: gate_up_proj [E, 2I, H], down_proj [E, H, I]).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from common.arch import ModelSpec, load_spec, tensor_names
+from common.errors import CheckpointError
+from common.safetensors_mmap import SafetensorsFile
+from common.weights import AttentionWeights, DenseWeights, FFNWeights, LayerWeights
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class Checkpoint:
+    """A checkpoint directory: config.json plus one or more safetensors files (optionally indexed)."""
+
+    def __init__(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError("checkpoint directory not found", file=str(self.path))
+        self.spec: ModelSpec = load_spec(self.path)
+        self.names = tensor_names(self.spec)
+        self.dtype = dtype  # None keeps the stored dtype (zero-copy)
+        self._files: dict[str, SafetensorsFile] = {}
+        self._where = self._index()
+
+    # -- tensor lookup -------------------------------------------------------------------
+
+    def _index(self) -> dict[str, str]:
+        """Tensor name -> file name; from the index json when sharded, else from the file headers."""
+        index = self.path / INDEX_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"invalid index ({e!r})", file=str(index)) from e
+            return dict(weight_map)
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError("no *.safetensors files", file=str(self.path))
+        where: dict[str, str] = {}
+        for f in files:
+            for name in self._file(f.name).tensors:
+                where[name] = f.name
+        return where
+
+    def _file(self, name: str) -> SafetensorsFile:
+        if name not in self._files:
+            path = self.path / name
+            if not path.exists():
+                raise CheckpointError("safetensors file listed in the index is missing", file=str(path))
+            self._files[name] = SafetensorsFile(path)
+        return self._files[name]
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor `name`, checked against the shape the config implies."""
+        if name not in self._where:
+            raise CheckpointError("missing tensor", file=str(self.path), tensor=name)
+        file = self._file(self._where[name])
+        if name not in file.tensors:
+            raise CheckpointError("tensor listed in the index is not in its file", file=str(file.path), tensor=name)
+        t = file.get(name)
+        if tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"wrong shape {list(t.shape)}, config implies {list(shape)}",
+                                  file=str(file.path), tensor=name)
+        if self.dtype is not None and t.dtype != self.dtype:
+            t = t.to(self.dtype)
+        return t
+
+    def _optional(self, name: str, shape: tuple[int, ...], present: bool) -> torch.Tensor | None:
+        return self.tensor(name, shape) if present else None
+
+    # -- dense part ------------------------------------------------------------------------
+
+    def load_dense(self) -> DenseWeights:
+        """Embeddings, attention, norms, routers, dense and shared MLPs, LM head: no routed expert."""
+        s = self.spec
+        embed = self.tensor("model.embed_tokens.weight", (s.vocab_size, s.hidden_size))
+        tied = s.tie_word_embeddings and not self.has("lm_head.weight")
+        lm_head = embed if tied else self.tensor("lm_head.weight", (s.vocab_size, s.hidden_size))
+        return DenseWeights(embed=embed, final_norm=self.tensor("model.norm.weight", (s.hidden_size,)),
+                            lm_head=lm_head, layers=[self._layer(i) for i in range(s.num_layers)])
+
+    def _layer(self, i: int) -> LayerWeights:
+        s, p = self.spec, f"model.layers.{i}."
+        h = s.hidden_size
+        layer = LayerWeights(input_norm=self.tensor(p + "input_layernorm.weight", (h,)),
+                             post_attention_norm=self.tensor(p + "post_attention_layernorm.weight", (h,)),
+                             attention=self._attention(p + "self_attn."))
+        if not s.moe_layers[i]:
+            layer.dense_mlp = self._ffn(p + "mlp.", "gate_proj", "up_proj", "down_proj", s.dense_intermediate_size)
+            return layer
+        moe = p + self._moe_prefix(i)
+        layer.router = self.tensor(moe + "gate.weight", (s.num_experts, h))
+        if s.shared_expert_intermediate_size:
+            layer.shared_expert = self._ffn(moe + "shared_expert.", "gate_proj", "up_proj", "down_proj",
+                                            s.shared_expert_intermediate_size)
+            layer.shared_expert_gate = self.tensor(moe + "shared_expert_gate.weight", (1, h))
+        return layer
+
+    def _attention(self, p: str) -> AttentionWeights:
+        s = self.spec
+        q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        norm_q, norm_k = {"none": (0, 0), "per_head": (s.head_dim, s.head_dim), "full": (q_out, kv_out)}[s.qk_norm]
+        return AttentionWeights(
+            q=self.tensor(p + "q_proj.weight", (q_out, s.hidden_size)),
+            k=self.tensor(p + "k_proj.weight", (kv_out, s.hidden_size)),
+            v=self.tensor(p + "v_proj.weight", (kv_out, s.hidden_size)),
+            o=self.tensor(p + "o_proj.weight", (s.hidden_size, q_out)),
+            q_bias=self._optional(p + "q_proj.bias", (q_out,), s.qkv_bias),
+            k_bias=self._optional(p + "k_proj.bias", (kv_out,), s.qkv_bias),
+            v_bias=self._optional(p + "v_proj.bias", (kv_out,), s.qkv_bias),
+            o_bias=self._optional(p + "o_proj.bias", (s.hidden_size,), s.o_bias),
+            q_norm=self._optional(p + "q_norm.weight", (norm_q,), s.qk_norm != "none"),
+            k_norm=self._optional(p + "k_norm.weight", (norm_k,), s.qk_norm != "none"),
+        )
+
+    def _ffn(self, p: str, gate: str, up: str, down: str, inter: int) -> FFNWeights:
+        h = self.spec.hidden_size
+        return FFNWeights(gate=self.tensor(f"{p}{gate}.weight", (inter, h)),
+                          up=self.tensor(f"{p}{up}.weight", (inter, h)),
+                          down=self.tensor(f"{p}{down}.weight", (h, inter)))
+
+    def _moe_prefix(self, layer: int) -> str:
+        for prefix in self.names.moe_prefixes:
+            if self.has(f"model.layers.{layer}.{prefix}gate.weight"):
+                return prefix
+        return self.names.moe_prefixes[0]  # lets tensor() report the canonical missing name
+
+    # -- routed experts --------------------------------------------------------------------
+
+    def load_experts(self, pairs: Iterable[tuple[int, int]]) -> dict[tuple[int, int], FFNWeights]:
+        """FFN weights of the given (layer, expert) pairs, and nothing else."""
+        s, n = self.spec, self.names
+        out: dict[tuple[int, int], FFNWeights] = {}
+        for layer, expert in sorted(set(pairs)):
+            if not 0 <= layer < s.num_layers or not s.moe_layers[layer]:
+                raise CheckpointError(f"layer {layer} is not a MoE layer; MoE layers: {s.moe_layer_ids}")
+            if not 0 <= expert < s.num_experts:
+                raise CheckpointError(f"expert {expert} out of range; layer {layer} has {s.num_experts} experts")
+            base = f"model.layers.{layer}.{self._moe_prefix(layer)}experts."
+            if self.has(base + "gate_up_proj"):
+                out[(layer, expert)] = self._fused_expert(base, expert)
+            else:
+                out[(layer, expert)] = self._ffn(f"{base}{expert}.", n.expert_gate, n.expert_up, n.expert_down,
+                                                 s.expert_intermediate_size)
+        return out
+
+    def _fused_expert(self, base: str, expert: int) -> FFNWeights:
+        s = self.spec
+        e, i, h = s.num_experts, s.expert_intermediate_size, s.hidden_size
+        gate_up = self.tensor(base + "gate_up_proj", (e, 2 * i, h))[expert]  # [2I, H], gate rows first
+        down = self.tensor(base + "down_proj", (e, h, i))[expert]  # [H, I]
+        return FFNWeights(gate=gate_up[:i], up=gate_up[i:], down=down)
+
+    def all_expert_pairs(self) -> list[tuple[int, int]]:
+        return [(layer, e) for layer in self.spec.moe_layer_ids for e in range(self.spec.num_experts)]

@@ -1,0 +1,83 @@
+"""The MoE math both sides of the network share: gating, grouping tokens per expert, expert FFN, combine.
+
+The hand-off is explicit so a network can sit in the middle:
+
+    routing = route(x, router_weight, spec)          # router: top-k experts and weights per token
+    groups = group_by_expert(routing)                # router: token rows per expert, ascending expert id
+    outputs = [expert_ffn(x[g.tokens], w_e) ...]     # anywhere: colocated or on an expert service
+    y = combine(groups, outputs, routing, ...)       # router: Σ w·expert(x)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from common.arch import ModelSpec
+from common.weights import FFNWeights
+
+
+@dataclass
+class Routing:
+    experts: torch.Tensor  # [tokens, k] int64
+    weights: torch.Tensor  # [tokens, k] float32 (Mixtral) or hidden dtype
+
+
+@dataclass
+class ExpertGroup:
+    expert: int
+    tokens: torch.Tensor  # [n] int64 row indices into the layer input
+    slots: torch.Tensor  # [n] int64 flat indices into routing.weights
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, spec: ModelSpec) -> Routing:
+    """Softmax over all experts in float32, top-k, optional renormalisation (always for Mixtral)."""
+    logits = F.linear(x, router_weight)  # [tokens, experts]
+    probs = torch.softmax(logits.float(), dim=-1)
+    top_w, top_e = torch.topk(probs, spec.top_k, dim=-1)  # [tokens, k]
+    if spec.norm_topk_prob:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    if not spec.combine_in_fp32:
+        top_w = top_w.to(x.dtype)
+    return Routing(experts=top_e, weights=top_w)
+
+
+def group_by_expert(routing: Routing, num_experts: int) -> list[ExpertGroup]:
+    """Token rows per routed expert, experts ascending; each expert appears once with its whole group."""
+    k = routing.experts.shape[1]
+    flat = routing.experts.reshape(-1)  # [tokens * k]
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    groups, start = [], 0
+    for expert, n in enumerate(counts):
+        if n:
+            slots = order[start:start + n]
+            groups.append(ExpertGroup(expert=expert, tokens=slots // k, slots=slots))
+            start += n
+    return groups
+
+
+def expert_ffn(x: torch.Tensor, w: FFNWeights) -> torch.Tensor:
+    """SwiGLU expert: down(silu(gate(x)) * up(x)). x: [n, hidden] -> [n, hidden]."""
+    return F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
+
+
+def combine(groups: list[ExpertGroup], outputs: list[torch.Tensor], routing: Routing,
+            num_tokens: int, like: torch.Tensor) -> torch.Tensor:
+    """Σ_k w_k · expert_k(x) per token, accumulated in ascending expert order (as transformers does)."""
+    out = torch.zeros(num_tokens, like.shape[-1], dtype=like.dtype)  # [tokens, hidden]
+    if not groups:
+        return out
+    flat_w = routing.weights.reshape(-1)
+    weighted = [(y * flat_w[g.slots, None]).to(like.dtype) for g, y in zip(groups, outputs)]
+    # One index_add_ over rows in group order: CPU index_add_ accumulates duplicates sequentially,
+    # so each token sums its experts in ascending expert order.
+    out.index_add_(0, torch.cat([g.tokens for g in groups]), torch.cat(weighted))
+    return out
+
+
+def shared_expert_output(x: torch.Tensor, shared: FFNWeights, gate_weight: torch.Tensor) -> torch.Tensor:
+    """Qwen2-MoE's shared expert: sigmoid(gate(x)) * ffn(x)."""
+    return torch.sigmoid(F.linear(x, gate_weight)) * expert_ffn(x, shared)

@@ -1,0 +1,93 @@
+"""Zero-copy, memory-mapped reading of safetensors files.
+
+We parse the header ourselves (8-byte little-endian length, then JSON) so a corrupt file fails
+with an error naming it, and map the data copy-on-write: tensors are views into the page cache,
+only the pages of tensors actually touched are read, and nothing is ever written back.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.errors import CheckpointError
+
+DTYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    nbytes: int
+
+
+class SafetensorsFile:
+    """One safetensors file: its header on open, tensor views on demand."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tensors, self.metadata = _read_header(path)
+        self._mmap: mmap.mmap | None = None
+
+    def get(self, name: str) -> torch.Tensor:
+        info = self.tensors[name]
+        if self._mmap is None:
+            with open(self.path, "rb") as f:
+                # ACCESS_COPY makes the buffer writable (torch.frombuffer warns on read-only
+                # buffers) while guaranteeing the checkpoint on disk is never modified.
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=info.dtype)
+        flat = torch.frombuffer(self._mmap, dtype=info.dtype, count=info.nbytes // info.dtype.itemsize,
+                                offset=info.start)
+        return flat.view(info.shape)
+
+
+def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError("corrupt safetensors header: file shorter than 8 bytes", file=str(path))
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > min(MAX_HEADER_BYTES, size - 8):
+                raise CheckpointError(f"corrupt safetensors header: header length {header_len} exceeds the file "
+                                      f"size {size}", file=str(path))
+            header = json.loads(f.read(header_len))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"corrupt safetensors header: not valid JSON ({e})", file=str(path)) from e
+    except OSError as e:
+        raise CheckpointError(f"cannot read safetensors file: {e}", file=str(path)) from e
+    if not isinstance(header, dict):
+        raise CheckpointError("corrupt safetensors header: not a JSON object", file=str(path))
+    data_start = 8 + header_len
+    metadata = header.pop("__metadata__", None) or {}
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        try:
+            dtype = DTYPES[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"corrupt safetensors header entry ({e!r})", file=str(path), tensor=name) from e
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - begin != numel * dtype.itemsize or begin < 0 or data_start + end > size:
+            raise CheckpointError(f"corrupt safetensors header: offsets [{begin}, {end}) do not fit shape {list(shape)} "
+                                  f"of {entry['dtype']} inside a file of {size} bytes", file=str(path), tensor=name)
+        tensors[name] = TensorInfo(dtype, shape, data_start + begin, end - begin)
+    return tensors, metadata

@@ -1,0 +1,92 @@
+"""Tokenization and incremental detokenization with stop strings.
+
+Streamed text never splits a multi-byte character: a delta is held back while its decoding ends
+in U+FFFD, and text that could still become a stop string is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from common.errors import CheckpointError
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer.json (HuggingFace `tokenizers` format)."""
+
+    def __init__(self, checkpoint_dir: str | Path) -> None:
+        path = Path(checkpoint_dir) / "tokenizer.json"
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises plain Exception subclasses
+            raise CheckpointError(f"cannot load tokenizer ({e})", file=str(path)) from e
+        config = Path(checkpoint_dir) / "tokenizer_config.json"
+        self.add_bos = bool(json.loads(config.read_text()).get("add_bos_token", False)) if config.exists() else False
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=self.add_bos).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+class TextStream:
+    """Turns generated token ids into text deltas and applies stop strings."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.text = ""  # everything decoded so far
+        self.emitted = 0  # characters of self.text already returned
+        self.stopped = False
+        self._prefix = 0  # ids[_prefix:_read] is the decode context of the next delta
+        self._read = 0
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Add new token ids; return the text that is now safe to show. Sets `stopped` on a stop string."""
+        if self.stopped:
+            return ""
+        self.ids.extend(ids)
+        before = self.tokenizer.decode(self.ids[self._prefix:self._read])
+        after = self.tokenizer.decode(self.ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            # The last decoded chunk becomes the context of the next one: O(1) work per token,
+            # and the window always starts on a character boundary.
+            self._prefix, self._read = self._read, len(self.ids)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The text still held back, at the end of generation."""
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        for s in self.stop:
+            idx = self.text.find(s, max(0, self.emitted - len(s) + 1))
+            if idx >= 0:
+                self.text, self.stopped = self.text[:idx], True
+        end = len(self.text)
+        if not final and not self.stopped:
+            end -= self._held_back()
+        delta = self.text[self.emitted:end]
+        self.emitted = max(self.emitted, end)
+        return delta
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of text that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best

@@ -1,0 +1,5 @@
+import sys
+
+from moe_mesh.cli import main
+
+sys.exit(main())

@@ -1,0 +1,200 @@
+"""Continuous batching: requests join and leave the running batch at token boundaries.
+
+Every step packs the prompts of newly admitted sequences and one token of every running
+sequence into a single forward pass, so each MoE layer dispatches once per step. Running
+sequence i lives in KV-cache slot i; when one finishes, the last sequence moves into its slot,
+which keeps decode attention over a contiguous slice of the cache.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from common.errors import CapacityError, InvalidRequestError
+from router_service.model import MoeModel, pack_step
+from router_service.sampling import SamplingParams, sample
+from router_service.settings import EngineSettings
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    priority: int
+    generator: torch.Generator | None
+    output: list[int] = field(default_factory=list)
+    slot: int = -1
+    aborted: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+
+class Engine:
+    """Schedules sequences onto the model step by step. Not thread-safe; drive it from one event loop."""
+
+    def __init__(self, model: MoeModel, settings: EngineSettings) -> None:
+        self.model, self.settings = model, settings
+        self.cache = model.new_cache()
+        self.running: list[Sequence] = []  # running[i].slot == i
+        self._waiting: list[tuple[int, int, Sequence]] = []  # heap of (-priority, arrival, seq)
+        self._by_id: dict[str, Sequence] = {}
+        self._arrival = itertools.count()
+        self._rng = random.Random()
+        self._cancelled: list[Sequence] = []
+        self._pending: list[StepOutput] = []  # cancellations reaped between steps, reported by the next step
+        self._stepping = False
+        self.eos_ids = frozenset(model.spec.eos_token_ids)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        """Queue a request; raises InvalidRequestError / CapacityError naming the bad field."""
+        self._validate(request_id, prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        gen = None if params.temperature == 0 else torch.Generator().manual_seed(seed)
+        seq = Sequence(request_id, list(prompt_token_ids), params, priority, gen)
+        self._by_id[request_id] = seq
+        heapq.heappush(self._waiting, (-priority, next(self._arrival), seq))
+
+    def _validate(self, request_id: str, prompt: list[int], p: SamplingParams) -> None:
+        vocab, limit = self.model.spec.vocab_size, self.model.max_model_len
+        if request_id in self._by_id:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        if not prompt:
+            raise InvalidRequestError("prompt_token_ids", "must not be empty")
+        bad = next((t for t in itertools.chain(prompt, p.stop_token_ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            field_name = "prompt_token_ids" if bad in prompt else "stop_token_ids"
+            raise InvalidRequestError(field_name, f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if p.max_tokens < 1:
+            raise InvalidRequestError("max_tokens", f"must be >= 1, got {p.max_tokens}")
+        if len(prompt) + p.max_tokens > limit:
+            raise CapacityError("max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) "
+                                f"exceeds the context length max_model_len={limit}")
+        if p.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be >= 0, got {p.temperature}")
+        if not 0 < p.top_p <= 1:
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {p.top_p}")
+        if p.top_k < 0:
+            raise InvalidRequestError("top_k", f"must be >= 0, got {p.top_k}")
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its slot and KV cache are freed at the next token boundary."""
+        seq = self._by_id.get(request_id)
+        if seq is None or seq.aborted:
+            return False
+        seq.aborted = True
+        self._cancelled.append(seq)
+        if not self._stepping:
+            self._reap_cancelled()
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._by_id or self._pending)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for *_, s in self._waiting if not s.aborted)
+
+    # -- stepping --------------------------------------------------------------------------
+
+    async def step(self) -> list[StepOutput]:
+        """Run one forward pass over the batch; return new tokens and finished/cancelled sequences."""
+        self._reap_cancelled()
+        outputs, self._pending = self._pending, []
+        decodes = list(self.running)
+        prefills = self._admit()
+        if not decodes and not prefills:
+            return outputs
+        self._stepping = True
+        try:
+            batch = pack_step([(s.slot, s.prompt) for s in prefills],
+                              [(s.slot, s.output[-1], s.num_tokens) for s in decodes])
+            self.cache.reserve(len(self.running), max(s.num_tokens for s in self.running))
+            logits = await self.model.forward(batch, self.cache)  # [sequences, vocab]
+        finally:
+            self._stepping = False
+        finished: list[Sequence] = []
+        for seq, row in zip(prefills + decodes, logits):
+            if seq.aborted:
+                continue
+            token = sample(row, seq.params, seq.generator)
+            seq.output.append(token)
+            reason = self._finish_reason(seq, token)
+            outputs.append(StepOutput(seq.request_id, [token], reason, len(seq.prompt), len(seq.output)))
+            if reason is not None:
+                finished.append(seq)
+        self._release(finished)
+        self._reap_cancelled()
+        outputs, self._pending = outputs + self._pending, []
+        return outputs
+
+    def _admit(self) -> list[Sequence]:
+        admitted: list[Sequence] = []
+        budget = self.settings.max_prefill_tokens
+        while self._waiting and len(self.running) < self.settings.max_num_seqs:
+            seq = self._waiting[0][2]
+            if seq.aborted:
+                heapq.heappop(self._waiting)
+                continue
+            if admitted and len(seq.prompt) > budget:
+                break
+            heapq.heappop(self._waiting)
+            budget -= len(seq.prompt)
+            seq.slot = len(self.running)
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return FinishReason.STOP
+        if len(seq.output) >= p.max_tokens or seq.num_tokens >= self.model.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _release(self, finished: list[Sequence]) -> None:
+        """Free slots, moving the last running sequence into each hole (highest slot first)."""
+        for seq in sorted(finished, key=lambda s: s.slot, reverse=True):
+            last = self.running.pop()
+            if last is not seq:
+                # last's newest token is not in the cache yet: num_tokens - 1 cached entries.
+                self.cache.move(last.slot, seq.slot, last.num_tokens - 1)
+                last.slot = seq.slot
+                self.running[seq.slot] = last
+            seq.slot = -1
+            self._by_id.pop(seq.request_id, None)
+
+    def _reap_cancelled(self) -> None:
+        cancelled, self._cancelled = self._cancelled, []
+        self._release([s for s in cancelled if s.slot >= 0])
+        for seq in cancelled:
+            self._by_id.pop(seq.request_id, None)
+            self._pending.append(StepOutput(seq.request_id, [], FinishReason.CANCELLED, len(seq.prompt),
+                                            len(seq.output)))

@@ -1,0 +1,31 @@
+"""Shared fixtures: checkpoints are created once per session and reused across tests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from factories import make_checkpoint
+
+
+@pytest.fixture(scope="session")
+def checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="session")
+def checkpoint(checkpoint_root: Path) -> Callable[..., Path]:
+    """checkpoint(arch, preset="tiny", **create_kwargs) -> directory, cached for the session."""
+
+    def make(arch: str, preset: str = "tiny", **kwargs) -> Path:
+        return make_checkpoint(checkpoint_root, arch, preset, **kwargs)
+
+    return make
+
+
+def run(coro):
+    """Run a coroutine to completion from a synchronous test."""
+    return asyncio.run(coro)

@@ -1,0 +1,134 @@
+"""Engine behaviour: sampling, stopping, cancellation, priorities, limits and request validation."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+
+from common.errors import CapacityError, InvalidRequestError
+from router_service.build import build_local_engine
+from router_service.engine import Engine, FinishReason
+from router_service.sampling import SamplingParams
+from router_service.settings import EngineSettings
+
+PROMPT = [11, 3, 250, 9, 31]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(checkpoint) -> Engine:
+    return build_local_engine(EngineSettings(checkpoint=checkpoint("qwen3_moe"), max_num_seqs=4, max_model_len=64))
+
+
+def collect(engine: Engine) -> dict[str, tuple[list[int], FinishReason | None]]:
+    out: dict[str, tuple[list[int], FinishReason | None]] = {}
+
+    async def drive() -> None:
+        while engine.has_unfinished():
+            for o in await engine.step():
+                ids, _ = out.get(o.request_id, ([], None))
+                out[o.request_id] = (ids + o.new_token_ids, o.finish_reason)
+
+    asyncio.run(drive())
+    return out
+
+
+def generate(engine: Engine, params: SamplingParams, prompt: list[int] = PROMPT) -> tuple[list[int], FinishReason]:
+    engine.add_request("r", prompt, params)
+    return collect(engine)["r"]
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(engine: Engine) -> None:
+    params = SamplingParams(max_tokens=16, temperature=1.5, seed=1234, ignore_eos=True)
+    first, _ = generate(engine, params)
+    again, _ = generate(engine, params)
+    other, _ = generate(engine, replace(params, seed=99))
+    assert first == again
+    assert first != other
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy(engine: Engine) -> None:
+    greedy, reason = generate(engine, GREEDY)
+    assert reason is FinishReason.LENGTH and len(greedy) == GREEDY.max_tokens
+    assert generate(engine, replace(GREEDY, temperature=2.0, top_k=1, seed=5))[0] == greedy
+    assert generate(engine, replace(GREEDY, temperature=2.0, top_p=1e-6, seed=5))[0] == greedy
+
+
+def test_stop_token_ids_and_eos_end_generation_with_stop(engine: Engine) -> None:
+    greedy, _ = generate(engine, GREEDY)
+    target = greedy[5]
+    ids, reason = generate(engine, replace(GREEDY, stop_token_ids=(target,)))
+    assert reason is FinishReason.STOP and ids == greedy[:greedy.index(target) + 1]
+    engine.eos_ids = frozenset({target})
+    assert generate(engine, replace(GREEDY, ignore_eos=False)) == (greedy[:greedy.index(target) + 1], FinishReason.STOP)
+    assert generate(engine, GREEDY) == (greedy, FinishReason.LENGTH)  # ignore_eos keeps going
+
+
+def test_abort_frees_the_slot_and_other_sequences_are_unaffected(engine: Engine) -> None:
+    alone = {p: generate(engine, GREEDY, [p, p + 1, p + 2])[0] for p in (20, 30, 40)}
+    for p in (20, 30, 40):
+        engine.add_request(str(p), [p, p + 1, p + 2], GREEDY)
+    seen: dict[str, list[int]] = {"20": [], "30": [], "40": []}
+    cancelled = []
+
+    async def drive() -> None:
+        for step in range(GREEDY.max_tokens + 2):
+            if step == 3:
+                assert engine.abort("20")  # slot 0: the last sequence moves into it
+                assert len(engine.running) == 2
+            for o in await engine.step():
+                seen[o.request_id] += o.new_token_ids
+                if o.finish_reason is FinishReason.CANCELLED:
+                    cancelled.append(o.request_id)
+
+    asyncio.run(drive())
+    assert cancelled == ["20"] and not engine.has_unfinished() and engine.running == []
+    assert seen["20"] == alone[20][:3]
+    assert seen["30"] == alone[30] and seen["40"] == alone[40]
+    assert not engine.abort("20")
+
+
+def test_waiting_requests_are_admitted_by_priority_up_to_max_num_seqs(checkpoint) -> None:
+    engine = build_local_engine(EngineSettings(checkpoint=checkpoint("qwen3_moe"), max_num_seqs=2))
+    params = replace(GREEDY, max_tokens=3)
+    for rid, prio in [("low", -1), ("normal", 0), ("high", 5), ("urgent", 9)]:
+        engine.add_request(rid, PROMPT, params, priority=prio)
+    order: list[str] = []
+
+    async def drive() -> None:
+        while engine.has_unfinished():
+            assert len(engine.running) <= 2
+            for o in await engine.step():
+                if o.request_id not in order:
+                    order.append(o.request_id)
+
+    asyncio.run(drive())
+    assert order == ["urgent", "high", "normal", "low"]
+
+
+@pytest.mark.parametrize(("prompt", "params", "error", "field"), [
+    ([], GREEDY, InvalidRequestError, "prompt_token_ids"),
+    ([1, 10**6], GREEDY, InvalidRequestError, "prompt_token_ids"),
+    (PROMPT, replace(GREEDY, stop_token_ids=(-3,)), InvalidRequestError, "stop_token_ids"),
+    (PROMPT, replace(GREEDY, max_tokens=0), InvalidRequestError, "max_tokens"),
+    (PROMPT, replace(GREEDY, max_tokens=60), CapacityError, "max_tokens"),
+    (PROMPT, replace(GREEDY, temperature=-0.5), InvalidRequestError, "temperature"),
+    (PROMPT, replace(GREEDY, top_p=0.0), InvalidRequestError, "top_p"),
+    (PROMPT, replace(GREEDY, top_p=1.5), InvalidRequestError, "top_p"),
+    (PROMPT, replace(GREEDY, top_k=-1), InvalidRequestError, "top_k"),
+])
+def test_invalid_requests_name_the_field_and_leave_the_engine_usable(engine, prompt, params, error, field) -> None:
+    with pytest.raises(error) as info:
+        engine.add_request("bad", prompt, params)
+    assert info.value.field == field and str(info.value).startswith(field)
+    assert not engine.has_unfinished()
+    assert generate(engine, GREEDY)[1] is FinishReason.LENGTH
+
+
+def test_duplicate_request_id_is_rejected(engine: Engine) -> None:
+    engine.add_request("same", PROMPT, GREEDY)
+    with pytest.raises(InvalidRequestError, match="request_id"):
+        engine.add_request("same", PROMPT, GREEDY)
+    assert collect(engine)["same"][1] is FinishReason.LENGTH
