@@ -8,6 +8,7 @@ checkpoints) or fused as 3-D tensors (transformers v5: gate_up_proj [E, 2I, H], 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -166,6 +167,24 @@ class Checkpoint:
         gate_up = self.tensor(base + "gate_up_proj", (e, 2 * i, h))[expert]  # [2I, H], gate rows first
         down = self.tensor(base + "down_proj", (e, h, i))[expert]  # [H, I]
         return FFNWeights(gate=gate_up[:i], up=gate_up[i:], down=down)
+
+    def fingerprint(self) -> str:
+        """A cheap weights checksum: config.json, every file's header, and 64 KiB sampled across every file.
+
+        Routers and expert services compare it to make sure they serve the same weights; it reads a
+        constant amount per file, so it costs milliseconds even for very large checkpoints.
+        """
+        digest = hashlib.sha256((self.path / "config.json").read_bytes())
+        for name in sorted(set(self._where.values())):
+            path = self.path / name
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+                digest.update(f.read(header_len))
+                for i in range(16):
+                    f.seek(8 + header_len + (size - 8 - header_len) * i // 16)
+                    digest.update(f.read(4096))
+        return digest.hexdigest()[:16]
 
     def all_expert_pairs(self) -> list[tuple[int, int]]:
         return [(layer, e) for layer in self.spec.moe_layer_ids for e in range(self.spec.num_experts)]

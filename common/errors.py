@@ -1,10 +1,17 @@
 """moe-mesh's exception tree. Services map these to gRPC / HTTP statuses at their edges.
 
-MoeMeshError
+MoeMeshError                                                           gRPC status / HTTP
 ├── CheckpointError        a checkpoint cannot be read or does not match its config (names file and tensor)
 │   └── UnsupportedModelError   valid checkpoint of a model or feature moe-mesh does not serve
-├── InvalidRequestError    bad client input (names the field and the limit)       → INVALID_ARGUMENT / 400
-└── CapacityError          a request can never fit (context, batch limits)        → INVALID_ARGUMENT / 400
+├── InvalidArgumentError   bad input; names the field and the limit               INVALID_ARGUMENT / 400
+│   └── CapacityError         a request can never fit (context length, batch limits)
+├── NotFoundError          an addressed thing (layer, expert, model) is not here  NOT_FOUND / 404
+├── PreconditionError      caller and server disagree (model id, weights)         FAILED_PRECONDITION / 400
+├── UnavailableError       no reachable replica; retryable elsewhere              UNAVAILABLE / 503
+│   └── ExpertUnavailableError  names the layer and experts that could not be reached
+└── DeadlineExceededError  the request's deadline passed                           DEADLINE_EXCEEDED / 504
+
+Services map these to statuses in their servicers (common/status.py); cores never import grpc.
 """
 
 from __future__ import annotations
@@ -28,13 +35,39 @@ class UnsupportedModelError(CheckpointError):
     """The checkpoint is readable, but its architecture or a feature it enables is not supported."""
 
 
-class InvalidRequestError(MoeMeshError):
-    """A request field is invalid; `field` names it."""
+class InvalidArgumentError(MoeMeshError):
+    """An input field is invalid; `field` names it and the message starts with it."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
 
 
-class CapacityError(InvalidRequestError):
+
+class CapacityError(InvalidArgumentError):
     """A request exceeds a hard limit of the server (e.g. prompt + max_tokens > max_model_len)."""
+
+
+class NotFoundError(MoeMeshError):
+    """The addressed layer, expert or model is not served here."""
+
+
+class PreconditionError(MoeMeshError):
+    """Caller and server disagree about what they serve (model id, weights checksum)."""
+
+
+class UnavailableError(MoeMeshError):
+    """No reachable replica could serve the call; another replica or a later retry may succeed."""
+
+
+class ExpertUnavailableError(UnavailableError):
+    """No replica of some experts of a layer is reachable."""
+
+    def __init__(self, layer: int, experts: list[int], detail: str = "") -> None:
+        names = ", ".join(str(e) for e in sorted(experts))
+        super().__init__(f"no reachable replica for layer {layer} expert(s) {names}" + (f": {detail}" if detail else ""))
+        self.layer, self.experts = layer, sorted(experts)
+
+
+class DeadlineExceededError(MoeMeshError):
+    """The request's deadline passed before it completed."""

@@ -16,7 +16,7 @@ from enum import Enum
 
 import torch
 
-from common.errors import CapacityError, InvalidRequestError
+from common.errors import CapacityError, InvalidArgumentError
 from router_service.model import MoeModel, pack_step
 from router_service.sampling import SamplingParams, sample
 from router_service.settings import EngineSettings
@@ -73,7 +73,7 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0) -> None:
-        """Queue a request; raises InvalidRequestError / CapacityError naming the bad field."""
+        """Queue a request; raises InvalidArgumentError / CapacityError naming the bad field."""
         self._validate(request_id, prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         gen = None if params.temperature == 0 else torch.Generator().manual_seed(seed)
@@ -84,24 +84,24 @@ class Engine:
     def _validate(self, request_id: str, prompt: list[int], p: SamplingParams) -> None:
         vocab, limit = self.model.spec.vocab_size, self.model.max_model_len
         if request_id in self._by_id:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+            raise InvalidArgumentError("request_id", f"{request_id!r} is already in use")
         if not prompt:
-            raise InvalidRequestError("prompt_token_ids", "must not be empty")
+            raise InvalidArgumentError("prompt_token_ids", "must not be empty")
         bad = next((t for t in itertools.chain(prompt, p.stop_token_ids) if not 0 <= t < vocab), None)
         if bad is not None:
             field_name = "prompt_token_ids" if bad in prompt else "stop_token_ids"
-            raise InvalidRequestError(field_name, f"token id {bad} is outside the vocabulary [0, {vocab})")
+            raise InvalidArgumentError(field_name, f"token id {bad} is outside the vocabulary [0, {vocab})")
         if p.max_tokens < 1:
-            raise InvalidRequestError("max_tokens", f"must be >= 1, got {p.max_tokens}")
+            raise InvalidArgumentError("max_tokens", f"must be >= 1, got {p.max_tokens}")
         if len(prompt) + p.max_tokens > limit:
             raise CapacityError("max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) "
                                 f"exceeds the context length max_model_len={limit}")
         if p.temperature < 0:
-            raise InvalidRequestError("temperature", f"must be >= 0, got {p.temperature}")
+            raise InvalidArgumentError("temperature", f"must be >= 0, got {p.temperature}")
         if not 0 < p.top_p <= 1:
-            raise InvalidRequestError("top_p", f"must be in (0, 1], got {p.top_p}")
+            raise InvalidArgumentError("top_p", f"must be in (0, 1], got {p.top_p}")
         if p.top_k < 0:
-            raise InvalidRequestError("top_k", f"must be >= 0, got {p.top_k}")
+            raise InvalidArgumentError("top_k", f"must be >= 0, got {p.top_k}")
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its slot and KV cache are freed at the next token boundary."""

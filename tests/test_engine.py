@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from common.errors import CapacityError, InvalidRequestError
+from common.errors import CapacityError, InvalidArgumentError
 from router_service.build import build_local_engine
 from router_service.engine import Engine, FinishReason
 from router_service.sampling import SamplingParams
@@ -109,15 +109,15 @@ def test_waiting_requests_are_admitted_by_priority_up_to_max_num_seqs(checkpoint
 
 
 @pytest.mark.parametrize(("prompt", "params", "error", "field"), [
-    ([], GREEDY, InvalidRequestError, "prompt_token_ids"),
-    ([1, 10**6], GREEDY, InvalidRequestError, "prompt_token_ids"),
-    (PROMPT, replace(GREEDY, stop_token_ids=(-3,)), InvalidRequestError, "stop_token_ids"),
-    (PROMPT, replace(GREEDY, max_tokens=0), InvalidRequestError, "max_tokens"),
+    ([], GREEDY, InvalidArgumentError, "prompt_token_ids"),
+    ([1, 10**6], GREEDY, InvalidArgumentError, "prompt_token_ids"),
+    (PROMPT, replace(GREEDY, stop_token_ids=(-3,)), InvalidArgumentError, "stop_token_ids"),
+    (PROMPT, replace(GREEDY, max_tokens=0), InvalidArgumentError, "max_tokens"),
     (PROMPT, replace(GREEDY, max_tokens=60), CapacityError, "max_tokens"),
-    (PROMPT, replace(GREEDY, temperature=-0.5), InvalidRequestError, "temperature"),
-    (PROMPT, replace(GREEDY, top_p=0.0), InvalidRequestError, "top_p"),
-    (PROMPT, replace(GREEDY, top_p=1.5), InvalidRequestError, "top_p"),
-    (PROMPT, replace(GREEDY, top_k=-1), InvalidRequestError, "top_k"),
+    (PROMPT, replace(GREEDY, temperature=-0.5), InvalidArgumentError, "temperature"),
+    (PROMPT, replace(GREEDY, top_p=0.0), InvalidArgumentError, "top_p"),
+    (PROMPT, replace(GREEDY, top_p=1.5), InvalidArgumentError, "top_p"),
+    (PROMPT, replace(GREEDY, top_k=-1), InvalidArgumentError, "top_k"),
 ])
 def test_invalid_requests_name_the_field_and_leave_the_engine_usable(engine, prompt, params, error, field) -> None:
     with pytest.raises(error) as info:
@@ -129,6 +129,6 @@ def test_invalid_requests_name_the_field_and_leave_the_engine_usable(engine, pro
 
 def test_duplicate_request_id_is_rejected(engine: Engine) -> None:
     engine.add_request("same", PROMPT, GREEDY)
-    with pytest.raises(InvalidRequestError, match="request_id"):
+    with pytest.raises(InvalidArgumentError, match="request_id"):
         engine.add_request("same", PROMPT, GREEDY)
     assert collect(engine)["same"][1] is FinishReason.LENGTH

@@ -34,7 +34,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_id", "weights_checksum", "experts", "dtype", "hidden_size", "fast_paths", "region")
+    __slots__ = ("model_id", "weights_checksum", "experts", "dtype", "hidden_size", "fast_paths", "region", "stats")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class DescribeResponse(_message.Message):
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     FAST_PATHS_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     weights_checksum: str
     experts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.ExpertKey]
@@ -49,4 +50,17 @@ class DescribeResponse(_message.Message):
     hidden_size: int
     fast_paths: _containers.RepeatedScalarFieldContainer[str]
     region: str
-    def __init__(self, model_id: _Optional[str] = ..., weights_checksum: _Optional[str] = ..., experts: _Optional[_Iterable[_Union[_tensor_pb2.ExpertKey, _Mapping]]] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., hidden_size: _Optional[int] = ..., fast_paths: _Optional[_Iterable[str]] = ..., region: _Optional[str] = ...) -> None: ...
+    stats: ExpertStats
+    def __init__(self, model_id: _Optional[str] = ..., weights_checksum: _Optional[str] = ..., experts: _Optional[_Iterable[_Union[_tensor_pb2.ExpertKey, _Mapping]]] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., hidden_size: _Optional[int] = ..., fast_paths: _Optional[_Iterable[str]] = ..., region: _Optional[str] = ..., stats: _Optional[_Union[ExpertStats, _Mapping]] = ...) -> None: ...
+
+class ExpertStats(_message.Message):
+    __slots__ = ("forward_calls", "groups", "batches", "tokens")
+    FORWARD_CALLS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    forward_calls: int
+    groups: int
+    batches: int
+    tokens: int
+    def __init__(self, forward_calls: _Optional[int] = ..., groups: _Optional[int] = ..., batches: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,110 @@
+"""The one gRPC server lifecycle every service uses.
+
+start: bind (loopback by default), health SERVING, reflection on, then `on_ready` hooks (registration).
+stop:  health NOT_SERVING, `on_stop` hooks (deregistration), stop accepting, let in-flight calls
+       finish for up to `grace_s`, then stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+Hook = Callable[[], Awaitable[None]]
+
+
+@dataclass
+class Service:
+    """One gRPC service to host: its full name, the generated add_*_to_server function and the servicer."""
+
+    name: str
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    servicer: Any
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Options both ends use: message limits sized for activations (gRPC's default 4 MiB is too small)."""
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+@dataclass
+class GrpcServer:
+    services: Sequence[Service]
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_message_bytes: int = 64 * 1024 * 1024
+    grace_s: float = 10.0
+    on_ready: list[Hook] = field(default_factory=list)
+    on_stop: list[Hook] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self.bound_port = 0
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.bound_port}"
+
+    async def start(self) -> str:
+        server = grpc.aio.server(options=[*channel_options(self.max_message_bytes), ("grpc.so_reuseport", 0)])
+        for s in self.services:
+            s.add_to_server(s.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = [s.name for s in self.services]
+        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        self.bound_port = server.add_insecure_port(f"{self.host}:{self.port}")
+        if not self.bound_port:
+            raise OSError(f"cannot bind {self.host}:{self.port}")
+        await server.start()
+        self._server = server
+        for name in ["", *names]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        for hook in self.on_ready:
+            await hook()
+        return self.address
+
+    async def stop(self) -> None:
+        if self._server is None:
+            return
+        server, self._server = self._server, None
+        await self.health.enter_graceful_shutdown()  # every service NOT_SERVING
+        for hook in self.on_stop:
+            await hook()
+        await server.stop(self.grace_s)
+
+
+def write_ready_file(path: Path, info: dict[str, Any]) -> None:
+    """Atomically write the JSON a launcher waits for."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, path)
+
+
+async def serve_until_signal(server: GrpcServer, ready_file: Path | None = None,
+                             ready_info: dict[str, Any] | None = None) -> None:
+    """Start, announce, and run until SIGTERM/SIGINT; then stop gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    address = await server.start()
+    info = {"address": address, "pid": os.getpid(), **(ready_info or {})}
+    print(json.dumps({"event": "serving", **info}), flush=True)
+    if ready_file is not None:
+        write_ready_file(ready_file, info)
+    await stop.wait()
+    print(json.dumps({"event": "stopping", "address": address}), flush=True)
+    await server.stop()

@@ -1,0 +1,28 @@
+"""Map moe-mesh errors to gRPC status codes and back. Only servicers and gRPC clients import this."""
+
+from __future__ import annotations
+
+import grpc
+
+from common import errors
+
+_TO_CODE: list[tuple[type[errors.MoeMeshError], grpc.StatusCode]] = [
+    (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (errors.PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (errors.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.CheckpointError, grpc.StatusCode.FAILED_PRECONDITION),
+]
+
+
+def status_code(error: errors.MoeMeshError) -> grpc.StatusCode:
+    for cls, code in _TO_CODE:
+        if isinstance(error, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: errors.MoeMeshError) -> None:
+    """End the RPC with the status that matches `error`; its message is sent as the details."""
+    await context.abort(status_code(error), str(error))
