@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moe_mesh.create_checkpoint import create_checkpoint  # noqa: E402
 from router_service.build import build_local_engine  # noqa: E402
 from router_service.sampling import SamplingParams  # noqa: E402
-from router_service.settings import EngineSettings  # noqa: E402
+from router_service.settings import RouterSettings  # noqa: E402
 
 DEFAULT_CHECKPOINT = Path(".cache/bench-small-mixtral")
 
@@ -78,7 +78,7 @@ def main() -> int:
 
     hf = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    engine = build_local_engine(EngineSettings(checkpoint=args.checkpoint, max_num_seqs=max(batches)))
+    engine = build_local_engine(RouterSettings(checkpoint=args.checkpoint, max_num_seqs=max(batches)))
     gen = torch.Generator().manual_seed(0)
     vocab = engine.model.spec.vocab_size
 

@@ -65,9 +65,10 @@ class GrpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [s.name for s in self.services]
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        self.bound_port = server.add_insecure_port(f"{self.host}:{self.port}")
-        if not self.bound_port:
-            raise OSError(f"cannot bind {self.host}:{self.port}")
+        try:
+            self.bound_port = server.add_insecure_port(f"{self.host}:{self.port}")
+        except RuntimeError as e:  # grpc raises RuntimeError("Failed to bind ...")
+            raise OSError(f"cannot bind {self.host}:{self.port}: {e}") from e
         await server.start()
         self._server = server
         for name in ["", *names]:

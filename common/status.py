@@ -26,3 +26,18 @@ def status_code(error: errors.MoeMeshError) -> grpc.StatusCode:
 async def abort_with(context: grpc.aio.ServicerContext, error: errors.MoeMeshError) -> None:
     """End the RPC with the status that matches `error`; its message is sent as the details."""
     await context.abort(status_code(error), str(error))
+
+
+_FROM_CODE: dict[grpc.StatusCode, type[errors.MoeMeshError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.MoeMeshError,  # our own request was malformed: a bug, not bad input
+    grpc.StatusCode.NOT_FOUND: errors.NotFoundError,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.PreconditionError,
+    grpc.StatusCode.UNAVAILABLE: errors.UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
+}
+
+
+def error_from_rpc(e: grpc.aio.AioRpcError, peer: str) -> errors.MoeMeshError:
+    """Our exception for a failed outgoing call, naming the peer. Unlisted codes count as unavailable."""
+    cls = _FROM_CODE.get(e.code(), errors.UnavailableError)
+    return cls(f"{peer}: {e.code().name}: {e.details()}")

@@ -45,9 +45,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     from moe_mesh.local import LocalRequest, generate_local
     from router_service.build import build_local_engine
     from router_service.sampling import SamplingParams
-    from router_service.settings import EngineSettings
+    from router_service.settings import RouterSettings
 
-    engine = build_local_engine(EngineSettings(checkpoint=args.checkpoint, dtype=args.dtype))
+    engine = build_local_engine(RouterSettings(checkpoint=args.checkpoint, dtype=args.dtype))
     tokenizer = Tokenizer(args.checkpoint)
     ids = args.prompt_token_ids if args.prompt is None else tokenizer.encode(args.prompt)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -68,12 +68,16 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from expert_service import cli as expert_cli
     from moe_mesh import create_checkpoint
+    from router_service import cli as router_cli
 
     parser = argparse.ArgumentParser(prog="moe-mesh", description="Serve sparse MoE language models as a gRPC mesh.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     create_checkpoint.add_subcommand(subparsers)
     _add_generate(subparsers)
+    expert_cli.add_subcommand(subparsers)
+    router_cli.add_subcommand(subparsers)
     return parser
 
 

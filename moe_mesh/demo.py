@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from moe_mesh.local import LocalRequest, generate_local
     from router_service.build import build_local_engine
     from router_service.sampling import SamplingParams
-    from router_service.settings import EngineSettings
+    from router_service.settings import RouterSettings
 
     path = args.checkpoint or args.create
     if args.create and not (path / "config.json").exists():
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         create_checkpoint(path, "mixtral", "small", seed=0, router_skew=2.0, progress=True)
     print(f"==> loading {path} (monolithic engine: all experts in this process)")
     t0 = time.perf_counter()
-    engine = build_local_engine(EngineSettings(checkpoint=path))
+    engine = build_local_engine(RouterSettings(checkpoint=path))
     tokenizer = Tokenizer(path)
     spec = engine.model.spec
     print(f"    {spec.family}: {spec.num_layers} layers, {spec.num_experts} experts top-{spec.top_k}, "

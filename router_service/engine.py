@@ -16,16 +16,17 @@ from enum import Enum
 
 import torch
 
-from common.errors import CapacityError, InvalidArgumentError
+from common.errors import CapacityError, InvalidArgumentError, MoeMeshError
 from router_service.model import MoeModel, pack_step
 from router_service.sampling import SamplingParams, sample
-from router_service.settings import EngineSettings
+from router_service.settings import RouterSettings
 
 
 class FinishReason(str, Enum):
     STOP = "stop"
     LENGTH = "length"
     CANCELLED = "cancelled"
+    ERROR = "error"  # the step failed (e.g. an expert was unreachable); StepOutput.error says why
 
 
 @dataclass
@@ -35,6 +36,7 @@ class StepOutput:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
+    error: MoeMeshError | None = None
 
 
 @dataclass(eq=False)
@@ -44,6 +46,7 @@ class Sequence:
     params: SamplingParams
     priority: int
     generator: torch.Generator | None
+    deadline: float | None = None  # time.monotonic()
     output: list[int] = field(default_factory=list)
     slot: int = -1
     aborted: bool = False
@@ -56,7 +59,7 @@ class Sequence:
 class Engine:
     """Schedules sequences onto the model step by step. Not thread-safe; drive it from one event loop."""
 
-    def __init__(self, model: MoeModel, settings: EngineSettings) -> None:
+    def __init__(self, model: MoeModel, settings: RouterSettings) -> None:
         self.model, self.settings = model, settings
         self.cache = model.new_cache()
         self.running: list[Sequence] = []  # running[i].slot == i
@@ -72,12 +75,15 @@ class Engine:
     # -- requests --------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
-        """Queue a request; raises InvalidArgumentError / CapacityError naming the bad field."""
+                    priority: int = 0, deadline: float | None = None) -> None:
+        """Queue a request; raises InvalidArgumentError / CapacityError naming the bad field.
+
+        `deadline` (time.monotonic()) bounds the expert calls made on the request's behalf.
+        """
         self._validate(request_id, prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         gen = None if params.temperature == 0 else torch.Generator().manual_seed(seed)
-        seq = Sequence(request_id, list(prompt_token_ids), params, priority, gen)
+        seq = Sequence(request_id, list(prompt_token_ids), params, priority, gen, deadline)
         self._by_id[request_id] = seq
         heapq.heappush(self._waiting, (-priority, next(self._arrival), seq))
 
@@ -131,12 +137,17 @@ class Engine:
         prefills = self._admit()
         if not decodes and not prefills:
             return outputs
+        batch = pack_step([(s.slot, s.prompt) for s in prefills],
+                          [(s.slot, s.output[-1], s.num_tokens) for s in decodes])
+        deadlines = [s.deadline for s in self.running]
+        # Expert calls serve every sequence of the step: they may run until the latest deadline.
+        batch.deadline = None if None in deadlines else max(deadlines)  # type: ignore[type-var]
+        self.cache.reserve(len(self.running), max(s.num_tokens for s in self.running))
         self._stepping = True
         try:
-            batch = pack_step([(s.slot, s.prompt) for s in prefills],
-                              [(s.slot, s.output[-1], s.num_tokens) for s in decodes])
-            self.cache.reserve(len(self.running), max(s.num_tokens for s in self.running))
             logits = await self.model.forward(batch, self.cache)  # [sequences, vocab]
+        except MoeMeshError as e:
+            return outputs + self._fail(prefills + decodes, e)
         finally:
             self._stepping = False
         finished: list[Sequence] = []
@@ -190,6 +201,15 @@ class Engine:
                 self.running[seq.slot] = last
             seq.slot = -1
             self._by_id.pop(seq.request_id, None)
+
+    def _fail(self, seqs: list[Sequence], error: MoeMeshError) -> list[StepOutput]:
+        """End every sequence of a failed step: its KV cache is incomplete for this step."""
+        self._release(seqs)
+        self._reap_cancelled()
+        failed = [StepOutput(s.request_id, [], FinishReason.ERROR, len(s.prompt), len(s.output), error)
+                  for s in seqs if not s.aborted]
+        outputs, self._pending = failed + self._pending, []
+        return outputs
 
     def _reap_cancelled(self) -> None:
         cancelled, self._cancelled = self._cancelled, []

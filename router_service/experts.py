@@ -1,64 +1,136 @@
 """Expert backends and the MoE layer's scatter-gather over them.
 
 An `ExpertBackend` computes expert FFNs for one layer on groups of token rows. The colocated
-backend runs them in-process; remote backends (gRPC, later UCX) send them to expert services.
-The dispatcher routes each token, sends every backend its groups in one call, all in flight at
-once, and combines the results.
+backend runs them in-process; remote backends send them to expert services. At every MoE layer
+the dispatcher routes the tokens, picks one replica per expert (colocated first, then the least
+outstanding calls), sends each backend all its groups in one call with every backend in flight at
+once, fails groups over to other replicas when a backend is unavailable, and combines the results.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
 
 from common.arch import ModelSpec
-from common.moe import combine, expert_ffn, group_by_expert, route, shared_expert_output
+from common.errors import DeadlineExceededError, ExpertUnavailableError, UnavailableError
+from common.moe import ExpertGroup, combine, expert_ffn, group_by_expert, route, shared_expert_output
 from common.weights import FFNWeights, LayerWeights
 
 
 class ExpertBackend(Protocol):
-    """Computes expert FFNs. `groups` is [(expert, rows [n, hidden])]; returns outputs in the same order."""
+    """Computes expert FFNs. `groups` is [(expert, rows [n, hidden])]; returns outputs in the same order.
 
-    async def forward(self, layer: int, groups: Sequence[tuple[int, torch.Tensor]]) -> list[torch.Tensor]: ...
+    Raises UnavailableError when the backend cannot be reached (the dispatcher then tries another
+    replica) and DeadlineExceededError when `timeout_s` runs out.
+    """
+
+    local: bool  # True: in this process, no network hop
+    outstanding: int  # calls in flight, for load balancing
+
+    async def forward(self, layer: int, groups: Sequence[tuple[int, torch.Tensor]],
+                      timeout_s: float | None = None) -> list[torch.Tensor]: ...
 
 
 class ColocatedExperts:
     """Experts held in this process: no network hop."""
 
+    local = True
+    outstanding = 0
+
     def __init__(self, weights: Mapping[tuple[int, int], FFNWeights]) -> None:
         self.weights = dict(weights)
 
-    async def forward(self, layer: int, groups: Sequence[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+    def __repr__(self) -> str:
+        return f"ColocatedExperts({len(self.weights)} experts)"
+
+    async def forward(self, layer: int, groups: Sequence[tuple[int, torch.Tensor]],
+                      timeout_s: float | None = None) -> list[torch.Tensor]:
         return [expert_ffn(rows, self.weights[(layer, expert)]) for expert, rows in groups]
+
+
+Placement = Mapping[tuple[int, int], Sequence[ExpertBackend]]
 
 
 class ExpertDispatcher:
     """The MoE block of every layer: route, scatter to backends by placement, gather, combine."""
 
-    def __init__(self, spec: ModelSpec, placement: Mapping[tuple[int, int], ExpertBackend]) -> None:
+    def __init__(self, spec: ModelSpec, placement: Placement, default_timeout_s: float = 30.0) -> None:
         self.spec = spec
-        self.placement = dict(placement)
+        self.placement = {pair: list(replicas) for pair, replicas in placement.items()}
+        self.default_timeout_s = default_timeout_s
         self.tokens_routed = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.int64)
+        self.failovers = 0
+        self._turn = itertools.count()  # rotates ties between equally loaded replicas
 
-    async def moe(self, layer: int, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+    async def moe(self, layer: int, x: torch.Tensor, w: LayerWeights, deadline: float | None = None) -> torch.Tensor:
         """x: [tokens, hidden] (already normed) -> routed (+ shared) expert output [tokens, hidden]."""
         routing = route(x, w.router, self.spec)
         groups = group_by_expert(routing, self.spec.num_experts)
-        by_backend: dict[int, tuple[ExpertBackend, list[int]]] = {}
-        for i, g in enumerate(groups):
-            backend = self.placement[(layer, g.expert)]
-            by_backend.setdefault(id(backend), (backend, []))[1].append(i)
         self.tokens_routed[layer] += torch.bincount(routing.experts.reshape(-1), minlength=self.spec.num_experts)
-        calls = [backend.forward(layer, [(groups[i].expert, x[groups[i].tokens]) for i in idx])
-                 for backend, idx in by_backend.values()]
-        outputs: list[torch.Tensor | None] = [None] * len(groups)
-        for (_, idx), result in zip(by_backend.values(), await asyncio.gather(*calls)):
-            for i, y in zip(idx, result):
-                outputs[i] = y
-        y = combine(groups, outputs, routing, x.shape[0], like=x)  # type: ignore[arg-type]
+        outputs = await self._scatter_gather(layer, x, groups, deadline)
+        y = combine(groups, outputs, routing, x.shape[0], like=x)
         if w.shared_expert is not None:
             y = y + shared_expert_output(x, w.shared_expert, w.shared_expert_gate)
         return y
+
+    async def _scatter_gather(self, layer: int, x: torch.Tensor, groups: list[ExpertGroup],
+                              deadline: float | None) -> list[torch.Tensor]:
+        outputs: list[torch.Tensor | None] = [None] * len(groups)
+        excluded: dict[int, set[int]] = {}  # group index -> ids of backends that failed it
+        errors: dict[int, Exception] = {}  # group index -> its latest failure
+        pending = list(range(len(groups)))
+        while pending:
+            plan = self._assign(layer, groups, pending, excluded, errors)
+            timeout = self._timeout(deadline)
+            # Remote calls first: they are on the wire while colocated experts compute.
+            order = sorted(plan.values(), key=lambda p: p[0].local)
+            results = await asyncio.gather(
+                *(b.forward(layer, [(groups[i].expert, x[groups[i].tokens]) for i in idx], timeout)
+                  for b, idx in order), return_exceptions=True)
+            pending = []
+            for (backend, idx), result in zip(order, results):
+                if isinstance(result, UnavailableError):
+                    self.failovers += 1
+                    for i in idx:
+                        excluded.setdefault(i, set()).add(id(backend))
+                        errors[i] = result
+                    pending += idx
+                elif isinstance(result, BaseException):
+                    raise result
+                else:
+                    for i, y in zip(idx, result):
+                        outputs[i] = y
+        return outputs  # type: ignore[return-value]
+
+    def _assign(self, layer: int, groups: list[ExpertGroup], pending: list[int], excluded: dict[int, set[int]],
+                errors: dict[int, Exception]) -> dict[int, tuple[ExpertBackend, list[int]]]:
+        plan: dict[int, tuple[ExpertBackend, list[int]]] = {}
+        unreachable: list[int] = []
+        turn = next(self._turn)
+        for i in pending:
+            replicas = [b for b in self.placement.get((layer, groups[i].expert), ())
+                        if id(b) not in excluded.get(i, ())]
+            if not replicas:
+                unreachable.append(i)
+                continue
+            n = len(replicas)
+            best = min(range(n), key=lambda r: (not replicas[r].local, replicas[r].outstanding, (r - turn) % n))
+            plan.setdefault(id(replicas[best]), (replicas[best], []))[1].append(i)
+        if unreachable:
+            causes = dict.fromkeys(str(errors[i]) if i in errors else "no replica placed" for i in unreachable)
+            raise ExpertUnavailableError(layer, [groups[i].expert for i in unreachable], "; ".join(causes))
+        return plan
+
+    def _timeout(self, deadline: float | None) -> float:
+        if deadline is None:
+            return self.default_timeout_s
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceededError("the request deadline passed during expert dispatch")
+        return min(remaining, self.default_timeout_s)

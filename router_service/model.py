@@ -22,6 +22,7 @@ class StepBatch:
     token_ids: torch.Tensor  # [tokens] int64
     attention: AttentionBatch
     logits_rows: torch.Tensor  # [sequences] int64: the row of each sequence's last token
+    deadline: float | None = None  # time.monotonic() by which expert calls must finish
 
 
 def pack_step(prefills: Sequence[tuple[int, Sequence[int]]], decodes: Sequence[tuple[int, int, int]]) -> StepBatch:
@@ -73,7 +74,7 @@ class MoeModel:
             if layer.dense_mlp is not None:
                 x = x + expert_ffn(h, layer.dense_mlp)
             else:
-                x = x + await self.dispatcher.moe(i, h, layer)
+                x = x + await self.dispatcher.moe(i, h, layer, batch.deadline)
         x = rms_norm(x, w.final_norm, s.rms_norm_eps)
         rows = x if all_logits else x[batch.logits_rows]
         return F.linear(rows, w.lm_head).float()  # [rows, vocab]

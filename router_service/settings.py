@@ -9,16 +9,31 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
-class EngineSettings(BaseSettings):
-    """Continuous-batching limits of one router's engine."""
+class RouterSettings(BaseSettings):
+    """Everything one router process needs: model, batching limits, expert placement, serving."""
 
     model_config = SettingsConfigDict(env_prefix="MOE_ROUTER_", extra="forbid")
 
     checkpoint: Path | None = Field(None, description="HuggingFace-layout checkpoint directory")
+    model_id: str | None = Field(None, description="model id shared with expert services; default: checkpoint dir name")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "float32", description="compute dtype; auto keeps the checkpoint's dtype")
+    # continuous batching
     max_num_seqs: int = Field(32, ge=1, le=4096, description="sequences in the running batch at most")
     max_model_len: int | None = Field(None, ge=2, description="prompt + output tokens per sequence at most; "
                                       "default min(max_position_embeddings, 4096)")
     max_prefill_tokens: int = Field(2048, ge=1, description="prompt tokens admitted into one step at most "
                                     "(a longer single prompt still runs alone)")
+    # expert placement
+    expert_endpoints: list[str] = Field(default_factory=list, description="host:port of expert services; what "
+                                        "each serves is learned from its Describe RPC")
+    colocate: str = Field("", description="expert spec computed in the router process (e.g. '*:0,1'); "
+                          "with no expert_endpoints every expert is colocated")
+    expert_timeout_s: float = Field(30.0, gt=0, description="upper bound of one expert call when the request "
+                                    "has no earlier deadline")
+    connect_timeout_s: float = Field(30.0, gt=0, description="how long to wait for expert services at start-up")
+    # serving
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(0, ge=0, le=65535, description="port to bind; 0 picks a free one")
+    max_message_bytes: int = Field(256 * 2**20, ge=2**20, description="gRPC message size limit, both directions")
+    grace_s: float = Field(10.0, ge=0, description="how long in-flight requests may finish on shutdown")

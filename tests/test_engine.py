@@ -11,7 +11,7 @@ from common.errors import CapacityError, InvalidArgumentError
 from router_service.build import build_local_engine
 from router_service.engine import Engine, FinishReason
 from router_service.sampling import SamplingParams
-from router_service.settings import EngineSettings
+from router_service.settings import RouterSettings
 
 PROMPT = [11, 3, 250, 9, 31]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -19,7 +19,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture
 def engine(checkpoint) -> Engine:
-    return build_local_engine(EngineSettings(checkpoint=checkpoint("qwen3_moe"), max_num_seqs=4, max_model_len=64))
+    return build_local_engine(RouterSettings(checkpoint=checkpoint("qwen3_moe"), max_num_seqs=4, max_model_len=64))
 
 
 def collect(engine: Engine) -> dict[str, tuple[list[int], FinishReason | None]]:
@@ -91,7 +91,7 @@ def test_abort_frees_the_slot_and_other_sequences_are_unaffected(engine: Engine)
 
 
 def test_waiting_requests_are_admitted_by_priority_up_to_max_num_seqs(checkpoint) -> None:
-    engine = build_local_engine(EngineSettings(checkpoint=checkpoint("qwen3_moe"), max_num_seqs=2))
+    engine = build_local_engine(RouterSettings(checkpoint=checkpoint("qwen3_moe"), max_num_seqs=2))
     params = replace(GREEDY, max_tokens=3)
     for rid, prio in [("low", -1), ("normal", 0), ("high", 5), ("urgent", 9)]:
         engine.add_request(rid, PROMPT, params, priority=prio)

@@ -14,7 +14,7 @@ from common.checkpoint import Checkpoint
 from router_service.build import build_local_engine, build_model
 from router_service.model import pack_step
 from router_service.sampling import SamplingParams
-from router_service.settings import EngineSettings
+from router_service.settings import RouterSettings
 
 PROMPTS = [[7], [11, 3, 250, 9, 31], list(range(40, 53)), [(i * 37) % 400 + 5 for i in range(29)]]
 NEW_TOKENS = 32
@@ -61,7 +61,7 @@ def case(request, checkpoint) -> Path:
 
 def test_logits_match_transformers_prefill_and_decode(case: Path) -> None:
     """Prompts of different lengths packed into one prefill, then decode steps with teacher forcing."""
-    model = build_model(Checkpoint(case), EngineSettings())
+    model = build_model(Checkpoint(case), RouterSettings())
     cache_ = model.new_cache()
     cache_.reserve(len(PROMPTS), max(map(len, PROMPTS)) + NEW_TOKENS)
     batch = pack_step(list(enumerate(PROMPTS)), [])
@@ -90,7 +90,7 @@ def _greedy(max_tokens: int) -> SamplingParams:
 
 def test_greedy_generation_matches_transformers_with_joins_and_leaves(case: Path) -> None:
     """Requests join mid-way and leave early (slot compaction); every sequence still matches transformers."""
-    engine = build_local_engine(EngineSettings(checkpoint=case))
+    engine = build_local_engine(RouterSettings(checkpoint=case))
     plan = {0: [(0, NEW_TOKENS), (1, 6)], 3: [(2, NEW_TOKENS)], 9: [(3, 10)]}  # step -> [(prompt, max_tokens)]
     got: dict[str, list[int]] = {}
     lengths: dict[str, int] = {}

@@ -1,0 +1,153 @@
+"""Mesh costs on the `small` preset (float32), all in one run:
+
+1. per-layer dispatch round trip (route, scatter to expert services over gRPC, gather, combine)
+   p50/p99 at 1, 32 and 256 tokens, next to the same layer with every expert colocated;
+2. decode tokens/s of the all-remote mesh vs the monolithic engine at batch 1 and 32 ("mesh efficiency");
+3. peak RSS of each expert-service process vs the bytes of expert weights it holds.
+
+    .venv/bin/python bench/mesh_dispatch.py [--checkpoint DIR] [--services 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from common.checkpoint import Checkpoint  # noqa: E402
+from common.moe import route  # noqa: E402
+from moe_mesh.create_checkpoint import create_checkpoint  # noqa: E402
+from processes import start_experts  # noqa: E402
+from router_service.build import build_local_engine, build_mesh_engine  # noqa: E402
+from router_service.sampling import SamplingParams  # noqa: E402
+from router_service.settings import RouterSettings  # noqa: E402
+
+DEFAULT_CHECKPOINT = ROOT / ".cache/bench-small-mixtral"
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def time_layer(dispatcher, layer_weights, x: torch.Tensor, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats + 3):
+        start = time.perf_counter()
+        await dispatcher.moe(0, x, layer_weights)
+        times.append((time.perf_counter() - start) * 1000)
+    return times[3:]  # first calls warm channels and page in weights
+
+
+async def decode_rate(engine, batch: int, new_tokens: int, vocab: int) -> float:
+    gen = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(3, vocab, (batch, 16), generator=gen).tolist()
+
+    async def run(n: int) -> float:
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"{n}-{i}", p, params)
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            for o in await engine.step():
+                if o.error is not None:
+                    raise o.error
+        return time.perf_counter() - start
+
+    t1, tn = await run(1), await run(new_tokens)
+    return batch * (new_tokens - 1) / (tn - t1)
+
+
+def peak_rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    ckpt = Checkpoint(args.checkpoint)
+    spec = ckpt.spec
+    per = spec.num_experts // args.services
+    specs = [f"*:{i * per}-{(i + 1) * per - 1}" for i in range(args.services)]
+    workdir = Path(tempfile.mkdtemp(prefix="moe-bench-"))
+    experts = start_experts(args.checkpoint, specs, workdir)
+    try:
+        local = build_local_engine(RouterSettings(checkpoint=args.checkpoint, max_num_seqs=64))
+        mesh, remotes = await build_mesh_engine(RouterSettings(
+            checkpoint=args.checkpoint, max_num_seqs=64, expert_endpoints=[e.address for e in experts]))
+        layer0 = mesh.model.weights.layers[0]
+        dispatch = []
+        for n in (1, 32, 256):
+            x = torch.randn(n, spec.hidden_size, generator=torch.Generator().manual_seed(n))
+            remote_ms = await time_layer(mesh.model.dispatcher, layer0, x, args.repeats)
+            local_ms = await time_layer(local.model.dispatcher, local.model.weights.layers[0], x, args.repeats)
+            experts_hit = int(route(x, layer0.router, spec).experts.unique().numel())
+            row = {"tokens": n, "experts_hit": experts_hit,
+                   "grpc_p50_ms": statistics.median(remote_ms), "grpc_p99_ms": percentile(remote_ms, 0.99),
+                   "colocated_p50_ms": statistics.median(local_ms), "colocated_p99_ms": percentile(local_ms, 0.99)}
+            row["overhead_p50_ms"] = row["grpc_p50_ms"] - row["colocated_p50_ms"]
+            dispatch.append(row)
+            print(f"dispatch {n:>3} tokens: gRPC p50 {row['grpc_p50_ms']:.2f} ms p99 {row['grpc_p99_ms']:.2f} ms | "
+                  f"colocated p50 {row['colocated_p50_ms']:.2f} ms", flush=True)
+
+        efficiency = []
+        for b in (1, 32):
+            mono = statistics.median([await decode_rate(local, b, args.new_tokens, spec.vocab_size)
+                                      for _ in range(args.decode_repeats)])
+            meshed = statistics.median([await decode_rate(mesh, b, args.new_tokens, spec.vocab_size)
+                                        for _ in range(args.decode_repeats)])
+            efficiency.append({"batch": b, "monolithic_tokens_per_s": mono, "mesh_tokens_per_s": meshed,
+                               "mesh_efficiency": meshed / mono})
+            print(f"decode batch {b:>2}: monolithic {mono:.1f} tok/s, all-remote mesh {meshed:.1f} tok/s, "
+                  f"efficiency {meshed / mono:.2f}", flush=True)
+        for r in remotes:
+            await r.close()
+
+        expert_bytes = 3 * spec.hidden_size * spec.expert_intermediate_size * 4
+        rss = []
+        for proc, s in zip(experts, specs):
+            held = per * len(spec.moe_layer_ids) * expert_bytes
+            peak = peak_rss_bytes(proc.proc.pid)
+            rss.append({"experts": s, "weights_mib": held / 2**20, "peak_rss_mib": peak / 2**20,
+                        "rss_over_weights": peak / held})
+            print(f"expert service {s}: holds {held / 2**20:.0f} MiB of weights, peak RSS {peak / 2**20:.0f} MiB")
+    finally:
+        for e in experts:
+            e.stop()
+    return {"dispatch_round_trip": dispatch, "decode": efficiency, "expert_service_rss": rss}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+    parser.add_argument("--services", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--decode-repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/mesh_dispatch.json")
+    args = parser.parse_args()
+    if not (args.checkpoint / "config.json").exists():
+        create_checkpoint(args.checkpoint, "mixtral", "small", seed=0, progress=True)
+    result = asyncio.run(main_async(args))
+    result.update(checkpoint=str(args.checkpoint), services=args.services, torch=torch.__version__,
+                  threads=torch.get_num_threads())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Wiring of one expert service: settings -> ExpertHost -> servicer -> GrpcServer, and its lifetime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common.placement import format_experts
+from common.server import GrpcServer, Service, serve_until_signal
+from expert_service.core import ExpertHost
+from expert_service.servicer import ExpertServicer
+from expert_service.settings import ExpertSettings
+from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
+
+SERVICE_NAME = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name  # moe_mesh.v1.ExpertService
+
+
+def build_server(settings: ExpertSettings) -> tuple[GrpcServer, ExpertHost]:
+    """Load the configured experts and build (not start) their server; used by __main__ and by tests."""
+    host = ExpertHost(settings)
+    service = Service(SERVICE_NAME, expert_pb2_grpc.add_ExpertServiceServicer_to_server, ExpertServicer(host))
+    server = GrpcServer(services=[service], host=settings.host, port=settings.port,
+                        max_message_bytes=settings.max_message_bytes, grace_s=settings.grace_s)
+    return server, host
+
+
+async def serve(server: GrpcServer, host: ExpertHost, ready_file: Path | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, drain in-flight calls, then stop the batcher."""
+    ready_info = {"service": SERVICE_NAME, "model_id": host.model_id, "weights_checksum": host.weights_checksum,
+                  "experts": format_experts(host.experts)}
+    try:
+        await serve_until_signal(server, ready_file, ready_info)
+    finally:
+        await server.stop()  # no-op after a normal stop; stops a half-started server on errors
+        # Only now: on_stop hooks run before the drain, and draining calls still need the batcher.
+        await host.close()

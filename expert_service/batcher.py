@@ -1,0 +1,198 @@
+"""Server-side dynamic batching: concurrent token groups for the same (layer, expert) share one FFN run.
+
+Each (layer, expert) has a queue and, while it holds work, one drain task. The drain task takes up to
+`max_batch_tokens` rows from the head of its queue (splitting a group that does not fit), runs
+`expert_ffn` on the single compute thread and hands each group its output rows. Compute runs off the
+event loop, so calls keep arriving while a batch runs; they queue up and go into the next batch
+together. That is where merging comes from even with `max_queue_delay_us=0`; a positive delay only
+widens the window for the first group of an idle queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from common.errors import NotFoundError, UnavailableError
+from common.moe import expert_ffn
+from common.placement import Pair
+from common.weights import FFNWeights
+
+
+@dataclass
+class BatcherStats:
+    """Counters since start: groups submitted, successful expert FFN executions, token rows submitted."""
+
+    groups: int = 0
+    batches: int = 0
+    tokens: int = 0
+
+
+@dataclass(eq=False)
+class _Group:
+    """One caller's rows for one expert, possibly computed over several batches."""
+
+    rows: torch.Tensor  # [n, hidden]
+    future: asyncio.Future[torch.Tensor]
+    enqueued_s: float
+    taken: int = 0  # rows handed to batches so far
+    computed: int = 0  # rows whose output arrived
+    outputs: list[torch.Tensor] = field(default_factory=list)  # in row order: one expert runs one batch at a time
+
+
+@dataclass(eq=False)
+class _Queue:
+    groups: deque[_Group] = field(default_factory=deque)
+    pending_tokens: int = 0  # queued rows not yet taken into a batch
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+def _compute(parts: list[torch.Tensor], w: FFNWeights) -> torch.Tensor:
+    """Runs on the compute thread (grad mode is per thread, hence no_grad here)."""
+    with torch.no_grad():
+        x = parts[0] if len(parts) == 1 else torch.cat(parts)  # [tokens, hidden]
+        return expert_ffn(x, w)  # [tokens, hidden]
+
+
+class DynamicBatcher:
+    """Merges concurrent `submit` calls per (layer, expert) into batched `expert_ffn` executions.
+
+    One compute thread: on a CPU host torch already uses every core inside one op, and a single
+    thread keeps batches of different experts from competing for them.
+    """
+
+    def __init__(self, weights: Mapping[Pair, FFNWeights], max_batch_tokens: int = 4096,
+                 max_queue_delay_us: int = 0) -> None:
+        if max_batch_tokens < 1 or max_queue_delay_us < 0:
+            raise ValueError("max_batch_tokens must be >= 1 and max_queue_delay_us >= 0")
+        self.max_batch_tokens = max_batch_tokens
+        self.max_queue_delay_s = max_queue_delay_us / 1e6
+        self.stats = BatcherStats()
+        self._weights = dict(weights)
+        self._queues: dict[Pair, _Queue] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expert-ffn")
+        self._closed = False
+
+    async def submit(self, layer: int, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """expert_ffn(rows) for rows [n, hidden] -> [n, hidden], computed together with concurrent callers."""
+        if self._closed:
+            raise UnavailableError("expert service is shutting down")
+        key = (layer, expert)
+        if key not in self._weights:
+            raise NotFoundError(f"layer {layer} expert {expert} is not served here")
+        n = rows.shape[0]
+        self.stats.groups += 1
+        self.stats.tokens += n
+        if n == 0:
+            return rows.clone()
+        loop = asyncio.get_running_loop()
+        group = _Group(rows, loop.create_future(), loop.time())
+        queue = self._queues.setdefault(key, _Queue())
+        queue.groups.append(group)
+        queue.pending_tokens += n
+        queue.arrived.set()
+        if queue.task is None:
+            queue.task = asyncio.create_task(self._drain(key, queue), name=f"expert-batcher-{layer}-{expert}")
+        # If our caller is cancelled, awaiting cancels the future and the drain task skips the group.
+        return await group.future
+
+    async def close(self) -> None:
+        """Stop batching: fail whatever is still queued, then stop the compute thread. Idempotent."""
+        self._closed = True
+        tasks = [q.task for q in self._queues.values() if q.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for queue in self._queues.values():
+            self._fail(queue.groups, None)
+            queue.groups.clear()
+        # A compute already running cannot be interrupted; wait for it off the loop.
+        await asyncio.to_thread(self._executor.shutdown, True)
+
+    # -- drain task ----------------------------------------------------------------------
+
+    async def _drain(self, key: Pair, queue: _Queue) -> None:
+        try:
+            while self._drop_finished(queue):
+                await self._wait_for_more(queue)
+                batch = self._take(queue)
+                if batch:
+                    await self._run(key, batch)
+        except BaseException as e:  # close() cancels us, or a bug: either way no caller may hang
+            self._fail(queue.groups, e)
+            queue.groups.clear()
+            raise
+        finally:
+            queue.task = None
+
+    def _drop_finished(self, queue: _Queue) -> bool:
+        """Drop head groups nobody waits for any more (cancelled or failed); True when work is left."""
+        while queue.groups and queue.groups[0].future.done():
+            g = queue.groups.popleft()
+            queue.pending_tokens -= g.rows.shape[0] - g.taken
+        return bool(queue.groups)
+
+    async def _wait_for_more(self, queue: _Queue) -> None:
+        """Wait until the head group has waited max_queue_delay_s, or a full batch is queued."""
+        if self.max_queue_delay_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = queue.groups[0].enqueued_s + self.max_queue_delay_s
+        while queue.pending_tokens < self.max_batch_tokens and (remaining := deadline - loop.time()) > 0:
+            queue.arrived.clear()
+            try:
+                async with asyncio.timeout(remaining):
+                    await queue.arrived.wait()
+            except TimeoutError:
+                return
+
+    def _take(self, queue: _Queue) -> list[tuple[_Group, int, int]]:
+        """Up to max_batch_tokens rows from the head of the queue, as (group, start row, stop row)."""
+        budget, batch = self.max_batch_tokens, []
+        while queue.groups and budget:
+            g = queue.groups[0]
+            if g.future.done():
+                self._drop_finished(queue)
+                continue
+            n = min(budget, g.rows.shape[0] - g.taken)
+            batch.append((g, g.taken, g.taken + n))
+            g.taken += n
+            budget -= n
+            queue.pending_tokens -= n
+            if g.taken == g.rows.shape[0]:
+                queue.groups.popleft()
+        return batch
+
+    async def _run(self, key: Pair, batch: list[tuple[_Group, int, int]]) -> None:
+        loop = asyncio.get_running_loop()
+        parts = [g.rows[start:stop] for g, start, stop in batch]
+        try:
+            out = await loop.run_in_executor(self._executor, _compute, parts, self._weights[key])
+        except Exception as e:  # fail every group of this batch; their queued remainders are dropped later
+            self._fail((g for g, _, _ in batch), e)
+            return
+        except BaseException as e:
+            self._fail((g for g, _, _ in batch), e)
+            raise
+        self.stats.batches += 1
+        offset = 0
+        for g, start, stop in batch:
+            g.outputs.append(out[offset:offset + stop - start])
+            offset += stop - start
+            g.computed += stop - start
+            if g.computed == g.rows.shape[0] and not g.future.done():
+                g.future.set_result(g.outputs[0] if len(g.outputs) == 1 else torch.cat(g.outputs))
+
+    @staticmethod
+    def _fail(groups: Iterable[_Group], error: BaseException | None) -> None:
+        if not isinstance(error, Exception):  # cancellation or shutdown: tell callers why, retryably
+            error = UnavailableError("expert service stopped before computing this group")
+        for g in groups:
+            if not g.future.done():
+                g.future.set_exception(error)

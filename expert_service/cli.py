@@ -1,0 +1,102 @@
+"""`moe-mesh serve-expert` (also `python -m expert_service`): serve a set of experts until SIGTERM.
+
+Flags mirror ExpertSettings fields; a flag left out falls back to its MOE_EXPERT_* variable, then to
+the field's default, so deployments may configure by flags, environment or both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from common.errors import MoeMeshError
+from expert_service.settings import ExpertSettings
+
+PROG = "moe-mesh serve-expert"
+DESCRIPTION = ("Serve the FFN weights of a set of (layer, expert) pairs of a MoE checkpoint over gRPC "
+               "(moe_mesh.v1.ExpertService), with dynamic batching across callers.")
+
+# Settings field -> flag type. grace_s has no flag on purpose: deployments set MOE_EXPERT_GRACE_S.
+_FLAGS: dict[str, type] = {
+    "checkpoint": Path, "experts": str, "host": str, "port": int, "model_id": str, "dtype": str,
+    "max_batch_tokens": int, "max_queue_delay_us": int, "max_request_tokens": int, "max_message_bytes": int,
+    "region": str,
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The serve-expert flags, with help taken from the settings' field descriptions."""
+    for name, type_ in _FLAGS.items():
+        field = ExpertSettings.model_fields[name]
+        default = ("required; " if field.is_required() else
+                   "" if field.default is None else f"default {field.default!r}; ")
+        kwargs: dict[str, typing.Any] = {"type": type_, "default": None,
+                                         "help": f"{field.description} ({default}env MOE_EXPERT_{name.upper()})"}
+        if typing.get_origin(field.annotation) is typing.Literal:
+            kwargs["choices"] = typing.get_args(field.annotation)
+        parser.add_argument(_flag(name), **kwargs)
+    parser.add_argument("--ready-file", type=Path, default=None,
+                        help="once serving, atomically write JSON {address, pid, model_id, ...} to this file")
+
+
+def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    """Register `serve-expert` on the moe-mesh CLI; `args.func(args)` returns the exit code."""
+    parser = subparsers.add_parser("serve-expert", help="serve a set of experts over gRPC", description=DESCRIPTION)
+    add_arguments(parser)
+    parser.set_defaults(func=run_serve_expert)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The standalone parser `python -m expert_service` uses: the same flags as `moe-mesh serve-expert`."""
+    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
+    add_arguments(parser)
+    parser.set_defaults(func=run_serve_expert)
+    return parser
+
+
+def _error(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _settings_error(e: ValidationError) -> str:
+    """One line naming the flags, e.g. '--max-batch-tokens: Input should be greater than or equal to 1'."""
+    return "; ".join(f"{_flag('.'.join(map(str, err['loc'])))}: {err['msg']}" for err in e.errors())
+
+
+def run_serve_expert(args: argparse.Namespace) -> int:
+    """Load the experts, serve until SIGTERM/SIGINT, drain, exit 0; bad configuration exits 2 with one line."""
+    try:
+        settings = ExpertSettings(**{name: value for name in _FLAGS if (value := getattr(args, name)) is not None})
+    except ValidationError as e:
+        return _error(_settings_error(e))
+    import uvloop  # the heavy imports (torch, grpc) wait until the flags are known to be valid
+
+    from expert_service.app import build_server, serve
+
+    try:
+        server, host = build_server(settings)
+    except MoeMeshError as e:  # bad --experts spec, broken or missing checkpoint
+        return _error(str(e))
+    try:
+        uvloop.run(serve(server, host, args.ready_file))
+    except OSError as e:  # cannot bind the port
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,144 @@
+"""The expert service's core: the (layer, expert) pairs it holds, request validation, batched forward.
+
+Knows nothing about gRPC: it takes and returns tensors and raises common.errors, which the servicer
+maps to status codes. Every error names the field and what was expected, so a misconfigured router
+can be fixed from the message alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.checkpoint import Checkpoint
+from common.errors import InvalidArgumentError, NotFoundError, PreconditionError
+from common.placement import Pair, format_experts, parse_experts
+from common.wire import TO_WIRE, dtype_name
+from expert_service.batcher import DynamicBatcher
+from expert_service.settings import ExpertSettings
+
+
+@dataclass(frozen=True)
+class ExpertStats:
+    """Counters since start; batches < groups means dynamic batching merged groups of different calls."""
+
+    forward_calls: int
+    groups: int
+    batches: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class ExpertDescription:
+    """What this service holds, so a router can check it serves the same model and weights."""
+
+    model_id: str
+    weights_checksum: str
+    experts: tuple[Pair, ...]
+    dtype: torch.dtype
+    hidden_size: int
+    region: str
+    stats: ExpertStats
+
+
+def _dtype_label(dtype: torch.dtype) -> str:
+    return dtype_name(TO_WIRE[dtype]) if dtype in TO_WIRE else str(dtype)
+
+
+class ExpertHost:
+    """Holds the FFN weights of the configured (layer, expert) pairs, and nothing else of the model."""
+
+    def __init__(self, settings: ExpertSettings) -> None:
+        self.settings = settings
+        self.dtype: torch.dtype = getattr(torch, settings.dtype)
+        checkpoint = Checkpoint(settings.checkpoint, dtype=self.dtype)
+        self.spec = checkpoint.spec
+        self.experts: list[Pair] = parse_experts(settings.experts, self.spec)
+        self.weights = checkpoint.load_experts(self.experts)  # memory-mapped views: only these pairs are read
+        self.model_id = settings.model_id or checkpoint.path.resolve().name
+        self.weights_checksum = checkpoint.fingerprint()
+        self.batcher = DynamicBatcher(self.weights, settings.max_batch_tokens, settings.max_queue_delay_us)
+        self.forward_calls = 0
+        self._served: dict[int, set[int]] = {}
+        for layer, expert in self.experts:
+            self._served.setdefault(layer, set()).add(expert)
+
+    def describe(self) -> ExpertDescription:
+        s = self.batcher.stats
+        return ExpertDescription(
+            model_id=self.model_id, weights_checksum=self.weights_checksum, experts=tuple(self.experts),
+            dtype=self.dtype, hidden_size=self.spec.hidden_size, region=self.settings.region,
+            stats=ExpertStats(forward_calls=self.forward_calls, groups=s.groups, batches=s.batches, tokens=s.tokens))
+
+    async def forward(self, model_id: str, weights_checksum: str, layer: int, expert_ids: Sequence[int],
+                      token_counts: Sequence[int], hidden: torch.Tensor) -> torch.Tensor:
+        """Expert outputs for one layer's token groups, laid out like `hidden`.
+
+        hidden: [sum(token_counts), hidden_size], rows of expert_ids[0] first, then expert_ids[1], ...
+        Groups are batched with concurrent calls for the same experts; the result keeps request order.
+        """
+        self._check_model(model_id, weights_checksum)
+        self._check_groups(expert_ids, token_counts)
+        self._check_served(layer, expert_ids)
+        self._check_hidden(hidden, sum(token_counts))
+        self.forward_calls += 1
+        rows = torch.split(hidden, list(token_counts))  # views, one per expert
+        outputs = await asyncio.gather(*(self.batcher.submit(layer, e, r) for e, r in zip(expert_ids, rows)))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [sum(token_counts), hidden]
+
+    async def close(self) -> None:
+        """Stop the batcher; call after the server has drained its in-flight calls."""
+        await self.batcher.close()
+
+    # -- validation ------------------------------------------------------------------------
+
+    def _check_model(self, model_id: str, weights_checksum: str) -> None:
+        if model_id != self.model_id:
+            raise PreconditionError(f"model_id: expected {self.model_id!r}, got {model_id!r}")
+        if weights_checksum != self.weights_checksum:
+            raise PreconditionError(f"weights_checksum: expected {self.weights_checksum!r}, got {weights_checksum!r}"
+                                    " (router and expert service load different weights)")
+
+    @staticmethod
+    def _check_groups(expert_ids: Sequence[int], token_counts: Sequence[int]) -> None:
+        if not expert_ids:
+            raise InvalidArgumentError("expert_ids", "empty payload; expected at least one expert id")
+        if len(token_counts) != len(expert_ids):
+            raise InvalidArgumentError("token_counts", f"expected one count per expert id ({len(expert_ids)}), "
+                                       f"got {len(token_counts)}")
+        if sum(token_counts) == 0:
+            raise InvalidArgumentError("hidden", "empty payload; expected at least one token row")
+        for i, (expert, n) in enumerate(zip(expert_ids, token_counts)):
+            if n == 0:
+                raise InvalidArgumentError(f"token_counts[{i}]", f"expected >= 1 token for expert {expert}, got 0")
+        seen: set[int] = set()
+        for expert in expert_ids:
+            if expert in seen:
+                raise InvalidArgumentError("expert_ids", f"expert {expert} appears more than once; "
+                                           "expected each expert once per call")
+            seen.add(expert)
+
+    def _check_served(self, layer: int, expert_ids: Sequence[int]) -> None:
+        served = self._served.get(layer)
+        if served is None:
+            raise NotFoundError(f"layer {layer}: not served here; this service serves "
+                                f"{format_experts(self.experts)!r}")
+        missing = [e for e in expert_ids if e not in served]
+        if missing:
+            raise NotFoundError(f"layer {layer} expert(s) {', '.join(map(str, missing))}: not served here; "
+                                f"this service serves {format_experts(self.experts)!r}")
+
+    def _check_hidden(self, hidden: torch.Tensor, tokens: int) -> None:
+        limit = self.settings.max_request_tokens
+        if tokens > limit:
+            raise InvalidArgumentError("hidden", f"sum(token_counts)={tokens} exceeds max_request_tokens={limit}")
+        h = self.spec.hidden_size
+        if hidden.dim() != 2 or tuple(hidden.shape) != (tokens, h):
+            raise InvalidArgumentError("hidden.shape", f"expected [sum(token_counts)={tokens}, hidden_size={h}], "
+                                       f"got {list(hidden.shape)}")
+        if hidden.dtype != self.dtype:
+            raise InvalidArgumentError("hidden.dtype", f"expected {_dtype_label(self.dtype)}, "
+                                       f"got {_dtype_label(hidden.dtype)}")

@@ -1,0 +1,67 @@
+"""`moe-mesh serve-router` (also `python -m router_service`): one router process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from common.errors import MoeMeshError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, type=Path, help="HuggingFace-layout checkpoint directory")
+    p.add_argument("--expert", dest="expert_endpoints", action="append", default=[], metavar="HOST:PORT",
+                   help="an expert service to use (repeatable); what it serves is learned from its Describe RPC")
+    p.add_argument("--colocate", default="", help="expert spec computed in the router, e.g. '*:0,1' "
+                   "(default: none when --expert is given, else every expert)")
+    p.add_argument("--model-id", default=None, help="model id shared with expert services (default: checkpoint dir name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="sequences in the running batch at most")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per sequence at most")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    p.add_argument("--expert-timeout-s", type=float, default=30.0, help="upper bound of one expert call")
+    p.add_argument("--connect-timeout-s", type=float, default=30.0, help="wait this long for expert services")
+    p.add_argument("--ready-file", type=Path, default=None, help="write {address, pid} as JSON here once serving")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from common.server import serve_until_signal
+    from router_service.app import RouterApp
+    from router_service.settings import RouterSettings
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
+    fields = set(RouterSettings.model_fields)
+    settings = RouterSettings(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+
+    async def main() -> None:
+        app = await RouterApp.create(settings)
+        app.core.start()  # keeps stepping while the server drains in-flight streams on shutdown
+        try:
+            await serve_until_signal(app.server, args.ready_file, {"service": "router"})
+        finally:
+            await app.stop()
+
+    try:
+        uvloop.run(main())
+    except (MoeMeshError, OSError) as e:  # no expert service, mismatched weights, port in use
+        print(f"moe-mesh serve-router: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve-router", help="run one router service",
+                              description="Serve the model's dense part and dispatch experts to expert services.")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m router_service", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

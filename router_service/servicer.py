@@ -1,0 +1,39 @@
+"""gRPC RouterService: converts protobuf to the core's types and back, nothing else."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import grpc
+
+from common.errors import MoeMeshError
+from common.status import abort_with
+from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
+from router_service.core import RouterCore
+from router_service.engine import FinishReason
+from router_service.sampling import SamplingParams
+
+_FINISH = {FinishReason.STOP: router_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: router_pb2.FINISH_REASON_LENGTH,
+           FinishReason.CANCELLED: router_pb2.FINISH_REASON_CANCELLED}
+
+
+class RouterServicer(router_pb2_grpc.RouterServiceServicer):
+    def __init__(self, core: RouterCore) -> None:
+        self.core = core
+
+    async def Generate(self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext):
+        p = request.params
+        params = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                seed=p.seed if p.HasField("seed") else None,
+                                stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        try:
+            async for out in self.core.generate(request.request_id or uuid.uuid4().hex, list(request.prompt_token_ids),
+                                                params, request.priority, deadline):
+                yield router_pb2.RouterGenerateResponse(
+                    token_ids=out.new_token_ids, finish_reason=_FINISH.get(out.finish_reason, 0),
+                    prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
+        except MoeMeshError as e:
+            await abort_with(context, e)

@@ -1,0 +1,68 @@
+"""Run moe-mesh services as real subprocesses on loopback for tests; each stops by itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class ServiceProcess:
+    """`python -m <module> ... --ready-file F`, waited for until it has written F."""
+
+    def __init__(self, module: str, args: list[str], workdir: Path, name: str) -> None:
+        self.name = name
+        self.ready_file = workdir / f"{name}.ready.json"
+        self.log_path = workdir / f"{name}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args, "--ready-file", str(self.ready_file)],
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        self.address = ""
+
+    def wait_ready(self, timeout_s: float = 60.0) -> ServiceProcess:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} not ready after {timeout_s}s:\n{self.log()}")
+            time.sleep(0.05)
+        self.address = json.loads(self.ready_file.read_text())["address"]
+        return self
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()[-4000:]
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        """SIGTERM, then SIGKILL if it has not exited in time (SIGCONT first in case a test paused it)."""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+        return self.proc.returncode
+
+
+def start_experts(checkpoint: Path, specs: list[str], workdir: Path, *extra: str) -> list[ServiceProcess]:
+    """One expert-service process per spec, started together, returned once all are ready."""
+    procs = [ServiceProcess("expert_service", ["--checkpoint", str(checkpoint), "--experts", spec, *extra],
+                            workdir, f"expert{i}") for i, spec in enumerate(specs)]
+    try:
+        return [p.wait_ready() for p in procs]
+    except Exception:
+        for p in procs:
+            p.stop()
+        raise

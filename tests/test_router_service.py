@@ -1,0 +1,95 @@
+"""The router as a gRPC service process in front of expert-service processes."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from processes import ServiceProcess, start_experts
+from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
+from test_mesh import PROMPTS, monolithic
+
+
+def request(i: int, max_tokens: int = 32, **params) -> router_pb2.RouterGenerateRequest:
+    sampling = router_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, ignore_eos=True,
+                                         **params)
+    return router_pb2.RouterGenerateRequest(request_id=f"r{i}", prompt_token_ids=PROMPTS[i], params=sampling)
+
+
+@pytest.fixture
+def mesh(checkpoint, tmp_path):
+    path = checkpoint("olmoe")
+    experts = start_experts(path, ["*:0-3", "*:4-7"], tmp_path)
+    router = ServiceProcess("router_service", ["--checkpoint", str(path), *sum((["--expert", e.address]
+                                                                               for e in experts), [])],
+                            tmp_path, "router")
+    try:
+        yield path, router.wait_ready(), experts
+    finally:
+        router.stop()
+        for e in experts:
+            e.stop()
+
+
+async def test_streamed_generation_matches_monolithic_and_errors_map_to_status(mesh) -> None:
+    path, router, experts = mesh
+    async with grpc.aio.insecure_channel(router.address) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        for i in range(len(PROMPTS)):
+            tokens, last = [], None
+            async for msg in stub.Generate(request(i)):
+                tokens += msg.token_ids
+                last = msg
+            assert tuple(tokens) == monolithic(path)[i]
+            assert last.finish_reason == router_pb2.FINISH_REASON_LENGTH and last.completion_tokens == 32
+
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in stub.Generate(request(0, max_tokens=0)):
+                pass
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in e.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            bad = router_pb2.RouterGenerateRequest(request_id="bad", prompt_token_ids=[10**6], params=request(0).params)
+            async for _ in stub.Generate(bad):
+                pass
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_token_ids" in e.value.details()
+
+        # A paused expert service: the call must end at the deadline, not hang.
+        experts[0].signal(signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stub.Generate(request(1), timeout=2.0):
+                    pass
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert time.monotonic() - start < 4.0
+        finally:
+            experts[0].signal(signal.SIGCONT)
+
+        experts[0].proc.kill()
+        experts[0].proc.wait(5)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in stub.Generate(request(2), timeout=20):
+                pass
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no reachable replica for layer" in e.value.details() and experts[0].address in e.value.details()
+
+
+def test_router_refuses_expert_service_of_another_checkpoint(checkpoint, tmp_path: Path) -> None:
+    experts = start_experts(checkpoint("olmoe", seed=7), ["*:*"], tmp_path, "--model-id", "m")
+    try:
+        router = ServiceProcess("router_service", ["--checkpoint", str(checkpoint("olmoe")), "--model-id", "m",
+                                                   "--expert", experts[0].address, "--connect-timeout-s", "10"],
+                                tmp_path, "router")
+        try:
+            assert router.proc.wait(60) == 2
+            log = router.log()
+            assert "weights_checksum" in log and experts[0].address in log
+        finally:
+            router.stop()
+    finally:
+        for e in experts:
+            e.stop()
