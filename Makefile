@@ -27,6 +27,7 @@ protos: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/engine_vs_transformers.py
+	$(PY) bench/mesh_dispatch.py
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache bench/results

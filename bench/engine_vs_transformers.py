@@ -18,7 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from common import runtime
+
+runtime.configure()  # before torch loads OpenMP
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

@@ -2,6 +2,10 @@
 
 import sys
 
-from expert_service.cli import main
+from common import runtime
+
+runtime.configure()  # before anything imports torch
+
+from expert_service.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -24,7 +24,7 @@ DESCRIPTION = ("Serve the FFN weights of a set of (layer, expert) pairs of a MoE
 _FLAGS: dict[str, type] = {
     "checkpoint": Path, "experts": str, "host": str, "port": int, "model_id": str, "dtype": str,
     "max_batch_tokens": int, "max_queue_delay_us": int, "max_request_tokens": int, "max_message_bytes": int,
-    "region": str,
+    "compute_threads": int, "region": str,
 }
 
 
@@ -82,6 +82,10 @@ def run_serve_expert(args: argparse.Namespace) -> int:
 
     from expert_service.app import build_server, serve
 
+    if settings.compute_threads:
+        import torch
+
+        torch.set_num_threads(settings.compute_threads)
     try:
         server, host = build_server(settings)
     except MoeMeshError as e:  # bad --experts spec, broken or missing checkpoint

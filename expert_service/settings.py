@@ -29,5 +29,8 @@ class ExpertSettings(BaseSettings):
                                     "calls are INVALID_ARGUMENT")
     max_message_bytes: int = Field(256 * 1024 * 1024, ge=4 * 1024 * 1024,
                                    description="gRPC send/receive message size limit, in bytes")
+    compute_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; unset keeps "
+                                        "torch's default (all cores). Set it when several services share a "
+                                        "host: oversubscribed OpenMP threads spin and slow everyone down")
     region: str = Field("", description="region reported to routers (which prefer same-region experts)")
     grace_s: float = Field(10.0, ge=0.0, description="on stop, how long in-flight calls may finish, in seconds")

@@ -7,7 +7,10 @@ import asyncio
 import json
 import sys
 
+from common import runtime
 from common.errors import MoeMeshError
+
+runtime.configure()  # the console script's entry: before anything imports torch
 
 
 def _token_ids(text: str) -> list[int]:

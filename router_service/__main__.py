@@ -1,5 +1,9 @@
 import sys
 
-from router_service.cli import main
+from common import runtime
+
+runtime.configure()  # before anything imports torch
+
+from router_service.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -22,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32, help="sequences in the running batch at most")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per sequence at most")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    p.add_argument("--compute-threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's, all cores); lower it when sharing a host")
     p.add_argument("--expert-timeout-s", type=float, default=30.0, help="upper bound of one expert call")
     p.add_argument("--connect-timeout-s", type=float, default=30.0, help="wait this long for expert services")
     p.add_argument("--ready-file", type=Path, default=None, help="write {address, pid} as JSON here once serving")
@@ -37,6 +39,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     fields = set(RouterSettings.model_fields)
     settings = RouterSettings(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+
+    if settings.compute_threads:
+        import torch
+
+        torch.set_num_threads(settings.compute_threads)
 
     async def main() -> None:
         app = await RouterApp.create(settings)

@@ -24,6 +24,8 @@ class RouterSettings(BaseSettings):
                                       "default min(max_position_embeddings, 4096)")
     max_prefill_tokens: int = Field(2048, ge=1, description="prompt tokens admitted into one step at most "
                                     "(a longer single prompt still runs alone)")
+    compute_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; unset keeps "
+                                        "torch's default (all cores)")
     # expert placement
     expert_endpoints: list[str] = Field(default_factory=list, description="host:port of expert services; what "
                                         "each serves is learned from its Describe RPC")

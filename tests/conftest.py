@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from factories import make_checkpoint
+from common import runtime
+
+runtime.configure()  # the test process is a router too: before anything imports torch
+from factories import make_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

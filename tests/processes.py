@@ -58,7 +58,9 @@ class ServiceProcess:
 
 def start_experts(checkpoint: Path, specs: list[str], workdir: Path, *extra: str) -> list[ServiceProcess]:
     """One expert-service process per spec, started together, returned once all are ready."""
-    procs = [ServiceProcess("expert_service", ["--checkpoint", str(checkpoint), "--experts", spec, *extra],
+    # One torch thread each: several services share this host's cores (see bench/mesh_dispatch.py).
+    procs = [ServiceProcess("expert_service", ["--checkpoint", str(checkpoint), "--experts", spec,
+                                               "--compute-threads", "1", *extra],
                             workdir, f"expert{i}") for i, spec in enumerate(specs)]
     try:
         return [p.wait_ready() for p in procs]

@@ -1,0 +1,88 @@
+"""ExpertDispatcher against recording backends: replica spreading, colocated preference, failover, deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from common.checkpoint import Checkpoint
+from common.errors import DeadlineExceededError, ExpertUnavailableError, UnavailableError
+from router_service.experts import ColocatedExperts, ExpertDispatcher
+
+
+class Recording(ColocatedExperts):
+    """Computes like the colocated backend, but looks remote and records which experts it served."""
+
+    local = False
+
+    def __init__(self, weights, fail: bool = False, delay_s: float = 0.0) -> None:
+        super().__init__(weights)
+        self.fail, self.delay_s = fail, delay_s
+        self.served: list[tuple[int, int]] = []
+
+    async def forward(self, layer, groups, timeout_s=None):
+        if self.delay_s:
+            await asyncio.sleep(min(self.delay_s, timeout_s or self.delay_s))
+            if timeout_s is not None and self.delay_s > timeout_s:
+                raise DeadlineExceededError("slow backend")
+        if self.fail:
+            raise UnavailableError("recording backend is down")
+        self.served += [(layer, e) for e, _ in groups]
+        return await super().forward(layer, groups)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    ckpt = Checkpoint(checkpoint("mixtral"))
+    return ckpt.spec, ckpt.load_dense().layers[0], ckpt.load_experts(ckpt.all_expert_pairs())
+
+
+def hidden(spec, n: int = 24) -> torch.Tensor:
+    return torch.randn(n, spec.hidden_size, generator=torch.Generator().manual_seed(n))
+
+
+async def test_calls_to_an_expert_are_spread_over_its_replicas(model) -> None:
+    spec, layer, weights = model
+    a, b = Recording(weights), Recording(weights)
+    dispatcher = ExpertDispatcher(spec, {pair: [a, b] for pair in weights})
+    reference = await ExpertDispatcher(spec, {p: [ColocatedExperts(weights)] for p in weights}).moe(0, hidden(spec), layer)
+    for _ in range(4):
+        assert torch.equal(await dispatcher.moe(0, hidden(spec), layer), reference)
+    assert set(a.served) & set(b.served)  # the same experts went to both replicas
+    assert abs(len(a.served) - len(b.served)) <= len(a.served) // 2
+
+
+async def test_colocated_replica_is_preferred(model) -> None:
+    spec, layer, weights = model
+    local, remote = ColocatedExperts(weights), Recording(weights)
+    dispatcher = ExpertDispatcher(spec, {pair: [remote, local] for pair in weights})
+    await dispatcher.moe(0, hidden(spec), layer)
+    assert remote.served == []
+
+
+async def test_unavailable_replica_fails_over_and_last_replica_names_the_expert(model) -> None:
+    spec, layer, weights = model
+    down, up = Recording(weights, fail=True), Recording(weights)
+    dispatcher = ExpertDispatcher(spec, {pair: [down, up] for pair in weights})
+    await dispatcher.moe(0, hidden(spec), layer)
+    assert up.served and dispatcher.failovers >= 1
+
+    only_down = ExpertDispatcher(spec, {pair: [down] for pair in weights})
+    with pytest.raises(ExpertUnavailableError, match=r"layer 0 expert\(s\) .*recording backend is down") as e:
+        await only_down.moe(0, hidden(spec), layer)
+    assert e.value.layer == 0 and e.value.experts
+
+
+async def test_deadline_bounds_the_expert_call(model) -> None:
+    spec, layer, weights = model
+    slow = Recording(weights, delay_s=5.0)
+    dispatcher = ExpertDispatcher(spec, {pair: [slow] for pair in weights})
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceededError):
+        await dispatcher.moe(0, hidden(spec), layer, deadline=time.monotonic() + 0.2)
+    assert time.monotonic() - start < 1.0
+    with pytest.raises(DeadlineExceededError, match="deadline passed"):
+        await dispatcher.moe(0, hidden(spec), layer, deadline=time.monotonic() - 1)
