@@ -7,6 +7,7 @@ MoeMeshError                                                           gRPC stat
 │   └── CapacityError         a request can never fit (context length, batch limits)
 ├── NotFoundError          an addressed thing (layer, expert, model) is not here  NOT_FOUND / 404
 ├── PreconditionError      caller and server disagree (model id, weights)         FAILED_PRECONDITION / 400
+├── ResourceExhaustedError queue full; retry after `retry_after_s`             RESOURCE_EXHAUSTED / 429
 ├── UnavailableError       no reachable replica; retryable elsewhere              UNAVAILABLE / 503
 │   └── ExpertUnavailableError  names the layer and experts that could not be reached
 └── DeadlineExceededError  the request's deadline passed                           DEADLINE_EXCEEDED / 504
@@ -54,6 +55,14 @@ class NotFoundError(MoeMeshError):
 
 class PreconditionError(MoeMeshError):
     """Caller and server disagree about what they serve (model id, weights checksum)."""
+
+
+class ResourceExhaustedError(MoeMeshError):
+    """Admission refused: every slot and queue place is taken. Retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(f"{message}; retry after {retry_after_s:g}s")
+        self.retry_after_s = retry_after_s
 
 
 class UnavailableError(MoeMeshError):

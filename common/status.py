@@ -10,6 +10,7 @@ _TO_CODE: list[tuple[type[errors.MoeMeshError], grpc.StatusCode]] = [
     (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.NotFoundError, grpc.StatusCode.NOT_FOUND),
     (errors.PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
     (errors.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.CheckpointError, grpc.StatusCode.FAILED_PRECONDITION),
@@ -23,9 +24,16 @@ def status_code(error: errors.MoeMeshError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+RETRY_AFTER_KEY = "retry-after-s"
+
+
 async def abort_with(context: grpc.aio.ServicerContext, error: errors.MoeMeshError) -> None:
-    """End the RPC with the status that matches `error`; its message is sent as the details."""
-    await context.abort(status_code(error), str(error))
+    """End the RPC with the status that matches `error`; its message is sent as the details.
+
+    A ResourceExhaustedError also carries its retry hint as trailing metadata `retry-after-s`.
+    """
+    trailers = ((RETRY_AFTER_KEY, f"{error.retry_after_s:g}"),) if isinstance(error, errors.ResourceExhaustedError) else ()
+    await context.abort(status_code(error), str(error), trailing_metadata=trailers)
 
 
 _FROM_CODE: dict[grpc.StatusCode, type[errors.MoeMeshError]] = {

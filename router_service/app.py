@@ -6,7 +6,7 @@ import asyncio
 
 from common.server import GrpcServer, Service
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
-from router_service.build import build_mesh_engine
+from router_service.build import build_mesh_engine, default_model_id
 from router_service.core import RouterCore
 from router_service.servicer import RouterServicer
 from router_service.settings import RouterSettings
@@ -27,7 +27,8 @@ class RouterApp:
     @classmethod
     async def create(cls, settings: RouterSettings) -> RouterApp:
         engine, remotes = await build_mesh_engine(settings)
-        return cls(settings, RouterCore(engine), remotes)
+        model_id = settings.model_id or default_model_id(settings.checkpoint)
+        return cls(settings, RouterCore(engine, model_id), remotes)
 
     async def start(self) -> str:
         self.core.start()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from common.errors import MoeMeshError
 from router_service.engine import Engine, FinishReason, StepOutput
@@ -17,9 +18,21 @@ from router_service.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class RouterStatus:
+    model_id: str
+    running: int
+    waiting: int
+    steps: int
+    tokens_routed: list[list[int]]  # [layers][experts]
+    failovers: int
+    placement: dict[str, list[tuple[int, int]]]  # "colocated" or address -> pairs it serves
+
+
 class RouterCore:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, model_id: str) -> None:
         self.engine = engine
+        self.model_id = model_id
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._work = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -33,9 +46,14 @@ class RouterCore:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.engine.running)
+    def status(self) -> RouterStatus:
+        dispatcher = self.engine.model.dispatcher
+        placement: dict[str, list[tuple[int, int]]] = {}
+        for pair, replicas in sorted(dispatcher.placement.items()):
+            for backend in replicas:
+                placement.setdefault("colocated" if backend.local else backend.address, []).append(pair)
+        return RouterStatus(self.model_id, len(self.engine.running), self.engine.num_waiting, self.steps,
+                            dispatcher.tokens_routed.tolist(), dispatcher.failovers, placement)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, deadline: float | None = None) -> AsyncIterator[StepOutput]:

@@ -8,6 +8,7 @@ import uuid
 import grpc
 
 from common.errors import MoeMeshError
+from common.placement import format_experts
 from common.status import abort_with
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 from router_service.core import RouterCore
@@ -37,3 +38,14 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
         except MoeMeshError as e:
             await abort_with(context, e)
+
+    async def Status(self, request: router_pb2.RouterStatusRequest, context: grpc.aio.ServicerContext):
+        st = self.core.status()
+        spec, model = self.core.engine.model.spec, self.core.engine.model
+        return router_pb2.RouterStatus(
+            model_id=st.model_id, architecture=spec.family, vocab_size=spec.vocab_size,
+            max_model_len=model.max_model_len, running=st.running, waiting=st.waiting, steps=st.steps,
+            num_layers=spec.num_layers, num_experts=spec.num_experts,
+            tokens_routed=[n for row in st.tokens_routed for n in row], failovers=st.failovers,
+            placement=[router_pb2.ExpertPlacement(backend=b, experts=format_experts(pairs))
+                       for b, pairs in st.placement.items()])

@@ -41,6 +41,11 @@ class RouterServiceStub:
                 request_serializer=protos_dot_moe__mesh_dot_v1_dot_router__pb2.RouterGenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_moe__mesh_dot_v1_dot_router__pb2.RouterGenerateResponse.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/moe_mesh.v1.RouterService/Status',
+                request_serializer=protos_dot_moe__mesh_dot_v1_dot_router__pb2.RouterStatusRequest.SerializeToString,
+                response_deserializer=protos_dot_moe__mesh_dot_v1_dot_router__pb2.RouterStatus.FromString,
+                _registered_method=True)
 
 
 class RouterServiceServicer:
@@ -56,6 +61,13 @@ class RouterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """Model, batch occupancy, expert placement and routed-token counts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -63,6 +75,11 @@ def add_RouterServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=protos_dot_moe__mesh_dot_v1_dot_router__pb2.RouterGenerateRequest.FromString,
                     response_serializer=protos_dot_moe__mesh_dot_v1_dot_router__pb2.RouterGenerateResponse.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=protos_dot_moe__mesh_dot_v1_dot_router__pb2.RouterStatusRequest.FromString,
+                    response_serializer=protos_dot_moe__mesh_dot_v1_dot_router__pb2.RouterStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -94,6 +111,33 @@ class RouterService:
             '/moe_mesh.v1.RouterService/Generate',
             protos_dot_moe__mesh_dot_v1_dot_router__pb2.RouterGenerateRequest.SerializeToString,
             protos_dot_moe__mesh_dot_v1_dot_router__pb2.RouterGenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe_mesh.v1.RouterService/Status',
+            protos_dot_moe__mesh_dot_v1_dot_router__pb2.RouterStatusRequest.SerializeToString,
+            protos_dot_moe__mesh_dot_v1_dot_router__pb2.RouterStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,83 @@
+"""Wire a gateway process: tokenizer + router clients -> core -> gRPC servicer and HTTP app -> servers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+import uvicorn
+
+from common.errors import UnavailableError
+from common.server import GrpcServer, Service
+from common.tokenizer import Tokenizer
+from gateway.core import GatewayCore, ModelInfo
+from gateway.grpc_api import InferenceServicer
+from gateway.http_api import create_app
+from gateway.router_client import RouterClient
+from gateway.settings import GatewaySettings
+from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
+
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # common.server owns SIGTERM/SIGINT for the whole process
+
+
+class GatewayApp:
+    """A running gateway: `await GatewayApp.create(settings)`, `await start()`, `await stop()`."""
+
+    def __init__(self, settings: GatewaySettings, core: GatewayCore, routers: list[RouterClient]) -> None:
+        self.settings, self.core, self.routers = settings, core, routers
+        self.grpc = GrpcServer([Service(SERVICE_NAME, inference_pb2_grpc.add_InferenceServicer_to_server,
+                                        InferenceServicer(core))],
+                               host=settings.host, port=settings.grpc_port,
+                               max_message_bytes=settings.max_message_bytes, grace_s=settings.grace_s)
+        self.grpc.on_ready.append(self._start_http)
+        self.grpc.on_stop.append(self._stop_http)
+        self.http = _EmbeddedUvicorn(uvicorn.Config(create_app(core), host=settings.host, port=settings.http_port,
+                                                    log_level="warning", lifespan="off", loop="none"))
+        self._http_task: asyncio.Task | None = None
+
+    @classmethod
+    async def create(cls, settings: GatewaySettings) -> GatewayApp:
+        routers = [RouterClient(a, settings.max_message_bytes) for a in settings.routers]
+        try:
+            statuses = await asyncio.gather(*(r.status(settings.connect_timeout_s) for r in routers))
+        except UnavailableError as e:
+            await asyncio.gather(*(r.close() for r in routers))
+            raise UnavailableError(f"router not reachable within {settings.connect_timeout_s}s: {e}") from e
+        ids = {s.model_id for s in statuses}
+        if len(ids) != 1:
+            raise UnavailableError(f"routers serve different models: {sorted(ids)}")
+        st = statuses[0]
+        model = ModelInfo(st.model_id, st.architecture, st.max_model_len, st.vocab_size)
+        return cls(settings, GatewayCore(settings, Tokenizer(settings.checkpoint), routers, model), routers)
+
+    @property
+    def http_address(self) -> str:
+        port = self.http.servers[0].sockets[0].getsockname()[1] if self.http.servers else 0
+        return f"{self.settings.host}:{port}"
+
+    async def _start_http(self) -> None:
+        self._http_task = asyncio.create_task(self.http.serve(), name="gateway-http")
+        while not self.http.started:
+            if self._http_task.done():
+                self._http_task.result()  # raises the bind error
+                raise OSError(f"HTTP server on {self.settings.host}:{self.settings.http_port} did not start")
+            await asyncio.sleep(0.01)
+
+    async def _stop_http(self) -> None:
+        if self._http_task is not None:
+            self.http.should_exit = True
+            await self._http_task
+
+    async def start(self) -> str:
+        return await self.grpc.start()
+
+    async def stop(self) -> None:
+        await self.grpc.stop()
+        await asyncio.gather(*(r.close() for r in self.routers))

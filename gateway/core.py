@@ -1,0 +1,215 @@
+"""The gateway's core, free of gRPC and HTTP: validation, tokenization, admission, router choice,
+streaming detokenization and stop strings. Both public APIs are thin adapters over it.
+
+    generation = await core.start(TextRequest(prompt="Hello", max_tokens=8))  # validates + admits, or raises
+    async with generation:
+        async for delta in generation: ...                                    # Delta per router message
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from common.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
+from common.tokenizer import TextStream, Tokenizer
+from gateway.admission import Admission
+from gateway.router_client import RouterBackend
+from gateway.settings import GatewaySettings
+from protos.moe_mesh.v1 import router_pb2
+
+
+@dataclass
+class ModelInfo:
+    id: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass
+class TextRequest:
+    """A generation request as either public API received it; None means the client did not send it."""
+
+    model: str = ""
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    priority: int = 0
+    request_id: str = ""
+    ignore_eos: bool = False
+
+
+@dataclass
+class Delta:
+    """What a request produced since the previous delta; the last one has finish_reason set."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Completion:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Generation:
+    """An admitted request. Iterate it for Deltas; leaving `async with` (or `aclose`) early cancels it."""
+
+    def __init__(self, request_id: str, deltas: AsyncIterator[Delta], release) -> None:
+        self.request_id = request_id
+        self._deltas = deltas
+        self._release = release
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._deltas
+
+    async def aclose(self) -> None:
+        try:
+            await self._deltas.aclose()  # type: ignore[attr-defined]
+        finally:
+            await self._release()
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+class GatewayCore:
+    def __init__(self, settings: GatewaySettings, tokenizer: Tokenizer, routers: Sequence[RouterBackend],
+                 model: ModelInfo) -> None:
+        self.settings, self.tokenizer, self.routers, self.model = settings, tokenizer, list(routers), model
+        self.admission = Admission(settings.max_in_flight, settings.max_queued, settings.retry_after_s)
+        self._turn = 0
+
+    def list_models(self) -> list[ModelInfo]:
+        return [self.model]
+
+    # -- validation ------------------------------------------------------------------------
+
+    def validate(self, r: TextRequest) -> tuple[list[int], router_pb2.SamplingParams]:
+        """Prompt token ids and router sampling params; InvalidArgumentError names the first bad field."""
+        s, m = self.settings, self.model
+        if r.model and r.model != m.id:
+            raise InvalidArgumentError("model", f"unknown model {r.model!r}; this gateway serves {m.id!r}")
+        if (r.prompt is None) == (r.prompt_token_ids is None):
+            raise InvalidArgumentError("prompt", "give exactly one of prompt and prompt_token_ids")
+        if r.prompt is not None and not r.prompt:
+            raise InvalidArgumentError("prompt", "must not be empty")
+        ids = self.tokenizer.encode(r.prompt) if r.prompt is not None else list(r.prompt_token_ids or [])
+        if not ids:
+            raise InvalidArgumentError("prompt_token_ids", "must not be empty")
+        bad = next((t for t in ids if not 0 <= t < m.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgumentError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {m.vocab_size})")
+        bad = next((t for t in r.stop_token_ids if not 0 <= t < m.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgumentError("stop_token_ids", f"token id {bad} is outside the vocabulary [0, {m.vocab_size})")
+        max_tokens = s.default_max_tokens if r.max_tokens is None else r.max_tokens
+        if not 1 <= max_tokens <= s.max_tokens_limit:
+            raise InvalidArgumentError("max_tokens", f"must be in [1, {s.max_tokens_limit}], got {max_tokens}")
+        if len(ids) >= m.max_model_len:
+            raise InvalidArgumentError("prompt", f"{len(ids)} tokens do not fit the context length {m.max_model_len}")
+        if len(ids) + max_tokens > m.max_model_len:
+            raise InvalidArgumentError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                                       f"the context length {m.max_model_len}")
+        temperature = 1.0 if r.temperature is None else r.temperature
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise InvalidArgumentError("temperature", f"must be >= 0, got {temperature}")
+        top_p = 1.0 if r.top_p is None else r.top_p
+        if not (math.isfinite(top_p) and 0 < top_p <= 1):
+            raise InvalidArgumentError("top_p", f"must be in (0, 1], got {top_p}")
+        top_k = 0 if r.top_k is None else r.top_k
+        if top_k < 0:
+            raise InvalidArgumentError("top_k", f"must be >= 0, got {top_k}")
+        if any(not isinstance(x, str) for x in r.stop):
+            raise InvalidArgumentError("stop", "must be strings")
+        params = router_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                           stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos)
+        if r.seed is not None:
+            params.seed = r.seed
+        return ids, params
+
+    # -- generation ------------------------------------------------------------------------
+
+    async def start(self, r: TextRequest, timeout_s: float | None = None) -> Generation:
+        """Validate and admit `r` (raising at once when invalid or when the queue is full), then stream."""
+        ids, params = self.validate(r)
+        request_id = r.request_id or uuid.uuid4().hex
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.settings.request_timeout_s)
+        slot = self.admission.slot(r.priority)
+        await slot.__aenter__()
+        request = router_pb2.RouterGenerateRequest(request_id=request_id, prompt_token_ids=ids, params=params,
+                                                   priority=r.priority)
+        released = False
+
+        async def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                await slot.__aexit__(None, None, None)
+
+        return Generation(request_id, self._stream(request, r.stop, deadline), release)
+
+    async def complete(self, r: TextRequest, timeout_s: float | None = None) -> Completion:
+        """Run a request to the end."""
+        async with await self.start(r, timeout_s) as gen:
+            ids, text, last = [], [], None
+            async for delta in gen:
+                ids += delta.token_ids
+                text.append(delta.text)
+                last = delta
+        assert last is not None and last.finish_reason is not None
+        return Completion(gen.request_id, ids, "".join(text), last.finish_reason, last.prompt_tokens,
+                          last.completion_tokens)
+
+    def _pick_router(self) -> RouterBackend:
+        """Least outstanding streams; ties rotate so idle replicas share the load."""
+        self._turn += 1
+        n = len(self.routers)
+        return min((self.routers[(self._turn + i) % n] for i in range(n)), key=lambda b: b.outstanding)
+
+    async def _stream(self, request: router_pb2.RouterGenerateRequest, stop: list[str],
+                      deadline: float) -> AsyncIterator[Delta]:
+        text = TextStream(self.tokenizer, stop)
+        rid, prompt_tokens, completion = request.request_id, len(request.prompt_token_ids), 0
+        router = self._pick_router()
+        timeout = deadline - time.monotonic()
+        if timeout <= 0:
+            raise DeadlineExceededError(f"request {rid} waited past its deadline for admission")
+        chunks = router.generate(request, timeout)
+        try:
+            async for chunk in chunks:
+                completion = chunk.completion_tokens
+                delta = text.push(chunk.token_ids)
+                if text.stopped:  # a stop string: end here; closing `chunks` cancels the router stream
+                    yield Delta(rid, chunk.token_ids, delta, "stop", prompt_tokens, completion)
+                    return
+                if chunk.finish_reason is not None:
+                    yield Delta(rid, chunk.token_ids, delta + text.finish(), chunk.finish_reason, prompt_tokens,
+                                completion)
+                    return
+                yield Delta(rid, chunk.token_ids, delta, None, prompt_tokens, completion)
+            raise UnavailableError(f"router {router.address} ended the stream of {rid} without a finish reason")
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]

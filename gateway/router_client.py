@@ -1,0 +1,66 @@
+"""The gateway's side of RouterService: one long-lived channel per router replica."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from common.server import channel_options
+from common.status import error_from_rpc
+from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
+
+FINISH = {router_pb2.FINISH_REASON_STOP: "stop", router_pb2.FINISH_REASON_LENGTH: "length",
+          router_pb2.FINISH_REASON_CANCELLED: "cancelled"}
+
+
+@dataclass
+class Chunk:
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class RouterBackend(Protocol):
+    """A router replica as the gateway sees it."""
+
+    address: str
+    outstanding: int
+
+    def generate(self, request: router_pb2.RouterGenerateRequest, timeout_s: float) -> AsyncIterator[Chunk]: ...
+
+    async def status(self, timeout_s: float) -> router_pb2.RouterStatus: ...
+
+
+class RouterClient:
+    def __init__(self, address: str, max_message_bytes: int) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
+        self.outstanding = 0
+
+    async def generate(self, request: router_pb2.RouterGenerateRequest, timeout_s: float) -> AsyncIterator[Chunk]:
+        """Stream a request's tokens. Closing the iterator early cancels the call (the router frees the slot)."""
+        call = self.stub.Generate(request, timeout=timeout_s)
+        self.outstanding += 1
+        try:
+            async for msg in call:
+                yield Chunk(list(msg.token_ids), FINISH.get(msg.finish_reason), msg.prompt_tokens,
+                            msg.completion_tokens)
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e, self.address) from e
+        finally:
+            self.outstanding -= 1
+            call.cancel()  # no-op once the stream ended
+
+    async def status(self, timeout_s: float) -> router_pb2.RouterStatus:
+        try:
+            return await self.stub.Status(router_pb2.RouterStatusRequest(), timeout=timeout_s, wait_for_ready=True)
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e, self.address) from e
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -1,0 +1,30 @@
+"""Gateway settings: one pydantic model, built once (CLI flags or MOE_GATEWAY_* variables) and passed down."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    """The public edge: where it listens, which routers it balances over, admission and request limits."""
+
+    model_config = SettingsConfigDict(env_prefix="MOE_GATEWAY_", extra="forbid")
+
+    checkpoint: Path = Field(..., description="checkpoint directory (the gateway reads only its tokenizer)")
+    routers: list[str] = Field(..., min_length=1, description="host:port of router replicas")
+    host: str = Field("127.0.0.1", description="address both APIs bind")
+    grpc_port: int = Field(0, ge=0, le=65535, description="public gRPC port; 0 picks a free one")
+    http_port: int = Field(0, ge=0, le=65535, description="OpenAI-compatible HTTP port; 0 picks a free one")
+    max_in_flight: int = Field(64, ge=1, description="requests streaming from routers at once")
+    max_queued: int = Field(64, ge=0, description="admitted requests waiting for an in-flight place; beyond "
+                            "this, requests get RESOURCE_EXHAUSTED / HTTP 429 at once")
+    retry_after_s: float = Field(1.0, gt=0, description="retry hint sent with RESOURCE_EXHAUSTED / 429")
+    max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
+    default_max_tokens: int = Field(16, ge=1, description="max_tokens when a request gives none")
+    request_timeout_s: float = Field(600.0, gt=0, description="deadline of a request that brings none")
+    connect_timeout_s: float = Field(30.0, gt=0, description="how long to wait for routers at start-up")
+    max_message_bytes: int = Field(64 * 2**20, ge=2**20, description="gRPC message size limit")
+    grace_s: float = Field(10.0, ge=0, description="how long in-flight requests may finish on shutdown")
