@@ -8,9 +8,11 @@ CHECKPOINT ?=
 
 .PHONY: setup demo test protos bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt tests/node/package.json tests/node/package-lock.json
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	@command -v npm >/dev/null || { echo 'npm not found: Node.js (node + npm) is needed for tests/test_node_client.py' >&2; exit 1; }
+	npm ci --prefix tests/node --no-audit --no-fund
 	touch $@
 
 setup: $(STAMP)

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 from common import runtime
 from common.errors import MoeMeshError
@@ -22,10 +23,12 @@ def _token_ids(text: str) -> list[int]:
 
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate text from a prompt",
-                              description="Generate with the in-process engine (--local).")
-    p.add_argument("--checkpoint", required=True, help="HuggingFace-layout checkpoint directory")
-    p.add_argument("--local", action="store_true", required=True,
-                   help="run the engine in this process (the only mode until the gateway exists)")
+                              description="Generate with a running mesh (--gateway) or in this process (--local).")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--gateway", metavar="HOST:PORT", help="the gateway's gRPC address of a running mesh")
+    where.add_argument("--local", action="store_true", help="run the engine in this process (needs --checkpoint)")
+    p.add_argument("--checkpoint", help="HuggingFace-layout checkpoint directory (with --local)")
+    p.add_argument("--priority", type=int, default=0, help="higher is served first (with --gateway)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-token-ids", type=_token_ids, help="comma-separated prompt token ids, e.g. 1,2,3")
@@ -44,6 +47,11 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    if args.gateway:
+        return _run_generate_remote(args)
+    if not args.checkpoint:
+        print("moe-mesh generate: error: --local needs --checkpoint", file=sys.stderr)
+        return 2
     from common.tokenizer import Tokenizer
     from moe_mesh.local import LocalRequest, generate_local
     from router_service.build import build_local_engine
@@ -70,8 +78,87 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_generate_remote(args: argparse.Namespace) -> int:
+    from moe_mesh.client import generate_remote
+    from protos.moe_mesh.v1 import inference_pb2
+
+    request = inference_pb2.GenerateRequest(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        stop=args.stop, stop_token_ids=args.stop_token_ids, priority=args.priority)
+    if args.prompt is not None:
+        request.prompt = args.prompt
+    else:
+        request.prompt_token_ids.extend(args.prompt_token_ids)
+    if args.seed is not None:
+        request.seed = args.seed
+    if args.ignore_eos:
+        print("moe-mesh generate: error: --ignore-eos is only available with --local", file=sys.stderr)
+        return 2
+    result = asyncio.run(generate_remote(args.gateway, request, stream=not args.json))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"\n[{result['finish_reason']}] {len(result['token_ids'])} tokens in {result['latency_s']:.2f}s",
+              file=sys.stderr)
+    return 0
+
+
+def _add_up(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("up", help="start a whole mesh on this machine",
+                              description="Start expert services, router(s) and the gateway as separate "
+                                          "processes on loopback; Ctrl-C or SIGTERM stops them all.")
+    p.add_argument("--checkpoint", required=True, type=Path, help="HuggingFace-layout checkpoint directory")
+    p.add_argument("--expert-services", type=int, default=4, help="expert groups, each its own service (default 4)")
+    p.add_argument("--replicas", type=int, default=1, help="replicas of every expert group (default 1)")
+    p.add_argument("--routers", type=int, default=1, help="router replicas (default 1)")
+    p.add_argument("--ready-file", type=Path, default=None,
+                   help="write the endpoints (gateway_grpc, gateway_http, routers, experts) as JSON here")
+    p.add_argument("--run-dir", type=Path, default=None, help="where child logs go (default .cache/mesh-<time>)")
+    p.add_argument("--max-queued", type=int, default=None, help="gateway admission queue size")
+    p.add_argument("--max-in-flight", type=int, default=None, help="gateway requests in flight at most")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="router batch size at most")
+    p.set_defaults(func=_run_up)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    import time as _time
+
+    from moe_mesh.launcher import run_up
+
+    gateway_args = [f for flag, v in (("--max-queued", args.max_queued), ("--max-in-flight", args.max_in_flight))
+                    if v is not None for f in (flag, str(v))]
+    router_args = ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []
+    run_dir = args.run_dir or Path(".cache") / f"mesh-{_time.strftime('%Y%m%d-%H%M%S')}"
+    return run_up(args.checkpoint, args.expert_services, args.replicas, args.routers, args.ready_file,
+                  run_dir, gateway_args, router_args)
+
+
+def _add_status(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("status", help="health, experts and load of a running mesh",
+                              description="Query every service of a mesh started by `moe-mesh up`.")
+    p.add_argument("--ready-file", type=Path, required=True, help="the file `moe-mesh up --ready-file` wrote")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=_run_status)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from moe_mesh.client import mesh_status, print_status
+
+    if not args.ready_file.exists():
+        print(f"moe-mesh status: error: {args.ready_file} does not exist (is the mesh up?)", file=sys.stderr)
+        return 2
+    status = asyncio.run(mesh_status(json.loads(args.ready_file.read_text())))
+    if args.json:
+        print(json.dumps(status))
+    else:
+        print_status(status)
+    healthy = [s["health"] for s in [status["gateway"], *status["routers"], *status["experts"]]]
+    return 0 if all(h == "SERVING" for h in healthy) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     from expert_service import cli as expert_cli
+    from gateway import cli as gateway_cli
     from moe_mesh import create_checkpoint
     from router_service import cli as router_cli
 
@@ -81,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(subparsers)
     expert_cli.add_subcommand(subparsers)
     router_cli.add_subcommand(subparsers)
+    gateway_cli.add_subcommand(subparsers)
+    _add_up(subparsers)
+    _add_status(subparsers)
     return parser
 
 

@@ -1,0 +1,114 @@
+"""Clients of a running mesh: `generate --gateway` and `status`."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.errors import MoeMeshError
+from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
+
+FINISH = {router_pb2.FINISH_REASON_STOP: "stop", router_pb2.FINISH_REASON_LENGTH: "length",
+          router_pb2.FINISH_REASON_CANCELLED: "cancelled"}
+
+
+async def generate_remote(address: str, request: inference_pb2.GenerateRequest, stream: bool) -> dict:
+    """Stream a request from the gateway; print text as it arrives when `stream`; return the JSON result."""
+    start = time.perf_counter()
+    ids: list[int] = []
+    text: list[str] = []
+    first = None
+    last = None
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            async for msg in inference_pb2_grpc.InferenceStub(channel).GenerateStream(request):
+                if first is None and msg.token_ids:
+                    first = time.perf_counter() - start
+                ids += msg.token_ids
+                text.append(msg.text)
+                if stream and msg.text:
+                    sys.stdout.write(msg.text)
+                    sys.stdout.flush()
+                last = msg
+        except grpc.aio.AioRpcError as e:
+            raise MoeMeshError(f"{e.code().name}: {e.details()}") from e
+    latency = time.perf_counter() - start
+    assert last is not None
+    n = len(ids)
+    return {"request_id": last.request_id, "token_ids": ids, "text": "".join(text),
+            "finish_reason": FINISH.get(last.finish_reason),
+            "usage": {"prompt_tokens": last.usage.prompt_tokens, "completion_tokens": n,
+                      "total_tokens": last.usage.prompt_tokens + n},
+            "latency_s": round(latency, 4), "time_to_first_token_s": round(first or 0.0, 4),
+            "decode_tokens_per_s": round((n - 1) / (latency - first), 2) if n > 1 and first else None}
+
+
+async def _health(channel: grpc.aio.Channel) -> str:
+    try:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    except grpc.aio.AioRpcError as e:
+        return e.code().name
+
+
+async def mesh_status(mesh: dict) -> dict:
+    """Health of every service in a ready file written by `moe-mesh up`, what experts serve, router load."""
+    out: dict = {"gateway": {}, "routers": [], "experts": []}
+    async with grpc.aio.insecure_channel(mesh["gateway_grpc"]) as ch:
+        out["gateway"] = {"address": mesh["gateway_grpc"], "http": mesh["gateway_http"], "health": await _health(ch)}
+    for address in mesh["routers"]:
+        async with grpc.aio.insecure_channel(address) as ch:
+            row: dict = {"address": address, "health": await _health(ch)}
+            try:
+                st = await router_pb2_grpc.RouterServiceStub(ch).Status(router_pb2.RouterStatusRequest(), timeout=3)
+                row.update(model_id=st.model_id, running=st.running, waiting=st.waiting, steps=st.steps,
+                           failovers=st.failovers, num_layers=st.num_layers, num_experts=st.num_experts,
+                           tokens_routed=[list(st.tokens_routed[i * st.num_experts:(i + 1) * st.num_experts])
+                                          for i in range(st.num_layers)],
+                           placement={p.backend: p.experts for p in st.placement})
+            except grpc.aio.AioRpcError as e:
+                row["error"] = e.code().name
+            out["routers"].append(row)
+    for e in mesh["experts"]:
+        async with grpc.aio.insecure_channel(e["address"]) as ch:
+            row = {"address": e["address"], "health": await _health(ch)}
+            try:
+                d = await expert_pb2_grpc.ExpertServiceStub(ch).Describe(expert_pb2.DescribeRequest(), timeout=3)
+                row.update(experts=e["experts"], forward_calls=d.stats.forward_calls, batches=d.stats.batches,
+                           groups=d.stats.groups, tokens=d.stats.tokens)
+            except grpc.aio.AioRpcError as err:
+                row["error"] = err.code().name
+            out["experts"].append(row)
+    return out
+
+
+def print_status(st: dict) -> None:
+    g = st["gateway"]
+    print(f"gateway  {g['address']:<22} {g['health']:<12} http://{g['http']}/v1")
+    for r in st["routers"]:
+        load = f"running {r.get('running', '?')} waiting {r.get('waiting', '?')} steps {r.get('steps', '?')}"
+        print(f"router   {r['address']:<22} {r['health']:<12} {r.get('error', load)}")
+    for e in st["experts"]:
+        stats = f"experts {e.get('experts', '?')}  calls {e.get('forward_calls', '?')} batches {e.get('batches', '?')}"
+        print(f"expert   {e['address']:<22} {e['health']:<12} {e.get('error', stats)}")
+    for r in st["routers"]:
+        if "tokens_routed" in r:
+            print(f"\ntokens routed per (layer, expert) by router {r['address']}:")
+            print(heatmap(r["tokens_routed"]))
+
+
+def heatmap(counts: list[list[int]]) -> str:
+    """Layers x experts table of routed token counts, each layer's hottest expert marked with *."""
+    lines = ["layer " + "".join(f"{f'e{e}':>8}" for e in range(len(counts[0]) if counts else 0))]
+    for layer, row in enumerate(counts):
+        hot = max(range(len(row)), key=row.__getitem__) if any(row) else -1
+        lines.append(f"{layer:>5} " + "".join(f"{v:>7}{'*' if e == hot else ' '}" for e, v in enumerate(row)))
+    return "\n".join(lines)
+
+
+def run(coro):
+    return asyncio.run(coro)
