@@ -38,8 +38,10 @@ class GatewayApp:
                                max_message_bytes=settings.max_message_bytes, grace_s=settings.grace_s)
         self.grpc.on_ready.append(self._start_http)
         self.grpc.on_stop.append(self._stop_http)
+        # Bounded drain: past grace_s, open streams are cancelled, which frees their router slots.
         self.http = _EmbeddedUvicorn(uvicorn.Config(create_app(core), host=settings.host, port=settings.http_port,
-                                                    log_level="warning", lifespan="off", loop="none"))
+                                                    log_level="warning", lifespan="off", loop="none",
+                                                    timeout_graceful_shutdown=max(1, round(settings.grace_s))))
         self._http_task: asyncio.Task | None = None
 
     @classmethod
@@ -71,6 +73,7 @@ class GatewayApp:
             await asyncio.sleep(0.01)
 
     async def _stop_http(self) -> None:
+        self.http.config.app.state.ready = False  # /health/ready answers 503 while draining
         if self._http_task is not None:
             self.http.should_exit = True
             await self._http_task

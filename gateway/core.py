@@ -140,8 +140,12 @@ class GatewayCore:
         if not (math.isfinite(top_p) and 0 < top_p <= 1):
             raise InvalidArgumentError("top_p", f"must be in (0, 1], got {top_p}")
         top_k = 0 if r.top_k is None else r.top_k
-        if top_k < 0:
-            raise InvalidArgumentError("top_k", f"must be >= 0, got {top_k}")
+        if not 0 <= top_k < 2**31:
+            raise InvalidArgumentError("top_k", f"must be in [0, 2^31), got {top_k}")
+        if r.seed is not None and not 0 <= r.seed < 2**64:
+            raise InvalidArgumentError("seed", f"must be in [0, 2^64), got {r.seed}")
+        if not -(2**31) <= r.priority < 2**31:
+            raise InvalidArgumentError("priority", f"must fit a 32-bit signed integer, got {r.priority}")
         if any(not isinstance(x, str) for x in r.stop):
             raise InvalidArgumentError("stop", "must be strings")
         params = router_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,

@@ -1,17 +1,376 @@
-"""OpenAI-compatible HTTP API (placeholder: health only)."""
+"""OpenAI-compatible HTTP API: a thin adapter that converts JSON to the core's types and back.
+
+    POST /v1/completions        prompt: a string, token ids, or a list holding exactly one of those
+    POST /v1/chat/completions   messages rendered by `chat_prompt`
+    GET  /v1/models             the served model, OpenAI list shape
+    GET  /health/live           200 while the process serves HTTP
+    GET  /health/ready          200 while `app.state.ready`, else 503
+
+Both generation endpoints stream as Server-Sent Events with `"stream": true`. Besides OpenAI's
+fields they take vLLM-style extensions: `top_k`, `priority`, `stop_token_ids`, `ignore_eos`, and
+`return_token_ids` (adds `token_ids` to every choice). Unknown fields are ignored, since OpenAI
+clients send some; known OpenAI features this server cannot honour (`logprobs`, `echo`, penalties,
+`tools`, ...) are refused rather than silently dropped. Values are validated by the core; every
+error uses OpenAI's `{"error": {message, type, param, code}}` shape, `param` naming the field.
+"""
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
 
-from gateway.core import GatewayCore
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
+from common import errors
+from gateway.core import Delta, GatewayCore, Generation, TextRequest
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# -- request bodies ------------------------------------------------------------------------------
+
+_StrList = Annotated[list[str], BeforeValidator(lambda v: [v] if isinstance(v, str) else v)]
+
+
+class _Json(BaseModel):
+    """Strict: JSON types must match exactly ("10" is not an int, true is not 1); unknown fields pass."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        # OpenAI's API reads `"field": null` as an omitted field, and some clients send it.
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(_Json):
+    include_usage: bool = False
+
+
+class _Body(_Json):
+    """Fields both endpoints share."""
+
+    model: str = ""
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    # The bounds below are the ranges of the wire types behind the core (the gRPC API gets them from
+    # its proto types); values inside them are validated by the core.
+    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
+    stop: _StrList = []
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    top_k: Annotated[int, Field(lt=2**31)] | None = None
+    priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class ContentPart(_Json):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Json):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+# OpenAI fields that would change the result; refused unless absent or set to their no-op value.
+_UNSUPPORTED = ("best_of", "echo", "logprobs", "top_logprobs", "suffix", "logit_bias", "presence_penalty",
+                "frequency_penalty", "tools", "functions", "response_format")
+_NO_OP = {"best_of": 1, "response_format": {"type": "text"}}
+
+
+def _text_request(body: _Body, prompt: str | None, ids: list[int] | None, max_tokens: int | None) -> TextRequest:
+    if body.n not in (None, 1):
+        raise errors.InvalidArgumentError("n", f"only n=1 is supported, got {body.n}")
+    for name in _UNSUPPORTED:
+        value = (body.model_extra or {}).get(name)
+        if value not in (None, False, "", [], {}) and value != _NO_OP.get(name, 0):
+            raise errors.InvalidArgumentError(name, "is not supported by this server")
+    return TextRequest(model=body.model, prompt=prompt, prompt_token_ids=ids, max_tokens=max_tokens,
+                       temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+                       stop=body.stop, stop_token_ids=body.stop_token_ids, priority=body.priority,
+                       ignore_eos=body.ignore_eos)
+
+
+def _completion_prompt(p: str | list[int] | list[str] | list[list[int]]) -> tuple[str | None, list[int] | None]:
+    """(text, None) or (None, token ids); OpenAI's batch form is accepted only with one prompt."""
+    if isinstance(p, list) and p and not isinstance(p[0], int):
+        if len(p) != 1:
+            raise errors.InvalidArgumentError("prompt", f"got {len(p)} prompts; send one prompt per request")
+        p = p[0]
+    return (p, None) if isinstance(p, str) else (None, list(p))
+
+
+def chat_prompt(messages: list[ChatMessage]) -> str:
+    """Render a conversation as "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n" to answer.
+
+    A plain-text template that any tokenizer can encode; content given as parts keeps the text parts.
+    """
+    if not messages:
+        raise errors.InvalidArgumentError("messages", "must not be empty")
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            if any(part.type != "text" or part.text is None for part in m.content):
+                raise errors.InvalidArgumentError("messages", f"messages[{i}]: only text content parts are supported")
+            content = "".join(part.text or "" for part in m.content)
+        else:
+            content = m.content or ""
+        out.append(f"<|{m.role}|>\n{content}\n")
+    return "".join(out) + "<|assistant|>\n"
+
+
+@contextmanager
+def _fields_named(**names: str) -> Iterator[None]:
+    """Report the core's field names (e.g. prompt_token_ids) as this API's (prompt)."""
+    try:
+        yield
+    except errors.InvalidArgumentError as e:
+        if e.field not in names:
+            raise
+        raise errors.InvalidArgumentError(names[e.field], str(e).removeprefix(f"{e.field}: ")) from e
+
+
+# -- responses -----------------------------------------------------------------------------------
+
+_ERRORS: list[tuple[type[errors.MoeMeshError], int, str, str]] = [
+    (errors.InvalidArgumentError, 400, "invalid_request_error", "invalid_argument"),
+    (errors.PreconditionError, 400, "invalid_request_error", "failed_precondition"),
+    (errors.NotFoundError, 404, "not_found_error", "not_found"),
+    (errors.ResourceExhaustedError, 429, "rate_limit_error", "resource_exhausted"),
+    (errors.UnavailableError, 503, "service_unavailable_error", "unavailable"),
+    (errors.DeadlineExceededError, 504, "timeout_error", "deadline_exceeded"),
+]
+
+
+def _error_body(e: Exception) -> tuple[int, dict]:
+    status, type_, code = next(((s, t, c) for cls, s, t, c in _ERRORS if isinstance(e, cls)),
+                               (500, "server_error", "internal"))
+    param = e.field if isinstance(e, errors.InvalidArgumentError) else None
+    return status, {"error": {"message": str(e), "type": type_, "param": param, "code": code}}
+
+
+def _error_response(e: Exception) -> JSONResponse:
+    status, body = _error_body(e)
+    headers = {}
+    if isinstance(e, errors.ResourceExhaustedError):
+        headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))  # HTTP wants whole seconds
+    return JSONResponse(body, status, headers)
+
+
+def _invalid_request(message: str, param: str | None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                   "code": "invalid_argument"}}, 400)
+
+
+def _usage(d: Delta) -> dict:
+    return {"prompt_tokens": d.prompt_tokens, "completion_tokens": d.completion_tokens,
+            "total_tokens": d.prompt_tokens + d.completion_tokens}
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """Server-Sent Events over an admitted generation, closed however the response ends."""
+
+    def __init__(self, generation: Generation, events: AsyncIterator[bytes]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.generation, self.events = generation, events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # On disconnect Starlette cancels the body task but closes neither the iterator nor the
+            # generation, whose admission place would then stay taken until garbage collection.
+            # Close both here, shielded: this runs inside the cancelled scope.
+            with anyio.CancelScope(shield=True):
+                await self.events.aclose()  # type: ignore[attr-defined]
+                await self.generation.aclose()
+
+
+async def _events(gen: Generation, head: dict, include_usage: bool,
+                  choice: Callable[[Delta, bool], dict]) -> AsyncIterator[bytes]:
+    """OpenAI chunk stream: one chunk per delta, an optional usage chunk, then [DONE]."""
+    last, usage = None, {"usage": None} if include_usage else {}
+    try:
+        async for d in gen:
+            yield _sse({**head, "choices": [choice(d, last is None)], **usage})
+            last = d
+    except errors.MoeMeshError as e:  # the status line is long gone: report in-band, as OpenAI does
+        log.info("stream %s failed: %s", gen.request_id, e)
+        yield _sse(_error_body(e)[1])
+    else:
+        if include_usage and last is not None:
+            yield _sse({**head, "choices": [], "usage": _usage(last)})
+    yield b"data: [DONE]\n\n"
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Await `work`, cancelling it (None) if the client goes away first.
+
+    Starlette keeps running a handler whose client left; without this, an abandoned request would
+    keep its admission place and router slot until it finished.
+    """
+    with anyio.CancelScope() as scope:
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            scope.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            return await work
+        finally:
+            watcher.cancel()
+    return None
+
+
+@dataclass
+class _Shape:
+    """How one endpoint spells its responses."""
+
+    id_prefix: str
+    object: str
+    chunk_object: str
+    chunk: Callable[[Delta, bool], dict]  # (delta, is first) -> a streamed choice
+    whole: Callable[[Delta], dict]  # the whole generation as one delta -> the choice
+
+
+def _token_ids(on: bool, ids: list[int]) -> dict:
+    return {"token_ids": ids} if on else {}
+
+
+# -- the app -------------------------------------------------------------------------------------
 
 def create_app(core: GatewayCore) -> FastAPI:
-    app = FastAPI()
+    """The HTTP app over `core`. `app.state.ready` (True at creation) drives /health/ready."""
+    app = FastAPI(title="moe-mesh gateway")
+    app.state.ready = True
+    started = int(time.time())
+
+    @app.exception_handler(errors.MoeMeshError)
+    async def on_mesh_error(request: Request, e: errors.MoeMeshError) -> JSONResponse:
+        log.info("%s %s failed: %s", request.method, request.url.path, e)
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
+        problems = e.errors()
+        first = problems[0] if problems else {}
+        if first.get("type") == "json_invalid":
+            return _invalid_request(f"malformed JSON body: {first.get('ctx', {}).get('error', '')}", None)
+        loc = tuple(first.get("loc", ()))
+        if loc[:1] != ("body",) or len(loc) < 2:
+            return _invalid_request(f"the body must be a JSON object, sent as application/json: {first.get('msg', '')}",
+                                    None)
+        param = str(loc[1])
+        # Name every alternative of a union field (e.g. prompt.str, prompt.list[int]) in the message.
+        details = dict.fromkeys(f"{'.'.join(map(str, p['loc'][1:]))}: {p['msg']}" for p in problems
+                                if len(p["loc"]) > 1 and str(p["loc"][1]) == param)
+        return _invalid_request("; ".join(details), param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(e.detail), "type": "invalid_request_error", "param": None,
+                                       "code": None}}, e.status_code, e.headers)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, e: Exception) -> JSONResponse:
+        return _error_response(e)  # Starlette re-raises it afterwards, so the server logs the traceback
 
     @app.get("/health/live")
     async def live() -> dict:
         return {"status": "live"}
+
+    @app.get("/health/ready")
+    async def ready() -> JSONResponse:
+        ok = bool(app.state.ready)
+        return JSONResponse({"status": "ready" if ok else "not ready"}, 200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [
+            {"id": m.id, "object": "model", "created": started, "owned_by": "moe-mesh", "architecture": m.architecture,
+             "max_model_len": m.max_model_len, "vocab_size": m.vocab_size} for m in core.list_models()]}
+
+    async def generate(request: Request, body: _Body, r: TextRequest, shape: _Shape, names: dict[str, str]) -> Response:
+        """Run `r` and answer in `shape`; the core's field names are reported as this endpoint's `names`."""
+        with _fields_named(**names):
+            if body.stream:
+                # Validation and admission errors leave here, as an HTTP status, before any SSE byte.
+                gen = await _unless_disconnected(request, core.start(r))
+                if gen is None:
+                    return Response(status_code=499)  # the client left while queued
+                head = {"id": shape.id_prefix + gen.request_id, "object": shape.chunk_object,
+                        "created": int(time.time()), "model": core.model.id}
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                return _EventStream(gen, _events(gen, head, include_usage, shape.chunk))
+            c = await _unless_disconnected(request, core.complete(r))
+        if c is None:
+            return Response(status_code=499)
+        whole = Delta(c.request_id, c.token_ids, c.text, c.finish_reason, c.prompt_tokens, c.completion_tokens)
+        return JSONResponse({"id": shape.id_prefix + c.request_id, "object": shape.object, "created": int(time.time()),
+                             "model": core.model.id, "choices": [shape.whole(whole)], "usage": _usage(whole)})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request) -> Response:
+        r = _text_request(body, *_completion_prompt(body.prompt), body.max_tokens)
+
+        def choice(d: Delta, first: bool = False) -> dict:
+            return {"index": 0, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason,
+                    **_token_ids(body.return_token_ids, d.token_ids)}
+
+        shape = _Shape("cmpl-", "text_completion", "text_completion", choice, choice)
+        return await generate(request, body, r, shape, {"prompt_token_ids": "prompt"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody, request: Request) -> Response:
+        max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        r = _text_request(body, chat_prompt(body.messages), None, getattr(body, max_field))
+
+        def chunk(d: Delta, first: bool) -> dict:
+            delta = {"role": "assistant", "content": d.text} if first else {"content": d.text}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": d.finish_reason,
+                    **_token_ids(body.return_token_ids, d.token_ids)}
+
+        def whole(d: Delta) -> dict:
+            return {"index": 0, "message": {"role": "assistant", "content": d.text}, "logprobs": None,
+                    "finish_reason": d.finish_reason, **_token_ids(body.return_token_ids, d.token_ids)}
+
+        shape = _Shape("chatcmpl-", "chat.completion", "chat.completion.chunk", chunk, whole)
+        return await generate(request, body, r, shape,
+                              {"prompt": "messages", "prompt_token_ids": "messages", "max_tokens": max_field})
 
     return app
