@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from functools import cache
 from pathlib import Path
 
@@ -47,39 +48,46 @@ def monolithic(path: Path) -> tuple[tuple[int, ...], ...]:
         return tuple(map(tuple, pool.submit(lambda: asyncio.run(run_engine(engine, PROMPTS))).result()))
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
-async def test_all_remote_mesh_matches_monolithic_and_transformers(checkpoint, tmp_path, arch) -> None:
-    path = checkpoint(arch)
-    experts = start_experts(path, ALL_REMOTE, tmp_path)
+@asynccontextmanager
+async def mesh_engine(path: Path, specs: list[str], workdir: Path, **settings):
+    """Expert-service processes for `specs` and an in-process router engine using them."""
+    experts = start_experts(path, specs, workdir)
     try:
-        engine, remotes = await build_mesh_engine(RouterSettings(checkpoint=path,
-                                                                 expert_endpoints=[e.address for e in experts]))
+        engine, remotes = await build_mesh_engine(RouterSettings(
+            checkpoint=path, expert_endpoints=[e.address for e in experts], **settings))
         try:
-            assert all(not b.local for bs in engine.model.dispatcher.placement.values() for b in bs)
-            tokens = await run_engine(engine, PROMPTS)
-            assert tuple(map(tuple, tokens)) == monolithic(path)
-
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            for prompt, generated in zip(PROMPTS, tokens):
-                ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-                assert generated == ref
-
-            cache_ = engine.model.new_cache()
-            cache_.reserve(len(PROMPTS), 64)
-            logits = await engine.model.forward(pack_step(list(enumerate(PROMPTS)), []), cache_, all_logits=True)
-            row = 0
-            for prompt in PROMPTS:
-                with torch.no_grad():
-                    ref = hf(torch.tensor([prompt])).logits[0]
-                assert (logits[row:row + len(prompt)] - ref).abs().max().item() <= 1e-4
-                row += len(prompt)
+            yield engine, experts
         finally:
             for r in remotes:
                 await r.close()
     finally:
         for e in experts:
             e.stop()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+async def test_all_remote_mesh_matches_monolithic_and_transformers(checkpoint, tmp_path, arch) -> None:
+    path = checkpoint(arch)
+    async with mesh_engine(path, ALL_REMOTE, tmp_path) as (engine, _):
+        assert all(not b.local for bs in engine.model.dispatcher.placement.values() for b in bs)
+        tokens = await run_engine(engine, PROMPTS)
+        assert tuple(map(tuple, tokens)) == monolithic(path)
+
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for prompt, generated in zip(PROMPTS, tokens):
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            assert generated == ref
+
+        cache_ = engine.model.new_cache()
+        cache_.reserve(len(PROMPTS), 64)
+        logits = await engine.model.forward(pack_step(list(enumerate(PROMPTS)), []), cache_, all_logits=True)
+        row = 0
+        for prompt in PROMPTS:
+            with torch.no_grad():
+                ref = hf(torch.tensor([prompt])).logits[0]
+            assert (logits[row:row + len(prompt)] - ref).abs().max().item() <= 1e-4
+            row += len(prompt)
 
 
 async def _stats(address: str) -> expert_pb2.ExpertStats:
@@ -91,50 +99,30 @@ async def test_mixed_placement_with_replicas_matches_monolithic(checkpoint, tmp_
     """Expert 0 colocated; layer 0 spread over three services; (0,3) and (2,7) have two replicas each."""
     path = checkpoint("qwen2_moe")
     specs = ["0:1-4", "0:3,5-7; 2:7", "1-2:1-4", "1-2:5-7"]
-    experts = start_experts(path, specs, tmp_path)
-    try:
-        settings = RouterSettings(checkpoint=path, colocate="*:0", expert_endpoints=[e.address for e in experts])
-        engine, remotes = await build_mesh_engine(settings)
-        try:
-            placement = engine.model.dispatcher.placement
-            assert [b.local for b in placement[(1, 0)]] == [True]
-            assert len(placement[(0, 3)]) == 2 and len(placement[(2, 7)]) == 2
-            assert tuple(map(tuple, await run_engine(engine, PROMPTS))) == monolithic(path)
-            calls = [(await _stats(e.address)).forward_calls for e in experts]
-            assert all(c > 0 for c in calls), calls  # every service took part, both replicas of (0,3) included
-        finally:
-            for r in remotes:
-                await r.close()
-    finally:
-        for e in experts:
-            e.stop()
+    async with mesh_engine(path, specs, tmp_path, colocate="*:0") as (engine, experts):
+        placement = engine.model.dispatcher.placement
+        assert [b.local for b in placement[(1, 0)]] == [True]
+        assert len(placement[(0, 3)]) == 2 and len(placement[(2, 7)]) == 2
+        assert tuple(map(tuple, await run_engine(engine, PROMPTS))) == monolithic(path)
+        calls = [(await _stats(e.address)).forward_calls for e in experts]
+        assert all(c > 0 for c in calls), calls  # every service took part
 
 
 async def test_unreachable_expert_fails_request_with_its_layer_and_expert(checkpoint, tmp_path) -> None:
     path = checkpoint("mixtral")
-    experts = start_experts(path, ["*:0-3", "*:4-7", "*:4-7"], tmp_path)
-    try:
-        engine, remotes = await build_mesh_engine(RouterSettings(checkpoint=path,
-                                                                 expert_endpoints=[e.address for e in experts]))
-        try:
-            experts[1].proc.kill()  # one of two replicas of experts 4-7: requests fail over and succeed
-            experts[1].proc.wait(5)
-            assert tuple(map(tuple, await run_engine(engine, PROMPTS[:2]))) == monolithic(path)[:2]
-            assert engine.model.dispatcher.failovers > 0
+    async with mesh_engine(path, ["*:0-3", "*:4-7", "*:4-7"], tmp_path) as (engine, experts):
+        experts[1].proc.kill()  # one of two replicas of experts 4-7: requests fail over and succeed
+        experts[1].proc.wait(5)
+        assert tuple(map(tuple, await run_engine(engine, PROMPTS[:2]))) == monolithic(path)[:2]
+        assert engine.model.dispatcher.failovers > 0
 
-            experts[0].proc.kill()  # the only replica of experts 0-3
-            experts[0].proc.wait(5)
-            engine.add_request("doomed", PROMPTS[1], GREEDY)
-            outputs = await engine.step()
-            [failed] = [o for o in outputs if o.request_id == "doomed"]
-            assert failed.finish_reason is FinishReason.ERROR
-            assert isinstance(failed.error, ExpertUnavailableError)
-            assert re.search(r"layer \d+ expert\(s\) [0-3]", str(failed.error)), str(failed.error)
-            assert experts[0].address in str(failed.error)
-            assert not engine.running and not engine.has_unfinished()  # the slot was freed
-        finally:
-            for r in remotes:
-                await r.close()
-    finally:
-        for e in experts:
-            e.stop()
+        experts[0].proc.kill()  # the only replica of experts 0-3
+        experts[0].proc.wait(5)
+        engine.add_request("doomed", PROMPTS[1], GREEDY)
+        outputs = await engine.step()
+        [failed] = [o for o in outputs if o.request_id == "doomed"]
+        assert failed.finish_reason is FinishReason.ERROR
+        assert isinstance(failed.error, ExpertUnavailableError)
+        assert re.search(r"layer \d+ expert\(s\) [0-3]", str(failed.error)), str(failed.error)
+        assert experts[0].address in str(failed.error)
+        assert not engine.running and not engine.has_unfinished()  # the slot was freed
