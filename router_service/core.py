@@ -7,15 +7,11 @@ passed) aborts the request, which frees its batch slot and KV cache at the next 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from common.errors import MoeMeshError
 from router_service.engine import Engine, FinishReason, StepOutput
 from router_service.sampling import SamplingParams
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,11 +78,7 @@ class RouterCore:
             await self._work.wait()
             self._work.clear()
             while self.engine.has_unfinished():
-                try:
-                    outputs = await self.engine.step()
-                except MoeMeshError:  # a bug in the engine: keep serving other requests
-                    log.exception("engine step failed")
-                    continue
+                outputs = await self.engine.step()
                 self.steps += 1
                 for out in outputs:
                     queue = self._queues.get(out.request_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import random
 from dataclasses import dataclass, field
 from enum import Enum
@@ -20,6 +21,8 @@ from common.errors import CapacityError, InvalidArgumentError, MoeMeshError
 from router_service.model import MoeModel, pack_step
 from router_service.sampling import SamplingParams, sample
 from router_service.settings import RouterSettings
+
+log = logging.getLogger(__name__)
 
 
 class FinishReason(str, Enum):
@@ -148,6 +151,9 @@ class Engine:
             logits = await self.model.forward(batch, self.cache)  # [sequences, vocab]
         except MoeMeshError as e:
             return outputs + self._fail(prefills + decodes, e)
+        except Exception as e:  # a bug or a torch error: fail this step's requests, keep the engine serving
+            log.exception("forward pass failed")
+            return outputs + self._fail(prefills + decodes, MoeMeshError(f"internal error in the forward pass: {e!r}"))
         finally:
             self._stepping = False
         finished: list[Sequence] = []

@@ -132,3 +132,23 @@ def test_duplicate_request_id_is_rejected(engine: Engine) -> None:
     with pytest.raises(InvalidArgumentError, match="request_id"):
         engine.add_request("same", PROMPT, GREEDY)
     assert collect(engine)["same"][1] is FinishReason.LENGTH
+
+
+def test_a_failing_forward_pass_fails_that_steps_requests_and_the_engine_keeps_serving(engine: Engine) -> None:
+    real = engine.model.forward
+    calls = 0
+
+    async def broken(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("simulated kernel failure")
+        return await real(*args, **kwargs)
+
+    engine.model.forward = broken
+    engine.add_request("a", PROMPT, GREEDY)
+    out = collect(engine)
+    assert out["a"][1] is FinishReason.ERROR
+    assert not engine.running and not engine.has_unfinished()
+    engine.model.forward = real
+    assert generate(engine, GREEDY)[1] is FinishReason.LENGTH
