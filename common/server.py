@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +86,13 @@ class GrpcServer:
         for hook in self.on_stop:
             await hook()
         await server.stop(self.grace_s)
+
+
+def advertised_host(bind_host: str, advertise: str | None = None) -> str:
+    """The address others should dial: explicit, else the bind host, else (all interfaces) the hostname."""
+    if advertise:
+        return advertise
+    return socket.gethostname() if bind_host in ("0.0.0.0", "::", "") else bind_host
 
 
 def write_ready_file(path: Path, info: dict[str, Any]) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.placement import format_experts
-from common.server import GrpcServer, Service, serve_until_signal
+from common.registry import EXPERT_SERVICE, Instance, open_registry, registration_hooks
+from common.server import GrpcServer, Service, advertised_host, serve_until_signal
 from expert_service.core import ExpertHost
 from expert_service.servicer import ExpertServicer
 from expert_service.settings import ExpertSettings
@@ -20,6 +21,16 @@ def build_server(settings: ExpertSettings) -> tuple[GrpcServer, ExpertHost]:
     service = Service(SERVICE_NAME, expert_pb2_grpc.add_ExpertServiceServicer_to_server, ExpertServicer(host))
     server = GrpcServer(services=[service], host=settings.host, port=settings.port,
                         max_message_bytes=settings.max_message_bytes, grace_s=settings.grace_s)
+
+    def instance() -> Instance:
+        address = advertised_host(settings.host, settings.advertise_host)
+        return Instance(EXPERT_SERVICE, f"expert-{address}-{server.bound_port}", address, server.bound_port,
+                        tags=("moe-mesh", f"model:{host.model_id}"),
+                        meta={"model_id": host.model_id, "weights_checksum": host.weights_checksum,
+                              "experts": format_experts(host.experts), "region": settings.region,
+                              "dtype": settings.dtype, "fast_path": ""})
+
+    registration_hooks(server, open_registry(settings.registry, settings.registry_address), instance)
     return server, host
 
 

@@ -32,5 +32,10 @@ class ExpertSettings(BaseSettings):
     compute_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; unset keeps "
                                         "torch's default (all cores). Set it when several services share a "
                                         "host: oversubscribed OpenMP threads spin and slow everyone down")
+    registry: Literal["none", "consul"] = Field("none", description="where to register: 'consul' (an agent, "
+                                                "or the embedded registry of `moe-mesh up`) or 'none'")
+    registry_address: str | None = Field(None, description="Consul HTTP address; default CONSUL_HTTP_ADDR")
+    advertise_host: str | None = Field(None, description="address registered for routers to dial; default "
+                                       "the bind host, or the hostname when binding all interfaces")
     region: str = Field("", description="region reported to routers (which prefer same-region experts)")
     grace_s: float = Field(10.0, ge=0.0, description="on stop, how long in-flight calls may finish, in seconds")

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from common.errors import UnavailableError
+from common.errors import InvalidArgumentError, UnavailableError
+from common.registry import ROUTER_SERVICE, Membership, Registry, open_registry
 from common.server import GrpcServer, Service
 from common.tokenizer import Tokenizer
 from gateway.core import GatewayCore, ModelInfo
@@ -43,9 +44,15 @@ class GatewayApp:
                                                     log_level="warning", lifespan="off", loop="none",
                                                     timeout_graceful_shutdown=max(1, round(settings.grace_s))))
         self._http_task: asyncio.Task | None = None
+        self._follow_task: asyncio.Task | None = None
 
     @classmethod
     async def create(cls, settings: GatewaySettings) -> GatewayApp:
+        registry = open_registry(settings.registry, settings.registry_address)
+        if registry is not None:
+            return await cls._create_following(settings, registry)
+        if not settings.routers:
+            raise InvalidArgumentError("routers", "give at least one router address, or registry='consul'")
         routers = [RouterClient(a, settings.max_message_bytes) for a in settings.routers]
         try:
             statuses = await asyncio.gather(*(r.status(settings.connect_timeout_s) for r in routers))
@@ -58,6 +65,29 @@ class GatewayApp:
         st = statuses[0]
         model = ModelInfo(st.model_id, st.architecture, st.max_model_len, st.vocab_size)
         return cls(settings, GatewayCore(settings, Tokenizer(settings.checkpoint), routers, model), routers)
+
+    @classmethod
+    async def _create_following(cls, settings: GatewaySettings, registry: Registry) -> GatewayApp:
+        """Routers come and go with the registry; start once one is there and answers Status."""
+        watch = registry.watch(ROUTER_SERVICE)
+        first = await asyncio.wait_for(_first_nonempty(watch), settings.connect_timeout_s)
+        clients = {i.id: RouterClient(i.endpoint, settings.max_message_bytes) for i in first.instances}
+        st = await next(iter(clients.values())).status(settings.connect_timeout_s)
+        model = ModelInfo(st.model_id, st.architecture, st.max_model_len, st.vocab_size)
+        app = cls(settings, GatewayCore(settings, Tokenizer(settings.checkpoint), list(clients.values()), model), [])
+
+        async def follow() -> None:
+            async for m in watch:
+                current = {i.id: i for i in m.instances if i.meta.get("model_id") == model.id}
+                for gone in set(clients) - set(current):
+                    clients.pop(gone)  # in-flight streams keep their channel until they end
+                for new in set(current) - set(clients):
+                    clients[new] = RouterClient(current[new].endpoint, settings.max_message_bytes)
+                app.core.routers = list(clients.values())
+
+        app._follow_task = asyncio.create_task(follow(), name="router-membership")
+        app.grpc.on_stop.append(registry.close)
+        return app
 
     @property
     def http_address(self) -> str:
@@ -83,4 +113,14 @@ class GatewayApp:
 
     async def stop(self) -> None:
         await self.grpc.stop()
+        if self._follow_task is not None:
+            self._follow_task.cancel()
+            await asyncio.gather(self._follow_task, return_exceptions=True)
         await asyncio.gather(*(r.close() for r in self.routers))
+
+
+async def _first_nonempty(watch) -> Membership:
+    async for m in watch:
+        if m.instances:
+            return m
+    raise UnavailableError("registry watch ended")

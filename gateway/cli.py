@@ -12,8 +12,12 @@ from common.errors import MoeMeshError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, type=Path, help="checkpoint directory (for the tokenizer)")
-    p.add_argument("--router", dest="routers", action="append", required=True, metavar="HOST:PORT",
+    p.add_argument("--router", dest="routers", action="append", default=[], metavar="HOST:PORT",
                    help="a router replica (repeatable); requests go to the one with the fewest in flight")
+    p.add_argument("--registry", default="none", choices=["none", "consul"],
+                   help="'consul': follow router replicas live through Consul (CONSUL_HTTP_ADDR) or the "
+                        "embedded registry of `moe-mesh up`")
+    p.add_argument("--registry-address", default=None, help="Consul HTTP address (default CONSUL_HTTP_ADDR)")
     p.add_argument("--host", default="127.0.0.1", help="address both APIs bind (default 127.0.0.1)")
     p.add_argument("--grpc-port", type=int, default=0, help="public gRPC port; 0 picks a free one")
     p.add_argument("--http-port", type=int, default=0, help="OpenAI-compatible HTTP port; 0 picks a free one")

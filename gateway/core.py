@@ -191,6 +191,8 @@ class GatewayCore:
         """Least outstanding streams; ties rotate so idle replicas share the load."""
         self._turn += 1
         n = len(self.routers)
+        if not n:
+            raise UnavailableError("no router replica is available")
         return min((self.routers[(self._turn + i) % n] for i in range(n)), key=lambda b: b.outstanding)
 
     async def _stream(self, request: router_pb2.RouterGenerateRequest, stop: list[str],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -14,7 +15,11 @@ class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MOE_GATEWAY_", extra="forbid")
 
     checkpoint: Path = Field(..., description="checkpoint directory (the gateway reads only its tokenizer)")
-    routers: list[str] = Field(..., min_length=1, description="host:port of router replicas")
+    routers: list[str] = Field(default_factory=list, description="host:port of router replicas (with "
+                               "registry='none')")
+    registry: Literal["none", "consul"] = Field("none", description="'consul': follow router replicas live "
+                                                "through Consul or `moe-mesh up`'s embedded registry")
+    registry_address: str | None = Field(None, description="Consul HTTP address; default CONSUL_HTTP_ADDR")
     host: str = Field("127.0.0.1", description="address both APIs bind")
     grpc_port: int = Field(0, ge=0, le=65535, description="public gRPC port; 0 picks a free one")
     http_port: int = Field(0, ge=0, le=65535, description="OpenAI-compatible HTTP port; 0 picks a free one")

@@ -133,6 +133,33 @@ def _run_up(args: argparse.Namespace) -> int:
                   run_dir, gateway_args, router_args)
 
 
+def _add_scale(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("scale", help="add or remove expert-service processes of a running local mesh",
+                              description="Run exactly --replicas expert-service processes serving --experts "
+                                          "in a mesh started by `moe-mesh up` (0 removes them).")
+    p.add_argument("--ready-file", type=Path, required=True, help="the file `moe-mesh up --ready-file` wrote")
+    p.add_argument("--experts", required=True, help="expert spec of the group, e.g. '*:0-1'")
+    p.add_argument("--replicas", type=int, required=True, help="processes that should serve it (>= 0)")
+    p.set_defaults(func=_run_scale)
+
+
+def _run_scale(args: argparse.Namespace) -> int:
+    import socket
+
+    if not args.ready_file.exists():
+        print(f"moe-mesh scale: error: {args.ready_file} does not exist (is the mesh up?)", file=sys.stderr)
+        return 2
+    host, _, port = json.loads(args.ready_file.read_text())["control"].rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=300) as conn:
+        conn.sendall((json.dumps({"experts": args.experts, "replicas": args.replicas}) + "\n").encode())
+        reply = json.loads(conn.makefile().readline())
+    if "error" in reply:
+        print(f"moe-mesh scale: error: {reply['error']}", file=sys.stderr)
+        return 2
+    print(json.dumps(reply))
+    return 0
+
+
 def _add_status(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("status", help="health, experts and load of a running mesh",
                               description="Query every service of a mesh started by `moe-mesh up`.")
@@ -159,7 +186,7 @@ def _run_status(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from expert_service import cli as expert_cli
     from gateway import cli as gateway_cli
-    from moe_mesh import create_checkpoint
+    from moe_mesh import create_checkpoint, deploy
     from router_service import cli as router_cli
 
     parser = argparse.ArgumentParser(prog="moe-mesh", description="Serve sparse MoE language models as a gRPC mesh.")
@@ -171,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     gateway_cli.add_subcommand(subparsers)
     _add_up(subparsers)
     _add_status(subparsers)
+    _add_scale(subparsers)
+    deploy.add_subcommand(subparsers)
+    deploy.add_probe_subcommand(subparsers)
     return parser
 
 

@@ -19,7 +19,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 PRESETS = ("tiny", "small")
@@ -102,6 +105,8 @@ def _config_kwargs(arch: str, p: Mapping[str, Any], vocab: int) -> dict[str, Any
 
 def _apply_router_skew(model: torch.nn.Module, skew: float, seed: int) -> None:
     """Give each MoE layer a Zipf-shaped per-expert gate bias of ``skew`` gate-logit standard deviations."""
+    import torch
+
     sigma = model.config.initializer_range
     gen = torch.Generator().manual_seed(seed)  # separate stream: must not disturb or depend on init order
     gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]  # dense layers have none
@@ -149,6 +154,7 @@ _ROLE = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj":
 
 def _fuse_experts(out_dir: Path, progress: bool) -> None:
     """Rewrite per-expert tensors as transformers v5 fused ``experts.gate_up_proj`` / ``experts.down_proj``."""
+    import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -236,6 +242,7 @@ def create_checkpoint(out_dir: Path, arch: str, preset: str = "tiny", *, seed: i
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"output directory {out_dir} already exists and is not empty")
 
+    import torch  # here, not at module level: `moe-mesh probe` and friends must start fast
     import transformers
     from tokenizers import Tokenizer
     from transformers.utils import logging as hf_logging

@@ -1,24 +1,31 @@
 """`moe-mesh up`: a whole mesh on this machine, every service its own process on loopback.
 
-Expert services start first (experts split into groups by index, each group replicated), then
-routers pointed at them, then the gateway pointed at the routers. Each child writes a ready file
-once it serves; the launcher waits for all (bounded), prints the endpoints, writes them as JSON,
-and then watches: a child that exits is reported at once. Ctrl-C / SIGTERM stops everything,
-gateway first, experts last, each with SIGTERM (graceful drain) and SIGKILL after a timeout.
+The launcher hosts the embedded registry (a Consul-compatible server, no external process) on a
+background event loop; every child registers in it or follows it. Expert services start first
+(experts split into groups by index, each group replicated), then routers, which discover the
+expert services live, then the gateway, which discovers the routers. Each child writes a ready
+file once it serves; the launcher waits for all (bounded), prints the endpoints, writes them as
+JSON, and then watches: a child that exits is reported at once. `moe-mesh scale` asks the
+launcher's loopback control endpoint to add or remove expert-service processes. Ctrl-C / SIGTERM
+stops everything, gateway first, experts last, each with SIGTERM (graceful drain) and SIGKILL
+after a timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.arch import load_spec
+from common.placement import format_experts, parse_experts
 
 READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 20.0
@@ -32,6 +39,7 @@ class Child:
     ready_file: Path
     log_path: Path
     info: dict = field(default_factory=dict)
+    retired: bool = False  # stopped on purpose by `moe-mesh scale`: its exit is not news
 
     def describe(self) -> str:
         return f"{self.name} (pid {self.proc.pid}, log {self.log_path})"
@@ -51,17 +59,80 @@ class Launcher:
         self.expert_services, self.replicas, self.routers = expert_services, replicas, routers
         self.gateway_args, self.router_args = gateway_args, router_args
         self.children: list[Child] = []
+        self.spec = load_spec(checkpoint)
+        self._lock = threading.Lock()  # children change from the control endpoint's thread too
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="launcher-loop", daemon=True)
+        self._registry = None
+        self.registry_address = ""
+        self.control_address = ""
+        self._threads = "1"
+        self._serial = 0
         run_dir.mkdir(parents=True, exist_ok=True)
+
+    def _on_loop(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
+
+    async def _start_services(self) -> tuple[str, str]:
+        from common.registry.embedded import EmbeddedConsul
+
+        self._registry = EmbeddedConsul()
+        registry = await self._registry.start()
+        control = await asyncio.start_server(self._control, "127.0.0.1", 0)
+        host, port = control.sockets[0].getsockname()[:2]
+        return registry, f"{host}:{port}"
+
+    async def _control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One JSON line in ({"experts": SPEC, "replicas": N}), one JSON line out."""
+        try:
+            request = json.loads(await reader.readline())
+            reply = await asyncio.to_thread(self.scale, request["experts"], int(request["replicas"]))
+        except Exception as e:  # a bad request must not take the launcher down
+            reply = {"error": str(e)}
+        writer.write((json.dumps(reply) + "\n").encode())
+        await writer.drain()
+        writer.close()
+
+    def _expert_child(self, spec: str) -> Child:
+        self._serial += 1
+        return self._spawn("expert", f"expert-{self._serial}", "expert_service",
+                           ["--checkpoint", str(self.checkpoint), "--experts", spec, "--compute-threads",
+                            self._threads, "--registry", "consul"])
+
+    def scale(self, experts: str, replicas: int) -> dict:
+        """Run exactly `replicas` expert-service processes serving `experts` (0 removes them all)."""
+        if replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {replicas}")
+        want = format_experts(parse_experts(experts, self.spec))
+        with self._lock:
+            serving = [c for c in self.children if c.role == "expert" and c.proc.poll() is None
+                       and c.info.get("experts") == want]
+        added = [self._expert_child(experts) for _ in range(replicas - len(serving))]
+        self._wait_ready(added)
+        removed = serving[replicas:] if replicas < len(serving) else []
+        for c in removed:
+            c.retired = True
+            c.proc.send_signal(signal.SIGTERM)  # graceful: deregister, drain, exit
+        for c in removed:
+            c.proc.wait(STOP_TIMEOUT_S)
+        return {"experts": want, "replicas": replicas, "added": [c.info["address"] for c in added],
+                "removed": [c.info["address"] for c in removed]}
+
+    def stop_registry(self) -> None:
+        """Stop the embedded registry (services keep serving from their last known membership)."""
+        self._on_loop(self._registry.stop())
 
     def _spawn(self, role: str, name: str, module: str, args: list[str]) -> Child:
         ready = self.run_dir / f"{name}.ready.json"
         ready.unlink(missing_ok=True)
         log_path = self.run_dir / f"{name}.log"
+        env = {**os.environ, "CONSUL_HTTP_ADDR": self.registry_address}
         with open(log_path, "w") as log:
             proc = subprocess.Popen([sys.executable, "-m", module, *args, "--ready-file", str(ready)],
-                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         child = Child(role, name, proc, ready, log_path)
-        self.children.append(child)
+        with self._lock:
+            self.children.append(child)
         return child
 
     def _wait_ready(self, children: list[Child]) -> None:
@@ -80,26 +151,22 @@ class Launcher:
             time.sleep(0.05)
 
     def start(self) -> dict:
-        spec = load_spec(self.checkpoint)
-        groups = expert_groups(spec.num_experts, self.expert_services)
+        self._thread.start()
+        self.registry_address, self.control_address = self._on_loop(self._start_services())
+        groups = expert_groups(self.spec.num_experts, self.expert_services)
         total = len(groups) * self.replicas + self.routers
         # Share the cores instead of every process assuming it owns them all (see common/runtime.py).
-        threads = str(max(1, (os.cpu_count() or 1) // total))
-        ckpt = ["--checkpoint", str(self.checkpoint)]
-        experts = [self._spawn("expert", f"expert-{g}-{r}", "expert_service",
-                               [*ckpt, "--experts", spec_, "--compute-threads", threads])
-                   for g, spec_ in enumerate(groups) for r in range(self.replicas)]
-        print(f"==> starting {len(experts)} expert services ({len(groups)} groups x {self.replicas} replicas)",
-              flush=True)
+        self._threads = str(max(1, (os.cpu_count() or 1) // total))
+        ckpt = ["--checkpoint", str(self.checkpoint), "--registry", "consul"]
+        experts = [self._expert_child(g) for g in groups for _ in range(self.replicas)]
+        print(f"==> embedded registry on {self.registry_address}; starting {len(experts)} expert services "
+              f"({len(groups)} groups x {self.replicas} replicas)", flush=True)
         self._wait_ready(experts)
-        expert_flags = [f for c in experts for f in ("--expert", c.info["address"])]
-        routers = [self._spawn("router", f"router-{i}", "router_service",
-                               [*ckpt, *expert_flags, *self.router_args]) for i in range(self.routers)]
+        routers = [self._spawn("router", f"router-{i}", "router_service", [*ckpt, *self.router_args])
+                   for i in range(self.routers)]
         print(f"==> starting {len(routers)} router(s)", flush=True)
         self._wait_ready(routers)
-        gateway = self._spawn("gateway", "gateway", "gateway",
-                              [*ckpt, *(f for c in routers for f in ("--router", c.info["address"])),
-                               *self.gateway_args])
+        gateway = self._spawn("gateway", "gateway", "gateway", [*ckpt, *self.gateway_args])
         print("==> starting the gateway", flush=True)
         self._wait_ready([gateway])
         return {
@@ -108,20 +175,22 @@ class Launcher:
             "experts": [{"address": c.info["address"], "experts": c.info.get("experts", ""), "pid": c.proc.pid}
                         for c in experts],
             "pids": {c.name: c.proc.pid for c in self.children}, "run_dir": str(self.run_dir),
-            "checkpoint": str(self.checkpoint),
+            "checkpoint": str(self.checkpoint), "registry": self.registry_address, "control": self.control_address,
         }
 
     def watch(self, stop: list[bool]) -> None:
         """Report children that exit; return when asked to stop or when the gateway or every router is gone."""
         reported: set[str] = set()
         while not stop[0]:
-            for c in self.children:
-                if c.name not in reported and c.proc.poll() is not None:
+            with self._lock:
+                children = list(self.children)
+            for c in children:
+                if c.name not in reported and not c.retired and c.proc.poll() is not None:
                     reported.add(c.name)
                     print(f"!!> {c.role} {c.describe()} exited with code {c.proc.returncode}:\n{_tail(c.log_path)}",
                           file=sys.stderr, flush=True)
-            gone = {c.role for c in self.children if c.proc.poll() is not None}
-            if "gateway" in gone or all(c.proc.poll() is not None for c in self.children if c.role == "router"):
+            gone = {c.role for c in children if c.proc.poll() is not None and not c.retired}
+            if "gateway" in gone or all(c.proc.poll() is not None for c in children if c.role == "router"):
                 print("!!> the mesh cannot serve any more; stopping", file=sys.stderr, flush=True)
                 return
             time.sleep(0.2)
@@ -138,6 +207,11 @@ class Launcher:
                     print(f"!!> {c.describe()} did not stop in {STOP_TIMEOUT_S:.0f}s; killing it", file=sys.stderr)
                     c.proc.kill()
                     c.proc.wait()
+        if self._thread.is_alive():
+            if self._registry is not None:
+                self._on_loop(self._registry.stop())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
 
 
 def _tail(path: Path, lines: int = 15) -> str:

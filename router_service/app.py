@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from common.server import GrpcServer, Service
+from common.registry import ROUTER_SERVICE, Instance, open_registry, registration_hooks
+from common.server import GrpcServer, Service, advertised_host
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
-from router_service.build import build_mesh_engine, default_model_id
+from router_service.build import build_mesh_engine, build_registry_engine, default_model_id
 from router_service.core import RouterCore
 from router_service.servicer import RouterServicer
 from router_service.settings import RouterSettings
@@ -17,18 +18,31 @@ SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 class RouterApp:
     """A running router: `await RouterApp.create(settings)`, `await app.start()`, `await app.stop()`."""
 
-    def __init__(self, settings: RouterSettings, core: RouterCore, remotes: list) -> None:
-        self.settings, self.core, self.remotes = settings, core, remotes
+    def __init__(self, settings: RouterSettings, core: RouterCore, remotes: list, membership=None) -> None:
+        self.settings, self.core, self.remotes, self.membership = settings, core, remotes, membership
         self.server = GrpcServer([Service(SERVICE_NAME, router_pb2_grpc.add_RouterServiceServicer_to_server,
                                           RouterServicer(core))],
                                  host=settings.host, port=settings.port,
                                  max_message_bytes=settings.max_message_bytes, grace_s=settings.grace_s)
 
+        def instance() -> Instance:
+            address = advertised_host(settings.host, settings.advertise_host)
+            return Instance(ROUTER_SERVICE, f"router-{address}-{self.server.bound_port}", address,
+                            self.server.bound_port, tags=("moe-mesh",), meta={"model_id": core.model_id})
+
+        registration_hooks(self.server, open_registry(settings.registry, settings.registry_address), instance)
+
     @classmethod
     async def create(cls, settings: RouterSettings) -> RouterApp:
-        engine, remotes = await build_mesh_engine(settings)
         model_id = settings.model_id or default_model_id(settings.checkpoint)
-        return cls(settings, RouterCore(engine, model_id), remotes)
+        registry = open_registry(settings.registry, settings.registry_address)
+        if registry is None:
+            engine, remotes = await build_mesh_engine(settings)
+            return cls(settings, RouterCore(engine, model_id), remotes)
+        engine, membership = await build_registry_engine(settings, registry)
+        core = RouterCore(engine, model_id)
+        core.membership = membership
+        return cls(settings, core, [], membership)
 
     async def start(self) -> str:
         self.core.start()
@@ -37,4 +51,6 @@ class RouterApp:
     async def stop(self) -> None:
         await self.server.stop()
         await self.core.stop()
+        if self.membership is not None:
+            await self.membership.stop()
         await asyncio.gather(*(r.close() for r in self.remotes))

@@ -16,6 +16,8 @@ from common.errors import PreconditionError
 from common.placement import format_experts, parse_experts
 from router_service.engine import Engine
 from router_service.experts import ColocatedExperts, ExpertBackend, ExpertDispatcher, Placement
+from common.registry import Membership, Registry
+from router_service.membership import ExpertMembership
 from router_service.model import MoeModel
 from router_service.remote import Identity, RemoteExperts, connect
 from router_service.settings import RouterSettings
@@ -49,6 +51,20 @@ def build_local_engine(settings: RouterSettings) -> Engine:
         raise ValueError("settings.checkpoint is required")
     checkpoint = Checkpoint(settings.checkpoint, dtype=compute_dtype(settings.dtype))
     return Engine(build_model(checkpoint, settings), settings)
+
+
+async def build_registry_engine(settings: RouterSettings, registry: Registry) -> tuple[Engine, ExpertMembership]:
+    """An engine whose remote experts follow the registry live; waits until every expert is placed."""
+    checkpoint = Checkpoint(settings.checkpoint, dtype=compute_dtype(settings.dtype))
+    identity = Identity(settings.model_id or default_model_id(settings.checkpoint), checkpoint.fingerprint())
+    colocated_pairs = parse_experts(settings.colocate, checkpoint.spec) if settings.colocate else []
+    local = ColocatedExperts(checkpoint.load_experts(colocated_pairs)) if colocated_pairs else None
+    model = build_model(checkpoint, settings, placement={})
+    membership = ExpertMembership(checkpoint.spec, identity, model.dispatcher, local, settings.max_message_bytes)
+    if local is not None:
+        membership.apply(Membership((), 0))
+    await membership.start(registry, settings.connect_timeout_s)
+    return Engine(model, settings), membership
 
 
 async def build_mesh_engine(settings: RouterSettings) -> tuple[Engine, list[RemoteExperts]]:

@@ -14,6 +14,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, type=Path, help="HuggingFace-layout checkpoint directory")
     p.add_argument("--expert", dest="expert_endpoints", action="append", default=[], metavar="HOST:PORT",
                    help="an expert service to use (repeatable); what it serves is learned from its Describe RPC")
+    p.add_argument("--registry", default="none", choices=["none", "consul"],
+                   help="'consul': follow expert services live through Consul (CONSUL_HTTP_ADDR) or the "
+                        "embedded registry of `moe-mesh up`, and register this router")
+    p.add_argument("--registry-address", default=None, help="Consul HTTP address (default CONSUL_HTTP_ADDR)")
+    p.add_argument("--advertise-host", default=None, help="address registered for gateways to dial")
     p.add_argument("--colocate", default="", help="expert spec computed in the router, e.g. '*:0,1' "
                    "(default: none when --expert is given, else every expert)")
     p.add_argument("--model-id", default=None, help="model id shared with expert services (default: checkpoint dir name)")

@@ -23,12 +23,14 @@ class RouterStatus:
     tokens_routed: list[list[int]]  # [layers][experts]
     failovers: int
     placement: dict[str, list[tuple[int, int]]]  # "colocated" or address -> pairs it serves
+    registry_stale: bool  # running on the last known membership: the registry is unreachable
 
 
 class RouterCore:
     def __init__(self, engine: Engine, model_id: str) -> None:
         self.engine = engine
         self.model_id = model_id
+        self.membership = None  # set when expert services come from a registry
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._work = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -49,7 +51,8 @@ class RouterCore:
             for backend in replicas:
                 placement.setdefault("colocated" if backend.local else backend.address, []).append(pair)
         return RouterStatus(self.model_id, len(self.engine.running), self.engine.num_waiting, self.steps,
-                            dispatcher.tokens_routed.tolist(), dispatcher.failovers, placement)
+                            dispatcher.tokens_routed.tolist(), dispatcher.failovers, placement,
+                            bool(self.membership is not None and self.membership.stale))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, deadline: float | None = None) -> AsyncIterator[StepOutput]:

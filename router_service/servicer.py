@@ -48,4 +48,4 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             num_layers=spec.num_layers, num_experts=spec.num_experts,
             tokens_routed=[n for row in st.tokens_routed for n in row], failovers=st.failovers,
             placement=[router_pb2.ExpertPlacement(backend=b, experts=format_experts(pairs))
-                       for b, pairs in st.placement.items()])
+                       for b, pairs in st.placement.items()], registry_stale=st.registry_stale)

@@ -29,6 +29,11 @@ class RouterSettings(BaseSettings):
     # expert placement
     expert_endpoints: list[str] = Field(default_factory=list, description="host:port of expert services; what "
                                         "each serves is learned from its Describe RPC")
+    registry: Literal["none", "consul"] = Field("none", description="'consul': discover expert services live "
+                                                "(and register this router) through Consul or `moe-mesh up`'s "
+                                                "embedded registry; 'none': use expert_endpoints")
+    registry_address: str | None = Field(None, description="Consul HTTP address; default CONSUL_HTTP_ADDR")
+    advertise_host: str | None = Field(None, description="address registered for gateways to dial")
     colocate: str = Field("", description="expert spec computed in the router process (e.g. '*:0,1'); "
                           "with no expert_endpoints every expert is colocated")
     expert_timeout_s: float = Field(30.0, gt=0, description="upper bound of one expert call when the request "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
+from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, inference_pb2, inference_pb2_grpc
 from test_cli import moe_mesh
 from test_mesh import PROMPTS, monolithic
 
@@ -28,6 +28,12 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+async def _forward_calls(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await expert_pb2_grpc.ExpertServiceStub(channel).Describe(expert_pb2.DescribeRequest(), timeout=5)
+        return reply.stats.forward_calls
 
 
 def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(checkpoint, tmp_path) -> None:
@@ -73,6 +79,21 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(c
         assert "exited with code -9" in (tmp_path / "up.log").read_text()
         first = asyncio.run(generate_all())[0]
         assert first and tuple(first) == monolithic(path)[0][:len(first)]
+
+        # Scale a group up: the new replica registers and takes traffic; then down to one, gracefully.
+        group = mesh["experts"][2]["experts"]
+        grown = moe_mesh("scale", "--ready-file", ready, "--experts", group, "--replicas", "3")
+        assert grown.returncode == 0, grown.stderr
+        [new] = json.loads(grown.stdout)["added"]
+        for _ in range(3):
+            asyncio.run(generate_all())
+        assert asyncio.run(_forward_calls(new)) > 0
+        shrunk = moe_mesh("scale", "--ready-file", ready, "--experts", group, "--replicas", "1")
+        assert shrunk.returncode == 0 and len(json.loads(shrunk.stdout)["removed"]) == 2, shrunk.stderr
+        assert asyncio.run(generate_all())[1]
+        assert "exited with code 0" not in (tmp_path / "up.log").read_text()  # retired on purpose: not reported
+        bad = moe_mesh("scale", "--ready-file", ready, "--experts", "9:0", "--replicas", "1")
+        assert bad.returncode == 2 and "layer" in bad.stderr
 
         up.send_signal(signal.SIGTERM)
         assert up.wait(60) == 0

@@ -73,7 +73,7 @@ class ExpertPlacement(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., experts: _Optional[str] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "running", "waiting", "steps", "num_layers", "num_experts", "tokens_routed", "failovers", "placement")
+    __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "running", "waiting", "steps", "num_layers", "num_experts", "tokens_routed", "failovers", "placement", "registry_stale")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class RouterStatus(_message.Message):
     TOKENS_ROUTED_FIELD_NUMBER: _ClassVar[int]
     FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    REGISTRY_STALE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -98,4 +99,5 @@ class RouterStatus(_message.Message):
     tokens_routed: _containers.RepeatedScalarFieldContainer[int]
     failovers: int
     placement: _containers.RepeatedCompositeFieldContainer[ExpertPlacement]
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., tokens_routed: _Optional[_Iterable[int]] = ..., failovers: _Optional[int] = ..., placement: _Optional[_Iterable[_Union[ExpertPlacement, _Mapping]]] = ...) -> None: ...
+    registry_stale: bool
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., tokens_routed: _Optional[_Iterable[int]] = ..., failovers: _Optional[int] = ..., placement: _Optional[_Iterable[_Union[ExpertPlacement, _Mapping]]] = ..., registry_stale: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,123 @@
+"""Service discovery: the Registry protocol and the records services publish.
+
+Expert services register themselves (with their experts, model id, weights checksum and region in
+`meta`) and deregister on shutdown; routers watch expert services and gateways watch routers.
+Implementations: `consul.ConsulRegistry` (a real Consul agent, or the embedded Consul-compatible
+server `embedded.EmbeddedConsul` that `moe-mesh up` runs) and `memory.MemoryRegistry` (in-process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from common.errors import MoeMeshError
+
+EXPERT_SERVICE = "moe-mesh-expert"
+ROUTER_SERVICE = "moe-mesh-router"
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One registered service instance."""
+
+    service: str  # EXPERT_SERVICE or ROUTER_SERVICE
+    id: str  # unique per instance, stable for its lifetime
+    host: str
+    port: int
+    tags: tuple[str, ...] = ()
+    meta: Mapping[str, str] = field(default_factory=dict)  # model_id, weights_checksum, experts, region, fast_path
+
+    @property
+    def endpoint(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Membership:
+    """A snapshot of the passing instances of a service.
+
+    `stale` is True when the registry could not be reached: `instances` is then the last known
+    membership, which callers keep serving from.
+    """
+
+    instances: tuple[Instance, ...]
+    index: int
+    stale: bool = False
+
+
+class Registry(Protocol):
+    async def register(self, instance: Instance, check_interval_s: float = 2.0,
+                       deregister_critical_after_s: float = 30.0) -> None:
+        """Register `instance` with a gRPC health check against its endpoint."""
+
+    async def deregister(self, instance_id: str) -> None: ...
+
+    def watch(self, service: str) -> AsyncIterator[Membership]:
+        """Yield the current passing membership at once, then again on every change (blocking queries).
+
+        Never ends by itself and never raises on registry errors: it backs off with jitter and
+        yields the last known membership with `stale=True` while the registry is unreachable.
+        """
+
+    async def close(self) -> None: ...
+
+
+def open_registry(kind: str, address: str | None = None) -> Registry | None:
+    """The registry a service was configured with: None for "none", else a Consul client
+    (a real agent or `moe-mesh up`'s embedded one; address defaults to CONSUL_HTTP_ADDR)."""
+    if kind == "none":
+        return None
+    if kind == "consul":
+        from common.registry.consul import ConsulRegistry
+
+        return ConsulRegistry(address)
+    raise ValueError(f"unknown registry {kind!r}; expected 'none' or 'consul'")
+
+
+REFRESH_S = 10.0
+
+
+def registration_hooks(server, registry: Registry | None, make_instance, refresh_s: float = REFRESH_S):
+    """Attach register-on-ready / deregister-on-stop to a common.server.GrpcServer.
+
+    The registration is repeated every `refresh_s` (registering is idempotent), so a registry that
+    restarted and forgot its services learns this one again without a restart here.
+    """
+    if registry is None:
+        return
+    state: dict = {}
+    log = logging.getLogger(__name__)
+
+    async def refresh() -> None:
+        while True:
+            await asyncio.sleep(refresh_s)
+            try:
+                await registry.register(state["instance"])
+            except MoeMeshError as e:
+                log.warning("could not refresh the registration: %s", e)
+
+    async def register() -> None:
+        state["instance"] = make_instance()
+        await registry.register(state["instance"])
+        state["task"] = asyncio.create_task(refresh(), name="registry-refresh")
+
+    async def deregister() -> None:
+        if "task" in state:
+            state["task"].cancel()
+            await asyncio.gather(state["task"], return_exceptions=True)
+        try:
+            if "instance" in state:
+                await registry.deregister(state["instance"].id)
+        except MoeMeshError as e:
+            # The registry may be gone; shutting down must not depend on it (its health check
+            # will mark this instance critical and it is deregistered after the critical timeout).
+            log.warning("could not deregister: %s", e)
+        finally:
+            await registry.close()
+
+    server.on_ready.append(register)
+    server.on_stop.append(deregister)

@@ -1,0 +1,106 @@
+# Rendered by `moe-mesh deploy render --target nomad` from a deploy plan. Do not edit: change the plan
+# and render again.
+job "moe-mesh-experts-cold" {
+  region      = "global"
+  type        = "service"
+  datacenters = ["dc1"]
+
+  update {
+    max_parallel      = 1
+    health_check      = "checks"
+    min_healthy_time  = "10s"
+    healthy_deadline  = "5m"
+    progress_deadline = "10m"
+    auto_revert       = true
+  }
+
+  group "experts" {
+    count = 1
+
+    network {
+      port "grpc" {}
+    }
+
+    volume "model" {
+      type      = "host"
+      source    = "moe-mesh-model"
+      read_only = true
+    }
+
+    service {
+      name     = "moe-mesh-experts-cold"
+      port     = "grpc"
+      provider = "consul"
+      tags     = ["moe-mesh", "expert-group:cold"]
+
+      meta {
+        expert_group = "cold"
+        experts      = "*:4-7"
+        model_id     = "mixtral-small"
+        region       = "global"
+      }
+
+      check {
+        name     = "grpc health"
+        type     = "grpc"
+        port     = "grpc"
+        interval = "10s"
+        timeout  = "3s"
+      }
+    }
+
+    restart {
+      attempts = 3
+      interval = "5m"
+      delay    = "15s"
+      mode     = "delay"
+    }
+
+    task "serve-expert" {
+      driver       = "docker"
+      kill_signal  = "SIGTERM"
+      kill_timeout = "20s"
+
+      config {
+        image        = "moe-mesh:0.1.0"
+        network_mode = "host"
+        args = [
+          "serve-expert",
+          "--checkpoint",
+          "/models/mixtral-small",
+          "--model-id",
+          "mixtral-small",
+          "--experts",
+          "*:4-7",
+          "--registry",
+          "consul",
+          "--host",
+          "0.0.0.0",
+          "--port",
+          "${NOMAD_PORT_grpc}",
+          "--advertise-host",
+          "${NOMAD_IP_grpc}",
+          "--region",
+          "global",
+          "--compute-threads",
+          "1",
+        ]
+      }
+
+      volume_mount {
+        volume      = "model"
+        destination = "/models/mixtral-small"
+        read_only   = true
+      }
+
+      env {
+        CONSUL_HTTP_ADDR = "127.0.0.1:8500"
+      }
+
+      resources {
+        cpu    = 2000
+        memory = 4096
+      }
+    }
+  }
+}

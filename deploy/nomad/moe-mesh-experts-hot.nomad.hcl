@@ -1,0 +1,112 @@
+# Rendered by `moe-mesh deploy render --target nomad` from a deploy plan. Do not edit: change the plan
+# and render again.
+job "moe-mesh-experts-hot" {
+  region      = "global"
+  type        = "service"
+  datacenters = ["dc1"]
+
+  update {
+    max_parallel      = 1
+    health_check      = "checks"
+    min_healthy_time  = "10s"
+    healthy_deadline  = "5m"
+    progress_deadline = "10m"
+    auto_revert       = true
+  }
+
+  group "experts" {
+    count = 2
+
+    constraint {
+      attribute = "${node.class}"
+      operator  = "="
+      value     = "expert"
+    }
+
+    network {
+      port "grpc" {}
+    }
+
+    volume "model" {
+      type      = "host"
+      source    = "moe-mesh-model"
+      read_only = true
+    }
+
+    service {
+      name     = "moe-mesh-experts-hot"
+      port     = "grpc"
+      provider = "consul"
+      tags     = ["moe-mesh", "expert-group:hot"]
+
+      meta {
+        expert_group = "hot"
+        experts      = "*:0-3"
+        model_id     = "mixtral-small"
+        region       = "global"
+      }
+
+      check {
+        name     = "grpc health"
+        type     = "grpc"
+        port     = "grpc"
+        interval = "10s"
+        timeout  = "3s"
+      }
+    }
+
+    restart {
+      attempts = 3
+      interval = "5m"
+      delay    = "15s"
+      mode     = "delay"
+    }
+
+    task "serve-expert" {
+      driver       = "docker"
+      kill_signal  = "SIGTERM"
+      kill_timeout = "20s"
+
+      config {
+        image        = "moe-mesh:0.1.0"
+        network_mode = "host"
+        args = [
+          "serve-expert",
+          "--checkpoint",
+          "/models/mixtral-small",
+          "--model-id",
+          "mixtral-small",
+          "--experts",
+          "*:0-3",
+          "--registry",
+          "consul",
+          "--host",
+          "0.0.0.0",
+          "--port",
+          "${NOMAD_PORT_grpc}",
+          "--advertise-host",
+          "${NOMAD_IP_grpc}",
+          "--region",
+          "global",
+          "--compute-threads",
+          "2",
+        ]
+      }
+
+      volume_mount {
+        volume      = "model"
+        destination = "/models/mixtral-small"
+        read_only   = true
+      }
+
+      env {
+        CONSUL_HTTP_ADDR = "127.0.0.1:8500"
+      }
+
+      resources {
+        cpu    = 4000
+        memory = 4096
+      }
+    }
+  }
+}

@@ -1,0 +1,190 @@
+# Rendered by `moe-mesh deploy render --target nomad` from a deploy plan. Do not edit: change the plan
+# and render again.
+job "moe-mesh-frontend" {
+  region      = "global"
+  type        = "service"
+  datacenters = ["dc1"]
+
+  update {
+    max_parallel      = 1
+    health_check      = "checks"
+    min_healthy_time  = "10s"
+    healthy_deadline  = "5m"
+    progress_deadline = "10m"
+    auto_revert       = true
+  }
+
+  group "router" {
+    count = 2
+
+    network {
+      port "grpc" {}
+    }
+
+    volume "model" {
+      type      = "host"
+      source    = "moe-mesh-model"
+      read_only = true
+    }
+
+    service {
+      name     = "moe-mesh-routers"
+      port     = "grpc"
+      provider = "consul"
+      tags     = ["moe-mesh"]
+
+      check {
+        name     = "grpc health"
+        type     = "grpc"
+        port     = "grpc"
+        interval = "10s"
+        timeout  = "3s"
+      }
+    }
+
+    restart {
+      attempts = 3
+      interval = "5m"
+      delay    = "15s"
+      mode     = "delay"
+    }
+
+    task "serve-router" {
+      driver       = "docker"
+      kill_signal  = "SIGTERM"
+      kill_timeout = "20s"
+
+      config {
+        image        = "moe-mesh:0.1.0"
+        network_mode = "host"
+        args = [
+          "serve-router",
+          "--checkpoint",
+          "/models/mixtral-small",
+          "--model-id",
+          "mixtral-small",
+          "--registry",
+          "consul",
+          "--host",
+          "0.0.0.0",
+          "--port",
+          "${NOMAD_PORT_grpc}",
+          "--advertise-host",
+          "${NOMAD_IP_grpc}",
+        ]
+      }
+
+      volume_mount {
+        volume      = "model"
+        destination = "/models/mixtral-small"
+        read_only   = true
+      }
+
+      env {
+        CONSUL_HTTP_ADDR = "127.0.0.1:8500"
+      }
+
+      resources {
+        cpu    = 2000
+        memory = 4096
+      }
+    }
+  }
+
+  group "gateway" {
+    count = 1
+
+    network {
+      port "grpc" {
+        static = 50050
+      }
+
+      port "http" {
+        static = 8000
+      }
+    }
+
+    volume "model" {
+      type      = "host"
+      source    = "moe-mesh-model"
+      read_only = true
+    }
+
+    service {
+      name     = "moe-mesh-gateway"
+      port     = "grpc"
+      provider = "consul"
+      tags     = ["moe-mesh"]
+
+      check {
+        name     = "grpc health"
+        type     = "grpc"
+        port     = "grpc"
+        interval = "10s"
+        timeout  = "3s"
+      }
+    }
+
+    service {
+      name     = "moe-mesh-gateway-http"
+      port     = "http"
+      provider = "consul"
+      tags     = ["moe-mesh", "openai"]
+
+      check {
+        name     = "http ready"
+        type     = "http"
+        port     = "http"
+        interval = "10s"
+        timeout  = "3s"
+        path     = "/health/ready"
+      }
+    }
+
+    restart {
+      attempts = 3
+      interval = "5m"
+      delay    = "15s"
+      mode     = "delay"
+    }
+
+    task "serve-gateway" {
+      driver       = "docker"
+      kill_signal  = "SIGTERM"
+      kill_timeout = "20s"
+
+      config {
+        image        = "moe-mesh:0.1.0"
+        network_mode = "host"
+        args = [
+          "serve-gateway",
+          "--checkpoint",
+          "/models/mixtral-small",
+          "--registry",
+          "consul",
+          "--host",
+          "0.0.0.0",
+          "--grpc-port",
+          "50050",
+          "--http-port",
+          "8000",
+        ]
+      }
+
+      volume_mount {
+        volume      = "model"
+        destination = "/models/mixtral-small"
+        read_only   = true
+      }
+
+      env {
+        CONSUL_HTTP_ADDR = "127.0.0.1:8500"
+      }
+
+      resources {
+        cpu    = 500
+        memory = 1024
+      }
+    }
+  }
+}

@@ -1,0 +1,104 @@
+"""Live expert placement from the registry: expert services that join start taking calls, those
+that leave (or fail their health check) stop, without a restart.
+
+Each membership change rebuilds the placement table and swaps it into the dispatcher between
+layer calls. A departed service's channel is closed only after a grace period, so calls already
+in flight to it finish or fail over to another replica. While the registry is unreachable, the
+last known membership keeps serving and `stale` says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from common.arch import ModelSpec
+from common.errors import PreconditionError
+from common.placement import Pair, format_experts, parse_experts
+from common.registry import EXPERT_SERVICE, Instance, Membership, Registry
+from router_service.experts import ColocatedExperts, ExpertBackend, ExpertDispatcher
+from router_service.remote import Identity, RemoteExperts
+
+log = logging.getLogger(__name__)
+CLOSE_AFTER_S = 30.0
+
+
+class ExpertMembership:
+    def __init__(self, spec: ModelSpec, identity: Identity, dispatcher: ExpertDispatcher,
+                 colocated: ColocatedExperts | None, max_message_bytes: int) -> None:
+        self.spec, self.identity, self.dispatcher = spec, identity, dispatcher
+        self.colocated, self.max_message_bytes = colocated, max_message_bytes
+        self.backends: dict[str, tuple[RemoteExperts, list[Pair]]] = {}  # instance id -> backend, its pairs
+        self.stale = False
+        self.changes = 0
+        self._changed = asyncio.Event()
+        self._ignored: set[str] = set()
+        self._task: asyncio.Task | None = None
+        self._registry: Registry | None = None
+
+    def apply(self, membership: Membership) -> None:
+        """Adopt a membership snapshot: connect new services, drop departed ones, rebuild the placement."""
+        self.stale = membership.stale
+        current = {i.id: i for i in membership.instances if self._compatible(i)}
+        for gone in set(self.backends) - set(current):
+            backend, _ = self.backends.pop(gone)
+            log.info("expert service %s left", backend.address)
+            asyncio.get_running_loop().call_later(CLOSE_AFTER_S, lambda b=backend: asyncio.ensure_future(b.close()))
+        for new in set(current) - set(self.backends):
+            inst = current[new]
+            pairs = parse_experts(inst.meta.get("experts", ""), self.spec)
+            self.backends[new] = (RemoteExperts(inst.endpoint, self.identity, self.max_message_bytes), pairs)
+            log.info("expert service %s joined: %s", inst.endpoint, format_experts(pairs))
+        placement: dict[Pair, list[ExpertBackend]] = {}
+        if self.colocated is not None:
+            for pair in self.colocated.weights:
+                placement[pair] = [self.colocated]
+        for backend, pairs in sorted(self.backends.values(), key=lambda bp: bp[0].address):
+            for pair in pairs:
+                placement.setdefault(pair, []).append(backend)
+        self.dispatcher.placement = placement  # one assignment: layers read a consistent table
+        self.changes += 1
+        self._changed.set()
+
+    def _compatible(self, inst: Instance) -> bool:
+        ok = (inst.meta.get("model_id") == self.identity.model_id
+              and inst.meta.get("weights_checksum") == self.identity.weights_checksum)
+        if not ok and inst.id not in self._ignored:
+            self._ignored.add(inst.id)
+            log.warning("ignoring expert service %s: it serves model %r / weights %r, this router %r / %r",
+                        inst.endpoint, inst.meta.get("model_id"), inst.meta.get("weights_checksum"),
+                        self.identity.model_id, self.identity.weights_checksum)
+        return ok
+
+    def missing(self) -> list[Pair]:
+        every = [(layer, e) for layer in self.spec.moe_layer_ids for e in range(self.spec.num_experts)]
+        return [p for p in every if not self.dispatcher.placement.get(p)]
+
+    async def start(self, registry: Registry, timeout_s: float) -> None:
+        """Follow the registry; return once every expert has a replica, or raise after timeout_s."""
+        self._registry = registry
+        self._task = asyncio.create_task(self._follow(registry), name="expert-membership")
+        deadline = time.monotonic() + timeout_s
+        while self.missing():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PreconditionError(f"after {timeout_s:g}s no registered expert service serves "
+                                        f"{format_experts(self.missing())} (and they are not colocated)")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _follow(self, registry: Registry) -> None:
+        async for membership in registry.watch(EXPERT_SERVICE):
+            self.apply(membership)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._registry is not None:
+            await self._registry.close()
+        await asyncio.gather(*(b.close() for b, _ in self.backends.values()))
