@@ -66,7 +66,8 @@ async def mesh_status(mesh: dict) -> dict:
             try:
                 st = await router_pb2_grpc.RouterServiceStub(ch).Status(router_pb2.RouterStatusRequest(), timeout=3)
                 row.update(model_id=st.model_id, running=st.running, waiting=st.waiting, steps=st.steps,
-                           failovers=st.failovers, num_layers=st.num_layers, num_experts=st.num_experts,
+                           failovers=st.failovers, registry_stale=st.registry_stale,
+                           num_layers=st.num_layers, num_experts=st.num_experts,
                            tokens_routed=[list(st.tokens_routed[i * st.num_experts:(i + 1) * st.num_experts])
                                           for i in range(st.num_layers)],
                            placement={p.backend: p.experts for p in st.placement})
@@ -91,6 +92,8 @@ def print_status(st: dict) -> None:
     print(f"gateway  {g['address']:<22} {g['health']:<12} http://{g['http']}/v1")
     for r in st["routers"]:
         load = f"running {r.get('running', '?')} waiting {r.get('waiting', '?')} steps {r.get('steps', '?')}"
+        if r.get("registry_stale"):
+            load += "  (registry unreachable: serving the last known experts)"
         print(f"router   {r['address']:<22} {r['health']:<12} {r.get('error', load)}")
     for e in st["experts"]:
         stats = f"experts {e.get('experts', '?')}  calls {e.get('forward_calls', '?')} batches {e.get('batches', '?')}"
