@@ -74,16 +74,20 @@ class GatewayApp:
         clients = {i.id: RouterClient(i.endpoint, settings.max_message_bytes) for i in first.instances}
         st = await next(iter(clients.values())).status(settings.connect_timeout_s)
         model = ModelInfo(st.model_id, st.architecture, st.max_model_len, st.vocab_size)
-        app = cls(settings, GatewayCore(settings, Tokenizer(settings.checkpoint), list(clients.values()), model), [])
+        app = cls(settings, GatewayCore(settings, Tokenizer(settings.checkpoint), list(clients.values()), model),
+                  list(clients.values()))
 
         async def follow() -> None:
+            loop = asyncio.get_running_loop()
             async for m in watch:
                 current = {i.id: i for i in m.instances if i.meta.get("model_id") == model.id}
                 for gone in set(clients) - set(current):
-                    clients.pop(gone)  # in-flight streams keep their channel until they end
+                    # Streams in flight keep the channel; close it once they have had time to end.
+                    client = clients.pop(gone)
+                    loop.call_later(settings.grace_s, lambda c=client: asyncio.ensure_future(c.close()))
                 for new in set(current) - set(clients):
                     clients[new] = RouterClient(current[new].endpoint, settings.max_message_bytes)
-                app.core.routers = list(clients.values())
+                app.core.routers = app.routers = list(clients.values())
 
         app._follow_task = asyncio.create_task(follow(), name="router-membership")
         app.grpc.on_stop.append(registry.close)

@@ -85,9 +85,11 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(c
         grown = moe_mesh("scale", "--ready-file", ready, "--experts", group, "--replicas", "3")
         assert grown.returncode == 0, grown.stderr
         [new] = json.loads(grown.stdout)["added"]
-        for _ in range(3):
+        # It joins routers' placement after its first passing health check: keep the load on until then.
+        deadline = time.monotonic() + 30
+        while asyncio.run(_forward_calls(new)) == 0:
+            assert time.monotonic() < deadline, "the new replica took no calls in 30 s"
             asyncio.run(generate_all())
-        assert asyncio.run(_forward_calls(new)) > 0
         shrunk = moe_mesh("scale", "--ready-file", ready, "--experts", group, "--replicas", "1")
         assert shrunk.returncode == 0 and len(json.loads(shrunk.stdout)["removed"]) == 2, shrunk.stderr
         assert asyncio.run(generate_all())[1]

@@ -1,0 +1,120 @@
+"""`moe-mesh deploy render` and `moe-mesh probe`: real deployments rendered from a plan, and their health probe.
+
+A plan (YAML, see deploy/plan.example.yaml) names the image, the checkpoint, the gateway and router
+replicas and the expert groups (an expert spec each, see common/placement.py). `render` turns it into
+  compose: one docker-compose.yml (a Consul dev agent, gateway, router, one service per expert group,
+           `deploy.replicas` each), a Dockerfile and a .env.example;
+  nomad:   one job per expert group, and one job with the router and gateway groups.
+Every service runs with `--registry consul`: routers find expert services and gateways find routers
+there, so the rendered files list no addresses. Output is deterministic (sorted keys, fixed order),
+so committed examples can be compared byte for byte with a fresh render.
+
+Imports neither torch nor grpc at import time: `probe` runs as a container health check every few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from moe_mesh.deploy.compose import DOCKERFILE, EXPERT_SERVICE_PREFIX, HEADER, render_compose
+from moe_mesh.deploy.nomad import Block, Interp, render_nomad
+from moe_mesh.deploy.plan import (ComposePlan, Constraint, ExpertGroup, GatewayPlan, ModelPlan, NomadPlan, Plan,
+                                  PlanError, Resources, RouterPlan, expert_pairs, load_plan)
+from moe_mesh.deploy.probe import add_probe_subcommand, probe, run_probe
+
+__all__ = [
+    "DOCKERFILE", "EXPERT_SERVICE_PREFIX", "HEADER", "TARGETS", "Block", "ComposePlan", "Constraint", "ExpertGroup",
+    "GatewayPlan", "Interp", "ModelPlan", "NomadPlan", "Plan", "PlanError", "Resources", "RouterPlan",
+    "add_probe_subcommand", "add_subcommand", "drifted", "expert_pairs", "load_plan", "main", "probe", "render",
+    "render_compose", "render_nomad", "run_probe", "run_render", "write_rendered",
+]
+
+TARGETS = ("compose", "nomad")
+
+
+def render(plan: Plan, target: str) -> dict[str, str]:
+    """File name -> content for `target` ('compose' or 'nomad')."""
+    if target == "compose":
+        return render_compose(plan)
+    if target == "nomad":
+        return render_nomad(plan)
+    raise ValueError(f"unknown target {target!r}; expected one of {', '.join(TARGETS)}")
+
+
+def _rendered_by_us(path: Path) -> bool:
+    try:
+        with path.open() as f:
+            return f.readline().startswith("# Rendered by `moe-mesh deploy render")
+    except OSError:
+        return False
+
+
+def write_rendered(files: dict[str, str], out: Path, target: str) -> list[Path]:
+    """Write the files; for nomad also remove job files an earlier render wrote for groups now gone."""
+    out.mkdir(parents=True, exist_ok=True)
+    if target == "nomad":
+        for stale in sorted(out.glob("*.nomad.hcl")):
+            if stale.name not in files and _rendered_by_us(stale):
+                stale.unlink()
+    written = []
+    for name, text in files.items():
+        (out / name).write_text(text)
+        written.append(out / name)
+    return written
+
+
+def drifted(files: dict[str, str], out: Path, target: str) -> list[str]:
+    """Files in `out` that differ from a fresh render (missing, changed, or stale job files)."""
+    bad = [name for name, text in files.items()
+           if not (out / name).is_file() or (out / name).read_text() != text]
+    if target == "nomad":
+        bad += [p.name for p in sorted(out.glob("*.nomad.hcl")) if p.name not in files]
+    return bad
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    """Register `deploy render` on the moe-mesh CLI; `args.func(args)` returns the exit code."""
+    p = subparsers.add_parser("deploy", help="render docker-compose / Nomad deployments from a plan",
+                              description="Deployments rendered from a plan file (see deploy/plan.example.yaml).")
+    sub = p.add_subparsers(dest="deploy_command", required=True, metavar="COMMAND")
+    r = sub.add_parser("render", help="render a plan for a target",
+                       description="Render a plan into docker-compose files or Nomad jobs. Every service "
+                                   "discovers the others through Consul; output is deterministic.")
+    r.add_argument("--plan", type=Path, required=True, help="plan file (YAML)")
+    r.add_argument("--target", choices=TARGETS, required=True, help="compose: docker-compose.yml + Dockerfile + "
+                   ".env.example; nomad: one job per expert group + one for router and gateway")
+    r.add_argument("--out", type=Path, required=True, help="directory to write into (created if missing)")
+    r.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 when the files in --out differ from a fresh render")
+    r.set_defaults(func=run_render)
+
+
+def run_render(args: argparse.Namespace) -> int:
+    prog = "moe-mesh deploy render"
+    try:
+        files = render(load_plan(args.plan), args.target)
+    except PlanError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        bad = drifted(files, args.out, args.target)
+        for name in bad:
+            print(f"{prog}: {args.out / name} differs from the render of {args.plan}", file=sys.stderr)
+        return 1 if bad else 0
+    for path in write_rendered(files, args.out, args.target):
+        print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m moe_mesh.deploy {deploy,probe} ...`: the two subcommands without the rest of the CLI."""
+    parser = argparse.ArgumentParser(prog="moe-mesh")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_subcommand(subparsers)
+    add_probe_subcommand(subparsers)
+    args = parser.parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,155 @@
+"""The compose target: docker-compose.yml, Dockerfile and .env.example rendered from a plan."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import yaml
+
+from moe_mesh.deploy.plan import ExpertGroup, Plan
+
+HEADER = ("Rendered by `moe-mesh deploy render --target {target}` from a deploy plan. "
+          "Do not edit: change the plan and render again.")
+EXPERT_SERVICE_PREFIX = "expert-"  # compose service of group G: expert-G
+
+
+def _dollar(s: str) -> str:
+    """A plan value as compose text: '$' would start an interpolation."""
+    return s.replace("$", "$$")
+
+
+def _compose_healthcheck(port: int, start_period: str) -> dict[str, Any]:
+    return {"test": ["CMD", "moe-mesh", "probe", f"127.0.0.1:{port}"], "interval": "10s", "timeout": "5s",
+            "retries": 3, "start_period": start_period}
+
+
+def _compose_service(plan: Plan, command: list[str], port: int, replicas: int,
+                     depends_on: Iterable[str], start_period: str) -> dict[str, Any]:
+    return {
+        "image": "${MOE_MESH_IMAGE:-" + _dollar(plan.image) + "}",
+        "command": [_dollar(c) for c in command],
+        "environment": {"CONSUL_HTTP_ADDR": "${CONSUL_HTTP_ADDR:-consul:8500}",
+                        "CONSUL_HTTP_TOKEN": "${CONSUL_HTTP_TOKEN:-}"},
+        "volumes": ["${MODEL_DIR:?set MODEL_DIR to the checkpoint directory on this host}:"
+                    f"{_dollar(plan.model.checkpoint)}:ro"],
+        "expose": [str(port)],
+        "deploy": {"replicas": replicas},
+        "healthcheck": _compose_healthcheck(port, start_period),
+        "depends_on": {name: {"condition": "service_healthy"} for name in ["consul", *depends_on]},
+        "restart": "unless-stopped",
+        "stop_grace_period": "20s",  # services drain in-flight calls for up to 10 s after SIGTERM
+    }
+
+
+def _expert_command(plan: Plan, g: ExpertGroup, port: str, extra: list[str]) -> list[str]:
+    cmd = ["serve-expert", "--checkpoint", plan.model.checkpoint, "--model-id", plan.model.model_id,
+           "--experts", g.experts, "--registry", "consul", "--host", "0.0.0.0", "--port", port, *extra]
+    if g.region:
+        cmd += ["--region", g.region]
+    if g.compute_threads:
+        cmd += ["--compute-threads", str(g.compute_threads)]
+    return cmd + g.args
+
+
+def _router_command(plan: Plan, port: str, extra: list[str]) -> list[str]:
+    return ["serve-router", "--checkpoint", plan.model.checkpoint, "--model-id", plan.model.model_id,
+            "--registry", "consul", "--host", "0.0.0.0", "--port", port, *extra, *plan.router.args]
+
+
+def _gateway_command(plan: Plan) -> list[str]:
+    gw = plan.gateway
+    return ["serve-gateway", "--checkpoint", plan.model.checkpoint, "--registry", "consul", "--host", "0.0.0.0",
+            "--grpc-port", str(gw.grpc_port), "--http-port", str(gw.http_port), *gw.args]
+
+
+def render_compose(plan: Plan) -> dict[str, str]:
+    """docker-compose.yml, Dockerfile and .env.example."""
+    groups = [f"{EXPERT_SERVICE_PREFIX}{g.name}" for g in plan.expert_groups]
+    services: dict[str, Any] = {
+        "consul": {
+            "image": "${CONSUL_IMAGE:-" + _dollar(plan.compose.consul_image) + "}",
+            "command": ["agent", "-dev", "-client", "0.0.0.0"],
+            "ports": ["127.0.0.1:8500:8500"],  # UI and API for the operator, on the Docker host's loopback only
+            "healthcheck": {"test": ["CMD", "consul", "members"], "interval": "2s", "timeout": "3s", "retries": 30},
+            "restart": "unless-stopped",
+        },
+    }
+    for g, name in zip(plan.expert_groups, groups):
+        services[name] = _compose_service(plan, _expert_command(plan, g, str(g.port), []), g.port, g.replicas,
+                                          [], "60s")
+    r = plan.router
+    services["router"] = _compose_service(plan, _router_command(plan, str(r.port), []), r.port, r.replicas,
+                                          groups, "120s")
+    gw = plan.gateway
+    gateway = _compose_service(plan, _gateway_command(plan), gw.grpc_port, gw.replicas, ["router"], "60s")
+    # One replica publishes fixed host ports; several would collide, so Docker picks host ports for them.
+    gateway["ports"] = [f"{p}:{p}" if gw.replicas == 1 else str(p) for p in (gw.grpc_port, gw.http_port)]
+    services["gateway"] = gateway
+    head = "".join(f"# {line}\n" for line in _wrap(HEADER.format(target="compose")))
+    compose = head + yaml.safe_dump({"services": services}, sort_keys=True, default_flow_style=False, width=1000)
+    return {"docker-compose.yml": compose, "Dockerfile": DOCKERFILE, ".env.example": _env_example(plan)}
+
+
+def _wrap(text: str, width: int = 100) -> list[str]:
+    lines, line = [], ""
+    for word in text.split():
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return lines + [line]
+
+
+DOCKERFILE = """\
+# The moe-mesh image every compose service and Nomad task runs. Build from the repository root:
+#   docker build -f deploy/compose/Dockerfile -t moe-mesh:0.1.0 .
+# Dependencies install pinned by constraints.txt. Which torch wheel the image gets is a deployment
+# choice: PyPI's Linux torch wheel bundles CUDA (several GB); for a CPU-only image, pass PyTorch's
+# CPU wheel index as a build argument: --build-arg TORCH_INDEX_URL=<index url>.
+FROM python:3.11-slim
+
+ARG TORCH_INDEX_URL=""
+ENV PYTHONDONTWRITEBYTECODE=1 \\
+    PYTHONUNBUFFERED=1 \\
+    PIP_NO_CACHE_DIR=1 \\
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /opt/moe-mesh
+COPY pyproject.toml constraints.txt README.md ./
+COPY common ./common
+COPY protos ./protos
+COPY expert_service ./expert_service
+COPY router_service ./router_service
+COPY gateway ./gateway
+COPY moe_mesh ./moe_mesh
+RUN pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} -c constraints.txt . \\
+    && rm -rf /root/.cache
+
+# The checkpoint is mounted read-only (compose: $MODEL_DIR; Nomad: a host volume).
+RUN useradd --system --uid 10001 --no-create-home moe
+USER 10001
+ENTRYPOINT ["moe-mesh"]
+CMD ["--help"]
+"""
+
+
+def _env_example(plan: Plan) -> str:
+    return f"""\
+{"".join(f"# {line}{chr(10)}" for line in _wrap(HEADER.format(target="compose")))}\
+# Copy it to .env next to docker-compose.yml and edit the copy; docker-compose reads .env by itself.
+
+# Checkpoint directory on the Docker host (HuggingFace layout: config.json, *.safetensors, tokenizer.json).
+# Every moe-mesh container mounts it read-only at {plan.model.checkpoint}.
+MODEL_DIR=/srv/models/{plan.model.model_id.replace('/', '-')}
+
+# The moe-mesh image: docker build -f deploy/compose/Dockerfile -t {plan.image} .
+MOE_MESH_IMAGE={plan.image}
+
+# Consul: the compose file runs a dev agent (no ACLs). To register with your own Consul instead,
+# point CONSUL_HTTP_ADDR at its agent and put an ACL token allowed to register services here.
+CONSUL_IMAGE={plan.compose.consul_image}
+CONSUL_HTTP_ADDR=consul:8500
+CONSUL_HTTP_TOKEN=
+"""

@@ -1,0 +1,157 @@
+"""The nomad target: one HCL job file per expert group and one for routers and gateways."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from moe_mesh.deploy.compose import HEADER, _expert_command, _gateway_command, _router_command, _wrap
+from moe_mesh.deploy.plan import Constraint, ExpertGroup, Plan, Resources
+
+
+class Interp(str):
+    """An HCL string whose ${...} is a Nomad interpolation on purpose (plain strings get it escaped)."""
+
+
+@dataclass
+class Block:
+    type: str
+    labels: tuple[str, ...] = ()
+    body: list[tuple[str, Any] | Block] = field(default_factory=list)
+
+
+def _hcl_str(s: str) -> str:
+    text = s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    if not isinstance(s, Interp):
+        text = text.replace("${", "$${").replace("%{", "%%{")
+    return f'"{text}"'
+
+
+def _hcl_value(v: Any, indent: str) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, str):
+        return _hcl_str(v)
+    items = [_hcl_value(x, indent + "  ") for x in v]
+    inline = "[" + ", ".join(items) + "]"
+    if len(inline) <= 60:
+        return inline
+    return "[\n" + "".join(f"{indent}  {x},\n" for x in items) + f"{indent}]"
+
+
+def _hcl_body(body: list, indent: str) -> list[str]:
+    """Attributes first (consecutive one-liners aligned on '=', like `nomad fmt`), then blocks, blank-separated."""
+    attrs = [(k, _hcl_value(v, indent)) for k, v in (x for x in body if not isinstance(x, Block))]
+    blocks = [x for x in body if isinstance(x, Block)]
+    width = max((len(k) for k, v in attrs if "\n" not in v), default=0)
+    lines = [f"{indent}{k.ljust(width) if chr(10) not in v else k} = {v}" for k, v in attrs]
+    for b in blocks:
+        if lines:
+            lines.append("")
+        lines += _hcl_block(b, indent)
+    return lines
+
+
+def _hcl_block(b: Block, indent: str = "") -> list[str]:
+    head = " ".join([b.type, *(_hcl_str(label) for label in b.labels)])
+    if not b.body:
+        return [f"{indent}{head} {{}}"]
+    return [f"{indent}{head} {{", *_hcl_body(b.body, indent + "  "), f"{indent}}}"]
+
+
+def _hcl_file(job: Block) -> str:
+    head = "".join(f"# {line}\n" for line in _wrap(HEADER.format(target="nomad")))
+    return head + "\n".join(_hcl_block(job)) + "\n"
+
+
+_UPDATE = Block("update", body=[("max_parallel", 1), ("health_check", "checks"), ("min_healthy_time", "10s"),
+                                ("healthy_deadline", "5m"), ("progress_deadline", "10m"), ("auto_revert", True)])
+
+
+def _job(plan: Plan, name: str, region: str, datacenters: list[str] | None, groups: list[Block]) -> Block:
+    body: list = [("type", "service"), ("datacenters", datacenters or plan.nomad.datacenters)]
+    if region:
+        body.insert(0, ("region", region))
+    return Block("job", (name,), [*body, _UPDATE, *groups])
+
+
+def _check(name: str, port: str, kind: str = "grpc", path: str = "") -> Block:
+    body: list = [("name", name), ("type", kind), ("port", port), ("interval", "10s"), ("timeout", "3s")]
+    if path:
+        body.append(("path", path))
+    return Block("check", body=body)
+
+
+def _service(name: str, port: str, tags: list[str], meta: dict[str, str], check: Block) -> Block:
+    body: list = [("name", name), ("port", port), ("provider", "consul"), ("tags", tags)]
+    if meta:
+        body.append(Block("meta", body=sorted(meta.items())))
+    return Block("service", body=[*body, check])
+
+
+def _group(plan: Plan, name: str, count: int, constraints: list[Constraint], ports: list[Block],
+           services: list[Block], task: Block) -> Block:
+    body: list = [("count", count)]
+    body += [Block("constraint", body=[("attribute", Interp(c.attribute)), ("operator", c.operator),
+                                       ("value", Interp(c.value))]) for c in constraints]
+    body.append(Block("network", body=ports))
+    body.append(Block("volume", ("model",), [("type", "host"), ("source", plan.nomad.model_volume),
+                                             ("read_only", True)]))
+    body += services
+    body.append(Block("restart", body=[("attempts", 3), ("interval", "5m"), ("delay", "15s"), ("mode", "delay")]))
+    body.append(task)
+    return Block("group", (name,), body)
+
+
+def _task(plan: Plan, name: str, args: list[str], resources: Resources) -> Block:
+    config = Block("config", body=[("image", plan.image), ("network_mode", "host"), ("args", args)])
+    mount = Block("volume_mount", body=[("volume", "model"), ("destination", plan.model.checkpoint),
+                                        ("read_only", True)])
+    env = Block("env", body=[("CONSUL_HTTP_ADDR", plan.nomad.consul_http_addr)])
+    res = Block("resources", body=[("cpu", resources.cpu_mhz), ("memory", resources.memory_mb)])
+    return Block("task", (name,), [("driver", "docker"), ("kill_signal", "SIGTERM"), ("kill_timeout", "20s"),
+                                   config, mount, env, res])
+
+
+# Host networking: the process binds the port Nomad allocated and registers the node's address in
+# Consul itself, so the address other nodes dial is the one it advertises.
+_DYNAMIC = ["--advertise-host", Interp("${NOMAD_IP_grpc}")]
+
+
+def _expert_job(plan: Plan, g: ExpertGroup) -> Block:
+    args = _expert_command(plan, g, Interp("${NOMAD_PORT_grpc}"), _DYNAMIC)
+    meta = {"experts": g.experts, "model_id": plan.model.model_id, "expert_group": g.name}
+    if g.region:
+        meta["region"] = g.region
+    # Named after the job: never mixed up with the instances the process registers itself (with the
+    # weights checksum and served experts in their metadata), which are what routers discover.
+    job = f"{plan.name}-experts-{g.name}"
+    service = _service(job, "grpc", ["moe-mesh", f"expert-group:{g.name}"], meta,
+                       _check("grpc health", "grpc"))
+    group = _group(plan, "experts", g.replicas, g.constraints, [Block("port", ("grpc",))], [service],
+                   _task(plan, "serve-expert", args, g.resources))
+    return _job(plan, job, g.region, g.datacenters, [group])
+
+
+def _frontend_job(plan: Plan) -> Block:
+    r, gw = plan.router, plan.gateway
+    router = _group(plan, "router", r.replicas, r.constraints, [Block("port", ("grpc",))],
+                    [_service(f"{plan.name}-routers", "grpc", ["moe-mesh"], {}, _check("grpc health", "grpc"))],
+                    _task(plan, "serve-router", _router_command(plan, Interp("${NOMAD_PORT_grpc}"), _DYNAMIC),
+                          r.resources))
+    ports = [Block("port", ("grpc",), [("static", gw.grpc_port)]), Block("port", ("http",), [("static", gw.http_port)])]
+    services = [_service(f"{plan.name}-gateway", "grpc", ["moe-mesh"], {}, _check("grpc health", "grpc")),
+                _service(f"{plan.name}-gateway-http", "http", ["moe-mesh", "openai"], {},
+                         _check("http ready", "http", "http", "/health/ready"))]
+    gateway = _group(plan, "gateway", gw.replicas, gw.constraints, ports, services,
+                     _task(plan, "serve-gateway", _gateway_command(plan), gw.resources))
+    return _job(plan, f"{plan.name}-frontend", r.region, r.datacenters, [router, gateway])
+
+
+def render_nomad(plan: Plan) -> dict[str, str]:
+    """One <name>-experts-<group>.nomad.hcl per expert group and <name>-frontend.nomad.hcl (routers + gateway)."""
+    files = {f"{plan.name}-experts-{g.name}.nomad.hcl": _hcl_file(_expert_job(plan, g)) for g in plan.expert_groups}
+    files[f"{plan.name}-frontend.nomad.hcl"] = _hcl_file(_frontend_job(plan))
+    return dict(sorted(files.items()))

@@ -1,0 +1,220 @@
+"""Deploy plans: the pydantic models of a plan file, `load_plan`, and expert spec parsing."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from common.errors import InvalidArgumentError, MoeMeshError
+from common.placement import Pair, format_experts, parse_experts
+
+_MAX_INDEX = 65535  # an expert spec index beyond this is a typo, not a model
+
+Name = Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$",
+                            description="lower-case letters, digits and '-', at most 40 characters")]
+Port = Annotated[int, Field(ge=1, le=65535)]
+Region = Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]*$", max_length=64)]
+Datacenters = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+
+
+class PlanError(MoeMeshError):
+    """A plan file cannot be read or is invalid; the message names the file and the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Resources(_Strict):
+    """Nomad task resources (compose leaves sizing to the host)."""
+
+    cpu_mhz: int = Field(ge=100, description="CPU share in MHz")
+    memory_mb: int = Field(ge=64, description="memory limit in MiB")
+
+
+class Constraint(_Strict):
+    """A Nomad placement constraint, e.g. {attribute: "${node.class}", value: "expert"}."""
+
+    attribute: str = Field(min_length=1)
+    operator: str = "="
+    value: str = ""
+
+
+class ModelPlan(_Strict):
+    checkpoint: str = Field(description="absolute path of the checkpoint directory inside every container; "
+                                        "compose mounts $MODEL_DIR there, Nomad the host volume `nomad.model_volume`")
+    model_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._/-]+$", description="model id routers and experts share")
+    num_layers: int | None = Field(None, ge=1, le=_MAX_INDEX, description="decoder layers; with num_experts, "
+                                   "render checks that the expert groups cover every (layer, expert)")
+    num_experts: int | None = Field(None, ge=1, le=_MAX_INDEX, description="routed experts per layer")
+
+    @field_validator("checkpoint")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not v.startswith("/") or v.rstrip("/") == "":
+            raise ValueError(f"must be an absolute directory path inside the container, e.g. /models/mixtral, "
+                             f"not {v!r}")
+        return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _both_sizes(self) -> ModelPlan:
+        if (self.num_layers is None) != (self.num_experts is None):
+            raise ValueError("give both num_layers and num_experts (for the coverage check) or neither")
+        return self
+
+
+class GatewayPlan(_Strict):
+    replicas: int = Field(1, ge=1, le=64)
+    grpc_port: Port = Field(50050, description="public gRPC port (container port; compose also publishes it)")
+    http_port: Port = Field(8000, description="OpenAI-compatible HTTP port")
+    constraints: list[Constraint] = Field(default_factory=list, description="Nomad placement of the gateway group")
+    resources: Resources = Resources(cpu_mhz=500, memory_mb=1024)
+    args: list[str] = Field(default_factory=list, description="extra serve-gateway flags")
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> GatewayPlan:
+        if self.grpc_port == self.http_port:
+            raise ValueError(f"grpc_port and http_port are both {self.grpc_port}")
+        return self
+
+
+class RouterPlan(_Strict):
+    replicas: int = Field(1, ge=1, le=64)
+    port: Port = Field(50051, description="gRPC port in the container (Nomad picks a host port)")
+    region: Region = Field("", description="Nomad region of the router + gateway job")
+    datacenters: Datacenters | None = None
+    constraints: list[Constraint] = Field(default_factory=list)
+    resources: Resources = Resources(cpu_mhz=2000, memory_mb=4096)
+    args: list[str] = Field(default_factory=list, description="extra serve-router flags")
+
+
+class ExpertGroup(_Strict):
+    name: Name
+    experts: str = Field(description="expert spec, e.g. '*:0-3' (grammar in common/placement.py)")
+    replicas: int = Field(1, ge=1, le=256)
+    region: Region = Field("", description="serve-expert --region (routers prefer their own region) and the "
+                                           "Nomad job's region; empty: neither")
+    datacenters: Datacenters | None = None
+    constraints: list[Constraint] = Field(default_factory=list)
+    port: Port = Field(50061, description="gRPC port in the container (Nomad picks a host port)")
+    compute_threads: int | None = Field(None, ge=1, le=1024, description="serve-expert --compute-threads")
+    resources: Resources = Resources(cpu_mhz=2000, memory_mb=4096)
+    args: list[str] = Field(default_factory=list, description="extra serve-expert flags")
+
+    @field_validator("experts")
+    @classmethod
+    def _spec_syntax(cls, v: str) -> str:
+        expert_pairs(v)
+        return v
+
+
+class ComposePlan(_Strict):
+    consul_image: str = Field("hashicorp/consul:1.20", min_length=1, description="image of the Consul dev agent")
+
+
+class NomadPlan(_Strict):
+    datacenters: Datacenters = Field(default_factory=lambda: ["dc1"], description="default datacenters of every job")
+    model_volume: Name = Field("moe-mesh-model", description="Nomad client host_volume holding the checkpoint")
+    consul_http_addr: str = Field("127.0.0.1:8500", min_length=1,
+                                  description="the node's Consul agent as tasks on host networking see it")
+
+
+class Plan(_Strict):
+    """Everything `deploy render` needs; unknown keys are errors (typos fail loudly)."""
+
+    name: Name = Field("moe-mesh", description="prefix of Nomad job names and of their Consul service names")
+    image: str = Field(min_length=1, description="the moe-mesh image, e.g. moe-mesh:0.1.0")
+    model: ModelPlan
+    gateway: GatewayPlan = GatewayPlan()
+    router: RouterPlan = RouterPlan()
+    expert_groups: list[ExpertGroup] = Field(min_length=1)
+    compose: ComposePlan = ComposePlan()
+    nomad: NomadPlan = NomadPlan()
+
+    @field_validator("expert_groups")
+    @classmethod
+    def _groups(cls, groups: list[ExpertGroup], info: ValidationInfo) -> list[ExpertGroup]:
+        seen: set[str] = set()
+        for g in groups:
+            if g.name in seen:
+                raise ValueError(f"duplicate group name {g.name!r}; names must be unique")
+            seen.add(g.name)
+        model = info.data.get("model")
+        if model is not None and model.num_layers is not None:
+            _check_coverage(groups, model.num_layers, model.num_experts)
+        return groups
+
+
+def _check_coverage(groups: list[ExpertGroup], num_layers: int, num_experts: int) -> None:
+    served: set[Pair] = set()
+    for g in groups:
+        try:
+            served.update(expert_pairs(g.experts, num_layers, num_experts))
+        except ValueError as e:
+            raise ValueError(f"group {g.name!r} experts {g.experts!r}: {e}") from None
+    missing = sorted({(la, e) for la in range(num_layers) for e in range(num_experts)} - served)
+    if missing:
+        raise ValueError(f"no group serves {format_experts(missing)!r} (LAYERS:EXPERTS) of the "
+                         f"{num_layers} layers x {num_experts} experts in `model`")
+
+
+@dataclass(frozen=True)
+class _Bounds:
+    """The two sizes parse_experts reads from a ModelSpec; every layer counts as a MoE layer."""
+
+    num_layers: int
+    num_experts: int
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        return (True,) * self.num_layers
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return list(range(self.num_layers))
+
+
+def expert_pairs(spec: str, num_layers: int | None = None, num_experts: int | None = None) -> list[Pair]:
+    """The pairs an expert spec names, parsed by the same code the services use.
+
+    Without the model's sizes only the syntax is checked: the bounds are then the largest index in the text.
+    Raises ValueError with the parser's message.
+    """
+    if num_layers is None or num_experts is None:
+        biggest = max((int(n) for n in re.findall(r"\d+", spec)), default=0)
+        if biggest > _MAX_INDEX:
+            raise ValueError(f"index {biggest} in {spec!r} is larger than {_MAX_INDEX}")
+        num_layers = num_experts = biggest + 1
+    try:
+        return parse_experts(spec, _Bounds(num_layers, num_experts))  # type: ignore[arg-type]
+    except InvalidArgumentError as e:
+        raise ValueError(str(e).removeprefix(f"{e.field}: ")) from None
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out or "(plan)"
+
+
+def load_plan(path: Path) -> Plan:
+    """Read and validate a plan file; every problem is reported as 'FILE: field.path: message'."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise PlanError(f"{path}: cannot read the plan ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise PlanError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise PlanError(f"{path}: expected a mapping with image, model, expert_groups, ...")
+    try:
+        return Plan.model_validate(raw)
+    except ValidationError as e:
+        lines = [f"{_loc(err['loc'])}: {err['msg'].removeprefix('Value error, ')}" for err in e.errors()]
+        raise PlanError(f"{path}: " + "\n  ".join(lines)) from None
