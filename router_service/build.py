@@ -45,18 +45,28 @@ def build_model(checkpoint: Checkpoint, settings: RouterSettings, placement: Pla
     return MoeModel(spec, checkpoint.load_dense(), dispatcher, max_len)
 
 
-def build_local_engine(settings: RouterSettings) -> Engine:
-    """A monolithic engine: dense part and every expert in this process."""
+def _open(settings: RouterSettings) -> Checkpoint:
+    """The configured checkpoint at the compute dtype."""
     if settings.checkpoint is None:
         raise ValueError("settings.checkpoint is required")
-    checkpoint = Checkpoint(settings.checkpoint, dtype=compute_dtype(settings.dtype))
+    return Checkpoint(settings.checkpoint, dtype=compute_dtype(settings.dtype))
+
+
+def _identity(settings: RouterSettings, checkpoint: Checkpoint) -> Identity:
+    """What expert services must share with this router: model id and weights checksum."""
+    return Identity(settings.model_id or default_model_id(checkpoint.path), checkpoint.fingerprint())
+
+
+def build_local_engine(settings: RouterSettings) -> Engine:
+    """A monolithic engine: dense part and every expert in this process."""
+    checkpoint = _open(settings)
     return Engine(build_model(checkpoint, settings), settings)
 
 
 async def build_registry_engine(settings: RouterSettings, registry: Registry) -> tuple[Engine, ExpertMembership]:
     """An engine whose remote experts follow the registry live; waits until every expert is placed."""
-    checkpoint = Checkpoint(settings.checkpoint, dtype=compute_dtype(settings.dtype))
-    identity = Identity(settings.model_id or default_model_id(settings.checkpoint), checkpoint.fingerprint())
+    checkpoint = _open(settings)
+    identity = _identity(settings, checkpoint)
     colocated_pairs = parse_experts(settings.colocate, checkpoint.spec) if settings.colocate else []
     local = ColocatedExperts(checkpoint.load_experts(colocated_pairs)) if colocated_pairs else None
     model = build_model(checkpoint, settings, placement={})
@@ -69,10 +79,8 @@ async def build_registry_engine(settings: RouterSettings, registry: Registry) ->
 
 async def build_mesh_engine(settings: RouterSettings) -> tuple[Engine, list[RemoteExperts]]:
     """An engine whose experts live in expert services (and the `colocate` spec); returns the remote backends too."""
-    if settings.checkpoint is None:
-        raise ValueError("settings.checkpoint is required")
-    checkpoint = Checkpoint(settings.checkpoint, dtype=compute_dtype(settings.dtype))
-    identity = Identity(settings.model_id or default_model_id(settings.checkpoint), checkpoint.fingerprint())
+    checkpoint = _open(settings)
+    identity = _identity(settings, checkpoint)
     remote = await connect(settings.expert_endpoints, identity, settings.max_message_bytes,
                            settings.connect_timeout_s) if settings.expert_endpoints else {}
     everything = checkpoint.all_expert_pairs()
