@@ -320,6 +320,23 @@ async def test_only_passing_instances_are_returned(backend, watch, grpc_servers)
         assert (await w.until(lambda m: ids(m) != {"a", "b"})).instances == (b,)
 
 
+async def test_reregistering_a_passing_instance_never_hides_it(backend, watch, grpc_servers):
+    # Services re-register every few seconds; as on a Consul agent, a check keeps its status across
+    # re-registration, or every replica of a group would drop out of `passing` at once.
+    server = await grpc_servers()
+    a = instance_of(server, "a")
+    await backend.register(a)
+    w = watch()
+    await w.until(lambda m: ids(m) == {"a"})
+    settled = len(w.seen)
+    for _ in range(3):
+        await backend.register(a)
+        await asyncio.sleep(0.3)
+    while not w.queue.empty():
+        await w.next()
+    assert all(ids(m) == {"a"} for m in w.seen[settled:])
+
+
 async def test_deregister_removes_instance(backend, watch, grpc_servers):
     server = await grpc_servers()
     await backend.register(instance_of(server, "a"))

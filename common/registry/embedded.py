@@ -256,6 +256,12 @@ class EmbeddedConsul:
         if old is not None:
             self._remove(old.id)
             svc.create_index = old.create_index
+            # A Consul agent restores a re-registered check's status and output: re-registration
+            # (our services refresh theirs) must not hide a passing instance until its next probe.
+            before = {c.id: c for c in old.checks}
+            for c in svc.checks:
+                if (prev := before.get(c.id)) is not None:
+                    c.status, c.output, c.critical_since = prev.status, prev.output, prev.critical_since
         self._services[svc.id] = svc
         self._bump(svc.name)
         svc.tasks = [asyncio.create_task(self._run_check(svc, c), name=f"check-{c.id}") for c in svc.checks]
