@@ -32,7 +32,7 @@ from common.checkpoint import Checkpoint  # noqa: E402
 from common.moe import route  # noqa: E402
 from moe_mesh.create_checkpoint import create_checkpoint  # noqa: E402
 from processes import start_experts  # noqa: E402
-from router_service.build import build_local_engine, build_mesh_engine  # noqa: E402
+from router_service.build import build_local_engine, build_router  # noqa: E402
 from router_service.sampling import SamplingParams  # noqa: E402
 from router_service.settings import RouterSettings  # noqa: E402
 
@@ -91,8 +91,9 @@ async def main_async(args: argparse.Namespace) -> dict:
     floor = experts.pop()  # one expert: the process's own footprint (Python, torch, gRPC)
     try:
         local = build_local_engine(RouterSettings(checkpoint=args.checkpoint, max_num_seqs=64))
-        mesh, remotes = await build_mesh_engine(RouterSettings(
+        parts = await build_router(RouterSettings(
             checkpoint=args.checkpoint, max_num_seqs=64, expert_endpoints=[e.address for e in experts]))
+        mesh = parts.engine
         layer0 = mesh.model.weights.layers[0]
         dispatch = []
         for n in (1, 32, 256):
@@ -118,7 +119,7 @@ async def main_async(args: argparse.Namespace) -> dict:
                                "mesh_efficiency": meshed / mono})
             print(f"decode batch {b:>2}: monolithic {mono:.1f} tok/s, all-remote mesh {meshed:.1f} tok/s, "
                   f"efficiency {meshed / mono:.2f}", flush=True)
-        for r in remotes:
+        for r in parts.remotes:
             await r.close()
 
         expert_bytes = 3 * spec.hidden_size * spec.expert_intermediate_size * 4

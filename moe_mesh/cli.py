@@ -187,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     from expert_service import cli as expert_cli
     from gateway import cli as gateway_cli
     from moe_mesh import create_checkpoint, deploy
+    from moe_mesh import plan_cli
+    from moe_mesh import placement_view
     from router_service import cli as router_cli
 
     parser = argparse.ArgumentParser(prog="moe-mesh", description="Serve sparse MoE language models as a gRPC mesh.")
@@ -201,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scale(subparsers)
     deploy.add_subcommand(subparsers)
     deploy.add_probe_subcommand(subparsers)
+    plan_cli.add_subcommand(subparsers)
+    placement_view.add_subcommand(subparsers)
     return parser
 
 

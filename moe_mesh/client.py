@@ -55,25 +55,35 @@ async def _health(channel: grpc.aio.Channel) -> str:
         return e.code().name
 
 
+async def router_status(address: str) -> dict:
+    """One router's health, load, placement and utilization; only address/health/error when Status fails."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        row: dict = {"address": address, "health": await _health(ch)}
+        try:
+            st = await router_pb2_grpc.RouterServiceStub(ch).Status(router_pb2.RouterStatusRequest(), timeout=3)
+        except grpc.aio.AioRpcError as e:
+            row["error"] = e.code().name
+            return row
+    row.update(model_id=st.model_id, running=st.running, waiting=st.waiting, steps=st.steps,
+               failovers=st.failovers, registry_stale=st.registry_stale,
+               num_layers=st.num_layers, num_experts=st.num_experts, moe_layers=list(st.moe_layers),
+               tokens_routed=_rows(st.tokens_routed, st.num_experts),
+               utilization=_rows(st.utilization, st.num_experts), window_s=st.utilization_window_s,
+               region=st.region, expert_bytes=st.expert_bytes, colocated_bytes=st.colocated_bytes,
+               budget_bytes=st.colocate_budget_bytes, promotions=st.promotions,
+               demotions=st.demotions, pinned_hot=st.pinned_hot, pinned_remote=st.pinned_remote,
+               remote_calls=st.remote_calls, tokens_colocated=st.tokens_colocated,
+               placement={p.backend: p.experts for p in st.placement},
+               regions={p.backend: p.region for p in st.placement})
+    return row
+
+
 async def mesh_status(mesh: dict) -> dict:
     """Health of every service in a ready file written by `moe-mesh up`, what experts serve, router load."""
     out: dict = {"gateway": {}, "routers": [], "experts": []}
     async with grpc.aio.insecure_channel(mesh["gateway_grpc"]) as ch:
         out["gateway"] = {"address": mesh["gateway_grpc"], "http": mesh["gateway_http"], "health": await _health(ch)}
-    for address in mesh["routers"]:
-        async with grpc.aio.insecure_channel(address) as ch:
-            row: dict = {"address": address, "health": await _health(ch)}
-            try:
-                st = await router_pb2_grpc.RouterServiceStub(ch).Status(router_pb2.RouterStatusRequest(), timeout=3)
-                row.update(model_id=st.model_id, running=st.running, waiting=st.waiting, steps=st.steps,
-                           failovers=st.failovers, registry_stale=st.registry_stale,
-                           num_layers=st.num_layers, num_experts=st.num_experts,
-                           tokens_routed=[list(st.tokens_routed[i * st.num_experts:(i + 1) * st.num_experts])
-                                          for i in range(st.num_layers)],
-                           placement={p.backend: p.experts for p in st.placement})
-            except grpc.aio.AioRpcError as e:
-                row["error"] = e.code().name
-            out["routers"].append(row)
+    out["routers"] = [await router_status(address) for address in mesh["routers"]]
     for e in mesh["experts"]:
         async with grpc.aio.insecure_channel(e["address"]) as ch:
             row = {"address": e["address"], "health": await _health(ch)}
@@ -85,6 +95,11 @@ async def mesh_status(mesh: dict) -> dict:
                 row["error"] = err.code().name
             out["experts"].append(row)
     return out
+
+
+def _rows(flat, width: int) -> list[list]:
+    """A row-major [layers * experts] field as [layers][experts]."""
+    return [list(flat[i:i + width]) for i in range(0, len(flat), width)] if width else []
 
 
 def print_status(st: dict) -> None:

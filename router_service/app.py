@@ -7,7 +7,7 @@ import asyncio
 from common.registry import ROUTER_SERVICE, Instance, open_registry, registration_hooks
 from common.server import GrpcServer, Service, advertised_host
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
-from router_service.build import build_mesh_engine, build_registry_engine, default_model_id
+from router_service.build import RouterParts, build_router, default_model_id
 from router_service.core import RouterCore
 from router_service.servicer import RouterServicer
 from router_service.settings import RouterSettings
@@ -18,8 +18,11 @@ SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 class RouterApp:
     """A running router: `await RouterApp.create(settings)`, `await app.start()`, `await app.stop()`."""
 
-    def __init__(self, settings: RouterSettings, core: RouterCore, remotes: list, membership=None) -> None:
-        self.settings, self.core, self.remotes, self.membership = settings, core, remotes, membership
+    def __init__(self, settings: RouterSettings, parts: RouterParts, model_id: str) -> None:
+        self.settings, self.parts = settings, parts
+        self.membership = parts.membership
+        core = self.core = RouterCore(parts.engine, model_id, parts.tierer, parts.membership)
+        self._tiering: asyncio.Task | None = None
         self.server = GrpcServer([Service(SERVICE_NAME, router_pb2_grpc.add_RouterServiceServicer_to_server,
                                           RouterServicer(core))],
                                  host=settings.host, port=settings.port,
@@ -35,22 +38,25 @@ class RouterApp:
     @classmethod
     async def create(cls, settings: RouterSettings) -> RouterApp:
         model_id = settings.model_id or default_model_id(settings.checkpoint)
-        registry = open_registry(settings.registry, settings.registry_address)
-        if registry is None:
-            engine, remotes = await build_mesh_engine(settings)
-            return cls(settings, RouterCore(engine, model_id), remotes)
-        engine, membership = await build_registry_engine(settings, registry)
-        core = RouterCore(engine, model_id)
-        core.membership = membership
-        return cls(settings, core, [], membership)
+        parts = await build_router(settings, open_registry(settings.registry, settings.registry_address))
+        return cls(settings, parts, model_id)
+
+    def start_core(self) -> None:
+        """Step the engine and, with a colocation budget, re-tier experts as utilization moves."""
+        self.core.start()
+        if self.parts.tierer.config.budget_bytes > 0:
+            self._tiering = asyncio.create_task(self.parts.tierer.run(), name="router-tiering")
 
     async def start(self) -> str:
-        self.core.start()
+        self.start_core()
         return await self.server.start()
 
     async def stop(self) -> None:
         await self.server.stop()
+        if self._tiering is not None:
+            self._tiering.cancel()
+            await asyncio.gather(self._tiering, return_exceptions=True)
         await self.core.stop()
         if self.membership is not None:
             await self.membership.stop()
-        await asyncio.gather(*(r.close() for r in self.remotes))
+        await asyncio.gather(*(r.close() for r in self.parts.remotes))

@@ -1,26 +1,31 @@
 """Assemble a router's model from a checkpoint and an expert placement.
 
 With no expert services every expert is colocated (the monolithic engine); otherwise each
-(layer, expert) pair is served by the expert services that Describe it, plus the router itself
-for pairs in the `colocate` spec.
+(layer, expert) pair is served by the expert services that serve it (from their Describe replies
+or the registry), plus the router itself for pairs in the `colocate` spec and, when a colocation
+budget is set, for the experts tiering finds hot.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from common.checkpoint import Checkpoint
-from common.errors import PreconditionError
+from common.errors import InvalidArgumentError, PreconditionError
 from common.placement import format_experts, parse_experts
+from common.registry import Registry
+from common.units import parse_size
 from router_service.engine import Engine
-from router_service.experts import ColocatedExperts, ExpertBackend, ExpertDispatcher, Placement
-from common.registry import Membership, Registry
+from router_service.experts import ColocatedExperts, ExpertDispatcher, LivePlacement, Placement
 from router_service.membership import ExpertMembership
 from router_service.model import MoeModel
 from router_service.remote import Identity, RemoteExperts, connect
 from router_service.settings import RouterSettings
+from router_service.tiering import Tierer, TieringConfig
+from router_service.utilization import UtilizationWindow
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -41,7 +46,9 @@ def build_model(checkpoint: Checkpoint, settings: RouterSettings, placement: Pla
         local = ColocatedExperts(checkpoint.load_experts(pairs))
         placement = {pair: [local] for pair in pairs}
     max_len = settings.max_model_len or min(spec.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-    dispatcher = ExpertDispatcher(spec, placement, settings.expert_timeout_s)
+    window = UtilizationWindow(spec.num_layers, spec.num_experts, settings.tier_window_s)
+    dispatcher = ExpertDispatcher(spec, placement, settings.expert_timeout_s, settings.region,
+                                  settings.region_penalty, window)
     return MoeModel(spec, checkpoint.load_dense(), dispatcher, max_len)
 
 
@@ -63,37 +70,56 @@ def build_local_engine(settings: RouterSettings) -> Engine:
     return Engine(build_model(checkpoint, settings), settings)
 
 
-async def build_registry_engine(settings: RouterSettings, registry: Registry) -> tuple[Engine, ExpertMembership]:
-    """An engine whose remote experts follow the registry live; waits until every expert is placed."""
+def tiering_config(settings: RouterSettings, checkpoint: Checkpoint) -> TieringConfig:
+    """The tiering policy's budget and pins; InvalidArgumentError names the setting that is wrong."""
+    pairs = checkpoint.all_expert_pairs()
+    expert_bytes = checkpoint.load_experts(pairs[:1])[pairs[0]].nbytes
+    try:
+        budget = parse_size(settings.colocate_budget, expert_bytes * len(pairs))
+    except ValueError as e:
+        raise InvalidArgumentError("colocate_budget", str(e)) from None
+    hot = frozenset(parse_experts(settings.colocate, checkpoint.spec)) if settings.colocate else frozenset()
+    remote = frozenset(parse_experts(settings.pin_remote, checkpoint.spec)) if settings.pin_remote else frozenset()
+    if hot & remote:
+        raise InvalidArgumentError("pin_remote", f"{format_experts(sorted(hot & remote))} is also in colocate")
+    return TieringConfig(budget, expert_bytes, settings.tier_hot_factor, settings.tier_hysteresis,
+                         settings.tier_min_dwell_s, pinned_hot=hot, pinned_remote=remote)
+
+
+@dataclass
+class RouterParts:
+    """A router's engine and what feeds its placement: static remotes or registry membership, and tiering."""
+
+    engine: Engine
+    tierer: Tierer
+    remotes: list[RemoteExperts] = field(default_factory=list)  # static expert services, closed on stop
+    membership: ExpertMembership | None = None
+
+
+async def build_router(settings: RouterSettings, registry: Registry | None = None) -> RouterParts:
+    """An engine whose experts live in expert services (static endpoints, or the registry followed live),
+    in the `colocate` spec, and in tiering's budget. With neither endpoints nor registry it is monolithic.
+    Waits until every expert has a replica."""
     checkpoint = _open(settings)
-    identity = _identity(settings, checkpoint)
-    colocated_pairs = parse_experts(settings.colocate, checkpoint.spec) if settings.colocate else []
-    local = ColocatedExperts(checkpoint.load_experts(colocated_pairs)) if colocated_pairs else None
+    config = tiering_config(settings, checkpoint)
     model = build_model(checkpoint, settings, placement={})
-    membership = ExpertMembership(checkpoint.spec, identity, model.dispatcher, local, settings.max_message_bytes)
-    if local is not None:
-        membership.apply(Membership((), 0))
-    await membership.start(registry, settings.connect_timeout_s)
-    return Engine(model, settings), membership
-
-
-async def build_mesh_engine(settings: RouterSettings) -> tuple[Engine, list[RemoteExperts]]:
-    """An engine whose experts live in expert services (and the `colocate` spec); returns the remote backends too."""
-    checkpoint = _open(settings)
+    if registry is None and not settings.expert_endpoints:
+        config = TieringConfig(0, config.expert_bytes, pinned_hot=frozenset(checkpoint.all_expert_pairs()))
+    placement = LivePlacement(model.dispatcher, ColocatedExperts(checkpoint.load_experts(config.pinned_hot)))
+    tierer = Tierer(checkpoint, placement, model.dispatcher.window, config, settings.tier_interval_s)
     identity = _identity(settings, checkpoint)
+    if registry is not None:
+        membership = ExpertMembership(checkpoint.spec, identity, placement, settings.max_message_bytes)
+        await membership.start(registry, settings.connect_timeout_s)
+        return RouterParts(Engine(model, settings), tierer, membership=membership)
     remote = await connect(settings.expert_endpoints, identity, settings.max_message_bytes,
                            settings.connect_timeout_s) if settings.expert_endpoints else {}
-    everything = checkpoint.all_expert_pairs()
-    if settings.colocate:
-        colocated = parse_experts(settings.colocate, checkpoint.spec)
-    else:
-        colocated = [] if remote else everything
-    missing = sorted(set(everything) - set(remote) - set(colocated))
+    placement.set_remote(remote)
+    missing = [p for p in checkpoint.all_expert_pairs() if not model.dispatcher.placement.get(p)]
+    backends = sorted({id(b): b for bs in remote.values() for b in bs}.values(), key=lambda b: b.address)
     if missing:
+        for b in backends:
+            await b.close()
         raise PreconditionError(f"no expert service serves {format_experts(missing)} and they are not colocated "
                                 "(add expert services or --colocate)")
-    local = ColocatedExperts(checkpoint.load_experts(colocated))
-    placement: dict[tuple[int, int], list[ExpertBackend]] = {
-        pair: ([local] if pair in local.weights else []) + list(remote.get(pair, [])) for pair in everything}
-    backends = sorted({id(b): b for bs in remote.values() for b in bs}.values(), key=lambda b: b.address)
-    return Engine(build_model(checkpoint, settings, placement), settings), backends
+    return RouterParts(Engine(model, settings), tierer, remotes=backends)

@@ -21,6 +21,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--advertise-host", default=None, help="address registered for gateways to dial")
     p.add_argument("--colocate", default="", help="expert spec computed in the router, e.g. '*:0,1' "
                    "(default: none when --expert is given, else every expert)")
+    p.add_argument("--colocate-budget", default=None, metavar="SIZE",
+                   help="bytes of expert weights to colocate by measured utilization, re-tiered live: '512MiB', "
+                        "'2GB' or a share of all routed experts like '25%%' (default 0: tiering off)")
+    p.add_argument("--pin-remote", default=None, metavar="SPEC", help="expert spec tiering never colocates")
+    p.add_argument("--tier-interval-s", type=float, default=None, help="seconds between tiering decisions (default 5)")
+    p.add_argument("--tier-window-s", type=float, default=None, help="utilization window in seconds (default 60)")
+    p.add_argument("--tier-min-dwell-s", type=float, default=None,
+                   help="an expert stays at least this long in a tier it moved to (default 30)")
+    p.add_argument("--region", default=None, help="this router's region; it prefers expert services of its region")
+    p.add_argument("--region-penalty", type=float, default=None,
+                   help="a replica in another region counts as this many more calls in flight (default 8)")
     p.add_argument("--model-id", default=None, help="model id shared with expert services (default: checkpoint dir name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default)")
@@ -36,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import uvloop
+    from pydantic import ValidationError
 
     from common.server import serve_until_signal
     from router_service.app import RouterApp
@@ -43,7 +55,11 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     fields = set(RouterSettings.model_fields)
-    settings = RouterSettings(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+    try:
+        settings = RouterSettings(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+    except ValidationError as e:
+        print(f"moe-mesh serve-router: error: {e}", file=sys.stderr)
+        return 2
 
     if settings.compute_threads:
         import torch
@@ -52,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         app = await RouterApp.create(settings)
-        app.core.start()  # keeps stepping while the server drains in-flight streams on shutdown
+        app.start_core()  # keeps stepping while the server drains in-flight streams on shutdown
         try:
             await serve_until_signal(app.server, args.ready_file, {"service": "router"})
         finally:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from router_service.engine import Engine, FinishReason, StepOutput
 from router_service.sampling import SamplingParams
+from router_service.tiering import Tierer
 
 
 @dataclass
@@ -23,14 +24,33 @@ class RouterStatus:
     tokens_routed: list[list[int]]  # [layers][experts]
     failovers: int
     placement: dict[str, list[tuple[int, int]]]  # "colocated" or address -> pairs it serves
+    regions: dict[str, str]  # the same keys -> region
     registry_stale: bool  # running on the last known membership: the registry is unreachable
+    utilization: list[list[float]]  # [layers][experts] tokens routed in the window
+    window_s: float
+    region: str
+    remote_calls: int
+    tokens_colocated: int
+    tiering: TieringStatus
+
+
+@dataclass
+class TieringStatus:
+    expert_bytes: int
+    colocated_bytes: int
+    budget_bytes: int
+    promotions: int
+    demotions: int
+    pinned_hot: list[tuple[int, int]]
+    pinned_remote: list[tuple[int, int]]
 
 
 class RouterCore:
-    def __init__(self, engine: Engine, model_id: str) -> None:
+    def __init__(self, engine: Engine, model_id: str, tierer: Tierer | None = None, membership=None) -> None:
         self.engine = engine
         self.model_id = model_id
-        self.membership = None  # set when expert services come from a registry
+        self.tierer = tierer
+        self.membership = membership  # set when expert services come from a registry
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._work = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -45,14 +65,23 @@ class RouterCore:
             await asyncio.gather(self._task, return_exceptions=True)
 
     def status(self) -> RouterStatus:
-        dispatcher = self.engine.model.dispatcher
+        d = self.engine.model.dispatcher
         placement: dict[str, list[tuple[int, int]]] = {}
-        for pair, replicas in sorted(dispatcher.placement.items()):
+        regions: dict[str, str] = {}
+        for pair, replicas in sorted(d.placement.items()):
             for backend in replicas:
-                placement.setdefault("colocated" if backend.local else backend.address, []).append(pair)
+                key = "colocated" if backend.local else backend.address
+                placement.setdefault(key, []).append(pair)
+                regions[key] = d.region if backend.local else backend.region
+        t = self.tierer
+        tiering = TieringStatus(0, 0, 0, 0, 0, [], []) if t is None else TieringStatus(
+            t.config.expert_bytes, t.colocated_bytes(), t.config.budget_bytes, t.promotions, t.demotions,
+            sorted(t.config.pinned_hot), sorted(t.config.pinned_remote))
         return RouterStatus(self.model_id, len(self.engine.running), self.engine.num_waiting, self.steps,
-                            dispatcher.tokens_routed.tolist(), dispatcher.failovers, placement,
-                            bool(self.membership is not None and self.membership.stale))
+                            d.tokens_routed.tolist(), d.failovers, placement, regions,
+                            bool(self.membership is not None and self.membership.stale),
+                            d.window.counts().tolist(), d.window.window_s, d.region, d.remote_calls,
+                            d.tokens_colocated, tiering)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, deadline: float | None = None) -> AsyncIterator[StepOutput]:

@@ -3,7 +3,8 @@
 An `ExpertBackend` computes expert FFNs for one layer on groups of token rows. The colocated
 backend runs them in-process; remote backends send them to expert services. At every MoE layer
 the dispatcher routes the tokens, picks one replica per expert (colocated first, then the least
-outstanding calls), sends each backend all its groups in one call with every backend in flight at
+outstanding calls, with replicas outside the router's region counted as `region_penalty` calls
+busier), sends each backend all its groups in one call with every backend in flight at
 once, fails groups over to other replicas when a backend is unavailable, and combines the results.
 """
 
@@ -21,6 +22,7 @@ from common.arch import ModelSpec
 from common.errors import DeadlineExceededError, ExpertUnavailableError, UnavailableError
 from common.moe import ExpertGroup, combine, expert_ffn, group_by_expert, route, shared_expert_output
 from common.weights import FFNWeights, LayerWeights
+from router_service.utilization import UtilizationWindow
 
 
 class ExpertBackend(Protocol):
@@ -32,6 +34,7 @@ class ExpertBackend(Protocol):
 
     local: bool  # True: in this process, no network hop
     outstanding: int  # calls in flight, for load balancing
+    region: str  # where it runs ("" unknown); routers prefer their own region
 
     async def forward(self, layer: int, groups: Sequence[tuple[int, torch.Tensor]],
                       timeout_s: float | None = None) -> list[torch.Tensor]: ...
@@ -42,6 +45,7 @@ class ColocatedExperts:
 
     local = True
     outstanding = 0
+    region = ""
 
     def __init__(self, weights: Mapping[tuple[int, int], FFNWeights]) -> None:
         self.weights = dict(weights)
@@ -60,11 +64,16 @@ Placement = Mapping[tuple[int, int], Sequence[ExpertBackend]]
 class ExpertDispatcher:
     """The MoE block of every layer: route, scatter to backends by placement, gather, combine."""
 
-    def __init__(self, spec: ModelSpec, placement: Placement, default_timeout_s: float = 30.0) -> None:
+    def __init__(self, spec: ModelSpec, placement: Placement, default_timeout_s: float = 30.0,
+                 region: str = "", region_penalty: float = 8.0, window: UtilizationWindow | None = None) -> None:
         self.spec = spec
         self.placement = {pair: list(replicas) for pair, replicas in placement.items()}
         self.default_timeout_s = default_timeout_s
+        self.region, self.region_penalty = region, region_penalty
+        self.window = window or UtilizationWindow(spec.num_layers, spec.num_experts)
         self.tokens_routed = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.int64)
+        self.tokens_colocated = 0  # routed (token, expert) assignments computed in this process
+        self.remote_calls = 0
         self.failovers = 0
         self._turn = itertools.count()  # rotates ties between equally loaded replicas
 
@@ -72,7 +81,9 @@ class ExpertDispatcher:
         """x: [tokens, hidden] (already normed) -> routed (+ shared) expert output [tokens, hidden]."""
         routing = route(x, w.router, self.spec)
         groups = group_by_expert(routing, self.spec.num_experts)
-        self.tokens_routed[layer] += torch.bincount(routing.experts.reshape(-1), minlength=self.spec.num_experts)
+        counts = torch.bincount(routing.experts.reshape(-1), minlength=self.spec.num_experts)
+        self.tokens_routed[layer] += counts
+        self.window.add(layer, counts)
         outputs = await self._scatter_gather(layer, x, groups, deadline)
         y = combine(groups, outputs, routing, x.shape[0], like=x)
         if w.shared_expert is not None:
@@ -95,6 +106,8 @@ class ExpertDispatcher:
                   for b, idx in order), return_exceptions=True)
             pending = []
             for (backend, idx), result in zip(order, results):
+                if not backend.local:
+                    self.remote_calls += 1
                 if isinstance(result, UnavailableError):
                     self.failovers += 1
                     for i in idx:
@@ -106,6 +119,8 @@ class ExpertDispatcher:
                 else:
                     for i, y in zip(idx, result):
                         outputs[i] = y
+                    if backend.local:
+                        self.tokens_colocated += sum(len(groups[i].tokens) for i in idx)
         return outputs  # type: ignore[return-value]
 
     def _assign(self, layer: int, groups: list[ExpertGroup], pending: list[int], excluded: dict[int, set[int]],
@@ -120,12 +135,16 @@ class ExpertDispatcher:
                 unreachable.append(i)
                 continue
             n = len(replicas)
-            best = min(range(n), key=lambda r: (not replicas[r].local, replicas[r].outstanding, (r - turn) % n))
+            best = min(range(n), key=lambda r: (not replicas[r].local, self._cost(replicas[r]), (r - turn) % n))
             plan.setdefault(id(replicas[best]), (replicas[best], []))[1].append(i)
         if unreachable:
             causes = dict.fromkeys(str(errors[i]) if i in errors else "no replica placed" for i in unreachable)
             raise ExpertUnavailableError(layer, [groups[i].expert for i in unreachable], "; ".join(causes))
         return plan
+
+    def _cost(self, backend: ExpertBackend) -> float:
+        away = bool(self.region) and backend.region != self.region
+        return backend.outstanding + (self.region_penalty if away else 0.0)
 
     def _timeout(self, deadline: float | None) -> float:
         if deadline is None:
@@ -134,3 +153,32 @@ class ExpertDispatcher:
         if remaining <= 0:
             raise DeadlineExceededError("the request deadline passed during expert dispatch")
         return min(remaining, self.default_timeout_s)
+
+
+class LivePlacement:
+    """The dispatcher's placement table, rebuilt whenever one of its two sources changes: the experts
+    colocated in this process (pins and tiering) and the remote replicas (static or from the registry).
+
+    Each change publishes a new table in one assignment, so a layer call reads a consistent table,
+    and a replaced ColocatedExperts stays alive (its weights too) only while a call still holds it.
+    """
+
+    def __init__(self, dispatcher: ExpertDispatcher, colocated: ColocatedExperts | None = None) -> None:
+        self.dispatcher = dispatcher
+        self.colocated = colocated or ColocatedExperts({})
+        self.remote: dict[tuple[int, int], list[ExpertBackend]] = {}
+        self._publish()
+
+    def set_remote(self, remote: Mapping[tuple[int, int], Sequence[ExpertBackend]]) -> None:
+        self.remote = {pair: list(replicas) for pair, replicas in remote.items() if replicas}
+        self._publish()
+
+    def set_colocated(self, colocated: ColocatedExperts) -> None:
+        self.colocated = colocated
+        self._publish()
+
+    def _publish(self) -> None:
+        table: dict[tuple[int, int], list[ExpertBackend]] = {pair: [self.colocated] for pair in self.colocated.weights}
+        for pair, replicas in self.remote.items():
+            table.setdefault(pair, []).extend(replicas)
+        self.dispatcher.placement = table

@@ -1,8 +1,8 @@
 """Live expert placement from the registry: expert services that join start taking calls, those
 that leave (or fail their health check) stop, without a restart.
 
-Each membership change rebuilds the placement table and swaps it into the dispatcher between
-layer calls. A departed service's channel is closed only after a grace period, so calls already
+Each membership change rebuilds the remote part of the placement table, which is swapped into
+the dispatcher between layer calls. A departed service's channel is closed only after a grace period, so calls already
 in flight to it finish or fail over to another replica. While the registry is unreachable, the
 last known membership keeps serving and `stale` says so.
 """
@@ -17,7 +17,7 @@ from common.arch import ModelSpec
 from common.errors import PreconditionError
 from common.placement import Pair, format_experts, parse_experts
 from common.registry import EXPERT_SERVICE, Instance, Membership, Registry
-from router_service.experts import ColocatedExperts, ExpertBackend, ExpertDispatcher
+from router_service.experts import ExpertBackend, LivePlacement
 from router_service.remote import Identity, RemoteExperts
 
 log = logging.getLogger(__name__)
@@ -25,10 +25,9 @@ CLOSE_AFTER_S = 30.0
 
 
 class ExpertMembership:
-    def __init__(self, spec: ModelSpec, identity: Identity, dispatcher: ExpertDispatcher,
-                 colocated: ColocatedExperts | None, max_message_bytes: int) -> None:
-        self.spec, self.identity, self.dispatcher = spec, identity, dispatcher
-        self.colocated, self.max_message_bytes = colocated, max_message_bytes
+    def __init__(self, spec: ModelSpec, identity: Identity, placement: LivePlacement, max_message_bytes: int) -> None:
+        self.spec, self.identity, self.placement = spec, identity, placement
+        self.max_message_bytes = max_message_bytes
         self.backends: dict[str, tuple[RemoteExperts, list[Pair]]] = {}  # instance id -> backend, its pairs
         self.stale = False
         self.changes = 0
@@ -48,16 +47,14 @@ class ExpertMembership:
         for new in set(current) - set(self.backends):
             inst = current[new]
             pairs = parse_experts(inst.meta.get("experts", ""), self.spec)
-            self.backends[new] = (RemoteExperts(inst.endpoint, self.identity, self.max_message_bytes), pairs)
-            log.info("expert service %s joined: %s", inst.endpoint, format_experts(pairs))
-        placement: dict[Pair, list[ExpertBackend]] = {}
-        if self.colocated is not None:
-            for pair in self.colocated.weights:
-                placement[pair] = [self.colocated]
+            region = inst.meta.get("region", "")
+            self.backends[new] = (RemoteExperts(inst.endpoint, self.identity, self.max_message_bytes, region), pairs)
+            log.info("expert service %s (region %r) joined: %s", inst.endpoint, region, format_experts(pairs))
+        remote: dict[Pair, list[ExpertBackend]] = {}
         for backend, pairs in sorted(self.backends.values(), key=lambda bp: bp[0].address):
             for pair in pairs:
-                placement.setdefault(pair, []).append(backend)
-        self.dispatcher.placement = placement  # one assignment: layers read a consistent table
+                remote.setdefault(pair, []).append(backend)
+        self.placement.set_remote(remote)
         self.changes += 1
         self._changed.set()
 
@@ -73,7 +70,7 @@ class ExpertMembership:
 
     def missing(self) -> list[Pair]:
         every = [(layer, e) for layer in self.spec.moe_layer_ids for e in range(self.spec.num_experts)]
-        return [p for p in every if not self.dispatcher.placement.get(p)]
+        return [p for p in every if not self.placement.dispatcher.placement.get(p)]
 
     async def start(self, registry: Registry, timeout_s: float) -> None:
         """Follow the registry; return once every expert has a replica, or raise after timeout_s."""

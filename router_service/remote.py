@@ -34,8 +34,8 @@ class RemoteExperts:
 
     local = False
 
-    def __init__(self, address: str, identity: Identity, max_message_bytes: int) -> None:
-        self.address = address
+    def __init__(self, address: str, identity: Identity, max_message_bytes: int, region: str = "") -> None:
+        self.address, self.region = address, region
         self.identity = identity
         self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
         self.stub = expert_pb2_grpc.ExpertServiceStub(self.channel)
@@ -89,8 +89,9 @@ async def connect(addresses: Sequence[str], identity: Identity, max_message_byte
             if getattr(info, field) != getattr(identity, field):
                 raise PreconditionError(f"expert service {backend.address} serves {field} "
                                         f"{getattr(info, field)!r}; this router has {getattr(identity, field)!r}")
+        backend.region = info.region
         pairs = [(k.layer, k.expert) for k in info.experts]
         for pair in pairs:
             placement.setdefault(pair, []).append(backend)
-        log.info("expert service %s serves %s", backend.address, format_experts(pairs))
+        log.info("expert service %s (region %r) serves %s", backend.address, backend.region, format_experts(pairs))
     return placement

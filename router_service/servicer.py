@@ -41,11 +41,17 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def Status(self, request: router_pb2.RouterStatusRequest, context: grpc.aio.ServicerContext):
         st = self.core.status()
+        t = st.tiering
         spec, model = self.core.engine.model.spec, self.core.engine.model
         return router_pb2.RouterStatus(
             model_id=st.model_id, architecture=spec.family, vocab_size=spec.vocab_size,
             max_model_len=model.max_model_len, running=st.running, waiting=st.waiting, steps=st.steps,
             num_layers=spec.num_layers, num_experts=spec.num_experts,
             tokens_routed=[n for row in st.tokens_routed for n in row], failovers=st.failovers,
-            placement=[router_pb2.ExpertPlacement(backend=b, experts=format_experts(pairs))
-                       for b, pairs in st.placement.items()], registry_stale=st.registry_stale)
+            placement=[router_pb2.ExpertPlacement(backend=b, experts=format_experts(pairs), region=st.regions[b])
+                       for b, pairs in st.placement.items()], registry_stale=st.registry_stale,
+            utilization=[n for row in st.utilization for n in row], utilization_window_s=st.window_s,
+            region=st.region, expert_bytes=t.expert_bytes, colocated_bytes=t.colocated_bytes,
+            colocate_budget_bytes=t.budget_bytes, promotions=t.promotions, demotions=t.demotions,
+            pinned_hot=format_experts(t.pinned_hot), pinned_remote=format_experts(t.pinned_remote),
+            moe_layers=spec.moe_layer_ids, remote_calls=st.remote_calls, tokens_colocated=st.tokens_colocated)

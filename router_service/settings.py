@@ -34,8 +34,22 @@ class RouterSettings(BaseSettings):
                                                 "embedded registry; 'none': use expert_endpoints")
     registry_address: str | None = Field(None, description="Consul HTTP address; default CONSUL_HTTP_ADDR")
     advertise_host: str | None = Field(None, description="address registered for gateways to dial")
-    colocate: str = Field("", description="expert spec computed in the router process (e.g. '*:0,1'); "
-                          "with no expert_endpoints every expert is colocated")
+    colocate: str = Field("", description="expert spec always computed in the router process (e.g. '*:0,1'); "
+                          "with no expert_endpoints and no registry every expert is colocated")
+    # tiering: the hottest experts move into the router up to a byte budget, live
+    colocate_budget: str = Field("0", description="bytes of expert weights the router may colocate by "
+                                 "utilization: '512MiB', '2GB', '1048576' or a share of all routed experts "
+                                 "like '25%'; '0' turns tiering off")
+    pin_remote: str = Field("", description="expert spec never colocated by tiering")
+    tier_interval_s: float = Field(5.0, gt=0, description="seconds between tiering decisions")
+    tier_window_s: float = Field(60.0, gt=0, description="utilization window the policy reads")
+    tier_min_dwell_s: float = Field(30.0, ge=0, description="an expert stays at least this long in a new tier")
+    tier_hysteresis: float = Field(0.2, ge=0, description="an incumbent's load counts this much more when ranking")
+    tier_hot_factor: float = Field(1.5, gt=0, description="hot: at least this multiple of its layer's mean load")
+    region: str = Field("", pattern=r"^[A-Za-z0-9._-]*$", max_length=64,
+                        description="this router's region: it prefers expert services of the same region")
+    region_penalty: float = Field(8.0, ge=0, description="a replica in another region is chosen as if it had "
+                                  "this many more calls in flight")
     expert_timeout_s: float = Field(30.0, gt=0, description="upper bound of one expert call when the request "
                                     "has no earlier deadline")
     connect_timeout_s: float = Field(30.0, gt=0, description="how long to wait for expert services at start-up")

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from common.errors import ExpertUnavailableError
 from processes import start_experts
 from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
-from router_service.build import build_local_engine, build_mesh_engine
+from router_service.build import build_local_engine, build_router
 from router_service.engine import Engine, FinishReason
 from router_service.model import pack_step
 from router_service.sampling import SamplingParams
@@ -53,12 +53,12 @@ async def mesh_engine(path: Path, specs: list[str], workdir: Path, **settings):
     """Expert-service processes for `specs` and an in-process router engine using them."""
     experts = start_experts(path, specs, workdir)
     try:
-        engine, remotes = await build_mesh_engine(RouterSettings(
+        parts = await build_router(RouterSettings(
             checkpoint=path, expert_endpoints=[e.address for e in experts], **settings))
         try:
-            yield engine, experts
+            yield parts.engine, experts
         finally:
-            for r in remotes:
+            for r in parts.remotes:
                 await r.close()
     finally:
         for e in experts:

@@ -1,0 +1,139 @@
+"""Tiered placement on a skewed `small` checkpoint, all in one run against the same expert services:
+
+- all-remote: every expert on expert services (gRPC);
+- tiered: the router colocates the hottest experts up to a budget of 25% of all expert bytes,
+  chosen by its policy from the utilization window after a warm-up;
+- all-colocated: the monolithic engine.
+
+For each: decode tokens/s, expert-service calls per generated token, and the share of routed
+(token, expert) assignments computed in the router. Rounds alternate the three so drift in this
+machine's speed hits them alike; medians and ratios to all-remote go to bench/results/tiering.json.
+
+    .venv/bin/python bench/tiering.py [--checkpoint DIR] [--skew 4] [--batch 16] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import runtime
+
+runtime.configure()  # before torch loads OpenMP
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from moe_mesh.create_checkpoint import create_checkpoint  # noqa: E402
+from processes import start_experts  # noqa: E402
+from router_service.build import build_local_engine, build_router  # noqa: E402
+from router_service.sampling import SamplingParams  # noqa: E402
+from router_service.settings import RouterSettings  # noqa: E402
+
+
+async def decode(engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Generate `new_tokens` per prompt; tokens/s of the decode steps and the dispatcher's counters moved."""
+    d = engine.model.dispatcher
+    calls0, local0, routed0 = d.remote_calls, d.tokens_colocated, int(d.tokens_routed.sum())
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{time.monotonic_ns()}-{i}", p, params)
+    await engine.step()  # prefill (and the first token) is not decode
+    start, generated = time.perf_counter(), 0
+    while engine.has_unfinished():
+        for o in await engine.step():
+            if o.error is not None:
+                raise o.error
+            generated += len(o.new_token_ids)
+    elapsed = time.perf_counter() - start
+    total = len(prompts) * new_tokens
+    return {"tokens_per_s": generated / elapsed,
+            "remote_calls_per_token": (d.remote_calls - calls0) / total,
+            "in_process_share": (d.tokens_colocated - local0) / max(1, int(d.tokens_routed.sum()) - routed0)}
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix="moe-bench-tiering-"))
+    specs = ["*:0-1", "*:2-3", "*:4-5", "*:6-7"]
+    experts = start_experts(args.checkpoint, specs, workdir, "--compute-threads", "1")
+    endpoints = [e.address for e in experts]
+    try:
+        remote = await build_router(RouterSettings(checkpoint=args.checkpoint, expert_endpoints=endpoints))
+        tiered = await build_router(RouterSettings(checkpoint=args.checkpoint, expert_endpoints=endpoints,
+                                                   colocate_budget="25%", tier_min_dwell_s=0))
+        engines = {"all_remote": remote.engine, "tiered_25pct": tiered.engine,
+                   "all_colocated": build_local_engine(RouterSettings(checkpoint=args.checkpoint))}
+        vocab = remote.engine.model.spec.vocab_size
+        gen = torch.Generator().manual_seed(0)
+
+        def prompts() -> list[list[int]]:
+            return torch.randint(3, vocab, (args.batch, 16), generator=gen).tolist()
+
+        print("==> warm-up: every engine once; the tiered router then re-tiers from its window", flush=True)
+        for engine in engines.values():
+            await decode(engine, prompts(), 8)
+        await tiered.tierer.step()
+        t = tiered.tierer
+        print(f"    colocated {len(t.hot)} experts, {t.colocated_bytes() / 2**20:.0f} of "
+              f"{t.config.budget_bytes / 2**20:.0f} MiB budget", flush=True)
+
+        runs: dict[str, list[dict]] = {name: [] for name in engines}
+        for r in range(args.rounds):
+            batch = prompts()  # the same prompts for all three in a round
+            for name, engine in engines.items():
+                runs[name].append(await decode(engine, batch, args.new_tokens))
+                m = runs[name][-1]
+                print(f"round {r + 1} {name:<14} {m['tokens_per_s']:7.1f} tok/s  "
+                      f"{m['remote_calls_per_token']:6.2f} remote calls/token  "
+                      f"{m['in_process_share']:6.1%} in-process", flush=True)
+            await tiered.tierer.step()  # live policy between rounds, as the background loop would
+
+        summary = {name: {k: statistics.median(m[k] for m in ms) for k in ms[0]} for name, ms in runs.items()}
+        base = summary["all_remote"]["tokens_per_s"]
+        for name, s in summary.items():
+            s["throughput_vs_all_remote"] = s["tokens_per_s"] / base
+        for parts in (remote, tiered):
+            for b in parts.remotes:
+                await b.close()
+        return {"checkpoint": str(args.checkpoint), "batch": args.batch, "new_tokens": args.new_tokens,
+                "rounds": args.rounds, "budget_bytes": t.config.budget_bytes, "colocated_experts": len(t.hot),
+                "promotions": t.promotions, "demotions": t.demotions, "summary": summary, "runs": runs}
+    finally:
+        for e in experts:
+            e.stop()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="a skewed checkpoint (default: .cache/bench-small-mixtral-skew{S}, created if missing)")
+    p.add_argument("--skew", type=float, default=4.0, help="router skew of the created checkpoint (default 4)")
+    p.add_argument("--batch", type=int, default=16, help="concurrent sequences (default 16)")
+    p.add_argument("--new-tokens", type=int, default=24, help="tokens generated per sequence (default 24)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the three set-ups (default 3)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench/results/tiering.json")
+    args = p.parse_args()
+    if args.checkpoint is None:
+        args.checkpoint = ROOT / f".cache/bench-small-mixtral-skew{args.skew:g}"
+        if not (args.checkpoint / "config.json").exists():
+            print(f"==> creating {args.checkpoint} (small preset, router skew {args.skew:g})", flush=True)
+            create_checkpoint(args.checkpoint, "mixtral", "small", router_skew=args.skew, progress=True)
+    result = asyncio.run(main_async(args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    for name, s in result["summary"].items():
+        print(f"{name:<14} {s['tokens_per_s']:7.1f} tok/s ({s['throughput_vs_all_remote']:.2f}x all-remote)  "
+              f"{s['remote_calls_per_token']:6.2f} remote calls/token  {s['in_process_share']:6.1%} in-process")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

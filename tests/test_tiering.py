@@ -1,0 +1,239 @@
+"""Tiered placement: the utilization window, the hot-expert policy, live re-tiering and regions."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from common.checkpoint import Checkpoint
+from common.registry import open_registry
+from common.registry.embedded import EmbeddedConsul
+from processes import start_experts
+from router_service.build import build_router
+from router_service.experts import ColocatedExperts, ExpertDispatcher
+from router_service.sampling import SamplingParams
+from router_service.settings import RouterSettings
+from router_service.tiering import TieringConfig, choose_hot
+from router_service.utilization import UtilizationWindow
+from test_membership import calls, eventually
+from test_mesh import ALL_REMOTE, PROMPTS, monolithic, run_engine
+
+EB = 1000  # bytes of one expert in the policy tests
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_window_counts_only_the_last_window_s() -> None:
+    clock = Clock()
+    w = UtilizationWindow(2, 4, window_s=10.0, buckets=5, clock=clock)
+    w.add(0, torch.tensor([1, 0, 0, 2]))
+    clock.t += 4
+    w.add(1, torch.tensor([0, 5, 0, 0]))
+    assert w.counts().tolist() == [[1, 0, 0, 2], [0, 5, 0, 0]]
+    clock.t += 7  # the first add is now older than the window, the second is not
+    w.add(0, torch.tensor([0, 0, 3, 0]))
+    assert w.counts().tolist() == [[0, 0, 3, 0], [0, 5, 0, 0]]
+    clock.t += 60  # nothing recent: an idle router reports no load
+    assert w.counts().sum() == 0
+
+
+def skewed(rows: list[list[float]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+LOAD = skewed([[500, 300, 50, 50, 40, 30, 20, 10],    # layer 0: experts 0, 1 hot
+               [20, 20, 20, 400, 20, 20, 250, 250]])  # layer 1: experts 3, 6, 7 hot
+EVERY = {(la, e) for la in range(2) for e in range(8)}
+
+
+def test_policy_fills_the_budget_with_the_hottest_and_no_more() -> None:
+    cfg = TieringConfig(budget_bytes=3 * EB + 999, expert_bytes=EB)
+    assert choose_hot(LOAD, [0, 1], set(), cfg, EVERY) == {(0, 0), (1, 3), (0, 1)}
+    roomy = TieringConfig(budget_bytes=100 * EB, expert_bytes=EB)  # only hot experts, however big the budget
+    assert choose_hot(LOAD, [0, 1], set(), roomy, EVERY) == {(0, 0), (0, 1), (1, 3), (1, 6), (1, 7)}
+    uniform = skewed([[100] * 8, [100] * 8])
+    assert choose_hot(uniform, [0, 1], set(), roomy, EVERY) == set()
+    cold_start = skewed([[5, 1, 0, 0, 0, 0, 0, 0], [0] * 8])  # too few tokens to call anything hot
+    assert choose_hot(cold_start, [0, 1], set(), roomy, EVERY) == set()
+
+
+def test_policy_hysteresis_dwell_pins_and_no_stranding() -> None:
+    cfg = TieringConfig(budget_bytes=2 * EB, expert_bytes=EB, hysteresis=0.2)
+    close = skewed([[300, 280, 260, 20, 20, 20, 20, 20], [100] * 8])
+    # (0, 2) is an incumbent: 260 * 1.2 beats 280, so it is not swapped for a slightly hotter one
+    assert choose_hot(close, [0, 1], {(0, 0), (0, 2)}, cfg, EVERY) == {(0, 0), (0, 2)}
+    assert choose_hot(close, [0, 1], set(), cfg, EVERY) == {(0, 0), (0, 1)}
+    # frozen pairs keep their tier: a just-demoted expert is not promoted back, a just-promoted one stays
+    assert choose_hot(close, [0, 1], {(0, 2)}, cfg, EVERY, frozen={(0, 0), (0, 2)}) == {(0, 2), (0, 1)}
+    pinned = TieringConfig(budget_bytes=2 * EB, expert_bytes=EB, pinned_hot=frozenset({(1, 0)}),
+                           pinned_remote=frozenset({(0, 0)}))
+    assert choose_hot(close, [0, 1], set(), pinned, EVERY) == {(1, 0), (0, 1)}
+    # an expert with no remote replica stays colocated, whatever its load
+    assert (1, 5) in choose_hot(close, [0, 1], {(1, 5)}, cfg, EVERY - {(1, 5)})
+
+
+class Regional(ColocatedExperts):
+    local = False
+
+    def __init__(self, weights, region: str, outstanding: int) -> None:
+        super().__init__(weights)
+        self.region, self.outstanding, self.served = region, outstanding, 0
+
+    async def forward(self, layer, groups, timeout_s=None):
+        self.served += 1
+        return await super().forward(layer, groups)
+
+
+async def test_dispatcher_prefers_its_region_until_the_penalty_is_exceeded(checkpoint) -> None:
+    ckpt = Checkpoint(checkpoint("mixtral"))
+    weights, layer = ckpt.load_experts(ckpt.all_expert_pairs()), ckpt.load_dense().layers[0]
+    x = torch.randn(16, ckpt.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    for busy_home, expect_home in ((7, True), (9, False)):
+        home, away = Regional(weights, "a", busy_home), Regional(weights, "b", 0)
+        d = ExpertDispatcher(ckpt.spec, {p: [away, home] for p in weights}, region="a", region_penalty=8)
+        await d.moe(0, x, layer)
+        assert (home.served > 0, away.served > 0) == (expect_home, not expect_home)
+
+
+async def warm_up_and_tier(path, tmp_path, budget: str, prompts: list[list[int]]):
+    experts = await asyncio.to_thread(start_experts, path, ALL_REMOTE, tmp_path)
+    parts = await build_router(RouterSettings(checkpoint=path, expert_endpoints=[e.address for e in experts],
+                                              colocate_budget=budget, tier_min_dwell_s=0))
+    try:
+        await run_engine(parts.engine, prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        await parts.tierer.step()
+        return parts, experts
+    except BaseException:
+        await close(parts, experts)
+        raise
+
+
+async def close(parts, experts) -> None:
+    for r in parts.remotes:
+        await r.close()
+    for e in experts:
+        await asyncio.to_thread(e.stop)
+
+
+def random_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(24)] for _ in range(n)]
+
+
+async def test_skewed_traffic_colocates_the_hottest_experts_up_to_the_budget(checkpoint, tmp_path) -> None:
+    path = checkpoint("mixtral", router_skew=4.0)
+    parts, experts = await warm_up_and_tier(path, tmp_path, "17%", random_prompts(12, 500))  # 4 of 24 experts
+    try:
+        tierer, d = parts.tierer, parts.engine.model.dispatcher
+        load = d.window.counts()
+        mean = load.sum(1, keepdim=True) / load.shape[1]
+        ranked = sorted(((float(load[p]), p) for p in map(tuple, (load >= 1.5 * mean).nonzero().tolist())),
+                        reverse=True)
+        assert len(ranked) > 4  # more hot experts than the budget holds: it is the limit
+        assert tierer.hot == {p for _, p in ranked[:4]}
+        assert tierer.colocated_bytes() == 4 * tierer.config.expert_bytes <= tierer.config.budget_bytes
+        assert all(d.placement[p][0].local and len(d.placement[p]) == 2 for p in tierer.hot)
+
+        before = d.tokens_colocated
+        assert tuple(map(tuple, await run_engine(parts.engine, PROMPTS))) == monolithic(path)
+        assert d.tokens_colocated > before  # the hot experts now run in-process
+    finally:
+        await close(parts, experts)
+
+
+async def test_unskewed_traffic_colocates_few_or_none(checkpoint, tmp_path) -> None:
+    path = checkpoint("mixtral")
+    parts, experts = await warm_up_and_tier(path, tmp_path, "50%", random_prompts(12, 500))
+    try:
+        assert len(parts.tierer.hot) <= 2
+    finally:
+        await close(parts, experts)
+
+
+async def test_greedy_outputs_identical_while_experts_move_between_tiers(checkpoint, tmp_path) -> None:
+    path = checkpoint("mixtral")
+    experts = await asyncio.to_thread(start_experts, path, ALL_REMOTE, tmp_path)
+    parts = await build_router(RouterSettings(checkpoint=path, expert_endpoints=[e.address for e in experts]))
+    tierer, engine = parts.tierer, parts.engine
+    pairs = sorted(parts.engine.model.dispatcher.placement)
+    rng = random.Random(1)
+    moves_during_generation = 0
+
+    async def churn() -> None:
+        nonlocal moves_during_generation
+        while True:
+            await tierer.apply(set(rng.sample(pairs, rng.randrange(len(pairs) + 1))))
+            moves_during_generation += engine.has_unfinished()
+            await asyncio.sleep(0.002)
+
+    try:
+        task = asyncio.create_task(churn())
+        try:
+            for _ in range(2):
+                assert tuple(map(tuple, await run_engine(engine, PROMPTS))) == monolithic(path)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert tierer.promotions > 10 and tierer.demotions > 10 and moves_during_generation > 10
+    finally:
+        await close(parts, experts)
+
+
+async def test_router_uses_its_region_falls_back_and_returns(checkpoint, tmp_path, monkeypatch) -> None:
+    path = checkpoint("mixtral")
+    expected = monolithic(path)
+    registry = EmbeddedConsul()
+    address = await registry.start()
+    monkeypatch.setenv("CONSUL_HTTP_ADDR", address)
+
+    async def expert_in(region: str, name: str):
+        (tmp_path / name).mkdir()
+        [proc] = await asyncio.to_thread(start_experts, path, ["*:0-7"], tmp_path / name,
+                                         "--registry", "consul", "--region", region)
+        return proc
+
+    a, b = await expert_in("a", "a1"), await expert_in("b", "b1")
+    parts = await build_router(RouterSettings(checkpoint=path, registry="consul", registry_address=address,
+                                              region="a"), open_registry("consul", address))
+    membership, procs = parts.membership, [a, b]
+    try:
+        await eventually(lambda: len(membership.backends) == 2, what="both regions in the placement")
+        assert tuple(map(tuple, await run_engine(parts.engine, PROMPTS))) == expected
+        assert await calls(a.address) > 0 and await calls(b.address) == 0
+
+        assert await asyncio.to_thread(a.stop) == 0  # region a goes away: b serves
+        await eventually(lambda: len(membership.backends) == 1, what="region a to leave")
+        assert tuple(map(tuple, await run_engine(parts.engine, PROMPTS))) == expected
+        served_by_b = await calls(b.address)
+        assert served_by_b > 0
+
+        a2 = await expert_in("a", "a2")  # region a is back: the router returns to it
+        procs.append(a2)
+        await eventually(lambda: len(membership.backends) == 2, what="region a to come back")
+        assert tuple(map(tuple, await run_engine(parts.engine, PROMPTS))) == expected
+        assert await calls(a2.address) > 0 and await calls(b.address) == served_by_b
+    finally:
+        await membership.stop()
+        for p in procs:
+            await asyncio.to_thread(p.stop)
+        await registry.stop()
+
+
+@pytest.mark.parametrize("flags, needle", [(["--colocate-budget", "lots"], "colocate_budget"),
+                                           (["--colocate-budget", "120%"], "colocate_budget"),
+                                           (["--colocate", "0:1", "--pin-remote", "0:1"], "pin_remote"),
+                                           (["--region", "eu west"], "region")])
+def test_bad_tiering_flags_fail_clearly(checkpoint, flags, needle) -> None:
+    from test_cli import moe_mesh
+
+    out = moe_mesh("serve-router", "--checkpoint", checkpoint("mixtral"), "--expert", "127.0.0.1:1", *flags)
+    assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
