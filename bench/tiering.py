@@ -9,7 +9,7 @@ For each: decode tokens/s, expert-service calls per generated token, and the sha
 (token, expert) assignments computed in the router. Rounds alternate the three so drift in this
 machine's speed hits them alike; medians and ratios to all-remote go to bench/results/tiering.json.
 
-    .venv/bin/python bench/tiering.py [--checkpoint DIR] [--skew 4] [--batch 16] [--rounds 3]
+    .venv/bin/python bench/tiering.py [--checkpoint DIR] [--skew 4] [--batches 1,16] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -73,36 +73,38 @@ async def main_async(args: argparse.Namespace) -> dict:
         vocab = remote.engine.model.spec.vocab_size
         gen = torch.Generator().manual_seed(0)
 
-        def prompts() -> list[list[int]]:
-            return torch.randint(3, vocab, (args.batch, 16), generator=gen).tolist()
+        def prompts(n: int) -> list[list[int]]:
+            return torch.randint(3, vocab, (n, 16), generator=gen).tolist()
 
         print("==> warm-up: every engine once; the tiered router then re-tiers from its window", flush=True)
         for engine in engines.values():
-            await decode(engine, prompts(), 8)
+            await decode(engine, prompts(16), 8)
         await tiered.tierer.step()
         t = tiered.tierer
         print(f"    colocated {len(t.hot)} experts, {t.colocated_bytes() / 2**20:.0f} of "
               f"{t.config.budget_bytes / 2**20:.0f} MiB budget", flush=True)
 
-        runs: dict[str, list[dict]] = {name: [] for name in engines}
-        for r in range(args.rounds):
-            batch = prompts()  # the same prompts for all three in a round
-            for name, engine in engines.items():
-                runs[name].append(await decode(engine, batch, args.new_tokens))
-                m = runs[name][-1]
-                print(f"round {r + 1} {name:<14} {m['tokens_per_s']:7.1f} tok/s  "
-                      f"{m['remote_calls_per_token']:6.2f} remote calls/token  "
-                      f"{m['in_process_share']:6.1%} in-process", flush=True)
-            await tiered.tierer.step()  # live policy between rounds, as the background loop would
+        runs: dict[int, dict[str, list[dict]]] = {b: {name: [] for name in engines} for b in args.batches}
+        for b in args.batches:
+            for r in range(args.rounds):
+                batch = prompts(b)  # the same prompts for all three in a round
+                for name, engine in engines.items():
+                    runs[b][name].append(await decode(engine, batch, args.new_tokens))
+                    m = runs[b][name][-1]
+                    print(f"batch {b:>2} round {r + 1} {name:<14} {m['tokens_per_s']:7.1f} tok/s  "
+                          f"{m['remote_calls_per_token']:6.2f} remote calls/token  "
+                          f"{m['in_process_share']:6.1%} in-process", flush=True)
+                await tiered.tierer.step()  # live policy between rounds, as the background loop would
 
-        summary = {name: {k: statistics.median(m[k] for m in ms) for k in ms[0]} for name, ms in runs.items()}
-        base = summary["all_remote"]["tokens_per_s"]
-        for name, s in summary.items():
-            s["throughput_vs_all_remote"] = s["tokens_per_s"] / base
+        summary = {}
+        for b, by_name in runs.items():
+            summary[b] = {name: {k: statistics.median(m[k] for m in ms) for k in ms[0]} for name, ms in by_name.items()}
+            for s in summary[b].values():
+                s["throughput_vs_all_remote"] = s["tokens_per_s"] / summary[b]["all_remote"]["tokens_per_s"]
         for parts in (remote, tiered):
             for b in parts.remotes:
                 await b.close()
-        return {"checkpoint": str(args.checkpoint), "batch": args.batch, "new_tokens": args.new_tokens,
+        return {"checkpoint": str(args.checkpoint), "batches": args.batches, "new_tokens": args.new_tokens,
                 "rounds": args.rounds, "budget_bytes": t.config.budget_bytes, "colocated_experts": len(t.hot),
                 "promotions": t.promotions, "demotions": t.demotions, "summary": summary, "runs": runs}
     finally:
@@ -115,7 +117,8 @@ def main() -> int:
     p.add_argument("--checkpoint", type=Path, default=None,
                    help="a skewed checkpoint (default: .cache/bench-small-mixtral-skew{S}, created if missing)")
     p.add_argument("--skew", type=float, default=4.0, help="router skew of the created checkpoint (default 4)")
-    p.add_argument("--batch", type=int, default=16, help="concurrent sequences (default 16)")
+    p.add_argument("--batches", type=lambda t: [int(x) for x in t.split(",")], default=[1, 16],
+                   help="comma-separated numbers of concurrent sequences (default 1,16)")
     p.add_argument("--new-tokens", type=int, default=24, help="tokens generated per sequence (default 24)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the three set-ups (default 3)")
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/tiering.json")
@@ -128,9 +131,11 @@ def main() -> int:
     result = asyncio.run(main_async(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    for name, s in result["summary"].items():
-        print(f"{name:<14} {s['tokens_per_s']:7.1f} tok/s ({s['throughput_vs_all_remote']:.2f}x all-remote)  "
-              f"{s['remote_calls_per_token']:6.2f} remote calls/token  {s['in_process_share']:6.1%} in-process")
+    for b, by_name in result["summary"].items():
+        for name, s in by_name.items():
+            print(f"batch {b:>2} {name:<14} {s['tokens_per_s']:7.1f} tok/s ({s['throughput_vs_all_remote']:.2f}x "
+                  f"all-remote)  {s['remote_calls_per_token']:6.2f} remote calls/token  "
+                  f"{s['in_process_share']:6.1%} in-process")
     print(f"wrote {args.out}")
     return 0
 

@@ -117,6 +117,9 @@ def _add_up(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queued", type=int, default=None, help="gateway admission queue size")
     p.add_argument("--max-in-flight", type=int, default=None, help="gateway requests in flight at most")
     p.add_argument("--max-num-seqs", type=int, default=None, help="router batch size at most")
+    p.add_argument("--colocate-budget", default=None, metavar="SIZE",
+                   help="routers colocate their hottest experts up to this many bytes, e.g. '25%%' of all "
+                        "routed experts or '512MiB' (default: none, every expert remote)")
     p.set_defaults(func=_run_up)
 
 
@@ -127,7 +130,8 @@ def _run_up(args: argparse.Namespace) -> int:
 
     gateway_args = [f for flag, v in (("--max-queued", args.max_queued), ("--max-in-flight", args.max_in_flight))
                     if v is not None for f in (flag, str(v))]
-    router_args = ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []
+    router_args = [f for flag, v in (("--max-num-seqs", args.max_num_seqs), ("--colocate-budget", args.colocate_budget))
+                   if v is not None for f in (flag, str(v))]
     run_dir = args.run_dir or Path(".cache") / f"mesh-{_time.strftime('%Y%m%d-%H%M%S')}"
     return run_up(args.checkpoint, args.expert_services, args.replicas, args.routers, args.ready_file,
                   run_dir, gateway_args, router_args)

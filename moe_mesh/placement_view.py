@@ -45,13 +45,10 @@ def placement_record(router_rows: list[dict]) -> dict:
     # Routers report placement as explicit pairs (format_experts), so any layer may parse here.
     shape = {"num_layers": layers, "num_experts": experts, "moe_layers": range(layers)}
     placed = [{b: pairs_of(spec, shape) for b, spec in r["placement"].items()} for r in rows]
-    # A router from before moe_layers was reported leaves it empty: its MoE layers are the placed ones.
-    moe_layers = list(first["moe_layers"]) or sorted({layer for backends in placed for pairs in backends.values()
-                                                      for layer, _ in pairs})
+    moe_layers = list(first["moe_layers"])
     utilization = [[0.0] * experts for _ in range(layers)]
     tokens = [[0] * experts for _ in range(layers)]
     for row in rows:
-        # A router that predates the utilization window reports none: it adds nothing.
         for total, counts in ((utilization, row["utilization"]), (tokens, row["tokens_routed"])):
             for layer, values in enumerate(counts):
                 for e, v in enumerate(values):

@@ -126,12 +126,8 @@ def planned(base: Plan, record: Record, proposal: Proposal, budget_bytes: int) -
         elif not arg.startswith("--colocate-budget="):
             kept.append(arg)
     raw.setdefault("router", {})["args"] = [*kept, "--colocate-budget", str(budget_bytes)]
-    # The plan's coverage check counts every layer as a MoE layer: with dense layers it cannot
-    # hold, so the sizes are left out (the groups still cover every MoE pair, by construction).
-    for key in ("num_layers", "num_experts"):
-        raw["model"].pop(key, None)
-    if len(record.moe_layers) == record.num_layers:
-        raw["model"].update(num_layers=record.num_layers, num_experts=record.num_experts)
+    raw["model"].update(num_layers=record.num_layers, num_experts=record.num_experts,
+                        moe_layers=list(record.moe_layers))
     return Plan.model_validate(raw)
 
 

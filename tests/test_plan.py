@@ -144,7 +144,11 @@ def test_dense_layers_get_no_groups(tmp_path: Path, capsys: pytest.CaptureFixtur
     plan = deploy.load_plan(out)
     pairs = [p for g in plan.expert_groups for p in deploy.expert_pairs(g.experts)]
     assert sorted(pairs) == [(layer, e) for layer in (1, 2) for e in range(8)]
-    assert plan.model.num_layers is None  # the plan's coverage check would count dense layer 0 as missing
+    assert plan.model.moe_layers == [1, 2]  # the plan's coverage check skips dense layer 0
+    short = plan.model_dump(mode="json")
+    short["expert_groups"][-1]["experts"] = "1:0"  # now some MoE pairs of layers 1-2 have no group
+    with pytest.raises(ValueError, match="no group serves"):
+        deploy.Plan.model_validate(short)
     assert "colocated in the router: 1:1,5; 2:2,7" in capsys.readouterr().err
     assert deploy.main(["deploy", "render", "--plan", str(out), "--target", "nomad", "--out", str(tmp_path)]) == 0
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
+import sys
 
+import grpc
 import pytest
 import torch
 
@@ -12,6 +15,8 @@ from common.checkpoint import Checkpoint
 from common.registry import open_registry
 from common.registry.embedded import EmbeddedConsul
 from processes import start_experts
+from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
+from router_service.app import RouterApp
 from router_service.build import build_router
 from router_service.experts import ColocatedExperts, ExpertDispatcher
 from router_service.sampling import SamplingParams
@@ -148,6 +153,42 @@ async def test_skewed_traffic_colocates_the_hottest_experts_up_to_the_budget(che
         assert d.tokens_colocated > before  # the hot experts now run in-process
     finally:
         await close(parts, experts)
+
+
+async def test_router_service_retiers_live_and_reports_its_tiers(checkpoint, tmp_path) -> None:
+    path = checkpoint("mixtral", router_skew=4.0)
+    experts = await asyncio.to_thread(start_experts, path, ALL_REMOTE, tmp_path)
+    app = await RouterApp.create(RouterSettings(checkpoint=path, expert_endpoints=[e.address for e in experts],
+                                                colocate_budget="17%", tier_interval_s=0.2, tier_min_dwell_s=0))
+    address = await app.start()
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = router_pb2_grpc.RouterServiceStub(channel)
+            params = router_pb2.SamplingParams(max_tokens=8, temperature=0.0, top_p=1.0, ignore_eos=True)
+            for p in random_prompts(12, 500):
+                async for _ in stub.Generate(router_pb2.RouterGenerateRequest(prompt_token_ids=p, params=params)):
+                    pass
+
+            async def status() -> router_pb2.RouterStatus:
+                return await stub.Status(router_pb2.RouterStatusRequest(), timeout=5)
+
+            async def promoted() -> bool:
+                return (await status()).promotions >= 4
+
+            await eventually(promoted, what="the background re-tiering")
+            st = await status()
+            colocated = next(p.experts for p in st.placement if p.backend == "colocated")
+            assert st.colocated_bytes == 4 * st.expert_bytes and st.colocate_budget_bytes >= st.colocated_bytes
+            assert sum(st.utilization) == sum(st.tokens_routed) > 0 and list(st.moe_layers) == [0, 1, 2]
+
+            shown = await asyncio.create_subprocess_exec(sys.executable, "-m", "moe_mesh", "placement", "show",
+                                                         "--router", address, stdout=asyncio.subprocess.PIPE)
+            text = (await shown.communicate())[0].decode()
+            assert shown.returncode == 0 and colocated in text and len(re.findall(r"\d+H", text)) == 4, text
+    finally:
+        await app.stop()
+        for e in experts:
+            await asyncio.to_thread(e.stop)
 
 
 async def test_unskewed_traffic_colocates_few_or_none(checkpoint, tmp_path) -> None:

@@ -52,6 +52,8 @@ class ModelPlan(_Strict):
     num_layers: int | None = Field(None, ge=1, le=_MAX_INDEX, description="decoder layers; with num_experts, "
                                    "render checks that the expert groups cover every (layer, expert)")
     num_experts: int | None = Field(None, ge=1, le=_MAX_INDEX, description="routed experts per layer")
+    moe_layers: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="layers with routed experts (Qwen2-MoE can have dense ones); default every layer")
 
     @field_validator("checkpoint")
     @classmethod
@@ -65,6 +67,9 @@ class ModelPlan(_Strict):
     def _both_sizes(self) -> ModelPlan:
         if (self.num_layers is None) != (self.num_experts is None):
             raise ValueError("give both num_layers and num_experts (for the coverage check) or neither")
+        if self.moe_layers is not None and (self.num_layers is None or not all(
+                layer < self.num_layers for layer in self.moe_layers)):
+            raise ValueError("moe_layers needs num_layers and every layer below it")
         return self
 
 
@@ -146,18 +151,19 @@ class Plan(_Strict):
             seen.add(g.name)
         model = info.data.get("model")
         if model is not None and model.num_layers is not None:
-            _check_coverage(groups, model.num_layers, model.num_experts)
+            _check_coverage(groups, _Bounds(model.num_layers, model.num_experts, model.moe_layers))
         return groups
 
 
-def _check_coverage(groups: list[ExpertGroup], num_layers: int, num_experts: int) -> None:
+def _check_coverage(groups: list[ExpertGroup], bounds: _Bounds) -> None:
+    num_layers, num_experts = bounds.num_layers, bounds.num_experts
     served: set[Pair] = set()
     for g in groups:
         try:
-            served.update(expert_pairs(g.experts, num_layers, num_experts))
+            served.update(_parse(g.experts, bounds))
         except ValueError as e:
             raise ValueError(f"group {g.name!r} experts {g.experts!r}: {e}") from None
-    missing = sorted({(la, e) for la in range(num_layers) for e in range(num_experts)} - served)
+    missing = sorted({(la, e) for la in bounds.moe_layer_ids for e in range(num_experts)} - served)
     if missing:
         raise ValueError(f"no group serves {format_experts(missing)!r} (LAYERS:EXPERTS) of the "
                          f"{num_layers} layers x {num_experts} experts in `model`")
@@ -165,18 +171,19 @@ def _check_coverage(groups: list[ExpertGroup], num_layers: int, num_experts: int
 
 @dataclass(frozen=True)
 class _Bounds:
-    """The two sizes parse_experts reads from a ModelSpec; every layer counts as a MoE layer."""
+    """What parse_experts reads from a ModelSpec; without `layers`, every layer is a MoE layer."""
 
     num_layers: int
     num_experts: int
+    layers: list[int] | None = None
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:
-        return (True,) * self.num_layers
+        return tuple(self.layers is None or i in self.layers for i in range(self.num_layers))
 
     @property
     def moe_layer_ids(self) -> list[int]:
-        return list(range(self.num_layers))
+        return [i for i, moe in enumerate(self.moe_layers) if moe]
 
 
 def expert_pairs(spec: str, num_layers: int | None = None, num_experts: int | None = None) -> list[Pair]:
@@ -190,8 +197,12 @@ def expert_pairs(spec: str, num_layers: int | None = None, num_experts: int | No
         if biggest > _MAX_INDEX:
             raise ValueError(f"index {biggest} in {spec!r} is larger than {_MAX_INDEX}")
         num_layers = num_experts = biggest + 1
+    return _parse(spec, _Bounds(num_layers, num_experts))
+
+
+def _parse(spec: str, bounds: _Bounds) -> list[Pair]:
     try:
-        return parse_experts(spec, _Bounds(num_layers, num_experts))  # type: ignore[arg-type]
+        return parse_experts(spec, bounds)  # type: ignore[arg-type]
     except InvalidArgumentError as e:
         raise ValueError(str(e).removeprefix(f"{e.field}: ")) from None
 
