@@ -30,6 +30,8 @@ protos: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/engine_vs_transformers.py
 	$(PY) bench/mesh_dispatch.py
+	$(PY) bench/tiering.py
+	$(PY) bench/tracing.py
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache bench/results

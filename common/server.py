@@ -48,6 +48,7 @@ class GrpcServer:
     grace_s: float = 10.0
     on_ready: list[Hook] = field(default_factory=list)
     on_stop: list[Hook] = field(default_factory=list)
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = ()  # e.g. tracing
 
     def __post_init__(self) -> None:
         self.health = health.aio.HealthServicer()
@@ -60,7 +61,8 @@ class GrpcServer:
         return f"{host}:{self.bound_port}"
 
     async def start(self) -> str:
-        server = grpc.aio.server(options=[*channel_options(self.max_message_bytes), ("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=[*channel_options(self.max_message_bytes), ("grpc.so_reuseport", 0)],
+                                 interceptors=list(self.interceptors))
         for s in self.services:
             s.add_to_server(s.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -27,11 +27,14 @@ def status_code(error: errors.MoeMeshError) -> grpc.StatusCode:
 RETRY_AFTER_KEY = "retry-after-s"
 
 
-async def abort_with(context: grpc.aio.ServicerContext, error: errors.MoeMeshError) -> None:
+async def abort_with(context: grpc.aio.ServicerContext, error: errors.MoeMeshError, counter=None) -> None:
     """End the RPC with the status that matches `error`; its message is sent as the details.
 
     A ResourceExhaustedError also carries its retry hint as trailing metadata `retry-after-s`.
+    `counter` (an OpenTelemetry counter) counts the failure by status code.
     """
+    if counter is not None:
+        counter.add(1, {"rpc.grpc.status_code": status_code(error).name})
     trailers = ((RETRY_AFTER_KEY, f"{error.retry_after_s:g}"),) if isinstance(error, errors.ResourceExhaustedError) else ()
     await context.abort(status_code(error), str(error), trailing_metadata=trailers)
 

@@ -21,6 +21,7 @@ import torch
 from common.errors import NotFoundError, UnavailableError
 from common.moe import expert_ffn
 from common.placement import Pair
+from common.telemetry import EXPERT_BATCH_TOKENS, EXPERT_COMPUTE_DURATION, EXPERT_QUEUE_DURATION, OFF, Telemetry
 from common.weights import FFNWeights
 
 
@@ -68,12 +69,15 @@ class DynamicBatcher:
     """
 
     def __init__(self, weights: Mapping[Pair, FFNWeights], max_batch_tokens: int = 4096,
-                 max_queue_delay_us: int = 0) -> None:
+                 max_queue_delay_us: int = 0, telemetry: Telemetry = OFF) -> None:
         if max_batch_tokens < 1 or max_queue_delay_us < 0:
             raise ValueError("max_batch_tokens must be >= 1 and max_queue_delay_us >= 0")
         self.max_batch_tokens = max_batch_tokens
         self.max_queue_delay_s = max_queue_delay_us / 1e6
         self.stats = BatcherStats()
+        self._queue_s = telemetry.latency(EXPERT_QUEUE_DURATION, "time a token group waited for its first batch")
+        self._compute_s = telemetry.latency(EXPERT_COMPUTE_DURATION, "time of one batched expert FFN")
+        self._batch_tokens = telemetry.sizes(EXPERT_BATCH_TOKENS, "token rows per batched expert FFN")
         self._weights = dict(weights)
         self._queues: dict[Pair, _Queue] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expert-ffn")
@@ -172,6 +176,10 @@ class DynamicBatcher:
     async def _run(self, key: Pair, batch: list[tuple[_Group, int, int]]) -> None:
         loop = asyncio.get_running_loop()
         parts = [g.rows[start:stop] for g, start, stop in batch]
+        began = loop.time()
+        for g, start, _ in batch:
+            if start == 0:
+                self._queue_s.record(began - g.enqueued_s)
         try:
             out = await loop.run_in_executor(self._executor, _compute, parts, self._weights[key])
         except Exception as e:  # fail every group of this batch; their queued remainders are dropped later
@@ -181,6 +189,8 @@ class DynamicBatcher:
             self._fail((g for g, _, _ in batch), e)
             raise
         self.stats.batches += 1
+        self._compute_s.record(loop.time() - began)
+        self._batch_tokens.record(out.shape[0])
         offset = 0
         for g, start, stop in batch:
             g.outputs.append(out[offset:offset + stop - start])

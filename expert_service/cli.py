@@ -25,6 +25,7 @@ _FLAGS: dict[str, type] = {
     "checkpoint": Path, "experts": str, "host": str, "port": int, "model_id": str, "dtype": str,
     "max_batch_tokens": int, "max_queue_delay_us": int, "max_request_tokens": int, "max_message_bytes": int,
     "compute_threads": int, "region": str, "registry": str, "registry_address": str, "advertise_host": str,
+    "trace_file": Path, "trace_sample": float, "metrics_port": int,
 }
 
 

@@ -12,10 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from opentelemetry import trace
 
 from common.checkpoint import Checkpoint
 from common.errors import InvalidArgumentError, NotFoundError, PreconditionError
 from common.placement import Pair, format_experts, parse_experts
+from common.telemetry import OFF, Telemetry
 from common.wire import TO_WIRE, dtype_name
 from expert_service.batcher import DynamicBatcher
 from expert_service.settings import ExpertSettings
@@ -51,7 +53,7 @@ def _dtype_label(dtype: torch.dtype) -> str:
 class ExpertHost:
     """Holds the FFN weights of the configured (layer, expert) pairs, and nothing else of the model."""
 
-    def __init__(self, settings: ExpertSettings) -> None:
+    def __init__(self, settings: ExpertSettings, telemetry: Telemetry = OFF) -> None:
         self.settings = settings
         self.dtype: torch.dtype = getattr(torch, settings.dtype)
         checkpoint = Checkpoint(settings.checkpoint, dtype=self.dtype)
@@ -60,7 +62,8 @@ class ExpertHost:
         self.weights = checkpoint.load_experts(self.experts)  # memory-mapped views: only these pairs are read
         self.model_id = settings.model_id or checkpoint.path.resolve().name
         self.weights_checksum = checkpoint.fingerprint()
-        self.batcher = DynamicBatcher(self.weights, settings.max_batch_tokens, settings.max_queue_delay_us)
+        self.batcher = DynamicBatcher(self.weights, settings.max_batch_tokens, settings.max_queue_delay_us, telemetry)
+        self.telemetry = telemetry
         self.forward_calls = 0
         self._served: dict[int, set[int]] = {}
         for layer, expert in self.experts:
@@ -85,6 +88,11 @@ class ExpertHost:
         self._check_served(layer, expert_ids)
         self._check_hidden(hidden, sum(token_counts))
         self.forward_calls += 1
+        span = trace.get_current_span()  # the RPC's server span when this call is traced
+        if span.is_recording():
+            span.set_attributes({"moe.layer": layer, "moe.experts": list(expert_ids),
+                                 "moe.expert_tokens": list(token_counts), "moe.tokens": int(hidden.shape[0]),
+                                 "moe.bytes": hidden.numel() * hidden.element_size()})
         rows = torch.split(hidden, list(token_counts))  # views, one per expert
         outputs = await asyncio.gather(*(self.batcher.submit(layer, e, r) for e, r in zip(expert_ids, rows)))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [sum(token_counts), hidden]

@@ -7,6 +7,7 @@ import grpc
 from common import wire
 from common.errors import MoeMeshError
 from common.status import abort_with
+from common.telemetry import OFF, Telemetry
 from expert_service.core import ExpertHost
 from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
 
@@ -14,8 +15,9 @@ from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     """Thin adapter from the generated service to an ExpertHost."""
 
-    def __init__(self, host: ExpertHost) -> None:
+    def __init__(self, host: ExpertHost, telemetry: Telemetry = OFF) -> None:
         self.host = host
+        self.errors = telemetry.errors()
 
     async def Forward(self, request: expert_pb2.ExpertForwardRequest,
                       context: grpc.aio.ServicerContext) -> expert_pb2.ExpertForwardResponse:
@@ -25,7 +27,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                                              list(request.expert_ids), list(request.token_counts), hidden)
             return expert_pb2.ExpertForwardResponse(output=wire.encode(output))
         except MoeMeshError as e:
-            await abort_with(context, e)
+            await abort_with(context, e, self.errors)
             raise  # unreachable: abort raises; keeps type checkers honest
 
     async def Describe(self, request: expert_pb2.DescribeRequest,

@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from common.telemetry import TelemetrySettings
 
 
-class ExpertSettings(BaseSettings):
+class ExpertSettings(TelemetrySettings):
     """What one expert service serves, where it listens, and its batching and size limits."""
 
     model_config = SettingsConfigDict(env_prefix="MOE_EXPERT_", extra="forbid")

@@ -11,6 +11,7 @@ import uvicorn
 from common.errors import InvalidArgumentError, UnavailableError
 from common.registry import ROUTER_SERVICE, Membership, Registry, open_registry
 from common.server import GrpcServer, Service
+from common.telemetry import Telemetry
 from common.tokenizer import Tokenizer
 from gateway.core import GatewayCore, ModelInfo
 from gateway.grpc_api import InferenceServicer
@@ -31,12 +32,14 @@ class _EmbeddedUvicorn(uvicorn.Server):
 class GatewayApp:
     """A running gateway: `await GatewayApp.create(settings)`, `await start()`, `await stop()`."""
 
-    def __init__(self, settings: GatewaySettings, core: GatewayCore, routers: list[RouterClient]) -> None:
-        self.settings, self.core, self.routers = settings, core, routers
+    def __init__(self, settings: GatewaySettings, core: GatewayCore, routers: list[RouterClient],
+                 telemetry: Telemetry) -> None:
+        self.settings, self.core, self.routers, self.telemetry = settings, core, routers, telemetry
         self.grpc = GrpcServer([Service(SERVICE_NAME, inference_pb2_grpc.add_InferenceServicer_to_server,
                                         InferenceServicer(core))],
                                host=settings.host, port=settings.grpc_port,
-                               max_message_bytes=settings.max_message_bytes, grace_s=settings.grace_s)
+                               max_message_bytes=settings.max_message_bytes, grace_s=settings.grace_s,
+                               interceptors=telemetry.server_interceptors())
         self.grpc.on_ready.append(self._start_http)
         self.grpc.on_stop.append(self._stop_http)
         # Bounded drain: past grace_s, open streams are cancelled, which frees their router slots.
@@ -47,13 +50,24 @@ class GatewayApp:
         self._follow_task: asyncio.Task | None = None
 
     @classmethod
-    async def create(cls, settings: GatewaySettings) -> GatewayApp:
+    async def create(cls, settings: GatewaySettings, telemetry: Telemetry | None = None) -> GatewayApp:
+        """Telemetry comes from the settings unless given (tests pass in-memory exporters)."""
+        telemetry = telemetry or Telemetry.from_settings("gateway", settings, settings.host)
+        try:
+            return await cls._create(settings, telemetry)
+        except BaseException:
+            telemetry.shutdown()
+            raise
+
+    @classmethod
+    async def _create(cls, settings: GatewaySettings, telemetry: Telemetry) -> GatewayApp:
         registry = open_registry(settings.registry, settings.registry_address)
         if registry is not None:
-            return await cls._create_following(settings, registry)
+            return await cls._create_following(settings, registry, telemetry)
         if not settings.routers:
             raise InvalidArgumentError("routers", "give at least one router address, or registry='consul'")
-        routers = [RouterClient(a, settings.max_message_bytes) for a in settings.routers]
+        routers = [RouterClient(a, settings.max_message_bytes, telemetry.client_interceptors())
+                   for a in settings.routers]
         try:
             statuses = await asyncio.gather(*(r.status(settings.connect_timeout_s) for r in routers))
         except UnavailableError as e:
@@ -64,18 +78,21 @@ class GatewayApp:
             raise UnavailableError(f"routers serve different models: {sorted(ids)}")
         st = statuses[0]
         model = ModelInfo(st.model_id, st.architecture, st.max_model_len, st.vocab_size)
-        return cls(settings, GatewayCore(settings, Tokenizer(settings.checkpoint), routers, model), routers)
+        core = GatewayCore(settings, Tokenizer(settings.checkpoint), routers, model, telemetry)
+        return cls(settings, core, routers, telemetry)
 
     @classmethod
-    async def _create_following(cls, settings: GatewaySettings, registry: Registry) -> GatewayApp:
+    async def _create_following(cls, settings: GatewaySettings, registry: Registry,
+                                telemetry: Telemetry) -> GatewayApp:
         """Routers come and go with the registry; start once one is there and answers Status."""
+        interceptors = telemetry.client_interceptors()
         watch = registry.watch(ROUTER_SERVICE)
         first = await asyncio.wait_for(_first_nonempty(watch), settings.connect_timeout_s)
-        clients = {i.id: RouterClient(i.endpoint, settings.max_message_bytes) for i in first.instances}
+        clients = {i.id: RouterClient(i.endpoint, settings.max_message_bytes, interceptors) for i in first.instances}
         st = await next(iter(clients.values())).status(settings.connect_timeout_s)
         model = ModelInfo(st.model_id, st.architecture, st.max_model_len, st.vocab_size)
-        app = cls(settings, GatewayCore(settings, Tokenizer(settings.checkpoint), list(clients.values()), model),
-                  list(clients.values()))
+        core = GatewayCore(settings, Tokenizer(settings.checkpoint), list(clients.values()), model, telemetry)
+        app = cls(settings, core, list(clients.values()), telemetry)
 
         async def follow() -> None:
             loop = asyncio.get_running_loop()
@@ -86,7 +103,7 @@ class GatewayApp:
                     client = clients.pop(gone)
                     loop.call_later(settings.grace_s, lambda c=client: asyncio.ensure_future(c.close()))
                 for new in set(current) - set(clients):
-                    clients[new] = RouterClient(current[new].endpoint, settings.max_message_bytes)
+                    clients[new] = RouterClient(current[new].endpoint, settings.max_message_bytes, interceptors)
                 app.core.routers = app.routers = list(clients.values())
 
         app._follow_task = asyncio.create_task(follow(), name="router-membership")
@@ -121,6 +138,7 @@ class GatewayApp:
             self._follow_task.cancel()
             await asyncio.gather(self._follow_task, return_exceptions=True)
         await asyncio.gather(*(r.close() for r in self.routers))
+        self.telemetry.shutdown()
 
 
 async def _first_nonempty(watch) -> Membership:

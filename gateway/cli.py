@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from common.errors import MoeMeshError
+from common.telemetry import add_telemetry_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout-s", type=float, default=600.0, help="deadline of requests that bring none")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write {address, http_address, pid} as JSON here once serving")
+    add_telemetry_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         app = await GatewayApp.create(settings)
         # The HTTP address is known only once uvicorn has bound, which happens inside start().
-        info = {"service": "gateway", "http_address": ""}
+        info = {"service": "gateway", "http_address": "", "metrics": app.telemetry.metrics_address}
         app.grpc.on_ready.append(lambda: _fill(info, app))
         try:
             await serve_until_signal(app.grpc, args.ready_file, info)

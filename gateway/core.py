@@ -8,13 +8,21 @@ streaming detokenization and stop strings. Both public APIs are thin adapters ov
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from common.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
+from opentelemetry import trace
+from opentelemetry.metrics import Observation
+from opentelemetry.trace import Span, StatusCode
+
+from common.errors import DeadlineExceededError, InvalidArgumentError, MoeMeshError, UnavailableError
+from common.status import status_code
+from common.telemetry import (GATEWAY_QUEUE_DEPTH, GATEWAY_QUEUE_WAIT, OFF, REQUEST_DURATION, TIME_PER_OUTPUT_TOKEN,
+                              TIME_TO_FIRST_TOKEN, Telemetry)
 from common.tokenizer import TextStream, Tokenizer
 from gateway.admission import Admission
 from gateway.router_client import RouterBackend
@@ -97,10 +105,19 @@ class Generation:
 
 class GatewayCore:
     def __init__(self, settings: GatewaySettings, tokenizer: Tokenizer, routers: Sequence[RouterBackend],
-                 model: ModelInfo) -> None:
+                 model: ModelInfo, telemetry: Telemetry = OFF) -> None:
         self.settings, self.tokenizer, self.routers, self.model = settings, tokenizer, list(routers), model
         self.admission = Admission(settings.max_in_flight, settings.max_queued, settings.retry_after_s)
         self._turn = 0
+        self.tracer = telemetry.tracer
+        self._duration = telemetry.latency(REQUEST_DURATION, "request from admission to its last token")
+        self._ttft = telemetry.latency(TIME_TO_FIRST_TOKEN, "request start to its first token")
+        self._tpot = telemetry.latency(TIME_PER_OUTPUT_TOKEN, "mean time between a request's output tokens")
+        self._queue_wait = telemetry.latency(GATEWAY_QUEUE_WAIT, "time an admitted request waited for a place")
+        self._errors = telemetry.errors()
+        telemetry.meter.create_observable_gauge(
+            GATEWAY_QUEUE_DEPTH, [lambda _: [Observation(self.admission.queued)]],
+            description="admitted requests waiting for an in-flight place")
 
     def list_models(self) -> list[ModelInfo]:
         return [self.model]
@@ -158,11 +175,20 @@ class GatewayCore:
 
     async def start(self, r: TextRequest, timeout_s: float | None = None) -> Generation:
         """Validate and admit `r` (raising at once when invalid or when the queue is full), then stream."""
+        try:
+            return await self._start(r, timeout_s)
+        except MoeMeshError as e:
+            self._errors.add(1, {"rpc.grpc.status_code": status_code(e).name})
+            raise
+
+    async def _start(self, r: TextRequest, timeout_s: float | None) -> Generation:
         ids, params = self.validate(r)
         request_id = r.request_id or uuid.uuid4().hex
-        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.settings.request_timeout_s)
+        began = time.monotonic()
+        deadline = began + (timeout_s if timeout_s is not None else self.settings.request_timeout_s)
         slot = self.admission.slot(r.priority)
         await slot.__aenter__()
+        self._queue_wait.record(time.monotonic() - began)
         request = router_pb2.RouterGenerateRequest(request_id=request_id, prompt_token_ids=ids, params=params,
                                                    priority=r.priority)
         released = False
@@ -173,7 +199,7 @@ class GatewayCore:
                 released = True
                 await slot.__aexit__(None, None, None)
 
-        return Generation(request_id, self._stream(request, r.stop, deadline), release)
+        return Generation(request_id, self._stream(request, r.stop, deadline, began), release)
 
     async def complete(self, r: TextRequest, timeout_s: float | None = None) -> Completion:
         """Run a request to the end."""
@@ -195,15 +221,58 @@ class GatewayCore:
             raise UnavailableError("no router replica is available")
         return min((self.routers[(self._turn + i) % n] for i in range(n)), key=lambda b: b.outstanding)
 
+    def _request_span(self, request: router_pb2.RouterGenerateRequest) -> Span | None:
+        """The request's span, under the RPC's server span if there is one; None when not sampled."""
+        if self.tracer is None:
+            return None
+        p = request.params
+        span = self.tracer.start_span("moe.gateway.request", attributes={
+            "gen_ai.operation.name": "text_completion", "gen_ai.request.model": self.model.id,
+            "gen_ai.request.id": request.request_id, "gen_ai.request.max_tokens": p.max_tokens,
+            "gen_ai.request.temperature": p.temperature, "gen_ai.request.top_p": p.top_p,
+            "gen_ai.usage.input_tokens": len(request.prompt_token_ids)})
+        return span if span.is_recording() else None
+
     async def _stream(self, request: router_pb2.RouterGenerateRequest, stop: list[str],
-                      deadline: float) -> AsyncIterator[Delta]:
+                      deadline: float, began: float) -> AsyncIterator[Delta]:
+        span = self._request_span(request)
+        first: float | None = None
+        status = "OK"
+        try:
+            async for delta in self._deltas(request, stop, deadline, span):
+                if first is None and delta.token_ids:
+                    first = time.monotonic()
+                    self._ttft.record(first - began)
+                if delta.finish_reason is not None and span is not None:
+                    span.set_attributes({"gen_ai.usage.output_tokens": delta.completion_tokens,
+                                         "gen_ai.response.finish_reasons": [delta.finish_reason]})
+                if delta.finish_reason is not None and first is not None and delta.completion_tokens > 1:
+                    self._tpot.record((time.monotonic() - first) / (delta.completion_tokens - 1))
+                yield delta
+        except MoeMeshError as e:
+            status = status_code(e).name
+            self._errors.add(1, {"rpc.grpc.status_code": status})
+            if span is not None:
+                span.record_exception(e)
+                span.set_status(StatusCode.ERROR, str(e))
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "CANCELLED"
+            raise
+        finally:
+            self._duration.record(time.monotonic() - began, {"rpc.grpc.status_code": status})
+            if span is not None:
+                span.end()
+
+    async def _deltas(self, request: router_pb2.RouterGenerateRequest, stop: list[str], deadline: float,
+                      span: Span | None) -> AsyncIterator[Delta]:
         text = TextStream(self.tokenizer, stop)
         rid, prompt_tokens, completion = request.request_id, len(request.prompt_token_ids), 0
         router = self._pick_router()
         timeout = deadline - time.monotonic()
         if timeout <= 0:
             raise DeadlineExceededError(f"request {rid} waited past its deadline for admission")
-        chunks = router.generate(request, timeout)
+        chunks = router.generate(request, timeout, trace.set_span_in_context(span) if span is not None else None)
         try:
             async for chunk in chunks:
                 completion = chunk.completion_tokens

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+from opentelemetry import context
+from opentelemetry.context import Context
 
 from common.server import channel_options
 from common.status import error_from_rpc
@@ -30,26 +32,44 @@ class RouterBackend(Protocol):
     address: str
     outstanding: int
 
-    def generate(self, request: router_pb2.RouterGenerateRequest, timeout_s: float) -> AsyncIterator[Chunk]: ...
+    def generate(self, request: router_pb2.RouterGenerateRequest, timeout_s: float,
+                 trace_context: Context | None = None) -> AsyncIterator[Chunk]: ...
 
     async def status(self, timeout_s: float) -> router_pb2.RouterStatus: ...
 
 
 class RouterClient:
-    def __init__(self, address: str, max_message_bytes: int) -> None:
+    def __init__(self, address: str, max_message_bytes: int,
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes),
+                                                 interceptors=list(interceptors) or None)
         self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
         self.outstanding = 0
 
-    async def generate(self, request: router_pb2.RouterGenerateRequest, timeout_s: float) -> AsyncIterator[Chunk]:
-        """Stream a request's tokens. Closing the iterator early cancels the call (the router frees the slot)."""
-        call = self.stub.Generate(request, timeout=timeout_s)
+    async def generate(self, request: router_pb2.RouterGenerateRequest, timeout_s: float,
+                       trace_context: Context | None = None) -> AsyncIterator[Chunk]:
+        """Stream a request's tokens. Closing the iterator early cancels the call (the router frees the slot).
+
+        With `trace_context` the call is a child of that span: tracing interceptors read the current
+        context when the call starts, so it is current just then (never across a yield)."""
+        token = context.attach(trace_context) if trace_context is not None else None
+        try:
+            call = self.stub.Generate(request, timeout=timeout_s)
+        finally:
+            if token is not None:
+                context.detach(token)
         self.outstanding += 1
         try:
             async for msg in call:
-                yield Chunk(list(msg.token_ids), FINISH.get(msg.finish_reason), msg.prompt_tokens,
-                            msg.completion_tokens)
+                chunk = Chunk(list(msg.token_ids), FINISH.get(msg.finish_reason), msg.prompt_tokens,
+                              msg.completion_tokens)
+                if chunk.finish_reason is not None:
+                    # The router ends the stream right after its last message. Reading to the end completes
+                    # the call, and with it the tracing interceptor's client span, before the caller stops.
+                    async for _ in call:
+                        pass
+                yield chunk
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, self.address) from e
         finally:

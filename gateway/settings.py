@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from common.telemetry import TelemetrySettings
 
 
-class GatewaySettings(BaseSettings):
+class GatewaySettings(TelemetrySettings):
     """The public edge: where it listens, which routers it balances over, admission and request limits."""
 
     model_config = SettingsConfigDict(env_prefix="MOE_GATEWAY_", extra="forbid")

@@ -120,6 +120,9 @@ def _add_up(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--colocate-budget", default=None, metavar="SIZE",
                    help="routers colocate their hottest experts up to this many bytes, e.g. '25%%' of all "
                         "routed experts or '512MiB' (default: none, every expert remote)")
+    p.add_argument("--trace-sample", type=float, default=None, metavar="RATIO",
+                   help="trace this share of requests (0-1) into RUN_DIR/<service>.spans.jsonl, for `moe-mesh "
+                        "trace show` (default: no traces; OTLP export follows the OTEL_* variables)")
     p.set_defaults(func=_run_up)
 
 
@@ -133,8 +136,11 @@ def _run_up(args: argparse.Namespace) -> int:
     router_args = [f for flag, v in (("--max-num-seqs", args.max_num_seqs), ("--colocate-budget", args.colocate_budget))
                    if v is not None for f in (flag, str(v))]
     run_dir = args.run_dir or Path(".cache") / f"mesh-{_time.strftime('%Y%m%d-%H%M%S')}"
+    if args.trace_sample is not None and not 0 <= args.trace_sample <= 1:
+        print(f"moe-mesh up: error: --trace-sample must be in [0, 1], got {args.trace_sample}", file=sys.stderr)
+        return 2
     return run_up(args.checkpoint, args.expert_services, args.replicas, args.routers, args.ready_file,
-                  run_dir, gateway_args, router_args)
+                  run_dir, gateway_args, router_args, args.trace_sample)
 
 
 def _add_scale(subparsers: argparse._SubParsersAction) -> None:
@@ -193,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     from moe_mesh import create_checkpoint, deploy
     from moe_mesh import plan_cli
     from moe_mesh import placement_view
+    from moe_mesh import stats_view, trace_view
     from router_service import cli as router_cli
 
     parser = argparse.ArgumentParser(prog="moe-mesh", description="Serve sparse MoE language models as a gRPC mesh.")
@@ -209,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     deploy.add_probe_subcommand(subparsers)
     plan_cli.add_subcommand(subparsers)
     placement_view.add_subcommand(subparsers)
+    trace_view.add_subcommand(subparsers)
+    stats_view.add_subcommand(subparsers)
     return parser
 
 

@@ -1,6 +1,6 @@
-"""`make demo`: create a checkpoint if none is given, bring the mesh up with every expert remote,
-stream a few generations through the gateway, show latency, throughput and where tokens went,
-then shut everything down."""
+"""`make demo`: create a checkpoint if none is given, bring the mesh up with every expert remote and
+every request traced, stream a few generations through the gateway, show latency, throughput,
+per-service metrics and the expert heatmap, shut everything down, and print one request's trace."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expert-services", type=int, default=4)
     args = parser.parse_args(argv)
 
+    from moe_mesh import stats_view
     from moe_mesh.client import mesh_status, print_status
     from moe_mesh.create_checkpoint import create_checkpoint
     from moe_mesh.launcher import Launcher
@@ -48,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.create and not (path / "config.json").exists():
         print(f"==> creating a small Mixtral checkpoint with skewed routing in {path}", file=sys.stderr)
         create_checkpoint(path, "mixtral", "small", seed=0, router_skew=2.0, progress=True)
-    launcher = Launcher(path, Path(".cache") / "demo-mesh", args.expert_services, 1, 1, [], [])
+    run_dir = Path(".cache") / "demo-mesh"
+    for old in run_dir.glob("*.spans.jsonl"):  # spans of an earlier demo would mix with this one's
+        old.unlink()
+    launcher = Launcher(path, run_dir, args.expert_services, 1, 1, [], [], trace_sample=1.0)
+    mesh = None
     try:
         mesh = launcher.start()
         print(f"==> mesh up: gateway {mesh['gateway_grpc']} (HTTP http://{mesh['gateway_http']}/v1), "
@@ -66,11 +71,27 @@ def main(argv: list[str] | None = None) -> int:
         total = sum(r["usage"]["completion_tokens"] for r in results)
         print(f"\n==> {total} tokens in {wall:.2f}s: {total / wall:.1f} tokens/s aggregate\n")
         print_status(asyncio.run(mesh_status(mesh)))
+        print("\n==> metrics scraped from every service's Prometheus endpoint (moe-mesh stats)\n")
+        endpoints = [("gateway", mesh["metrics"]["gateway"])] + [
+            (role, a) for role, key in (("router", "routers"), ("expert", "experts")) for a in mesh["metrics"][key]]
+        print(stats_view.render(stats_view.collect(endpoints)))
         print("\n(The checkpoint is random-initialised, so the text is gibberish; routing and timings are real.)")
-        return 0
     finally:
         print("==> shutting the mesh down")
-        launcher.stop()
+        launcher.stop()  # each service flushes its spans as it stops
+    _show_trace(mesh["trace_files"], "req-0")
+    return 0
+
+
+def _show_trace(files: list[str], request_id: str) -> None:
+    from moe_mesh import trace_view
+
+    spans = trace_view.load_spans(Path(f) for f in files if Path(f).exists())
+    trace_id = next(s["trace_id"] for s in spans
+                    if s["name"] == "moe.gateway.request" and s["attributes"].get("gen_ai.request.id") == request_id)
+    print(f"\n==> the trace of {request_id}, gateway -> router -> expert services, down to the engine steps "
+          f"(full tree: moe-mesh trace show {' '.join(files)} --trace-id {trace_id})\n")
+    print(trace_view.render_trace(spans, trace_id, max_depth=5))
 
 
 if __name__ == "__main__":

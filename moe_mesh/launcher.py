@@ -54,8 +54,8 @@ def expert_groups(num_experts: int, services: int) -> list[str]:
 
 class Launcher:
     def __init__(self, checkpoint: Path, run_dir: Path, expert_services: int, replicas: int, routers: int,
-                 gateway_args: list[str], router_args: list[str]) -> None:
-        self.checkpoint, self.run_dir = checkpoint, run_dir
+                 gateway_args: list[str], router_args: list[str], trace_sample: float | None = None) -> None:
+        self.checkpoint, self.run_dir, self.trace_sample = checkpoint, run_dir, trace_sample
         self.expert_services, self.replicas, self.routers = expert_services, replicas, routers
         self.gateway_args, self.router_args = gateway_args, router_args
         self.children: list[Child] = []
@@ -127,8 +127,13 @@ class Launcher:
         ready.unlink(missing_ok=True)
         log_path = self.run_dir / f"{name}.log"
         env = {**os.environ, "CONSUL_HTTP_ADDR": self.registry_address}
+        # Every child serves metrics (for `moe-mesh stats`); with tracing, each writes its own span file.
+        telemetry = ["--metrics-port", "0"]
+        if self.trace_sample is not None:
+            telemetry += ["--trace-file", str(self.run_dir / f"{name}.spans.jsonl"),
+                          "--trace-sample", str(self.trace_sample)]
         with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", module, *args, "--ready-file", str(ready)],
+            proc = subprocess.Popen([sys.executable, "-m", module, *args, *telemetry, "--ready-file", str(ready)],
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         child = Child(role, name, proc, ready, log_path)
         with self._lock:
@@ -175,6 +180,10 @@ class Launcher:
             "experts": [{"address": c.info["address"], "experts": c.info.get("experts", ""), "pid": c.proc.pid}
                         for c in experts],
             "pids": {c.name: c.proc.pid for c in self.children}, "run_dir": str(self.run_dir),
+            "metrics": {"gateway": gateway.info.get("metrics"), "routers": [c.info.get("metrics") for c in routers],
+                        "experts": [c.info.get("metrics") for c in experts]},
+            "trace_files": [str(self.run_dir / f"{c.name}.spans.jsonl") for c in self.children]
+            if self.trace_sample is not None else [],
             "checkpoint": str(self.checkpoint), "registry": self.registry_address, "control": self.control_address,
         }
 
@@ -222,8 +231,9 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 def run_up(checkpoint: Path, expert_services: int, replicas: int, routers: int, ready_file: Path | None,
-           run_dir: Path, gateway_args: list[str], router_args: list[str]) -> int:
-    launcher = Launcher(checkpoint, run_dir, expert_services, replicas, routers, gateway_args, router_args)
+           run_dir: Path, gateway_args: list[str], router_args: list[str], trace_sample: float | None = None) -> int:
+    launcher = Launcher(checkpoint, run_dir, expert_services, replicas, routers, gateway_args, router_args,
+                        trace_sample)
     stop = [False]
 
     def on_signal(signum, frame) -> None:

@@ -6,6 +6,7 @@ import asyncio
 
 from common.registry import ROUTER_SERVICE, Instance, open_registry, registration_hooks
 from common.server import GrpcServer, Service, advertised_host
+from common.telemetry import Telemetry
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 from router_service.build import RouterParts, build_router, default_model_id
 from router_service.core import RouterCore
@@ -18,15 +19,16 @@ SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 class RouterApp:
     """A running router: `await RouterApp.create(settings)`, `await app.start()`, `await app.stop()`."""
 
-    def __init__(self, settings: RouterSettings, parts: RouterParts, model_id: str) -> None:
-        self.settings, self.parts = settings, parts
+    def __init__(self, settings: RouterSettings, parts: RouterParts, model_id: str, telemetry: Telemetry) -> None:
+        self.settings, self.parts, self.telemetry = settings, parts, telemetry
         self.membership = parts.membership
-        core = self.core = RouterCore(parts.engine, model_id, parts.tierer, parts.membership)
+        core = self.core = RouterCore(parts.engine, model_id, parts.tierer, parts.membership, telemetry)
         self._tiering: asyncio.Task | None = None
         self.server = GrpcServer([Service(SERVICE_NAME, router_pb2_grpc.add_RouterServiceServicer_to_server,
-                                          RouterServicer(core))],
+                                          RouterServicer(core, telemetry))],
                                  host=settings.host, port=settings.port,
-                                 max_message_bytes=settings.max_message_bytes, grace_s=settings.grace_s)
+                                 max_message_bytes=settings.max_message_bytes, grace_s=settings.grace_s,
+                                 interceptors=telemetry.server_interceptors())
 
         def instance() -> Instance:
             address = advertised_host(settings.host, settings.advertise_host)
@@ -36,10 +38,17 @@ class RouterApp:
         registration_hooks(self.server, open_registry(settings.registry, settings.registry_address), instance)
 
     @classmethod
-    async def create(cls, settings: RouterSettings) -> RouterApp:
+    async def create(cls, settings: RouterSettings, telemetry: Telemetry | None = None) -> RouterApp:
+        """Telemetry comes from the settings unless given (tests pass in-memory exporters)."""
         model_id = settings.model_id or default_model_id(settings.checkpoint)
-        parts = await build_router(settings, open_registry(settings.registry, settings.registry_address))
-        return cls(settings, parts, model_id)
+        telemetry = telemetry or Telemetry.from_settings("router", settings, settings.host)
+        try:
+            parts = await build_router(settings, open_registry(settings.registry, settings.registry_address),
+                                       telemetry)
+        except BaseException:
+            telemetry.shutdown()
+            raise
+        return cls(settings, parts, model_id, telemetry)
 
     def start_core(self) -> None:
         """Step the engine and, with a colocation budget, re-tier experts as utilization moves."""
@@ -60,3 +69,4 @@ class RouterApp:
         if self.membership is not None:
             await self.membership.stop()
         await asyncio.gather(*(r.close() for r in self.parts.remotes))
+        self.telemetry.shutdown()

@@ -17,6 +17,7 @@ from common.checkpoint import Checkpoint
 from common.errors import InvalidArgumentError, PreconditionError
 from common.placement import format_experts, parse_experts
 from common.registry import Registry
+from common.telemetry import OFF, Telemetry
 from common.units import parse_size
 from router_service.engine import Engine
 from router_service.experts import ColocatedExperts, ExpertDispatcher, LivePlacement, Placement
@@ -38,7 +39,8 @@ def default_model_id(checkpoint: Path) -> str:
     return Path(checkpoint).resolve().name
 
 
-def build_model(checkpoint: Checkpoint, settings: RouterSettings, placement: Placement | None = None) -> MoeModel:
+def build_model(checkpoint: Checkpoint, settings: RouterSettings, placement: Placement | None = None,
+                telemetry: Telemetry = OFF) -> MoeModel:
     """The dense part from `checkpoint`; experts from `placement` (default: all colocated)."""
     spec = checkpoint.spec
     if placement is None:
@@ -48,7 +50,7 @@ def build_model(checkpoint: Checkpoint, settings: RouterSettings, placement: Pla
     max_len = settings.max_model_len or min(spec.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     window = UtilizationWindow(spec.num_layers, spec.num_experts, settings.tier_window_s)
     dispatcher = ExpertDispatcher(spec, placement, settings.expert_timeout_s, settings.region,
-                                  settings.region_penalty, window)
+                                  settings.region_penalty, window, telemetry)
     return MoeModel(spec, checkpoint.load_dense(), dispatcher, max_len)
 
 
@@ -96,24 +98,26 @@ class RouterParts:
     membership: ExpertMembership | None = None
 
 
-async def build_router(settings: RouterSettings, registry: Registry | None = None) -> RouterParts:
+async def build_router(settings: RouterSettings, registry: Registry | None = None,
+                       telemetry: Telemetry = OFF) -> RouterParts:
     """An engine whose experts live in expert services (static endpoints, or the registry followed live),
     in the `colocate` spec, and in tiering's budget. With neither endpoints nor registry it is monolithic.
     Waits until every expert has a replica."""
     checkpoint = _open(settings)
     config = tiering_config(settings, checkpoint)
-    model = build_model(checkpoint, settings, placement={})
+    model = build_model(checkpoint, settings, placement={}, telemetry=telemetry)
     if registry is None and not settings.expert_endpoints:
         config = TieringConfig(0, config.expert_bytes, pinned_hot=frozenset(checkpoint.all_expert_pairs()))
     placement = LivePlacement(model.dispatcher, ColocatedExperts(checkpoint.load_experts(config.pinned_hot)))
     tierer = Tierer(checkpoint, placement, model.dispatcher.window, config, settings.tier_interval_s)
     identity = _identity(settings, checkpoint)
     if registry is not None:
-        membership = ExpertMembership(checkpoint.spec, identity, placement, settings.max_message_bytes)
+        membership = ExpertMembership(checkpoint.spec, identity, placement, settings.max_message_bytes,
+                                      telemetry.client_interceptors())
         await membership.start(registry, settings.connect_timeout_s)
         return RouterParts(Engine(model, settings), tierer, membership=membership)
-    remote = await connect(settings.expert_endpoints, identity, settings.max_message_bytes,
-                           settings.connect_timeout_s) if settings.expert_endpoints else {}
+    remote = await connect(settings.expert_endpoints, identity, settings.max_message_bytes, settings.connect_timeout_s,
+                           telemetry.client_interceptors()) if settings.expert_endpoints else {}
     placement.set_remote(remote)
     missing = [p for p in checkpoint.all_expert_pairs() if not model.dispatcher.placement.get(p)]
     backends = sorted({id(b): b for bs in remote.values() for b in bs}.values(), key=lambda b: b.address)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from common.errors import MoeMeshError
+from common.telemetry import add_telemetry_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-timeout-s", type=float, default=30.0, help="upper bound of one expert call")
     p.add_argument("--connect-timeout-s", type=float, default=30.0, help="wait this long for expert services")
     p.add_argument("--ready-file", type=Path, default=None, help="write {address, pid} as JSON here once serving")
+    add_telemetry_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         app = await RouterApp.create(settings)
         app.start_core()  # keeps stepping while the server drains in-flight streams on shutdown
         try:
-            await serve_until_signal(app.server, args.ready_file, {"service": "router"})
+            await serve_until_signal(app.server, args.ready_file,
+                                     {"service": "router", "metrics": app.telemetry.metrics_address})
         finally:
             await app.stop()
 

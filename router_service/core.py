@@ -10,6 +10,12 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.metrics import Observation
+from opentelemetry.trace import Span, StatusCode
+
+from common.telemetry import OFF, ROUTER_BATCH_SIZE, ROUTER_QUEUE_DEPTH, Telemetry
 from router_service.engine import Engine, FinishReason, StepOutput
 from router_service.sampling import SamplingParams
 from router_service.tiering import Tierer
@@ -46,11 +52,17 @@ class TieringStatus:
 
 
 class RouterCore:
-    def __init__(self, engine: Engine, model_id: str, tierer: Tierer | None = None, membership=None) -> None:
+    def __init__(self, engine: Engine, model_id: str, tierer: Tierer | None = None, membership=None,
+                 telemetry: Telemetry = OFF) -> None:
         self.engine = engine
         self.model_id = model_id
         self.tierer = tierer
         self.membership = membership  # set when expert services come from a registry
+        self.tracer = telemetry.tracer
+        self._traced: dict[str, Context] = {}  # request id -> its span's context, for traced requests only
+        self._batch_size = telemetry.sizes(ROUTER_BATCH_SIZE, "sequences in one engine step")
+        telemetry.meter.create_observable_gauge(ROUTER_QUEUE_DEPTH, [lambda _: [Observation(engine.num_waiting)]],
+                                                description="sequences waiting for a batch slot")
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._work = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -87,10 +99,11 @@ class RouterCore:
                        priority: int = 0, deadline: float | None = None) -> AsyncIterator[StepOutput]:
         """Stream a request's outputs; the last one has a finish_reason. Raises the step's error on failure."""
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        span = self._request_span(request_id, prompt_token_ids, params)
         self.engine.add_request(request_id, prompt_token_ids, params, priority, deadline)
         self._queues[request_id] = queue
         self._work.set()
-        finished = False
+        finished, completion = False, 0
         try:
             while not finished:
                 out = await queue.get()
@@ -98,19 +111,52 @@ class RouterCore:
                     finished = True
                     raise out.error
                 finished = out.finish_reason is not None
+                completion = out.completion_tokens
                 yield out
+        except BaseException as e:
+            if span is not None:
+                span.record_exception(e)
+                span.set_status(StatusCode.ERROR, str(e))
+            raise
         finally:
             self._queues.pop(request_id, None)
+            if span is not None:
+                self._traced.pop(request_id, None)
+                span.set_attribute("gen_ai.usage.output_tokens", completion)
+                span.end()
             if not finished:
                 self.engine.abort(request_id)
                 self._work.set()
+
+    def _request_span(self, request_id: str, prompt: list[int], params: SamplingParams) -> Span | None:
+        """A span for a request whose trace is sampled (the RPC's span is recording); steps hang under it."""
+        if self.tracer is None or not trace.get_current_span().is_recording():
+            return None
+        span = self.tracer.start_span("moe.router.request", attributes={
+            "gen_ai.operation.name": "text_completion", "gen_ai.request.id": request_id,
+            "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature": params.temperature,
+            "gen_ai.usage.input_tokens": len(prompt)})
+        self._traced[request_id] = trace.set_span_in_context(span)
+        return span
+
+    async def _step(self) -> list[StepOutput]:
+        """One engine step; traced under the oldest traced request in flight, linked to the others."""
+        if not self._traced:
+            return await self.engine.step()
+        parent, *others = self._traced.values()
+        links = [trace.Link(trace.get_current_span(c).get_span_context()) for c in others]
+        with self.tracer.start_as_current_span("moe.router.step", context=parent, links=links) as span:
+            outputs = await self.engine.step()
+            span.set_attributes({"moe.batch.size": len(outputs), "moe.traced_requests": len(others) + 1})
+            return outputs
 
     async def _loop(self) -> None:
         while True:
             await self._work.wait()
             self._work.clear()
             while self.engine.has_unfinished():
-                outputs = await self.engine.step()
+                outputs = await self._step()
+                self._batch_size.record(len(outputs))
                 self.steps += 1
                 for out in outputs:
                     queue = self._queues.get(out.request_id)

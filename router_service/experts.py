@@ -17,10 +17,13 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
+from opentelemetry import trace
+from opentelemetry.metrics import Observation
 
 from common.arch import ModelSpec
 from common.errors import DeadlineExceededError, ExpertUnavailableError, UnavailableError
 from common.moe import ExpertGroup, combine, expert_ffn, group_by_expert, route, shared_expert_output
+from common.telemetry import DISPATCH_DURATION, FAILOVERS, OFF, TOKENS_ROUTED, Telemetry
 from common.weights import FFNWeights, LayerWeights
 from router_service.utilization import UtilizationWindow
 
@@ -65,7 +68,8 @@ class ExpertDispatcher:
     """The MoE block of every layer: route, scatter to backends by placement, gather, combine."""
 
     def __init__(self, spec: ModelSpec, placement: Placement, default_timeout_s: float = 30.0,
-                 region: str = "", region_penalty: float = 8.0, window: UtilizationWindow | None = None) -> None:
+                 region: str = "", region_penalty: float = 8.0, window: UtilizationWindow | None = None,
+                 telemetry: Telemetry = OFF) -> None:
         self.spec = spec
         self.placement = {pair: list(replicas) for pair, replicas in placement.items()}
         self.default_timeout_s = default_timeout_s
@@ -76,6 +80,17 @@ class ExpertDispatcher:
         self.remote_calls = 0
         self.failovers = 0
         self._turn = itertools.count()  # rotates ties between equally loaded replicas
+        self.tracer = telemetry.tracer
+        self._dispatch_s = telemetry.latency(DISPATCH_DURATION, "one expert backend call of one MoE layer")
+        telemetry.meter.create_observable_counter(
+            TOKENS_ROUTED, [self._observe_routed], description="(token, expert) assignments by layer and expert")
+        telemetry.meter.create_observable_counter(
+            FAILOVERS, [lambda _: [Observation(self.failovers)]], description="expert calls retried on another replica")
+
+    def _observe_routed(self, _options) -> list[Observation]:
+        counts = self.tokens_routed.tolist()
+        return [Observation(n, {"moe.layer": layer, "moe.expert": e})
+                for layer, row in enumerate(counts) for e, n in enumerate(row) if n]
 
     async def moe(self, layer: int, x: torch.Tensor, w: LayerWeights, deadline: float | None = None) -> torch.Tensor:
         """x: [tokens, hidden] (already normed) -> routed (+ shared) expert output [tokens, hidden]."""
@@ -84,7 +99,13 @@ class ExpertDispatcher:
         counts = torch.bincount(routing.experts.reshape(-1), minlength=self.spec.num_experts)
         self.tokens_routed[layer] += counts
         self.window.add(layer, counts)
-        outputs = await self._scatter_gather(layer, x, groups, deadline)
+        if self.tracer is not None and trace.get_current_span().is_recording():
+            attributes = {"moe.layer": layer, "moe.tokens": x.shape[0], "moe.experts": [g.expert for g in groups],
+                          "moe.expert_tokens": [len(g.tokens) for g in groups]}
+            with self.tracer.start_as_current_span("moe.dispatch", attributes=attributes):
+                outputs = await self._scatter_gather(layer, x, groups, deadline)
+        else:
+            outputs = await self._scatter_gather(layer, x, groups, deadline)
         y = combine(groups, outputs, routing, x.shape[0], like=x)
         if w.shared_expert is not None:
             y = y + shared_expert_output(x, w.shared_expert, w.shared_expert_gate)
@@ -102,7 +123,7 @@ class ExpertDispatcher:
             # Remote calls first: they are on the wire while colocated experts compute.
             order = sorted(plan.values(), key=lambda p: p[0].local)
             results = await asyncio.gather(
-                *(b.forward(layer, [(groups[i].expert, x[groups[i].tokens]) for i in idx], timeout)
+                *(self._call(b, layer, [(groups[i].expert, x[groups[i].tokens]) for i in idx], timeout)
                   for b, idx in order), return_exceptions=True)
             pending = []
             for (backend, idx), result in zip(order, results):
@@ -122,6 +143,23 @@ class ExpertDispatcher:
                     if backend.local:
                         self.tokens_colocated += sum(len(groups[i].tokens) for i in idx)
         return outputs  # type: ignore[return-value]
+
+    async def _call(self, backend: ExpertBackend, layer: int, groups: list[tuple[int, torch.Tensor]],
+                    timeout: float) -> list[torch.Tensor]:
+        """One backend call, timed per transport and, in a traced request, spanned with what it carried."""
+        transport = "colocated" if backend.local else "grpc"
+        start = time.perf_counter()
+        try:
+            if self.tracer is None or not trace.get_current_span().is_recording():
+                return await backend.forward(layer, groups, timeout)
+            attributes = {"moe.layer": layer, "moe.transport": transport,
+                          "moe.replica": getattr(backend, "address", "colocated"), "moe.region": backend.region,
+                          "moe.experts": [e for e, _ in groups], "moe.expert_tokens": [r.shape[0] for _, r in groups],
+                          "moe.bytes": sum(r.numel() * r.element_size() for _, r in groups)}
+            with self.tracer.start_as_current_span("moe.expert_call", attributes=attributes):
+                return await backend.forward(layer, groups, timeout)
+        finally:
+            self._dispatch_s.record(time.perf_counter() - start, {"moe.transport": transport})
 
     def _assign(self, layer: int, groups: list[ExpertGroup], pending: list[int], excluded: dict[int, set[int]],
                 errors: dict[int, Exception]) -> dict[int, tuple[ExpertBackend, list[int]]]:

@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
+
+import grpc
 
 from common.arch import ModelSpec
 from common.errors import PreconditionError
@@ -25,9 +28,10 @@ CLOSE_AFTER_S = 30.0
 
 
 class ExpertMembership:
-    def __init__(self, spec: ModelSpec, identity: Identity, placement: LivePlacement, max_message_bytes: int) -> None:
+    def __init__(self, spec: ModelSpec, identity: Identity, placement: LivePlacement, max_message_bytes: int,
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
         self.spec, self.identity, self.placement = spec, identity, placement
-        self.max_message_bytes = max_message_bytes
+        self.max_message_bytes, self.interceptors = max_message_bytes, interceptors
         self.backends: dict[str, tuple[RemoteExperts, list[Pair]]] = {}  # instance id -> backend, its pairs
         self.stale = False
         self.changes = 0
@@ -48,7 +52,8 @@ class ExpertMembership:
             inst = current[new]
             pairs = parse_experts(inst.meta.get("experts", ""), self.spec)
             region = inst.meta.get("region", "")
-            self.backends[new] = (RemoteExperts(inst.endpoint, self.identity, self.max_message_bytes, region), pairs)
+            self.backends[new] = (RemoteExperts(inst.endpoint, self.identity, self.max_message_bytes, region,
+                                                self.interceptors), pairs)
             log.info("expert service %s (region %r) joined: %s", inst.endpoint, region, format_experts(pairs))
         remote: dict[Pair, list[ExpertBackend]] = {}
         for backend, pairs in sorted(self.backends.values(), key=lambda bp: bp[0].address):

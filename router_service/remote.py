@@ -34,10 +34,12 @@ class RemoteExperts:
 
     local = False
 
-    def __init__(self, address: str, identity: Identity, max_message_bytes: int, region: str = "") -> None:
+    def __init__(self, address: str, identity: Identity, max_message_bytes: int, region: str = "",
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
         self.address, self.region = address, region
         self.identity = identity
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes),
+                                                 interceptors=list(interceptors) or None)
         self.stub = expert_pb2_grpc.ExpertServiceStub(self.channel)
         self.outstanding = 0
 
@@ -70,13 +72,13 @@ class RemoteExperts:
         await self.channel.close()
 
 
-async def connect(addresses: Sequence[str], identity: Identity, max_message_bytes: int,
-                  timeout_s: float) -> dict[tuple[int, int], list[RemoteExperts]]:
+async def connect(addresses: Sequence[str], identity: Identity, max_message_bytes: int, timeout_s: float,
+                  interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> dict[tuple[int, int], list[RemoteExperts]]:
     """Describe every expert service (waiting up to timeout_s for each) and map pair -> replicas.
 
     A service serving another model or other weights fails start-up with PreconditionError naming it.
     """
-    backends = [RemoteExperts(a, identity, max_message_bytes) for a in addresses]
+    backends = [RemoteExperts(a, identity, max_message_bytes, interceptors=interceptors) for a in addresses]
     deadline = time.monotonic() + timeout_s
     try:
         replies = await asyncio.gather(*(b.describe(max(0.1, deadline - time.monotonic())) for b in backends))

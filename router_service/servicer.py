@@ -10,6 +10,7 @@ import grpc
 from common.errors import MoeMeshError
 from common.placement import format_experts
 from common.status import abort_with
+from common.telemetry import OFF, Telemetry
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 from router_service.core import RouterCore
 from router_service.engine import FinishReason
@@ -20,8 +21,9 @@ _FINISH = {FinishReason.STOP: router_pb2.FINISH_REASON_STOP, FinishReason.LENGTH
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
-    def __init__(self, core: RouterCore) -> None:
+    def __init__(self, core: RouterCore, telemetry: Telemetry = OFF) -> None:
         self.core = core
+        self.errors = telemetry.errors()
 
     async def Generate(self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext):
         p = request.params
@@ -37,7 +39,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     token_ids=out.new_token_ids, finish_reason=_FINISH.get(out.finish_reason, 0),
                     prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
         except MoeMeshError as e:
-            await abort_with(context, e)
+            await abort_with(context, e, self.errors)
 
     async def Status(self, request: router_pb2.RouterStatusRequest, context: grpc.aio.ServicerContext):
         st = self.core.status()

@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from common.telemetry import TelemetrySettings
 
 
-class RouterSettings(BaseSettings):
+class RouterSettings(TelemetrySettings):
     """Everything one router process needs: model, batching limits, expert placement, serving."""
 
     model_config = SettingsConfigDict(env_prefix="MOE_ROUTER_", extra="forbid")

@@ -20,7 +20,7 @@ class FakeRouter:
     def __init__(self, address: str, gate: asyncio.Event | None = None) -> None:
         self.address, self.gate, self.outstanding, self.served = address, gate, 0, []
 
-    async def generate(self, request, timeout_s):
+    async def generate(self, request, timeout_s, trace_context=None):
         self.outstanding += 1
         try:
             self.served.append(request.request_id)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 
+from moe_mesh.trace_view import load_spans
 from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, inference_pb2, inference_pb2_grpc
 from test_cli import moe_mesh
 from test_mesh import PROMPTS, monolithic
@@ -41,7 +42,8 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(c
     ready = tmp_path / "mesh.json"
     log = open(tmp_path / "up.log", "w")
     up = subprocess.Popen([sys.executable, "-m", "moe_mesh", "up", "--checkpoint", str(path), "--expert-services", "4",
-                           "--replicas", "2", "--ready-file", str(ready), "--run-dir", str(tmp_path / "run")],
+                           "--replicas", "2", "--ready-file", str(ready), "--run-dir", str(tmp_path / "run"),
+                           "--trace-sample", "1.0"],
                           stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
@@ -66,6 +68,12 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(c
         st = json.loads(status.stdout)
         assert st["gateway"]["health"] == "SERVING" and all(e["health"] == "SERVING" for e in st["experts"])
         assert sum(map(sum, st["routers"][0]["tokens_routed"])) > 0
+
+        stats = moe_mesh("stats", "--ready-file", ready, "--json")  # every service's Prometheus endpoint
+        assert stats.returncode == 0, stats.stderr
+        summary = json.loads(stats.stdout)
+        assert {s["role"] for s in summary["services"]} == {"gateway", "router", "expert"}
+        assert sum(map(sum, summary["utilization"]["tokens_routed"])) == sum(map(sum, st["routers"][0]["tokens_routed"]))
 
         gen = moe_mesh("generate", "--gateway", mesh["gateway_grpc"], "--prompt-token-ids",
                        ",".join(map(str, PROMPTS[1])), "--max-tokens", "8", "--temperature", "0", "--json")
@@ -101,6 +109,12 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(c
         assert up.wait(60) == 0
         assert not any(_alive(pid) for pid in mesh["pids"].values())
         assert not ready.exists()
+        # Each service flushed its spans as it stopped: a request is one trace across all three.
+        files = [f for f in mesh["trace_files"] if Path(f).exists()]
+        request = next(s for s in load_spans(map(Path, files)) if s["name"] == "moe.gateway.request")
+        shown = moe_mesh("trace", "show", *files, "--trace-id", request["trace_id"], "--max-depth", "3")
+        assert shown.returncode == 0, shown.stderr
+        assert "services expert, gateway, router" in shown.stdout.splitlines()[0], shown.stdout
     finally:
         if up.poll() is None:
             up.kill()
