@@ -8,10 +8,30 @@ Grammar: items separated by ';', each LAYERS:EXPERTS, each side '*' or a comma l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from common.arch import ModelSpec
 from common.errors import InvalidArgumentError
 
 Pair = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What parse_experts reads of a ModelSpec, for tools that know a model only by its sizes
+    (plans, status records); without `layers`, every layer is a MoE layer."""
+
+    num_layers: int
+    num_experts: int
+    layers: tuple[int, ...] | None = None
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        return tuple(self.layers is None or i in self.layers for i in range(self.num_layers))
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return [i for i, moe in enumerate(self.moe_layers) if moe]
 
 
 def _indices(text: str, limit: int, what: str, item: str) -> list[int]:
@@ -30,7 +50,7 @@ def _indices(text: str, limit: int, what: str, item: str) -> list[int]:
     return out
 
 
-def parse_experts(text: str, spec: ModelSpec) -> list[Pair]:
+def parse_experts(text: str, spec: ModelSpec | ModelShape) -> list[Pair]:
     """The sorted (layer, expert) pairs a spec names; '*' layers skip dense (non-MoE) layers."""
     pairs: set[Pair] = set()
     for item in (i.strip() for i in text.split(";")):

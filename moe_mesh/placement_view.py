@@ -13,10 +13,9 @@ import json
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from types import SimpleNamespace
 
 from common.errors import InvalidArgumentError, MoeMeshError, PreconditionError, UnavailableError
-from common.placement import Pair, format_experts, parse_experts
+from common.placement import ModelShape, Pair, format_experts, parse_experts
 
 COLOCATED = "colocated"  # the placement backend name of experts computed in the router process
 BLOCK = 16  # experts per heatmap block: 16 cells of 5 characters keep a block under 100 columns
@@ -77,12 +76,8 @@ def pairs_of(spec: str, record: dict) -> set[Pair]:
     """The (layer, expert) pairs of an expert spec in the model of `record` (or its shape keys); '' names none."""
     if not spec.strip():
         return set()
-    moe = set(record["moe_layers"])
-    # parse_experts needs only the shape of the model, which the record carries.
-    model = SimpleNamespace(num_layers=record["num_layers"], num_experts=record["num_experts"],
-                            moe_layers=tuple(layer in moe for layer in range(record["num_layers"])),
-                            moe_layer_ids=sorted(moe))
-    return set(parse_experts(spec, model))
+    shape = ModelShape(record["num_layers"], record["num_experts"], tuple(record["moe_layers"]))
+    return set(parse_experts(spec, shape))
 
 
 def shares(row: list[float]) -> list[int]:

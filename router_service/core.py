@@ -52,7 +52,7 @@ class TieringStatus:
 
 
 class RouterCore:
-    def __init__(self, engine: Engine, model_id: str, tierer: Tierer | None = None, membership=None,
+    def __init__(self, engine: Engine, model_id: str, tierer: Tierer, membership=None,
                  telemetry: Telemetry = OFF) -> None:
         self.engine = engine
         self.model_id = model_id
@@ -86,9 +86,8 @@ class RouterCore:
                 placement.setdefault(key, []).append(pair)
                 regions[key] = d.region if backend.local else backend.region
         t = self.tierer
-        tiering = TieringStatus(0, 0, 0, 0, 0, [], []) if t is None else TieringStatus(
-            t.config.expert_bytes, t.colocated_bytes(), t.config.budget_bytes, t.promotions, t.demotions,
-            sorted(t.config.pinned_hot), sorted(t.config.pinned_remote))
+        tiering = TieringStatus(t.config.expert_bytes, t.colocated_bytes(), t.config.budget_bytes, t.promotions,
+                                t.demotions, sorted(t.config.pinned_hot), sorted(t.config.pinned_remote))
         return RouterStatus(self.model_id, len(self.engine.running), self.engine.num_waiting, self.steps,
                             d.tokens_routed.tolist(), d.failovers, placement, regions,
                             bool(self.membership is not None and self.membership.stale),

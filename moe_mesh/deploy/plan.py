@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -11,7 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from common.errors import InvalidArgumentError, MoeMeshError
-from common.placement import Pair, format_experts, parse_experts
+from common.placement import ModelShape, Pair, format_experts, parse_experts
 
 _MAX_INDEX = 65535  # an expert spec index beyond this is a typo, not a model
 
@@ -151,11 +150,12 @@ class Plan(_Strict):
             seen.add(g.name)
         model = info.data.get("model")
         if model is not None and model.num_layers is not None:
-            _check_coverage(groups, _Bounds(model.num_layers, model.num_experts, model.moe_layers))
+            layers = tuple(model.moe_layers) if model.moe_layers is not None else None
+            _check_coverage(groups, ModelShape(model.num_layers, model.num_experts, layers))
         return groups
 
 
-def _check_coverage(groups: list[ExpertGroup], bounds: _Bounds) -> None:
+def _check_coverage(groups: list[ExpertGroup], bounds: ModelShape) -> None:
     num_layers, num_experts = bounds.num_layers, bounds.num_experts
     served: set[Pair] = set()
     for g in groups:
@@ -169,23 +169,6 @@ def _check_coverage(groups: list[ExpertGroup], bounds: _Bounds) -> None:
                          f"{num_layers} layers x {num_experts} experts in `model`")
 
 
-@dataclass(frozen=True)
-class _Bounds:
-    """What parse_experts reads from a ModelSpec; without `layers`, every layer is a MoE layer."""
-
-    num_layers: int
-    num_experts: int
-    layers: list[int] | None = None
-
-    @property
-    def moe_layers(self) -> tuple[bool, ...]:
-        return tuple(self.layers is None or i in self.layers for i in range(self.num_layers))
-
-    @property
-    def moe_layer_ids(self) -> list[int]:
-        return [i for i, moe in enumerate(self.moe_layers) if moe]
-
-
 def expert_pairs(spec: str, num_layers: int | None = None, num_experts: int | None = None) -> list[Pair]:
     """The pairs an expert spec names, parsed by the same code the services use.
 
@@ -197,12 +180,12 @@ def expert_pairs(spec: str, num_layers: int | None = None, num_experts: int | No
         if biggest > _MAX_INDEX:
             raise ValueError(f"index {biggest} in {spec!r} is larger than {_MAX_INDEX}")
         num_layers = num_experts = biggest + 1
-    return _parse(spec, _Bounds(num_layers, num_experts))
+    return _parse(spec, ModelShape(num_layers, num_experts))
 
 
-def _parse(spec: str, bounds: _Bounds) -> list[Pair]:
+def _parse(spec: str, bounds: ModelShape) -> list[Pair]:
     try:
-        return parse_experts(spec, bounds)  # type: ignore[arg-type]
+        return parse_experts(spec, bounds)
     except InvalidArgumentError as e:
         raise ValueError(str(e).removeprefix(f"{e.field}: ")) from None
 
