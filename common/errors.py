@@ -5,6 +5,7 @@ MoeMeshError                                                           gRPC stat
 │   └── UnsupportedModelError   valid checkpoint of a model or feature moe-mesh does not serve
 ├── InvalidArgumentError   bad input; names the field and the limit               INVALID_ARGUMENT / 400
 │   └── CapacityError         a request can never fit (context length, batch limits)
+├── AlreadyExistsError     a request id is already in flight                       ALREADY_EXISTS / 409
 ├── NotFoundError          an addressed thing (layer, expert, model) is not here  NOT_FOUND / 404
 ├── PreconditionError      caller and server disagree (model id, weights)         FAILED_PRECONDITION / 400
 ├── ResourceExhaustedError queue full; retry after `retry_after_s`             RESOURCE_EXHAUSTED / 429
@@ -44,9 +45,16 @@ class InvalidArgumentError(MoeMeshError):
         self.field = field
 
 
-
 class CapacityError(InvalidArgumentError):
     """A request exceeds a hard limit of the server (e.g. prompt + max_tokens > max_model_len)."""
+
+
+class AlreadyExistsError(MoeMeshError):
+    """The caller chose an identifier (a request id) that is already in use."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
 
 
 class NotFoundError(MoeMeshError):

@@ -8,6 +8,7 @@ from common import errors
 
 _TO_CODE: list[tuple[type[errors.MoeMeshError], grpc.StatusCode]] = [
     (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
     (errors.NotFoundError, grpc.StatusCode.NOT_FOUND),
     (errors.PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),

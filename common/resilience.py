@@ -1,0 +1,139 @@
+"""Client-edge resilience, shared by gateway -> router and router -> expert calls.
+
+- `EndpointHealth`: Envoy-style outlier ejection per endpoint. Consecutive failures eject it for
+  a time that doubles with each ejection (capped); once that time passes it is re-admitted, and
+  its next call is the probe. A success resets the failure count.
+- `pick_healthy`: the endpoints a balancer may choose from: the admitted ones, or all of them when
+  every one is ejected (Envoy's panic mode: a fully ejected cluster still gets traffic).
+- `RetryBudget`: retries may add at most `ratio` of the recent requests (plus a small reserve per
+  second), so a sick mesh is not hit with a multiple of its load.
+- `LatencyWindow`: the recent latencies of an endpoint, for hedging delays and per-call timeouts.
+
+Callers retry only calls that never reached the peer's application (or failed retryably), only
+within the request's deadline, and only when the budget allows.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class EjectionPolicy:
+    consecutive_failures: int = 1  # failures in a row that eject an endpoint
+    base_ejection_s: float = 1.0  # first ejection; doubles with each further one
+    max_ejection_s: float = 30.0
+
+
+class EndpointHealth:
+    """Failure tracking and ejection state of one endpoint."""
+
+    def __init__(self, policy: EjectionPolicy = EjectionPolicy(), clock: Clock = time.monotonic) -> None:
+        self.policy, self._clock = policy, clock
+        self.failures = 0  # consecutive
+        self.ejections = 0  # total, for status and metrics
+        self._streak = 0  # ejections since the last success: sets the next ejection's length
+        self.ejected_until = 0.0
+
+    @property
+    def ejected(self) -> bool:
+        return self._clock() < self.ejected_until
+
+    def success(self) -> None:
+        self.failures = 0
+        self._streak = 0
+
+    def failure(self) -> bool:
+        """Count a failure; True when it ejected the endpoint."""
+        self.failures += 1
+        if self.failures < self.policy.consecutive_failures or self.ejected:
+            return False
+        p = self.policy
+        self.ejected_until = self._clock() + min(p.max_ejection_s, p.base_ejection_s * 2 ** self._streak)
+        self._streak += 1
+        self.ejections += 1
+        self.failures = 0
+        return True
+
+
+def pick_healthy(endpoints: Iterable[T], health: Callable[[T], EndpointHealth]) -> list[T]:
+    """The endpoints not ejected; all of them when every one is (panic mode)."""
+    everyone = list(endpoints)
+    admitted = [e for e in everyone if not health(e).ejected]
+    return admitted or everyone
+
+
+class RetryBudget:
+    """Token bucket: each request deposits `ratio` tokens, a retry costs one.
+
+    `min_per_s` tokens also accrue per second so a quiet service can still retry; the bucket holds
+    at most `ratio * window_requests + min_per_s * window_s` tokens (bounded bursts).
+    """
+
+    def __init__(self, ratio: float = 0.2, min_per_s: float = 5.0, window_s: float = 10.0,
+                 window_requests: int = 100, clock: Clock = time.monotonic) -> None:
+        self.ratio, self.min_per_s = ratio, min_per_s
+        self.capacity = ratio * window_requests + min_per_s * window_s
+        self._clock = clock
+        self._tokens = min_per_s * window_s
+        self._at = clock()
+        self.retries = 0
+        self.refused = 0
+
+    def _refill(self) -> None:
+        now = self._clock()
+        self._tokens = min(self.capacity, self._tokens + (now - self._at) * self.min_per_s)
+        self._at = now
+
+    def request(self) -> None:
+        """Record a first attempt."""
+        self._refill()
+        self._tokens = min(self.capacity, self._tokens + self.ratio)
+
+    def try_retry(self) -> bool:
+        """Take a retry token; False (and counted as refused) when the budget is spent."""
+        self._refill()
+        if self._tokens >= 1.0 - 1e-9:  # deposits of `ratio` add up with rounding error
+            self._tokens -= 1.0
+            self.retries += 1
+            return True
+        self.refused += 1
+        return False
+
+
+class LatencyWindow:
+    """The last `size` latencies (seconds) of an endpoint; quantiles once `min_samples` arrived."""
+
+    def __init__(self, size: int = 256, min_samples: int = 16) -> None:
+        self.min_samples = min_samples
+        self._recent: deque[float] = deque(maxlen=size)
+        self._sorted: list[float] = []
+
+    def add(self, seconds: float) -> None:
+        if len(self._recent) == self._recent.maxlen:
+            old = self._recent[0]
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._recent.append(seconds)
+        bisect.insort(self._sorted, seconds)
+
+    def __len__(self) -> int:
+        return len(self._recent)
+
+    def quantile(self, q: float) -> float | None:
+        """The q-quantile (0..1) of the recent latencies, None while fewer than `min_samples` are known."""
+        if len(self._sorted) < self.min_samples:
+            return None
+        return _quantile(self._sorted, q)
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    i = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[i]
