@@ -150,3 +150,8 @@ class ExpertHost:
         if hidden.dtype != self.dtype:
             raise InvalidArgumentError("hidden.dtype", f"expected {_dtype_label(self.dtype)}, "
                                        f"got {_dtype_label(hidden.dtype)}")
+        # A NaN/inf row would poison every token batched with it here and come back as garbage.
+        bad = int(hidden.numel() - torch.isfinite(hidden).sum())
+        if bad:
+            raise InvalidArgumentError("hidden", f"holds {bad} non-finite value(s) (NaN or inf); "
+                                       "expected finite activations")

@@ -5,10 +5,12 @@ background event loop; every child registers in it or follows it. Expert service
 (experts split into groups by index, each group replicated), then routers, which discover the
 expert services live, then the gateway, which discovers the routers. Each child writes a ready
 file once it serves; the launcher waits for all (bounded), prints the endpoints, writes them as
-JSON, and then watches: a child that exits is reported at once. `moe-mesh scale` asks the
-launcher's loopback control endpoint to add or remove expert-service processes. Ctrl-C / SIGTERM
-stops everything, gateway first, experts last, each with SIGTERM (graceful drain) and SIGKILL
-after a timeout.
+JSON (the ready file), and then watches: a child that exits is reported at once and leaves the
+ready file. `moe-mesh scale` asks the launcher's loopback control endpoint to add or remove
+expert-service processes; scale operations run one at a time, each sets an absolute replica count
+(so repeating one changes nothing), and the ready file follows them, which is what `moe-mesh
+status` reads. Ctrl-C / SIGTERM stops everything, gateway first, experts last, each with SIGTERM
+(graceful drain) and SIGKILL after a timeout.
 """
 
 from __future__ import annotations
@@ -54,13 +56,20 @@ def expert_groups(num_experts: int, services: int) -> list[str]:
 
 class Launcher:
     def __init__(self, checkpoint: Path, run_dir: Path, expert_services: int, replicas: int, routers: int,
-                 gateway_args: list[str], router_args: list[str], trace_sample: float | None = None) -> None:
+                 gateway_args: list[str], router_args: list[str], trace_sample: float | None = None,
+                 ready_file: Path | None = None, ready_timeout_s: float = READY_TIMEOUT_S,
+                 stop_timeout_s: float = STOP_TIMEOUT_S) -> None:
         self.checkpoint, self.run_dir, self.trace_sample = checkpoint, run_dir, trace_sample
         self.expert_services, self.replicas, self.routers = expert_services, replicas, routers
         self.gateway_args, self.router_args = gateway_args, router_args
+        self.ready_file, self.ready_timeout_s, self.stop_timeout_s = ready_file, ready_timeout_s, stop_timeout_s
         self.children: list[Child] = []
+        self.endpoints: dict = {}
         self.spec = load_spec(checkpoint)
         self._lock = threading.Lock()  # children change from the control endpoint's thread too
+        # One scale at a time: two interleaved ones would each count the replicas before the other's
+        # changes landed, and the later request would be lost.
+        self._scale_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="launcher-loop", daemon=True)
         self._registry = None
@@ -95,34 +104,43 @@ class Launcher:
 
     def _expert_child(self, spec: str) -> Child:
         self._serial += 1
-        return self._spawn("expert", f"expert-{self._serial}", "expert_service",
-                           ["--checkpoint", str(self.checkpoint), "--experts", spec, "--compute-threads",
-                            self._threads, "--registry", "consul"])
+        return self._spawn("expert", f"expert-{self._serial}", ["-m", "expert_service",
+                           "--checkpoint", str(self.checkpoint), "--experts", spec, "--compute-threads",
+                           self._threads, "--registry", "consul"])
 
     def scale(self, experts: str, replicas: int) -> dict:
         """Run exactly `replicas` expert-service processes serving `experts` (0 removes them all)."""
         if replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {replicas}")
         want = format_experts(parse_experts(experts, self.spec))
-        with self._lock:
-            serving = [c for c in self.children if c.role == "expert" and c.proc.poll() is None
-                       and c.info.get("experts") == want]
-        added = [self._expert_child(experts) for _ in range(replicas - len(serving))]
-        self._wait_ready(added)
-        removed = serving[replicas:] if replicas < len(serving) else []
-        for c in removed:
-            c.retired = True
-            c.proc.send_signal(signal.SIGTERM)  # graceful: deregister, drain, exit
-        for c in removed:
-            c.proc.wait(STOP_TIMEOUT_S)
+        with self._scale_lock:
+            with self._lock:
+                serving = [c for c in self.children if c.role == "expert" and c.proc.poll() is None
+                           and c.info.get("experts") == want and not c.retired]
+            added = [self._expert_child(experts) for _ in range(replicas - len(serving))]
+            try:
+                self._wait_ready(added)
+            except (RuntimeError, TimeoutError):
+                self._retire(added)  # half a scale-up must not linger as unready processes
+                raise
+            removed = serving[replicas:] if replicas < len(serving) else []
+            self._retire(removed)
+            self.publish()
         return {"experts": want, "replicas": replicas, "added": [c.info["address"] for c in added],
                 "removed": [c.info["address"] for c in removed]}
+
+    def _retire(self, children: list[Child]) -> None:
+        """Stop children on purpose (their exit is not news): SIGTERM to drain, SIGKILL after the timeout."""
+        for c in children:
+            c.retired = True
+        self._terminate(children)
 
     def stop_registry(self) -> None:
         """Stop the embedded registry (services keep serving from their last known membership)."""
         self._on_loop(self._registry.stop())
 
-    def _spawn(self, role: str, name: str, module: str, args: list[str]) -> Child:
+    def _spawn(self, role: str, name: str, argv: list[str]) -> Child:
+        """Start `python argv... --metrics-port 0 [tracing] --ready-file F` with its output in a log file."""
         ready = self.run_dir / f"{name}.ready.json"
         ready.unlink(missing_ok=True)
         log_path = self.run_dir / f"{name}.log"
@@ -133,7 +151,7 @@ class Launcher:
             telemetry += ["--trace-file", str(self.run_dir / f"{name}.spans.jsonl"),
                           "--trace-sample", str(self.trace_sample)]
         with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", module, *args, *telemetry, "--ready-file", str(ready)],
+            proc = subprocess.Popen([sys.executable, *argv, *telemetry, "--ready-file", str(ready)],
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         child = Child(role, name, proc, ready, log_path)
         with self._lock:
@@ -141,7 +159,7 @@ class Launcher:
         return child
 
     def _wait_ready(self, children: list[Child]) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        deadline = time.monotonic() + self.ready_timeout_s
         pending = list(children)
         while pending:
             for c in list(pending):
@@ -152,7 +170,8 @@ class Launcher:
                     raise RuntimeError(f"{c.describe()} exited with code {c.proc.returncode} while starting:\n"
                                        f"{_tail(c.log_path)}")
             if pending and time.monotonic() > deadline:
-                raise TimeoutError(f"not ready after {READY_TIMEOUT_S:.0f}s: {', '.join(c.name for c in pending)}")
+                raise TimeoutError(f"not ready after {self.ready_timeout_s:g}s: "
+                                   f"{', '.join(c.describe() for c in pending)}")
             time.sleep(0.05)
 
     def start(self) -> dict:
@@ -167,25 +186,41 @@ class Launcher:
         print(f"==> embedded registry on {self.registry_address}; starting {len(experts)} expert services "
               f"({len(groups)} groups x {self.replicas} replicas)", flush=True)
         self._wait_ready(experts)
-        routers = [self._spawn("router", f"router-{i}", "router_service", [*ckpt, *self.router_args])
+        routers = [self._spawn("router", f"router-{i}", ["-m", "router_service", *ckpt, *self.router_args])
                    for i in range(self.routers)]
         print(f"==> starting {len(routers)} router(s)", flush=True)
         self._wait_ready(routers)
-        gateway = self._spawn("gateway", "gateway", "gateway", [*ckpt, *self.gateway_args])
+        gateway = self._spawn("gateway", "gateway", ["-m", "gateway", *ckpt, *self.gateway_args])
         print("==> starting the gateway", flush=True)
         self._wait_ready([gateway])
-        return {
+        self.endpoints = {
             "gateway_grpc": gateway.info["address"], "gateway_http": gateway.info["http_address"],
             "routers": [c.info["address"] for c in routers],
-            "experts": [{"address": c.info["address"], "experts": c.info.get("experts", ""), "pid": c.proc.pid}
-                        for c in experts],
-            "pids": {c.name: c.proc.pid for c in self.children}, "run_dir": str(self.run_dir),
-            "metrics": {"gateway": gateway.info.get("metrics"), "routers": [c.info.get("metrics") for c in routers],
-                        "experts": [c.info.get("metrics") for c in experts]},
+            "metrics": {"gateway": gateway.info.get("metrics"), "routers": [c.info.get("metrics") for c in routers]},
             "trace_files": [str(self.run_dir / f"{c.name}.spans.jsonl") for c in self.children]
             if self.trace_sample is not None else [],
             "checkpoint": str(self.checkpoint), "registry": self.registry_address, "control": self.control_address,
+            "run_dir": str(self.run_dir),
         }
+        self.publish()
+        return self.endpoints
+
+    def publish(self) -> None:
+        """Refresh the expert services and pids in `endpoints` from the live children and rewrite the
+        ready file (atomically), so `moe-mesh status` follows scale operations and deaths."""
+        with self._lock:
+            live = [c for c in self.children if c.proc.poll() is None and not c.retired]
+        experts = [c for c in live if c.role == "expert" and c.info]  # c.info is empty until it is ready
+        self.endpoints.update(
+            experts=[{"address": c.info["address"], "experts": c.info.get("experts", ""), "pid": c.proc.pid}
+                     for c in experts],
+            pids={c.name: c.proc.pid for c in live})
+        self.endpoints.setdefault("metrics", {})["experts"] = [c.info.get("metrics") for c in experts]
+        if self.ready_file is not None:
+            self.ready_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.ready_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.endpoints, indent=2))
+            os.replace(tmp, self.ready_file)
 
     def watch(self, stop: list[bool]) -> None:
         """Report children that exit; return when asked to stop or when the gateway or every router is gone."""
@@ -193,29 +228,37 @@ class Launcher:
         while not stop[0]:
             with self._lock:
                 children = list(self.children)
-            for c in children:
-                if c.name not in reported and not c.retired and c.proc.poll() is not None:
-                    reported.add(c.name)
-                    print(f"!!> {c.role} {c.describe()} exited with code {c.proc.returncode}:\n{_tail(c.log_path)}",
-                          file=sys.stderr, flush=True)
+            died = [c for c in children if c.name not in reported and not c.retired and c.proc.poll() is not None]
+            for c in died:
+                reported.add(c.name)
+                print(f"!!> {c.role} {c.describe()} exited with code {c.proc.returncode}:\n{_tail(c.log_path)}",
+                      file=sys.stderr, flush=True)
+            if died:
+                with self._scale_lock:  # a scale in progress publishes too; do not interleave the writes
+                    self.publish()
             gone = {c.role for c in children if c.proc.poll() is not None and not c.retired}
             if "gateway" in gone or all(c.proc.poll() is not None for c in children if c.role == "router"):
                 print("!!> the mesh cannot serve any more; stopping", file=sys.stderr, flush=True)
                 return
             time.sleep(0.2)
 
+    def _terminate(self, children: list[Child]) -> None:
+        group = [c for c in children if c.proc.poll() is None]
+        for c in group:
+            c.proc.send_signal(signal.SIGTERM)  # graceful: NOT_SERVING, deregister, drain, exit
+        deadline = time.monotonic() + self.stop_timeout_s
+        for c in group:
+            try:
+                c.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"!!> {c.describe()} did not stop in {self.stop_timeout_s:g}s; killing it",
+                      file=sys.stderr, flush=True)
+                c.proc.kill()
+                c.proc.wait()
+
     def stop(self) -> None:
         for role in ("gateway", "router", "expert"):
-            group = [c for c in self.children if c.role == role and c.proc.poll() is None]
-            for c in group:
-                c.proc.send_signal(signal.SIGTERM)
-            for c in group:
-                try:
-                    c.proc.wait(STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    print(f"!!> {c.describe()} did not stop in {STOP_TIMEOUT_S:.0f}s; killing it", file=sys.stderr)
-                    c.proc.kill()
-                    c.proc.wait()
+            self._terminate([c for c in self.children if c.role == role])
         if self._thread.is_alive():
             if self._registry is not None:
                 self._on_loop(self._registry.stop())
@@ -233,7 +276,7 @@ def _tail(path: Path, lines: int = 15) -> str:
 def run_up(checkpoint: Path, expert_services: int, replicas: int, routers: int, ready_file: Path | None,
            run_dir: Path, gateway_args: list[str], router_args: list[str], trace_sample: float | None = None) -> int:
     launcher = Launcher(checkpoint, run_dir, expert_services, replicas, routers, gateway_args, router_args,
-                        trace_sample)
+                        trace_sample, ready_file)
     stop = [False]
 
     def on_signal(signum, frame) -> None:
@@ -249,11 +292,6 @@ def run_up(checkpoint: Path, expert_services: int, replicas: int, routers: int, 
             print(f"    router         {r}")
         for e in endpoints["experts"]:
             print(f"    expert service {e['address']}  experts {e['experts']}")
-        if ready_file is not None:
-            ready_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = ready_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(endpoints, indent=2))
-            os.replace(tmp, ready_file)
         print("==> serving; Ctrl-C to stop", flush=True)
         launcher.watch(stop)
         return 0 if stop[0] else 1

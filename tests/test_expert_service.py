@@ -190,6 +190,10 @@ BAD_INPUTS = {
                    "hidden.dtype: unsupported dtype DTYPE_UNSPECIFIED; expected one of DTYPE_FLOAT32"),
     "data_length": (lambda r: setattr(r.hidden, "data", r.hidden.data[:-4]), grpc.StatusCode.INVALID_ARGUMENT,
                     "hidden.data: has 1276 bytes; shape [5, 64] of DTYPE_FLOAT32 needs 1280"),
+    "hidden_nan": (edit(hidden=zeros(5, HIDDEN).index_fill_(1, torch.tensor([3]), float("nan"))),
+                   grpc.StatusCode.INVALID_ARGUMENT, "hidden: holds 5 non-finite value(s) (NaN or inf)"),
+    "hidden_inf": (edit(hidden=zeros(5, HIDDEN).index_fill_(0, torch.tensor([4]), float("-inf"))),
+                   grpc.StatusCode.INVALID_ARGUMENT, "hidden: holds 64 non-finite value(s) (NaN or inf)"),
 }
 
 
