@@ -73,6 +73,7 @@ class Launcher:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="launcher-loop", daemon=True)
         self._registry = None
+        self._control_server: asyncio.Server | None = None
         self.registry_address = ""
         self.control_address = ""
         self._threads = "1"
@@ -87,7 +88,7 @@ class Launcher:
 
         self._registry = EmbeddedConsul()
         registry = await self._registry.start()
-        control = await asyncio.start_server(self._control, "127.0.0.1", 0)
+        self._control_server = control = await asyncio.start_server(self._control, "127.0.0.1", 0)
         host, port = control.sockets[0].getsockname()[:2]
         return registry, f"{host}:{port}"
 
@@ -174,9 +175,13 @@ class Launcher:
                                    f"{', '.join(c.describe() for c in pending)}")
             time.sleep(0.05)
 
-    def start(self) -> dict:
+    def start_control_plane(self) -> None:
+        """The embedded registry and the `scale` endpoint, on the launcher's own event loop thread."""
         self._thread.start()
         self.registry_address, self.control_address = self._on_loop(self._start_services())
+
+    def start(self) -> dict:
+        self.start_control_plane()
         groups = expert_groups(self.spec.num_experts, self.expert_services)
         total = len(groups) * self.replicas + self.routers
         # Share the cores instead of every process assuming it owns them all (see common/runtime.py).
@@ -262,8 +267,13 @@ class Launcher:
         if self._thread.is_alive():
             if self._registry is not None:
                 self._on_loop(self._registry.stop())
+            if self._control_server is not None:
+                self._control_server.close()
+                self._on_loop(self._control_server.wait_closed())
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
+        if not self._loop.is_running():
+            self._loop.close()
 
 
 def _tail(path: Path, lines: int = 15) -> str:
