@@ -161,18 +161,21 @@ class ConsulRegistry:
     The HTTP session is created on first use, inside the running event loop, so constructing a
     registry is cheap and loop-agnostic. `wait_s` is the blocking-query wait; every call is also
     bounded client-side (`wait_s` plus Consul's wait/16 jitter plus `request_timeout_s`) so a
-    silently dead agent cannot hang a watch.
+    silently dead agent cannot hang a watch. A watch reports its membership stale as soon as a
+    query goes `stale_after_s` past that wait window unanswered (a frozen agent), not only once
+    the call fails.
     """
 
     def __init__(self, address: str | None = None, token: str | None = None, *, scheme: str | None = None,
                  verify: bool | None = None, ca_file: str | None = None, ca_path: str | None = None,
-                 client_cert: str | None = None, client_key: str | None = None, wait_s: float = 30.0,
-                 request_timeout_s: float = 10.0, backoff_initial_s: float = 0.1,
+                 client_cert: str | None = None, client_key: str | None = None, wait_s: float = 10.0,
+                 request_timeout_s: float = 10.0, stale_after_s: float = 2.0, backoff_initial_s: float = 0.1,
                  backoff_max_s: float = 5.0) -> None:
         self.config = ConsulConfig.from_env(address, token, scheme=scheme, verify=verify, ca_file=ca_file,
                                             ca_path=ca_path, client_cert=client_cert, client_key=client_key)
         self.wait_s = wait_s
         self.request_timeout_s = request_timeout_s
+        self.stale_after_s = stale_after_s
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self._consul: _Consul | None = None
@@ -232,8 +235,18 @@ class ConsulRegistry:
         index, last, stale = 0, None, False
         backoff = self.backoff_initial_s
         while True:
+            query = asyncio.ensure_future(self._query(service, index))
             try:
-                new_index, instances = await self._query(service, index)
+                if not stale:
+                    # Consul answers a blocking query by wait + wait/16; silence past that means trouble.
+                    window = (self.wait_s * 17 / 16 if index else 0.0) + self.stale_after_s
+                    done, _ = await asyncio.wait({query}, timeout=window)
+                    if not done:
+                        log.warning("registry %s has not answered for %.1fs while watching %s",
+                                    self.config.address, window, service)
+                        stale = True
+                        yield Membership(last.instances if last else (), last.index if last else 0, stale=True)
+                new_index, instances = await query
             except _REGISTRY_ERRORS as e:
                 if not stale:
                     log.warning("registry %s unreachable while watching %s: %r", self.config.address, service, e)
@@ -243,6 +256,8 @@ class ConsulRegistry:
                 await asyncio.sleep(random.uniform(0.5, 1.0) * backoff)
                 backoff = min(backoff * 2, self.backoff_max_s)
                 continue
+            finally:
+                query.cancel()  # no-op once done; a closed watch must not leave its query behind
             backoff = self.backoff_initial_s
             if new_index <= 0:
                 # Consul's rule: an index must be > 0; reset it (the plain reads that follow are paced below).
