@@ -44,8 +44,15 @@ class Checkpoint:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
                 raise CheckpointError(f"invalid index ({e!r})", file=str(index)) from e
+            if not isinstance(weight_map, dict):
+                raise CheckpointError("invalid index: weight_map is not an object", file=str(index))
+            for name, shard in weight_map.items():
+                # Shards live beside the index: a path elsewhere is a broken (or hostile) index.
+                if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+                    raise CheckpointError(f"invalid index: tensor {name!r} maps to {shard!r}, expected a file "
+                                          "name in the checkpoint directory", file=str(index))
             return dict(weight_map)
         files = sorted(self.path.glob("*.safetensors"))
         if not files:

@@ -155,3 +155,44 @@ def test_index_pointing_at_missing_shard(checkpoint, tmp_path) -> None:
     with pytest.raises(CheckpointError, match="missing") as e:
         _load_all(dst)
     assert shard.name in str(e.value)
+
+
+@pytest.fixture
+def sharded(checkpoint, tmp_path) -> Path:
+    dst = tmp_path / "sharded"
+    shutil.copytree(checkpoint("qwen3_moe", max_shard_size="100KB"), dst)
+    return dst
+
+
+@pytest.mark.parametrize(("index", "message"), [
+    (b"{not json", "invalid index"),
+    (b"\xff\xfe garbage", "invalid index"),
+    (b'{"metadata": {}}', "invalid index"),
+    (b'{"weight_map": ["a"]}', "weight_map is not an object"),
+    (b'{"weight_map": {"model.norm.weight": "../../etc/passwd"}}', "maps to '../../etc/passwd'"),
+    (b'{"weight_map": {"model.norm.weight": 7}}', "maps to 7"),
+])
+def test_corrupt_index_names_the_index_file(sharded, index, message) -> None:
+    (sharded / "model.safetensors.index.json").write_bytes(index)
+    with pytest.raises(CheckpointError, match=message) as e:
+        _load_all(sharded)
+    assert "model.safetensors.index.json" in str(e.value)
+
+
+def test_no_shards_names_the_directory(broken) -> None:
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors files") as e:
+        _load_all(broken)
+    assert str(broken) in str(e.value)
+
+
+def test_tensor_listed_in_the_index_but_missing_from_its_shard(sharded) -> None:
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    shard = sharded / index["weight_map"][name]
+    tensors = load_file(shard)
+    tensors.pop(name)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="tensor listed in the index is not in its file") as e:
+        _load_all(sharded)
+    assert name in str(e.value) and shard.name in str(e.value)
