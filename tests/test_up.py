@@ -13,6 +13,8 @@ from pathlib import Path
 
 import grpc
 
+from common.arch import load_spec
+from moe_mesh.client import FINISH
 from moe_mesh.trace_view import load_spans
 from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, inference_pb2, inference_pb2_grpc
 from test_cli import moe_mesh
@@ -37,6 +39,20 @@ async def _forward_calls(address: str) -> int:
         return reply.stats.forward_calls
 
 
+def _until_eos(tokens: tuple[int, ...], eos: tuple[int, ...]) -> tuple[tuple[int, ...], str]:
+    """`tokens` up to and including the first EOS (finish "stop"), else all of them ("length")."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tuple(tokens[:i + 1]), "stop"
+    return tuple(tokens), "length"
+
+
+def _status_experts(ready: Path) -> dict[str, str]:
+    """address -> experts of every expert service `moe-mesh status` shows."""
+    status = moe_mesh("status", "--ready-file", ready, "--json")
+    return {e["address"]: e["experts"] for e in json.loads(status.stdout)["experts"]}
+
+
 def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(checkpoint, tmp_path) -> None:
     path = checkpoint("mixtral")
     ready = tmp_path / "mesh.json"
@@ -54,14 +70,18 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(c
         mesh = json.loads(ready.read_text())
         assert {"gateway_grpc", "gateway_http", "routers", "experts"} <= set(mesh) and len(mesh["experts"]) == 8
 
-        async def generate_all() -> list[list[int]]:
+        # The gateway stops at EOS; the reference ignores it: what the mesh must answer, whole.
+        eos = load_spec(path).eos_token_ids
+        expected = [_until_eos(want, eos) for want in monolithic(path)]
+
+        async def generate_all() -> list[tuple[tuple[int, ...], str]]:
             async with grpc.aio.insecure_channel(mesh["gateway_grpc"]) as channel:
                 stub = inference_pb2_grpc.InferenceStub(channel)
-                return [list((await stub.Generate(inference_pb2.GenerateRequest(
-                    prompt_token_ids=p, max_tokens=32, temperature=0.0))).token_ids) for p in PROMPTS]
+                replies = [await stub.Generate(inference_pb2.GenerateRequest(
+                    prompt_token_ids=p, max_tokens=32, temperature=0.0)) for p in PROMPTS]
+            return [(tuple(r.token_ids), FINISH[r.finish_reason]) for r in replies]
 
-        for got, want in zip(asyncio.run(generate_all()), monolithic(path)):
-            assert tuple(got) == want[:len(got)] and got
+        assert asyncio.run(generate_all()) == expected
 
         status = moe_mesh("status", "--ready-file", ready, "--json")
         assert status.returncode == 0, status.stderr
@@ -78,21 +98,22 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(c
         gen = moe_mesh("generate", "--gateway", mesh["gateway_grpc"], "--prompt-token-ids",
                        ",".join(map(str, PROMPTS[1])), "--max-tokens", "8", "--temperature", "0", "--json")
         assert gen.returncode == 0, gen.stderr
-        ids = json.loads(gen.stdout)["token_ids"]
-        assert ids and tuple(ids) == monolithic(path)[1][:len(ids)]
+        result = json.loads(gen.stdout)
+        assert (tuple(result["token_ids"]), result["finish_reason"]) == _until_eos(monolithic(path)[1][:8], eos)
 
         victim = mesh["experts"][0]
         os.kill(victim["pid"], signal.SIGKILL)  # a replica dies: reported, and the mesh keeps serving
         time.sleep(1.0)
         assert "exited with code -9" in (tmp_path / "up.log").read_text()
-        first = asyncio.run(generate_all())[0]
-        assert first and tuple(first) == monolithic(path)[0][:len(first)]
+        assert asyncio.run(generate_all()) == expected
+        assert victim["address"] not in _status_experts(ready)  # status follows: the dead replica is gone
 
         # Scale a group up: the new replica registers and takes traffic; then down to one, gracefully.
         group = mesh["experts"][2]["experts"]
         grown = moe_mesh("scale", "--ready-file", ready, "--experts", group, "--replicas", "3")
         assert grown.returncode == 0, grown.stderr
         [new] = json.loads(grown.stdout)["added"]
+        assert list(_status_experts(ready).values()).count(group) == 3 and new in _status_experts(ready)
         # It joins routers' placement after its first passing health check: keep the load on until then.
         deadline = time.monotonic() + 30
         while asyncio.run(_forward_calls(new)) == 0:
@@ -100,7 +121,8 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(c
             asyncio.run(generate_all())
         shrunk = moe_mesh("scale", "--ready-file", ready, "--experts", group, "--replicas", "1")
         assert shrunk.returncode == 0 and len(json.loads(shrunk.stdout)["removed"]) == 2, shrunk.stderr
-        assert asyncio.run(generate_all())[1]
+        assert list(_status_experts(ready).values()).count(group) == 1
+        assert asyncio.run(generate_all()) == expected
         assert "exited with code 0" not in (tmp_path / "up.log").read_text()  # retired on purpose: not reported
         bad = moe_mesh("scale", "--ready-file", ready, "--experts", "9:0", "--replicas", "1")
         assert bad.returncode == 2 and "layer" in bad.stderr
