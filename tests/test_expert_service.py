@@ -278,6 +278,40 @@ async def test_groups_queued_during_a_compute_merge_into_the_next_batch_without_
     await batcher.close()
 
 
+async def test_cancelling_a_group_split_across_batches_drops_its_rest_and_serves_the_others(settings,
+                                                                                           monkeypatch) -> None:
+    batches: list[int] = []
+    started, release = threading.Event(), threading.Event()
+    compute = batcher_module._compute
+
+    def gated(parts, w):  # the first batch holds the compute thread until the test has cancelled
+        batches.append(sum(p.shape[0] for p in parts))
+        started.set()
+        release.wait(5)
+        return compute(parts, w)
+
+    monkeypatch.setattr(batcher_module, "_compute", gated)
+    host = ExpertHost(settings())
+    batcher = DynamicBatcher(host.weights, max_batch_tokens=4, max_queue_delay_us=0)
+    big, small = torch.randn(10, HIDDEN), torch.randn(3, HIDDEN)
+    cancelled = asyncio.ensure_future(batcher.submit(0, 1, big))  # 10 rows: batches of 4, 4, 2
+    assert await asyncio.to_thread(started.wait, 5)  # its first 4 rows are computing
+    other = asyncio.ensure_future(batcher.submit(0, 1, small))
+    await asyncio.sleep(0.02)
+    cancelled.cancel()
+    release.set()
+    assert_close([await asyncio.wait_for(other, 5)], [expert_ffn(small, host.weights[(0, 1)])])
+    assert cancelled.cancelled()
+    assert batches == [4, 3]  # the cancelled group's other 6 rows were never computed
+    queue = batcher._queues[(0, 1)]
+    assert (queue.pending_tokens, len(queue.groups)) == (0, 0)
+    again = torch.randn(5, HIDDEN)  # the queue's accounting is intact: a new group is split and served
+    assert_close([await asyncio.wait_for(batcher.submit(0, 1, again), 5)], [expert_ffn(again, host.weights[(0, 1)])])
+    assert batches[2:] == [4, 1]
+    await batcher.close()
+    await host.close()
+
+
 async def test_batcher_fails_every_group_of_a_failing_batch_and_keeps_serving(settings) -> None:
     host = ExpertHost(settings())
     broken = FFNWeights(gate=torch.zeros(8, 3), up=torch.zeros(8, 3), down=torch.zeros(3, 8))  # wrong width
