@@ -159,7 +159,8 @@ def test_a_failing_forward_pass_fails_that_steps_requests_and_the_engine_keeps_s
     assert generate(engine, GREEDY)[1] is FinishReason.LENGTH
 
 
-def test_resuming_from_prompt_plus_generated_tokens_continues_seeded_sampling_exactly(engine: Engine) -> None:
+def test_resuming_from_prompt_plus_generated_tokens_continues_seeded_sampling_exactly(engine: Engine,
+                                                                                      checkpoint) -> None:
     """What gateway failover relies on: randomness depends on (seed, position), not on the process."""
     params = SamplingParams(max_tokens=16, temperature=1.5, seed=2024, ignore_eos=True)
     tokens, reason = generate(engine, params)
@@ -168,6 +169,9 @@ def test_resuming_from_prompt_plus_generated_tokens_continues_seeded_sampling_ex
     for k in (1, 6, 15):
         resumed = generate(engine, replace(params, max_tokens=16 - k), PROMPT + tokens[:k])
         assert resumed == (tokens[k:], FinishReason.LENGTH), k
+    other_router = build_local_engine(RouterSettings(checkpoint=checkpoint("qwen3_moe"), max_model_len=64))
+    resumed = generate(other_router, replace(params, max_tokens=9), PROMPT + tokens[:7])
+    assert resumed == (tokens[7:], FinishReason.LENGTH)
     unseeded = replace(params, seed=None)
     assert generate(engine, unseeded)[0] != generate(engine, unseeded)[0]  # no seed: still random
 
