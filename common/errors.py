@@ -11,7 +11,8 @@ MoeMeshError                                                           gRPC stat
 ├── ResourceExhaustedError queue full; retry after `retry_after_s`             RESOURCE_EXHAUSTED / 429
 ├── UnavailableError       no reachable replica; retryable elsewhere              UNAVAILABLE / 503
 │   └── ExpertUnavailableError  names the layer and experts that could not be reached
-└── DeadlineExceededError  the request's deadline passed                           DEADLINE_EXCEEDED / 504
+├── DeadlineExceededError  the request's deadline passed                           DEADLINE_EXCEEDED / 504
+└── InternalError          a bug or a numeric failure, not the caller's doing      INTERNAL / 500
 
 Services map these to statuses in their servicers (common/status.py); cores never import grpc.
 """
@@ -88,3 +89,7 @@ class ExpertUnavailableError(UnavailableError):
 
 class DeadlineExceededError(MoeMeshError):
     """The request's deadline passed before it completed."""
+
+
+class InternalError(MoeMeshError):
+    """Something failed that the caller could not have caused (a bug, a kernel error); names what failed."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from common.registry import ROUTER_SERVICE, Instance, open_registry, registration_hooks
 from common.server import GrpcServer, Service, advertised_host
@@ -14,6 +15,7 @@ from router_service.servicer import RouterServicer
 from router_service.settings import RouterSettings
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
+log = logging.getLogger(__name__)
 
 
 class RouterApp:
@@ -22,7 +24,9 @@ class RouterApp:
     def __init__(self, settings: RouterSettings, parts: RouterParts, model_id: str, telemetry: Telemetry) -> None:
         self.settings, self.parts, self.telemetry = settings, parts, telemetry
         self.membership = parts.membership
-        core = self.core = RouterCore(parts.engine, model_id, parts.tierer, parts.membership, telemetry)
+        core = self.core = RouterCore(parts.engine, model_id, parts.tierer, parts.membership, telemetry,
+                                      on_unhealthy=self._not_serving, max_loop_deaths=settings.max_loop_deaths,
+                                      loop_death_window_s=settings.loop_death_window_s)
         self._tiering: asyncio.Task | None = None
         self.server = GrpcServer([Service(SERVICE_NAME, router_pb2_grpc.add_RouterServiceServicer_to_server,
                                           RouterServicer(core, telemetry))],
@@ -36,6 +40,12 @@ class RouterApp:
                             self.server.bound_port, tags=("moe-mesh",), meta={"model_id": core.model_id})
 
         registration_hooks(self.server, open_registry(settings.registry, settings.registry_address), instance)
+
+    async def _not_serving(self, reason: str) -> None:
+        """The engine loop gave up: every health service NOT_SERVING (for good), so registries and
+        balancers drop this router while it keeps answering with UNAVAILABLE."""
+        log.error("router NOT_SERVING: %s", reason)
+        await self.server.health.enter_graceful_shutdown()
 
     @classmethod
     async def create(cls, settings: RouterSettings, telemetry: Telemetry | None = None) -> RouterApp:

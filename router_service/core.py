@@ -2,12 +2,20 @@
 
 Each request gets a queue of StepOutputs; leaving `generate` early (client cancelled, deadline
 passed) aborts the request, which frees its batch slot and KV cache at the next token boundary.
+
+The loop is supervised: if it dies (a bug; the engine itself fails only the requests concerned), the
+requests in flight fail with InternalError and the loop restarts. After `max_loop_deaths` deaths
+within `loop_death_window_s` it stays down, new requests get UnavailableError, and `on_unhealthy`
+is told so the process reports NOT_SERVING and balancers and registries drop it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -15,10 +23,16 @@ from opentelemetry.context import Context
 from opentelemetry.metrics import Observation
 from opentelemetry.trace import Span, StatusCode
 
+from common.errors import InternalError, MoeMeshError, UnavailableError
 from common.telemetry import OFF, ROUTER_BATCH_SIZE, ROUTER_QUEUE_DEPTH, Telemetry
 from router_service.engine import Engine, FinishReason, StepOutput
 from router_service.sampling import SamplingParams
 from router_service.tiering import Tierer
+
+log = logging.getLogger(__name__)
+
+# Told why the serving loop gave up; the composition root turns it into health NOT_SERVING.
+Unhealthy = Callable[[str], Awaitable[None]]
 
 
 @dataclass
@@ -53,7 +67,8 @@ class TieringStatus:
 
 class RouterCore:
     def __init__(self, engine: Engine, model_id: str, tierer: Tierer, membership=None,
-                 telemetry: Telemetry = OFF) -> None:
+                 telemetry: Telemetry = OFF, *, on_unhealthy: Unhealthy | None = None, max_loop_deaths: int = 3,
+                 loop_death_window_s: float = 60.0) -> None:
         self.engine = engine
         self.model_id = model_id
         self.tierer = tierer
@@ -67,9 +82,13 @@ class RouterCore:
         self._work = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.steps = 0
+        self.on_unhealthy = on_unhealthy
+        self.max_loop_deaths, self.loop_death_window_s = max_loop_deaths, loop_death_window_s
+        self.loop_deaths = 0
+        self.down: str | None = None  # why the loop gave up, once it has
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="router-engine-loop")
+        self._task = asyncio.create_task(self._supervise(), name="router-engine-loop")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -97,9 +116,13 @@ class RouterCore:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, deadline: float | None = None) -> AsyncIterator[StepOutput]:
         """Stream a request's outputs; the last one has a finish_reason. Raises the step's error on failure."""
+        if self.down is not None:
+            raise UnavailableError(f"this router stopped serving: {self.down}")
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
-        span = self._request_span(request_id, prompt_token_ids, params)
+        # Outside the try below: a refused request (e.g. its id is in flight already) must not
+        # abort or drop the queue of the request that holds the id.
         self.engine.add_request(request_id, prompt_token_ids, params, priority, deadline)
+        span = self._request_span(request_id, prompt_token_ids, params)
         self._queues[request_id] = queue
         self._work.set()
         finished, completion = False, 0
@@ -148,6 +171,38 @@ class RouterCore:
             outputs = await self.engine.step()
             span.set_attributes({"moe.batch.size": len(outputs), "moe.traced_requests": len(others) + 1})
             return outputs
+
+    async def _supervise(self) -> None:
+        deaths: deque[float] = deque()
+        while True:
+            try:
+                await self._loop()
+            except Exception as e:
+                log.exception("the engine loop died")
+                self.loop_deaths += 1
+                now = time.monotonic()
+                deaths.append(now)
+                while deaths and deaths[0] < now - self.loop_death_window_s:
+                    deaths.popleft()
+                self._fail_in_flight(InternalError(f"the router's engine loop failed: {e!r}"))
+                if len(deaths) >= self.max_loop_deaths:
+                    self.down = (f"its engine loop died {len(deaths)} times within {self.loop_death_window_s:g}s, "
+                                 f"last: {e!r}")
+                    log.error("giving up: %s", self.down)
+                    if self.on_unhealthy is not None:
+                        try:
+                            await self.on_unhealthy(self.down)
+                        except Exception:
+                            log.exception("could not report the router unhealthy")
+                    return
+                self._work.set()  # requests may have arrived while it was down
+
+    def _fail_in_flight(self, error: MoeMeshError) -> None:
+        """End every request with `error`: after a loop death the batch state cannot be trusted."""
+        for out in self.engine.fail_all(error):
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
 
     async def _loop(self) -> None:
         while True:

@@ -4,6 +4,9 @@ Every step packs the prompts of newly admitted sequences and one token of every 
 sequence into a single forward pass, so each MoE layer dispatches once per step. Running
 sequence i lives in KV-cache slot i; when one finishes, the last sequence moves into its slot,
 which keeps decode attention over a contiguous slice of the cache.
+
+No request can stop the engine: a failure while sampling fails only that sequence, any other
+failure in a step fails the step's sequences, and the engine keeps serving the rest.
 """
 
 from __future__ import annotations
@@ -11,15 +14,16 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
 
-from common.errors import CapacityError, InvalidArgumentError, MoeMeshError
+from common.errors import AlreadyExistsError, CapacityError, InternalError, InvalidArgumentError, MoeMeshError
 from router_service.model import MoeModel, pack_step
-from router_service.sampling import SamplingParams, sample
+from router_service.sampling import SamplingParams, position_seed, sample
 from router_service.settings import RouterSettings
 
 log = logging.getLogger(__name__)
@@ -48,7 +52,7 @@ class Sequence:
     prompt: list[int]
     params: SamplingParams
     priority: int
-    generator: torch.Generator | None
+    seed: int | None  # None: greedy
     deadline: float | None = None  # time.monotonic()
     output: list[int] = field(default_factory=list)
     slot: int = -1
@@ -70,6 +74,7 @@ class Engine:
         self._by_id: dict[str, Sequence] = {}
         self._arrival = itertools.count()
         self._rng = random.Random()
+        self._generator = torch.Generator()  # re-seeded for every sampled token: see sampling.py
         self._cancelled: list[Sequence] = []
         self._pending: list[StepOutput] = []  # cancellations reaped between steps, reported by the next step
         self._stepping = False
@@ -85,15 +90,14 @@ class Engine:
         """
         self._validate(request_id, prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        gen = None if params.temperature == 0 else torch.Generator().manual_seed(seed)
-        seq = Sequence(request_id, list(prompt_token_ids), params, priority, gen, deadline)
+        seq = Sequence(request_id, list(prompt_token_ids), params, priority, None if params.greedy else seed, deadline)
         self._by_id[request_id] = seq
         heapq.heappush(self._waiting, (-priority, next(self._arrival), seq))
 
     def _validate(self, request_id: str, prompt: list[int], p: SamplingParams) -> None:
         vocab, limit = self.model.spec.vocab_size, self.model.max_model_len
         if request_id in self._by_id:
-            raise InvalidArgumentError("request_id", f"{request_id!r} is already in use")
+            raise AlreadyExistsError("request_id", f"{request_id!r} is already in flight on this router")
         if not prompt:
             raise InvalidArgumentError("prompt_token_ids", "must not be empty")
         bad = next((t for t in itertools.chain(prompt, p.stop_token_ids) if not 0 <= t < vocab), None)
@@ -105,8 +109,8 @@ class Engine:
         if len(prompt) + p.max_tokens > limit:
             raise CapacityError("max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) "
                                 f"exceeds the context length max_model_len={limit}")
-        if p.temperature < 0:
-            raise InvalidArgumentError("temperature", f"must be >= 0, got {p.temperature}")
+        if not (math.isfinite(p.temperature) and p.temperature >= 0):
+            raise InvalidArgumentError("temperature", f"must be a finite number >= 0, got {p.temperature}")
         if not 0 < p.top_p <= 1:
             raise InvalidArgumentError("top_p", f"must be in (0, 1], got {p.top_p}")
         if p.top_k < 0:
@@ -133,13 +137,27 @@ class Engine:
     # -- stepping --------------------------------------------------------------------------
 
     async def step(self) -> list[StepOutput]:
-        """Run one forward pass over the batch; return new tokens and finished/cancelled sequences."""
+        """Run one forward pass over the batch; return new tokens and finished/cancelled/failed sequences.
+
+        A failure inside the step does not raise: the sequences it concerns end with FinishReason.ERROR.
+        """
         self._reap_cancelled()
         outputs, self._pending = self._pending, []
+        try:
+            await self._step(outputs)
+        except Exception as e:  # a bug or a torch error not pinned on one request: fail the step's requests
+            log.exception("engine step failed")
+            error = e if isinstance(e, MoeMeshError) else InternalError(f"engine step failed: {e!r}")
+            outputs += self._fail(list(self.running), error)
+        finally:
+            self._stepping = False
+        return outputs
+
+    async def _step(self, outputs: list[StepOutput]) -> None:
         decodes = list(self.running)
         prefills = self._admit()
         if not decodes and not prefills:
-            return outputs
+            return
         batch = pack_step([(s.slot, s.prompt) for s in prefills],
                           [(s.slot, s.output[-1], s.num_tokens) for s in decodes])
         deadlines = [s.deadline for s in self.running]
@@ -149,27 +167,51 @@ class Engine:
         self._stepping = True
         try:
             logits = await self.model.forward(batch, self.cache)  # [sequences, vocab]
-        except MoeMeshError as e:
-            return outputs + self._fail(prefills + decodes, e)
-        except Exception as e:  # a bug or a torch error: fail this step's requests, keep the engine serving
-            log.exception("forward pass failed")
-            return outputs + self._fail(prefills + decodes, MoeMeshError(f"internal error in the forward pass: {e!r}"))
+        except MoeMeshError as e:  # e.g. an expert was unreachable: expected, no traceback
+            outputs += self._fail(prefills + decodes, e)
+            return
         finally:
             self._stepping = False
-        finished: list[Sequence] = []
+        done: list[Sequence] = []
         for seq, row in zip(prefills + decodes, logits):
             if seq.aborted:
                 continue
-            token = sample(row, seq.params, seq.generator)
-            seq.output.append(token)
-            reason = self._finish_reason(seq, token)
-            outputs.append(StepOutput(seq.request_id, [token], reason, len(seq.prompt), len(seq.output)))
-            if reason is not None:
-                finished.append(seq)
-        self._release(finished)
+            out = self._next_token(seq, row)
+            outputs.append(out)
+            if out.finish_reason is not None:
+                done.append(seq)
+        self._release(done)
         self._reap_cancelled()
-        outputs, self._pending = outputs + self._pending, []
-        return outputs
+        outputs += self._pending
+        self._pending = []
+
+    def _next_token(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
+        """Sample and append one token; a sampling failure ends this sequence only."""
+        try:
+            gen = None
+            if seq.seed is not None:  # the token's absolute position picks its randomness: see sampling.py
+                gen = self._generator.manual_seed(position_seed(seq.seed, seq.num_tokens))
+            token = sample(logits, seq.params, gen)
+        except Exception as e:
+            log.exception("sampling failed for request %s", seq.request_id)
+            return StepOutput(seq.request_id, [], FinishReason.ERROR, len(seq.prompt), len(seq.output),
+                              InternalError(f"sampling failed: {e!r}"))
+        seq.output.append(token)
+        reason = self._finish_reason(seq, token)
+        return StepOutput(seq.request_id, [token], reason, len(seq.prompt), len(seq.output))
+
+    def fail_all(self, error: MoeMeshError) -> list[StepOutput]:
+        """End every request, running or waiting, with `error` and start empty.
+
+        The last resort when the serving loop died mid-step and the batch state cannot be trusted.
+        """
+        seqs = list(self._by_id.values())
+        self.running, self._waiting, self._by_id, self._cancelled, self._pending = [], [], {}, [], []
+        self._stepping = False
+        for seq in seqs:
+            seq.slot = -1
+        return [StepOutput(s.request_id, [], FinishReason.ERROR, len(s.prompt), len(s.output), error)
+                for s in seqs if not s.aborted]
 
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []

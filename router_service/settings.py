@@ -60,3 +60,7 @@ class RouterSettings(TelemetrySettings):
     port: int = Field(0, ge=0, le=65535, description="port to bind; 0 picks a free one")
     max_message_bytes: int = Field(256 * 2**20, ge=2**20, description="gRPC message size limit, both directions")
     grace_s: float = Field(10.0, ge=0, description="how long in-flight requests may finish on shutdown")
+    max_loop_deaths: int = Field(3, ge=1, le=1000, description="engine-loop deaths (bugs; each fails the requests "
+                                 "in flight and restarts the loop) within loop_death_window_s after which the "
+                                 "router stops serving and reports NOT_SERVING")
+    loop_death_window_s: float = Field(60.0, gt=0, description="window over which engine-loop deaths are counted")

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import replace
 
 import pytest
+import torch
 
-from common.errors import CapacityError, InvalidArgumentError
+from common.errors import AlreadyExistsError, CapacityError, InternalError, InvalidArgumentError
 from router_service.build import build_local_engine
+from router_service import engine as engine_module
 from router_service.engine import Engine, FinishReason
-from router_service.sampling import SamplingParams
+from router_service.sampling import SamplingParams, sample
 from router_service.settings import RouterSettings
 
 PROMPT = [11, 3, 250, 9, 31]
@@ -115,6 +118,8 @@ def test_waiting_requests_are_admitted_by_priority_up_to_max_num_seqs(checkpoint
     (PROMPT, replace(GREEDY, max_tokens=0), InvalidArgumentError, "max_tokens"),
     (PROMPT, replace(GREEDY, max_tokens=60), CapacityError, "max_tokens"),
     (PROMPT, replace(GREEDY, temperature=-0.5), InvalidArgumentError, "temperature"),
+    (PROMPT, replace(GREEDY, temperature=math.nan), InvalidArgumentError, "temperature"),
+    (PROMPT, replace(GREEDY, temperature=math.inf), InvalidArgumentError, "temperature"),
     (PROMPT, replace(GREEDY, top_p=0.0), InvalidArgumentError, "top_p"),
     (PROMPT, replace(GREEDY, top_p=1.5), InvalidArgumentError, "top_p"),
     (PROMPT, replace(GREEDY, top_k=-1), InvalidArgumentError, "top_k"),
@@ -129,7 +134,7 @@ def test_invalid_requests_name_the_field_and_leave_the_engine_usable(engine, pro
 
 def test_duplicate_request_id_is_rejected(engine: Engine) -> None:
     engine.add_request("same", PROMPT, GREEDY)
-    with pytest.raises(InvalidArgumentError, match="request_id"):
+    with pytest.raises(AlreadyExistsError, match="request_id"):
         engine.add_request("same", PROMPT, GREEDY)
     assert collect(engine)["same"][1] is FinishReason.LENGTH
 
@@ -152,3 +157,87 @@ def test_a_failing_forward_pass_fails_that_steps_requests_and_the_engine_keeps_s
     assert not engine.running and not engine.has_unfinished()
     engine.model.forward = real
     assert generate(engine, GREEDY)[1] is FinishReason.LENGTH
+
+
+def test_resuming_from_prompt_plus_generated_tokens_continues_seeded_sampling_exactly(engine: Engine,
+                                                                                      checkpoint) -> None:
+    """What gateway failover relies on: randomness depends on (seed, position), not on the process."""
+    params = SamplingParams(max_tokens=16, temperature=1.5, seed=2024, ignore_eos=True)
+    tokens, reason = generate(engine, params)
+    assert reason is FinishReason.LENGTH and len(tokens) == 16
+    assert tokens != generate(engine, GREEDY)[0][:16]  # really sampled, so the check below can fail
+    for k in (1, 6, 15):
+        resumed = generate(engine, replace(params, max_tokens=16 - k), PROMPT + tokens[:k])
+        assert resumed == (tokens[k:], FinishReason.LENGTH), k
+    other_router = build_local_engine(RouterSettings(checkpoint=checkpoint("qwen3_moe"), max_model_len=64))
+    resumed = generate(other_router, replace(params, max_tokens=9), PROMPT + tokens[:7])
+    assert resumed == (tokens[7:], FinishReason.LENGTH)
+    unseeded = replace(params, seed=None)
+    assert generate(engine, unseeded)[0] != generate(engine, unseeded)[0]  # no seed: still random
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30, 1e-6, 2e-5])
+def test_tiny_temperatures_sample_greedily_without_error(engine: Engine, temperature: float) -> None:
+    greedy, _ = generate(engine, GREEDY)
+    assert generate(engine, replace(GREEDY, temperature=temperature, seed=3)) == (greedy, FinishReason.LENGTH)
+
+
+@pytest.mark.parametrize("logits", [
+    torch.tensor([0.0, math.nan, 1.0]),
+    torch.tensor([0.0, math.inf, 1.0]),
+    torch.tensor([-math.inf, -math.inf, -math.inf]),
+    torch.tensor([1e38, 3e38, -3e38]),
+])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1e-5), SamplingParams(temperature=0.7, top_p=0.9),
+                                    SamplingParams(temperature=3.0, top_k=2)])
+def test_degenerate_distributions_fall_back_to_argmax(logits: torch.Tensor, params: SamplingParams) -> None:
+    token = sample(logits, params, torch.Generator().manual_seed(0))
+    assert token == int(torch.argmax(torch.nan_to_num(logits, nan=-math.inf)))
+
+
+def test_a_failure_while_sampling_fails_only_that_request(engine: Engine, monkeypatch) -> None:
+    alone = generate(engine, GREEDY, [20, 21, 22])
+    real = engine_module.sample
+
+    def poisoned(logits, params, generator):
+        if params.seed == 666:
+            raise RuntimeError("invalid multinomial distribution")
+        return real(logits, params, generator)
+
+    monkeypatch.setattr(engine_module, "sample", poisoned)
+    engine.add_request("poison", PROMPT, replace(GREEDY, temperature=1.0, seed=666))
+    engine.add_request("fine", [20, 21, 22], GREEDY)
+    outputs: list = []
+
+    async def drive() -> None:
+        for _ in range(GREEDY.max_tokens + 2):  # bounded: step() must never raise
+            outputs.extend(await engine.step())
+
+    asyncio.run(drive())
+    [poison] = [o for o in outputs if o.request_id == "poison"]
+    assert poison.finish_reason is FinishReason.ERROR and isinstance(poison.error, InternalError)
+    assert "sampling failed" in str(poison.error) and "invalid multinomial" in str(poison.error)
+    fine = [o for o in outputs if o.request_id == "fine"]
+    assert ([t for o in fine for t in o.new_token_ids], fine[-1].finish_reason) == alone
+    assert not engine.has_unfinished() and engine.running == []
+    assert generate(engine, GREEDY, [20, 21, 22]) == alone
+
+
+def test_a_failure_outside_forward_and_sampling_fails_the_steps_requests_only(engine: Engine) -> None:
+    alone = generate(engine, GREEDY)
+    real, calls = engine.cache.reserve, 0
+
+    def broken(*args):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("simulated bug")
+        return real(*args)
+
+    engine.cache.reserve = broken
+    engine.add_request("a", PROMPT, GREEDY)
+    engine.add_request("b", [20, 21, 22], GREEDY)
+    out = collect(engine)
+    assert out["a"] == (alone[0][:2], FinishReason.ERROR) and out["b"][1] is FinishReason.ERROR
+    assert not engine.has_unfinished() and engine.running == []
+    assert generate(engine, GREEDY) == alone

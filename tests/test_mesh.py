@@ -29,14 +29,22 @@ ALL_REMOTE = ["*:0-1", "*:2-3", "*:4-5", "*:6-7"]
 
 
 async def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    """Every request's whole output; each must end with a finish reason (LENGTH when EOS is ignored)."""
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
     out: dict[str, list[int]] = {}
+    reasons: dict[str, FinishReason | None] = {}
     while engine.has_unfinished():
         for o in await engine.step():
             if o.error is not None:
                 raise o.error
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            reasons[o.request_id] = o.finish_reason
+    for rid, tokens in out.items():
+        if params.ignore_eos and not params.stop_token_ids:
+            assert (reasons[rid], len(tokens)) == (FinishReason.LENGTH, params.max_tokens), (rid, reasons[rid], tokens)
+        else:
+            assert reasons[rid] in (FinishReason.STOP, FinishReason.LENGTH), (rid, reasons[rid], tokens)
     return [out[str(i)] for i in range(len(prompts))]
 
 

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from common.checkpoint import Checkpoint
 from router_service.build import build_local_engine, build_model
+from router_service.engine import FinishReason
 from router_service.model import pack_step
 from router_service.sampling import SamplingParams
 from router_service.settings import RouterSettings
@@ -93,6 +94,7 @@ def test_greedy_generation_matches_transformers_with_joins_and_leaves(case: Path
     engine = build_local_engine(RouterSettings(checkpoint=case))
     plan = {0: [(0, NEW_TOKENS), (1, 6)], 3: [(2, NEW_TOKENS)], 9: [(3, 10)]}  # step -> [(prompt, max_tokens)]
     got: dict[str, list[int]] = {}
+    reasons: dict[str, FinishReason | None] = {}
     lengths: dict[str, int] = {}
     seen_batch_sizes = set()
 
@@ -105,9 +107,11 @@ def test_greedy_generation_matches_transformers_with_joins_and_leaves(case: Path
             seen_batch_sizes.add(len(engine.running))
             for out in await engine.step():
                 got.setdefault(out.request_id, []).extend(out.new_token_ids)
+                reasons[out.request_id] = out.finish_reason
             step += 1
 
     asyncio.run(drive())
     assert max(seen_batch_sizes) >= 3
     for rid, n in lengths.items():
-        assert got[rid] == _hf_greedy(case, tuple(PROMPTS[int(rid)]), NEW_TOKENS)[:n], f"request {rid}"
+        want = _hf_greedy(case, tuple(PROMPTS[int(rid)]), NEW_TOKENS)[:n]  # transformers' first n = the whole request
+        assert (got[rid], reasons[rid]) == (want, FinishReason.LENGTH) and len(want) == n, f"request {rid}"
