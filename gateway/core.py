@@ -37,12 +37,12 @@ from protos.moe_mesh.v1 import router_pb2
 log = logging.getLogger(__name__)
 
 
-def _check_unicode(field: str, text: str) -> None:
+def check_unicode(field: str, text: str, where: str = "") -> None:
     """JSON can carry lone surrogates ("\\ud800"); they are not text and no tokenizer takes them."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise InvalidArgumentError(field, f"invalid Unicode: lone surrogate U+{ord(text[e.start]):04X} at "
+        raise InvalidArgumentError(field, f"{where}invalid Unicode: lone surrogate U+{ord(text[e.start]):04X} at "
                                    f"character {e.start}") from None
 
 
@@ -151,7 +151,7 @@ class GatewayCore:
         for name, value in (("request_id", r.request_id), ("model", r.model)):
             if len(value) > s.max_id_chars:
                 raise InvalidArgumentError(name, f"must be at most {s.max_id_chars} characters, got {len(value)}")
-            _check_unicode(name, value)
+            check_unicode(name, value)
         if r.model and r.model != m.id:
             raise InvalidArgumentError("model", f"unknown model {r.model!r}; this gateway serves {m.id!r}")
         for name, values in (("stop", r.stop), ("stop_token_ids", r.stop_token_ids)):
@@ -162,13 +162,13 @@ class GatewayCore:
                 raise InvalidArgumentError("stop", "must be strings")
             if len(x) > s.max_stop_chars:
                 raise InvalidArgumentError("stop", f"each must be at most {s.max_stop_chars} characters, got {len(x)}")
-            _check_unicode("stop", x)
+            check_unicode("stop", x)
         if (r.prompt is None) == (r.prompt_token_ids is None):
             raise InvalidArgumentError("prompt", "give exactly one of prompt and prompt_token_ids")
         if r.prompt is not None:
             if not r.prompt:
                 raise InvalidArgumentError("prompt", "must not be empty")
-            _check_unicode("prompt", r.prompt)
+            check_unicode("prompt", r.prompt)
         elif len(r.prompt_token_ids or ()) >= m.max_model_len:
             raise InvalidArgumentError("prompt", f"{len(r.prompt_token_ids or ())} tokens do not fit the context "
                                        f"length {m.max_model_len}")

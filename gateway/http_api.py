@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common import errors
-from gateway.core import Delta, GatewayCore, Generation, TextRequest
+from gateway.core import Delta, GatewayCore, Generation, TextRequest, check_unicode
 from gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,7 @@ def chat_prompt(messages: list[ChatMessage]) -> str:
             content = "".join(part.text or "" for part in m.content)
         else:
             content = m.content or ""
+        check_unicode("messages", content, f"messages[{i}].content: ")
         out.append(f"<|{m.role}|>\n{content}\n")
     return "".join(out) + "<|assistant|>\n"
 
@@ -309,7 +310,9 @@ class _BodyLimit:
             return
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.limit:
-            response = JSONResponse(self._error(int(length)), 413, {"Connection": "close"})
+            # No "Connection: close": uvicorn then discards the rest of the body as it arrives, unparsed,
+            # so the client finishes sending and reads this answer instead of a reset connection.
+            response = JSONResponse(self._error(int(length)), 413)
             await response(scope, receive, send)
             return
         read = 0
@@ -319,7 +322,7 @@ class _BodyLimit:
             message = await receive()
             read += len(message.get("body", b""))
             if read > self.limit:  # raised inside the route's body read: FastAPI passes HTTP errors through
-                raise StarletteHTTPException(413, self._error(read)["error"]["message"], {"Connection": "close"})
+                raise StarletteHTTPException(413, self._error(read)["error"]["message"])
             return message
 
         await self.app(scope, bounded, send)
