@@ -49,6 +49,7 @@ class GatewayApp:
                                                     timeout_graceful_shutdown=max(1, round(settings.grace_s))))
         self._http_task: asyncio.Task | None = None
         self._follow_task: asyncio.Task | None = None
+        self._stopped = False
 
     @classmethod
     async def create(cls, settings: GatewaySettings, telemetry: Telemetry | None = None) -> GatewayApp:
@@ -141,6 +142,9 @@ class GatewayApp:
         return await self.grpc.start()
 
     async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
         await self.grpc.stop()
         if self._follow_task is not None:
             self._follow_task.cancel()
