@@ -368,7 +368,7 @@ class GatewayCore:
                 raise UnavailableError(f"request {rid}: the router ended the stream without a finish reason")
             except RouterLostError as e:
                 health.failure()
-                if not self._may_retry(rid, attempt, deadline, len(sent)):
+                if not self._may_retry(rid, attempt, deadline):
                     raise UnavailableError(f"request {rid}: no router replica could serve it "
                                            f"({attempt + 1} tried; last: {e})") from e
                 self.balancer.failovers += 1
@@ -381,7 +381,7 @@ class GatewayCore:
                 await chunks.aclose()  # type: ignore[attr-defined]
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def _may_retry(self, rid: str, attempt: int, deadline: float, sent: int) -> bool:
+    def _may_retry(self, rid: str, attempt: int, deadline: float) -> bool:
         if attempt + 1 >= self.settings.router_attempts or time.monotonic() >= deadline:
             return False
         if not self.balancer.budget.try_retry():
