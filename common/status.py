@@ -42,6 +42,7 @@ async def abort_with(context: grpc.aio.ServicerContext, error: errors.MoeMeshErr
 
 _FROM_CODE: dict[grpc.StatusCode, type[errors.MoeMeshError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.MoeMeshError,  # our own request was malformed: a bug, not bad input
+    grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExistsError,
     grpc.StatusCode.NOT_FOUND: errors.NotFoundError,
     grpc.StatusCode.FAILED_PRECONDITION: errors.PreconditionError,
     grpc.StatusCode.UNAVAILABLE: errors.UnavailableError,
@@ -49,7 +50,22 @@ _FROM_CODE: dict[grpc.StatusCode, type[errors.MoeMeshError]] = {
 }
 
 
-def error_from_rpc(e: grpc.aio.AioRpcError, peer: str) -> errors.MoeMeshError:
-    """Our exception for a failed outgoing call, naming the peer. Unlisted codes count as unavailable."""
+def error_from_rpc(e: grpc.aio.AioRpcError, peer: str | None = None, details: str | None = None) -> errors.MoeMeshError:
+    """Our exception for a failed outgoing call. Unlisted codes count as unavailable.
+
+    The message names `peer` when given: internal hops want it in their errors and logs, while an
+    edge that answers the public (the gateway) leaves it out, logs it instead, and may pass the call's
+    `details` cleaned of internal addresses.
+    """
     cls = _FROM_CODE.get(e.code(), errors.UnavailableError)
-    return cls(f"{peer}: {e.code().name}: {e.details()}")
+    details = (e.details() or "") if details is None else details
+    message = f"{e.code().name}: {details}"
+    if peer is not None:
+        message = f"{peer}: {message}"
+    if cls is errors.AlreadyExistsError:
+        # Our servers start an error's details with the field it concerns ("request_id: ...").
+        field, sep, rest = details.partition(": ")
+        if not (sep and field.isidentifier()):
+            field, rest = "request_id", details
+        return errors.AlreadyExistsError(field, rest if peer is None else f"{rest} (at {peer})")
+    return cls(message)

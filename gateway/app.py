@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from common.errors import InvalidArgumentError, UnavailableError
+from common.errors import InvalidArgumentError, MoeMeshError, UnavailableError
 from common.registry import ROUTER_SERVICE, Membership, Registry, open_registry
 from common.server import GrpcServer, Service
 from common.telemetry import Telemetry
@@ -38,7 +38,8 @@ class GatewayApp:
         self.grpc = GrpcServer([Service(SERVICE_NAME, inference_pb2_grpc.add_InferenceServicer_to_server,
                                         InferenceServicer(core))],
                                host=settings.host, port=settings.grpc_port,
-                               max_message_bytes=settings.max_message_bytes, grace_s=settings.grace_s,
+                               # The public API's messages are small: its limit is the HTTP body's.
+                               max_message_bytes=settings.max_body_bytes, grace_s=settings.grace_s,
                                interceptors=telemetry.server_interceptors())
         self.grpc.on_ready.append(self._start_http)
         self.grpc.on_stop.append(self._stop_http)
@@ -48,6 +49,7 @@ class GatewayApp:
                                                     timeout_graceful_shutdown=max(1, round(settings.grace_s))))
         self._http_task: asyncio.Task | None = None
         self._follow_task: asyncio.Task | None = None
+        self._stopped = False
 
     @classmethod
     async def create(cls, settings: GatewaySettings, telemetry: Telemetry | None = None) -> GatewayApp:
@@ -69,10 +71,10 @@ class GatewayApp:
         routers = [RouterClient(a, settings.max_message_bytes, telemetry.client_interceptors())
                    for a in settings.routers]
         try:
-            statuses = await asyncio.gather(*(r.status(settings.connect_timeout_s) for r in routers))
-        except UnavailableError as e:
+            statuses = await asyncio.gather(*(_status(r, settings.connect_timeout_s) for r in routers))
+        except UnavailableError:
             await asyncio.gather(*(r.close() for r in routers))
-            raise UnavailableError(f"router not reachable within {settings.connect_timeout_s}s: {e}") from e
+            raise
         ids = {s.model_id for s in statuses}
         if len(ids) != 1:
             raise UnavailableError(f"routers serve different models: {sorted(ids)}")
@@ -124,7 +126,14 @@ class GatewayApp:
             await asyncio.sleep(0.01)
 
     async def _stop_http(self) -> None:
-        self.http.config.app.state.ready = False  # /health/ready answers 503 while draining
+        # Drain: /health/ready answers 503 and new requests get 503 / UNAVAILABLE, while admitted ones
+        # may finish for up to grace_s; only then does HTTP stop listening (gRPC stops after this hook).
+        self.core.draining = True
+        self.http.config.app.state.ready = False
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.settings.grace_s
+        while self.core.admission.in_flight + self.core.admission.queued and loop.time() < until:
+            await asyncio.sleep(0.05)
         if self._http_task is not None:
             self.http.should_exit = True
             await self._http_task
@@ -133,12 +142,22 @@ class GatewayApp:
         return await self.grpc.start()
 
     async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
         await self.grpc.stop()
         if self._follow_task is not None:
             self._follow_task.cancel()
             await asyncio.gather(self._follow_task, return_exceptions=True)
         await asyncio.gather(*(r.close() for r in self.routers))
         self.telemetry.shutdown()
+
+
+async def _status(router: RouterClient, timeout_s: float):
+    try:
+        return await router.status(timeout_s)
+    except MoeMeshError as e:  # an operator's message at start-up: name the router
+        raise UnavailableError(f"router {router.address} not reachable within {timeout_s}s: {e}") from e
 
 
 async def _first_nonempty(watch) -> Membership:

@@ -14,7 +14,7 @@ from common.telemetry import add_telemetry_arguments
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, type=Path, help="checkpoint directory (for the tokenizer)")
     p.add_argument("--router", dest="routers", action="append", default=[], metavar="HOST:PORT",
-                   help="a router replica (repeatable); requests go to the one with the fewest in flight")
+                   help="a router replica (repeatable); requests go to the healthy one with the fewest in flight")
     p.add_argument("--registry", default="none", choices=["none", "consul"],
                    help="'consul': follow router replicas live through Consul (CONSUL_HTTP_ADDR) or the "
                         "embedded registry of `moe-mesh up`")
@@ -27,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests waiting for an in-flight place; beyond it: RESOURCE_EXHAUSTED / HTTP 429")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
     p.add_argument("--request-timeout-s", type=float, default=600.0, help="deadline of requests that bring none")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest HTTP body (else 413) and public gRPC message (default 4 MiB)")
+    p.add_argument("--router-attempts", type=int, default=None,
+                   help="router calls per request at most, failovers included (default 3)")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write {address, http_address, pid} as JSON here once serving")
     add_telemetry_arguments(p)

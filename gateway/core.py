@@ -9,7 +9,9 @@ streaming detokenization and stop strings. Both public APIs are thin adapters ov
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -19,15 +21,29 @@ from opentelemetry import trace
 from opentelemetry.metrics import Observation
 from opentelemetry.trace import Span, StatusCode
 
-from common.errors import DeadlineExceededError, InvalidArgumentError, MoeMeshError, UnavailableError
+from common.errors import (AlreadyExistsError, DeadlineExceededError, InvalidArgumentError, MoeMeshError,
+                           UnavailableError)
+from common.resilience import EjectionPolicy, RetryBudget
 from common.status import status_code
 from common.telemetry import (GATEWAY_QUEUE_DEPTH, GATEWAY_QUEUE_WAIT, OFF, REQUEST_DURATION, TIME_PER_OUTPUT_TOKEN,
                               TIME_TO_FIRST_TOKEN, Telemetry)
 from common.tokenizer import TextStream, Tokenizer
 from gateway.admission import Admission
+from gateway.balancer import Balancer, RouterLostError
 from gateway.router_client import RouterBackend
 from gateway.settings import GatewaySettings
 from protos.moe_mesh.v1 import router_pb2
+
+log = logging.getLogger(__name__)
+
+
+def check_unicode(field: str, text: str, where: str = "") -> None:
+    """JSON can carry lone surrogates ("\\ud800"); they are not text and no tokenizer takes them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgumentError(field, f"{where}invalid Unicode: lone surrogate U+{ord(text[e.start]):04X} at "
+                                   f"character {e.start}") from None
 
 
 @dataclass
@@ -44,14 +60,16 @@ class TextRequest:
 
     model: str = ""
     prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: Sequence[int] | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    # Sequences, not lists: the gRPC API passes its repeated fields as they are, so their length is
+    # checked before anything copies up to a message's worth of entries.
+    stop: Sequence[str] = field(default_factory=list)
+    stop_token_ids: Sequence[int] = field(default_factory=list)
     priority: int = 0
     request_id: str = ""
     ignore_eos: bool = False
@@ -108,7 +126,10 @@ class GatewayCore:
                  model: ModelInfo, telemetry: Telemetry = OFF) -> None:
         self.settings, self.tokenizer, self.routers, self.model = settings, tokenizer, list(routers), model
         self.admission = Admission(settings.max_in_flight, settings.max_queued, settings.retry_after_s)
-        self._turn = 0
+        self.balancer = Balancer(EjectionPolicy(consecutive_failures=1, base_ejection_s=settings.router_ejection_s),
+                                 RetryBudget(ratio=settings.retry_budget_ratio))
+        self.draining = False  # set on shutdown: new requests are refused, admitted ones finish
+        self._active: set[str] = set()  # request ids in flight, so a duplicate is refused
         self.tracer = telemetry.tracer
         self._duration = telemetry.latency(REQUEST_DURATION, "request from admission to its last token")
         self._ttft = telemetry.latency(TIME_TO_FIRST_TOKEN, "request start to its first token")
@@ -124,16 +145,44 @@ class GatewayCore:
 
     # -- validation ------------------------------------------------------------------------
 
-    def validate(self, r: TextRequest) -> tuple[list[int], router_pb2.SamplingParams]:
-        """Prompt token ids and router sampling params; InvalidArgumentError names the first bad field."""
+    def check_bounds(self, r: TextRequest) -> None:
+        """The checks that cost O(1) per field (plus one UTF-8 pass), made before any heavy work."""
         s, m = self.settings, self.model
+        for name, value in (("request_id", r.request_id), ("model", r.model)):
+            if len(value) > s.max_id_chars:
+                raise InvalidArgumentError(name, f"must be at most {s.max_id_chars} characters, got {len(value)}")
+            check_unicode(name, value)
         if r.model and r.model != m.id:
             raise InvalidArgumentError("model", f"unknown model {r.model!r}; this gateway serves {m.id!r}")
+        for name, values in (("stop", r.stop), ("stop_token_ids", r.stop_token_ids)):
+            if len(values) > s.max_stop_strings:
+                raise InvalidArgumentError(name, f"at most {s.max_stop_strings} entries, got {len(values)}")
+        for x in r.stop:
+            if not isinstance(x, str):
+                raise InvalidArgumentError("stop", "must be strings")
+            if len(x) > s.max_stop_chars:
+                raise InvalidArgumentError("stop", f"each must be at most {s.max_stop_chars} characters, got {len(x)}")
+            check_unicode("stop", x)
         if (r.prompt is None) == (r.prompt_token_ids is None):
             raise InvalidArgumentError("prompt", "give exactly one of prompt and prompt_token_ids")
-        if r.prompt is not None and not r.prompt:
-            raise InvalidArgumentError("prompt", "must not be empty")
-        ids = self.tokenizer.encode(r.prompt) if r.prompt is not None else list(r.prompt_token_ids or [])
+        if r.prompt is not None:
+            if not r.prompt:
+                raise InvalidArgumentError("prompt", "must not be empty")
+            check_unicode("prompt", r.prompt)
+        elif len(r.prompt_token_ids or ()) >= m.max_model_len:
+            raise InvalidArgumentError("prompt", f"{len(r.prompt_token_ids or ())} tokens do not fit the context "
+                                       f"length {m.max_model_len}")
+
+    async def validate(self, r: TextRequest) -> tuple[list[int], router_pb2.SamplingParams]:
+        """Prompt token ids and router sampling params; InvalidArgumentError names the first bad field."""
+        self.check_bounds(r)
+        s, m = self.settings, self.model
+        if r.prompt is None:
+            ids = list(r.prompt_token_ids or [])
+        elif len(r.prompt) <= s.inline_tokenize_chars:
+            ids = self.tokenizer.encode(r.prompt)
+        else:  # about a microsecond per character: keep the event loop serving meanwhile
+            ids = await asyncio.to_thread(self.tokenizer.encode, r.prompt)
         if not ids:
             raise InvalidArgumentError("prompt_token_ids", "must not be empty")
         bad = next((t for t in ids if not 0 <= t < m.vocab_size), None)
@@ -163,12 +212,14 @@ class GatewayCore:
             raise InvalidArgumentError("seed", f"must be in [0, 2^64), got {r.seed}")
         if not -(2**31) <= r.priority < 2**31:
             raise InvalidArgumentError("priority", f"must fit a 32-bit signed integer, got {r.priority}")
-        if any(not isinstance(x, str) for x in r.stop):
-            raise InvalidArgumentError("stop", "must be strings")
         params = router_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                            stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos)
         if r.seed is not None:
             params.seed = r.seed
+        elif temperature > 0:
+            # A request that moves to another router mid-stream continues from its tokens so far with
+            # the same seed; without one here, the rest would be drawn from a different sample path.
+            params.seed = secrets.randbits(63)
         return ids, params
 
     # -- generation ------------------------------------------------------------------------
@@ -182,12 +233,25 @@ class GatewayCore:
             raise
 
     async def _start(self, r: TextRequest, timeout_s: float | None) -> Generation:
-        ids, params = self.validate(r)
-        request_id = r.request_id or uuid.uuid4().hex
         began = time.monotonic()
         deadline = began + (timeout_s if timeout_s is not None else self.settings.request_timeout_s)
+        if self.draining:
+            raise UnavailableError("the gateway is shutting down; retry on another replica")
+        ids, params = await self.validate(r)
+        request_id = r.request_id or uuid.uuid4().hex
+        if request_id in self._active:
+            raise AlreadyExistsError("request_id", f"{request_id!r} is already in flight")
+        self._active.add(request_id)
         slot = self.admission.slot(r.priority)
-        await slot.__aenter__()
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                await slot.__aenter__()
+        except TimeoutError:
+            self._active.discard(request_id)
+            raise DeadlineExceededError(f"request {request_id} waited past its deadline for admission") from None
+        except BaseException:
+            self._active.discard(request_id)
+            raise
         self._queue_wait.record(time.monotonic() - began)
         request = router_pb2.RouterGenerateRequest(request_id=request_id, prompt_token_ids=ids, params=params,
                                                    priority=r.priority)
@@ -197,6 +261,7 @@ class GatewayCore:
             nonlocal released
             if not released:
                 released = True
+                self._active.discard(request_id)
                 await slot.__aexit__(None, None, None)
 
         return Generation(request_id, self._stream(request, r.stop, deadline, began), release)
@@ -213,14 +278,6 @@ class GatewayCore:
         return Completion(gen.request_id, ids, "".join(text), last.finish_reason, last.prompt_tokens,
                           last.completion_tokens)
 
-    def _pick_router(self) -> RouterBackend:
-        """Least outstanding streams; ties rotate so idle replicas share the load."""
-        self._turn += 1
-        n = len(self.routers)
-        if not n:
-            raise UnavailableError("no router replica is available")
-        return min((self.routers[(self._turn + i) % n] for i in range(n)), key=lambda b: b.outstanding)
-
     def _request_span(self, request: router_pb2.RouterGenerateRequest) -> Span | None:
         """The request's span, under the RPC's server span if there is one; None when not sampled."""
         if self.tracer is None:
@@ -233,7 +290,7 @@ class GatewayCore:
             "gen_ai.usage.input_tokens": len(request.prompt_token_ids)})
         return span if span.is_recording() else None
 
-    async def _stream(self, request: router_pb2.RouterGenerateRequest, stop: list[str],
+    async def _stream(self, request: router_pb2.RouterGenerateRequest, stop: Sequence[str],
                       deadline: float, began: float) -> AsyncIterator[Delta]:
         span = self._request_span(request)
         first: float | None = None
@@ -264,27 +321,89 @@ class GatewayCore:
             if span is not None:
                 span.end()
 
-    async def _deltas(self, request: router_pb2.RouterGenerateRequest, stop: list[str], deadline: float,
+    async def _deltas(self, request: router_pb2.RouterGenerateRequest, stop: Sequence[str], deadline: float,
                       span: Span | None) -> AsyncIterator[Delta]:
+        """The request's deltas, from one router or, when routers fail under it, from several in turn.
+
+        A call that fails with UNAVAILABLE (router dead, unreachable, shutting down) moves to another
+        router, within the deadline, `router_attempts` and the retry budget. It continues from the
+        prompt plus the tokens already streamed, with the same seed and the remaining max_tokens, so
+        the client sees one uninterrupted stream: each token once, the right finish reason and usage.
+        """
         text = TextStream(self.tokenizer, stop)
-        rid, prompt_tokens, completion = request.request_id, len(request.prompt_token_ids), 0
-        router = self._pick_router()
-        timeout = deadline - time.monotonic()
-        if timeout <= 0:
-            raise DeadlineExceededError(f"request {rid} waited past its deadline for admission")
-        chunks = router.generate(request, timeout, trace.set_span_in_context(span) if span is not None else None)
-        try:
-            async for chunk in chunks:
-                completion = chunk.completion_tokens
-                delta = text.push(chunk.token_ids)
-                if text.stopped:  # a stop string: end here; closing `chunks` cancels the router stream
-                    yield Delta(rid, chunk.token_ids, delta, "stop", prompt_tokens, completion)
-                    return
-                if chunk.finish_reason is not None:
-                    yield Delta(rid, chunk.token_ids, delta + text.finish(), chunk.finish_reason, prompt_tokens,
-                                completion)
-                    return
-                yield Delta(rid, chunk.token_ids, delta, None, prompt_tokens, completion)
-            raise UnavailableError(f"router {router.address} ended the stream of {rid} without a finish reason")
-        finally:
-            await chunks.aclose()  # type: ignore[attr-defined]
+        rid, prompt_tokens = request.request_id, len(request.prompt_token_ids)
+        sent: list[int] = []  # token ids already given to the client
+        tried: list[str] = []
+        self.balancer.budget.request()
+        for attempt in range(self.settings.router_attempts):
+            router = self.balancer.pick(self.routers, tried)
+            tried.append(router.address)
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                raise DeadlineExceededError(f"request {rid} passed its deadline before reaching a router")
+            base = len(sent)
+            if base >= request.params.max_tokens:  # a router died right after the last token: nothing is left
+                yield Delta(rid, [], text.finish(), "length", prompt_tokens, base)
+                return
+            chunks = router.generate(self._continuation(request, sent, attempt), timeout,
+                                     trace.set_span_in_context(span) if span is not None else None)
+            health, started = self.balancer.health(router), False
+            try:
+                async for chunk in chunks:
+                    if not started:
+                        started = True
+                        health.success()
+                    sent += chunk.token_ids
+                    completion = base + chunk.completion_tokens
+                    delta = text.push(chunk.token_ids)
+                    if text.stopped:  # a stop string: end here; closing `chunks` cancels the router stream
+                        yield Delta(rid, chunk.token_ids, delta, "stop", prompt_tokens, completion)
+                        return
+                    if chunk.finish_reason is not None:
+                        yield Delta(rid, chunk.token_ids, delta + text.finish(), chunk.finish_reason, prompt_tokens,
+                                    completion)
+                        return
+                    yield Delta(rid, chunk.token_ids, delta, None, prompt_tokens, completion)
+                log.warning("router %s ended the stream of %s without a finish reason", router.address, rid)
+                raise UnavailableError(f"request {rid}: the router ended the stream without a finish reason")
+            except RouterLostError as e:
+                health.failure()
+                if not self._may_retry(rid, attempt, deadline):
+                    raise UnavailableError(f"request {rid}: no router replica could serve it "
+                                           f"({attempt + 1} tried; last: {e})") from e
+                self.balancer.failovers += 1
+                log.info("request %s: router %s failed after %d tokens (%s); continuing on another router",
+                         rid, router.address, len(sent), e)
+                if span is not None:
+                    span.add_event("moe.gateway.failover", {"moe.router.attempt": attempt + 1,
+                                                            "moe.tokens_sent": len(sent)})
+            finally:
+                await chunks.aclose()  # type: ignore[attr-defined]
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _may_retry(self, rid: str, attempt: int, deadline: float) -> bool:
+        if attempt + 1 >= self.settings.router_attempts or time.monotonic() >= deadline:
+            return False
+        if not self.balancer.budget.try_retry():
+            log.warning("request %s: retry budget spent, not retrying", rid)
+            return False
+        return True
+
+    @staticmethod
+    def _continuation(request: router_pb2.RouterGenerateRequest, sent: list[int],
+                      attempt: int) -> router_pb2.RouterGenerateRequest:
+        """The router request that continues `request` after the tokens `sent` so far.
+
+        The token ids go as they are, never re-tokenized text, so the context is exactly the one the
+        first router had; sampling depends on the seed and the position, so the continuation draws
+        what the first router would have drawn. The id gets a suffix: a router that failed the first
+        call may not have forgotten it yet.
+        """
+        if attempt == 0:
+            return request
+        params = router_pb2.SamplingParams()
+        params.CopyFrom(request.params)
+        params.max_tokens = request.params.max_tokens - len(sent)
+        return router_pb2.RouterGenerateRequest(request_id=f"{request.request_id}~{attempt}",
+                                                prompt_token_ids=[*request.prompt_token_ids, *sent], params=params,
+                                                priority=request.priority)

@@ -19,13 +19,13 @@ _FINISH = {"stop": router_pb2.FINISH_REASON_STOP, "length": router_pb2.FINISH_RE
 def _request(msg: inference_pb2.GenerateRequest) -> TextRequest:
     return TextRequest(
         model=msg.model, prompt=msg.prompt if msg.HasField("prompt") else None,
-        prompt_token_ids=list(msg.prompt_token_ids) or None,
+        prompt_token_ids=msg.prompt_token_ids or None,
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         temperature=msg.temperature if msg.HasField("temperature") else None,
         top_p=msg.top_p if msg.HasField("top_p") else None,
         top_k=msg.top_k if msg.HasField("top_k") else None,
         seed=msg.seed if msg.HasField("seed") else None,
-        stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), priority=msg.priority,
+        stop=msg.stop, stop_token_ids=msg.stop_token_ids, priority=msg.priority,
         request_id=msg.request_id)
 
 

@@ -8,13 +8,17 @@
 
 Both generation endpoints stream as Server-Sent Events with `"stream": true`. Besides OpenAI's
 fields they take vLLM-style extensions: `top_k`, `priority`, `stop_token_ids`, `ignore_eos`, and
-`return_token_ids` (adds `token_ids` to every choice). Unknown fields are ignored, since OpenAI
+`return_token_ids` (adds `token_ids` to every choice) and `request_id` (a duplicate of one in
+flight is 409). Unknown fields are ignored, since OpenAI
 clients send some; known OpenAI features this server cannot honour (`logprobs`, `echo`, penalties,
 `tools`, ...) are refused rather than silently dropped. Values are validated by the core; every
 error uses OpenAI's `{"error": {message, type, param, code}}` shape, `param` naming the field.
+Bodies over `max_body_bytes` are refused with 413 before they are read; list and string limits
+are part of the body schema, so an oversized list is refused before its items are validated.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: the routes' body types are built per app (limits come
+# from the settings), and FastAPI resolves string annotations in module globals only.
 
 import asyncio
 import json
@@ -30,12 +34,13 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common import errors
-from gateway.core import Delta, GatewayCore, Generation, TextRequest
+from gateway.core import Delta, GatewayCore, Generation, TextRequest, check_unicode
+from gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,6 +85,7 @@ class _Body(_Json):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     return_token_ids: bool = False
+    request_id: str = ""
 
 
 class CompletionBody(_Body):
@@ -117,7 +123,22 @@ def _text_request(body: _Body, prompt: str | None, ids: list[int] | None, max_to
     return TextRequest(model=body.model, prompt=prompt, prompt_token_ids=ids, max_tokens=max_tokens,
                        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
                        stop=body.stop, stop_token_ids=body.stop_token_ids, priority=body.priority,
-                       ignore_eos=body.ignore_eos)
+                       ignore_eos=body.ignore_eos, request_id=body.request_id)
+
+
+def _bounded_bodies(s: GatewaySettings, max_model_len: int) -> tuple[type[CompletionBody], type[ChatBody]]:
+    """The request bodies with this gateway's limits in their schema (and so in its OpenAPI document)."""
+    ident = Annotated[str, Field(max_length=s.max_id_chars)]
+    stop = Annotated[list[Annotated[str, Field(max_length=s.max_stop_chars)]],
+                     BeforeValidator(lambda v: [v] if isinstance(v, str) else v), Field(max_length=s.max_stop_strings)]
+    shared = {"model": (ident, ""), "request_id": (ident, ""), "stop": (stop, []),
+              "stop_token_ids": (Annotated[list[int], Field(max_length=s.max_stop_strings)], [])}
+    ids = Annotated[list[int], Field(max_length=max_model_len)]
+    prompt = str | ids | Annotated[list[str], Field(max_length=64)] | Annotated[list[ids], Field(max_length=64)]
+    completion = create_model("CompletionBody", __base__=CompletionBody, prompt=(prompt, ...), **shared)
+    chat = create_model("ChatBody", __base__=ChatBody, **shared,
+                        messages=(Annotated[list[ChatMessage], Field(max_length=s.max_messages)], ...))
+    return completion, chat
 
 
 def _completion_prompt(p: str | list[int] | list[str] | list[list[int]]) -> tuple[str | None, list[int] | None]:
@@ -144,6 +165,7 @@ def chat_prompt(messages: list[ChatMessage]) -> str:
             content = "".join(part.text or "" for part in m.content)
         else:
             content = m.content or ""
+        check_unicode("messages", content, f"messages[{i}].content: ")
         out.append(f"<|{m.role}|>\n{content}\n")
     return "".join(out) + "<|assistant|>\n"
 
@@ -163,6 +185,7 @@ def _fields_named(**names: str) -> Iterator[None]:
 
 _ERRORS: list[tuple[type[errors.MoeMeshError], int, str, str]] = [
     (errors.InvalidArgumentError, 400, "invalid_request_error", "invalid_argument"),
+    (errors.AlreadyExistsError, 409, "invalid_request_error", "already_exists"),
     (errors.PreconditionError, 400, "invalid_request_error", "failed_precondition"),
     (errors.NotFoundError, 404, "not_found_error", "not_found"),
     (errors.ResourceExhaustedError, 429, "rate_limit_error", "resource_exhausted"),
@@ -174,8 +197,10 @@ _ERRORS: list[tuple[type[errors.MoeMeshError], int, str, str]] = [
 def _error_body(e: Exception) -> tuple[int, dict]:
     status, type_, code = next(((s, t, c) for cls, s, t, c in _ERRORS if isinstance(e, cls)),
                                (500, "server_error", "internal"))
-    param = e.field if isinstance(e, errors.InvalidArgumentError) else None
-    return status, {"error": {"message": str(e), "type": type_, "param": param, "code": code}}
+    param = e.field if isinstance(e, (errors.InvalidArgumentError, errors.AlreadyExistsError)) else None
+    # A bug's message says nothing a client can act on and may describe internals: it goes to the log.
+    message = str(e) if isinstance(e, errors.MoeMeshError) else "internal server error"
+    return status, {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def _error_response(e: Exception) -> JSONResponse:
@@ -272,13 +297,51 @@ def _token_ids(on: bool, ids: list[int]) -> dict:
     return {"token_ids": ids} if on else {}
 
 
+class _BodyLimit:
+    """ASGI middleware: a body over `limit` bytes gets 413 before it is read (by its Content-Length),
+    or, sent chunked, as soon as the bytes read pass the limit. Either way nothing parses it."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            # No "Connection: close": uvicorn then discards the rest of the body as it arrives, unparsed,
+            # so the client finishes sending and reads this answer instead of a reset connection.
+            response = JSONResponse(self._error(int(length)), 413)
+            await response(scope, receive, send)
+            return
+        read = 0
+
+        async def bounded() -> Message:
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > self.limit:  # raised inside the route's body read: FastAPI passes HTTP errors through
+                raise StarletteHTTPException(413, self._error(read)["error"]["message"])
+            return message
+
+        await self.app(scope, bounded, send)
+
+    def _error(self, size: int) -> dict:
+        return {"error": {"message": f"the request body ({size} bytes or more) exceeds the limit of {self.limit} "
+                          "bytes (max_body_bytes)", "type": "invalid_request_error", "param": None,
+                          "code": "request_too_large"}}
+
+
 # -- the app -------------------------------------------------------------------------------------
 
 def create_app(core: GatewayCore) -> FastAPI:
-    """The HTTP app over `core`. `app.state.ready` (True at creation) drives /health/ready."""
+    """The HTTP app over `core`. `app.state.ready` (True at creation) and `core.draining` drive /health/ready."""
     app = FastAPI(title="moe-mesh gateway")
+    app.add_middleware(_BodyLimit, limit=core.settings.max_body_bytes)
     app.state.ready = True
     started = int(time.time())
+    Completion, Chat = _bounded_bodies(core.settings, core.model.max_model_len)
 
     @app.exception_handler(errors.MoeMeshError)
     async def on_mesh_error(request: Request, e: errors.MoeMeshError) -> JSONResponse:
@@ -303,8 +366,9 @@ def create_app(core: GatewayCore) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = {413: "request_too_large"}.get(e.status_code)
         return JSONResponse({"error": {"message": str(e.detail), "type": "invalid_request_error", "param": None,
-                                       "code": None}}, e.status_code, e.headers)
+                                       "code": code}}, e.status_code, e.headers)
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, e: Exception) -> JSONResponse:
@@ -316,7 +380,7 @@ def create_app(core: GatewayCore) -> FastAPI:
 
     @app.get("/health/ready")
     async def ready() -> JSONResponse:
-        ok = bool(app.state.ready)
+        ok = bool(app.state.ready) and not core.draining
         return JSONResponse({"status": "ready" if ok else "not ready"}, 200 if ok else 503)
 
     @app.get("/v1/models")
@@ -345,7 +409,7 @@ def create_app(core: GatewayCore) -> FastAPI:
                              "model": core.model.id, "choices": [shape.whole(whole)], "usage": _usage(whole)})
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody, request: Request) -> Response:
+    async def completions(body: Completion, request: Request) -> Response:
         r = _text_request(body, *_completion_prompt(body.prompt), body.max_tokens)
 
         def choice(d: Delta, first: bool = False) -> dict:
@@ -356,7 +420,7 @@ def create_app(core: GatewayCore) -> FastAPI:
         return await generate(request, body, r, shape, {"prompt_token_ids": "prompt"})
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody, request: Request) -> Response:
+    async def chat_completions(body: Chat, request: Request) -> Response:
         max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         r = _text_request(body, chat_prompt(body.messages), None, getattr(body, max_field))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -11,8 +13,19 @@ from opentelemetry import context
 from opentelemetry.context import Context
 
 from common.server import channel_options
+from common.errors import MoeMeshError
 from common.status import error_from_rpc
+from gateway.balancer import RouterLostError
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
+
+log = logging.getLogger(__name__)
+# host:port, [v6]:port and gRPC's "ipv4:" / "ipv6:" forms: a router's error details name routers and
+# expert services (connection failures, unreachable experts), which the public must not learn.
+_ADDRESS = re.compile(r"(?:ipv[46]:)?(?:\[[0-9A-Fa-f:.%]+\]|\b[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?):\d{1,5}\b")
+
+
+def scrub_addresses(text: str) -> str:
+    return _ADDRESS.sub("<internal>", text)
 
 FINISH = {router_pb2.FINISH_REASON_STOP: "stop", router_pb2.FINISH_REASON_LENGTH: "length",
           router_pb2.FINISH_REASON_CANCELLED: "cancelled"}
@@ -71,7 +84,7 @@ class RouterClient:
                         pass
                 yield chunk
         except grpc.aio.AioRpcError as e:
-            raise error_from_rpc(e, self.address) from e
+            raise self._error(e, request.request_id) from e
         finally:
             self.outstanding -= 1
             call.cancel()  # no-op once the stream ended
@@ -80,7 +93,16 @@ class RouterClient:
         try:
             return await self.stub.Status(router_pb2.RouterStatusRequest(), timeout=timeout_s, wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
-            raise error_from_rpc(e, self.address) from e
+            raise self._error(e, "status") from e
+
+    def _error(self, e: grpc.aio.AioRpcError, what: str) -> MoeMeshError:
+        """Our error for a failed call. Its message may reach the public, so it leaves out this router's
+        address (logged here instead); UNAVAILABLE becomes RouterLostError, which the core retries elsewhere."""
+        log.info("router %s: %s failed: %s: %s", self.address, what, e.code().name, e.details())
+        details = scrub_addresses(e.details() or "")
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            return RouterLostError(f"UNAVAILABLE: {details}")
+        return error_from_rpc(e, details=details)
 
     async def close(self) -> None:
         await self.channel.close()

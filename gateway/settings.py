@@ -33,5 +33,21 @@ class GatewaySettings(TelemetrySettings):
     default_max_tokens: int = Field(16, ge=1, description="max_tokens when a request gives none")
     request_timeout_s: float = Field(600.0, gt=0, description="deadline of a request that brings none")
     connect_timeout_s: float = Field(30.0, gt=0, description="how long to wait for routers at start-up")
-    max_message_bytes: int = Field(64 * 2**20, ge=2**20, description="gRPC message size limit")
+    max_message_bytes: int = Field(64 * 2**20, ge=2**20, description="gRPC message size limit towards routers")
+    # Public input bounds, checked before any heavy work (parsing lists, tokenizing).
+    max_body_bytes: int = Field(4 * 2**20, ge=2**10, description="largest HTTP request body (else 413) and public "
+                                "gRPC message (else RESOURCE_EXHAUSTED)")
+    max_messages: int = Field(2048, ge=1, description="chat messages per request at most")
+    max_stop_strings: int = Field(32, ge=0, description="stop strings per request at most")
+    max_stop_chars: int = Field(256, ge=1, description="characters per stop string at most")
+    max_id_chars: int = Field(256, ge=1, description="characters of request_id and model at most")
+    inline_tokenize_chars: int = Field(8192, ge=0, description="prompts longer than this are tokenized on a worker "
+                                       "thread, so the event loop keeps serving")
+    # Router choice: outlier ejection and retries (see common/resilience.py).
+    router_attempts: int = Field(3, ge=1, le=16, description="router calls per request at most, the first included: "
+                                 "a call refused before its first token, or a stream cut by a dying router, is "
+                                 "continued on another router")
+    router_ejection_s: float = Field(1.0, gt=0, description="a router that failed is skipped this long, doubling "
+                                     "with each further failure (at most 30 s)")
+    retry_budget_ratio: float = Field(0.2, ge=0, le=1, description="retries may add at most this share of requests")
     grace_s: float = Field(10.0, ge=0, description="how long in-flight requests may finish on shutdown")

@@ -109,6 +109,13 @@ BAD = [
     ({"prompt": "hi", "top_k": -1}, "top_k"),
     ({"prompt": "hi", "model": "nope"}, "model"),
     ({"prompt": "hi", "stop_token_ids": [999999]}, "stop_token_ids"),
+    # Limits: once a 100 KB request_id was UNAVAILABLE and a 20,000-character model RESOURCE_EXHAUSTED
+    # (both echoed into metadata past its size limit).
+    ({"prompt": "hi", "request_id": "r" * 100_000}, "request_id"),
+    ({"prompt": "hi", "model": "m" * 20_000}, "model"),
+    ({"prompt": "hi", "stop": ["x"] * 33}, "stop"),
+    ({"prompt": "hi", "stop": ["x" * 257]}, "stop"),
+    ({"prompt": "hi", "stop_token_ids": [1] * 33}, "stop_token_ids"),
 ]
 
 
@@ -132,3 +139,32 @@ async def test_bad_input_is_invalid_argument_naming_the_field_and_the_gateway_st
         assert tuple(reply.token_ids) == monolithic(path)[1][:4]
         models = await stub.ListModels(inference_pb2.ListModelsRequest())
         assert [m.id for m in models.models] == [path.name] and models.models[0].vocab_size == 512
+
+
+async def test_a_request_id_in_flight_is_already_exists_and_a_huge_message_is_refused(checkpoint) -> None:
+    path = checkpoint("mixtral")
+    async with local_mesh(path) as mesh, grpc.aio.insecure_channel(mesh.grpc_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        first = stub.GenerateStream(greedy(2, max_tokens=400, request_id="same"))
+        await anext(aiter(first))
+        for method in (stub.Generate, stub.GenerateStream):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                call = method(greedy(1, max_tokens=2, request_id="same"))
+                if method is stub.GenerateStream:
+                    async for _ in call:
+                        pass
+                else:
+                    await call
+            assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS, e.value.details()
+            assert e.value.details().startswith("request_id:") and "'same'" in e.value.details()
+        first.cancel()
+        # The public API takes messages up to max_body_bytes (4 MiB), not the router links' 64 MiB.
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Generate(inference_pb2.GenerateRequest(prompt="hi", stop=[""] * 3_000_000))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await serving(channel)
+        start = time.monotonic()
+        while mesh.gateway.core.admission.in_flight and time.monotonic() - start < 1.0:
+            await asyncio.sleep(0.01)  # the cancellation of the first reaches the gateway
+        reply = await stub.Generate(greedy(1, max_tokens=4, request_id="same"))  # free once the first ended
+        assert tuple(reply.token_ids) == monolithic(path)[1][:4] and reply.request_id == "same"

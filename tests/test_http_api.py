@@ -15,11 +15,14 @@ import pytest
 import pytest_asyncio
 
 from common.tokenizer import TextStream, Tokenizer
-from gateway.http_api import ChatMessage, chat_prompt
+from gateway.http_api import ChatMessage, chat_prompt, create_app
+from gateway.core import TextRequest
 from meshes import LocalMesh, local_mesh
 from router_service.build import build_local_engine
 from router_service.sampling import SamplingParams
 from router_service.settings import RouterSettings
+from test_gateway_core import FakeRouter, ScriptedRouter
+from test_gateway_core import core as fake_core
 
 # One mesh serves most tests of this module, so they share its event loop.
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -210,6 +213,20 @@ BAD = [  # (endpoint, JSON body or raw bytes, the field the error must name)
     ("chat/completions", chat(max_tokens=0, stream=True), "max_tokens"),
     ("chat/completions", chat(n=2), "n"),
     ("chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    # Lone surrogates are valid JSON escapes but not text.
+    ("completions", b'{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+    ("completions", b'{"prompt": "hi", "stop": ["a\\udfff"], "max_tokens": 2}', "stop"),
+    ("completions", b'{"prompt": "hi", "request_id": "\\ud800", "max_tokens": 2}', "request_id"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}', "messages"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udbff"}]}]}',
+     "messages"),
+    # Limits, checked before any heavy work.
+    ("completions", completion(stop=["x"] * 33), "stop"),
+    ("completions", completion(stop="x" * 257), "stop"),
+    ("completions", completion(stop_token_ids=[1] * 33), "stop_token_ids"),
+    ("completions", completion(request_id="r" * 100_000), "request_id"),
+    ("completions", completion(model="m" * 20_000), "model"),
+    ("chat/completions", chat(messages=[{"role": "user", "content": ""}] * 2049), "messages"),
 ]
 
 
@@ -226,6 +243,52 @@ async def test_bad_input_is_400_naming_the_field(mesh, endpoint, body, param) ->
         good = await h.post(url, json=completion() if endpoint == "completions" else chat())
         assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
     assert mesh.gateway.core.admission.in_flight == 0
+
+
+async def test_a_large_body_is_413_at_once_while_small_requests_are_served(mesh) -> None:
+    """No body-size limit and tokenization on the event loop once let a 10 MB prompt stall every request ~11 s."""
+    huge = json.dumps({"prompt": "hello world " * 900_000, "max_tokens": 2}).encode()  # 10.8 MB
+    large = json.dumps({"prompt": "hello world " * 120_000, "max_tokens": 2}).encode()  # 1.4 MB: under the limit
+
+    async def chunked(body: bytes):
+        for i in range(0, len(body), 2**16):
+            yield body[i:i + 2**16]
+
+    async with httpx.AsyncClient(base_url=mesh.http_base_url, timeout=60) as h:
+        async def post(content) -> tuple[httpx.Response, float]:
+            t0 = time.monotonic()
+            r = await h.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+            return r, time.monotonic() - t0
+
+        for content, status in [(huge, 413), (chunked(huge), 413), (large, 400)]:
+            task = asyncio.create_task(post(content))
+            await asyncio.sleep(0.01)
+            small = [await post(json.dumps(completion()).encode()) for _ in range(3)]
+            for s, elapsed in small:
+                assert s.status_code == 200 and elapsed < 1.0, elapsed
+            r, _ = await task
+            assert r.status_code == status, r.text
+        r, elapsed = await post(huge)
+        error = r.json()["error"]
+        assert elapsed < 1.0 and error["code"] == "request_too_large" and "4194304 bytes" in error["message"]
+        large_error = (await post(large))[0].json()["error"]
+        assert large_error["param"] == "prompt" and "context length" in large_error["message"]
+
+
+async def test_a_request_id_in_flight_cannot_be_reused_until_it_ends(mesh) -> None:
+    async with httpx.AsyncClient(base_url=mesh.http_base_url) as h:
+        body = completion(request_id="twice", max_tokens=400, ignore_eos=True, stream=True)
+        async with h.stream("POST", "/v1/completions", json=body) as first:
+            assert first.status_code == 200
+            lines = first.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")
+            second = await h.post("/v1/completions", json=completion(request_id="twice"))
+            assert second.status_code == 409, second.text
+            error = second.json()["error"]
+            assert error["code"] == "already_exists" and error["param"] == "request_id" and "twice" in error["message"]
+        await wait_idle(mesh, 1.0)
+        again = await h.post("/v1/completions", json=completion(request_id="twice"))
+        assert again.status_code == 200 and again.json()["id"] == "cmpl-twice"
 
 
 async def test_openai_client_sees_bad_request_with_param(mesh) -> None:
@@ -325,3 +388,82 @@ async def test_deadline_is_504_before_streaming_and_an_error_event_after(path) -
         await wait_idle(m, 1.0)
         assert (await h.get("/health/live")).status_code == 200
         assert (await h.post("/v1/completions", json=completion())).status_code == 200
+
+
+# -- failure paths, on a core over fake routers ----------------------------------------------------
+
+class BrokenRouter(ScriptedRouter):
+    async def generate(self, request, timeout_s, trace_context=None):
+        raise RuntimeError("bug near 10.1.2.3:50051")
+        yield  # an async generator, like the real client
+
+
+async def test_no_router_is_503_and_a_bug_is_500_without_internals(path) -> None:
+    for routers, status, code in [([], 503, "unavailable"), ([BrokenRouter("a:1")], 500, "internal")]:
+        transport = httpx.ASGITransport(app=create_app(fake_core(path, routers)), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as h:
+            r = await h.post("/v1/completions", json=completion())
+        assert r.status_code == status and r.json()["error"]["code"] == code, r.text
+        assert "10.1.2.3" not in r.text and "a:1" not in r.text
+
+
+async def test_a_client_leaving_while_queued_is_499_and_frees_its_place(path) -> None:
+    gate = asyncio.Event()
+    gw = fake_core(path, [FakeRouter("a:1", gate)], max_in_flight=1, max_queued=2)
+    app = create_app(gw)
+    holder = asyncio.create_task(gw.complete(TextRequest(prompt_token_ids=[1], max_tokens=2)))
+    left = asyncio.Event()
+    body = json.dumps(completion()).encode()
+    received = []
+
+    async def receive() -> dict:
+        if not received:
+            received.append(1)
+            return {"type": "http.request", "body": body, "more_body": False}
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    call = asyncio.create_task(app(scope, receive, send))
+    t0 = time.monotonic()
+    while not gw.admission.queued:
+        assert time.monotonic() - t0 < 2 and not call.done()
+        await asyncio.sleep(0.005)
+    left.set()
+    await asyncio.wait_for(call, 2)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert gw.admission.queued == 0 and gw.admission.in_flight == 1  # only the holder
+    gate.set()
+    await holder
+    assert gw.admission.in_flight == 0
+
+
+async def test_ready_is_503_while_draining_and_admitted_streams_finish(path) -> None:
+    async with local_mesh(path, grace_s=10) as m, httpx.AsyncClient(base_url=m.http_base_url) as h:
+        body = completion(max_tokens=300, ignore_eos=True, stream=True, return_token_ids=True)
+        async with h.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.aiter_lines()
+            events = [await anext(lines)]
+            stopping = asyncio.create_task(m.gateway.stop())
+            await asyncio.sleep(0.05)
+            assert not stopping.done()  # still draining the stream
+            async with httpx.AsyncClient(base_url=m.http_base_url) as fresh:  # a new connection
+                ready = await fresh.get("/health/ready")
+                assert ready.status_code == 503
+                refused = await fresh.post("/v1/completions", json=completion())
+                assert refused.status_code == 503 and refused.json()["error"]["code"] == "unavailable"
+                assert (await fresh.get("/health/live")).status_code == 200
+            events += [line async for line in lines if line]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+        assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 300
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        await asyncio.wait_for(stopping, 5)
