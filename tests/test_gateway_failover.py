@@ -118,8 +118,6 @@ async def test_greedy_streams_continue_exactly_on_another_router_when_theirs_is_
     assert failovers >= 1  # some stream did run on the killed router
 
 
-@pytest.mark.xfail(strict=True, reason="needs the router's sampling randomness to be a function of (seed, "
-                   "position) (issue 10, router branch); remove this mark once that is merged")
 async def test_seeded_sampling_streams_continue_exactly_on_another_router(checkpoint, tmp_path) -> None:
     undisturbed, disturbed, failovers = await _kill_mid_stream(checkpoint, tmp_path, SAMPLED * 2)
     assert failovers >= 1
