@@ -138,7 +138,11 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(c
         assert shown.returncode == 0, shown.stderr
         assert "services expert, gateway, router" in shown.stdout.splitlines()[0], shown.stdout
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+        if up.poll() is None:  # a failed assertion: SIGTERM so the launcher stops its children too
+            up.send_signal(signal.SIGTERM)
+            try:
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait()
         log.close()
