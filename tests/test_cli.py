@@ -45,7 +45,7 @@ def test_generate_local_streams_text_for_a_prompt(checkpoint) -> None:
     (["--max-tokens", "0"], "max_tokens: must be >= 1"),
     (["--max-tokens", "100000"], "max_tokens: prompt (2 tokens) + max_tokens (100000) exceeds"),
     (["--top-p", "0"], "top_p: must be in (0, 1]"),
-    (["--temperature", "-1"], "temperature: must be >= 0"),
+    (["--temperature", "-1"], "temperature: must be a finite number >= 0"),
 ])
 def test_generate_bad_input_exits_2_naming_the_field(checkpoint, args, message) -> None:
     r = moe_mesh("generate", "--checkpoint", checkpoint("mixtral"), "--local", "--prompt-token-ids", "1,2", *args)
