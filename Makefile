@@ -18,14 +18,14 @@ $(STAMP): pyproject.toml constraints.txt tests/node/package.json tests/node/pack
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m moe_mesh.demo $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT),--create $(DEMO_CHECKPOINT))
+	$(PY) -m moe_mesh.local.demo $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT),--create $(DEMO_CHECKPOINT))
 
 test: $(STAMP)
 	$(PY) -m pytest
 
 # Regenerates protos/moe_mesh/v1/*_pb2*.py(i); tests/test_protos.py fails when the committed copy is stale.
 protos: $(STAMP)
-	$(PY) -m moe_mesh.protogen
+	$(PY) -m moe_mesh.dev.protogen
 
 bench: $(STAMP)
 	$(PY) bench/engine_vs_transformers.py

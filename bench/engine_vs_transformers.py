@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from moe_mesh.create_checkpoint import create_checkpoint  # noqa: E402
+from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
 from router_service.build import build_local_engine  # noqa: E402
 from router_service.sampling import SamplingParams  # noqa: E402
 from router_service.settings import RouterSettings  # noqa: E402

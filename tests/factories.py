@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from moe_mesh.create_checkpoint import create_checkpoint
+from moe_mesh.dev.create_checkpoint import create_checkpoint
 
 _cache: dict[tuple[Path, str], Path] = {}
 

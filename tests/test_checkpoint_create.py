@@ -1,4 +1,4 @@
-"""moe_mesh.create_checkpoint: transformers must load what we write, bit-exactly and deterministically."""
+"""moe_mesh.dev.create_checkpoint: transformers must load what we write, bit-exactly and deterministically."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from moe_mesh.create_checkpoint import ARCHS, add_subcommand, create_checkpoint
+from moe_mesh.dev.create_checkpoint import ARCHS, add_subcommand, create_checkpoint
 
 # Family-specific config.json keys for the tiny preset (expert count, expert width, dense/shared widths).
 TINY_FIELDS = {

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2
 from hcl2.utils import SerializationOptions
 
 from common.server import GrpcServer
-from moe_mesh import deploy
+from moe_mesh.planning import deploy
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_PLAN = REPO / "deploy" / "plan.example.yaml"
@@ -406,7 +406,7 @@ async def test_probe_closed_port_exits_1_quickly() -> None:
 
 async def test_probe_as_a_process_without_torch(health_server: GrpcServer) -> None:
     """What a container health check runs: a fresh process that never imports torch."""
-    script = ("import sys; from moe_mesh import deploy; code = deploy.main(['probe', sys.argv[1]]); "
+    script = ("import sys; from moe_mesh.planning import deploy; code = deploy.main(['probe', sys.argv[1]]); "
               "print('torch' in sys.modules); sys.exit(code)")
 
     async def run(address: str) -> tuple[int, str, str]:

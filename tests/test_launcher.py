@@ -10,7 +10,7 @@ import time
 import pytest
 
 from common.placement import format_experts, parse_experts
-from moe_mesh.launcher import Launcher
+from moe_mesh.local.launcher import Launcher
 
 SLEEPER = ["-c", "import time; time.sleep(60)"]
 DEAF = ["-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "

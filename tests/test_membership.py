@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from common.registry.embedded import EmbeddedConsul
+from moe_mesh.local.registry import EmbeddedConsul
 from gateway.app import GatewayApp
 from gateway.settings import GatewaySettings
 from processes import start_experts

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from common.errors import PreconditionError, UnavailableError
-from moe_mesh.placement_view import pairs_of, placement_record, render, shares, write_png
+from moe_mesh.ops.placement import pairs_of, placement_record, render, shares, write_png
 from processes import ServiceProcess
 from test_cli import moe_mesh
 

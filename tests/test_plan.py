@@ -1,4 +1,4 @@
-"""`moe-mesh plan`: EPLB placement from a utilization window (moe_mesh/eplb.py) and the plan it writes."""
+"""`moe-mesh plan`: EPLB placement from a utilization window (moe_mesh/planning/eplb.py) and the plan it writes."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moe_mesh import deploy, plan_cli
-from moe_mesh.eplb import MAX_REPLICAS, PlanOptions, propose
+from moe_mesh.planning import deploy
+from moe_mesh.planning import plan as plan_cli
+from moe_mesh.planning.eplb import MAX_REPLICAS, PlanOptions, propose
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_PLAN = REPO / "deploy" / "plan.example.yaml"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe_mesh.protogen import PROTO_DIR, REPO_ROOT, generate
+from moe_mesh.dev.protogen import PROTO_DIR, REPO_ROOT, generate
 
 
 def test_generated_code_is_up_to_date(tmp_path: Path) -> None:

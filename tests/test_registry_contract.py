@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2
 from common.errors import InvalidArgumentError, UnavailableError
 from common.registry import Instance, Membership, Registry
 from common.registry.consul import ConsulConfig, ConsulRegistry
-from common.registry.embedded import EmbeddedConsul, parse_duration
+from moe_mesh.local.registry import EmbeddedConsul, parse_duration
 from common.registry.memory import MemoryRegistry
 from common.server import GrpcServer
 
@@ -464,7 +464,7 @@ async def test_index_backwards_without_an_error_recovers_after_one_wait(grpc_ser
 # accepted by the kernel and never answered.
 EMBEDDED_PROCESS = """
 import asyncio, sys
-from common.registry.embedded import EmbeddedConsul
+from moe_mesh.local.registry import EmbeddedConsul
 
 async def main():
     print(await EmbeddedConsul().start(), flush=True)

@@ -14,8 +14,8 @@ from opentelemetry.metrics import Observation
 from common import telemetry as tm
 from common.errors import UnavailableError
 from common.telemetry import COUNT_BUCKETS, SECONDS_BUCKETS, Telemetry
-from moe_mesh import stats_view
-from moe_mesh.stats_view import collect, infer_role, quantile, render, scrape, summarize
+from moe_mesh.ops import stats as stats_view
+from moe_mesh.ops.stats import collect, infer_role, quantile, render, scrape, summarize
 
 PNG = b"\x89PNG\r\n\x1a\n"
 EXPERTS = 4

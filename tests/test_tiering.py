@@ -13,7 +13,7 @@ import torch
 
 from common.checkpoint import Checkpoint
 from common.registry import open_registry
-from common.registry.embedded import EmbeddedConsul
+from moe_mesh.local.registry import EmbeddedConsul
 from processes import start_experts
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 from router_service.app import RouterApp

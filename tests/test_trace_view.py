@@ -15,8 +15,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from common.errors import NotFoundError
 from common.telemetry import JsonLinesSpanExporter
-from moe_mesh import trace_view
-from moe_mesh.trace_view import load_spans, render_trace
+from moe_mesh.ops import traces as trace_view
+from moe_mesh.ops.traces import load_spans, render_trace
 
 T0 = 1_800_000_000 * 10 ** 9  # ns, a whole second: offsets print exactly
 MS = 10 ** 6

@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 
 from common.arch import load_spec
-from moe_mesh.client import FINISH
-from moe_mesh.trace_view import load_spans
+from moe_mesh.ops.client import FINISH
+from moe_mesh.ops.traces import load_spans
 from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, inference_pb2, inference_pb2_grpc
 from test_cli import moe_mesh
 from test_mesh import PROMPTS, monolithic

@@ -3,16 +3,17 @@
 Expert services register themselves (with their experts, model id, weights checksum and region in
 `meta`) and deregister on shutdown; routers watch expert services and gateways watch routers.
 Implementations: `consul.ConsulRegistry` (a real Consul agent, or the embedded Consul-compatible
-server `embedded.EmbeddedConsul` that `moe-mesh up` runs) and `memory.MemoryRegistry` (in-process).
+server `moe_mesh.local.registry.EmbeddedConsul` that `moe-mesh up` runs) and `memory.MemoryRegistry` (in-process).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from common.errors import MoeMeshError
 
@@ -47,6 +48,27 @@ class Membership:
     instances: tuple[Instance, ...]
     index: int
     stale: bool = False
+
+
+META_MAX_PAIRS, META_KEY_MAX_LEN, META_VALUE_MAX_LEN = 64, 128, 512
+_META_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def meta_problem(meta: dict[str, Any]) -> str | None:
+    """Why Consul would reject this service meta (its documented limits), or None if it is fine.
+
+    Checked by the embedded registry and MemoryRegistry so a mesh that works on them does not fail on a real agent.
+    """
+    if len(meta) > META_MAX_PAIRS:
+        return f"Meta has {len(meta)} pairs; Consul allows {META_MAX_PAIRS}"
+    for key, value in meta.items():
+        if not isinstance(key, str) or not _META_KEY.fullmatch(key) or len(key) > META_KEY_MAX_LEN:
+            return f"Meta key {key!r} must be 1-{META_KEY_MAX_LEN} of [A-Za-z0-9_-]"
+        if key.startswith("consul-"):
+            return f"Meta key {key!r} uses the reserved prefix 'consul-'"
+        if not isinstance(value, str) or len(value) > META_VALUE_MAX_LEN:
+            return f"Meta value of {key!r} must be a string of at most {META_VALUE_MAX_LEN} characters"
+    return None
 
 
 class Registry(Protocol):

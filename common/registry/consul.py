@@ -1,6 +1,6 @@
 """`ConsulRegistry`: the Registry protocol on a Consul agent's HTTP API, via py-consul's asyncio client.
 
-Works against a real agent and against `embedded.EmbeddedConsul` alike. Registration is an agent
+Works against a real agent and against the embedded registry of `moe-mesh up` (moe_mesh/local/registry.py) alike. Registration is an agent
 service with a gRPC health check, so Consul (not the service) decides when an instance is passing;
 watching is a loop of blocking queries on `/v1/health/service/<name>?passing`.
 

@@ -13,8 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from common.errors import InvalidArgumentError, UnavailableError
-from common.registry import Instance, Membership
-from common.registry.embedded import meta_problem
+from common.registry import Instance, Membership, meta_problem
 
 
 @dataclass

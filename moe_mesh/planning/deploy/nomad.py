@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe_mesh.deploy.compose import HEADER, _expert_command, _gateway_command, _router_command, _wrap
-from moe_mesh.deploy.plan import Constraint, ExpertGroup, Plan, Resources
+from moe_mesh.planning.deploy.compose import HEADER, expert_command, gateway_command, router_command, wrap
+from moe_mesh.planning.deploy.plan import Constraint, ExpertGroup, Plan, Resources
 
 
 class Interp(str):
@@ -62,7 +62,7 @@ def _hcl_block(b: Block, indent: str = "") -> list[str]:
 
 
 def _hcl_file(job: Block) -> str:
-    head = "".join(f"# {line}\n" for line in _wrap(HEADER.format(target="nomad")))
+    head = "".join(f"# {line}\n" for line in wrap(HEADER.format(target="nomad")))
     return head + "\n".join(_hcl_block(job)) + "\n"
 
 
@@ -121,7 +121,7 @@ _DYNAMIC = ["--advertise-host", Interp("${NOMAD_IP_grpc}")]
 
 
 def _expert_job(plan: Plan, g: ExpertGroup) -> Block:
-    args = _expert_command(plan, g, Interp("${NOMAD_PORT_grpc}"), _DYNAMIC)
+    args = expert_command(plan, g, Interp("${NOMAD_PORT_grpc}"), _DYNAMIC)
     meta = {"experts": g.experts, "model_id": plan.model.model_id, "expert_group": g.name}
     if g.region:
         meta["region"] = g.region
@@ -139,14 +139,14 @@ def _frontend_job(plan: Plan) -> Block:
     r, gw = plan.router, plan.gateway
     router = _group(plan, "router", r.replicas, r.constraints, [Block("port", ("grpc",))],
                     [_service(f"{plan.name}-routers", "grpc", ["moe-mesh"], {}, _check("grpc health", "grpc"))],
-                    _task(plan, "serve-router", _router_command(plan, Interp("${NOMAD_PORT_grpc}"), _DYNAMIC),
+                    _task(plan, "serve-router", router_command(plan, Interp("${NOMAD_PORT_grpc}"), _DYNAMIC),
                           r.resources))
     ports = [Block("port", ("grpc",), [("static", gw.grpc_port)]), Block("port", ("http",), [("static", gw.http_port)])]
     services = [_service(f"{plan.name}-gateway", "grpc", ["moe-mesh"], {}, _check("grpc health", "grpc")),
                 _service(f"{plan.name}-gateway-http", "http", ["moe-mesh", "openai"], {},
                          _check("http ready", "http", "http", "/health/ready"))]
     gateway = _group(plan, "gateway", gw.replicas, gw.constraints, ports, services,
-                     _task(plan, "serve-gateway", _gateway_command(plan), gw.resources))
+                     _task(plan, "serve-gateway", gateway_command(plan), gw.resources))
     return _job(plan, f"{plan.name}-frontend", r.region, r.datacenters, [router, gateway])
 
 

@@ -31,6 +31,8 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.registry import meta_problem
+
 log = logging.getLogger(__name__)
 
 NODE = "moe-mesh"
@@ -48,27 +50,6 @@ def parse_duration(text: str) -> float:
     if not text or _DURATION.sub("", text):
         raise ValueError(f"invalid duration {text!r}")
     return sum(float(n) * _UNITS[u] for n, u in _DURATION.findall(text))
-
-
-META_MAX_PAIRS, META_KEY_MAX_LEN, META_VALUE_MAX_LEN = 64, 128, 512
-_META_KEY = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def meta_problem(meta: dict[str, Any]) -> str | None:
-    """Why Consul would reject this service meta (its documented limits), or None if it is fine.
-
-    Checked here and by MemoryRegistry so a mesh that works on them does not fail on a real agent.
-    """
-    if len(meta) > META_MAX_PAIRS:
-        return f"Meta has {len(meta)} pairs; Consul allows {META_MAX_PAIRS}"
-    for key, value in meta.items():
-        if not isinstance(key, str) or not _META_KEY.fullmatch(key) or len(key) > META_KEY_MAX_LEN:
-            return f"Meta key {key!r} must be 1-{META_KEY_MAX_LEN} of [A-Za-z0-9_-]"
-        if key.startswith("consul-"):
-            return f"Meta key {key!r} uses the reserved prefix 'consul-'"
-        if not isinstance(value, str) or len(value) > META_VALUE_MAX_LEN:
-            return f"Meta value of {key!r} must be a string of at most {META_VALUE_MAX_LEN} characters"
-    return None
 
 
 def _fold(body: dict[str, Any]) -> dict[str, Any]:

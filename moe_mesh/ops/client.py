@@ -1,10 +1,13 @@
-"""Clients of a running mesh: `generate --gateway` and `status`."""
+"""Clients of a running mesh: `generate --gateway` and `moe-mesh status`."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import sys
 import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -130,3 +133,31 @@ def heatmap(counts: list[list[int]]) -> str:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+# -- `moe-mesh status` ---------------------------------------------------------------------------
+
+
+def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    _add_status(subparsers)
+
+
+def _add_status(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("status", help="health, experts and load of a running mesh",
+                              description="Query every service of a mesh started by `moe-mesh up`.")
+    p.add_argument("--ready-file", type=Path, required=True, help="the file `moe-mesh up --ready-file` wrote")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=_run_status)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    if not args.ready_file.exists():
+        print(f"moe-mesh status: error: {args.ready_file} does not exist (is the mesh up?)", file=sys.stderr)
+        return 2
+    status = asyncio.run(mesh_status(json.loads(args.ready_file.read_text())))
+    if args.json:
+        print(json.dumps(status))
+    else:
+        print_status(status)
+    healthy = [s["health"] for s in [status["gateway"], *status["routers"], *status["experts"]]]
+    return 0 if all(h == "SERVING" for h in healthy) else 1

@@ -19,7 +19,7 @@ PROMPTS = [
 
 
 async def _generate_all(gateway: str, max_tokens: int) -> list[dict]:
-    from moe_mesh.client import generate_remote
+    from moe_mesh.ops.client import generate_remote
     from protos.moe_mesh.v1 import inference_pb2
 
     async def one(i: int, prompt: str, temperature: float) -> dict:
@@ -40,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expert-services", type=int, default=4)
     args = parser.parse_args(argv)
 
-    from moe_mesh import stats_view
-    from moe_mesh.client import mesh_status, print_status
-    from moe_mesh.create_checkpoint import create_checkpoint
-    from moe_mesh.launcher import Launcher
+    from moe_mesh.ops import stats as stats_view
+    from moe_mesh.ops.client import mesh_status, print_status
+    from moe_mesh.dev.create_checkpoint import create_checkpoint
+    from moe_mesh.local.launcher import Launcher
 
     path = args.checkpoint or args.create
     if args.create and not (path / "config.json").exists():
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _show_trace(files: list[str], request_id: str) -> None:
-    from moe_mesh import trace_view
+    from moe_mesh.ops import traces as trace_view
 
     spans = trace_view.load_spans(Path(f) for f in files if Path(f).exists())
     trace_id = next(s["trace_id"] for s in spans

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from grpc_tools import protoc
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PROTO_DIR = Path("protos/moe_mesh/v1")
 
 

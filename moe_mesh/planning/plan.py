@@ -20,8 +20,8 @@ import yaml
 
 from common.placement import Pair, format_experts
 from common.units import parse_size
-from moe_mesh.deploy.plan import Plan, PlanError, load_plan
-from moe_mesh.eplb import PlanOptions, Proposal, propose
+from moe_mesh.planning.deploy.plan import Plan, PlanError, load_plan
+from moe_mesh.planning.eplb import PlanOptions, Proposal, propose
 
 PROG = "moe-mesh plan"
 

@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common import telemetry as tm
 from common.errors import InvalidArgumentError, MoeMeshError, UnavailableError
-from moe_mesh.placement_view import BLOCK, _address, heatmap_png, shares
+from moe_mesh.ops.placement import BLOCK, heatmap_png, shares
+from moe_mesh.ops import tables
 
 ROLES = ("gateway", "router", "expert")
 SECONDS = (tm.REQUEST_DURATION, tm.TIME_TO_FIRST_TOKEN, tm.TIME_PER_OUTPUT_TOKEN, tm.GATEWAY_QUEUE_WAIT,
@@ -247,7 +248,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--ready-file", type=Path, metavar="FILE",
                        help="the file `moe-mesh up --ready-file` wrote; its metrics endpoints are read")
-    where.add_argument("--metrics", action="append", type=_address, metavar="HOST:PORT",
+    where.add_argument("--metrics", action="append", type=tables.address, metavar="HOST:PORT",
                        help="a service's Prometheus endpoint (repeatable); its role is read from its metrics")
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of tables")
     p.add_argument("--png", type=Path, metavar="FILE", help="also draw the utilization heatmap into this PNG file")

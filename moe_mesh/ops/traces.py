@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 
 from common.errors import MoeMeshError, NotFoundError
-from moe_mesh.placement_view import _table
+from moe_mesh.ops.tables import table
 
 # Attributes worth a place on a span's line, with the short name shown there.
 SHOWN = {"moe.layer": "layer", "moe.transport": "transport", "moe.replica": "replica", "moe.region": "region",
@@ -187,7 +187,7 @@ def render_list(spans: list[dict]) -> str:
         rows.append([trace_id, root["name"] + ("" if len(roots) == 1 else " (partial)"), root["service"], when,
                      f"{1000 * (max(s['end'] for s in trace) - trace[0]['start']):.3f}", str(len(trace)),
                      ",".join(sorted({s["service"] for s in trace}))])
-    return _table(["trace id", "root span", "root service", "start (UTC)", "ms", "spans", "services"], rows)
+    return table(["trace id", "root span", "root service", "start (UTC)", "ms", "spans", "services"], rows)
 
 
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:

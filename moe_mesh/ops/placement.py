@@ -16,6 +16,7 @@ from pathlib import Path
 
 from common.errors import InvalidArgumentError, MoeMeshError, PreconditionError, UnavailableError
 from common.placement import ModelShape, Pair, format_experts, parse_experts
+from moe_mesh.ops import tables
 
 COLOCATED = "colocated"  # the placement backend name of experts computed in the router process
 BLOCK = 16  # experts per heatmap block: 16 cells of 5 characters keep a block under 100 columns
@@ -112,14 +113,9 @@ def render(record: dict) -> str:
                 f"{r['pinned_hot'] or '-'} / {r['pinned_remote'] or '-'}"] for r in record["routers"]]
     services = [[s["address"], s["region"] or "-", s["experts"]] for s in record["services"]]
     return "\n\n".join([
-        _table(["router", "region", "colocated MiB / budget", "moves", "colocated", "pinned hot / remote"], routers),
-        _table(["expert service", "region", "experts"], services) if services else "no expert services",
+        tables.table(["router", "region", "colocated MiB / budget", "moves", "colocated", "pinned hot / remote"], routers),
+        tables.table(["expert service", "region", "experts"], services) if services else "no expert services",
         _heatmap(record)])
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows)]
-    return "\n".join("  ".join(f"{c:<{w}}" for c, w in zip(line, widths)).rstrip() for line in [header, *rows])
 
 
 def _heatmap(record: dict) -> str:
@@ -194,19 +190,12 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     where = s.add_mutually_exclusive_group(required=True)
     where.add_argument("--ready-file", type=Path, metavar="FILE",
                        help="the file `moe-mesh up --ready-file` wrote; its routers are asked")
-    where.add_argument("--router", dest="routers", action="append", type=_address, metavar="HOST:PORT",
+    where.add_argument("--router", dest="routers", action="append", type=tables.address, metavar="HOST:PORT",
                        help="a router's gRPC address (repeatable)")
     s.add_argument("--json", action="store_true",
                    help="print the record as JSON instead of tables (the window file `moe-mesh plan` reads)")
     s.add_argument("--png", type=Path, metavar="FILE", help="also draw the utilization heatmap into this PNG file")
     s.set_defaults(func=run_show)
-
-
-def _address(text: str) -> str:
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return text
 
 
 def _ready_routers(path: Path) -> list[str]:
@@ -220,7 +209,7 @@ def _ready_routers(path: Path) -> list[str]:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from moe_mesh.client import router_status
+    from moe_mesh.ops.client import router_status
 
     async def ask(addresses: list[str]) -> list[dict]:
         return list(await asyncio.gather(*(router_status(a) for a in addresses)))

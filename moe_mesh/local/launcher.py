@@ -84,7 +84,7 @@ class Launcher:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
 
     async def _start_services(self) -> tuple[str, str]:
-        from common.registry.embedded import EmbeddedConsul
+        from moe_mesh.local.registry import EmbeddedConsul
 
         self._registry = EmbeddedConsul()
         registry = await self._registry.start()

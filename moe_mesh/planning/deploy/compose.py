@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from moe_mesh.deploy.plan import ExpertGroup, Plan
+from moe_mesh.planning.deploy.plan import ExpertGroup, Plan
 
 HEADER = ("Rendered by `moe-mesh deploy render --target {target}` from a deploy plan. "
           "Do not edit: change the plan and render again.")
@@ -42,7 +42,7 @@ def _compose_service(plan: Plan, command: list[str], port: int, replicas: int,
     }
 
 
-def _expert_command(plan: Plan, g: ExpertGroup, port: str, extra: list[str]) -> list[str]:
+def expert_command(plan: Plan, g: ExpertGroup, port: str, extra: list[str]) -> list[str]:
     cmd = ["serve-expert", "--checkpoint", plan.model.checkpoint, "--model-id", plan.model.model_id,
            "--experts", g.experts, "--registry", "consul", "--host", "0.0.0.0", "--port", port, *extra]
     if g.region:
@@ -52,12 +52,12 @@ def _expert_command(plan: Plan, g: ExpertGroup, port: str, extra: list[str]) -> 
     return cmd + g.args
 
 
-def _router_command(plan: Plan, port: str, extra: list[str]) -> list[str]:
+def router_command(plan: Plan, port: str, extra: list[str]) -> list[str]:
     return ["serve-router", "--checkpoint", plan.model.checkpoint, "--model-id", plan.model.model_id,
             "--registry", "consul", "--host", "0.0.0.0", "--port", port, *extra, *plan.router.args]
 
 
-def _gateway_command(plan: Plan) -> list[str]:
+def gateway_command(plan: Plan) -> list[str]:
     gw = plan.gateway
     return ["serve-gateway", "--checkpoint", plan.model.checkpoint, "--registry", "consul", "--host", "0.0.0.0",
             "--grpc-port", str(gw.grpc_port), "--http-port", str(gw.http_port), *gw.args]
@@ -76,22 +76,22 @@ def render_compose(plan: Plan) -> dict[str, str]:
         },
     }
     for g, name in zip(plan.expert_groups, groups):
-        services[name] = _compose_service(plan, _expert_command(plan, g, str(g.port), []), g.port, g.replicas,
+        services[name] = _compose_service(plan, expert_command(plan, g, str(g.port), []), g.port, g.replicas,
                                           [], "60s")
     r = plan.router
-    services["router"] = _compose_service(plan, _router_command(plan, str(r.port), []), r.port, r.replicas,
+    services["router"] = _compose_service(plan, router_command(plan, str(r.port), []), r.port, r.replicas,
                                           groups, "120s")
     gw = plan.gateway
-    gateway = _compose_service(plan, _gateway_command(plan), gw.grpc_port, gw.replicas, ["router"], "60s")
+    gateway = _compose_service(plan, gateway_command(plan), gw.grpc_port, gw.replicas, ["router"], "60s")
     # One replica publishes fixed host ports; several would collide, so Docker picks host ports for them.
     gateway["ports"] = [f"{p}:{p}" if gw.replicas == 1 else str(p) for p in (gw.grpc_port, gw.http_port)]
     services["gateway"] = gateway
-    head = "".join(f"# {line}\n" for line in _wrap(HEADER.format(target="compose")))
+    head = "".join(f"# {line}\n" for line in wrap(HEADER.format(target="compose")))
     compose = head + yaml.safe_dump({"services": services}, sort_keys=True, default_flow_style=False, width=1000)
     return {"docker-compose.yml": compose, "Dockerfile": DOCKERFILE, ".env.example": _env_example(plan)}
 
 
-def _wrap(text: str, width: int = 100) -> list[str]:
+def wrap(text: str, width: int = 100) -> list[str]:
     lines, line = [], ""
     for word in text.split():
         if line and len(line) + 1 + len(word) > width:
@@ -137,7 +137,7 @@ CMD ["--help"]
 
 def _env_example(plan: Plan) -> str:
     return f"""\
-{"".join(f"# {line}{chr(10)}" for line in _wrap(HEADER.format(target="compose")))}\
+{"".join(f"# {line}{chr(10)}" for line in wrap(HEADER.format(target="compose")))}\
 # Copy it to .env next to docker-compose.yml and edit the copy; docker-compose reads .env by itself.
 
 # Checkpoint directory on the Docker host (HuggingFace layout: config.json, *.safetensors, tokenizer.json).

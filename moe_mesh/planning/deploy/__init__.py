@@ -18,11 +18,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from moe_mesh.deploy.compose import DOCKERFILE, EXPERT_SERVICE_PREFIX, HEADER, render_compose
-from moe_mesh.deploy.nomad import Block, Interp, render_nomad
-from moe_mesh.deploy.plan import (ComposePlan, Constraint, ExpertGroup, GatewayPlan, ModelPlan, NomadPlan, Plan,
+from moe_mesh.planning.deploy.compose import DOCKERFILE, EXPERT_SERVICE_PREFIX, HEADER, render_compose
+from moe_mesh.planning.deploy.nomad import Block, Interp, render_nomad
+from moe_mesh.planning.deploy.plan import (ComposePlan, Constraint, ExpertGroup, GatewayPlan, ModelPlan, NomadPlan, Plan,
                                   PlanError, Resources, RouterPlan, expert_pairs, load_plan)
-from moe_mesh.deploy.probe import add_probe_subcommand, probe, run_probe
+from moe_mesh.planning.deploy.probe import add_probe_subcommand, probe, run_probe
 
 __all__ = [
     "DOCKERFILE", "EXPERT_SERVICE_PREFIX", "HEADER", "TARGETS", "Block", "ComposePlan", "Constraint", "ExpertGroup",
@@ -111,7 +111,7 @@ def run_render(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m moe_mesh.deploy {deploy,probe} ...`: the two subcommands without the rest of the CLI."""
+    """`python -m moe_mesh.planning.deploy {deploy,probe} ...`: the two subcommands without the rest of the CLI."""
     parser = argparse.ArgumentParser(prog="moe-mesh")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_subcommand(subparsers)
