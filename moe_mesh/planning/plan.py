@@ -1,4 +1,4 @@
-"""`moe-mesh plan`: propose a deploy plan from a recorded utilization window (see moe_mesh/eplb.py).
+"""`moe-mesh plan`: propose a deploy plan from a recorded utilization window (see moe_mesh/planning/eplb.py).
 
 Reads the record `moe-mesh placement show --json` writes and a base plan; writes the base plan with
 its expert groups, the router's colocation budget and the model sizes replaced. The proposal is a
