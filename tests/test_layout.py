@@ -1,0 +1,88 @@
+"""The architecture's import rules, read from the source: services import `common` and `protos`, never
+each other; `common` imports no service and not the composition root; no module imports another
+module's private names."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVICES = ("expert_service", "router_service", "gateway")
+PACKAGES = (*SERVICES, "common", "moe_mesh")
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def _imports(path: Path) -> list[tuple[str, list[str], int]]:
+    """(module imported, names imported from it, line) for every import in `path`, relative ones resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    here = path.relative_to(ROOT).with_suffix("").parts
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # from . import x / from ..y import z
+                base = here[:len(here) - node.level]
+                module = ".".join([*base, module] if module else base)
+            out.append((module, [a.name for a in node.names], node.lineno))
+    return out
+
+
+def _top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _where(path: Path, line: int) -> str:
+    return f"{path.relative_to(ROOT)}:{line}"
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_a_service_imports_no_other_service_nor_the_composition_root(service) -> None:
+    banned = {*SERVICES, "moe_mesh"} - {service}
+    found = [f"{_where(p, line)} imports {m}" for p in _modules(service) for m, _, line in _imports(p)
+             if _top(m) in banned]
+    assert not found, "\n".join(found)
+
+
+def test_common_imports_no_service_and_not_the_composition_root() -> None:
+    found = [f"{_where(p, line)} imports {m}" for p in _modules("common") for m, _, line in _imports(p)
+             if _top(m) in {*SERVICES, "moe_mesh"}]
+    assert not found, "\n".join(found)
+
+
+def test_no_module_imports_a_private_name_of_another_module() -> None:
+    found = []
+    for package in PACKAGES:
+        for path in _modules(package):
+            for module, names, line in _imports(path):
+                if _top(module) not in PACKAGES:
+                    continue
+                private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+                private += [part for part in module.split(".") if part.startswith("_") and part != "__main__"
+                            and not part.startswith("__")]
+                if private:
+                    found.append(f"{_where(path, line)} imports {', '.join(private)} from {module}")
+    assert not found, "\n".join(found)
+
+
+def test_the_rules_see_a_violation(tmp_path, monkeypatch) -> None:
+    """The checks above read real imports: a planted bad module is caught by each of them."""
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    for package in ("gateway", "common", "moe_mesh"):
+        (tmp_path / package).mkdir()
+    (tmp_path / "gateway" / "bad.py").write_text("from router_service.engine import Engine\n")
+    (tmp_path / "common" / "bad.py").write_text("import expert_service.core\n")
+    (tmp_path / "moe_mesh" / "bad.py").write_text("from .ops.tables import _hidden\n")
+    with pytest.raises(AssertionError, match="gateway/bad.py:1 imports router_service.engine"):
+        test_a_service_imports_no_other_service_nor_the_composition_root("gateway")
+    with pytest.raises(AssertionError, match="common/bad.py:1 imports expert_service.core"):
+        test_common_imports_no_service_and_not_the_composition_root()
+    with pytest.raises(AssertionError, match="moe_mesh/bad.py:1 imports _hidden from moe_mesh.ops.tables"):
+        test_no_module_imports_a_private_name_of_another_module()
