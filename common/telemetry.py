@@ -59,22 +59,12 @@ ERRORS = "moe.errors"  # every service, failed RPCs by rpc.grpc.status_code
 class TelemetrySettings(BaseSettings):
     """The telemetry fields every service's settings model inherits."""
 
-    trace_file: Path | None = Field(None, description="append finished spans to this JSON-lines file")
+    trace_file: Path | None = Field(None, description="append finished spans to this JSON-lines file (`moe-mesh "
+                                    "trace show` reads it); OTLP export follows the OTEL_EXPORTER_OTLP_* variables")
     trace_sample: float | None = Field(None, ge=0, le=1, description="share of new traces recorded; default "
                                        "OTEL_TRACES_SAMPLER_ARG, else 0.01 (children follow their parent)")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus metrics on this port "
                                      "(0 picks a free one); unset: no metrics endpoint")
-
-
-def add_telemetry_arguments(p) -> None:
-    """The CLI flags of TelemetrySettings (argparse), shared by every serve-* command."""
-    p.add_argument("--trace-file", type=Path, default=None,
-                   help="append finished spans to this JSON-lines file (`moe-mesh trace show` reads it); OTLP "
-                        "export is configured by the standard OTEL_EXPORTER_OTLP_* variables")
-    p.add_argument("--trace-sample", type=float, default=None,
-                   help="share of requests traced, 0-1 (default OTEL_TRACES_SAMPLER_ARG, else 0.01)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port)")
 
 
 # Health checks and reflection are not requests: no spans for them.

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import typing
 from pathlib import Path
 
-from pydantic import ValidationError
-
+from common.cli import add_settings_arguments, settings_from_args
 from common.errors import MoeMeshError
 from expert_service.settings import ExpertSettings
 
@@ -20,30 +18,9 @@ PROG = "moe-mesh serve-expert"
 DESCRIPTION = ("Serve the FFN weights of a set of (layer, expert) pairs of a MoE checkpoint over gRPC "
                "(moe_mesh.v1.ExpertService), with dynamic batching across callers.")
 
-# Settings field -> flag type. grace_s has no flag on purpose: deployments set MOE_EXPERT_GRACE_S.
-_FLAGS: dict[str, type] = {
-    "checkpoint": Path, "experts": str, "host": str, "port": int, "model_id": str, "dtype": str,
-    "max_batch_tokens": int, "max_queue_delay_us": int, "max_request_tokens": int, "max_message_bytes": int,
-    "compute_threads": int, "region": str, "registry": str, "registry_address": str, "advertise_host": str,
-    "trace_file": Path, "trace_sample": float, "metrics_port": int,
-}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The serve-expert flags, with help taken from the settings' field descriptions."""
-    for name, type_ in _FLAGS.items():
-        field = ExpertSettings.model_fields[name]
-        default = ("required; " if field.is_required() else
-                   "" if field.default is None else f"default {field.default!r}; ")
-        kwargs: dict[str, typing.Any] = {"type": type_, "default": None,
-                                         "help": f"{field.description} ({default}env MOE_EXPERT_{name.upper()})"}
-        if typing.get_origin(field.annotation) is typing.Literal:
-            kwargs["choices"] = typing.get_args(field.annotation)
-        parser.add_argument(_flag(name), **kwargs)
+    """The serve-expert flags: one per ExpertSettings field (common/cli.py), plus --ready-file."""
+    add_settings_arguments(parser, ExpertSettings)
     parser.add_argument("--ready-file", type=Path, default=None,
                         help="once serving, atomically write JSON {address, pid, model_id, ...} to this file")
 
@@ -68,17 +45,12 @@ def _error(message: str) -> int:
     return 2
 
 
-def _settings_error(e: ValidationError) -> str:
-    """One line naming the flags, e.g. '--max-batch-tokens: Input should be greater than or equal to 1'."""
-    return "; ".join(f"{_flag('.'.join(map(str, err['loc'])))}: {err['msg']}" for err in e.errors())
-
-
 def run_serve_expert(args: argparse.Namespace) -> int:
     """Load the experts, serve until SIGTERM/SIGINT, drain, exit 0; bad configuration exits 2 with one line."""
     try:
-        settings = ExpertSettings(**{name: value for name in _FLAGS if (value := getattr(args, name)) is not None})
-    except ValidationError as e:
-        return _error(_settings_error(e))
+        settings = settings_from_args(ExpertSettings, args)
+    except MoeMeshError as e:
+        return _error(str(e))
     import uvloop  # the heavy imports (torch, grpc) wait until the flags are known to be valid
 
     from expert_service.app import build_server, serve

@@ -7,6 +7,17 @@ import json
 import sys
 from pathlib import Path
 
+from common.cli import add_settings_arguments, flag
+from gateway.settings import GatewaySettings
+from router_service.settings import RouterSettings
+
+GATEWAY_FLAGS = ("max_in_flight", "max_queued")
+ROUTER_FLAGS = ("max_num_seqs", "colocate_budget")
+
+
+def _pass_through(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    return [f for name in names if (v := getattr(args, name)) is not None for f in (flag(name), str(v))]
+
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     _add_up(subparsers)
@@ -24,12 +35,9 @@ def _add_up(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write the endpoints (gateway_grpc, gateway_http, routers, experts) as JSON here")
     p.add_argument("--run-dir", type=Path, default=None, help="where child logs go (default .cache/mesh-<time>)")
-    p.add_argument("--max-queued", type=int, default=None, help="gateway admission queue size")
-    p.add_argument("--max-in-flight", type=int, default=None, help="gateway requests in flight at most")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="router batch size at most")
-    p.add_argument("--colocate-budget", default=None, metavar="SIZE",
-                   help="routers colocate their hottest experts up to this many bytes, e.g. '25%%' of all "
-                        "routed experts or '512MiB' (default: none, every expert remote)")
+    # Passed through to the gateway and routers: declared once, by their settings models.
+    add_settings_arguments(p, GatewaySettings, only=GATEWAY_FLAGS)
+    add_settings_arguments(p, RouterSettings, only=ROUTER_FLAGS)
     p.add_argument("--trace-sample", type=float, default=None, metavar="RATIO",
                    help="trace this share of requests (0-1) into RUN_DIR/<service>.spans.jsonl, for `moe-mesh "
                         "trace show` (default: no traces; OTLP export follows the OTEL_* variables)")
@@ -41,10 +49,8 @@ def _run_up(args: argparse.Namespace) -> int:
 
     from moe_mesh.local.launcher import run_up
 
-    gateway_args = [f for flag, v in (("--max-queued", args.max_queued), ("--max-in-flight", args.max_in_flight))
-                    if v is not None for f in (flag, str(v))]
-    router_args = [f for flag, v in (("--max-num-seqs", args.max_num_seqs), ("--colocate-budget", args.colocate_budget))
-                   if v is not None for f in (flag, str(v))]
+    gateway_args = _pass_through(args, GATEWAY_FLAGS)
+    router_args = _pass_through(args, ROUTER_FLAGS)
     run_dir = args.run_dir or Path(".cache") / f"mesh-{_time.strftime('%Y%m%d-%H%M%S')}"
     if args.trace_sample is not None and not 0 <= args.trace_sample <= 1:
         print(f"moe-mesh up: error: --trace-sample must be in [0, 1], got {args.trace_sample}", file=sys.stderr)
