@@ -13,10 +13,10 @@ from common.registry import ROUTER_SERVICE, Membership, Registry, open_registry
 from common.server import GrpcServer, Service
 from common.telemetry import Telemetry
 from common.tokenizer import Tokenizer
-from gateway.core import GatewayCore, ModelInfo
+from gateway.core import GatewayCore
 from gateway.grpc_api import InferenceServicer
 from gateway.http_api import create_app
-from gateway.router_client import RouterClient
+from gateway.router_client import ModelInfo, RouterClient
 from gateway.settings import GatewaySettings
 from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
 
@@ -71,16 +71,14 @@ class GatewayApp:
         routers = [RouterClient(a, settings.max_message_bytes, telemetry.client_interceptors())
                    for a in settings.routers]
         try:
-            statuses = await asyncio.gather(*(_status(r, settings.connect_timeout_s) for r in routers))
+            models = await asyncio.gather(*(_model(r, settings.connect_timeout_s) for r in routers))
         except UnavailableError:
             await asyncio.gather(*(r.close() for r in routers))
             raise
-        ids = {s.model_id for s in statuses}
+        ids = {m.id for m in models}
         if len(ids) != 1:
             raise UnavailableError(f"routers serve different models: {sorted(ids)}")
-        st = statuses[0]
-        model = ModelInfo(st.model_id, st.architecture, st.max_model_len, st.vocab_size)
-        core = GatewayCore(settings, Tokenizer(settings.checkpoint), routers, model, telemetry)
+        core = GatewayCore(settings, Tokenizer(settings.checkpoint), routers, models[0], telemetry)
         return cls(settings, core, routers, telemetry)
 
     @classmethod
@@ -91,8 +89,7 @@ class GatewayApp:
         watch = registry.watch(ROUTER_SERVICE)
         first = await asyncio.wait_for(_first_nonempty(watch), settings.connect_timeout_s)
         clients = {i.id: RouterClient(i.endpoint, settings.max_message_bytes, interceptors) for i in first.instances}
-        st = await next(iter(clients.values())).status(settings.connect_timeout_s)
-        model = ModelInfo(st.model_id, st.architecture, st.max_model_len, st.vocab_size)
+        model = await next(iter(clients.values())).model(settings.connect_timeout_s)
         core = GatewayCore(settings, Tokenizer(settings.checkpoint), list(clients.values()), model, telemetry)
         app = cls(settings, core, list(clients.values()), telemetry)
 
@@ -153,9 +150,9 @@ class GatewayApp:
         self.telemetry.shutdown()
 
 
-async def _status(router: RouterClient, timeout_s: float):
+async def _model(router: RouterClient, timeout_s: float) -> ModelInfo:
     try:
-        return await router.status(timeout_s)
+        return await router.model(timeout_s)
     except MoeMeshError as e:  # an operator's message at start-up: name the router
         raise UnavailableError(f"router {router.address} not reachable within {timeout_s}s: {e}") from e
 

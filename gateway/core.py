@@ -15,7 +15,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
 from opentelemetry.metrics import Observation
@@ -23,6 +23,7 @@ from opentelemetry.trace import Span, StatusCode
 
 from common.errors import (AlreadyExistsError, DeadlineExceededError, InvalidArgumentError, MoeMeshError,
                            UnavailableError)
+from common.limits import check_context_length
 from common.resilience import EjectionPolicy, RetryBudget
 from common.status import status_code
 from common.telemetry import (GATEWAY_QUEUE_DEPTH, GATEWAY_QUEUE_WAIT, OFF, REQUEST_DURATION, TIME_PER_OUTPUT_TOKEN,
@@ -30,9 +31,8 @@ from common.telemetry import (GATEWAY_QUEUE_DEPTH, GATEWAY_QUEUE_WAIT, OFF, REQU
 from common.tokenizer import TextStream, Tokenizer
 from gateway.admission import Admission
 from gateway.balancer import Balancer, RouterLostError
-from gateway.router_client import RouterBackend
+from gateway.router_client import GenerateParams, ModelInfo, RouterBackend, RouterRequest
 from gateway.settings import GatewaySettings
-from protos.moe_mesh.v1 import router_pb2
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +44,6 @@ def check_unicode(field: str, text: str, where: str = "") -> None:
     except UnicodeEncodeError as e:
         raise InvalidArgumentError(field, f"{where}invalid Unicode: lone surrogate U+{ord(text[e.start]):04X} at "
                                    f"character {e.start}") from None
-
-
-@dataclass
-class ModelInfo:
-    id: str
-    architecture: str
-    max_model_len: int
-    vocab_size: int
 
 
 @dataclass
@@ -169,11 +161,10 @@ class GatewayCore:
             if not r.prompt:
                 raise InvalidArgumentError("prompt", "must not be empty")
             check_unicode("prompt", r.prompt)
-        elif len(r.prompt_token_ids or ()) >= m.max_model_len:
-            raise InvalidArgumentError("prompt", f"{len(r.prompt_token_ids or ())} tokens do not fit the context "
-                                       f"length {m.max_model_len}")
+        else:  # cheap, and it bounds the id list before anything copies it
+            check_context_length(len(r.prompt_token_ids or ()), 1, m.max_model_len)
 
-    async def validate(self, r: TextRequest) -> tuple[list[int], router_pb2.SamplingParams]:
+    async def validate(self, r: TextRequest) -> tuple[list[int], GenerateParams]:
         """Prompt token ids and router sampling params; InvalidArgumentError names the first bad field."""
         self.check_bounds(r)
         s, m = self.settings, self.model
@@ -194,11 +185,7 @@ class GatewayCore:
         max_tokens = s.default_max_tokens if r.max_tokens is None else r.max_tokens
         if not 1 <= max_tokens <= s.max_tokens_limit:
             raise InvalidArgumentError("max_tokens", f"must be in [1, {s.max_tokens_limit}], got {max_tokens}")
-        if len(ids) >= m.max_model_len:
-            raise InvalidArgumentError("prompt", f"{len(ids)} tokens do not fit the context length {m.max_model_len}")
-        if len(ids) + max_tokens > m.max_model_len:
-            raise InvalidArgumentError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                                       f"the context length {m.max_model_len}")
+        check_context_length(len(ids), max_tokens, m.max_model_len)
         temperature = 1.0 if r.temperature is None else r.temperature
         if not (math.isfinite(temperature) and temperature >= 0):
             raise InvalidArgumentError("temperature", f"must be >= 0, got {temperature}")
@@ -212,15 +199,12 @@ class GatewayCore:
             raise InvalidArgumentError("seed", f"must be in [0, 2^64), got {r.seed}")
         if not -(2**31) <= r.priority < 2**31:
             raise InvalidArgumentError("priority", f"must fit a 32-bit signed integer, got {r.priority}")
-        params = router_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                           stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos)
-        if r.seed is not None:
-            params.seed = r.seed
-        elif temperature > 0:
+        seed = r.seed
+        if seed is None and temperature > 0:
             # A request that moves to another router mid-stream continues from its tokens so far with
             # the same seed; without one here, the rest would be drawn from a different sample path.
-            params.seed = secrets.randbits(63)
-        return ids, params
+            seed = secrets.randbits(63)
+        return ids, GenerateParams(max_tokens, temperature, top_p, top_k, seed, tuple(r.stop_token_ids), r.ignore_eos)
 
     # -- generation ------------------------------------------------------------------------
 
@@ -253,8 +237,7 @@ class GatewayCore:
             self._active.discard(request_id)
             raise
         self._queue_wait.record(time.monotonic() - began)
-        request = router_pb2.RouterGenerateRequest(request_id=request_id, prompt_token_ids=ids, params=params,
-                                                   priority=r.priority)
+        request = RouterRequest(request_id, ids, params, r.priority)
         released = False
 
         async def release() -> None:
@@ -278,7 +261,7 @@ class GatewayCore:
         return Completion(gen.request_id, ids, "".join(text), last.finish_reason, last.prompt_tokens,
                           last.completion_tokens)
 
-    def _request_span(self, request: router_pb2.RouterGenerateRequest) -> Span | None:
+    def _request_span(self, request: RouterRequest) -> Span | None:
         """The request's span, under the RPC's server span if there is one; None when not sampled."""
         if self.tracer is None:
             return None
@@ -290,7 +273,7 @@ class GatewayCore:
             "gen_ai.usage.input_tokens": len(request.prompt_token_ids)})
         return span if span.is_recording() else None
 
-    async def _stream(self, request: router_pb2.RouterGenerateRequest, stop: Sequence[str],
+    async def _stream(self, request: RouterRequest, stop: Sequence[str],
                       deadline: float, began: float) -> AsyncIterator[Delta]:
         span = self._request_span(request)
         first: float | None = None
@@ -321,7 +304,7 @@ class GatewayCore:
             if span is not None:
                 span.end()
 
-    async def _deltas(self, request: router_pb2.RouterGenerateRequest, stop: Sequence[str], deadline: float,
+    async def _deltas(self, request: RouterRequest, stop: Sequence[str], deadline: float,
                       span: Span | None) -> AsyncIterator[Delta]:
         """The request's deltas, from one router or, when routers fail under it, from several in turn.
 
@@ -390,8 +373,8 @@ class GatewayCore:
         return True
 
     @staticmethod
-    def _continuation(request: router_pb2.RouterGenerateRequest, sent: list[int],
-                      attempt: int) -> router_pb2.RouterGenerateRequest:
+    def _continuation(request: RouterRequest, sent: list[int],
+                      attempt: int) -> RouterRequest:
         """The router request that continues `request` after the tokens `sent` so far.
 
         The token ids go as they are, never re-tokenized text, so the context is exactly the one the
@@ -401,9 +384,6 @@ class GatewayCore:
         """
         if attempt == 0:
             return request
-        params = router_pb2.SamplingParams()
-        params.CopyFrom(request.params)
-        params.max_tokens = request.params.max_tokens - len(sent)
-        return router_pb2.RouterGenerateRequest(request_id=f"{request.request_id}~{attempt}",
-                                                prompt_token_ids=[*request.prompt_token_ids, *sent], params=params,
-                                                priority=request.priority)
+        params = replace(request.params, max_tokens=request.params.max_tokens - len(sent))
+        return RouterRequest(f"{request.request_id}~{attempt}", [*request.prompt_token_ids, *sent], params,
+                             request.priority)

@@ -7,13 +7,12 @@ import logging
 import grpc
 
 from common.errors import MoeMeshError
+from common.finish_reason import to_wire
 from common.status import abort_with
 from gateway.core import GatewayCore, TextRequest
-from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2
+from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger(__name__)
-_FINISH = {"stop": router_pb2.FINISH_REASON_STOP, "length": router_pb2.FINISH_REASON_LENGTH,
-           "cancelled": router_pb2.FINISH_REASON_CANCELLED}
 
 
 def _request(msg: inference_pb2.GenerateRequest) -> TextRequest:
@@ -45,7 +44,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             await abort_with(context, e)
         log.info("request %s finished: %s, %d tokens", c.request_id, c.finish_reason, c.completion_tokens)
         return inference_pb2.GenerateResponse(request_id=c.request_id, token_ids=c.token_ids, text=c.text,
-                                              finish_reason=_FINISH[c.finish_reason],
+                                              finish_reason=to_wire(c.finish_reason),
                                               usage=_usage(c.prompt_tokens, c.completion_tokens))
 
     async def GenerateStream(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -55,7 +54,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     last = d.finish_reason is not None
                     yield inference_pb2.GenerateStreamResponse(
                         request_id=d.request_id, token_ids=d.token_ids, text=d.text,
-                        finish_reason=_FINISH[d.finish_reason] if last else 0,
+                        finish_reason=to_wire(d.finish_reason),
                         usage=_usage(d.prompt_tokens, d.completion_tokens) if last else None)
         except MoeMeshError as e:
             log.info("stream %s failed: %s", request.request_id or "-", e)

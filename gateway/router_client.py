@@ -12,8 +12,9 @@ import grpc
 from opentelemetry import context
 from opentelemetry.context import Context
 
-from common.server import channel_options
+from common.finish_reason import from_wire
 from common.errors import MoeMeshError
+from common.server import channel_options
 from common.status import error_from_rpc
 from gateway.balancer import RouterLostError
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
@@ -27,8 +28,45 @@ _ADDRESS = re.compile(r"(?:ipv[46]:)?(?:\[[0-9A-Fa-f:.%]+\]|\b[A-Za-z0-9](?:[A-Z
 def scrub_addresses(text: str) -> str:
     return _ADDRESS.sub("<internal>", text)
 
-FINISH = {router_pb2.FINISH_REASON_STOP: "stop", router_pb2.FINISH_REASON_LENGTH: "length",
-          router_pb2.FINISH_REASON_CANCELLED: "cancelled"}
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a router serves, from its Status."""
+
+    id: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class RouterRequest:
+    """One call to a router: token ids in (tokenization is the gateway's), a stream of Chunks out."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    params: GenerateParams
+    priority: int = 0
+
+
+def to_proto(r: RouterRequest) -> router_pb2.RouterGenerateRequest:
+    p = r.params
+    params = router_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
+                                       top_k=p.top_k, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos)
+    if p.seed is not None:
+        params.seed = p.seed
+    return router_pb2.RouterGenerateRequest(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+                                            params=params, priority=r.priority)
 
 
 @dataclass
@@ -45,10 +83,10 @@ class RouterBackend(Protocol):
     address: str
     outstanding: int
 
-    def generate(self, request: router_pb2.RouterGenerateRequest, timeout_s: float,
+    def generate(self, request: RouterRequest, timeout_s: float,
                  trace_context: Context | None = None) -> AsyncIterator[Chunk]: ...
 
-    async def status(self, timeout_s: float) -> router_pb2.RouterStatus: ...
+    async def model(self, timeout_s: float) -> ModelInfo: ...
 
 
 class RouterClient:
@@ -60,7 +98,7 @@ class RouterClient:
         self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
         self.outstanding = 0
 
-    async def generate(self, request: router_pb2.RouterGenerateRequest, timeout_s: float,
+    async def generate(self, request: RouterRequest, timeout_s: float,
                        trace_context: Context | None = None) -> AsyncIterator[Chunk]:
         """Stream a request's tokens. Closing the iterator early cancels the call (the router frees the slot).
 
@@ -68,14 +106,14 @@ class RouterClient:
         context when the call starts, so it is current just then (never across a yield)."""
         token = context.attach(trace_context) if trace_context is not None else None
         try:
-            call = self.stub.Generate(request, timeout=timeout_s)
+            call = self.stub.Generate(to_proto(request), timeout=timeout_s)
         finally:
             if token is not None:
                 context.detach(token)
         self.outstanding += 1
         try:
             async for msg in call:
-                chunk = Chunk(list(msg.token_ids), FINISH.get(msg.finish_reason), msg.prompt_tokens,
+                chunk = Chunk(list(msg.token_ids), from_wire(msg.finish_reason), msg.prompt_tokens,
                               msg.completion_tokens)
                 if chunk.finish_reason is not None:
                     # The router ends the stream right after its last message. Reading to the end completes
@@ -89,11 +127,13 @@ class RouterClient:
             self.outstanding -= 1
             call.cancel()  # no-op once the stream ended
 
-    async def status(self, timeout_s: float) -> router_pb2.RouterStatus:
+    async def model(self, timeout_s: float) -> ModelInfo:
+        """The model this router serves (its Status RPC); waits for the router up to `timeout_s`."""
         try:
-            return await self.stub.Status(router_pb2.RouterStatusRequest(), timeout=timeout_s, wait_for_ready=True)
+            st = await self.stub.Status(router_pb2.RouterStatusRequest(), timeout=timeout_s, wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
             raise self._error(e, "status") from e
+        return ModelInfo(st.model_id, st.architecture, st.max_model_len, st.vocab_size)
 
     def _error(self, e: grpc.aio.AioRpcError, what: str) -> MoeMeshError:
         """Our error for a failed call. Its message may reach the public, so it leaves out this router's

@@ -21,7 +21,8 @@ from enum import Enum
 
 import torch
 
-from common.errors import AlreadyExistsError, CapacityError, InternalError, InvalidArgumentError, MoeMeshError
+from common.errors import AlreadyExistsError, InternalError, InvalidArgumentError, MoeMeshError
+from common.limits import check_context_length
 from router_service.model import MoeModel, pack_step
 from router_service.sampling import SamplingParams, position_seed, sample
 from router_service.settings import RouterSettings
@@ -106,9 +107,7 @@ class Engine:
             raise InvalidArgumentError(field_name, f"token id {bad} is outside the vocabulary [0, {vocab})")
         if p.max_tokens < 1:
             raise InvalidArgumentError("max_tokens", f"must be >= 1, got {p.max_tokens}")
-        if len(prompt) + p.max_tokens > limit:
-            raise CapacityError("max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) "
-                                f"exceeds the context length max_model_len={limit}")
+        check_context_length(len(prompt), p.max_tokens, limit)
         if not (math.isfinite(p.temperature) and p.temperature >= 0):
             raise InvalidArgumentError("temperature", f"must be a finite number >= 0, got {p.temperature}")
         if not 0 < p.top_p <= 1:

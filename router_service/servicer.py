@@ -10,15 +10,11 @@ import grpc
 from common.errors import MoeMeshError
 from common.placement import format_experts
 from common.status import abort_with
+from common.finish_reason import to_wire
 from common.telemetry import OFF, Telemetry
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 from router_service.core import RouterCore
-from router_service.engine import FinishReason
 from router_service.sampling import SamplingParams
-
-_FINISH = {FinishReason.STOP: router_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: router_pb2.FINISH_REASON_LENGTH,
-           FinishReason.CANCELLED: router_pb2.FINISH_REASON_CANCELLED}
-
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, core: RouterCore, telemetry: Telemetry = OFF) -> None:
@@ -36,7 +32,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             async for out in self.core.generate(request.request_id or uuid.uuid4().hex, list(request.prompt_token_ids),
                                                 params, request.priority, deadline):
                 yield router_pb2.RouterGenerateResponse(
-                    token_ids=out.new_token_ids, finish_reason=_FINISH.get(out.finish_reason, 0),
+                    token_ids=out.new_token_ids, finish_reason=to_wire(out.finish_reason),
                     prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
         except MoeMeshError as e:
             await abort_with(context, e, self.errors)

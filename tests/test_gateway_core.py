@@ -150,7 +150,7 @@ async def test_a_stream_cut_by_a_dying_router_continues_on_another_with_the_same
     assert list(second.prompt_token_ids) == [1, 2, 3, *ids[:5]]  # token ids as they were, not re-tokenized
     assert second.params.max_tokens == 7 and second.request_id == "r1~1"
     # temperature > 0 without a seed: the gateway chose one, and the continuation keeps it.
-    assert first.params.HasField("seed") and second.params.seed == first.params.seed
+    assert first.params.seed is not None and second.params.seed == first.params.seed
     assert gw.balancer.failovers == 1 and gw.balancer.ejected() == ["a:1"]
 
 

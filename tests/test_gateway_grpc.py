@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.status import RETRY_AFTER_KEY
 from meshes import local_mesh
-from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2
+from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
 from test_mesh import PROMPTS, monolithic
 
 
@@ -32,7 +32,7 @@ async def test_unary_and_stream_match_the_local_engine_and_stream_early(checkpoi
         for i in range(len(PROMPTS)):
             reply = await stub.Generate(greedy(i))
             assert tuple(reply.token_ids) == monolithic(path)[i][:len(reply.token_ids)]
-            if reply.finish_reason == router_pb2.FINISH_REASON_LENGTH:
+            if reply.finish_reason == types_pb2.FINISH_REASON_LENGTH:
                 assert len(reply.token_ids) == 32
             assert reply.usage.prompt_tokens == len(PROMPTS[i])
             assert reply.usage.total_tokens == len(PROMPTS[i]) + len(reply.token_ids)

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from meshes import local_mesh
-from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2
+from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
 from router_service.build import build_local_engine
 from router_service.sampling import SamplingParams
 from router_service.settings import RouterSettings
@@ -142,7 +142,7 @@ async def test_generate_matches_greedy_engine_and_python_client(path) -> None:
 
     assert "error" not in text, text
     assert text["text"] == ref.text and text["token_ids"] == list(ref.token_ids)
-    assert text["finish_reason"] == router_pb2.FinishReason.Name(ref.finish_reason)
+    assert text["finish_reason"] == types_pb2.FinishReason.Name(ref.finish_reason)
     assert text["usage"] == {"prompt_tokens": ref.usage.prompt_tokens, "completion_tokens": ref.usage.completion_tokens,
                              "total_tokens": ref.usage.total_tokens}
 

@@ -13,12 +13,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from processes import ServiceProcess, start_experts
-from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
+from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc, types_pb2
 from router_service.app import SERVICE_NAME, RouterApp
 from router_service.settings import RouterSettings
 from test_mesh import PROMPTS, monolithic
 
-LENGTH = router_pb2.FINISH_REASON_LENGTH
+LENGTH = types_pb2.FINISH_REASON_LENGTH
 
 
 def request(i: int, max_tokens: int = 32, request_id: str | None = None, **params) -> router_pb2.RouterGenerateRequest:

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 
 from common.arch import load_spec
-from moe_mesh.ops.client import FINISH
+from common.finish_reason import from_wire
 from moe_mesh.ops.traces import load_spans
 from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, inference_pb2, inference_pb2_grpc
 from test_cli import moe_mesh
@@ -79,7 +79,7 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(c
                 stub = inference_pb2_grpc.InferenceStub(channel)
                 replies = [await stub.Generate(inference_pb2.GenerateRequest(
                     prompt_token_ids=p, max_tokens=32, temperature=0.0)) for p in PROMPTS]
-            return [(tuple(r.token_ids), FINISH[r.finish_reason]) for r in replies]
+            return [(tuple(r.token_ids), from_wire(r.finish_reason)) for r in replies]
 
         assert asyncio.run(generate_all()) == expected
 

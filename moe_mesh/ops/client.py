@@ -13,11 +13,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.errors import MoeMeshError
+from common.finish_reason import from_wire
 from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
-
-FINISH = {router_pb2.FINISH_REASON_STOP: "stop", router_pb2.FINISH_REASON_LENGTH: "length",
-          router_pb2.FINISH_REASON_CANCELLED: "cancelled"}
-
 
 async def generate_remote(address: str, request: inference_pb2.GenerateRequest, stream: bool) -> dict:
     """Stream a request from the gateway; print text as it arrives when `stream`; return the JSON result."""
@@ -43,7 +40,7 @@ async def generate_remote(address: str, request: inference_pb2.GenerateRequest, 
     assert last is not None
     n = len(ids)
     return {"request_id": last.request_id, "token_ids": ids, "text": "".join(text),
-            "finish_reason": FINISH.get(last.finish_reason),
+            "finish_reason": from_wire(last.finish_reason),
             "usage": {"prompt_tokens": last.usage.prompt_tokens, "completion_tokens": n,
                       "total_tokens": last.usage.prompt_tokens + n},
             "latency_s": round(latency, 4), "time_to_first_token_s": round(first or 0.0, 4),

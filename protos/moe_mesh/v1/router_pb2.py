@@ -22,29 +22,28 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from protos.moe_mesh.v1 import types_pb2 as protos_dot_moe__mesh_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/moe_mesh/v1/router.proto\x12\x0bmoe_mesh.v1\"\x9f\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x84\x01\n\x15RouterGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.moe_mesh.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\"\x8f\x01\n\x16RouterGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.moe_mesh.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\"\x15\n\x13RouterStatusRequest\"C\n\x0f\x45xpertPlacement\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07\x65xperts\x18\x02 \x01(\t\x12\x0e\n\x06region\x18\x03 \x01(\t\"\xd5\x04\n\x0cRouterStatus\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x12\n\nnum_layers\x18\x08 \x01(\r\x12\x13\n\x0bnum_experts\x18\t \x01(\r\x12\x15\n\rtokens_routed\x18\n \x03(\x04\x12\x11\n\tfailovers\x18\x0b \x01(\x04\x12/\n\tplacement\x18\x0c \x03(\x0b\x32\x1c.moe_mesh.v1.ExpertPlacement\x12\x16\n\x0eregistry_stale\x18\r \x01(\x08\x12\x13\n\x0butilization\x18\x0e \x03(\x01\x12\x1c\n\x14utilization_window_s\x18\x0f \x01(\x01\x12\x0e\n\x06region\x18\x10 \x01(\t\x12\x14\n\x0c\x65xpert_bytes\x18\x11 \x01(\x04\x12\x17\n\x0f\x63olocated_bytes\x18\x12 \x01(\x04\x12\x1d\n\x15\x63olocate_budget_bytes\x18\x13 \x01(\x04\x12\x12\n\npromotions\x18\x14 \x01(\x04\x12\x11\n\tdemotions\x18\x15 \x01(\x04\x12\x12\n\npinned_hot\x18\x16 \x01(\t\x12\x15\n\rpinned_remote\x18\x17 \x01(\t\x12\x12\n\nmoe_layers\x18\x18 \x03(\r\x12\x14\n\x0cremote_calls\x18\x19 \x01(\x04\x12\x18\n\x10tokens_colocated\x18\x1a \x01(\x04*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xad\x01\n\rRouterService\x12U\n\x08Generate\x12\".moe_mesh.v1.RouterGenerateRequest\x1a#.moe_mesh.v1.RouterGenerateResponse0\x01\x12\x45\n\x06Status\x12 .moe_mesh.v1.RouterStatusRequest\x1a\x19.moe_mesh.v1.RouterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/moe_mesh/v1/router.proto\x12\x0bmoe_mesh.v1\x1a\x1eprotos/moe_mesh/v1/types.proto\"\x9f\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x84\x01\n\x15RouterGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.moe_mesh.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\"\x8f\x01\n\x16RouterGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.moe_mesh.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\"\x15\n\x13RouterStatusRequest\"C\n\x0f\x45xpertPlacement\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07\x65xperts\x18\x02 \x01(\t\x12\x0e\n\x06region\x18\x03 \x01(\t\"\xd5\x04\n\x0cRouterStatus\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x12\n\nnum_layers\x18\x08 \x01(\r\x12\x13\n\x0bnum_experts\x18\t \x01(\r\x12\x15\n\rtokens_routed\x18\n \x03(\x04\x12\x11\n\tfailovers\x18\x0b \x01(\x04\x12/\n\tplacement\x18\x0c \x03(\x0b\x32\x1c.moe_mesh.v1.ExpertPlacement\x12\x16\n\x0eregistry_stale\x18\r \x01(\x08\x12\x13\n\x0butilization\x18\x0e \x03(\x01\x12\x1c\n\x14utilization_window_s\x18\x0f \x01(\x01\x12\x0e\n\x06region\x18\x10 \x01(\t\x12\x14\n\x0c\x65xpert_bytes\x18\x11 \x01(\x04\x12\x17\n\x0f\x63olocated_bytes\x18\x12 \x01(\x04\x12\x1d\n\x15\x63olocate_budget_bytes\x18\x13 \x01(\x04\x12\x12\n\npromotions\x18\x14 \x01(\x04\x12\x11\n\tdemotions\x18\x15 \x01(\x04\x12\x12\n\npinned_hot\x18\x16 \x01(\t\x12\x15\n\rpinned_remote\x18\x17 \x01(\t\x12\x12\n\nmoe_layers\x18\x18 \x03(\r\x12\x14\n\x0cremote_calls\x18\x19 \x01(\x04\x12\x18\n\x10tokens_colocated\x18\x1a \x01(\x04\x32\xad\x01\n\rRouterService\x12U\n\x08Generate\x12\".moe_mesh.v1.RouterGenerateRequest\x1a#.moe_mesh.v1.RouterGenerateResponse0\x01\x12\x45\n\x06Status\x12 .moe_mesh.v1.RouterStatusRequest\x1a\x19.moe_mesh.v1.RouterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.moe_mesh.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1183
-  _globals['_FINISHREASON']._serialized_end=1307
-  _globals['_SAMPLINGPARAMS']._serialized_start=49
-  _globals['_SAMPLINGPARAMS']._serialized_end=208
-  _globals['_ROUTERGENERATEREQUEST']._serialized_start=211
-  _globals['_ROUTERGENERATEREQUEST']._serialized_end=343
-  _globals['_ROUTERGENERATERESPONSE']._serialized_start=346
-  _globals['_ROUTERGENERATERESPONSE']._serialized_end=489
-  _globals['_ROUTERSTATUSREQUEST']._serialized_start=491
-  _globals['_ROUTERSTATUSREQUEST']._serialized_end=512
-  _globals['_EXPERTPLACEMENT']._serialized_start=514
-  _globals['_EXPERTPLACEMENT']._serialized_end=581
-  _globals['_ROUTERSTATUS']._serialized_start=584
-  _globals['_ROUTERSTATUS']._serialized_end=1181
-  _globals['_ROUTERSERVICE']._serialized_start=1310
-  _globals['_ROUTERSERVICE']._serialized_end=1483
+  _globals['_SAMPLINGPARAMS']._serialized_start=81
+  _globals['_SAMPLINGPARAMS']._serialized_end=240
+  _globals['_ROUTERGENERATEREQUEST']._serialized_start=243
+  _globals['_ROUTERGENERATEREQUEST']._serialized_end=375
+  _globals['_ROUTERGENERATERESPONSE']._serialized_start=378
+  _globals['_ROUTERGENERATERESPONSE']._serialized_end=521
+  _globals['_ROUTERSTATUSREQUEST']._serialized_start=523
+  _globals['_ROUTERSTATUSREQUEST']._serialized_end=544
+  _globals['_EXPERTPLACEMENT']._serialized_start=546
+  _globals['_EXPERTPLACEMENT']._serialized_end=613
+  _globals['_ROUTERSTATUS']._serialized_start=616
+  _globals['_ROUTERSTATUS']._serialized_end=1213
+  _globals['_ROUTERSERVICE']._serialized_start=1216
+  _globals['_ROUTERSERVICE']._serialized_end=1389
 # @@protoc_insertion_point(module_scope)

@@ -1,22 +1,11 @@
+from protos.moe_mesh.v1 import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
-    FINISH_REASON_STOP: _ClassVar[FinishReason]
-    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
-    FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
-FINISH_REASON_UNSPECIFIED: FinishReason
-FINISH_REASON_STOP: FinishReason
-FINISH_REASON_LENGTH: FinishReason
-FINISH_REASON_CANCELLED: FinishReason
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
@@ -55,10 +44,10 @@ class RouterGenerateResponse(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    finish_reason: FinishReason
+    finish_reason: _types_pb2.FinishReason
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class RouterStatusRequest(_message.Message):
     __slots__ = ()
