@@ -43,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads (default: torch's, all cores); lower it when sharing a host")
     p.add_argument("--expert-timeout-s", type=float, default=30.0, help="upper bound of one expert call")
     p.add_argument("--connect-timeout-s", type=float, default=30.0, help="wait this long for expert services")
+    p.add_argument("--expert-call-timeout-min-s", type=float, default=None,
+                   help="the per-call timeout learned from a replica's latency is at least this (default 1)")
+    p.add_argument("--hedge-min-delay-s", type=float, default=None,
+                   help="hedge an expert call to another replica no earlier than this (default 0.05)")
     p.add_argument("--ready-file", type=Path, default=None, help="write {address, pid} as JSON here once serving")
     add_telemetry_arguments(p)
 
