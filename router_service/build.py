@@ -17,10 +17,11 @@ from common.checkpoint import Checkpoint
 from common.errors import InvalidArgumentError, PreconditionError
 from common.placement import format_experts, parse_experts
 from common.registry import Registry
+from common.resilience import EjectionPolicy
 from common.telemetry import OFF, Telemetry
 from common.units import parse_size
 from router_service.engine import Engine
-from router_service.experts import ColocatedExperts, ExpertDispatcher, LivePlacement, Placement
+from router_service.experts import ColocatedExperts, DispatchPolicy, ExpertDispatcher, LivePlacement, Placement
 from router_service.membership import ExpertMembership
 from router_service.model import MoeModel
 from router_service.remote import Identity, RemoteExperts, connect
@@ -49,8 +50,13 @@ def build_model(checkpoint: Checkpoint, settings: RouterSettings, placement: Pla
         placement = {pair: [local] for pair in pairs}
     max_len = settings.max_model_len or min(spec.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     window = UtilizationWindow(spec.num_layers, spec.num_experts, settings.tier_window_s)
+    policy = DispatchPolicy(call_timeout_factor=settings.expert_call_timeout_factor,
+                            call_timeout_min_s=settings.expert_call_timeout_min_s,
+                            hedge_quantile=settings.hedge_quantile, hedge_min_delay_s=settings.hedge_min_delay_s,
+                            ejection=EjectionPolicy(base_ejection_s=settings.expert_ejection_s),
+                            retry_budget_ratio=settings.retry_budget_ratio)
     dispatcher = ExpertDispatcher(spec, placement, settings.expert_timeout_s, settings.region,
-                                  settings.region_penalty, window, telemetry)
+                                  settings.region_penalty, window, telemetry, policy)
     return MoeModel(spec, checkpoint.load_dense(), dispatcher, max_len)
 
 

@@ -6,6 +6,12 @@ the dispatcher routes the tokens, picks one replica per expert (colocated first,
 outstanding calls, with replicas outside the router's region counted as `region_penalty` calls
 busier), sends each backend all its groups in one call with every backend in flight at
 once, fails groups over to other replicas when a backend is unavailable, and combines the results.
+
+A hung or dying replica must not stall the batch (DispatchPolicy): each remote call has a timeout
+learned from its replica's latency; a call not answered by a latency quantile is hedged to another
+replica serving the same experts, and the first answer wins (expert math is deterministic, so the
+output does not change); a replica that fails, times out or loses a hedge race is ejected for a
+while (Envoy-style outlier ejection); failovers and hedges draw on a retry budget.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -23,7 +31,8 @@ from opentelemetry.metrics import Observation
 from common.arch import ModelSpec
 from common.errors import DeadlineExceededError, ExpertUnavailableError, UnavailableError
 from common.moe import ExpertGroup, combine, expert_ffn, group_by_expert, route, shared_expert_output
-from common.telemetry import DISPATCH_DURATION, FAILOVERS, OFF, TOKENS_ROUTED, Telemetry
+from common.resilience import EjectionPolicy, EndpointHealth, LatencyWindow, RetryBudget
+from common.telemetry import DISPATCH_DURATION, EJECTIONS, FAILOVERS, HEDGES, OFF, TOKENS_ROUTED, Telemetry
 from common.weights import FFNWeights, LayerWeights
 from router_service.utilization import UtilizationWindow
 
@@ -64,12 +73,37 @@ class ColocatedExperts:
 Placement = Mapping[tuple[int, int], Sequence[ExpertBackend]]
 
 
+@dataclass(frozen=True)
+class DispatchPolicy:
+    """How the dispatcher treats slow and failing replicas (RouterSettings documents each field)."""
+
+    call_timeout_factor: float = 8.0
+    call_timeout_min_s: float = 1.0
+    hedge_quantile: float = 0.95
+    hedge_min_delay_s: float = 0.05
+    hedge_initial_delay_s: float = 0.25  # before a replica has min_samples latencies
+    ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
+    retry_budget_ratio: float = 0.2
+
+
+class ReplicaTimeout(UnavailableError):
+    """A replica did not answer within its learned per-call timeout, before the request's deadline."""
+
+
+class _Replica:
+    """What the dispatcher learns about one backend: its health and its recent latencies."""
+
+    def __init__(self, policy: EjectionPolicy) -> None:
+        self.health = EndpointHealth(policy)
+        self.latency = LatencyWindow()
+
+
 class ExpertDispatcher:
     """The MoE block of every layer: route, scatter to backends by placement, gather, combine."""
 
     def __init__(self, spec: ModelSpec, placement: Placement, default_timeout_s: float = 30.0,
                  region: str = "", region_penalty: float = 8.0, window: UtilizationWindow | None = None,
-                 telemetry: Telemetry = OFF) -> None:
+                 telemetry: Telemetry = OFF, policy: DispatchPolicy = DispatchPolicy()) -> None:
         self.spec = spec
         self.placement = {pair: list(replicas) for pair, replicas in placement.items()}
         self.default_timeout_s = default_timeout_s
@@ -79,6 +113,13 @@ class ExpertDispatcher:
         self.tokens_colocated = 0  # routed (token, expert) assignments computed in this process
         self.remote_calls = 0
         self.failovers = 0
+        self.hedges = 0  # calls also sent to a second replica
+        self.hedges_won = 0  # ... where the second replica answered first
+        self.ejections = 0
+        self.policy = policy
+        self.budget = RetryBudget(ratio=policy.retry_budget_ratio)
+        # Backends come and go with membership: what is learned about one lives as long as it does.
+        self._replicas: weakref.WeakKeyDictionary[ExpertBackend, _Replica] = weakref.WeakKeyDictionary()
         self._turn = itertools.count()  # rotates ties between equally loaded replicas
         self.tracer = telemetry.tracer
         self._dispatch_s = telemetry.latency(DISPATCH_DURATION, "one expert backend call of one MoE layer")
@@ -86,6 +127,12 @@ class ExpertDispatcher:
             TOKENS_ROUTED, [self._observe_routed], description="(token, expert) assignments by layer and expert")
         telemetry.meter.create_observable_counter(
             FAILOVERS, [lambda _: [Observation(self.failovers)]], description="expert calls retried on another replica")
+        telemetry.meter.create_observable_counter(
+            HEDGES, [lambda _: [Observation(self.hedges_won, {"moe.outcome": "won"}),
+                                Observation(self.hedges - self.hedges_won, {"moe.outcome": "lost"})]],
+            description="expert calls also sent to a second replica; won: the second answered first")
+        telemetry.meter.create_observable_counter(
+            EJECTIONS, [lambda _: [Observation(self.ejections)]], description="expert replicas ejected for a while")
 
     def _observe_routed(self, _options) -> list[Observation]:
         counts = self.tokens_routed.tolist()
@@ -117,14 +164,15 @@ class ExpertDispatcher:
         excluded: dict[int, set[int]] = {}  # group index -> ids of backends that failed it
         errors: dict[int, Exception] = {}  # group index -> its latest failure
         pending = list(range(len(groups)))
+        self.budget.request()
         while pending:
             plan = self._assign(layer, groups, pending, excluded, errors)
-            timeout = self._timeout(deadline)
+            self._check_deadline(deadline)
             # Remote calls first: they are on the wire while colocated experts compute.
             order = sorted(plan.values(), key=lambda p: p[0].local)
             results = await asyncio.gather(
-                *(self._call(b, layer, [(groups[i].expert, x[groups[i].tokens]) for i in idx], timeout)
-                  for b, idx in order), return_exceptions=True)
+                *(self._hedged(b, layer, [groups[i].expert for i in idx], [x[groups[i].tokens] for i in idx],
+                               deadline, excluded, idx) for b, idx in order), return_exceptions=True)
             pending = []
             for (backend, idx), result in zip(order, results):
                 if not backend.local:
@@ -142,10 +190,117 @@ class ExpertDispatcher:
                         outputs[i] = y
                     if backend.local:
                         self.tokens_colocated += sum(len(groups[i].tokens) for i in idx)
+            if pending and not self.budget.try_retry():  # a sick mesh: do not multiply its load
+                causes = dict.fromkeys(str(errors[i]) for i in pending)
+                raise ExpertUnavailableError(layer, [groups[i].expert for i in pending],
+                                             "retry budget exhausted; " + "; ".join(causes))
         return outputs  # type: ignore[return-value]
 
+    async def _hedged(self, backend: ExpertBackend, layer: int, experts: list[int], rows: list[torch.Tensor],
+                      deadline: float | None, excluded: dict[int, set[int]], idx: list[int]) -> list[torch.Tensor]:
+        """`backend`'s answer, or a second replica's if `backend` has not answered by its hedge delay."""
+        groups = list(zip(experts, rows))
+        first = asyncio.ensure_future(self._call(backend, layer, groups, deadline))
+        if backend.local:
+            return await first
+        tasks = {first}
+        try:
+            done, _ = await asyncio.wait(tasks, timeout=self._hedge_delay(backend))
+            if done:
+                return first.result()
+            other = self._alternate(layer, experts, backend, excluded, idx)
+            if other is None or not self.budget.try_retry():
+                return await first
+            self.hedges += 1
+            second = asyncio.ensure_future(self._call(other, layer, groups, deadline))
+            tasks.add(second)
+            while tasks:
+                done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is None:
+                        if task is second:
+                            self.hedges_won += 1
+                            self._failed(backend)  # slow past its hedge delay and beaten: skip it for a while
+                        return task.result()
+            raise first.exception()  # both failed: the first replica's error goes to failover
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def _alternate(self, layer: int, experts: list[int], backend: ExpertBackend, excluded: dict[int, set[int]],
+                   idx: list[int]) -> ExpertBackend | None:
+        """A healthy remote replica, other than `backend`, serving every one of `experts` at `layer`."""
+        common: set[int] | None = None
+        by_id: dict[int, ExpertBackend] = {}
+        for expert, i in zip(experts, idx):
+            ids = set()
+            for b in self.placement.get((layer, expert), ()):
+                if b is not backend and not b.local and id(b) not in excluded.get(i, ()) \
+                        and not self._replica(b).health.ejected:
+                    ids.add(id(b))
+                    by_id[id(b)] = b
+            common = ids if common is None else common & ids
+        if not common:
+            return None
+        return min((by_id[i] for i in common), key=self._cost)
+
+    def _replica(self, backend: ExpertBackend) -> _Replica:
+        r = self._replicas.get(backend)
+        if r is None:
+            r = self._replicas[backend] = _Replica(self.policy.ejection)
+        return r
+
+    def _failed(self, backend: ExpertBackend) -> None:
+        if self._replica(backend).health.failure():
+            self.ejections += 1
+
+    def _hedge_delay(self, backend: ExpertBackend) -> float:
+        q = self._replica(backend).latency.quantile(self.policy.hedge_quantile)
+        return max(self.policy.hedge_min_delay_s, q if q is not None else self.policy.hedge_initial_delay_s)
+
+    def _call_timeout(self, backend: ExpertBackend, deadline: float | None) -> float:
+        """min(the request's remaining time, a multiple of the replica's p99 latency once known)."""
+        limit = self.default_timeout_s
+        if not backend.local:
+            p99 = self._replica(backend).latency.quantile(0.99)
+            if p99 is not None:
+                limit = min(limit, max(self.policy.call_timeout_min_s, p99 * self.policy.call_timeout_factor))
+        if deadline is None:
+            return limit
+        return min(limit, self._check_deadline(deadline))
+
+    def _check_deadline(self, deadline: float | None) -> float:
+        """Seconds left until `deadline` (inf without one); DeadlineExceededError once it passed."""
+        if deadline is None:
+            return float("inf")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceededError("the request deadline passed during expert dispatch")
+        return remaining
+
     async def _call(self, backend: ExpertBackend, layer: int, groups: list[tuple[int, torch.Tensor]],
-                    timeout: float) -> list[torch.Tensor]:
+                    deadline: float | None) -> list[torch.Tensor]:
+        """One backend call with its per-call timeout; its outcome feeds the replica's health and latency."""
+        timeout = self._call_timeout(backend, deadline)
+        start = time.perf_counter()
+        try:
+            result = await self._traced_call(backend, layer, groups, timeout)
+        except DeadlineExceededError as e:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise  # the request's own deadline: nothing to retry
+            self._failed(backend)
+            raise ReplicaTimeout(f"{getattr(backend, 'address', backend)} did not answer within {timeout:.3g}s") from e
+        except UnavailableError:
+            self._failed(backend)
+            raise
+        if not backend.local:
+            replica = self._replica(backend)
+            replica.health.success()
+            replica.latency.add(time.perf_counter() - start)
+        return result
+
+    async def _traced_call(self, backend: ExpertBackend, layer: int, groups: list[tuple[int, torch.Tensor]],
+                           timeout: float) -> list[torch.Tensor]:
         """One backend call, timed per transport and, in a traced request, spanned with what it carried."""
         transport = "colocated" if backend.local else "grpc"
         start = time.perf_counter()
@@ -169,6 +324,8 @@ class ExpertDispatcher:
         for i in pending:
             replicas = [b for b in self.placement.get((layer, groups[i].expert), ())
                         if id(b) not in excluded.get(i, ())]
+            # Ejected replicas sit out, unless every replica is (panic mode: try them all rather than none).
+            replicas = [b for b in replicas if b.local or not self._replica(b).health.ejected] or replicas
             if not replicas:
                 unreachable.append(i)
                 continue
@@ -183,14 +340,6 @@ class ExpertDispatcher:
     def _cost(self, backend: ExpertBackend) -> float:
         away = bool(self.region) and backend.region != self.region
         return backend.outstanding + (self.region_penalty if away else 0.0)
-
-    def _timeout(self, deadline: float | None) -> float:
-        if deadline is None:
-            return self.default_timeout_s
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise DeadlineExceededError("the request deadline passed during expert dispatch")
-        return min(remaining, self.default_timeout_s)
 
 
 class LivePlacement:

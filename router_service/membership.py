@@ -2,8 +2,8 @@
 that leave (or fail their health check) stop, without a restart.
 
 Each membership change rebuilds the remote part of the placement table, which is swapped into
-the dispatcher between layer calls. A departed service's channel is closed only after a grace period, so calls already
-in flight to it finish or fail over to another replica. While the registry is unreachable, the
+the dispatcher between layer calls. Calls in flight to a departed service are cancelled and fail
+over to another replica at once; its channel is closed after a grace period. While the registry is unreachable, the
 last known membership keeps serving and `stale` says so.
 """
 
@@ -47,6 +47,7 @@ class ExpertMembership:
         for gone in set(self.backends) - set(current):
             backend, _ = self.backends.pop(gone)
             log.info("expert service %s left", backend.address)
+            backend.retire()  # its calls in flight fail over now instead of waiting on a leaving (or hung) service
             asyncio.get_running_loop().call_later(CLOSE_AFTER_S, lambda b=backend: asyncio.ensure_future(b.close()))
         for new in set(current) - set(self.backends):
             inst = current[new]

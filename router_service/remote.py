@@ -42,6 +42,8 @@ class RemoteExperts:
                                                  interceptors=list(interceptors) or None)
         self.stub = expert_pb2_grpc.ExpertServiceStub(self.channel)
         self.outstanding = 0
+        self.retired = False
+        self._calls: set[grpc.aio.UnaryUnaryCall] = set()
 
     def __repr__(self) -> str:
         return f"RemoteExperts({self.address})"
@@ -59,14 +61,32 @@ class RemoteExperts:
             model_id=self.identity.model_id, weights_checksum=self.identity.weights_checksum, layer=layer,
             expert_ids=[e for e, _ in groups], token_counts=counts,
             hidden=encode(torch.cat([rows for _, rows in groups])))  # [sum(counts), hidden]
+        if self.retired:
+            raise UnavailableError(f"expert service {self.address} left the mesh")
         self.outstanding += 1
+        call = self.stub.Forward(request, timeout=timeout_s)
+        self._calls.add(call)
         try:
-            reply = await self.stub.Forward(request, timeout=timeout_s)
+            reply = await call
+        except asyncio.CancelledError:
+            if not self.retired or asyncio.current_task().cancelling():
+                raise  # our caller was cancelled, not the call
+            raise UnavailableError(f"expert service {self.address} left the mesh during the call") from None
         except grpc.aio.AioRpcError as e:
+            if self.retired and e.code() == grpc.StatusCode.CANCELLED:
+                raise UnavailableError(f"expert service {self.address} left the mesh during the call") from e
             raise error_from_rpc(e, self.address) from e
         finally:
+            self._calls.discard(call)
             self.outstanding -= 1
         return list(decode(reply.output, "output").split(counts))
+
+    def retire(self) -> None:
+        """The service left the mesh: cancel the calls in flight to it (callers fail over at once) and
+        refuse new ones. The channel stays open until close()."""
+        self.retired = True
+        for call in list(self._calls):
+            call.cancel()
 
     async def close(self) -> None:
         await self.channel.close()

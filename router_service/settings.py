@@ -54,6 +54,17 @@ class RouterSettings(TelemetrySettings):
                                   "this many more calls in flight")
     expert_timeout_s: float = Field(30.0, gt=0, description="upper bound of one expert call when the request "
                                     "has no earlier deadline")
+    # A hung or dying replica must not stall the batch: see router_service/experts.py, DispatchPolicy.
+    expert_call_timeout_factor: float = Field(8.0, ge=1, description="an expert call gives up after this multiple "
+                                              "of its replica's p99 latency (once measured), and goes elsewhere")
+    expert_call_timeout_min_s: float = Field(1.0, gt=0, description="the learned per-call timeout is at least this")
+    hedge_quantile: float = Field(0.95, gt=0, le=1, description="an expert call not answered by this latency "
+                                  "quantile of its replica is also sent to another replica; the first answer wins")
+    hedge_min_delay_s: float = Field(0.05, ge=0, description="hedge no earlier than this after the first call")
+    expert_ejection_s: float = Field(1.0, gt=0, description="a replica that failed a call (or lost a hedge race) is "
+                                     "skipped this long, doubling with each further failure (at most 30 s)")
+    retry_budget_ratio: float = Field(0.2, ge=0, le=1, description="expert-call retries and hedges may add at most "
+                                      "this share of calls")
     connect_timeout_s: float = Field(30.0, gt=0, description="how long to wait for expert services at start-up")
     # serving
     host: str = Field("127.0.0.1", description="address to bind")

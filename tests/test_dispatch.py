@@ -10,7 +10,8 @@ import torch
 
 from common.checkpoint import Checkpoint
 from common.errors import DeadlineExceededError, ExpertUnavailableError, UnavailableError
-from router_service.experts import ColocatedExperts, ExpertDispatcher
+from common.resilience import EjectionPolicy
+from router_service.experts import ColocatedExperts, DispatchPolicy, ExpertDispatcher
 
 
 class Recording(ColocatedExperts):
@@ -86,3 +87,46 @@ async def test_deadline_bounds_the_expert_call(model) -> None:
     assert time.monotonic() - start < 1.0
     with pytest.raises(DeadlineExceededError, match="deadline passed"):
         await dispatcher.moe(0, hidden(spec), layer, deadline=time.monotonic() - 1)
+
+
+async def test_a_failing_replica_is_ejected_then_readmitted_after_its_ejection_time(model) -> None:
+    spec, layer, weights = model
+    down, up = Recording(weights, fail=True), Recording(weights)
+    policy = DispatchPolicy(ejection=EjectionPolicy(base_ejection_s=0.3))
+    dispatcher = ExpertDispatcher(spec, {pair: [down, up] for pair in weights}, policy=policy)
+    await dispatcher.moe(0, hidden(spec), layer)
+    assert dispatcher.ejections == 1 and dispatcher.failovers == 1
+    up.served.clear()
+    for _ in range(5):  # ejected: no call goes to it, so no more failovers
+        await dispatcher.moe(0, hidden(spec), layer)
+    assert dispatcher.failovers == 1 and up.served
+    down.fail = False
+    await asyncio.sleep(0.35)
+    for _ in range(4):  # re-admitted: it takes calls again (ties rotate between the two)
+        await dispatcher.moe(0, hidden(spec), layer)
+    assert down.served
+
+
+async def test_failovers_stop_when_the_retry_budget_is_spent(model) -> None:
+    spec, layer, weights = model
+    down, up = Recording(weights, fail=True), Recording(weights)
+    # Never ejected, no budget from traffic: every call that lands on `down` costs a retry token.
+    policy = DispatchPolicy(ejection=EjectionPolicy(consecutive_failures=10**9), retry_budget_ratio=0.0)
+    dispatcher = ExpertDispatcher(spec, {pair: [down, up] for pair in weights}, policy=policy)
+    with pytest.raises(ExpertUnavailableError, match="retry budget exhausted"):
+        for _ in range(500):
+            await dispatcher.moe(0, hidden(spec), layer)
+    assert dispatcher.budget.refused == 1 and 50 <= dispatcher.budget.retries < 500
+
+
+async def test_a_slow_replica_is_hedged_and_the_faster_answer_is_the_same(model) -> None:
+    spec, layer, weights = model
+    slow, fast = Recording(weights, delay_s=2.0), Recording(weights)
+    dispatcher = ExpertDispatcher(spec, {pair: [slow, fast] for pair in weights},
+                                  policy=DispatchPolicy(hedge_initial_delay_s=0.05))
+    reference = await ExpertDispatcher(spec, {p: [ColocatedExperts(weights)] for p in weights}).moe(0, hidden(spec), layer)
+    start = time.monotonic()
+    for _ in range(3):
+        assert torch.equal(await dispatcher.moe(0, hidden(spec), layer), reference)
+    assert time.monotonic() - start < 1.0
+    assert dispatcher.hedges_won >= 1 and dispatcher.ejections >= 1 and not slow.served

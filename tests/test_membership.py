@@ -9,13 +9,22 @@ import time
 
 import grpc
 import pytest
+import torch
 
-from moe_mesh.local.registry import EmbeddedConsul
+from common.checkpoint import Checkpoint
+from common.errors import PreconditionError, UnavailableError
+from common.registry import EXPERT_SERVICE, Instance, Membership
+from common.registry.memory import MemoryRegistry
 from gateway.app import GatewayApp
 from gateway.settings import GatewaySettings
+from moe_mesh.local.registry import EmbeddedConsul
 from processes import start_experts
 from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, inference_pb2, inference_pb2_grpc
 from router_service.app import RouterApp
+from router_service.build import default_model_id
+from router_service.experts import DispatchPolicy, ExpertDispatcher, LivePlacement
+from router_service.membership import ExpertMembership
+from router_service.remote import Identity
 from router_service.settings import RouterSettings
 from test_mesh import PROMPTS, monolithic
 
@@ -155,3 +164,71 @@ async def test_membership_changes_under_load(checkpoint, tmp_path, monkeypatch) 
         for p in procs:
             await asyncio.to_thread(p.stop)
 
+
+
+# -- ExpertMembership on its own: compatibility, coverage, departures ----------------------------------
+
+
+def _membership(path) -> tuple[ExpertMembership, ExpertDispatcher, Checkpoint]:
+    ckpt = Checkpoint(path)
+    dispatcher = ExpertDispatcher(ckpt.spec, {}, policy=DispatchPolicy(hedge_min_delay_s=60.0))  # no hedging here
+    identity = Identity(default_model_id(path), ckpt.fingerprint())
+    return ExpertMembership(ckpt.spec, identity, LivePlacement(dispatcher), 64 * 2**20), dispatcher, ckpt
+
+
+def _instance(m: ExpertMembership, name: str, port: int, experts: str = "*:0-7", **meta: str) -> Instance:
+    base = {"model_id": m.identity.model_id, "weights_checksum": m.identity.weights_checksum, "experts": experts}
+    return Instance(EXPERT_SERVICE, name, "127.0.0.1", port, meta={**base, **meta})
+
+
+async def test_services_of_another_model_or_other_weights_are_ignored(checkpoint, caplog) -> None:
+    m, dispatcher, _ = _membership(checkpoint("mixtral"))
+    good = _instance(m, "good", 1)
+    others = [_instance(m, "other-model", 2, model_id="llama"), _instance(m, "other-weights", 3, weights_checksum="x")]
+    m.apply(Membership((good, *others), 1))
+    m.apply(Membership((good, *others), 2))
+    assert set(m.backends) == {"good"}
+    assert {b.address for bs in dispatcher.placement.values() for b in bs} == {"127.0.0.1:1"}
+    warned = [r.message for r in caplog.records if "ignoring expert service" in r.message]
+    assert len(warned) == 2 and any("'llama'" in w for w in warned)  # once per service, naming what differs
+    await m.stop()
+
+
+async def test_start_times_out_naming_the_experts_no_service_covers(checkpoint) -> None:
+    m, _, _ = _membership(checkpoint("mixtral"))
+    registry = MemoryRegistry()
+    await registry.register(_instance(m, "half", 1, experts="*:0-3"))
+    start = time.monotonic()
+    with pytest.raises(PreconditionError, match=r"after 0.5s no registered expert service serves 0-2:4-7 "):
+        await m.start(registry, timeout_s=0.5)
+    assert time.monotonic() - start < 3
+    await m.stop()
+
+
+async def test_calls_in_flight_to_a_departing_replica_fail_over_at_once(checkpoint, tmp_path) -> None:
+    path = checkpoint("mixtral")
+    experts = await asyncio.to_thread(start_experts, path, ["*:0-7", "*:0-7"], tmp_path)
+    m, dispatcher, ckpt = _membership(path)
+    try:
+        a, b = (_instance(m, n, int(e.address.rpartition(":")[2])) for n, e in zip("ab", experts))
+        m.apply(Membership((a, b), 1))
+        layer = ckpt.load_dense().layers[0]
+        x = torch.randn(8, ckpt.spec.hidden_size)
+        reference = await dispatcher.moe(0, x, layer)
+        experts[0].signal(signal.SIGSTOP)  # a hangs: calls to it stay in flight
+        calls = [asyncio.ensure_future(dispatcher.moe(0, x, layer)) for _ in range(4)]
+        direct = asyncio.ensure_future(m.backends["a"][0].forward(0, [(0, x)], timeout_s=30))
+        await asyncio.sleep(0.3)
+        assert not direct.done() and not all(c.done() for c in calls)
+        start = time.monotonic()
+        m.apply(Membership((b,), 2))  # a leaves the registry (its health check failed)
+        with pytest.raises(UnavailableError, match="left the mesh during the call"):
+            await asyncio.wait_for(direct, 2)
+        for got in await asyncio.wait_for(asyncio.gather(*calls), 2):
+            assert torch.equal(got, reference)
+        assert time.monotonic() - start < 2 and dispatcher.failovers >= 1
+    finally:
+        experts[0].signal(signal.SIGCONT)
+        await m.stop()
+        for e in experts:
+            await asyncio.to_thread(e.stop)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from functools import cache
@@ -134,3 +136,24 @@ async def test_unreachable_expert_fails_request_with_its_layer_and_expert(checkp
         assert re.search(r"layer \d+ expert\(s\) [0-3]", str(failed.error)), str(failed.error)
         assert experts[0].address in str(failed.error)
         assert not engine.running and not engine.has_unfinished()  # the slot was freed
+
+
+async def test_a_hung_replica_is_hedged_around_and_tokens_do_not_change(checkpoint, tmp_path) -> None:
+    """SIGSTOP one of two replicas mid-service: calls to it are hedged to the other and it is ejected,
+    so the batch neither stalls for the 30 s expert timeout nor changes a token."""
+    path = checkpoint("mixtral")
+    async with mesh_engine(path, ["*:0-7", "*:0-7"], tmp_path) as (engine, experts):
+        dispatcher = engine.model.dispatcher
+        start = time.monotonic()
+        assert tuple(map(tuple, await run_engine(engine, PROMPTS[:2]))) == monolithic(path)[:2]
+        undisturbed_s = time.monotonic() - start
+        experts[0].signal(signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            tokens = await asyncio.wait_for(run_engine(engine, PROMPTS[:2]), 60)
+            hung_s = time.monotonic() - start
+        finally:
+            experts[0].signal(signal.SIGCONT)
+        assert tuple(map(tuple, tokens)) == monolithic(path)[:2]
+        assert hung_s < undisturbed_s + 1.0, (hung_s, undisturbed_s)
+        assert dispatcher.hedges_won >= 1 and dispatcher.ejections >= 1

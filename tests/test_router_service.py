@@ -52,8 +52,10 @@ async def wait_status(stub, ok: Callable[[router_pb2.RouterStatus], bool], timeo
 def mesh(checkpoint, tmp_path):
     path = checkpoint("olmoe")
     experts = start_experts(path, ["*:0-3", "*:4-7"], tmp_path)
-    router = ServiceProcess("router_service", ["--checkpoint", str(path), *sum((["--expert", e.address]
-                                                                               for e in experts), [])],
+    # A learned per-call timeout would end calls to a paused expert by itself; at 60 s only the
+    # request's deadline (what these tests check) bounds them.
+    router = ServiceProcess("router_service", ["--checkpoint", str(path), "--expert-call-timeout-min-s", "60",
+                                               *sum((["--expert", e.address] for e in experts), [])],
                             tmp_path, "router")
     try:
         yield path, router.wait_ready(), experts
