@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(PY) bench/mesh_dispatch.py
 	$(PY) bench/tiering.py
 	$(PY) bench/tracing.py
+	$(PY) bench/chaos.py
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache bench/results

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import grpc
 
 from common.arch import ModelSpec
-from common.errors import PreconditionError
+from common.errors import InvalidArgumentError, PreconditionError
 from common.placement import Pair, format_experts, parse_experts
 from common.registry import EXPERT_SERVICE, Instance, Membership, Registry
 from router_service.experts import ExpertBackend, LivePlacement
@@ -44,6 +44,13 @@ class ExpertMembership:
         """Adopt a membership snapshot: connect new services, drop departed ones, rebuild the placement."""
         self.stale = membership.stale
         current = {i.id: i for i in membership.instances if self._compatible(i)}
+        pairs_of = {}
+        for inst in list(current.values()):
+            try:
+                pairs_of[inst.id] = parse_experts(inst.meta.get("experts", ""), self.spec)
+            except InvalidArgumentError as e:  # one bad record must not stop the router following the rest
+                del current[inst.id]
+                self._warn(inst, f"its expert list {inst.meta.get('experts', '')!r} does not fit this model: {e}")
         for gone in set(self.backends) - set(current):
             backend, _ = self.backends.pop(gone)
             log.info("expert service %s left", backend.address)
@@ -51,7 +58,7 @@ class ExpertMembership:
             asyncio.get_running_loop().call_later(CLOSE_AFTER_S, lambda b=backend: asyncio.ensure_future(b.close()))
         for new in set(current) - set(self.backends):
             inst = current[new]
-            pairs = parse_experts(inst.meta.get("experts", ""), self.spec)
+            pairs = pairs_of[new]
             region = inst.meta.get("region", "")
             self.backends[new] = (RemoteExperts(inst.endpoint, self.identity, self.max_message_bytes, region,
                                                 self.interceptors), pairs)
@@ -67,12 +74,16 @@ class ExpertMembership:
     def _compatible(self, inst: Instance) -> bool:
         ok = (inst.meta.get("model_id") == self.identity.model_id
               and inst.meta.get("weights_checksum") == self.identity.weights_checksum)
-        if not ok and inst.id not in self._ignored:
-            self._ignored.add(inst.id)
-            log.warning("ignoring expert service %s: it serves model %r / weights %r, this router %r / %r",
-                        inst.endpoint, inst.meta.get("model_id"), inst.meta.get("weights_checksum"),
-                        self.identity.model_id, self.identity.weights_checksum)
+        if not ok:
+            self._warn(inst, f"it serves model {inst.meta.get('model_id')!r} / weights "
+                             f"{inst.meta.get('weights_checksum')!r}, this router {self.identity.model_id!r} / "
+                             f"{self.identity.weights_checksum!r}")
         return ok
+
+    def _warn(self, inst: Instance, why: str) -> None:
+        if inst.id not in self._ignored:  # once per instance, not on every membership change
+            self._ignored.add(inst.id)
+            log.warning("ignoring expert service %s: %s", inst.endpoint, why)
 
     def missing(self) -> list[Pair]:
         every = [(layer, e) for layer in self.spec.moe_layer_ids for e in range(self.spec.num_experts)]

@@ -184,13 +184,15 @@ def _instance(m: ExpertMembership, name: str, port: int, experts: str = "*:0-7",
 async def test_services_of_another_model_or_other_weights_are_ignored(checkpoint, caplog) -> None:
     m, dispatcher, _ = _membership(checkpoint("mixtral"))
     good = _instance(m, "good", 1)
-    others = [_instance(m, "other-model", 2, model_id="llama"), _instance(m, "other-weights", 3, weights_checksum="x")]
+    others = [_instance(m, "other-model", 2, model_id="llama"), _instance(m, "other-weights", 3, weights_checksum="x"),
+              _instance(m, "bad-experts", 4, experts="9:0")]
     m.apply(Membership((good, *others), 1))
     m.apply(Membership((good, *others), 2))
     assert set(m.backends) == {"good"}
     assert {b.address for bs in dispatcher.placement.values() for b in bs} == {"127.0.0.1:1"}
     warned = [r.message for r in caplog.records if "ignoring expert service" in r.message]
-    assert len(warned) == 2 and any("'llama'" in w for w in warned)  # once per service, naming what differs
+    assert len(warned) == 3 and any("'llama'" in w for w in warned)  # once per service, naming what differs
+    assert any("'9:0' does not fit this model" in w for w in warned)
     await m.stop()
 
 
