@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 import grpc  # noqa: E402
 import httpx  # noqa: E402
 
-from moe_mesh.create_checkpoint import create_checkpoint  # noqa: E402
+from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
 from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 
 NEW_TOKENS = 32
