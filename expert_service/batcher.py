@@ -21,7 +21,13 @@ import torch
 from common.errors import NotFoundError, UnavailableError
 from common.moe import expert_ffn
 from common.placement import Pair
-from common.telemetry import EXPERT_BATCH_TOKENS, EXPERT_COMPUTE_DURATION, EXPERT_QUEUE_DURATION, OFF, Telemetry
+from common.telemetry import (
+    EXPERT_BATCH_TOKENS,
+    EXPERT_COMPUTE_DURATION,
+    EXPERT_QUEUE_DURATION,
+    OFF,
+    Telemetry,
+)
 from common.weights import FFNWeights
 
 

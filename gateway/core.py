@@ -21,13 +21,25 @@ from opentelemetry import trace
 from opentelemetry.metrics import Observation
 from opentelemetry.trace import Span, StatusCode
 
-from common.errors import (AlreadyExistsError, DeadlineExceededError, InvalidArgumentError, MoeMeshError,
-                           UnavailableError)
+from common.errors import (
+    AlreadyExistsError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    MoeMeshError,
+    UnavailableError,
+)
 from common.limits import check_context_length
 from common.resilience import EjectionPolicy, RetryBudget
 from common.status import status_code
-from common.telemetry import (GATEWAY_QUEUE_DEPTH, GATEWAY_QUEUE_WAIT, OFF, REQUEST_DURATION, TIME_PER_OUTPUT_TOKEN,
-                              TIME_TO_FIRST_TOKEN, Telemetry)
+from common.telemetry import (
+    GATEWAY_QUEUE_DEPTH,
+    GATEWAY_QUEUE_WAIT,
+    OFF,
+    REQUEST_DURATION,
+    TIME_PER_OUTPUT_TOKEN,
+    TIME_TO_FIRST_TOKEN,
+    Telemetry,
+)
 from common.tokenizer import TextStream, Tokenizer
 from gateway.admission import Admission
 from gateway.balancer import Balancer, RouterLostError

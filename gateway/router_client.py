@@ -12,8 +12,8 @@ import grpc
 from opentelemetry import context
 from opentelemetry.context import Context
 
-from common.finish_reason import from_wire
 from common.errors import MoeMeshError
+from common.finish_reason import from_wire
 from common.server import channel_options
 from common.status import error_from_rpc
 from gateway.balancer import RouterLostError

@@ -21,7 +21,13 @@ from common.resilience import EjectionPolicy
 from common.telemetry import OFF, Telemetry
 from common.units import parse_size
 from router_service.engine import Engine
-from router_service.experts import ColocatedExperts, DispatchPolicy, ExpertDispatcher, LivePlacement, Placement
+from router_service.experts import (
+    ColocatedExperts,
+    DispatchPolicy,
+    ExpertDispatcher,
+    LivePlacement,
+    Placement,
+)
 from router_service.membership import ExpertMembership
 from router_service.model import MoeModel
 from router_service.remote import Identity, RemoteExperts, connect

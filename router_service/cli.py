@@ -7,9 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
-from common.errors import MoeMeshError
 from common.cli import add_settings_arguments, settings_from_args
-
+from common.errors import MoeMeshError
 
 FLAGS = {"expert_endpoints": "--expert"}  # repeatable: one expert service each
 

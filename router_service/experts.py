@@ -30,9 +30,24 @@ from opentelemetry.metrics import Observation
 
 from common.arch import ModelSpec
 from common.errors import DeadlineExceededError, ExpertUnavailableError, UnavailableError
-from common.moe import ExpertGroup, combine, expert_ffn, group_by_expert, route, shared_expert_output
+from common.moe import (
+    ExpertGroup,
+    combine,
+    expert_ffn,
+    group_by_expert,
+    route,
+    shared_expert_output,
+)
 from common.resilience import EjectionPolicy, EndpointHealth, LatencyWindow, RetryBudget
-from common.telemetry import DISPATCH_DURATION, EJECTIONS, FAILOVERS, HEDGES, OFF, TOKENS_ROUTED, Telemetry
+from common.telemetry import (
+    DISPATCH_DURATION,
+    EJECTIONS,
+    FAILOVERS,
+    HEDGES,
+    OFF,
+    TOKENS_ROUTED,
+    Telemetry,
+)
 from common.weights import FFNWeights, LayerWeights
 from router_service.utilization import UtilizationWindow
 

@@ -102,7 +102,7 @@ class ExpertMembership:
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def _follow(self, registry: Registry) -> None:

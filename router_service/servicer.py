@@ -8,13 +8,14 @@ import uuid
 import grpc
 
 from common.errors import MoeMeshError
+from common.finish_reason import to_wire
 from common.placement import format_experts
 from common.status import abort_with
-from common.finish_reason import to_wire
 from common.telemetry import OFF, Telemetry
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 from router_service.core import RouterCore
 from router_service.sampling import SamplingParams
+
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, core: RouterCore, telemetry: Telemetry = OFF) -> None:

@@ -192,7 +192,7 @@ def test_compose_services_follow_the_plan(tmp_path: Path) -> None:
     assert services["consul"]["command"] == ["agent", "-dev", "-client", "0.0.0.0"]
     assert services["consul"]["healthcheck"]["test"][:2] == ["CMD", "consul"]
     moe = {name: s for name, s in services.items() if name != "consul"}
-    for name, s in moe.items():
+    for s in moe.values():
         assert _after(s["command"], "--registry") == "consul" and _after(s["command"], "--host") == "0.0.0.0"
         assert _after(s["command"], "--checkpoint") == plan.model.checkpoint
         assert s["environment"]["CONSUL_HTTP_ADDR"] == "${CONSUL_HTTP_ADDR:-consul:8500}"

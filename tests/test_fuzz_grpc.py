@@ -14,14 +14,21 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from meshes import local_mesh
+from test_mesh import PROMPTS, monolithic
 
 from common.wire import encode
 from expert_service.app import build_server
 from expert_service.settings import ExpertSettings
-from meshes import local_mesh
-from protos.moe_mesh.v1 import (expert_pb2, expert_pb2_grpc, inference_pb2, inference_pb2_grpc, router_pb2,
-                                router_pb2_grpc, tensor_pb2)
-from test_mesh import PROMPTS, monolithic
+from protos.moe_mesh.v1 import (
+    expert_pb2,
+    expert_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    tensor_pb2,
+)
 
 EXAMPLES = 60
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,

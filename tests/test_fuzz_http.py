@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from functools import partial
 
 import httpx
 import pytest
@@ -16,11 +17,31 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
-
 from meshes import local_mesh
 from test_mesh import PROMPTS, monolithic
 
 EXAMPLES = 25  # per operation and mode
+
+
+def _each(strategy: st.SearchStrategy, send, examples: int) -> None:
+    """Call `send` on `examples` generated values (derandomized: the same cases every run)."""
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(value=strategy)
+    def check(value) -> None:
+        send(value)
+
+    check()
+
+
+def _send_case(base_url: str, failures: list[str], label: str, case) -> None:
+    if case.body is not None and isinstance(case.body, dict):
+        case.body.setdefault("max_tokens", 2)  # keep the valid ones short
+    response = case.call(base_url=base_url, timeout=30)
+    if response.status_code >= 500:
+        failures.append(f"{label}: {response.status_code} {response.text[:200]} "
+                        f"for {json.dumps(case.body, default=str)[:300]}")
 
 
 def fuzz_schema(base_url: str, examples: int) -> list[str]:
@@ -30,19 +51,9 @@ def fuzz_schema(base_url: str, examples: int) -> list[str]:
     for result in schema.get_all_operations():
         operation = result.ok()
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
-            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck))
-            @given(case=operation.as_strategy(generation_mode=mode))
-            def check(case) -> None:
-                if case.body is not None and isinstance(case.body, dict):
-                    case.body.setdefault("max_tokens", 2)  # keep the valid ones short
-                response = case.call(base_url=base_url, timeout=30)
-                if response.status_code >= 500:
-                    failures.append(f"{operation.label} {mode.name}: {response.status_code} {response.text[:200]} "
-                                    f"for {json.dumps(case.body, default=str)[:300]}")
-
+            send = partial(_send_case, base_url, failures, f"{operation.label} {mode.name}")
             try:
-                check()
+                _each(operation.as_strategy(generation_mode=mode), send, examples)
             except Unsatisfiable:  # e.g. no invalid request exists for GET /v1/models
                 assert mode is schemathesis.GenerationMode.NEGATIVE, operation.label
     return failures
@@ -63,20 +74,20 @@ FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "
 def fuzz_hostile(base_url: str, examples: int) -> list[str]:
     """Bodies with one or more fields set to hostile values (surrogates, NaN, huge ints, deep nesting)."""
     failures: list[str] = []
+    bodies = st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+                       st.dictionaries(st.sampled_from(FIELDS), HOSTILE, min_size=1, max_size=4))
     with httpx.Client(base_url=base_url, timeout=30) as client:
-        for path in ("/v1/completions", "/v1/chat/completions"):
-            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck))
-            @given(body=st.dictionaries(st.sampled_from(FIELDS), HOSTILE, min_size=1, max_size=4))
-            def check(body) -> None:
-                body.setdefault("max_tokens", 2)
-                # json.dumps writes lone surrogates as \ud800 escapes, as a hostile client would.
-                response = client.post(path, content=json.dumps(body, allow_nan=True),
-                                       headers={"content-type": "application/json"})
-                if response.status_code >= 500:
-                    failures.append(f"{path}: {response.status_code} {response.text[:200]} for {body!r:.300}")
 
-            check()
+        def send(path_and_body) -> None:
+            path, body = path_and_body
+            body.setdefault("max_tokens", 2)
+            # json.dumps writes lone surrogates as \ud800 escapes, as a hostile client would.
+            response = client.post(path, content=json.dumps(body, allow_nan=True),
+                                   headers={"content-type": "application/json"})
+            if response.status_code >= 500:
+                failures.append(f"{path}: {response.status_code} {response.text[:200]} for {body!r:.300}")
+
+        _each(bodies, send, examples)
     return failures
 
 
@@ -87,7 +98,7 @@ async def test_generated_and_hostile_bodies_never_get_a_5xx_and_the_service_stay
         base = mesh.http_base_url
         # The generators are synchronous clients: on threads, so this loop keeps serving them.
         failures = await asyncio.to_thread(fuzz_schema, base, EXAMPLES)
-        failures += await asyncio.to_thread(fuzz_hostile, base, EXAMPLES * 2)
+        failures += await asyncio.to_thread(fuzz_hostile, base, EXAMPLES * 4)
         assert failures == [], "\n".join(failures[:10])
         async with httpx.AsyncClient(base_url=base, timeout=30) as client:
             assert (await client.get("/health/ready")).status_code == 200

@@ -8,7 +8,12 @@ import time
 
 import pytest
 
-from common.errors import AlreadyExistsError, DeadlineExceededError, ResourceExhaustedError, UnavailableError
+from common.errors import (
+    AlreadyExistsError,
+    DeadlineExceededError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from common.resilience import RetryBudget
 from common.tokenizer import Tokenizer
 from gateway.admission import Admission

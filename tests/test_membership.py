@@ -10,6 +10,8 @@ import time
 import grpc
 import pytest
 import torch
+from processes import start_experts
+from test_mesh import PROMPTS, monolithic
 
 from common.checkpoint import Checkpoint
 from common.errors import PreconditionError, UnavailableError
@@ -18,7 +20,6 @@ from common.registry.memory import MemoryRegistry
 from gateway.app import GatewayApp
 from gateway.settings import GatewaySettings
 from moe_mesh.local.registry import EmbeddedConsul
-from processes import start_experts
 from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, inference_pb2, inference_pb2_grpc
 from router_service.app import RouterApp
 from router_service.build import default_model_id
@@ -26,7 +27,6 @@ from router_service.experts import DispatchPolicy, ExpertDispatcher, LivePlaceme
 from router_service.membership import ExpertMembership
 from router_service.remote import Identity
 from router_service.settings import RouterSettings
-from test_mesh import PROMPTS, monolithic
 
 
 class Load:

@@ -14,10 +14,10 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from processes import start_experts
 from transformers import AutoModelForCausalLM
 
 from common.errors import ExpertUnavailableError
-from processes import start_experts
 from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
 from router_service.build import build_local_engine, build_router
 from router_service.engine import Engine, FinishReason

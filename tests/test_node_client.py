@@ -11,8 +11,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from meshes import local_mesh
+
 from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
 from router_service.build import build_local_engine
 from router_service.sampling import SamplingParams

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from common.resilience import EjectionPolicy, EndpointHealth, LatencyWindow, RetryBudget, pick_healthy
+from common.resilience import (
+    EjectionPolicy,
+    EndpointHealth,
+    LatencyWindow,
+    RetryBudget,
+    pick_healthy,
+)
 
 
 class Clock:

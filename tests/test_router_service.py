@@ -11,12 +11,12 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from processes import ServiceProcess, start_experts
+from test_mesh import PROMPTS, monolithic
+
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc, types_pb2
 from router_service.app import SERVICE_NAME, RouterApp
 from router_service.settings import RouterSettings
-from test_mesh import PROMPTS, monolithic
 
 LENGTH = types_pb2.FINISH_REASON_LENGTH
 

@@ -10,11 +10,13 @@ import sys
 import grpc
 import pytest
 import torch
+from processes import start_experts
+from test_membership import calls, eventually
+from test_mesh import ALL_REMOTE, PROMPTS, monolithic, run_engine
 
 from common.checkpoint import Checkpoint
 from common.registry import open_registry
 from moe_mesh.local.registry import EmbeddedConsul
-from processes import start_experts
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 from router_service.app import RouterApp
 from router_service.build import build_router
@@ -23,8 +25,6 @@ from router_service.sampling import SamplingParams
 from router_service.settings import RouterSettings
 from router_service.tiering import TieringConfig, choose_hot
 from router_service.utilization import UtilizationWindow
-from test_membership import calls, eventually
-from test_mesh import ALL_REMOTE, PROMPTS, monolithic, run_engine
 
 EB = 1000  # bytes of one expert in the policy tests
 

@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 
 import grpc
+from test_cli import moe_mesh
+from test_mesh import PROMPTS, monolithic
 
 from common.arch import load_spec
 from common.finish_reason import from_wire
 from moe_mesh.ops.traces import load_spans
 from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, inference_pb2, inference_pb2_grpc
-from test_cli import moe_mesh
-from test_mesh import PROMPTS, monolithic
 
 
 def _alive(pid: int) -> bool:

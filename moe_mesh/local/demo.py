@@ -40,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expert-services", type=int, default=4)
     args = parser.parse_args(argv)
 
-    from moe_mesh.ops import stats as stats_view
-    from moe_mesh.ops.client import mesh_status, print_status
     from moe_mesh.dev.create_checkpoint import create_checkpoint
     from moe_mesh.local.launcher import Launcher
+    from moe_mesh.ops import stats as stats_view
+    from moe_mesh.ops.client import mesh_status, print_status
 
     path = args.checkpoint or args.create
     if args.create and not (path / "config.json").exists():

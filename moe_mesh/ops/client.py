@@ -14,7 +14,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.errors import MoeMeshError
 from common.finish_reason import from_wire
-from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
+from protos.moe_mesh.v1 import (
+    expert_pb2,
+    expert_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
+
 
 async def generate_remote(address: str, request: inference_pb2.GenerateRequest, stream: bool) -> dict:
     """Stream a request from the gateway; print text as it arrives when `stream`; return the JSON result."""

@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common import telemetry as tm
 from common.errors import InvalidArgumentError, MoeMeshError, UnavailableError
-from moe_mesh.ops.placement import BLOCK, heatmap_png, shares
 from moe_mesh.ops import tables
+from moe_mesh.ops.placement import BLOCK, heatmap_png, shares
 
 ROLES = ("gateway", "router", "expert")
 SECONDS = (tm.REQUEST_DURATION, tm.TIME_TO_FIRST_TOKEN, tm.TIME_PER_OUTPUT_TOKEN, tm.GATEWAY_QUEUE_WAIT,

@@ -12,7 +12,7 @@ import json
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
@@ -183,7 +183,7 @@ def render_list(spans: list[dict]) -> str:
     for trace_id, trace in traces(spans).items():
         roots = _roots(trace)
         root = (roots or trace)[0]  # no root at all only in a file with a parent cycle
-        when = datetime.fromtimestamp(trace[0]["start"], timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+        when = datetime.fromtimestamp(trace[0]["start"], UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
         rows.append([trace_id, root["name"] + ("" if len(roots) == 1 else " (partial)"), root["service"], when,
                      f"{1000 * (max(s['end'] for s in trace) - trace[0]['start']):.3f}", str(len(trace)),
                      ",".join(sorted({s["service"] for s in trace}))])

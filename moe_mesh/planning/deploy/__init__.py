@@ -18,10 +18,27 @@ import argparse
 import sys
 from pathlib import Path
 
-from moe_mesh.planning.deploy.compose import DOCKERFILE, EXPERT_SERVICE_PREFIX, HEADER, render_compose
+from moe_mesh.planning.deploy.compose import (
+    DOCKERFILE,
+    EXPERT_SERVICE_PREFIX,
+    HEADER,
+    render_compose,
+)
 from moe_mesh.planning.deploy.nomad import Block, Interp, render_nomad
-from moe_mesh.planning.deploy.plan import (ComposePlan, Constraint, ExpertGroup, GatewayPlan, ModelPlan, NomadPlan, Plan,
-                                  PlanError, Resources, RouterPlan, expert_pairs, load_plan)
+from moe_mesh.planning.deploy.plan import (
+    ComposePlan,
+    Constraint,
+    ExpertGroup,
+    GatewayPlan,
+    ModelPlan,
+    NomadPlan,
+    Plan,
+    PlanError,
+    Resources,
+    RouterPlan,
+    expert_pairs,
+    load_plan,
+)
 from moe_mesh.planning.deploy.probe import add_probe_subcommand, probe, run_probe
 
 __all__ = [

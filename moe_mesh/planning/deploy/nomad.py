@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe_mesh.planning.deploy.compose import HEADER, expert_command, gateway_command, router_command, wrap
+from moe_mesh.planning.deploy.compose import (
+    HEADER,
+    expert_command,
+    gateway_command,
+    router_command,
+    wrap,
+)
 from moe_mesh.planning.deploy.plan import Constraint, ExpertGroup, Plan, Resources
 
 
