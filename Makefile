@@ -21,6 +21,8 @@ demo: $(STAMP)
 	$(PY) -m moe_mesh.local.demo $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT),--create $(DEMO_CHECKPOINT))
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest
 
 # Regenerates protos/moe_mesh/v1/*_pb2*.py(i); tests/test_protos.py fails when the committed copy is stale.

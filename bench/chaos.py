@@ -68,8 +68,12 @@ class Result:
 
 def request_set(n: int) -> list[Request]:
     """Greedy and seeded-sampling streams over gRPC and HTTP, alternating."""
-    return [Request(i, PROMPTS[i % len(PROMPTS)], None if i % 3 else 1000 + i, "grpc" if i % 2 else "http")
-            for i in range(n)]
+    return [
+        Request(
+            i, PROMPTS[i % len(PROMPTS)], None if i % 3 else 1000 + i, "grpc" if i % 2 else "http"
+        )
+        for i in range(n)
+    ]
 
 
 class Mesh:
@@ -78,9 +82,23 @@ class Mesh:
     def __init__(self, checkpoint: Path, workdir: Path, name: str, *flags: str) -> None:
         self.ready_file = workdir / f"{name}.json"
         self.log = open(workdir / f"{name}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "moe_mesh", "up", "--checkpoint", str(checkpoint),
-                                      "--ready-file", str(self.ready_file), "--run-dir", str(workdir / name), *flags],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "moe_mesh",
+                "up",
+                "--checkpoint",
+                str(checkpoint),
+                "--ready-file",
+                str(self.ready_file),
+                "--run-dir",
+                str(workdir / name),
+                *flags,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 180
         while not self.ready_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -124,8 +142,9 @@ def _alive(pid: int) -> bool:
 
 async def stream_grpc(stub, r: Request, timeout_s: float) -> Result:
     out = Result(r.key)
-    msg = inference_pb2.GenerateRequest(prompt_token_ids=r.prompt, max_tokens=NEW_TOKENS,
-                                        temperature=0.0 if r.seed is None else 0.8)
+    msg = inference_pb2.GenerateRequest(
+        prompt_token_ids=r.prompt, max_tokens=NEW_TOKENS, temperature=0.0 if r.seed is None else 0.8
+    )
     if r.seed is not None:
         msg.seed = r.seed
     start = last = time.monotonic()
@@ -147,14 +166,21 @@ async def stream_grpc(stub, r: Request, timeout_s: float) -> Result:
 
 async def stream_http(client: httpx.AsyncClient, r: Request, timeout_s: float) -> Result:
     out = Result(r.key)
-    body = {"prompt": r.prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0 if r.seed is None else 0.8,
-            "stream": True, "return_token_ids": True}
+    body = {
+        "prompt": r.prompt,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0.0 if r.seed is None else 0.8,
+        "stream": True,
+        "return_token_ids": True,
+    }
     if r.seed is not None:
         body["seed"] = r.seed
     start = last = time.monotonic()
     tokens: list[int] = []
     try:
-        async with client.stream("POST", "/v1/completions", json=body, timeout=timeout_s) as response:
+        async with client.stream(
+            "POST", "/v1/completions", json=body, timeout=timeout_s
+        ) as response:
             if response.status_code != 200:
                 out.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return out
@@ -178,19 +204,27 @@ async def stream_http(client: httpx.AsyncClient, r: Request, timeout_s: float) -
     return out
 
 
-async def run_load(mesh: Mesh, requests: list[Request], concurrency: int, fault=None) -> list[Result]:
+async def run_load(
+    mesh: Mesh, requests: list[Request], concurrency: int, fault=None
+) -> list[Result]:
     """Run `requests` `concurrency` at a time; `fault` (a coroutine function) starts once a few are done."""
     gate = asyncio.Semaphore(concurrency)
     started_fault = asyncio.Event()
     done = 0
-    async with grpc.aio.insecure_channel(mesh.info["gateway_grpc"]) as channel, \
-            httpx.AsyncClient(base_url=f"http://{mesh.info['gateway_http']}") as client:
+    async with (
+        grpc.aio.insecure_channel(mesh.info["gateway_grpc"]) as channel,
+        httpx.AsyncClient(base_url=f"http://{mesh.info['gateway_http']}") as client,
+    ):
         stub = inference_pb2_grpc.InferenceStub(channel)
 
         async def one(r: Request) -> Result:
             nonlocal done
             async with gate:
-                result = await (stream_grpc(stub, r, 120) if r.transport == "grpc" else stream_http(client, r, 120))
+                result = await (
+                    stream_grpc(stub, r, 120)
+                    if r.transport == "grpc"
+                    else stream_http(client, r, 120)
+                )
             done += 1
             if done == concurrency:
                 started_fault.set()
@@ -211,12 +245,22 @@ async def run_load(mesh: Mesh, requests: list[Request], concurrency: int, fault=
 
 def summarize(name: str, results: list[Result], expected: dict[int, tuple]) -> dict:
     failed = [r for r in results if r.error]
-    changed = [r for r in results if not r.error and (r.tokens, r.finish) != expected.get(r.key, (r.tokens, r.finish))]
+    changed = [
+        r
+        for r in results
+        if not r.error and (r.tokens, r.finish) != expected.get(r.key, (r.tokens, r.finish))
+    ]
     gaps = sorted(r.max_gap_s for r in results if not r.error)
     p50, p99 = _q(gaps, 0.5), _q(gaps, 0.99)
-    row = {"scenario": name, "requests": len(results), "failed": len(failed), "output_changes": len(changed),
-           "stall_p50_ms": round(p50 * 1e3, 1), "stall_p99_ms": round(p99 * 1e3, 1),
-           "errors": sorted({r.error for r in failed})[:5]}
+    row = {
+        "scenario": name,
+        "requests": len(results),
+        "failed": len(failed),
+        "output_changes": len(changed),
+        "stall_p50_ms": round(p50 * 1e3, 1),
+        "stall_p99_ms": round(p99 * 1e3, 1),
+        "errors": sorted({r.error for r in failed})[:5],
+    }
     row["met"] = not failed and not changed and p99 < 1.0
     return row
 
@@ -228,8 +272,9 @@ def _q(values: list[float], q: float) -> float:
 # -- scenarios ----------------------------------------------------------------------------------------
 
 
-async def fault_scenarios(mesh: Mesh, n: int, concurrency: int,
-                          stop_s: float) -> tuple[list[dict], dict[int, tuple]]:
+async def fault_scenarios(
+    mesh: Mesh, n: int, concurrency: int, stop_s: float
+) -> tuple[list[dict], dict[int, tuple]]:
     requests = request_set(n)
     baseline = await run_load(mesh, requests, concurrency)
     bad = [r for r in baseline if r.error]
@@ -250,7 +295,11 @@ async def fault_scenarios(mesh: Mesh, n: int, concurrency: int,
     async def kill_router() -> None:
         mesh.kill(mesh.pids["router-0"])
 
-    for name, fault in (("expert_sigstop", hang), ("expert_sigkill", kill_expert), ("router_sigkill", kill_router)):
+    for name, fault in (
+        ("expert_sigstop", hang),
+        ("expert_sigkill", kill_expert),
+        ("router_sigkill", kill_router),
+    ):
         print(f"==> {name}", flush=True)
         rows.append(summarize(name, await run_load(mesh, requests, concurrency, fault), expected))
     return rows, expected
@@ -267,9 +316,15 @@ async def overload(mesh: Mesh, n: int, expected: dict[int, tuple]) -> dict:
         async def one(r: Request) -> None:
             start = time.monotonic()
             try:
-                reply = await stub.Generate(inference_pb2.GenerateRequest(
-                    prompt_token_ids=r.prompt, max_tokens=NEW_TOKENS, temperature=0.0), timeout=120)
-                accepted.append((tuple(reply.token_ids), _finish_name(reply.finish_reason)) == expected[r.key])
+                reply = await stub.Generate(
+                    inference_pb2.GenerateRequest(
+                        prompt_token_ids=r.prompt, max_tokens=NEW_TOKENS, temperature=0.0
+                    ),
+                    timeout=120,
+                )
+                accepted.append(
+                    (tuple(reply.token_ids), _finish_name(reply.finish_reason)) == expected[r.key]
+                )
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     refused.append(time.monotonic() - start)
@@ -278,25 +333,67 @@ async def overload(mesh: Mesh, n: int, expected: dict[int, tuple]) -> dict:
 
         await asyncio.gather(*(one(r) for r in requests))
     p99 = _q(sorted(refused), 0.99)
-    return {"scenario": "overload", "requests": n, "refused": len(refused), "accepted": len(accepted),
-            "accepted_correct": sum(accepted), "refusal_p99_ms": round(p99 * 1e3, 1),
-            "met": bool(refused) and p99 < 0.1 and all(accepted)}
+    return {
+        "scenario": "overload",
+        "requests": n,
+        "refused": len(refused),
+        "accepted": len(accepted),
+        "accepted_correct": sum(accepted),
+        "refusal_p99_ms": round(p99 * 1e3, 1),
+        "met": bool(refused) and p99 < 0.1 and all(accepted),
+    }
 
 
 def hostile_value(rng: random.Random):
-    return rng.choice([
-        lambda: "\ud800" * rng.randint(1, 3), lambda: float("nan"), lambda: float("inf"), lambda: -1e308,
-        lambda: 2**64, lambda: -(2**63), lambda: -1, lambda: 0, lambda: "x" * rng.choice([1, 300, 100_000]),
-        lambda: [rng.randint(-(2**40), 2**40) for _ in range(rng.randint(0, 5))], lambda: None, lambda: True,
-        lambda: {"a": [{"b": [None] * 3}] * 3}, lambda: [[[[[[[]]]]]]], lambda: ["s"] * rng.choice([1, 40, 5000]),
-        lambda: [{"role": rng.choice(["user", "system", "x", ""]), "content": rng.choice(["hi", "\ud800", 5, None])}
-                 for _ in range(rng.randint(0, 4))],
-        lambda: rng.randint(0, 4), lambda: rng.random(),
-    ])()
+    return rng.choice(
+        [
+            lambda: "\ud800" * rng.randint(1, 3),
+            lambda: float("nan"),
+            lambda: float("inf"),
+            lambda: -1e308,
+            lambda: 2**64,
+            lambda: -(2**63),
+            lambda: -1,
+            lambda: 0,
+            lambda: "x" * rng.choice([1, 300, 100_000]),
+            lambda: [rng.randint(-(2**40), 2**40) for _ in range(rng.randint(0, 5))],
+            lambda: None,
+            lambda: True,
+            lambda: {"a": [{"b": [None] * 3}] * 3},
+            lambda: [[[[[[[]]]]]]],
+            lambda: ["s"] * rng.choice([1, 40, 5000]),
+            lambda: [
+                {
+                    "role": rng.choice(["user", "system", "x", ""]),
+                    "content": rng.choice(["hi", "\ud800", 5, None]),
+                }
+                for _ in range(rng.randint(0, 4))
+            ],
+            lambda: rng.randint(0, 4),
+            lambda: rng.random(),
+        ]
+    )()
 
 
-FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-          "n", "stream", "request_id", "model", "priority", "ignore_eos", "logprobs", "return_token_ids"]
+FIELDS = [
+    "prompt",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "n",
+    "stream",
+    "request_id",
+    "model",
+    "priority",
+    "ignore_eos",
+    "logprobs",
+    "return_token_ids",
+]
 
 
 def hostile_body(rng: random.Random) -> bytes:
@@ -313,10 +410,15 @@ def hostile_body(rng: random.Random) -> bytes:
 def hostile_grpc(rng: random.Random) -> inference_pb2.GenerateRequest:
     msg = inference_pb2.GenerateRequest(
         prompt_token_ids=[rng.choice([0, 5, 2**31, 2**32 - 1]) for _ in range(rng.randint(0, 4))],
-        max_tokens=rng.choice([0, 1, 2, -5, 2**31 - 1]), temperature=rng.choice([0.0, 1e-45, float("nan"), 5.0]),
-        top_p=rng.choice([0.0, 0.5, float("inf")]), top_k=rng.choice([0, 3, -1]),
-        stop=["s" * rng.choice([1, 1000])] * rng.choice([0, 1, 100]), priority=rng.choice([0, -(2**31)]),
-        request_id=rng.choice(["", "dup", "r" * 100_000]), model=rng.choice(["", "x" * 20_000]))
+        max_tokens=rng.choice([0, 1, 2, -5, 2**31 - 1]),
+        temperature=rng.choice([0.0, 1e-45, float("nan"), 5.0]),
+        top_p=rng.choice([0.0, 0.5, float("inf")]),
+        top_k=rng.choice([0, 3, -1]),
+        stop=["s" * rng.choice([1, 1000])] * rng.choice([0, 1, 100]),
+        priority=rng.choice([0, -(2**31)]),
+        request_id=rng.choice(["", "dup", "r" * 100_000]),
+        model=rng.choice(["", "x" * 20_000]),
+    )
     if rng.random() < 0.5 and not msg.prompt_token_ids:
         msg.prompt = rng.choice(["hi", "x" * 10_000, ""])
     return msg
@@ -328,8 +430,10 @@ async def fuzz(mesh: Mesh, cases: int, expected: dict[int, tuple], concurrency: 
     examples: list[str] = []
     gate = asyncio.Semaphore(concurrency)
     paths = ["/v1/completions", "/v1/chat/completions"]
-    async with grpc.aio.insecure_channel(mesh.info["gateway_grpc"]) as channel, \
-            httpx.AsyncClient(base_url=f"http://{mesh.info['gateway_http']}", timeout=20) as client:
+    async with (
+        grpc.aio.insecure_channel(mesh.info["gateway_grpc"]) as channel,
+        httpx.AsyncClient(base_url=f"http://{mesh.info['gateway_http']}", timeout=20) as client,
+    ):
         stub = inference_pb2_grpc.InferenceStub(channel)
 
         async def one(i: int) -> None:
@@ -341,15 +445,21 @@ async def fuzz(mesh: Mesh, cases: int, expected: dict[int, tuple], concurrency: 
                     except grpc.aio.AioRpcError as e:
                         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                             counts["hangs"] += 1
-                        elif e.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-                                          grpc.StatusCode.UNAVAILABLE):
+                        elif e.code() in (
+                            grpc.StatusCode.INTERNAL,
+                            grpc.StatusCode.UNKNOWN,
+                            grpc.StatusCode.UNAVAILABLE,
+                        ):
                             counts["internal"] += 1
                             examples.append(f"gRPC {e.code().name}: {e.details()[:120]}")
                     return
                 counts["http"] += 1
                 try:
-                    r = await client.post(rng.choice(paths), content=hostile_body(rng),
-                                          headers={"content-type": "application/json"})
+                    r = await client.post(
+                        rng.choice(paths),
+                        content=hostile_body(rng),
+                        headers={"content-type": "application/json"},
+                    )
                     if r.status_code >= 500:
                         counts["5xx"] += 1
                         examples.append(f"HTTP {r.status_code}: {r.text[:120]}")
@@ -359,23 +469,41 @@ async def fuzz(mesh: Mesh, cases: int, expected: dict[int, tuple], concurrency: 
         for start in range(0, cases, 1000):  # batches keep the pending-task count bounded
             await asyncio.gather(*(one(i) for i in range(start, min(cases, start + 1000))))
             print(f"    fuzz {min(cases, start + 1000)}/{cases}", flush=True)
-    crashes = [name for name, pid in mesh.pids.items() if pid not in mesh.killed and not _alive(pid)]
+    crashes = [
+        name for name, pid in mesh.pids.items() if pid not in mesh.killed and not _alive(pid)
+    ]
     check = await run_load(mesh, [r for r in request_set(8) if r.seed is None], 4)
     correct = all(not r.error and (r.tokens, r.finish) == expected[r.key] for r in check)
-    row = {"scenario": "fuzz", "cases": cases, **counts, "crashes": len(crashes), "correct_after": correct,
-           "examples": examples[:5]}
-    row["met"] = cases >= 10_000 and not crashes and not counts["5xx"] and not counts["internal"] \
-        and not counts["hangs"] and correct
+    row = {
+        "scenario": "fuzz",
+        "cases": cases,
+        **counts,
+        "crashes": len(crashes),
+        "correct_after": correct,
+        "examples": examples[:5],
+    }
+    row["met"] = (
+        cases >= 10_000
+        and not crashes
+        and not counts["5xx"]
+        and not counts["internal"]
+        and not counts["hangs"]
+        and correct
+    )
     return row
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--checkpoint", type=Path, default=ROOT / ".cache" / "chaos-tiny-mixtral")
     parser.add_argument("--requests", type=int, default=64, help="requests per fault scenario")
     parser.add_argument("--concurrency", type=int, default=8, help="clients at once")
     parser.add_argument("--fuzz-cases", type=int, default=10_000)
-    parser.add_argument("--quick", action="store_true", help="small counts: a smoke run in about a minute")
+    parser.add_argument(
+        "--quick", action="store_true", help="small counts: a smoke run in about a minute"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "chaos.json")
     args = parser.parse_args()
     if args.quick:
@@ -386,23 +514,48 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="moe-chaos-") as tmp:
         work = Path(tmp)
         print("==> mesh: 2 routers, 2 expert groups x 2 replicas", flush=True)
-        mesh = Mesh(args.checkpoint, work, "mesh", "--routers", "2", "--replicas", "2", "--expert-services", "2")
+        mesh = Mesh(
+            args.checkpoint,
+            work,
+            "mesh",
+            "--routers",
+            "2",
+            "--replicas",
+            "2",
+            "--expert-services",
+            "2",
+        )
         try:
-            rows, expected = asyncio.run(fault_scenarios(mesh, args.requests, args.concurrency,
-                                                         4.0 if args.quick else 10.0))
+            rows, expected = asyncio.run(
+                fault_scenarios(mesh, args.requests, args.concurrency, 4.0 if args.quick else 10.0)
+            )
             print(f"==> fuzz ({args.fuzz_cases} cases)", flush=True)
             rows.append(asyncio.run(fuzz(mesh, args.fuzz_cases, expected)))
         finally:
             mesh.stop()
         print("==> overload: max_in_flight 2, max_queued 2", flush=True)
-        small = Mesh(args.checkpoint, work, "small", "--expert-services", "2", "--max-in-flight", "2",
-                     "--max-queued", "2")
+        small = Mesh(
+            args.checkpoint,
+            work,
+            "small",
+            "--expert-services",
+            "2",
+            "--max-in-flight",
+            "2",
+            "--max-queued",
+            "2",
+        )
         try:
             rows.append(asyncio.run(overload(small, 40, expected)))
         finally:
             small.stop()
-    report = {"bench": "chaos", "quick": args.quick, "new_tokens": NEW_TOKENS, "scenarios": rows,
-              "all_met": all(r["met"] for r in rows if r["scenario"] != "baseline")}
+    report = {
+        "bench": "chaos",
+        "quick": args.quick,
+        "new_tokens": NEW_TOKENS,
+        "scenarios": rows,
+        "all_met": all(r["met"] for r in rows if r["scenario"] != "baseline"),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     for r in rows:

@@ -53,9 +53,16 @@ def hf_generate(model, prompts: list[list[int]], n: int) -> tuple[float, list[li
     ids = torch.tensor(prompts)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-    return time.perf_counter() - start, out[:, ids.shape[1]:].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return time.perf_counter() - start, out[:, ids.shape[1] :].tolist()
 
 
 def decode_rate(run, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
@@ -65,14 +72,22 @@ def decode_rate(run, prompts: list[list[int]], n: int) -> tuple[float, list[list
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT,
-                        help="checkpoint to use; the default is created (small Mixtral) if missing")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=DEFAULT_CHECKPOINT,
+        help="checkpoint to use; the default is created (small Mixtral) if missing",
+    )
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/engine_vs_transformers.json"))
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench/results/engine_vs_transformers.json")
+    )
     args = parser.parse_args()
 
     if not (args.checkpoint / "config.json").exists():
@@ -81,7 +96,9 @@ def main() -> int:
 
     hf = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    engine = build_local_engine(RouterSettings(checkpoint=args.checkpoint, max_num_seqs=max(batches)))
+    engine = build_local_engine(
+        RouterSettings(checkpoint=args.checkpoint, max_num_seqs=max(batches))
+    )
     gen = torch.Generator().manual_seed(0)
     vocab = engine.model.spec.vocab_size
 
@@ -90,28 +107,52 @@ def main() -> int:
         prompts = torch.randint(3, vocab, (b, args.prompt_len), generator=gen).tolist()
         ours, theirs, same = [], [], True
         for _ in range(args.repeats):
-            rate, a = decode_rate(lambda p, n: engine_generate(engine, p, n), prompts, args.new_tokens)
+            rate, a = decode_rate(
+                lambda p, n: engine_generate(engine, p, n), prompts, args.new_tokens
+            )
             ours.append(rate)
             rate, h = decode_rate(lambda p, n: hf_generate(hf, p, n), prompts, args.new_tokens)
             theirs.append(rate)
             same = same and a == h
-        row = {"batch": b, "engine_tokens_per_s": statistics.median(ours),
-               "transformers_tokens_per_s": statistics.median(theirs), "greedy_outputs_identical": same}
+        row = {
+            "batch": b,
+            "engine_tokens_per_s": statistics.median(ours),
+            "transformers_tokens_per_s": statistics.median(theirs),
+            "greedy_outputs_identical": same,
+        }
         row["ratio"] = row["engine_tokens_per_s"] / row["transformers_tokens_per_s"]
         rows.append(row)
-        print(f"batch {b:>3}: engine {row['engine_tokens_per_s']:8.1f} tok/s   transformers "
-              f"{row['transformers_tokens_per_s']:8.1f} tok/s   ratio {row['ratio']:.2f}x   identical={same}",
-              flush=True)
+        print(
+            f"batch {b:>3}: engine {row['engine_tokens_per_s']:8.1f} tok/s   transformers "
+            f"{row['transformers_tokens_per_s']:8.1f} tok/s   ratio {row['ratio']:.2f}x   identical={same}",
+            flush=True,
+        )
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     spec = engine.model.spec
-    args.out.write_text(json.dumps({
-        "benchmark": "engine_vs_transformers_decode", "checkpoint": str(args.checkpoint),
-        "model": {"family": spec.family, "layers": spec.num_layers, "hidden": spec.hidden_size,
-                  "experts": spec.num_experts, "top_k": spec.top_k},
-        "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "repeats": args.repeats,
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
-        "results": rows}, indent=2))
+    args.out.write_text(
+        json.dumps(
+            {
+                "benchmark": "engine_vs_transformers_decode",
+                "checkpoint": str(args.checkpoint),
+                "model": {
+                    "family": spec.family,
+                    "layers": spec.num_layers,
+                    "hidden": spec.hidden_size,
+                    "experts": spec.num_experts,
+                    "top_k": spec.top_k,
+                },
+                "new_tokens": args.new_tokens,
+                "prompt_len": args.prompt_len,
+                "repeats": args.repeats,
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "machine": platform.machine(),
+                "results": rows,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {args.out}")
     return 0
 

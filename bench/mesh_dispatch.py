@@ -88,38 +88,72 @@ async def main_async(args: argparse.Namespace) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="moe-bench-"))
     # Several services share this host's cores: one torch thread each, or their OpenMP pools spin against
     # each other (measured: 32-token dispatch p50 109 ms with default threads vs 19 ms with one).
-    experts = start_experts(args.checkpoint, specs + ["0:0"], workdir, "--compute-threads", str(args.expert_threads))
+    experts = start_experts(
+        args.checkpoint, specs + ["0:0"], workdir, "--compute-threads", str(args.expert_threads)
+    )
     floor = experts.pop()  # one expert: the process's own footprint (Python, torch, gRPC)
     try:
         local = build_local_engine(RouterSettings(checkpoint=args.checkpoint, max_num_seqs=64))
-        parts = await build_router(RouterSettings(
-            checkpoint=args.checkpoint, max_num_seqs=64, expert_endpoints=[e.address for e in experts]))
+        parts = await build_router(
+            RouterSettings(
+                checkpoint=args.checkpoint,
+                max_num_seqs=64,
+                expert_endpoints=[e.address for e in experts],
+            )
+        )
         mesh = parts.engine
         layer0 = mesh.model.weights.layers[0]
         dispatch = []
         for n in (1, 32, 256):
             x = torch.randn(n, spec.hidden_size, generator=torch.Generator().manual_seed(n))
             remote_ms = await time_layer(mesh.model.dispatcher, layer0, x, args.repeats)
-            local_ms = await time_layer(local.model.dispatcher, local.model.weights.layers[0], x, args.repeats)
+            local_ms = await time_layer(
+                local.model.dispatcher, local.model.weights.layers[0], x, args.repeats
+            )
             experts_hit = int(route(x, layer0.router, spec).experts.unique().numel())
-            row = {"tokens": n, "experts_hit": experts_hit,
-                   "grpc_p50_ms": statistics.median(remote_ms), "grpc_p99_ms": percentile(remote_ms, 0.99),
-                   "colocated_p50_ms": statistics.median(local_ms), "colocated_p99_ms": percentile(local_ms, 0.99)}
+            row = {
+                "tokens": n,
+                "experts_hit": experts_hit,
+                "grpc_p50_ms": statistics.median(remote_ms),
+                "grpc_p99_ms": percentile(remote_ms, 0.99),
+                "colocated_p50_ms": statistics.median(local_ms),
+                "colocated_p99_ms": percentile(local_ms, 0.99),
+            }
             row["overhead_p50_ms"] = row["grpc_p50_ms"] - row["colocated_p50_ms"]
             dispatch.append(row)
-            print(f"dispatch {n:>3} tokens: gRPC p50 {row['grpc_p50_ms']:.2f} ms p99 {row['grpc_p99_ms']:.2f} ms | "
-                  f"colocated p50 {row['colocated_p50_ms']:.2f} ms", flush=True)
+            print(
+                f"dispatch {n:>3} tokens: gRPC p50 {row['grpc_p50_ms']:.2f} ms p99 {row['grpc_p99_ms']:.2f} ms | "
+                f"colocated p50 {row['colocated_p50_ms']:.2f} ms",
+                flush=True,
+            )
 
         efficiency = []
         for b in (1, 32):
-            mono = statistics.median([await decode_rate(local, b, args.new_tokens, spec.vocab_size)
-                                      for _ in range(args.decode_repeats)])
-            meshed = statistics.median([await decode_rate(mesh, b, args.new_tokens, spec.vocab_size)
-                                        for _ in range(args.decode_repeats)])
-            efficiency.append({"batch": b, "monolithic_tokens_per_s": mono, "mesh_tokens_per_s": meshed,
-                               "mesh_efficiency": meshed / mono})
-            print(f"decode batch {b:>2}: monolithic {mono:.1f} tok/s, all-remote mesh {meshed:.1f} tok/s, "
-                  f"efficiency {meshed / mono:.2f}", flush=True)
+            mono = statistics.median(
+                [
+                    await decode_rate(local, b, args.new_tokens, spec.vocab_size)
+                    for _ in range(args.decode_repeats)
+                ]
+            )
+            meshed = statistics.median(
+                [
+                    await decode_rate(mesh, b, args.new_tokens, spec.vocab_size)
+                    for _ in range(args.decode_repeats)
+                ]
+            )
+            efficiency.append(
+                {
+                    "batch": b,
+                    "monolithic_tokens_per_s": mono,
+                    "mesh_tokens_per_s": meshed,
+                    "mesh_efficiency": meshed / mono,
+                }
+            )
+            print(
+                f"decode batch {b:>2}: monolithic {mono:.1f} tok/s, all-remote mesh {meshed:.1f} tok/s, "
+                f"efficiency {meshed / mono:.2f}",
+                flush=True,
+            )
         for r in parts.remotes:
             await r.close()
 
@@ -130,22 +164,38 @@ async def main_async(args: argparse.Namespace) -> dict:
         for proc, s in zip(experts, specs):
             held = per * len(spec.moe_layer_ids) * expert_bytes
             peak = peak_rss_bytes(proc.proc.pid)
-            rss.append({"experts": s, "weights_mib": held / 2**20, "peak_rss_mib": peak / 2**20,
-                        "peak_rss_above_floor_mib": (peak - floor_rss) / 2**20})
-            print(f"expert service {s}: holds {held / 2**20:.0f} MiB of weights, peak RSS {peak / 2**20:.0f} MiB "
-                  f"({(peak - floor_rss) / 2**20:.0f} MiB above the one-expert floor)")
+            rss.append(
+                {
+                    "experts": s,
+                    "weights_mib": held / 2**20,
+                    "peak_rss_mib": peak / 2**20,
+                    "peak_rss_above_floor_mib": (peak - floor_rss) / 2**20,
+                }
+            )
+            print(
+                f"expert service {s}: holds {held / 2**20:.0f} MiB of weights, peak RSS {peak / 2**20:.0f} MiB "
+                f"({(peak - floor_rss) / 2**20:.0f} MiB above the one-expert floor)"
+            )
     finally:
         for e in [*experts, floor]:
             e.stop()
-    return {"dispatch_round_trip": dispatch, "decode": efficiency, "expert_service_rss": rss,
-            "one_expert_service_peak_rss_mib": floor_rss / 2**20}
+    return {
+        "dispatch_round_trip": dispatch,
+        "decode": efficiency,
+        "expert_service_rss": rss,
+        "one_expert_service_peak_rss_mib": floor_rss / 2**20,
+    }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     parser.add_argument("--services", type=int, default=4)
-    parser.add_argument("--expert-threads", type=int, default=1, help="torch threads per expert service")
+    parser.add_argument(
+        "--expert-threads", type=int, default=1, help="torch threads per expert service"
+    )
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--decode-repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=16)
@@ -154,9 +204,13 @@ def main() -> int:
     if not (args.checkpoint / "config.json").exists():
         create_checkpoint(args.checkpoint, "mixtral", "small", seed=0, progress=True)
     result = asyncio.run(main_async(args))
-    result.update(checkpoint=str(args.checkpoint), services=args.services, expert_threads=args.expert_threads,
-                  torch=torch.__version__,
-                  threads=torch.get_num_threads())
+    result.update(
+        checkpoint=str(args.checkpoint),
+        services=args.services,
+        expert_threads=args.expert_threads,
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

@@ -55,9 +55,12 @@ async def decode(engine, prompts: list[list[int]], new_tokens: int) -> dict:
             generated += len(o.new_token_ids)
     elapsed = time.perf_counter() - start
     total = len(prompts) * new_tokens
-    return {"tokens_per_s": generated / elapsed,
-            "remote_calls_per_token": (d.remote_calls - calls0) / total,
-            "in_process_share": (d.tokens_colocated - local0) / max(1, int(d.tokens_routed.sum()) - routed0)}
+    return {
+        "tokens_per_s": generated / elapsed,
+        "remote_calls_per_token": (d.remote_calls - calls0) / total,
+        "in_process_share": (d.tokens_colocated - local0)
+        / max(1, int(d.tokens_routed.sum()) - routed0),
+    }
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -66,77 +69,138 @@ async def main_async(args: argparse.Namespace) -> dict:
     experts = start_experts(args.checkpoint, specs, workdir, "--compute-threads", "1")
     endpoints = [e.address for e in experts]
     try:
-        remote = await build_router(RouterSettings(checkpoint=args.checkpoint, expert_endpoints=endpoints))
-        tiered = await build_router(RouterSettings(checkpoint=args.checkpoint, expert_endpoints=endpoints,
-                                                   colocate_budget="25%", tier_min_dwell_s=0))
-        engines = {"all_remote": remote.engine, "tiered_25pct": tiered.engine,
-                   "all_colocated": build_local_engine(RouterSettings(checkpoint=args.checkpoint))}
+        remote = await build_router(
+            RouterSettings(checkpoint=args.checkpoint, expert_endpoints=endpoints)
+        )
+        tiered = await build_router(
+            RouterSettings(
+                checkpoint=args.checkpoint,
+                expert_endpoints=endpoints,
+                colocate_budget="25%",
+                tier_min_dwell_s=0,
+            )
+        )
+        engines = {
+            "all_remote": remote.engine,
+            "tiered_25pct": tiered.engine,
+            "all_colocated": build_local_engine(RouterSettings(checkpoint=args.checkpoint)),
+        }
         vocab = remote.engine.model.spec.vocab_size
         gen = torch.Generator().manual_seed(0)
 
         def prompts(n: int) -> list[list[int]]:
             return torch.randint(3, vocab, (n, 16), generator=gen).tolist()
 
-        print("==> warm-up: every engine once; the tiered router then re-tiers from its window", flush=True)
+        print(
+            "==> warm-up: every engine once; the tiered router then re-tiers from its window",
+            flush=True,
+        )
         for engine in engines.values():
             await decode(engine, prompts(16), 8)
         await tiered.tierer.step()
         t = tiered.tierer
-        print(f"    colocated {len(t.hot)} experts, {t.colocated_bytes() / 2**20:.0f} of "
-              f"{t.config.budget_bytes / 2**20:.0f} MiB budget", flush=True)
+        print(
+            f"    colocated {len(t.hot)} experts, {t.colocated_bytes() / 2**20:.0f} of "
+            f"{t.config.budget_bytes / 2**20:.0f} MiB budget",
+            flush=True,
+        )
 
-        runs: dict[int, dict[str, list[dict]]] = {b: {name: [] for name in engines} for b in args.batches}
+        runs: dict[int, dict[str, list[dict]]] = {
+            b: {name: [] for name in engines} for b in args.batches
+        }
         for b in args.batches:
             for r in range(args.rounds):
                 batch = prompts(b)  # the same prompts for all three in a round
                 for name, engine in engines.items():
                     runs[b][name].append(await decode(engine, batch, args.new_tokens))
                     m = runs[b][name][-1]
-                    print(f"batch {b:>2} round {r + 1} {name:<14} {m['tokens_per_s']:7.1f} tok/s  "
-                          f"{m['remote_calls_per_token']:6.2f} remote calls/token  "
-                          f"{m['in_process_share']:6.1%} in-process", flush=True)
-                await tiered.tierer.step()  # live policy between rounds, as the background loop would
+                    print(
+                        f"batch {b:>2} round {r + 1} {name:<14} {m['tokens_per_s']:7.1f} tok/s  "
+                        f"{m['remote_calls_per_token']:6.2f} remote calls/token  "
+                        f"{m['in_process_share']:6.1%} in-process",
+                        flush=True,
+                    )
+                await (
+                    tiered.tierer.step()
+                )  # live policy between rounds, as the background loop would
 
         summary = {}
         for b, by_name in runs.items():
-            summary[b] = {name: {k: statistics.median(m[k] for m in ms) for k in ms[0]} for name, ms in by_name.items()}
+            summary[b] = {
+                name: {k: statistics.median(m[k] for m in ms) for k in ms[0]}
+                for name, ms in by_name.items()
+            }
             for s in summary[b].values():
-                s["throughput_vs_all_remote"] = s["tokens_per_s"] / summary[b]["all_remote"]["tokens_per_s"]
+                s["throughput_vs_all_remote"] = (
+                    s["tokens_per_s"] / summary[b]["all_remote"]["tokens_per_s"]
+                )
         for parts in (remote, tiered):
             for b in parts.remotes:
                 await b.close()
-        return {"checkpoint": str(args.checkpoint), "batches": args.batches, "new_tokens": args.new_tokens,
-                "rounds": args.rounds, "budget_bytes": t.config.budget_bytes, "colocated_experts": len(t.hot),
-                "promotions": t.promotions, "demotions": t.demotions, "summary": summary, "runs": runs}
+        return {
+            "checkpoint": str(args.checkpoint),
+            "batches": args.batches,
+            "new_tokens": args.new_tokens,
+            "rounds": args.rounds,
+            "budget_bytes": t.config.budget_bytes,
+            "colocated_experts": len(t.hot),
+            "promotions": t.promotions,
+            "demotions": t.demotions,
+            "summary": summary,
+            "runs": runs,
+        }
     finally:
         for e in experts:
             e.stop()
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", type=Path, default=None,
-                   help="a skewed checkpoint (default: .cache/bench-small-mixtral-skew{S}, created if missing)")
-    p.add_argument("--skew", type=float, default=4.0, help="router skew of the created checkpoint (default 4)")
-    p.add_argument("--batches", type=lambda t: [int(x) for x in t.split(",")], default=[1, 16],
-                   help="comma-separated numbers of concurrent sequences (default 1,16)")
-    p.add_argument("--new-tokens", type=int, default=24, help="tokens generated per sequence (default 24)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the three set-ups (default 3)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="a skewed checkpoint (default: .cache/bench-small-mixtral-skew{S}, created if missing)",
+    )
+    p.add_argument(
+        "--skew", type=float, default=4.0, help="router skew of the created checkpoint (default 4)"
+    )
+    p.add_argument(
+        "--batches",
+        type=lambda t: [int(x) for x in t.split(",")],
+        default=[1, 16],
+        help="comma-separated numbers of concurrent sequences (default 1,16)",
+    )
+    p.add_argument(
+        "--new-tokens", type=int, default=24, help="tokens generated per sequence (default 24)"
+    )
+    p.add_argument(
+        "--rounds", type=int, default=3, help="alternating rounds of the three set-ups (default 3)"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/tiering.json")
     args = p.parse_args()
     if args.checkpoint is None:
         args.checkpoint = ROOT / f".cache/bench-small-mixtral-skew{args.skew:g}"
         if not (args.checkpoint / "config.json").exists():
-            print(f"==> creating {args.checkpoint} (small preset, router skew {args.skew:g})", flush=True)
-            create_checkpoint(args.checkpoint, "mixtral", "small", router_skew=args.skew, progress=True)
+            print(
+                f"==> creating {args.checkpoint} (small preset, router skew {args.skew:g})",
+                flush=True,
+            )
+            create_checkpoint(
+                args.checkpoint, "mixtral", "small", router_skew=args.skew, progress=True
+            )
     result = asyncio.run(main_async(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     for b, by_name in result["summary"].items():
         for name, s in by_name.items():
-            print(f"batch {b:>2} {name:<14} {s['tokens_per_s']:7.1f} tok/s ({s['throughput_vs_all_remote']:.2f}x "
-                  f"all-remote)  {s['remote_calls_per_token']:6.2f} remote calls/token  "
-                  f"{s['in_process_share']:6.1%} in-process")
+            print(
+                f"batch {b:>2} {name:<14} {s['tokens_per_s']:7.1f} tok/s ({s['throughput_vs_all_remote']:.2f}x "
+                f"all-remote)  {s['remote_calls_per_token']:6.2f} remote calls/token  "
+                f"{s['in_process_share']:6.1%} in-process"
+            )
     print(f"wrote {args.out}")
     return 0
 

@@ -41,14 +41,18 @@ SAMPLING = {"off": None, "sample_1pct": 0.01, "sample_100pct": 1.0}
 
 async def load(address: str, concurrency: int, new_tokens: int, seed: int) -> float:
     """`concurrency` requests at once through the router's gRPC API; generated tokens per second."""
-    params = router_pb2.SamplingParams(max_tokens=new_tokens, temperature=0.0, top_p=1.0, ignore_eos=True)
+    params = router_pb2.SamplingParams(
+        max_tokens=new_tokens, temperature=0.0, top_p=1.0, ignore_eos=True
+    )
     async with grpc.aio.insecure_channel(address) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
 
         async def one(i: int) -> int:
             prompt = [(seed * 7919 + i * 104729 + j * 31) % 8000 + 3 for j in range(16)]
             n = 0
-            async for msg in stub.Generate(router_pb2.RouterGenerateRequest(prompt_token_ids=prompt, params=params)):
+            async for msg in stub.Generate(
+                router_pb2.RouterGenerateRequest(prompt_token_ids=prompt, params=params)
+            ):
                 n += len(msg.token_ids)
             return n
 
@@ -58,16 +62,30 @@ async def load(address: str, concurrency: int, new_tokens: int, seed: int) -> fl
 
 
 async def main_async(args: argparse.Namespace, workdir: Path) -> dict:
-    experts = start_experts(args.checkpoint, ["*:0-1", "*:2-3", "*:4-5", "*:6-7"], workdir, "--compute-threads", "1",
-                            "--trace-sample", "1.0", "--trace-file", str(workdir / "experts.spans.jsonl"))
+    experts = start_experts(
+        args.checkpoint,
+        ["*:0-1", "*:2-3", "*:4-5", "*:6-7"],
+        workdir,
+        "--compute-threads",
+        "1",
+        "--trace-sample",
+        "1.0",
+        "--trace-file",
+        str(workdir / "experts.spans.jsonl"),
+    )
     endpoints = [e.address for e in experts]
     routers: dict[str, RouterApp] = {}
     try:
         for name, sample in SAMPLING.items():
-            telemetry = Telemetry.create(f"router-{name}", sample=sample, metrics_port=0,
-                                         trace_file=workdir / f"{name}.spans.jsonl" if sample else None)
-            routers[name] = await RouterApp.create(RouterSettings(checkpoint=args.checkpoint,
-                                                                  expert_endpoints=endpoints), telemetry)
+            telemetry = Telemetry.create(
+                f"router-{name}",
+                sample=sample,
+                metrics_port=0,
+                trace_file=workdir / f"{name}.spans.jsonl" if sample else None,
+            )
+            routers[name] = await RouterApp.create(
+                RouterSettings(checkpoint=args.checkpoint, expert_endpoints=endpoints), telemetry
+            )
             await routers[name].start()
         addresses = {name: app.server.address for name, app in routers.items()}
         print("==> warm-up", flush=True)
@@ -76,27 +94,54 @@ async def main_async(args: argparse.Namespace, workdir: Path) -> dict:
         runs: dict[str, list[float]] = {name: [] for name in routers}
         for r in range(args.rounds):
             for name, address in addresses.items():
-                runs[name].append(await load(address, args.concurrency, args.new_tokens, seed=r + 1))
+                runs[name].append(
+                    await load(address, args.concurrency, args.new_tokens, seed=r + 1)
+                )
                 print(f"round {r + 1} {name:<14} {runs[name][-1]:7.1f} tok/s", flush=True)
     finally:
         for app in routers.values():
             await app.stop()  # flushes their span files
         for e in experts:
             e.stop()
-    spans = {name: sum(1 for _ in open(workdir / f"{name}.spans.jsonl")) if SAMPLING[name] else 0 for name in runs}
+    spans = {
+        name: sum(1 for _ in open(workdir / f"{name}.spans.jsonl")) if SAMPLING[name] else 0
+        for name in runs
+    }
     base = statistics.median(runs["off"])
-    summary = {name: {"tokens_per_s": statistics.median(xs), "vs_off": statistics.median(xs) / base,
-                      "router_spans_written": spans[name]} for name, xs in runs.items()}
-    return {"checkpoint": str(args.checkpoint), "concurrency": args.concurrency, "new_tokens": args.new_tokens,
-            "rounds": args.rounds, "summary": summary, "runs": runs}
+    summary = {
+        name: {
+            "tokens_per_s": statistics.median(xs),
+            "vs_off": statistics.median(xs) / base,
+            "router_spans_written": spans[name],
+        }
+        for name, xs in runs.items()
+    }
+    return {
+        "checkpoint": str(args.checkpoint),
+        "concurrency": args.concurrency,
+        "new_tokens": args.new_tokens,
+        "rounds": args.rounds,
+        "summary": summary,
+        "runs": runs,
+    }
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", type=Path, default=ROOT / ".cache/bench-small-mixtral",
-                   help="checkpoint (default .cache/bench-small-mixtral, created if missing)")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight per round (default 8)")
-    p.add_argument("--new-tokens", type=int, default=24, help="tokens generated per request (default 24)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=ROOT / ".cache/bench-small-mixtral",
+        help="checkpoint (default .cache/bench-small-mixtral, created if missing)",
+    )
+    p.add_argument(
+        "--concurrency", type=int, default=8, help="requests in flight per round (default 8)"
+    )
+    p.add_argument(
+        "--new-tokens", type=int, default=24, help="tokens generated per request (default 24)"
+    )
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/tracing.json")
     args = p.parse_args()
@@ -108,8 +153,10 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     for name, s in result["summary"].items():
-        print(f"{name:<14} {s['tokens_per_s']:7.1f} tok/s  {s['vs_off']:.3f}x off  "
-              f"({s['router_spans_written']} router spans written)")
+        print(
+            f"{name:<14} {s['tokens_per_s']:7.1f} tok/s  {s['vs_off']:.3f}x off  "
+            f"({s['router_spans_written']} router spans written)"
+        )
     print(f"wrote {args.out}")
     return 0
 

@@ -50,9 +50,16 @@ class Checkpoint:
                 raise CheckpointError("invalid index: weight_map is not an object", file=str(index))
             for name, shard in weight_map.items():
                 # Shards live beside the index: a path elsewhere is a broken (or hostile) index.
-                if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
-                    raise CheckpointError(f"invalid index: tensor {name!r} maps to {shard!r}, expected a file "
-                                          "name in the checkpoint directory", file=str(index))
+                if (
+                    not isinstance(shard, str)
+                    or Path(shard).name != shard
+                    or shard in ("", ".", "..")
+                ):
+                    raise CheckpointError(
+                        f"invalid index: tensor {name!r} maps to {shard!r}, expected a file "
+                        "name in the checkpoint directory",
+                        file=str(index),
+                    )
             return dict(weight_map)
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
@@ -67,7 +74,9 @@ class Checkpoint:
         if name not in self._files:
             path = self.path / name
             if not path.exists():
-                raise CheckpointError("safetensors file listed in the index is missing", file=str(path))
+                raise CheckpointError(
+                    "safetensors file listed in the index is missing", file=str(path)
+                )
             self._files[name] = SafetensorsFile(path)
         return self._files[name]
 
@@ -80,11 +89,16 @@ class Checkpoint:
             raise CheckpointError("missing tensor", file=str(self.path), tensor=name)
         file = self._file(self._where[name])
         if name not in file.tensors:
-            raise CheckpointError("tensor listed in the index is not in its file", file=str(file.path), tensor=name)
+            raise CheckpointError(
+                "tensor listed in the index is not in its file", file=str(file.path), tensor=name
+            )
         t = file.get(name)
         if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"wrong shape {list(t.shape)}, config implies {list(shape)}",
-                                  file=str(file.path), tensor=name)
+            raise CheckpointError(
+                f"wrong shape {list(t.shape)}, config implies {list(shape)}",
+                file=str(file.path),
+                tensor=name,
+            )
         if self.dtype is not None and t.dtype != self.dtype:
             t = t.to(self.dtype)
         return t
@@ -100,30 +114,47 @@ class Checkpoint:
         embed = self.tensor("model.embed_tokens.weight", (s.vocab_size, s.hidden_size))
         tied = s.tie_word_embeddings and not self.has("lm_head.weight")
         lm_head = embed if tied else self.tensor("lm_head.weight", (s.vocab_size, s.hidden_size))
-        return DenseWeights(embed=embed, final_norm=self.tensor("model.norm.weight", (s.hidden_size,)),
-                            lm_head=lm_head, layers=[self._layer(i) for i in range(s.num_layers)])
+        return DenseWeights(
+            embed=embed,
+            final_norm=self.tensor("model.norm.weight", (s.hidden_size,)),
+            lm_head=lm_head,
+            layers=[self._layer(i) for i in range(s.num_layers)],
+        )
 
     def _layer(self, i: int) -> LayerWeights:
         s, p = self.spec, f"model.layers.{i}."
         h = s.hidden_size
-        layer = LayerWeights(input_norm=self.tensor(p + "input_layernorm.weight", (h,)),
-                             post_attention_norm=self.tensor(p + "post_attention_layernorm.weight", (h,)),
-                             attention=self._attention(p + "self_attn."))
+        layer = LayerWeights(
+            input_norm=self.tensor(p + "input_layernorm.weight", (h,)),
+            post_attention_norm=self.tensor(p + "post_attention_layernorm.weight", (h,)),
+            attention=self._attention(p + "self_attn."),
+        )
         if not s.moe_layers[i]:
-            layer.dense_mlp = self._ffn(p + "mlp.", "gate_proj", "up_proj", "down_proj", s.dense_intermediate_size)
+            layer.dense_mlp = self._ffn(
+                p + "mlp.", "gate_proj", "up_proj", "down_proj", s.dense_intermediate_size
+            )
             return layer
         moe = p + self._moe_prefix(i)
         layer.router = self.tensor(moe + "gate.weight", (s.num_experts, h))
         if s.shared_expert_intermediate_size:
-            layer.shared_expert = self._ffn(moe + "shared_expert.", "gate_proj", "up_proj", "down_proj",
-                                            s.shared_expert_intermediate_size)
+            layer.shared_expert = self._ffn(
+                moe + "shared_expert.",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+                s.shared_expert_intermediate_size,
+            )
             layer.shared_expert_gate = self.tensor(moe + "shared_expert_gate.weight", (1, h))
         return layer
 
     def _attention(self, p: str) -> AttentionWeights:
         s = self.spec
         q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        norm_q, norm_k = {"none": (0, 0), "per_head": (s.head_dim, s.head_dim), "full": (q_out, kv_out)}[s.qk_norm]
+        norm_q, norm_k = {
+            "none": (0, 0),
+            "per_head": (s.head_dim, s.head_dim),
+            "full": (q_out, kv_out),
+        }[s.qk_norm]
         return AttentionWeights(
             q=self.tensor(p + "q_proj.weight", (q_out, s.hidden_size)),
             k=self.tensor(p + "k_proj.weight", (kv_out, s.hidden_size)),
@@ -139,9 +170,11 @@ class Checkpoint:
 
     def _ffn(self, p: str, gate: str, up: str, down: str, inter: int) -> FFNWeights:
         h = self.spec.hidden_size
-        return FFNWeights(gate=self.tensor(f"{p}{gate}.weight", (inter, h)),
-                          up=self.tensor(f"{p}{up}.weight", (inter, h)),
-                          down=self.tensor(f"{p}{down}.weight", (h, inter)))
+        return FFNWeights(
+            gate=self.tensor(f"{p}{gate}.weight", (inter, h)),
+            up=self.tensor(f"{p}{up}.weight", (inter, h)),
+            down=self.tensor(f"{p}{down}.weight", (h, inter)),
+        )
 
     def _moe_prefix(self, layer: int) -> str:
         for prefix in self.names.moe_prefixes:
@@ -157,21 +190,32 @@ class Checkpoint:
         out: dict[tuple[int, int], FFNWeights] = {}
         for layer, expert in sorted(set(pairs)):
             if not 0 <= layer < s.num_layers or not s.moe_layers[layer]:
-                raise CheckpointError(f"layer {layer} is not a MoE layer; MoE layers: {s.moe_layer_ids}")
+                raise CheckpointError(
+                    f"layer {layer} is not a MoE layer; MoE layers: {s.moe_layer_ids}"
+                )
             if not 0 <= expert < s.num_experts:
-                raise CheckpointError(f"expert {expert} out of range; layer {layer} has {s.num_experts} experts")
+                raise CheckpointError(
+                    f"expert {expert} out of range; layer {layer} has {s.num_experts} experts"
+                )
             base = f"model.layers.{layer}.{self._moe_prefix(layer)}experts."
             if self.has(base + "gate_up_proj"):
                 out[(layer, expert)] = self._fused_expert(base, expert)
             else:
-                out[(layer, expert)] = self._ffn(f"{base}{expert}.", n.expert_gate, n.expert_up, n.expert_down,
-                                                 s.expert_intermediate_size)
+                out[(layer, expert)] = self._ffn(
+                    f"{base}{expert}.",
+                    n.expert_gate,
+                    n.expert_up,
+                    n.expert_down,
+                    s.expert_intermediate_size,
+                )
         return out
 
     def _fused_expert(self, base: str, expert: int) -> FFNWeights:
         s = self.spec
         e, i, h = s.num_experts, s.expert_intermediate_size, s.hidden_size
-        gate_up = self.tensor(base + "gate_up_proj", (e, 2 * i, h))[expert]  # [2I, H], gate rows first
+        gate_up = self.tensor(base + "gate_up_proj", (e, 2 * i, h))[
+            expert
+        ]  # [2I, H], gate rows first
         down = self.tensor(base + "down_proj", (e, h, i))[expert]  # [H, I]
         return FFNWeights(gate=gate_up[:i], up=gate_up[i:], down=down)
 
@@ -194,4 +238,6 @@ class Checkpoint:
         return digest.hexdigest()[:16]
 
     def all_expert_pairs(self) -> list[tuple[int, int]]:
-        return [(layer, e) for layer in self.spec.moe_layer_ids for e in range(self.spec.num_experts)]
+        return [
+            (layer, e) for layer in self.spec.moe_layer_ids for e in range(self.spec.num_experts)
+        ]

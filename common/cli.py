@@ -32,9 +32,14 @@ def _unwrap_optional(annotation: typing.Any) -> typing.Any:
     return annotation
 
 
-def add_settings_arguments(parser: argparse.ArgumentParser, model: type[BaseModel], *,
-                           only: Collection[str] | None = None, skip: Collection[str] = (),
-                           flags: Mapping[str, str] | None = None) -> None:
+def add_settings_arguments(
+    parser: argparse.ArgumentParser,
+    model: type[BaseModel],
+    *,
+    only: Collection[str] | None = None,
+    skip: Collection[str] = (),
+    flags: Mapping[str, str] | None = None,
+) -> None:
     """One flag per field of `model` (or of `only`); `flags` renames some, e.g. {"routers": "--router"}."""
     prefix = model.model_config.get("env_prefix", "")
     for name, field in model.model_fields.items():
@@ -63,8 +68,13 @@ def add_settings_arguments(parser: argparse.ArgumentParser, model: type[BaseMode
         parser.add_argument((flags or {}).get(name, flag(name)), **kwargs)
 
 
-def settings_from_args(model: type[BaseModel], args: argparse.Namespace, *, required: Collection[str] = (),
-                       flags: Mapping[str, str] | None = None) -> BaseModel:
+def settings_from_args(
+    model: type[BaseModel],
+    args: argparse.Namespace,
+    *,
+    required: Collection[str] = (),
+    flags: Mapping[str, str] | None = None,
+) -> BaseModel:
     """The settings from the flags given (others from the environment and defaults).
 
     Raises InvalidArgumentError with one line naming the flags, e.g.
@@ -75,12 +85,22 @@ def settings_from_args(model: type[BaseModel], args: argparse.Namespace, *, requ
     try:
         settings = model(**given)
     except ValidationError as e:
-        problems = [(names.get(str(err["loc"][0]), flag(str(err["loc"][0]))) if err["loc"] else "settings",
-                     err["msg"]) for err in e.errors()]
+        problems = [
+            (
+                names.get(str(err["loc"][0]), flag(str(err["loc"][0])))
+                if err["loc"]
+                else "settings",
+                err["msg"],
+            )
+            for err in e.errors()
+        ]
         raise _one_line(problems) from None
     prefix = model.model_config.get("env_prefix", "")
-    missing = [(names.get(n, flag(n)), f"required (or {prefix}{n.upper()})") for n in required
-               if getattr(settings, n) is None]
+    missing = [
+        (names.get(n, flag(n)), f"required (or {prefix}{n.upper()})")
+        for n in required
+        if getattr(settings, n) is None
+    ]
     if missing:
         raise _one_line(missing)
     return settings

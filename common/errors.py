@@ -28,7 +28,9 @@ class CheckpointError(MoeMeshError):
     """A checkpoint directory is missing, corrupt, or inconsistent with its config."""
 
     def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None) -> None:
-        where = ", ".join(p for p in (f"file {file}" if file else "", f"tensor {tensor!r}" if tensor else "") if p)
+        where = ", ".join(
+            p for p in (f"file {file}" if file else "", f"tensor {tensor!r}" if tensor else "") if p
+        )
         super().__init__(f"{message} ({where})" if where else message)
         self.file = file
         self.tensor = tensor
@@ -83,7 +85,10 @@ class ExpertUnavailableError(UnavailableError):
 
     def __init__(self, layer: int, experts: list[int], detail: str = "") -> None:
         names = ", ".join(str(e) for e in sorted(experts))
-        super().__init__(f"no reachable replica for layer {layer} expert(s) {names}" + (f": {detail}" if detail else ""))
+        super().__init__(
+            f"no reachable replica for layer {layer} expert(s) {names}"
+            + (f": {detail}" if detail else "")
+        )
         self.layer, self.experts = layer, sorted(experts)
 
 

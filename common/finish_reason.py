@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from protos.moe_mesh.v1 import types_pb2
 
-TO_WIRE = {"stop": types_pb2.FINISH_REASON_STOP, "length": types_pb2.FINISH_REASON_LENGTH,
-           "cancelled": types_pb2.FINISH_REASON_CANCELLED}
+TO_WIRE = {
+    "stop": types_pb2.FINISH_REASON_STOP,
+    "length": types_pb2.FINISH_REASON_LENGTH,
+    "cancelled": types_pb2.FINISH_REASON_CANCELLED,
+}
 FROM_WIRE = {wire: name for name, wire in TO_WIRE.items()}
 
 

@@ -9,8 +9,14 @@ from common.errors import CapacityError
 def check_context_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
     """CapacityError naming `prompt` or `max_tokens` when the sequence cannot fit `max_model_len`."""
     if prompt_tokens >= max_model_len:
-        raise CapacityError("prompt", f"{prompt_tokens} tokens do not fit the context length "
-                            f"max_model_len={max_model_len} (at least one token must be generated)")
+        raise CapacityError(
+            "prompt",
+            f"{prompt_tokens} tokens do not fit the context length "
+            f"max_model_len={max_model_len} (at least one token must be generated)",
+        )
     if prompt_tokens + max_tokens > max_model_len:
-        raise CapacityError("max_tokens", f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
-                            f"the context length max_model_len={max_model_len}")
+        raise CapacityError(
+            "max_tokens",
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
+            f"the context length max_model_len={max_model_len}",
+        )

@@ -53,7 +53,7 @@ def group_by_expert(routing: Routing, num_experts: int) -> list[ExpertGroup]:
     groups, start = [], 0
     for expert, n in enumerate(counts):
         if n:
-            slots = order[start:start + n]
+            slots = order[start : start + n]
             groups.append(ExpertGroup(expert=expert, tokens=slots // k, slots=slots))
             start += n
     return groups
@@ -64,8 +64,13 @@ def expert_ffn(x: torch.Tensor, w: FFNWeights) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
 
 
-def combine(groups: list[ExpertGroup], outputs: list[torch.Tensor], routing: Routing,
-            num_tokens: int, like: torch.Tensor) -> torch.Tensor:
+def combine(
+    groups: list[ExpertGroup],
+    outputs: list[torch.Tensor],
+    routing: Routing,
+    num_tokens: int,
+    like: torch.Tensor,
+) -> torch.Tensor:
     """Σ_k w_k · expert_k(x) per token, accumulated in ascending expert order (as transformers does)."""
     out = torch.zeros(num_tokens, like.shape[-1], dtype=like.dtype)  # [tokens, hidden]
     if not groups:
@@ -78,6 +83,8 @@ def combine(groups: list[ExpertGroup], outputs: list[torch.Tensor], routing: Rou
     return out
 
 
-def shared_expert_output(x: torch.Tensor, shared: FFNWeights, gate_weight: torch.Tensor) -> torch.Tensor:
+def shared_expert_output(
+    x: torch.Tensor, shared: FFNWeights, gate_weight: torch.Tensor
+) -> torch.Tensor:
     """Qwen2-MoE's shared expert: sigmoid(gate(x)) * ffn(x)."""
     return torch.sigmoid(F.linear(x, gate_weight)) * expert_ffn(x, shared)

@@ -43,9 +43,13 @@ def _indices(text: str, limit: int, what: str, item: str) -> list[int]:
         try:
             a, b = int(lo), int(hi) if sep else int(lo)
         except ValueError:
-            raise InvalidArgumentError("experts", f"{what} {part.strip()!r} in {item!r} is not N or A-B") from None
+            raise InvalidArgumentError(
+                "experts", f"{what} {part.strip()!r} in {item!r} is not N or A-B"
+            ) from None
         if not 0 <= a <= b < limit:
-            raise InvalidArgumentError("experts", f"{what} {part.strip()!r} in {item!r} is outside [0, {limit - 1}]")
+            raise InvalidArgumentError(
+                "experts", f"{what} {part.strip()!r} in {item!r} is outside [0, {limit - 1}]"
+            )
         out += range(a, b + 1)
     return out
 
@@ -58,14 +62,18 @@ def parse_experts(text: str, spec: ModelSpec | ModelShape) -> list[Pair]:
             continue
         layers, sep, experts = item.partition(":")
         if not sep:
-            raise InvalidArgumentError("experts", f"item {item!r} is not LAYERS:EXPERTS (e.g. '0-3:0,1' or '*:*')")
+            raise InvalidArgumentError(
+                "experts", f"item {item!r} is not LAYERS:EXPERTS (e.g. '0-3:0,1' or '*:*')"
+            )
         wildcard = layers.strip() == "*"
         for layer in _indices(layers, spec.num_layers, "layer", item):
             if not spec.moe_layers[layer]:
                 if wildcard:
                     continue
-                raise InvalidArgumentError("experts", f"layer {layer} in {item!r} is a dense layer; "
-                                           f"MoE layers: {spec.moe_layer_ids}")
+                raise InvalidArgumentError(
+                    "experts",
+                    f"layer {layer} in {item!r} is a dense layer; MoE layers: {spec.moe_layer_ids}",
+                )
             pairs.update((layer, e) for e in _indices(experts, spec.num_experts, "expert", item))
     if not pairs:
         raise InvalidArgumentError("experts", f"{text!r} names no expert")

@@ -36,7 +36,9 @@ class EjectionPolicy:
 class EndpointHealth:
     """Failure tracking and ejection state of one endpoint."""
 
-    def __init__(self, policy: EjectionPolicy = EjectionPolicy(), clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self, policy: EjectionPolicy = EjectionPolicy(), clock: Clock = time.monotonic
+    ) -> None:
         self.policy, self._clock = policy, clock
         self.failures = 0  # consecutive
         self.ejections = 0  # total, for status and metrics
@@ -57,7 +59,9 @@ class EndpointHealth:
         if self.failures < self.policy.consecutive_failures or self.ejected:
             return False
         p = self.policy
-        self.ejected_until = self._clock() + min(p.max_ejection_s, p.base_ejection_s * 2 ** self._streak)
+        self.ejected_until = self._clock() + min(
+            p.max_ejection_s, p.base_ejection_s * 2**self._streak
+        )
         self._streak += 1
         self.ejections += 1
         self.failures = 0
@@ -78,8 +82,14 @@ class RetryBudget:
     at most `ratio * window_requests + min_per_s * window_s` tokens (bounded bursts).
     """
 
-    def __init__(self, ratio: float = 0.2, min_per_s: float = 5.0, window_s: float = 10.0,
-                 window_requests: int = 100, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        ratio: float = 0.2,
+        min_per_s: float = 5.0,
+        window_s: float = 10.0,
+        window_requests: int = 100,
+        clock: Clock = time.monotonic,
+    ) -> None:
         self.ratio, self.min_per_s = ratio, min_per_s
         self.capacity = ratio * window_requests + min_per_s * window_s
         self._clock = clock

@@ -18,8 +18,15 @@ import torch
 from common.errors import CheckpointError
 
 DTYPES: dict[str, torch.dtype] = {
-    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -50,8 +57,12 @@ class SafetensorsFile:
                 self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=info.dtype)
-        flat = torch.frombuffer(self._mmap, dtype=info.dtype, count=info.nbytes // info.dtype.itemsize,
-                                offset=info.start)
+        flat = torch.frombuffer(
+            self._mmap,
+            dtype=info.dtype,
+            count=info.nbytes // info.dtype.itemsize,
+            offset=info.start,
+        )
         return flat.view(info.shape)
 
 
@@ -61,14 +72,21 @@ def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         with open(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
-                raise CheckpointError("corrupt safetensors header: file shorter than 8 bytes", file=str(path))
+                raise CheckpointError(
+                    "corrupt safetensors header: file shorter than 8 bytes", file=str(path)
+                )
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > min(MAX_HEADER_BYTES, size - 8):
-                raise CheckpointError(f"corrupt safetensors header: header length {header_len} exceeds the file "
-                                      f"size {size}", file=str(path))
+                raise CheckpointError(
+                    f"corrupt safetensors header: header length {header_len} exceeds the file "
+                    f"size {size}",
+                    file=str(path),
+                )
             header = json.loads(f.read(header_len))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"corrupt safetensors header: not valid JSON ({e})", file=str(path)) from e
+        raise CheckpointError(
+            f"corrupt safetensors header: not valid JSON ({e})", file=str(path)
+        ) from e
     except OSError as e:
         raise CheckpointError(f"cannot read safetensors file: {e}", file=str(path)) from e
     if not isinstance(header, dict):
@@ -82,12 +100,18 @@ def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             shape = tuple(int(d) for d in entry["shape"])
             begin, end = (int(o) for o in entry["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"corrupt safetensors header entry ({e!r})", file=str(path), tensor=name) from e
+            raise CheckpointError(
+                f"corrupt safetensors header entry ({e!r})", file=str(path), tensor=name
+            ) from e
         numel = 1
         for d in shape:
             numel *= d
         if end - begin != numel * dtype.itemsize or begin < 0 or data_start + end > size:
-            raise CheckpointError(f"corrupt safetensors header: offsets [{begin}, {end}) do not fit shape {list(shape)} "
-                                  f"of {entry['dtype']} inside a file of {size} bytes", file=str(path), tensor=name)
+            raise CheckpointError(
+                f"corrupt safetensors header: offsets [{begin}, {end}) do not fit shape {list(shape)} "
+                f"of {entry['dtype']} inside a file of {size} bytes",
+                file=str(path),
+                tensor=name,
+            )
         tensors[name] = TensorInfo(dtype, shape, data_start + begin, end - begin)
     return tensors, metadata

@@ -35,8 +35,10 @@ class Service:
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     """Options both ends use: message limits sized for activations (gRPC's default 4 MiB is too small)."""
-    return [("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)]
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
 
 
 @dataclass
@@ -61,13 +63,17 @@ class GrpcServer:
         return f"{host}:{self.bound_port}"
 
     async def start(self) -> str:
-        server = grpc.aio.server(options=[*channel_options(self.max_message_bytes), ("grpc.so_reuseport", 0)],
-                                 interceptors=list(self.interceptors))
+        server = grpc.aio.server(
+            options=[*channel_options(self.max_message_bytes), ("grpc.so_reuseport", 0)],
+            interceptors=list(self.interceptors),
+        )
         for s in self.services:
             s.add_to_server(s.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [s.name for s in self.services]
-        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        reflection.enable_server_reflection(
+            [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
         try:
             self.bound_port = server.add_insecure_port(f"{self.host}:{self.port}")
         except RuntimeError as e:  # grpc raises RuntimeError("Failed to bind ...")
@@ -104,8 +110,9 @@ def write_ready_file(path: Path, info: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-async def serve_until_signal(server: GrpcServer, ready_file: Path | None = None,
-                             ready_info: dict[str, Any] | None = None) -> None:
+async def serve_until_signal(
+    server: GrpcServer, ready_file: Path | None = None, ready_info: dict[str, Any] | None = None
+) -> None:
     """Start, announce, and run until SIGTERM/SIGINT; then stop gracefully."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -28,7 +28,9 @@ def status_code(error: errors.MoeMeshError) -> grpc.StatusCode:
 RETRY_AFTER_KEY = "retry-after-s"
 
 
-async def abort_with(context: grpc.aio.ServicerContext, error: errors.MoeMeshError, counter=None) -> None:
+async def abort_with(
+    context: grpc.aio.ServicerContext, error: errors.MoeMeshError, counter=None
+) -> None:
     """End the RPC with the status that matches `error`; its message is sent as the details.
 
     A ResourceExhaustedError also carries its retry hint as trailing metadata `retry-after-s`.
@@ -36,7 +38,11 @@ async def abort_with(context: grpc.aio.ServicerContext, error: errors.MoeMeshErr
     """
     if counter is not None:
         counter.add(1, {"rpc.grpc.status_code": status_code(error).name})
-    trailers = ((RETRY_AFTER_KEY, f"{error.retry_after_s:g}"),) if isinstance(error, errors.ResourceExhaustedError) else ()
+    trailers = (
+        ((RETRY_AFTER_KEY, f"{error.retry_after_s:g}"),)
+        if isinstance(error, errors.ResourceExhaustedError)
+        else ()
+    )
     await context.abort(status_code(error), str(error), trailing_metadata=trailers)
 
 
@@ -50,7 +56,9 @@ _FROM_CODE: dict[grpc.StatusCode, type[errors.MoeMeshError]] = {
 }
 
 
-def error_from_rpc(e: grpc.aio.AioRpcError, peer: str | None = None, details: str | None = None) -> errors.MoeMeshError:
+def error_from_rpc(
+    e: grpc.aio.AioRpcError, peer: str | None = None, details: str | None = None
+) -> errors.MoeMeshError:
     """Our exception for a failed outgoing call. Unlisted codes count as unavailable.
 
     The message names `peer` when given: internal hops want it in their errors and logs, while an

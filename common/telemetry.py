@@ -40,7 +40,24 @@ from pydantic_settings import BaseSettings
 DEFAULT_SAMPLE_RATIO = 0.01
 SCOPE = "moe_mesh"
 # Histogram buckets: the SDK's defaults suit milliseconds; ours record seconds and token counts.
-SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+SECONDS_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 # Metric names. OpenTelemetry's GenAI conventions where they exist, `moe.*` otherwise; Prometheus
@@ -52,12 +69,20 @@ GATEWAY_QUEUE_DEPTH = "moe.gateway.queue.depth"  # gateway, requests admitted an
 GATEWAY_QUEUE_WAIT = "moe.gateway.queue.wait"  # gateway, s
 ROUTER_BATCH_SIZE = "moe.router.batch.size"  # router, sequences per engine step
 ROUTER_QUEUE_DEPTH = "moe.router.queue.depth"  # router, sequences waiting for a batch slot
-TOKENS_ROUTED = "moe.router.tokens_routed"  # router, (token, expert) assignments by moe.layer, moe.expert
+TOKENS_ROUTED = (
+    "moe.router.tokens_routed"  # router, (token, expert) assignments by moe.layer, moe.expert
+)
 DISPATCH_DURATION = "moe.router.dispatch.duration"  # router, s, one backend call, by moe.transport
 FAILOVERS = "moe.router.failovers"  # router, calls retried on another replica
-HEDGES = "moe.router.hedges"  # router, calls also sent to a second replica, by moe.outcome (won / lost)
-EJECTIONS = "moe.router.ejections"  # router, expert replicas ejected after a failure or a lost hedge race
-EXPERT_QUEUE_DURATION = "moe.expert.queue.duration"  # expert service, s a group waited for its batch
+HEDGES = (
+    "moe.router.hedges"  # router, calls also sent to a second replica, by moe.outcome (won / lost)
+)
+EJECTIONS = (
+    "moe.router.ejections"  # router, expert replicas ejected after a failure or a lost hedge race
+)
+EXPERT_QUEUE_DURATION = (
+    "moe.expert.queue.duration"  # expert service, s a group waited for its batch
+)
 EXPERT_COMPUTE_DURATION = "moe.expert.compute.duration"  # expert service, s of one batched FFN
 EXPERT_BATCH_TOKENS = "moe.expert.batch.tokens"  # expert service, token rows per FFN execution
 ERRORS = "moe.errors"  # every service, failed RPCs by rpc.grpc.status_code
@@ -66,16 +91,31 @@ ERRORS = "moe.errors"  # every service, failed RPCs by rpc.grpc.status_code
 class TelemetrySettings(BaseSettings):
     """The telemetry fields every service's settings model inherits."""
 
-    trace_file: Path | None = Field(None, description="append finished spans to this JSON-lines file (`moe-mesh "
-                                    "trace show` reads it); OTLP export follows the OTEL_EXPORTER_OTLP_* variables")
-    trace_sample: float | None = Field(None, ge=0, le=1, description="share of new traces recorded; default "
-                                       "OTEL_TRACES_SAMPLER_ARG, else 0.01 (children follow their parent)")
-    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus metrics on this port "
-                                     "(0 picks a free one); unset: no metrics endpoint")
+    trace_file: Path | None = Field(
+        None,
+        description="append finished spans to this JSON-lines file (`moe-mesh "
+        "trace show` reads it); OTLP export follows the OTEL_EXPORTER_OTLP_* variables",
+    )
+    trace_sample: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="share of new traces recorded; default "
+        "OTEL_TRACES_SAMPLER_ARG, else 0.01 (children follow their parent)",
+    )
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="serve Prometheus metrics on this port "
+        "(0 picks a free one); unset: no metrics endpoint",
+    )
 
 
 # Health checks and reflection are not requests: no spans for them.
-_TRACED = filters.negate(filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection")))
+_TRACED = filters.negate(
+    filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection"))
+)
 
 
 def traces_to_otlp() -> bool:
@@ -84,7 +124,10 @@ def traces_to_otlp() -> bool:
         return False
     if os.environ.get("OTEL_TRACES_EXPORTER", "otlp").lower() == "none":
         return False
-    return bool(os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    return bool(
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    )
 
 
 def sample_ratio(explicit: float | None) -> float:
@@ -107,7 +150,9 @@ class JsonLinesSpanExporter(SpanExporter):
         self._lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lines = "".join(s.to_json(indent=None) + "\n" for s in spans)  # indent=None: one line per span
+        lines = "".join(
+            s.to_json(indent=None) + "\n" for s in spans
+        )  # indent=None: one line per span
         with self._lock:
             if self._file.closed:
                 return SpanExportResult.FAILURE
@@ -131,19 +176,35 @@ class Telemetry:
     _http: Any = field(default=None, repr=False)
 
     @classmethod
-    def from_settings(cls, service: str, settings: TelemetrySettings, host: str = "127.0.0.1") -> Telemetry:
-        return cls.create(service, trace_file=settings.trace_file, sample=settings.trace_sample,
-                          metrics_port=settings.metrics_port, host=host)
+    def from_settings(
+        cls, service: str, settings: TelemetrySettings, host: str = "127.0.0.1"
+    ) -> Telemetry:
+        return cls.create(
+            service,
+            trace_file=settings.trace_file,
+            sample=settings.trace_sample,
+            metrics_port=settings.metrics_port,
+            host=host,
+        )
 
     @classmethod
-    def create(cls, service: str, *, trace_file: Path | None = None, sample: float | None = None,
-               metrics_port: int | None = None, host: str = "127.0.0.1",
-               exporters: Sequence[SpanExporter] = ()) -> Telemetry:
+    def create(
+        cls,
+        service: str,
+        *,
+        trace_file: Path | None = None,
+        sample: float | None = None,
+        metrics_port: int | None = None,
+        host: str = "127.0.0.1",
+        exporters: Sequence[SpanExporter] = (),
+    ) -> Telemetry:
         resource = Resource.create({"service.name": service})
         t = cls(service)
         ratio = sample_ratio(sample)
         if ratio > 0 and (trace_file or exporters or traces_to_otlp()):
-            provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(ratio)))
+            provider = TracerProvider(
+                resource=resource, sampler=ParentBased(TraceIdRatioBased(ratio))
+            )
             for exporter in exporters:  # tests: spans visible the moment they end
                 provider.add_span_processor(SimpleSpanProcessor(exporter))
             if trace_file:
@@ -158,8 +219,9 @@ class Telemetry:
             from prometheus_client import CollectorRegistry, start_http_server
 
             registry = CollectorRegistry()
-            t.meter_provider = MeterProvider(metric_readers=[PrometheusMetricReader(registry=registry)],
-                                             resource=resource)
+            t.meter_provider = MeterProvider(
+                metric_readers=[PrometheusMetricReader(registry=registry)], resource=resource
+            )
             server, thread = start_http_server(metrics_port, addr=host, registry=registry)
             t._http = (server, thread)
             t.metrics_address = f"{host}:{server.server_port}"
@@ -189,12 +251,17 @@ class Telemetry:
         return aio_client_interceptors(tracer_provider=self.tracer_provider, filter_=_TRACED)
 
     def latency(self, name: str, description: str):
-        return self.meter.create_histogram(name, unit="s", description=description,
-                                           explicit_bucket_boundaries_advisory=SECONDS_BUCKETS)
+        return self.meter.create_histogram(
+            name,
+            unit="s",
+            description=description,
+            explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
+        )
 
     def sizes(self, name: str, description: str):
-        return self.meter.create_histogram(name, description=description,
-                                           explicit_bucket_boundaries_advisory=COUNT_BUCKETS)
+        return self.meter.create_histogram(
+            name, description=description, explicit_bucket_boundaries_advisory=COUNT_BUCKETS
+        )
 
     def errors(self):
         return self.meter.create_counter(ERRORS, description="failed RPCs by gRPC status code")

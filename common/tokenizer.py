@@ -25,7 +25,11 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises plain Exception subclasses
             raise CheckpointError(f"cannot load tokenizer ({e})", file=str(path)) from e
         config = Path(checkpoint_dir) / "tokenizer_config.json"
-        self.add_bos = bool(json.loads(config.read_text()).get("add_bos_token", False)) if config.exists() else False
+        self.add_bos = (
+            bool(json.loads(config.read_text()).get("add_bos_token", False))
+            if config.exists()
+            else False
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -58,10 +62,10 @@ class TextStream:
         if self.stopped:
             return ""
         self.ids.extend(ids)
-        before = self.tokenizer.decode(self.ids[self._prefix:self._read])
-        after = self.tokenizer.decode(self.ids[self._prefix:])
+        before = self.tokenizer.decode(self.ids[self._prefix : self._read])
+        after = self.tokenizer.decode(self.ids[self._prefix :])
         if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before):]
+            self.text += after[len(before) :]
             # The last decoded chunk becomes the context of the next one: O(1) work per token,
             # and the window always starts on a character boundary.
             self._prefix, self._read = self._read, len(self.ids)
@@ -79,7 +83,7 @@ class TextStream:
         end = len(self.text)
         if not final and not self.stopped:
             end -= self._held_back()
-        delta = self.text[self.emitted:end]
+        delta = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return delta
 

@@ -49,7 +49,9 @@ class _Group:
     enqueued_s: float
     taken: int = 0  # rows handed to batches so far
     computed: int = 0  # rows whose output arrived
-    outputs: list[torch.Tensor] = field(default_factory=list)  # in row order: one expert runs one batch at a time
+    outputs: list[torch.Tensor] = field(
+        default_factory=list
+    )  # in row order: one expert runs one batch at a time
 
 
 @dataclass(eq=False)
@@ -74,16 +76,27 @@ class DynamicBatcher:
     thread keeps batches of different experts from competing for them.
     """
 
-    def __init__(self, weights: Mapping[Pair, FFNWeights], max_batch_tokens: int = 4096,
-                 max_queue_delay_us: int = 0, telemetry: Telemetry = OFF) -> None:
+    def __init__(
+        self,
+        weights: Mapping[Pair, FFNWeights],
+        max_batch_tokens: int = 4096,
+        max_queue_delay_us: int = 0,
+        telemetry: Telemetry = OFF,
+    ) -> None:
         if max_batch_tokens < 1 or max_queue_delay_us < 0:
             raise ValueError("max_batch_tokens must be >= 1 and max_queue_delay_us >= 0")
         self.max_batch_tokens = max_batch_tokens
         self.max_queue_delay_s = max_queue_delay_us / 1e6
         self.stats = BatcherStats()
-        self._queue_s = telemetry.latency(EXPERT_QUEUE_DURATION, "time a token group waited for its first batch")
-        self._compute_s = telemetry.latency(EXPERT_COMPUTE_DURATION, "time of one batched expert FFN")
-        self._batch_tokens = telemetry.sizes(EXPERT_BATCH_TOKENS, "token rows per batched expert FFN")
+        self._queue_s = telemetry.latency(
+            EXPERT_QUEUE_DURATION, "time a token group waited for its first batch"
+        )
+        self._compute_s = telemetry.latency(
+            EXPERT_COMPUTE_DURATION, "time of one batched expert FFN"
+        )
+        self._batch_tokens = telemetry.sizes(
+            EXPERT_BATCH_TOKENS, "token rows per batched expert FFN"
+        )
         self._weights = dict(weights)
         self._queues: dict[Pair, _Queue] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expert-ffn")
@@ -108,7 +121,9 @@ class DynamicBatcher:
         queue.pending_tokens += n
         queue.arrived.set()
         if queue.task is None:
-            queue.task = asyncio.create_task(self._drain(key, queue), name=f"expert-batcher-{layer}-{expert}")
+            queue.task = asyncio.create_task(
+                self._drain(key, queue), name=f"expert-batcher-{layer}-{expert}"
+            )
         # If our caller is cancelled, awaiting cancels the future and the drain task skips the group.
         return await group.future
 
@@ -154,7 +169,10 @@ class DynamicBatcher:
             return
         loop = asyncio.get_running_loop()
         deadline = queue.groups[0].enqueued_s + self.max_queue_delay_s
-        while queue.pending_tokens < self.max_batch_tokens and (remaining := deadline - loop.time()) > 0:
+        while (
+            queue.pending_tokens < self.max_batch_tokens
+            and (remaining := deadline - loop.time()) > 0
+        ):
             queue.arrived.clear()
             try:
                 async with asyncio.timeout(remaining):
@@ -188,7 +206,9 @@ class DynamicBatcher:
                 self._queue_s.record(began - g.enqueued_s)
         try:
             out = await loop.run_in_executor(self._executor, _compute, parts, self._weights[key])
-        except Exception as e:  # fail every group of this batch; their queued remainders are dropped later
+        except (
+            Exception
+        ) as e:  # fail every group of this batch; their queued remainders are dropped later
             self._fail((g for g, _, _ in batch), e)
             return
         except BaseException as e:
@@ -199,7 +219,7 @@ class DynamicBatcher:
         self._batch_tokens.record(out.shape[0])
         offset = 0
         for g, start, stop in batch:
-            g.outputs.append(out[offset:offset + stop - start])
+            g.outputs.append(out[offset : offset + stop - start])
             offset += stop - start
             g.computed += stop - start
             if g.computed == g.rows.shape[0] and not g.future.done():
@@ -207,7 +227,9 @@ class DynamicBatcher:
 
     @staticmethod
     def _fail(groups: Iterable[_Group], error: BaseException | None) -> None:
-        if not isinstance(error, Exception):  # cancellation or shutdown: tell callers why, retryably
+        if not isinstance(
+            error, Exception
+        ):  # cancellation or shutdown: tell callers why, retryably
             error = UnavailableError("expert service stopped before computing this group")
         for g in groups:
             if not g.future.done():

@@ -15,19 +15,28 @@ from common.errors import MoeMeshError
 from expert_service.settings import ExpertSettings
 
 PROG = "moe-mesh serve-expert"
-DESCRIPTION = ("Serve the FFN weights of a set of (layer, expert) pairs of a MoE checkpoint over gRPC "
-               "(moe_mesh.v1.ExpertService), with dynamic batching across callers.")
+DESCRIPTION = (
+    "Serve the FFN weights of a set of (layer, expert) pairs of a MoE checkpoint over gRPC "
+    "(moe_mesh.v1.ExpertService), with dynamic batching across callers."
+)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The serve-expert flags: one per ExpertSettings field (common/cli.py), plus --ready-file."""
     add_settings_arguments(parser, ExpertSettings)
-    parser.add_argument("--ready-file", type=Path, default=None,
-                        help="once serving, atomically write JSON {address, pid, model_id, ...} to this file")
+    parser.add_argument(
+        "--ready-file",
+        type=Path,
+        default=None,
+        help="once serving, atomically write JSON {address, pid, model_id, ...} to this file",
+    )
 
 
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """Register `serve-expert` on the moe-mesh CLI; `args.func(args)` returns the exit code."""
-    parser = subparsers.add_parser("serve-expert", help="serve a set of experts over gRPC", description=DESCRIPTION)
+    parser = subparsers.add_parser(
+        "serve-expert", help="serve a set of experts over gRPC", description=DESCRIPTION
+    )
     add_arguments(parser)
     parser.set_defaults(func=run_serve_expert)
 

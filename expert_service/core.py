@@ -59,10 +59,14 @@ class ExpertHost:
         checkpoint = Checkpoint(settings.checkpoint, dtype=self.dtype)
         self.spec = checkpoint.spec
         self.experts: list[Pair] = parse_experts(settings.experts, self.spec)
-        self.weights = checkpoint.load_experts(self.experts)  # memory-mapped views: only these pairs are read
+        self.weights = checkpoint.load_experts(
+            self.experts
+        )  # memory-mapped views: only these pairs are read
         self.model_id = settings.model_id or checkpoint.path.resolve().name
         self.weights_checksum = checkpoint.fingerprint()
-        self.batcher = DynamicBatcher(self.weights, settings.max_batch_tokens, settings.max_queue_delay_us, telemetry)
+        self.batcher = DynamicBatcher(
+            self.weights, settings.max_batch_tokens, settings.max_queue_delay_us, telemetry
+        )
         self.telemetry = telemetry
         self.forward_calls = 0
         self._served: dict[int, set[int]] = {}
@@ -72,12 +76,29 @@ class ExpertHost:
     def describe(self) -> ExpertDescription:
         s = self.batcher.stats
         return ExpertDescription(
-            model_id=self.model_id, weights_checksum=self.weights_checksum, experts=tuple(self.experts),
-            dtype=self.dtype, hidden_size=self.spec.hidden_size, region=self.settings.region,
-            stats=ExpertStats(forward_calls=self.forward_calls, groups=s.groups, batches=s.batches, tokens=s.tokens))
+            model_id=self.model_id,
+            weights_checksum=self.weights_checksum,
+            experts=tuple(self.experts),
+            dtype=self.dtype,
+            hidden_size=self.spec.hidden_size,
+            region=self.settings.region,
+            stats=ExpertStats(
+                forward_calls=self.forward_calls,
+                groups=s.groups,
+                batches=s.batches,
+                tokens=s.tokens,
+            ),
+        )
 
-    async def forward(self, model_id: str, weights_checksum: str, layer: int, expert_ids: Sequence[int],
-                      token_counts: Sequence[int], hidden: torch.Tensor) -> torch.Tensor:
+    async def forward(
+        self,
+        model_id: str,
+        weights_checksum: str,
+        layer: int,
+        expert_ids: Sequence[int],
+        token_counts: Sequence[int],
+        hidden: torch.Tensor,
+    ) -> torch.Tensor:
         """Expert outputs for one layer's token groups, laid out like `hidden`.
 
         hidden: [sum(token_counts), hidden_size], rows of expert_ids[0] first, then expert_ids[1], ...
@@ -90,12 +111,22 @@ class ExpertHost:
         self.forward_calls += 1
         span = trace.get_current_span()  # the RPC's server span when this call is traced
         if span.is_recording():
-            span.set_attributes({"moe.layer": layer, "moe.experts": list(expert_ids),
-                                 "moe.expert_tokens": list(token_counts), "moe.tokens": int(hidden.shape[0]),
-                                 "moe.bytes": hidden.numel() * hidden.element_size()})
+            span.set_attributes(
+                {
+                    "moe.layer": layer,
+                    "moe.experts": list(expert_ids),
+                    "moe.expert_tokens": list(token_counts),
+                    "moe.tokens": int(hidden.shape[0]),
+                    "moe.bytes": hidden.numel() * hidden.element_size(),
+                }
+            )
         rows = torch.split(hidden, list(token_counts))  # views, one per expert
-        outputs = await asyncio.gather(*(self.batcher.submit(layer, e, r) for e, r in zip(expert_ids, rows)))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [sum(token_counts), hidden]
+        outputs = await asyncio.gather(
+            *(self.batcher.submit(layer, e, r) for e, r in zip(expert_ids, rows))
+        )
+        return (
+            outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        )  # [sum(token_counts), hidden]
 
     async def close(self) -> None:
         """Stop the batcher; call after the server has drained its in-flight calls."""
@@ -107,51 +138,73 @@ class ExpertHost:
         if model_id != self.model_id:
             raise PreconditionError(f"model_id: expected {self.model_id!r}, got {model_id!r}")
         if weights_checksum != self.weights_checksum:
-            raise PreconditionError(f"weights_checksum: expected {self.weights_checksum!r}, got {weights_checksum!r}"
-                                    " (router and expert service load different weights)")
+            raise PreconditionError(
+                f"weights_checksum: expected {self.weights_checksum!r}, got {weights_checksum!r}"
+                " (router and expert service load different weights)"
+            )
 
     @staticmethod
     def _check_groups(expert_ids: Sequence[int], token_counts: Sequence[int]) -> None:
         if not expert_ids:
-            raise InvalidArgumentError("expert_ids", "empty payload; expected at least one expert id")
+            raise InvalidArgumentError(
+                "expert_ids", "empty payload; expected at least one expert id"
+            )
         if len(token_counts) != len(expert_ids):
-            raise InvalidArgumentError("token_counts", f"expected one count per expert id ({len(expert_ids)}), "
-                                       f"got {len(token_counts)}")
+            raise InvalidArgumentError(
+                "token_counts",
+                f"expected one count per expert id ({len(expert_ids)}), got {len(token_counts)}",
+            )
         if sum(token_counts) == 0:
             raise InvalidArgumentError("hidden", "empty payload; expected at least one token row")
         for i, (expert, n) in enumerate(zip(expert_ids, token_counts)):
             if n == 0:
-                raise InvalidArgumentError(f"token_counts[{i}]", f"expected >= 1 token for expert {expert}, got 0")
+                raise InvalidArgumentError(
+                    f"token_counts[{i}]", f"expected >= 1 token for expert {expert}, got 0"
+                )
         seen: set[int] = set()
         for expert in expert_ids:
             if expert in seen:
-                raise InvalidArgumentError("expert_ids", f"expert {expert} appears more than once; "
-                                           "expected each expert once per call")
+                raise InvalidArgumentError(
+                    "expert_ids",
+                    f"expert {expert} appears more than once; expected each expert once per call",
+                )
             seen.add(expert)
 
     def _check_served(self, layer: int, expert_ids: Sequence[int]) -> None:
         served = self._served.get(layer)
         if served is None:
-            raise NotFoundError(f"layer {layer}: not served here; this service serves "
-                                f"{format_experts(self.experts)!r}")
+            raise NotFoundError(
+                f"layer {layer}: not served here; this service serves "
+                f"{format_experts(self.experts)!r}"
+            )
         missing = [e for e in expert_ids if e not in served]
         if missing:
-            raise NotFoundError(f"layer {layer} expert(s) {', '.join(map(str, missing))}: not served here; "
-                                f"this service serves {format_experts(self.experts)!r}")
+            raise NotFoundError(
+                f"layer {layer} expert(s) {', '.join(map(str, missing))}: not served here; "
+                f"this service serves {format_experts(self.experts)!r}"
+            )
 
     def _check_hidden(self, hidden: torch.Tensor, tokens: int) -> None:
         limit = self.settings.max_request_tokens
         if tokens > limit:
-            raise InvalidArgumentError("hidden", f"sum(token_counts)={tokens} exceeds max_request_tokens={limit}")
+            raise InvalidArgumentError(
+                "hidden", f"sum(token_counts)={tokens} exceeds max_request_tokens={limit}"
+            )
         h = self.spec.hidden_size
         if hidden.dim() != 2 or tuple(hidden.shape) != (tokens, h):
-            raise InvalidArgumentError("hidden.shape", f"expected [sum(token_counts)={tokens}, hidden_size={h}], "
-                                       f"got {list(hidden.shape)}")
+            raise InvalidArgumentError(
+                "hidden.shape",
+                f"expected [sum(token_counts)={tokens}, hidden_size={h}], got {list(hidden.shape)}",
+            )
         if hidden.dtype != self.dtype:
-            raise InvalidArgumentError("hidden.dtype", f"expected {_dtype_label(self.dtype)}, "
-                                       f"got {_dtype_label(hidden.dtype)}")
+            raise InvalidArgumentError(
+                "hidden.dtype",
+                f"expected {_dtype_label(self.dtype)}, got {_dtype_label(hidden.dtype)}",
+            )
         # A NaN/inf row would poison every token batched with it here and come back as garbage.
         bad = int(hidden.numel() - torch.isfinite(hidden).sum())
         if bad:
-            raise InvalidArgumentError("hidden", f"holds {bad} non-finite value(s) (NaN or inf); "
-                                       "expected finite activations")
+            raise InvalidArgumentError(
+                "hidden",
+                f"holds {bad} non-finite value(s) (NaN or inf); expected finite activations",
+            )

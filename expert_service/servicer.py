@@ -19,23 +19,41 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         self.host = host
         self.errors = telemetry.errors()
 
-    async def Forward(self, request: expert_pb2.ExpertForwardRequest,
-                      context: grpc.aio.ServicerContext) -> expert_pb2.ExpertForwardResponse:
+    async def Forward(
+        self, request: expert_pb2.ExpertForwardRequest, context: grpc.aio.ServicerContext
+    ) -> expert_pb2.ExpertForwardResponse:
         try:
             hidden = wire.decode(request.hidden, "hidden")
-            output = await self.host.forward(request.model_id, request.weights_checksum, request.layer,
-                                             list(request.expert_ids), list(request.token_counts), hidden)
+            output = await self.host.forward(
+                request.model_id,
+                request.weights_checksum,
+                request.layer,
+                list(request.expert_ids),
+                list(request.token_counts),
+                hidden,
+            )
             return expert_pb2.ExpertForwardResponse(output=wire.encode(output))
         except MoeMeshError as e:
             await abort_with(context, e, self.errors)
             raise  # unreachable: abort raises; keeps type checkers honest
 
-    async def Describe(self, request: expert_pb2.DescribeRequest,
-                       context: grpc.aio.ServicerContext) -> expert_pb2.DescribeResponse:
+    async def Describe(
+        self, request: expert_pb2.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> expert_pb2.DescribeResponse:
         d = self.host.describe()
         return expert_pb2.DescribeResponse(
-            model_id=d.model_id, weights_checksum=d.weights_checksum,
-            experts=[tensor_pb2.ExpertKey(layer=layer, expert=expert) for layer, expert in d.experts],
-            dtype=wire.TO_WIRE[d.dtype], hidden_size=d.hidden_size, region=d.region,
-            stats=expert_pb2.ExpertStats(forward_calls=d.stats.forward_calls, groups=d.stats.groups,
-                                         batches=d.stats.batches, tokens=d.stats.tokens))
+            model_id=d.model_id,
+            weights_checksum=d.weights_checksum,
+            experts=[
+                tensor_pb2.ExpertKey(layer=layer, expert=expert) for layer, expert in d.experts
+            ],
+            dtype=wire.TO_WIRE[d.dtype],
+            hidden_size=d.hidden_size,
+            region=d.region,
+            stats=expert_pb2.ExpertStats(
+                forward_calls=d.stats.forward_calls,
+                groups=d.stats.groups,
+                batches=d.stats.batches,
+                tokens=d.stats.tokens,
+            ),
+        )

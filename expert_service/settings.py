@@ -17,27 +17,62 @@ class ExpertSettings(TelemetrySettings):
     model_config = SettingsConfigDict(env_prefix="MOE_EXPERT_", extra="forbid")
 
     checkpoint: Path = Field(..., description="HuggingFace-layout checkpoint directory")
-    experts: str = Field("*:*", description="(layer, expert) pairs to serve, e.g. '*:*' or '0-3:0,1; 5:7'")
-    host: str = Field("127.0.0.1", description="address to bind; loopback unless exposed on purpose")
+    experts: str = Field(
+        "*:*", description="(layer, expert) pairs to serve, e.g. '*:*' or '0-3:0,1; 5:7'"
+    )
+    host: str = Field(
+        "127.0.0.1", description="address to bind; loopback unless exposed on purpose"
+    )
     port: int = Field(0, ge=0, le=65535, description="TCP port; 0 picks a free one")
-    model_id: str | None = Field(None, description="model id routers must send; unset means the checkpoint "
-                                 "directory's name")
+    model_id: str | None = Field(
+        None, description="model id routers must send; unset means the checkpoint directory's name"
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="compute dtype; requests must send activations of this dtype")
-    max_batch_tokens: int = Field(4096, ge=1, description="token rows per expert FFN execution at most")
-    max_queue_delay_us: int = Field(0, ge=0, description="how long a queued group waits for more groups of the "
-                                    "same expert, in microseconds; 0 merges only what queued during compute")
-    max_request_tokens: int = Field(65536, ge=1, description="token rows per Forward call at most; larger "
-                                    "calls are INVALID_ARGUMENT")
-    max_message_bytes: int = Field(256 * 1024 * 1024, ge=4 * 1024 * 1024,
-                                   description="gRPC send/receive message size limit, in bytes")
-    compute_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; unset keeps "
-                                        "torch's default (all cores). Set it when several services share a "
-                                        "host: oversubscribed OpenMP threads spin and slow everyone down")
-    registry: Literal["none", "consul"] = Field("none", description="where to register: 'consul' (an agent, "
-                                                "or the embedded registry of `moe-mesh up`) or 'none'")
-    registry_address: str | None = Field(None, description="Consul HTTP address; default CONSUL_HTTP_ADDR")
-    advertise_host: str | None = Field(None, description="address registered for routers to dial; default "
-                                       "the bind host, or the hostname when binding all interfaces")
-    region: str = Field("", description="region reported to routers (which prefer same-region experts)")
-    grace_s: float = Field(10.0, ge=0.0, description="on stop, how long in-flight calls may finish, in seconds")
+        "float32", description="compute dtype; requests must send activations of this dtype"
+    )
+    max_batch_tokens: int = Field(
+        4096, ge=1, description="token rows per expert FFN execution at most"
+    )
+    max_queue_delay_us: int = Field(
+        0,
+        ge=0,
+        description="how long a queued group waits for more groups of the "
+        "same expert, in microseconds; 0 merges only what queued during compute",
+    )
+    max_request_tokens: int = Field(
+        65536,
+        ge=1,
+        description="token rows per Forward call at most; larger calls are INVALID_ARGUMENT",
+    )
+    max_message_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=4 * 1024 * 1024,
+        description="gRPC send/receive message size limit, in bytes",
+    )
+    compute_threads: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="torch intra-op threads; unset keeps "
+        "torch's default (all cores). Set it when several services share a "
+        "host: oversubscribed OpenMP threads spin and slow everyone down",
+    )
+    registry: Literal["none", "consul"] = Field(
+        "none",
+        description="where to register: 'consul' (an agent, "
+        "or the embedded registry of `moe-mesh up`) or 'none'",
+    )
+    registry_address: str | None = Field(
+        None, description="Consul HTTP address; default CONSUL_HTTP_ADDR"
+    )
+    advertise_host: str | None = Field(
+        None,
+        description="address registered for routers to dial; default "
+        "the bind host, or the hostname when binding all interfaces",
+    )
+    region: str = Field(
+        "", description="region reported to routers (which prefer same-region experts)"
+    )
+    grace_s: float = Field(
+        10.0, ge=0.0, description="on stop, how long in-flight calls may finish, in seconds"
+    )

@@ -17,7 +17,11 @@ from common.errors import ResourceExhaustedError
 
 class Admission:
     def __init__(self, max_in_flight: int, max_queued: int, retry_after_s: float) -> None:
-        self.max_in_flight, self.max_queued, self.retry_after_s = max_in_flight, max_queued, retry_after_s
+        self.max_in_flight, self.max_queued, self.retry_after_s = (
+            max_in_flight,
+            max_queued,
+            retry_after_s,
+        )
         self.in_flight = 0
         self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
         self._order = itertools.count()
@@ -42,8 +46,11 @@ class Admission:
             return
         if self.queued >= self.max_queued:
             self.rejected += 1
-            raise ResourceExhaustedError(f"server busy: {self.in_flight} requests in flight and {self.queued} "
-                                         f"queued (max_queued={self.max_queued})", self.retry_after_s)
+            raise ResourceExhaustedError(
+                f"server busy: {self.in_flight} requests in flight and {self.queued} "
+                f"queued (max_queued={self.max_queued})",
+                self.retry_after_s,
+            )
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiting, (-priority, next(self._order), waiter))
         try:

@@ -32,27 +32,51 @@ class _EmbeddedUvicorn(uvicorn.Server):
 class GatewayApp:
     """A running gateway: `await GatewayApp.create(settings)`, `await start()`, `await stop()`."""
 
-    def __init__(self, settings: GatewaySettings, core: GatewayCore, routers: list[RouterClient],
-                 telemetry: Telemetry) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        core: GatewayCore,
+        routers: list[RouterClient],
+        telemetry: Telemetry,
+    ) -> None:
         self.settings, self.core, self.routers, self.telemetry = settings, core, routers, telemetry
-        self.grpc = GrpcServer([Service(SERVICE_NAME, inference_pb2_grpc.add_InferenceServicer_to_server,
-                                        InferenceServicer(core))],
-                               host=settings.host, port=settings.grpc_port,
-                               # The public API's messages are small: its limit is the HTTP body's.
-                               max_message_bytes=settings.max_body_bytes, grace_s=settings.grace_s,
-                               interceptors=telemetry.server_interceptors())
+        self.grpc = GrpcServer(
+            [
+                Service(
+                    SERVICE_NAME,
+                    inference_pb2_grpc.add_InferenceServicer_to_server,
+                    InferenceServicer(core),
+                )
+            ],
+            host=settings.host,
+            port=settings.grpc_port,
+            # The public API's messages are small: its limit is the HTTP body's.
+            max_message_bytes=settings.max_body_bytes,
+            grace_s=settings.grace_s,
+            interceptors=telemetry.server_interceptors(),
+        )
         self.grpc.on_ready.append(self._start_http)
         self.grpc.on_stop.append(self._stop_http)
         # Bounded drain: past grace_s, open streams are cancelled, which frees their router slots.
-        self.http = _EmbeddedUvicorn(uvicorn.Config(create_app(core), host=settings.host, port=settings.http_port,
-                                                    log_level="warning", lifespan="off", loop="none",
-                                                    timeout_graceful_shutdown=max(1, round(settings.grace_s))))
+        self.http = _EmbeddedUvicorn(
+            uvicorn.Config(
+                create_app(core),
+                host=settings.host,
+                port=settings.http_port,
+                log_level="warning",
+                lifespan="off",
+                loop="none",
+                timeout_graceful_shutdown=max(1, round(settings.grace_s)),
+            )
+        )
         self._http_task: asyncio.Task | None = None
         self._follow_task: asyncio.Task | None = None
         self._stopped = False
 
     @classmethod
-    async def create(cls, settings: GatewaySettings, telemetry: Telemetry | None = None) -> GatewayApp:
+    async def create(
+        cls, settings: GatewaySettings, telemetry: Telemetry | None = None
+    ) -> GatewayApp:
         """Telemetry comes from the settings unless given (tests pass in-memory exporters)."""
         telemetry = telemetry or Telemetry.from_settings("gateway", settings, settings.host)
         try:
@@ -67,9 +91,13 @@ class GatewayApp:
         if registry is not None:
             return await cls._create_following(settings, registry, telemetry)
         if not settings.routers:
-            raise InvalidArgumentError("routers", "give at least one router address, or registry='consul'")
-        routers = [RouterClient(a, settings.max_message_bytes, telemetry.client_interceptors())
-                   for a in settings.routers]
+            raise InvalidArgumentError(
+                "routers", "give at least one router address, or registry='consul'"
+            )
+        routers = [
+            RouterClient(a, settings.max_message_bytes, telemetry.client_interceptors())
+            for a in settings.routers
+        ]
         try:
             models = await asyncio.gather(*(_model(r, settings.connect_timeout_s) for r in routers))
         except UnavailableError:
@@ -82,15 +110,21 @@ class GatewayApp:
         return cls(settings, core, routers, telemetry)
 
     @classmethod
-    async def _create_following(cls, settings: GatewaySettings, registry: Registry,
-                                telemetry: Telemetry) -> GatewayApp:
+    async def _create_following(
+        cls, settings: GatewaySettings, registry: Registry, telemetry: Telemetry
+    ) -> GatewayApp:
         """Routers come and go with the registry; start once one is there and answers Status."""
         interceptors = telemetry.client_interceptors()
         watch = registry.watch(ROUTER_SERVICE)
         first = await asyncio.wait_for(_first_nonempty(watch), settings.connect_timeout_s)
-        clients = {i.id: RouterClient(i.endpoint, settings.max_message_bytes, interceptors) for i in first.instances}
+        clients = {
+            i.id: RouterClient(i.endpoint, settings.max_message_bytes, interceptors)
+            for i in first.instances
+        }
         model = await next(iter(clients.values())).model(settings.connect_timeout_s)
-        core = GatewayCore(settings, Tokenizer(settings.checkpoint), list(clients.values()), model, telemetry)
+        core = GatewayCore(
+            settings, Tokenizer(settings.checkpoint), list(clients.values()), model, telemetry
+        )
         app = cls(settings, core, list(clients.values()), telemetry)
 
         async def follow() -> None:
@@ -100,9 +134,13 @@ class GatewayApp:
                 for gone in set(clients) - set(current):
                     # Streams in flight keep the channel; close it once they have had time to end.
                     client = clients.pop(gone)
-                    loop.call_later(settings.grace_s, lambda c=client: asyncio.ensure_future(c.close()))
+                    loop.call_later(
+                        settings.grace_s, lambda c=client: asyncio.ensure_future(c.close())
+                    )
                 for new in set(current) - set(clients):
-                    clients[new] = RouterClient(current[new].endpoint, settings.max_message_bytes, interceptors)
+                    clients[new] = RouterClient(
+                        current[new].endpoint, settings.max_message_bytes, interceptors
+                    )
                 app.core.routers = app.routers = list(clients.values())
 
         app._follow_task = asyncio.create_task(follow(), name="router-membership")
@@ -119,7 +157,9 @@ class GatewayApp:
         while not self.http.started:
             if self._http_task.done():
                 self._http_task.result()  # raises the bind error
-                raise OSError(f"HTTP server on {self.settings.host}:{self.settings.http_port} did not start")
+                raise OSError(
+                    f"HTTP server on {self.settings.host}:{self.settings.http_port} did not start"
+                )
             await asyncio.sleep(0.01)
 
     async def _stop_http(self) -> None:
@@ -154,7 +194,9 @@ async def _model(router: RouterClient, timeout_s: float) -> ModelInfo:
     try:
         return await router.model(timeout_s)
     except MoeMeshError as e:  # an operator's message at start-up: name the router
-        raise UnavailableError(f"router {router.address} not reachable within {timeout_s}s: {e}") from e
+        raise UnavailableError(
+            f"router {router.address} not reachable within {timeout_s}s: {e}"
+        ) from e
 
 
 async def _first_nonempty(watch) -> Membership:

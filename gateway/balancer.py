@@ -26,7 +26,9 @@ class Routable(Protocol):
 
 
 class Balancer:
-    def __init__(self, policy: EjectionPolicy, budget: RetryBudget, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self, policy: EjectionPolicy, budget: RetryBudget, clock: Clock = time.monotonic
+    ) -> None:
         self.policy, self.budget, self._clock = policy, budget, clock
         self._health: dict[str, EndpointHealth] = {}
         self._turn = 0
@@ -42,14 +44,18 @@ class Balancer:
         """The admitted router with the fewest open streams, preferring ones not in `avoid` (tried already)."""
         if not routers:
             raise UnavailableError("no router replica is available")
-        if len(self._health) > 2 * len(routers):  # routers leave with membership changes: forget them
+        if len(self._health) > 2 * len(
+            routers
+        ):  # routers leave with membership changes: forget them
             keep = {r.address for r in routers}
             self._health = {a: h for a, h in self._health.items() if a in keep}
         fresh = [r for r in routers if r.address not in avoid] or list(routers)
         candidates = pick_healthy(fresh, self.health)
         self._turn += 1
         n = len(candidates)
-        return min((candidates[(self._turn + i) % n] for i in range(n)), key=lambda r: r.outstanding)
+        return min(
+            (candidates[(self._turn + i) % n] for i in range(n)), key=lambda r: r.outstanding
+        )
 
     def ejected(self) -> list[str]:
         return sorted(a for a, h in self._health.items() if h.ejected)

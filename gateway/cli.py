@@ -18,8 +18,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from gateway.settings import GatewaySettings
 
     add_settings_arguments(p, GatewaySettings, flags=FLAGS)
-    p.add_argument("--ready-file", type=Path, default=None,
-                   help="write {address, http_address, pid} as JSON here once serving")
+    p.add_argument(
+        "--ready-file",
+        type=Path,
+        default=None,
+        help="write {address, http_address, pid} as JSON here once serving",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,9 +63,12 @@ async def _fill(info: dict, app) -> None:
 
 
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("serve-gateway", help="run the public gRPC + OpenAI HTTP gateway",
-                              description="Serve moe_mesh.v1.Inference and the OpenAI-compatible HTTP API "
-                                          "in front of router replicas.")
+    p = subparsers.add_parser(
+        "serve-gateway",
+        help="run the public gRPC + OpenAI HTTP gateway",
+        description="Serve moe_mesh.v1.Inference and the OpenAI-compatible HTTP API "
+        "in front of router replicas.",
+    )
     add_arguments(p)
     p.set_defaults(func=run)
 

@@ -54,8 +54,11 @@ def check_unicode(field: str, text: str, where: str = "") -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise InvalidArgumentError(field, f"{where}invalid Unicode: lone surrogate U+{ord(text[e.start]):04X} at "
-                                   f"character {e.start}") from None
+        raise InvalidArgumentError(
+            field,
+            f"{where}invalid Unicode: lone surrogate U+{ord(text[e.start]):04X} at "
+            f"character {e.start}",
+        ) from None
 
 
 @dataclass
@@ -126,23 +129,46 @@ class Generation:
 
 
 class GatewayCore:
-    def __init__(self, settings: GatewaySettings, tokenizer: Tokenizer, routers: Sequence[RouterBackend],
-                 model: ModelInfo, telemetry: Telemetry = OFF) -> None:
-        self.settings, self.tokenizer, self.routers, self.model = settings, tokenizer, list(routers), model
-        self.admission = Admission(settings.max_in_flight, settings.max_queued, settings.retry_after_s)
-        self.balancer = Balancer(EjectionPolicy(consecutive_failures=1, base_ejection_s=settings.router_ejection_s),
-                                 RetryBudget(ratio=settings.retry_budget_ratio))
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        tokenizer: Tokenizer,
+        routers: Sequence[RouterBackend],
+        model: ModelInfo,
+        telemetry: Telemetry = OFF,
+    ) -> None:
+        self.settings, self.tokenizer, self.routers, self.model = (
+            settings,
+            tokenizer,
+            list(routers),
+            model,
+        )
+        self.admission = Admission(
+            settings.max_in_flight, settings.max_queued, settings.retry_after_s
+        )
+        self.balancer = Balancer(
+            EjectionPolicy(consecutive_failures=1, base_ejection_s=settings.router_ejection_s),
+            RetryBudget(ratio=settings.retry_budget_ratio),
+        )
         self.draining = False  # set on shutdown: new requests are refused, admitted ones finish
         self._active: set[str] = set()  # request ids in flight, so a duplicate is refused
         self.tracer = telemetry.tracer
-        self._duration = telemetry.latency(REQUEST_DURATION, "request from admission to its last token")
+        self._duration = telemetry.latency(
+            REQUEST_DURATION, "request from admission to its last token"
+        )
         self._ttft = telemetry.latency(TIME_TO_FIRST_TOKEN, "request start to its first token")
-        self._tpot = telemetry.latency(TIME_PER_OUTPUT_TOKEN, "mean time between a request's output tokens")
-        self._queue_wait = telemetry.latency(GATEWAY_QUEUE_WAIT, "time an admitted request waited for a place")
+        self._tpot = telemetry.latency(
+            TIME_PER_OUTPUT_TOKEN, "mean time between a request's output tokens"
+        )
+        self._queue_wait = telemetry.latency(
+            GATEWAY_QUEUE_WAIT, "time an admitted request waited for a place"
+        )
         self._errors = telemetry.errors()
         telemetry.meter.create_observable_gauge(
-            GATEWAY_QUEUE_DEPTH, [lambda _: [Observation(self.admission.queued)]],
-            description="admitted requests waiting for an in-flight place")
+            GATEWAY_QUEUE_DEPTH,
+            [lambda _: [Observation(self.admission.queued)]],
+            description="admitted requests waiting for an in-flight place",
+        )
 
     def list_models(self) -> list[ModelInfo]:
         return [self.model]
@@ -154,18 +180,26 @@ class GatewayCore:
         s, m = self.settings, self.model
         for name, value in (("request_id", r.request_id), ("model", r.model)):
             if len(value) > s.max_id_chars:
-                raise InvalidArgumentError(name, f"must be at most {s.max_id_chars} characters, got {len(value)}")
+                raise InvalidArgumentError(
+                    name, f"must be at most {s.max_id_chars} characters, got {len(value)}"
+                )
             check_unicode(name, value)
         if r.model and r.model != m.id:
-            raise InvalidArgumentError("model", f"unknown model {r.model!r}; this gateway serves {m.id!r}")
+            raise InvalidArgumentError(
+                "model", f"unknown model {r.model!r}; this gateway serves {m.id!r}"
+            )
         for name, values in (("stop", r.stop), ("stop_token_ids", r.stop_token_ids)):
             if len(values) > s.max_stop_strings:
-                raise InvalidArgumentError(name, f"at most {s.max_stop_strings} entries, got {len(values)}")
+                raise InvalidArgumentError(
+                    name, f"at most {s.max_stop_strings} entries, got {len(values)}"
+                )
         for x in r.stop:
             if not isinstance(x, str):
                 raise InvalidArgumentError("stop", "must be strings")
             if len(x) > s.max_stop_chars:
-                raise InvalidArgumentError("stop", f"each must be at most {s.max_stop_chars} characters, got {len(x)}")
+                raise InvalidArgumentError(
+                    "stop", f"each must be at most {s.max_stop_chars} characters, got {len(x)}"
+                )
             check_unicode("stop", x)
         if (r.prompt is None) == (r.prompt_token_ids is None):
             raise InvalidArgumentError("prompt", "give exactly one of prompt and prompt_token_ids")
@@ -190,13 +224,19 @@ class GatewayCore:
             raise InvalidArgumentError("prompt_token_ids", "must not be empty")
         bad = next((t for t in ids if not 0 <= t < m.vocab_size), None)
         if bad is not None:
-            raise InvalidArgumentError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {m.vocab_size})")
+            raise InvalidArgumentError(
+                "prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {m.vocab_size})"
+            )
         bad = next((t for t in r.stop_token_ids if not 0 <= t < m.vocab_size), None)
         if bad is not None:
-            raise InvalidArgumentError("stop_token_ids", f"token id {bad} is outside the vocabulary [0, {m.vocab_size})")
+            raise InvalidArgumentError(
+                "stop_token_ids", f"token id {bad} is outside the vocabulary [0, {m.vocab_size})"
+            )
         max_tokens = s.default_max_tokens if r.max_tokens is None else r.max_tokens
         if not 1 <= max_tokens <= s.max_tokens_limit:
-            raise InvalidArgumentError("max_tokens", f"must be in [1, {s.max_tokens_limit}], got {max_tokens}")
+            raise InvalidArgumentError(
+                "max_tokens", f"must be in [1, {s.max_tokens_limit}], got {max_tokens}"
+            )
         check_context_length(len(ids), max_tokens, m.max_model_len)
         temperature = 1.0 if r.temperature is None else r.temperature
         if not (math.isfinite(temperature) and temperature >= 0):
@@ -210,13 +250,17 @@ class GatewayCore:
         if r.seed is not None and not 0 <= r.seed < 2**64:
             raise InvalidArgumentError("seed", f"must be in [0, 2^64), got {r.seed}")
         if not -(2**31) <= r.priority < 2**31:
-            raise InvalidArgumentError("priority", f"must fit a 32-bit signed integer, got {r.priority}")
+            raise InvalidArgumentError(
+                "priority", f"must fit a 32-bit signed integer, got {r.priority}"
+            )
         seed = r.seed
         if seed is None and temperature > 0:
             # A request that moves to another router mid-stream continues from its tokens so far with
             # the same seed; without one here, the rest would be drawn from a different sample path.
             seed = secrets.randbits(63)
-        return ids, GenerateParams(max_tokens, temperature, top_p, top_k, seed, tuple(r.stop_token_ids), r.ignore_eos)
+        return ids, GenerateParams(
+            max_tokens, temperature, top_p, top_k, seed, tuple(r.stop_token_ids), r.ignore_eos
+        )
 
     # -- generation ------------------------------------------------------------------------
 
@@ -244,7 +288,9 @@ class GatewayCore:
                 await slot.__aenter__()
         except TimeoutError:
             self._active.discard(request_id)
-            raise DeadlineExceededError(f"request {request_id} waited past its deadline for admission") from None
+            raise DeadlineExceededError(
+                f"request {request_id} waited past its deadline for admission"
+            ) from None
         except BaseException:
             self._active.discard(request_id)
             raise
@@ -270,23 +316,37 @@ class GatewayCore:
                 text.append(delta.text)
                 last = delta
         assert last is not None and last.finish_reason is not None
-        return Completion(gen.request_id, ids, "".join(text), last.finish_reason, last.prompt_tokens,
-                          last.completion_tokens)
+        return Completion(
+            gen.request_id,
+            ids,
+            "".join(text),
+            last.finish_reason,
+            last.prompt_tokens,
+            last.completion_tokens,
+        )
 
     def _request_span(self, request: RouterRequest) -> Span | None:
         """The request's span, under the RPC's server span if there is one; None when not sampled."""
         if self.tracer is None:
             return None
         p = request.params
-        span = self.tracer.start_span("moe.gateway.request", attributes={
-            "gen_ai.operation.name": "text_completion", "gen_ai.request.model": self.model.id,
-            "gen_ai.request.id": request.request_id, "gen_ai.request.max_tokens": p.max_tokens,
-            "gen_ai.request.temperature": p.temperature, "gen_ai.request.top_p": p.top_p,
-            "gen_ai.usage.input_tokens": len(request.prompt_token_ids)})
+        span = self.tracer.start_span(
+            "moe.gateway.request",
+            attributes={
+                "gen_ai.operation.name": "text_completion",
+                "gen_ai.request.model": self.model.id,
+                "gen_ai.request.id": request.request_id,
+                "gen_ai.request.max_tokens": p.max_tokens,
+                "gen_ai.request.temperature": p.temperature,
+                "gen_ai.request.top_p": p.top_p,
+                "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
+            },
+        )
         return span if span.is_recording() else None
 
-    async def _stream(self, request: RouterRequest, stop: Sequence[str],
-                      deadline: float, began: float) -> AsyncIterator[Delta]:
+    async def _stream(
+        self, request: RouterRequest, stop: Sequence[str], deadline: float, began: float
+    ) -> AsyncIterator[Delta]:
         span = self._request_span(request)
         first: float | None = None
         status = "OK"
@@ -296,9 +356,17 @@ class GatewayCore:
                     first = time.monotonic()
                     self._ttft.record(first - began)
                 if delta.finish_reason is not None and span is not None:
-                    span.set_attributes({"gen_ai.usage.output_tokens": delta.completion_tokens,
-                                         "gen_ai.response.finish_reasons": [delta.finish_reason]})
-                if delta.finish_reason is not None and first is not None and delta.completion_tokens > 1:
+                    span.set_attributes(
+                        {
+                            "gen_ai.usage.output_tokens": delta.completion_tokens,
+                            "gen_ai.response.finish_reasons": [delta.finish_reason],
+                        }
+                    )
+                if (
+                    delta.finish_reason is not None
+                    and first is not None
+                    and delta.completion_tokens > 1
+                ):
                     self._tpot.record((time.monotonic() - first) / (delta.completion_tokens - 1))
                 yield delta
         except MoeMeshError as e:
@@ -316,8 +384,9 @@ class GatewayCore:
             if span is not None:
                 span.end()
 
-    async def _deltas(self, request: RouterRequest, stop: Sequence[str], deadline: float,
-                      span: Span | None) -> AsyncIterator[Delta]:
+    async def _deltas(
+        self, request: RouterRequest, stop: Sequence[str], deadline: float, span: Span | None
+    ) -> AsyncIterator[Delta]:
         """The request's deltas, from one router or, when routers fail under it, from several in turn.
 
         A call that fails with UNAVAILABLE (router dead, unreachable, shutting down) moves to another
@@ -335,13 +404,20 @@ class GatewayCore:
             tried.append(router.address)
             timeout = deadline - time.monotonic()
             if timeout <= 0:
-                raise DeadlineExceededError(f"request {rid} passed its deadline before reaching a router")
+                raise DeadlineExceededError(
+                    f"request {rid} passed its deadline before reaching a router"
+                )
             base = len(sent)
-            if base >= request.params.max_tokens:  # a router died right after the last token: nothing is left
+            if (
+                base >= request.params.max_tokens
+            ):  # a router died right after the last token: nothing is left
                 yield Delta(rid, [], text.finish(), "length", prompt_tokens, base)
                 return
-            chunks = router.generate(self._continuation(request, sent, attempt), timeout,
-                                     trace.set_span_in_context(span) if span is not None else None)
+            chunks = router.generate(
+                self._continuation(request, sent, attempt),
+                timeout,
+                trace.set_span_in_context(span) if span is not None else None,
+            )
             health, started = self.balancer.health(router), False
             try:
                 async for chunk in chunks:
@@ -351,27 +427,48 @@ class GatewayCore:
                     sent += chunk.token_ids
                     completion = base + chunk.completion_tokens
                     delta = text.push(chunk.token_ids)
-                    if text.stopped:  # a stop string: end here; closing `chunks` cancels the router stream
+                    if (
+                        text.stopped
+                    ):  # a stop string: end here; closing `chunks` cancels the router stream
                         yield Delta(rid, chunk.token_ids, delta, "stop", prompt_tokens, completion)
                         return
                     if chunk.finish_reason is not None:
-                        yield Delta(rid, chunk.token_ids, delta + text.finish(), chunk.finish_reason, prompt_tokens,
-                                    completion)
+                        yield Delta(
+                            rid,
+                            chunk.token_ids,
+                            delta + text.finish(),
+                            chunk.finish_reason,
+                            prompt_tokens,
+                            completion,
+                        )
                         return
                     yield Delta(rid, chunk.token_ids, delta, None, prompt_tokens, completion)
-                log.warning("router %s ended the stream of %s without a finish reason", router.address, rid)
-                raise UnavailableError(f"request {rid}: the router ended the stream without a finish reason")
+                log.warning(
+                    "router %s ended the stream of %s without a finish reason", router.address, rid
+                )
+                raise UnavailableError(
+                    f"request {rid}: the router ended the stream without a finish reason"
+                )
             except RouterLostError as e:
                 health.failure()
                 if not self._may_retry(rid, attempt, deadline):
-                    raise UnavailableError(f"request {rid}: no router replica could serve it "
-                                           f"({attempt + 1} tried; last: {e})") from e
+                    raise UnavailableError(
+                        f"request {rid}: no router replica could serve it "
+                        f"({attempt + 1} tried; last: {e})"
+                    ) from e
                 self.balancer.failovers += 1
-                log.info("request %s: router %s failed after %d tokens (%s); continuing on another router",
-                         rid, router.address, len(sent), e)
+                log.info(
+                    "request %s: router %s failed after %d tokens (%s); continuing on another router",
+                    rid,
+                    router.address,
+                    len(sent),
+                    e,
+                )
                 if span is not None:
-                    span.add_event("moe.gateway.failover", {"moe.router.attempt": attempt + 1,
-                                                            "moe.tokens_sent": len(sent)})
+                    span.add_event(
+                        "moe.gateway.failover",
+                        {"moe.router.attempt": attempt + 1, "moe.tokens_sent": len(sent)},
+                    )
             finally:
                 await chunks.aclose()  # type: ignore[attr-defined]
         raise AssertionError("unreachable: the last attempt returns or raises")
@@ -385,8 +482,7 @@ class GatewayCore:
         return True
 
     @staticmethod
-    def _continuation(request: RouterRequest, sent: list[int],
-                      attempt: int) -> RouterRequest:
+    def _continuation(request: RouterRequest, sent: list[int], attempt: int) -> RouterRequest:
         """The router request that continues `request` after the tokens `sent` so far.
 
         The token ids go as they are, never re-tokenized text, so the context is exactly the one the
@@ -397,5 +493,9 @@ class GatewayCore:
         if attempt == 0:
             return request
         params = replace(request.params, max_tokens=request.params.max_tokens - len(sent))
-        return RouterRequest(f"{request.request_id}~{attempt}", [*request.prompt_token_ids, *sent], params,
-                             request.priority)
+        return RouterRequest(
+            f"{request.request_id}~{attempt}",
+            [*request.prompt_token_ids, *sent],
+            params,
+            request.priority,
+        )

@@ -17,50 +17,79 @@ log = logging.getLogger(__name__)
 
 def _request(msg: inference_pb2.GenerateRequest) -> TextRequest:
     return TextRequest(
-        model=msg.model, prompt=msg.prompt if msg.HasField("prompt") else None,
+        model=msg.model,
+        prompt=msg.prompt if msg.HasField("prompt") else None,
         prompt_token_ids=msg.prompt_token_ids or None,
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         temperature=msg.temperature if msg.HasField("temperature") else None,
         top_p=msg.top_p if msg.HasField("top_p") else None,
         top_k=msg.top_k if msg.HasField("top_k") else None,
         seed=msg.seed if msg.HasField("seed") else None,
-        stop=msg.stop, stop_token_ids=msg.stop_token_ids, priority=msg.priority,
-        request_id=msg.request_id)
+        stop=msg.stop,
+        stop_token_ids=msg.stop_token_ids,
+        priority=msg.priority,
+        request_id=msg.request_id,
+    )
 
 
 def _usage(prompt: int, completion: int) -> inference_pb2.Usage:
-    return inference_pb2.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return inference_pb2.Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, core: GatewayCore) -> None:
         self.core = core
 
-    async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ):
         try:
             c = await self.core.complete(_request(request), context.time_remaining())
         except MoeMeshError as e:
             log.info("request %s failed: %s", request.request_id or "-", e)
             await abort_with(context, e)
-        log.info("request %s finished: %s, %d tokens", c.request_id, c.finish_reason, c.completion_tokens)
-        return inference_pb2.GenerateResponse(request_id=c.request_id, token_ids=c.token_ids, text=c.text,
-                                              finish_reason=to_wire(c.finish_reason),
-                                              usage=_usage(c.prompt_tokens, c.completion_tokens))
+        log.info(
+            "request %s finished: %s, %d tokens", c.request_id, c.finish_reason, c.completion_tokens
+        )
+        return inference_pb2.GenerateResponse(
+            request_id=c.request_id,
+            token_ids=c.token_ids,
+            text=c.text,
+            finish_reason=to_wire(c.finish_reason),
+            usage=_usage(c.prompt_tokens, c.completion_tokens),
+        )
 
-    async def GenerateStream(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def GenerateStream(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ):
         try:
             async with await self.core.start(_request(request), context.time_remaining()) as gen:
                 async for d in gen:
                     last = d.finish_reason is not None
                     yield inference_pb2.GenerateStreamResponse(
-                        request_id=d.request_id, token_ids=d.token_ids, text=d.text,
+                        request_id=d.request_id,
+                        token_ids=d.token_ids,
+                        text=d.text,
                         finish_reason=to_wire(d.finish_reason),
-                        usage=_usage(d.prompt_tokens, d.completion_tokens) if last else None)
+                        usage=_usage(d.prompt_tokens, d.completion_tokens) if last else None,
+                    )
         except MoeMeshError as e:
             log.info("stream %s failed: %s", request.request_id or "-", e)
             await abort_with(context, e)
 
-    async def ListModels(self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext):
-        return inference_pb2.ListModelsResponse(models=[
-            inference_pb2.ModelInfo(id=m.id, architecture=m.architecture, max_model_len=m.max_model_len,
-                                    vocab_size=m.vocab_size) for m in self.core.list_models()])
+    async def ListModels(
+        self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ):
+        return inference_pb2.ListModelsResponse(
+            models=[
+                inference_pb2.ModelInfo(
+                    id=m.id,
+                    architecture=m.architecture,
+                    max_model_len=m.max_model_len,
+                    vocab_size=m.vocab_size,
+                )
+                for m in self.core.list_models()
+            ]
+        )

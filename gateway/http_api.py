@@ -108,44 +108,92 @@ class ChatBody(_Body):
 
 
 # OpenAI fields that would change the result; refused unless absent or set to their no-op value.
-_UNSUPPORTED = ("best_of", "echo", "logprobs", "top_logprobs", "suffix", "logit_bias", "presence_penalty",
-                "frequency_penalty", "tools", "functions", "response_format")
+_UNSUPPORTED = (
+    "best_of",
+    "echo",
+    "logprobs",
+    "top_logprobs",
+    "suffix",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "tools",
+    "functions",
+    "response_format",
+)
 _NO_OP = {"best_of": 1, "response_format": {"type": "text"}}
 
 
-def _text_request(body: _Body, prompt: str | None, ids: list[int] | None, max_tokens: int | None) -> TextRequest:
+def _text_request(
+    body: _Body, prompt: str | None, ids: list[int] | None, max_tokens: int | None
+) -> TextRequest:
     if body.n not in (None, 1):
         raise errors.InvalidArgumentError("n", f"only n=1 is supported, got {body.n}")
     for name in _UNSUPPORTED:
         value = (body.model_extra or {}).get(name)
         if value not in (None, False, "", [], {}) and value != _NO_OP.get(name, 0):
             raise errors.InvalidArgumentError(name, "is not supported by this server")
-    return TextRequest(model=body.model, prompt=prompt, prompt_token_ids=ids, max_tokens=max_tokens,
-                       temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                       stop=body.stop, stop_token_ids=body.stop_token_ids, priority=body.priority,
-                       ignore_eos=body.ignore_eos, request_id=body.request_id)
+    return TextRequest(
+        model=body.model,
+        prompt=prompt,
+        prompt_token_ids=ids,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stop=body.stop,
+        stop_token_ids=body.stop_token_ids,
+        priority=body.priority,
+        ignore_eos=body.ignore_eos,
+        request_id=body.request_id,
+    )
 
 
-def _bounded_bodies(s: GatewaySettings, max_model_len: int) -> tuple[type[CompletionBody], type[ChatBody]]:
+def _bounded_bodies(
+    s: GatewaySettings, max_model_len: int
+) -> tuple[type[CompletionBody], type[ChatBody]]:
     """The request bodies with this gateway's limits in their schema (and so in its OpenAPI document)."""
     ident = Annotated[str, Field(max_length=s.max_id_chars)]
-    stop = Annotated[list[Annotated[str, Field(max_length=s.max_stop_chars)]],
-                     BeforeValidator(lambda v: [v] if isinstance(v, str) else v), Field(max_length=s.max_stop_strings)]
-    shared = {"model": (ident, ""), "request_id": (ident, ""), "stop": (stop, []),
-              "stop_token_ids": (Annotated[list[int], Field(max_length=s.max_stop_strings)], [])}
+    stop = Annotated[
+        list[Annotated[str, Field(max_length=s.max_stop_chars)]],
+        BeforeValidator(lambda v: [v] if isinstance(v, str) else v),
+        Field(max_length=s.max_stop_strings),
+    ]
+    shared = {
+        "model": (ident, ""),
+        "request_id": (ident, ""),
+        "stop": (stop, []),
+        "stop_token_ids": (Annotated[list[int], Field(max_length=s.max_stop_strings)], []),
+    }
     ids = Annotated[list[int], Field(max_length=max_model_len)]
-    prompt = str | ids | Annotated[list[str], Field(max_length=64)] | Annotated[list[ids], Field(max_length=64)]
-    completion = create_model("CompletionBody", __base__=CompletionBody, prompt=(prompt, ...), **shared)
-    chat = create_model("ChatBody", __base__=ChatBody, **shared,
-                        messages=(Annotated[list[ChatMessage], Field(max_length=s.max_messages)], ...))
+    prompt = (
+        str
+        | ids
+        | Annotated[list[str], Field(max_length=64)]
+        | Annotated[list[ids], Field(max_length=64)]
+    )
+    completion = create_model(
+        "CompletionBody", __base__=CompletionBody, prompt=(prompt, ...), **shared
+    )
+    chat = create_model(
+        "ChatBody",
+        __base__=ChatBody,
+        **shared,
+        messages=(Annotated[list[ChatMessage], Field(max_length=s.max_messages)], ...),
+    )
     return completion, chat
 
 
-def _completion_prompt(p: str | list[int] | list[str] | list[list[int]]) -> tuple[str | None, list[int] | None]:
+def _completion_prompt(
+    p: str | list[int] | list[str] | list[list[int]],
+) -> tuple[str | None, list[int] | None]:
     """(text, None) or (None, token ids); OpenAI's batch form is accepted only with one prompt."""
     if isinstance(p, list) and p and not isinstance(p[0], int):
         if len(p) != 1:
-            raise errors.InvalidArgumentError("prompt", f"got {len(p)} prompts; send one prompt per request")
+            raise errors.InvalidArgumentError(
+                "prompt", f"got {len(p)} prompts; send one prompt per request"
+            )
         p = p[0]
     return (p, None) if isinstance(p, str) else (None, list(p))
 
@@ -161,7 +209,9 @@ def chat_prompt(messages: list[ChatMessage]) -> str:
     for i, m in enumerate(messages):
         if isinstance(m.content, list):
             if any(part.type != "text" or part.text is None for part in m.content):
-                raise errors.InvalidArgumentError("messages", f"messages[{i}]: only text content parts are supported")
+                raise errors.InvalidArgumentError(
+                    "messages", f"messages[{i}]: only text content parts are supported"
+                )
             content = "".join(part.text or "" for part in m.content)
         else:
             content = m.content or ""
@@ -178,7 +228,9 @@ def _fields_named(**names: str) -> Iterator[None]:
     except errors.InvalidArgumentError as e:
         if e.field not in names:
             raise
-        raise errors.InvalidArgumentError(names[e.field], str(e).removeprefix(f"{e.field}: ")) from e
+        raise errors.InvalidArgumentError(
+            names[e.field], str(e).removeprefix(f"{e.field}: ")
+        ) from e
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -195,9 +247,13 @@ _ERRORS: list[tuple[type[errors.MoeMeshError], int, str, str]] = [
 
 
 def _error_body(e: Exception) -> tuple[int, dict]:
-    status, type_, code = next(((s, t, c) for cls, s, t, c in _ERRORS if isinstance(e, cls)),
-                               (500, "server_error", "internal"))
-    param = e.field if isinstance(e, (errors.InvalidArgumentError, errors.AlreadyExistsError)) else None
+    status, type_, code = next(
+        ((s, t, c) for cls, s, t, c in _ERRORS if isinstance(e, cls)),
+        (500, "server_error", "internal"),
+    )
+    param = (
+        e.field if isinstance(e, (errors.InvalidArgumentError, errors.AlreadyExistsError)) else None
+    )
     # A bug's message says nothing a client can act on and may describe internals: it goes to the log.
     message = str(e) if isinstance(e, errors.MoeMeshError) else "internal server error"
     return status, {"error": {"message": message, "type": type_, "param": param, "code": code}}
@@ -212,13 +268,25 @@ def _error_response(e: Exception) -> JSONResponse:
 
 
 def _invalid_request(message: str, param: str | None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
-                                   "code": "invalid_argument"}}, 400)
+    return JSONResponse(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": param,
+                "code": "invalid_argument",
+            }
+        },
+        400,
+    )
 
 
 def _usage(d: Delta) -> dict:
-    return {"prompt_tokens": d.prompt_tokens, "completion_tokens": d.completion_tokens,
-            "total_tokens": d.prompt_tokens + d.completion_tokens}
+    return {
+        "prompt_tokens": d.prompt_tokens,
+        "completion_tokens": d.completion_tokens,
+        "total_tokens": d.prompt_tokens + d.completion_tokens,
+    }
 
 
 def _sse(obj: dict) -> bytes:
@@ -229,8 +297,11 @@ class _EventStream(StreamingResponse):
     """Server-Sent Events over an admitted generation, closed however the response ends."""
 
     def __init__(self, generation: Generation, events: AsyncIterator[bytes]) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self.generation, self.events = generation, events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -245,8 +316,9 @@ class _EventStream(StreamingResponse):
                 await self.generation.aclose()
 
 
-async def _events(gen: Generation, head: dict, include_usage: bool,
-                  choice: Callable[[Delta, bool], dict]) -> AsyncIterator[bytes]:
+async def _events(
+    gen: Generation, head: dict, include_usage: bool, choice: Callable[[Delta, bool], dict]
+) -> AsyncIterator[bytes]:
     """OpenAI chunk stream: one chunk per delta, an optional usage chunk, then [DONE]."""
     last, usage = None, {"usage": None} if include_usage else {}
     try:
@@ -269,6 +341,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
     keep its admission place and router slot until it finished.
     """
     with anyio.CancelScope() as scope:
+
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
@@ -321,19 +394,28 @@ class _BodyLimit:
             nonlocal read
             message = await receive()
             read += len(message.get("body", b""))
-            if read > self.limit:  # raised inside the route's body read: FastAPI passes HTTP errors through
+            if (
+                read > self.limit
+            ):  # raised inside the route's body read: FastAPI passes HTTP errors through
                 raise StarletteHTTPException(413, self._error(read)["error"]["message"])
             return message
 
         await self.app(scope, bounded, send)
 
     def _error(self, size: int) -> dict:
-        return {"error": {"message": f"the request body ({size} bytes or more) exceeds the limit of {self.limit} "
-                          "bytes (max_body_bytes)", "type": "invalid_request_error", "param": None,
-                          "code": "request_too_large"}}
+        return {
+            "error": {
+                "message": f"the request body ({size} bytes or more) exceeds the limit of {self.limit} "
+                "bytes (max_body_bytes)",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "request_too_large",
+            }
+        }
 
 
 # -- the app -------------------------------------------------------------------------------------
+
 
 def create_app(core: GatewayCore) -> FastAPI:
     """The HTTP app over `core`. `app.state.ready` (True at creation) and `core.draining` drive /health/ready."""
@@ -353,26 +435,45 @@ def create_app(core: GatewayCore) -> FastAPI:
         problems = e.errors()
         first = problems[0] if problems else {}
         if first.get("type") == "json_invalid":
-            return _invalid_request(f"malformed JSON body: {first.get('ctx', {}).get('error', '')}", None)
+            return _invalid_request(
+                f"malformed JSON body: {first.get('ctx', {}).get('error', '')}", None
+            )
         loc = tuple(first.get("loc", ()))
         if loc[:1] != ("body",) or len(loc) < 2:
-            return _invalid_request(f"the body must be a JSON object, sent as application/json: {first.get('msg', '')}",
-                                    None)
+            return _invalid_request(
+                f"the body must be a JSON object, sent as application/json: {first.get('msg', '')}",
+                None,
+            )
         param = str(loc[1])
         # Name every alternative of a union field (e.g. prompt.str, prompt.list[int]) in the message.
-        details = dict.fromkeys(f"{'.'.join(map(str, p['loc'][1:]))}: {p['msg']}" for p in problems
-                                if len(p["loc"]) > 1 and str(p["loc"][1]) == param)
+        details = dict.fromkeys(
+            f"{'.'.join(map(str, p['loc'][1:]))}: {p['msg']}"
+            for p in problems
+            if len(p["loc"]) > 1 and str(p["loc"][1]) == param
+        )
         return _invalid_request("; ".join(details), param)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         code = {413: "request_too_large"}.get(e.status_code)
-        return JSONResponse({"error": {"message": str(e.detail), "type": "invalid_request_error", "param": None,
-                                       "code": code}}, e.status_code, e.headers)
+        return JSONResponse(
+            {
+                "error": {
+                    "message": str(e.detail),
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": code,
+                }
+            },
+            e.status_code,
+            e.headers,
+        )
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, e: Exception) -> JSONResponse:
-        return _error_response(e)  # Starlette re-raises it afterwards, so the server logs the traceback
+        return _error_response(
+            e
+        )  # Starlette re-raises it afterwards, so the server logs the traceback
 
     @app.get("/health/live")
     async def live() -> dict:
@@ -385,11 +486,25 @@ def create_app(core: GatewayCore) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [
-            {"id": m.id, "object": "model", "created": started, "owned_by": "moe-mesh", "architecture": m.architecture,
-             "max_model_len": m.max_model_len, "vocab_size": m.vocab_size} for m in core.list_models()]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": m.id,
+                    "object": "model",
+                    "created": started,
+                    "owned_by": "moe-mesh",
+                    "architecture": m.architecture,
+                    "max_model_len": m.max_model_len,
+                    "vocab_size": m.vocab_size,
+                }
+                for m in core.list_models()
+            ],
+        }
 
-    async def generate(request: Request, body: _Body, r: TextRequest, shape: _Shape, names: dict[str, str]) -> Response:
+    async def generate(
+        request: Request, body: _Body, r: TextRequest, shape: _Shape, names: dict[str, str]
+    ) -> Response:
         """Run `r` and answer in `shape`; the core's field names are reported as this endpoint's `names`."""
         with _fields_named(**names):
             if body.stream:
@@ -397,24 +512,45 @@ def create_app(core: GatewayCore) -> FastAPI:
                 gen = await _unless_disconnected(request, core.start(r))
                 if gen is None:
                     return Response(status_code=499)  # the client left while queued
-                head = {"id": shape.id_prefix + gen.request_id, "object": shape.chunk_object,
-                        "created": int(time.time()), "model": core.model.id}
-                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                head = {
+                    "id": shape.id_prefix + gen.request_id,
+                    "object": shape.chunk_object,
+                    "created": int(time.time()),
+                    "model": core.model.id,
+                }
+                include_usage = (
+                    body.stream_options is not None and body.stream_options.include_usage
+                )
                 return _EventStream(gen, _events(gen, head, include_usage, shape.chunk))
             c = await _unless_disconnected(request, core.complete(r))
         if c is None:
             return Response(status_code=499)
-        whole = Delta(c.request_id, c.token_ids, c.text, c.finish_reason, c.prompt_tokens, c.completion_tokens)
-        return JSONResponse({"id": shape.id_prefix + c.request_id, "object": shape.object, "created": int(time.time()),
-                             "model": core.model.id, "choices": [shape.whole(whole)], "usage": _usage(whole)})
+        whole = Delta(
+            c.request_id, c.token_ids, c.text, c.finish_reason, c.prompt_tokens, c.completion_tokens
+        )
+        return JSONResponse(
+            {
+                "id": shape.id_prefix + c.request_id,
+                "object": shape.object,
+                "created": int(time.time()),
+                "model": core.model.id,
+                "choices": [shape.whole(whole)],
+                "usage": _usage(whole),
+            }
+        )
 
     @app.post("/v1/completions")
     async def completions(body: Completion, request: Request) -> Response:
         r = _text_request(body, *_completion_prompt(body.prompt), body.max_tokens)
 
         def choice(d: Delta, first: bool = False) -> dict:
-            return {"index": 0, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason,
-                    **_token_ids(body.return_token_ids, d.token_ids)}
+            return {
+                "index": 0,
+                "text": d.text,
+                "logprobs": None,
+                "finish_reason": d.finish_reason,
+                **_token_ids(body.return_token_ids, d.token_ids),
+            }
 
         shape = _Shape("cmpl-", "text_completion", "text_completion", choice, choice)
         return await generate(request, body, r, shape, {"prompt_token_ids": "prompt"})
@@ -426,15 +562,30 @@ def create_app(core: GatewayCore) -> FastAPI:
 
         def chunk(d: Delta, first: bool) -> dict:
             delta = {"role": "assistant", "content": d.text} if first else {"content": d.text}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": d.finish_reason,
-                    **_token_ids(body.return_token_ids, d.token_ids)}
+            return {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": d.finish_reason,
+                **_token_ids(body.return_token_ids, d.token_ids),
+            }
 
         def whole(d: Delta) -> dict:
-            return {"index": 0, "message": {"role": "assistant", "content": d.text}, "logprobs": None,
-                    "finish_reason": d.finish_reason, **_token_ids(body.return_token_ids, d.token_ids)}
+            return {
+                "index": 0,
+                "message": {"role": "assistant", "content": d.text},
+                "logprobs": None,
+                "finish_reason": d.finish_reason,
+                **_token_ids(body.return_token_ids, d.token_ids),
+            }
 
         shape = _Shape("chatcmpl-", "chat.completion", "chat.completion.chunk", chunk, whole)
-        return await generate(request, body, r, shape,
-                              {"prompt": "messages", "prompt_token_ids": "messages", "max_tokens": max_field})
+        return await generate(
+            request,
+            body,
+            r,
+            shape,
+            {"prompt": "messages", "prompt_token_ids": "messages", "max_tokens": max_field},
+        )
 
     return app

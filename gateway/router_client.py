@@ -22,11 +22,14 @@ from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 log = logging.getLogger(__name__)
 # host:port, [v6]:port and gRPC's "ipv4:" / "ipv6:" forms: a router's error details name routers and
 # expert services (connection failures, unreachable experts), which the public must not learn.
-_ADDRESS = re.compile(r"(?:ipv[46]:)?(?:\[[0-9A-Fa-f:.%]+\]|\b[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?):\d{1,5}\b")
+_ADDRESS = re.compile(
+    r"(?:ipv[46]:)?(?:\[[0-9A-Fa-f:.%]+\]|\b[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?):\d{1,5}\b"
+)
 
 
 def scrub_addresses(text: str) -> str:
     return _ADDRESS.sub("<internal>", text)
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -61,12 +64,22 @@ class RouterRequest:
 
 def to_proto(r: RouterRequest) -> router_pb2.RouterGenerateRequest:
     p = r.params
-    params = router_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-                                       top_k=p.top_k, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos)
+    params = router_pb2.SamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        stop_token_ids=p.stop_token_ids,
+        ignore_eos=p.ignore_eos,
+    )
     if p.seed is not None:
         params.seed = p.seed
-    return router_pb2.RouterGenerateRequest(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
-                                            params=params, priority=r.priority)
+    return router_pb2.RouterGenerateRequest(
+        request_id=r.request_id,
+        prompt_token_ids=r.prompt_token_ids,
+        params=params,
+        priority=r.priority,
+    )
 
 
 @dataclass
@@ -83,23 +96,32 @@ class RouterBackend(Protocol):
     address: str
     outstanding: int
 
-    def generate(self, request: RouterRequest, timeout_s: float,
-                 trace_context: Context | None = None) -> AsyncIterator[Chunk]: ...
+    def generate(
+        self, request: RouterRequest, timeout_s: float, trace_context: Context | None = None
+    ) -> AsyncIterator[Chunk]: ...
 
     async def model(self, timeout_s: float) -> ModelInfo: ...
 
 
 class RouterClient:
-    def __init__(self, address: str, max_message_bytes: int,
-                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
+    def __init__(
+        self,
+        address: str,
+        max_message_bytes: int,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+    ) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes),
-                                                 interceptors=list(interceptors) or None)
+        self.channel = grpc.aio.insecure_channel(
+            address,
+            options=channel_options(max_message_bytes),
+            interceptors=list(interceptors) or None,
+        )
         self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
         self.outstanding = 0
 
-    async def generate(self, request: RouterRequest, timeout_s: float,
-                       trace_context: Context | None = None) -> AsyncIterator[Chunk]:
+    async def generate(
+        self, request: RouterRequest, timeout_s: float, trace_context: Context | None = None
+    ) -> AsyncIterator[Chunk]:
         """Stream a request's tokens. Closing the iterator early cancels the call (the router frees the slot).
 
         With `trace_context` the call is a child of that span: tracing interceptors read the current
@@ -113,8 +135,12 @@ class RouterClient:
         self.outstanding += 1
         try:
             async for msg in call:
-                chunk = Chunk(list(msg.token_ids), from_wire(msg.finish_reason), msg.prompt_tokens,
-                              msg.completion_tokens)
+                chunk = Chunk(
+                    list(msg.token_ids),
+                    from_wire(msg.finish_reason),
+                    msg.prompt_tokens,
+                    msg.completion_tokens,
+                )
                 if chunk.finish_reason is not None:
                     # The router ends the stream right after its last message. Reading to the end completes
                     # the call, and with it the tracing interceptor's client span, before the caller stops.
@@ -130,7 +156,9 @@ class RouterClient:
     async def model(self, timeout_s: float) -> ModelInfo:
         """The model this router serves (its Status RPC); waits for the router up to `timeout_s`."""
         try:
-            st = await self.stub.Status(router_pb2.RouterStatusRequest(), timeout=timeout_s, wait_for_ready=True)
+            st = await self.stub.Status(
+                router_pb2.RouterStatusRequest(), timeout=timeout_s, wait_for_ready=True
+            )
         except grpc.aio.AioRpcError as e:
             raise self._error(e, "status") from e
         return ModelInfo(st.model_id, st.architecture, st.max_model_len, st.vocab_size)

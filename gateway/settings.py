@@ -16,38 +16,83 @@ class GatewaySettings(TelemetrySettings):
 
     model_config = SettingsConfigDict(env_prefix="MOE_GATEWAY_", extra="forbid")
 
-    checkpoint: Path = Field(..., description="checkpoint directory (the gateway reads only its tokenizer)")
-    routers: list[str] = Field(default_factory=list, description="host:port of router replicas (with "
-                               "registry='none')")
-    registry: Literal["none", "consul"] = Field("none", description="'consul': follow router replicas live "
-                                                "through Consul or `moe-mesh up`'s embedded registry")
-    registry_address: str | None = Field(None, description="Consul HTTP address; default CONSUL_HTTP_ADDR")
+    checkpoint: Path = Field(
+        ..., description="checkpoint directory (the gateway reads only its tokenizer)"
+    )
+    routers: list[str] = Field(
+        default_factory=list, description="host:port of router replicas (with registry='none')"
+    )
+    registry: Literal["none", "consul"] = Field(
+        "none",
+        description="'consul': follow router replicas live "
+        "through Consul or `moe-mesh up`'s embedded registry",
+    )
+    registry_address: str | None = Field(
+        None, description="Consul HTTP address; default CONSUL_HTTP_ADDR"
+    )
     host: str = Field("127.0.0.1", description="address both APIs bind")
     grpc_port: int = Field(0, ge=0, le=65535, description="public gRPC port; 0 picks a free one")
-    http_port: int = Field(0, ge=0, le=65535, description="OpenAI-compatible HTTP port; 0 picks a free one")
+    http_port: int = Field(
+        0, ge=0, le=65535, description="OpenAI-compatible HTTP port; 0 picks a free one"
+    )
     max_in_flight: int = Field(64, ge=1, description="requests streaming from routers at once")
-    max_queued: int = Field(64, ge=0, description="admitted requests waiting for an in-flight place; beyond "
-                            "this, requests get RESOURCE_EXHAUSTED / HTTP 429 at once")
-    retry_after_s: float = Field(1.0, gt=0, description="retry hint sent with RESOURCE_EXHAUSTED / 429")
-    max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
+    max_queued: int = Field(
+        64,
+        ge=0,
+        description="admitted requests waiting for an in-flight place; beyond "
+        "this, requests get RESOURCE_EXHAUSTED / HTTP 429 at once",
+    )
+    retry_after_s: float = Field(
+        1.0, gt=0, description="retry hint sent with RESOURCE_EXHAUSTED / 429"
+    )
+    max_tokens_limit: int = Field(
+        4096, ge=1, description="largest max_tokens a request may ask for"
+    )
     default_max_tokens: int = Field(16, ge=1, description="max_tokens when a request gives none")
-    request_timeout_s: float = Field(600.0, gt=0, description="deadline of a request that brings none")
-    connect_timeout_s: float = Field(30.0, gt=0, description="how long to wait for routers at start-up")
-    max_message_bytes: int = Field(64 * 2**20, ge=2**20, description="gRPC message size limit towards routers")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="deadline of a request that brings none"
+    )
+    connect_timeout_s: float = Field(
+        30.0, gt=0, description="how long to wait for routers at start-up"
+    )
+    max_message_bytes: int = Field(
+        64 * 2**20, ge=2**20, description="gRPC message size limit towards routers"
+    )
     # Public input bounds, checked before any heavy work (parsing lists, tokenizing).
-    max_body_bytes: int = Field(4 * 2**20, ge=2**10, description="largest HTTP request body (else 413) and public "
-                                "gRPC message (else RESOURCE_EXHAUSTED)")
+    max_body_bytes: int = Field(
+        4 * 2**20,
+        ge=2**10,
+        description="largest HTTP request body (else 413) and public "
+        "gRPC message (else RESOURCE_EXHAUSTED)",
+    )
     max_messages: int = Field(2048, ge=1, description="chat messages per request at most")
     max_stop_strings: int = Field(32, ge=0, description="stop strings per request at most")
     max_stop_chars: int = Field(256, ge=1, description="characters per stop string at most")
     max_id_chars: int = Field(256, ge=1, description="characters of request_id and model at most")
-    inline_tokenize_chars: int = Field(8192, ge=0, description="prompts longer than this are tokenized on a worker "
-                                       "thread, so the event loop keeps serving")
+    inline_tokenize_chars: int = Field(
+        8192,
+        ge=0,
+        description="prompts longer than this are tokenized on a worker "
+        "thread, so the event loop keeps serving",
+    )
     # Router choice: outlier ejection and retries (see common/resilience.py).
-    router_attempts: int = Field(3, ge=1, le=16, description="router calls per request at most, the first included: "
-                                 "a call refused before its first token, or a stream cut by a dying router, is "
-                                 "continued on another router")
-    router_ejection_s: float = Field(1.0, gt=0, description="a router that failed is skipped this long, doubling "
-                                     "with each further failure (at most 30 s)")
-    retry_budget_ratio: float = Field(0.2, ge=0, le=1, description="retries may add at most this share of requests")
-    grace_s: float = Field(10.0, ge=0, description="how long in-flight requests may finish on shutdown")
+    router_attempts: int = Field(
+        3,
+        ge=1,
+        le=16,
+        description="router calls per request at most, the first included: "
+        "a call refused before its first token, or a stream cut by a dying router, is "
+        "continued on another router",
+    )
+    router_ejection_s: float = Field(
+        1.0,
+        gt=0,
+        description="a router that failed is skipped this long, doubling "
+        "with each further failure (at most 30 s)",
+    )
+    retry_budget_ratio: float = Field(
+        0.2, ge=0, le=1, description="retries may add at most this share of requests"
+    )
+    grace_s: float = Field(
+        10.0, ge=0, description="how long in-flight requests may finish on shutdown"
+    )

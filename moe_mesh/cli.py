@@ -1,10 +1,10 @@
 """The `moe-mesh` command line. Each subcommand lives with the code it drives; this file only lists them:
 
-  serving        serve-expert, serve-router, serve-gateway   (the three services)
-  running local  up, scale, generate                          (moe_mesh.local)
-  operating      status, placement show, stats, trace show    (moe_mesh.ops)
-  planning       plan, deploy render, probe                   (moe_mesh.planning)
-  developing     create-checkpoint                            (moe_mesh.dev)
+serving        serve-expert, serve-router, serve-gateway   (the three services)
+running local  up, scale, generate                          (moe_mesh.local)
+operating      status, placement show, stats, trace show    (moe_mesh.ops)
+planning       plan, deploy render, probe                   (moe_mesh.planning)
+developing     create-checkpoint                            (moe_mesh.dev)
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     from moe_mesh.planning import deploy, plan
     from router_service import cli as router_cli
 
-    parser = argparse.ArgumentParser(prog="moe-mesh", description="Serve sparse MoE language models as a gRPC mesh.")
+    parser = argparse.ArgumentParser(
+        prog="moe-mesh", description="Serve sparse MoE language models as a gRPC mesh."
+    )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     create_checkpoint.add_subcommand(subparsers)
     generate_cli.add_subcommand(subparsers)

@@ -21,25 +21,51 @@ log = logging.getLogger(__name__)
 class RouterApp:
     """A running router: `await RouterApp.create(settings)`, `await app.start()`, `await app.stop()`."""
 
-    def __init__(self, settings: RouterSettings, parts: RouterParts, model_id: str, telemetry: Telemetry) -> None:
+    def __init__(
+        self, settings: RouterSettings, parts: RouterParts, model_id: str, telemetry: Telemetry
+    ) -> None:
         self.settings, self.parts, self.telemetry = settings, parts, telemetry
         self.membership = parts.membership
-        core = self.core = RouterCore(parts.engine, model_id, parts.tierer, parts.membership, telemetry,
-                                      on_unhealthy=self._not_serving, max_loop_deaths=settings.max_loop_deaths,
-                                      loop_death_window_s=settings.loop_death_window_s)
+        core = self.core = RouterCore(
+            parts.engine,
+            model_id,
+            parts.tierer,
+            parts.membership,
+            telemetry,
+            on_unhealthy=self._not_serving,
+            max_loop_deaths=settings.max_loop_deaths,
+            loop_death_window_s=settings.loop_death_window_s,
+        )
         self._tiering: asyncio.Task | None = None
-        self.server = GrpcServer([Service(SERVICE_NAME, router_pb2_grpc.add_RouterServiceServicer_to_server,
-                                          RouterServicer(core, telemetry))],
-                                 host=settings.host, port=settings.port,
-                                 max_message_bytes=settings.max_message_bytes, grace_s=settings.grace_s,
-                                 interceptors=telemetry.server_interceptors())
+        self.server = GrpcServer(
+            [
+                Service(
+                    SERVICE_NAME,
+                    router_pb2_grpc.add_RouterServiceServicer_to_server,
+                    RouterServicer(core, telemetry),
+                )
+            ],
+            host=settings.host,
+            port=settings.port,
+            max_message_bytes=settings.max_message_bytes,
+            grace_s=settings.grace_s,
+            interceptors=telemetry.server_interceptors(),
+        )
 
         def instance() -> Instance:
             address = advertised_host(settings.host, settings.advertise_host)
-            return Instance(ROUTER_SERVICE, f"router-{address}-{self.server.bound_port}", address,
-                            self.server.bound_port, tags=("moe-mesh",), meta={"model_id": core.model_id})
+            return Instance(
+                ROUTER_SERVICE,
+                f"router-{address}-{self.server.bound_port}",
+                address,
+                self.server.bound_port,
+                tags=("moe-mesh",),
+                meta={"model_id": core.model_id},
+            )
 
-        registration_hooks(self.server, open_registry(settings.registry, settings.registry_address), instance)
+        registration_hooks(
+            self.server, open_registry(settings.registry, settings.registry_address), instance
+        )
 
     async def _not_serving(self, reason: str) -> None:
         """The engine loop gave up: every health service NOT_SERVING (for good), so registries and
@@ -48,13 +74,16 @@ class RouterApp:
         await self.server.health.enter_graceful_shutdown()
 
     @classmethod
-    async def create(cls, settings: RouterSettings, telemetry: Telemetry | None = None) -> RouterApp:
+    async def create(
+        cls, settings: RouterSettings, telemetry: Telemetry | None = None
+    ) -> RouterApp:
         """Telemetry comes from the settings unless given (tests pass in-memory exporters)."""
         model_id = settings.model_id or default_model_id(settings.checkpoint)
         telemetry = telemetry or Telemetry.from_settings("router", settings, settings.host)
         try:
-            parts = await build_router(settings, open_registry(settings.registry, settings.registry_address),
-                                       telemetry)
+            parts = await build_router(
+                settings, open_registry(settings.registry, settings.registry_address), telemetry
+            )
         except BaseException:
             telemetry.shutdown()
             raise

@@ -46,8 +46,12 @@ def default_model_id(checkpoint: Path) -> str:
     return Path(checkpoint).resolve().name
 
 
-def build_model(checkpoint: Checkpoint, settings: RouterSettings, placement: Placement | None = None,
-                telemetry: Telemetry = OFF) -> MoeModel:
+def build_model(
+    checkpoint: Checkpoint,
+    settings: RouterSettings,
+    placement: Placement | None = None,
+    telemetry: Telemetry = OFF,
+) -> MoeModel:
     """The dense part from `checkpoint`; experts from `placement` (default: all colocated)."""
     spec = checkpoint.spec
     if placement is None:
@@ -56,13 +60,24 @@ def build_model(checkpoint: Checkpoint, settings: RouterSettings, placement: Pla
         placement = {pair: [local] for pair in pairs}
     max_len = settings.max_model_len or min(spec.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     window = UtilizationWindow(spec.num_layers, spec.num_experts, settings.tier_window_s)
-    policy = DispatchPolicy(call_timeout_factor=settings.expert_call_timeout_factor,
-                            call_timeout_min_s=settings.expert_call_timeout_min_s,
-                            hedge_quantile=settings.hedge_quantile, hedge_min_delay_s=settings.hedge_min_delay_s,
-                            ejection=EjectionPolicy(base_ejection_s=settings.expert_ejection_s),
-                            retry_budget_ratio=settings.retry_budget_ratio)
-    dispatcher = ExpertDispatcher(spec, placement, settings.expert_timeout_s, settings.region,
-                                  settings.region_penalty, window, telemetry, policy)
+    policy = DispatchPolicy(
+        call_timeout_factor=settings.expert_call_timeout_factor,
+        call_timeout_min_s=settings.expert_call_timeout_min_s,
+        hedge_quantile=settings.hedge_quantile,
+        hedge_min_delay_s=settings.hedge_min_delay_s,
+        ejection=EjectionPolicy(base_ejection_s=settings.expert_ejection_s),
+        retry_budget_ratio=settings.retry_budget_ratio,
+    )
+    dispatcher = ExpertDispatcher(
+        spec,
+        placement,
+        settings.expert_timeout_s,
+        settings.region,
+        settings.region_penalty,
+        window,
+        telemetry,
+        policy,
+    )
     return MoeModel(spec, checkpoint.load_dense(), dispatcher, max_len)
 
 
@@ -75,7 +90,9 @@ def _open(settings: RouterSettings) -> Checkpoint:
 
 def _identity(settings: RouterSettings, checkpoint: Checkpoint) -> Identity:
     """What expert services must share with this router: model id and weights checksum."""
-    return Identity(settings.model_id or default_model_id(checkpoint.path), checkpoint.fingerprint())
+    return Identity(
+        settings.model_id or default_model_id(checkpoint.path), checkpoint.fingerprint()
+    )
 
 
 def build_local_engine(settings: RouterSettings) -> Engine:
@@ -92,12 +109,29 @@ def tiering_config(settings: RouterSettings, checkpoint: Checkpoint) -> TieringC
         budget = parse_size(settings.colocate_budget, expert_bytes * len(pairs))
     except ValueError as e:
         raise InvalidArgumentError("colocate_budget", str(e)) from None
-    hot = frozenset(parse_experts(settings.colocate, checkpoint.spec)) if settings.colocate else frozenset()
-    remote = frozenset(parse_experts(settings.pin_remote, checkpoint.spec)) if settings.pin_remote else frozenset()
+    hot = (
+        frozenset(parse_experts(settings.colocate, checkpoint.spec))
+        if settings.colocate
+        else frozenset()
+    )
+    remote = (
+        frozenset(parse_experts(settings.pin_remote, checkpoint.spec))
+        if settings.pin_remote
+        else frozenset()
+    )
     if hot & remote:
-        raise InvalidArgumentError("pin_remote", f"{format_experts(sorted(hot & remote))} is also in colocate")
-    return TieringConfig(budget, expert_bytes, settings.tier_hot_factor, settings.tier_hysteresis,
-                         settings.tier_min_dwell_s, pinned_hot=hot, pinned_remote=remote)
+        raise InvalidArgumentError(
+            "pin_remote", f"{format_experts(sorted(hot & remote))} is also in colocate"
+        )
+    return TieringConfig(
+        budget,
+        expert_bytes,
+        settings.tier_hot_factor,
+        settings.tier_hysteresis,
+        settings.tier_min_dwell_s,
+        pinned_hot=hot,
+        pinned_remote=remote,
+    )
 
 
 @dataclass
@@ -106,12 +140,15 @@ class RouterParts:
 
     engine: Engine
     tierer: Tierer
-    remotes: list[RemoteExperts] = field(default_factory=list)  # static expert services, closed on stop
+    remotes: list[RemoteExperts] = field(
+        default_factory=list
+    )  # static expert services, closed on stop
     membership: ExpertMembership | None = None
 
 
-async def build_router(settings: RouterSettings, registry: Registry | None = None,
-                       telemetry: Telemetry = OFF) -> RouterParts:
+async def build_router(
+    settings: RouterSettings, registry: Registry | None = None, telemetry: Telemetry = OFF
+) -> RouterParts:
     """An engine whose experts live in expert services (static endpoints, or the registry followed live),
     in the `colocate` spec, and in tiering's budget. With neither endpoints nor registry it is monolithic.
     Waits until every expert has a replica."""
@@ -119,23 +156,47 @@ async def build_router(settings: RouterSettings, registry: Registry | None = Non
     config = tiering_config(settings, checkpoint)
     model = build_model(checkpoint, settings, placement={}, telemetry=telemetry)
     if registry is None and not settings.expert_endpoints:
-        config = TieringConfig(0, config.expert_bytes, pinned_hot=frozenset(checkpoint.all_expert_pairs()))
-    placement = LivePlacement(model.dispatcher, ColocatedExperts(checkpoint.load_experts(config.pinned_hot)))
-    tierer = Tierer(checkpoint, placement, model.dispatcher.window, config, settings.tier_interval_s)
+        config = TieringConfig(
+            0, config.expert_bytes, pinned_hot=frozenset(checkpoint.all_expert_pairs())
+        )
+    placement = LivePlacement(
+        model.dispatcher, ColocatedExperts(checkpoint.load_experts(config.pinned_hot))
+    )
+    tierer = Tierer(
+        checkpoint, placement, model.dispatcher.window, config, settings.tier_interval_s
+    )
     identity = _identity(settings, checkpoint)
     if registry is not None:
-        membership = ExpertMembership(checkpoint.spec, identity, placement, settings.max_message_bytes,
-                                      telemetry.client_interceptors())
+        membership = ExpertMembership(
+            checkpoint.spec,
+            identity,
+            placement,
+            settings.max_message_bytes,
+            telemetry.client_interceptors(),
+        )
         await membership.start(registry, settings.connect_timeout_s)
         return RouterParts(Engine(model, settings), tierer, membership=membership)
-    remote = await connect(settings.expert_endpoints, identity, settings.max_message_bytes, settings.connect_timeout_s,
-                           telemetry.client_interceptors()) if settings.expert_endpoints else {}
+    remote = (
+        await connect(
+            settings.expert_endpoints,
+            identity,
+            settings.max_message_bytes,
+            settings.connect_timeout_s,
+            telemetry.client_interceptors(),
+        )
+        if settings.expert_endpoints
+        else {}
+    )
     placement.set_remote(remote)
     missing = [p for p in checkpoint.all_expert_pairs() if not model.dispatcher.placement.get(p)]
-    backends = sorted({id(b): b for bs in remote.values() for b in bs}.values(), key=lambda b: b.address)
+    backends = sorted(
+        {id(b): b for bs in remote.values() for b in bs}.values(), key=lambda b: b.address
+    )
     if missing:
         for b in backends:
             await b.close()
-        raise PreconditionError(f"no expert service serves {format_experts(missing)} and they are not colocated "
-                                "(add expert services or --colocate)")
+        raise PreconditionError(
+            f"no expert service serves {format_experts(missing)} and they are not colocated "
+            "(add expert services or --colocate)"
+        )
     return RouterParts(Engine(model, settings), tierer, remotes=backends)

@@ -18,7 +18,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from router_service.settings import RouterSettings
 
     add_settings_arguments(p, RouterSettings, flags=FLAGS)
-    p.add_argument("--ready-file", type=Path, default=None, help="write {address, pid} as JSON here once serving")
+    p.add_argument(
+        "--ready-file",
+        type=Path,
+        default=None,
+        help="write {address, pid} as JSON here once serving",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,8 +49,11 @@ def run(args: argparse.Namespace) -> int:
         app = await RouterApp.create(settings)
         app.start_core()  # keeps stepping while the server drains in-flight streams on shutdown
         try:
-            await serve_until_signal(app.server, args.ready_file,
-                                     {"service": "router", "metrics": app.telemetry.metrics_address})
+            await serve_until_signal(
+                app.server,
+                args.ready_file,
+                {"service": "router", "metrics": app.telemetry.metrics_address},
+            )
         finally:
             await app.stop()
 
@@ -58,8 +66,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("serve-router", help="run one router service",
-                              description="Serve the model's dense part and dispatch experts to expert services.")
+    p = subparsers.add_parser(
+        "serve-router",
+        help="run one router service",
+        description="Serve the model's dense part and dispatch experts to expert services.",
+    )
     add_arguments(p)
     p.set_defaults(func=run)
 

@@ -66,18 +66,32 @@ class TieringStatus:
 
 
 class RouterCore:
-    def __init__(self, engine: Engine, model_id: str, tierer: Tierer, membership=None,
-                 telemetry: Telemetry = OFF, *, on_unhealthy: Unhealthy | None = None, max_loop_deaths: int = 3,
-                 loop_death_window_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        model_id: str,
+        tierer: Tierer,
+        membership=None,
+        telemetry: Telemetry = OFF,
+        *,
+        on_unhealthy: Unhealthy | None = None,
+        max_loop_deaths: int = 3,
+        loop_death_window_s: float = 60.0,
+    ) -> None:
         self.engine = engine
         self.model_id = model_id
         self.tierer = tierer
         self.membership = membership  # set when expert services come from a registry
         self.tracer = telemetry.tracer
-        self._traced: dict[str, Context] = {}  # request id -> its span's context, for traced requests only
+        self._traced: dict[
+            str, Context
+        ] = {}  # request id -> its span's context, for traced requests only
         self._batch_size = telemetry.sizes(ROUTER_BATCH_SIZE, "sequences in one engine step")
-        telemetry.meter.create_observable_gauge(ROUTER_QUEUE_DEPTH, [lambda _: [Observation(engine.num_waiting)]],
-                                                description="sequences waiting for a batch slot")
+        telemetry.meter.create_observable_gauge(
+            ROUTER_QUEUE_DEPTH,
+            [lambda _: [Observation(engine.num_waiting)]],
+            description="sequences waiting for a batch slot",
+        )
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._work = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -105,16 +119,41 @@ class RouterCore:
                 placement.setdefault(key, []).append(pair)
                 regions[key] = d.region if backend.local else backend.region
         t = self.tierer
-        tiering = TieringStatus(t.config.expert_bytes, t.colocated_bytes(), t.config.budget_bytes, t.promotions,
-                                t.demotions, sorted(t.config.pinned_hot), sorted(t.config.pinned_remote))
-        return RouterStatus(self.model_id, len(self.engine.running), self.engine.num_waiting, self.steps,
-                            d.tokens_routed.tolist(), d.failovers, placement, regions,
-                            bool(self.membership is not None and self.membership.stale),
-                            d.window.counts().tolist(), d.window.window_s, d.region, d.remote_calls,
-                            d.tokens_colocated, tiering)
+        tiering = TieringStatus(
+            t.config.expert_bytes,
+            t.colocated_bytes(),
+            t.config.budget_bytes,
+            t.promotions,
+            t.demotions,
+            sorted(t.config.pinned_hot),
+            sorted(t.config.pinned_remote),
+        )
+        return RouterStatus(
+            self.model_id,
+            len(self.engine.running),
+            self.engine.num_waiting,
+            self.steps,
+            d.tokens_routed.tolist(),
+            d.failovers,
+            placement,
+            regions,
+            bool(self.membership is not None and self.membership.stale),
+            d.window.counts().tolist(),
+            d.window.window_s,
+            d.region,
+            d.remote_calls,
+            d.tokens_colocated,
+            tiering,
+        )
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0, deadline: float | None = None) -> AsyncIterator[StepOutput]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> AsyncIterator[StepOutput]:
         """Stream a request's outputs; the last one has a finish_reason. Raises the step's error on failure."""
         if self.down is not None:
             raise UnavailableError(f"this router stopped serving: {self.down}")
@@ -150,14 +189,22 @@ class RouterCore:
                 self.engine.abort(request_id)
                 self._work.set()
 
-    def _request_span(self, request_id: str, prompt: list[int], params: SamplingParams) -> Span | None:
+    def _request_span(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> Span | None:
         """A span for a request whose trace is sampled (the RPC's span is recording); steps hang under it."""
         if self.tracer is None or not trace.get_current_span().is_recording():
             return None
-        span = self.tracer.start_span("moe.router.request", attributes={
-            "gen_ai.operation.name": "text_completion", "gen_ai.request.id": request_id,
-            "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature": params.temperature,
-            "gen_ai.usage.input_tokens": len(prompt)})
+        span = self.tracer.start_span(
+            "moe.router.request",
+            attributes={
+                "gen_ai.operation.name": "text_completion",
+                "gen_ai.request.id": request_id,
+                "gen_ai.request.max_tokens": params.max_tokens,
+                "gen_ai.request.temperature": params.temperature,
+                "gen_ai.usage.input_tokens": len(prompt),
+            },
+        )
         self._traced[request_id] = trace.set_span_in_context(span)
         return span
 
@@ -167,9 +214,13 @@ class RouterCore:
             return await self.engine.step()
         parent, *others = self._traced.values()
         links = [trace.Link(trace.get_current_span(c).get_span_context()) for c in others]
-        with self.tracer.start_as_current_span("moe.router.step", context=parent, links=links) as span:
+        with self.tracer.start_as_current_span(
+            "moe.router.step", context=parent, links=links
+        ) as span:
             outputs = await self.engine.step()
-            span.set_attributes({"moe.batch.size": len(outputs), "moe.traced_requests": len(others) + 1})
+            span.set_attributes(
+                {"moe.batch.size": len(outputs), "moe.traced_requests": len(others) + 1}
+            )
             return outputs
 
     async def _supervise(self) -> None:
@@ -186,8 +237,10 @@ class RouterCore:
                     deaths.popleft()
                 self._fail_in_flight(InternalError(f"the router's engine loop failed: {e!r}"))
                 if len(deaths) >= self.max_loop_deaths:
-                    self.down = (f"its engine loop died {len(deaths)} times within {self.loop_death_window_s:g}s, "
-                                 f"last: {e!r}")
+                    self.down = (
+                        f"its engine loop died {len(deaths)} times within {self.loop_death_window_s:g}s, "
+                        f"last: {e!r}"
+                    )
                     log.error("giving up: %s", self.down)
                     if self.on_unhealthy is not None:
                         try:

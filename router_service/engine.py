@@ -77,39 +77,62 @@ class Engine:
         self._rng = random.Random()
         self._generator = torch.Generator()  # re-seeded for every sampled token: see sampling.py
         self._cancelled: list[Sequence] = []
-        self._pending: list[StepOutput] = []  # cancellations reaped between steps, reported by the next step
+        self._pending: list[
+            StepOutput
+        ] = []  # cancellations reaped between steps, reported by the next step
         self._stepping = False
         self.eos_ids = frozenset(model.spec.eos_token_ids)
 
     # -- requests --------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, deadline: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> None:
         """Queue a request; raises InvalidArgumentError / CapacityError naming the bad field.
 
         `deadline` (time.monotonic()) bounds the expert calls made on the request's behalf.
         """
         self._validate(request_id, prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seq = Sequence(request_id, list(prompt_token_ids), params, priority, None if params.greedy else seed, deadline)
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            priority,
+            None if params.greedy else seed,
+            deadline,
+        )
         self._by_id[request_id] = seq
         heapq.heappush(self._waiting, (-priority, next(self._arrival), seq))
 
     def _validate(self, request_id: str, prompt: list[int], p: SamplingParams) -> None:
         vocab, limit = self.model.spec.vocab_size, self.model.max_model_len
         if request_id in self._by_id:
-            raise AlreadyExistsError("request_id", f"{request_id!r} is already in flight on this router")
+            raise AlreadyExistsError(
+                "request_id", f"{request_id!r} is already in flight on this router"
+            )
         if not prompt:
             raise InvalidArgumentError("prompt_token_ids", "must not be empty")
-        bad = next((t for t in itertools.chain(prompt, p.stop_token_ids) if not 0 <= t < vocab), None)
+        bad = next(
+            (t for t in itertools.chain(prompt, p.stop_token_ids) if not 0 <= t < vocab), None
+        )
         if bad is not None:
             field_name = "prompt_token_ids" if bad in prompt else "stop_token_ids"
-            raise InvalidArgumentError(field_name, f"token id {bad} is outside the vocabulary [0, {vocab})")
+            raise InvalidArgumentError(
+                field_name, f"token id {bad} is outside the vocabulary [0, {vocab})"
+            )
         if p.max_tokens < 1:
             raise InvalidArgumentError("max_tokens", f"must be >= 1, got {p.max_tokens}")
         check_context_length(len(prompt), p.max_tokens, limit)
         if not (math.isfinite(p.temperature) and p.temperature >= 0):
-            raise InvalidArgumentError("temperature", f"must be a finite number >= 0, got {p.temperature}")
+            raise InvalidArgumentError(
+                "temperature", f"must be a finite number >= 0, got {p.temperature}"
+            )
         if not 0 < p.top_p <= 1:
             raise InvalidArgumentError("top_p", f"must be in (0, 1], got {p.top_p}")
         if p.top_k < 0:
@@ -144,9 +167,13 @@ class Engine:
         outputs, self._pending = self._pending, []
         try:
             await self._step(outputs)
-        except Exception as e:  # a bug or a torch error not pinned on one request: fail the step's requests
+        except (
+            Exception
+        ) as e:  # a bug or a torch error not pinned on one request: fail the step's requests
             log.exception("engine step failed")
-            error = e if isinstance(e, MoeMeshError) else InternalError(f"engine step failed: {e!r}")
+            error = (
+                e if isinstance(e, MoeMeshError) else InternalError(f"engine step failed: {e!r}")
+            )
             outputs += self._fail(list(self.running), error)
         finally:
             self._stepping = False
@@ -157,8 +184,10 @@ class Engine:
         prefills = self._admit()
         if not decodes and not prefills:
             return
-        batch = pack_step([(s.slot, s.prompt) for s in prefills],
-                          [(s.slot, s.output[-1], s.num_tokens) for s in decodes])
+        batch = pack_step(
+            [(s.slot, s.prompt) for s in prefills],
+            [(s.slot, s.output[-1], s.num_tokens) for s in decodes],
+        )
         deadlines = [s.deadline for s in self.running]
         # Expert calls serve every sequence of the step: they may run until the latest deadline.
         batch.deadline = None if None in deadlines else max(deadlines)  # type: ignore[type-var]
@@ -188,13 +217,21 @@ class Engine:
         """Sample and append one token; a sampling failure ends this sequence only."""
         try:
             gen = None
-            if seq.seed is not None:  # the token's absolute position picks its randomness: see sampling.py
+            if (
+                seq.seed is not None
+            ):  # the token's absolute position picks its randomness: see sampling.py
                 gen = self._generator.manual_seed(position_seed(seq.seed, seq.num_tokens))
             token = sample(logits, seq.params, gen)
         except Exception as e:
             log.exception("sampling failed for request %s", seq.request_id)
-            return StepOutput(seq.request_id, [], FinishReason.ERROR, len(seq.prompt), len(seq.output),
-                              InternalError(f"sampling failed: {e!r}"))
+            return StepOutput(
+                seq.request_id,
+                [],
+                FinishReason.ERROR,
+                len(seq.prompt),
+                len(seq.output),
+                InternalError(f"sampling failed: {e!r}"),
+            )
         seq.output.append(token)
         reason = self._finish_reason(seq, token)
         return StepOutput(seq.request_id, [token], reason, len(seq.prompt), len(seq.output))
@@ -205,12 +242,21 @@ class Engine:
         The last resort when the serving loop died mid-step and the batch state cannot be trusted.
         """
         seqs = list(self._by_id.values())
-        self.running, self._waiting, self._by_id, self._cancelled, self._pending = [], [], {}, [], []
+        self.running, self._waiting, self._by_id, self._cancelled, self._pending = (
+            [],
+            [],
+            {},
+            [],
+            [],
+        )
         self._stepping = False
         for seq in seqs:
             seq.slot = -1
-        return [StepOutput(s.request_id, [], FinishReason.ERROR, len(s.prompt), len(s.output), error)
-                for s in seqs if not s.aborted]
+        return [
+            StepOutput(s.request_id, [], FinishReason.ERROR, len(s.prompt), len(s.output), error)
+            for s in seqs
+            if not s.aborted
+        ]
 
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
@@ -253,8 +299,11 @@ class Engine:
         """End every sequence of a failed step: its KV cache is incomplete for this step."""
         self._release(seqs)
         self._reap_cancelled()
-        failed = [StepOutput(s.request_id, [], FinishReason.ERROR, len(s.prompt), len(s.output), error)
-                  for s in seqs if not s.aborted]
+        failed = [
+            StepOutput(s.request_id, [], FinishReason.ERROR, len(s.prompt), len(s.output), error)
+            for s in seqs
+            if not s.aborted
+        ]
         outputs, self._pending = failed + self._pending, []
         return outputs
 
@@ -263,5 +312,8 @@ class Engine:
         self._release([s for s in cancelled if s.slot >= 0])
         for seq in cancelled:
             self._by_id.pop(seq.request_id, None)
-            self._pending.append(StepOutput(seq.request_id, [], FinishReason.CANCELLED, len(seq.prompt),
-                                            len(seq.output)))
+            self._pending.append(
+                StepOutput(
+                    seq.request_id, [], FinishReason.CANCELLED, len(seq.prompt), len(seq.output)
+                )
+            )

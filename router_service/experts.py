@@ -63,8 +63,9 @@ class ExpertBackend(Protocol):
     outstanding: int  # calls in flight, for load balancing
     region: str  # where it runs ("" unknown); routers prefer their own region
 
-    async def forward(self, layer: int, groups: Sequence[tuple[int, torch.Tensor]],
-                      timeout_s: float | None = None) -> list[torch.Tensor]: ...
+    async def forward(
+        self, layer: int, groups: Sequence[tuple[int, torch.Tensor]], timeout_s: float | None = None
+    ) -> list[torch.Tensor]: ...
 
 
 class ColocatedExperts:
@@ -80,8 +81,9 @@ class ColocatedExperts:
     def __repr__(self) -> str:
         return f"ColocatedExperts({len(self.weights)} experts)"
 
-    async def forward(self, layer: int, groups: Sequence[tuple[int, torch.Tensor]],
-                      timeout_s: float | None = None) -> list[torch.Tensor]:
+    async def forward(
+        self, layer: int, groups: Sequence[tuple[int, torch.Tensor]], timeout_s: float | None = None
+    ) -> list[torch.Tensor]:
         return [expert_ffn(rows, self.weights[(layer, expert)]) for expert, rows in groups]
 
 
@@ -116,9 +118,17 @@ class _Replica:
 class ExpertDispatcher:
     """The MoE block of every layer: route, scatter to backends by placement, gather, combine."""
 
-    def __init__(self, spec: ModelSpec, placement: Placement, default_timeout_s: float = 30.0,
-                 region: str = "", region_penalty: float = 8.0, window: UtilizationWindow | None = None,
-                 telemetry: Telemetry = OFF, policy: DispatchPolicy = DispatchPolicy()) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        placement: Placement,
+        default_timeout_s: float = 30.0,
+        region: str = "",
+        region_penalty: float = 8.0,
+        window: UtilizationWindow | None = None,
+        telemetry: Telemetry = OFF,
+        policy: DispatchPolicy = DispatchPolicy(),
+    ) -> None:
         self.spec = spec
         self.placement = {pair: list(replicas) for pair, replicas in placement.items()}
         self.default_timeout_s = default_timeout_s
@@ -134,27 +144,52 @@ class ExpertDispatcher:
         self.policy = policy
         self.budget = RetryBudget(ratio=policy.retry_budget_ratio)
         # Backends come and go with membership: what is learned about one lives as long as it does.
-        self._replicas: weakref.WeakKeyDictionary[ExpertBackend, _Replica] = weakref.WeakKeyDictionary()
+        self._replicas: weakref.WeakKeyDictionary[ExpertBackend, _Replica] = (
+            weakref.WeakKeyDictionary()
+        )
         self._turn = itertools.count()  # rotates ties between equally loaded replicas
         self.tracer = telemetry.tracer
-        self._dispatch_s = telemetry.latency(DISPATCH_DURATION, "one expert backend call of one MoE layer")
+        self._dispatch_s = telemetry.latency(
+            DISPATCH_DURATION, "one expert backend call of one MoE layer"
+        )
         telemetry.meter.create_observable_counter(
-            TOKENS_ROUTED, [self._observe_routed], description="(token, expert) assignments by layer and expert")
+            TOKENS_ROUTED,
+            [self._observe_routed],
+            description="(token, expert) assignments by layer and expert",
+        )
         telemetry.meter.create_observable_counter(
-            FAILOVERS, [lambda _: [Observation(self.failovers)]], description="expert calls retried on another replica")
+            FAILOVERS,
+            [lambda _: [Observation(self.failovers)]],
+            description="expert calls retried on another replica",
+        )
         telemetry.meter.create_observable_counter(
-            HEDGES, [lambda _: [Observation(self.hedges_won, {"moe.outcome": "won"}),
-                                Observation(self.hedges - self.hedges_won, {"moe.outcome": "lost"})]],
-            description="expert calls also sent to a second replica; won: the second answered first")
+            HEDGES,
+            [
+                lambda _: [
+                    Observation(self.hedges_won, {"moe.outcome": "won"}),
+                    Observation(self.hedges - self.hedges_won, {"moe.outcome": "lost"}),
+                ]
+            ],
+            description="expert calls also sent to a second replica; won: the second answered first",
+        )
         telemetry.meter.create_observable_counter(
-            EJECTIONS, [lambda _: [Observation(self.ejections)]], description="expert replicas ejected for a while")
+            EJECTIONS,
+            [lambda _: [Observation(self.ejections)]],
+            description="expert replicas ejected for a while",
+        )
 
     def _observe_routed(self, _options) -> list[Observation]:
         counts = self.tokens_routed.tolist()
-        return [Observation(n, {"moe.layer": layer, "moe.expert": e})
-                for layer, row in enumerate(counts) for e, n in enumerate(row) if n]
+        return [
+            Observation(n, {"moe.layer": layer, "moe.expert": e})
+            for layer, row in enumerate(counts)
+            for e, n in enumerate(row)
+            if n
+        ]
 
-    async def moe(self, layer: int, x: torch.Tensor, w: LayerWeights, deadline: float | None = None) -> torch.Tensor:
+    async def moe(
+        self, layer: int, x: torch.Tensor, w: LayerWeights, deadline: float | None = None
+    ) -> torch.Tensor:
         """x: [tokens, hidden] (already normed) -> routed (+ shared) expert output [tokens, hidden]."""
         routing = route(x, w.router, self.spec)
         groups = group_by_expert(routing, self.spec.num_experts)
@@ -162,8 +197,12 @@ class ExpertDispatcher:
         self.tokens_routed[layer] += counts
         self.window.add(layer, counts)
         if self.tracer is not None and trace.get_current_span().is_recording():
-            attributes = {"moe.layer": layer, "moe.tokens": x.shape[0], "moe.experts": [g.expert for g in groups],
-                          "moe.expert_tokens": [len(g.tokens) for g in groups]}
+            attributes = {
+                "moe.layer": layer,
+                "moe.tokens": x.shape[0],
+                "moe.experts": [g.expert for g in groups],
+                "moe.expert_tokens": [len(g.tokens) for g in groups],
+            }
             with self.tracer.start_as_current_span("moe.dispatch", attributes=attributes):
                 outputs = await self._scatter_gather(layer, x, groups, deadline)
         else:
@@ -173,8 +212,9 @@ class ExpertDispatcher:
             y = y + shared_expert_output(x, w.shared_expert, w.shared_expert_gate)
         return y
 
-    async def _scatter_gather(self, layer: int, x: torch.Tensor, groups: list[ExpertGroup],
-                              deadline: float | None) -> list[torch.Tensor]:
+    async def _scatter_gather(
+        self, layer: int, x: torch.Tensor, groups: list[ExpertGroup], deadline: float | None
+    ) -> list[torch.Tensor]:
         outputs: list[torch.Tensor | None] = [None] * len(groups)
         excluded: dict[int, set[int]] = {}  # group index -> ids of backends that failed it
         errors: dict[int, Exception] = {}  # group index -> its latest failure
@@ -186,8 +226,20 @@ class ExpertDispatcher:
             # Remote calls first: they are on the wire while colocated experts compute.
             order = sorted(plan.values(), key=lambda p: p[0].local)
             results = await asyncio.gather(
-                *(self._hedged(b, layer, [groups[i].expert for i in idx], [x[groups[i].tokens] for i in idx],
-                               deadline, excluded, idx) for b, idx in order), return_exceptions=True)
+                *(
+                    self._hedged(
+                        b,
+                        layer,
+                        [groups[i].expert for i in idx],
+                        [x[groups[i].tokens] for i in idx],
+                        deadline,
+                        excluded,
+                        idx,
+                    )
+                    for b, idx in order
+                ),
+                return_exceptions=True,
+            )
             pending = []
             for (backend, idx), result in zip(order, results):
                 if not backend.local:
@@ -207,12 +259,23 @@ class ExpertDispatcher:
                         self.tokens_colocated += sum(len(groups[i].tokens) for i in idx)
             if pending and not self.budget.try_retry():  # a sick mesh: do not multiply its load
                 causes = dict.fromkeys(str(errors[i]) for i in pending)
-                raise ExpertUnavailableError(layer, [groups[i].expert for i in pending],
-                                             "retry budget exhausted; " + "; ".join(causes))
+                raise ExpertUnavailableError(
+                    layer,
+                    [groups[i].expert for i in pending],
+                    "retry budget exhausted; " + "; ".join(causes),
+                )
         return outputs  # type: ignore[return-value]
 
-    async def _hedged(self, backend: ExpertBackend, layer: int, experts: list[int], rows: list[torch.Tensor],
-                      deadline: float | None, excluded: dict[int, set[int]], idx: list[int]) -> list[torch.Tensor]:
+    async def _hedged(
+        self,
+        backend: ExpertBackend,
+        layer: int,
+        experts: list[int],
+        rows: list[torch.Tensor],
+        deadline: float | None,
+        excluded: dict[int, set[int]],
+        idx: list[int],
+    ) -> list[torch.Tensor]:
         """`backend`'s answer, or a second replica's if `backend` has not answered by its hedge delay."""
         groups = list(zip(experts, rows))
         first = asyncio.ensure_future(self._call(backend, layer, groups, deadline))
@@ -235,23 +298,35 @@ class ExpertDispatcher:
                     if task.exception() is None:
                         if task is second:
                             self.hedges_won += 1
-                            self._failed(backend)  # slow past its hedge delay and beaten: skip it for a while
+                            self._failed(
+                                backend
+                            )  # slow past its hedge delay and beaten: skip it for a while
                         return task.result()
             raise first.exception()  # both failed: the first replica's error goes to failover
         finally:
             for task in tasks:
                 task.cancel()
 
-    def _alternate(self, layer: int, experts: list[int], backend: ExpertBackend, excluded: dict[int, set[int]],
-                   idx: list[int]) -> ExpertBackend | None:
+    def _alternate(
+        self,
+        layer: int,
+        experts: list[int],
+        backend: ExpertBackend,
+        excluded: dict[int, set[int]],
+        idx: list[int],
+    ) -> ExpertBackend | None:
         """A healthy remote replica, other than `backend`, serving every one of `experts` at `layer`."""
         common: set[int] | None = None
         by_id: dict[int, ExpertBackend] = {}
         for expert, i in zip(experts, idx):
             ids = set()
             for b in self.placement.get((layer, expert), ()):
-                if b is not backend and not b.local and id(b) not in excluded.get(i, ()) \
-                        and not self._replica(b).health.ejected:
+                if (
+                    b is not backend
+                    and not b.local
+                    and id(b) not in excluded.get(i, ())
+                    and not self._replica(b).health.ejected
+                ):
                     ids.add(id(b))
                     by_id[id(b)] = b
             common = ids if common is None else common & ids
@@ -271,7 +346,9 @@ class ExpertDispatcher:
 
     def _hedge_delay(self, backend: ExpertBackend) -> float:
         q = self._replica(backend).latency.quantile(self.policy.hedge_quantile)
-        return max(self.policy.hedge_min_delay_s, q if q is not None else self.policy.hedge_initial_delay_s)
+        return max(
+            self.policy.hedge_min_delay_s, q if q is not None else self.policy.hedge_initial_delay_s
+        )
 
     def _call_timeout(self, backend: ExpertBackend, deadline: float | None) -> float:
         """min(the request's remaining time, a multiple of the replica's p99 latency once known)."""
@@ -279,7 +356,10 @@ class ExpertDispatcher:
         if not backend.local:
             p99 = self._replica(backend).latency.quantile(0.99)
             if p99 is not None:
-                limit = min(limit, max(self.policy.call_timeout_min_s, p99 * self.policy.call_timeout_factor))
+                limit = min(
+                    limit,
+                    max(self.policy.call_timeout_min_s, p99 * self.policy.call_timeout_factor),
+                )
         if deadline is None:
             return limit
         return min(limit, self._check_deadline(deadline))
@@ -293,8 +373,13 @@ class ExpertDispatcher:
             raise DeadlineExceededError("the request deadline passed during expert dispatch")
         return remaining
 
-    async def _call(self, backend: ExpertBackend, layer: int, groups: list[tuple[int, torch.Tensor]],
-                    deadline: float | None) -> list[torch.Tensor]:
+    async def _call(
+        self,
+        backend: ExpertBackend,
+        layer: int,
+        groups: list[tuple[int, torch.Tensor]],
+        deadline: float | None,
+    ) -> list[torch.Tensor]:
         """One backend call with its per-call timeout; its outcome feeds the replica's health and latency."""
         timeout = self._call_timeout(backend, deadline)
         start = time.perf_counter()
@@ -304,7 +389,9 @@ class ExpertDispatcher:
             if deadline is not None and time.monotonic() >= deadline:
                 raise  # the request's own deadline: nothing to retry
             self._failed(backend)
-            raise ReplicaTimeout(f"{getattr(backend, 'address', backend)} did not answer within {timeout:.3g}s") from e
+            raise ReplicaTimeout(
+                f"{getattr(backend, 'address', backend)} did not answer within {timeout:.3g}s"
+            ) from e
         except UnavailableError:
             self._failed(backend)
             raise
@@ -314,42 +401,70 @@ class ExpertDispatcher:
             replica.latency.add(time.perf_counter() - start)
         return result
 
-    async def _traced_call(self, backend: ExpertBackend, layer: int, groups: list[tuple[int, torch.Tensor]],
-                           timeout: float) -> list[torch.Tensor]:
+    async def _traced_call(
+        self,
+        backend: ExpertBackend,
+        layer: int,
+        groups: list[tuple[int, torch.Tensor]],
+        timeout: float,
+    ) -> list[torch.Tensor]:
         """One backend call, timed per transport and, in a traced request, spanned with what it carried."""
         transport = "colocated" if backend.local else "grpc"
         start = time.perf_counter()
         try:
             if self.tracer is None or not trace.get_current_span().is_recording():
                 return await backend.forward(layer, groups, timeout)
-            attributes = {"moe.layer": layer, "moe.transport": transport,
-                          "moe.replica": getattr(backend, "address", "colocated"), "moe.region": backend.region,
-                          "moe.experts": [e for e, _ in groups], "moe.expert_tokens": [r.shape[0] for _, r in groups],
-                          "moe.bytes": sum(r.numel() * r.element_size() for _, r in groups)}
+            attributes = {
+                "moe.layer": layer,
+                "moe.transport": transport,
+                "moe.replica": getattr(backend, "address", "colocated"),
+                "moe.region": backend.region,
+                "moe.experts": [e for e, _ in groups],
+                "moe.expert_tokens": [r.shape[0] for _, r in groups],
+                "moe.bytes": sum(r.numel() * r.element_size() for _, r in groups),
+            }
             with self.tracer.start_as_current_span("moe.expert_call", attributes=attributes):
                 return await backend.forward(layer, groups, timeout)
         finally:
             self._dispatch_s.record(time.perf_counter() - start, {"moe.transport": transport})
 
-    def _assign(self, layer: int, groups: list[ExpertGroup], pending: list[int], excluded: dict[int, set[int]],
-                errors: dict[int, Exception]) -> dict[int, tuple[ExpertBackend, list[int]]]:
+    def _assign(
+        self,
+        layer: int,
+        groups: list[ExpertGroup],
+        pending: list[int],
+        excluded: dict[int, set[int]],
+        errors: dict[int, Exception],
+    ) -> dict[int, tuple[ExpertBackend, list[int]]]:
         plan: dict[int, tuple[ExpertBackend, list[int]]] = {}
         unreachable: list[int] = []
         turn = next(self._turn)
         for i in pending:
-            replicas = [b for b in self.placement.get((layer, groups[i].expert), ())
-                        if id(b) not in excluded.get(i, ())]
+            replicas = [
+                b
+                for b in self.placement.get((layer, groups[i].expert), ())
+                if id(b) not in excluded.get(i, ())
+            ]
             # Ejected replicas sit out, unless every replica is (panic mode: try them all rather than none).
-            replicas = [b for b in replicas if b.local or not self._replica(b).health.ejected] or replicas
+            replicas = [
+                b for b in replicas if b.local or not self._replica(b).health.ejected
+            ] or replicas
             if not replicas:
                 unreachable.append(i)
                 continue
             n = len(replicas)
-            best = min(range(n), key=lambda r: (not replicas[r].local, self._cost(replicas[r]), (r - turn) % n))
+            best = min(
+                range(n),
+                key=lambda r: (not replicas[r].local, self._cost(replicas[r]), (r - turn) % n),
+            )
             plan.setdefault(id(replicas[best]), (replicas[best], []))[1].append(i)
         if unreachable:
-            causes = dict.fromkeys(str(errors[i]) if i in errors else "no replica placed" for i in unreachable)
-            raise ExpertUnavailableError(layer, [groups[i].expert for i in unreachable], "; ".join(causes))
+            causes = dict.fromkeys(
+                str(errors[i]) if i in errors else "no replica placed" for i in unreachable
+            )
+            raise ExpertUnavailableError(
+                layer, [groups[i].expert for i in unreachable], "; ".join(causes)
+            )
         return plan
 
     def _cost(self, backend: ExpertBackend) -> float:
@@ -365,7 +480,9 @@ class LivePlacement:
     and a replaced ColocatedExperts stays alive (its weights too) only while a call still holds it.
     """
 
-    def __init__(self, dispatcher: ExpertDispatcher, colocated: ColocatedExperts | None = None) -> None:
+    def __init__(
+        self, dispatcher: ExpertDispatcher, colocated: ColocatedExperts | None = None
+    ) -> None:
         self.dispatcher = dispatcher
         self.colocated = colocated or ColocatedExperts({})
         self.remote: dict[tuple[int, int], list[ExpertBackend]] = {}
@@ -380,7 +497,9 @@ class LivePlacement:
         self._publish()
 
     def _publish(self) -> None:
-        table: dict[tuple[int, int], list[ExpertBackend]] = {pair: [self.colocated] for pair in self.colocated.weights}
+        table: dict[tuple[int, int], list[ExpertBackend]] = {
+            pair: [self.colocated] for pair in self.colocated.weights
+        }
         for pair, replicas in self.remote.items():
             table.setdefault(pair, []).extend(replicas)
         self.dispatcher.placement = table

@@ -8,9 +8,21 @@ import torch
 class KVCache:
     """k[layer], v[layer]: [slots, kv_heads, capacity, head_dim]. Slot i belongs to one sequence."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 slots: int = 4, capacity: int = 128) -> None:
-        self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        slots: int = 4,
+        capacity: int = 128,
+    ) -> None:
+        self.num_layers, self.kv_heads, self.head_dim, self.dtype = (
+            num_layers,
+            kv_heads,
+            head_dim,
+            dtype,
+        )
         self.k = [self._alloc(slots, capacity) for _ in range(num_layers)]
         self.v = [self._alloc(slots, capacity) for _ in range(num_layers)]
 
@@ -41,11 +53,17 @@ class KVCache:
         for cache in (self.k, self.v):
             for i, old in enumerate(cache):
                 grown = self._alloc(new_slots, new_cap)
-                grown[:old.shape[0], :, :old.shape[2]] = old
+                grown[: old.shape[0], :, : old.shape[2]] = old
                 cache[i] = grown
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
         """Store keys/values [tokens, kv_heads, head_dim] at (slot, position) per token."""
         self.k[layer][slots, :, positions] = k
         self.v[layer][slots, :, positions] = v

@@ -25,7 +25,9 @@ class Rope:
 
     def __init__(self, spec: ModelSpec, max_len: int, dtype: torch.dtype) -> None:
         dim = spec.head_dim
-        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        inv_freq = 1.0 / (
+            spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        )
         freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq  # [len, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [len, dim]
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
@@ -59,8 +61,15 @@ class AttentionBatch:
     num_prefill_tokens: int
 
 
-def attention(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rope: Rope, batch: AttentionBatch,
-              cache: KVCache, layer: int) -> torch.Tensor:
+def attention(
+    x: torch.Tensor,
+    w: AttentionWeights,
+    spec: ModelSpec,
+    rope: Rope,
+    batch: AttentionBatch,
+    cache: KVCache,
+    layer: int,
+) -> torch.Tensor:
     """Self-attention for all tokens of a step; writes their keys/values into the cache. x: [tokens, hidden]."""
     n, hd = x.shape[0], spec.head_dim
     q = F.linear(x, w.q, w.q_bias)  # [tokens, heads * hd]
@@ -80,28 +89,36 @@ def attention(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rope: Rope,
     row = 0
     for p in batch.prefills:
         total = p.start + p.length
-        qs = q[row:row + p.length].transpose(0, 1)[None]  # [1, heads, len, hd]
+        qs = q[row : row + p.length].transpose(0, 1)[None]  # [1, heads, len, hd]
         ks, vs = cache.k[layer][p.slot, :, :total][None], cache.v[layer][p.slot, :, :total][None]
         mask = None
         if p.start:  # a later chunk also sees everything cached before it
             mask = torch.ones(p.length, total, dtype=torch.bool).tril(diagonal=p.start)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-        out[row:row + p.length] = o[0].transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+        )
+        out[row : row + p.length] = o[0].transpose(0, 1)
         row += p.length
     if batch.decode_slots.numel():
         out[row:] = _decode_attention(q[row:], batch, cache, layer)
     return F.linear(out.reshape(n, -1), w.o, w.o_bias)
 
 
-def _decode_attention(q: torch.Tensor, batch: AttentionBatch, cache: KVCache, layer: int) -> torch.Tensor:
+def _decode_attention(
+    q: torch.Tensor, batch: AttentionBatch, cache: KVCache, layer: int
+) -> torch.Tensor:
     """One new token per sequence, batched over sequences with a length mask. q: [decodes, heads, hd]."""
     slots, lengths = batch.decode_slots, batch.decode_lengths
     longest = int(lengths.max())
     d = slots.numel()
-    if int(slots[0]) == 0 and int(slots[-1]) == d - 1:  # the engine keeps decoding slots compact: a view, no copy
+    if (
+        int(slots[0]) == 0 and int(slots[-1]) == d - 1
+    ):  # the engine keeps decoding slots compact: a view, no copy
         ks, vs = cache.k[layer][:d, :, :longest], cache.v[layer][:d, :, :longest]
     else:
         ks, vs = cache.k[layer][slots, :, :longest], cache.v[layer][slots, :, :longest]
-    mask = (torch.arange(longest)[None, :] < lengths[:, None])[:, None, None, :]  # [decodes, 1, 1, longest]
+    mask = (torch.arange(longest)[None, :] < lengths[:, None])[
+        :, None, None, :
+    ]  # [decodes, 1, 1, longest]
     o = F.scaled_dot_product_attention(q[:, :, None], ks, vs, attn_mask=mask, enable_gqa=True)
     return o[:, :, 0]  # [decodes, heads, hd]

@@ -28,11 +28,19 @@ CLOSE_AFTER_S = 30.0
 
 
 class ExpertMembership:
-    def __init__(self, spec: ModelSpec, identity: Identity, placement: LivePlacement, max_message_bytes: int,
-                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        identity: Identity,
+        placement: LivePlacement,
+        max_message_bytes: int,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+    ) -> None:
         self.spec, self.identity, self.placement = spec, identity, placement
         self.max_message_bytes, self.interceptors = max_message_bytes, interceptors
-        self.backends: dict[str, tuple[RemoteExperts, list[Pair]]] = {}  # instance id -> backend, its pairs
+        self.backends: dict[
+            str, tuple[RemoteExperts, list[Pair]]
+        ] = {}  # instance id -> backend, its pairs
         self.stale = False
         self.changes = 0
         self._changed = asyncio.Event()
@@ -48,21 +56,37 @@ class ExpertMembership:
         for inst in list(current.values()):
             try:
                 pairs_of[inst.id] = parse_experts(inst.meta.get("experts", ""), self.spec)
-            except InvalidArgumentError as e:  # one bad record must not stop the router following the rest
+            except (
+                InvalidArgumentError
+            ) as e:  # one bad record must not stop the router following the rest
                 del current[inst.id]
-                self._warn(inst, f"its expert list {inst.meta.get('experts', '')!r} does not fit this model: {e}")
+                self._warn(
+                    inst,
+                    f"its expert list {inst.meta.get('experts', '')!r} does not fit this model: {e}",
+                )
         for gone in set(self.backends) - set(current):
             backend, _ = self.backends.pop(gone)
             log.info("expert service %s left", backend.address)
             backend.retire()  # its calls in flight fail over now instead of waiting on a leaving (or hung) service
-            asyncio.get_running_loop().call_later(CLOSE_AFTER_S, lambda b=backend: asyncio.ensure_future(b.close()))
+            asyncio.get_running_loop().call_later(
+                CLOSE_AFTER_S, lambda b=backend: asyncio.ensure_future(b.close())
+            )
         for new in set(current) - set(self.backends):
             inst = current[new]
             pairs = pairs_of[new]
             region = inst.meta.get("region", "")
-            self.backends[new] = (RemoteExperts(inst.endpoint, self.identity, self.max_message_bytes, region,
-                                                self.interceptors), pairs)
-            log.info("expert service %s (region %r) joined: %s", inst.endpoint, region, format_experts(pairs))
+            self.backends[new] = (
+                RemoteExperts(
+                    inst.endpoint, self.identity, self.max_message_bytes, region, self.interceptors
+                ),
+                pairs,
+            )
+            log.info(
+                "expert service %s (region %r) joined: %s",
+                inst.endpoint,
+                region,
+                format_experts(pairs),
+            )
         remote: dict[Pair, list[ExpertBackend]] = {}
         for backend, pairs in sorted(self.backends.values(), key=lambda bp: bp[0].address):
             for pair in pairs:
@@ -72,12 +96,17 @@ class ExpertMembership:
         self._changed.set()
 
     def _compatible(self, inst: Instance) -> bool:
-        ok = (inst.meta.get("model_id") == self.identity.model_id
-              and inst.meta.get("weights_checksum") == self.identity.weights_checksum)
+        ok = (
+            inst.meta.get("model_id") == self.identity.model_id
+            and inst.meta.get("weights_checksum") == self.identity.weights_checksum
+        )
         if not ok:
-            self._warn(inst, f"it serves model {inst.meta.get('model_id')!r} / weights "
-                             f"{inst.meta.get('weights_checksum')!r}, this router {self.identity.model_id!r} / "
-                             f"{self.identity.weights_checksum!r}")
+            self._warn(
+                inst,
+                f"it serves model {inst.meta.get('model_id')!r} / weights "
+                f"{inst.meta.get('weights_checksum')!r}, this router {self.identity.model_id!r} / "
+                f"{self.identity.weights_checksum!r}",
+            )
         return ok
 
     def _warn(self, inst: Instance, why: str) -> None:
@@ -86,7 +115,9 @@ class ExpertMembership:
             log.warning("ignoring expert service %s: %s", inst.endpoint, why)
 
     def missing(self) -> list[Pair]:
-        every = [(layer, e) for layer in self.spec.moe_layer_ids for e in range(self.spec.num_experts)]
+        every = [
+            (layer, e) for layer in self.spec.moe_layer_ids for e in range(self.spec.num_experts)
+        ]
         return [p for p in every if not self.placement.dispatcher.placement.get(p)]
 
     async def start(self, registry: Registry, timeout_s: float) -> None:
@@ -97,8 +128,10 @@ class ExpertMembership:
         while self.missing():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise PreconditionError(f"after {timeout_s:g}s no registered expert service serves "
-                                        f"{format_experts(self.missing())} (and they are not colocated)")
+                raise PreconditionError(
+                    f"after {timeout_s:g}s no registered expert service serves "
+                    f"{format_experts(self.missing())} (and they are not colocated)"
+                )
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), remaining)

@@ -25,7 +25,9 @@ class StepBatch:
     deadline: float | None = None  # time.monotonic() by which expert calls must finish
 
 
-def pack_step(prefills: Sequence[tuple[int, Sequence[int]]], decodes: Sequence[tuple[int, int, int]]) -> StepBatch:
+def pack_step(
+    prefills: Sequence[tuple[int, Sequence[int]]], decodes: Sequence[tuple[int, int, int]]
+) -> StepBatch:
     """Lay out one step: prefills are (slot, prompt ids); decodes are (slot, token, context length incl. it)."""
     tokens: list[int] = []
     positions: list[int] = []
@@ -41,20 +43,34 @@ def pack_step(prefills: Sequence[tuple[int, Sequence[int]]], decodes: Sequence[t
         tokens.append(token)
         positions.append(length - 1)
         slots.append(slot)
-    rows = [end - 1 for end in itertools.accumulate(r.length for r in runs)] + list(range(num_prefill, len(tokens)))
+    rows = [end - 1 for end in itertools.accumulate(r.length for r in runs)] + list(
+        range(num_prefill, len(tokens))
+    )
     attn = AttentionBatch(
-        positions=torch.tensor(positions, dtype=torch.int64), slots=torch.tensor(slots, dtype=torch.int64),
-        prefills=runs, decode_slots=torch.tensor([d[0] for d in decodes], dtype=torch.int64),
-        decode_lengths=torch.tensor([d[2] for d in decodes], dtype=torch.int64), num_prefill_tokens=num_prefill)
-    return StepBatch(token_ids=torch.tensor(tokens, dtype=torch.int64), attention=attn,
-                     logits_rows=torch.tensor(rows, dtype=torch.int64))
+        positions=torch.tensor(positions, dtype=torch.int64),
+        slots=torch.tensor(slots, dtype=torch.int64),
+        prefills=runs,
+        decode_slots=torch.tensor([d[0] for d in decodes], dtype=torch.int64),
+        decode_lengths=torch.tensor([d[2] for d in decodes], dtype=torch.int64),
+        num_prefill_tokens=num_prefill,
+    )
+    return StepBatch(
+        token_ids=torch.tensor(tokens, dtype=torch.int64),
+        attention=attn,
+        logits_rows=torch.tensor(rows, dtype=torch.int64),
+    )
 
 
 class MoeModel:
     """Forward passes over packed steps (prefill runs + decode tokens) with a slot KV cache."""
 
-    def __init__(self, spec: ModelSpec, weights: DenseWeights, dispatcher: ExpertDispatcher,
-                 max_model_len: int) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: DenseWeights,
+        dispatcher: ExpertDispatcher,
+        max_model_len: int,
+    ) -> None:
         self.spec, self.weights, self.dispatcher = spec, weights, dispatcher
         self.max_model_len = max_model_len
         self.dtype = weights.embed.dtype
@@ -63,7 +79,9 @@ class MoeModel:
     def new_cache(self) -> KVCache:
         return KVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
 
-    async def forward(self, batch: StepBatch, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
+    async def forward(
+        self, batch: StepBatch, cache: KVCache, all_logits: bool = False
+    ) -> torch.Tensor:
         """Float32 logits of each sequence's last token [sequences, vocab] (every token's with all_logits)."""
         s, w = self.spec, self.weights
         x = F.embedding(batch.token_ids, w.embed)  # [tokens, hidden]

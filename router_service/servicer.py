@@ -22,35 +22,74 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.core = core
         self.errors = telemetry.errors()
 
-    async def Generate(self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(
+        self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext
+    ):
         p = request.params
-        params = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                seed=p.seed if p.HasField("seed") else None,
-                                stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
+        params = SamplingParams(
+            max_tokens=p.max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=p.seed if p.HasField("seed") else None,
+            stop_token_ids=tuple(p.stop_token_ids),
+            ignore_eos=p.ignore_eos,
+        )
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         try:
-            async for out in self.core.generate(request.request_id or uuid.uuid4().hex, list(request.prompt_token_ids),
-                                                params, request.priority, deadline):
+            async for out in self.core.generate(
+                request.request_id or uuid.uuid4().hex,
+                list(request.prompt_token_ids),
+                params,
+                request.priority,
+                deadline,
+            ):
                 yield router_pb2.RouterGenerateResponse(
-                    token_ids=out.new_token_ids, finish_reason=to_wire(out.finish_reason),
-                    prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
+                    token_ids=out.new_token_ids,
+                    finish_reason=to_wire(out.finish_reason),
+                    prompt_tokens=out.prompt_tokens,
+                    completion_tokens=out.completion_tokens,
+                )
         except MoeMeshError as e:
             await abort_with(context, e, self.errors)
 
-    async def Status(self, request: router_pb2.RouterStatusRequest, context: grpc.aio.ServicerContext):
+    async def Status(
+        self, request: router_pb2.RouterStatusRequest, context: grpc.aio.ServicerContext
+    ):
         st = self.core.status()
         t = st.tiering
         spec, model = self.core.engine.model.spec, self.core.engine.model
         return router_pb2.RouterStatus(
-            model_id=st.model_id, architecture=spec.family, vocab_size=spec.vocab_size,
-            max_model_len=model.max_model_len, running=st.running, waiting=st.waiting, steps=st.steps,
-            num_layers=spec.num_layers, num_experts=spec.num_experts,
-            tokens_routed=[n for row in st.tokens_routed for n in row], failovers=st.failovers,
-            placement=[router_pb2.ExpertPlacement(backend=b, experts=format_experts(pairs), region=st.regions[b])
-                       for b, pairs in st.placement.items()], registry_stale=st.registry_stale,
-            utilization=[n for row in st.utilization for n in row], utilization_window_s=st.window_s,
-            region=st.region, expert_bytes=t.expert_bytes, colocated_bytes=t.colocated_bytes,
-            colocate_budget_bytes=t.budget_bytes, promotions=t.promotions, demotions=t.demotions,
-            pinned_hot=format_experts(t.pinned_hot), pinned_remote=format_experts(t.pinned_remote),
-            moe_layers=spec.moe_layer_ids, remote_calls=st.remote_calls, tokens_colocated=st.tokens_colocated)
+            model_id=st.model_id,
+            architecture=spec.family,
+            vocab_size=spec.vocab_size,
+            max_model_len=model.max_model_len,
+            running=st.running,
+            waiting=st.waiting,
+            steps=st.steps,
+            num_layers=spec.num_layers,
+            num_experts=spec.num_experts,
+            tokens_routed=[n for row in st.tokens_routed for n in row],
+            failovers=st.failovers,
+            placement=[
+                router_pb2.ExpertPlacement(
+                    backend=b, experts=format_experts(pairs), region=st.regions[b]
+                )
+                for b, pairs in st.placement.items()
+            ],
+            registry_stale=st.registry_stale,
+            utilization=[n for row in st.utilization for n in row],
+            utilization_window_s=st.window_s,
+            region=st.region,
+            expert_bytes=t.expert_bytes,
+            colocated_bytes=t.colocated_bytes,
+            colocate_budget_bytes=t.budget_bytes,
+            promotions=t.promotions,
+            demotions=t.demotions,
+            pinned_hot=format_experts(t.pinned_hot),
+            pinned_remote=format_experts(t.pinned_remote),
+            moe_layers=spec.moe_layer_ids,
+            remote_calls=st.remote_calls,
+            tokens_colocated=st.tokens_colocated,
+        )

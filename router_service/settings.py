@@ -17,61 +17,143 @@ class RouterSettings(TelemetrySettings):
     model_config = SettingsConfigDict(env_prefix="MOE_ROUTER_", extra="forbid")
 
     checkpoint: Path | None = Field(None, description="HuggingFace-layout checkpoint directory")
-    model_id: str | None = Field(None, description="model id shared with expert services; default: checkpoint dir name")
+    model_id: str | None = Field(
+        None, description="model id shared with expert services; default: checkpoint dir name"
+    )
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
-        "float32", description="compute dtype; auto keeps the checkpoint's dtype")
+        "float32", description="compute dtype; auto keeps the checkpoint's dtype"
+    )
     # continuous batching
-    max_num_seqs: int = Field(32, ge=1, le=4096, description="sequences in the running batch at most")
-    max_model_len: int | None = Field(None, ge=2, description="prompt + output tokens per sequence at most; "
-                                      "default min(max_position_embeddings, 4096)")
-    max_prefill_tokens: int = Field(2048, ge=1, description="prompt tokens admitted into one step at most "
-                                    "(a longer single prompt still runs alone)")
-    compute_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; unset keeps "
-                                        "torch's default (all cores)")
+    max_num_seqs: int = Field(
+        32, ge=1, le=4096, description="sequences in the running batch at most"
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=2,
+        description="prompt + output tokens per sequence at most; "
+        "default min(max_position_embeddings, 4096)",
+    )
+    max_prefill_tokens: int = Field(
+        2048,
+        ge=1,
+        description="prompt tokens admitted into one step at most "
+        "(a longer single prompt still runs alone)",
+    )
+    compute_threads: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="torch intra-op threads; unset keeps torch's default (all cores)",
+    )
     # expert placement
-    expert_endpoints: list[str] = Field(default_factory=list, description="host:port of expert services; what "
-                                        "each serves is learned from its Describe RPC")
-    registry: Literal["none", "consul"] = Field("none", description="'consul': discover expert services live "
-                                                "(and register this router) through Consul or `moe-mesh up`'s "
-                                                "embedded registry; 'none': use expert_endpoints")
-    registry_address: str | None = Field(None, description="Consul HTTP address; default CONSUL_HTTP_ADDR")
+    expert_endpoints: list[str] = Field(
+        default_factory=list,
+        description="host:port of expert services; what "
+        "each serves is learned from its Describe RPC",
+    )
+    registry: Literal["none", "consul"] = Field(
+        "none",
+        description="'consul': discover expert services live "
+        "(and register this router) through Consul or `moe-mesh up`'s "
+        "embedded registry; 'none': use expert_endpoints",
+    )
+    registry_address: str | None = Field(
+        None, description="Consul HTTP address; default CONSUL_HTTP_ADDR"
+    )
     advertise_host: str | None = Field(None, description="address registered for gateways to dial")
-    colocate: str = Field("", description="expert spec always computed in the router process (e.g. '*:0,1'); "
-                          "with no expert_endpoints and no registry every expert is colocated")
+    colocate: str = Field(
+        "",
+        description="expert spec always computed in the router process (e.g. '*:0,1'); "
+        "with no expert_endpoints and no registry every expert is colocated",
+    )
     # tiering: the hottest experts move into the router up to a byte budget, live
-    colocate_budget: str = Field("0", description="bytes of expert weights the router may colocate by "
-                                 "utilization: '512MiB', '2GB', '1048576' or a share of all routed experts "
-                                 "like '25%'; '0' turns tiering off")
+    colocate_budget: str = Field(
+        "0",
+        description="bytes of expert weights the router may colocate by "
+        "utilization: '512MiB', '2GB', '1048576' or a share of all routed experts "
+        "like '25%'; '0' turns tiering off",
+    )
     pin_remote: str = Field("", description="expert spec never colocated by tiering")
     tier_interval_s: float = Field(5.0, gt=0, description="seconds between tiering decisions")
     tier_window_s: float = Field(60.0, gt=0, description="utilization window the policy reads")
-    tier_min_dwell_s: float = Field(30.0, ge=0, description="an expert stays at least this long in a new tier")
-    tier_hysteresis: float = Field(0.2, ge=0, description="an incumbent's load counts this much more when ranking")
-    tier_hot_factor: float = Field(1.5, gt=0, description="hot: at least this multiple of its layer's mean load")
-    region: str = Field("", pattern=r"^[A-Za-z0-9._-]*$", max_length=64,
-                        description="this router's region: it prefers expert services of the same region")
-    region_penalty: float = Field(8.0, ge=0, description="a replica in another region is chosen as if it had "
-                                  "this many more calls in flight")
-    expert_timeout_s: float = Field(30.0, gt=0, description="upper bound of one expert call when the request "
-                                    "has no earlier deadline")
+    tier_min_dwell_s: float = Field(
+        30.0, ge=0, description="an expert stays at least this long in a new tier"
+    )
+    tier_hysteresis: float = Field(
+        0.2, ge=0, description="an incumbent's load counts this much more when ranking"
+    )
+    tier_hot_factor: float = Field(
+        1.5, gt=0, description="hot: at least this multiple of its layer's mean load"
+    )
+    region: str = Field(
+        "",
+        pattern=r"^[A-Za-z0-9._-]*$",
+        max_length=64,
+        description="this router's region: it prefers expert services of the same region",
+    )
+    region_penalty: float = Field(
+        8.0,
+        ge=0,
+        description="a replica in another region is chosen as if it had "
+        "this many more calls in flight",
+    )
+    expert_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="upper bound of one expert call when the request has no earlier deadline",
+    )
     # A hung or dying replica must not stall the batch: see router_service/experts.py, DispatchPolicy.
-    expert_call_timeout_factor: float = Field(8.0, ge=1, description="an expert call gives up after this multiple "
-                                              "of its replica's p99 latency (once measured), and goes elsewhere")
-    expert_call_timeout_min_s: float = Field(1.0, gt=0, description="the learned per-call timeout is at least this")
-    hedge_quantile: float = Field(0.95, gt=0, le=1, description="an expert call not answered by this latency "
-                                  "quantile of its replica is also sent to another replica; the first answer wins")
-    hedge_min_delay_s: float = Field(0.05, ge=0, description="hedge no earlier than this after the first call")
-    expert_ejection_s: float = Field(1.0, gt=0, description="a replica that failed a call (or lost a hedge race) is "
-                                     "skipped this long, doubling with each further failure (at most 30 s)")
-    retry_budget_ratio: float = Field(0.2, ge=0, le=1, description="expert-call retries and hedges may add at most "
-                                      "this share of calls")
-    connect_timeout_s: float = Field(30.0, gt=0, description="how long to wait for expert services at start-up")
+    expert_call_timeout_factor: float = Field(
+        8.0,
+        ge=1,
+        description="an expert call gives up after this multiple "
+        "of its replica's p99 latency (once measured), and goes elsewhere",
+    )
+    expert_call_timeout_min_s: float = Field(
+        1.0, gt=0, description="the learned per-call timeout is at least this"
+    )
+    hedge_quantile: float = Field(
+        0.95,
+        gt=0,
+        le=1,
+        description="an expert call not answered by this latency "
+        "quantile of its replica is also sent to another replica; the first answer wins",
+    )
+    hedge_min_delay_s: float = Field(
+        0.05, ge=0, description="hedge no earlier than this after the first call"
+    )
+    expert_ejection_s: float = Field(
+        1.0,
+        gt=0,
+        description="a replica that failed a call (or lost a hedge race) is "
+        "skipped this long, doubling with each further failure (at most 30 s)",
+    )
+    retry_budget_ratio: float = Field(
+        0.2,
+        ge=0,
+        le=1,
+        description="expert-call retries and hedges may add at most this share of calls",
+    )
+    connect_timeout_s: float = Field(
+        30.0, gt=0, description="how long to wait for expert services at start-up"
+    )
     # serving
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(0, ge=0, le=65535, description="port to bind; 0 picks a free one")
-    max_message_bytes: int = Field(256 * 2**20, ge=2**20, description="gRPC message size limit, both directions")
-    grace_s: float = Field(10.0, ge=0, description="how long in-flight requests may finish on shutdown")
-    max_loop_deaths: int = Field(3, ge=1, le=1000, description="engine-loop deaths (bugs; each fails the requests "
-                                 "in flight and restarts the loop) within loop_death_window_s after which the "
-                                 "router stops serving and reports NOT_SERVING")
-    loop_death_window_s: float = Field(60.0, gt=0, description="window over which engine-loop deaths are counted")
+    max_message_bytes: int = Field(
+        256 * 2**20, ge=2**20, description="gRPC message size limit, both directions"
+    )
+    grace_s: float = Field(
+        10.0, ge=0, description="how long in-flight requests may finish on shutdown"
+    )
+    max_loop_deaths: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="engine-loop deaths (bugs; each fails the requests "
+        "in flight and restarts the loop) within loop_death_window_s after which the "
+        "router stops serving and reports NOT_SERVING",
+    )
+    loop_death_window_s: float = Field(
+        60.0, gt=0, description="window over which engine-loop deaths are counted"
+    )

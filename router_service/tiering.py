@@ -36,13 +36,21 @@ class TieringConfig:
     hot_factor: float = 1.5  # hot: at least this multiple of its layer's mean load
     hysteresis: float = 0.2  # an incumbent's load counts this much more when ranking
     min_dwell_s: float = 30.0  # an expert stays at least this long in a tier it moved to
-    min_layer_tokens: int = 64  # a layer with fewer routed tokens in the window has no hot experts yet
+    min_layer_tokens: int = (
+        64  # a layer with fewer routed tokens in the window has no hot experts yet
+    )
     pinned_hot: frozenset[Pair] = frozenset()
     pinned_remote: frozenset[Pair] = frozenset()
 
 
-def choose_hot(load: torch.Tensor, moe_layers: Collection[int], current: Collection[Pair], config: TieringConfig,
-               has_remote: Collection[Pair], frozen: Collection[Pair] = ()) -> set[Pair]:
+def choose_hot(
+    load: torch.Tensor,
+    moe_layers: Collection[int],
+    current: Collection[Pair],
+    config: TieringConfig,
+    has_remote: Collection[Pair],
+    frozen: Collection[Pair] = (),
+) -> set[Pair]:
     """The experts to colocate. `load` [layers, experts] tokens in the window; `frozen` pairs keep their tier.
 
     Pinned-hot pairs, frozen hot pairs and hot pairs without a remote replica stay; then candidates
@@ -60,8 +68,12 @@ def choose_hot(load: torch.Tensor, moe_layers: Collection[int], current: Collect
         for expert, tokens in enumerate(row.tolist()):
             pair = (layer, expert)
             score = tokens * (1 + config.hysteresis if pair in current else 1.0)
-            if (score >= config.hot_factor * mean and pair not in keep and pair not in config.pinned_remote
-                    and (pair in current or pair not in frozen)):
+            if (
+                score >= config.hot_factor * mean
+                and pair not in keep
+                and pair not in config.pinned_remote
+                and (pair in current or pair not in frozen)
+            ):
                 ranked.append((score, pair))
     chosen = set(keep)
     room = config.budget_bytes - len(chosen) * config.expert_bytes
@@ -98,8 +110,14 @@ class Tierer:
     def target(self) -> set[Pair]:
         now = self.clock()
         frozen = {p for p, t in self._moved_at.items() if now - t < self.config.min_dwell_s}
-        return choose_hot(self.window.counts(), self.checkpoint.spec.moe_layer_ids, self.hot, self.config,
-                          self.placement.remote, frozen)
+        return choose_hot(
+            self.window.counts(),
+            self.checkpoint.spec.moe_layer_ids,
+            self.hot,
+            self.config,
+            self.placement.remote,
+            frozen,
+        )
 
     async def step(self) -> None:
         await self.apply(self.target())
@@ -112,7 +130,11 @@ class Tierer:
             promote = target - current
             if not promote and not demote:
                 return
-            loaded = await asyncio.to_thread(self.checkpoint.load_experts, sorted(promote)) if promote else {}
+            loaded = (
+                await asyncio.to_thread(self.checkpoint.load_experts, sorted(promote))
+                if promote
+                else {}
+            )
             kept = {p: w for p, w in self.placement.colocated.weights.items() if p not in demote}
             self.placement.set_colocated(ColocatedExperts({**kept, **loaded}))
             now = self.clock()
@@ -120,14 +142,20 @@ class Tierer:
                 self._moved_at[pair] = now
             self.promotions += len(promote)
             self.demotions += len(demote)
-            log.info("re-tiered: colocated %s, demoted %s; %d colocated (%.1f MiB)",
-                     format_experts(sorted(promote)) or "-", format_experts(sorted(demote)) or "-",
-                     len(kept) + len(loaded), self.colocated_bytes() / 2**20)
+            log.info(
+                "re-tiered: colocated %s, demoted %s; %d colocated (%.1f MiB)",
+                format_experts(sorted(promote)) or "-",
+                format_experts(sorted(demote)) or "-",
+                len(kept) + len(loaded),
+                self.colocated_bytes() / 2**20,
+            )
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.step()
-            except Exception:  # a failed re-tiering keeps the current placement; the next one retries
+            except (
+                Exception
+            ):  # a failed re-tiering keeps the current placement; the next one retries
                 log.exception("re-tiering failed")

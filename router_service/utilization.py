@@ -15,8 +15,14 @@ import torch
 class UtilizationWindow:
     """Tokens routed per (layer, expert) in the last `window_s` seconds, at `window_s / buckets` resolution."""
 
-    def __init__(self, num_layers: int, num_experts: int, window_s: float = 60.0, buckets: int = 12,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        window_s: float = 60.0,
+        buckets: int = 12,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if window_s <= 0 or buckets < 1:
             raise ValueError("window_s must be > 0 and buckets >= 1")
         self.window_s, self.buckets, self.clock = window_s, buckets, clock

@@ -25,7 +25,11 @@ def make_checkpoint(root: Path, arch: str, preset: str = "tiny", **kwargs: Any) 
         return _cache[key]
     # Readable prefix for debugging, hash so that long or similar kwargs never collide.
     readable = "-".join([arch, preset, *(f"{k}={v}" for k, v in sorted(kwargs.items()))])
-    name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", readable)[:80] + "-" + hashlib.sha1(spec.encode()).hexdigest()[:8]
+    name = (
+        re.sub(r"[^A-Za-z0-9_.=-]+", "_", readable)[:80]
+        + "-"
+        + hashlib.sha1(spec.encode()).hexdigest()[:8]
+    )
     out = key[0] / name
     # tokenizer_config.json is written last, so it marks a complete checkpoint left by an earlier call.
     if not (out / "tokenizer_config.json").exists():

@@ -28,12 +28,16 @@ class LocalMesh:
 
 
 @asynccontextmanager
-async def local_mesh(checkpoint: Path, router: dict | None = None, **gateway: object) -> AsyncIterator[LocalMesh]:
+async def local_mesh(
+    checkpoint: Path, router: dict | None = None, **gateway: object
+) -> AsyncIterator[LocalMesh]:
     """Router (all experts colocated) + gateway, both serving on loopback in this event loop."""
     r = await RouterApp.create(RouterSettings(checkpoint=checkpoint, **(router or {})))
     await r.start()
     try:
-        g = await GatewayApp.create(GatewaySettings(checkpoint=checkpoint, routers=[r.server.address], **gateway))
+        g = await GatewayApp.create(
+            GatewaySettings(checkpoint=checkpoint, routers=[r.server.address], **gateway)
+        )
         await g.start()
         try:
             yield LocalMesh(r, g)

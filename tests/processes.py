@@ -19,8 +19,11 @@ class ServiceProcess:
         self.ready_file = workdir / f"{name}.ready.json"
         self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", module, *args, "--ready-file", str(self.ready_file)],
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args, "--ready-file", str(self.ready_file)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         self.address = ""
 
     def wait_ready(self, timeout_s: float = 60.0) -> ServiceProcess:
@@ -56,12 +59,20 @@ class ServiceProcess:
         return self.proc.returncode
 
 
-def start_experts(checkpoint: Path, specs: list[str], workdir: Path, *extra: str) -> list[ServiceProcess]:
+def start_experts(
+    checkpoint: Path, specs: list[str], workdir: Path, *extra: str
+) -> list[ServiceProcess]:
     """One expert-service process per spec, started together, returned once all are ready."""
     # One torch thread each: several services share this host's cores (see bench/mesh_dispatch.py).
-    procs = [ServiceProcess("expert_service", ["--checkpoint", str(checkpoint), "--experts", spec,
-                                               "--compute-threads", "1", *extra],
-                            workdir, f"expert{i}") for i, spec in enumerate(specs)]
+    procs = [
+        ServiceProcess(
+            "expert_service",
+            ["--checkpoint", str(checkpoint), "--experts", spec, "--compute-threads", "1", *extra],
+            workdir,
+            f"expert{i}",
+        )
+        for i, spec in enumerate(specs)
+    ]
     try:
         return [p.wait_ready() for p in procs]
     except Exception:

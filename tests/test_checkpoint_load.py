@@ -137,7 +137,9 @@ def test_corrupt_safetensors_names_the_file(broken, corrupt) -> None:
 
 
 def test_unsupported_rope_and_sliding_window_are_named(broken, checkpoint, tmp_path) -> None:
-    _edit_config(broken, lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0}))
+    _edit_config(
+        broken, lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0})
+    )
     with pytest.raises(UnsupportedModelError, match="rope_type='yarn'"):
         Checkpoint(broken)
     mixtral = tmp_path / "mixtral"
@@ -164,14 +166,20 @@ def sharded(checkpoint, tmp_path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize(("index", "message"), [
-    (b"{not json", "invalid index"),
-    (b"\xff\xfe garbage", "invalid index"),
-    (b'{"metadata": {}}', "invalid index"),
-    (b'{"weight_map": ["a"]}', "weight_map is not an object"),
-    (b'{"weight_map": {"model.norm.weight": "../../etc/passwd"}}', "maps to '../../etc/passwd'"),
-    (b'{"weight_map": {"model.norm.weight": 7}}', "maps to 7"),
-])
+@pytest.mark.parametrize(
+    ("index", "message"),
+    [
+        (b"{not json", "invalid index"),
+        (b"\xff\xfe garbage", "invalid index"),
+        (b'{"metadata": {}}', "invalid index"),
+        (b'{"weight_map": ["a"]}', "weight_map is not an object"),
+        (
+            b'{"weight_map": {"model.norm.weight": "../../etc/passwd"}}',
+            "maps to '../../etc/passwd'",
+        ),
+        (b'{"weight_map": {"model.norm.weight": 7}}', "maps to 7"),
+    ],
+)
 def test_corrupt_index_names_the_index_file(sharded, index, message) -> None:
     (sharded / "model.safetensors.index.json").write_bytes(index)
     with pytest.raises(CheckpointError, match=message) as e:

@@ -49,7 +49,9 @@ async def test_calls_to_an_expert_are_spread_over_its_replicas(model) -> None:
     spec, layer, weights = model
     a, b = Recording(weights), Recording(weights)
     dispatcher = ExpertDispatcher(spec, {pair: [a, b] for pair in weights})
-    reference = await ExpertDispatcher(spec, {p: [ColocatedExperts(weights)] for p in weights}).moe(0, hidden(spec), layer)
+    reference = await ExpertDispatcher(spec, {p: [ColocatedExperts(weights)] for p in weights}).moe(
+        0, hidden(spec), layer
+    )
     for _ in range(4):
         assert torch.equal(await dispatcher.moe(0, hidden(spec), layer), reference)
     assert set(a.served) & set(b.served)  # the same experts went to both replicas
@@ -72,7 +74,9 @@ async def test_unavailable_replica_fails_over_and_last_replica_names_the_expert(
     assert up.served and dispatcher.failovers >= 1
 
     only_down = ExpertDispatcher(spec, {pair: [down] for pair in weights})
-    with pytest.raises(ExpertUnavailableError, match=r"layer 0 expert\(s\) .*recording backend is down") as e:
+    with pytest.raises(
+        ExpertUnavailableError, match=r"layer 0 expert\(s\) .*recording backend is down"
+    ) as e:
         await only_down.moe(0, hidden(spec), layer)
     assert e.value.layer == 0 and e.value.experts
 
@@ -111,7 +115,9 @@ async def test_failovers_stop_when_the_retry_budget_is_spent(model) -> None:
     spec, layer, weights = model
     down, up = Recording(weights, fail=True), Recording(weights)
     # Never ejected, no budget from traffic: every call that lands on `down` costs a retry token.
-    policy = DispatchPolicy(ejection=EjectionPolicy(consecutive_failures=10**9), retry_budget_ratio=0.0)
+    policy = DispatchPolicy(
+        ejection=EjectionPolicy(consecutive_failures=10**9), retry_budget_ratio=0.0
+    )
     dispatcher = ExpertDispatcher(spec, {pair: [down, up] for pair in weights}, policy=policy)
     with pytest.raises(ExpertUnavailableError, match="retry budget exhausted"):
         for _ in range(500):
@@ -122,9 +128,14 @@ async def test_failovers_stop_when_the_retry_budget_is_spent(model) -> None:
 async def test_a_slow_replica_is_hedged_and_the_faster_answer_is_the_same(model) -> None:
     spec, layer, weights = model
     slow, fast = Recording(weights, delay_s=2.0), Recording(weights)
-    dispatcher = ExpertDispatcher(spec, {pair: [slow, fast] for pair in weights},
-                                  policy=DispatchPolicy(hedge_initial_delay_s=0.05))
-    reference = await ExpertDispatcher(spec, {p: [ColocatedExperts(weights)] for p in weights}).moe(0, hidden(spec), layer)
+    dispatcher = ExpertDispatcher(
+        spec,
+        {pair: [slow, fast] for pair in weights},
+        policy=DispatchPolicy(hedge_initial_delay_s=0.05),
+    )
+    reference = await ExpertDispatcher(spec, {p: [ColocatedExperts(weights)] for p in weights}).moe(
+        0, hidden(spec), layer
+    )
     start = time.monotonic()
     for _ in range(3):
         assert torch.equal(await dispatcher.moe(0, hidden(spec), layer), reference)

@@ -22,7 +22,9 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture
 def engine(checkpoint) -> Engine:
-    return build_local_engine(RouterSettings(checkpoint=checkpoint("qwen3_moe"), max_num_seqs=4, max_model_len=64))
+    return build_local_engine(
+        RouterSettings(checkpoint=checkpoint("qwen3_moe"), max_num_seqs=4, max_model_len=64)
+    )
 
 
 def collect(engine: Engine) -> dict[str, tuple[list[int], FinishReason | None]]:
@@ -38,7 +40,9 @@ def collect(engine: Engine) -> dict[str, tuple[list[int], FinishReason | None]]:
     return out
 
 
-def generate(engine: Engine, params: SamplingParams, prompt: list[int] = PROMPT) -> tuple[list[int], FinishReason]:
+def generate(
+    engine: Engine, params: SamplingParams, prompt: list[int] = PROMPT
+) -> tuple[list[int], FinishReason]:
     engine.add_request("r", prompt, params)
     return collect(engine)["r"]
 
@@ -63,9 +67,12 @@ def test_stop_token_ids_and_eos_end_generation_with_stop(engine: Engine) -> None
     greedy, _ = generate(engine, GREEDY)
     target = greedy[5]
     ids, reason = generate(engine, replace(GREEDY, stop_token_ids=(target,)))
-    assert reason is FinishReason.STOP and ids == greedy[:greedy.index(target) + 1]
+    assert reason is FinishReason.STOP and ids == greedy[: greedy.index(target) + 1]
     engine.eos_ids = frozenset({target})
-    assert generate(engine, replace(GREEDY, ignore_eos=False)) == (greedy[:greedy.index(target) + 1], FinishReason.STOP)
+    assert generate(engine, replace(GREEDY, ignore_eos=False)) == (
+        greedy[: greedy.index(target) + 1],
+        FinishReason.STOP,
+    )
     assert generate(engine, GREEDY) == (greedy, FinishReason.LENGTH)  # ignore_eos keeps going
 
 
@@ -111,20 +118,25 @@ def test_waiting_requests_are_admitted_by_priority_up_to_max_num_seqs(checkpoint
     assert order == ["urgent", "high", "normal", "low"]
 
 
-@pytest.mark.parametrize(("prompt", "params", "error", "field"), [
-    ([], GREEDY, InvalidArgumentError, "prompt_token_ids"),
-    ([1, 10**6], GREEDY, InvalidArgumentError, "prompt_token_ids"),
-    (PROMPT, replace(GREEDY, stop_token_ids=(-3,)), InvalidArgumentError, "stop_token_ids"),
-    (PROMPT, replace(GREEDY, max_tokens=0), InvalidArgumentError, "max_tokens"),
-    (PROMPT, replace(GREEDY, max_tokens=60), CapacityError, "max_tokens"),
-    (PROMPT, replace(GREEDY, temperature=-0.5), InvalidArgumentError, "temperature"),
-    (PROMPT, replace(GREEDY, temperature=math.nan), InvalidArgumentError, "temperature"),
-    (PROMPT, replace(GREEDY, temperature=math.inf), InvalidArgumentError, "temperature"),
-    (PROMPT, replace(GREEDY, top_p=0.0), InvalidArgumentError, "top_p"),
-    (PROMPT, replace(GREEDY, top_p=1.5), InvalidArgumentError, "top_p"),
-    (PROMPT, replace(GREEDY, top_k=-1), InvalidArgumentError, "top_k"),
-])
-def test_invalid_requests_name_the_field_and_leave_the_engine_usable(engine, prompt, params, error, field) -> None:
+@pytest.mark.parametrize(
+    ("prompt", "params", "error", "field"),
+    [
+        ([], GREEDY, InvalidArgumentError, "prompt_token_ids"),
+        ([1, 10**6], GREEDY, InvalidArgumentError, "prompt_token_ids"),
+        (PROMPT, replace(GREEDY, stop_token_ids=(-3,)), InvalidArgumentError, "stop_token_ids"),
+        (PROMPT, replace(GREEDY, max_tokens=0), InvalidArgumentError, "max_tokens"),
+        (PROMPT, replace(GREEDY, max_tokens=60), CapacityError, "max_tokens"),
+        (PROMPT, replace(GREEDY, temperature=-0.5), InvalidArgumentError, "temperature"),
+        (PROMPT, replace(GREEDY, temperature=math.nan), InvalidArgumentError, "temperature"),
+        (PROMPT, replace(GREEDY, temperature=math.inf), InvalidArgumentError, "temperature"),
+        (PROMPT, replace(GREEDY, top_p=0.0), InvalidArgumentError, "top_p"),
+        (PROMPT, replace(GREEDY, top_p=1.5), InvalidArgumentError, "top_p"),
+        (PROMPT, replace(GREEDY, top_k=-1), InvalidArgumentError, "top_k"),
+    ],
+)
+def test_invalid_requests_name_the_field_and_leave_the_engine_usable(
+    engine, prompt, params, error, field
+) -> None:
     with pytest.raises(error) as info:
         engine.add_request("bad", prompt, params)
     assert info.value.field == field and str(info.value).startswith(field)
@@ -139,7 +151,9 @@ def test_duplicate_request_id_is_rejected(engine: Engine) -> None:
     assert collect(engine)["same"][1] is FinishReason.LENGTH
 
 
-def test_a_failing_forward_pass_fails_that_steps_requests_and_the_engine_keeps_serving(engine: Engine) -> None:
+def test_a_failing_forward_pass_fails_that_steps_requests_and_the_engine_keeps_serving(
+    engine: Engine,
+) -> None:
     real = engine.model.forward
     calls = 0
 
@@ -159,8 +173,9 @@ def test_a_failing_forward_pass_fails_that_steps_requests_and_the_engine_keeps_s
     assert generate(engine, GREEDY)[1] is FinishReason.LENGTH
 
 
-def test_resuming_from_prompt_plus_generated_tokens_continues_seeded_sampling_exactly(engine: Engine,
-                                                                                      checkpoint) -> None:
+def test_resuming_from_prompt_plus_generated_tokens_continues_seeded_sampling_exactly(
+    engine: Engine, checkpoint
+) -> None:
     """What gateway failover relies on: randomness depends on (seed, position), not on the process."""
     params = SamplingParams(max_tokens=16, temperature=1.5, seed=2024, ignore_eos=True)
     tokens, reason = generate(engine, params)
@@ -169,7 +184,9 @@ def test_resuming_from_prompt_plus_generated_tokens_continues_seeded_sampling_ex
     for k in (1, 6, 15):
         resumed = generate(engine, replace(params, max_tokens=16 - k), PROMPT + tokens[:k])
         assert resumed == (tokens[k:], FinishReason.LENGTH), k
-    other_router = build_local_engine(RouterSettings(checkpoint=checkpoint("qwen3_moe"), max_model_len=64))
+    other_router = build_local_engine(
+        RouterSettings(checkpoint=checkpoint("qwen3_moe"), max_model_len=64)
+    )
     resumed = generate(other_router, replace(params, max_tokens=9), PROMPT + tokens[:7])
     assert resumed == (tokens[7:], FinishReason.LENGTH)
     unseeded = replace(params, seed=None)
@@ -177,20 +194,36 @@ def test_resuming_from_prompt_plus_generated_tokens_continues_seeded_sampling_ex
 
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-30, 1e-6, 2e-5])
-def test_tiny_temperatures_sample_greedily_without_error(engine: Engine, temperature: float) -> None:
+def test_tiny_temperatures_sample_greedily_without_error(
+    engine: Engine, temperature: float
+) -> None:
     greedy, _ = generate(engine, GREEDY)
-    assert generate(engine, replace(GREEDY, temperature=temperature, seed=3)) == (greedy, FinishReason.LENGTH)
+    assert generate(engine, replace(GREEDY, temperature=temperature, seed=3)) == (
+        greedy,
+        FinishReason.LENGTH,
+    )
 
 
-@pytest.mark.parametrize("logits", [
-    torch.tensor([0.0, math.nan, 1.0]),
-    torch.tensor([0.0, math.inf, 1.0]),
-    torch.tensor([-math.inf, -math.inf, -math.inf]),
-    torch.tensor([1e38, 3e38, -3e38]),
-])
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1e-5), SamplingParams(temperature=0.7, top_p=0.9),
-                                    SamplingParams(temperature=3.0, top_k=2)])
-def test_degenerate_distributions_fall_back_to_argmax(logits: torch.Tensor, params: SamplingParams) -> None:
+@pytest.mark.parametrize(
+    "logits",
+    [
+        torch.tensor([0.0, math.nan, 1.0]),
+        torch.tensor([0.0, math.inf, 1.0]),
+        torch.tensor([-math.inf, -math.inf, -math.inf]),
+        torch.tensor([1e38, 3e38, -3e38]),
+    ],
+)
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-5),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=3.0, top_k=2),
+    ],
+)
+def test_degenerate_distributions_fall_back_to_argmax(
+    logits: torch.Tensor, params: SamplingParams
+) -> None:
     token = sample(logits, params, torch.Generator().manual_seed(0))
     assert token == int(torch.argmax(torch.nan_to_num(logits, nan=-math.inf)))
 
@@ -223,7 +256,9 @@ def test_a_failure_while_sampling_fails_only_that_request(engine: Engine, monkey
     assert generate(engine, GREEDY, [20, 21, 22]) == alone
 
 
-def test_a_failure_outside_forward_and_sampling_fails_the_steps_requests_only(engine: Engine) -> None:
+def test_a_failure_outside_forward_and_sampling_fails_the_steps_requests_only(
+    engine: Engine,
+) -> None:
     alone = generate(engine, GREEDY)
     real, calls = engine.cache.reserve, 0
 

@@ -37,7 +37,9 @@ class FakeRouter:
                 await self.gate.wait()
             n = request.params.max_tokens
             for i in range(n):
-                yield Chunk([5 + i], "length" if i == n - 1 else None, len(request.prompt_token_ids), i + 1)
+                yield Chunk(
+                    [5 + i], "length" if i == n - 1 else None, len(request.prompt_token_ids), i + 1
+                )
         finally:
             self.outstanding -= 1
 
@@ -54,7 +56,10 @@ async def test_requests_spread_over_router_replicas_by_outstanding_streams(check
     gate = asyncio.Event()
     a, b = FakeRouter("a:1", gate), FakeRouter("b:1", gate)
     gw = core(checkpoint("mixtral"), [a, b])
-    tasks = [asyncio.create_task(gw.complete(TextRequest(prompt_token_ids=[1, 2], max_tokens=3))) for _ in range(6)]
+    tasks = [
+        asyncio.create_task(gw.complete(TextRequest(prompt_token_ids=[1, 2], max_tokens=3)))
+        for _ in range(6)
+    ]
     await asyncio.sleep(0.05)
     assert (a.outstanding, b.outstanding) == (3, 3)  # concurrent streams balance
     gate.set()
@@ -76,7 +81,9 @@ async def test_admission_serves_waiting_requests_by_priority_then_arrival() -> N
 
     first = asyncio.create_task(request("first", 0))
     await asyncio.sleep(0)
-    waiting = [asyncio.create_task(request(n, p)) for n, p in [("low", -1), ("high", 5), ("normal", 0)]]
+    waiting = [
+        asyncio.create_task(request(n, p)) for n, p in [("low", -1), ("high", 5), ("normal", 0)]
+    ]
     await asyncio.sleep(0)
     with pytest.raises(ResourceExhaustedError, match="retry after 2s") as e:
         await request("rejected", 9)
@@ -102,14 +109,20 @@ async def test_a_cancelled_waiter_gives_its_place_back() -> None:
 
 # -- failure paths -------------------------------------------------------------------------------
 
+
 class ScriptedRouter:
     """Token at absolute position p is 5 + p % 400, so a continuation elsewhere gives the same tokens.
 
     `dies_after`: raise RouterLostError (what a killed router looks like) after that many tokens;
     `refuses`: every call fails before its first token; `no_finish`: the stream just ends."""
 
-    def __init__(self, address: str, dies_after: int | None = None, refuses: bool = False,
-                 no_finish: bool = False) -> None:
+    def __init__(
+        self,
+        address: str,
+        dies_after: int | None = None,
+        refuses: bool = False,
+        no_finish: bool = False,
+    ) -> None:
         self.address, self.outstanding, self.calls = address, 0, []
         self.dies_after, self.refuses, self.no_finish = dies_after, refuses, no_finish
 
@@ -133,16 +146,21 @@ class ScriptedRouter:
         raise NotImplementedError
 
 
-async def collect(gw: GatewayCore, r: TextRequest, timeout_s: float | None = None) -> tuple[list[int], list]:
+async def collect(
+    gw: GatewayCore, r: TextRequest, timeout_s: float | None = None
+) -> tuple[list[int], list]:
     async with await gw.start(r, timeout_s) as gen:
         deltas = [d async for d in gen]
     return sum((d.token_ids for d in deltas), []), deltas
 
 
-async def test_a_stream_cut_by_a_dying_router_continues_on_another_with_the_same_tokens(checkpoint) -> None:
+async def test_a_stream_cut_by_a_dying_router_continues_on_another_with_the_same_tokens(
+    checkpoint,
+) -> None:
     path = checkpoint("mixtral")
-    undisturbed, _ = await collect(core(path, [ScriptedRouter("c:1")]), TextRequest(prompt_token_ids=[1, 2, 3],
-                                                                                   max_tokens=12))
+    undisturbed, _ = await collect(
+        core(path, [ScriptedRouter("c:1")]), TextRequest(prompt_token_ids=[1, 2, 3], max_tokens=12)
+    )
     dying, healthy = ScriptedRouter("a:1", dies_after=5), ScriptedRouter("b:1")
     gw = core(path, [dying, healthy])
     gw.balancer._turn = -1  # the first pick is `dying`
@@ -150,9 +168,16 @@ async def test_a_stream_cut_by_a_dying_router_continues_on_another_with_the_same
     ids, deltas = await collect(gw, r)
     assert ids == undisturbed and len(ids) == 12
     assert [d.finish_reason for d in deltas] == [None] * 11 + ["length"]
-    assert [d.completion_tokens for d in deltas] == list(range(1, 13)) and deltas[-1].prompt_tokens == 3
+    assert [d.completion_tokens for d in deltas] == list(range(1, 13)) and deltas[
+        -1
+    ].prompt_tokens == 3
     [first], [second] = dying.calls, healthy.calls
-    assert list(second.prompt_token_ids) == [1, 2, 3, *ids[:5]]  # token ids as they were, not re-tokenized
+    assert list(second.prompt_token_ids) == [
+        1,
+        2,
+        3,
+        *ids[:5],
+    ]  # token ids as they were, not re-tokenized
     assert second.params.max_tokens == 7 and second.request_id == "r1~1"
     # temperature > 0 without a seed: the gateway chose one, and the continuation keeps it.
     assert first.params.seed is not None and second.params.seed == first.params.seed
@@ -184,7 +209,9 @@ async def test_retries_stop_at_the_budget_and_at_router_attempts(checkpoint) -> 
     assert sum(len(r.calls) for r in everyone_dead) == 3
 
 
-async def test_no_router_is_unavailable_and_a_stream_without_finish_reason_is_an_error(checkpoint) -> None:
+async def test_no_router_is_unavailable_and_a_stream_without_finish_reason_is_an_error(
+    checkpoint,
+) -> None:
     gw = core(checkpoint("mixtral"), [])
     with pytest.raises(UnavailableError, match="no router replica is available"):
         await collect(gw, TextRequest(prompt_token_ids=[1], max_tokens=3))
@@ -216,7 +243,9 @@ async def test_waiting_for_admission_ends_at_the_deadline(checkpoint) -> None:
 async def test_duplicate_request_ids_in_flight_and_draining_are_refused(checkpoint) -> None:
     gate = asyncio.Event()
     gw = core(checkpoint("mixtral"), [FakeRouter("a:1", gate)])
-    first = asyncio.create_task(collect(gw, TextRequest(prompt_token_ids=[1], max_tokens=2, request_id="x")))
+    first = asyncio.create_task(
+        collect(gw, TextRequest(prompt_token_ids=[1], max_tokens=2, request_id="x"))
+    )
     await asyncio.sleep(0.01)
     with pytest.raises(AlreadyExistsError, match="request_id: 'x' is already in flight"):
         await gw.start(TextRequest(prompt_token_ids=[1], max_tokens=2, request_id="x"))

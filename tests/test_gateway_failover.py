@@ -32,8 +32,15 @@ ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+:\d+|localhost:\d+|\[[0-9a-f:]+\]:\d+")
 @contextmanager
 def routers(path: Path, workdir: Path, n: int = 2) -> Iterator[list[ServiceProcess]]:
     """`n` router processes (every expert colocated), started together; each is stopped at the end."""
-    procs = [ServiceProcess("router_service", ["--checkpoint", str(path), "--compute-threads", "1"], workdir,
-                            f"router{i}") for i in range(n)]
+    procs = [
+        ServiceProcess(
+            "router_service",
+            ["--checkpoint", str(path), "--compute-threads", "1"],
+            workdir,
+            f"router{i}",
+        )
+        for i in range(n)
+    ]
     try:
         yield [p.wait_ready() for p in procs]
     finally:
@@ -59,7 +66,12 @@ def kill(router: ServiceProcess) -> None:
 async def stream(h: httpx.AsyncClient, body: dict, progress: list[int] | None = None) -> dict:
     """One streamed completion: its token ids, text, finish reason, usage and any in-band error."""
     out: dict = {"token_ids": [], "text": "", "finish_reason": None, "usage": None, "errors": []}
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    body = {
+        **body,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
     async with h.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
@@ -81,23 +93,36 @@ async def stream(h: httpx.AsyncClient, body: dict, progress: list[int] | None = 
 
 
 # Long enough that the kill lands mid-stream; ignore_eos so that a random model runs them to the end.
-REQUESTS = [{"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 160, "ignore_eos": True, **sampling}
-            for i, sampling in enumerate([{"temperature": 0}, {"temperature": 0},
-                                          {"temperature": 1.0, "seed": 7}, {"temperature": 0.8, "top_p": 0.9,
-                                                                            "seed": 2**63 + 5}])]
+REQUESTS = [
+    {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 160, "ignore_eos": True, **sampling}
+    for i, sampling in enumerate(
+        [
+            {"temperature": 0},
+            {"temperature": 0},
+            {"temperature": 1.0, "seed": 7},
+            {"temperature": 0.8, "top_p": 0.9, "seed": 2**63 + 5},
+        ]
+    )
+]
 SAMPLED = [i for i, r in enumerate(REQUESTS) if r["temperature"] > 0]
 
 
-async def _kill_mid_stream(checkpoint, tmp_path, which: list[int]) -> tuple[list[dict], list[dict], int]:
+async def _kill_mid_stream(
+    checkpoint, tmp_path, which: list[int]
+) -> tuple[list[dict], list[dict], int]:
     """Undisturbed results of REQUESTS[which], then the same with router 0 SIGKILLed once every stream
     has a few tokens; returns (undisturbed, disturbed, failovers)."""
     path = checkpoint("mixtral")
     with routers(path, tmp_path) as procs:
-        async with gateway(path, [p.address for p in procs]) as gw, \
-                httpx.AsyncClient(base_url=f"http://{gw.http_address}", timeout=60) as h:
+        async with (
+            gateway(path, [p.address for p in procs]) as gw,
+            httpx.AsyncClient(base_url=f"http://{gw.http_address}", timeout=60) as h,
+        ):
             undisturbed = await asyncio.gather(*(stream(h, REQUESTS[i]) for i in which))
             progress: list[list[int]] = [[] for _ in which]
-            tasks = [asyncio.create_task(stream(h, REQUESTS[i], p)) for i, p in zip(which, progress)]
+            tasks = [
+                asyncio.create_task(stream(h, REQUESTS[i], p)) for i, p in zip(which, progress)
+            ]
             t0 = time.monotonic()
             while not all(sum(p) >= 4 for p in progress):
                 assert time.monotonic() - t0 < 20 and not any(t.done() for t in tasks), progress
@@ -108,7 +133,9 @@ async def _kill_mid_stream(checkpoint, tmp_path, which: list[int]) -> tuple[list
             return undisturbed, disturbed, gw.core.balancer.failovers
 
 
-async def test_greedy_streams_continue_exactly_on_another_router_when_theirs_is_killed(checkpoint, tmp_path) -> None:
+async def test_greedy_streams_continue_exactly_on_another_router_when_theirs_is_killed(
+    checkpoint, tmp_path
+) -> None:
     which = [i for i in range(len(REQUESTS)) if i not in SAMPLED]
     undisturbed, disturbed, failovers = await _kill_mid_stream(checkpoint, tmp_path, which * 2)
     for before, after in zip(undisturbed, disturbed):
@@ -118,7 +145,9 @@ async def test_greedy_streams_continue_exactly_on_another_router_when_theirs_is_
     assert failovers >= 1  # some stream did run on the killed router
 
 
-async def test_seeded_sampling_streams_continue_exactly_on_another_router(checkpoint, tmp_path) -> None:
+async def test_seeded_sampling_streams_continue_exactly_on_another_router(
+    checkpoint, tmp_path
+) -> None:
     undisturbed, disturbed, failovers = await _kill_mid_stream(checkpoint, tmp_path, SAMPLED * 2)
     assert failovers >= 1
     for before, after in zip(undisturbed, disturbed):
@@ -130,12 +159,15 @@ async def test_a_dead_router_gets_no_requests_and_none_fail(checkpoint, tmp_path
     path = checkpoint("mixtral")
 
     def request(i: int) -> inference_pb2.GenerateRequest:
-        return inference_pb2.GenerateRequest(prompt_token_ids=PROMPTS[i % len(PROMPTS)], max_tokens=6,
-                                             temperature=0.0)
+        return inference_pb2.GenerateRequest(
+            prompt_token_ids=PROMPTS[i % len(PROMPTS)], max_tokens=6, temperature=0.0
+        )
 
     with routers(path, tmp_path) as procs:
-        async with gateway(path, [p.address for p in procs]) as gw, \
-                grpc.aio.insecure_channel(gw.grpc.address) as channel:
+        async with (
+            gateway(path, [p.address for p in procs]) as gw,
+            grpc.aio.insecure_channel(gw.grpc.address) as channel,
+        ):
             stub = inference_pb2_grpc.InferenceStub(channel)
             ref = [await stub.Generate(request(i)) for i in range(len(PROMPTS))]
             kill(procs[0])
@@ -152,15 +184,20 @@ async def test_a_dead_router_gets_no_requests_and_none_fail(checkpoint, tmp_path
             assert not failed, [(e.code(), e.details()) for e in failed]
             for i, r in enumerate(results):
                 want = ref[i % len(PROMPTS)]
-                assert (list(r.token_ids), r.finish_reason, r.usage) == (list(want.token_ids), want.finish_reason,
-                                                                         want.usage)
+                assert (list(r.token_ids), r.finish_reason, r.usage) == (
+                    list(want.token_ids),
+                    want.finish_reason,
+                    want.usage,
+                )
             assert gw.core.balancer.health(gw.core.routers[0]).ejections >= 1
 
             # With no router left: a clear UNAVAILABLE (HTTP 503) that does not name internal addresses.
             kill(procs[1])
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Generate(request(0), timeout=30)
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "no router" in e.value.details()
+            assert (
+                e.value.code() == grpc.StatusCode.UNAVAILABLE and "no router" in e.value.details()
+            )
             assert not ADDRESS.search(e.value.details()), e.value.details()
             async with httpx.AsyncClient(base_url=f"http://{gw.http_address}") as h:
                 r = await h.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})

@@ -16,7 +16,9 @@ from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
 
 
 def greedy(i: int, max_tokens: int = 32, **kw) -> inference_pb2.GenerateRequest:
-    return inference_pb2.GenerateRequest(prompt_token_ids=PROMPTS[i], max_tokens=max_tokens, temperature=0.0, **kw)
+    return inference_pb2.GenerateRequest(
+        prompt_token_ids=PROMPTS[i], max_tokens=max_tokens, temperature=0.0, **kw
+    )
 
 
 async def serving(channel: grpc.aio.Channel) -> bool:
@@ -31,7 +33,7 @@ async def test_unary_and_stream_match_the_local_engine_and_stream_early(checkpoi
         # ignore_eos is not public: compare with the local engine on prompts where greedy never hits eos.
         for i in range(len(PROMPTS)):
             reply = await stub.Generate(greedy(i))
-            assert tuple(reply.token_ids) == monolithic(path)[i][:len(reply.token_ids)]
+            assert tuple(reply.token_ids) == monolithic(path)[i][: len(reply.token_ids)]
             if reply.finish_reason == types_pb2.FINISH_REASON_LENGTH:
                 assert len(reply.token_ids) == 32
             assert reply.usage.prompt_tokens == len(PROMPTS[i])
@@ -49,7 +51,10 @@ async def test_unary_and_stream_match_the_local_engine_and_stream_early(checkpoi
 
 
 async def test_cancelling_a_stream_frees_the_router_slot_within_a_second(checkpoint) -> None:
-    async with local_mesh(checkpoint("mixtral")) as mesh, grpc.aio.insecure_channel(mesh.grpc_address) as channel:
+    async with (
+        local_mesh(checkpoint("mixtral")) as mesh,
+        grpc.aio.insecure_channel(mesh.grpc_address) as channel,
+    ):
         call = inference_pb2_grpc.InferenceStub(channel).GenerateStream(greedy(2, max_tokens=400))
         seen = 0
         async for _ in call:
@@ -66,22 +71,32 @@ async def test_cancelling_a_stream_frees_the_router_slot_within_a_second(checkpo
         assert await serving(channel)
 
 
-async def test_burst_beyond_the_queue_is_refused_at_once_and_accepted_requests_complete(checkpoint) -> None:
+async def test_burst_beyond_the_queue_is_refused_at_once_and_accepted_requests_complete(
+    checkpoint,
+) -> None:
     path = checkpoint("olmoe")
     capacity = 2  # max_in_flight + max_queued
-    async with local_mesh(path, max_in_flight=1, max_queued=1) as mesh, \
-            grpc.aio.insecure_channel(mesh.grpc_address) as channel:
+    async with (
+        local_mesh(path, max_in_flight=1, max_queued=1) as mesh,
+        grpc.aio.insecure_channel(mesh.grpc_address) as channel,
+    ):
         stub = inference_pb2_grpc.InferenceStub(channel)
 
         async def one(i: int):
             start = time.monotonic()
             try:
-                return await stub.Generate(greedy(i % len(PROMPTS), max_tokens=8)), time.monotonic() - start
+                return await stub.Generate(
+                    greedy(i % len(PROMPTS), max_tokens=8)
+                ), time.monotonic() - start
             except grpc.aio.AioRpcError as e:
                 return e, time.monotonic() - start
 
         results = await asyncio.gather(*(one(i) for i in range(10 * capacity)))
-        accepted = [(i, r) for i, (r, _) in enumerate(results) if isinstance(r, inference_pb2.GenerateResponse)]
+        accepted = [
+            (i, r)
+            for i, (r, _) in enumerate(results)
+            if isinstance(r, inference_pb2.GenerateResponse)
+        ]
         refused = [(r, t) for r, t in results if isinstance(r, grpc.aio.AioRpcError)]
         assert len(accepted) >= capacity and len(refused) >= 10 * capacity - capacity - 2
         assert len(accepted) + len(refused) == 10 * capacity
@@ -119,7 +134,9 @@ BAD = [
 ]
 
 
-async def test_bad_input_is_invalid_argument_naming_the_field_and_the_gateway_stays_healthy(checkpoint) -> None:
+async def test_bad_input_is_invalid_argument_naming_the_field_and_the_gateway_stays_healthy(
+    checkpoint,
+) -> None:
     path = checkpoint("mixtral")
     async with local_mesh(path) as mesh, grpc.aio.insecure_channel(mesh.grpc_address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
@@ -132,7 +149,10 @@ async def test_bad_input_is_invalid_argument_naming_the_field_and_the_gateway_st
                             pass
                     else:
                         await result
-                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (fields, e.value.details())
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (
+                    fields,
+                    e.value.details(),
+                )
                 assert e.value.details().startswith(f"{field}:"), (fields, e.value.details())
             assert await serving(channel)
         reply = await stub.Generate(greedy(1, max_tokens=4))
@@ -141,7 +161,9 @@ async def test_bad_input_is_invalid_argument_naming_the_field_and_the_gateway_st
         assert [m.id for m in models.models] == [path.name] and models.models[0].vocab_size == 512
 
 
-async def test_a_request_id_in_flight_is_already_exists_and_a_huge_message_is_refused(checkpoint) -> None:
+async def test_a_request_id_in_flight_is_already_exists_and_a_huge_message_is_refused(
+    checkpoint,
+) -> None:
     path = checkpoint("mixtral")
     async with local_mesh(path) as mesh, grpc.aio.insecure_channel(mesh.grpc_address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
@@ -166,5 +188,7 @@ async def test_a_request_id_in_flight_is_already_exists_and_a_huge_message_is_re
         start = time.monotonic()
         while mesh.gateway.core.admission.in_flight and time.monotonic() - start < 1.0:
             await asyncio.sleep(0.01)  # the cancellation of the first reaches the gateway
-        reply = await stub.Generate(greedy(1, max_tokens=4, request_id="same"))  # free once the first ended
+        reply = await stub.Generate(
+            greedy(1, max_tokens=4, request_id="same")
+        )  # free once the first ended
         assert tuple(reply.token_ids) == monolithic(path)[1][:4] and reply.request_id == "same"

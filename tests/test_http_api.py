@@ -30,14 +30,20 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 IDS = [11, 3, 250, 9, 31]
 TEXT = "Hello wörld, naïve café"
 N = 24
-GREEDY = {"temperature": 0, "max_tokens": N, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+GREEDY = {
+    "temperature": 0,
+    "max_tokens": N,
+    "extra_body": {"ignore_eos": True, "return_token_ids": True},
+}
 
 
 @cache
 def greedy(path: Path, prompt: tuple[int, ...], max_tokens: int = N) -> list[int]:
     """The in-process engine's greedy tokens (on a worker thread: the test already runs an event loop)."""
     engine = build_local_engine(RouterSettings(checkpoint=path))
-    engine.add_request("ref", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    engine.add_request(
+        "ref", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    )
 
     async def run() -> list[int]:
         out: list[int] = []
@@ -90,21 +96,44 @@ async def test_completions_give_the_engines_greedy_tokens(mesh, path) -> None:
     async with client(mesh) as c:
         for prompt, ids in [(IDS, IDS), (TEXT, tok.encode(TEXT))]:
             ref = greedy(path, tuple(ids))
-            r = await c.completions.create(model=mesh.gateway.core.model.id, prompt=prompt, **GREEDY)
+            r = await c.completions.create(
+                model=mesh.gateway.core.model.id, prompt=prompt, **GREEDY
+            )
             choice = r.choices[0]
             assert choice.token_ids == ref and choice.text == detokenized(path, ref)
-            assert choice.finish_reason == "length" and r.object == "text_completion" and r.id.startswith("cmpl-")
+            assert (
+                choice.finish_reason == "length"
+                and r.object == "text_completion"
+                and r.id.startswith("cmpl-")
+            )
             usage = r.usage
-            assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (len(ids), N, len(ids) + N)
+            assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+                len(ids),
+                N,
+                len(ids) + N,
+            )
 
-            chunks = [ch async for ch in await c.completions.create(
-                model="", prompt=prompt, stream=True, stream_options={"include_usage": True}, **GREEDY)]
+            chunks = [
+                ch
+                async for ch in await c.completions.create(
+                    model="",
+                    prompt=prompt,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    **GREEDY,
+                )
+            ]
             *deltas, usage = chunks
             assert sum((d.choices[0].token_ids for d in deltas), []) == ref
             assert "".join(d.choices[0].text for d in deltas) == choice.text
-            assert [d.choices[0].finish_reason for d in deltas] == [None] * (len(deltas) - 1) + ["length"]
+            assert [d.choices[0].finish_reason for d in deltas] == [None] * (len(deltas) - 1) + [
+                "length"
+            ]
             assert all(d.object == "text_completion" and d.id == deltas[0].id for d in chunks)
-            assert usage.choices == [] and (usage.usage.prompt_tokens, usage.usage.completion_tokens) == (len(ids), N)
+            assert usage.choices == [] and (
+                usage.usage.prompt_tokens,
+                usage.usage.completion_tokens,
+            ) == (len(ids), N)
 
         # OpenAI's batch form with a single prompt, and a stop string that ends the text early.
         r = await c.completions.create(model="", prompt=[IDS], **GREEDY)
@@ -115,11 +144,16 @@ async def test_completions_give_the_engines_greedy_tokens(mesh, path) -> None:
 
         # Sampling fields reach the engine: top_k=1 is greedy at any temperature; a seed repeats.
         sampled = {**GREEDY, "temperature": 1.0}
-        r = await c.completions.create(model="", prompt=IDS, **{**sampled, "extra_body": {**GREEDY["extra_body"],
-                                                                                          "top_k": 1}})
+        r = await c.completions.create(
+            model="", prompt=IDS, **{**sampled, "extra_body": {**GREEDY["extra_body"], "top_k": 1}}
+        )
         assert r.choices[0].token_ids == greedy(path, tuple(IDS))
-        a, b = [(await c.completions.create(model="", prompt=IDS, seed=7, **sampled)).choices[0].token_ids
-                for _ in range(2)]
+        a, b = [
+            (await c.completions.create(model="", prompt=IDS, seed=7, **sampled))
+            .choices[0]
+            .token_ids
+            for _ in range(2)
+        ]
         assert a == b and len(a) == N
 
 
@@ -130,28 +164,49 @@ async def test_chat_completions_stream_and_not(mesh, path) -> None:
     ids = Tokenizer(path).encode(rendered)
     ref = greedy(path, tuple(ids), 8)
     async with client(mesh) as c:
-        r = await c.chat.completions.create(model=mesh.gateway.core.model.id, messages=messages, temperature=0,
-                                            max_completion_tokens=8, extra_body={"ignore_eos": True,
-                                                                                 "return_token_ids": True})
+        r = await c.chat.completions.create(
+            model=mesh.gateway.core.model.id,
+            messages=messages,
+            temperature=0,
+            max_completion_tokens=8,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
         assert r.choices[0].message.role == "assistant" and r.choices[0].token_ids == ref
-        assert r.choices[0].message.content == detokenized(path, ref) and r.choices[0].finish_reason == "length"
+        assert (
+            r.choices[0].message.content == detokenized(path, ref)
+            and r.choices[0].finish_reason == "length"
+        )
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 8)
 
-        stream = await c.chat.completions.create(model="", messages=messages, temperature=0, max_tokens=8,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True})
+        stream = await c.chat.completions.create(
+            model="",
+            messages=messages,
+            temperature=0,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         *deltas, usage = [ch async for ch in stream]
         assert deltas[0].choices[0].delta.role == "assistant"
         assert "".join(d.choices[0].delta.content for d in deltas) == r.choices[0].message.content
-        assert deltas[-1].choices[0].finish_reason == "length" and usage.usage.completion_tokens == 8
+        assert (
+            deltas[-1].choices[0].finish_reason == "length" and usage.usage.completion_tokens == 8
+        )
         assert all(d.object == "chat.completion.chunk" for d in deltas)
 
         # Text given as content parts renders the same prompt.
-        parts = [{**messages[0]}, {"role": "user", "content": [{"type": "text", "text": "Hi "},
-                                                                {"type": "text", "text": "there"}]}]
-        again = await c.chat.completions.create(model="", messages=parts, temperature=0, max_tokens=8,
-                                                extra_body={"ignore_eos": True})
+        parts = [
+            {**messages[0]},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}],
+            },
+        ]
+        again = await c.chat.completions.create(
+            model="", messages=parts, temperature=0, max_tokens=8, extra_body={"ignore_eos": True}
+        )
         assert again.choices[0].message.content == r.choices[0].message.content
 
 
@@ -208,7 +263,11 @@ BAD = [  # (endpoint, JSON body or raw bytes, the field the error must name)
     ("completions", b"[1, 2]", None),
     ("chat/completions", chat(messages=[]), "messages"),
     ("chat/completions", chat(messages=[{"role": "wizard", "content": "hi"}]), "messages"),
-    ("chat/completions", chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages"),
+    (
+        "chat/completions",
+        chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+        "messages",
+    ),
     ("chat/completions", chat(max_tokens=None, max_completion_tokens=0), "max_completion_tokens"),
     ("chat/completions", chat(max_tokens=0, stream=True), "max_tokens"),
     ("chat/completions", chat(n=2), "n"),
@@ -217,9 +276,16 @@ BAD = [  # (endpoint, JSON body or raw bytes, the field the error must name)
     ("completions", b'{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
     ("completions", b'{"prompt": "hi", "stop": ["a\\udfff"], "max_tokens": 2}', "stop"),
     ("completions", b'{"prompt": "hi", "request_id": "\\ud800", "max_tokens": 2}', "request_id"),
-    ("chat/completions", b'{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}', "messages"),
-    ("chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udbff"}]}]}',
-     "messages"),
+    (
+        "chat/completions",
+        b'{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}',
+        "messages",
+    ),
+    (
+        "chat/completions",
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udbff"}]}]}',
+        "messages",
+    ),
     # Limits, checked before any heavy work.
     ("completions", completion(stop=["x"] * 33), "stop"),
     ("completions", completion(stop="x" * 257), "stop"),
@@ -230,15 +296,24 @@ BAD = [  # (endpoint, JSON body or raw bytes, the field the error must name)
 ]
 
 
-@pytest.mark.parametrize("endpoint, body, param", BAD, ids=[f"{e}:{p}:{i}" for i, (e, _, p) in enumerate(BAD)])
+@pytest.mark.parametrize(
+    "endpoint, body, param", BAD, ids=[f"{e}:{p}:{i}" for i, (e, _, p) in enumerate(BAD)]
+)
 async def test_bad_input_is_400_naming_the_field(mesh, endpoint, body, param) -> None:
     async with httpx.AsyncClient(base_url=mesh.http_base_url) as h:
         url = f"/v1/{endpoint}"
-        r = await (h.post(url, content=body, headers={"content-type": "application/json"})
-                   if isinstance(body, bytes) else h.post(url, json=body))
+        r = await (
+            h.post(url, content=body, headers={"content-type": "application/json"})
+            if isinstance(body, bytes)
+            else h.post(url, json=body)
+        )
         assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
         error = r.json()["error"]
-        assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"], error
+        assert (
+            error["type"] == "invalid_request_error"
+            and error["param"] == param
+            and error["message"]
+        ), error
         assert (await h.get("/health/live")).status_code == 200
         good = await h.post(url, json=completion() if endpoint == "completions" else chat())
         assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
@@ -248,16 +323,21 @@ async def test_bad_input_is_400_naming_the_field(mesh, endpoint, body, param) ->
 async def test_a_large_body_is_413_at_once_while_small_requests_are_served(mesh) -> None:
     """No body-size limit and tokenization on the event loop once let a 10 MB prompt stall every request ~11 s."""
     huge = json.dumps({"prompt": "hello world " * 900_000, "max_tokens": 2}).encode()  # 10.8 MB
-    large = json.dumps({"prompt": "hello world " * 120_000, "max_tokens": 2}).encode()  # 1.4 MB: under the limit
+    large = json.dumps(
+        {"prompt": "hello world " * 120_000, "max_tokens": 2}
+    ).encode()  # 1.4 MB: under the limit
 
     async def chunked(body: bytes):
         for i in range(0, len(body), 2**16):
-            yield body[i:i + 2**16]
+            yield body[i : i + 2**16]
 
     async with httpx.AsyncClient(base_url=mesh.http_base_url, timeout=60) as h:
+
         async def post(content) -> tuple[httpx.Response, float]:
             t0 = time.monotonic()
-            r = await h.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+            r = await h.post(
+                "/v1/completions", content=content, headers={"content-type": "application/json"}
+            )
             return r, time.monotonic() - t0
 
         for content, status in [(huge, 413), (chunked(huge), 413), (large, 400)]:
@@ -270,7 +350,11 @@ async def test_a_large_body_is_413_at_once_while_small_requests_are_served(mesh)
             assert r.status_code == status, r.text
         r, elapsed = await post(huge)
         error = r.json()["error"]
-        assert elapsed < 1.0 and error["code"] == "request_too_large" and "4194304 bytes" in error["message"]
+        assert (
+            elapsed < 1.0
+            and error["code"] == "request_too_large"
+            and "4194304 bytes" in error["message"]
+        )
         large_error = (await post(large))[0].json()["error"]
         assert large_error["param"] == "prompt" and "context length" in large_error["message"]
 
@@ -285,7 +369,11 @@ async def test_a_request_id_in_flight_cannot_be_reused_until_it_ends(mesh) -> No
             second = await h.post("/v1/completions", json=completion(request_id="twice"))
             assert second.status_code == 409, second.text
             error = second.json()["error"]
-            assert error["code"] == "already_exists" and error["param"] == "request_id" and "twice" in error["message"]
+            assert (
+                error["code"] == "already_exists"
+                and error["param"] == "request_id"
+                and "twice" in error["message"]
+            )
         await wait_idle(mesh, 1.0)
         again = await h.post("/v1/completions", json=completion(request_id="twice"))
         assert again.status_code == 200 and again.json()["id"] == "cmpl-twice"
@@ -297,14 +385,16 @@ async def test_openai_client_sees_bad_request_with_param(mesh) -> None:
             await c.completions.create(model="", prompt=IDS, n=2)
         assert e.value.status_code == 400 and e.value.param == "n"
         with pytest.raises(openai.BadRequestError) as e:
-            await c.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], top_p=1.5,
-                                            stream=True)
+            await c.chat.completions.create(
+                model="", messages=[{"role": "user", "content": "hi"}], top_p=1.5, stream=True
+            )
         assert e.value.param == "top_p"
 
 
 async def test_overload_gets_429_with_retry_after_and_accepted_requests_complete(path) -> None:
     ref = greedy(path, tuple(IDS), 64)  # long enough that the burst arrives while the first two run
     async with local_mesh(path, max_in_flight=1, max_queued=1) as m, client(m) as c:
+
         async def one() -> tuple[float, object]:
             t0 = time.monotonic()
             try:
@@ -317,7 +407,10 @@ async def test_overload_gets_429_with_retry_after_and_accepted_requests_complete
         accepted = [r for _, r in results if not isinstance(r, openai.RateLimitError)]
         rejected = [(dt, r) for dt, r in results if isinstance(r, openai.RateLimitError)]
         assert len(accepted) >= 2 and len(rejected) >= 10, (len(accepted), len(rejected))
-        assert all(r.choices[0].token_ids == ref and r.choices[0].finish_reason == "length" for r in accepted)
+        assert all(
+            r.choices[0].token_ids == ref and r.choices[0].finish_reason == "length"
+            for r in accepted
+        )
         for dt, e in rejected:
             assert e.status_code == 429 and e.response.headers["retry-after"] == "1" and dt < 1.0
             assert e.body["code"] == "resource_exhausted"
@@ -329,8 +422,9 @@ async def test_overload_gets_429_with_retry_after_and_accepted_requests_complete
 
 async def test_client_leaving_a_stream_frees_the_router_slot(mesh) -> None:
     async with client(mesh) as c:
-        stream = await c.completions.create(model="", prompt=IDS, max_tokens=400, stream=True,
-                                            extra_body={"ignore_eos": True})
+        stream = await c.completions.create(
+            model="", prompt=IDS, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+        )
         chunks = aiter(stream)
         got = [await anext(chunks), await anext(chunks)]
         assert all(ch.choices[0].finish_reason is None for ch in got)
@@ -341,7 +435,9 @@ async def test_client_leaving_a_stream_frees_the_router_slot(mesh) -> None:
 
 async def test_client_leaving_a_non_streaming_request_frees_the_router_slot(mesh) -> None:
     async with httpx.AsyncClient(base_url=mesh.http_base_url) as h:
-        task = asyncio.create_task(h.post("/v1/completions", json=completion(max_tokens=500, ignore_eos=True)))
+        task = asyncio.create_task(
+            h.post("/v1/completions", json=completion(max_tokens=500, ignore_eos=True))
+        )
         t0 = time.monotonic()
         while not mesh.router.core.status().running:
             assert time.monotonic() - t0 < 5.0
@@ -354,23 +450,38 @@ async def test_client_leaving_a_non_streaming_request_frees_the_router_slot(mesh
 
 async def test_sse_wire_format(mesh) -> None:
     async with httpx.AsyncClient(base_url=mesh.http_base_url) as h:
-        async with h.stream("POST", "/v1/completions", json=completion(stream=True, max_tokens=3)) as r:
-            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        async with h.stream(
+            "POST", "/v1/completions", json=completion(stream=True, max_tokens=3)
+        ) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith(
+                "text/event-stream"
+            )
             body = (await r.aread()).decode()
     events = body.split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: {") for e in events[:-2])
-    assert json.loads(events[-3].removeprefix("data: "))["choices"][0]["finish_reason"] in ("stop", "length")
+    assert json.loads(events[-3].removeprefix("data: "))["choices"][0]["finish_reason"] in (
+        "stop",
+        "length",
+    )
 
 
 async def test_null_fields_count_as_absent(mesh) -> None:
     async with httpx.AsyncClient(base_url=mesh.http_base_url) as h:
-        r = await h.post("/v1/completions", json=completion(stop=None, n=None, stream=None, seed=None, user=None))
-        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        r = await h.post(
+            "/v1/completions", json=completion(stop=None, n=None, stream=None, seed=None, user=None)
+        )
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in (
+            "stop",
+            "length",
+        )
 
 
 async def test_deadline_is_504_before_streaming_and_an_error_event_after(path) -> None:
     long = completion(max_tokens=500, ignore_eos=True)
-    async with local_mesh(path, request_timeout_s=0.3) as m, httpx.AsyncClient(base_url=m.http_base_url) as h:
+    async with (
+        local_mesh(path, request_timeout_s=0.3) as m,
+        httpx.AsyncClient(base_url=m.http_base_url) as h,
+    ):
         r = await h.post("/v1/completions", json=long)
         assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded", r.text
 
@@ -381,8 +492,13 @@ async def test_deadline_is_504_before_streaming_and_an_error_event_after(path) -
         assert events[-1] == "data: [DONE]"
         async with client(m) as c:
             with pytest.raises(openai.APIError) as e:
-                async for _ in await c.completions.create(model="", prompt=IDS, max_tokens=500, stream=True,
-                                                          extra_body={"ignore_eos": True}):
+                async for _ in await c.completions.create(
+                    model="",
+                    prompt=IDS,
+                    max_tokens=500,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                ):
                     pass
             assert e.value.code == "deadline_exceeded"
         await wait_idle(m, 1.0)
@@ -392,6 +508,7 @@ async def test_deadline_is_504_before_streaming_and_an_error_event_after(path) -
 
 # -- failure paths, on a core over fake routers ----------------------------------------------------
 
+
 class BrokenRouter(ScriptedRouter):
     async def generate(self, request, timeout_s, trace_context=None):
         raise RuntimeError("bug near 10.1.2.3:50051")
@@ -399,8 +516,13 @@ class BrokenRouter(ScriptedRouter):
 
 
 async def test_no_router_is_503_and_a_bug_is_500_without_internals(path) -> None:
-    for routers, status, code in [([], 503, "unavailable"), ([BrokenRouter("a:1")], 500, "internal")]:
-        transport = httpx.ASGITransport(app=create_app(fake_core(path, routers)), raise_app_exceptions=False)
+    for routers, status, code in [
+        ([], 503, "unavailable"),
+        ([BrokenRouter("a:1")], 500, "internal"),
+    ]:
+        transport = httpx.ASGITransport(
+            app=create_app(fake_core(path, routers)), raise_app_exceptions=False
+        )
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as h:
             r = await h.post("/v1/completions", json=completion())
         assert r.status_code == status and r.json()["error"]["code"] == code, r.text
@@ -428,10 +550,23 @@ async def test_a_client_leaving_while_queued_is_499_and_frees_its_place(path) ->
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
     call = asyncio.create_task(app(scope, receive, send))
     t0 = time.monotonic()
     while not gw.admission.queued:
@@ -459,7 +594,9 @@ async def test_ready_is_503_while_draining_and_admitted_streams_finish(path) -> 
                 ready = await fresh.get("/health/ready")
                 assert ready.status_code == 503
                 refused = await fresh.post("/v1/completions", json=completion())
-                assert refused.status_code == 503 and refused.json()["error"]["code"] == "unavailable"
+                assert (
+                    refused.status_code == 503 and refused.json()["error"]["code"] == "unavailable"
+                )
                 assert (await fresh.get("/health/live")).status_code == 200
             events += [line async for line in lines if line]
         assert events[-1] == "data: [DONE]"

@@ -13,8 +13,11 @@ from common.placement import format_experts, parse_experts
 from moe_mesh.local.launcher import Launcher
 
 SLEEPER = ["-c", "import time; time.sleep(60)"]
-DEAF = ["-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
-              "time.sleep(60)"]
+DEAF = [
+    "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
+    "time.sleep(60)",
+]
 
 
 @pytest.fixture
@@ -22,8 +25,19 @@ def launcher(checkpoint, tmp_path):
     made: list[Launcher] = []
 
     def make(**kwargs) -> Launcher:
-        made.append(Launcher(checkpoint("mixtral"), tmp_path / "run", 1, 1, 1, [], [],
-                             ready_file=tmp_path / "mesh.json", **kwargs))
+        made.append(
+            Launcher(
+                checkpoint("mixtral"),
+                tmp_path / "run",
+                1,
+                1,
+                1,
+                [],
+                [],
+                ready_file=tmp_path / "mesh.json",
+                **kwargs,
+            )
+        )
         return made[-1]
 
     yield make
@@ -33,8 +47,12 @@ def launcher(checkpoint, tmp_path):
 
 def test_a_child_failing_at_start_is_reported_with_its_exit_code_and_log(launcher) -> None:
     mesh = launcher()
-    child = mesh._spawn("expert", "broken", ["-c", "import sys; print('cannot load shard 3'); sys.exit(3)"])
-    with pytest.raises(RuntimeError, match=r"broken .* exited with code 3 while starting:\n.*cannot load shard 3"):
+    child = mesh._spawn(
+        "expert", "broken", ["-c", "import sys; print('cannot load shard 3'); sys.exit(3)"]
+    )
+    with pytest.raises(
+        RuntimeError, match=r"broken .* exited with code 3 while starting:\n.*cannot load shard 3"
+    ):
         mesh._wait_ready([child])
 
 
@@ -61,19 +79,27 @@ def test_stop_kills_a_child_that_ignores_sigterm_after_the_timeout(launcher, cap
     assert "did not stop in 0.5s; killing it" in capfd.readouterr().err
 
 
-def test_watch_stops_when_the_gateway_dies_and_the_ready_file_drops_dead_experts(launcher, capfd) -> None:
+def test_watch_stops_when_the_gateway_dies_and_the_ready_file_drops_dead_experts(
+    launcher, capfd
+) -> None:
     mesh = launcher()
     expert = mesh._spawn("expert", "expert-1", ["-c", "import time; time.sleep(0.5)"])
     expert.info = {"address": "127.0.0.1:1", "experts": "*:0-7"}
     mesh._spawn("router", "router-0", SLEEPER)
     mesh._spawn("gateway", "gateway", ["-c", "import time; time.sleep(1.5)"])
     mesh.publish()
-    assert [e["address"] for e in json.loads(mesh.ready_file.read_text())["experts"]] == ["127.0.0.1:1"]
+    assert [e["address"] for e in json.loads(mesh.ready_file.read_text())["experts"]] == [
+        "127.0.0.1:1"
+    ]
     start = time.monotonic()
     mesh.watch([False])  # returns by itself: no gateway, no mesh
     assert time.monotonic() - start < 10
     err = capfd.readouterr().err
-    assert "expert expert-1" in err and "gateway gateway" in err and "the mesh cannot serve any more" in err
+    assert (
+        "expert expert-1" in err
+        and "gateway gateway" in err
+        and "the mesh cannot serve any more" in err
+    )
     assert json.loads(mesh.ready_file.read_text())["experts"] == []
 
 
@@ -82,7 +108,9 @@ def _serving(mesh: Launcher, group: str) -> list[dict]:
     return [e for e in json.loads(mesh.ready_file.read_text())["experts"] if e["experts"] == want]
 
 
-def test_scale_is_serialized_idempotent_followed_by_the_ready_file_and_reaches_zero(launcher) -> None:
+def test_scale_is_serialized_idempotent_followed_by_the_ready_file_and_reaches_zero(
+    launcher,
+) -> None:
     mesh = launcher()
     mesh.start_control_plane()
     mesh.publish()

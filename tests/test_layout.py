@@ -5,6 +5,7 @@ module's private names."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ def _imports(path: Path) -> list[tuple[str, list[str], int]]:
         elif isinstance(node, ast.ImportFrom):
             module = node.module or ""
             if node.level:  # from . import x / from ..y import z
-                base = here[:len(here) - node.level]
+                base = here[: len(here) - node.level]
                 module = ".".join([*base, module] if module else base)
             out.append((module, [a.name for a in node.names], node.lineno))
     return out
@@ -46,14 +47,22 @@ def _where(path: Path, line: int) -> str:
 @pytest.mark.parametrize("service", SERVICES)
 def test_a_service_imports_no_other_service_nor_the_composition_root(service) -> None:
     banned = {*SERVICES, "moe_mesh"} - {service}
-    found = [f"{_where(p, line)} imports {m}" for p in _modules(service) for m, _, line in _imports(p)
-             if _top(m) in banned]
+    found = [
+        f"{_where(p, line)} imports {m}"
+        for p in _modules(service)
+        for m, _, line in _imports(p)
+        if _top(m) in banned
+    ]
     assert not found, "\n".join(found)
 
 
 def test_common_imports_no_service_and_not_the_composition_root() -> None:
-    found = [f"{_where(p, line)} imports {m}" for p in _modules("common") for m, _, line in _imports(p)
-             if _top(m) in {*SERVICES, "moe_mesh"}]
+    found = [
+        f"{_where(p, line)} imports {m}"
+        for p in _modules("common")
+        for m, _, line in _imports(p)
+        if _top(m) in {*SERVICES, "moe_mesh"}
+    ]
     assert not found, "\n".join(found)
 
 
@@ -65,8 +74,11 @@ def test_no_module_imports_a_private_name_of_another_module() -> None:
                 if _top(module) not in PACKAGES:
                     continue
                 private = [n for n in names if n.startswith("_") and not n.startswith("__")]
-                private += [part for part in module.split(".") if part.startswith("_") and part != "__main__"
-                            and not part.startswith("__")]
+                private += [
+                    part
+                    for part in module.split(".")
+                    if part.startswith("_") and part != "__main__" and not part.startswith("__")
+                ]
                 if private:
                     found.append(f"{_where(path, line)} imports {', '.join(private)} from {module}")
     assert not found, "\n".join(found)
@@ -84,5 +96,40 @@ def test_the_rules_see_a_violation(tmp_path, monkeypatch) -> None:
         test_a_service_imports_no_other_service_nor_the_composition_root("gateway")
     with pytest.raises(AssertionError, match="common/bad.py:1 imports expert_service.core"):
         test_common_imports_no_service_and_not_the_composition_root()
-    with pytest.raises(AssertionError, match="moe_mesh/bad.py:1 imports _hidden from moe_mesh.ops.tables"):
+    with pytest.raises(
+        AssertionError, match="moe_mesh/bad.py:1 imports _hidden from moe_mesh.ops.tables"
+    ):
         test_no_module_imports_a_private_name_of_another_module()
+
+
+def _readme_table() -> dict[str, str]:
+    """directory -> its row of the README's directory table."""
+    rows = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith("| `") and "/` |" in line:
+            directory, _, text = line[3:].partition("` |")
+            rows[directory.rstrip("/")] = text
+    return rows
+
+
+def test_the_readme_directory_table_names_every_module_and_only_real_ones() -> None:
+    rows = _readme_table()
+    for package in (
+        *PACKAGES,
+        "common/arch",
+        "common/registry",
+        "moe_mesh/local",
+        "moe_mesh/ops",
+        "moe_mesh/planning",
+        "moe_mesh/planning/deploy",
+        "moe_mesh/dev",
+    ):
+        assert package in rows, f"README directory table has no row for {package}/"
+        modules = {p.name for p in (ROOT / package).glob("*.py") if not p.name.startswith("__")}
+        named = set(re.findall(r"`([a-z0-9_]+\.py)`", rows[package]))
+        assert modules - named == set(), (
+            f"{package}/: not in the README table: {sorted(modules - named)}"
+        )
+        assert named - modules == set(), (
+            f"{package}/: the README table names missing files: {sorted(named - modules)}"
+        )

@@ -42,12 +42,23 @@ class Load:
     async def _worker(self, stub, offset: int) -> None:
         deadline = time.monotonic() + 120
         i = offset
-        while not self._stop.is_set() and self.ok + len(self.failures) < 2000 and time.monotonic() < deadline:
+        while (
+            not self._stop.is_set()
+            and self.ok + len(self.failures) < 2000
+            and time.monotonic() < deadline
+        ):
             prompt = i % len(PROMPTS)
             try:
-                reply = await stub.Generate(inference_pb2.GenerateRequest(
-                    prompt_token_ids=PROMPTS[prompt], max_tokens=6, temperature=0.0), timeout=20)
-                if tuple(reply.token_ids) != self.expected[prompt][:len(reply.token_ids)] or not reply.token_ids:
+                reply = await stub.Generate(
+                    inference_pb2.GenerateRequest(
+                        prompt_token_ids=PROMPTS[prompt], max_tokens=6, temperature=0.0
+                    ),
+                    timeout=20,
+                )
+                if (
+                    tuple(reply.token_ids) != self.expected[prompt][: len(reply.token_ids)]
+                    or not reply.token_ids
+                ):
                     self.failures.append(f"wrong tokens for prompt {prompt}")
                 else:
                     self.ok += 1
@@ -74,7 +85,9 @@ class Load:
 
 async def calls(address: str) -> int:
     async with grpc.aio.insecure_channel(address) as channel:
-        reply = await expert_pb2_grpc.ExpertServiceStub(channel).Describe(expert_pb2.DescribeRequest(), timeout=5)
+        reply = await expert_pb2_grpc.ExpertServiceStub(channel).Describe(
+            expert_pb2.DescribeRequest(), timeout=5
+        )
         return reply.stats.forward_calls
 
 
@@ -108,10 +121,15 @@ async def test_membership_changes_under_load(checkpoint, tmp_path, monkeypatch) 
     (tmp_path / "a").mkdir()
     # start_experts blocks while it waits: on a thread, so this loop keeps serving the registry.
     procs = await asyncio.to_thread(start_experts, path, ["*:0-3", "*:4-7"], tmp_path / "a", *flags)
-    router = await RouterApp.create(RouterSettings(checkpoint=path, registry="consul", registry_address=address,
-                                                   connect_timeout_s=30))
+    router = await RouterApp.create(
+        RouterSettings(
+            checkpoint=path, registry="consul", registry_address=address, connect_timeout_s=30
+        )
+    )
     await router.start()
-    gateway = await GatewayApp.create(GatewaySettings(checkpoint=path, registry="consul", registry_address=address))
+    gateway = await GatewayApp.create(
+        GatewaySettings(checkpoint=path, registry="consul", registry_address=address)
+    )
     await gateway.start()
     membership = router.membership
     try:
@@ -120,28 +138,44 @@ async def test_membership_changes_under_load(checkpoint, tmp_path, monkeypatch) 
 
             # A new replica of experts 4-7 joins: it starts taking traffic without a restart.
             (tmp_path / "b").mkdir()
-            [added] = await asyncio.to_thread(start_experts, path, ["*:4-7"], tmp_path / "b", *flags)
+            [added] = await asyncio.to_thread(
+                start_experts, path, ["*:4-7"], tmp_path / "b", *flags
+            )
             procs.append(added)
-            await eventually(lambda: len(membership.backends) == 3, what="the new replica in the placement")
-            await eventually(lambda: takes_calls(added.address), what="the new replica taking calls")
+            await eventually(
+                lambda: len(membership.backends) == 3, what="the new replica in the placement"
+            )
+            await eventually(
+                lambda: takes_calls(added.address), what="the new replica taking calls"
+            )
 
             # SIGKILL one of the two replicas of 4-7: in-flight calls fail over, nothing fails.
             procs[1].signal(signal.SIGKILL)
-            await eventually(lambda: len(membership.backends) == 2, what="the dead replica to leave")
+            await eventually(
+                lambda: len(membership.backends) == 2, what="the dead replica to leave"
+            )
             await load.run_for(1.0)
 
             # SIGTERM the only replica of 0-3 after a second one joined: a graceful leave, nothing fails.
             (tmp_path / "c").mkdir()
-            [second] = await asyncio.to_thread(start_experts, path, ["*:0-3"], tmp_path / "c", *flags)
+            [second] = await asyncio.to_thread(
+                start_experts, path, ["*:0-3"], tmp_path / "c", *flags
+            )
             procs.append(second)
-            await eventually(lambda: takes_calls(second.address), what="the second 0-3 replica taking calls")
+            await eventually(
+                lambda: takes_calls(second.address), what="the second 0-3 replica taking calls"
+            )
             assert await asyncio.to_thread(procs[0].stop) == 0
-            await eventually(lambda: len(membership.backends) == 2, what="the stopped replica to leave")
+            await eventually(
+                lambda: len(membership.backends) == 2, what="the stopped replica to leave"
+            )
             await load.run_for(1.0)
 
             # The registry goes away: the router keeps serving from the last known membership.
             await registry.stop()
-            await eventually(lambda: membership.stale, what="the router to notice the registry is gone")
+            await eventually(
+                lambda: membership.stale, what="the router to notice the registry is gone"
+            )
             assert router.core.status().registry_stale
             await load.run_for(1.5)
             assert load.failures == [], load.failures[:5]
@@ -151,12 +185,20 @@ async def test_membership_changes_under_load(checkpoint, tmp_path, monkeypatch) 
         async with grpc.aio.insecure_channel(gateway.grpc.address) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 for prompt in PROMPTS:
-                    await inference_pb2_grpc.InferenceStub(channel).Generate(inference_pb2.GenerateRequest(
-                        prompt_token_ids=prompt, max_tokens=6, temperature=0.0), timeout=20)
+                    await inference_pb2_grpc.InferenceStub(channel).Generate(
+                        inference_pb2.GenerateRequest(
+                            prompt_token_ids=prompt, max_tokens=6, temperature=0.0
+                        ),
+                        timeout=20,
+                    )
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "no reachable replica for layer" in e.value.details()
-        assert any(f"expert(s) {n}" in e.value.details() or f", {n}" in e.value.details() for n in "4567")
-        print(f"\nload: {load.ok} requests served, {len(load.failures)} failed across 4 membership changes")
+        assert any(
+            f"expert(s) {n}" in e.value.details() or f", {n}" in e.value.details() for n in "4567"
+        )
+        print(
+            f"\nload: {load.ok} requests served, {len(load.failures)} failed across 4 membership changes"
+        )
     finally:
         await gateway.stop()
         await router.stop()
@@ -165,33 +207,49 @@ async def test_membership_changes_under_load(checkpoint, tmp_path, monkeypatch) 
             await asyncio.to_thread(p.stop)
 
 
-
 # -- ExpertMembership on its own: compatibility, coverage, departures ----------------------------------
 
 
 def _membership(path) -> tuple[ExpertMembership, ExpertDispatcher, Checkpoint]:
     ckpt = Checkpoint(path)
-    dispatcher = ExpertDispatcher(ckpt.spec, {}, policy=DispatchPolicy(hedge_min_delay_s=60.0))  # no hedging here
+    dispatcher = ExpertDispatcher(
+        ckpt.spec, {}, policy=DispatchPolicy(hedge_min_delay_s=60.0)
+    )  # no hedging here
     identity = Identity(default_model_id(path), ckpt.fingerprint())
-    return ExpertMembership(ckpt.spec, identity, LivePlacement(dispatcher), 64 * 2**20), dispatcher, ckpt
+    return (
+        ExpertMembership(ckpt.spec, identity, LivePlacement(dispatcher), 64 * 2**20),
+        dispatcher,
+        ckpt,
+    )
 
 
-def _instance(m: ExpertMembership, name: str, port: int, experts: str = "*:0-7", **meta: str) -> Instance:
-    base = {"model_id": m.identity.model_id, "weights_checksum": m.identity.weights_checksum, "experts": experts}
+def _instance(
+    m: ExpertMembership, name: str, port: int, experts: str = "*:0-7", **meta: str
+) -> Instance:
+    base = {
+        "model_id": m.identity.model_id,
+        "weights_checksum": m.identity.weights_checksum,
+        "experts": experts,
+    }
     return Instance(EXPERT_SERVICE, name, "127.0.0.1", port, meta={**base, **meta})
 
 
 async def test_services_of_another_model_or_other_weights_are_ignored(checkpoint, caplog) -> None:
     m, dispatcher, _ = _membership(checkpoint("mixtral"))
     good = _instance(m, "good", 1)
-    others = [_instance(m, "other-model", 2, model_id="llama"), _instance(m, "other-weights", 3, weights_checksum="x"),
-              _instance(m, "bad-experts", 4, experts="9:0")]
+    others = [
+        _instance(m, "other-model", 2, model_id="llama"),
+        _instance(m, "other-weights", 3, weights_checksum="x"),
+        _instance(m, "bad-experts", 4, experts="9:0"),
+    ]
     m.apply(Membership((good, *others), 1))
     m.apply(Membership((good, *others), 2))
     assert set(m.backends) == {"good"}
     assert {b.address for bs in dispatcher.placement.values() for b in bs} == {"127.0.0.1:1"}
     warned = [r.message for r in caplog.records if "ignoring expert service" in r.message]
-    assert len(warned) == 3 and any("'llama'" in w for w in warned)  # once per service, naming what differs
+    assert len(warned) == 3 and any(
+        "'llama'" in w for w in warned
+    )  # once per service, naming what differs
     assert any("'9:0' does not fit this model" in w for w in warned)
     await m.stop()
 
@@ -201,13 +259,17 @@ async def test_start_times_out_naming_the_experts_no_service_covers(checkpoint) 
     registry = MemoryRegistry()
     await registry.register(_instance(m, "half", 1, experts="*:0-3"))
     start = time.monotonic()
-    with pytest.raises(PreconditionError, match=r"after 0.5s no registered expert service serves 0-2:4-7 "):
+    with pytest.raises(
+        PreconditionError, match=r"after 0.5s no registered expert service serves 0-2:4-7 "
+    ):
         await m.start(registry, timeout_s=0.5)
     assert time.monotonic() - start < 3
     await m.stop()
 
 
-async def test_calls_in_flight_to_a_departing_replica_fail_over_at_once(checkpoint, tmp_path) -> None:
+async def test_calls_in_flight_to_a_departing_replica_fail_over_at_once(
+    checkpoint, tmp_path
+) -> None:
     path = checkpoint("mixtral")
     experts = await asyncio.to_thread(start_experts, path, ["*:0-7", "*:0-7"], tmp_path)
     m, dispatcher, ckpt = _membership(path)

@@ -45,7 +45,9 @@ print(json.dumps({"rss_bytes": proc.memory_info().rss - before, "weight_bytes": 
 
 
 def _measure(path, mode: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", MEASURE, str(path), mode], check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(path), mode], check=True, capture_output=True, text=True
+    )
     return json.loads(out.stdout)
 
 
@@ -53,9 +55,13 @@ def _measure(path, mode: str) -> dict:
 def test_subset_loads_use_a_fraction_of_a_full_load(checkpoint) -> None:
     path = checkpoint("mixtral", preset="small")
     full, dense, one = (_measure(path, m) for m in ("full", "dense", "one_expert"))
-    print(f"\nRSS growth: full {full['rss_bytes'] / 2**20:.0f} MiB, dense-only {dense['rss_bytes'] / 2**20:.0f} MiB, "
-          f"one expert {one['rss_bytes'] / 2**20:.1f} MiB (weights {one['weight_bytes'] / 2**20:.1f} MiB)")
-    assert full["rss_bytes"] >= 0.9 * full["weight_bytes"]  # the measurement sees what a full load touches
+    print(
+        f"\nRSS growth: full {full['rss_bytes'] / 2**20:.0f} MiB, dense-only {dense['rss_bytes'] / 2**20:.0f} MiB, "
+        f"one expert {one['rss_bytes'] / 2**20:.1f} MiB (weights {one['weight_bytes'] / 2**20:.1f} MiB)"
+    )
+    assert (
+        full["rss_bytes"] >= 0.9 * full["weight_bytes"]
+    )  # the measurement sees what a full load touches
     assert dense["rss_bytes"] < 0.3 * full["rss_bytes"]
     assert one["rss_bytes"] < 0.05 * full["rss_bytes"]
     assert one["rss_bytes"] < dense["rss_bytes"]

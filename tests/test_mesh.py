@@ -30,7 +30,9 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 ALL_REMOTE = ["*:0-1", "*:2-3", "*:4-5", "*:6-7"]
 
 
-async def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+async def run_engine(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY
+) -> list[list[int]]:
     """Every request's whole output; each must end with a finish reason (LENGTH when EOS is ignored)."""
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
@@ -44,9 +46,17 @@ async def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingP
             reasons[o.request_id] = o.finish_reason
     for rid, tokens in out.items():
         if params.ignore_eos and not params.stop_token_ids:
-            assert (reasons[rid], len(tokens)) == (FinishReason.LENGTH, params.max_tokens), (rid, reasons[rid], tokens)
+            assert (reasons[rid], len(tokens)) == (FinishReason.LENGTH, params.max_tokens), (
+                rid,
+                reasons[rid],
+                tokens,
+            )
         else:
-            assert reasons[rid] in (FinishReason.STOP, FinishReason.LENGTH), (rid, reasons[rid], tokens)
+            assert reasons[rid] in (FinishReason.STOP, FinishReason.LENGTH), (
+                rid,
+                reasons[rid],
+                tokens,
+            )
     return [out[str(i)] for i in range(len(prompts))]
 
 
@@ -55,7 +65,9 @@ def monolithic(path: Path) -> tuple[tuple[int, ...], ...]:
     """Greedy outputs of the in-process engine (run on a worker thread: tests calling this own a running loop)."""
     engine = build_local_engine(RouterSettings(checkpoint=path))
     with ThreadPoolExecutor(1) as pool:
-        return tuple(map(tuple, pool.submit(lambda: asyncio.run(run_engine(engine, PROMPTS))).result()))
+        return tuple(
+            map(tuple, pool.submit(lambda: asyncio.run(run_engine(engine, PROMPTS))).result())
+        )
 
 
 @asynccontextmanager
@@ -63,8 +75,11 @@ async def mesh_engine(path: Path, specs: list[str], workdir: Path, **settings):
     """Expert-service processes for `specs` and an in-process router engine using them."""
     experts = start_experts(path, specs, workdir)
     try:
-        parts = await build_router(RouterSettings(
-            checkpoint=path, expert_endpoints=[e.address for e in experts], **settings))
+        parts = await build_router(
+            RouterSettings(
+                checkpoint=path, expert_endpoints=[e.address for e in experts], **settings
+            )
+        )
         try:
             yield parts.engine, experts
         finally:
@@ -76,7 +91,9 @@ async def mesh_engine(path: Path, specs: list[str], workdir: Path, **settings):
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
-async def test_all_remote_mesh_matches_monolithic_and_transformers(checkpoint, tmp_path, arch) -> None:
+async def test_all_remote_mesh_matches_monolithic_and_transformers(
+    checkpoint, tmp_path, arch
+) -> None:
     path = checkpoint(arch)
     async with mesh_engine(path, ALL_REMOTE, tmp_path) as (engine, _):
         assert all(not b.local for bs in engine.model.dispatcher.placement.values() for b in bs)
@@ -85,24 +102,34 @@ async def test_all_remote_mesh_matches_monolithic_and_transformers(checkpoint, t
 
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         for prompt, generated in zip(PROMPTS, tokens):
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            ref = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=32,
+                min_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
             assert generated == ref
 
         cache_ = engine.model.new_cache()
         cache_.reserve(len(PROMPTS), 64)
-        logits = await engine.model.forward(pack_step(list(enumerate(PROMPTS)), []), cache_, all_logits=True)
+        logits = await engine.model.forward(
+            pack_step(list(enumerate(PROMPTS)), []), cache_, all_logits=True
+        )
         row = 0
         for prompt in PROMPTS:
             with torch.no_grad():
                 ref = hf(torch.tensor([prompt])).logits[0]
-            assert (logits[row:row + len(prompt)] - ref).abs().max().item() <= 1e-4
+            assert (logits[row : row + len(prompt)] - ref).abs().max().item() <= 1e-4
             row += len(prompt)
 
 
 async def _stats(address: str) -> expert_pb2.ExpertStats:
     async with grpc.aio.insecure_channel(address) as channel:
-        return (await expert_pb2_grpc.ExpertServiceStub(channel).Describe(expert_pb2.DescribeRequest())).stats
+        return (
+            await expert_pb2_grpc.ExpertServiceStub(channel).Describe(expert_pb2.DescribeRequest())
+        ).stats
 
 
 async def test_mixed_placement_with_replicas_matches_monolithic(checkpoint, tmp_path) -> None:
@@ -118,7 +145,9 @@ async def test_mixed_placement_with_replicas_matches_monolithic(checkpoint, tmp_
         assert all(c > 0 for c in calls), calls  # every service took part
 
 
-async def test_unreachable_expert_fails_request_with_its_layer_and_expert(checkpoint, tmp_path) -> None:
+async def test_unreachable_expert_fails_request_with_its_layer_and_expert(
+    checkpoint, tmp_path
+) -> None:
     path = checkpoint("mixtral")
     async with mesh_engine(path, ["*:0-3", "*:4-7", "*:4-7"], tmp_path) as (engine, experts):
         experts[1].proc.kill()  # one of two replicas of experts 4-7: requests fail over and succeed
@@ -138,7 +167,9 @@ async def test_unreachable_expert_fails_request_with_its_layer_and_expert(checkp
         assert not engine.running and not engine.has_unfinished()  # the slot was freed
 
 
-async def test_a_hung_replica_is_hedged_around_and_tokens_do_not_change(checkpoint, tmp_path) -> None:
+async def test_a_hung_replica_is_hedged_around_and_tokens_do_not_change(
+    checkpoint, tmp_path
+) -> None:
     """SIGSTOP one of two replicas mid-service: calls to it are hedged to the other and it is ejected,
     so the batch neither stalls for the 30 s expert timeout nor changes a token."""
     path = checkpoint("mixtral")

@@ -28,14 +28,26 @@ CASES = {
     "qwen3_moe": ("qwen3_moe", {}),
     "olmoe": ("olmoe", {}),
     "mixtral-top1": ("mixtral", {"overrides": {"num_experts_per_tok": 1}}),
-    "mixtral-3experts-top3": ("mixtral", {"overrides": {"num_local_experts": 3, "num_experts_per_tok": 3}}),
-    "qwen2-5experts-top3": ("qwen2_moe", {"overrides": {"num_experts": 5, "num_experts_per_tok": 3}}),
-    "qwen2-dense-layers": ("qwen2_moe", {"overrides": {"mlp_only_layers": [0], "decoder_sparse_step": 2,
-                                                       "norm_topk_prob": True}}),
-    "qwen3-7experts-top3-norm": ("qwen3_moe", {"overrides": {"num_experts": 7, "num_experts_per_tok": 3,
-                                                             "norm_topk_prob": True}}),
-    "olmoe-clip-norm-tied": ("olmoe", {"overrides": {"clip_qkv": 0.5, "norm_topk_prob": True,
-                                                     "tie_word_embeddings": True}}),
+    "mixtral-3experts-top3": (
+        "mixtral",
+        {"overrides": {"num_local_experts": 3, "num_experts_per_tok": 3}},
+    ),
+    "qwen2-5experts-top3": (
+        "qwen2_moe",
+        {"overrides": {"num_experts": 5, "num_experts_per_tok": 3}},
+    ),
+    "qwen2-dense-layers": (
+        "qwen2_moe",
+        {"overrides": {"mlp_only_layers": [0], "decoder_sparse_step": 2, "norm_topk_prob": True}},
+    ),
+    "qwen3-7experts-top3-norm": (
+        "qwen3_moe",
+        {"overrides": {"num_experts": 7, "num_experts_per_tok": 3, "norm_topk_prob": True}},
+    ),
+    "olmoe-clip-norm-tied": (
+        "olmoe",
+        {"overrides": {"clip_qkv": 0.5, "norm_topk_prob": True, "tie_word_embeddings": True}},
+    ),
     "mixtral-fused": ("mixtral", {"expert_layout": "fused"}),
     "qwen2-fused-sharded": ("qwen2_moe", {"expert_layout": "fused", "max_shard_size": "100KB"}),
 }
@@ -49,9 +61,15 @@ def _hf(path: Path):
 
 @cache
 def _hf_greedy(path: Path, prompt: tuple[int, ...], n: int) -> list[int]:
-    out = _hf(path).generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = _hf(path).generate(
+        torch.tensor([prompt]),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(params=list(CASES), scope="module")
@@ -72,17 +90,22 @@ def test_logits_match_transformers_prefill_and_decode(case: Path) -> None:
     for prompt in PROMPTS:
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0]
-        assert (ours[row:row + len(prompt)] - ref).abs().max().item() <= TOL
+        assert (ours[row : row + len(prompt)] - ref).abs().max().item() <= TOL
         row += len(prompt)
 
     continuations = [_hf_greedy(case, tuple(p), 8) for p in PROMPTS]
     for step in range(8):
-        decodes = [(slot, cont[step], len(p) + step + 1) for slot, (p, cont) in enumerate(zip(PROMPTS, continuations))]
+        decodes = [
+            (slot, cont[step], len(p) + step + 1)
+            for slot, (p, cont) in enumerate(zip(PROMPTS, continuations))
+        ]
         logits = asyncio.run(model.forward(pack_step([], decodes), cache_))
         for slot, (p, cont) in enumerate(zip(PROMPTS, continuations)):
             with torch.no_grad():
-                ref = hf(torch.tensor([p + cont[:step + 1]])).logits[0, -1]
-            assert (logits[slot] - ref).abs().max().item() <= TOL, f"decode step {step}, prompt {slot}"
+                ref = hf(torch.tensor([p + cont[: step + 1]])).logits[0, -1]
+            assert (logits[slot] - ref).abs().max().item() <= TOL, (
+                f"decode step {step}, prompt {slot}"
+            )
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -92,7 +115,11 @@ def _greedy(max_tokens: int) -> SamplingParams:
 def test_greedy_generation_matches_transformers_with_joins_and_leaves(case: Path) -> None:
     """Requests join mid-way and leave early (slot compaction); every sequence still matches transformers."""
     engine = build_local_engine(RouterSettings(checkpoint=case))
-    plan = {0: [(0, NEW_TOKENS), (1, 6)], 3: [(2, NEW_TOKENS)], 9: [(3, 10)]}  # step -> [(prompt, max_tokens)]
+    plan = {
+        0: [(0, NEW_TOKENS), (1, 6)],
+        3: [(2, NEW_TOKENS)],
+        9: [(3, 10)],
+    }  # step -> [(prompt, max_tokens)]
     got: dict[str, list[int]] = {}
     reasons: dict[str, FinishReason | None] = {}
     lengths: dict[str, int] = {}
@@ -113,5 +140,9 @@ def test_greedy_generation_matches_transformers_with_joins_and_leaves(case: Path
     asyncio.run(drive())
     assert max(seen_batch_sizes) >= 3
     for rid, n in lengths.items():
-        want = _hf_greedy(case, tuple(PROMPTS[int(rid)]), NEW_TOKENS)[:n]  # transformers' first n = the whole request
-        assert (got[rid], reasons[rid]) == (want, FinishReason.LENGTH) and len(want) == n, f"request {rid}"
+        want = _hf_greedy(case, tuple(PROMPTS[int(rid)]), NEW_TOKENS)[
+            :n
+        ]  # transformers' first n = the whole request
+        assert (got[rid], reasons[rid]) == (want, FinishReason.LENGTH) and len(want) == n, (
+            f"request {rid}"
+        )

@@ -17,7 +17,14 @@ from moe_mesh.planning.eplb import MAX_REPLICAS, PlanOptions, propose
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_PLAN = REPO / "deploy" / "plan.example.yaml"
 MIB = 2**20
-HOT = {(0, 1): 100.0, (1, 2): 95.0, (0, 5): 90.0, (1, 7): 80.0, (0, 3): 70.0, (1, 4): 60.0}  # hottest first
+HOT = {
+    (0, 1): 100.0,
+    (1, 2): 95.0,
+    (0, 5): 90.0,
+    (1, 7): 80.0,
+    (0, 3): 70.0,
+    (1, 4): 60.0,
+}  # hottest first
 
 
 def skewed(layers: int = 2, experts: int = 8) -> list[list[float]]:
@@ -28,9 +35,18 @@ def skewed(layers: int = 2, experts: int = 8) -> list[list[float]]:
 
 
 def write_record(tmp_path: Path, rows: list[list[float]], **overrides) -> Path:
-    raw = {"model_id": "mixtral-small", "num_layers": len(rows), "num_experts": len(rows[0]),
-           "moe_layers": list(range(len(rows))), "window_s": 60.0, "expert_bytes": MIB, "utilization": rows,
-           "tokens_routed": [[0] * len(rows[0])] * len(rows), "routers": [{"address": "r:1"}], "services": []}
+    raw = {
+        "model_id": "mixtral-small",
+        "num_layers": len(rows),
+        "num_experts": len(rows[0]),
+        "moe_layers": list(range(len(rows))),
+        "window_s": 60.0,
+        "expert_bytes": MIB,
+        "utilization": rows,
+        "tokens_routed": [[0] * len(rows[0])] * len(rows),
+        "routers": [{"address": "r:1"}],
+        "services": [],
+    }
     raw.update(overrides)
     path = tmp_path / "utilization.json"
     path.write_text(json.dumps(raw))
@@ -47,14 +63,21 @@ def covered(proposal) -> list[tuple[int, int]]:
 
 # ------------------------------------------------------------------------------------------ planning
 
+
 def test_colocates_exactly_the_hottest_pairs_that_fit() -> None:
     load = load_of(skewed())  # 16 pairs: 25% of their bytes fits 4 experts, 6 are hot
     proposal = propose(load, MIB, PlanOptions(budget_bytes=4 * MIB))
     assert proposal.colocated == ((0, 1), (1, 2), (0, 5), (1, 7))
     assert proposal.colocated_bytes == 4 * MIB
     assert proposal.in_process_share == pytest.approx(365 / sum(load.values()))
-    assert propose(load, MIB, PlanOptions(budget_bytes=4 * MIB - 1)).colocated == ((0, 1), (1, 2), (0, 5))
-    assert propose(load, MIB, PlanOptions(budget_bytes=100 * MIB)).colocated == tuple(HOT)  # only hot pairs
+    assert propose(load, MIB, PlanOptions(budget_bytes=4 * MIB - 1)).colocated == (
+        (0, 1),
+        (1, 2),
+        (0, 5),
+    )
+    assert propose(load, MIB, PlanOptions(budget_bytes=100 * MIB)).colocated == tuple(
+        HOT
+    )  # only hot pairs
     assert propose(load, MIB, PlanOptions(budget_bytes=0)).colocated == ()
 
 
@@ -70,8 +93,10 @@ def test_extra_replicas_go_to_the_hottest_remote_pairs() -> None:
     # (0, 3) = 70 first, then (1, 4) = 60, then (0, 3) again (70 / 2 = 35 > 60 / 2 = 30).
     assert {p: r for p, r in proposal.replicas.items() if r > 1} == {(0, 3): 3, (1, 4): 2}
     assert set(proposal.replicas) == set(load) and min(proposal.replicas.values()) == 1
-    assert [(g.name, g.pairs, g.replicas) for g in proposal.groups[:2]] == [("hot-r3", ((0, 3),), 3),
-                                                                            ("hot-r2", ((1, 4),), 2)]
+    assert [(g.name, g.pairs, g.replicas) for g in proposal.groups[:2]] == [
+        ("hot-r3", ((0, 3),), 3),
+        ("hot-r2", ((1, 4),), 2),
+    ]
     assert proposal.imbalance_after < proposal.imbalance_before
     assert proposal.imbalance_before == pytest.approx(100 / (sum(load.values()) / 16))
     default = propose(load, MIB, PlanOptions(budget_bytes=4 * MIB))  # 16 pairs // 8 = 2 extra
@@ -80,12 +105,17 @@ def test_extra_replicas_go_to_the_hottest_remote_pairs() -> None:
 
 def test_every_pair_in_exactly_one_group() -> None:
     load = load_of(skewed(layers=3, experts=16))
-    for options in (PlanOptions(budget_bytes=4 * MIB, extra_replicas=10), PlanOptions(budget_bytes=0, groups=7),
-                    PlanOptions(budget_bytes=0, groups=64)):
+    for options in (
+        PlanOptions(budget_bytes=4 * MIB, extra_replicas=10),
+        PlanOptions(budget_bytes=0, groups=7),
+        PlanOptions(budget_bytes=0, groups=64),
+    ):
         proposal = propose(load, MIB, options)
         assert covered(proposal) == sorted(load)  # each pair once: no duplicates across groups
         assert len({g.name for g in proposal.groups}) == len(proposal.groups)
-        assert sum(g.load_share for g in proposal.groups) + proposal.in_process_share == pytest.approx(1.0)
+        assert sum(
+            g.load_share for g in proposal.groups
+        ) + proposal.in_process_share == pytest.approx(1.0)
         for g in proposal.groups:
             assert all(proposal.replicas[p] == g.replicas for p in g.pairs)
 
@@ -101,39 +131,81 @@ def test_lpt_balances_single_replica_groups() -> None:
     proposal = propose(load, MIB, PlanOptions(budget_bytes=0, groups=2, extra_replicas=0))
     assert [(g.name, g.pairs) for g in proposal.groups] == [
         ("experts-0", ((0, 0), (0, 3), (0, 4), (0, 7), (0, 8))),  # 9 + 6 + 5 + 2 = 22
-        ("experts-1", ((0, 1), (0, 2), (0, 5), (0, 6), (0, 9))),  # 8 + 7 + 4 + 3 = 22; idle pairs split evenly
+        (
+            "experts-1",
+            ((0, 1), (0, 2), (0, 5), (0, 6), (0, 9)),
+        ),  # 8 + 7 + 4 + 3 = 22; idle pairs split evenly
     ]
     assert [g.load_share for g in proposal.groups] == [0.5, 0.5]
 
 
 # ------------------------------------------------------------------------------------------ the plan file
 
+
 def test_plan_validates_and_renders(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     base = yaml.safe_load(EXAMPLE_PLAN.read_text())
-    base["router"]["args"] = ["--max-num-seqs", "64", "--colocate-budget", "1", "--colocate-budget=2"]
+    base["router"]["args"] = [
+        "--max-num-seqs",
+        "64",
+        "--colocate-budget",
+        "1",
+        "--colocate-budget=2",
+    ]
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
     out = tmp_path / "proposed.yaml"
-    args = ["plan", "--utilization", str(write_record(tmp_path, skewed())), "--base", str(tmp_path / "base.yaml"),
-            "--out", str(out), "--extra-replicas", "3"]
+    args = [
+        "plan",
+        "--utilization",
+        str(write_record(tmp_path, skewed())),
+        "--base",
+        str(tmp_path / "base.yaml"),
+        "--out",
+        str(out),
+        "--extra-replicas",
+        "3",
+    ]
     assert plan_cli.main(args) == 0
     err = capsys.readouterr().err
-    assert "colocated in the router: 0:1,5; 1:2,7  (4 experts, 4.0 MiB of the 4.0 MiB budget)" in err
+    assert (
+        "colocated in the router: 0:1,5; 1:2,7  (4 experts, 4.0 MiB of the 4.0 MiB budget)" in err
+    )
     assert "hot-r3" in err and "imbalance (max / mean load per remote replica): " in err
 
     plan = deploy.load_plan(out)  # validates, coverage included: the record's sizes are in `model`
     assert (plan.model.num_layers, plan.model.num_experts) == (2, 8)
     assert plan.router.args == ["--max-num-seqs", "64", "--colocate-budget", str(4 * MIB)]
     template = deploy.load_plan(EXAMPLE_PLAN).expert_groups[0]
-    assert [g.name for g in plan.expert_groups] == ["hot-r3", "hot-r2", "experts-0", "experts-1", "experts-2",
-                                                    "experts-3"]
+    assert [g.name for g in plan.expert_groups] == [
+        "hot-r3",
+        "hot-r2",
+        "experts-0",
+        "experts-1",
+        "experts-2",
+        "experts-3",
+    ]
     for g in plan.expert_groups:
-        assert g.model_dump(exclude={"name", "experts", "replicas"}) == \
-               template.model_dump(exclude={"name", "experts", "replicas"})
-    assert plan.model_dump(exclude={"model", "router", "expert_groups"}) == \
-           deploy.load_plan(tmp_path / "base.yaml").model_dump(exclude={"model", "router", "expert_groups"})
+        assert g.model_dump(exclude={"name", "experts", "replicas"}) == template.model_dump(
+            exclude={"name", "experts", "replicas"}
+        )
+    assert plan.model_dump(exclude={"model", "router", "expert_groups"}) == deploy.load_plan(
+        tmp_path / "base.yaml"
+    ).model_dump(exclude={"model", "router", "expert_groups"})
     for target in deploy.TARGETS:
-        assert deploy.main(["deploy", "render", "--plan", str(out), "--target", target,
-                            "--out", str(tmp_path / target)]) == 0
+        assert (
+            deploy.main(
+                [
+                    "deploy",
+                    "render",
+                    "--plan",
+                    str(out),
+                    "--target",
+                    target,
+                    "--out",
+                    str(tmp_path / target),
+                ]
+            )
+            == 0
+        )
     assert plan_cli.main(args) == 0 and deploy.load_plan(out) == plan  # deterministic
 
 
@@ -141,7 +213,12 @@ def test_dense_layers_get_no_groups(tmp_path: Path, capsys: pytest.CaptureFixtur
     rows = [[50.0] + [0.0] * 7, *skewed()]  # layer 0 is dense; its row is ignored whatever it holds
     record = write_record(tmp_path, rows, moe_layers=[1, 2])
     out = tmp_path / "proposed.yaml"
-    assert plan_cli.main(["plan", "--utilization", str(record), "--base", str(EXAMPLE_PLAN), "--out", str(out)]) == 0
+    assert (
+        plan_cli.main(
+            ["plan", "--utilization", str(record), "--base", str(EXAMPLE_PLAN), "--out", str(out)]
+        )
+        == 0
+    )
     plan = deploy.load_plan(out)
     pairs = [p for g in plan.expert_groups for p in deploy.expert_pairs(g.experts)]
     assert sorted(pairs) == [(layer, e) for layer in (1, 2) for e in range(8)]
@@ -151,34 +228,71 @@ def test_dense_layers_get_no_groups(tmp_path: Path, capsys: pytest.CaptureFixtur
     with pytest.raises(ValueError, match="no group serves"):
         deploy.Plan.model_validate(short)
     assert "colocated in the router: 1:1,5; 2:2,7" in capsys.readouterr().err
-    assert deploy.main(["deploy", "render", "--plan", str(out), "--target", "nomad", "--out", str(tmp_path)]) == 0
+    assert (
+        deploy.main(
+            ["deploy", "render", "--plan", str(out), "--target", "nomad", "--out", str(tmp_path)]
+        )
+        == 0
+    )
 
 
 def test_the_moe_mesh_cli_prints_the_plan_to_stdout(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "moe_mesh", "plan", "--utilization",
-                           str(write_record(tmp_path, skewed())), "--base", str(EXAMPLE_PLAN), "--budget", "2MiB"],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_mesh",
+            "plan",
+            "--utilization",
+            str(write_record(tmp_path, skewed())),
+            "--base",
+            str(EXAMPLE_PLAN),
+            "--budget",
+            "2MiB",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     (tmp_path / "out.yaml").write_text(done.stdout)
     plan = deploy.load_plan(tmp_path / "out.yaml")
     assert plan.router.args == ["--colocate-budget", str(2 * MIB)]
-    assert "colocated in the router: 0:1; 1:2  (2 experts, 2.0 MiB of the 2.0 MiB budget)" in done.stderr
+    assert (
+        "colocated in the router: 0:1; 1:2  (2 experts, 2.0 MiB of the 2.0 MiB budget)"
+        in done.stderr
+    )
 
 
 # ------------------------------------------------------------------------------------------ errors
 
-@pytest.mark.parametrize("flags, message", [
-    (["--budget", "25 percent"], "argument --budget: '25 percent' is not a size"),
-    (["--budget", "101%"], "argument --budget: '101%': a percentage is at most 100%"),
-    (["--budget=-1MiB"], "argument --budget: '-1MiB' is not a size"),
-    (["--groups", "0"], "argument --groups: expected an integer >= 1, got '0'"),
-    (["--extra-replicas=-2"], "argument --extra-replicas: expected an integer >= 0"),
-    (["--hot-factor", "nan"], "argument --hot-factor: expected a number >= 0"),
-])
-def test_bad_flags_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture, flags: list[str], message: str) -> None:
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--budget", "25 percent"], "argument --budget: '25 percent' is not a size"),
+        (["--budget", "101%"], "argument --budget: '101%': a percentage is at most 100%"),
+        (["--budget=-1MiB"], "argument --budget: '-1MiB' is not a size"),
+        (["--groups", "0"], "argument --groups: expected an integer >= 1, got '0'"),
+        (["--extra-replicas=-2"], "argument --extra-replicas: expected an integer >= 0"),
+        (["--hot-factor", "nan"], "argument --hot-factor: expected a number >= 0"),
+    ],
+)
+def test_bad_flags_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture, flags: list[str], message: str
+) -> None:
     with pytest.raises(SystemExit) as e:
-        plan_cli.main(["plan", "--utilization", str(write_record(tmp_path, skewed())), "--base", str(EXAMPLE_PLAN),
-                       *flags])
+        plan_cli.main(
+            [
+                "plan",
+                "--utilization",
+                str(write_record(tmp_path, skewed())),
+                "--base",
+                str(EXAMPLE_PLAN),
+                *flags,
+            ]
+        )
     assert e.value.code == 2
     assert f"moe-mesh plan: error: {message}" in capsys.readouterr().err
 
@@ -186,9 +300,18 @@ def test_bad_flags_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture, flags: 
 BAD_RECORDS = [
     ({"expert_bytes": None}, "expert_bytes: missing"),
     ({"utilization": skewed()[:1]}, "utilization: expected 2 rows of 8 experts, got 1 rows"),
-    ({"utilization": [[1.0] * 8, [1.0] * 7]}, "utilization[1]: expected a row of 8 experts, got 7 experts"),
-    ({"utilization": [[1.0] * 8, [1.0] * 7 + [-3]]}, "utilization[1][7]: expected a number >= 0, got -3"),
-    ({"utilization": [[1.0] * 8, [1.0] * 7 + ["x"]]}, "utilization[1][7]: expected a number >= 0, got 'x'"),
+    (
+        {"utilization": [[1.0] * 8, [1.0] * 7]},
+        "utilization[1]: expected a row of 8 experts, got 7 experts",
+    ),
+    (
+        {"utilization": [[1.0] * 8, [1.0] * 7 + [-3]]},
+        "utilization[1][7]: expected a number >= 0, got -3",
+    ),
+    (
+        {"utilization": [[1.0] * 8, [1.0] * 7 + ["x"]]},
+        "utilization[1][7]: expected a number >= 0, got 'x'",
+    ),
     ({"num_experts": 0}, "num_experts: expected an integer >= 1, got 0"),
     ({"expert_bytes": -5}, "expert_bytes: expected an integer >= 1, got -5"),
     ({"moe_layers": [0, 2]}, "moe_layers[1]: layer 2 is repeated or not below num_layers 2"),
@@ -198,20 +321,35 @@ BAD_RECORDS = [
 
 
 @pytest.mark.parametrize("change, message", BAD_RECORDS, ids=[m for _, m in BAD_RECORDS])
-def test_bad_record_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture, change: dict, message: str) -> None:
+def test_bad_record_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture, change: dict, message: str
+) -> None:
     record = write_record(tmp_path, skewed())
     raw = json.loads(record.read_text())
     raw.update(change)
     record.write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
     out = tmp_path / "proposed.yaml"
-    assert plan_cli.main(["plan", "--utilization", str(record), "--base", str(EXAMPLE_PLAN), "--out", str(out)]) == 2
+    assert (
+        plan_cli.main(
+            ["plan", "--utilization", str(record), "--base", str(EXAMPLE_PLAN), "--out", str(out)]
+        )
+        == 2
+    )
     assert f"moe-mesh plan: error: {record}: {message}" in capsys.readouterr().err
     assert not out.exists()
 
 
-@pytest.mark.parametrize("text, message", [(None, "cannot read the utilization record"), ("{", "not valid JSON"),
-                                           ("[]", "expected a JSON object")])
-def test_unreadable_record(tmp_path: Path, capsys: pytest.CaptureFixture, text: str | None, message: str) -> None:
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (None, "cannot read the utilization record"),
+        ("{", "not valid JSON"),
+        ("[]", "expected a JSON object"),
+    ],
+)
+def test_unreadable_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture, text: str | None, message: str
+) -> None:
     record = tmp_path / "utilization.json"
     if text is not None:
         record.write_text(text)
@@ -221,8 +359,24 @@ def test_unreadable_record(tmp_path: Path, capsys: pytest.CaptureFixture, text: 
 
 def test_cli_error_has_no_traceback(tmp_path: Path) -> None:
     record = write_record(tmp_path, skewed(), window_s="soon")
-    done = subprocess.run([sys.executable, "-m", "moe_mesh", "plan", "--utilization", str(record),
-                           "--base", str(tmp_path / "missing.yaml")], cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_mesh",
+            "plan",
+            "--utilization",
+            str(record),
+            "--base",
+            str(tmp_path / "missing.yaml"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr == f"moe-mesh plan: error: {record}: window_s: expected a number >= 0, got 'soon'\n"
+    assert (
+        done.stderr
+        == f"moe-mesh plan: error: {record}: window_s: expected a number >= 0, got 'soon'\n"
+    )

@@ -52,11 +52,26 @@ class ConsulAgent:
     def __init__(self, binary: str, workdir: Path) -> None:
         self.binary, self.log_path = binary, workdir / "consul.log"
         self.http_port = free_port()
-        self.ports = ["-http-port", str(self.http_port), "-dns-port", "-1", "-grpc-port", "-1",
-                      "-serf-lan-port", str(free_port()), "-serf-wan-port", str(free_port()),
-                      "-server-port", str(free_port())]
-        help_text = subprocess.run([binary, "agent", "-h"], capture_output=True, text=True, timeout=30)
-        if "-grpc-tls-port" in help_text.stdout + help_text.stderr:  # Consul >= 1.14 opens it in -dev
+        self.ports = [
+            "-http-port",
+            str(self.http_port),
+            "-dns-port",
+            "-1",
+            "-grpc-port",
+            "-1",
+            "-serf-lan-port",
+            str(free_port()),
+            "-serf-wan-port",
+            str(free_port()),
+            "-server-port",
+            str(free_port()),
+        ]
+        help_text = subprocess.run(
+            [binary, "agent", "-h"], capture_output=True, text=True, timeout=30
+        )
+        if (
+            "-grpc-tls-port" in help_text.stdout + help_text.stderr
+        ):  # Consul >= 1.14 opens it in -dev
             self.ports += ["-grpc-tls-port", "-1"]
         self.proc: subprocess.Popen | None = None
 
@@ -66,8 +81,22 @@ class ConsulAgent:
 
     async def start(self, timeout_s: float = 30.0) -> None:
         log = open(self.log_path, "a")
-        self.proc = subprocess.Popen([self.binary, "agent", "-dev", "-bind", "127.0.0.1", "-client", "127.0.0.1",
-                                      "-node", "moe-mesh-test", *self.ports], stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [
+                self.binary,
+                "agent",
+                "-dev",
+                "-bind",
+                "127.0.0.1",
+                "-client",
+                "127.0.0.1",
+                "-node",
+                "moe-mesh-test",
+                *self.ports,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         log.close()
         deadline = time.monotonic() + timeout_s
         async with aiohttp.ClientSession() as http:
@@ -80,7 +109,9 @@ class ConsulAgent:
                             return
                 await asyncio.sleep(0.2)
         await self.stop()
-        raise RuntimeError(f"consul agent not ready in {timeout_s}s:\n{self.log_path.read_text()[-3000:]}")
+        raise RuntimeError(
+            f"consul agent not ready in {timeout_s}s:\n{self.log_path.read_text()[-3000:]}"
+        )
 
     async def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -100,7 +131,9 @@ class Backend:
     name: str
     registry: Registry
     check_interval_s: float  # smallest check interval the backend honours
-    reap_s: float | None  # a deregister_critical_after_s it honours quickly; None = not testable fast
+    reap_s: (
+        float | None
+    )  # a deregister_critical_after_s it honours quickly; None = not testable fast
     outage: Callable[[], Awaitable[None]]
     recover: Callable[[], Awaitable[None]]
     embedded: EmbeddedConsul | None = None  # set for the fake Consul: its request log
@@ -109,16 +142,23 @@ class Backend:
         if isinstance(self.registry, MemoryRegistry):
             self.registry.set_health(instance.id, serving)
         else:
-            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if serving
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
             await server.health.set("", status)
 
     async def register(self, instance: Instance, reap_s: float = 30.0) -> None:
-        await self.registry.register(instance, check_interval_s=self.check_interval_s,
-                                     deregister_critical_after_s=reap_s)
+        await self.registry.register(
+            instance, check_interval_s=self.check_interval_s, deregister_critical_after_s=reap_s
+        )
 
 
 def consul_client(address: str) -> ConsulRegistry:
-    return ConsulRegistry(address, wait_s=WAIT_S, request_timeout_s=5.0, backoff_initial_s=0.05, backoff_max_s=0.5)
+    return ConsulRegistry(
+        address, wait_s=WAIT_S, request_timeout_s=5.0, backoff_initial_s=0.05, backoff_max_s=0.5
+    )
 
 
 @pytest.fixture(params=["embedded", "consul-agent", "memory"])
@@ -185,8 +225,14 @@ async def grpc_servers() -> AsyncIterator[Callable[[], Awaitable[GrpcServer]]]:
 
 
 def instance_of(server: GrpcServer, name: str, **meta: str) -> Instance:
-    return Instance(SERVICE, name, "127.0.0.1", server.bound_port, tags=("moe-mesh", f"tag-{name}"),
-                    meta={"model_id": "m", "experts": "0:0-3", **meta})
+    return Instance(
+        SERVICE,
+        name,
+        "127.0.0.1",
+        server.bound_port,
+        tags=("moe-mesh", f"tag-{name}"),
+        meta={"model_id": "m", "experts": "0:0-3", **meta},
+    )
 
 
 class Watch:
@@ -208,7 +254,9 @@ class Watch:
         self.seen.append(m)
         return m
 
-    async def until(self, pred: Callable[[Membership], bool], timeout_s: float = STEP_S) -> Membership:
+    async def until(
+        self, pred: Callable[[Membership], bool], timeout_s: float = STEP_S
+    ) -> Membership:
         async with asyncio.timeout(timeout_s):
             while not pred(m := await self.next(timeout_s)):
                 pass
@@ -259,17 +307,31 @@ async def test_register_then_watch_sees_instance_with_meta_intact(backend, watch
     m = await watch().until(lambda m: ids(m) == {"a"})
     (got,) = m.instances
     assert got == a  # service, id, host, port, tags, and every meta key and value (even empty)
-    assert dict(got.meta) == {"model_id": "m", "experts": "0:0-3", "weights_checksum": "sha256:abc",
-                              "region": "eu-1", "fast_path": ""}
+    assert dict(got.meta) == {
+        "model_id": "m",
+        "experts": "0:0-3",
+        "weights_checksum": "sha256:abc",
+        "region": "eu-1",
+        "fast_path": "",
+    }
 
 
-@pytest.mark.parametrize("meta", [{"experts": "x" * 513}, {"bad key": "v"}, {"consul-x": "v"},
-                                  {f"k{n}": "v" for n in range(65)}])
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"experts": "x" * 513},
+        {"bad key": "v"},
+        {"consul-x": "v"},
+        {f"k{n}": "v" for n in range(65)},
+    ],
+)
 async def test_meta_beyond_consul_limits_is_rejected(backend, grpc_servers, meta):
     server = await grpc_servers()
     with pytest.raises(InvalidArgumentError):
         await backend.register(Instance(SERVICE, "a", "127.0.0.1", server.bound_port, meta=meta))
-    await backend.register(Instance(SERVICE, "a", "127.0.0.1", server.bound_port, meta={"experts": "x" * 512}))
+    await backend.register(
+        Instance(SERVICE, "a", "127.0.0.1", server.bound_port, meta={"experts": "x" * 512})
+    )
 
 
 async def test_blocking_watch_wakes_on_change_well_before_wait(backend, watch, grpc_servers):
@@ -280,7 +342,9 @@ async def test_blocking_watch_wakes_on_change_well_before_wait(backend, watch, g
     t0 = time.monotonic()
     await backend.register(instance_of(server, "a"))
     m = await w.until(lambda m: ids(m) == {"a"})
-    assert time.monotonic() - t0 < WAIT_S / 3, "the watch waited out its blocking query instead of waking"
+    assert time.monotonic() - t0 < WAIT_S / 3, (
+        "the watch waited out its blocking query instead of waking"
+    )
     assert m.index > first.index  # the index the registry reports increases with changes
     await backend.registry.deregister("a")
     t0 = time.monotonic()
@@ -298,13 +362,17 @@ async def test_client_sends_the_returned_index_and_wait_back(backend, watch, grp
     await backend.register(instance_of(server, "a"))
     m = await w.until(lambda m: ids(m) == {"a"})
     await asyncio.sleep(0.2)  # the next (held) query has been sent
-    queries = [r.query for r in backend.embedded.requests if r.path == f"/v1/health/service/{SERVICE}"]
+    queries = [
+        r.query for r in backend.embedded.requests if r.path == f"/v1/health/service/{SERVICE}"
+    ]
     assert "index" not in queries[0]  # the first read does not block
     assert all(q.get("passing") == "1" for q in queries)
     blocking = queries[1:]
     assert blocking and all(parse_duration(q["wait"]) == WAIT_S for q in blocking)
     sent = [int(q["index"]) for q in blocking]
-    assert sent == sorted(sent) and sent[-1] == m.index  # each query carries the last X-Consul-Index
+    assert (
+        sent == sorted(sent) and sent[-1] == m.index
+    )  # each query carries the last X-Consul-Index
 
 
 async def test_only_passing_instances_are_returned(backend, watch, grpc_servers):
@@ -416,10 +484,14 @@ async def test_index_going_backwards_resets_and_watch_keeps_working(backend, wat
     t0 = time.monotonic()
     await backend.register(instance_of(server, "a"))
     after = await w.until(lambda m: ids(m) == {"a"})
-    assert time.monotonic() - t0 < WAIT_S / 3  # blocking on the new, low index: not stuck on the old one
+    assert (
+        time.monotonic() - t0 < WAIT_S / 3
+    )  # blocking on the new, low index: not stuck on the old one
     assert low.index < after.index < high.index
     if backend.embedded is not None:
-        queries = [r.query for r in backend.embedded.requests if r.path == f"/v1/health/service/{SERVICE}"]
+        queries = [
+            r.query for r in backend.embedded.requests if r.path == f"/v1/health/service/{SERVICE}"
+        ]
         assert "index" not in queries[0]  # after the outage the client started over
         assert all(int(q["index"]) < high.index for q in queries[1:])
 
@@ -451,7 +523,9 @@ async def test_index_backwards_without_an_error_recovers_after_one_wait(grpc_ser
         async with asyncio.timeout(STEP_S):
             assert ids(await anext(it)) == {"a", "b"}
         queries = [r.query for r in second.requests if r.path == f"/v1/health/service/{SERVICE}"]
-        assert int(queries[0]["index"]) == high.index  # the old incarnation's index, held for `wait`
+        assert (
+            int(queries[0]["index"]) == high.index
+        )  # the old incarnation's index, held for `wait`
         assert "index" not in queries[1]  # then reset: a plain read
     finally:
         await it.aclose()
@@ -475,7 +549,9 @@ asyncio.run(main())
 
 
 @contextlib.asynccontextmanager
-async def registry_process(kind: str, tmp_path: Path) -> AsyncIterator[tuple[str, subprocess.Popen]]:
+async def registry_process(
+    kind: str, tmp_path: Path
+) -> AsyncIterator[tuple[str, subprocess.Popen]]:
     if kind == "consul-agent":
         binary = shutil.which("consul")
         if binary is None:
@@ -488,7 +564,9 @@ async def registry_process(kind: str, tmp_path: Path) -> AsyncIterator[tuple[str
             os.kill(agent.proc.pid, signal.SIGCONT)
             await agent.stop()
         return
-    proc = subprocess.Popen([sys.executable, "-c", EMBEDDED_PROCESS], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", EMBEDDED_PROCESS], stdout=subprocess.PIPE, text=True
+    )
     try:
         address = (await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)).strip()
         yield address, proc
@@ -500,7 +578,9 @@ async def registry_process(kind: str, tmp_path: Path) -> AsyncIterator[tuple[str
 
 
 @pytest.mark.parametrize("kind", ["embedded-process", "consul-agent"])
-async def test_a_frozen_registry_makes_the_watch_stale_within_its_wait_window(kind, grpc_servers, tmp_path):
+async def test_a_frozen_registry_makes_the_watch_stale_within_its_wait_window(
+    kind, grpc_servers, tmp_path
+):
     server = await grpc_servers()
     async with registry_process(kind, tmp_path) as (address, proc):
         reg = ConsulRegistry(address, wait_s=1.0, request_timeout_s=30.0, stale_after_s=0.5)
@@ -516,7 +596,11 @@ async def test_a_frozen_registry_makes_the_watch_stale_within_its_wait_window(ki
             async with asyncio.timeout(STEP_S):
                 frozen = await anext(it)
             # Well before the call's own bound (wait + jitter + request_timeout_s = 31 s) gives up.
-            assert frozen.stale and ids(frozen) == {"a"} and time.monotonic() - t0 < 1.0 * 17 / 16 + 0.5 + 1.0
+            assert (
+                frozen.stale
+                and ids(frozen) == {"a"}
+                and time.monotonic() - t0 < 1.0 * 17 / 16 + 0.5 + 1.0
+            )
             os.kill(proc.pid, signal.SIGCONT)
             async with asyncio.timeout(STEP_S):
                 thawed = await anext(it)
@@ -533,9 +617,28 @@ async def test_consul_client_index_rules_against_scripted_server():
     """Consul's documented index rules: echo the index back, reset it to 0 when it goes backwards
     or is not > 0, and yield only when the membership changes."""
     entry = {"Node": {"Node": "n", "Address": "127.0.0.1"}, "Checks": []}
-    a = {**entry, "Service": {"ID": "a", "Service": SERVICE, "Tags": None, "Address": "", "Port": 1, "Meta": None}}
-    b = {**entry, "Service": {"ID": "b", "Service": SERVICE, "Tags": ["t"], "Address": "10.0.0.2", "Port": 2,
-                              "Meta": {"k": "v"}}}
+    a = {
+        **entry,
+        "Service": {
+            "ID": "a",
+            "Service": SERVICE,
+            "Tags": None,
+            "Address": "",
+            "Port": 1,
+            "Meta": None,
+        },
+    }
+    b = {
+        **entry,
+        "Service": {
+            "ID": "b",
+            "Service": SERVICE,
+            "Tags": ["t"],
+            "Address": "10.0.0.2",
+            "Port": 2,
+            "Meta": {"k": "v"},
+        },
+    }
     script = [(5, [a]), (7, [a]), (3, [a, b]), (4, [a, b]), (0, [b]), (6, [b])]
     sent: list[str | None] = []
 
@@ -576,13 +679,19 @@ async def test_consul_client_index_rules_against_scripted_server():
     assert sent == [None, "5", "7", None, "4", None, "6"]
 
 
-@pytest.mark.parametrize("env, expect", [
-    ({}, ("127.0.0.1", 8500, "http")),
-    ({"CONSUL_HTTP_ADDR": "10.1.2.3:8600"}, ("10.1.2.3", 8600, "http")),
-    ({"CONSUL_HTTP_ADDR": "https://consul.local:8501"}, ("consul.local", 8501, "https")),
-    ({"CONSUL_HTTP_ADDR": "consul.local:8501", "CONSUL_HTTP_SSL": "true"}, ("consul.local", 8501, "https")),
-    ({"CONSUL_HTTP_ADDR": "[::1]:8500"}, ("::1", 8500, "http")),
-])
+@pytest.mark.parametrize(
+    "env, expect",
+    [
+        ({}, ("127.0.0.1", 8500, "http")),
+        ({"CONSUL_HTTP_ADDR": "10.1.2.3:8600"}, ("10.1.2.3", 8600, "http")),
+        ({"CONSUL_HTTP_ADDR": "https://consul.local:8501"}, ("consul.local", 8501, "https")),
+        (
+            {"CONSUL_HTTP_ADDR": "consul.local:8501", "CONSUL_HTTP_SSL": "true"},
+            ("consul.local", 8501, "https"),
+        ),
+        ({"CONSUL_HTTP_ADDR": "[::1]:8500"}, ("::1", 8500, "http")),
+    ],
+)
 def test_consul_config_from_environment(env, expect):
     c = ConsulConfig.from_env(env=env)
     assert (c.host, c.port, c.scheme) == expect
@@ -591,22 +700,45 @@ def test_consul_config_from_environment(env, expect):
 def test_consul_config_tls_and_token_sources(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("from-file\n")
-    env = {"CONSUL_HTTP_ADDR": "https://h:8501", "CONSUL_HTTP_TOKEN_FILE": str(token_file),
-           "CONSUL_CACERT": "/ca.pem", "CONSUL_CLIENT_CERT": "/c.pem", "CONSUL_CLIENT_KEY": "/k.pem",
-           "CONSUL_HTTP_SSL_VERIFY": "false"}
+    env = {
+        "CONSUL_HTTP_ADDR": "https://h:8501",
+        "CONSUL_HTTP_TOKEN_FILE": str(token_file),
+        "CONSUL_CACERT": "/ca.pem",
+        "CONSUL_CLIENT_CERT": "/c.pem",
+        "CONSUL_CLIENT_KEY": "/k.pem",
+        "CONSUL_HTTP_SSL_VERIFY": "false",
+    }
     c = ConsulConfig.from_env(env=env)
-    assert (c.token, c.ca_file, c.client_cert, c.client_key, c.verify) == ("from-file", "/ca.pem", "/c.pem",
-                                                                           "/k.pem", False)
-    assert ConsulConfig.from_env(token="explicit", env={**env, "CONSUL_HTTP_TOKEN": "env"}).token == "explicit"
-    assert ConsulConfig.from_env(address="http://x:1", env=env).address == "http://x:1"  # explicit wins
-    assert ConsulConfig.from_env(env={"CONSUL_HTTP_ADDR": "https://h:1", "CONSUL_HTTP_SSL_VERIFY": "false"}
-                                 ).ssl_context() is False
+    assert (c.token, c.ca_file, c.client_cert, c.client_key, c.verify) == (
+        "from-file",
+        "/ca.pem",
+        "/c.pem",
+        "/k.pem",
+        False,
+    )
+    assert (
+        ConsulConfig.from_env(token="explicit", env={**env, "CONSUL_HTTP_TOKEN": "env"}).token
+        == "explicit"
+    )
+    assert (
+        ConsulConfig.from_env(address="http://x:1", env=env).address == "http://x:1"
+    )  # explicit wins
+    assert (
+        ConsulConfig.from_env(
+            env={"CONSUL_HTTP_ADDR": "https://h:1", "CONSUL_HTTP_SSL_VERIFY": "false"}
+        ).ssl_context()
+        is False
+    )
     with pytest.raises(ValueError):
         ConsulConfig.from_env(env={"CONSUL_HTTP_ADDR": "h:notaport"})
 
 
 def test_go_durations_parse_like_consul():
-    assert parse_duration("5s") == 5.0 and parse_duration("200ms") == 0.2 and parse_duration("1m30s") == 90.0
+    assert (
+        parse_duration("5s") == 5.0
+        and parse_duration("200ms") == 0.2
+        and parse_duration("1m30s") == 90.0
+    )
     assert parse_duration("10") == 10.0
     with pytest.raises(ValueError):
         parse_duration("5 parsecs")
@@ -620,7 +752,9 @@ async def test_embedded_rejects_what_it_cannot_check():
             bad = {"Name": "x", "Check": {"HTTP": "http://127.0.0.1:1/", "Interval": "1s"}}
             async with http.put(f"http://{address}/v1/agent/service/register", json=bad) as r:
                 assert r.status == 400 and "GRPC" in await r.text()
-            async with http.put(f"http://{address}/v1/agent/service/register", json={"ID": "x"}) as r:
+            async with http.put(
+                f"http://{address}/v1/agent/service/register", json={"ID": "x"}
+            ) as r:
                 assert r.status == 400
             async with http.get(f"http://{address}/v1/status/leader") as r:
                 assert r.status == 200 and await r.json()

@@ -21,13 +21,17 @@ class Clock:
 
 def test_ejection_doubles_and_is_capped_and_a_success_resets_it() -> None:
     clock = Clock()
-    h = EndpointHealth(EjectionPolicy(consecutive_failures=2, base_ejection_s=1.0, max_ejection_s=3.0), clock)
+    h = EndpointHealth(
+        EjectionPolicy(consecutive_failures=2, base_ejection_s=1.0, max_ejection_s=3.0), clock
+    )
     assert not h.failure() and not h.ejected  # one failure is below the threshold
     assert h.failure() and h.ejected
     clock.now += 1.01
     assert not h.ejected  # re-admitted: its next call is the probe
     h.failure()
-    assert h.failure() and h.ejected_until == clock.now + 2.0  # second ejection in a row: twice as long
+    assert (
+        h.failure() and h.ejected_until == clock.now + 2.0
+    )  # second ejection in a row: twice as long
     clock.now += 2.01
     h.failure(), h.failure()
     assert h.ejected_until == clock.now + 3.0  # capped

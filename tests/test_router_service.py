@@ -21,14 +21,20 @@ from router_service.settings import RouterSettings
 LENGTH = types_pb2.FINISH_REASON_LENGTH
 
 
-def request(i: int, max_tokens: int = 32, request_id: str | None = None, **params) -> router_pb2.RouterGenerateRequest:
-    sampling = router_pb2.SamplingParams(**{"max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0,
-                                            "ignore_eos": True, **params})
-    return router_pb2.RouterGenerateRequest(request_id=request_id or f"r{i}", prompt_token_ids=PROMPTS[i],
-                                            params=sampling)
+def request(
+    i: int, max_tokens: int = 32, request_id: str | None = None, **params
+) -> router_pb2.RouterGenerateRequest:
+    sampling = router_pb2.SamplingParams(
+        **{"max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0, "ignore_eos": True, **params}
+    )
+    return router_pb2.RouterGenerateRequest(
+        request_id=request_id or f"r{i}", prompt_token_ids=PROMPTS[i], params=sampling
+    )
 
 
-async def generate(stub, req: router_pb2.RouterGenerateRequest, timeout: float = 20.0) -> tuple[tuple[int, ...], int]:
+async def generate(
+    stub, req: router_pb2.RouterGenerateRequest, timeout: float = 20.0
+) -> tuple[tuple[int, ...], int]:
     """The whole stream: every token and the finish reason of the last message."""
     tokens, reason = [], None
     async for msg in stub.Generate(req, timeout=timeout):
@@ -37,7 +43,9 @@ async def generate(stub, req: router_pb2.RouterGenerateRequest, timeout: float =
     return tuple(tokens), reason
 
 
-async def wait_status(stub, ok: Callable[[router_pb2.RouterStatus], bool], timeout_s: float) -> router_pb2.RouterStatus:
+async def wait_status(
+    stub, ok: Callable[[router_pb2.RouterStatus], bool], timeout_s: float
+) -> router_pb2.RouterStatus:
     """Poll Status until `ok` holds; fail with the last status after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -54,9 +62,18 @@ def mesh(checkpoint, tmp_path):
     experts = start_experts(path, ["*:0-3", "*:4-7"], tmp_path)
     # A learned per-call timeout would end calls to a paused expert by itself; at 60 s only the
     # request's deadline (what these tests check) bounds them.
-    router = ServiceProcess("router_service", ["--checkpoint", str(path), "--expert-call-timeout-min-s", "60",
-                                               *sum((["--expert", e.address] for e in experts), [])],
-                            tmp_path, "router")
+    router = ServiceProcess(
+        "router_service",
+        [
+            "--checkpoint",
+            str(path),
+            "--expert-call-timeout-min-s",
+            "60",
+            *sum((["--expert", e.address] for e in experts), []),
+        ],
+        tmp_path,
+        "router",
+    )
     try:
         yield path, router.wait_ready(), experts
     finally:
@@ -80,12 +97,19 @@ async def test_streamed_generation_matches_monolithic_and_errors_map_to_status(m
         with pytest.raises(grpc.aio.AioRpcError) as e:
             async for _ in stub.Generate(request(0, max_tokens=0)):
                 pass
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in e.value.details()
+        assert (
+            e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in e.value.details()
+        )
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            bad = router_pb2.RouterGenerateRequest(request_id="bad", prompt_token_ids=[10**6], params=request(0).params)
+            bad = router_pb2.RouterGenerateRequest(
+                request_id="bad", prompt_token_ids=[10**6], params=request(0).params
+            )
             async for _ in stub.Generate(bad):
                 pass
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_token_ids" in e.value.details()
+        assert (
+            e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and "prompt_token_ids" in e.value.details()
+        )
 
         # A paused expert service: the call ends at the deadline and so does the router's work on it
         # (the expert call carries the deadline), while the expert is still paused.
@@ -107,7 +131,10 @@ async def test_streamed_generation_matches_monolithic_and_errors_map_to_status(m
             async for _ in stub.Generate(request(2), timeout=20):
                 pass
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "no reachable replica for layer" in e.value.details() and experts[0].address in e.value.details()
+        assert (
+            "no reachable replica for layer" in e.value.details()
+            and experts[0].address in e.value.details()
+        )
 
 
 async def test_cancelling_a_request_while_its_remote_step_is_in_flight_frees_it(mesh) -> None:
@@ -119,7 +146,9 @@ async def test_cancelling_a_request_while_its_remote_step_is_in_flight_frees_it(
             call = stub.Generate(request(3))
             before = await wait_status(stub, lambda st: st.running == 1, timeout_s=5.0)
             await asyncio.sleep(0.3)
-            assert (await stub.Status(router_pb2.RouterStatusRequest())).steps == before.steps  # stuck in the step
+            assert (
+                await stub.Status(router_pb2.RouterStatusRequest())
+            ).steps == before.steps  # stuck in the step
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call.read()
@@ -133,9 +162,21 @@ async def test_cancelling_a_request_while_its_remote_step_is_in_flight_frees_it(
 def test_router_refuses_expert_service_of_another_checkpoint(checkpoint, tmp_path: Path) -> None:
     experts = start_experts(checkpoint("olmoe", seed=7), ["*:*"], tmp_path, "--model-id", "m")
     try:
-        router = ServiceProcess("router_service", ["--checkpoint", str(checkpoint("olmoe")), "--model-id", "m",
-                                                   "--expert", experts[0].address, "--connect-timeout-s", "10"],
-                                tmp_path, "router")
+        router = ServiceProcess(
+            "router_service",
+            [
+                "--checkpoint",
+                str(checkpoint("olmoe")),
+                "--model-id",
+                "m",
+                "--expert",
+                experts[0].address,
+                "--connect-timeout-s",
+                "10",
+            ],
+            tmp_path,
+            "router",
+        )
         try:
             assert router.proc.wait(60) == 2
             log = router.log()
@@ -154,16 +195,25 @@ async def local_router(checkpoint):
     await app.start()
     try:
         async with grpc.aio.insecure_channel(app.server.address) as channel:
-            yield app, router_pb2_grpc.RouterServiceStub(channel), health_pb2_grpc.HealthStub(channel)
+            yield (
+                app,
+                router_pb2_grpc.RouterServiceStub(channel),
+                health_pb2_grpc.HealthStub(channel),
+            )
     finally:
         await app.stop()
 
 
-async def test_tiny_temperature_is_greedy_and_does_not_stop_the_router(local_router, checkpoint) -> None:
+async def test_tiny_temperature_is_greedy_and_does_not_stop_the_router(
+    local_router, checkpoint
+) -> None:
     app, stub, _ = local_router
     expected = monolithic(checkpoint("olmoe"))
     # 1e-45 (a float32 denormal) once made torch.multinomial raise and ended the serving loop.
-    assert await generate(stub, request(1, temperature=1e-45, seed=1), timeout=10) == (expected[1], LENGTH)
+    assert await generate(stub, request(1, temperature=1e-45, seed=1), timeout=10) == (
+        expected[1],
+        LENGTH,
+    )
     assert await generate(stub, request(2, temperature=1e-45), timeout=10) == (expected[2], LENGTH)
     assert await generate(stub, request(0), timeout=10) == (expected[0], LENGTH)
     assert app.core.loop_deaths == 0
@@ -174,7 +224,9 @@ async def test_duplicate_request_id_in_flight_is_already_exists(local_router, ch
     gate = asyncio.Event()
     forward = app.core.engine.model.forward
 
-    async def gated(*args, **kwargs):  # holds the first request in flight until the duplicate was refused
+    async def gated(
+        *args, **kwargs
+    ):  # holds the first request in flight until the duplicate was refused
         await asyncio.wait_for(gate.wait(), 10)
         return await forward(*args, **kwargs)
 
@@ -183,12 +235,19 @@ async def test_duplicate_request_id_in_flight_is_already_exists(local_router, ch
     await wait_status(stub, lambda st: st.running == 1, timeout_s=5.0)
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await generate(stub, request(1, request_id="same"), timeout=5)
-    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and e.value.details().startswith("request_id:")
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and e.value.details().startswith(
+        "request_id:"
+    )
     gate.set()
-    assert await first == (monolithic(checkpoint("olmoe"))[0], LENGTH)  # the holder of the id is unaffected
+    assert await first == (
+        monolithic(checkpoint("olmoe"))[0],
+        LENGTH,
+    )  # the holder of the id is unaffected
 
 
-async def test_engine_loop_deaths_restart_it_then_report_not_serving(local_router, checkpoint) -> None:
+async def test_engine_loop_deaths_restart_it_then_report_not_serving(
+    local_router, checkpoint
+) -> None:
     app, stub, health = local_router
     expected = monolithic(checkpoint("olmoe"))
     real_step = app.core.engine.step
@@ -197,7 +256,9 @@ async def test_engine_loop_deaths_restart_it_then_report_not_serving(local_route
         raise RuntimeError("simulated bug in the serving loop")
 
     async def serving(service: str) -> int:
-        return (await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)).status
+        return (
+            await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        ).status
 
     app.core.engine.step = dying
     with pytest.raises(grpc.aio.AioRpcError) as e:

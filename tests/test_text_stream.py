@@ -14,13 +14,17 @@ def tokenizer(checkpoint) -> Tokenizer:
     return Tokenizer(checkpoint("mixtral"))
 
 
-def test_token_by_token_stream_reassembles_text_without_broken_characters(tokenizer: Tokenizer) -> None:
+def test_token_by_token_stream_reassembles_text_without_broken_characters(
+    tokenizer: Tokenizer,
+) -> None:
     ids = tokenizer.encode(TEXT)
     stream = TextStream(tokenizer)
     deltas = [stream.push([t]) for t in ids] + [stream.finish()]
     assert "".join(deltas) == TEXT == tokenizer.decode(ids)
     assert not any("\ufffd" in d for d in deltas)
-    assert len(ids) > len(TEXT.encode()) // 4  # multi-byte characters really span several tokens here
+    assert (
+        len(ids) > len(TEXT.encode()) // 4
+    )  # multi-byte characters really span several tokens here
 
 
 @pytest.mark.parametrize("stop", ["stop", "end is", "👋"])
@@ -33,7 +37,7 @@ def test_stop_string_truncates_and_is_never_emitted(tokenizer: Tokenizer, stop: 
             break
     deltas.append(stream.finish())
     assert stream.stopped
-    assert "".join(deltas) == TEXT[:TEXT.index(stop)]
+    assert "".join(deltas) == TEXT[: TEXT.index(stop)]
     assert all(stop not in d for d in deltas)
 
 

@@ -55,15 +55,21 @@ def skewed(rows: list[list[float]]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float64)
 
 
-LOAD = skewed([[500, 300, 50, 50, 40, 30, 20, 10],    # layer 0: experts 0, 1 hot
-               [20, 20, 20, 400, 20, 20, 250, 250]])  # layer 1: experts 3, 6, 7 hot
+LOAD = skewed(
+    [
+        [500, 300, 50, 50, 40, 30, 20, 10],  # layer 0: experts 0, 1 hot
+        [20, 20, 20, 400, 20, 20, 250, 250],
+    ]
+)  # layer 1: experts 3, 6, 7 hot
 EVERY = {(la, e) for la in range(2) for e in range(8)}
 
 
 def test_policy_fills_the_budget_with_the_hottest_and_no_more() -> None:
     cfg = TieringConfig(budget_bytes=3 * EB + 999, expert_bytes=EB)
     assert choose_hot(LOAD, [0, 1], set(), cfg, EVERY) == {(0, 0), (1, 3), (0, 1)}
-    roomy = TieringConfig(budget_bytes=100 * EB, expert_bytes=EB)  # only hot experts, however big the budget
+    roomy = TieringConfig(
+        budget_bytes=100 * EB, expert_bytes=EB
+    )  # only hot experts, however big the budget
     assert choose_hot(LOAD, [0, 1], set(), roomy, EVERY) == {(0, 0), (0, 1), (1, 3), (1, 6), (1, 7)}
     uniform = skewed([[100] * 8, [100] * 8])
     assert choose_hot(uniform, [0, 1], set(), roomy, EVERY) == set()
@@ -78,9 +84,16 @@ def test_policy_hysteresis_dwell_pins_and_no_stranding() -> None:
     assert choose_hot(close, [0, 1], {(0, 0), (0, 2)}, cfg, EVERY) == {(0, 0), (0, 2)}
     assert choose_hot(close, [0, 1], set(), cfg, EVERY) == {(0, 0), (0, 1)}
     # frozen pairs keep their tier: a just-demoted expert is not promoted back, a just-promoted one stays
-    assert choose_hot(close, [0, 1], {(0, 2)}, cfg, EVERY, frozen={(0, 0), (0, 2)}) == {(0, 2), (0, 1)}
-    pinned = TieringConfig(budget_bytes=2 * EB, expert_bytes=EB, pinned_hot=frozenset({(1, 0)}),
-                           pinned_remote=frozenset({(0, 0)}))
+    assert choose_hot(close, [0, 1], {(0, 2)}, cfg, EVERY, frozen={(0, 0), (0, 2)}) == {
+        (0, 2),
+        (0, 1),
+    }
+    pinned = TieringConfig(
+        budget_bytes=2 * EB,
+        expert_bytes=EB,
+        pinned_hot=frozenset({(1, 0)}),
+        pinned_remote=frozenset({(0, 0)}),
+    )
     assert choose_hot(close, [0, 1], set(), pinned, EVERY) == {(1, 0), (0, 1)}
     # an expert with no remote replica stays colocated, whatever its load
     assert (1, 5) in choose_hot(close, [0, 1], {(1, 5)}, cfg, EVERY - {(1, 5)})
@@ -104,17 +117,27 @@ async def test_dispatcher_prefers_its_region_until_the_penalty_is_exceeded(check
     x = torch.randn(16, ckpt.spec.hidden_size, generator=torch.Generator().manual_seed(0))
     for busy_home, expect_home in ((7, True), (9, False)):
         home, away = Regional(weights, "a", busy_home), Regional(weights, "b", 0)
-        d = ExpertDispatcher(ckpt.spec, {p: [away, home] for p in weights}, region="a", region_penalty=8)
+        d = ExpertDispatcher(
+            ckpt.spec, {p: [away, home] for p in weights}, region="a", region_penalty=8
+        )
         await d.moe(0, x, layer)
         assert (home.served > 0, away.served > 0) == (expect_home, not expect_home)
 
 
 async def warm_up_and_tier(path, tmp_path, budget: str, prompts: list[list[int]]):
     experts = await asyncio.to_thread(start_experts, path, ALL_REMOTE, tmp_path)
-    parts = await build_router(RouterSettings(checkpoint=path, expert_endpoints=[e.address for e in experts],
-                                              colocate_budget=budget, tier_min_dwell_s=0))
+    parts = await build_router(
+        RouterSettings(
+            checkpoint=path,
+            expert_endpoints=[e.address for e in experts],
+            colocate_budget=budget,
+            tier_min_dwell_s=0,
+        )
+    )
     try:
-        await run_engine(parts.engine, prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        await run_engine(
+            parts.engine, prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        )
         await parts.tierer.step()
         return parts, experts
     except BaseException:
@@ -134,18 +157,26 @@ def random_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(2, vocab) for _ in range(24)] for _ in range(n)]
 
 
-async def test_skewed_traffic_colocates_the_hottest_experts_up_to_the_budget(checkpoint, tmp_path) -> None:
+async def test_skewed_traffic_colocates_the_hottest_experts_up_to_the_budget(
+    checkpoint, tmp_path
+) -> None:
     path = checkpoint("mixtral", router_skew=4.0)
-    parts, experts = await warm_up_and_tier(path, tmp_path, "17%", random_prompts(12, 500))  # 4 of 24 experts
+    parts, experts = await warm_up_and_tier(
+        path, tmp_path, "17%", random_prompts(12, 500)
+    )  # 4 of 24 experts
     try:
         tierer, d = parts.tierer, parts.engine.model.dispatcher
         load = d.window.counts()
         mean = load.sum(1, keepdim=True) / load.shape[1]
-        ranked = sorted(((float(load[p]), p) for p in map(tuple, (load >= 1.5 * mean).nonzero().tolist())),
-                        reverse=True)
+        ranked = sorted(
+            ((float(load[p]), p) for p in map(tuple, (load >= 1.5 * mean).nonzero().tolist())),
+            reverse=True,
+        )
         assert len(ranked) > 4  # more hot experts than the budget holds: it is the limit
         assert tierer.hot == {p for _, p in ranked[:4]}
-        assert tierer.colocated_bytes() == 4 * tierer.config.expert_bytes <= tierer.config.budget_bytes
+        assert (
+            tierer.colocated_bytes() == 4 * tierer.config.expert_bytes <= tierer.config.budget_bytes
+        )
         assert all(d.placement[p][0].local and len(d.placement[p]) == 2 for p in tierer.hot)
 
         before = d.tokens_colocated
@@ -158,15 +189,26 @@ async def test_skewed_traffic_colocates_the_hottest_experts_up_to_the_budget(che
 async def test_router_service_retiers_live_and_reports_its_tiers(checkpoint, tmp_path) -> None:
     path = checkpoint("mixtral", router_skew=4.0)
     experts = await asyncio.to_thread(start_experts, path, ALL_REMOTE, tmp_path)
-    app = await RouterApp.create(RouterSettings(checkpoint=path, expert_endpoints=[e.address for e in experts],
-                                                colocate_budget="17%", tier_interval_s=0.2, tier_min_dwell_s=0))
+    app = await RouterApp.create(
+        RouterSettings(
+            checkpoint=path,
+            expert_endpoints=[e.address for e in experts],
+            colocate_budget="17%",
+            tier_interval_s=0.2,
+            tier_min_dwell_s=0,
+        )
+    )
     address = await app.start()
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = router_pb2_grpc.RouterServiceStub(channel)
-            params = router_pb2.SamplingParams(max_tokens=8, temperature=0.0, top_p=1.0, ignore_eos=True)
+            params = router_pb2.SamplingParams(
+                max_tokens=8, temperature=0.0, top_p=1.0, ignore_eos=True
+            )
             for p in random_prompts(12, 500):
-                async for _ in stub.Generate(router_pb2.RouterGenerateRequest(prompt_token_ids=p, params=params)):
+                async for _ in stub.Generate(
+                    router_pb2.RouterGenerateRequest(prompt_token_ids=p, params=params)
+                ):
                     pass
 
             async def status() -> router_pb2.RouterStatus:
@@ -178,13 +220,30 @@ async def test_router_service_retiers_live_and_reports_its_tiers(checkpoint, tmp
             await eventually(promoted, what="the background re-tiering")
             st = await status()
             colocated = next(p.experts for p in st.placement if p.backend == "colocated")
-            assert st.colocated_bytes == 4 * st.expert_bytes and st.colocate_budget_bytes >= st.colocated_bytes
-            assert sum(st.utilization) == sum(st.tokens_routed) > 0 and list(st.moe_layers) == [0, 1, 2]
+            assert (
+                st.colocated_bytes == 4 * st.expert_bytes
+                and st.colocate_budget_bytes >= st.colocated_bytes
+            )
+            assert sum(st.utilization) == sum(st.tokens_routed) > 0 and list(st.moe_layers) == [
+                0,
+                1,
+                2,
+            ]
 
-            shown = await asyncio.create_subprocess_exec(sys.executable, "-m", "moe_mesh", "placement", "show",
-                                                         "--router", address, stdout=asyncio.subprocess.PIPE)
+            shown = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "moe_mesh",
+                "placement",
+                "show",
+                "--router",
+                address,
+                stdout=asyncio.subprocess.PIPE,
+            )
             text = (await shown.communicate())[0].decode()
-            assert shown.returncode == 0 and colocated in text and len(re.findall(r"\d+H", text)) == 4, text
+            assert (
+                shown.returncode == 0 and colocated in text and len(re.findall(r"\d+H", text)) == 4
+            ), text
     finally:
         await app.stop()
         for e in experts:
@@ -200,10 +259,14 @@ async def test_unskewed_traffic_colocates_few_or_none(checkpoint, tmp_path) -> N
         await close(parts, experts)
 
 
-async def test_greedy_outputs_identical_while_experts_move_between_tiers(checkpoint, tmp_path) -> None:
+async def test_greedy_outputs_identical_while_experts_move_between_tiers(
+    checkpoint, tmp_path
+) -> None:
     path = checkpoint("mixtral")
     experts = await asyncio.to_thread(start_experts, path, ALL_REMOTE, tmp_path)
-    parts = await build_router(RouterSettings(checkpoint=path, expert_endpoints=[e.address for e in experts]))
+    parts = await build_router(
+        RouterSettings(checkpoint=path, expert_endpoints=[e.address for e in experts])
+    )
     tierer, engine = parts.tierer, parts.engine
     pairs = sorted(parts.engine.model.dispatcher.placement)
     rng = random.Random(1)
@@ -229,7 +292,9 @@ async def test_greedy_outputs_identical_while_experts_move_between_tiers(checkpo
         await close(parts, experts)
 
 
-async def test_router_uses_its_region_falls_back_and_returns(checkpoint, tmp_path, monkeypatch) -> None:
+async def test_router_uses_its_region_falls_back_and_returns(
+    checkpoint, tmp_path, monkeypatch
+) -> None:
     path = checkpoint("mixtral")
     expected = monolithic(path)
     registry = EmbeddedConsul()
@@ -238,16 +303,28 @@ async def test_router_uses_its_region_falls_back_and_returns(checkpoint, tmp_pat
 
     async def expert_in(region: str, name: str):
         (tmp_path / name).mkdir()
-        [proc] = await asyncio.to_thread(start_experts, path, ["*:0-7"], tmp_path / name,
-                                         "--registry", "consul", "--region", region)
+        [proc] = await asyncio.to_thread(
+            start_experts,
+            path,
+            ["*:0-7"],
+            tmp_path / name,
+            "--registry",
+            "consul",
+            "--region",
+            region,
+        )
         return proc
 
     a, b = await expert_in("a", "a1"), await expert_in("b", "b1")
-    parts = await build_router(RouterSettings(checkpoint=path, registry="consul", registry_address=address,
-                                              region="a"), open_registry("consul", address))
+    parts = await build_router(
+        RouterSettings(checkpoint=path, registry="consul", registry_address=address, region="a"),
+        open_registry("consul", address),
+    )
     membership, procs = parts.membership, [a, b]
     try:
-        await eventually(lambda: len(membership.backends) == 2, what="both regions in the placement")
+        await eventually(
+            lambda: len(membership.backends) == 2, what="both regions in the placement"
+        )
         assert tuple(map(tuple, await run_engine(parts.engine, PROMPTS))) == expected
         assert await calls(a.address) > 0 and await calls(b.address) == 0
 
@@ -269,12 +346,21 @@ async def test_router_uses_its_region_falls_back_and_returns(checkpoint, tmp_pat
         await registry.stop()
 
 
-@pytest.mark.parametrize("flags, needle", [(["--colocate-budget", "lots"], "colocate_budget"),
-                                           (["--colocate-budget", "120%"], "colocate_budget"),
-                                           (["--colocate", "0:1", "--pin-remote", "0:1"], "pin_remote"),
-                                           (["--region", "eu west"], "region")])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--colocate-budget", "lots"], "colocate_budget"),
+        (["--colocate-budget", "120%"], "colocate_budget"),
+        (["--colocate", "0:1", "--pin-remote", "0:1"], "pin_remote"),
+        (["--region", "eu west"], "region"),
+    ],
+)
 def test_bad_tiering_flags_fail_clearly(checkpoint, flags, needle) -> None:
     from test_cli import moe_mesh
 
-    out = moe_mesh("serve-router", "--checkpoint", checkpoint("mixtral"), "--expert", "127.0.0.1:1", *flags)
-    assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
+    out = moe_mesh(
+        "serve-router", "--checkpoint", checkpoint("mixtral"), "--expert", "127.0.0.1:1", *flags
+    )
+    assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, (
+        out.stderr
+    )

@@ -21,7 +21,9 @@ FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 def _family_module(model_type: str) -> Any:
     from common.arch import mixtral, olmoe, qwen2_moe, qwen3_moe
 
-    return {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "olmoe": olmoe}[model_type]
+    return {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "olmoe": olmoe}[
+        model_type
+    ]
 
 
 def parse_spec(config: dict[str, Any], source: str = "config.json") -> ModelSpec:
@@ -35,8 +37,10 @@ def parse_spec(config: dict[str, Any], source: str = "config.json") -> ModelSpec
 
     model_type = get("model_type")
     if model_type not in FAMILIES:
-        raise UnsupportedModelError(f"unsupported architecture model_type={model_type!r}; "
-                                    f"supported: {', '.join(FAMILIES)}", file=source)
+        raise UnsupportedModelError(
+            f"unsupported architecture model_type={model_type!r}; supported: {', '.join(FAMILIES)}",
+            file=source,
+        )
     try:
         spec = _family_module(model_type).parse(config, get)
     except CheckpointError as e:
@@ -44,11 +48,16 @@ def parse_spec(config: dict[str, Any], source: str = "config.json") -> ModelSpec
             raise type(e)(str(e), file=source) from e
         raise
     if spec.top_k > spec.num_experts:
-        raise CheckpointError(f"num_experts_per_tok={spec.top_k} exceeds the {spec.num_experts} experts", file=source)
+        raise CheckpointError(
+            f"num_experts_per_tok={spec.top_k} exceeds the {spec.num_experts} experts", file=source
+        )
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise UnsupportedModelError(f"rope_type={rope.get('rope_type', rope.get('type'))!r} is not supported; "
-                                    "only 'default' RoPE is", file=source)
+        raise UnsupportedModelError(
+            f"rope_type={rope.get('rope_type', rope.get('type'))!r} is not supported; "
+            "only 'default' RoPE is",
+            file=source,
+        )
     return spec
 
 

@@ -11,10 +11,15 @@ def parse(config: dict, get) -> ModelSpec:
         raise UnsupportedModelError("use_sliding_window=true is not supported")
     fields = common_fields(config, get)
     return ModelSpec(
-        family="qwen2_moe", **fields,
-        qkv_bias=bool(get("qkv_bias", True)), o_bias=False, qk_norm="none", clip_qkv=None,
+        family="qwen2_moe",
+        **fields,
+        qkv_bias=bool(get("qkv_bias", True)),
+        o_bias=False,
+        qk_norm="none",
+        clip_qkv=None,
         expert_intermediate_size=get("moe_intermediate_size"),
-        norm_topk_prob=bool(get("norm_topk_prob", False)), combine_in_fp32=False,
+        norm_topk_prob=bool(get("norm_topk_prob", False)),
+        combine_in_fp32=False,
         moe_layers=qwen_moe_layers(config, get, fields["num_layers"]),
         dense_intermediate_size=get("intermediate_size"),
         shared_expert_intermediate_size=get("shared_expert_intermediate_size"),
@@ -22,4 +27,9 @@ def parse(config: dict, get) -> ModelSpec:
 
 
 def names(spec: ModelSpec) -> TensorNames:
-    return TensorNames(moe_prefixes=("mlp.",), expert_gate="gate_proj", expert_up="up_proj", expert_down="down_proj")
+    return TensorNames(
+        moe_prefixes=("mlp.",),
+        expert_gate="gate_proj",
+        expert_up="up_proj",
+        expert_down="down_proj",
+    )

@@ -12,10 +12,15 @@ def parse(config: dict, get) -> ModelSpec:
     fields = common_fields(config, get)
     bias = bool(get("attention_bias", False))
     return ModelSpec(
-        family="qwen3_moe", **fields,
-        qkv_bias=bias, o_bias=bias, qk_norm="per_head", clip_qkv=None,
+        family="qwen3_moe",
+        **fields,
+        qkv_bias=bias,
+        o_bias=bias,
+        qk_norm="per_head",
+        clip_qkv=None,
         expert_intermediate_size=get("moe_intermediate_size"),
-        norm_topk_prob=bool(get("norm_topk_prob", False)), combine_in_fp32=False,
+        norm_topk_prob=bool(get("norm_topk_prob", False)),
+        combine_in_fp32=False,
         moe_layers=qwen_moe_layers(config, get, fields["num_layers"]),
         dense_intermediate_size=get("intermediate_size"),
         shared_expert_intermediate_size=0,
@@ -23,4 +28,9 @@ def parse(config: dict, get) -> ModelSpec:
 
 
 def names(spec: ModelSpec) -> TensorNames:
-    return TensorNames(moe_prefixes=("mlp.",), expert_gate="gate_proj", expert_up="up_proj", expert_down="down_proj")
+    return TensorNames(
+        moe_prefixes=("mlp.",),
+        expert_gate="gate_proj",
+        expert_up="up_proj",
+        expert_down="down_proj",
+    )

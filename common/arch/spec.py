@@ -35,7 +35,9 @@ class ModelSpec:
     norm_topk_prob: bool
     # Mixtral multiplies expert outputs by float32 routing weights; the others cast weights to the hidden dtype first.
     combine_in_fp32: bool
-    moe_layers: tuple[bool, ...]  # False: a dense MLP layer (Qwen's mlp_only_layers / decoder_sparse_step)
+    moe_layers: tuple[
+        bool, ...
+    ]  # False: a dense MLP layer (Qwen's mlp_only_layers / decoder_sparse_step)
     dense_intermediate_size: int
     shared_expert_intermediate_size: int  # 0: no shared expert
     eos_token_ids: tuple[int, ...]
@@ -80,7 +82,9 @@ def common_fields(config: dict, get) -> dict:
         num_kv_heads=get("num_key_value_heads", heads) or heads,
         head_dim=get("head_dim", None) or hidden // heads,
         rms_norm_eps=float(get("rms_norm_eps")),
-        rope_theta=float((config.get("rope_parameters") or {}).get("rope_theta") or get("rope_theta", 10000.0)),
+        rope_theta=float(
+            (config.get("rope_parameters") or {}).get("rope_theta") or get("rope_theta", 10000.0)
+        ),
         max_position_embeddings=get("max_position_embeddings"),
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
         top_k=get("num_experts_per_tok"),

@@ -30,7 +30,9 @@ class Instance:
     host: str
     port: int
     tags: tuple[str, ...] = ()
-    meta: Mapping[str, str] = field(default_factory=dict)  # model_id, weights_checksum, experts, region, fast_path
+    meta: Mapping[str, str] = field(
+        default_factory=dict
+    )  # model_id, weights_checksum, experts, region, fast_path
 
     @property
     def endpoint(self) -> str:
@@ -67,13 +69,19 @@ def meta_problem(meta: dict[str, Any]) -> str | None:
         if key.startswith("consul-"):
             return f"Meta key {key!r} uses the reserved prefix 'consul-'"
         if not isinstance(value, str) or len(value) > META_VALUE_MAX_LEN:
-            return f"Meta value of {key!r} must be a string of at most {META_VALUE_MAX_LEN} characters"
+            return (
+                f"Meta value of {key!r} must be a string of at most {META_VALUE_MAX_LEN} characters"
+            )
     return None
 
 
 class Registry(Protocol):
-    async def register(self, instance: Instance, check_interval_s: float = 2.0,
-                       deregister_critical_after_s: float = 30.0) -> None:
+    async def register(
+        self,
+        instance: Instance,
+        check_interval_s: float = 2.0,
+        deregister_critical_after_s: float = 30.0,
+    ) -> None:
         """Register `instance` with a gRPC health check against its endpoint."""
 
     async def deregister(self, instance_id: str) -> None: ...
@@ -103,7 +111,9 @@ def open_registry(kind: str, address: str | None = None) -> Registry | None:
 REFRESH_S = 10.0
 
 
-def registration_hooks(server, registry: Registry | None, make_instance, refresh_s: float = REFRESH_S):
+def registration_hooks(
+    server, registry: Registry | None, make_instance, refresh_s: float = REFRESH_S
+):
     """Attach register-on-ready / deregister-on-stop to a common.server.GrpcServer.
 
     The registration is repeated every `refresh_s` (registering is idempotent), so a registry that

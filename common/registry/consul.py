@@ -35,8 +35,15 @@ log = logging.getLogger(__name__)
 
 DEFAULT_ADDRESS = "127.0.0.1:8500"
 # Errors that mean "the registry cannot answer right now"; anything else is a bug and propagates.
-_REGISTRY_ERRORS = (consul.ConsulException, aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError,
-                    TypeError)
+_REGISTRY_ERRORS = (
+    consul.ConsulException,
+    aiohttp.ClientError,
+    OSError,
+    TimeoutError,
+    ValueError,
+    KeyError,
+    TypeError,
+)
 
 
 def go_duration(seconds: float) -> str:
@@ -59,10 +66,19 @@ class ConsulConfig:
     client_key: str | None = None
 
     @classmethod
-    def from_env(cls, address: str | None = None, token: str | None = None, *, scheme: str | None = None,
-                 verify: bool | None = None, ca_file: str | None = None, ca_path: str | None = None,
-                 client_cert: str | None = None, client_key: str | None = None,
-                 env: Mapping[str, str] | None = None) -> ConsulConfig:
+    def from_env(
+        cls,
+        address: str | None = None,
+        token: str | None = None,
+        *,
+        scheme: str | None = None,
+        verify: bool | None = None,
+        ca_file: str | None = None,
+        ca_path: str | None = None,
+        client_cert: str | None = None,
+        client_key: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> ConsulConfig:
         env = os.environ if env is None else env
         raw = address or env.get("CONSUL_HTTP_ADDR") or DEFAULT_ADDRESS
         if raw.startswith("unix://"):
@@ -71,7 +87,9 @@ class ConsulConfig:
         try:
             host, port = parsed.hostname, parsed.port or 8500
         except ValueError as e:  # a non-numeric port
-            raise ValueError(f"Consul address {raw!r} is not host:port or http(s)://host:port") from e
+            raise ValueError(
+                f"Consul address {raw!r} is not host:port or http(s)://host:port"
+            ) from e
         if not host:
             raise ValueError(f"Consul address {raw!r} is not host:port or http(s)://host:port")
         if scheme is None:
@@ -87,11 +105,17 @@ class ConsulConfig:
                     token = f.read().strip() or None
         if verify is None:
             verify = env.get("CONSUL_HTTP_SSL_VERIFY", "true").lower() not in ("0", "false")
-        return cls(host=host, port=port, scheme=scheme, token=token, verify=verify,
-                   ca_file=ca_file or env.get("CONSUL_CACERT") or None,
-                   ca_path=ca_path or env.get("CONSUL_CAPATH") or None,
-                   client_cert=client_cert or env.get("CONSUL_CLIENT_CERT") or None,
-                   client_key=client_key or env.get("CONSUL_CLIENT_KEY") or None)
+        return cls(
+            host=host,
+            port=port,
+            scheme=scheme,
+            token=token,
+            verify=verify,
+            ca_file=ca_file or env.get("CONSUL_CACERT") or None,
+            ca_path=ca_path or env.get("CONSUL_CAPATH") or None,
+            client_cert=client_cert or env.get("CONSUL_CLIENT_CERT") or None,
+            client_key=client_key or env.get("CONSUL_CLIENT_KEY") or None,
+        )
 
     @property
     def address(self) -> str:
@@ -127,10 +151,13 @@ class _HTTPClient(consul.aio.HTTPClient):
             self.base_uri = f"{scheme}://[{host}]:{port}"
         self.loop = None
         # No session-wide timeout: blocking queries legitimately last `wait`; callers bound each call.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ssl_param),
-                                              timeout=aiohttp.ClientTimeout(total=None))
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=ssl_param), timeout=aiohttp.ClientTimeout(total=None)
+        )
 
-    async def _request(self, callback, method, uri, headers, data=None, connections_timeout=None, raw=False):
+    async def _request(
+        self, callback, method, uri, headers, data=None, connections_timeout=None, raw=False
+    ):
         async with self._session.request(method, uri, headers=headers, data=data) as resp:
             body = await resp.read() if raw else await resp.text(encoding="utf-8")
             return callback(consul.base.Response(resp.status, resp.headers, body))
@@ -140,8 +167,12 @@ class _Consul(consul.aio.Consul):
     def __init__(self, config: ConsulConfig) -> None:
         self._ssl_param = config.ssl_context()
         # Explicit host/port/scheme/verify keep py-consul from consulting the environment itself.
-        super().__init__(host=config.host, port=config.port, scheme=config.scheme, verify=config.verify)
-        self.token = config.token  # py-consul lets CONSUL_HTTP_TOKEN override an explicit token; we do not
+        super().__init__(
+            host=config.host, port=config.port, scheme=config.scheme, verify=config.verify
+        )
+        self.token = (
+            config.token
+        )  # py-consul lets CONSUL_HTTP_TOKEN override an explicit token; we do not
 
     def http_connect(self, host, port, scheme, verify=True, cert=None):
         return _HTTPClient(host, port, scheme, self._ssl_param)
@@ -151,8 +182,14 @@ def _instance(entry: dict[str, Any]) -> Instance:
     svc = entry["Service"]
     # Consul's convention: an empty service address means "the node's address".
     host = svc.get("Address") or entry.get("Node", {}).get("Address", "")
-    return Instance(service=svc["Service"], id=svc["ID"], host=host, port=int(svc.get("Port") or 0),
-                    tags=tuple(svc.get("Tags") or ()), meta=dict(svc.get("Meta") or {}))
+    return Instance(
+        service=svc["Service"],
+        id=svc["ID"],
+        host=host,
+        port=int(svc.get("Port") or 0),
+        tags=tuple(svc.get("Tags") or ()),
+        meta=dict(svc.get("Meta") or {}),
+    )
 
 
 class ConsulRegistry:
@@ -166,13 +203,33 @@ class ConsulRegistry:
     the call fails.
     """
 
-    def __init__(self, address: str | None = None, token: str | None = None, *, scheme: str | None = None,
-                 verify: bool | None = None, ca_file: str | None = None, ca_path: str | None = None,
-                 client_cert: str | None = None, client_key: str | None = None, wait_s: float = 10.0,
-                 request_timeout_s: float = 10.0, stale_after_s: float = 2.0, backoff_initial_s: float = 0.1,
-                 backoff_max_s: float = 5.0) -> None:
-        self.config = ConsulConfig.from_env(address, token, scheme=scheme, verify=verify, ca_file=ca_file,
-                                            ca_path=ca_path, client_cert=client_cert, client_key=client_key)
+    def __init__(
+        self,
+        address: str | None = None,
+        token: str | None = None,
+        *,
+        scheme: str | None = None,
+        verify: bool | None = None,
+        ca_file: str | None = None,
+        ca_path: str | None = None,
+        client_cert: str | None = None,
+        client_key: str | None = None,
+        wait_s: float = 10.0,
+        request_timeout_s: float = 10.0,
+        stale_after_s: float = 2.0,
+        backoff_initial_s: float = 0.1,
+        backoff_max_s: float = 5.0,
+    ) -> None:
+        self.config = ConsulConfig.from_env(
+            address,
+            token,
+            scheme=scheme,
+            verify=verify,
+            ca_file=ca_file,
+            ca_path=ca_path,
+            client_cert=client_cert,
+            client_key=client_key,
+        )
         self.wait_s = wait_s
         self.request_timeout_s = request_timeout_s
         self.stale_after_s = stale_after_s
@@ -185,30 +242,49 @@ class ConsulRegistry:
             self._consul = _Consul(self.config)
         return self._consul
 
-    async def register(self, instance: Instance, check_interval_s: float = 2.0,
-                       deregister_critical_after_s: float = 30.0) -> None:
+    async def register(
+        self,
+        instance: Instance,
+        check_interval_s: float = 2.0,
+        deregister_critical_after_s: float = 30.0,
+    ) -> None:
         """Register `instance` with a gRPC health check on its endpoint; re-registering an id replaces it.
 
         Raises UnavailableError if the agent cannot be reached, InvalidArgumentError if it rejects the
         registration (e.g. meta beyond Consul's limits: 64 keys, values up to 512 characters) and
         PreconditionError if its ACLs deny it.
         """
-        check = consul.Check.grpc(instance.endpoint, go_duration(check_interval_s),
-                                  timeout=go_duration(min(check_interval_s, 5.0)),
-                                  deregister=go_duration(deregister_critical_after_s))
+        check = consul.Check.grpc(
+            instance.endpoint,
+            go_duration(check_interval_s),
+            timeout=go_duration(min(check_interval_s, 5.0)),
+            deregister=go_duration(deregister_critical_after_s),
+        )
         try:
             async with asyncio.timeout(self.request_timeout_s):
                 ok = await self._client().agent.service.register(
-                    instance.service, service_id=instance.id, address=instance.host, port=instance.port,
-                    tags=list(instance.tags), meta=dict(instance.meta), check=check,
-                    replace_existing_checks=True)
-        except consul.exceptions.BadRequest as e:  # e.g. meta beyond Consul's limits: retrying will not help
+                    instance.service,
+                    service_id=instance.id,
+                    address=instance.host,
+                    port=instance.port,
+                    tags=list(instance.tags),
+                    meta=dict(instance.meta),
+                    check=check,
+                    replace_existing_checks=True,
+                )
+        except (
+            consul.exceptions.BadRequest
+        ) as e:  # e.g. meta beyond Consul's limits: retrying will not help
             raise InvalidArgumentError("instance", f"registry rejected {instance.id}: {e}") from e
         except (consul.exceptions.ACLPermissionDenied, consul.exceptions.ACLDisabled) as e:
-            raise PreconditionError(f"registry {self.config.address} denied registering {instance.id} "
-                                    f"(check CONSUL_HTTP_TOKEN): {e}") from e
+            raise PreconditionError(
+                f"registry {self.config.address} denied registering {instance.id} "
+                f"(check CONSUL_HTTP_TOKEN): {e}"
+            ) from e
         except _REGISTRY_ERRORS as e:
-            raise UnavailableError(f"cannot register {instance.id} at {self.config.address}: {e!r}") from e
+            raise UnavailableError(
+                f"cannot register {instance.id} at {self.config.address}: {e!r}"
+            ) from e
         if not ok:
             raise UnavailableError(f"{self.config.address} refused to register {instance.id}")
 
@@ -218,14 +294,17 @@ class ConsulRegistry:
             async with asyncio.timeout(self.request_timeout_s):
                 await self._client().agent.service.deregister(instance_id)
         except _REGISTRY_ERRORS as e:
-            raise UnavailableError(f"cannot deregister {instance_id} at {self.config.address}: {e!r}") from e
+            raise UnavailableError(
+                f"cannot deregister {instance_id} at {self.config.address}: {e!r}"
+            ) from e
 
     async def _query(self, service: str, index: int) -> tuple[int, tuple[Instance, ...]]:
         # index 0 makes py-consul omit both `index` and `wait`: a plain read that returns at once.
         bound = (self.wait_s * 17 / 16 if index else 0.0) + self.request_timeout_s
         async with asyncio.timeout(bound):
             raw_index, entries = await self._client().health.service(
-                service, index=index or None, wait=go_duration(self.wait_s), passing=True)
+                service, index=index or None, wait=go_duration(self.wait_s), passing=True
+            )
         instances = tuple(sorted((_instance(e) for e in entries or ()), key=lambda i: i.id))
         return int(raw_index), instances  # py-consul hands the X-Consul-Index header back as a str
 
@@ -242,16 +321,29 @@ class ConsulRegistry:
                     window = (self.wait_s * 17 / 16 if index else 0.0) + self.stale_after_s
                     done, _ = await asyncio.wait({query}, timeout=window)
                     if not done:
-                        log.warning("registry %s has not answered for %.1fs while watching %s",
-                                    self.config.address, window, service)
+                        log.warning(
+                            "registry %s has not answered for %.1fs while watching %s",
+                            self.config.address,
+                            window,
+                            service,
+                        )
                         stale = True
-                        yield Membership(last.instances if last else (), last.index if last else 0, stale=True)
+                        yield Membership(
+                            last.instances if last else (), last.index if last else 0, stale=True
+                        )
                 new_index, instances = await query
             except _REGISTRY_ERRORS as e:
                 if not stale:
-                    log.warning("registry %s unreachable while watching %s: %r", self.config.address, service, e)
+                    log.warning(
+                        "registry %s unreachable while watching %s: %r",
+                        self.config.address,
+                        service,
+                        e,
+                    )
                     stale = True
-                    yield Membership(last.instances if last else (), last.index if last else 0, stale=True)
+                    yield Membership(
+                        last.instances if last else (), last.index if last else 0, stale=True
+                    )
                 index = 0
                 await asyncio.sleep(random.uniform(0.5, 1.0) * backoff)
                 backoff = min(backoff * 2, self.backoff_max_s)
@@ -264,7 +356,12 @@ class ConsulRegistry:
                 index = 0
             elif new_index < index:
                 # Consul's rule: an index going backwards (agent restarted, snapshot restored) resets it.
-                log.info("registry index for %s went back from %d to %d; resetting", service, index, new_index)
+                log.info(
+                    "registry index for %s went back from %d to %d; resetting",
+                    service,
+                    index,
+                    new_index,
+                )
                 index = 0
             else:
                 index = new_index
@@ -274,7 +371,9 @@ class ConsulRegistry:
                 stale = False
                 last = Membership(instances, max(new_index, 0))
                 yield last
-            if index == 0:  # a plain read comes next: pace it, a server stuck at index 0 must not spin us
+            if (
+                index == 0
+            ):  # a plain read comes next: pace it, a server stuck at index 0 must not spin us
                 await asyncio.sleep(random.uniform(0.5, 1.0) * self.backoff_initial_s)
 
     async def close(self) -> None:

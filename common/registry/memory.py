@@ -43,8 +43,12 @@ class MemoryRegistry:
         if not self._reachable:
             raise UnavailableError(f"memory registry unreachable (simulated): cannot {action}")
 
-    async def register(self, instance: Instance, check_interval_s: float = 2.0,
-                       deregister_critical_after_s: float = 30.0) -> None:
+    async def register(
+        self,
+        instance: Instance,
+        check_interval_s: float = 2.0,
+        deregister_critical_after_s: float = 30.0,
+    ) -> None:
         """Add or replace `instance`, passing; meta beyond Consul's limits raises InvalidArgumentError.
         `check_interval_s` is unused: nothing is probed here."""
         self._check_reachable(f"register {instance.id}")
@@ -80,7 +84,8 @@ class MemoryRegistry:
             entry.reaper = None
         if not passing:
             entry.reaper = asyncio.get_running_loop().call_later(
-                entry.deregister_critical_after_s, self._reap, instance_id, entry)
+                entry.deregister_critical_after_s, self._reap, instance_id, entry
+            )
         self._bump()
 
     def _reap(self, instance_id: str, entry: _Entry) -> None:
@@ -95,18 +100,30 @@ class MemoryRegistry:
             self._bump()
 
     def _passing(self, service: str) -> tuple[Instance, ...]:
-        return tuple(sorted((e.instance for e in self._entries.values()
-                             if e.instance.service == service and e.passing), key=lambda i: i.id))
+        return tuple(
+            sorted(
+                (
+                    e.instance
+                    for e in self._entries.values()
+                    if e.instance.service == service and e.passing
+                ),
+                key=lambda i: i.id,
+            )
+        )
 
     async def watch(self, service: str) -> AsyncIterator[Membership]:
         """See `Registry.watch`: yields on a change of this service's passing set or of reachability."""
         last: Membership | None = None
         while True:
-            changed = self._changed  # taken before reading state, so no change slips between the two
+            changed = (
+                self._changed
+            )  # taken before reading state, so no change slips between the two
             if self._reachable:
                 current = Membership(self._passing(service), self._index)
             else:
-                current = Membership(last.instances if last else (), last.index if last else 0, stale=True)
+                current = Membership(
+                    last.instances if last else (), last.index if last else 0, stale=True
+                )
             if last is None or (current.instances, current.stale) != (last.instances, last.stale):
                 last = current
                 yield current

@@ -31,13 +31,43 @@ EOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|pad|>"  # ids 0 and 1; EOS doubles as
 # init: initializer_range, chosen per width so that greedy decoding of the random model does not collapse into
 # a repeated token (at width 1024 the default 0.02 loops within ~10 tokens, 0.05 stays varied; 0.02 suits 64).
 _PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2,
-                 expert_width=96, dense_width=128, shared_width=128, max_pos=512, vocab=512, init=0.02),
-    "small": dict(hidden=1024, layers=8, heads=16, kv_heads=4, head_dim=64, experts=8, top_k=2,
-                  expert_width=1024, dense_width=2048, shared_width=2048, max_pos=4096, vocab=8192, init=0.05),
+    "tiny": dict(
+        hidden=64,
+        layers=3,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        experts=8,
+        top_k=2,
+        expert_width=96,
+        dense_width=128,
+        shared_width=128,
+        max_pos=512,
+        vocab=512,
+        init=0.02,
+    ),
+    "small": dict(
+        hidden=1024,
+        layers=8,
+        heads=16,
+        kv_heads=4,
+        head_dim=64,
+        experts=8,
+        top_k=2,
+        expert_width=1024,
+        dense_width=2048,
+        shared_width=2048,
+        max_pos=4096,
+        vocab=8192,
+        init=0.05,
+    ),
 }
-_CLASSES = {"mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
-            "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}
+_CLASSES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+}
 
 # Router skew: every embedding row gets the same value on _DC_DIM (_DC_AMPLITUDE init-stds), giving all gate
 # inputs a shared direction that per-expert gate weights on that dimension turn into a constant logit bias.
@@ -56,14 +86,52 @@ Autumn came early that year. The maple leaves turned red before the end of Septe
 def _pseudo_sentences(n: int, seed: int = 1234) -> Iterator[str]:
     # Prose alone runs out of merges long before 8k tokens; a seeded Zipf-ish stream of invented words fills in.
     rng = random.Random(seed)
-    syllables = [o + v + c for o in ("", "b", "br", "c", "ch", "d", "dr", "f", "g", "gr", "h", "j", "k", "l", "m", "n",
-                                     "p", "pl", "qu", "r", "s", "sh", "st", "t", "th", "tr", "v", "w", "z")
-                 for v in ("a", "e", "i", "o", "u", "ai", "ea", "ou", "y", "oo")
-                 for c in ("", "", "n", "r", "s", "t", "l", "m", "nd", "ck", "st", "x")]
-    lexicon = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(8000)]
+    syllables = [
+        o + v + c
+        for o in (
+            "",
+            "b",
+            "br",
+            "c",
+            "ch",
+            "d",
+            "dr",
+            "f",
+            "g",
+            "gr",
+            "h",
+            "j",
+            "k",
+            "l",
+            "m",
+            "n",
+            "p",
+            "pl",
+            "qu",
+            "r",
+            "s",
+            "sh",
+            "st",
+            "t",
+            "th",
+            "tr",
+            "v",
+            "w",
+            "z",
+        )
+        for v in ("a", "e", "i", "o", "u", "ai", "ea", "ou", "y", "oo")
+        for c in ("", "", "n", "r", "s", "t", "l", "m", "nd", "ck", "st", "x")
+    ]
+    lexicon = [
+        "".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(8000)
+    ]
     for _ in range(n):
-        words = (lexicon[min(int(rng.paretovariate(0.8)) - 1, len(lexicon) - 1)] if rng.random() < 0.5
-                 else rng.choice(lexicon) for _ in range(12))
+        words = (
+            lexicon[min(int(rng.paretovariate(0.8)) - 1, len(lexicon) - 1)]
+            if rng.random() < 0.5
+            else rng.choice(lexicon)
+            for _ in range(12)
+        )
         yield " ".join(words).capitalize() + "."
 
 
@@ -76,24 +144,45 @@ def _tokenizer_json(vocab_size: int) -> str:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, PAD_TOKEN], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # every byte: no <unk>
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # every byte: no <unk>
     corpus = _PROSE.splitlines() * 4  # repeated so English merges outrank the invented words
     tok.train_from_iterator([*corpus, *_pseudo_sentences(max(0, vocab_size - 512) * 3)], trainer)
     return tok.to_str(pretty=True)
 
 
 def _config_kwargs(arch: str, p: Mapping[str, Any], vocab: int) -> dict[str, Any]:
-    kw: dict[str, Any] = dict(vocab_size=vocab, hidden_size=p["hidden"], num_hidden_layers=p["layers"],
-                              num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"],
-                              num_experts_per_tok=p["top_k"], max_position_embeddings=p["max_pos"],
-                              bos_token_id=0, eos_token_id=0, pad_token_id=1, initializer_range=p["init"])
+    kw: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=p["hidden"],
+        num_hidden_layers=p["layers"],
+        num_attention_heads=p["heads"],
+        num_key_value_heads=p["kv_heads"],
+        num_experts_per_tok=p["top_k"],
+        max_position_embeddings=p["max_pos"],
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=1,
+        initializer_range=p["init"],
+    )
     if arch == "mixtral":
-        kw.update(head_dim=p["head_dim"], num_local_experts=p["experts"], intermediate_size=p["expert_width"])
+        kw.update(
+            head_dim=p["head_dim"],
+            num_local_experts=p["experts"],
+            intermediate_size=p["expert_width"],
+        )
     elif arch == "olmoe":
         kw.update(num_experts=p["experts"], intermediate_size=p["expert_width"])
     else:  # Qwen: experts use moe_intermediate_size, dense (mlp_only) layers intermediate_size
-        kw.update(num_experts=p["experts"], moe_intermediate_size=p["expert_width"], intermediate_size=p["dense_width"])
+        kw.update(
+            num_experts=p["experts"],
+            moe_intermediate_size=p["expert_width"],
+            intermediate_size=p["dense_width"],
+        )
         if arch == "qwen2_moe":
             kw.update(shared_expert_intermediate_size=p["shared_width"])
         else:  # not a declared Qwen3MoeConfig field, but the attention reads it and published configs set it
@@ -106,8 +195,12 @@ def _apply_router_skew(model: torch.nn.Module, skew: float, seed: int) -> None:
     import torch
 
     sigma = model.config.initializer_range
-    gen = torch.Generator().manual_seed(seed)  # separate stream: must not disturb or depend on init order
-    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]  # dense layers have none
+    gen = torch.Generator().manual_seed(
+        seed
+    )  # separate stream: must not disturb or depend on init order
+    gates = [
+        layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")
+    ]  # dense layers have none
     with torch.no_grad():
         model.model.embed_tokens.weight[:, _DC_DIM] = _DC_AMPLITUDE * sigma
         # Reserve the DC dimension for the routers: attention and MLPs neither read it (a constant input would
@@ -120,7 +213,9 @@ def _apply_router_skew(model: torch.nn.Module, skew: float, seed: int) -> None:
             else:
                 w[..., _DC_DIM] = 0.0
         if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
-            model.lm_head.weight[:, _DC_DIM] = 0.0  # else every prompt would favour the same output tokens
+            model.lm_head.weight[:, _DC_DIM] = (
+                0.0  # else every prompt would favour the same output tokens
+            )
 
         # Calibrate on random tokens: attention output soon dominates the residual stream in wide models, so the
         # normalised DC value and the logits' spread both depend on width and depth and are measured, not derived.
@@ -132,22 +227,36 @@ def _apply_router_skew(model: torch.nn.Module, skew: float, seed: int) -> None:
 
         hooks = [g.register_forward_hook(measure) for g in gates]
         try:
-            model(input_ids=torch.randint(2, model.config.vocab_size, (4, 64), generator=gen), use_cache=False)
+            model(
+                input_ids=torch.randint(2, model.config.vocab_size, (4, 64), generator=gen),
+                use_cache=False,
+            )
         finally:
             for hook in hooks:
                 hook.remove()
         for gate, (dc, spread) in zip(gates, stats, strict=True):
             n = gate.weight.shape[0]
             z = 1.0 / torch.arange(1, n + 1, dtype=torch.float32)
-            hot_order = torch.randperm(n, generator=gen)  # hot_order[r] is the expert with popularity rank r
+            hot_order = torch.randperm(
+                n, generator=gen
+            )  # hot_order[r] is the expert with popularity rank r
             # 3 significant digits: the measurement's last bits can depend on thread count, the files must not.
             scale = float(f"{skew * spread / dc:.3g}")
             gate.weight[hot_order, _DC_DIM] = (scale * (z - z.mean())).to(gate.weight.dtype)
 
 
-_PER_EXPERT = re.compile(r"^(.+?)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-                         r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
-_ROLE = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+_PER_EXPERT = re.compile(
+    r"^(.+?)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
+_ROLE = {
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+}
 
 
 def _fuse_experts(out_dir: Path, progress: bool) -> None:
@@ -159,10 +268,16 @@ def _fuse_experts(out_dir: Path, progress: bool) -> None:
 
     index_path = out_dir / "model.safetensors.index.json"
     index = json.loads(index_path.read_text()) if index_path.exists() else None
-    with safe_open(out_dir / "model.safetensors", "pt") if index is None else contextlib.nullcontext() as f:
+    with (
+        safe_open(out_dir / "model.safetensors", "pt")
+        if index is None
+        else contextlib.nullcontext() as f
+    ):
         old_map = index["weight_map"] if index else dict.fromkeys(f.keys(), "model.safetensors")
     new_map: dict[str, str] = {}  # new key -> file
-    sources: dict[str, list[str] | str] = {}  # new key -> old key, or the [gate, up, down] per-expert key lists
+    sources: dict[
+        str, list[str] | str
+    ] = {}  # new key -> old key, or the [gate, up, down] per-expert key lists
     experts: dict[str, dict[tuple[str, int], str]] = {}
     for key in old_map:
         if m := _PER_EXPERT.match(key):
@@ -176,12 +291,16 @@ def _fuse_experts(out_dir: Path, progress: bool) -> None:
         home = old_map[parts[("gate", 0)]]
         for name, roles in (("gate_up_proj", ("gate", "up")), ("down_proj", ("down",))):
             new_map[f"{prefix}.mlp.experts.{name}"] = home
-            sources[f"{prefix}.mlp.experts.{name}"] = [parts[(r, e)] for e in range(n) for r in roles]
+            sources[f"{prefix}.mlp.experts.{name}"] = [
+                parts[(r, e)] for e in range(n) for r in roles
+            ]
     files = sorted(set(old_map.values()))
     # A shard that held only expert slices homed elsewhere ends up empty: drop it and renumber the rest.
     kept = [f for f in files if f in new_map.values()]
-    renamed = {f: f if index is None else f"model-{i:05d}-of-{len(kept):05d}.safetensors"
-               for i, f in enumerate(kept, 1)}
+    renamed = {
+        f: f if index is None else f"model-{i:05d}-of-{len(kept):05d}.safetensors"
+        for i, f in enumerate(kept, 1)
+    }
     with contextlib.ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(out_dir / f, "pt")) for f in files}
 
@@ -194,9 +313,13 @@ def _fuse_experts(out_dir: Path, progress: bool) -> None:
                 src = sources[new_key]
                 if isinstance(src, str):
                     tensors[new_key] = load(src)
-                elif new_key.endswith("gate_up_proj"):  # [E, 2I, H]: gate rows then up rows per expert
+                elif new_key.endswith(
+                    "gate_up_proj"
+                ):  # [E, 2I, H]: gate rows then up rows per expert
                     pairs = zip(src[::2], src[1::2])
-                    tensors[new_key] = torch.stack([torch.cat([load(g), load(u)]) for g, u in pairs])
+                    tensors[new_key] = torch.stack(
+                        [torch.cat([load(g), load(u)]) for g, u in pairs]
+                    )
                 else:  # [E, H, I]
                     tensors[new_key] = torch.stack([load(k) for k in src])
             save_file(tensors, out_dir / (renamed[fname] + ".tmp"), metadata={"format": "pt"})
@@ -209,10 +332,18 @@ def _fuse_experts(out_dir: Path, progress: bool) -> None:
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def create_checkpoint(out_dir: Path, arch: str, preset: str = "tiny", *, seed: int = 0,
-                      router_skew: float = 0.0, overrides: Mapping[str, Any] | None = None,
-                      expert_layout: str = "per_expert",
-                      max_shard_size: str | int | None = None, progress: bool = False) -> Path:
+def create_checkpoint(
+    out_dir: Path,
+    arch: str,
+    preset: str = "tiny",
+    *,
+    seed: int = 0,
+    router_skew: float = 0.0,
+    overrides: Mapping[str, Any] | None = None,
+    expert_layout: str = "per_expert",
+    max_shard_size: str | int | None = None,
+    progress: bool = False,
+) -> Path:
     """Write a random-initialised HuggingFace-layout checkpoint (config.json, safetensors, tokenizer); return out_dir.
 
     ``arch`` is one of ARCHS and ``preset`` one of PRESETS. The same arguments give byte-identical files.
@@ -232,8 +363,11 @@ def create_checkpoint(out_dir: Path, arch: str, preset: str = "tiny", *, seed: i
 
     Raises ValueError for unknown arch/preset/layout and FileExistsError if out_dir exists and is not empty.
     """
-    for what, value, valid in (("arch", arch, ARCHS), ("preset", preset, PRESETS),
-                               ("expert_layout", expert_layout, EXPERT_LAYOUTS)):
+    for what, value, valid in (
+        ("arch", arch, ARCHS),
+        ("preset", preset, PRESETS),
+        ("expert_layout", expert_layout, EXPERT_LAYOUTS),
+    ):
         if value not in valid:
             raise ValueError(f"unknown {what} {value!r}; expected one of: {', '.join(valid)}")
     out_dir = Path(out_dir)
@@ -253,7 +387,9 @@ def create_checkpoint(out_dir: Path, arch: str, preset: str = "tiny", *, seed: i
     stage(f"training byte-level BPE tokenizer (target vocab {p['vocab']})")
     tokenizer = Tokenizer.from_str(_tokenizer_json(p["vocab"]))
     config_cls, model_cls = (getattr(transformers, name) for name in _CLASSES[arch])
-    alias = getattr(config_cls, "attribute_map", {})  # lets an override of an alias replace the preset's field
+    alias = getattr(
+        config_cls, "attribute_map", {}
+    )  # lets an override of an alias replace the preset's field
     merged = {**_config_kwargs(arch, p, tokenizer.get_vocab_size()), **(overrides or {})}
     config = config_cls(**{alias.get(k, k): v for k, v in merged.items()})
 
@@ -263,13 +399,17 @@ def create_checkpoint(out_dir: Path, arch: str, preset: str = "tiny", *, seed: i
     if router_skew:
         _apply_router_skew(model, router_skew, seed)
     n_params = sum(t.numel() for t in model.parameters())
-    stage(f"writing {n_params / 1e6:.1f}M parameters ({n_params * 4 / 2**20:.0f} MiB float32) to {out_dir}")
+    stage(
+        f"writing {n_params / 1e6:.1f}M parameters ({n_params * 4 / 2**20:.0f} MiB float32) to {out_dir}"
+    )
 
     bars_were_on = hf_logging.is_progress_bar_enabled()
     if not progress:
         hf_logging.disable_progress_bar()
     try:
-        model.save_pretrained(out_dir, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
+        model.save_pretrained(
+            out_dir, **({} if max_shard_size is None else {"max_shard_size": max_shard_size})
+        )
     finally:
         if bars_were_on and not progress:
             hf_logging.enable_progress_bar()
@@ -288,9 +428,15 @@ def create_checkpoint(out_dir: Path, arch: str, preset: str = "tiny", *, seed: i
     stage("saving tokenizer")
     tokenizer.save(str(out_dir / "tokenizer.json"), pretty=True)
     # Written by hand rather than by transformers 5.x, whose "TokenizersBackend" class name 4.x cannot load.
-    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN,
-                  "pad_token": PAD_TOKEN, "unk_token": None, "model_max_length": config.max_position_embeddings,
-                  "clean_up_tokenization_spaces": False}
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": EOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,
+        "model_max_length": config.max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+    }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     stage("done")
     return out_dir
@@ -308,9 +454,17 @@ def _parse_override(text: str) -> tuple[str, Any]:
 
 def _cmd_create(args: argparse.Namespace) -> int:
     try:
-        out = create_checkpoint(Path(args.out), args.arch, args.preset, seed=args.seed, router_skew=args.router_skew,
-                                overrides=dict(args.override or []), expert_layout=args.expert_layout,
-                                max_shard_size=args.max_shard_size, progress=args.preset != "tiny")
+        out = create_checkpoint(
+            Path(args.out),
+            args.arch,
+            args.preset,
+            seed=args.seed,
+            router_skew=args.router_skew,
+            overrides=dict(args.override or []),
+            expert_layout=args.expert_layout,
+            max_shard_size=args.max_shard_size,
+            progress=args.preset != "tiny",
+        )
     except (FileExistsError, ValueError) as exc:
         print(f"moe-mesh checkpoint create: error: {exc}", file=sys.stderr)
         return 2
@@ -320,19 +474,46 @@ def _cmd_create(args: argparse.Namespace) -> int:
 
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """Register ``checkpoint create`` on the moe-mesh CLI; ``args.func(args)`` returns the exit code."""
-    checkpoint = subparsers.add_parser("checkpoint", help="create random-initialised MoE checkpoints")
-    actions = checkpoint.add_subparsers(dest="checkpoint_command", required=True, metavar="{create}")
-    create = actions.add_parser("create", help="write a random-initialised HuggingFace-layout MoE checkpoint",
-                                description="Write a random-initialised HuggingFace-layout MoE checkpoint.")
+    checkpoint = subparsers.add_parser(
+        "checkpoint", help="create random-initialised MoE checkpoints"
+    )
+    actions = checkpoint.add_subparsers(
+        dest="checkpoint_command", required=True, metavar="{create}"
+    )
+    create = actions.add_parser(
+        "create",
+        help="write a random-initialised HuggingFace-layout MoE checkpoint",
+        description="Write a random-initialised HuggingFace-layout MoE checkpoint.",
+    )
     create.add_argument("--arch", required=True, choices=ARCHS)
-    create.add_argument("--preset", default="tiny", choices=PRESETS, help="tiny: unit tests; small: benchmarks (~1 GB)")
-    create.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    create.add_argument(
+        "--preset",
+        default="tiny",
+        choices=PRESETS,
+        help="tiny: unit tests; small: benchmarks (~1 GB)",
+    )
+    create.add_argument(
+        "--out", required=True, help="output directory (must not exist or be empty)"
+    )
     create.add_argument("--seed", type=int, default=0)
-    create.add_argument("--router-skew", type=float, default=0.0,
-                        help="hot-expert bias in gate-logit std units: 0 uniform, 2-4 realistic hot experts")
+    create.add_argument(
+        "--router-skew",
+        type=float,
+        default=0.0,
+        help="hot-expert bias in gate-logit std units: 0 uniform, 2-4 realistic hot experts",
+    )
     create.add_argument("--expert-layout", default="per_expert", choices=EXPERT_LAYOUTS)
-    create.add_argument("--max-shard-size", type=lambda s: int(s) if s.isdigit() else s, default=None,
-                        help='e.g. "200MB" or a byte count')
-    create.add_argument("--override", type=_parse_override, action="append", metavar="KEY=JSON",
-                        help="config field override, repeatable (e.g. num_experts_per_tok=1)")
+    create.add_argument(
+        "--max-shard-size",
+        type=lambda s: int(s) if s.isdigit() else s,
+        default=None,
+        help='e.g. "200MB" or a byte count',
+    )
+    create.add_argument(
+        "--override",
+        type=_parse_override,
+        action="append",
+        metavar="KEY=JSON",
+        help="config field override, repeatable (e.g. num_experts_per_tok=1)",
+    )
     create.set_defaults(func=_cmd_create)

@@ -20,8 +20,15 @@ def generate(out_dir: Path) -> list[Path]:
     protos = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / PROTO_DIR).glob("*.proto"))
     out_dir.mkdir(parents=True, exist_ok=True)
     include = str(Path(protoc.__file__).parent / "_proto")
-    args = ["protoc", f"-I{REPO_ROOT}", f"-I{include}", f"--python_out={out_dir}",
-            f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", *protos]
+    args = [
+        "protoc",
+        f"-I{REPO_ROOT}",
+        f"-I{include}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        *protos,
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed for {protos}")
     return sorted((out_dir / PROTO_DIR).glob("*_pb2*.py*"))
@@ -29,7 +36,9 @@ def generate(out_dir: Path) -> list[Path]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=REPO_ROOT, help="output root (default: the repository)")
+    parser.add_argument(
+        "--out", type=Path, default=REPO_ROOT, help="output root (default: the repository)"
+    )
     for path in generate(parser.parse_args().out):
         print(path)
 

@@ -23,8 +23,13 @@ async def _generate_all(gateway: str, max_tokens: int) -> list[dict]:
     from protos.moe_mesh.v1 import inference_pb2
 
     async def one(i: int, prompt: str, temperature: float) -> dict:
-        request = inference_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                                                seed=i, request_id=f"req-{i}")
+        request = inference_pb2.GenerateRequest(
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=i,
+            request_id=f"req-{i}",
+        )
         return await generate_remote(gateway, request, stream=i == 0)
 
     print(f"[req-0] {PROMPTS[0][0]}", end="", flush=True)
@@ -35,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", type=Path, help="an existing checkpoint directory")
-    src.add_argument("--create", type=Path, help="where to create (or reuse) the demo's small Mixtral checkpoint")
+    src.add_argument(
+        "--create", type=Path, help="where to create (or reuse) the demo's small Mixtral checkpoint"
+    )
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--expert-services", type=int, default=4)
     args = parser.parse_args(argv)
@@ -47,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
 
     path = args.checkpoint or args.create
     if args.create and not (path / "config.json").exists():
-        print(f"==> creating a small Mixtral checkpoint with skewed routing in {path}", file=sys.stderr)
+        print(
+            f"==> creating a small Mixtral checkpoint with skewed routing in {path}",
+            file=sys.stderr,
+        )
         create_checkpoint(path, "mixtral", "small", seed=0, router_skew=2.0, progress=True)
     run_dir = Path(".cache") / "demo-mesh"
     for old in run_dir.glob("*.spans.jsonl"):  # spans of an earlier demo would mix with this one's
@@ -56,8 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     mesh = None
     try:
         mesh = launcher.start()
-        print(f"==> mesh up: gateway {mesh['gateway_grpc']} (HTTP http://{mesh['gateway_http']}/v1), "
-              f"router {mesh['routers'][0]}, {len(mesh['experts'])} expert services, every expert remote")
+        print(
+            f"==> mesh up: gateway {mesh['gateway_grpc']} (HTTP http://{mesh['gateway_http']}/v1), "
+            f"router {mesh['routers'][0]}, {len(mesh['experts'])} expert services, every expert remote"
+        )
         print(f"==> {len(PROMPTS)} requests through the gateway at once (streaming req-0)\n")
         start = time.perf_counter()
         results = asyncio.run(_generate_all(mesh["gateway_grpc"], args.max_tokens))
@@ -65,17 +77,24 @@ def main(argv: list[str] | None = None) -> int:
         print("\n")
         for (prompt, temp), r in zip(PROMPTS, results):
             print(f"[{r['request_id']}] temp={temp} {prompt!r} -> {r['text'][:50]!r}...")
-            print(f"         {r['usage']['completion_tokens']} tokens, finish={r['finish_reason']}, "
-                  f"latency {r['latency_s']:.2f}s, first token {r['time_to_first_token_s'] * 1000:.0f} ms, "
-                  f"{r['decode_tokens_per_s']} tok/s")
+            print(
+                f"         {r['usage']['completion_tokens']} tokens, finish={r['finish_reason']}, "
+                f"latency {r['latency_s']:.2f}s, first token {r['time_to_first_token_s'] * 1000:.0f} ms, "
+                f"{r['decode_tokens_per_s']} tok/s"
+            )
         total = sum(r["usage"]["completion_tokens"] for r in results)
         print(f"\n==> {total} tokens in {wall:.2f}s: {total / wall:.1f} tokens/s aggregate\n")
         print_status(asyncio.run(mesh_status(mesh)))
         print("\n==> metrics scraped from every service's Prometheus endpoint (moe-mesh stats)\n")
         endpoints = [("gateway", mesh["metrics"]["gateway"])] + [
-            (role, a) for role, key in (("router", "routers"), ("expert", "experts")) for a in mesh["metrics"][key]]
+            (role, a)
+            for role, key in (("router", "routers"), ("expert", "experts"))
+            for a in mesh["metrics"][key]
+        ]
         print(stats_view.render(stats_view.collect(endpoints)))
-        print("\n(The checkpoint is random-initialised, so the text is gibberish; routing and timings are real.)")
+        print(
+            "\n(The checkpoint is random-initialised, so the text is gibberish; routing and timings are real.)"
+        )
     finally:
         print("==> shutting the mesh down")
         launcher.stop()  # each service flushes its spans as it stops
@@ -87,10 +106,16 @@ def _show_trace(files: list[str], request_id: str) -> None:
     from moe_mesh.ops import traces as trace_view
 
     spans = trace_view.load_spans(Path(f) for f in files if Path(f).exists())
-    trace_id = next(s["trace_id"] for s in spans
-                    if s["name"] == "moe.gateway.request" and s["attributes"].get("gen_ai.request.id") == request_id)
-    print(f"\n==> the trace of {request_id}, gateway -> router -> expert services, down to the engine steps "
-          f"(full tree: moe-mesh trace show {' '.join(files)} --trace-id {trace_id})\n")
+    trace_id = next(
+        s["trace_id"]
+        for s in spans
+        if s["name"] == "moe.gateway.request"
+        and s["attributes"].get("gen_ai.request.id") == request_id
+    )
+    print(
+        f"\n==> the trace of {request_id}, gateway -> router -> expert services, down to the engine steps "
+        f"(full tree: moe-mesh trace show {' '.join(files)} --trace-id {trace_id})\n"
+    )
     print(trace_view.render_trace(spans, trace_id, max_depth=5))
 
 

@@ -33,17 +33,27 @@ class GenerationResult:
         n = len(self.token_ids)
         decode_s = self.latency_s - self.time_to_first_token_s
         return {
-            "request_id": self.request_id, "token_ids": self.token_ids, "text": self.text,
+            "request_id": self.request_id,
+            "token_ids": self.token_ids,
+            "text": self.text,
             "finish_reason": self.finish_reason,
-            "usage": {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": n,
-                      "total_tokens": len(self.prompt_token_ids) + n},
-            "latency_s": round(self.latency_s, 4), "time_to_first_token_s": round(self.time_to_first_token_s, 4),
+            "usage": {
+                "prompt_tokens": len(self.prompt_token_ids),
+                "completion_tokens": n,
+                "total_tokens": len(self.prompt_token_ids) + n,
+            },
+            "latency_s": round(self.latency_s, 4),
+            "time_to_first_token_s": round(self.time_to_first_token_s, 4),
             "decode_tokens_per_s": round((n - 1) / decode_s, 2) if n > 1 and decode_s > 0 else None,
         }
 
 
-async def generate_local(engine: Engine, tokenizer: Tokenizer, requests: list[LocalRequest],
-                         on_text: Callable[[str, str], None] | None = None) -> list[GenerationResult]:
+async def generate_local(
+    engine: Engine,
+    tokenizer: Tokenizer,
+    requests: list[LocalRequest],
+    on_text: Callable[[str, str], None] | None = None,
+) -> list[GenerationResult]:
     """Run requests to completion on the engine; `on_text(request_id, delta)` receives streamed text."""
     start = time.perf_counter()
     results = {r.request_id: GenerationResult(r.request_id, r.prompt_token_ids) for r in requests}

@@ -16,31 +16,60 @@ def _token_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
 
 
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("generate", help="generate text from a prompt",
-                              description="Generate with a running mesh (--gateway) or in this process (--local).")
+    p = subparsers.add_parser(
+        "generate",
+        help="generate text from a prompt",
+        description="Generate with a running mesh (--gateway) or in this process (--local).",
+    )
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--gateway", metavar="HOST:PORT", help="the gateway's gRPC address of a running mesh")
-    where.add_argument("--local", action="store_true", help="run the engine in this process (needs --checkpoint)")
+    where.add_argument(
+        "--gateway", metavar="HOST:PORT", help="the gateway's gRPC address of a running mesh"
+    )
+    where.add_argument(
+        "--local", action="store_true", help="run the engine in this process (needs --checkpoint)"
+    )
     p.add_argument("--checkpoint", help="HuggingFace-layout checkpoint directory (with --local)")
-    p.add_argument("--priority", type=int, default=0, help="higher is served first (with --gateway)")
+    p.add_argument(
+        "--priority", type=int, default=0, help="higher is served first (with --gateway)"
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-token-ids", type=_token_ids, help="comma-separated prompt token ids, e.g. 1,2,3")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate at most (default 16)")
+    src.add_argument(
+        "--prompt-token-ids", type=_token_ids, help="comma-separated prompt token ids, e.g. 1,2,3"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=16, help="tokens to generate at most (default 16)"
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default 1.0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1.0)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 disables")
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1.0)"
+    )
+    p.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 disables"
+    )
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--stop-token-ids", type=_token_ids, default=[], help="comma-separated stop token ids")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
-                   help="compute dtype (default float32)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument(
+        "--stop-token-ids", type=_token_ids, default=[], help="comma-separated stop token ids"
+    )
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token"
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16", "auto"],
+        help="compute dtype (default float32)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of streaming text"
+    )
     p.set_defaults(func=_run_generate)
 
 
@@ -59,20 +88,31 @@ def _run_generate(args: argparse.Namespace) -> int:
     engine = build_local_engine(RouterSettings(checkpoint=args.checkpoint, dtype=args.dtype))
     tokenizer = Tokenizer(args.checkpoint)
     ids = args.prompt_token_ids if args.prompt is None else tokenizer.encode(args.prompt)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop_token_ids=tuple(args.stop_token_ids),
-                            ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop_token_ids=tuple(args.stop_token_ids),
+        ignore_eos=args.ignore_eos,
+    )
     request = LocalRequest("cli-0", ids, params, tuple(args.stop))
 
     def stream(_: str, delta: str) -> None:
         sys.stdout.write(delta)
         sys.stdout.flush()
 
-    [result] = asyncio.run(generate_local(engine, tokenizer, [request], None if args.json else stream))
+    [result] = asyncio.run(
+        generate_local(engine, tokenizer, [request], None if args.json else stream)
+    )
     if args.json:
         print(json.dumps(result.to_json()))
     else:
-        print(f"\n[{result.finish_reason}] {len(result.token_ids)} tokens in {result.latency_s:.2f}s", file=sys.stderr)
+        print(
+            f"\n[{result.finish_reason}] {len(result.token_ids)} tokens in {result.latency_s:.2f}s",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -81,8 +121,14 @@ def _run_generate_remote(args: argparse.Namespace) -> int:
     from protos.moe_mesh.v1 import inference_pb2
 
     request = inference_pb2.GenerateRequest(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        stop=args.stop, stop_token_ids=args.stop_token_ids, priority=args.priority)
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop=args.stop,
+        stop_token_ids=args.stop_token_ids,
+        priority=args.priority,
+    )
     if args.prompt is not None:
         request.prompt = args.prompt
     else:
@@ -90,12 +136,16 @@ def _run_generate_remote(args: argparse.Namespace) -> int:
     if args.seed is not None:
         request.seed = args.seed
     if args.ignore_eos:
-        print("moe-mesh generate: error: --ignore-eos is only available with --local", file=sys.stderr)
+        print(
+            "moe-mesh generate: error: --ignore-eos is only available with --local", file=sys.stderr
+        )
         return 2
     result = asyncio.run(generate_remote(args.gateway, request, stream=not args.json))
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"\n[{result['finish_reason']}] {len(result['token_ids'])} tokens in {result['latency_s']:.2f}s",
-              file=sys.stderr)
+        print(
+            f"\n[{result['finish_reason']}] {len(result['token_ids'])} tokens in {result['latency_s']:.2f}s",
+            file=sys.stderr,
+        )
     return 0

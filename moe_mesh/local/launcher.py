@@ -55,14 +55,28 @@ def expert_groups(num_experts: int, services: int) -> list[str]:
 
 
 class Launcher:
-    def __init__(self, checkpoint: Path, run_dir: Path, expert_services: int, replicas: int, routers: int,
-                 gateway_args: list[str], router_args: list[str], trace_sample: float | None = None,
-                 ready_file: Path | None = None, ready_timeout_s: float = READY_TIMEOUT_S,
-                 stop_timeout_s: float = STOP_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        checkpoint: Path,
+        run_dir: Path,
+        expert_services: int,
+        replicas: int,
+        routers: int,
+        gateway_args: list[str],
+        router_args: list[str],
+        trace_sample: float | None = None,
+        ready_file: Path | None = None,
+        ready_timeout_s: float = READY_TIMEOUT_S,
+        stop_timeout_s: float = STOP_TIMEOUT_S,
+    ) -> None:
         self.checkpoint, self.run_dir, self.trace_sample = checkpoint, run_dir, trace_sample
         self.expert_services, self.replicas, self.routers = expert_services, replicas, routers
         self.gateway_args, self.router_args = gateway_args, router_args
-        self.ready_file, self.ready_timeout_s, self.stop_timeout_s = ready_file, ready_timeout_s, stop_timeout_s
+        self.ready_file, self.ready_timeout_s, self.stop_timeout_s = (
+            ready_file,
+            ready_timeout_s,
+            stop_timeout_s,
+        )
         self.children: list[Child] = []
         self.endpoints: dict = {}
         self.spec = load_spec(checkpoint)
@@ -71,7 +85,9 @@ class Launcher:
         # changes landed, and the later request would be lost.
         self._scale_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="launcher-loop", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="launcher-loop", daemon=True
+        )
         self._registry = None
         self._control_server: asyncio.Server | None = None
         self.registry_address = ""
@@ -96,7 +112,9 @@ class Launcher:
         """One JSON line in ({"experts": SPEC, "replicas": N}), one JSON line out."""
         try:
             request = json.loads(await reader.readline())
-            reply = await asyncio.to_thread(self.scale, request["experts"], int(request["replicas"]))
+            reply = await asyncio.to_thread(
+                self.scale, request["experts"], int(request["replicas"])
+            )
         except Exception as e:  # a bad request must not take the launcher down
             reply = {"error": str(e)}
         writer.write((json.dumps(reply) + "\n").encode())
@@ -105,9 +123,22 @@ class Launcher:
 
     def _expert_child(self, spec: str) -> Child:
         self._serial += 1
-        return self._spawn("expert", f"expert-{self._serial}", ["-m", "expert_service",
-                           "--checkpoint", str(self.checkpoint), "--experts", spec, "--compute-threads",
-                           self._threads, "--registry", "consul"])
+        return self._spawn(
+            "expert",
+            f"expert-{self._serial}",
+            [
+                "-m",
+                "expert_service",
+                "--checkpoint",
+                str(self.checkpoint),
+                "--experts",
+                spec,
+                "--compute-threads",
+                self._threads,
+                "--registry",
+                "consul",
+            ],
+        )
 
     def scale(self, experts: str, replicas: int) -> dict:
         """Run exactly `replicas` expert-service processes serving `experts` (0 removes them all)."""
@@ -116,8 +147,14 @@ class Launcher:
         want = format_experts(parse_experts(experts, self.spec))
         with self._scale_lock:
             with self._lock:
-                serving = [c for c in self.children if c.role == "expert" and c.proc.poll() is None
-                           and c.info.get("experts") == want and not c.retired]
+                serving = [
+                    c
+                    for c in self.children
+                    if c.role == "expert"
+                    and c.proc.poll() is None
+                    and c.info.get("experts") == want
+                    and not c.retired
+                ]
             added = [self._expert_child(experts) for _ in range(replicas - len(serving))]
             try:
                 self._wait_ready(added)
@@ -127,8 +164,12 @@ class Launcher:
             removed = serving[replicas:] if replicas < len(serving) else []
             self._retire(removed)
             self.publish()
-        return {"experts": want, "replicas": replicas, "added": [c.info["address"] for c in added],
-                "removed": [c.info["address"] for c in removed]}
+        return {
+            "experts": want,
+            "replicas": replicas,
+            "added": [c.info["address"] for c in added],
+            "removed": [c.info["address"] for c in removed],
+        }
 
     def _retire(self, children: list[Child]) -> None:
         """Stop children on purpose (their exit is not news): SIGTERM to drain, SIGKILL after the timeout."""
@@ -149,11 +190,20 @@ class Launcher:
         # Every child serves metrics (for `moe-mesh stats`); with tracing, each writes its own span file.
         telemetry = ["--metrics-port", "0"]
         if self.trace_sample is not None:
-            telemetry += ["--trace-file", str(self.run_dir / f"{name}.spans.jsonl"),
-                          "--trace-sample", str(self.trace_sample)]
+            telemetry += [
+                "--trace-file",
+                str(self.run_dir / f"{name}.spans.jsonl"),
+                "--trace-sample",
+                str(self.trace_sample),
+            ]
         with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, *argv, *telemetry, "--ready-file", str(ready)],
-                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            proc = subprocess.Popen(
+                [sys.executable, *argv, *telemetry, "--ready-file", str(ready)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
         child = Child(role, name, proc, ready, log_path)
         with self._lock:
             self.children.append(child)
@@ -168,11 +218,15 @@ class Launcher:
                     c.info = json.loads(c.ready_file.read_text())
                     pending.remove(c)
                 elif c.proc.poll() is not None:
-                    raise RuntimeError(f"{c.describe()} exited with code {c.proc.returncode} while starting:\n"
-                                       f"{_tail(c.log_path)}")
+                    raise RuntimeError(
+                        f"{c.describe()} exited with code {c.proc.returncode} while starting:\n"
+                        f"{_tail(c.log_path)}"
+                    )
             if pending and time.monotonic() > deadline:
-                raise TimeoutError(f"not ready after {self.ready_timeout_s:g}s: "
-                                   f"{', '.join(c.describe() for c in pending)}")
+                raise TimeoutError(
+                    f"not ready after {self.ready_timeout_s:g}s: "
+                    f"{', '.join(c.describe() for c in pending)}"
+                )
             time.sleep(0.05)
 
     def start_control_plane(self) -> None:
@@ -188,23 +242,35 @@ class Launcher:
         self._threads = str(max(1, (os.cpu_count() or 1) // total))
         ckpt = ["--checkpoint", str(self.checkpoint), "--registry", "consul"]
         experts = [self._expert_child(g) for g in groups for _ in range(self.replicas)]
-        print(f"==> embedded registry on {self.registry_address}; starting {len(experts)} expert services "
-              f"({len(groups)} groups x {self.replicas} replicas)", flush=True)
+        print(
+            f"==> embedded registry on {self.registry_address}; starting {len(experts)} expert services "
+            f"({len(groups)} groups x {self.replicas} replicas)",
+            flush=True,
+        )
         self._wait_ready(experts)
-        routers = [self._spawn("router", f"router-{i}", ["-m", "router_service", *ckpt, *self.router_args])
-                   for i in range(self.routers)]
+        routers = [
+            self._spawn("router", f"router-{i}", ["-m", "router_service", *ckpt, *self.router_args])
+            for i in range(self.routers)
+        ]
         print(f"==> starting {len(routers)} router(s)", flush=True)
         self._wait_ready(routers)
         gateway = self._spawn("gateway", "gateway", ["-m", "gateway", *ckpt, *self.gateway_args])
         print("==> starting the gateway", flush=True)
         self._wait_ready([gateway])
         self.endpoints = {
-            "gateway_grpc": gateway.info["address"], "gateway_http": gateway.info["http_address"],
+            "gateway_grpc": gateway.info["address"],
+            "gateway_http": gateway.info["http_address"],
             "routers": [c.info["address"] for c in routers],
-            "metrics": {"gateway": gateway.info.get("metrics"), "routers": [c.info.get("metrics") for c in routers]},
+            "metrics": {
+                "gateway": gateway.info.get("metrics"),
+                "routers": [c.info.get("metrics") for c in routers],
+            },
             "trace_files": [str(self.run_dir / f"{c.name}.spans.jsonl") for c in self.children]
-            if self.trace_sample is not None else [],
-            "checkpoint": str(self.checkpoint), "registry": self.registry_address, "control": self.control_address,
+            if self.trace_sample is not None
+            else [],
+            "checkpoint": str(self.checkpoint),
+            "registry": self.registry_address,
+            "control": self.control_address,
             "run_dir": str(self.run_dir),
         }
         self.publish()
@@ -215,12 +281,23 @@ class Launcher:
         ready file (atomically), so `moe-mesh status` follows scale operations and deaths."""
         with self._lock:
             live = [c for c in self.children if c.proc.poll() is None and not c.retired]
-        experts = [c for c in live if c.role == "expert" and c.info]  # c.info is empty until it is ready
+        experts = [
+            c for c in live if c.role == "expert" and c.info
+        ]  # c.info is empty until it is ready
         self.endpoints.update(
-            experts=[{"address": c.info["address"], "experts": c.info.get("experts", ""), "pid": c.proc.pid}
-                     for c in experts],
-            pids={c.name: c.proc.pid for c in live})
-        self.endpoints.setdefault("metrics", {})["experts"] = [c.info.get("metrics") for c in experts]
+            experts=[
+                {
+                    "address": c.info["address"],
+                    "experts": c.info.get("experts", ""),
+                    "pid": c.proc.pid,
+                }
+                for c in experts
+            ],
+            pids={c.name: c.proc.pid for c in live},
+        )
+        self.endpoints.setdefault("metrics", {})["experts"] = [
+            c.info.get("metrics") for c in experts
+        ]
         if self.ready_file is not None:
             self.ready_file.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.ready_file.with_suffix(".tmp")
@@ -233,16 +310,27 @@ class Launcher:
         while not stop[0]:
             with self._lock:
                 children = list(self.children)
-            died = [c for c in children if c.name not in reported and not c.retired and c.proc.poll() is not None]
+            died = [
+                c
+                for c in children
+                if c.name not in reported and not c.retired and c.proc.poll() is not None
+            ]
             for c in died:
                 reported.add(c.name)
-                print(f"!!> {c.role} {c.describe()} exited with code {c.proc.returncode}:\n{_tail(c.log_path)}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"!!> {c.role} {c.describe()} exited with code {c.proc.returncode}:\n{_tail(c.log_path)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if died:
-                with self._scale_lock:  # a scale in progress publishes too; do not interleave the writes
+                with (
+                    self._scale_lock
+                ):  # a scale in progress publishes too; do not interleave the writes
                     self.publish()
             gone = {c.role for c in children if c.proc.poll() is not None and not c.retired}
-            if "gateway" in gone or all(c.proc.poll() is not None for c in children if c.role == "router"):
+            if "gateway" in gone or all(
+                c.proc.poll() is not None for c in children if c.role == "router"
+            ):
                 print("!!> the mesh cannot serve any more; stopping", file=sys.stderr, flush=True)
                 return
             time.sleep(0.2)
@@ -256,8 +344,11 @@ class Launcher:
             try:
                 c.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                print(f"!!> {c.describe()} did not stop in {self.stop_timeout_s:g}s; killing it",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"!!> {c.describe()} did not stop in {self.stop_timeout_s:g}s; killing it",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 c.proc.kill()
                 c.proc.wait()
 
@@ -283,10 +374,28 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "    (no log)"
 
 
-def run_up(checkpoint: Path, expert_services: int, replicas: int, routers: int, ready_file: Path | None,
-           run_dir: Path, gateway_args: list[str], router_args: list[str], trace_sample: float | None = None) -> int:
-    launcher = Launcher(checkpoint, run_dir, expert_services, replicas, routers, gateway_args, router_args,
-                        trace_sample, ready_file)
+def run_up(
+    checkpoint: Path,
+    expert_services: int,
+    replicas: int,
+    routers: int,
+    ready_file: Path | None,
+    run_dir: Path,
+    gateway_args: list[str],
+    router_args: list[str],
+    trace_sample: float | None = None,
+) -> int:
+    launcher = Launcher(
+        checkpoint,
+        run_dir,
+        expert_services,
+        replicas,
+        routers,
+        gateway_args,
+        router_args,
+        trace_sample,
+        ready_file,
+    )
     stop = [False]
 
     def on_signal(signum, frame) -> None:

@@ -99,8 +99,14 @@ class Request:
 class EmbeddedConsul:
     """A Consul-compatible registry server on `host:port` (loopback, port 0 = any free port)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, check_timeout_s: float = 2.0,
-                 log_size: int = 1000) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        check_timeout_s: float = 2.0,
+        log_size: int = 1000,
+    ) -> None:
         self.host, self.port = host, port
         self.check_timeout_s = check_timeout_s  # for checks without their own Timeout
         self.requests: collections.deque[Request] = collections.deque(maxlen=log_size)
@@ -126,8 +132,12 @@ class EmbeddedConsul:
         app.router.add_put("/v1/agent/service/deregister/{id}", self._deregister)
         app.router.add_get("/v1/health/service/{name}", self._health_service)
         app.router.add_get("/v1/status/leader", self._leader)
-        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart on the same port at once
+        sock = socket.socket(
+            socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM
+        )
+        sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+        )  # restart on the same port at once
         try:
             sock.bind((self.host, self.port))
         except OSError:
@@ -188,14 +198,26 @@ class EmbeddedConsul:
         while True:
             status, output = await self._probe(check)
             if status != check.status:
-                log.info("service %s check %s: %s -> %s %s", svc.id, check.id, check.status, status, output)
+                log.info(
+                    "service %s check %s: %s -> %s %s",
+                    svc.id,
+                    check.id,
+                    check.status,
+                    status,
+                    output,
+                )
                 check.status, check.output = status, output
                 check.critical_since = time.monotonic()
                 svc.modify_index = self._index + 1
                 self._bump(svc.name)
-            if (status == "critical" and check.deregister_after_s is not None
-                    and time.monotonic() - check.critical_since >= check.deregister_after_s):
-                log.info("deregistering %s: critical for over %gs", svc.id, check.deregister_after_s)
+            if (
+                status == "critical"
+                and check.deregister_after_s is not None
+                and time.monotonic() - check.critical_since >= check.deregister_after_s
+            ):
+                log.info(
+                    "deregistering %s: critical for over %gs", svc.id, check.deregister_after_s
+                )
                 if self._services.get(svc.id) is svc:
                     self._remove(svc.id)
                 return
@@ -206,17 +228,22 @@ class EmbeddedConsul:
         # reconnect backoff (up to minutes) after the instance restarts.
         target, _, name = check.target.partition("/")
         creds = grpc.ssl_channel_credentials() if check.use_tls else None
-        channel = grpc.aio.secure_channel(target, creds) if creds else grpc.aio.insecure_channel(target)
+        channel = (
+            grpc.aio.secure_channel(target, creds) if creds else grpc.aio.insecure_channel(target)
+        )
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=name), timeout=check.timeout_s)
+                health_pb2.HealthCheckRequest(service=name), timeout=check.timeout_s
+            )
         except grpc.aio.AioRpcError as e:
             return "critical", f"gRPC health check {check.target}: {e.code().name} {e.details()}"
         finally:
             await channel.close()
         status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-        return ("passing" if reply.status == health_pb2.HealthCheckResponse.SERVING else "critical",
-                f"gRPC health check {check.target}: {status}")
+        return (
+            "passing" if reply.status == health_pb2.HealthCheckResponse.SERVING else "critical",
+            f"gRPC health check {check.target}: {status}",
+        )
 
     # --- HTTP handlers -----------------------------------------------------------------------------
 
@@ -242,10 +269,16 @@ class EmbeddedConsul:
             before = {c.id: c for c in old.checks}
             for c in svc.checks:
                 if (prev := before.get(c.id)) is not None:
-                    c.status, c.output, c.critical_since = prev.status, prev.output, prev.critical_since
+                    c.status, c.output, c.critical_since = (
+                        prev.status,
+                        prev.output,
+                        prev.critical_since,
+                    )
         self._services[svc.id] = svc
         self._bump(svc.name)
-        svc.tasks = [asyncio.create_task(self._run_check(svc, c), name=f"check-{c.id}") for c in svc.checks]
+        svc.tasks = [
+            asyncio.create_task(self._run_check(svc, c), name=f"check-{c.id}") for c in svc.checks
+        ]
         return web.Response(status=200)
 
     def _parse_service(self, body: dict[str, Any]) -> _Service:
@@ -264,16 +297,33 @@ class EmbeddedConsul:
                 raise ValueError("the embedded registry supports only GRPC checks")
             interval = parse_duration(c.get("interval") or "10s")
             after = c.get("deregistercriticalserviceafter")
-            default_id = f"service:{sid}" if len(raw_checks) == 1 else f"service:{sid}:{n}"  # Consul's naming
-            checks.append(_Check(
-                id=c.get("checkid") or c.get("id") or default_id,
-                target=c["grpc"], interval_s=max(interval, 0.01),
-                timeout_s=parse_duration(c["timeout"]) if c.get("timeout") else min(self.check_timeout_s, interval),
-                deregister_after_s=parse_duration(after) if after else None, use_tls=bool(c.get("grpcusetls")),
-                status=c.get("status") or "critical"))
-        return _Service(id=sid, name=name, address=body.get("address") or "", port=int(body.get("port") or 0),
-                        tags=list(body.get("tags") or []), meta=dict(meta), checks=checks,
-                        create_index=self._index + 1, modify_index=self._index + 1)
+            default_id = (
+                f"service:{sid}" if len(raw_checks) == 1 else f"service:{sid}:{n}"
+            )  # Consul's naming
+            checks.append(
+                _Check(
+                    id=c.get("checkid") or c.get("id") or default_id,
+                    target=c["grpc"],
+                    interval_s=max(interval, 0.01),
+                    timeout_s=parse_duration(c["timeout"])
+                    if c.get("timeout")
+                    else min(self.check_timeout_s, interval),
+                    deregister_after_s=parse_duration(after) if after else None,
+                    use_tls=bool(c.get("grpcusetls")),
+                    status=c.get("status") or "critical",
+                )
+            )
+        return _Service(
+            id=sid,
+            name=name,
+            address=body.get("address") or "",
+            port=int(body.get("port") or 0),
+            tags=list(body.get("tags") or []),
+            meta=dict(meta),
+            checks=checks,
+            create_index=self._index + 1,
+            modify_index=self._index + 1,
+        )
 
     async def _deregister(self, request: web.Request) -> web.Response:
         if self._remove(request.match_info["id"]) is None:
@@ -290,8 +340,12 @@ class EmbeddedConsul:
         # Blocking query: hold while this service's index is not past the client's, up to wait_s;
         # on expiry answer with the unchanged state and index, as Consul does.
         deadline = time.monotonic() + wait_s
-        while (min_index > 0 and self._runner is not None and self._service_index.get(name, 1) <= min_index
-               and (remaining := deadline - time.monotonic()) > 0):
+        while (
+            min_index > 0
+            and self._runner is not None
+            and self._service_index.get(name, 1) <= min_index
+            and (remaining := deadline - time.monotonic()) > 0
+        ):
             try:
                 await asyncio.wait_for(self._changed.wait(), remaining)
             except TimeoutError:
@@ -300,23 +354,72 @@ class EmbeddedConsul:
             return web.Response(status=503, text="registry shutting down")
         passing = "passing" in q and q["passing"].lower() not in ("0", "false")
         tags = q.getall("tag", [])
-        body = [self._entry(s) for s in sorted(self._services.values(), key=lambda s: s.id)
-                if s.name == name and (not passing or s.passing()) and all(t in s.tags for t in tags)]
-        headers = {"X-Consul-Index": str(self._service_index.get(name, 1)), "X-Consul-KnownLeader": "true",
-                   "X-Consul-LastContact": "0"}
+        body = [
+            self._entry(s)
+            for s in sorted(self._services.values(), key=lambda s: s.id)
+            if s.name == name and (not passing or s.passing()) and all(t in s.tags for t in tags)
+        ]
+        headers = {
+            "X-Consul-Index": str(self._service_index.get(name, 1)),
+            "X-Consul-KnownLeader": "true",
+            "X-Consul-LastContact": "0",
+        }
         return web.Response(text=json.dumps(body), content_type="application/json", headers=headers)
 
     def _entry(self, svc: _Service) -> dict[str, Any]:
-        node = {"ID": "", "Node": NODE, "Address": self.host, "Datacenter": "dc1",
-                "TaggedAddresses": {"lan": self.host}, "Meta": {}, "CreateIndex": 1, "ModifyIndex": 1}
-        service = {"ID": svc.id, "Service": svc.name, "Tags": svc.tags, "Address": svc.address, "Port": svc.port,
-                   "Meta": svc.meta, "Weights": {"Passing": 1, "Warning": 1}, "EnableTagOverride": False,
-                   "CreateIndex": svc.create_index, "ModifyIndex": svc.modify_index}
-        checks = [{"Node": NODE, "CheckID": "serfHealth", "Name": "Serf Health Status", "Status": "passing",
-                   "Notes": "", "Output": "Agent alive and reachable", "ServiceID": "", "ServiceName": "",
-                   "ServiceTags": [], "Type": "", "CreateIndex": 1, "ModifyIndex": 1}]
-        checks += [{"Node": NODE, "CheckID": c.id, "Name": f"Service '{svc.name}' check", "Status": c.status,
-                    "Notes": "", "Output": c.output, "ServiceID": svc.id, "ServiceName": svc.name,
-                    "ServiceTags": svc.tags, "Type": "grpc", "CreateIndex": svc.create_index,
-                    "ModifyIndex": svc.modify_index} for c in svc.checks]
+        node = {
+            "ID": "",
+            "Node": NODE,
+            "Address": self.host,
+            "Datacenter": "dc1",
+            "TaggedAddresses": {"lan": self.host},
+            "Meta": {},
+            "CreateIndex": 1,
+            "ModifyIndex": 1,
+        }
+        service = {
+            "ID": svc.id,
+            "Service": svc.name,
+            "Tags": svc.tags,
+            "Address": svc.address,
+            "Port": svc.port,
+            "Meta": svc.meta,
+            "Weights": {"Passing": 1, "Warning": 1},
+            "EnableTagOverride": False,
+            "CreateIndex": svc.create_index,
+            "ModifyIndex": svc.modify_index,
+        }
+        checks = [
+            {
+                "Node": NODE,
+                "CheckID": "serfHealth",
+                "Name": "Serf Health Status",
+                "Status": "passing",
+                "Notes": "",
+                "Output": "Agent alive and reachable",
+                "ServiceID": "",
+                "ServiceName": "",
+                "ServiceTags": [],
+                "Type": "",
+                "CreateIndex": 1,
+                "ModifyIndex": 1,
+            }
+        ]
+        checks += [
+            {
+                "Node": NODE,
+                "CheckID": c.id,
+                "Name": f"Service '{svc.name}' check",
+                "Status": c.status,
+                "Notes": "",
+                "Output": c.output,
+                "ServiceID": svc.id,
+                "ServiceName": svc.name,
+                "ServiceTags": svc.tags,
+                "Type": "grpc",
+                "CreateIndex": svc.create_index,
+                "ModifyIndex": svc.modify_index,
+            }
+            for c in svc.checks
+        ]
         return {"Node": node, "Service": service, "Checks": checks}

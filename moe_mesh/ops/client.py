@@ -24,7 +24,9 @@ from protos.moe_mesh.v1 import (
 )
 
 
-async def generate_remote(address: str, request: inference_pb2.GenerateRequest, stream: bool) -> dict:
+async def generate_remote(
+    address: str, request: inference_pb2.GenerateRequest, stream: bool
+) -> dict:
     """Stream a request from the gateway; print text as it arrives when `stream`; return the JSON result."""
     start = time.perf_counter()
     ids: list[int] = []
@@ -47,17 +49,27 @@ async def generate_remote(address: str, request: inference_pb2.GenerateRequest, 
     latency = time.perf_counter() - start
     assert last is not None
     n = len(ids)
-    return {"request_id": last.request_id, "token_ids": ids, "text": "".join(text),
-            "finish_reason": from_wire(last.finish_reason),
-            "usage": {"prompt_tokens": last.usage.prompt_tokens, "completion_tokens": n,
-                      "total_tokens": last.usage.prompt_tokens + n},
-            "latency_s": round(latency, 4), "time_to_first_token_s": round(first or 0.0, 4),
-            "decode_tokens_per_s": round((n - 1) / (latency - first), 2) if n > 1 and first else None}
+    return {
+        "request_id": last.request_id,
+        "token_ids": ids,
+        "text": "".join(text),
+        "finish_reason": from_wire(last.finish_reason),
+        "usage": {
+            "prompt_tokens": last.usage.prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": last.usage.prompt_tokens + n,
+        },
+        "latency_s": round(latency, 4),
+        "time_to_first_token_s": round(first or 0.0, 4),
+        "decode_tokens_per_s": round((n - 1) / (latency - first), 2) if n > 1 and first else None,
+    }
 
 
 async def _health(channel: grpc.aio.Channel) -> str:
     try:
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=3
+        )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     except grpc.aio.AioRpcError as e:
         return e.code().name
@@ -68,21 +80,38 @@ async def router_status(address: str) -> dict:
     async with grpc.aio.insecure_channel(address) as ch:
         row: dict = {"address": address, "health": await _health(ch)}
         try:
-            st = await router_pb2_grpc.RouterServiceStub(ch).Status(router_pb2.RouterStatusRequest(), timeout=3)
+            st = await router_pb2_grpc.RouterServiceStub(ch).Status(
+                router_pb2.RouterStatusRequest(), timeout=3
+            )
         except grpc.aio.AioRpcError as e:
             row["error"] = e.code().name
             return row
-    row.update(model_id=st.model_id, running=st.running, waiting=st.waiting, steps=st.steps,
-               failovers=st.failovers, registry_stale=st.registry_stale,
-               num_layers=st.num_layers, num_experts=st.num_experts, moe_layers=list(st.moe_layers),
-               tokens_routed=_rows(st.tokens_routed, st.num_experts),
-               utilization=_rows(st.utilization, st.num_experts), window_s=st.utilization_window_s,
-               region=st.region, expert_bytes=st.expert_bytes, colocated_bytes=st.colocated_bytes,
-               budget_bytes=st.colocate_budget_bytes, promotions=st.promotions,
-               demotions=st.demotions, pinned_hot=st.pinned_hot, pinned_remote=st.pinned_remote,
-               remote_calls=st.remote_calls, tokens_colocated=st.tokens_colocated,
-               placement={p.backend: p.experts for p in st.placement},
-               regions={p.backend: p.region for p in st.placement})
+    row.update(
+        model_id=st.model_id,
+        running=st.running,
+        waiting=st.waiting,
+        steps=st.steps,
+        failovers=st.failovers,
+        registry_stale=st.registry_stale,
+        num_layers=st.num_layers,
+        num_experts=st.num_experts,
+        moe_layers=list(st.moe_layers),
+        tokens_routed=_rows(st.tokens_routed, st.num_experts),
+        utilization=_rows(st.utilization, st.num_experts),
+        window_s=st.utilization_window_s,
+        region=st.region,
+        expert_bytes=st.expert_bytes,
+        colocated_bytes=st.colocated_bytes,
+        budget_bytes=st.colocate_budget_bytes,
+        promotions=st.promotions,
+        demotions=st.demotions,
+        pinned_hot=st.pinned_hot,
+        pinned_remote=st.pinned_remote,
+        remote_calls=st.remote_calls,
+        tokens_colocated=st.tokens_colocated,
+        placement={p.backend: p.experts for p in st.placement},
+        regions={p.backend: p.region for p in st.placement},
+    )
     return row
 
 
@@ -90,15 +119,26 @@ async def mesh_status(mesh: dict) -> dict:
     """Health of every service in a ready file written by `moe-mesh up`, what experts serve, router load."""
     out: dict = {"gateway": {}, "routers": [], "experts": []}
     async with grpc.aio.insecure_channel(mesh["gateway_grpc"]) as ch:
-        out["gateway"] = {"address": mesh["gateway_grpc"], "http": mesh["gateway_http"], "health": await _health(ch)}
+        out["gateway"] = {
+            "address": mesh["gateway_grpc"],
+            "http": mesh["gateway_http"],
+            "health": await _health(ch),
+        }
     out["routers"] = [await router_status(address) for address in mesh["routers"]]
     for e in mesh["experts"]:
         async with grpc.aio.insecure_channel(e["address"]) as ch:
             row = {"address": e["address"], "health": await _health(ch)}
             try:
-                d = await expert_pb2_grpc.ExpertServiceStub(ch).Describe(expert_pb2.DescribeRequest(), timeout=3)
-                row.update(experts=e["experts"], forward_calls=d.stats.forward_calls, batches=d.stats.batches,
-                           groups=d.stats.groups, tokens=d.stats.tokens)
+                d = await expert_pb2_grpc.ExpertServiceStub(ch).Describe(
+                    expert_pb2.DescribeRequest(), timeout=3
+                )
+                row.update(
+                    experts=e["experts"],
+                    forward_calls=d.stats.forward_calls,
+                    batches=d.stats.batches,
+                    groups=d.stats.groups,
+                    tokens=d.stats.tokens,
+                )
             except grpc.aio.AioRpcError as err:
                 row["error"] = err.code().name
             out["experts"].append(row)
@@ -107,7 +147,7 @@ async def mesh_status(mesh: dict) -> dict:
 
 def _rows(flat, width: int) -> list[list]:
     """A row-major [layers * experts] field as [layers][experts]."""
-    return [list(flat[i:i + width]) for i in range(0, len(flat), width)] if width else []
+    return [list(flat[i : i + width]) for i in range(0, len(flat), width)] if width else []
 
 
 def print_status(st: dict) -> None:
@@ -132,7 +172,9 @@ def heatmap(counts: list[list[int]]) -> str:
     lines = ["layer " + "".join(f"{f'e{e}':>8}" for e in range(len(counts[0]) if counts else 0))]
     for layer, row in enumerate(counts):
         hot = max(range(len(row)), key=row.__getitem__) if any(row) else -1
-        lines.append(f"{layer:>5} " + "".join(f"{v:>7}{'*' if e == hot else ' '}" for e, v in enumerate(row)))
+        lines.append(
+            f"{layer:>5} " + "".join(f"{v:>7}{'*' if e == hot else ' '}" for e, v in enumerate(row))
+        )
     return "\n".join(lines)
 
 
@@ -148,16 +190,24 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_status(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("status", help="health, experts and load of a running mesh",
-                              description="Query every service of a mesh started by `moe-mesh up`.")
-    p.add_argument("--ready-file", type=Path, required=True, help="the file `moe-mesh up --ready-file` wrote")
+    p = subparsers.add_parser(
+        "status",
+        help="health, experts and load of a running mesh",
+        description="Query every service of a mesh started by `moe-mesh up`.",
+    )
+    p.add_argument(
+        "--ready-file", type=Path, required=True, help="the file `moe-mesh up --ready-file` wrote"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=_run_status)
 
 
 def _run_status(args: argparse.Namespace) -> int:
     if not args.ready_file.exists():
-        print(f"moe-mesh status: error: {args.ready_file} does not exist (is the mesh up?)", file=sys.stderr)
+        print(
+            f"moe-mesh status: error: {args.ready_file} does not exist (is the mesh up?)",
+            file=sys.stderr,
+        )
         return 2
     status = asyncio.run(mesh_status(json.loads(args.ready_file.read_text())))
     if args.json:

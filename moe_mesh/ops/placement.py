@@ -28,7 +28,10 @@ def placement_record(router_rows: list[dict]) -> dict:
     rows = []
     for row in router_rows:
         if "error" in row:
-            print(f"warning: router {row['address']} skipped: Status failed ({row['error']})", file=sys.stderr)
+            print(
+                f"warning: router {row['address']} skipped: Status failed ({row['error']})",
+                file=sys.stderr,
+            )
         else:
             rows.append(row)
     if not rows:
@@ -39,8 +42,10 @@ def placement_record(router_rows: list[dict]) -> dict:
     for row in rows[1:]:
         # Summing windows of different models would be meaningless.
         if any(row[k] != first[k] for k in model):
-            raise PreconditionError(f"routers serve different models: {first['address']} has "
-                                    f"{[first[k] for k in model]}, {row['address']} has {[row[k] for k in model]}")
+            raise PreconditionError(
+                f"routers serve different models: {first['address']} has "
+                f"{[first[k] for k in model]}, {row['address']} has {[row[k] for k in model]}"
+            )
     layers, experts = first["num_layers"], first["num_experts"]
     # Routers report placement as explicit pairs (format_experts), so any layer may parse here.
     shape = {"num_layers": layers, "num_experts": experts, "moe_layers": range(layers)}
@@ -53,14 +58,30 @@ def placement_record(router_rows: list[dict]) -> dict:
             for layer, values in enumerate(counts):
                 for e, v in enumerate(values):
                     total[layer][e] += v
-    record = {"model_id": first["model_id"], "num_layers": layers, "num_experts": experts,
-              "moe_layers": moe_layers, "window_s": first["window_s"],
-              "expert_bytes": first["expert_bytes"], "utilization": utilization, "tokens_routed": tokens}
-    record["routers"] = [{"address": r["address"], "region": r["region"],
-                          "colocated": r["placement"].get(COLOCATED, ""), "colocated_bytes": r["colocated_bytes"],
-                          "budget_bytes": r["budget_bytes"], "promotions": r["promotions"],
-                          "demotions": r["demotions"], "pinned_hot": r["pinned_hot"],
-                          "pinned_remote": r["pinned_remote"]} for r in rows]
+    record = {
+        "model_id": first["model_id"],
+        "num_layers": layers,
+        "num_experts": experts,
+        "moe_layers": moe_layers,
+        "window_s": first["window_s"],
+        "expert_bytes": first["expert_bytes"],
+        "utilization": utilization,
+        "tokens_routed": tokens,
+    }
+    record["routers"] = [
+        {
+            "address": r["address"],
+            "region": r["region"],
+            "colocated": r["placement"].get(COLOCATED, ""),
+            "colocated_bytes": r["colocated_bytes"],
+            "budget_bytes": r["budget_bytes"],
+            "promotions": r["promotions"],
+            "demotions": r["demotions"],
+            "pinned_hot": r["pinned_hot"],
+            "pinned_remote": r["pinned_remote"],
+        }
+        for r in rows
+    ]
     services: dict[str, tuple[str, set[Pair]]] = {}
     for row, backends in zip(rows, placed):
         for backend, pairs in backends.items():
@@ -68,8 +89,10 @@ def placement_record(router_rows: list[dict]) -> dict:
                 # Routers may see a service's membership at different moments: keep every pair any saw.
                 region, seen = services.get(backend, ("", set()))
                 services[backend] = (region or row["regions"].get(backend, ""), seen | pairs)
-    record["services"] = [{"address": a, "region": region, "experts": format_experts(sorted(pairs))}
-                          for a, (region, pairs) in sorted(services.items())]
+    record["services"] = [
+        {"address": a, "region": region, "experts": format_experts(sorted(pairs))}
+        for a, (region, pairs) in sorted(services.items())
+    ]
     return record
 
 
@@ -89,7 +112,7 @@ def shares(row: list[float]) -> list[int]:
     exact = [100 * v / total for v in row]
     out = [int(x) for x in exact]
     # Largest remainder: the percent points lost to truncation go to the cells that lost the most.
-    for i in sorted(range(len(row)), key=lambda i: out[i] - exact[i])[:100 - sum(out)]:
+    for i in sorted(range(len(row)), key=lambda i: out[i] - exact[i])[: 100 - sum(out)]:
         out[i] += 1
     return out
 
@@ -97,7 +120,11 @@ def shares(row: list[float]) -> list[int]:
 def tier_marks(record: dict) -> dict[Pair, str]:
     """'P' pinned hot, 'H' colocated, 'r' pinned remote on any router; pairs on expert services are absent."""
     marks: dict[Pair, str] = {}
-    for key, mark in (("pinned_remote", "r"), ("colocated", "H"), ("pinned_hot", "P")):  # later marks win
+    for key, mark in (
+        ("pinned_remote", "r"),
+        ("colocated", "H"),
+        ("pinned_hot", "P"),
+    ):  # later marks win
         for router in record["routers"]:
             marks.update(dict.fromkeys(pairs_of(router[key], record), mark))
     return marks
@@ -105,32 +132,62 @@ def tier_marks(record: dict) -> dict[Pair, str]:
 
 def render(record: dict) -> str:
     """Routers table, services table and the utilization heatmap, readable in 100 columns."""
-    mib = 2 ** 20
-    routers = [[r["address"], r["region"] or "-",
-                f"{r['colocated_bytes'] / mib:.1f} / " + (f"{r['budget_bytes'] / mib:.1f}" if r["budget_bytes"]
-                                                           else "off"),
-                f"+{r['promotions']} -{r['demotions']}", r["colocated"] or "-",
-                f"{r['pinned_hot'] or '-'} / {r['pinned_remote'] or '-'}"] for r in record["routers"]]
+    mib = 2**20
+    routers = [
+        [
+            r["address"],
+            r["region"] or "-",
+            f"{r['colocated_bytes'] / mib:.1f} / "
+            + (f"{r['budget_bytes'] / mib:.1f}" if r["budget_bytes"] else "off"),
+            f"+{r['promotions']} -{r['demotions']}",
+            r["colocated"] or "-",
+            f"{r['pinned_hot'] or '-'} / {r['pinned_remote'] or '-'}",
+        ]
+        for r in record["routers"]
+    ]
     services = [[s["address"], s["region"] or "-", s["experts"]] for s in record["services"]]
-    return "\n\n".join([
-        tables.table(["router", "region", "colocated MiB / budget", "moves", "colocated", "pinned hot / remote"], routers),
-        tables.table(["expert service", "region", "experts"], services) if services else "no expert services",
-        _heatmap(record)])
+    return "\n\n".join(
+        [
+            tables.table(
+                [
+                    "router",
+                    "region",
+                    "colocated MiB / budget",
+                    "moves",
+                    "colocated",
+                    "pinned hot / remote",
+                ],
+                routers,
+            ),
+            tables.table(["expert service", "region", "experts"], services)
+            if services
+            else "no expert services",
+            _heatmap(record),
+        ]
+    )
 
 
 def _heatmap(record: dict) -> str:
     moe, util = record["moe_layers"], record["utilization"]
     per_layer = sum(sum(util[layer]) for layer in moe) / len(moe) if moe else 0
-    lines = [f"{record['model_id']}: share of each MoE layer's routed tokens, % "
-             f"({per_layer:,.0f} routed per layer in the last {record['window_s']:g}s)", LEGEND]
+    lines = [
+        f"{record['model_id']}: share of each MoE layer's routed tokens, % "
+        f"({per_layer:,.0f} routed per layer in the last {record['window_s']:g}s)",
+        LEGEND,
+    ]
     marks = tier_marks(record)
     percent = {layer: shares(util[layer]) for layer in moe}
     # Above BLOCK experts the table wraps into blocks of BLOCK experts, each with its own header.
     for start in range(0, record["num_experts"], BLOCK):
         block = range(start, min(start + BLOCK, record["num_experts"]))
         lines += ["", "layer" + "".join(f" {e:>3} " for e in block).rstrip()]
-        lines += [f"{layer:>5}" + "".join(f" {percent[layer][e]:>3}{marks.get((layer, e), ' ')}" for e in block)
-                  .rstrip() for layer in moe]
+        lines += [
+            f"{layer:>5}"
+            + "".join(
+                f" {percent[layer][e]:>3}{marks.get((layer, e), ' ')}" for e in block
+            ).rstrip()
+            for layer in moe
+        ]
     return "\n".join(lines)
 
 
@@ -140,35 +197,60 @@ def write_png(record: dict, path: Path) -> None:
     marks = tier_marks(record)
     row_of = {layer: i for i, layer in enumerate(moe)}
     rows = [record["utilization"][layer] for layer in moe]
-    heatmap_png([[100 * v / (sum(row) or 1) for v in row] for row in rows], path,
-                f"{record['model_id']}: expert utilization, last {record['window_s']:g}s (outlined: colocated)",
-                [(row_of[layer], e) for (layer, e), m in marks.items() if m in "HP" and layer in row_of],
-                row_labels=[str(layer) for layer in moe], colorbar_label="% of the layer's routed tokens")
+    heatmap_png(
+        [[100 * v / (sum(row) or 1) for v in row] for row in rows],
+        path,
+        f"{record['model_id']}: expert utilization, last {record['window_s']:g}s (outlined: colocated)",
+        [(row_of[layer], e) for (layer, e), m in marks.items() if m in "HP" and layer in row_of],
+        row_labels=[str(layer) for layer in moe],
+        colorbar_label="% of the layer's routed tokens",
+    )
 
 
-def heatmap_png(matrix: list[list[float]], path: Path, title: str, marks: Iterable[tuple[int, int]] = (), *,
-                row_labels: list[str] | None = None, xlabel: str = "expert", ylabel: str = "layer",
-                colorbar_label: str = "") -> None:
+def heatmap_png(
+    matrix: list[list[float]],
+    path: Path,
+    title: str,
+    marks: Iterable[tuple[int, int]] = (),
+    *,
+    row_labels: list[str] | None = None,
+    xlabel: str = "expert",
+    ylabel: str = "layer",
+    colorbar_label: str = "",
+) -> None:
     """A rows x columns heatmap of non-negative values, a colorbar, the (row, column) cells in `marks` outlined."""
     if not matrix or not matrix[0]:
-        raise InvalidArgumentError("heatmap", "nothing to draw: the matrix is empty (no MoE layers reported?)")
+        raise InvalidArgumentError(
+            "heatmap", "nothing to draw: the matrix is empty (no MoE layers reported?)"
+        )
     # Imported here: matplotlib costs a noticeable part of a second, and only --png needs it.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
 
     rows, cols = len(matrix), len(matrix[0])
-    cell = min(0.45, 20 / max(rows, cols))  # inches; square cells, large matrices scaled down to stay printable
+    cell = min(
+        0.45, 20 / max(rows, cols)
+    )  # inches; square cells, large matrices scaled down to stay printable
     fig = Figure(figsize=(cols * cell + 2.5, rows * cell + 1.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     # The scale starts at 0 so a cold cell looks cold; an all-zero matrix (an idle window) still gets a scale.
-    image = ax.imshow(matrix, cmap="viridis", aspect="equal", interpolation="nearest",
-                      vmin=0, vmax=max(map(max, matrix)) or 1)
+    image = ax.imshow(
+        matrix,
+        cmap="viridis",
+        aspect="equal",
+        interpolation="nearest",
+        vmin=0,
+        vmax=max(map(max, matrix)) or 1,
+    )
     fig.colorbar(image, ax=ax, label=colorbar_label, shrink=0.9)
     for r, c in marks:
-        ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.5,
-                               clip_on=False))  # unclipped: cells on the border keep all four sides
+        ax.add_patch(
+            Rectangle(
+                (c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.5, clip_on=False
+            )
+        )  # unclipped: cells on the border keep all four sides
     if cols <= 32:
         ax.set_xticks(range(cols))
     if rows <= 32:
@@ -180,21 +262,45 @@ def heatmap_png(matrix: list[list[float]], path: Path, title: str, marks: Iterab
 
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """Register `placement show` on the moe-mesh CLI; `args.func(args)` returns the exit code."""
-    p = subparsers.add_parser("placement", help="where experts run and how hot they are",
-                              description="Expert placement and utilization of a running mesh.")
+    p = subparsers.add_parser(
+        "placement",
+        help="where experts run and how hot they are",
+        description="Expert placement and utilization of a running mesh.",
+    )
     sub = p.add_subparsers(dest="placement_command", required=True, metavar="COMMAND")
-    s = sub.add_parser("show", help="routers' hot tiers, expert services and the utilization heatmap",
-                       description="Ask routers for their utilization window and placement and show them "
-                                   "mesh-wide: which experts each router colocates, what each expert service "
-                                   "serves, and each expert's share of its layer's tokens.")
+    s = sub.add_parser(
+        "show",
+        help="routers' hot tiers, expert services and the utilization heatmap",
+        description="Ask routers for their utilization window and placement and show them "
+        "mesh-wide: which experts each router colocates, what each expert service "
+        "serves, and each expert's share of its layer's tokens.",
+    )
     where = s.add_mutually_exclusive_group(required=True)
-    where.add_argument("--ready-file", type=Path, metavar="FILE",
-                       help="the file `moe-mesh up --ready-file` wrote; its routers are asked")
-    where.add_argument("--router", dest="routers", action="append", type=tables.address, metavar="HOST:PORT",
-                       help="a router's gRPC address (repeatable)")
-    s.add_argument("--json", action="store_true",
-                   help="print the record as JSON instead of tables (the window file `moe-mesh plan` reads)")
-    s.add_argument("--png", type=Path, metavar="FILE", help="also draw the utilization heatmap into this PNG file")
+    where.add_argument(
+        "--ready-file",
+        type=Path,
+        metavar="FILE",
+        help="the file `moe-mesh up --ready-file` wrote; its routers are asked",
+    )
+    where.add_argument(
+        "--router",
+        dest="routers",
+        action="append",
+        type=tables.address,
+        metavar="HOST:PORT",
+        help="a router's gRPC address (repeatable)",
+    )
+    s.add_argument(
+        "--json",
+        action="store_true",
+        help="print the record as JSON instead of tables (the window file `moe-mesh plan` reads)",
+    )
+    s.add_argument(
+        "--png",
+        type=Path,
+        metavar="FILE",
+        help="also draw the utilization heatmap into this PNG file",
+    )
     s.set_defaults(func=run_show)
 
 
@@ -204,8 +310,10 @@ def _ready_routers(path: Path) -> list[str]:
     try:
         return list(json.loads(path.read_text())["routers"])
     except (ValueError, KeyError, TypeError):
-        raise InvalidArgumentError("--ready-file", f"{path} is not a ready file of `moe-mesh up` "
-                                   "(JSON with a 'routers' list)") from None
+        raise InvalidArgumentError(
+            "--ready-file",
+            f"{path} is not a ready file of `moe-mesh up` (JSON with a 'routers' list)",
+        ) from None
 
 
 def run_show(args: argparse.Namespace) -> int:

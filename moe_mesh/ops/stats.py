@@ -25,11 +25,20 @@ from moe_mesh.ops import tables
 from moe_mesh.ops.placement import BLOCK, heatmap_png, shares
 
 ROLES = ("gateway", "router", "expert")
-SECONDS = (tm.REQUEST_DURATION, tm.TIME_TO_FIRST_TOKEN, tm.TIME_PER_OUTPUT_TOKEN, tm.GATEWAY_QUEUE_WAIT,
-           tm.DISPATCH_DURATION, tm.EXPERT_QUEUE_DURATION, tm.EXPERT_COMPUTE_DURATION)
+SECONDS = (
+    tm.REQUEST_DURATION,
+    tm.TIME_TO_FIRST_TOKEN,
+    tm.TIME_PER_OUTPUT_TOKEN,
+    tm.GATEWAY_QUEUE_WAIT,
+    tm.DISPATCH_DURATION,
+    tm.EXPERT_QUEUE_DURATION,
+    tm.EXPERT_COMPUTE_DURATION,
+)
 COUNTS = (tm.ROUTER_BATCH_SIZE, tm.EXPERT_BATCH_TOKENS)
 GAUGES = (tm.GATEWAY_QUEUE_DEPTH, tm.ROUTER_QUEUE_DEPTH)
-SPLIT_BY = {tm.DISPATCH_DURATION: "moe_transport"}  # colocated and gRPC calls differ by orders of magnitude
+SPLIT_BY = {
+    tm.DISPATCH_DURATION: "moe_transport"
+}  # colocated and gRPC calls differ by orders of magnitude
 QUANTILES = (0.5, 0.9, 0.99)
 SCRAPE_TIMEOUT_S = 5.0
 # Mesh endpoints are local: an http_proxy from the environment must not be asked for them.
@@ -47,7 +56,10 @@ def scrape(address: str) -> list[Metric]:
         with _OPENER.open(f"http://{address}/metrics", timeout=SCRAPE_TIMEOUT_S) as reply:
             text = reply.read().decode("utf-8")
         return list(text_string_to_metric_families(text))
-    except (OSError, ValueError) as e:  # URLError and timeouts are OSErrors; the parser raises ValueError
+    except (
+        OSError,
+        ValueError,
+    ) as e:  # URLError and timeouts are OSErrors; the parser raises ValueError
         raise UnavailableError(f"{address}: {getattr(e, 'reason', e)}") from None
 
 
@@ -76,13 +88,21 @@ def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
 
 def _samples(families: list[Metric], otel_name: str, suffix: str = "") -> list[tuple[dict, float]]:
     name = prometheus_name(otel_name)
-    return [(s.labels, s.value) for f in families if f.name == name for s in f.samples if s.name == name + suffix]
+    return [
+        (s.labels, s.value)
+        for f in families
+        if f.name == name
+        for s in f.samples
+        if s.name == name + suffix
+    ]
 
 
 def _histograms(families: list[Metric], otel_name: str, seconds: bool) -> list[dict]:
     """One row per value of the metric's split label (one row if it has none), summed over other labels."""
     split = SPLIT_BY.get(otel_name)
-    parts: dict[str, dict] = defaultdict(lambda: {"buckets": defaultdict(float), "count": 0.0, "sum": 0.0})
+    parts: dict[str, dict] = defaultdict(
+        lambda: {"buckets": defaultdict(float), "count": 0.0, "sum": 0.0}
+    )
     for labels, value in _samples(families, otel_name, "_bucket"):
         parts[labels.get(split, "")]["buckets"][float(labels["le"])] += value
     for key, suffix in (("count", "_count"), ("sum", "_sum")):
@@ -90,8 +110,12 @@ def _histograms(families: list[Metric], otel_name: str, seconds: bool) -> list[d
             parts[labels.get(split, "")][key] += value
     rows = []
     for part, h in sorted(parts.items()):
-        row = {"metric": otel_name, "unit": "s" if seconds else "", "count": int(h["count"]),
-               "mean": h["sum"] / h["count"] if h["count"] else None}
+        row = {
+            "metric": otel_name,
+            "unit": "s" if seconds else "",
+            "count": int(h["count"]),
+            "mean": h["sum"] / h["count"] if h["count"] else None,
+        }
         if split:
             row["labels"] = {split: part}
         row |= {f"p{round(100 * q)}": quantile(list(h["buckets"].items()), q) for q in QUANTILES}
@@ -101,12 +125,18 @@ def _histograms(families: list[Metric], otel_name: str, seconds: bool) -> list[d
 
 def infer_role(families: list[Metric]) -> str:
     """gateway, router or expert: named by target_info's service_name, else by the metrics only that role has."""
-    for labels, _ in ((s.labels, s.value) for f in families if f.name == "target_info" for s in f.samples):
+    for labels, _ in (
+        (s.labels, s.value) for f in families if f.name == "target_info" for s in f.samples
+    ):
         role = next((r for r in ROLES if labels.get("service_name", "").startswith(r)), None)
         if role:
             return role
     names = {f.name for f in families}
-    prefixes = {"gateway": ("gen_ai_server", "moe_gateway"), "router": ("moe_router",), "expert": ("moe_expert",)}
+    prefixes = {
+        "gateway": ("gen_ai_server", "moe_gateway"),
+        "router": ("moe_router",),
+        "expert": ("moe_expert",),
+    }
     return next((r for r, p in prefixes.items() if any(n.startswith(p) for n in names)), "unknown")
 
 
@@ -115,16 +145,21 @@ def service_summary(address: str, families: list[Metric], role: str | None = Non
     errors: dict[str, int] = defaultdict(int)
     for labels, value in _samples(families, tm.ERRORS, "_total"):
         errors[labels.get("rpc_grpc_status_code", "?")] += int(value)
-    summary = {"role": role or infer_role(families), "address": address,
-               "latency": [row for name in SECONDS for row in _histograms(families, name, True)],
-               "batch": [row for name in COUNTS for row in _histograms(families, name, False)],
-               "errors": dict(sorted(errors.items()))}
+    summary = {
+        "role": role or infer_role(families),
+        "address": address,
+        "latency": [row for name in SECONDS for row in _histograms(families, name, True)],
+        "batch": [row for name in COUNTS for row in _histograms(families, name, False)],
+        "errors": dict(sorted(errors.items())),
+    }
     requests = [r["count"] for r in summary["latency"] if r["metric"] == tm.REQUEST_DURATION]
     summary["requests"] = requests[0] if requests else None  # only the gateway sees whole requests
     failovers = _samples(families, tm.FAILOVERS, "_total")
     if failovers:
         summary["failovers"] = int(sum(v for _, v in failovers))
-    depth = {name: sum(v for _, v in samples) for name in GAUGES if (samples := _samples(families, name))}
+    depth = {
+        name: sum(v for _, v in samples) for name in GAUGES if (samples := _samples(families, name))
+    }
     if depth:
         summary["queue_depth"] = depth
     return summary
@@ -141,14 +176,23 @@ def utilization(scraped: dict[str, list[Metric]]) -> dict:
     layers = sorted({layer for layer, _ in tokens})
     experts = 1 + max((e for _, e in tokens), default=-1)
     rows = [[tokens.get((layer, e), 0) for e in range(experts)] for layer in layers]
-    return {"layers": layers, "num_experts": experts, "tokens_routed": rows, "shares": [shares(r) for r in rows]}
+    return {
+        "layers": layers,
+        "num_experts": experts,
+        "tokens_routed": rows,
+        "shares": [shares(r) for r in rows],
+    }
 
 
 def summarize(scraped: dict[str, list[Metric]], roles: dict[str, str] | None = None) -> dict:
     """The record `--json` prints: a summary per service in role order, and the mesh's expert utilization."""
-    services = [service_summary(a, families, (roles or {}).get(a)) for a, families in scraped.items()]
+    services = [
+        service_summary(a, families, (roles or {}).get(a)) for a, families in scraped.items()
+    ]
     order = {r: i for i, r in enumerate(ROLES)}
-    services.sort(key=lambda s: order.get(s["role"], len(ROLES)))  # stable: given order within a role
+    services.sort(
+        key=lambda s: order.get(s["role"], len(ROLES))
+    )  # stable: given order within a role
     return {"services": services, "utilization": utilization(scraped)}
 
 
@@ -168,7 +212,9 @@ def collect(endpoints: list[tuple[str | None, str]]) -> dict:
         if role:
             roles[address] = role
     if not scraped:
-        raise UnavailableError("no metrics endpoint answered: " + "; ".join(u["error"] for u in unreachable))
+        raise UnavailableError(
+            "no metrics endpoint answered: " + "; ".join(u["error"] for u in unreachable)
+        )
     return summarize(scraped, roles) | {"unreachable": unreachable}
 
 
@@ -179,14 +225,19 @@ def render(summary: dict) -> str:
         head = f"{s['role']} {s['address']}"
         if s["requests"] is not None:
             head += f"  requests {s['requests']}"
-        head += "  errors " + (", ".join(f"{code} {n}" for code, n in s["errors"].items()) or "none")
+        head += "  errors " + (
+            ", ".join(f"{code} {n}" for code, n in s["errors"].items()) or "none"
+        )
         if "failovers" in s:
             head += f"  failovers {s['failovers']}"
         for name, depth in s.get("queue_depth", {}).items():
             head += f"  {name.split('.')[1]} queue {depth:g}"
         rows = [_row(r) for r in s["latency"] + s["batch"]]
-        blocks.append("\n".join([head, *_aligned(["", "count", "p50", "p90", "p99", "mean"], rows)])
-                      if rows else head + "\n  no observations yet")
+        blocks.append(
+            "\n".join([head, *_aligned(["", "count", "p50", "p90", "p99", "mean"], rows)])
+            if rows
+            else head + "\n  no observations yet"
+        )
     blocks.append(_heatmap(summary["utilization"]))
     return "\n\n".join(blocks)
 
@@ -195,36 +246,52 @@ def _row(r: dict) -> list[str]:
     scale, fmt = (1000, "{:.2f}") if r["unit"] == "s" else (1, "{:.1f}")
     name = r["metric"] + "".join(f" [{v}]" for v in r.get("labels", {}).values())
     name += " (ms)" if r["unit"] == "s" else ""
-    return [name, str(r["count"]), *("-" if r[k] is None else fmt.format(scale * r[k])
-                                      for k in ("p50", "p90", "p99", "mean"))]
+    return [
+        name,
+        str(r["count"]),
+        *("-" if r[k] is None else fmt.format(scale * r[k]) for k in ("p50", "p90", "p99", "mean")),
+    ]
 
 
 def _aligned(header: list[str], rows: list[list[str]]) -> list[str]:
     """Indented table: the first column left-aligned, numbers right-aligned."""
     widths = [max(len(c) for c in column) for column in zip(header, *rows)]
-    return ["  " + "  ".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(line, widths)))
-            for line in [header, *rows]]
+    return [
+        "  "
+        + "  ".join(
+            f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(line, widths))
+        )
+        for line in [header, *rows]
+    ]
 
 
 def _heatmap(u: dict) -> str:
     """placement_view's heatmap layout: each layer's share in %, blocks of BLOCK experts, then the tokens."""
     if not u["layers"]:
         return "no tokens routed yet"
-    lines = ["tokens routed per (layer, expert), summed over routers: share of each layer's tokens, %"]
+    lines = [
+        "tokens routed per (layer, expert), summed over routers: share of each layer's tokens, %"
+    ]
     for start in range(0, u["num_experts"], BLOCK):
         block = range(start, min(start + BLOCK, u["num_experts"]))
         lines += ["", "layer" + "".join(f" {e:>3} " for e in block) + "   tokens"]
-        lines += [f"{layer:>5}" + "".join(f" {share[e]:>3} " for e in block) + f" {sum(row):>8}"
-                  for layer, share, row in zip(u["layers"], u["shares"], u["tokens_routed"])]
+        lines += [
+            f"{layer:>5}" + "".join(f" {share[e]:>3} " for e in block) + f" {sum(row):>8}"
+            for layer, share, row in zip(u["layers"], u["shares"], u["tokens_routed"])
+        ]
     return "\n".join(lines)
 
 
 def write_png(summary: dict, path: Path) -> None:
     """The utilization heatmap as a PNG: each expert's share of its layer's routed tokens."""
     u = summary["utilization"]
-    heatmap_png([[100 * v / (sum(row) or 1) for v in row] for row in u["tokens_routed"]], path,
-                "tokens routed per (layer, expert), summed over routers", row_labels=[str(x) for x in u["layers"]],
-                colorbar_label="% of the layer's routed tokens")
+    heatmap_png(
+        [[100 * v / (sum(row) or 1) for v in row] for row in u["tokens_routed"]],
+        path,
+        "tokens routed per (layer, expert), summed over routers",
+        row_labels=[str(x) for x in u["layers"]],
+        colorbar_label="% of the layer's routed tokens",
+    )
 
 
 def _ready_endpoints(path: Path) -> list[tuple[str | None, str]]:
@@ -232,32 +299,59 @@ def _ready_endpoints(path: Path) -> list[tuple[str | None, str]]:
         raise InvalidArgumentError("--ready-file", f"{path} does not exist (is the mesh up?)")
     try:
         m = json.loads(path.read_text())["metrics"]
-        return [("gateway", m["gateway"]), *(("router", a) for a in m["routers"]),
-                *(("expert", a) for a in m["experts"])]
+        return [
+            ("gateway", m["gateway"]),
+            *(("router", a) for a in m["routers"]),
+            *(("expert", a) for a in m["experts"]),
+        ]
     except (ValueError, KeyError, TypeError):
-        raise InvalidArgumentError("--ready-file", f"{path} names no metrics endpoints (a JSON 'metrics' object "
-                                   "with gateway, routers and experts)") from None
+        raise InvalidArgumentError(
+            "--ready-file",
+            f"{path} names no metrics endpoints (a JSON 'metrics' object "
+            "with gateway, routers and experts)",
+        ) from None
 
 
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """Register `stats` on the moe-mesh CLI; `args.func(args)` returns the exit code."""
-    p = subparsers.add_parser("stats", help="latency, batching, errors and expert utilization of a running mesh",
-                              description="Read every service's Prometheus endpoint once: request latency "
-                                          "percentiles, batch sizes, errors by gRPC status code and the tokens "
-                                          "routed to each expert.")
+    p = subparsers.add_parser(
+        "stats",
+        help="latency, batching, errors and expert utilization of a running mesh",
+        description="Read every service's Prometheus endpoint once: request latency "
+        "percentiles, batch sizes, errors by gRPC status code and the tokens "
+        "routed to each expert.",
+    )
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--ready-file", type=Path, metavar="FILE",
-                       help="the file `moe-mesh up --ready-file` wrote; its metrics endpoints are read")
-    where.add_argument("--metrics", action="append", type=tables.address, metavar="HOST:PORT",
-                       help="a service's Prometheus endpoint (repeatable); its role is read from its metrics")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON instead of tables")
-    p.add_argument("--png", type=Path, metavar="FILE", help="also draw the utilization heatmap into this PNG file")
+    where.add_argument(
+        "--ready-file",
+        type=Path,
+        metavar="FILE",
+        help="the file `moe-mesh up --ready-file` wrote; its metrics endpoints are read",
+    )
+    where.add_argument(
+        "--metrics",
+        action="append",
+        type=tables.address,
+        metavar="HOST:PORT",
+        help="a service's Prometheus endpoint (repeatable); its role is read from its metrics",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the summary as JSON instead of tables"
+    )
+    p.add_argument(
+        "--png",
+        type=Path,
+        metavar="FILE",
+        help="also draw the utilization heatmap into this PNG file",
+    )
     p.set_defaults(func=run_stats)
 
 
 def run_stats(args: argparse.Namespace) -> int:
     try:
-        endpoints = [(None, a) for a in args.metrics] if args.metrics else _ready_endpoints(args.ready_file)
+        endpoints = (
+            [(None, a) for a in args.metrics] if args.metrics else _ready_endpoints(args.ready_file)
+        )
         summary = collect(endpoints)
         if args.png:
             write_png(summary, args.png)

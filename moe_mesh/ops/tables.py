@@ -8,7 +8,9 @@ import argparse
 def table(header: list[str], rows: list[list[str]]) -> str:
     """Left-aligned columns, two spaces apart, each as wide as its widest cell."""
     widths = [max(len(str(c)) for c in column) for column in zip(header, *rows)]
-    return "\n".join("  ".join(f"{c:<{w}}" for c, w in zip(line, widths)).rstrip() for line in [header, *rows])
+    return "\n".join(
+        "  ".join(f"{c:<{w}}" for c, w in zip(line, widths)).rstrip() for line in [header, *rows]
+    )
 
 
 def address(text: str) -> str:

@@ -21,14 +21,27 @@ from common.errors import MoeMeshError, NotFoundError
 from moe_mesh.ops.tables import table
 
 # Attributes worth a place on a span's line, with the short name shown there.
-SHOWN = {"moe.layer": "layer", "moe.transport": "transport", "moe.replica": "replica", "moe.region": "region",
-         "moe.experts": "experts", "moe.tokens": "tokens", "moe.expert_tokens": "expert_tokens",
-         "moe.bytes": "bytes", "moe.batch.size": "batch", "gen_ai.request.max_tokens": "max_tokens",
-         "gen_ai.usage.input_tokens": "input_tokens", "gen_ai.usage.output_tokens": "output_tokens",
-         "rpc.method": "method", "rpc.grpc.status_code": "grpc"}
+SHOWN = {
+    "moe.layer": "layer",
+    "moe.transport": "transport",
+    "moe.replica": "replica",
+    "moe.region": "region",
+    "moe.experts": "experts",
+    "moe.tokens": "tokens",
+    "moe.expert_tokens": "expert_tokens",
+    "moe.bytes": "bytes",
+    "moe.batch.size": "batch",
+    "gen_ai.request.max_tokens": "max_tokens",
+    "gen_ai.usage.input_tokens": "input_tokens",
+    "gen_ai.usage.output_tokens": "output_tokens",
+    "rpc.method": "method",
+    "rpc.grpc.status_code": "grpc",
+}
 SIBLINGS_SHOWN = 20  # a request's decode steps x layers repeat one span name hundreds of times
 MISSING_PARENT = "(parent not in the files)"
-GRPC_CODES = {code.value[0]: code.name for code in grpc.StatusCode}  # the gRPC instrumentation records numbers
+GRPC_CODES = {
+    code.value[0]: code.name for code in grpc.StatusCode
+}  # the gRPC instrumentation records numbers
 
 
 def load_spans(paths: Iterable[Path]) -> list[dict]:
@@ -49,7 +62,10 @@ def load_spans(paths: Iterable[Path]) -> list[dict]:
             try:
                 span = _flat(json.loads(line))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
-                print(f"warning: {path}:{number}: not a span, skipped ({type(e).__name__}: {e})", file=sys.stderr)
+                print(
+                    f"warning: {path}:{number}: not a span, skipped ({type(e).__name__}: {e})",
+                    file=sys.stderr,
+                )
                 continue
             spans.setdefault((span["trace_id"], span["span_id"]), span)
     return list(spans.values())
@@ -58,12 +74,19 @@ def load_spans(paths: Iterable[Path]) -> list[dict]:
 def _flat(raw: dict) -> dict:
     """The SDK's `ReadableSpan.to_json()` form reduced to what the tree needs; KeyError etc. when it is not one."""
     status = raw.get("status") or {}
-    return {"trace_id": _bare(raw["context"]["trace_id"]), "span_id": _bare(raw["context"]["span_id"]),
-            "parent_id": _bare(raw["parent_id"]) if raw.get("parent_id") else None, "name": str(raw["name"]),
-            "service": str(raw.get("resource", {}).get("attributes", {}).get("service.name", "?")),
-            "start": _seconds(raw["start_time"]), "end": _seconds(raw["end_time"]),
-            "attributes": dict(raw.get("attributes") or {}),
-            "error": (status.get("description") or "") if status.get("status_code") == "ERROR" else None}
+    return {
+        "trace_id": _bare(raw["context"]["trace_id"]),
+        "span_id": _bare(raw["context"]["span_id"]),
+        "parent_id": _bare(raw["parent_id"]) if raw.get("parent_id") else None,
+        "name": str(raw["name"]),
+        "service": str(raw.get("resource", {}).get("attributes", {}).get("service.name", "?")),
+        "start": _seconds(raw["start_time"]),
+        "end": _seconds(raw["end_time"]),
+        "attributes": dict(raw.get("attributes") or {}),
+        "error": (status.get("description") or "")
+        if status.get("status_code") == "ERROR"
+        else None,
+    }
 
 
 def _bare(span_or_trace_id: str) -> str:
@@ -96,8 +119,10 @@ def pick(by_trace: dict[str, list[dict]], trace_id: str | None = None) -> str:
         raise NotFoundError("no spans in the files")
     if trace_id is not None:
         if _bare(trace_id) not in by_trace:
-            raise NotFoundError(f"no trace {_bare(trace_id)} in the files (they hold {len(by_trace)} "
-                                f"trace{'s' * (len(by_trace) != 1)}; --list shows them)")
+            raise NotFoundError(
+                f"no trace {_bare(trace_id)} in the files (they hold {len(by_trace)} "
+                f"trace{'s' * (len(by_trace) != 1)}; --list shows them)"
+            )
         return _bare(trace_id)
     complete = [t for t, spans in by_trace.items() if len(_roots(spans)) == 1]
     if complete:
@@ -105,7 +130,9 @@ def pick(by_trace: dict[str, list[dict]], trace_id: str | None = None) -> str:
     return max(by_trace, key=lambda t: by_trace[t][0]["start"])
 
 
-def render_trace(spans: list[dict], trace_id: str | None = None, max_depth: int | None = None) -> str:
+def render_trace(
+    spans: list[dict], trace_id: str | None = None, max_depth: int | None = None
+) -> str:
     """A header line and the span tree of one trace (see `pick`), children in start order, depth 0 the root."""
     by_trace = traces(spans)
     trace = by_trace[pick(by_trace, trace_id)]
@@ -117,29 +144,43 @@ def render_trace(spans: list[dict], trace_id: str | None = None, max_depth: int 
     roots = children.pop(None, [])
     orphans = [s for s in roots if s["parent_id"] is not None]
     services = sorted({s["service"] for s in trace})
-    header = (f"trace {trace[0]['trace_id']}  services {', '.join(services)}  {len(trace)} spans  "
-              f"{1000 * (max(s['end'] for s in trace) - start):.3f} ms")
+    header = (
+        f"trace {trace[0]['trace_id']}  services {', '.join(services)}  {len(trace)} spans  "
+        f"{1000 * (max(s['end'] for s in trace) - start):.3f} ms"
+    )
     if len(roots) != 1:
         header += f"  (partial: {len(roots)} spans without a parent in the files)"
     lines = [header]
     _lines([s for s in roots if s["parent_id"] is None], children, start, 0, max_depth, lines)
     if orphans and max_depth == 0:
-        lines.append(f"{MISSING_PARENT}  (+{sum(1 + _count(s, children) for s in orphans)} spans below)")
+        lines.append(
+            f"{MISSING_PARENT}  (+{sum(1 + _count(s, children) for s in orphans)} spans below)"
+        )
     elif orphans:
         lines.append(MISSING_PARENT)
         _lines(orphans, children, start, 1, max_depth, lines)
     return "\n".join(lines)
 
 
-def _lines(siblings: list[dict], children: dict[str | None, list[dict]], start: float, depth: int,
-           max_depth: int | None, out: list[str]) -> None:
+def _lines(
+    siblings: list[dict],
+    children: dict[str | None, list[dict]],
+    start: float,
+    depth: int,
+    max_depth: int | None,
+    out: list[str],
+) -> None:
     total = Counter(s["name"] for s in siblings)
     seen: Counter[str] = Counter()
     for span in siblings:  # already in start order: `traces` sorted them
         seen[span["name"]] += 1
         if seen[span["name"]] > SIBLINGS_SHOWN:
-            if seen[span["name"]] == SIBLINGS_SHOWN + 1:  # the summary takes the place of the first hidden span
-                out.append(f"{'  ' * depth}... {total[span['name']] - SIBLINGS_SHOWN} more {span['name']} spans")
+            if (
+                seen[span["name"]] == SIBLINGS_SHOWN + 1
+            ):  # the summary takes the place of the first hidden span
+                out.append(
+                    f"{'  ' * depth}... {total[span['name']] - SIBLINGS_SHOWN} more {span['name']} spans"
+                )
             continue
         kids = children.get(span["span_id"], [])
         line = _line(span, start, depth)
@@ -155,10 +196,17 @@ def _count(span: dict, children: dict[str | None, list[dict]]) -> int:
 
 
 def _line(span: dict, start: float, depth: int) -> str:
-    parts = [f"{'  ' * depth}{span['name']}", f"[{span['service']}]", f"{1000 * (span['end'] - span['start']):.3f} ms",
-             f"+{1000 * (span['start'] - start):.3f} ms"]
-    attrs = " ".join(f"{short}={_value(key, span['attributes'][key])}" for key, short in SHOWN.items()
-                     if key in span["attributes"])
+    parts = [
+        f"{'  ' * depth}{span['name']}",
+        f"[{span['service']}]",
+        f"{1000 * (span['end'] - span['start']):.3f} ms",
+        f"+{1000 * (span['start'] - start):.3f} ms",
+    ]
+    attrs = " ".join(
+        f"{short}={_value(key, span['attributes'][key])}"
+        for key, short in SHOWN.items()
+        if key in span["attributes"]
+    )
     if attrs:
         parts.append(attrs)
     if span["error"] is not None:
@@ -184,27 +232,57 @@ def render_list(spans: list[dict]) -> str:
         roots = _roots(trace)
         root = (roots or trace)[0]  # no root at all only in a file with a parent cycle
         when = datetime.fromtimestamp(trace[0]["start"], UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-        rows.append([trace_id, root["name"] + ("" if len(roots) == 1 else " (partial)"), root["service"], when,
-                     f"{1000 * (max(s['end'] for s in trace) - trace[0]['start']):.3f}", str(len(trace)),
-                     ",".join(sorted({s["service"] for s in trace}))])
-    return table(["trace id", "root span", "root service", "start (UTC)", "ms", "spans", "services"], rows)
+        rows.append(
+            [
+                trace_id,
+                root["name"] + ("" if len(roots) == 1 else " (partial)"),
+                root["service"],
+                when,
+                f"{1000 * (max(s['end'] for s in trace) - trace[0]['start']):.3f}",
+                str(len(trace)),
+                ",".join(sorted({s["service"] for s in trace})),
+            ]
+        )
+    return table(
+        ["trace id", "root span", "root service", "start (UTC)", "ms", "spans", "services"], rows
+    )
 
 
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """Register `trace show` on the moe-mesh CLI; `args.func(args)` returns the exit code."""
-    p = subparsers.add_parser("trace", help="read the span files services write",
-                              description="Traces from the JSON-lines span files of the services (--trace-file).")
+    p = subparsers.add_parser(
+        "trace",
+        help="read the span files services write",
+        description="Traces from the JSON-lines span files of the services (--trace-file).",
+    )
     sub = p.add_subparsers(dest="trace_command", required=True, metavar="COMMAND")
-    s = sub.add_parser("show", help="one request's spans across services as a tree",
-                       description="Put a trace together from the span files of several services and print its "
-                                   "span tree: duration, offset from the trace's start and the key attributes "
-                                   "of every span. Without --trace-id, the latest complete trace.")
-    s.add_argument("files", nargs="+", type=Path, metavar="FILE",
-                   help="JSON-lines span files, one per service process (give all of a trace's services)")
-    s.add_argument("--trace-id", metavar="ID", help="the trace to show, 32 hex digits with or without 0x")
-    s.add_argument("--list", action="store_true", help="list the traces in the files instead of showing one")
-    s.add_argument("--max-depth", type=_depth, default=None, metavar="N",
-                   help="show spans down to this depth only, the root being 0 (default: all)")
+    s = sub.add_parser(
+        "show",
+        help="one request's spans across services as a tree",
+        description="Put a trace together from the span files of several services and print its "
+        "span tree: duration, offset from the trace's start and the key attributes "
+        "of every span. Without --trace-id, the latest complete trace.",
+    )
+    s.add_argument(
+        "files",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help="JSON-lines span files, one per service process (give all of a trace's services)",
+    )
+    s.add_argument(
+        "--trace-id", metavar="ID", help="the trace to show, 32 hex digits with or without 0x"
+    )
+    s.add_argument(
+        "--list", action="store_true", help="list the traces in the files instead of showing one"
+    )
+    s.add_argument(
+        "--max-depth",
+        type=_depth,
+        default=None,
+        metavar="N",
+        help="show spans down to this depth only, the root being 0 (default: all)",
+    )
     s.set_defaults(func=run_show)
 
 
@@ -217,7 +295,9 @@ def _depth(text: str) -> int:
 def run_show(args: argparse.Namespace) -> int:
     try:
         spans = load_spans(args.files)
-        print(render_list(spans) if args.list else render_trace(spans, args.trace_id, args.max_depth))
+        print(
+            render_list(spans) if args.list else render_trace(spans, args.trace_id, args.max_depth)
+        )
     except MoeMeshError as e:
         print(f"moe-mesh trace show: error: {e}", file=sys.stderr)
         return 2

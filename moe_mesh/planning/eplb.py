@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 from common.placement import Pair
 
-MAX_REPLICAS = 8  # beyond this a pair's replicas mostly idle: the router sends each token to one of them
+MAX_REPLICAS = (
+    8  # beyond this a pair's replicas mostly idle: the router sends each token to one of them
+)
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,12 @@ class PlanOptions:
     hot_factor: float = 1.5
 
     def __post_init__(self) -> None:
-        for name, low in (("budget_bytes", 0), ("groups", 1), ("extra_replicas", 0), ("hot_factor", 0)):
+        for name, low in (
+            ("budget_bytes", 0),
+            ("groups", 1),
+            ("extra_replicas", 0),
+            ("hot_factor", 0),
+        ):
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
@@ -36,7 +43,9 @@ class GroupProposal:
     name: str
     pairs: tuple[Pair, ...]
     replicas: int
-    load_share: float  # share of all routed tokens its processes serve together (colocated pairs count 0)
+    load_share: (
+        float  # share of all routed tokens its processes serve together (colocated pairs count 0)
+    )
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,7 @@ def _colocate(load: dict[Pair, float], expert_bytes: int, options: PlanOptions) 
     # the router's live policy would undo the prediction anyway.
     hot = [p for p, x in load.items() if x > 0 and x >= options.hot_factor * mean[p[0]]]
     hot.sort(key=lambda p: (-load[p], p))
-    return hot[:options.budget_bytes // expert_bytes]  # every expert has the same size
+    return hot[: options.budget_bytes // expert_bytes]  # every expert has the same size
 
 
 def _replicate(load: dict[Pair, float], colocated: set[Pair], extra: int) -> dict[Pair, int]:
@@ -112,7 +121,9 @@ def _replicate(load: dict[Pair, float], colocated: set[Pair], extra: int) -> dic
     return replicas
 
 
-def _groups(remote: dict[Pair, float], replicas: dict[Pair, int], count: int, total: float) -> list[GroupProposal]:
+def _groups(
+    remote: dict[Pair, float], replicas: dict[Pair, int], count: int, total: float
+) -> list[GroupProposal]:
     def share(pairs: list[Pair]) -> float:
         return sum(remote[p] for p in pairs) / total if total else 0.0
 
@@ -129,5 +140,9 @@ def _groups(remote: dict[Pair, float], replicas: dict[Pair, int], count: int, to
         i = min(range(count), key=lambda j: (sums[j], len(bins[j]), j))
         bins[i].append(p)
         sums[i] += remote[p]
-    out += [GroupProposal(f"experts-{i}", tuple(sorted(b)), 1, share(b)) for i, b in enumerate(bins) if b]
+    out += [
+        GroupProposal(f"experts-{i}", tuple(sorted(b)), 1, share(b))
+        for i, b in enumerate(bins)
+        if b
+    ]
     return out

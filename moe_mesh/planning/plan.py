@@ -48,7 +48,9 @@ def read_record(path: Path) -> Record:
     except json.JSONDecodeError as e:
         raise PlanError(f"{path}: not valid JSON: {e}") from None
     if not isinstance(raw, dict):
-        raise PlanError(f"{path}: expected a JSON object as `moe-mesh placement show --json` writes")
+        raise PlanError(
+            f"{path}: expected a JSON object as `moe-mesh placement show --json` writes"
+        )
 
     def field(key: str, kind: type, low: float | None = None) -> Any:
         if key not in raw:
@@ -62,28 +64,41 @@ def read_record(path: Path) -> Record:
     for i, layer in enumerate(moe_layers):
         _checked(path, f"moe_layers[{i}]", layer, int, 0)
         if layer >= num_layers or moe_layers.count(layer) > 1:
-            raise PlanError(f"{path}: moe_layers[{i}]: layer {layer} is repeated or not below num_layers "
-                            f"{num_layers}")
+            raise PlanError(
+                f"{path}: moe_layers[{i}]: layer {layer} is repeated or not below num_layers "
+                f"{num_layers}"
+            )
     if not moe_layers:
         raise PlanError(f"{path}: moe_layers: empty; the model has no routed experts to place")
     rows = field("utilization", list)
     if len(rows) != num_layers:
-        raise PlanError(f"{path}: utilization: expected {num_layers} rows of {num_experts} experts, got "
-                        f"{len(rows)} rows")
+        raise PlanError(
+            f"{path}: utilization: expected {num_layers} rows of {num_experts} experts, got "
+            f"{len(rows)} rows"
+        )
     for layer, row in enumerate(rows):
         if not isinstance(row, list) or len(row) != num_experts:
             got = f"{len(row)} experts" if isinstance(row, list) else repr(row)
-            raise PlanError(f"{path}: utilization[{layer}]: expected a row of {num_experts} experts, got {got}")
+            raise PlanError(
+                f"{path}: utilization[{layer}]: expected a row of {num_experts} experts, got {got}"
+            )
     # Rows of dense layers are ignored whatever they hold: the router records nothing there.
-    load = {(layer, e): _checked(path, f"utilization[{layer}][{e}]", rows[layer][e], float, 0)
-            for layer in sorted(moe_layers) for e in range(num_experts)}
-    return Record(model_id, num_layers, num_experts, tuple(sorted(moe_layers)), window_s, expert_bytes, load)
+    load = {
+        (layer, e): _checked(path, f"utilization[{layer}][{e}]", rows[layer][e], float, 0)
+        for layer in sorted(moe_layers)
+        for e in range(num_experts)
+    }
+    return Record(
+        model_id, num_layers, num_experts, tuple(sorted(moe_layers)), window_s, expert_bytes, load
+    )
 
 
 def _checked(path: Path, key: str, value: Any, kind: type, low: float | None = None) -> Any:
     ok = isinstance(value, kind) and not isinstance(value, bool)
     if kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ok = (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        )
     what = {str: "a string", int: "an integer", float: "a number", list: "a list"}[kind]
     if not ok or (low is not None and value < low):
         bound = f" >= {low:g}" if low is not None else ""
@@ -107,9 +122,11 @@ def _at_least(low: int, kind: type = int) -> Callable[[str], Any]:
         except ValueError:
             value = None
         if value is None or not value >= low:  # `not >=` also rejects nan
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} >= {low}, "
-                                             f"got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'} >= {low}, got {text!r}"
+            )
         return value
+
     return parse
 
 
@@ -117,8 +134,15 @@ def planned(base: Plan, record: Record, proposal: Proposal, budget_bytes: int) -
     """`base` with the proposal's expert groups, the router's budget and the record's model sizes."""
     raw = base.model_dump(mode="json", exclude_defaults=True)
     template = base.expert_groups[0].model_dump(mode="json", exclude_defaults=True)
-    raw["expert_groups"] = [{**template, "name": g.name, "experts": format_experts(list(g.pairs)),
-                             "replicas": g.replicas} for g in proposal.groups]
+    raw["expert_groups"] = [
+        {
+            **template,
+            "name": g.name,
+            "experts": format_experts(list(g.pairs)),
+            "replicas": g.replicas,
+        }
+        for g in proposal.groups
+    ]
     args, kept = iter(base.router.args), []
     for arg in args:
         if arg == "--colocate-budget":
@@ -126,8 +150,11 @@ def planned(base: Plan, record: Record, proposal: Proposal, budget_bytes: int) -
         elif not arg.startswith("--colocate-budget="):
             kept.append(arg)
     raw.setdefault("router", {})["args"] = [*kept, "--colocate-budget", str(budget_bytes)]
-    raw["model"].update(num_layers=record.num_layers, num_experts=record.num_experts,
-                        moe_layers=list(record.moe_layers))
+    raw["model"].update(
+        num_layers=record.num_layers,
+        num_experts=record.num_experts,
+        moe_layers=list(record.moe_layers),
+    )
     return Plan.model_validate(raw)
 
 
@@ -141,44 +168,86 @@ def _human(n: float) -> str:
 
 def summary(record: Record, proposal: Proposal, budget_bytes: int) -> str:
     total = sum(record.load.values())
-    lines = [f"{len(record.moe_layers)} MoE layers x {record.num_experts} experts, {total:g} tokens routed in "
-             f"the {record.window_s:g} s window"]
+    lines = [
+        f"{len(record.moe_layers)} MoE layers x {record.num_experts} experts, {total:g} tokens routed in "
+        f"the {record.window_s:g} s window"
+    ]
     spec = format_experts(list(proposal.colocated)) if proposal.colocated else "(none)"
-    lines.append(f"colocated in the router: {spec}  ({len(proposal.colocated)} experts, "
-                 f"{_human(proposal.colocated_bytes)} of the {_human(budget_bytes)} budget)")
+    lines.append(
+        f"colocated in the router: {spec}  ({len(proposal.colocated)} experts, "
+        f"{_human(proposal.colocated_bytes)} of the {_human(budget_bytes)} budget)"
+    )
     lines.append(f"predicted in-process share of routed tokens: {proposal.in_process_share:.1%}")
     lines.append("expert groups (name, replicas, share of routed tokens, experts):")
     width = max(len(g.name) for g in proposal.groups)
-    lines += [f"  {g.name:<{width}}  x{g.replicas}  {g.load_share:6.1%}  {format_experts(list(g.pairs))}"
-              for g in proposal.groups]
-    lines.append(f"imbalance (max / mean load per remote replica): {proposal.imbalance_before:.2f} -> "
-                 f"{proposal.imbalance_after:.2f}")
+    lines += [
+        f"  {g.name:<{width}}  x{g.replicas}  {g.load_share:6.1%}  {format_experts(list(g.pairs))}"
+        for g in proposal.groups
+    ]
+    lines.append(
+        f"imbalance (max / mean load per remote replica): {proposal.imbalance_before:.2f} -> "
+        f"{proposal.imbalance_after:.2f}"
+    )
     return "\n".join(lines)
 
 
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """Register `plan` on the moe-mesh CLI; `args.func(args)` returns the exit code."""
     p = subparsers.add_parser(
-        "plan", help="propose a deploy plan from a recorded utilization window (EPLB)",
+        "plan",
+        help="propose a deploy plan from a recorded utilization window (EPLB)",
         description="Propose expert groups, redundant replicas and the router's colocation budget from the "
-                    "utilization record `moe-mesh placement show --json` wrote, on top of a base plan. "
-                    "Prints a summary to stderr and the plan (YAML) to --out or stdout.")
-    p.add_argument("--utilization", type=Path, required=True, metavar="FILE", help="utilization record (JSON)")
-    p.add_argument("--base", type=Path, required=True, metavar="PLAN",
-                   help="plan (YAML) to start from; new expert groups copy the settings of its first group")
-    p.add_argument("--out", type=Path, default=None, metavar="FILE",
-                   help="write the proposed plan here (default stdout)")
-    p.add_argument("--budget", type=_size, default="25%", metavar="BYTES|PCT",
-                   help="router colocation budget: bytes (1048576, 512MiB, 2GiB) or a percentage of all "
-                        "routed experts' bytes (default 25%%)")
-    p.add_argument("--groups", type=_at_least(1), default=4, metavar="N",
-                   help="expert-service groups for the experts with a single replica (default 4)")
-    p.add_argument("--extra-replicas", type=_at_least(0), default=None, metavar="N",
-                   help="remote replicas to hand out beyond one per expert, hottest first "
-                        "(default: MoE experts // 8)")
-    p.add_argument("--hot-factor", type=_at_least(0, float), default=1.5, metavar="X",
-                   help="an expert may be colocated when its load is at least this times its layer's mean "
-                        "(default 1.5)")
+        "utilization record `moe-mesh placement show --json` wrote, on top of a base plan. "
+        "Prints a summary to stderr and the plan (YAML) to --out or stdout.",
+    )
+    p.add_argument(
+        "--utilization", type=Path, required=True, metavar="FILE", help="utilization record (JSON)"
+    )
+    p.add_argument(
+        "--base",
+        type=Path,
+        required=True,
+        metavar="PLAN",
+        help="plan (YAML) to start from; new expert groups copy the settings of its first group",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the proposed plan here (default stdout)",
+    )
+    p.add_argument(
+        "--budget",
+        type=_size,
+        default="25%",
+        metavar="BYTES|PCT",
+        help="router colocation budget: bytes (1048576, 512MiB, 2GiB) or a percentage of all "
+        "routed experts' bytes (default 25%%)",
+    )
+    p.add_argument(
+        "--groups",
+        type=_at_least(1),
+        default=4,
+        metavar="N",
+        help="expert-service groups for the experts with a single replica (default 4)",
+    )
+    p.add_argument(
+        "--extra-replicas",
+        type=_at_least(0),
+        default=None,
+        metavar="N",
+        help="remote replicas to hand out beyond one per expert, hottest first "
+        "(default: MoE experts // 8)",
+    )
+    p.add_argument(
+        "--hot-factor",
+        type=_at_least(0, float),
+        default=1.5,
+        metavar="X",
+        help="an expert may be colocated when its load is at least this times its layer's mean "
+        "(default 1.5)",
+    )
     p.set_defaults(func=run_plan)
 
 
@@ -186,8 +255,10 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         record, base = read_record(args.utilization), load_plan(args.base)
         if record.model_id != base.model.model_id:
-            raise PlanError(f"{args.utilization}: model_id: the record is of {record.model_id!r} but "
-                            f"{args.base} serves {base.model.model_id!r}")
+            raise PlanError(
+                f"{args.utilization}: model_id: the record is of {record.model_id!r} but "
+                f"{args.base} serves {base.model.model_id!r}"
+            )
         budget_bytes = parse_size(args.budget, len(record.load) * record.expert_bytes)
         options = PlanOptions(budget_bytes, args.groups, args.extra_replicas, args.hot_factor)
         proposal = propose(record.load, record.expert_bytes, options)
@@ -195,10 +266,14 @@ def run_plan(args: argparse.Namespace) -> int:
     except PlanError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    header = (f"# Proposed by `moe-mesh plan` from {args.utilization} ({record.window_s:g} s window) on top of "
-              f"{args.base}.\n# Review, then: moe-mesh deploy render --plan THIS_FILE --target compose|nomad "
-              f"--out DIR\n")
-    text = header + yaml.safe_dump(plan.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
+    header = (
+        f"# Proposed by `moe-mesh plan` from {args.utilization} ({record.window_s:g} s window) on top of "
+        f"{args.base}.\n# Review, then: moe-mesh deploy render --plan THIS_FILE --target compose|nomad "
+        f"--out DIR\n"
+    )
+    text = header + yaml.safe_dump(
+        plan.model_dump(mode="json", exclude_defaults=True), sort_keys=False
+    )
     print(summary(record, proposal, budget_bytes), file=sys.stderr)
     if args.out is None:
         sys.stdout.write(text)

@@ -42,10 +42,35 @@ from moe_mesh.planning.deploy.plan import (
 from moe_mesh.planning.deploy.probe import add_probe_subcommand, probe, run_probe
 
 __all__ = [
-    "DOCKERFILE", "EXPERT_SERVICE_PREFIX", "HEADER", "TARGETS", "Block", "ComposePlan", "Constraint", "ExpertGroup",
-    "GatewayPlan", "Interp", "ModelPlan", "NomadPlan", "Plan", "PlanError", "Resources", "RouterPlan",
-    "add_probe_subcommand", "add_subcommand", "drifted", "expert_pairs", "load_plan", "main", "probe", "render",
-    "render_compose", "render_nomad", "run_probe", "run_render", "write_rendered",
+    "DOCKERFILE",
+    "EXPERT_SERVICE_PREFIX",
+    "HEADER",
+    "TARGETS",
+    "Block",
+    "ComposePlan",
+    "Constraint",
+    "ExpertGroup",
+    "GatewayPlan",
+    "Interp",
+    "ModelPlan",
+    "NomadPlan",
+    "Plan",
+    "PlanError",
+    "Resources",
+    "RouterPlan",
+    "add_probe_subcommand",
+    "add_subcommand",
+    "drifted",
+    "expert_pairs",
+    "load_plan",
+    "main",
+    "probe",
+    "render",
+    "render_compose",
+    "render_nomad",
+    "run_probe",
+    "run_render",
+    "write_rendered",
 ]
 
 TARGETS = ("compose", "nomad")
@@ -84,8 +109,11 @@ def write_rendered(files: dict[str, str], out: Path, target: str) -> list[Path]:
 
 def drifted(files: dict[str, str], out: Path, target: str) -> list[str]:
     """Files in `out` that differ from a fresh render (missing, changed, or stale job files)."""
-    bad = [name for name, text in files.items()
-           if not (out / name).is_file() or (out / name).read_text() != text]
+    bad = [
+        name
+        for name, text in files.items()
+        if not (out / name).is_file() or (out / name).read_text() != text
+    ]
     if target == "nomad":
         bad += [p.name for p in sorted(out.glob("*.nomad.hcl")) if p.name not in files]
     return bad
@@ -93,20 +121,37 @@ def drifted(files: dict[str, str], out: Path, target: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- CLI
 
+
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """Register `deploy render` on the moe-mesh CLI; `args.func(args)` returns the exit code."""
-    p = subparsers.add_parser("deploy", help="render docker-compose / Nomad deployments from a plan",
-                              description="Deployments rendered from a plan file (see deploy/plan.example.yaml).")
+    p = subparsers.add_parser(
+        "deploy",
+        help="render docker-compose / Nomad deployments from a plan",
+        description="Deployments rendered from a plan file (see deploy/plan.example.yaml).",
+    )
     sub = p.add_subparsers(dest="deploy_command", required=True, metavar="COMMAND")
-    r = sub.add_parser("render", help="render a plan for a target",
-                       description="Render a plan into docker-compose files or Nomad jobs. Every service "
-                                   "discovers the others through Consul; output is deterministic.")
+    r = sub.add_parser(
+        "render",
+        help="render a plan for a target",
+        description="Render a plan into docker-compose files or Nomad jobs. Every service "
+        "discovers the others through Consul; output is deterministic.",
+    )
     r.add_argument("--plan", type=Path, required=True, help="plan file (YAML)")
-    r.add_argument("--target", choices=TARGETS, required=True, help="compose: docker-compose.yml + Dockerfile + "
-                   ".env.example; nomad: one job per expert group + one for router and gateway")
-    r.add_argument("--out", type=Path, required=True, help="directory to write into (created if missing)")
-    r.add_argument("--check", action="store_true",
-                   help="write nothing; exit 1 when the files in --out differ from a fresh render")
+    r.add_argument(
+        "--target",
+        choices=TARGETS,
+        required=True,
+        help="compose: docker-compose.yml + Dockerfile + "
+        ".env.example; nomad: one job per expert group + one for router and gateway",
+    )
+    r.add_argument(
+        "--out", type=Path, required=True, help="directory to write into (created if missing)"
+    )
+    r.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 when the files in --out differ from a fresh render",
+    )
     r.set_defaults(func=run_render)
 
 
@@ -120,7 +165,9 @@ def run_render(args: argparse.Namespace) -> int:
     if args.check:
         bad = drifted(files, args.out, args.target)
         for name in bad:
-            print(f"{prog}: {args.out / name} differs from the render of {args.plan}", file=sys.stderr)
+            print(
+                f"{prog}: {args.out / name} differs from the render of {args.plan}", file=sys.stderr
+            )
         return 1 if bad else 0
     for path in write_rendered(files, args.out, args.target):
         print(path)

@@ -9,8 +9,10 @@ import yaml
 
 from moe_mesh.planning.deploy.plan import ExpertGroup, Plan
 
-HEADER = ("Rendered by `moe-mesh deploy render --target {target}` from a deploy plan. "
-          "Do not edit: change the plan and render again.")
+HEADER = (
+    "Rendered by `moe-mesh deploy render --target {target}` from a deploy plan. "
+    "Do not edit: change the plan and render again."
+)
 EXPERT_SERVICE_PREFIX = "expert-"  # compose service of group G: expert-G
 
 
@@ -20,19 +22,34 @@ def _dollar(s: str) -> str:
 
 
 def _compose_healthcheck(port: int, start_period: str) -> dict[str, Any]:
-    return {"test": ["CMD", "moe-mesh", "probe", f"127.0.0.1:{port}"], "interval": "10s", "timeout": "5s",
-            "retries": 3, "start_period": start_period}
+    return {
+        "test": ["CMD", "moe-mesh", "probe", f"127.0.0.1:{port}"],
+        "interval": "10s",
+        "timeout": "5s",
+        "retries": 3,
+        "start_period": start_period,
+    }
 
 
-def _compose_service(plan: Plan, command: list[str], port: int, replicas: int,
-                     depends_on: Iterable[str], start_period: str) -> dict[str, Any]:
+def _compose_service(
+    plan: Plan,
+    command: list[str],
+    port: int,
+    replicas: int,
+    depends_on: Iterable[str],
+    start_period: str,
+) -> dict[str, Any]:
     return {
         "image": "${MOE_MESH_IMAGE:-" + _dollar(plan.image) + "}",
         "command": [_dollar(c) for c in command],
-        "environment": {"CONSUL_HTTP_ADDR": "${CONSUL_HTTP_ADDR:-consul:8500}",
-                        "CONSUL_HTTP_TOKEN": "${CONSUL_HTTP_TOKEN:-}"},
-        "volumes": ["${MODEL_DIR:?set MODEL_DIR to the checkpoint directory on this host}:"
-                    f"{_dollar(plan.model.checkpoint)}:ro"],
+        "environment": {
+            "CONSUL_HTTP_ADDR": "${CONSUL_HTTP_ADDR:-consul:8500}",
+            "CONSUL_HTTP_TOKEN": "${CONSUL_HTTP_TOKEN:-}",
+        },
+        "volumes": [
+            "${MODEL_DIR:?set MODEL_DIR to the checkpoint directory on this host}:"
+            f"{_dollar(plan.model.checkpoint)}:ro"
+        ],
         "expose": [str(port)],
         "deploy": {"replicas": replicas},
         "healthcheck": _compose_healthcheck(port, start_period),
@@ -43,8 +60,22 @@ def _compose_service(plan: Plan, command: list[str], port: int, replicas: int,
 
 
 def expert_command(plan: Plan, g: ExpertGroup, port: str, extra: list[str]) -> list[str]:
-    cmd = ["serve-expert", "--checkpoint", plan.model.checkpoint, "--model-id", plan.model.model_id,
-           "--experts", g.experts, "--registry", "consul", "--host", "0.0.0.0", "--port", port, *extra]
+    cmd = [
+        "serve-expert",
+        "--checkpoint",
+        plan.model.checkpoint,
+        "--model-id",
+        plan.model.model_id,
+        "--experts",
+        g.experts,
+        "--registry",
+        "consul",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        port,
+        *extra,
+    ]
     if g.region:
         cmd += ["--region", g.region]
     if g.compute_threads:
@@ -53,14 +84,39 @@ def expert_command(plan: Plan, g: ExpertGroup, port: str, extra: list[str]) -> l
 
 
 def router_command(plan: Plan, port: str, extra: list[str]) -> list[str]:
-    return ["serve-router", "--checkpoint", plan.model.checkpoint, "--model-id", plan.model.model_id,
-            "--registry", "consul", "--host", "0.0.0.0", "--port", port, *extra, *plan.router.args]
+    return [
+        "serve-router",
+        "--checkpoint",
+        plan.model.checkpoint,
+        "--model-id",
+        plan.model.model_id,
+        "--registry",
+        "consul",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        port,
+        *extra,
+        *plan.router.args,
+    ]
 
 
 def gateway_command(plan: Plan) -> list[str]:
     gw = plan.gateway
-    return ["serve-gateway", "--checkpoint", plan.model.checkpoint, "--registry", "consul", "--host", "0.0.0.0",
-            "--grpc-port", str(gw.grpc_port), "--http-port", str(gw.http_port), *gw.args]
+    return [
+        "serve-gateway",
+        "--checkpoint",
+        plan.model.checkpoint,
+        "--registry",
+        "consul",
+        "--host",
+        "0.0.0.0",
+        "--grpc-port",
+        str(gw.grpc_port),
+        "--http-port",
+        str(gw.http_port),
+        *gw.args,
+    ]
 
 
 def render_compose(plan: Plan) -> dict[str, str]:
@@ -70,25 +126,44 @@ def render_compose(plan: Plan) -> dict[str, str]:
         "consul": {
             "image": "${CONSUL_IMAGE:-" + _dollar(plan.compose.consul_image) + "}",
             "command": ["agent", "-dev", "-client", "0.0.0.0"],
-            "ports": ["127.0.0.1:8500:8500"],  # UI and API for the operator, on the Docker host's loopback only
-            "healthcheck": {"test": ["CMD", "consul", "members"], "interval": "2s", "timeout": "3s", "retries": 30},
+            "ports": [
+                "127.0.0.1:8500:8500"
+            ],  # UI and API for the operator, on the Docker host's loopback only
+            "healthcheck": {
+                "test": ["CMD", "consul", "members"],
+                "interval": "2s",
+                "timeout": "3s",
+                "retries": 30,
+            },
             "restart": "unless-stopped",
         },
     }
     for g, name in zip(plan.expert_groups, groups):
-        services[name] = _compose_service(plan, expert_command(plan, g, str(g.port), []), g.port, g.replicas,
-                                          [], "60s")
+        services[name] = _compose_service(
+            plan, expert_command(plan, g, str(g.port), []), g.port, g.replicas, [], "60s"
+        )
     r = plan.router
-    services["router"] = _compose_service(plan, router_command(plan, str(r.port), []), r.port, r.replicas,
-                                          groups, "120s")
+    services["router"] = _compose_service(
+        plan, router_command(plan, str(r.port), []), r.port, r.replicas, groups, "120s"
+    )
     gw = plan.gateway
-    gateway = _compose_service(plan, gateway_command(plan), gw.grpc_port, gw.replicas, ["router"], "60s")
+    gateway = _compose_service(
+        plan, gateway_command(plan), gw.grpc_port, gw.replicas, ["router"], "60s"
+    )
     # One replica publishes fixed host ports; several would collide, so Docker picks host ports for them.
-    gateway["ports"] = [f"{p}:{p}" if gw.replicas == 1 else str(p) for p in (gw.grpc_port, gw.http_port)]
+    gateway["ports"] = [
+        f"{p}:{p}" if gw.replicas == 1 else str(p) for p in (gw.grpc_port, gw.http_port)
+    ]
     services["gateway"] = gateway
     head = "".join(f"# {line}\n" for line in wrap(HEADER.format(target="compose")))
-    compose = head + yaml.safe_dump({"services": services}, sort_keys=True, default_flow_style=False, width=1000)
-    return {"docker-compose.yml": compose, "Dockerfile": DOCKERFILE, ".env.example": _env_example(plan)}
+    compose = head + yaml.safe_dump(
+        {"services": services}, sort_keys=True, default_flow_style=False, width=1000
+    )
+    return {
+        "docker-compose.yml": compose,
+        "Dockerfile": DOCKERFILE,
+        ".env.example": _env_example(plan),
+    }
 
 
 def wrap(text: str, width: int = 100) -> list[str]:
@@ -142,7 +217,7 @@ def _env_example(plan: Plan) -> str:
 
 # Checkpoint directory on the Docker host (HuggingFace layout: config.json, *.safetensors, tokenizer.json).
 # Every moe-mesh container mounts it read-only at {plan.model.checkpoint}.
-MODEL_DIR=/srv/models/{plan.model.model_id.replace('/', '-')}
+MODEL_DIR=/srv/models/{plan.model.model_id.replace("/", "-")}
 
 # The moe-mesh image: docker build -f deploy/compose/Dockerfile -t {plan.image} .
 MOE_MESH_IMAGE={plan.image}

@@ -72,11 +72,22 @@ def _hcl_file(job: Block) -> str:
     return head + "\n".join(_hcl_block(job)) + "\n"
 
 
-_UPDATE = Block("update", body=[("max_parallel", 1), ("health_check", "checks"), ("min_healthy_time", "10s"),
-                                ("healthy_deadline", "5m"), ("progress_deadline", "10m"), ("auto_revert", True)])
+_UPDATE = Block(
+    "update",
+    body=[
+        ("max_parallel", 1),
+        ("health_check", "checks"),
+        ("min_healthy_time", "10s"),
+        ("healthy_deadline", "5m"),
+        ("progress_deadline", "10m"),
+        ("auto_revert", True),
+    ],
+)
 
 
-def _job(plan: Plan, name: str, region: str, datacenters: list[str] | None, groups: list[Block]) -> Block:
+def _job(
+    plan: Plan, name: str, region: str, datacenters: list[str] | None, groups: list[Block]
+) -> Block:
     body: list = [("type", "service"), ("datacenters", datacenters or plan.nomad.datacenters)]
     if region:
         body.insert(0, ("region", region))
@@ -84,7 +95,13 @@ def _job(plan: Plan, name: str, region: str, datacenters: list[str] | None, grou
 
 
 def _check(name: str, port: str, kind: str = "grpc", path: str = "") -> Block:
-    body: list = [("name", name), ("type", kind), ("port", port), ("interval", "10s"), ("timeout", "3s")]
+    body: list = [
+        ("name", name),
+        ("type", kind),
+        ("port", port),
+        ("interval", "10s"),
+        ("timeout", "3s"),
+    ]
     if path:
         body.append(("path", path))
     return Block("check", body=body)
@@ -97,28 +114,67 @@ def _service(name: str, port: str, tags: list[str], meta: dict[str, str], check:
     return Block("service", body=[*body, check])
 
 
-def _group(plan: Plan, name: str, count: int, constraints: list[Constraint], ports: list[Block],
-           services: list[Block], task: Block) -> Block:
+def _group(
+    plan: Plan,
+    name: str,
+    count: int,
+    constraints: list[Constraint],
+    ports: list[Block],
+    services: list[Block],
+    task: Block,
+) -> Block:
     body: list = [("count", count)]
-    body += [Block("constraint", body=[("attribute", Interp(c.attribute)), ("operator", c.operator),
-                                       ("value", Interp(c.value))]) for c in constraints]
+    body += [
+        Block(
+            "constraint",
+            body=[
+                ("attribute", Interp(c.attribute)),
+                ("operator", c.operator),
+                ("value", Interp(c.value)),
+            ],
+        )
+        for c in constraints
+    ]
     body.append(Block("network", body=ports))
-    body.append(Block("volume", ("model",), [("type", "host"), ("source", plan.nomad.model_volume),
-                                             ("read_only", True)]))
+    body.append(
+        Block(
+            "volume",
+            ("model",),
+            [("type", "host"), ("source", plan.nomad.model_volume), ("read_only", True)],
+        )
+    )
     body += services
-    body.append(Block("restart", body=[("attempts", 3), ("interval", "5m"), ("delay", "15s"), ("mode", "delay")]))
+    body.append(
+        Block(
+            "restart",
+            body=[("attempts", 3), ("interval", "5m"), ("delay", "15s"), ("mode", "delay")],
+        )
+    )
     body.append(task)
     return Block("group", (name,), body)
 
 
 def _task(plan: Plan, name: str, args: list[str], resources: Resources) -> Block:
     config = Block("config", body=[("image", plan.image), ("network_mode", "host"), ("args", args)])
-    mount = Block("volume_mount", body=[("volume", "model"), ("destination", plan.model.checkpoint),
-                                        ("read_only", True)])
+    mount = Block(
+        "volume_mount",
+        body=[("volume", "model"), ("destination", plan.model.checkpoint), ("read_only", True)],
+    )
     env = Block("env", body=[("CONSUL_HTTP_ADDR", plan.nomad.consul_http_addr)])
     res = Block("resources", body=[("cpu", resources.cpu_mhz), ("memory", resources.memory_mb)])
-    return Block("task", (name,), [("driver", "docker"), ("kill_signal", "SIGTERM"), ("kill_timeout", "20s"),
-                                   config, mount, env, res])
+    return Block(
+        "task",
+        (name,),
+        [
+            ("driver", "docker"),
+            ("kill_signal", "SIGTERM"),
+            ("kill_timeout", "20s"),
+            config,
+            mount,
+            env,
+            res,
+        ],
+    )
 
 
 # Host networking: the process binds the port Nomad allocated and registers the node's address in
@@ -134,30 +190,68 @@ def _expert_job(plan: Plan, g: ExpertGroup) -> Block:
     # Named after the job: never mixed up with the instances the process registers itself (with the
     # weights checksum and served experts in their metadata), which are what routers discover.
     job = f"{plan.name}-experts-{g.name}"
-    service = _service(job, "grpc", ["moe-mesh", f"expert-group:{g.name}"], meta,
-                       _check("grpc health", "grpc"))
-    group = _group(plan, "experts", g.replicas, g.constraints, [Block("port", ("grpc",))], [service],
-                   _task(plan, "serve-expert", args, g.resources))
+    service = _service(
+        job, "grpc", ["moe-mesh", f"expert-group:{g.name}"], meta, _check("grpc health", "grpc")
+    )
+    group = _group(
+        plan,
+        "experts",
+        g.replicas,
+        g.constraints,
+        [Block("port", ("grpc",))],
+        [service],
+        _task(plan, "serve-expert", args, g.resources),
+    )
     return _job(plan, job, g.region, g.datacenters, [group])
 
 
 def _frontend_job(plan: Plan) -> Block:
     r, gw = plan.router, plan.gateway
-    router = _group(plan, "router", r.replicas, r.constraints, [Block("port", ("grpc",))],
-                    [_service(f"{plan.name}-routers", "grpc", ["moe-mesh"], {}, _check("grpc health", "grpc"))],
-                    _task(plan, "serve-router", router_command(plan, Interp("${NOMAD_PORT_grpc}"), _DYNAMIC),
-                          r.resources))
-    ports = [Block("port", ("grpc",), [("static", gw.grpc_port)]), Block("port", ("http",), [("static", gw.http_port)])]
-    services = [_service(f"{plan.name}-gateway", "grpc", ["moe-mesh"], {}, _check("grpc health", "grpc")),
-                _service(f"{plan.name}-gateway-http", "http", ["moe-mesh", "openai"], {},
-                         _check("http ready", "http", "http", "/health/ready"))]
-    gateway = _group(plan, "gateway", gw.replicas, gw.constraints, ports, services,
-                     _task(plan, "serve-gateway", gateway_command(plan), gw.resources))
+    router = _group(
+        plan,
+        "router",
+        r.replicas,
+        r.constraints,
+        [Block("port", ("grpc",))],
+        [_service(f"{plan.name}-routers", "grpc", ["moe-mesh"], {}, _check("grpc health", "grpc"))],
+        _task(
+            plan,
+            "serve-router",
+            router_command(plan, Interp("${NOMAD_PORT_grpc}"), _DYNAMIC),
+            r.resources,
+        ),
+    )
+    ports = [
+        Block("port", ("grpc",), [("static", gw.grpc_port)]),
+        Block("port", ("http",), [("static", gw.http_port)]),
+    ]
+    services = [
+        _service(f"{plan.name}-gateway", "grpc", ["moe-mesh"], {}, _check("grpc health", "grpc")),
+        _service(
+            f"{plan.name}-gateway-http",
+            "http",
+            ["moe-mesh", "openai"],
+            {},
+            _check("http ready", "http", "http", "/health/ready"),
+        ),
+    ]
+    gateway = _group(
+        plan,
+        "gateway",
+        gw.replicas,
+        gw.constraints,
+        ports,
+        services,
+        _task(plan, "serve-gateway", gateway_command(plan), gw.resources),
+    )
     return _job(plan, f"{plan.name}-frontend", r.region, r.datacenters, [router, gateway])
 
 
 def render_nomad(plan: Plan) -> dict[str, str]:
     """One <name>-experts-<group>.nomad.hcl per expert group and <name>-frontend.nomad.hcl (routers + gateway)."""
-    files = {f"{plan.name}-experts-{g.name}.nomad.hcl": _hcl_file(_expert_job(plan, g)) for g in plan.expert_groups}
+    files = {
+        f"{plan.name}-experts-{g.name}.nomad.hcl": _hcl_file(_expert_job(plan, g))
+        for g in plan.expert_groups
+    }
     files[f"{plan.name}-frontend.nomad.hcl"] = _hcl_file(_frontend_job(plan))
     return dict(sorted(files.items()))

@@ -22,8 +22,13 @@ from common.placement import ModelShape, Pair, format_experts, parse_experts
 
 _MAX_INDEX = 65535  # an expert spec index beyond this is a typo, not a model
 
-Name = Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$",
-                            description="lower-case letters, digits and '-', at most 40 characters")]
+Name = Annotated[
+    str,
+    Field(
+        pattern=r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$",
+        description="lower-case letters, digits and '-', at most 40 characters",
+    ),
+]
 Port = Annotated[int, Field(ge=1, le=65535)]
 Region = Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]*$", max_length=64)]
 Datacenters = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
@@ -53,38 +58,62 @@ class Constraint(_Strict):
 
 
 class ModelPlan(_Strict):
-    checkpoint: str = Field(description="absolute path of the checkpoint directory inside every container; "
-                                        "compose mounts $MODEL_DIR there, Nomad the host volume `nomad.model_volume`")
-    model_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._/-]+$", description="model id routers and experts share")
-    num_layers: int | None = Field(None, ge=1, le=_MAX_INDEX, description="decoder layers; with num_experts, "
-                                   "render checks that the expert groups cover every (layer, expert)")
-    num_experts: int | None = Field(None, ge=1, le=_MAX_INDEX, description="routed experts per layer")
+    checkpoint: str = Field(
+        description="absolute path of the checkpoint directory inside every container; "
+        "compose mounts $MODEL_DIR there, Nomad the host volume `nomad.model_volume`"
+    )
+    model_id: str = Field(
+        min_length=1,
+        pattern=r"^[A-Za-z0-9._/-]+$",
+        description="model id routers and experts share",
+    )
+    num_layers: int | None = Field(
+        None,
+        ge=1,
+        le=_MAX_INDEX,
+        description="decoder layers; with num_experts, "
+        "render checks that the expert groups cover every (layer, expert)",
+    )
+    num_experts: int | None = Field(
+        None, ge=1, le=_MAX_INDEX, description="routed experts per layer"
+    )
     moe_layers: list[Annotated[int, Field(ge=0)]] | None = Field(
-        None, description="layers with routed experts (Qwen2-MoE can have dense ones); default every layer")
+        None,
+        description="layers with routed experts (Qwen2-MoE can have dense ones); default every layer",
+    )
 
     @field_validator("checkpoint")
     @classmethod
     def _absolute(cls, v: str) -> str:
         if not v.startswith("/") or v.rstrip("/") == "":
-            raise ValueError(f"must be an absolute directory path inside the container, e.g. /models/mixtral, "
-                             f"not {v!r}")
+            raise ValueError(
+                f"must be an absolute directory path inside the container, e.g. /models/mixtral, "
+                f"not {v!r}"
+            )
         return v.rstrip("/")
 
     @model_validator(mode="after")
     def _both_sizes(self) -> ModelPlan:
         if (self.num_layers is None) != (self.num_experts is None):
-            raise ValueError("give both num_layers and num_experts (for the coverage check) or neither")
-        if self.moe_layers is not None and (self.num_layers is None or not all(
-                layer < self.num_layers for layer in self.moe_layers)):
+            raise ValueError(
+                "give both num_layers and num_experts (for the coverage check) or neither"
+            )
+        if self.moe_layers is not None and (
+            self.num_layers is None or not all(layer < self.num_layers for layer in self.moe_layers)
+        ):
             raise ValueError("moe_layers needs num_layers and every layer below it")
         return self
 
 
 class GatewayPlan(_Strict):
     replicas: int = Field(1, ge=1, le=64)
-    grpc_port: Port = Field(50050, description="public gRPC port (container port; compose also publishes it)")
+    grpc_port: Port = Field(
+        50050, description="public gRPC port (container port; compose also publishes it)"
+    )
     http_port: Port = Field(8000, description="OpenAI-compatible HTTP port")
-    constraints: list[Constraint] = Field(default_factory=list, description="Nomad placement of the gateway group")
+    constraints: list[Constraint] = Field(
+        default_factory=list, description="Nomad placement of the gateway group"
+    )
     resources: Resources = Resources(cpu_mhz=500, memory_mb=1024)
     args: list[str] = Field(default_factory=list, description="extra serve-gateway flags")
 
@@ -109,12 +138,17 @@ class ExpertGroup(_Strict):
     name: Name
     experts: str = Field(description="expert spec, e.g. '*:0-3' (grammar in common/placement.py)")
     replicas: int = Field(1, ge=1, le=256)
-    region: Region = Field("", description="serve-expert --region (routers prefer their own region) and the "
-                                           "Nomad job's region; empty: neither")
+    region: Region = Field(
+        "",
+        description="serve-expert --region (routers prefer their own region) and the "
+        "Nomad job's region; empty: neither",
+    )
     datacenters: Datacenters | None = None
     constraints: list[Constraint] = Field(default_factory=list)
     port: Port = Field(50061, description="gRPC port in the container (Nomad picks a host port)")
-    compute_threads: int | None = Field(None, ge=1, le=1024, description="serve-expert --compute-threads")
+    compute_threads: int | None = Field(
+        None, ge=1, le=1024, description="serve-expert --compute-threads"
+    )
     resources: Resources = Resources(cpu_mhz=2000, memory_mb=4096)
     args: list[str] = Field(default_factory=list, description="extra serve-expert flags")
 
@@ -126,20 +160,31 @@ class ExpertGroup(_Strict):
 
 
 class ComposePlan(_Strict):
-    consul_image: str = Field("hashicorp/consul:1.20", min_length=1, description="image of the Consul dev agent")
+    consul_image: str = Field(
+        "hashicorp/consul:1.20", min_length=1, description="image of the Consul dev agent"
+    )
 
 
 class NomadPlan(_Strict):
-    datacenters: Datacenters = Field(default_factory=lambda: ["dc1"], description="default datacenters of every job")
-    model_volume: Name = Field("moe-mesh-model", description="Nomad client host_volume holding the checkpoint")
-    consul_http_addr: str = Field("127.0.0.1:8500", min_length=1,
-                                  description="the node's Consul agent as tasks on host networking see it")
+    datacenters: Datacenters = Field(
+        default_factory=lambda: ["dc1"], description="default datacenters of every job"
+    )
+    model_volume: Name = Field(
+        "moe-mesh-model", description="Nomad client host_volume holding the checkpoint"
+    )
+    consul_http_addr: str = Field(
+        "127.0.0.1:8500",
+        min_length=1,
+        description="the node's Consul agent as tasks on host networking see it",
+    )
 
 
 class Plan(_Strict):
     """Everything `deploy render` needs; unknown keys are errors (typos fail loudly)."""
 
-    name: Name = Field("moe-mesh", description="prefix of Nomad job names and of their Consul service names")
+    name: Name = Field(
+        "moe-mesh", description="prefix of Nomad job names and of their Consul service names"
+    )
     image: str = Field(min_length=1, description="the moe-mesh image, e.g. moe-mesh:0.1.0")
     model: ModelPlan
     gateway: GatewayPlan = GatewayPlan()
@@ -173,11 +218,15 @@ def _check_coverage(groups: list[ExpertGroup], bounds: ModelShape) -> None:
             raise ValueError(f"group {g.name!r} experts {g.experts!r}: {e}") from None
     missing = sorted({(la, e) for la in bounds.moe_layer_ids for e in range(num_experts)} - served)
     if missing:
-        raise ValueError(f"no group serves {format_experts(missing)!r} (LAYERS:EXPERTS) of the "
-                         f"{num_layers} layers x {num_experts} experts in `model`")
+        raise ValueError(
+            f"no group serves {format_experts(missing)!r} (LAYERS:EXPERTS) of the "
+            f"{num_layers} layers x {num_experts} experts in `model`"
+        )
 
 
-def expert_pairs(spec: str, num_layers: int | None = None, num_experts: int | None = None) -> list[Pair]:
+def expert_pairs(
+    spec: str, num_layers: int | None = None, num_experts: int | None = None
+) -> list[Pair]:
     """The pairs an expert spec names, parsed by the same code the services use.
 
     Without the model's sizes only the syntax is checked: the bounds are then the largest index in the text.
@@ -218,5 +267,7 @@ def load_plan(path: Path) -> Plan:
     try:
         return Plan.model_validate(raw)
     except ValidationError as e:
-        lines = [f"{_loc(err['loc'])}: {err['msg'].removeprefix('Value error, ')}" for err in e.errors()]
+        lines = [
+            f"{_loc(err['loc'])}: {err['msg'].removeprefix('Value error, ')}" for err in e.errors()
+        ]
         raise PlanError(f"{path}: " + "\n  ".join(lines)) from None

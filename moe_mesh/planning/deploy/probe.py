@@ -13,8 +13,9 @@ def probe(target: str, service: str = "", timeout_s: float = 2.0) -> tuple[bool,
 
     with grpc.insecure_channel(target) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                             timeout=timeout_s)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
         except grpc.RpcError as e:
             return False, f"{e.code().name}: {e.details()}"
     serving = reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -23,17 +24,26 @@ def probe(target: str, service: str = "", timeout_s: float = 2.0) -> tuple[bool,
 
 def add_probe_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """Register `probe` on the moe-mesh CLI: exit 0 when the gRPC health check says SERVING, else 1."""
-    p = subparsers.add_parser("probe", help="gRPC health check of one service (exit 0 when SERVING)",
-                              description="Ask a service's standard gRPC health service; exit 0 when it "
-                                          "answers SERVING, 1 otherwise (container health checks use it).")
+    p = subparsers.add_parser(
+        "probe",
+        help="gRPC health check of one service (exit 0 when SERVING)",
+        description="Ask a service's standard gRPC health service; exit 0 when it "
+        "answers SERVING, 1 otherwise (container health checks use it).",
+    )
     p.add_argument("address", metavar="HOST:PORT", help="the service's gRPC address")
-    p.add_argument("--service", default="", help="service name to check (default '': the whole server)")
-    p.add_argument("--timeout-s", type=float, default=2.0, help="give up after this many seconds (default 2)")
+    p.add_argument(
+        "--service", default="", help="service name to check (default '': the whole server)"
+    )
+    p.add_argument(
+        "--timeout-s", type=float, default=2.0, help="give up after this many seconds (default 2)"
+    )
     p.set_defaults(func=run_probe)
 
 
 def run_probe(args: argparse.Namespace) -> int:
     serving, status = probe(args.address, args.service, args.timeout_s)
-    print(f"{args.address}{' ' + args.service if args.service else ''}: {status}",
-          file=sys.stdout if serving else sys.stderr)
+    print(
+        f"{args.address}{' ' + args.service if args.service else ''}: {status}",
+        file=sys.stdout if serving else sys.stderr,
+    )
     return 0 if serving else 1
