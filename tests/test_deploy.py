@@ -141,6 +141,10 @@ BAD_PLANS = [
     (_set("gateway.http_port", 50050), "gateway: grpc_port and http_port are both 50050"),
     (_set("router.replicas", "two"), "router.replicas: Input should be a valid integer"),
     (
+        _set("router.args", ["--colocate-budget", "1GiB"]),
+        "router.args: set router.colocate_budget instead of --colocate-budget",
+    ),
+    (
         _set("expert_groups.0.constraints.0.attribute", ""),
         "expert_groups[0].constraints[0].attribute: String should",
     ),

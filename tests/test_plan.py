@@ -144,13 +144,8 @@ def test_lpt_balances_single_replica_groups() -> None:
 
 def test_plan_validates_and_renders(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     base = yaml.safe_load(EXAMPLE_PLAN.read_text())
-    base["router"]["args"] = [
-        "--max-num-seqs",
-        "64",
-        "--colocate-budget",
-        "1",
-        "--colocate-budget=2",
-    ]
+    base["router"]["args"] = ["--max-num-seqs", "64"]
+    base["router"]["colocate_budget"] = "1"
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
     out = tmp_path / "proposed.yaml"
     args = [
@@ -173,7 +168,8 @@ def test_plan_validates_and_renders(tmp_path: Path, capsys: pytest.CaptureFixtur
 
     plan = deploy.load_plan(out)  # validates, coverage included: the record's sizes are in `model`
     assert (plan.model.num_layers, plan.model.num_experts) == (2, 8)
-    assert plan.router.args == ["--max-num-seqs", "64", "--colocate-budget", str(4 * MIB)]
+    assert plan.router.args == ["--max-num-seqs", "64"]  # the budget is a field, edited as data
+    assert plan.router.colocate_budget == str(4 * MIB)
     template = deploy.load_plan(EXAMPLE_PLAN).expert_groups[0]
     assert [g.name for g in plan.expert_groups] == [
         "hot-r3",
@@ -206,6 +202,10 @@ def test_plan_validates_and_renders(tmp_path: Path, capsys: pytest.CaptureFixtur
             )
             == 0
         )
+    rendered = (tmp_path / "compose" / "docker-compose.yml").read_text()
+    assert (
+        f"- --colocate-budget\n    - '{4 * MIB}'\n" in rendered
+    )  # the field, rendered as the router's flag
     assert plan_cli.main(args) == 0 and deploy.load_plan(out) == plan  # deterministic
 
 
@@ -258,7 +258,7 @@ def test_the_moe_mesh_cli_prints_the_plan_to_stdout(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     (tmp_path / "out.yaml").write_text(done.stdout)
     plan = deploy.load_plan(tmp_path / "out.yaml")
-    assert plan.router.args == ["--colocate-budget", str(2 * MIB)]
+    assert plan.router.colocate_budget == str(2 * MIB) and plan.router.args == []
     assert (
         "colocated in the router: 0:1; 1:2  (2 experts, 2.0 MiB of the 2.0 MiB budget)"
         in done.stderr

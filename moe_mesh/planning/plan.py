@@ -143,13 +143,7 @@ def planned(base: Plan, record: Record, proposal: Proposal, budget_bytes: int) -
         }
         for g in proposal.groups
     ]
-    args, kept = iter(base.router.args), []
-    for arg in args:
-        if arg == "--colocate-budget":
-            next(args, None)  # its value
-        elif not arg.startswith("--colocate-budget="):
-            kept.append(arg)
-    raw.setdefault("router", {})["args"] = [*kept, "--colocate-budget", str(budget_bytes)]
+    raw.setdefault("router", {})["colocate_budget"] = str(budget_bytes)
     raw["model"].update(
         num_layers=record.num_layers,
         num_experts=record.num_experts,

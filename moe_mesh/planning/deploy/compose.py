@@ -96,6 +96,11 @@ def router_command(plan: Plan, port: str, extra: list[str]) -> list[str]:
         "0.0.0.0",
         "--port",
         port,
+        *(
+            ["--colocate-budget", plan.router.colocate_budget]
+            if plan.router.colocate_budget
+            else []
+        ),
         *extra,
         *plan.router.args,
     ]

@@ -131,7 +131,22 @@ class RouterPlan(_Strict):
     datacenters: Datacenters | None = None
     constraints: list[Constraint] = Field(default_factory=list)
     resources: Resources = Resources(cpu_mhz=2000, memory_mb=4096)
+    colocate_budget: str | None = Field(
+        None,
+        description="bytes of expert weights each router colocates by measured load ('512MiB', "
+        "'25%'); `moe-mesh plan` sets it from its proposal",
+    )
     args: list[str] = Field(default_factory=list, description="extra serve-router flags")
+
+    @field_validator("args")
+    @classmethod
+    def _budget_is_a_field(cls, args: list[str]) -> list[str]:
+        # Declared once: a flag here would fight the field (and the planner, which edits the field).
+        if any(a == "--colocate-budget" or a.startswith("--colocate-budget=") for a in args):
+            raise ValueError(
+                "set router.colocate_budget instead of --colocate-budget in router.args"
+            )
+        return args
 
 
 class ExpertGroup(_Strict):
