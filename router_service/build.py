@@ -104,7 +104,9 @@ def build_local_engine(settings: RouterSettings) -> Engine:
 def tiering_config(settings: RouterSettings, checkpoint: Checkpoint) -> TieringConfig:
     """The tiering policy's budget and pins; InvalidArgumentError names the setting that is wrong."""
     pairs = checkpoint.all_expert_pairs()
-    expert_bytes = checkpoint.load_experts(pairs[:1])[pairs[0]].nbytes
+    # From the spec, not from the weights: in the compute dtype, else the checkpoint's own.
+    dtype = checkpoint.dtype or getattr(torch, checkpoint.spec.torch_dtype, torch.float32)
+    expert_bytes = checkpoint.spec.expert_params * dtype.itemsize
     try:
         budget = parse_size(settings.colocate_budget, expert_bytes * len(pairs))
     except ValueError as e:

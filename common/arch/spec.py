@@ -45,6 +45,11 @@ class ModelSpec:
     torch_dtype: str
 
     @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert: gate and up [inter, hidden], down [hidden, inter]."""
+        return 3 * self.hidden_size * self.expert_intermediate_size
+
+    @property
     def moe_layer_ids(self) -> list[int]:
         return [i for i, moe in enumerate(self.moe_layers) if moe]
 
