@@ -11,7 +11,7 @@ import pytest
 from common import runtime
 
 runtime.configure()  # the test process is a router too: before anything imports torch
-from factories import make_checkpoint  # noqa: E402
+from support.factories import make_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +32,10 @@ def checkpoint(checkpoint_root: Path) -> Callable[..., Path]:
 def run(coro):
     """Run a coroutine to completion from a synchronous test."""
     return asyncio.run(coro)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow tests (the small preset, generation at length) are left out of the quick run too."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.e2e)

@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from common.tokenizer import Tokenizer
+from support.cli import moe_mesh
 
-
-def moe_mesh(*args: str) -> subprocess.CompletedProcess:
-    exe = shutil.which("moe-mesh", path=str(Path(sys.executable).parent))
-    cmd = [exe] if exe else [sys.executable, "-m", "moe_mesh"]
-    return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, timeout=120)
+pytestmark = pytest.mark.e2e  # the `moe-mesh` command in subprocesses
 
 
 def test_generate_local_json_with_token_ids(checkpoint) -> None:

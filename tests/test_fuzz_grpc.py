@@ -14,8 +14,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from meshes import local_mesh
-from test_mesh import PROMPTS, monolithic
 
 from common.wire import encode
 from expert_service.app import build_server
@@ -29,6 +27,10 @@ from protos.moe_mesh.v1 import (
     router_pb2_grpc,
     tensor_pb2,
 )
+from support.meshes import local_mesh
+from support.reference import PROMPTS, monolithic
+
+pytestmark = pytest.mark.e2e  # hundreds of generated requests
 
 EXAMPLES = 60
 ALLOWED = {

@@ -17,8 +17,11 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
-from meshes import local_mesh
-from test_mesh import PROMPTS, monolithic
+
+from support.meshes import local_mesh
+from support.reference import PROMPTS, monolithic
+
+pytestmark = pytest.mark.e2e  # hundreds of generated requests
 
 EXAMPLES = 25  # per operation and mode
 

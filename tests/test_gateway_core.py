@@ -15,41 +15,9 @@ from common.errors import (
     UnavailableError,
 )
 from common.resilience import RetryBudget
-from common.tokenizer import Tokenizer
 from gateway.admission import Admission
-from gateway.balancer import RouterLostError
-from gateway.core import GatewayCore, ModelInfo, TextRequest
-from gateway.router_client import Chunk
-from gateway.settings import GatewaySettings
-
-
-class FakeRouter:
-    """Answers every request with `n` tokens, one per message, after an optional gate opens."""
-
-    def __init__(self, address: str, gate: asyncio.Event | None = None) -> None:
-        self.address, self.gate, self.outstanding, self.served = address, gate, 0, []
-
-    async def generate(self, request, timeout_s, trace_context=None):
-        self.outstanding += 1
-        try:
-            self.served.append(request.request_id)
-            if self.gate is not None:
-                await self.gate.wait()
-            n = request.params.max_tokens
-            for i in range(n):
-                yield Chunk(
-                    [5 + i], "length" if i == n - 1 else None, len(request.prompt_token_ids), i + 1
-                )
-        finally:
-            self.outstanding -= 1
-
-    async def status(self, timeout_s):  # pragma: no cover - not used by the core
-        raise NotImplementedError
-
-
-def core(path, routers, **settings) -> GatewayCore:
-    s = GatewaySettings(checkpoint=path, routers=[r.address for r in routers], **settings)
-    return GatewayCore(s, Tokenizer(path), routers, ModelInfo("m", "mixtral", 512, 512))
+from gateway.core import GatewayCore, TextRequest
+from support.fakes import FakeRouter, ScriptedRouter, core
 
 
 async def test_requests_spread_over_router_replicas_by_outstanding_streams(checkpoint) -> None:
@@ -108,42 +76,6 @@ async def test_a_cancelled_waiter_gives_its_place_back() -> None:
 
 
 # -- failure paths -------------------------------------------------------------------------------
-
-
-class ScriptedRouter:
-    """Token at absolute position p is 5 + p % 400, so a continuation elsewhere gives the same tokens.
-
-    `dies_after`: raise RouterLostError (what a killed router looks like) after that many tokens;
-    `refuses`: every call fails before its first token; `no_finish`: the stream just ends."""
-
-    def __init__(
-        self,
-        address: str,
-        dies_after: int | None = None,
-        refuses: bool = False,
-        no_finish: bool = False,
-    ) -> None:
-        self.address, self.outstanding, self.calls = address, 0, []
-        self.dies_after, self.refuses, self.no_finish = dies_after, refuses, no_finish
-
-    async def generate(self, request, timeout_s, trace_context=None):
-        self.calls.append(request)
-        self.outstanding += 1
-        try:
-            if self.refuses:
-                raise RouterLostError("UNAVAILABLE: failed to connect to all addresses")
-            start, n = len(request.prompt_token_ids), request.params.max_tokens
-            for i in range(n):
-                if self.dies_after is not None and i == self.dies_after:
-                    raise RouterLostError("UNAVAILABLE: Stream removed")
-                last = i == n - 1 and not self.no_finish
-                yield Chunk([5 + (start + i) % 400], "length" if last else None, start, i + 1)
-                await asyncio.sleep(0)
-        finally:
-            self.outstanding -= 1
-
-    async def status(self, timeout_s):  # pragma: no cover - not used by the core
-        raise NotImplementedError
 
 
 async def collect(

@@ -19,12 +19,14 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from processes import ServiceProcess
-from test_mesh import PROMPTS
 
 from gateway.app import GatewayApp
 from gateway.settings import GatewaySettings
 from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
+from support.processes import ServiceProcess
+from support.reference import PROMPTS
+
+pytestmark = pytest.mark.e2e  # router processes killed mid-stream
 
 ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+:\d+|localhost:\d+|\[[0-9a-f:]+\]:\d+")
 

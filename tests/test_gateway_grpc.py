@@ -8,11 +8,11 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from meshes import local_mesh
-from test_mesh import PROMPTS, monolithic
 
 from common.status import RETRY_AFTER_KEY
 from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
+from support.meshes import local_mesh
+from support.reference import PROMPTS, monolithic
 
 
 def greedy(i: int, max_tokens: int = 32, **kw) -> inference_pb2.GenerateRequest:

@@ -13,9 +13,6 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
-from meshes import LocalMesh, local_mesh
-from test_gateway_core import FakeRouter, ScriptedRouter
-from test_gateway_core import core as fake_core
 
 from common.tokenizer import TextStream, Tokenizer
 from gateway.core import TextRequest
@@ -23,6 +20,9 @@ from gateway.http_api import ChatMessage, chat_prompt, create_app
 from router_service.build import build_local_engine
 from router_service.sampling import SamplingParams
 from router_service.settings import RouterSettings
+from support.fakes import FakeRouter, ScriptedRouter
+from support.fakes import core as fake_core
+from support.meshes import LocalMesh, local_mesh
 
 # One mesh serves most tests of this module, so they share its event loop.
 pytestmark = pytest.mark.asyncio(loop_scope="module")

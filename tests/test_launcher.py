@@ -12,6 +12,8 @@ import pytest
 from common.placement import format_experts, parse_experts
 from moe_mesh.local.launcher import Launcher
 
+pytestmark = pytest.mark.e2e  # launcher child processes
+
 SLEEPER = ["-c", "import time; time.sleep(60)"]
 DEAF = [
     "-c",

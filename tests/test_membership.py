@@ -3,30 +3,32 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import signal
 import time
 
 import grpc
 import pytest
 import torch
-from processes import start_experts
-from test_mesh import PROMPTS, monolithic
 
 from common.checkpoint import Checkpoint
 from common.errors import PreconditionError, UnavailableError
 from common.registry import EXPERT_SERVICE, Instance, Membership
-from common.registry.memory import MemoryRegistry
 from gateway.app import GatewayApp
 from gateway.settings import GatewaySettings
 from moe_mesh.local.registry import EmbeddedConsul
-from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, inference_pb2, inference_pb2_grpc
+from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
 from router_service.app import RouterApp
 from router_service.build import default_model_id
 from router_service.experts import DispatchPolicy, ExpertDispatcher, LivePlacement
 from router_service.membership import ExpertMembership
 from router_service.remote import Identity
 from router_service.settings import RouterSettings
+from support.memory_registry import MemoryRegistry
+from support.polling import eventually, takes_calls
+from support.processes import start_experts
+from support.reference import PROMPTS, monolithic
+
+pytestmark = pytest.mark.e2e  # expert-service processes and a registry
 
 
 class Load:
@@ -81,34 +83,6 @@ class Load:
         self._stop.set()
         await self._task
         await self._channel.close()
-
-
-async def calls(address: str) -> int:
-    async with grpc.aio.insecure_channel(address) as channel:
-        reply = await expert_pb2_grpc.ExpertServiceStub(channel).Describe(
-            expert_pb2.DescribeRequest(), timeout=5
-        )
-        return reply.stats.forward_calls
-
-
-async def eventually(predicate, timeout_s: float = 15.0, what: str = "") -> None:
-    """Poll `predicate` (plain or async) until it is true, for at most timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if inspect.isawaitable(value):
-            value = await value
-        if value:
-            return
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
-
-
-async def takes_calls(address: str) -> bool:
-    try:
-        return await calls(address) > 0
-    except grpc.aio.AioRpcError:
-        return False
 
 
 async def test_membership_changes_under_load(checkpoint, tmp_path, monkeypatch) -> None:

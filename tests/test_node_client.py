@@ -11,12 +11,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from meshes import local_mesh
 
 from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
 from router_service.build import build_local_engine
 from router_service.sampling import SamplingParams
 from router_service.settings import RouterSettings
+from support.meshes import local_mesh
+
+pytestmark = pytest.mark.e2e  # a Node.js client process
 
 NODE = shutil.which("node")
 if NODE is None:

@@ -17,6 +17,8 @@ from router_service.model import pack_step
 from router_service.sampling import SamplingParams
 from router_service.settings import RouterSettings
 
+pytestmark = pytest.mark.e2e  # transformers generate at length
+
 PROMPTS = [[7], [11, 3, 250, 9, 31], list(range(40, 53)), [(i * 37) % 400 + 5 for i in range(29)]]
 NEW_TOKENS = 32
 TOL = 1e-4

@@ -6,11 +6,13 @@ import json
 import re
 
 import pytest
-from processes import ServiceProcess
-from test_cli import moe_mesh
 
 from common.errors import PreconditionError, UnavailableError
 from moe_mesh.ops.placement import pairs_of, placement_record, render, shares, write_png
+from support.cli import moe_mesh
+from support.processes import ServiceProcess
+
+pytestmark = pytest.mark.e2e  # router processes
 
 LAYERS, EXPERTS, MOE = 3, 8, [1, 2]  # layer 0 is dense
 

@@ -31,9 +31,9 @@ from grpc_health.v1 import health_pb2
 from common.errors import InvalidArgumentError, UnavailableError
 from common.registry import Instance, Membership, Registry
 from common.registry.consul import ConsulConfig, ConsulRegistry
-from common.registry.memory import MemoryRegistry
 from common.server import GrpcServer
 from moe_mesh.local.registry import EmbeddedConsul, parse_duration
+from support.memory_registry import MemoryRegistry
 
 SERVICE = "contract-svc"
 WAIT_S = 10.0  # blocking-query wait; "woke on change" means well before this

@@ -11,12 +11,14 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from processes import ServiceProcess, start_experts
-from test_mesh import PROMPTS, monolithic
 
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc, types_pb2
 from router_service.app import SERVICE_NAME, RouterApp
 from router_service.settings import RouterSettings
+from support.processes import ServiceProcess, start_experts
+from support.reference import PROMPTS, monolithic
+
+pytestmark = pytest.mark.e2e  # router and expert-service processes
 
 LENGTH = types_pb2.FINISH_REASON_LENGTH
 

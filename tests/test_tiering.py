@@ -10,9 +10,6 @@ import sys
 import grpc
 import pytest
 import torch
-from processes import start_experts
-from test_membership import calls, eventually
-from test_mesh import ALL_REMOTE, PROMPTS, monolithic, run_engine
 
 from common.checkpoint import Checkpoint
 from common.registry import open_registry
@@ -25,6 +22,11 @@ from router_service.sampling import SamplingParams
 from router_service.settings import RouterSettings
 from router_service.tiering import TieringConfig, choose_hot
 from router_service.utilization import UtilizationWindow
+from support.polling import calls, eventually
+from support.processes import start_experts
+from support.reference import ALL_REMOTE, PROMPTS, monolithic, run_engine
+
+pytestmark = pytest.mark.e2e  # expert-service processes
 
 EB = 1000  # bytes of one expert in the policy tests
 
@@ -356,7 +358,7 @@ async def test_router_uses_its_region_falls_back_and_returns(
     ],
 )
 def test_bad_tiering_flags_fail_clearly(checkpoint, flags, needle) -> None:
-    from test_cli import moe_mesh
+    from support.cli import moe_mesh
 
     out = moe_mesh(
         "serve-router", "--checkpoint", checkpoint("mixtral"), "--expert", "127.0.0.1:1", *flags

@@ -12,13 +12,16 @@ import time
 from pathlib import Path
 
 import grpc
-from test_cli import moe_mesh
-from test_mesh import PROMPTS, monolithic
+import pytest
 
 from common.arch import load_spec
 from common.finish_reason import from_wire
 from moe_mesh.ops.traces import load_spans
 from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, inference_pb2, inference_pb2_grpc
+from support.cli import moe_mesh
+from support.reference import PROMPTS, monolithic
+
+pytestmark = pytest.mark.e2e  # a whole `moe-mesh up` mesh
 
 
 def _alive(pid: int) -> bool:

@@ -3,7 +3,8 @@
 Expert services register themselves (with their experts, model id, weights checksum and region in
 `meta`) and deregister on shutdown; routers watch expert services and gateways watch routers.
 Implementations: `consul.ConsulRegistry` (a real Consul agent, or the embedded Consul-compatible
-server `moe_mesh.local.registry.EmbeddedConsul` that `moe-mesh up` runs) and `memory.MemoryRegistry` (in-process).
+server `moe_mesh.local.registry.EmbeddedConsul` that `moe-mesh up` runs) and, for tests,
+`tests/support/memory_registry.py` (in-process).
 """
 
 from __future__ import annotations
