@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import uvicorn
 
 from common.errors import InvalidArgumentError, MoeMeshError, UnavailableError
-from common.registry import ROUTER_SERVICE, Membership, Registry, open_registry
+from common.registry import ROUTER_SERVICE, Instance, Membership, Registry, open_registry
+from common.registry.follow import Follower, follow
 from common.server import GrpcServer, Service
 from common.telemetry import Telemetry
 from common.tokenizer import Tokenizer
@@ -115,35 +116,32 @@ class GatewayApp:
     ) -> GatewayApp:
         """Routers come and go with the registry; start once one is there and answers Status."""
         interceptors = telemetry.client_interceptors()
+
+        def connect(inst: Instance) -> RouterClient:
+            return RouterClient(inst.endpoint, settings.max_message_bytes, interceptors)
+
+        def leave(client: RouterClient) -> None:
+            # Streams in flight keep the channel; close it once they have had time to end.
+            loop = asyncio.get_running_loop()
+            loop.call_later(settings.grace_s, lambda: asyncio.ensure_future(client.close()))
+
+        routers: Follower[RouterClient] = Follower(connect, leave)
         watch = registry.watch(ROUTER_SERVICE)
         first = await asyncio.wait_for(_first_nonempty(watch), settings.connect_timeout_s)
-        clients = {
-            i.id: RouterClient(i.endpoint, settings.max_message_bytes, interceptors)
-            for i in first.instances
-        }
-        model = await next(iter(clients.values())).model(settings.connect_timeout_s)
-        core = GatewayCore(
-            settings, Tokenizer(settings.checkpoint), list(clients.values()), model, telemetry
-        )
-        app = cls(settings, core, list(clients.values()), telemetry)
+        routers.reconcile({i.id: i for i in first.instances})
+        model = await next(iter(routers.clients.values())).model(settings.connect_timeout_s)
+        clients = list(routers.clients.values())
+        core = GatewayCore(settings, Tokenizer(settings.checkpoint), clients, model, telemetry)
+        app = cls(settings, core, clients, telemetry)
 
-        async def follow() -> None:
-            loop = asyncio.get_running_loop()
-            async for m in watch:
-                current = {i.id: i for i in m.instances if i.meta.get("model_id") == model.id}
-                for gone in set(clients) - set(current):
-                    # Streams in flight keep the channel; close it once they have had time to end.
-                    client = clients.pop(gone)
-                    loop.call_later(
-                        settings.grace_s, lambda c=client: asyncio.ensure_future(c.close())
-                    )
-                for new in set(current) - set(clients):
-                    clients[new] = RouterClient(
-                        current[new].endpoint, settings.max_message_bytes, interceptors
-                    )
-                app.core.routers = app.routers = list(clients.values())
+        def apply(m: Membership) -> None:
+            if routers.reconcile(
+                {i.id: i for i in m.instances if i.meta.get("model_id") == model.id}
+            ):
+                app.routers = list(routers.clients.values())
+                app.core.set_routers(app.routers)
 
-        app._follow_task = asyncio.create_task(follow(), name="router-membership")
+        app._follow_task = asyncio.create_task(follow(watch, apply), name="router-membership")
         app.grpc.on_stop.append(registry.close)
         return app
 

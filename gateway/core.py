@@ -173,6 +173,10 @@ class GatewayCore:
     def list_models(self) -> list[ModelInfo]:
         return [self.model]
 
+    def set_routers(self, routers: Sequence[RouterBackend]) -> None:
+        """The router replicas to balance over from now on (registry membership changed)."""
+        self.routers = list(routers)
+
     # -- validation ------------------------------------------------------------------------
 
     def check_bounds(self, r: TextRequest) -> None:

@@ -190,7 +190,7 @@ async def build_router(
         else {}
     )
     placement.set_remote(remote)
-    missing = [p for p in checkpoint.all_expert_pairs() if not model.dispatcher.placement.get(p)]
+    missing = placement.missing(checkpoint.all_expert_pairs())
     backends = sorted(
         {id(b): b for bs in remote.values() for b in bs}.values(), key=lambda b: b.address
     )

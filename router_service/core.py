@@ -38,6 +38,12 @@ Unhealthy = Callable[[str], Awaitable[None]]
 @dataclass
 class RouterStatus:
     model_id: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    num_layers: int
+    num_experts: int
+    moe_layers: list[int]
     running: int
     waiting: int
     steps: int
@@ -51,6 +57,8 @@ class RouterStatus:
     region: str
     remote_calls: int
     tokens_colocated: int
+    hedges: int
+    ejections: int
     tiering: TieringStatus
 
 
@@ -128,8 +136,15 @@ class RouterCore:
             sorted(t.config.pinned_hot),
             sorted(t.config.pinned_remote),
         )
+        spec = self.engine.model.spec
         return RouterStatus(
             self.model_id,
+            spec.family,
+            spec.vocab_size,
+            self.engine.model.max_model_len,
+            spec.num_layers,
+            spec.num_experts,
+            spec.moe_layer_ids,
             len(self.engine.running),
             self.engine.num_waiting,
             self.steps,
@@ -143,6 +158,8 @@ class RouterCore:
             d.region,
             d.remote_calls,
             d.tokens_colocated,
+            d.hedges,
+            d.ejections,
             tiering,
         )
 

@@ -178,6 +178,10 @@ class ExpertDispatcher:
             description="expert replicas ejected for a while",
         )
 
+    def set_placement(self, placement: Placement) -> None:
+        """Swap in a new placement table (one assignment: a layer call in flight keeps the old one)."""
+        self.placement = {pair: list(replicas) for pair, replicas in placement.items()}
+
     def _observe_routed(self, _options) -> list[Observation]:
         counts = self.tokens_routed.tolist()
         return [
@@ -502,4 +506,9 @@ class LivePlacement:
         }
         for pair, replicas in self.remote.items():
             table.setdefault(pair, []).extend(replicas)
-        self.dispatcher.placement = table
+        self.table = table
+        self.dispatcher.set_placement(table)
+
+    def missing(self, pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The pairs of `pairs` that no backend serves."""
+        return [p for p in pairs if not self.table.get(p)]

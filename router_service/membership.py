@@ -20,6 +20,7 @@ from common.arch import ModelSpec
 from common.errors import InvalidArgumentError, PreconditionError
 from common.placement import Pair, format_experts, parse_experts
 from common.registry import EXPERT_SERVICE, Instance, Membership, Registry
+from common.registry.follow import Follower, follow
 from router_service.experts import ExpertBackend, LivePlacement
 from router_service.remote import Identity, RemoteExperts
 
@@ -38,9 +39,9 @@ class ExpertMembership:
     ) -> None:
         self.spec, self.identity, self.placement = spec, identity, placement
         self.max_message_bytes, self.interceptors = max_message_bytes, interceptors
-        self.backends: dict[
-            str, tuple[RemoteExperts, list[Pair]]
-        ] = {}  # instance id -> backend, its pairs
+        self._follower: Follower[RemoteExperts] = Follower(self._connect, self._leave)
+        self.backends = self._follower.clients  # instance id -> backend
+        self._pairs: dict[str, list[Pair]] = {}  # instance id -> what it serves
         self.stale = False
         self.changes = 0
         self._changed = asyncio.Event()
@@ -51,49 +52,47 @@ class ExpertMembership:
     def apply(self, membership: Membership) -> None:
         """Adopt a membership snapshot: connect new services, drop departed ones, rebuild the placement."""
         self.stale = membership.stale
-        current = {i.id: i for i in membership.instances if self._compatible(i)}
-        pairs_of = {}
-        for inst in list(current.values()):
+        wanted = {}
+        for inst in membership.instances:
+            if not self._compatible(inst):
+                continue
+            # One bad record must not stop the router following the rest.
             try:
-                pairs_of[inst.id] = parse_experts(inst.meta.get("experts", ""), self.spec)
-            except (
-                InvalidArgumentError
-            ) as e:  # one bad record must not stop the router following the rest
-                del current[inst.id]
-                self._warn(
-                    inst,
-                    f"its expert list {inst.meta.get('experts', '')!r} does not fit this model: {e}",
-                )
-        for gone in set(self.backends) - set(current):
-            backend, _ = self.backends.pop(gone)
-            log.info("expert service %s left", backend.address)
-            backend.retire()  # its calls in flight fail over now instead of waiting on a leaving (or hung) service
-            asyncio.get_running_loop().call_later(
-                CLOSE_AFTER_S, lambda b=backend: asyncio.ensure_future(b.close())
-            )
-        for new in set(current) - set(self.backends):
-            inst = current[new]
-            pairs = pairs_of[new]
-            region = inst.meta.get("region", "")
-            self.backends[new] = (
-                RemoteExperts(
-                    inst.endpoint, self.identity, self.max_message_bytes, region, self.interceptors
-                ),
-                pairs,
-            )
-            log.info(
-                "expert service %s (region %r) joined: %s",
-                inst.endpoint,
-                region,
-                format_experts(pairs),
-            )
+                self._pairs[inst.id] = parse_experts(inst.meta.get("experts", ""), self.spec)
+            except InvalidArgumentError as e:
+                experts = inst.meta.get("experts", "")
+                self._warn(inst, f"its expert list {experts!r} does not fit this model: {e}")
+                continue
+            wanted[inst.id] = inst
+        self._follower.reconcile(wanted)
+        self._pairs = {i: self._pairs[i] for i in self.backends}
         remote: dict[Pair, list[ExpertBackend]] = {}
-        for backend, pairs in sorted(self.backends.values(), key=lambda bp: bp[0].address):
-            for pair in pairs:
+        for instance_id, backend in sorted(self.backends.items(), key=lambda kv: kv[1].address):
+            for pair in self._pairs[instance_id]:
                 remote.setdefault(pair, []).append(backend)
         self.placement.set_remote(remote)
         self.changes += 1
         self._changed.set()
+
+    def _connect(self, inst: Instance) -> RemoteExperts:
+        region = inst.meta.get("region", "")
+        log.info(
+            "expert service %s (region %r) joined: %s",
+            inst.endpoint,
+            region,
+            format_experts(self._pairs[inst.id]),
+        )
+        return RemoteExperts(
+            inst.endpoint, self.identity, self.max_message_bytes, region, self.interceptors
+        )
+
+    @staticmethod
+    def _leave(backend: RemoteExperts) -> None:
+        log.info("expert service %s left", backend.address)
+        backend.retire()  # calls in flight fail over now instead of waiting on a leaving (or hung) service
+        asyncio.get_running_loop().call_later(
+            CLOSE_AFTER_S, lambda: asyncio.ensure_future(backend.close())
+        )
 
     def _compatible(self, inst: Instance) -> bool:
         ok = (
@@ -118,12 +117,14 @@ class ExpertMembership:
         every = [
             (layer, e) for layer in self.spec.moe_layer_ids for e in range(self.spec.num_experts)
         ]
-        return [p for p in every if not self.placement.dispatcher.placement.get(p)]
+        return self.placement.missing(every)
 
     async def start(self, registry: Registry, timeout_s: float) -> None:
         """Follow the registry; return once every expert has a replica, or raise after timeout_s."""
         self._registry = registry
-        self._task = asyncio.create_task(self._follow(registry), name="expert-membership")
+        self._task = asyncio.create_task(
+            follow(registry.watch(EXPERT_SERVICE), self.apply), name="expert-membership"
+        )
         deadline = time.monotonic() + timeout_s
         while self.missing():
             remaining = deadline - time.monotonic()
@@ -138,14 +139,10 @@ class ExpertMembership:
             except TimeoutError:
                 pass
 
-    async def _follow(self, registry: Registry) -> None:
-        async for membership in registry.watch(EXPERT_SERVICE):
-            self.apply(membership)
-
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         if self._registry is not None:
             await self._registry.close()
-        await asyncio.gather(*(b.close() for b, _ in self.backends.values()))
+        await asyncio.gather(*(b.close() for b in self.backends.values()))

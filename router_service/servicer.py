@@ -59,17 +59,16 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     ):
         st = self.core.status()
         t = st.tiering
-        spec, model = self.core.engine.model.spec, self.core.engine.model
         return router_pb2.RouterStatus(
             model_id=st.model_id,
-            architecture=spec.family,
-            vocab_size=spec.vocab_size,
-            max_model_len=model.max_model_len,
+            architecture=st.architecture,
+            vocab_size=st.vocab_size,
+            max_model_len=st.max_model_len,
             running=st.running,
             waiting=st.waiting,
             steps=st.steps,
-            num_layers=spec.num_layers,
-            num_experts=spec.num_experts,
+            num_layers=st.num_layers,
+            num_experts=st.num_experts,
             tokens_routed=[n for row in st.tokens_routed for n in row],
             failovers=st.failovers,
             placement=[
@@ -89,7 +88,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             demotions=t.demotions,
             pinned_hot=format_experts(t.pinned_hot),
             pinned_remote=format_experts(t.pinned_remote),
-            moe_layers=spec.moe_layer_ids,
+            moe_layers=st.moe_layers,
             remote_calls=st.remote_calls,
             tokens_colocated=st.tokens_colocated,
+            hedges=st.hedges,
+            ejections=st.ejections,
         )

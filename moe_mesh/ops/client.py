@@ -92,6 +92,8 @@ async def router_status(address: str) -> dict:
         waiting=st.waiting,
         steps=st.steps,
         failovers=st.failovers,
+        hedges=st.hedges,
+        ejections=st.ejections,
         registry_stale=st.registry_stale,
         num_layers=st.num_layers,
         num_experts=st.num_experts,
@@ -155,6 +157,8 @@ def print_status(st: dict) -> None:
     print(f"gateway  {g['address']:<22} {g['health']:<12} http://{g['http']}/v1")
     for r in st["routers"]:
         load = f"running {r.get('running', '?')} waiting {r.get('waiting', '?')} steps {r.get('steps', '?')}"
+        if r.get("failovers") or r.get("hedges") or r.get("ejections"):
+            load += f"  failovers {r['failovers']} hedges {r['hedges']} ejections {r['ejections']}"
         if r.get("registry_stale"):
             load += "  (registry unreachable: serving the last known experts)"
         print(f"router   {r['address']:<22} {r['health']:<12} {r.get('error', load)}")

@@ -64,7 +64,7 @@ class ExpertPlacement(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., experts: _Optional[str] = ..., region: _Optional[str] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "running", "waiting", "steps", "num_layers", "num_experts", "tokens_routed", "failovers", "placement", "registry_stale", "utilization", "utilization_window_s", "region", "expert_bytes", "colocated_bytes", "colocate_budget_bytes", "promotions", "demotions", "pinned_hot", "pinned_remote", "moe_layers", "remote_calls", "tokens_colocated")
+    __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "running", "waiting", "steps", "num_layers", "num_experts", "tokens_routed", "failovers", "placement", "registry_stale", "utilization", "utilization_window_s", "region", "expert_bytes", "colocated_bytes", "colocate_budget_bytes", "promotions", "demotions", "pinned_hot", "pinned_remote", "moe_layers", "remote_calls", "tokens_colocated", "hedges", "ejections")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,8 @@ class RouterStatus(_message.Message):
     MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_CALLS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_COLOCATED_FIELD_NUMBER: _ClassVar[int]
+    HEDGES_FIELD_NUMBER: _ClassVar[int]
+    EJECTIONS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -117,4 +119,6 @@ class RouterStatus(_message.Message):
     moe_layers: _containers.RepeatedScalarFieldContainer[int]
     remote_calls: int
     tokens_colocated: int
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., tokens_routed: _Optional[_Iterable[int]] = ..., failovers: _Optional[int] = ..., placement: _Optional[_Iterable[_Union[ExpertPlacement, _Mapping]]] = ..., registry_stale: _Optional[bool] = ..., utilization: _Optional[_Iterable[float]] = ..., utilization_window_s: _Optional[float] = ..., region: _Optional[str] = ..., expert_bytes: _Optional[int] = ..., colocated_bytes: _Optional[int] = ..., colocate_budget_bytes: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., pinned_hot: _Optional[str] = ..., pinned_remote: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., remote_calls: _Optional[int] = ..., tokens_colocated: _Optional[int] = ...) -> None: ...
+    hedges: int
+    ejections: int
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., tokens_routed: _Optional[_Iterable[int]] = ..., failovers: _Optional[int] = ..., placement: _Optional[_Iterable[_Union[ExpertPlacement, _Mapping]]] = ..., registry_stale: _Optional[bool] = ..., utilization: _Optional[_Iterable[float]] = ..., utilization_window_s: _Optional[float] = ..., region: _Optional[str] = ..., expert_bytes: _Optional[int] = ..., colocated_bytes: _Optional[int] = ..., colocate_budget_bytes: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., pinned_hot: _Optional[str] = ..., pinned_remote: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., remote_calls: _Optional[int] = ..., tokens_colocated: _Optional[int] = ..., hedges: _Optional[int] = ..., ejections: _Optional[int] = ...) -> None: ...
