@@ -206,9 +206,8 @@ class DynamicBatcher:
                 self._queue_s.record(began - g.enqueued_s)
         try:
             out = await loop.run_in_executor(self._executor, _compute, parts, self._weights[key])
-        except (
-            Exception
-        ) as e:  # fail every group of this batch; their queued remainders are dropped later
+        # Fail every group of this batch; their queued remainders are dropped later.
+        except Exception as e:
             self._fail((g for g, _, _ in batch), e)
             return
         except BaseException as e:

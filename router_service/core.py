@@ -91,9 +91,8 @@ class RouterCore:
         self.tierer = tierer
         self.membership = membership  # set when expert services come from a registry
         self.tracer = telemetry.tracer
-        self._traced: dict[
-            str, Context
-        ] = {}  # request id -> its span's context, for traced requests only
+        # request id -> its span's context, for traced requests only
+        self._traced: dict[str, Context] = {}
         self._batch_size = telemetry.sizes(ROUTER_BATCH_SIZE, "sequences in one engine step")
         telemetry.meter.create_observable_gauge(
             ROUTER_QUEUE_DEPTH,

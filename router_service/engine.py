@@ -77,9 +77,8 @@ class Engine:
         self._rng = random.Random()
         self._generator = torch.Generator()  # re-seeded for every sampled token: see sampling.py
         self._cancelled: list[Sequence] = []
-        self._pending: list[
-            StepOutput
-        ] = []  # cancellations reaped between steps, reported by the next step
+        # cancellations reaped between steps, reported by the next step
+        self._pending: list[StepOutput] = []
         self._stepping = False
         self.eos_ids = frozenset(model.spec.eos_token_ids)
 
@@ -167,9 +166,8 @@ class Engine:
         outputs, self._pending = self._pending, []
         try:
             await self._step(outputs)
-        except (
-            Exception
-        ) as e:  # a bug or a torch error not pinned on one request: fail the step's requests
+        # A bug or a torch error not pinned on one request: fail the step's requests.
+        except Exception as e:
             log.exception("engine step failed")
             error = (
                 e if isinstance(e, MoeMeshError) else InternalError(f"engine step failed: {e!r}")

@@ -272,9 +272,8 @@ class ConsulRegistry:
                     check=check,
                     replace_existing_checks=True,
                 )
-        except (
-            consul.exceptions.BadRequest
-        ) as e:  # e.g. meta beyond Consul's limits: retrying will not help
+        # e.g. meta beyond Consul's limits: retrying will not help
+        except consul.exceptions.BadRequest as e:
             raise InvalidArgumentError("instance", f"registry rejected {instance.id}: {e}") from e
         except (consul.exceptions.ACLPermissionDenied, consul.exceptions.ACLDisabled) as e:
             raise PreconditionError(

@@ -275,9 +275,8 @@ def _fuse_experts(out_dir: Path, progress: bool) -> None:
     ):
         old_map = index["weight_map"] if index else dict.fromkeys(f.keys(), "model.safetensors")
     new_map: dict[str, str] = {}  # new key -> file
-    sources: dict[
-        str, list[str] | str
-    ] = {}  # new key -> old key, or the [gate, up, down] per-expert key lists
+    # new key -> old key, or the [gate, up, down] per-expert key lists
+    sources: dict[str, list[str] | str] = {}
     experts: dict[str, dict[tuple[str, int], str]] = {}
     for key in old_map:
         if m := _PER_EXPERT.match(key):

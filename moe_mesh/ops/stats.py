@@ -56,10 +56,8 @@ def scrape(address: str) -> list[Metric]:
         with _OPENER.open(f"http://{address}/metrics", timeout=SCRAPE_TIMEOUT_S) as reply:
             text = reply.read().decode("utf-8")
         return list(text_string_to_metric_families(text))
-    except (
-        OSError,
-        ValueError,
-    ) as e:  # URLError and timeouts are OSErrors; the parser raises ValueError
+    # URLError and timeouts are OSErrors; the parser raises ValueError
+    except (OSError, ValueError) as e:
         raise UnavailableError(f"{address}: {getattr(e, 'reason', e)}") from None
 
 
