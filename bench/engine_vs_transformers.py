@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
 from router_service.build import build_local_engine  # noqa: E402
-from router_service.sampling import SamplingParams  # noqa: E402
+from router_service.engine.sampling import SamplingParams  # noqa: E402
 from router_service.settings import RouterSettings  # noqa: E402
 
 DEFAULT_CHECKPOINT = Path(".cache/bench-small-mixtral")

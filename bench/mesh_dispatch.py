@@ -32,7 +32,7 @@ from common.checkpoint import Checkpoint  # noqa: E402
 from common.moe import route  # noqa: E402
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
 from router_service.build import build_local_engine, build_router  # noqa: E402
-from router_service.sampling import SamplingParams  # noqa: E402
+from router_service.engine.sampling import SamplingParams  # noqa: E402
 from router_service.settings import RouterSettings  # noqa: E402
 from support.processes import start_experts  # noqa: E402
 

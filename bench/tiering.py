@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
 from router_service.build import build_local_engine, build_router  # noqa: E402
-from router_service.sampling import SamplingParams  # noqa: E402
+from router_service.engine.sampling import SamplingParams  # noqa: E402
 from router_service.settings import RouterSettings  # noqa: E402
 from support.processes import start_experts  # noqa: E402
 

@@ -20,20 +20,20 @@ from common.registry import Registry
 from common.resilience import EjectionPolicy
 from common.telemetry import OFF, Telemetry
 from common.units import parse_size
-from router_service.engine import Engine
-from router_service.experts import (
+from router_service.engine.engine import Engine
+from router_service.engine.model import MoeModel
+from router_service.experts.dispatch import (
     ColocatedExperts,
     DispatchPolicy,
     ExpertDispatcher,
     LivePlacement,
     Placement,
 )
-from router_service.membership import ExpertMembership
-from router_service.model import MoeModel
-from router_service.remote import Identity, RemoteExperts, connect
+from router_service.experts.membership import ExpertMembership
+from router_service.experts.remote import Identity, RemoteExperts, connect
+from router_service.experts.tiering import Tierer, TieringConfig
+from router_service.experts.utilization import UtilizationWindow
 from router_service.settings import RouterSettings
-from router_service.tiering import Tierer, TieringConfig
-from router_service.utilization import UtilizationWindow
 
 DEFAULT_MAX_MODEL_LEN = 4096
 

@@ -25,9 +25,9 @@ from opentelemetry.trace import Span, StatusCode
 
 from common.errors import InternalError, MoeMeshError, UnavailableError
 from common.telemetry import OFF, ROUTER_BATCH_SIZE, ROUTER_QUEUE_DEPTH, Telemetry
-from router_service.engine import Engine, FinishReason, StepOutput
-from router_service.sampling import SamplingParams
-from router_service.tiering import Tierer
+from router_service.engine.engine import Engine, FinishReason, StepOutput
+from router_service.engine.sampling import SamplingParams
+from router_service.experts.tiering import Tierer
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from common.status import abort_with
 from common.telemetry import OFF, Telemetry
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 from router_service.core import RouterCore
-from router_service.sampling import SamplingParams
+from router_service.engine.sampling import SamplingParams
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):

@@ -11,7 +11,7 @@ import torch
 from common.checkpoint import Checkpoint
 from common.errors import DeadlineExceededError, ExpertUnavailableError, UnavailableError
 from common.resilience import EjectionPolicy
-from router_service.experts import ColocatedExperts, DispatchPolicy, ExpertDispatcher
+from router_service.experts.dispatch import ColocatedExperts, DispatchPolicy, ExpertDispatcher
 
 
 class Recording(ColocatedExperts):

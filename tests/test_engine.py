@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from common.errors import AlreadyExistsError, CapacityError, InternalError, InvalidArgumentError
-from router_service import engine as engine_module
 from router_service.build import build_local_engine
-from router_service.engine import Engine, FinishReason
-from router_service.sampling import SamplingParams, sample
+from router_service.engine import engine as engine_module
+from router_service.engine.engine import Engine, FinishReason
+from router_service.engine.sampling import SamplingParams, sample
 from router_service.settings import RouterSettings
 
 PROMPT = [11, 3, 250, 9, 31]

@@ -18,7 +18,7 @@ from common.tokenizer import TextStream, Tokenizer
 from gateway.core import TextRequest
 from gateway.http_api import ChatMessage, chat_prompt, create_app
 from router_service.build import build_local_engine
-from router_service.sampling import SamplingParams
+from router_service.engine.sampling import SamplingParams
 from router_service.settings import RouterSettings
 from support.fakes import FakeRouter, ScriptedRouter
 from support.fakes import core as fake_core

@@ -19,9 +19,9 @@ from moe_mesh.local.registry import EmbeddedConsul
 from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
 from router_service.app import RouterApp
 from router_service.build import default_model_id
-from router_service.experts import DispatchPolicy, ExpertDispatcher, LivePlacement
-from router_service.membership import ExpertMembership
-from router_service.remote import Identity
+from router_service.experts.dispatch import DispatchPolicy, ExpertDispatcher, LivePlacement
+from router_service.experts.membership import ExpertMembership
+from router_service.experts.remote import Identity
 from router_service.settings import RouterSettings
 from support.memory_registry import MemoryRegistry
 from support.polling import eventually, takes_calls

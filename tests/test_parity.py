@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from common.checkpoint import Checkpoint
 from router_service.build import build_local_engine, build_model
-from router_service.engine import FinishReason
-from router_service.model import pack_step
-from router_service.sampling import SamplingParams
+from router_service.engine.engine import FinishReason
+from router_service.engine.model import pack_step
+from router_service.engine.sampling import SamplingParams
 from router_service.settings import RouterSettings
 
 pytestmark = pytest.mark.e2e  # transformers generate at length

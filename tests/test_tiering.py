@@ -17,11 +17,11 @@ from moe_mesh.local.registry import EmbeddedConsul
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 from router_service.app import RouterApp
 from router_service.build import build_router
-from router_service.experts import ColocatedExperts, ExpertDispatcher
-from router_service.sampling import SamplingParams
+from router_service.engine.sampling import SamplingParams
+from router_service.experts.dispatch import ColocatedExperts, ExpertDispatcher
+from router_service.experts.tiering import TieringConfig, choose_hot
+from router_service.experts.utilization import UtilizationWindow
 from router_service.settings import RouterSettings
-from router_service.tiering import TieringConfig, choose_hot
-from router_service.utilization import UtilizationWindow
 from support.polling import calls, eventually
 from support.processes import start_experts
 from support.reference import ALL_REMOTE, PROMPTS, monolithic, run_engine

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.tokenizer import TextStream, Tokenizer
-from router_service.engine import Engine, FinishReason
-from router_service.sampling import SamplingParams
+from router_service.engine.engine import Engine, FinishReason
+from router_service.engine.sampling import SamplingParams
 
 
 @dataclass

@@ -82,7 +82,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from common.tokenizer import Tokenizer
     from moe_mesh.local.generate import LocalRequest, generate_local
     from router_service.build import build_local_engine
-    from router_service.sampling import SamplingParams
+    from router_service.engine.sampling import SamplingParams
     from router_service.settings import RouterSettings
 
     engine = build_local_engine(RouterSettings(checkpoint=args.checkpoint, dtype=args.dtype))

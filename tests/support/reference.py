@@ -10,8 +10,8 @@ from functools import cache
 from pathlib import Path
 
 from router_service.build import build_local_engine, build_router
-from router_service.engine import Engine, FinishReason
-from router_service.sampling import SamplingParams
+from router_service.engine.engine import Engine, FinishReason
+from router_service.engine.sampling import SamplingParams
 from router_service.settings import RouterSettings
 from support.processes import start_experts
 

@@ -21,8 +21,8 @@ from common.errors import InvalidArgumentError, PreconditionError
 from common.placement import Pair, format_experts, parse_experts
 from common.registry import EXPERT_SERVICE, Instance, Membership, Registry
 from common.registry.follow import Follower, follow
-from router_service.experts import ExpertBackend, LivePlacement
-from router_service.remote import Identity, RemoteExperts
+from router_service.experts.dispatch import ExpertBackend, LivePlacement
+from router_service.experts.remote import Identity, RemoteExperts
 
 log = logging.getLogger(__name__)
 CLOSE_AFTER_S = 30.0

@@ -49,7 +49,7 @@ from common.telemetry import (
     Telemetry,
 )
 from common.weights import FFNWeights, LayerWeights
-from router_service.utilization import UtilizationWindow
+from router_service.experts.utilization import UtilizationWindow
 
 
 class ExpertBackend(Protocol):

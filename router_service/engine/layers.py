@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from common.arch import ModelSpec
 from common.weights import AttentionWeights
-from router_service.kv_cache import KVCache
+from router_service.engine.kv_cache import KVCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -23,8 +23,8 @@ import torch
 
 from common.errors import AlreadyExistsError, InternalError, InvalidArgumentError, MoeMeshError
 from common.limits import check_context_length
-from router_service.model import MoeModel, pack_step
-from router_service.sampling import SamplingParams, position_seed, sample
+from router_service.engine.model import MoeModel, pack_step
+from router_service.engine.sampling import SamplingParams, position_seed, sample
 from router_service.settings import RouterSettings
 
 log = logging.getLogger(__name__)

@@ -23,8 +23,8 @@ import torch
 
 from common.checkpoint import Checkpoint
 from common.placement import Pair, format_experts
-from router_service.experts import ColocatedExperts, LivePlacement
-from router_service.utilization import UtilizationWindow
+from router_service.experts.dispatch import ColocatedExperts, LivePlacement
+from router_service.experts.utilization import UtilizationWindow
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from common.arch import ModelSpec
 from common.moe import expert_ffn
 from common.weights import DenseWeights
-from router_service.experts import ExpertDispatcher
-from router_service.kv_cache import KVCache
-from router_service.layers import AttentionBatch, Prefill, Rope, attention, rms_norm
+from router_service.engine.kv_cache import KVCache
+from router_service.engine.layers import AttentionBatch, Prefill, Rope, attention, rms_norm
+from router_service.experts.dispatch import ExpertDispatcher
 
 
 @dataclass
