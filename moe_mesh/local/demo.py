@@ -98,20 +98,22 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         print("==> shutting the mesh down")
         launcher.stop()  # each service flushes its spans as it stops
-    _show_trace(mesh["trace_files"], "req-0")
+    _show_trace(mesh["trace_files"])
     return 0
 
 
-def _show_trace(files: list[str], request_id: str) -> None:
+def _show_trace(files: list[str]) -> None:
+    from collections import Counter
+
     from moe_mesh.ops import traces as trace_view
 
     spans = trace_view.load_spans(Path(f) for f in files if Path(f).exists())
-    trace_id = next(
-        s["trace_id"]
-        for s in spans
-        if s["name"] == "moe.gateway.request"
-        and s["attributes"].get("gen_ai.request.id") == request_id
+    # Engine steps hang under the oldest traced request in their batch: show that request's trace.
+    sizes = Counter(s["trace_id"] for s in spans)
+    request = max(
+        (s for s in spans if s["name"] == "moe.gateway.request"), key=lambda s: sizes[s["trace_id"]]
     )
+    request_id, trace_id = request["attributes"].get("gen_ai.request.id"), request["trace_id"]
     print(
         f"\n==> the trace of {request_id}, gateway -> router -> expert services, down to the engine steps "
         f"(full tree: moe-mesh trace show {' '.join(files)} --trace-id {trace_id})\n"
