@@ -103,10 +103,10 @@ def advertised_host(bind_host: str, advertise: str | None = None) -> str:
     return socket.gethostname() if bind_host in ("0.0.0.0", "::", "") else bind_host
 
 
-def write_ready_file(path: Path, info: dict[str, Any]) -> None:
+def write_ready_file(path: Path, info: dict[str, Any], indent: int | None = None) -> None:
     """Atomically write the JSON a launcher waits for."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(info))
+    tmp.write_text(json.dumps(info, indent=indent))
     os.replace(tmp, path)
 
 

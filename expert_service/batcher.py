@@ -226,9 +226,8 @@ class DynamicBatcher:
 
     @staticmethod
     def _fail(groups: Iterable[_Group], error: BaseException | None) -> None:
-        if not isinstance(
-            error, Exception
-        ):  # cancellation or shutdown: tell callers why, retryably
+        # Cancellation or shutdown: tell callers why, retryably.
+        if not isinstance(error, Exception):
             error = UnavailableError("expert service stopped before computing this group")
         for g in groups:
             if not g.future.done():

@@ -44,9 +44,8 @@ class Balancer:
         """The admitted router with the fewest open streams, preferring ones not in `avoid` (tried already)."""
         if not routers:
             raise UnavailableError("no router replica is available")
-        if len(self._health) > 2 * len(
-            routers
-        ):  # routers leave with membership changes: forget them
+        # Routers leave with membership changes: forget them.
+        if len(self._health) > 2 * len(routers):
             keep = {r.address for r in routers}
             self._health = {a: h for a, h in self._health.items() if a in keep}
         fresh = [r for r in routers if r.address not in avoid] or list(routers)

@@ -412,9 +412,7 @@ class GatewayCore:
                     f"request {rid} passed its deadline before reaching a router"
                 )
             base = len(sent)
-            if (
-                base >= request.params.max_tokens
-            ):  # a router died right after the last token: nothing is left
+            if base >= request.params.max_tokens:  # the router died right after the last token
                 yield Delta(rid, [], text.finish(), "length", prompt_tokens, base)
                 return
             chunks = router.generate(
@@ -431,9 +429,8 @@ class GatewayCore:
                     sent += chunk.token_ids
                     completion = base + chunk.completion_tokens
                     delta = text.push(chunk.token_ids)
-                    if (
-                        text.stopped
-                    ):  # a stop string: end here; closing `chunks` cancels the router stream
+                    # A stop string: end here; closing `chunks` cancels the router stream.
+                    if text.stopped:
                         yield Delta(rid, chunk.token_ids, delta, "stop", prompt_tokens, completion)
                         return
                     if chunk.finish_reason is not None:

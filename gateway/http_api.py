@@ -394,9 +394,8 @@ class _BodyLimit:
             nonlocal read
             message = await receive()
             read += len(message.get("body", b""))
-            if (
-                read > self.limit
-            ):  # raised inside the route's body read: FastAPI passes HTTP errors through
+            # Raised inside the route's body read: FastAPI passes HTTP errors through.
+            if read > self.limit:
                 raise StarletteHTTPException(413, self._error(read)["error"]["message"])
             return message
 

@@ -69,9 +69,8 @@ class ConsulAgent:
         help_text = subprocess.run(
             [binary, "agent", "-h"], capture_output=True, text=True, timeout=30
         )
-        if (
-            "-grpc-tls-port" in help_text.stdout + help_text.stderr
-        ):  # Consul >= 1.14 opens it in -dev
+        # Consul >= 1.14 opens it in -dev.
+        if "-grpc-tls-port" in help_text.stdout + help_text.stderr:
             self.ports += ["-grpc-tls-port", "-1"]
         self.proc: subprocess.Popen | None = None
 

@@ -52,6 +52,11 @@ class Membership:
     index: int
     stale: bool = False
 
+    @staticmethod
+    def stale_from(last: Membership | None) -> Membership:
+        """What a watch yields while the registry does not answer: the last known one, marked stale."""
+        return Membership(last.instances if last else (), last.index if last else 0, stale=True)
+
 
 META_MAX_PAIRS, META_KEY_MAX_LEN, META_VALUE_MAX_LEN = 64, 128, 512
 _META_KEY = re.compile(r"[A-Za-z0-9_-]+")

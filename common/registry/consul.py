@@ -327,9 +327,7 @@ class ConsulRegistry:
                             service,
                         )
                         stale = True
-                        yield Membership(
-                            last.instances if last else (), last.index if last else 0, stale=True
-                        )
+                        yield Membership.stale_from(last)
                 new_index, instances = await query
             except _REGISTRY_ERRORS as e:
                 if not stale:
@@ -340,9 +338,7 @@ class ConsulRegistry:
                         e,
                     )
                     stale = True
-                    yield Membership(
-                        last.instances if last else (), last.index if last else 0, stale=True
-                    )
+                    yield Membership.stale_from(last)
                 index = 0
                 await asyncio.sleep(random.uniform(0.5, 1.0) * backoff)
                 backoff = min(backoff * 2, self.backoff_max_s)
@@ -370,9 +366,8 @@ class ConsulRegistry:
                 stale = False
                 last = Membership(instances, max(new_index, 0))
                 yield last
-            if (
-                index == 0
-            ):  # a plain read comes next: pace it, a server stuck at index 0 must not spin us
+            # A plain read comes next: pace it, a server stuck at index 0 must not spin us.
+            if index == 0:
                 await asyncio.sleep(random.uniform(0.5, 1.0) * self.backoff_initial_s)
 
     async def close(self) -> None:

@@ -312,9 +312,8 @@ def _fuse_experts(out_dir: Path, progress: bool) -> None:
                 src = sources[new_key]
                 if isinstance(src, str):
                     tensors[new_key] = load(src)
-                elif new_key.endswith(
-                    "gate_up_proj"
-                ):  # [E, 2I, H]: gate rows then up rows per expert
+                # [E, 2I, H]: gate rows then up rows per expert.
+                elif new_key.endswith("gate_up_proj"):
                     pairs = zip(src[::2], src[1::2])
                     tensors[new_key] = torch.stack(
                         [torch.cat([load(g), load(u)]) for g, u in pairs]

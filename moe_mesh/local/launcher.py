@@ -28,6 +28,7 @@ from pathlib import Path
 
 from common.arch import load_spec
 from common.placement import format_experts, parse_experts
+from common.server import write_ready_file
 
 READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 20.0
@@ -281,9 +282,8 @@ class Launcher:
         ready file (atomically), so `moe-mesh status` follows scale operations and deaths."""
         with self._lock:
             live = [c for c in self.children if c.proc.poll() is None and not c.retired]
-        experts = [
-            c for c in live if c.role == "expert" and c.info
-        ]  # c.info is empty until it is ready
+        # c.info is empty until the child is ready
+        experts = [c for c in live if c.role == "expert" and c.info]
         self.endpoints.update(
             experts=[
                 {
@@ -300,9 +300,7 @@ class Launcher:
         ]
         if self.ready_file is not None:
             self.ready_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.ready_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.endpoints, indent=2))
-            os.replace(tmp, self.ready_file)
+            write_ready_file(self.ready_file, self.endpoints, indent=2)
 
     def watch(self, stop: list[bool]) -> None:
         """Report children that exit; return when asked to stop or when the gateway or every router is gone."""

@@ -175,9 +175,8 @@ def _lines(
     for span in siblings:  # already in start order: `traces` sorted them
         seen[span["name"]] += 1
         if seen[span["name"]] > SIBLINGS_SHOWN:
-            if (
-                seen[span["name"]] == SIBLINGS_SHOWN + 1
-            ):  # the summary takes the place of the first hidden span
+            # The summary takes the place of the first hidden span.
+            if seen[span["name"]] == SIBLINGS_SHOWN + 1:
                 out.append(
                     f"{'  ' * depth}... {total[span['name']] - SIBLINGS_SHOWN} more {span['name']} spans"
                 )

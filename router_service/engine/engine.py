@@ -215,9 +215,8 @@ class Engine:
         """Sample and append one token; a sampling failure ends this sequence only."""
         try:
             gen = None
-            if (
-                seq.seed is not None
-            ):  # the token's absolute position picks its randomness: see sampling.py
+            # The token's absolute position picks its randomness: see sampling.py.
+            if seq.seed is not None:
                 gen = self._generator.manual_seed(position_seed(seq.seed, seq.num_tokens))
             token = sample(logits, seq.params, gen)
         except Exception as e:

@@ -111,9 +111,8 @@ def _decode_attention(
     slots, lengths = batch.decode_slots, batch.decode_lengths
     longest = int(lengths.max())
     d = slots.numel()
-    if (
-        int(slots[0]) == 0 and int(slots[-1]) == d - 1
-    ):  # the engine keeps decoding slots compact: a view, no copy
+    # The engine keeps decoding slots compact: a view, no copy.
+    if int(slots[0]) == 0 and int(slots[-1]) == d - 1:
         ks, vs = cache.k[layer][:d, :, :longest], cache.v[layer][:d, :, :longest]
     else:
         ks, vs = cache.k[layer][slots, :, :longest], cache.v[layer][slots, :, :longest]

@@ -234,11 +234,10 @@ class ExpertDispatcher:
                     self._hedged(
                         b,
                         layer,
-                        [groups[i].expert for i in idx],
-                        [x[groups[i].tokens] for i in idx],
-                        deadline,
-                        excluded,
+                        [(groups[i].expert, x[groups[i].tokens]) for i in idx],
                         idx,
+                        excluded,
+                        deadline,
                     )
                     for b, idx in order
                 ),
@@ -274,23 +273,23 @@ class ExpertDispatcher:
         self,
         backend: ExpertBackend,
         layer: int,
-        experts: list[int],
-        rows: list[torch.Tensor],
-        deadline: float | None,
-        excluded: dict[int, set[int]],
+        groups: list[tuple[int, torch.Tensor]],
         idx: list[int],
+        excluded: dict[int, set[int]],
+        deadline: float | None,
     ) -> list[torch.Tensor]:
-        """`backend`'s answer, or a second replica's if `backend` has not answered by its hedge delay."""
-        groups = list(zip(experts, rows))
+        """`backend`'s answer, or a second replica's if `backend` has not answered by its hedge delay.
+
+        `groups` are (expert, rows) of the layer's group indices `idx`."""
+        if backend.local:  # no network to hang on: no task, no hedge
+            return await self._call(backend, layer, groups, deadline)
         first = asyncio.ensure_future(self._call(backend, layer, groups, deadline))
-        if backend.local:
-            return await first
         tasks = {first}
         try:
             done, _ = await asyncio.wait(tasks, timeout=self._hedge_delay(backend))
             if done:
                 return first.result()
-            other = self._alternate(layer, experts, backend, excluded, idx)
+            other = self._alternate(layer, [e for e, _ in groups], backend, excluded, idx)
             if other is None or not self.budget.try_retry():
                 return await first
             self.hedges += 1
@@ -302,9 +301,8 @@ class ExpertDispatcher:
                     if task.exception() is None:
                         if task is second:
                             self.hedges_won += 1
-                            self._failed(
-                                backend
-                            )  # slow past its hedge delay and beaten: skip it for a while
+                            # Slow past its hedge delay and beaten: skip it for a while.
+                            self._failed(backend)
                         return task.result()
             raise first.exception()  # both failed: the first replica's error goes to failover
         finally:

@@ -68,6 +68,8 @@ class RemoteExperts:
     async def forward(
         self, layer: int, groups: Sequence[tuple[int, torch.Tensor]], timeout_s: float | None = None
     ) -> list[torch.Tensor]:
+        if self.retired:
+            raise UnavailableError(f"expert service {self.address} left the mesh")
         counts = [rows.shape[0] for _, rows in groups]
         request = expert_pb2.ExpertForwardRequest(
             model_id=self.identity.model_id,
@@ -77,8 +79,6 @@ class RemoteExperts:
             token_counts=counts,
             hidden=encode(torch.cat([rows for _, rows in groups])),
         )  # [sum(counts), hidden]
-        if self.retired:
-            raise UnavailableError(f"expert service {self.address} left the mesh")
         self.outstanding += 1
         call = self.stub.Forward(request, timeout=timeout_s)
         self._calls.add(call)

@@ -155,7 +155,6 @@ class Tierer:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.step()
-            except (
-                Exception
-            ):  # a failed re-tiering keeps the current placement; the next one retries
+            # A failed re-tiering keeps the current placement; the next one retries.
+            except Exception:
                 log.exception("re-tiering failed")

@@ -121,9 +121,7 @@ class MemoryRegistry:
             if self._reachable:
                 current = Membership(self._passing(service), self._index)
             else:
-                current = Membership(
-                    last.instances if last else (), last.index if last else 0, stale=True
-                )
+                current = Membership.stale_from(last)
             if last is None or (current.instances, current.stale) != (last.instances, last.stale):
                 last = current
                 yield current
