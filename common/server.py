@@ -110,19 +110,29 @@ def write_ready_file(path: Path, info: dict[str, Any], indent: int | None = None
     os.replace(tmp, path)
 
 
-async def serve_until_signal(
-    server: GrpcServer, ready_file: Path | None = None, ready_info: dict[str, Any] | None = None
-) -> None:
-    """Start, announce, and run until SIGTERM/SIGINT; then stop gracefully."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    address = await server.start()
+def announce(address: str, ready_file: Path | None, ready_info: dict[str, Any] | None) -> None:
+    """Tell launchers a service is serving: a JSON line on stdout and, when asked, a ready file."""
     info = {"address": address, "pid": os.getpid(), **(ready_info or {})}
     print(json.dumps({"event": "serving", **info}), flush=True)
     if ready_file is not None:
         write_ready_file(ready_file, info)
+
+
+async def wait_for_signal() -> None:
+    """Return on SIGTERM / SIGINT (each is then consumed here, not by the default handler)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+
+
+async def serve_until_signal(
+    server: GrpcServer, ready_file: Path | None = None, ready_info: dict[str, Any] | None = None
+) -> None:
+    """Start, announce, and run until SIGTERM/SIGINT; then stop gracefully."""
+    address = await server.start()
+    announce(address, ready_file, ready_info)
+    await wait_for_signal()
     print(json.dumps({"event": "stopping", "address": address}), flush=True)
     await server.stop()

@@ -1,14 +1,16 @@
-"""Wiring of one expert service: settings -> ExpertHost -> servicer -> GrpcServer, and its lifetime."""
+"""Wiring of one expert service: settings -> ExpertHost -> servicer + fast path -> GrpcServer, and its
+lifetime: `await ExpertApp.create(settings)`, `await app.start()`, `await app.wait()`, `await app.stop()`."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
 from common.placement import format_experts
 from common.registry import EXPERT_SERVICE, Instance, open_registry, registration_hooks
-from common.server import GrpcServer, Service, advertised_host, serve_until_signal
+from common.server import GrpcServer, Service, advertised_host, wait_for_signal
 from common.telemetry import Telemetry
 from expert_service.core import ExpertHost
+from expert_service.fastpath import FastPath
 from expert_service.servicer import ExpertServicer
 from expert_service.settings import ExpertSettings
 from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
@@ -18,66 +20,101 @@ SERVICE_NAME = expert_pb2.DESCRIPTOR.services_by_name[
 ].full_name  # moe_mesh.v1.ExpertService
 
 
-def build_server(
-    settings: ExpertSettings, telemetry: Telemetry | None = None
-) -> tuple[GrpcServer, ExpertHost]:
-    """Load the configured experts and build (not start) their server; used by __main__ and by tests.
+class ExpertApp:
+    """A running expert service: gRPC server and, when on, the UCX fast path, over one ExpertHost."""
 
-    Telemetry comes from the settings unless given (tests pass one with an in-memory exporter); it is
-    shut down with the server."""
-    telemetry = telemetry or Telemetry.from_settings("expert", settings, settings.host)
-    host = ExpertHost(settings, telemetry)
-    service = Service(
-        SERVICE_NAME,
-        expert_pb2_grpc.add_ExpertServiceServicer_to_server,
-        ExpertServicer(host, telemetry),
-    )
-    server = GrpcServer(
-        services=[service],
-        host=settings.host,
-        port=settings.port,
-        max_message_bytes=settings.max_message_bytes,
-        grace_s=settings.grace_s,
-        interceptors=telemetry.server_interceptors(),
-    )
+    def __init__(self, settings: ExpertSettings, host: ExpertHost, telemetry: Telemetry) -> None:
+        self.settings, self.host, self.telemetry = settings, host, telemetry
+        self.fast_path = FastPath(host)
+        self.fast_paths: list[str] = []  # advertised once started, e.g. ["ucx://127.0.0.1:PORT"]
+        self.server = GrpcServer(
+            services=[
+                Service(
+                    SERVICE_NAME,
+                    expert_pb2_grpc.add_ExpertServiceServicer_to_server,
+                    ExpertServicer(host, telemetry, lambda: self.fast_paths),
+                )
+            ],
+            host=settings.host,
+            port=settings.port,
+            max_message_bytes=settings.max_message_bytes,
+            grace_s=settings.grace_s,
+            interceptors=telemetry.server_interceptors(),
+        )
+        registration_hooks(
+            self.server, open_registry(settings.registry, settings.registry_address), self._instance
+        )
 
-    def instance() -> Instance:
-        address = advertised_host(settings.host, settings.advertise_host)
+    @classmethod
+    async def create(
+        cls, settings: ExpertSettings, telemetry: Telemetry | None = None
+    ) -> ExpertApp:
+        """Load the configured experts. Telemetry comes from the settings unless given (tests pass one
+        with an in-memory exporter); it is shut down by stop()."""
+        telemetry = telemetry or Telemetry.from_settings("expert", settings, settings.host)
+        try:
+            host = ExpertHost.load(settings, telemetry)
+        except BaseException:
+            telemetry.shutdown()
+            raise
+        return cls(settings, host, telemetry)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    async def start(self) -> str:
+        """The fast path first, so the registration (on gRPC start) advertises it."""
+        self.fast_paths = await self.fast_path.start(self._advertised())
+        try:
+            return await self.server.start()
+        except BaseException:
+            await self.fast_path.stop()
+            raise
+
+    async def wait(self) -> None:
+        """Until SIGTERM / SIGINT."""
+        await wait_for_signal()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING, deregister, drain gRPC calls, then the fast path, then the batcher."""
+        if grace_s is not None:
+            self.server.grace_s = grace_s
+        try:
+            await self.server.stop()
+            await self.fast_path.stop()
+            # Only now: draining calls of both transports still need the batcher.
+            await self.host.close()
+        finally:
+            self.telemetry.shutdown()
+
+    def ready_info(self) -> dict[str, Any]:
+        return {
+            "service": SERVICE_NAME,
+            "model_id": self.host.model_id,
+            "weights_checksum": self.host.weights_checksum,
+            "experts": format_experts(self.host.experts),
+            "metrics": self.telemetry.metrics_address,
+            "fast_paths": self.fast_paths,
+        }
+
+    def _advertised(self) -> str:
+        return advertised_host(self.settings.host, self.settings.advertise_host)
+
+    def _instance(self) -> Instance:
+        address, host = self._advertised(), self.host
         return Instance(
             EXPERT_SERVICE,
-            f"expert-{address}-{server.bound_port}",
+            f"expert-{address}-{self.server.bound_port}",
             address,
-            server.bound_port,
+            self.server.bound_port,
             tags=("moe-mesh", f"model:{host.model_id}"),
             meta={
                 "model_id": host.model_id,
                 "weights_checksum": host.weights_checksum,
                 "experts": format_experts(host.experts),
-                "region": settings.region,
-                "dtype": settings.dtype,
-                "fast_path": "",
+                "region": self.settings.region,
+                "dtype": self.settings.dtype,
+                "fast_path": self.fast_paths[0] if self.fast_paths else "",
             },
         )
-
-    registration_hooks(
-        server, open_registry(settings.registry, settings.registry_address), instance
-    )
-    return server, host
-
-
-async def serve(server: GrpcServer, host: ExpertHost, ready_file: Path | None = None) -> None:
-    """Serve until SIGTERM/SIGINT, drain in-flight calls, then stop the batcher."""
-    ready_info = {
-        "service": SERVICE_NAME,
-        "model_id": host.model_id,
-        "weights_checksum": host.weights_checksum,
-        "experts": format_experts(host.experts),
-        "metrics": host.telemetry.metrics_address,
-    }
-    try:
-        await serve_until_signal(server, ready_file, ready_info)
-    finally:
-        await server.stop()  # no-op after a normal stop; stops a half-started server on errors
-        # Only now: on_stop hooks run before the drain, and draining calls still need the batcher.
-        await host.close()
-        host.telemetry.shutdown()

@@ -7,6 +7,7 @@ the field's default, so deployments may configure by flags, environment or both.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -62,22 +63,35 @@ def run_serve_expert(args: argparse.Namespace) -> int:
         return _error(str(e))
     import uvloop  # the heavy imports (torch, grpc) wait until the flags are known to be valid
 
-    from expert_service.app import build_server, serve
-
     if settings.compute_threads:
         import torch
 
         torch.set_num_threads(settings.compute_threads)
     try:
-        server, host = build_server(settings)
-    except MoeMeshError as e:  # bad --experts spec, broken or missing checkpoint
+        uvloop.run(serve(settings, args.ready_file))
+    except (
+        MoeMeshError
+    ) as e:  # bad --experts spec, broken or missing checkpoint, no ucxx for --fast-path ucx
         return _error(str(e))
-    try:
-        uvloop.run(serve(server, host, args.ready_file))
     except OSError as e:  # cannot bind the port
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+async def serve(settings: ExpertSettings, ready_file: Path | None) -> None:
+    """Load, serve until SIGTERM/SIGINT, drain in-flight calls, stop."""
+    from common.server import announce
+    from expert_service.app import ExpertApp
+
+    app = await ExpertApp.create(settings)
+    try:
+        address = await app.start()
+        announce(address, ready_file, app.ready_info())
+        await app.wait()
+        print(json.dumps({"event": "stopping", "address": address}), flush=True)
+    finally:
+        await app.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

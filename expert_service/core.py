@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import torch
 from opentelemetry import trace
 
+from common.arch import ModelSpec
 from common.checkpoint import Checkpoint
 from common.errors import InvalidArgumentError, NotFoundError, PreconditionError
 from common.placement import Pair, format_experts, parse_experts
 from common.telemetry import OFF, Telemetry
+from common.weights import FFNWeights
 from common.wire import TO_WIRE, dtype_name
 from expert_service.batcher import DynamicBatcher
 from expert_service.settings import ExpertSettings
@@ -53,17 +55,20 @@ def _dtype_label(dtype: torch.dtype) -> str:
 class ExpertHost:
     """Holds the FFN weights of the configured (layer, expert) pairs, and nothing else of the model."""
 
-    def __init__(self, settings: ExpertSettings, telemetry: Telemetry = OFF) -> None:
+    def __init__(
+        self,
+        settings: ExpertSettings,
+        spec: ModelSpec,
+        experts: list[Pair],
+        weights: dict[Pair, FFNWeights],
+        model_id: str,
+        weights_checksum: str,
+        telemetry: Telemetry = OFF,
+    ) -> None:
         self.settings = settings
         self.dtype: torch.dtype = getattr(torch, settings.dtype)
-        checkpoint = Checkpoint(settings.checkpoint, dtype=self.dtype)
-        self.spec = checkpoint.spec
-        self.experts: list[Pair] = parse_experts(settings.experts, self.spec)
-        self.weights = checkpoint.load_experts(
-            self.experts
-        )  # memory-mapped views: only these pairs are read
-        self.model_id = settings.model_id or checkpoint.path.resolve().name
-        self.weights_checksum = checkpoint.fingerprint()
+        self.spec, self.experts, self.weights = spec, experts, weights
+        self.model_id, self.weights_checksum = model_id, weights_checksum
         self.batcher = DynamicBatcher(
             self.weights, settings.max_batch_tokens, settings.max_queue_delay_us, telemetry
         )
@@ -72,6 +77,22 @@ class ExpertHost:
         self._served: dict[int, set[int]] = {}
         for layer, expert in self.experts:
             self._served.setdefault(layer, set()).add(expert)
+
+    @classmethod
+    def load(cls, settings: ExpertSettings, telemetry: Telemetry = OFF) -> ExpertHost:
+        """Read the configured pairs from the checkpoint; CheckpointError / InvalidArgumentError name
+        what is wrong."""
+        checkpoint = Checkpoint(settings.checkpoint, dtype=getattr(torch, settings.dtype))
+        experts = parse_experts(settings.experts, checkpoint.spec)
+        return cls(
+            settings,
+            checkpoint.spec,
+            experts,
+            checkpoint.load_experts(experts),  # memory-mapped views: only these pairs are read
+            settings.model_id or checkpoint.path.resolve().name,
+            checkpoint.fingerprint(),
+            telemetry,
+        )
 
     def describe(self) -> ExpertDescription:
         s = self.batcher.stats

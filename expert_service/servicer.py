@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 
 from common import wire
@@ -15,8 +17,14 @@ from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     """Thin adapter from the generated service to an ExpertHost."""
 
-    def __init__(self, host: ExpertHost, telemetry: Telemetry = OFF) -> None:
+    def __init__(
+        self,
+        host: ExpertHost,
+        telemetry: Telemetry = OFF,
+        fast_paths: Callable[[], list[str]] = list,
+    ) -> None:
         self.host = host
+        self.fast_paths = fast_paths  # known once the app started its fast path
         self.errors = telemetry.errors()
 
     async def Forward(
@@ -56,4 +64,5 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                 batches=d.stats.batches,
                 tokens=d.stats.tokens,
             ),
+            fast_paths=self.fast_paths(),
         )

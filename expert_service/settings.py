@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from common.fastpath import mesh_fast_path
 from common.telemetry import TelemetrySettings
 
 
@@ -75,4 +76,13 @@ class ExpertSettings(TelemetrySettings):
     )
     grace_s: float = Field(
         10.0, ge=0.0, description="on stop, how long in-flight calls may finish, in seconds"
+    )
+    fast_path: Literal["auto", "ucx", "off"] = Field(
+        default_factory=mesh_fast_path,
+        validate_default=True,
+        description="activations over UCX next to gRPC: 'auto' when ucxx imports, 'ucx' "
+        "(required), 'off'; unset: MOE_MESH_FAST_PATH, else auto",
+    )
+    fast_path_port: int = Field(
+        0, ge=0, le=65535, description="UCX listener port; 0 picks a free one"
     )

@@ -27,7 +27,7 @@ from common.weights import FFNWeights
 from common.wire import decode, encode
 from expert_service import batcher as batcher_module
 from expert_service import cli
-from expert_service.app import SERVICE_NAME, build_server
+from expert_service.app import SERVICE_NAME, ExpertApp
 from expert_service.batcher import DynamicBatcher
 from expert_service.core import ExpertHost
 from expert_service.settings import ExpertSettings
@@ -78,13 +78,12 @@ def assert_close(got: list[torch.Tensor], want: list[torch.Tensor], atol: float 
 @asynccontextmanager
 async def serving(settings: ExpertSettings) -> AsyncIterator[tuple[str, ExpertHost]]:
     """A real server on a free loopback port, stopped (and its batcher closed) afterwards."""
-    server, host = build_server(settings)
-    address = await server.start()
+    app = await ExpertApp.create(settings)
+    address = await app.start()
     try:
-        yield address, host
+        yield address, app.host
     finally:
-        await server.stop()
-        await host.close()
+        await app.stop()
 
 
 def connect(address: str) -> grpc.aio.Channel:
@@ -158,7 +157,7 @@ async def test_model_id_setting_overrides_the_directory_name(settings) -> None:
 
 def test_host_loads_only_its_experts(settings) -> None:
     for spec in (SPEC, "2:7; 0:5"):
-        host = ExpertHost(settings(experts=spec))
+        host = ExpertHost.load(settings(experts=spec))
         assert sorted(host.weights) == parse_experts(spec, host.spec)
         assert all(isinstance(w, FFNWeights) for w in host.weights.values())
 
@@ -379,7 +378,7 @@ async def test_groups_queued_during_a_compute_merge_into_the_next_batch_without_
         return compute(parts, w)
 
     monkeypatch.setattr(batcher_module, "_compute", gated)
-    host = ExpertHost(settings())
+    host = ExpertHost.load(settings())
     batcher = DynamicBatcher(host.weights, max_queue_delay_us=0)
     rows = [torch.randn(n, HIDDEN) for n in (2, 3, 4)]
     first = asyncio.ensure_future(batcher.submit(0, 1, rows[0]))
@@ -407,7 +406,7 @@ async def test_cancelling_a_group_split_across_batches_drops_its_rest_and_serves
         return compute(parts, w)
 
     monkeypatch.setattr(batcher_module, "_compute", gated)
-    host = ExpertHost(settings())
+    host = ExpertHost.load(settings())
     batcher = DynamicBatcher(host.weights, max_batch_tokens=4, max_queue_delay_us=0)
     big, small = torch.randn(10, HIDDEN), torch.randn(3, HIDDEN)
     cancelled = asyncio.ensure_future(batcher.submit(0, 1, big))  # 10 rows: batches of 4, 4, 2
@@ -434,7 +433,7 @@ async def test_cancelling_a_group_split_across_batches_drops_its_rest_and_serves
 
 
 async def test_batcher_fails_every_group_of_a_failing_batch_and_keeps_serving(settings) -> None:
-    host = ExpertHost(settings())
+    host = ExpertHost.load(settings())
     broken = FFNWeights(
         gate=torch.zeros(8, 3), up=torch.zeros(8, 3), down=torch.zeros(3, 8)
     )  # wrong width
@@ -462,7 +461,7 @@ async def test_batcher_fails_every_group_of_a_failing_batch_and_keeps_serving(se
 
 
 async def test_closing_the_batcher_fails_queued_groups_instead_of_hanging(settings) -> None:
-    host = ExpertHost(settings())
+    host = ExpertHost.load(settings())
     batcher = DynamicBatcher(host.weights, max_queue_delay_us=10_000_000)
     queued = asyncio.ensure_future(batcher.submit(0, 1, torch.randn(2, HIDDEN)))
     await asyncio.sleep(0.05)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.wire import encode
-from expert_service.app import build_server
+from expert_service.app import ExpertApp
 from expert_service.settings import ExpertSettings
 from protos.moe_mesh.v1 import (
     expert_pb2,
@@ -167,8 +167,9 @@ async def test_generated_messages_get_documented_statuses_and_the_services_stay_
     checkpoint,
 ) -> None:
     path = checkpoint("mixtral")
-    expert_server, host = build_server(ExpertSettings(checkpoint=path, experts="*:*", grace_s=1.0))
-    expert = await expert_server.start()
+    expert_app = await ExpertApp.create(ExpertSettings(checkpoint=path, experts="*:*", grace_s=1.0))
+    host = expert_app.host
+    expert = await expert_app.start()
     try:
         async with local_mesh(path) as mesh:
             targets = {
@@ -210,5 +211,4 @@ async def test_generated_messages_get_documented_statuses_and_the_services_stay_
                 len(reply.token_ids) == len(want) or reply.finish_reason == 1
             )  # whole, or cut by EOS ("stop")
     finally:
-        await expert_server.stop()
-        await host.close()
+        await expert_app.stop()

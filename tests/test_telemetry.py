@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.checkpoint import Checkpoint
 from common.telemetry import Telemetry
-from expert_service.app import build_server
+from expert_service.app import ExpertApp
 from expert_service.settings import ExpertSettings
 from gateway.app import GatewayApp
 from gateway.settings import GatewaySettings
@@ -28,11 +28,15 @@ MAX_TOKENS = 6
 @asynccontextmanager
 async def mesh(path, telemetry: dict[str, Telemetry]):
     """Expert service, router and gateway on loopback in this process, each with its own telemetry."""
-    expert, _ = build_server(ExpertSettings(checkpoint=path, experts="*:0-3"), telemetry["expert"])
+    expert = await ExpertApp.create(
+        ExpertSettings(checkpoint=path, experts="*:0-3", fast_path="off"), telemetry["expert"]
+    )
     local_half = "*:4-7"  # the router computes these itself: spans of both transports
     address = await expert.start()
     router = await RouterApp.create(
-        RouterSettings(checkpoint=path, expert_endpoints=[address], colocate=local_half),
+        RouterSettings(
+            checkpoint=path, expert_endpoints=[address], colocate=local_half, fast_path="off"
+        ),
         telemetry["router"],
     )
     await router.start()
@@ -46,7 +50,6 @@ async def mesh(path, telemetry: dict[str, Telemetry]):
         await gateway.stop()
         await router.stop()
         await expert.stop()
-        telemetry["expert"].shutdown()
 
 
 async def generate(address: str, **fields) -> inference_pb2.GenerateResponse:

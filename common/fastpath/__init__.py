@@ -8,10 +8,16 @@ an expert service runs, `client` the endpoint pool a router calls through.
 
 from __future__ import annotations
 
+import os
 import re
 
 FAST_PATH_MODES = ("auto", "ucx", "off")
 MESH_ENV = "MOE_MESH_FAST_PATH"  # one switch for every service of a mesh, e.g. off
+
+
+def mesh_fast_path() -> str:
+    """A service's fast_path default: the mesh-wide MOE_MESH_FAST_PATH, else auto."""
+    return os.environ.get(MESH_ENV, "auto").strip().lower() or "auto"
 
 
 def ucx_url(host: str, port: int) -> str:

@@ -1,0 +1,78 @@
+"""The expert service's fast path: request frames from a UCX listener into the same ExpertHost.forward
+as gRPC calls, so both merge in one dynamic batcher and get the same checks and error classes.
+
+As thin as the servicer: frames -> arguments of forward, nothing else. The frame codec has already
+refused what gRPC would refuse before the servicer runs (garbage, size limit, byte count).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from common.errors import PreconditionError
+from common.fastpath import ucx_url
+from common.fastpath.frame import DTYPES, RequestHeader
+from common.fastpath.server import FrameServer
+from common.fastpath.ucx import load_ucxx
+from expert_service.core import ExpertHost
+
+log = logging.getLogger(__name__)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class FastPath:
+    """The UCX listener of one expert service (settings.fast_path), or nothing when it is off."""
+
+    def __init__(self, host: ExpertHost) -> None:
+        self.host = host
+        settings = host.settings
+        self.mode = settings.fast_path
+        self.server: FrameServer | None = None
+        if self.mode != "off":
+            self.server = FrameServer(
+                self.forward,
+                settings.max_message_bytes,
+                settings.fast_path_port,
+                loopback=settings.host in LOOPBACK,
+            )
+
+    async def forward(self, header: RequestHeader, hidden: torch.Tensor | None) -> torch.Tensor:
+        if hidden is None:  # a frame without payload: forward reports the empty payload
+            hidden = torch.empty(header.shape, dtype=DTYPES[header.dtype])
+        return await self.host.forward(
+            header.model_id,
+            header.weights_checksum,
+            header.layer,
+            header.expert_ids,
+            header.token_counts,
+            hidden,
+        )
+
+    async def start(self, advertise_host: str) -> list[str]:
+        """Listen; the URLs to advertise (none when off, or in auto mode without ucxx)."""
+        if self.server is None:
+            return []
+        loopback = self.server.loopback
+        if load_ucxx(loopback) is None:
+            if self.mode == "ucx":
+                raise PreconditionError("--fast-path ucx: ucxx cannot be imported")
+            log.info("fast path off: ucxx cannot be imported")
+            self.server = None
+            return []
+        try:
+            port = await self.server.start()
+        except Exception as e:
+            if self.mode == "ucx":
+                raise
+            log.warning("fast path off: the UCX listener did not start: %s", e)
+            self.server = None
+            return []
+        url = ucx_url(advertise_host, port)
+        log.info("fast path on %s", url)
+        return [url]
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop()
