@@ -29,6 +29,7 @@ from router_service.experts.dispatch import (
     LivePlacement,
     Placement,
 )
+from router_service.experts.fastpath import FastPathConfig
 from router_service.experts.membership import ExpertMembership
 from router_service.experts.remote import Identity, RemoteExperts, connect
 from router_service.experts.tiering import Tierer, TieringConfig
@@ -136,6 +137,19 @@ def tiering_config(settings: RouterSettings, checkpoint: Checkpoint) -> TieringC
     )
 
 
+def fast_path_config(settings: RouterSettings) -> FastPathConfig:
+    """The router's fast-path policy; `ucx` without an importable ucxx is a start-up error."""
+    config = FastPathConfig(
+        mode=settings.fast_path,
+        timeout_s=settings.fast_path_timeout_s,
+        backoff_s=settings.fast_path_backoff_s,
+        loopback=settings.host in ("127.0.0.1", "localhost", "::1"),
+    )
+    if config.mode == "ucx" and not config.enabled():
+        raise PreconditionError("fast_path: 'ucx' requires ucxx, which cannot be imported")
+    return config
+
+
 @dataclass
 class RouterParts:
     """A router's engine and what feeds its placement: static remotes or registry membership, and tiering."""
@@ -168,6 +182,7 @@ async def build_router(
         checkpoint, placement, model.dispatcher.window, config, settings.tier_interval_s
     )
     identity = _identity(settings, checkpoint)
+    fast_path = fast_path_config(settings)
     if registry is not None:
         membership = ExpertMembership(
             checkpoint.spec,
@@ -175,6 +190,7 @@ async def build_router(
             placement,
             settings.max_message_bytes,
             telemetry.client_interceptors(),
+            fast_path,
         )
         await membership.start(registry, settings.connect_timeout_s)
         return RouterParts(Engine(model, settings), tierer, membership=membership)
@@ -185,6 +201,7 @@ async def build_router(
             settings.max_message_bytes,
             settings.connect_timeout_s,
             telemetry.client_interceptors(),
+            fast_path,
         )
         if settings.expert_endpoints
         else {}

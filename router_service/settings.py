@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from common.fastpath import mesh_fast_path
 from common.telemetry import TelemetrySettings
 
 
@@ -133,6 +134,24 @@ class RouterSettings(TelemetrySettings):
         ge=0,
         le=1,
         description="expert-call retries and hedges may add at most this share of calls",
+    )
+    fast_path: Literal["auto", "ucx", "off"] = Field(
+        default_factory=mesh_fast_path,
+        validate_default=True,
+        description="send activations over UCX to expert services that offer it: 'auto' when "
+        "ucxx imports, 'ucx' (required), 'off' (gRPC only); unset: MOE_MESH_FAST_PATH, else auto",
+    )
+    fast_path_timeout_s: float = Field(
+        0.5,
+        gt=0,
+        description="one UCX attempt gives up after this (at most half the call's budget) and "
+        "the call goes over gRPC",
+    )
+    fast_path_backoff_s: float = Field(
+        1.0,
+        gt=0,
+        description="after a fast-path failure a replica is called over gRPC this long, doubling "
+        "with each further failure (at most 30 s), then UCX is tried again",
     )
     connect_timeout_s: float = Field(
         30.0, gt=0, description="how long to wait for expert services at start-up"

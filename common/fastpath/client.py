@@ -80,6 +80,7 @@ class FrameClient:
         """The output tensor; raises FastPathError (fall back) or a MoeMeshError the service answered."""
         if self.closed:
             raise FastPathError("closed", f"{self.address} is closed")
+        payload = payload.contiguous()  # what UCX reads from, and what stays pinned if abandoned
         try:
             async with asyncio.timeout(timeout_s):
                 await self._free.acquire()

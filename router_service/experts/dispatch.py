@@ -410,12 +410,17 @@ class ExpertDispatcher:
         groups: list[tuple[int, torch.Tensor]],
         timeout: float,
     ) -> list[torch.Tensor]:
-        """One backend call, timed per transport and, in a traced request, spanned with what it carried."""
+        """One backend call, timed per transport and, in a traced request, spanned with what it carried.
+
+        The transport is known once the call returns: a remote backend's result says whether UCX or
+        gRPC carried it (`ExpertOutputs.transport`)."""
         transport = "colocated" if backend.local else "grpc"
         start = time.perf_counter()
         try:
             if self.tracer is None or not trace.get_current_span().is_recording():
-                return await backend.forward(layer, groups, timeout)
+                result = await backend.forward(layer, groups, timeout)
+                transport = getattr(result, "transport", transport)
+                return result
             attributes = {
                 "moe.layer": layer,
                 "moe.transport": transport,
@@ -425,8 +430,13 @@ class ExpertDispatcher:
                 "moe.expert_tokens": [r.shape[0] for _, r in groups],
                 "moe.bytes": sum(r.numel() * r.element_size() for _, r in groups),
             }
-            with self.tracer.start_as_current_span("moe.expert_call", attributes=attributes):
-                return await backend.forward(layer, groups, timeout)
+            with self.tracer.start_as_current_span(
+                "moe.expert_call", attributes=attributes
+            ) as span:
+                result = await backend.forward(layer, groups, timeout)
+                transport = getattr(result, "transport", transport)
+                span.set_attribute("moe.transport", transport)
+                return result
         finally:
             self._dispatch_s.record(time.perf_counter() - start, {"moe.transport": transport})
 

@@ -22,6 +22,7 @@ from common.placement import Pair, format_experts, parse_experts
 from common.registry import EXPERT_SERVICE, Instance, Membership, Registry
 from common.registry.follow import Follower, follow
 from router_service.experts.dispatch import ExpertBackend, LivePlacement
+from router_service.experts.fastpath import FastPathConfig
 from router_service.experts.remote import Identity, RemoteExperts
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,10 @@ class ExpertMembership:
         placement: LivePlacement,
         max_message_bytes: int,
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        fast_path: FastPathConfig | None = None,
     ) -> None:
         self.spec, self.identity, self.placement = spec, identity, placement
+        self.fast_path = fast_path
         self.max_message_bytes, self.interceptors = max_message_bytes, interceptors
         self._follower: Follower[RemoteExperts] = Follower(self._connect, self._leave)
         self.backends = self._follower.clients  # instance id -> backend
@@ -82,8 +85,15 @@ class ExpertMembership:
             region,
             format_experts(self._pairs[inst.id]),
         )
+        fast_path = inst.meta.get("fast_path", "")
         return RemoteExperts(
-            inst.endpoint, self.identity, self.max_message_bytes, region, self.interceptors
+            inst.endpoint,
+            self.identity,
+            self.max_message_bytes,
+            region,
+            self.interceptors,
+            self.fast_path,
+            [fast_path] if fast_path else [],
         )
 
     @staticmethod

@@ -12,11 +12,13 @@ import grpc
 import torch
 
 from common.errors import PreconditionError, UnavailableError
+from common.fastpath.client import FastPathError
 from common.placement import format_experts
 from common.server import channel_options
 from common.status import error_from_rpc
 from common.wire import decode, encode
 from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
+from router_service.experts.fastpath import FastPathConfig, FastPathLink
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +31,18 @@ class Identity:
     weights_checksum: str
 
 
+class ExpertOutputs(list):
+    """A backend call's outputs (one tensor per group), with the transport that carried them."""
+
+    def __init__(self, outputs, transport: str) -> None:
+        super().__init__(outputs)
+        self.transport = transport  # "ucx" | "grpc"
+
+
 class RemoteExperts:
-    """One expert service: a long-lived channel; one batched Forward per (layer, call)."""
+    """One expert service: a long-lived channel and, when the service offers it, a UCX fast path;
+    one batched call per (layer, call), over UCX when it can, else (or after a fast-path failure,
+    the same call) over gRPC."""
 
     local = False
 
@@ -41,9 +53,14 @@ class RemoteExperts:
         max_message_bytes: int,
         region: str = "",
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        fast_path: FastPathConfig | None = None,
+        fast_paths: Sequence[str] = (),
     ) -> None:
         self.address, self.region = address, region
         self.identity = identity
+        self.max_message_bytes = max_message_bytes
+        self.fast_path_config = fast_path
+        self.fast_path = FastPathLink.offered(list(fast_paths), fast_path, max_message_bytes)
         self.channel = grpc.aio.insecure_channel(
             address,
             options=channel_options(max_message_bytes),
@@ -65,21 +82,71 @@ class RemoteExperts:
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, self.address) from e
 
+    def offer_fast_path(self, urls: Sequence[str]) -> None:
+        """The service's advertised fast paths (Describe.fast_paths), learned after construction."""
+        if self.fast_path is None and not self.retired:
+            self.fast_path = FastPathLink.offered(
+                list(urls), self.fast_path_config, self.max_message_bytes
+            )
+
+    @property
+    def transport(self) -> str:
+        """What the next call would try first: "ucx" or "grpc"."""
+        return "ucx" if self.fast_path is not None and self.fast_path.usable() else "grpc"
+
     async def forward(
         self, layer: int, groups: Sequence[tuple[int, torch.Tensor]], timeout_s: float | None = None
-    ) -> list[torch.Tensor]:
+    ) -> ExpertOutputs:
         if self.retired:
             raise UnavailableError(f"expert service {self.address} left the mesh")
         counts = [rows.shape[0] for _, rows in groups]
+        expert_ids = [e for e, _ in groups]
+        hidden = groups[0][1] if len(groups) == 1 else torch.cat([rows for _, rows in groups])
+        self.outstanding += 1
+        try:
+            link = self.fast_path
+            if link is not None and link.usable():
+                start = time.monotonic()
+                try:
+                    output = await link.forward(
+                        self.identity.model_id,
+                        self.identity.weights_checksum,
+                        layer,
+                        expert_ids,
+                        counts,
+                        hidden,
+                        timeout_s,
+                    )
+                    return ExpertOutputs(output.split(counts), "ucx")
+                except FastPathError:
+                    if self.retired:  # retire() closed the fast path: not a reason to fall back
+                        raise UnavailableError(
+                            f"expert service {self.address} left the mesh during the call"
+                        ) from None
+                if timeout_s is not None:  # the same call over gRPC, within what is left
+                    timeout_s = max(0.0, timeout_s - (time.monotonic() - start))
+            return ExpertOutputs(
+                await self._grpc(layer, expert_ids, counts, hidden, timeout_s), "grpc"
+            )
+        finally:
+            self.outstanding -= 1
+
+    async def _grpc(
+        self,
+        layer: int,
+        expert_ids: list[int],
+        counts: list[int],
+        hidden: torch.Tensor,  # [sum(counts), hidden]
+        timeout_s: float | None,
+    ) -> list[torch.Tensor]:
         request = expert_pb2.ExpertForwardRequest(
             model_id=self.identity.model_id,
             weights_checksum=self.identity.weights_checksum,
             layer=layer,
-            expert_ids=[e for e, _ in groups],
+            expert_ids=expert_ids,
             token_counts=counts,
-            hidden=encode(torch.cat([rows for _, rows in groups])),
-        )  # [sum(counts), hidden]
-        self.outstanding += 1
+            hidden=encode(hidden),
+        )
         call = self.stub.Forward(request, timeout=timeout_s)
         self._calls.add(call)
         try:
@@ -98,17 +165,20 @@ class RemoteExperts:
             raise error_from_rpc(e, self.address) from e
         finally:
             self._calls.discard(call)
-            self.outstanding -= 1
         return list(decode(reply.output, "output").split(counts))
 
     def retire(self) -> None:
         """The service left the mesh: cancel the calls in flight to it (callers fail over at once) and
         refuse new ones. The channel stays open until close()."""
         self.retired = True
+        if self.fast_path is not None:
+            self.fast_path.close()  # UCX calls in flight fail now; retired, they do not fall back
         for call in list(self._calls):
             call.cancel()
 
     async def close(self) -> None:
+        if self.fast_path is not None:
+            self.fast_path.close()
         await self.channel.close()
 
 
@@ -118,13 +188,17 @@ async def connect(
     max_message_bytes: int,
     timeout_s: float,
     interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+    fast_path: FastPathConfig | None = None,
 ) -> dict[tuple[int, int], list[RemoteExperts]]:
     """Describe every expert service (waiting up to timeout_s for each) and map pair -> replicas.
 
     A service serving another model or other weights fails start-up with PreconditionError naming it.
     """
     backends = [
-        RemoteExperts(a, identity, max_message_bytes, interceptors=interceptors) for a in addresses
+        RemoteExperts(
+            a, identity, max_message_bytes, interceptors=interceptors, fast_path=fast_path
+        )
+        for a in addresses
     ]
     deadline = time.monotonic() + timeout_s
     try:
@@ -143,13 +217,15 @@ async def connect(
                     f"{getattr(info, field)!r}; this router has {getattr(identity, field)!r}"
                 )
         backend.region = info.region
+        backend.offer_fast_path(list(info.fast_paths))
         pairs = [(k.layer, k.expert) for k in info.experts]
         for pair in pairs:
             placement.setdefault(pair, []).append(backend)
         log.info(
-            "expert service %s (region %r) serves %s",
+            "expert service %s (region %r, %s) serves %s",
             backend.address,
             backend.region,
+            backend.fast_path.url if backend.fast_path else "gRPC only",
             format_experts(pairs),
         )
     return placement

@@ -1,0 +1,131 @@
+"""A replica's fast path as the router sees it: a UCX frame client, and a back-off after failures.
+
+RemoteExperts asks `usable()` before each call; a call the fast path cannot carry raises
+FastPathError and RemoteExperts re-sends it over gRPC. Each failure turns this replica's fast path
+off for a back-off that doubles (1 s, 2 s, ... at most 30 s by default) and is reset by the next
+success, so a flapping listener costs one fallback per back-off, not one per call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from common.fastpath import parse_ucx_url
+from common.fastpath.client import FastPathError, FrameClient
+from common.fastpath.frame import DTYPE_NAMES, RequestHeader
+from common.fastpath.ucx import load_ucxx
+
+log = logging.getLogger(__name__)
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass(frozen=True)
+class FastPathConfig:
+    """The router's fast-path settings (RouterSettings documents each field)."""
+
+    mode: str = "auto"  # auto | ucx | off
+    timeout_s: float = 0.5
+    backoff_s: float = 1.0
+    max_backoff_s: float = MAX_BACKOFF_S
+    loopback: bool = True
+    pool_size: int = 4
+    # Called with the cause of every fallback (a hook for the fallback counter metric).
+    on_fallback: Callable[[str], None] | None = None
+
+    def enabled(self) -> bool:
+        """Off by setting, or auto without ucxx; `ucx` without ucxx is refused at start-up."""
+        return self.mode != "off" and load_ucxx(self.loopback) is not None
+
+
+class FastPathLink:
+    """One replica's UCX client and its back-off state."""
+
+    def __init__(
+        self,
+        url: str,
+        host: str,
+        port: int,
+        config: FastPathConfig,
+        max_message_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.url, self.config, self.clock = url, config, clock
+        self.client = FrameClient(host, port, max_message_bytes, config.pool_size, config.loopback)
+        self.fallbacks: Counter[str] = Counter()  # cause -> calls that fell back
+        self.calls = 0  # calls the fast path carried
+        self.off_until = 0.0
+        self._backoff_s = config.backoff_s
+
+    @classmethod
+    def offered(
+        cls, urls: list[str] | str, config: FastPathConfig | None, max_message_bytes: int
+    ) -> FastPathLink | None:
+        """A link when the service advertises ucx and this router's fast path is on."""
+        target = parse_ucx_url(urls) if urls else None
+        if target is None or config is None or not config.enabled():
+            return None
+        host, port = target
+        return cls(f"ucx://{host}:{port}", host, port, config, max_message_bytes)
+
+    def usable(self) -> bool:
+        return not self.client.closed and self.clock() >= self.off_until
+
+    async def forward(
+        self,
+        model_id: str,
+        weights_checksum: str,
+        layer: int,
+        expert_ids: list[int],
+        counts: list[int],
+        hidden: torch.Tensor,
+        timeout_s: float | None,
+    ) -> torch.Tensor:
+        """The output rows; FastPathError when the call should go over gRPC instead."""
+        # Half the call's budget at most: a fallback must still have time to finish over gRPC.
+        budget = (
+            self.config.timeout_s
+            if timeout_s is None
+            else min(self.config.timeout_s, timeout_s / 2)
+        )
+        header = RequestHeader(
+            model_id=model_id,
+            weights_checksum=weights_checksum,
+            layer=layer,
+            expert_ids=expert_ids,
+            token_counts=counts,
+            dtype=DTYPE_NAMES.get(hidden.dtype, str(hidden.dtype)),
+            shape=list(hidden.shape),
+            payload_bytes=hidden.numel() * hidden.element_size(),
+            timeout_ms=None if timeout_s is None else timeout_s * 1e3,
+        )
+        try:
+            output = await self.client.call(header, hidden, budget)
+        except FastPathError as e:
+            self.failed(e.cause, str(e))
+            raise
+        self.calls += 1
+        self._backoff_s = self.config.backoff_s
+        return output
+
+    def failed(self, cause: str, detail: str = "") -> None:
+        """Count a fallback and turn the fast path off for the current back-off."""
+        self.fallbacks[cause] += 1
+        self.off_until = self.clock() + self._backoff_s
+        log.warning(
+            "fast path %s: %s; falling back to gRPC, retrying UCX in %gs",
+            self.url,
+            detail or cause,
+            self._backoff_s,
+        )
+        self._backoff_s = min(self._backoff_s * 2, self.config.max_backoff_s)
+        if self.config.on_fallback is not None:
+            self.config.on_fallback(cause)
+
+    def close(self) -> None:
+        self.client.close()
