@@ -20,6 +20,7 @@ from common.fastpath.frame import (
     Header,
     ReplyHeader,
     RequestHeader,
+    VersionError,
     encode_header,
     error_from_header,
 )
@@ -133,6 +134,8 @@ class FrameClient:
             raise FastPathError(
                 "timeout", f"{self.address}: no reply within {timeout_s:g}s"
             ) from None
+        except VersionError as e:  # an older (or newer) service: its reply is in its version
+            raise FastPathError("version", f"{self.address}: {e}") from None
         except FrameError as e:
             raise FastPathError("protocol", f"{self.address}: {e}") from None
         except ucx_errors() as e:

@@ -151,13 +151,19 @@ class FrameReader:
         if not n:
             return header, None
         payload = empty_like_payload(header)  # the one receive buffer: the tensor itself
+        # Both receives posted at once; awaited with a bound, and reaped whatever happens.
+        recvs = [
+            asyncio.ensure_future(ep.recv(payload_view(payload))),
+            asyncio.ensure_future(ep.recv(self._trailer)),
+        ]
         try:
-            await asyncio.wait_for(
-                asyncio.gather(ep.recv(payload_view(payload)), ep.recv(self._trailer)),
-                payload_timeout_s,
-            )
+            async with asyncio.timeout(payload_timeout_s):
+                await asyncio.gather(*recvs)
         except BaseException as e:
             self._abandoned.append(payload)
+            for r in recvs:
+                r.cancel()
+            await asyncio.gather(*recvs, return_exceptions=True)
             if isinstance(e, TimeoutError):
                 raise FrameError(
                     "payload", f"{n} bytes announced, not received within {payload_timeout_s:g}s"

@@ -107,7 +107,8 @@ class FastPathLink:
         try:
             output = await self.client.call(header, hidden, budget)
         except FastPathError as e:
-            self.failed(e.cause, str(e))
+            if not self.client.closed:  # closed on purpose (retire, close): not a fallback
+                self.failed(e.cause, str(e))
             raise
         self.calls += 1
         self._backoff_s = self.config.backoff_s
