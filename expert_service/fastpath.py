@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from opentelemetry import propagate, trace
 
 from common.errors import PreconditionError
 from common.fastpath import ucx_url
@@ -41,6 +42,20 @@ class FastPath:
     async def forward(self, header: RequestHeader, hidden: torch.Tensor | None) -> torch.Tensor:
         if hidden is None:  # a frame without payload: forward reports the empty payload
             hidden = torch.empty(header.shape, dtype=DTYPES[header.dtype])
+        tracer = self.host.telemetry.tracer
+        if header.trace is None or tracer is None:
+            return await self._forward(header, hidden)
+        # The span a gRPC call gets from the server interceptor, so a traced request still
+        # shows this service; ExpertHost.forward adds its attributes to it.
+        with tracer.start_as_current_span(
+            "moe_mesh.v1.ExpertService/Forward",
+            context=propagate.extract(header.trace),
+            kind=trace.SpanKind.SERVER,
+            attributes={"rpc.system": "ucx", "moe.transport": "ucx"},
+        ):
+            return await self._forward(header, hidden)
+
+    async def _forward(self, header: RequestHeader, hidden: torch.Tensor) -> torch.Tensor:
         return await self.host.forward(
             header.model_id,
             header.weights_checksum,

@@ -85,6 +85,7 @@ class RequestHeader:
     shape: list[int]
     payload_bytes: int
     timeout_ms: float | None = None  # the caller's remaining budget; clocks differ between hosts
+    trace: dict[str, str] | None = None  # W3C trace context (traceparent...) of a traced call
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,11 @@ def decode_header(message: memoryview | bytes, max_payload_bytes: int) -> Header
                 raise FrameError(name, "expected a list of non-negative integers")
         if header.timeout_ms is not None and not isinstance(header.timeout_ms, int | float):
             raise FrameError("timeout_ms", f"expected a number, got {header.timeout_ms!r}")
+        if header.trace is not None and not (
+            isinstance(header.trace, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in header.trace.items())
+        ):
+            raise FrameError("trace", "expected a map of strings (W3C trace context)")
     _check_payload(header, max_payload_bytes)
     return header
 

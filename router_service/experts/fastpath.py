@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from opentelemetry import propagate, trace
 
 from common.fastpath import parse_ucx_url
 from common.fastpath.client import FastPathError, FrameClient
@@ -103,6 +104,7 @@ class FastPathLink:
             shape=list(hidden.shape),
             payload_bytes=hidden.numel() * hidden.element_size(),
             timeout_ms=None if timeout_s is None else timeout_s * 1e3,
+            trace=_trace_context(),
         )
         try:
             output = await self.client.call(header, hidden, budget)
@@ -130,3 +132,12 @@ class FastPathLink:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _trace_context() -> dict[str, str] | None:
+    """The current trace context for the service's span, as gRPC metadata would carry it."""
+    if not trace.get_current_span().is_recording():
+        return None
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier or None
