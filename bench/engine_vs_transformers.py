@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import runtime
+from moe_mesh.common import runtime
 
 runtime.configure()  # before torch loads OpenMP
 import torch  # noqa: E402
@@ -26,9 +26,9 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
-from router_service.build import build_local_engine  # noqa: E402
-from router_service.engine.sampling import SamplingParams  # noqa: E402
-from router_service.settings import RouterSettings  # noqa: E402
+from moe_mesh.router_service.build import build_local_engine  # noqa: E402
+from moe_mesh.router_service.engine.sampling import SamplingParams  # noqa: E402
+from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
 
 DEFAULT_CHECKPOINT = Path(".cache/bench-small-mixtral")
 

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import runtime
+from moe_mesh.common import runtime
 
 runtime.configure()  # before torch loads OpenMP
 import torch  # noqa: E402
@@ -32,9 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
-from router_service.build import build_local_engine, build_router  # noqa: E402
-from router_service.engine.sampling import SamplingParams  # noqa: E402
-from router_service.settings import RouterSettings  # noqa: E402
+from moe_mesh.router_service.build import build_local_engine, build_router  # noqa: E402
+from moe_mesh.router_service.engine.sampling import SamplingParams  # noqa: E402
+from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
 from support.processes import start_experts  # noqa: E402
 
 

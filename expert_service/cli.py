@@ -1,4 +1,4 @@
-"""`moe-mesh serve-expert` (also `python -m expert_service`): serve a set of experts until SIGTERM.
+"""`moe-mesh serve-expert` (also `python -m moe_mesh.expert_service`): serve a set of experts until SIGTERM.
 
 Flags mirror ExpertSettings fields; a flag left out falls back to its MOE_EXPERT_* variable, then to
 the field's default, so deployments may configure by flags, environment or both.
@@ -10,9 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from common.cli import add_settings_arguments, settings_from_args
-from common.errors import MoeMeshError
-from expert_service.settings import ExpertSettings
+from moe_mesh.common.cli import add_settings_arguments, settings_from_args
+from moe_mesh.common.errors import MoeMeshError
+from moe_mesh.expert_service.settings import ExpertSettings
 
 PROG = "moe-mesh serve-expert"
 DESCRIPTION = (
@@ -42,7 +42,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The standalone parser `python -m expert_service` uses: the same flags as `moe-mesh serve-expert`."""
+    """The standalone parser `python -m moe_mesh.expert_service` uses: the same flags as `moe-mesh serve-expert`."""
     parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
     add_arguments(parser)
     parser.set_defaults(func=run_serve_expert)
@@ -62,7 +62,7 @@ def run_serve_expert(args: argparse.Namespace) -> int:
         return _error(str(e))
     import uvloop  # the heavy imports (torch, grpc) wait until the flags are known to be valid
 
-    from expert_service.app import build_server, serve
+    from moe_mesh.expert_service.app import build_server, serve
 
     if settings.compute_threads:
         import torch

@@ -38,9 +38,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common import errors
-from gateway.core import Delta, GatewayCore, Generation, TextRequest, check_unicode
-from gateway.settings import GatewaySettings
+from moe_mesh.common import errors
+from moe_mesh.gateway.core import Delta, GatewayCore, Generation, TextRequest, check_unicode
+from moe_mesh.gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common import runtime
+from moe_mesh.common import runtime
 
 runtime.configure()  # the test process is a router too: before anything imports torch
 from support.factories import make_checkpoint  # noqa: E402

@@ -20,7 +20,7 @@ import yaml
 from grpc_health.v1 import health_pb2
 from hcl2.utils import SerializationOptions
 
-from common.server import GrpcServer
+from moe_mesh.common.server import GrpcServer
 from moe_mesh.planning import deploy
 
 REPO = Path(__file__).resolve().parent.parent

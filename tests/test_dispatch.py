@@ -8,10 +8,14 @@ import time
 import pytest
 import torch
 
-from common.checkpoint import Checkpoint
-from common.errors import DeadlineExceededError, ExpertUnavailableError, UnavailableError
-from common.resilience import EjectionPolicy
-from router_service.experts.dispatch import ColocatedExperts, DispatchPolicy, ExpertDispatcher
+from moe_mesh.common.checkpoint import Checkpoint
+from moe_mesh.common.errors import DeadlineExceededError, ExpertUnavailableError, UnavailableError
+from moe_mesh.common.resilience import EjectionPolicy
+from moe_mesh.router_service.experts.dispatch import (
+    ColocatedExperts,
+    DispatchPolicy,
+    ExpertDispatcher,
+)
 
 
 class Recording(ColocatedExperts):

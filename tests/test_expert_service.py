@@ -18,20 +18,20 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.checkpoint import Checkpoint
-from common.errors import UnavailableError
-from common.moe import expert_ffn
-from common.placement import parse_experts
-from common.server import channel_options
-from common.weights import FFNWeights
-from common.wire import decode, encode
-from expert_service import batcher as batcher_module
-from expert_service import cli
-from expert_service.app import SERVICE_NAME, build_server
-from expert_service.batcher import DynamicBatcher
-from expert_service.core import ExpertHost
-from expert_service.settings import ExpertSettings
-from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
+from moe_mesh.common.checkpoint import Checkpoint
+from moe_mesh.common.errors import UnavailableError
+from moe_mesh.common.moe import expert_ffn
+from moe_mesh.common.placement import parse_experts
+from moe_mesh.common.server import channel_options
+from moe_mesh.common.weights import FFNWeights
+from moe_mesh.common.wire import decode, encode
+from moe_mesh.expert_service import batcher as batcher_module
+from moe_mesh.expert_service import cli
+from moe_mesh.expert_service.app import SERVICE_NAME, build_server
+from moe_mesh.expert_service.batcher import DynamicBatcher
+from moe_mesh.expert_service.core import ExpertHost
+from moe_mesh.expert_service.settings import ExpertSettings
+from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
 
 ARCH = "mixtral"
 SPEC = "0-1:0-3"  # layer 2 and experts 4-7 are served elsewhere
@@ -527,7 +527,7 @@ async def test_subprocess_serves_then_drains_an_in_flight_call_on_sigterm(
             [
                 sys.executable,
                 "-m",
-                "expert_service",
+                "moe_mesh.expert_service",
                 "--checkpoint",
                 str(path),
                 "--experts",

@@ -8,15 +8,15 @@ import time
 
 import pytest
 
-from common.errors import (
+from moe_mesh.common.errors import (
     AlreadyExistsError,
     DeadlineExceededError,
     ResourceExhaustedError,
     UnavailableError,
 )
-from common.resilience import RetryBudget
-from gateway.admission import Admission
-from gateway.core import GatewayCore, TextRequest
+from moe_mesh.common.resilience import RetryBudget
+from moe_mesh.gateway.admission import Admission
+from moe_mesh.gateway.core import GatewayCore, TextRequest
 from support.fakes import FakeRouter, ScriptedRouter, core
 
 

@@ -20,9 +20,9 @@ import grpc
 import httpx
 import pytest
 
-from gateway.app import GatewayApp
-from gateway.settings import GatewaySettings
-from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
+from moe_mesh.gateway.app import GatewayApp
+from moe_mesh.gateway.settings import GatewaySettings
+from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
 from support.processes import ServiceProcess
 from support.reference import PROMPTS
 

@@ -9,8 +9,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.status import RETRY_AFTER_KEY
-from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
+from moe_mesh.common.status import RETRY_AFTER_KEY
+from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
 from support.meshes import local_mesh
 from support.reference import PROMPTS, monolithic
 

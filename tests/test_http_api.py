@@ -14,12 +14,12 @@ import openai
 import pytest
 import pytest_asyncio
 
-from common.tokenizer import TextStream, Tokenizer
-from gateway.core import TextRequest
-from gateway.http_api import ChatMessage, chat_prompt, create_app
-from router_service.build import build_local_engine
-from router_service.engine.sampling import SamplingParams
-from router_service.settings import RouterSettings
+from moe_mesh.common.tokenizer import TextStream, Tokenizer
+from moe_mesh.gateway.core import TextRequest
+from moe_mesh.gateway.http_api import ChatMessage, chat_prompt, create_app
+from moe_mesh.router_service.build import build_local_engine
+from moe_mesh.router_service.engine.sampling import SamplingParams
+from moe_mesh.router_service.settings import RouterSettings
 from support.fakes import FakeRouter, ScriptedRouter
 from support.fakes import core as fake_core
 from support.meshes import LocalMesh, local_mesh

@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = ("expert_service", "router_service", "gateway")
 PACKAGES = (*SERVICES, "common", "moe_mesh")
+MAPPED = (*SERVICES, "common", "protos")  # folders installed under moe_mesh (pyproject package-dir)
 
 
 def _modules(package: str) -> list[Path]:
@@ -23,6 +24,8 @@ def _imports(path: Path) -> list[tuple[str, list[str], int]]:
     """(module imported, names imported from it, line) for every import in `path`, relative ones resolved."""
     tree = ast.parse(path.read_text(), str(path))
     here = path.relative_to(ROOT).with_suffix("").parts
+    if here[0] in MAPPED:
+        here = ("moe_mesh", *here)
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -37,7 +40,11 @@ def _imports(path: Path) -> list[tuple[str, list[str], int]]:
 
 
 def _top(module: str) -> str:
-    return module.split(".")[0]
+    """The folder a module lives in: moe_mesh.gateway.core -> gateway; moe_mesh.ops.x -> moe_mesh."""
+    parts = module.split(".")
+    if parts[0] == "moe_mesh" and len(parts) > 1 and parts[1] in MAPPED:
+        return parts[1]
+    return parts[0]
 
 
 def _where(path: Path, line: int) -> str:
@@ -84,26 +91,59 @@ def test_no_module_imports_a_private_name_of_another_module() -> None:
     assert not found, "\n".join(found)
 
 
+def test_every_import_of_our_code_goes_through_the_moe_mesh_namespace() -> None:
+    """`import common` would find another distribution's `common` once installed."""
+    found = [
+        f"{_where(p, line)} imports {m}"
+        for package in (*PACKAGES, "protos", "tests", "bench")
+        for p in _modules(package)
+        if "_pb2" not in p.name
+        for m, _, line in _imports(p)
+        if m.split(".")[0] in MAPPED
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_pyproject_installs_every_package_under_moe_mesh() -> None:
+    """The package list in pyproject.toml names each folder with an __init__.py, mapped."""
+    import tomllib
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {
+        p.parent.relative_to(ROOT).as_posix().replace("/", ".")
+        for package in (*MAPPED, "moe_mesh")
+        for p in (ROOT / package).rglob("__init__.py")
+    }
+    expected = {f if f.startswith("moe_mesh") else f"moe_mesh.{f}" for f in folders}
+    assert set(tool["packages"]) == expected
+    assert tool["package-dir"] == {f"moe_mesh.{m}": m for m in MAPPED}
+
+
 def test_the_rules_see_a_violation(tmp_path, monkeypatch) -> None:
     """The checks above read real imports: a planted bad module is caught by each of them."""
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     for package in ("gateway", "common", "moe_mesh"):
         (tmp_path / package).mkdir()
     (tmp_path / "gateway" / "bad.py").write_text(
-        "from router_service.engine.engine import Engine\n"
+        "from moe_mesh.router_service.engine.engine import Engine\n"
     )
-    (tmp_path / "common" / "bad.py").write_text("import expert_service.core\n")
+    (tmp_path / "common" / "bad.py").write_text("import moe_mesh.expert_service.core\n")
     (tmp_path / "moe_mesh" / "bad.py").write_text("from .ops.tables import _hidden\n")
+    (tmp_path / "gateway" / "bare.py").write_text("from common.errors import MoeMeshError\n")
     with pytest.raises(
-        AssertionError, match="gateway/bad.py:1 imports router_service.engine.engine"
+        AssertionError, match="gateway/bad.py:1 imports moe_mesh.router_service.engine.engine"
     ):
         test_a_service_imports_no_other_service_nor_the_composition_root("gateway")
-    with pytest.raises(AssertionError, match="common/bad.py:1 imports expert_service.core"):
+    with pytest.raises(
+        AssertionError, match="common/bad.py:1 imports moe_mesh.expert_service.core"
+    ):
         test_common_imports_no_service_and_not_the_composition_root()
     with pytest.raises(
         AssertionError, match="moe_mesh/bad.py:1 imports _hidden from moe_mesh.ops.tables"
     ):
         test_no_module_imports_a_private_name_of_another_module()
+    with pytest.raises(AssertionError, match="gateway/bare.py:1 imports common.errors"):
+        test_every_import_of_our_code_goes_through_the_moe_mesh_namespace()
 
 
 def _readme_table() -> dict[str, str]:

@@ -10,19 +10,19 @@ import grpc
 import pytest
 import torch
 
-from common.checkpoint import Checkpoint
-from common.errors import PreconditionError, UnavailableError
-from common.registry import EXPERT_SERVICE, Instance, Membership
-from gateway.app import GatewayApp
-from gateway.settings import GatewaySettings
+from moe_mesh.common.checkpoint import Checkpoint
+from moe_mesh.common.errors import PreconditionError, UnavailableError
+from moe_mesh.common.registry import EXPERT_SERVICE, Instance, Membership
+from moe_mesh.gateway.app import GatewayApp
+from moe_mesh.gateway.settings import GatewaySettings
 from moe_mesh.local.registry import EmbeddedConsul
-from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
-from router_service.app import RouterApp
-from router_service.build import default_model_id
-from router_service.experts.dispatch import DispatchPolicy, ExpertDispatcher, LivePlacement
-from router_service.experts.membership import ExpertMembership
-from router_service.experts.remote import Identity
-from router_service.settings import RouterSettings
+from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
+from moe_mesh.router_service.app import RouterApp
+from moe_mesh.router_service.build import default_model_id
+from moe_mesh.router_service.experts.dispatch import DispatchPolicy, ExpertDispatcher, LivePlacement
+from moe_mesh.router_service.experts.membership import ExpertMembership
+from moe_mesh.router_service.experts.remote import Identity
+from moe_mesh.router_service.settings import RouterSettings
 from support.memory_registry import MemoryRegistry
 from support.polling import eventually, takes_calls
 from support.processes import start_experts

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.errors import ExpertUnavailableError
-from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
-from router_service.engine.engine import FinishReason
-from router_service.engine.model import pack_step
+from moe_mesh.common.errors import ExpertUnavailableError
+from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
+from moe_mesh.router_service.engine.engine import FinishReason
+from moe_mesh.router_service.engine.model import pack_step
 from support.reference import ALL_REMOTE, GREEDY, PROMPTS, mesh_engine, monolithic, run_engine
 
 pytestmark = pytest.mark.e2e  # expert-service processes

@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.checkpoint import Checkpoint
-from router_service.build import build_local_engine, build_model
-from router_service.engine.engine import FinishReason
-from router_service.engine.model import pack_step
-from router_service.engine.sampling import SamplingParams
-from router_service.settings import RouterSettings
+from moe_mesh.common.checkpoint import Checkpoint
+from moe_mesh.router_service.build import build_local_engine, build_model
+from moe_mesh.router_service.engine.engine import FinishReason
+from moe_mesh.router_service.engine.model import pack_step
+from moe_mesh.router_service.engine.sampling import SamplingParams
+from moe_mesh.router_service.settings import RouterSettings
 
 pytestmark = pytest.mark.e2e  # transformers generate at length
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from common.errors import PreconditionError, UnavailableError
+from moe_mesh.common.errors import PreconditionError, UnavailableError
 from moe_mesh.ops.placement import pairs_of, placement_record, render, shares, write_png
 from support.cli import moe_mesh
 from support.processes import ServiceProcess

@@ -16,7 +16,7 @@ def test_generated_code_is_up_to_date(tmp_path: Path) -> None:
 
 
 def test_public_request_fields() -> None:
-    from protos.moe_mesh.v1 import inference_pb2
+    from moe_mesh.protos.moe_mesh.v1 import inference_pb2
 
     req = inference_pb2.GenerateRequest(
         prompt="hi",

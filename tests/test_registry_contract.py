@@ -28,10 +28,10 @@ import pytest
 from aiohttp import web
 from grpc_health.v1 import health_pb2
 
-from common.errors import InvalidArgumentError, UnavailableError
-from common.registry import Instance, Membership, Registry
-from common.registry.consul import ConsulConfig, ConsulRegistry
-from common.server import GrpcServer
+from moe_mesh.common.errors import InvalidArgumentError, UnavailableError
+from moe_mesh.common.registry import Instance, Membership, Registry
+from moe_mesh.common.registry.consul import ConsulConfig, ConsulRegistry
+from moe_mesh.common.server import GrpcServer
 from moe_mesh.local.registry import EmbeddedConsul, parse_duration
 from support.memory_registry import MemoryRegistry
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.resilience import (
+from moe_mesh.common.resilience import (
     EjectionPolicy,
     EndpointHealth,
     LatencyWindow,

@@ -11,15 +11,15 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.checkpoint import Checkpoint
-from common.telemetry import Telemetry
-from expert_service.app import build_server
-from expert_service.settings import ExpertSettings
-from gateway.app import GatewayApp
-from gateway.settings import GatewaySettings
-from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
-from router_service.app import RouterApp
-from router_service.settings import RouterSettings
+from moe_mesh.common.checkpoint import Checkpoint
+from moe_mesh.common.telemetry import Telemetry
+from moe_mesh.expert_service.app import build_server
+from moe_mesh.expert_service.settings import ExpertSettings
+from moe_mesh.gateway.app import GatewayApp
+from moe_mesh.gateway.settings import GatewaySettings
+from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
+from moe_mesh.router_service.app import RouterApp
+from moe_mesh.router_service.settings import RouterSettings
 
 PROMPT = [11, 3, 250, 9, 31]
 MAX_TOKENS = 6

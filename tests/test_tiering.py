@@ -11,17 +11,17 @@ import grpc
 import pytest
 import torch
 
-from common.checkpoint import Checkpoint
-from common.registry import open_registry
+from moe_mesh.common.checkpoint import Checkpoint
+from moe_mesh.common.registry import open_registry
 from moe_mesh.local.registry import EmbeddedConsul
-from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
-from router_service.app import RouterApp
-from router_service.build import build_router
-from router_service.engine.sampling import SamplingParams
-from router_service.experts.dispatch import ColocatedExperts, ExpertDispatcher
-from router_service.experts.tiering import TieringConfig, choose_hot
-from router_service.experts.utilization import UtilizationWindow
-from router_service.settings import RouterSettings
+from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
+from moe_mesh.router_service.app import RouterApp
+from moe_mesh.router_service.build import build_router
+from moe_mesh.router_service.engine.sampling import SamplingParams
+from moe_mesh.router_service.experts.dispatch import ColocatedExperts, ExpertDispatcher
+from moe_mesh.router_service.experts.tiering import TieringConfig, choose_hot
+from moe_mesh.router_service.experts.utilization import UtilizationWindow
+from moe_mesh.router_service.settings import RouterSettings
 from support.polling import calls, eventually
 from support.processes import start_experts
 from support.reference import ALL_REMOTE, PROMPTS, monolithic, run_engine

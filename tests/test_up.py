@@ -14,10 +14,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from common.arch import load_spec
-from common.finish_reason import from_wire
+from moe_mesh.common.arch import load_spec
+from moe_mesh.common.finish_reason import from_wire
 from moe_mesh.ops.traces import load_spans
-from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, inference_pb2, inference_pb2_grpc
+from moe_mesh.protos.moe_mesh.v1 import (
+    expert_pb2,
+    expert_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+)
 from support.cli import moe_mesh
 from support.reference import PROMPTS, monolithic
 
