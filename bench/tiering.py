@@ -31,11 +31,12 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from support.processes import start_experts  # noqa: E402
+
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
 from moe_mesh.router_service.build import build_local_engine, build_router  # noqa: E402
 from moe_mesh.router_service.engine.sampling import SamplingParams  # noqa: E402
 from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
-from support.processes import start_experts  # noqa: E402
 
 
 async def decode(engine, prompts: list[list[int]], new_tokens: int) -> dict:

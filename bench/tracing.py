@@ -28,13 +28,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import grpc  # noqa: E402
+from support.processes import start_experts  # noqa: E402
 
 from moe_mesh.common.telemetry import Telemetry  # noqa: E402
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
 from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 from moe_mesh.router_service.app import RouterApp  # noqa: E402
 from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
-from support.processes import start_experts  # noqa: E402
 
 SAMPLING = {"off": None, "sample_1pct": 0.01, "sample_100pct": 1.0}
 

@@ -11,7 +11,7 @@ import pytest
 from moe_mesh.common import runtime
 
 runtime.configure()  # the test process is a router too: before anything imports torch
-from support.factories import make_checkpoint  # noqa: E402
+from tests.support.factories import make_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

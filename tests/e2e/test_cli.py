@@ -7,7 +7,7 @@ import json
 import pytest
 
 from moe_mesh.common.tokenizer import Tokenizer
-from support.cli import moe_mesh
+from tests.support.cli import moe_mesh
 
 pytestmark = pytest.mark.e2e  # the `moe-mesh` command in subprocesses
 

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
-from support.meshes import local_mesh
-from support.reference import PROMPTS, monolithic
+from tests.support.meshes import local_mesh
+from tests.support.reference import PROMPTS, monolithic
 
 pytestmark = pytest.mark.e2e  # hundreds of generated requests
 

@@ -23,7 +23,7 @@ from hcl2.utils import SerializationOptions
 from moe_mesh.common.server import GrpcServer
 from moe_mesh.planning import deploy
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[4]
 EXAMPLE_PLAN = REPO / "deploy" / "plan.example.yaml"
 COMMITTED = {"compose": REPO / "deploy" / "compose", "nomad": REPO / "deploy" / "nomad"}
 COMPOSE_SCHEMA = REPO / "deploy" / "schema" / "compose-spec.json"

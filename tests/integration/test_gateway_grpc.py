@@ -11,8 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_mesh.common.status import RETRY_AFTER_KEY
 from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
-from support.meshes import local_mesh
-from support.reference import PROMPTS, monolithic
+from tests.support.meshes import local_mesh
+from tests.support.reference import PROMPTS, monolithic
 
 
 def greedy(i: int, max_tokens: int = 32, **kw) -> inference_pb2.GenerateRequest:

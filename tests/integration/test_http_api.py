@@ -20,9 +20,9 @@ from moe_mesh.gateway.http_api import ChatMessage, chat_prompt, create_app
 from moe_mesh.router_service.build import build_local_engine
 from moe_mesh.router_service.engine.sampling import SamplingParams
 from moe_mesh.router_service.settings import RouterSettings
-from support.fakes import FakeRouter, ScriptedRouter
-from support.fakes import core as fake_core
-from support.meshes import LocalMesh, local_mesh
+from tests.support.fakes import FakeRouter, ScriptedRouter
+from tests.support.fakes import core as fake_core
+from tests.support.meshes import LocalMesh, local_mesh
 
 # One mesh serves most tests of this module, so they share its event loop.
 pytestmark = pytest.mark.asyncio(loop_scope="module")

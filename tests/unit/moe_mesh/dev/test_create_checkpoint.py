@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from moe_mesh.dev.create_checkpoint import ARCHS, add_subcommand, create_checkpoint
-from support.factories import make_checkpoint
+from tests.support.factories import make_checkpoint
 
 # Family-specific config.json keys for the tiny preset (expert count, expert width, dense/shared widths).
 TINY_FIELDS = {

@@ -17,7 +17,7 @@ from moe_mesh.common.errors import (
 from moe_mesh.common.resilience import RetryBudget
 from moe_mesh.gateway.admission import Admission
 from moe_mesh.gateway.core import GatewayCore, TextRequest
-from support.fakes import FakeRouter, ScriptedRouter, core
+from tests.support.fakes import FakeRouter, ScriptedRouter, core
 
 
 async def test_requests_spread_over_router_replicas_by_outstanding_streams(checkpoint) -> None:

@@ -22,9 +22,9 @@ from moe_mesh.router_service.experts.dispatch import ColocatedExperts, ExpertDis
 from moe_mesh.router_service.experts.tiering import TieringConfig, choose_hot
 from moe_mesh.router_service.experts.utilization import UtilizationWindow
 from moe_mesh.router_service.settings import RouterSettings
-from support.polling import calls, eventually
-from support.processes import start_experts
-from support.reference import ALL_REMOTE, PROMPTS, monolithic, run_engine
+from tests.support.polling import calls, eventually
+from tests.support.processes import start_experts
+from tests.support.reference import ALL_REMOTE, PROMPTS, monolithic, run_engine
 
 pytestmark = pytest.mark.e2e  # expert-service processes
 
@@ -358,7 +358,7 @@ async def test_router_uses_its_region_falls_back_and_returns(
     ],
 )
 def test_bad_tiering_flags_fail_clearly(checkpoint, flags, needle) -> None:
-    from support.cli import moe_mesh
+    from tests.support.cli import moe_mesh
 
     out = moe_mesh(
         "serve-router", "--checkpoint", checkpoint("mixtral"), "--expert", "127.0.0.1:1", *flags

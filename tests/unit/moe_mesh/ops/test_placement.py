@@ -9,8 +9,8 @@ import pytest
 
 from moe_mesh.common.errors import PreconditionError, UnavailableError
 from moe_mesh.ops.placement import pairs_of, placement_record, render, shares, write_png
-from support.cli import moe_mesh
-from support.processes import ServiceProcess
+from tests.support.cli import moe_mesh
+from tests.support.processes import ServiceProcess
 
 pytestmark = pytest.mark.e2e  # router processes
 

@@ -23,10 +23,10 @@ from moe_mesh.router_service.experts.dispatch import DispatchPolicy, ExpertDispa
 from moe_mesh.router_service.experts.membership import ExpertMembership
 from moe_mesh.router_service.experts.remote import Identity
 from moe_mesh.router_service.settings import RouterSettings
-from support.memory_registry import MemoryRegistry
-from support.polling import eventually, takes_calls
-from support.processes import start_experts
-from support.reference import PROMPTS, monolithic
+from tests.support.memory_registry import MemoryRegistry
+from tests.support.polling import eventually, takes_calls
+from tests.support.processes import start_experts
+from tests.support.reference import PROMPTS, monolithic
 
 pytestmark = pytest.mark.e2e  # expert-service processes and a registry
 

@@ -27,8 +27,8 @@ from moe_mesh.protos.moe_mesh.v1 import (
     router_pb2_grpc,
     tensor_pb2,
 )
-from support.meshes import local_mesh
-from support.reference import PROMPTS, monolithic
+from tests.support.meshes import local_mesh
+from tests.support.reference import PROMPTS, monolithic
 
 pytestmark = pytest.mark.e2e  # hundreds of generated requests
 

@@ -33,7 +33,7 @@ from moe_mesh.common.registry import Instance, Membership, Registry
 from moe_mesh.common.registry.consul import ConsulConfig, ConsulRegistry
 from moe_mesh.common.server import GrpcServer
 from moe_mesh.local.registry import EmbeddedConsul, parse_duration
-from support.memory_registry import MemoryRegistry
+from tests.support.memory_registry import MemoryRegistry
 
 SERVICE = "contract-svc"
 WAIT_S = 10.0  # blocking-query wait; "woke on change" means well before this

@@ -23,8 +23,8 @@ import pytest
 from moe_mesh.gateway.app import GatewayApp
 from moe_mesh.gateway.settings import GatewaySettings
 from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
-from support.processes import ServiceProcess
-from support.reference import PROMPTS
+from tests.support.processes import ServiceProcess
+from tests.support.reference import PROMPTS
 
 pytestmark = pytest.mark.e2e  # router processes killed mid-stream
 

@@ -23,8 +23,8 @@ from moe_mesh.protos.moe_mesh.v1 import (
     inference_pb2,
     inference_pb2_grpc,
 )
-from support.cli import moe_mesh
-from support.reference import PROMPTS, monolithic
+from tests.support.cli import moe_mesh
+from tests.support.reference import PROMPTS, monolithic
 
 pytestmark = pytest.mark.e2e  # a whole `moe-mesh up` mesh
 

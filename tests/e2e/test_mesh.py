@@ -16,7 +16,7 @@ from moe_mesh.common.errors import ExpertUnavailableError
 from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
 from moe_mesh.router_service.engine.engine import FinishReason
 from moe_mesh.router_service.engine.model import pack_step
-from support.reference import ALL_REMOTE, GREEDY, PROMPTS, mesh_engine, monolithic, run_engine
+from tests.support.reference import ALL_REMOTE, GREEDY, PROMPTS, mesh_engine, monolithic, run_engine
 
 pytestmark = pytest.mark.e2e  # expert-service processes
 

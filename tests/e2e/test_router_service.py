@@ -15,8 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc, types_pb2
 from moe_mesh.router_service.app import SERVICE_NAME, RouterApp
 from moe_mesh.router_service.settings import RouterSettings
-from support.processes import ServiceProcess, start_experts
-from support.reference import PROMPTS, monolithic
+from tests.support.processes import ServiceProcess, start_experts
+from tests.support.reference import PROMPTS, monolithic
 
 pytestmark = pytest.mark.e2e  # router and expert-service processes
 

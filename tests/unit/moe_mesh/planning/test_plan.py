@@ -14,7 +14,7 @@ from moe_mesh.planning import deploy
 from moe_mesh.planning import plan as plan_cli
 from moe_mesh.planning.eplb import MAX_REPLICAS, PlanOptions, propose
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[4]
 EXAMPLE_PLAN = REPO / "deploy" / "plan.example.yaml"
 MIB = 2**20
 HOT = {
