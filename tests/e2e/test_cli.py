@@ -1,15 +1,24 @@
-"""The `moe-mesh` command line, run as a user would: a subprocess of the installed console script."""
+"""The `moe-mesh` command line, run as a user would: a subprocess of the installed console script
+(generate, plan, placement show) or of `python` (the deploy probe a container health check runs)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from moe_mesh.common.server import GrpcServer
 from moe_mesh.common.tokenizer import Tokenizer
+from moe_mesh.planning import deploy
+from tests.support import REPO
 from tests.support.cli import moe_mesh
-
-pytestmark = pytest.mark.e2e  # the `moe-mesh` command in subprocesses
+from tests.support.net import free_port
+from tests.support.plans import EXAMPLE_PLAN, MIB, skewed, write_record
+from tests.support.processes import ServiceProcess
 
 
 def test_generate_local_json_with_token_ids(checkpoint) -> None:
@@ -112,3 +121,132 @@ def test_generate_needs_exactly_one_prompt_source(checkpoint) -> None:
 def test_missing_checkpoint_is_a_clear_error(tmp_path) -> None:
     r = moe_mesh("generate", "--checkpoint", tmp_path / "nope", "--local", "--prompt", "x")
     assert r.returncode == 2 and "checkpoint directory not found" in r.stderr and "nope" in r.stderr
+
+
+def test_placement_show_errors_exit_2_with_a_message(tmp_path) -> None:
+    missing = moe_mesh("placement", "show", "--ready-file", tmp_path / "nope.json")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert (
+        missing.stderr.startswith("moe-mesh placement show: error: --ready-file:")
+        and "does not exist" in missing.stderr
+    )
+    bad = moe_mesh("placement", "show", "--router", "no-port")
+    assert (
+        bad.returncode == 2 and "expected HOST:PORT" in bad.stderr and "Traceback" not in bad.stderr
+    )
+    down = moe_mesh("placement", "show", "--router", "127.0.0.1:1")
+    assert down.returncode == 2 and "Traceback" not in down.stderr
+    assert (
+        "moe-mesh placement show: error: no router answered Status: 127.0.0.1:1 (UNAVAILABLE)"
+        in down.stderr
+    )
+
+
+def test_placement_show_json_of_a_live_router(checkpoint, tmp_path) -> None:
+    path = checkpoint("olmoe")
+    router = ServiceProcess(
+        "router_service", ["--checkpoint", str(path)], tmp_path, "router"
+    )  # all colocated
+    try:
+        router.wait_ready()
+        r = moe_mesh("placement", "show", "--router", router.address, "--json")
+        assert r.returncode == 0, r.stderr
+        record = json.loads(r.stdout)
+        layers, experts = record["num_layers"], record["num_experts"]
+        assert (
+            layers > 0
+            and experts > 0
+            and [r["address"] for r in record["routers"]] == [router.address]
+        )
+        assert len(record["tokens_routed"]) == len(record["utilization"]) == layers
+        assert all(len(row) == experts for row in record["utilization"] + record["tokens_routed"])
+        assert record["services"] == [] and record["routers"][0]["colocated"]
+        table = moe_mesh("placement", "show", "--router", router.address)
+        assert table.returncode == 0 and router.address in table.stdout, table.stderr
+    finally:
+        router.stop()
+
+
+def test_plan_prints_the_plan_to_stdout(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_mesh",
+            "plan",
+            "--utilization",
+            str(write_record(tmp_path, skewed())),
+            "--base",
+            str(EXAMPLE_PLAN),
+            "--budget",
+            "2MiB",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    (tmp_path / "out.yaml").write_text(done.stdout)
+    plan = deploy.load_plan(tmp_path / "out.yaml")
+    assert plan.router.colocate_budget == str(2 * MIB) and plan.router.args == []
+    assert (
+        "colocated in the router: 0:1; 1:2  (2 experts, 2.0 MiB of the 2.0 MiB budget)"
+        in done.stderr
+    )
+
+
+def test_plan_error_has_no_traceback(tmp_path: Path) -> None:
+    record = write_record(tmp_path, skewed(), window_s="soon")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_mesh",
+            "plan",
+            "--utilization",
+            str(record),
+            "--base",
+            str(tmp_path / "missing.yaml"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert (
+        done.stderr
+        == f"moe-mesh plan: error: {record}: window_s: expected a number >= 0, got 'soon'\n"
+    )
+
+
+async def test_deploy_probe_as_a_process_without_torch() -> None:
+    """What a container health check runs: a fresh process that never imports torch."""
+    script = (
+        "import sys; from moe_mesh.planning import deploy; code = deploy.main(['probe', sys.argv[1]]); "
+        "print('torch' in sys.modules); sys.exit(code)"
+    )
+
+    async def run(address: str) -> tuple[int, str, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            script,
+            address,
+            cwd=REPO,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=30)
+        return proc.returncode, out.decode(), err.decode()
+
+    server = GrpcServer([], grace_s=0.1)  # the health service only
+    await server.start()
+    try:
+        code, out, _ = await run(server.address)
+    finally:
+        await server.stop()
+    assert code == 0 and out.splitlines() == [f"{server.address}: SERVING", "False"]
+    code, _, err = await run(f"127.0.0.1:{free_port()}")
+    assert code == 1 and "UNAVAILABLE" in err

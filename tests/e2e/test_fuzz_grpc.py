@@ -30,8 +30,6 @@ from moe_mesh.protos.moe_mesh.v1 import (
 from tests.support.meshes import local_mesh
 from tests.support.reference import PROMPTS, monolithic
 
-pytestmark = pytest.mark.e2e  # hundreds of generated requests
-
 EXAMPLES = 60
 ALLOWED = {
     grpc.StatusCode.OK,

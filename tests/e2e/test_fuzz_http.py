@@ -21,8 +21,6 @@ from hypothesis.errors import Unsatisfiable
 from tests.support.meshes import local_mesh
 from tests.support.reference import PROMPTS, monolithic
 
-pytestmark = pytest.mark.e2e  # hundreds of generated requests
-
 EXAMPLES = 25  # per operation and mode
 
 

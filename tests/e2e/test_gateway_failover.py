@@ -26,8 +26,6 @@ from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
 from tests.support.processes import ServiceProcess
 from tests.support.reference import PROMPTS
 
-pytestmark = pytest.mark.e2e  # router processes killed mid-stream
-
 ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+:\d+|localhost:\d+|\[[0-9a-f:]+\]:\d+")
 
 

@@ -12,8 +12,6 @@ import pytest
 from moe_mesh.common.placement import format_experts, parse_experts
 from moe_mesh.local.launcher import Launcher
 
-pytestmark = pytest.mark.e2e  # launcher child processes
-
 SLEEPER = ["-c", "import time; time.sleep(60)"]
 DEAF = [
     "-c",

@@ -10,25 +10,18 @@ import grpc
 import pytest
 import torch
 
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.common.errors import PreconditionError, UnavailableError
-from moe_mesh.common.registry import EXPERT_SERVICE, Instance, Membership
+from moe_mesh.common.errors import UnavailableError
+from moe_mesh.common.registry import Membership
 from moe_mesh.gateway.app import GatewayApp
 from moe_mesh.gateway.settings import GatewaySettings
 from moe_mesh.local.registry import EmbeddedConsul
 from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
 from moe_mesh.router_service.app import RouterApp
-from moe_mesh.router_service.build import default_model_id
-from moe_mesh.router_service.experts.dispatch import DispatchPolicy, ExpertDispatcher, LivePlacement
-from moe_mesh.router_service.experts.membership import ExpertMembership
-from moe_mesh.router_service.experts.remote import Identity
 from moe_mesh.router_service.settings import RouterSettings
-from tests.support.memory_registry import MemoryRegistry
+from tests.support.membership import instance_of, membership_of
 from tests.support.polling import eventually, takes_calls
 from tests.support.processes import start_experts
 from tests.support.reference import PROMPTS, monolithic
-
-pytestmark = pytest.mark.e2e  # expert-service processes and a registry
 
 
 class Load:
@@ -181,74 +174,14 @@ async def test_membership_changes_under_load(checkpoint, tmp_path, monkeypatch) 
             await asyncio.to_thread(p.stop)
 
 
-# -- ExpertMembership on its own: compatibility, coverage, departures ----------------------------------
-
-
-def _membership(path) -> tuple[ExpertMembership, ExpertDispatcher, Checkpoint]:
-    ckpt = Checkpoint(path)
-    dispatcher = ExpertDispatcher(
-        ckpt.spec, {}, policy=DispatchPolicy(hedge_min_delay_s=60.0)
-    )  # no hedging here
-    identity = Identity(default_model_id(path), ckpt.fingerprint())
-    return (
-        ExpertMembership(ckpt.spec, identity, LivePlacement(dispatcher), 64 * 2**20),
-        dispatcher,
-        ckpt,
-    )
-
-
-def _instance(
-    m: ExpertMembership, name: str, port: int, experts: str = "*:0-7", **meta: str
-) -> Instance:
-    base = {
-        "model_id": m.identity.model_id,
-        "weights_checksum": m.identity.weights_checksum,
-        "experts": experts,
-    }
-    return Instance(EXPERT_SERVICE, name, "127.0.0.1", port, meta={**base, **meta})
-
-
-async def test_services_of_another_model_or_other_weights_are_ignored(checkpoint, caplog) -> None:
-    m, dispatcher, _ = _membership(checkpoint("mixtral"))
-    good = _instance(m, "good", 1)
-    others = [
-        _instance(m, "other-model", 2, model_id="llama"),
-        _instance(m, "other-weights", 3, weights_checksum="x"),
-        _instance(m, "bad-experts", 4, experts="9:0"),
-    ]
-    m.apply(Membership((good, *others), 1))
-    m.apply(Membership((good, *others), 2))
-    assert set(m.backends) == {"good"}
-    assert {b.address for bs in dispatcher.placement.values() for b in bs} == {"127.0.0.1:1"}
-    warned = [r.message for r in caplog.records if "ignoring expert service" in r.message]
-    assert len(warned) == 3 and any(
-        "'llama'" in w for w in warned
-    )  # once per service, naming what differs
-    assert any("'9:0' does not fit this model" in w for w in warned)
-    await m.stop()
-
-
-async def test_start_times_out_naming_the_experts_no_service_covers(checkpoint) -> None:
-    m, _, _ = _membership(checkpoint("mixtral"))
-    registry = MemoryRegistry()
-    await registry.register(_instance(m, "half", 1, experts="*:0-3"))
-    start = time.monotonic()
-    with pytest.raises(
-        PreconditionError, match=r"after 0.5s no registered expert service serves 0-2:4-7 "
-    ):
-        await m.start(registry, timeout_s=0.5)
-    assert time.monotonic() - start < 3
-    await m.stop()
-
-
 async def test_calls_in_flight_to_a_departing_replica_fail_over_at_once(
     checkpoint, tmp_path
 ) -> None:
     path = checkpoint("mixtral")
     experts = await asyncio.to_thread(start_experts, path, ["*:0-7", "*:0-7"], tmp_path)
-    m, dispatcher, ckpt = _membership(path)
+    m, dispatcher, ckpt = membership_of(path)
     try:
-        a, b = (_instance(m, n, int(e.address.rpartition(":")[2])) for n, e in zip("ab", experts))
+        a, b = (instance_of(m, n, int(e.address.rpartition(":")[2])) for n, e in zip("ab", experts))
         m.apply(Membership((a, b), 1))
         layer = ckpt.load_dense().layers[0]
         x = torch.randn(8, ckpt.spec.hidden_size)

@@ -18,8 +18,6 @@ from moe_mesh.router_service.engine.engine import FinishReason
 from moe_mesh.router_service.engine.model import pack_step
 from tests.support.reference import ALL_REMOTE, GREEDY, PROMPTS, mesh_engine, monolithic, run_engine
 
-pytestmark = pytest.mark.e2e  # expert-service processes
-
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 async def test_all_remote_mesh_matches_monolithic_and_transformers(

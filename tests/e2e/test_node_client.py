@@ -16,9 +16,8 @@ from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types
 from moe_mesh.router_service.build import build_local_engine
 from moe_mesh.router_service.engine.sampling import SamplingParams
 from moe_mesh.router_service.settings import RouterSettings
+from tests.support import REPO
 from tests.support.meshes import local_mesh
-
-pytestmark = pytest.mark.e2e  # a Node.js client process
 
 NODE = shutil.which("node")
 if NODE is None:
@@ -26,7 +25,7 @@ if NODE is None:
         "`node` is not on PATH: the Node.js interop client cannot run", allow_module_level=True
     )
 
-NODE_DIR = Path(__file__).parents[1] / "node"
+NODE_DIR = REPO / "tests" / "node"
 CLIENT = NODE_DIR / "client.mjs"
 PROMPT = [11, 3, 250, 9, 31]
 MAX_TOKENS = 12

@@ -17,8 +17,6 @@ from moe_mesh.router_service.engine.model import pack_step
 from moe_mesh.router_service.engine.sampling import SamplingParams
 from moe_mesh.router_service.settings import RouterSettings
 
-pytestmark = pytest.mark.e2e  # transformers generate at length
-
 PROMPTS = [[7], [11, 3, 250, 9, 31], list(range(40, 53)), [(i * 37) % 400 + 5 for i in range(29)]]
 NEW_TOKENS = 32
 TOL = 1e-4

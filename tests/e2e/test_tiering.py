@@ -1,4 +1,4 @@
-"""Tiered placement: the utilization window, the hot-expert policy, live re-tiering and regions."""
+"""Tiered placement over expert-service processes: live re-tiering, identical outputs, regions, flags."""
 
 from __future__ import annotations
 
@@ -9,121 +9,17 @@ import sys
 
 import grpc
 import pytest
-import torch
 
-from moe_mesh.common.checkpoint import Checkpoint
 from moe_mesh.common.registry import open_registry
 from moe_mesh.local.registry import EmbeddedConsul
 from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 from moe_mesh.router_service.app import RouterApp
 from moe_mesh.router_service.build import build_router
 from moe_mesh.router_service.engine.sampling import SamplingParams
-from moe_mesh.router_service.experts.dispatch import ColocatedExperts, ExpertDispatcher
-from moe_mesh.router_service.experts.tiering import TieringConfig, choose_hot
-from moe_mesh.router_service.experts.utilization import UtilizationWindow
 from moe_mesh.router_service.settings import RouterSettings
 from tests.support.polling import calls, eventually
 from tests.support.processes import start_experts
 from tests.support.reference import ALL_REMOTE, PROMPTS, monolithic, run_engine
-
-pytestmark = pytest.mark.e2e  # expert-service processes
-
-EB = 1000  # bytes of one expert in the policy tests
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def test_window_counts_only_the_last_window_s() -> None:
-    clock = Clock()
-    w = UtilizationWindow(2, 4, window_s=10.0, buckets=5, clock=clock)
-    w.add(0, torch.tensor([1, 0, 0, 2]))
-    clock.t += 4
-    w.add(1, torch.tensor([0, 5, 0, 0]))
-    assert w.counts().tolist() == [[1, 0, 0, 2], [0, 5, 0, 0]]
-    clock.t += 7  # the first add is now older than the window, the second is not
-    w.add(0, torch.tensor([0, 0, 3, 0]))
-    assert w.counts().tolist() == [[0, 0, 3, 0], [0, 5, 0, 0]]
-    clock.t += 60  # nothing recent: an idle router reports no load
-    assert w.counts().sum() == 0
-
-
-def skewed(rows: list[list[float]]) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.float64)
-
-
-LOAD = skewed(
-    [
-        [500, 300, 50, 50, 40, 30, 20, 10],  # layer 0: experts 0, 1 hot
-        [20, 20, 20, 400, 20, 20, 250, 250],
-    ]
-)  # layer 1: experts 3, 6, 7 hot
-EVERY = {(la, e) for la in range(2) for e in range(8)}
-
-
-def test_policy_fills_the_budget_with_the_hottest_and_no_more() -> None:
-    cfg = TieringConfig(budget_bytes=3 * EB + 999, expert_bytes=EB)
-    assert choose_hot(LOAD, [0, 1], set(), cfg, EVERY) == {(0, 0), (1, 3), (0, 1)}
-    roomy = TieringConfig(
-        budget_bytes=100 * EB, expert_bytes=EB
-    )  # only hot experts, however big the budget
-    assert choose_hot(LOAD, [0, 1], set(), roomy, EVERY) == {(0, 0), (0, 1), (1, 3), (1, 6), (1, 7)}
-    uniform = skewed([[100] * 8, [100] * 8])
-    assert choose_hot(uniform, [0, 1], set(), roomy, EVERY) == set()
-    cold_start = skewed([[5, 1, 0, 0, 0, 0, 0, 0], [0] * 8])  # too few tokens to call anything hot
-    assert choose_hot(cold_start, [0, 1], set(), roomy, EVERY) == set()
-
-
-def test_policy_hysteresis_dwell_pins_and_no_stranding() -> None:
-    cfg = TieringConfig(budget_bytes=2 * EB, expert_bytes=EB, hysteresis=0.2)
-    close = skewed([[300, 280, 260, 20, 20, 20, 20, 20], [100] * 8])
-    # (0, 2) is an incumbent: 260 * 1.2 beats 280, so it is not swapped for a slightly hotter one
-    assert choose_hot(close, [0, 1], {(0, 0), (0, 2)}, cfg, EVERY) == {(0, 0), (0, 2)}
-    assert choose_hot(close, [0, 1], set(), cfg, EVERY) == {(0, 0), (0, 1)}
-    # frozen pairs keep their tier: a just-demoted expert is not promoted back, a just-promoted one stays
-    assert choose_hot(close, [0, 1], {(0, 2)}, cfg, EVERY, frozen={(0, 0), (0, 2)}) == {
-        (0, 2),
-        (0, 1),
-    }
-    pinned = TieringConfig(
-        budget_bytes=2 * EB,
-        expert_bytes=EB,
-        pinned_hot=frozenset({(1, 0)}),
-        pinned_remote=frozenset({(0, 0)}),
-    )
-    assert choose_hot(close, [0, 1], set(), pinned, EVERY) == {(1, 0), (0, 1)}
-    # an expert with no remote replica stays colocated, whatever its load
-    assert (1, 5) in choose_hot(close, [0, 1], {(1, 5)}, cfg, EVERY - {(1, 5)})
-
-
-class Regional(ColocatedExperts):
-    local = False
-
-    def __init__(self, weights, region: str, outstanding: int) -> None:
-        super().__init__(weights)
-        self.region, self.outstanding, self.served = region, outstanding, 0
-
-    async def forward(self, layer, groups, timeout_s=None):
-        self.served += 1
-        return await super().forward(layer, groups)
-
-
-async def test_dispatcher_prefers_its_region_until_the_penalty_is_exceeded(checkpoint) -> None:
-    ckpt = Checkpoint(checkpoint("mixtral"))
-    weights, layer = ckpt.load_experts(ckpt.all_expert_pairs()), ckpt.load_dense().layers[0]
-    x = torch.randn(16, ckpt.spec.hidden_size, generator=torch.Generator().manual_seed(0))
-    for busy_home, expect_home in ((7, True), (9, False)):
-        home, away = Regional(weights, "a", busy_home), Regional(weights, "b", 0)
-        d = ExpertDispatcher(
-            ckpt.spec, {p: [away, home] for p in weights}, region="a", region_penalty=8
-        )
-        await d.moe(0, x, layer)
-        assert (home.served > 0, away.served > 0) == (expect_home, not expect_home)
 
 
 async def warm_up_and_tier(path, tmp_path, budget: str, prompts: list[list[int]]):

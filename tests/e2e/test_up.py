@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import grpc
-import pytest
 
 from moe_mesh.common.arch import load_spec
 from moe_mesh.common.finish_reason import from_wire
@@ -25,8 +24,6 @@ from moe_mesh.protos.moe_mesh.v1 import (
 )
 from tests.support.cli import moe_mesh
 from tests.support.reference import PROMPTS, monolithic
-
-pytestmark = pytest.mark.e2e  # a whole `moe-mesh up` mesh
 
 
 def _alive(pid: int) -> bool:

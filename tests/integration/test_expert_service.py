@@ -1,17 +1,12 @@
 """Expert service over real gRPC: Forward/Describe values, a status per bad input, dynamic batching across
-callers, and a subprocess that drains an in-flight call on SIGTERM."""
+callers."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import signal
-import subprocess
-import sys
-import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
+from functools import partial
 
 import grpc
 import pytest
@@ -19,60 +14,23 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.common.errors import UnavailableError
-from moe_mesh.common.moe import expert_ffn
 from moe_mesh.common.placement import parse_experts
-from moe_mesh.common.server import channel_options
-from moe_mesh.common.weights import FFNWeights
-from moe_mesh.common.wire import decode, encode
-from moe_mesh.expert_service import batcher as batcher_module
-from moe_mesh.expert_service import cli
+from moe_mesh.common.wire import encode
 from moe_mesh.expert_service.app import SERVICE_NAME, build_server
-from moe_mesh.expert_service.batcher import DynamicBatcher
 from moe_mesh.expert_service.core import ExpertHost
 from moe_mesh.expert_service.settings import ExpertSettings
 from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
-
-ARCH = "mixtral"
-SPEC = "0-1:0-3"  # layer 2 and experts 4-7 are served elsewhere
-HIDDEN = 64
-MESSAGE_BYTES = 16 * 1024 * 1024
-Groups = list[tuple[int, torch.Tensor]]
-
-
-def reference(
-    path: Path, layer: int, groups: Groups, dtype: torch.dtype = torch.float32
-) -> list[torch.Tensor]:
-    """What the service must return: expert_ffn on independently loaded weights, one group at a time."""
-    weights = Checkpoint(path, dtype=dtype).load_experts([(layer, e) for e, _ in groups])
-    return [expert_ffn(rows, weights[(layer, e)]) for e, rows in groups]
-
-
-def forward_request(
-    host: ExpertHost, layer: int, groups: Groups
-) -> expert_pb2.ExpertForwardRequest:
-    return expert_pb2.ExpertForwardRequest(
-        model_id=host.model_id,
-        weights_checksum=host.weights_checksum,
-        layer=layer,
-        expert_ids=[e for e, _ in groups],
-        token_counts=[len(rows) for _, rows in groups],
-        hidden=encode(torch.cat([rows for _, rows in groups])),
-    )
-
-
-def decode_output(
-    response: expert_pb2.ExpertForwardResponse, counts: list[int]
-) -> list[torch.Tensor]:
-    return list(torch.split(decode(response.output, "output"), counts))
-
-
-def assert_close(got: list[torch.Tensor], want: list[torch.Tensor], atol: float = 1e-6) -> None:
-    assert [g.shape for g in got] == [w.shape for w in want]
-    for g, w in zip(got, want):
-        assert g.dtype == w.dtype and torch.allclose(g.float(), w.float(), atol=atol, rtol=0), (
-            (g - w).abs().max()
-        )
+from tests.support.experts import (
+    HIDDEN,
+    SPEC,
+    Groups,
+    assert_close,
+    connect,
+    decode_output,
+    expert_settings,
+    forward_request,
+    reference,
+)
 
 
 @asynccontextmanager
@@ -87,18 +45,9 @@ async def serving(settings: ExpertSettings) -> AsyncIterator[tuple[str, ExpertHo
         await host.close()
 
 
-def connect(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=channel_options(MESSAGE_BYTES))
-
-
 @pytest.fixture
 def settings(checkpoint) -> Callable[..., ExpertSettings]:
-    def make(**overrides) -> ExpertSettings:
-        return ExpertSettings(
-            **{"checkpoint": checkpoint(ARCH), "experts": SPEC, "grace_s": 2.0, **overrides}
-        )
-
-    return make
+    return partial(expert_settings, checkpoint)
 
 
 # -- values ----------------------------------------------------------------------------------------
@@ -154,13 +103,6 @@ async def test_model_id_setting_overrides_the_directory_name(settings) -> None:
             assert (
                 await stub.Forward(forward_request(host, 0, [(1, torch.randn(2, HIDDEN))]))
             ).output.shape == [2, 64]
-
-
-def test_host_loads_only_its_experts(settings) -> None:
-    for spec in (SPEC, "2:7; 0:5"):
-        host = ExpertHost(settings(experts=spec))
-        assert sorted(host.weights) == parse_experts(spec, host.spec)
-        assert all(isinstance(w, FFNWeights) for w in host.weights.values())
 
 
 # -- bad inputs: one status each, then the service still serves ---------------------------------------
@@ -367,219 +309,4 @@ async def test_batches_are_capped_at_max_batch_tokens_and_results_stay_per_calle
         )
 
 
-async def test_groups_queued_during_a_compute_merge_into_the_next_batch_without_delay(
-    settings, monkeypatch
-) -> None:
-    started, release = threading.Event(), threading.Event()
-    compute = batcher_module._compute
-
-    def gated(parts, w):  # holds the compute thread until the test has queued more groups
-        started.set()
-        release.wait(5)
-        return compute(parts, w)
-
-    monkeypatch.setattr(batcher_module, "_compute", gated)
-    host = ExpertHost(settings())
-    batcher = DynamicBatcher(host.weights, max_queue_delay_us=0)
-    rows = [torch.randn(n, HIDDEN) for n in (2, 3, 4)]
-    first = asyncio.ensure_future(batcher.submit(0, 1, rows[0]))
-    assert await asyncio.to_thread(started.wait, 5)
-    rest = [asyncio.ensure_future(batcher.submit(0, 1, r)) for r in rows[1:]]
-    await asyncio.sleep(0.02)  # both queue behind the running batch
-    release.set()
-    results = await asyncio.wait_for(asyncio.gather(first, *rest), 5)
-    assert (batcher.stats.groups, batcher.stats.batches, batcher.stats.tokens) == (3, 2, 9)
-    assert_close(results, [expert_ffn(r, host.weights[(0, 1)]) for r in rows])
-    await batcher.close()
-
-
-async def test_cancelling_a_group_split_across_batches_drops_its_rest_and_serves_the_others(
-    settings, monkeypatch
-) -> None:
-    batches: list[int] = []
-    started, release = threading.Event(), threading.Event()
-    compute = batcher_module._compute
-
-    def gated(parts, w):  # the first batch holds the compute thread until the test has cancelled
-        batches.append(sum(p.shape[0] for p in parts))
-        started.set()
-        release.wait(5)
-        return compute(parts, w)
-
-    monkeypatch.setattr(batcher_module, "_compute", gated)
-    host = ExpertHost(settings())
-    batcher = DynamicBatcher(host.weights, max_batch_tokens=4, max_queue_delay_us=0)
-    big, small = torch.randn(10, HIDDEN), torch.randn(3, HIDDEN)
-    cancelled = asyncio.ensure_future(batcher.submit(0, 1, big))  # 10 rows: batches of 4, 4, 2
-    assert await asyncio.to_thread(started.wait, 5)  # its first 4 rows are computing
-    other = asyncio.ensure_future(batcher.submit(0, 1, small))
-    await asyncio.sleep(0.02)
-    cancelled.cancel()
-    release.set()
-    assert_close([await asyncio.wait_for(other, 5)], [expert_ffn(small, host.weights[(0, 1)])])
-    assert cancelled.cancelled()
-    assert batches == [4, 3]  # the cancelled group's other 6 rows were never computed
-    queue = batcher._queues[(0, 1)]
-    assert (queue.pending_tokens, len(queue.groups)) == (0, 0)
-    again = torch.randn(
-        5, HIDDEN
-    )  # the queue's accounting is intact: a new group is split and served
-    assert_close(
-        [await asyncio.wait_for(batcher.submit(0, 1, again), 5)],
-        [expert_ffn(again, host.weights[(0, 1)])],
-    )
-    assert batches[2:] == [4, 1]
-    await batcher.close()
-    await host.close()
-
-
-async def test_batcher_fails_every_group_of_a_failing_batch_and_keeps_serving(settings) -> None:
-    host = ExpertHost(settings())
-    broken = FFNWeights(
-        gate=torch.zeros(8, 3), up=torch.zeros(8, 3), down=torch.zeros(3, 8)
-    )  # wrong width
-    batcher = DynamicBatcher(
-        {(0, 0): broken, (0, 1): host.weights[(0, 1)]}, max_queue_delay_us=50_000
-    )
-    rows = torch.randn(2, HIDDEN)
-    results = await asyncio.wait_for(
-        asyncio.gather(
-            batcher.submit(0, 0, rows),
-            batcher.submit(0, 0, rows),
-            batcher.submit(0, 1, rows),
-            return_exceptions=True,
-        ),
-        5,
-    )
-    assert [type(r) for r in results[:2]] == [RuntimeError, RuntimeError]
-    assert_close([results[2]], [expert_ffn(rows, host.weights[(0, 1)])])
-    assert (batcher.stats.groups, batcher.stats.batches) == (3, 1)
-    assert_close(
-        [await batcher.submit(0, 1, rows)], [results[2]]
-    )  # the queue still works after a failure
-    await batcher.close()
-    await host.close()
-
-
-async def test_closing_the_batcher_fails_queued_groups_instead_of_hanging(settings) -> None:
-    host = ExpertHost(settings())
-    batcher = DynamicBatcher(host.weights, max_queue_delay_us=10_000_000)
-    queued = asyncio.ensure_future(batcher.submit(0, 1, torch.randn(2, HIDDEN)))
-    await asyncio.sleep(0.05)
-    await asyncio.wait_for(batcher.close(), 5)
-    with pytest.raises(UnavailableError):
-        await queued
-    with pytest.raises(UnavailableError):
-        await batcher.submit(0, 1, torch.randn(2, HIDDEN))
-
-
 # -- command line -------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--experts", "0:9"], "experts: expert '9' in '0:9' is outside [0, 7]"),
-        (["--experts", "nonsense"], "experts: item 'nonsense' is not LAYERS:EXPERTS"),
-        (
-            ["--max-batch-tokens", "0"],
-            "--max-batch-tokens: Input should be greater than or equal to 1",
-        ),
-    ],
-)
-def test_cli_bad_configuration_exits_2_with_one_line(checkpoint, capsys, args, message) -> None:
-    assert cli.main(["--checkpoint", str(checkpoint(ARCH)), *args]) == 2
-    err = capsys.readouterr().err
-    assert (
-        err.startswith("moe-mesh serve-expert: error: ") and message in err and err.count("\n") == 1
-    ), err
-
-
-def test_cli_broken_checkpoint_exits_2_naming_the_file(tmp_path, capsys) -> None:
-    (tmp_path / "config.json").write_text("{}")
-    assert cli.main(["--checkpoint", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert (
-        err.startswith("moe-mesh serve-expert: error: ")
-        and "config.json" in err
-        and err.count("\n") == 1
-    ), err
-
-
-async def _wait_for_ready(
-    path: Path, proc: subprocess.Popen, log: Path, timeout_s: float = 60
-) -> dict:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not path.exists():
-        assert proc.poll() is None, f"exited with {proc.returncode}: {log.read_text()}"
-        assert loop.time() < deadline, f"not ready after {timeout_s}s: {log.read_text()}"
-        await asyncio.sleep(0.05)
-    return json.loads(path.read_text())
-
-
-async def test_subprocess_serves_then_drains_an_in_flight_call_on_sigterm(
-    checkpoint, tmp_path
-) -> None:
-    path, ready, log = checkpoint(ARCH), tmp_path / "ready.json", tmp_path / "expert.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "moe_mesh.expert_service",
-                "--checkpoint",
-                str(path),
-                "--experts",
-                "0:0-3",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--max-queue-delay-us",
-                "1500000",
-                "--ready-file",
-                str(ready),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        info = await _wait_for_ready(ready, proc, log)
-        assert info["pid"] == proc.pid and info["address"].startswith("127.0.0.1:")
-        async with connect(info["address"]) as channel:
-            stub = expert_pb2_grpc.ExpertServiceStub(channel)
-            described = await stub.Describe(expert_pb2.DescribeRequest(), timeout=10)
-            assert described.model_id == path.name and [
-                (k.layer, k.expert) for k in described.experts
-            ] == [(0, 0), (0, 1), (0, 2), (0, 3)]
-            group = [(2, torch.randn(3, HIDDEN))]
-            request = expert_pb2.ExpertForwardRequest(
-                model_id=described.model_id,
-                weights_checksum=described.weights_checksum,
-                layer=0,
-                expert_ids=[2],
-                token_counts=[3],
-                hidden=encode(group[0][1]),
-            )
-            in_flight = asyncio.ensure_future(stub.Forward(request, timeout=20))
-            queued = False
-            for _ in range(
-                200
-            ):  # queued once the batcher counted its group (it then waits 1.5 s for company)
-                queued = (
-                    await stub.Describe(expert_pb2.DescribeRequest(), timeout=5)
-                ).stats.groups == 1
-                if queued:
-                    break
-                await asyncio.sleep(0.01)
-            assert queued and not in_flight.done()
-            proc.send_signal(signal.SIGTERM)
-            response = await in_flight
-        assert_close(decode_output(response, [3]), reference(path, 0, group))
-        assert await asyncio.to_thread(proc.wait, 15) == 0
-        assert '"event": "stopping"' in log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

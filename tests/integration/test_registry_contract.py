@@ -12,115 +12,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
 import pytest
-from aiohttp import web
 from grpc_health.v1 import health_pb2
 
 from moe_mesh.common.errors import InvalidArgumentError, UnavailableError
 from moe_mesh.common.registry import Instance, Membership, Registry
-from moe_mesh.common.registry.consul import ConsulConfig, ConsulRegistry
+from moe_mesh.common.registry.consul import ConsulRegistry
 from moe_mesh.common.server import GrpcServer
 from moe_mesh.local.registry import EmbeddedConsul, parse_duration
 from tests.support.memory_registry import MemoryRegistry
-
-SERVICE = "contract-svc"
-WAIT_S = 10.0  # blocking-query wait; "woke on change" means well before this
-STEP_S = 10.0  # bound on any single expected event
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ConsulAgent:
-    """`consul agent -dev` on free loopback ports; in-memory state, so a restart resets its index."""
-
-    def __init__(self, binary: str, workdir: Path) -> None:
-        self.binary, self.log_path = binary, workdir / "consul.log"
-        self.http_port = free_port()
-        self.ports = [
-            "-http-port",
-            str(self.http_port),
-            "-dns-port",
-            "-1",
-            "-grpc-port",
-            "-1",
-            "-serf-lan-port",
-            str(free_port()),
-            "-serf-wan-port",
-            str(free_port()),
-            "-server-port",
-            str(free_port()),
-        ]
-        help_text = subprocess.run(
-            [binary, "agent", "-h"], capture_output=True, text=True, timeout=30
-        )
-        # Consul >= 1.14 opens it in -dev.
-        if "-grpc-tls-port" in help_text.stdout + help_text.stderr:
-            self.ports += ["-grpc-tls-port", "-1"]
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
-
-    async def start(self, timeout_s: float = 30.0) -> None:
-        log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(
-            [
-                self.binary,
-                "agent",
-                "-dev",
-                "-bind",
-                "127.0.0.1",
-                "-client",
-                "127.0.0.1",
-                "-node",
-                "moe-mesh-test",
-                *self.ports,
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        async with aiohttp.ClientSession() as http:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    break
-                with contextlib.suppress(aiohttp.ClientError, OSError):
-                    async with http.get(f"http://{self.address}/v1/status/leader") as r:
-                        if r.status == 200 and await r.json():
-                            return
-                await asyncio.sleep(0.2)
-        await self.stop()
-        raise RuntimeError(
-            f"consul agent not ready in {timeout_s}s:\n{self.log_path.read_text()[-3000:]}"
-        )
-
-    async def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                await asyncio.to_thread(self.proc.wait, 15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                await asyncio.to_thread(self.proc.wait, 5)
-        self.proc = None
+from tests.support.registries import (
+    SERVICE,
+    STEP_S,
+    WAIT_S,
+    ConsulAgent,
+    consul_client,
+    ids,
+    instance_of,
+)
 
 
 @dataclass
@@ -152,12 +67,6 @@ class Backend:
         await self.registry.register(
             instance, check_interval_s=self.check_interval_s, deregister_critical_after_s=reap_s
         )
-
-
-def consul_client(address: str) -> ConsulRegistry:
-    return ConsulRegistry(
-        address, wait_s=WAIT_S, request_timeout_s=5.0, backoff_initial_s=0.05, backoff_max_s=0.5
-    )
 
 
 @pytest.fixture(params=["embedded", "consul-agent", "memory"])
@@ -207,33 +116,6 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
             await agent.stop()
 
 
-@pytest.fixture
-async def grpc_servers() -> AsyncIterator[Callable[[], Awaitable[GrpcServer]]]:
-    """Factory of tiny real gRPC servers (health service only) on loopback port 0."""
-    servers: list[GrpcServer] = []
-
-    async def make() -> GrpcServer:
-        server = GrpcServer([], grace_s=0.1)
-        await server.start()
-        servers.append(server)
-        return server
-
-    yield make
-    for s in servers:
-        await s.stop()
-
-
-def instance_of(server: GrpcServer, name: str, **meta: str) -> Instance:
-    return Instance(
-        SERVICE,
-        name,
-        "127.0.0.1",
-        server.bound_port,
-        tags=("moe-mesh", f"tag-{name}"),
-        meta={"model_id": "m", "experts": "0:0-3", **meta},
-    )
-
-
 class Watch:
     """A watch consumed eagerly in the background, as services do (so a query is always in flight);
     `next` and `until` read what it yielded, with bounded waits."""
@@ -277,10 +159,6 @@ async def watch(backend: Backend) -> AsyncIterator[Callable[[], Watch]]:
     yield make
     for w in opened:
         await w.close()
-
-
-def ids(m: Membership) -> set[str]:
-    return {i.id for i in m.instances}
 
 
 # --- the contract --------------------------------------------------------------------------------------
@@ -531,231 +409,3 @@ async def test_index_backwards_without_an_error_recovers_after_one_wait(grpc_ser
         await reg.close()
         await first.stop()
         await second.stop()
-
-
-# A registry in its own process, so it can be frozen (SIGSTOP) the way a hung agent is: connections are
-# accepted by the kernel and never answered.
-EMBEDDED_PROCESS = """
-import asyncio, sys
-from moe_mesh.local.registry import EmbeddedConsul
-
-async def main():
-    print(await EmbeddedConsul().start(), flush=True)
-    await asyncio.Event().wait()
-
-asyncio.run(main())
-"""
-
-
-@contextlib.asynccontextmanager
-async def registry_process(
-    kind: str, tmp_path: Path
-) -> AsyncIterator[tuple[str, subprocess.Popen]]:
-    if kind == "consul-agent":
-        binary = shutil.which("consul")
-        if binary is None:
-            pytest.skip("consul binary not on PATH")
-        agent = ConsulAgent(binary, tmp_path)
-        await agent.start()
-        try:
-            yield agent.address, agent.proc
-        finally:
-            os.kill(agent.proc.pid, signal.SIGCONT)
-            await agent.stop()
-        return
-    proc = subprocess.Popen(
-        [sys.executable, "-c", EMBEDDED_PROCESS], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        address = (await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)).strip()
-        yield address, proc
-    finally:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.kill()
-        proc.wait(10)
-        proc.stdout.close()
-
-
-@pytest.mark.parametrize("kind", ["embedded-process", "consul-agent"])
-async def test_a_frozen_registry_makes_the_watch_stale_within_its_wait_window(
-    kind, grpc_servers, tmp_path
-):
-    server = await grpc_servers()
-    async with registry_process(kind, tmp_path) as (address, proc):
-        reg = ConsulRegistry(address, wait_s=1.0, request_timeout_s=30.0, stale_after_s=0.5)
-        it = reg.watch(SERVICE)
-        try:
-            await reg.register(instance_of(server, "a"), check_interval_s=1.0)
-            async with asyncio.timeout(STEP_S):
-                while ids(m := await anext(it)) != {"a"}:
-                    pass
-            assert not m.stale
-            os.kill(proc.pid, signal.SIGSTOP)
-            t0 = time.monotonic()
-            async with asyncio.timeout(STEP_S):
-                frozen = await anext(it)
-            # Well before the call's own bound (wait + jitter + request_timeout_s = 31 s) gives up.
-            assert (
-                frozen.stale
-                and ids(frozen) == {"a"}
-                and time.monotonic() - t0 < 1.0 * 17 / 16 + 0.5 + 1.0
-            )
-            os.kill(proc.pid, signal.SIGCONT)
-            async with asyncio.timeout(STEP_S):
-                thawed = await anext(it)
-            assert not thawed.stale and ids(thawed) == {"a"}
-        finally:
-            await it.aclose()
-            await reg.close()
-
-
-# --- ConsulRegistry details beyond the protocol ------------------------------------------------------
-
-
-async def test_consul_client_index_rules_against_scripted_server():
-    """Consul's documented index rules: echo the index back, reset it to 0 when it goes backwards
-    or is not > 0, and yield only when the membership changes."""
-    entry = {"Node": {"Node": "n", "Address": "127.0.0.1"}, "Checks": []}
-    a = {
-        **entry,
-        "Service": {
-            "ID": "a",
-            "Service": SERVICE,
-            "Tags": None,
-            "Address": "",
-            "Port": 1,
-            "Meta": None,
-        },
-    }
-    b = {
-        **entry,
-        "Service": {
-            "ID": "b",
-            "Service": SERVICE,
-            "Tags": ["t"],
-            "Address": "10.0.0.2",
-            "Port": 2,
-            "Meta": {"k": "v"},
-        },
-    }
-    script = [(5, [a]), (7, [a]), (3, [a, b]), (4, [a, b]), (0, [b]), (6, [b])]
-    sent: list[str | None] = []
-
-    async def health(request: web.Request) -> web.Response:
-        sent.append(request.query.get("index"))
-        if not script:
-            await asyncio.sleep(60)  # hold the last query, like a blocking query with nothing new
-        index, body = script.pop(0)
-        return web.json_response(body, headers={"X-Consul-Index": str(index)})
-
-    app = web.Application()
-    app.router.add_get(f"/v1/health/service/{SERVICE}", health)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    await web.SockSite(runner, sock).start()
-    reg = consul_client(f"127.0.0.1:{sock.getsockname()[1]}")
-    got: list[Membership] = []
-
-    async def consume() -> None:
-        async for m in reg.watch(SERVICE):
-            got.append(m)
-
-    consumer = asyncio.create_task(consume())
-    try:
-        async with asyncio.timeout(STEP_S):
-            while len(sent) < 7:  # the 7th query is held: everything before it was handled
-                await asyncio.sleep(0.01)
-    finally:
-        consumer.cancel()
-        await asyncio.gather(consumer, return_exceptions=True)
-        await reg.close()
-        await runner.cleanup()
-    assert [ids(m) for m in got] == [{"a"}, {"a", "b"}, {"b"}]
-    assert got[0].instances[0].host == "127.0.0.1"  # empty service address -> the node's
-    assert got[1].instances[1] == Instance(SERVICE, "b", "10.0.0.2", 2, ("t",), {"k": "v"})
-    assert sent == [None, "5", "7", None, "4", None, "6"]
-
-
-@pytest.mark.parametrize(
-    "env, expect",
-    [
-        ({}, ("127.0.0.1", 8500, "http")),
-        ({"CONSUL_HTTP_ADDR": "10.1.2.3:8600"}, ("10.1.2.3", 8600, "http")),
-        ({"CONSUL_HTTP_ADDR": "https://consul.local:8501"}, ("consul.local", 8501, "https")),
-        (
-            {"CONSUL_HTTP_ADDR": "consul.local:8501", "CONSUL_HTTP_SSL": "true"},
-            ("consul.local", 8501, "https"),
-        ),
-        ({"CONSUL_HTTP_ADDR": "[::1]:8500"}, ("::1", 8500, "http")),
-    ],
-)
-def test_consul_config_from_environment(env, expect):
-    c = ConsulConfig.from_env(env=env)
-    assert (c.host, c.port, c.scheme) == expect
-
-
-def test_consul_config_tls_and_token_sources(tmp_path):
-    token_file = tmp_path / "token"
-    token_file.write_text("from-file\n")
-    env = {
-        "CONSUL_HTTP_ADDR": "https://h:8501",
-        "CONSUL_HTTP_TOKEN_FILE": str(token_file),
-        "CONSUL_CACERT": "/ca.pem",
-        "CONSUL_CLIENT_CERT": "/c.pem",
-        "CONSUL_CLIENT_KEY": "/k.pem",
-        "CONSUL_HTTP_SSL_VERIFY": "false",
-    }
-    c = ConsulConfig.from_env(env=env)
-    assert (c.token, c.ca_file, c.client_cert, c.client_key, c.verify) == (
-        "from-file",
-        "/ca.pem",
-        "/c.pem",
-        "/k.pem",
-        False,
-    )
-    assert (
-        ConsulConfig.from_env(token="explicit", env={**env, "CONSUL_HTTP_TOKEN": "env"}).token
-        == "explicit"
-    )
-    assert (
-        ConsulConfig.from_env(address="http://x:1", env=env).address == "http://x:1"
-    )  # explicit wins
-    assert (
-        ConsulConfig.from_env(
-            env={"CONSUL_HTTP_ADDR": "https://h:1", "CONSUL_HTTP_SSL_VERIFY": "false"}
-        ).ssl_context()
-        is False
-    )
-    with pytest.raises(ValueError):
-        ConsulConfig.from_env(env={"CONSUL_HTTP_ADDR": "h:notaport"})
-
-
-def test_go_durations_parse_like_consul():
-    assert (
-        parse_duration("5s") == 5.0
-        and parse_duration("200ms") == 0.2
-        and parse_duration("1m30s") == 90.0
-    )
-    assert parse_duration("10") == 10.0
-    with pytest.raises(ValueError):
-        parse_duration("5 parsecs")
-
-
-async def test_embedded_rejects_what_it_cannot_check():
-    server = EmbeddedConsul()
-    address = await server.start()
-    try:
-        async with aiohttp.ClientSession() as http:
-            bad = {"Name": "x", "Check": {"HTTP": "http://127.0.0.1:1/", "Interval": "1s"}}
-            async with http.put(f"http://{address}/v1/agent/service/register", json=bad) as r:
-                assert r.status == 400 and "GRPC" in await r.text()
-            async with http.put(
-                f"http://{address}/v1/agent/service/register", json={"ID": "x"}
-            ) as r:
-                assert r.status == 400
-            async with http.get(f"http://{address}/v1/status/leader") as r:
-                assert r.status == 200 and await r.json()
-    finally:
-        await server.stop()

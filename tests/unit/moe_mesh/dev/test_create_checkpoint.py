@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from moe_mesh.dev.create_checkpoint import ARCHS, add_subcommand, create_checkpoint
 from tests.support.factories import make_checkpoint
+from tests.support.hf import load, top2_share_per_layer
 
 # Family-specific config.json keys for the tiny preset (expert count, expert width, dense/shared widths).
 TINY_FIELDS = {
@@ -56,13 +57,6 @@ def _quiet_transformers():
     hf_logging.disable_progress_bar()  # "Loading weights" bars would clutter failure output
     yield
     hf_logging.enable_progress_bar()
-
-
-def load(path: Path) -> torch.nn.Module:
-    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
-    # A silently re-initialised tensor would make every parity check below meaningless.
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    return model.eval()
 
 
 def logits(path: Path) -> torch.Tensor:
@@ -185,28 +179,6 @@ def test_sharded_checkpoint(root: Path, arch: str) -> None:
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and shards == sorted(p.name for p in sharded.glob("*.safetensors"))
     assert torch.equal(logits(sharded), logits(make_checkpoint(root, arch, seed=2)))
-
-
-def top2_share_per_layer(path: Path) -> list[float]:
-    """Fraction of routed slots taken by each MoE layer's two most-used experts, on random token ids."""
-    model = load(path)
-    counts: list[torch.Tensor] = []
-    hooks = [
-        layer.mlp.gate.register_forward_hook(
-            lambda _m, _i, out: counts.append(torch.bincount(out[2].flatten()))
-        )
-        for layer in model.model.layers
-        if hasattr(layer.mlp, "gate")
-    ]
-    # Many short sequences: tokens of one sequence share attention context and so route alike.
-    ids = torch.randint(
-        2, model.config.vocab_size, (128, 16), generator=torch.Generator().manual_seed(0)
-    )
-    with torch.no_grad():
-        model(input_ids=ids)
-    for h in hooks:
-        h.remove()
-    return [(c.sort(descending=True).values[:2].sum() / c.sum()).item() for c in counts]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -372,20 +344,3 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         )
     assert exc.value.code == 2 and "KEY=VALUE" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
-
-
-@pytest.mark.slow
-def test_small_preset(tmp_path: Path) -> None:
-    path = create_checkpoint(
-        tmp_path / "small", "qwen3_moe", "small", router_skew=4.0, max_shard_size="400MB"
-    )
-    config = json.loads((path / "config.json").read_text())
-    assert (config["hidden_size"], config["num_hidden_layers"], config["num_experts"]) == (
-        1024,
-        8,
-        8,
-    )
-    assert config["vocab_size"] >= 4096
-    assert len(list(path.glob("*.safetensors"))) > 1
-    shares = top2_share_per_layer(path)
-    assert min(shares) > 0.5 and sum(shares) / len(shares) > 0.6

@@ -9,10 +9,6 @@ import pytest
 
 from moe_mesh.common.errors import PreconditionError, UnavailableError
 from moe_mesh.ops.placement import pairs_of, placement_record, render, shares, write_png
-from tests.support.cli import moe_mesh
-from tests.support.processes import ServiceProcess
-
-pytestmark = pytest.mark.e2e  # router processes
 
 LAYERS, EXPERTS, MOE = 3, 8, [1, 2]  # layer 0 is dense
 
@@ -221,47 +217,3 @@ def test_write_png_draws_layers_by_experts(rows, tmp_path) -> None:
     with Image.open(path) as image:
         width, height = image.size
     assert height > width
-
-
-def test_cli_errors_exit_2_with_a_message(tmp_path) -> None:
-    missing = moe_mesh("placement", "show", "--ready-file", tmp_path / "nope.json")
-    assert missing.returncode == 2 and "Traceback" not in missing.stderr
-    assert (
-        missing.stderr.startswith("moe-mesh placement show: error: --ready-file:")
-        and "does not exist" in missing.stderr
-    )
-    bad = moe_mesh("placement", "show", "--router", "no-port")
-    assert (
-        bad.returncode == 2 and "expected HOST:PORT" in bad.stderr and "Traceback" not in bad.stderr
-    )
-    down = moe_mesh("placement", "show", "--router", "127.0.0.1:1")
-    assert down.returncode == 2 and "Traceback" not in down.stderr
-    assert (
-        "moe-mesh placement show: error: no router answered Status: 127.0.0.1:1 (UNAVAILABLE)"
-        in down.stderr
-    )
-
-
-def test_show_json_of_a_live_router(checkpoint, tmp_path) -> None:
-    path = checkpoint("olmoe")
-    router = ServiceProcess(
-        "router_service", ["--checkpoint", str(path)], tmp_path, "router"
-    )  # all colocated
-    try:
-        router.wait_ready()
-        r = moe_mesh("placement", "show", "--router", router.address, "--json")
-        assert r.returncode == 0, r.stderr
-        record = json.loads(r.stdout)
-        layers, experts = record["num_layers"], record["num_experts"]
-        assert (
-            layers > 0
-            and experts > 0
-            and [r["address"] for r in record["routers"]] == [router.address]
-        )
-        assert len(record["tokens_routed"]) == len(record["utilization"]) == layers
-        assert all(len(row) == experts for row in record["utilization"] + record["tokens_routed"])
-        assert record["services"] == [] and record["routers"][0]["colocated"]
-        table = moe_mesh("placement", "show", "--router", router.address)
-        assert table.returncode == 0 and router.address in table.stdout, table.stderr
-    finally:
-        router.stop()

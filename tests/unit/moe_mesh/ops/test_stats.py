@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +15,7 @@ from moe_mesh.common.errors import UnavailableError
 from moe_mesh.common.telemetry import COUNT_BUCKETS, SECONDS_BUCKETS, Telemetry
 from moe_mesh.ops import stats as stats_view
 from moe_mesh.ops.stats import collect, infer_role, quantile, render, scrape, summarize
+from tests.support.net import free_port
 
 PNG = b"\x89PNG\r\n\x1a\n"
 EXPERTS = 4
@@ -89,12 +89,6 @@ def mesh() -> Iterator[dict[str, list[str]]]:
     finally:
         for s in services:
             s.shutdown()
-
-
-def closed_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def stats(*argv) -> int:
@@ -215,7 +209,7 @@ def test_render_shows_every_service_and_the_heatmap(mesh) -> None:
 
 def test_ready_file_json_and_png(mesh, tmp_path, capsys) -> None:
     ready = tmp_path / "mesh.json"
-    down = closed_port()
+    down = f"127.0.0.1:{free_port()}"
     ready.write_text(
         json.dumps(
             {
@@ -271,7 +265,7 @@ def test_role_without_target_info_comes_from_the_metrics(mesh) -> None:
 
 
 def test_unreachable_endpoints(mesh, tmp_path, capsys) -> None:
-    down = closed_port()
+    down = f"127.0.0.1:{free_port()}"
     with pytest.raises(UnavailableError, match=f"{down}: .*refused"):
         scrape(down)
     assert stats("--metrics", down, "--metrics", mesh["experts"][0]) == 0

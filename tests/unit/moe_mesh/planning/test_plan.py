@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,44 +11,7 @@ import yaml
 from moe_mesh.planning import deploy
 from moe_mesh.planning import plan as plan_cli
 from moe_mesh.planning.eplb import MAX_REPLICAS, PlanOptions, propose
-
-REPO = Path(__file__).resolve().parents[4]
-EXAMPLE_PLAN = REPO / "deploy" / "plan.example.yaml"
-MIB = 2**20
-HOT = {
-    (0, 1): 100.0,
-    (1, 2): 95.0,
-    (0, 5): 90.0,
-    (1, 7): 80.0,
-    (0, 3): 70.0,
-    (1, 4): 60.0,
-}  # hottest first
-
-
-def skewed(layers: int = 2, experts: int = 8) -> list[list[float]]:
-    rows = [[10.0] * experts for _ in range(layers)]
-    for (layer, e), x in HOT.items():
-        rows[layer][e] = x
-    return rows
-
-
-def write_record(tmp_path: Path, rows: list[list[float]], **overrides) -> Path:
-    raw = {
-        "model_id": "mixtral-small",
-        "num_layers": len(rows),
-        "num_experts": len(rows[0]),
-        "moe_layers": list(range(len(rows))),
-        "window_s": 60.0,
-        "expert_bytes": MIB,
-        "utilization": rows,
-        "tokens_routed": [[0] * len(rows[0])] * len(rows),
-        "routers": [{"address": "r:1"}],
-        "services": [],
-    }
-    raw.update(overrides)
-    path = tmp_path / "utilization.json"
-    path.write_text(json.dumps(raw))
-    return path
+from tests.support.plans import EXAMPLE_PLAN, HOT, MIB, skewed, write_record
 
 
 def load_of(rows: list[list[float]]) -> dict[tuple[int, int], float]:
@@ -236,35 +197,6 @@ def test_dense_layers_get_no_groups(tmp_path: Path, capsys: pytest.CaptureFixtur
     )
 
 
-def test_the_moe_mesh_cli_prints_the_plan_to_stdout(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moe_mesh",
-            "plan",
-            "--utilization",
-            str(write_record(tmp_path, skewed())),
-            "--base",
-            str(EXAMPLE_PLAN),
-            "--budget",
-            "2MiB",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    (tmp_path / "out.yaml").write_text(done.stdout)
-    plan = deploy.load_plan(tmp_path / "out.yaml")
-    assert plan.router.colocate_budget == str(2 * MIB) and plan.router.args == []
-    assert (
-        "colocated in the router: 0:1; 1:2  (2 experts, 2.0 MiB of the 2.0 MiB budget)"
-        in done.stderr
-    )
-
-
 # ------------------------------------------------------------------------------------------ errors
 
 
@@ -355,28 +287,3 @@ def test_unreadable_record(
         record.write_text(text)
     assert plan_cli.main(["plan", "--utilization", str(record), "--base", str(EXAMPLE_PLAN)]) == 2
     assert f"moe-mesh plan: error: {record}: {message}" in capsys.readouterr().err
-
-
-def test_cli_error_has_no_traceback(tmp_path: Path) -> None:
-    record = write_record(tmp_path, skewed(), window_s="soon")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moe_mesh",
-            "plan",
-            "--utilization",
-            str(record),
-            "--base",
-            str(tmp_path / "missing.yaml"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 2 and done.stdout == ""
-    assert (
-        done.stderr
-        == f"moe-mesh plan: error: {record}: window_s: expected a number >= 0, got 'soon'\n"
-    )

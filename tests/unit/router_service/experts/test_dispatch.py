@@ -1,4 +1,5 @@
-"""ExpertDispatcher against recording backends: replica spreading, colocated preference, failover, deadlines."""
+"""ExpertDispatcher against recording backends: replica spreading, colocated preference, failover,
+deadlines, regions."""
 
 from __future__ import annotations
 
@@ -145,3 +146,28 @@ async def test_a_slow_replica_is_hedged_and_the_faster_answer_is_the_same(model)
         assert torch.equal(await dispatcher.moe(0, hidden(spec), layer), reference)
     assert time.monotonic() - start < 1.0
     assert dispatcher.hedges_won >= 1 and dispatcher.ejections >= 1 and not slow.served
+
+
+class Regional(ColocatedExperts):
+    local = False
+
+    def __init__(self, weights, region: str, outstanding: int) -> None:
+        super().__init__(weights)
+        self.region, self.outstanding, self.served = region, outstanding, 0
+
+    async def forward(self, layer, groups, timeout_s=None):
+        self.served += 1
+        return await super().forward(layer, groups)
+
+
+async def test_dispatcher_prefers_its_region_until_the_penalty_is_exceeded(checkpoint) -> None:
+    ckpt = Checkpoint(checkpoint("mixtral"))
+    weights, layer = ckpt.load_experts(ckpt.all_expert_pairs()), ckpt.load_dense().layers[0]
+    x = torch.randn(16, ckpt.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    for busy_home, expect_home in ((7, True), (9, False)):
+        home, away = Regional(weights, "a", busy_home), Regional(weights, "b", 0)
+        d = ExpertDispatcher(
+            ckpt.spec, {p: [away, home] for p in weights}, region="a", region_penalty=8
+        )
+        await d.moe(0, x, layer)
+        assert (home.served > 0, away.served > 0) == (expect_home, not expect_home)
