@@ -285,6 +285,30 @@ async def test_reregistering_a_passing_instance_never_hides_it(backend, watch, g
     assert all(ids(m) == {"a"} for m in w.seen[settled:])
 
 
+async def test_reregistering_a_critical_instance_keeps_it_critical(backend, watch, grpc_servers):
+    # The other half of the rule above: a service that keeps refreshing its registration while it
+    # fails its health check must not come back as passing until a check passes again.
+    sick, healthy = await grpc_servers(), await grpc_servers()
+    a = instance_of(sick, "a")
+    await backend.register(a)
+    await backend.register(instance_of(healthy, "b"))
+    w = watch()
+    await w.until(lambda m: ids(m) == {"a", "b"})
+    await backend.set_serving(sick, a, False)
+    await w.until(lambda m: ids(m) == {"b"})
+    settled = len(w.seen)
+    for _ in range(3):
+        await backend.register(a)
+    # A later change the watch must show: the membership that has it was read after every
+    # re-registration above, so a re-registration that made `a` passing would show there too.
+    await backend.register(instance_of(healthy, "c"))
+    await w.until(lambda m: "c" in ids(m))
+    assert [ids(m) for m in w.seen[settled:]][-1] == {"b", "c"}
+    assert all("a" not in ids(m) for m in w.seen[settled:])
+    await backend.set_serving(sick, a, True)  # still registered: passing again once it is healthy
+    await w.until(lambda m: ids(m) == {"a", "b", "c"})
+
+
 async def test_deregister_removes_instance(backend, watch, grpc_servers):
     server = await grpc_servers()
     await backend.register(instance_of(server, "a"))
