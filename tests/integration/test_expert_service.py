@@ -4,6 +4,7 @@ callers."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -16,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from moe_mesh.common.checkpoint import Checkpoint
 from moe_mesh.common.placement import parse_experts
 from moe_mesh.common.wire import encode
+from moe_mesh.expert_service import batcher as batcher_module
 from moe_mesh.expert_service.app import SERVICE_NAME, build_server
 from moe_mesh.expert_service.core import ExpertHost
 from moe_mesh.expert_service.settings import ExpertSettings
@@ -31,6 +33,7 @@ from tests.support.experts import (
     forward_request,
     reference,
 )
+from tests.support.polling import eventually
 
 
 @asynccontextmanager
@@ -284,7 +287,10 @@ async def _two_routers(
 
 async def test_concurrent_callers_of_one_expert_share_one_batch(settings) -> None:
     groups = [[(2, torch.randn(3, HIDDEN))], [(2, torch.randn(4, HIDDEN))]]
-    async with serving(settings(max_queue_delay_us=200_000)) as (address, host):
+    # A queue delay far beyond the test, ended by the batch filling up: the batch closes when both
+    # callers' 7 rows are queued, however long the second caller takes to arrive.
+    delay = settings(max_queue_delay_us=60_000_000, max_batch_tokens=7)
+    async with serving(delay) as (address, host):
         responses, stats = await _two_routers(address, host, groups)
     assert (stats.forward_calls, stats.groups, stats.batches, stats.tokens) == (2, 2, 1, 7)
     for response, g in zip(responses, groups):
@@ -293,14 +299,28 @@ async def test_concurrent_callers_of_one_expert_share_one_batch(settings) -> Non
         )
 
 
-async def test_batches_are_capped_at_max_batch_tokens_and_results_stay_per_caller(settings) -> None:
+async def test_batches_are_capped_at_max_batch_tokens_and_results_stay_per_caller(
+    settings, monkeypatch
+) -> None:
     groups = [
         [(2, torch.randn(4, HIDDEN)), (0, torch.randn(1, HIDDEN))],
         [(2, torch.randn(5, HIDDEN))],
     ]
-    async with serving(settings(max_queue_delay_us=200_000, max_batch_tokens=3)) as (address, host):
-        responses, stats = await _two_routers(address, host, groups)
-    # Expert 2's 9 rows fill exactly three batches of 3 (groups split across batches); expert 0 takes one.
+    release = threading.Event()
+    compute = batcher_module._compute
+
+    def gated(parts, w):  # the first batch holds the compute thread until every group is queued
+        release.wait(10)
+        return compute(parts, w)
+
+    monkeypatch.setattr(batcher_module, "_compute", gated)
+    async with serving(settings(max_batch_tokens=3)) as (address, host):
+        both = asyncio.ensure_future(_two_routers(address, host, groups))
+        await eventually(lambda: host.batcher.stats.groups == 3, 10, "both callers' groups queued")
+        release.set()
+        responses, stats = await both
+    # Expert 2's 9 rows fill exactly three batches of 3 (groups split across batches), whichever
+    # caller came first; expert 0 takes one.
     assert (stats.groups, stats.batches, stats.tokens) == (3, 4, 10)
     for response, g in zip(responses, groups):
         assert_close(

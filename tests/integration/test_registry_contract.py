@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import pytest
 from grpc_health.v1 import health_pb2
 
@@ -27,6 +28,7 @@ from moe_mesh.common.registry.consul import ConsulRegistry
 from moe_mesh.common.server import GrpcServer
 from moe_mesh.local.registry import EmbeddedConsul, parse_duration
 from tests.support.memory_registry import MemoryRegistry
+from tests.support.polling import eventually
 from tests.support.registries import (
     SERVICE,
     STEP_S,
@@ -51,6 +53,11 @@ class Backend:
     outage: Callable[[], Awaitable[None]]
     recover: Callable[[], Awaitable[None]]
     embedded: EmbeddedConsul | None = None  # set for the fake Consul: its request log
+    agent_address: str = ""  # set for a real agent
+
+    @property
+    def http_address(self) -> str:
+        return self.embedded.address if self.embedded is not None else self.agent_address
 
     async def set_serving(self, server: GrpcServer, instance: Instance, serving: bool) -> None:
         if isinstance(self.registry, MemoryRegistry):
@@ -67,6 +74,33 @@ class Backend:
         await self.registry.register(
             instance, check_interval_s=self.check_interval_s, deregister_critical_after_s=reap_s
         )
+
+    async def registered_ids(self) -> set[str]:
+        """Every registered instance of SERVICE, passing or not: reaped, not merely hidden."""
+        if isinstance(self.registry, MemoryRegistry):
+            return {i.id for i in self.registry.registered(SERVICE)}
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"http://{self.http_address}/v1/health/service/{SERVICE}") as r,
+        ):
+            return {e["Service"]["ID"] for e in await r.json()}
+
+    async def query_held(self, index: int) -> None:
+        """Wait until the watch's blocking query for `index` has reached the registry."""
+        if self.embedded is not None:  # its request log shows it
+            await eventually(
+                lambda: any(
+                    r.query.get("index") == str(index)
+                    for r in self.embedded.requests
+                    if r.path == f"/v1/health/service/{SERVICE}"
+                ),
+                STEP_S,
+                f"a blocking query for index {index}",
+            )
+        elif not isinstance(self.registry, MemoryRegistry):
+            # A real agent keeps no request log: this only makes a held query likely; the tests'
+            # assertions hold either way. (The memory watch waits on an event as soon as it yields.)
+            await asyncio.sleep(0.3)
 
 
 @pytest.fixture(params=["embedded", "consul-agent", "memory"])
@@ -110,7 +144,9 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
         # Consul raises check intervals below 1s to 1s and reaps critical services no sooner than
         # 1 minute (its reaper runs every 30s), so the reaping point is left to the fake.
         try:
-            yield Backend("consul-agent", reg, 1.0, None, agent.stop, agent.start)
+            yield Backend(
+                "consul-agent", reg, 1.0, None, agent.stop, agent.start, agent_address=agent.address
+            )
         finally:
             await reg.close()
             await agent.stop()
@@ -215,7 +251,7 @@ async def test_blocking_watch_wakes_on_change_well_before_wait(backend, watch, g
     server = await grpc_servers()
     w = watch()
     first = await w.next()
-    await asyncio.sleep(0.3)  # let the watch settle into a held blocking query
+    await backend.query_held(first.index)  # the change must wake a held blocking query
     t0 = time.monotonic()
     await backend.register(instance_of(server, "a"))
     m = await w.until(lambda m: ids(m) == {"a"})
@@ -238,7 +274,7 @@ async def test_client_sends_the_returned_index_and_wait_back(backend, watch, grp
     await w.next()
     await backend.register(instance_of(server, "a"))
     m = await w.until(lambda m: ids(m) == {"a"})
-    await asyncio.sleep(0.2)  # the next (held) query has been sent
+    await backend.query_held(m.index)  # the next query carries the index just returned
     queries = [
         r.query for r in backend.embedded.requests if r.path == f"/v1/health/service/{SERVICE}"
     ]
@@ -279,6 +315,8 @@ async def test_reregistering_a_passing_instance_never_hides_it(backend, watch, g
     settled = len(w.seen)
     for _ in range(3):
         await backend.register(a)
+        # The window under test, not synchronisation: longer than a check interval, so a status
+        # reset by re-registration would show in the watch before the next probe repaired it.
         await asyncio.sleep(0.3)
     while not w.queue.empty():
         await w.next()
@@ -332,10 +370,16 @@ async def test_critical_instance_is_deregistered_after_its_limit(backend, watch,
     await w.until(lambda m: ids(m) == {"a", "b"})
     await backend.set_serving(failing, a, False)
     await w.until(lambda m: ids(m) == {"b"})
-    await asyncio.sleep(backend.reap_s + 2 * backend.check_interval_s)
+
+    async def reaped() -> bool:
+        return "a" not in await backend.registered_ids()
+
+    await eventually(reaped, backend.reap_s + STEP_S, "the critical instance to be reaped")
     with contextlib.suppress(KeyError):  # MemoryRegistry: a is gone, so it is unknown
         await backend.set_serving(failing, a, True)
-    await asyncio.sleep(3 * backend.check_interval_s)  # a registered check would have passed by now
+    # Waiting for something not to happen needs a window: three check intervals, in which a
+    # check still registered would have passed and brought `a` back.
+    await asyncio.sleep(3 * backend.check_interval_s)
     assert ids(await watch().next()) == {"b"}
 
 
@@ -350,7 +394,9 @@ async def test_unreachable_registry_goes_stale_then_recovers(backend, watch, grp
     assert stale.stale and stale.instances == (a,)  # the last known membership, kept for serving
     with pytest.raises(UnavailableError):
         await backend.register(instance_of(server, "b"))
-    await asyncio.sleep(0.5)  # several failed attempts in the meantime
+    # The outage's length is under test, not synchronisation: long enough for several failed
+    # attempts of the watch, which must still yield only one stale membership.
+    await asyncio.sleep(0.5)
     await backend.recover()
     back = await w.next()
     assert not back.stale and w.seen[-2] is stale  # one stale yield for the whole outage
@@ -377,7 +423,7 @@ async def test_index_going_backwards_resets_and_watch_keeps_working(backend, wat
         await backend.registry.deregister(f"x{n}")
     w = watch()
     high = await w.next()
-    await asyncio.sleep(0.2)  # the next blocking query is held by the registry when it goes down
+    await backend.query_held(high.index)  # held by the registry when it goes down
     await backend.outage()
     await backend.recover()
     low = await w.until(lambda m: not m.stale)
@@ -414,20 +460,19 @@ async def test_index_backwards_without_an_error_recovers_after_one_wait(grpc_ser
         await first.stop()
         await second.start()
         await reg.register(instance_of(server, "a"), check_interval_s=0.2)
-        t0 = time.monotonic()
         async with asyncio.timeout(STEP_S):
             m = await anext(it)
         assert ids(m) == {"a"} and not m.stale and m.index < high.index
-        assert 0.9 < time.monotonic() - t0 < 3.0  # one wait, then the reset to index 0
         await reg.register(instance_of(server, "b"), check_interval_s=0.2)
-        await asyncio.sleep(0.3)
         async with asyncio.timeout(STEP_S):
-            assert ids(await anext(it)) == {"a", "b"}
+            while ids(m := await anext(it)) != {"a", "b"}:  # b shows once its check passes
+                pass
         queries = [r.query for r in second.requests if r.path == f"/v1/health/service/{SERVICE}"]
-        assert (
-            int(queries[0]["index"]) == high.index
-        )  # the old incarnation's index, held for `wait`
-        assert "index" not in queries[1]  # then reset: a plain read
+        # One wait, then the reset to index 0, read from the request log rather than the clock: the
+        # first query to the new registry carries the old incarnation's index (held for `wait`),
+        # the next is a plain read.
+        assert int(queries[0]["index"]) == high.index
+        assert "index" not in queries[1]
     finally:
         await it.aclose()
         await reg.close()

@@ -119,6 +119,11 @@ class MemoryRegistry:
             )
         )
 
+    def registered(self, service: str) -> tuple[Instance, ...]:
+        """Every registered instance of `service`, passing or not (Consul's health endpoint without
+        `?passing`): what tests look at to see an instance reaped rather than only hidden."""
+        return tuple(e.instance for e in self._entries.values() if e.instance.service == service)
+
     async def watch(self, service: str) -> AsyncIterator[Membership]:
         """See `Registry.watch`: yields on a change of this service's passing set or of reachability."""
         last: Membership | None = None

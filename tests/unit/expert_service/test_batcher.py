@@ -15,6 +15,7 @@ from moe_mesh.expert_service import batcher as batcher_module
 from moe_mesh.expert_service.batcher import DynamicBatcher
 from moe_mesh.expert_service.core import ExpertHost
 from tests.support.experts import HIDDEN, assert_close
+from tests.support.polling import eventually
 
 
 async def test_groups_queued_during_a_compute_merge_into_the_next_batch_without_delay(
@@ -35,7 +36,7 @@ async def test_groups_queued_during_a_compute_merge_into_the_next_batch_without_
     first = asyncio.ensure_future(batcher.submit(0, 1, rows[0]))
     assert await asyncio.to_thread(started.wait, 5)
     rest = [asyncio.ensure_future(batcher.submit(0, 1, r)) for r in rows[1:]]
-    await asyncio.sleep(0.02)  # both queue behind the running batch
+    await eventually(lambda: batcher.stats.groups == 3, 5, "both groups queued behind the batch")
     release.set()
     results = await asyncio.wait_for(asyncio.gather(first, *rest), 5)
     assert (batcher.stats.groups, batcher.stats.batches, batcher.stats.tokens) == (3, 2, 9)
@@ -63,7 +64,7 @@ async def test_cancelling_a_group_split_across_batches_drops_its_rest_and_serves
     cancelled = asyncio.ensure_future(batcher.submit(0, 1, big))  # 10 rows: batches of 4, 4, 2
     assert await asyncio.to_thread(started.wait, 5)  # its first 4 rows are computing
     other = asyncio.ensure_future(batcher.submit(0, 1, small))
-    await asyncio.sleep(0.02)
+    await eventually(lambda: batcher.stats.groups == 2, 5, "the second group queued")
     cancelled.cancel()
     release.set()
     assert_close([await asyncio.wait_for(other, 5)], [expert_ffn(small, host.weights[(0, 1)])])
@@ -115,7 +116,7 @@ async def test_closing_the_batcher_fails_queued_groups_instead_of_hanging(settin
     host = ExpertHost(settings())
     batcher = DynamicBatcher(host.weights, max_queue_delay_us=10_000_000)
     queued = asyncio.ensure_future(batcher.submit(0, 1, torch.randn(2, HIDDEN)))
-    await asyncio.sleep(0.05)
+    await eventually(lambda: batcher.stats.groups == 1, 5, "the group queued")
     await asyncio.wait_for(batcher.close(), 5)
     with pytest.raises(UnavailableError):
         await queued
