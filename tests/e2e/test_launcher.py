@@ -11,6 +11,7 @@ import pytest
 
 from moe_mesh.common.placement import format_experts, parse_experts
 from moe_mesh.local.launcher import Launcher
+from tests.support.polling import wait_until
 
 SLEEPER = ["-c", "import time; time.sleep(60)"]
 DEAF = [
@@ -123,7 +124,7 @@ def test_scale_is_serialized_idempotent_followed_by_the_ready_file_and_reaches_z
     # Two scales of one group race: the later one (1) must win, not be counted against stale state.
     first = threading.Thread(target=scale, args=(3,))
     first.start()
-    time.sleep(0.2)
+    wait_until(mesh._scale_lock.locked, 10, "the first scale to start")  # then the second queues
     second = threading.Thread(target=scale, args=(1,))
     second.start()
     first.join(120)

@@ -189,6 +189,7 @@ async def test_calls_in_flight_to_a_departing_replica_fail_over_at_once(
         experts[0].signal(signal.SIGSTOP)  # a hangs: calls to it stay in flight
         calls = [asyncio.ensure_future(dispatcher.moe(0, x, layer)) for _ in range(4)]
         direct = asyncio.ensure_future(m.backends["a"].forward(0, [(0, x)], timeout_s=30))
+        # Waiting for something not to happen needs a window: calls to the paused `a` stay open.
         await asyncio.sleep(0.3)
         assert not direct.done() and not all(c.done() for c in calls)
         start = time.monotonic()

@@ -105,6 +105,7 @@ async def test_cancelling_a_request_while_its_remote_step_is_in_flight_frees_it(
         try:
             call = stub.Generate(request(3))
             before = await wait_status(stub, lambda st: st.running == 1, timeout_s=5.0)
+            # Waiting for something not to happen needs a window: no step completes in it.
             await asyncio.sleep(0.3)
             assert (
                 await stub.Status(router_pb2.RouterStatusRequest())

@@ -23,6 +23,7 @@ from moe_mesh.router_service.settings import RouterSettings
 from tests.support.fakes import FakeRouter, ScriptedRouter
 from tests.support.fakes import core as fake_core
 from tests.support.meshes import LocalMesh, local_mesh
+from tests.support.polling import eventually
 
 # One mesh serves most tests of this module, so they share its event loop.
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -588,7 +589,7 @@ async def test_ready_is_503_while_draining_and_admitted_streams_finish(path) -> 
             lines = r.aiter_lines()
             events = [await anext(lines)]
             stopping = asyncio.create_task(m.gateway.stop())
-            await asyncio.sleep(0.05)
+            await eventually(lambda: m.gateway.core.draining, 5, "the gateway to start draining")
             assert not stopping.done()  # still draining the stream
             async with httpx.AsyncClient(base_url=m.http_base_url) as fresh:  # a new connection
                 ready = await fresh.get("/health/ready")

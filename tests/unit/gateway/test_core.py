@@ -18,6 +18,7 @@ from moe_mesh.common.resilience import RetryBudget
 from moe_mesh.gateway.admission import Admission
 from moe_mesh.gateway.core import GatewayCore, TextRequest
 from tests.support.fakes import FakeRouter, ScriptedRouter, core
+from tests.support.polling import eventually
 
 
 async def test_requests_spread_over_router_replicas_by_outstanding_streams(checkpoint) -> None:
@@ -28,7 +29,7 @@ async def test_requests_spread_over_router_replicas_by_outstanding_streams(check
         asyncio.create_task(gw.complete(TextRequest(prompt_token_ids=[1, 2], max_tokens=3)))
         for _ in range(6)
     ]
-    await asyncio.sleep(0.05)
+    await eventually(lambda: a.outstanding + b.outstanding == 6, 5, "six streams at the routers")
     assert (a.outstanding, b.outstanding) == (3, 3)  # concurrent streams balance
     gate.set()
     results = await asyncio.gather(*tasks)
@@ -161,7 +162,7 @@ async def test_waiting_for_admission_ends_at_the_deadline(checkpoint) -> None:
     gate = asyncio.Event()
     gw = core(checkpoint("mixtral"), [FakeRouter("a:1", gate)], max_in_flight=1, max_queued=4)
     holder = asyncio.create_task(collect(gw, TextRequest(prompt_token_ids=[1], max_tokens=2)))
-    await asyncio.sleep(0.01)
+    await eventually(lambda: gw.admission.in_flight == 1, 5, "the first request admitted")
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceededError, match="waited past its deadline for admission"):
         await collect(gw, TextRequest(prompt_token_ids=[1], max_tokens=2), timeout_s=0.2)
@@ -174,11 +175,12 @@ async def test_waiting_for_admission_ends_at_the_deadline(checkpoint) -> None:
 
 async def test_duplicate_request_ids_in_flight_and_draining_are_refused(checkpoint) -> None:
     gate = asyncio.Event()
-    gw = core(checkpoint("mixtral"), [FakeRouter("a:1", gate)])
+    router = FakeRouter("a:1", gate)
+    gw = core(checkpoint("mixtral"), [router])
     first = asyncio.create_task(
         collect(gw, TextRequest(prompt_token_ids=[1], max_tokens=2, request_id="x"))
     )
-    await asyncio.sleep(0.01)
+    await eventually(lambda: router.served == ["x"], 5, "the first request at the router")
     with pytest.raises(AlreadyExistsError, match="request_id: 'x' is already in flight"):
         await gw.start(TextRequest(prompt_token_ids=[1], max_tokens=2, request_id="x"))
     gate.set()

@@ -110,6 +110,7 @@ async def test_a_failing_replica_is_ejected_then_readmitted_after_its_ejection_t
         await dispatcher.moe(0, hidden(spec), layer)
     assert dispatcher.failovers == 1 and up.served
     down.fail = False
+    # The ejection time passing is what is tested, and the dispatcher reads the real clock.
     await asyncio.sleep(0.35)
     for _ in range(4):  # re-admitted: it takes calls again (ties rotate between the two)
         await dispatcher.moe(0, hidden(spec), layer)
