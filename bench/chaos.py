@@ -14,7 +14,9 @@ Per scenario: requests and failures, outputs that differ from the baseline (whol
 finish reason), p50/p99 of each request's longest gap between tokens ("stall"), and the targets met.
 Results go to bench/results/chaos.json.
 
-    .venv/bin/python bench/chaos.py [--quick] [--fuzz-cases 10000] [--checkpoint DIR]
+    .venv/bin/python -m bench.chaos [--quick] [--fuzz-cases 10000] [--checkpoint DIR]
+
+(from the checkout root, where `bench` and `tests` import as packages)
 """
 
 from __future__ import annotations

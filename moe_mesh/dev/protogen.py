@@ -1,6 +1,6 @@
 """Generate the Python protobuf/gRPC code (with .pyi stubs) for protos/moe_mesh/v1 into a directory.
 
-`make protos` writes into the repository; tests/test_protos.py writes into a temp dir and diffs.
+`make protos` writes into the repository; tests/unit/moe_mesh/dev/test_protogen.py writes into a temp dir and diffs.
 """
 
 from __future__ import annotations
