@@ -145,7 +145,7 @@ def test_placement_show_errors_exit_2_with_a_message(tmp_path) -> None:
 def test_placement_show_json_of_a_live_router(checkpoint, tmp_path) -> None:
     path = checkpoint("olmoe")
     router = ServiceProcess(
-        "router_service", ["--checkpoint", str(path)], tmp_path, "router"
+        "moe_mesh.router_service", ["--checkpoint", str(path)], tmp_path, "router"
     )  # all colocated
     try:
         router.wait_ready()

@@ -34,7 +34,7 @@ def routers(path: Path, workdir: Path, n: int = 2) -> Iterator[list[ServiceProce
     """`n` router processes (every expert colocated), started together; each is stopped at the end."""
     procs = [
         ServiceProcess(
-            "router_service",
+            "moe_mesh.router_service",
             ["--checkpoint", str(path), "--compute-threads", "1"],
             workdir,
             f"router{i}",

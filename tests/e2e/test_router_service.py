@@ -23,7 +23,7 @@ def mesh(checkpoint, tmp_path):
     # A learned per-call timeout would end calls to a paused expert by itself; at 60 s only the
     # request's deadline (what these tests check) bounds them.
     router = ServiceProcess(
-        "router_service",
+        "moe_mesh.router_service",
         [
             "--checkpoint",
             str(path),
@@ -124,7 +124,7 @@ def test_router_refuses_expert_service_of_another_checkpoint(checkpoint, tmp_pat
     experts = start_experts(checkpoint("olmoe", seed=7), ["*:*"], tmp_path, "--model-id", "m")
     try:
         router = ServiceProcess(
-            "router_service",
+            "moe_mesh.router_service",
             [
                 "--checkpoint",
                 str(checkpoint("olmoe")),
