@@ -11,7 +11,7 @@ CHECKPOINT ?=
 $(STAMP): pyproject.toml constraints.txt tests/node/package.json tests/node/package-lock.json
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
-	@command -v npm >/dev/null || { echo 'npm not found: Node.js (node + npm) is needed for tests/test_node_client.py' >&2; exit 1; }
+	@command -v npm >/dev/null || { echo 'npm not found: Node.js (node + npm) is needed for tests/e2e/test_node_client.py' >&2; exit 1; }
 	npm ci --prefix tests/node --no-audit --no-fund
 	touch $@
 
@@ -25,16 +25,16 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest
 
-# Regenerates protos/moe_mesh/v1/*_pb2*.py(i); tests/test_protos.py fails when the committed copy is stale.
+# Regenerates protos/moe_mesh/v1/*_pb2*.py(i); tests/unit/moe_mesh/dev/test_protogen.py fails when the committed copy is stale.
 protos: $(STAMP)
 	$(PY) -m moe_mesh.dev.protogen
 
 bench: $(STAMP)
-	$(PY) bench/engine_vs_transformers.py
-	$(PY) bench/mesh_dispatch.py
-	$(PY) bench/tiering.py
-	$(PY) bench/tracing.py
-	$(PY) bench/chaos.py
+	$(PY) -m bench.engine_vs_transformers
+	$(PY) -m bench.mesh_dispatch
+	$(PY) -m bench.tiering
+	$(PY) -m bench.tracing
+	$(PY) -m bench.chaos
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache bench/results

@@ -14,7 +14,9 @@ Per scenario: requests and failures, outputs that differ from the baseline (whol
 finish reason), p50/p99 of each request's longest gap between tokens ("stall"), and the targets met.
 Results go to bench/results/chaos.json.
 
-    .venv/bin/python bench/chaos.py [--quick] [--fuzz-cases 10000] [--checkpoint DIR]
+    .venv/bin/python -m bench.chaos [--quick] [--fuzz-cases 10000] [--checkpoint DIR]
+
+(from the checkout root, where `bench` and `tests` import as packages)
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import runtime
+from moe_mesh.common import runtime
 
 runtime.configure()  # before torch loads OpenMP
 
@@ -42,7 +44,7 @@ import grpc  # noqa: E402
 import httpx  # noqa: E402
 
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
-from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
+from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 
 NEW_TOKENS = 32
 PROMPTS = [[7], [11, 3, 250, 9, 31], list(range(40, 53)), [(i * 37) % 400 + 5 for i in range(29)]]

@@ -4,7 +4,9 @@ Both generate greedily from the same prompts at batch 1, 8 and 32; runs alternat
 transformers and the median of the repeats is kept, so machine noise hits both sides alike.
 Decode tokens/s = batch * (new_tokens - 1) / (time to generate new_tokens - time to generate 1).
 
-    .venv/bin/python bench/engine_vs_transformers.py [--checkpoint DIR] [--batch-sizes 1,8,32]
+    .venv/bin/python -m bench.engine_vs_transformers [--checkpoint DIR] [--batch-sizes 1,8,32]
+
+(from the checkout root, where `bench` and `tests` import as packages)
 """
 
 from __future__ import annotations
@@ -18,17 +20,15 @@ import sys
 import time
 from pathlib import Path
 
-from common import runtime
+from moe_mesh.common import runtime
 
 runtime.configure()  # before torch loads OpenMP
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
-from router_service.build import build_local_engine  # noqa: E402
-from router_service.engine.sampling import SamplingParams  # noqa: E402
-from router_service.settings import RouterSettings  # noqa: E402
+from moe_mesh.router_service.build import build_local_engine  # noqa: E402
+from moe_mesh.router_service.engine.sampling import SamplingParams  # noqa: E402
+from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
 
 DEFAULT_CHECKPOINT = Path(".cache/bench-small-mixtral")
 

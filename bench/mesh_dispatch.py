@@ -5,7 +5,9 @@
 2. decode tokens/s of the all-remote mesh vs the monolithic engine at batch 1 and 32 ("mesh efficiency");
 3. peak RSS of each expert-service process vs the bytes of expert weights it holds.
 
-    .venv/bin/python bench/mesh_dispatch.py [--checkpoint DIR] [--services 4]
+    .venv/bin/python -m bench.mesh_dispatch [--checkpoint DIR] [--services 4]
+
+(from the checkout root, where `bench` and `tests` import as packages)
 """
 
 from __future__ import annotations
@@ -19,22 +21,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import runtime
+from moe_mesh.common import runtime
 
 runtime.configure()  # before torch loads OpenMP
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-from common.checkpoint import Checkpoint  # noqa: E402
-from common.moe import route  # noqa: E402
+from moe_mesh.common.checkpoint import Checkpoint  # noqa: E402
+from moe_mesh.common.moe import route  # noqa: E402
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
-from router_service.build import build_local_engine, build_router  # noqa: E402
-from router_service.engine.sampling import SamplingParams  # noqa: E402
-from router_service.settings import RouterSettings  # noqa: E402
-from support.processes import start_experts  # noqa: E402
+from moe_mesh.router_service.build import build_local_engine, build_router  # noqa: E402
+from moe_mesh.router_service.engine.sampling import SamplingParams  # noqa: E402
+from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
+from tests.support.processes import start_experts  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / ".cache/bench-small-mixtral"
 

@@ -9,7 +9,9 @@ For each: decode tokens/s, expert-service calls per generated token, and the sha
 (token, expert) assignments computed in the router. Rounds alternate the three so drift in this
 machine's speed hits them alike; medians and ratios to all-remote go to bench/results/tiering.json.
 
-    .venv/bin/python bench/tiering.py [--checkpoint DIR] [--skew 4] [--batches 1,16] [--rounds 3]
+    .venv/bin/python -m bench.tiering [--checkpoint DIR] [--skew 4] [--batches 1,16] [--rounds 3]
+
+(from the checkout root, where `bench` and `tests` import as packages)
 """
 
 from __future__ import annotations
@@ -23,19 +25,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import runtime
+from moe_mesh.common import runtime
 
 runtime.configure()  # before torch loads OpenMP
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
-from router_service.build import build_local_engine, build_router  # noqa: E402
-from router_service.engine.sampling import SamplingParams  # noqa: E402
-from router_service.settings import RouterSettings  # noqa: E402
-from support.processes import start_experts  # noqa: E402
+from moe_mesh.router_service.build import build_local_engine, build_router  # noqa: E402
+from moe_mesh.router_service.engine.sampling import SamplingParams  # noqa: E402
+from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
+from tests.support.processes import start_experts  # noqa: E402
 
 
 async def decode(engine, prompts: list[list[int]], new_tokens: int) -> dict:

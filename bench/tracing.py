@@ -6,7 +6,9 @@ services write spans of sampled requests to files, as in a deployment. Rounds al
 routers so drift in this machine's speed hits them alike; medians and the ratio to "off" go to
 bench/results/tracing.json.
 
-    .venv/bin/python bench/tracing.py [--checkpoint DIR] [--concurrency 8] [--rounds 5]
+    .venv/bin/python -m bench.tracing [--checkpoint DIR] [--concurrency 8] [--rounds 5]
+
+(from the checkout root, where `bench` and `tests` import as packages)
 """
 
 from __future__ import annotations
@@ -20,21 +22,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import runtime
+from moe_mesh.common import runtime
 
 runtime.configure()  # before torch loads OpenMP
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 
 import grpc  # noqa: E402
 
-from common.telemetry import Telemetry  # noqa: E402
+from moe_mesh.common.telemetry import Telemetry  # noqa: E402
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
-from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc  # noqa: E402
-from router_service.app import RouterApp  # noqa: E402
-from router_service.settings import RouterSettings  # noqa: E402
-from support.processes import start_experts  # noqa: E402
+from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc  # noqa: E402
+from moe_mesh.router_service.app import RouterApp  # noqa: E402
+from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
+from tests.support.processes import start_experts  # noqa: E402
 
 SAMPLING = {"off": None, "sample_1pct": 0.01, "sample_100pct": 1.0}
 

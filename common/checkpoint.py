@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from common.arch import ModelSpec, load_spec, tensor_names
-from common.errors import CheckpointError
-from common.safetensors_mmap import SafetensorsFile
-from common.weights import AttentionWeights, DenseWeights, FFNWeights, LayerWeights
+from moe_mesh.common.arch import ModelSpec, load_spec, tensor_names
+from moe_mesh.common.errors import CheckpointError
+from moe_mesh.common.safetensors_mmap import SafetensorsFile
+from moe_mesh.common.weights import AttentionWeights, DenseWeights, FFNWeights, LayerWeights
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticUndefined
 
-from common.errors import InvalidArgumentError
+from moe_mesh.common.errors import InvalidArgumentError
 
 
 def flag(name: str) -> str:

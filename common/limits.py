@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from common.errors import CapacityError
+from moe_mesh.common.errors import CapacityError
 
 
 def check_context_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.arch import ModelSpec
-from common.weights import FFNWeights
+from moe_mesh.common.arch import ModelSpec
+from moe_mesh.common.weights import FFNWeights
 
 
 @dataclass

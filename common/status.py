@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from common import errors
+from moe_mesh.common import errors
 
 _TO_CODE: list[tuple[type[errors.MoeMeshError], grpc.StatusCode]] = [
     (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from common.errors import CheckpointError
+from moe_mesh.common.errors import CheckpointError
 
 
 class Tokenizer:

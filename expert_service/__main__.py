@@ -1,11 +1,11 @@
-"""`python -m expert_service --checkpoint DIR --experts SPEC ...`: the same command as `moe-mesh serve-expert`."""
+"""`python -m moe_mesh.expert_service --checkpoint DIR --experts SPEC ...`: the same command as `moe-mesh serve-expert`."""
 
 import sys
 
-from common import runtime
+from moe_mesh.common import runtime
 
 runtime.configure()  # before anything imports torch
 
-from expert_service.cli import main  # noqa: E402
+from moe_mesh.expert_service.cli import main  # noqa: E402
 
 sys.exit(main())

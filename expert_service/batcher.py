@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.errors import NotFoundError, UnavailableError
-from common.moe import expert_ffn
-from common.placement import Pair
-from common.telemetry import (
+from moe_mesh.common.errors import NotFoundError, UnavailableError
+from moe_mesh.common.moe import expert_ffn
+from moe_mesh.common.placement import Pair
+from moe_mesh.common.telemetry import (
     EXPERT_BATCH_TOKENS,
     EXPERT_COMPUTE_DURATION,
     EXPERT_QUEUE_DURATION,
     OFF,
     Telemetry,
 )
-from common.weights import FFNWeights
+from moe_mesh.common.weights import FFNWeights
 
 
 @dataclass

@@ -12,12 +12,12 @@ import logging
 import torch
 from opentelemetry import propagate, trace
 
-from common.errors import PreconditionError
-from common.fastpath import ucx_url
-from common.fastpath.frame import DTYPES, RequestHeader
-from common.fastpath.server import FrameServer
-from common.fastpath.ucx import load_ucxx
-from expert_service.core import ExpertHost
+from moe_mesh.common.errors import PreconditionError
+from moe_mesh.common.fastpath import ucx_url
+from moe_mesh.common.fastpath.frame import DTYPES, RequestHeader
+from moe_mesh.common.fastpath.server import FrameServer
+from moe_mesh.common.fastpath.ucx import load_ucxx
+from moe_mesh.expert_service.core import ExpertHost
 
 log = logging.getLogger(__name__)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -8,8 +8,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from common.fastpath import mesh_fast_path
-from common.telemetry import TelemetrySettings
+from moe_mesh.common.fastpath import mesh_fast_path
+from moe_mesh.common.telemetry import TelemetrySettings
 
 
 class ExpertSettings(TelemetrySettings):

@@ -12,7 +12,7 @@ import itertools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from common.errors import ResourceExhaustedError
+from moe_mesh.common.errors import ResourceExhaustedError
 
 
 class Admission:

@@ -8,18 +8,18 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from common.errors import InvalidArgumentError, MoeMeshError, UnavailableError
-from common.registry import ROUTER_SERVICE, Instance, Membership, Registry, open_registry
-from common.registry.follow import Follower, follow
-from common.server import GrpcServer, Service
-from common.telemetry import Telemetry
-from common.tokenizer import Tokenizer
-from gateway.core import GatewayCore
-from gateway.grpc_api import InferenceServicer
-from gateway.http_api import create_app
-from gateway.router_client import ModelInfo, RouterClient
-from gateway.settings import GatewaySettings
-from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
+from moe_mesh.common.errors import InvalidArgumentError, MoeMeshError, UnavailableError
+from moe_mesh.common.registry import ROUTER_SERVICE, Instance, Membership, Registry, open_registry
+from moe_mesh.common.registry.follow import Follower, follow
+from moe_mesh.common.server import GrpcServer, Service
+from moe_mesh.common.telemetry import Telemetry
+from moe_mesh.common.tokenizer import Tokenizer
+from moe_mesh.gateway.core import GatewayCore
+from moe_mesh.gateway.grpc_api import InferenceServicer
+from moe_mesh.gateway.http_api import create_app
+from moe_mesh.gateway.router_client import ModelInfo, RouterClient
+from moe_mesh.gateway.settings import GatewaySettings
+from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 

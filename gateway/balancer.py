@@ -11,8 +11,14 @@ import time
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
-from common.errors import UnavailableError
-from common.resilience import Clock, EjectionPolicy, EndpointHealth, RetryBudget, pick_healthy
+from moe_mesh.common.errors import UnavailableError
+from moe_mesh.common.resilience import (
+    Clock,
+    EjectionPolicy,
+    EndpointHealth,
+    RetryBudget,
+    pick_healthy,
+)
 
 
 class RouterLostError(UnavailableError):

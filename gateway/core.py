@@ -21,17 +21,17 @@ from opentelemetry import trace
 from opentelemetry.metrics import Observation
 from opentelemetry.trace import Span, StatusCode
 
-from common.errors import (
+from moe_mesh.common.errors import (
     AlreadyExistsError,
     DeadlineExceededError,
     InvalidArgumentError,
     MoeMeshError,
     UnavailableError,
 )
-from common.limits import check_context_length
-from common.resilience import EjectionPolicy, RetryBudget
-from common.status import status_code
-from common.telemetry import (
+from moe_mesh.common.limits import check_context_length
+from moe_mesh.common.resilience import EjectionPolicy, RetryBudget
+from moe_mesh.common.status import status_code
+from moe_mesh.common.telemetry import (
     GATEWAY_QUEUE_DEPTH,
     GATEWAY_QUEUE_WAIT,
     OFF,
@@ -40,11 +40,11 @@ from common.telemetry import (
     TIME_TO_FIRST_TOKEN,
     Telemetry,
 )
-from common.tokenizer import TextStream, Tokenizer
-from gateway.admission import Admission
-from gateway.balancer import Balancer, RouterLostError
-from gateway.router_client import GenerateParams, ModelInfo, RouterBackend, RouterRequest
-from gateway.settings import GatewaySettings
+from moe_mesh.common.tokenizer import TextStream, Tokenizer
+from moe_mesh.gateway.admission import Admission
+from moe_mesh.gateway.balancer import Balancer, RouterLostError
+from moe_mesh.gateway.router_client import GenerateParams, ModelInfo, RouterBackend, RouterRequest
+from moe_mesh.gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 

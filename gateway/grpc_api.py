@@ -6,11 +6,11 @@ import logging
 
 import grpc
 
-from common.errors import MoeMeshError
-from common.finish_reason import to_wire
-from common.status import abort_with
-from gateway.core import GatewayCore, TextRequest
-from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
+from moe_mesh.common.errors import MoeMeshError
+from moe_mesh.common.finish_reason import to_wire
+from moe_mesh.common.status import abort_with
+from moe_mesh.gateway.core import GatewayCore, TextRequest
+from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger(__name__)
 

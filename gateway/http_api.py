@@ -38,9 +38,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common import errors
-from gateway.core import Delta, GatewayCore, Generation, TextRequest, check_unicode
-from gateway.settings import GatewaySettings
+from moe_mesh.common import errors
+from moe_mesh.gateway.core import Delta, GatewayCore, Generation, TextRequest, check_unicode
+from moe_mesh.gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -416,63 +416,97 @@ class _BodyLimit:
 # -- the app -------------------------------------------------------------------------------------
 
 
+async def _on_mesh_error(request: Request, e: errors.MoeMeshError) -> JSONResponse:
+    log.info("%s %s failed: %s", request.method, request.url.path, e)
+    return _error_response(e)
+
+
+async def _on_invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
+    problems = e.errors()
+    first = problems[0] if problems else {}
+    if first.get("type") == "json_invalid":
+        return _invalid_request(
+            f"malformed JSON body: {first.get('ctx', {}).get('error', '')}", None
+        )
+    loc = tuple(first.get("loc", ()))
+    if loc[:1] != ("body",) or len(loc) < 2:
+        return _invalid_request(
+            f"the body must be a JSON object, sent as application/json: {first.get('msg', '')}",
+            None,
+        )
+    param = str(loc[1])
+    # Name every alternative of a union field (e.g. prompt.str, prompt.list[int]) in the message.
+    details = dict.fromkeys(
+        f"{'.'.join(map(str, p['loc'][1:]))}: {p['msg']}"
+        for p in problems
+        if len(p["loc"]) > 1 and str(p["loc"][1]) == param
+    )
+    return _invalid_request("; ".join(details), param)
+
+
+async def _on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    code = {413: "request_too_large"}.get(e.status_code)
+    error = {"message": str(e.detail), "type": "invalid_request_error", "param": None, "code": code}
+    return JSONResponse({"error": error}, e.status_code, e.headers)
+
+
+async def _on_bug(request: Request, e: Exception) -> JSONResponse:
+    # Starlette re-raises it afterwards, so the server logs the traceback.
+    return _error_response(e)
+
+
+async def _answer(
+    core: GatewayCore,
+    request: Request,
+    body: _Body,
+    r: TextRequest,
+    shape: _Shape,
+    names: dict[str, str],
+) -> Response:
+    """Run `r` and answer in `shape`; the core's field names are reported as this endpoint's `names`."""
+    with _fields_named(**names):
+        if body.stream:
+            # Validation and admission errors leave here, as an HTTP status, before any SSE byte.
+            gen = await _unless_disconnected(request, core.start(r))
+            if gen is None:
+                return Response(status_code=499)  # the client left while queued
+            head = {
+                "id": shape.id_prefix + gen.request_id,
+                "object": shape.chunk_object,
+                "created": int(time.time()),
+                "model": core.model.id,
+            }
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return _EventStream(gen, _events(gen, head, include_usage, shape.chunk))
+        c = await _unless_disconnected(request, core.complete(r))
+    if c is None:
+        return Response(status_code=499)
+    whole = Delta(
+        c.request_id, c.token_ids, c.text, c.finish_reason, c.prompt_tokens, c.completion_tokens
+    )
+    return JSONResponse(
+        {
+            "id": shape.id_prefix + c.request_id,
+            "object": shape.object,
+            "created": int(time.time()),
+            "model": core.model.id,
+            "choices": [shape.whole(whole)],
+            "usage": _usage(whole),
+        }
+    )
+
+
 def create_app(core: GatewayCore) -> FastAPI:
     """The HTTP app over `core`. `app.state.ready` (True at creation) and `core.draining` drive /health/ready."""
     app = FastAPI(title="moe-mesh gateway")
     app.add_middleware(_BodyLimit, limit=core.settings.max_body_bytes)
+    app.add_exception_handler(errors.MoeMeshError, _on_mesh_error)
+    app.add_exception_handler(RequestValidationError, _on_invalid_body)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_bug)
     app.state.ready = True
     started = int(time.time())
     Completion, Chat = _bounded_bodies(core.settings, core.model.max_model_len)
-
-    @app.exception_handler(errors.MoeMeshError)
-    async def on_mesh_error(request: Request, e: errors.MoeMeshError) -> JSONResponse:
-        log.info("%s %s failed: %s", request.method, request.url.path, e)
-        return _error_response(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
-        problems = e.errors()
-        first = problems[0] if problems else {}
-        if first.get("type") == "json_invalid":
-            return _invalid_request(
-                f"malformed JSON body: {first.get('ctx', {}).get('error', '')}", None
-            )
-        loc = tuple(first.get("loc", ()))
-        if loc[:1] != ("body",) or len(loc) < 2:
-            return _invalid_request(
-                f"the body must be a JSON object, sent as application/json: {first.get('msg', '')}",
-                None,
-            )
-        param = str(loc[1])
-        # Name every alternative of a union field (e.g. prompt.str, prompt.list[int]) in the message.
-        details = dict.fromkeys(
-            f"{'.'.join(map(str, p['loc'][1:]))}: {p['msg']}"
-            for p in problems
-            if len(p["loc"]) > 1 and str(p["loc"][1]) == param
-        )
-        return _invalid_request("; ".join(details), param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        code = {413: "request_too_large"}.get(e.status_code)
-        return JSONResponse(
-            {
-                "error": {
-                    "message": str(e.detail),
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": code,
-                }
-            },
-            e.status_code,
-            e.headers,
-        )
-
-    @app.exception_handler(Exception)
-    async def on_bug(request: Request, e: Exception) -> JSONResponse:
-        return _error_response(
-            e
-        )  # Starlette re-raises it afterwards, so the server logs the traceback
 
     @app.get("/health/live")
     async def live() -> dict:
@@ -501,43 +535,6 @@ def create_app(core: GatewayCore) -> FastAPI:
             ],
         }
 
-    async def generate(
-        request: Request, body: _Body, r: TextRequest, shape: _Shape, names: dict[str, str]
-    ) -> Response:
-        """Run `r` and answer in `shape`; the core's field names are reported as this endpoint's `names`."""
-        with _fields_named(**names):
-            if body.stream:
-                # Validation and admission errors leave here, as an HTTP status, before any SSE byte.
-                gen = await _unless_disconnected(request, core.start(r))
-                if gen is None:
-                    return Response(status_code=499)  # the client left while queued
-                head = {
-                    "id": shape.id_prefix + gen.request_id,
-                    "object": shape.chunk_object,
-                    "created": int(time.time()),
-                    "model": core.model.id,
-                }
-                include_usage = (
-                    body.stream_options is not None and body.stream_options.include_usage
-                )
-                return _EventStream(gen, _events(gen, head, include_usage, shape.chunk))
-            c = await _unless_disconnected(request, core.complete(r))
-        if c is None:
-            return Response(status_code=499)
-        whole = Delta(
-            c.request_id, c.token_ids, c.text, c.finish_reason, c.prompt_tokens, c.completion_tokens
-        )
-        return JSONResponse(
-            {
-                "id": shape.id_prefix + c.request_id,
-                "object": shape.object,
-                "created": int(time.time()),
-                "model": core.model.id,
-                "choices": [shape.whole(whole)],
-                "usage": _usage(whole),
-            }
-        )
-
     @app.post("/v1/completions")
     async def completions(body: Completion, request: Request) -> Response:
         r = _text_request(body, *_completion_prompt(body.prompt), body.max_tokens)
@@ -552,7 +549,7 @@ def create_app(core: GatewayCore) -> FastAPI:
             }
 
         shape = _Shape("cmpl-", "text_completion", "text_completion", choice, choice)
-        return await generate(request, body, r, shape, {"prompt_token_ids": "prompt"})
+        return await _answer(core, request, body, r, shape, {"prompt_token_ids": "prompt"})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: Chat, request: Request) -> Response:
@@ -579,7 +576,8 @@ def create_app(core: GatewayCore) -> FastAPI:
             }
 
         shape = _Shape("chatcmpl-", "chat.completion", "chat.completion.chunk", chunk, whole)
-        return await generate(
+        return await _answer(
+            core,
             request,
             body,
             r,

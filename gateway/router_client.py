@@ -12,12 +12,12 @@ import grpc
 from opentelemetry import context
 from opentelemetry.context import Context
 
-from common.errors import MoeMeshError
-from common.finish_reason import from_wire
-from common.server import channel_options
-from common.status import error_from_rpc
-from gateway.balancer import RouterLostError
-from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
+from moe_mesh.common.errors import MoeMeshError
+from moe_mesh.common.finish_reason import from_wire
+from moe_mesh.common.server import channel_options
+from moe_mesh.common.status import error_from_rpc
+from moe_mesh.gateway.balancer import RouterLostError
+from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
 # host:port, [v6]:port and gRPC's "ipv4:" / "ipv6:" forms: a router's error details name routers and

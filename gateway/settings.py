@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from common.telemetry import TelemetrySettings
+from moe_mesh.common.telemetry import TelemetrySettings
 
 
 class GatewaySettings(TelemetrySettings):

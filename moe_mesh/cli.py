@@ -12,21 +12,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import runtime
-from common.errors import MoeMeshError
+from moe_mesh.common import runtime
+from moe_mesh.common.errors import MoeMeshError
 
 runtime.configure()  # the console script's entry: before anything imports torch
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from expert_service import cli as expert_cli
-    from gateway import cli as gateway_cli
     from moe_mesh.dev import create_checkpoint
+    from moe_mesh.expert_service import cli as expert_cli
+    from moe_mesh.gateway import cli as gateway_cli
     from moe_mesh.local import cli as local_cli
     from moe_mesh.local import generate_cli
     from moe_mesh.ops import client, placement, stats, traces
     from moe_mesh.planning import deploy, plan
-    from router_service import cli as router_cli
+    from moe_mesh.router_service import cli as router_cli
 
     parser = argparse.ArgumentParser(
         prog="moe-mesh", description="Serve sparse MoE language models as a gRPC mesh."

@@ -1,9 +1,9 @@
 import sys
 
-from common import runtime
+from moe_mesh.common import runtime
 
 runtime.configure()  # before anything imports torch
 
-from router_service.cli import main  # noqa: E402
+from moe_mesh.router_service.cli import main  # noqa: E402
 
 sys.exit(main())

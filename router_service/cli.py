@@ -1,4 +1,4 @@
-"""`moe-mesh serve-router` (also `python -m router_service`): one router process."""
+"""`moe-mesh serve-router` (also `python -m moe_mesh.router_service`): one router process."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import logging
 import sys
 from pathlib import Path
 
-from common.cli import add_settings_arguments, settings_from_args
-from common.errors import MoeMeshError
+from moe_mesh.common.cli import add_settings_arguments, settings_from_args
+from moe_mesh.common.errors import MoeMeshError
 
 FLAGS = {"expert_endpoints": "--expert"}  # repeatable: one expert service each
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """One flag per RouterSettings field (common/cli.py), plus --ready-file."""
-    from router_service.settings import RouterSettings
+    from moe_mesh.router_service.settings import RouterSettings
 
     add_settings_arguments(p, RouterSettings, flags=FLAGS)
     p.add_argument(
@@ -29,9 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    from common.server import serve_until_signal
-    from router_service.app import RouterApp
-    from router_service.settings import RouterSettings
+    from moe_mesh.common.server import serve_until_signal
+    from moe_mesh.router_service.app import RouterApp
+    from moe_mesh.router_service.settings import RouterSettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     try:
@@ -76,6 +76,6 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m router_service", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m moe_mesh.router_service", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))

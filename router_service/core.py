@@ -23,11 +23,11 @@ from opentelemetry.context import Context
 from opentelemetry.metrics import Observation
 from opentelemetry.trace import Span, StatusCode
 
-from common.errors import InternalError, MoeMeshError, UnavailableError
-from common.telemetry import OFF, ROUTER_BATCH_SIZE, ROUTER_QUEUE_DEPTH, Telemetry
-from router_service.engine.engine import Engine, FinishReason, StepOutput
-from router_service.engine.sampling import SamplingParams
-from router_service.experts.tiering import Tierer
+from moe_mesh.common.errors import InternalError, MoeMeshError, UnavailableError
+from moe_mesh.common.telemetry import OFF, ROUTER_BATCH_SIZE, ROUTER_QUEUE_DEPTH, Telemetry
+from moe_mesh.router_service.engine.engine import Engine, FinishReason, StepOutput
+from moe_mesh.router_service.engine.sampling import SamplingParams
+from moe_mesh.router_service.experts.tiering import Tierer
 
 log = logging.getLogger(__name__)
 

@@ -1,17 +1,18 @@
-"""Shared fixtures: checkpoints are created once per session and reused across tests."""
+"""Shared fixtures (checkpoints created once per session, tiny health-only gRPC servers) and the `e2e`
+marker, set by folder."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
-from common import runtime
+from moe_mesh.common import runtime
 
 runtime.configure()  # the test process is a router too: before anything imports torch
-from support.factories import make_checkpoint  # noqa: E402
+from moe_mesh.common.server import GrpcServer  # noqa: E402
+from tests.support.factories import make_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -29,13 +30,38 @@ def checkpoint(checkpoint_root: Path) -> Callable[..., Path]:
     return make
 
 
-def run(coro):
-    """Run a coroutine to completion from a synchronous test."""
-    return asyncio.run(coro)
+@pytest.fixture
+async def grpc_servers() -> AsyncIterator[Callable[[], Awaitable[GrpcServer]]]:
+    """Factory of tiny real gRPC servers (health service only) on loopback port 0."""
+    servers: list[GrpcServer] = []
+
+    async def make() -> GrpcServer:
+        server = GrpcServer([], grace_s=0.1)
+        await server.start()
+        servers.append(server)
+        return server
+
+    yield make
+    for s in servers:
+        await s.stop()
+
+
+E2E = Path(__file__).parent / "e2e"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Slow tests (the small preset, generation at length) are left out of the quick run too."""
+    """Everything under tests/e2e/ is `e2e`, and nothing else: where a test lives says how it runs.
+
+    A test marked `e2e` or `slow` by hand outside that folder belongs in it, so it is refused here
+    rather than quietly joining (or leaving) the quick run.
+    """
+    misplaced = []
     for item in items:
-        if item.get_closest_marker("slow") is not None:
+        if item.path.is_relative_to(E2E):
             item.add_marker(pytest.mark.e2e)
+        elif any(item.iter_markers("e2e")) or any(item.iter_markers("slow")):
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError(
+            "marked e2e or slow but not under tests/e2e/: " + ", ".join(misplaced)
+        )

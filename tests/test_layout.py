@@ -1,11 +1,13 @@
 """The architecture's import rules, read from the source: services import `common` and `protos`, never
 each other; `common` imports no service and not the composition root; no module imports another
-module's private names."""
+module's private names; tests import only tests/support/ and mirror the code; the README's directory
+table names every module."""
 
 from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = ("expert_service", "router_service", "gateway")
 PACKAGES = (*SERVICES, "common", "moe_mesh")
+MAPPED = (*SERVICES, "common", "protos")  # folders installed under moe_mesh (pyproject package-dir)
 
 
 def _modules(package: str) -> list[Path]:
@@ -23,6 +26,8 @@ def _imports(path: Path) -> list[tuple[str, list[str], int]]:
     """(module imported, names imported from it, line) for every import in `path`, relative ones resolved."""
     tree = ast.parse(path.read_text(), str(path))
     here = path.relative_to(ROOT).with_suffix("").parts
+    if here[0] in MAPPED:
+        here = ("moe_mesh", *here)
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -37,7 +42,11 @@ def _imports(path: Path) -> list[tuple[str, list[str], int]]:
 
 
 def _top(module: str) -> str:
-    return module.split(".")[0]
+    """The folder a module lives in: moe_mesh.gateway.core -> gateway; moe_mesh.ops.x -> moe_mesh."""
+    parts = module.split(".")
+    if parts[0] == "moe_mesh" and len(parts) > 1 and parts[1] in MAPPED:
+        return parts[1]
+    return parts[0]
 
 
 def _where(path: Path, line: int) -> str:
@@ -84,26 +93,109 @@ def test_no_module_imports_a_private_name_of_another_module() -> None:
     assert not found, "\n".join(found)
 
 
+def test_every_import_of_our_code_goes_through_the_moe_mesh_namespace() -> None:
+    """`import common` would find another distribution's `common` once installed."""
+    found = [
+        f"{_where(p, line)} imports {m}"
+        for package in (*PACKAGES, "protos", "tests", "bench")
+        for p in _modules(package)
+        if "_pb2" not in p.name
+        for m, _, line in _imports(p)
+        if m.split(".")[0] in MAPPED
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_pyproject_installs_every_package_under_moe_mesh() -> None:
+    """The package list in pyproject.toml names each folder with an __init__.py, mapped."""
+    import tomllib
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {
+        p.parent.relative_to(ROOT).as_posix().replace("/", ".")
+        for package in (*MAPPED, "moe_mesh")
+        for p in (ROOT / package).rglob("__init__.py")
+    }
+    expected = {f if f.startswith("moe_mesh") else f"moe_mesh.{f}" for f in folders}
+    assert set(tool["packages"]) == expected
+    assert tool["package-dir"] == {f"moe_mesh.{m}": m for m in MAPPED}
+
+
+def test_tests_and_benchmarks_import_no_test_module() -> None:
+    """Shared test code lives in tests/support/; a test module is never imported by another file."""
+    found = [
+        f"{_where(p, line)} imports {m}"
+        for folder in ("tests", "bench")
+        for p in _modules(folder)
+        for m, _, line in _imports(p)
+        if m.split(".")[0] == "tests" and m.split(".")[:2] != ["tests", "support"]
+    ]
+    assert not found, "\n".join(found)
+
+
+def _unit_test_folders() -> set[str]:
+    unit = ROOT / "tests" / "unit"
+    return {p.parent.relative_to(unit).as_posix() for p in unit.rglob("test_*.py")}
+
+
+def test_unit_tests_mirror_the_code() -> None:
+    """tests/unit/<folder>/test_<name>.py tests the module, subpackage or .proto <name> of <folder>/."""
+    found = []
+    for folder in sorted(_unit_test_folders()):
+        code = ROOT / folder
+        if not (code / "__init__.py").is_file():
+            found.append(f"tests/unit/{folder}/: {folder}/ is not a package")
+            continue
+        for test in sorted((ROOT / "tests" / "unit" / folder).glob("test_*.py")):
+            name = test.stem.removeprefix("test_")
+            if not (
+                (code / f"{name}.py").is_file()
+                or (code / name).is_dir()
+                or any(code.rglob(f"{name}.proto"))
+            ):
+                found.append(f"tests/unit/{folder}/{test.name}: {folder}/ has no {name}")
+    assert not found, "\n".join(found)
+
+
 def test_the_rules_see_a_violation(tmp_path, monkeypatch) -> None:
     """The checks above read real imports: a planted bad module is caught by each of them."""
-    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     for package in ("gateway", "common", "moe_mesh"):
         (tmp_path / package).mkdir()
     (tmp_path / "gateway" / "bad.py").write_text(
-        "from router_service.engine.engine import Engine\n"
+        "from moe_mesh.router_service.engine.engine import Engine\n"
     )
-    (tmp_path / "common" / "bad.py").write_text("import expert_service.core\n")
+    (tmp_path / "common" / "bad.py").write_text("import moe_mesh.expert_service.core\n")
     (tmp_path / "moe_mesh" / "bad.py").write_text("from .ops.tables import _hidden\n")
+    (tmp_path / "gateway" / "bare.py").write_text("from common.errors import MoeMeshError\n")
     with pytest.raises(
-        AssertionError, match="gateway/bad.py:1 imports router_service.engine.engine"
+        AssertionError, match="gateway/bad.py:1 imports moe_mesh.router_service.engine.engine"
     ):
         test_a_service_imports_no_other_service_nor_the_composition_root("gateway")
-    with pytest.raises(AssertionError, match="common/bad.py:1 imports expert_service.core"):
+    with pytest.raises(
+        AssertionError, match="common/bad.py:1 imports moe_mesh.expert_service.core"
+    ):
         test_common_imports_no_service_and_not_the_composition_root()
     with pytest.raises(
         AssertionError, match="moe_mesh/bad.py:1 imports _hidden from moe_mesh.ops.tables"
     ):
         test_no_module_imports_a_private_name_of_another_module()
+    with pytest.raises(AssertionError, match="gateway/bare.py:1 imports common.errors"):
+        test_every_import_of_our_code_goes_through_the_moe_mesh_namespace()
+    (tmp_path / "tests" / "unit" / "gateway").mkdir(parents=True)
+    (tmp_path / "tests" / "unit" / "gateway" / "test_nothing.py").write_text(
+        "from tests.unit.gateway.test_core import helper\n"
+    )
+    with pytest.raises(
+        AssertionError,
+        match="tests/unit/gateway/test_nothing.py:1 imports tests.unit.gateway.test_core",
+    ):
+        test_tests_and_benchmarks_import_no_test_module()
+    with pytest.raises(AssertionError, match="tests/unit/gateway/: gateway/ is not a package"):
+        test_unit_tests_mirror_the_code()
+    (tmp_path / "gateway" / "__init__.py").write_text("")
+    with pytest.raises(AssertionError, match="test_nothing.py: gateway/ has no nothing"):
+        test_unit_tests_mirror_the_code()
 
 
 def _readme_table() -> dict[str, str]:
@@ -116,21 +208,19 @@ def _readme_table() -> dict[str, str]:
     return rows
 
 
+def _documented_folders() -> list[str]:
+    """Every package folder of the code, plus the test and benchmark folders that hold modules."""
+    packages = {
+        p.parent.relative_to(ROOT).as_posix()
+        for top in (*SERVICES, "common", "moe_mesh")
+        for p in (ROOT / top).rglob("__init__.py")
+    }
+    return sorted(packages | {"tests", "tests/support", "tests/integration", "tests/e2e", "bench"})
+
+
 def test_the_readme_directory_table_names_every_module_and_only_real_ones() -> None:
     rows = _readme_table()
-    for package in (
-        *PACKAGES,
-        "common/arch",
-        "common/registry",
-        "moe_mesh/local",
-        "moe_mesh/ops",
-        "moe_mesh/planning",
-        "moe_mesh/planning/deploy",
-        "moe_mesh/dev",
-        "tests/support",
-        "router_service/engine",
-        "router_service/experts",
-    ):
+    for package in _documented_folders():
         assert package in rows, f"README directory table has no row for {package}/"
         modules = {p.name for p in (ROOT / package).glob("*.py") if not p.name.startswith("__")}
         named = set(re.findall(r"`([a-z0-9_]+\.py)`", rows[package]))
@@ -140,3 +230,9 @@ def test_the_readme_directory_table_names_every_module_and_only_real_ones() -> N
         assert named - modules == set(), (
             f"{package}/: the README table names missing files: {sorted(named - modules)}"
         )
+    # tests/unit/ mirrors the code, so its row names folders, not files.
+    assert "tests/unit" in rows, "README directory table has no row for tests/unit/"
+    named = set(re.findall(r"`([a-z0-9_/]+)/`", rows["tests/unit"]))
+    assert named == _unit_test_folders(), (
+        f"tests/unit/: the README names {sorted(named)}, the tree has {sorted(_unit_test_folders())}"
+    )

@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from common.arch.spec import REQUIRED, ModelSpec, TensorNames
-from common.errors import CheckpointError, UnsupportedModelError
+from moe_mesh.common.arch.spec import REQUIRED, ModelSpec, TensorNames
+from moe_mesh.common.errors import CheckpointError, UnsupportedModelError
 
 __all__ = ["ModelSpec", "TensorNames", "load_spec", "parse_spec", "FAMILIES"]
 
@@ -19,7 +19,7 @@ FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 def _family_module(model_type: str) -> Any:
-    from common.arch import mixtral, olmoe, qwen2_moe, qwen3_moe
+    from moe_mesh.common.arch import mixtral, olmoe, qwen2_moe, qwen3_moe
 
     return {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "olmoe": olmoe}[
         model_type

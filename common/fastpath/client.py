@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from common.fastpath.frame import (
+from moe_mesh.common.fastpath.frame import (
     ErrorHeader,
     FrameError,
     Header,
@@ -24,7 +24,7 @@ from common.fastpath.frame import (
     encode_header,
     error_from_header,
 )
-from common.fastpath.ucx import FrameReader, UcxRuntime, send_frame, ucx_errors
+from moe_mesh.common.fastpath.ucx import FrameReader, UcxRuntime, send_frame, ucx_errors
 
 
 class FastPathError(Exception):

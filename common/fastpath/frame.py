@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from common import errors
+from moe_mesh.common import errors
 
 MAGIC = b"MMFP"
 TRAILER_MAGIC = b"MMFE"

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from common.errors import DeadlineExceededError, InternalError, MoeMeshError
-from common.fastpath.frame import (
+from moe_mesh.common.errors import DeadlineExceededError, InternalError, MoeMeshError
+from moe_mesh.common.fastpath.frame import (
     DTYPE_NAMES,
     FrameError,
     ReplyHeader,
@@ -25,7 +25,7 @@ from common.fastpath.frame import (
     encode_header,
     error_header,
 )
-from common.fastpath.ucx import FrameReader, UcxRuntime, send_frame, ucx_errors
+from moe_mesh.common.fastpath.ucx import FrameReader, UcxRuntime, send_frame, ucx_errors
 
 log = logging.getLogger(__name__)
 Handler = Callable[[RequestHeader, torch.Tensor | None], Awaitable[torch.Tensor]]

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.fastpath.frame import (
+from moe_mesh.common.fastpath.frame import (
     FIRST_MESSAGE_BYTES,
     MAX_HEADER_BYTES,
     PREFIX_BYTES,

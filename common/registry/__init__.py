@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from common.errors import MoeMeshError
+from moe_mesh.common.errors import MoeMeshError
 
 EXPERT_SERVICE = "moe-mesh-expert"
 ROUTER_SERVICE = "moe-mesh-router"
@@ -108,7 +108,7 @@ def open_registry(kind: str, address: str | None = None) -> Registry | None:
     if kind == "none":
         return None
     if kind == "consul":
-        from common.registry.consul import ConsulRegistry
+        from moe_mesh.common.registry.consul import ConsulRegistry
 
         return ConsulRegistry(address)
     raise ValueError(f"unknown registry {kind!r}; expected 'none' or 'consul'")

@@ -1,6 +1,6 @@
 """Generate the Python protobuf/gRPC code (with .pyi stubs) for protos/moe_mesh/v1 into a directory.
 
-`make protos` writes into the repository; tests/test_protos.py writes into a temp dir and diffs.
+`make protos` writes into the repository; tests/unit/moe_mesh/dev/test_protogen.py writes into a temp dir and diffs.
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ def generate(out_dir: Path) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed for {protos}")
-    return sorted((out_dir / PROTO_DIR).glob("*_pb2*.py*"))
+    generated = sorted((out_dir / PROTO_DIR).glob("*_pb2*.py*"))
+    for path in generated:  # protoc names imports by file path; installed, they live in moe_mesh.*
+        path.write_text(path.read_text().replace("from protos.", "from moe_mesh.protos."))
+    return generated
 
 
 def main() -> None:

@@ -7,9 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from common.cli import add_settings_arguments, flag
-from gateway.settings import GatewaySettings
-from router_service.settings import RouterSettings
+from moe_mesh.common.cli import add_settings_arguments, flag
+from moe_mesh.gateway.settings import GatewaySettings
+from moe_mesh.router_service.settings import RouterSettings
 
 GATEWAY_FLAGS = ("max_in_flight", "max_queued")
 ROUTER_FLAGS = ("max_num_seqs", "colocate_budget")

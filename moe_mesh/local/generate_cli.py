@@ -79,11 +79,11 @@ def _run_generate(args: argparse.Namespace) -> int:
     if not args.checkpoint:
         print("moe-mesh generate: error: --local needs --checkpoint", file=sys.stderr)
         return 2
-    from common.tokenizer import Tokenizer
+    from moe_mesh.common.tokenizer import Tokenizer
     from moe_mesh.local.generate import LocalRequest, generate_local
-    from router_service.build import build_local_engine
-    from router_service.engine.sampling import SamplingParams
-    from router_service.settings import RouterSettings
+    from moe_mesh.router_service.build import build_local_engine
+    from moe_mesh.router_service.engine.sampling import SamplingParams
+    from moe_mesh.router_service.settings import RouterSettings
 
     engine = build_local_engine(RouterSettings(checkpoint=args.checkpoint, dtype=args.dtype))
     tokenizer = Tokenizer(args.checkpoint)
@@ -118,7 +118,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _run_generate_remote(args: argparse.Namespace) -> int:
     from moe_mesh.ops.client import generate_remote
-    from protos.moe_mesh.v1 import inference_pb2
+    from moe_mesh.protos.moe_mesh.v1 import inference_pb2
 
     request = inference_pb2.GenerateRequest(
         max_tokens=args.max_tokens,

@@ -26,9 +26,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.arch import load_spec
-from common.placement import format_experts, parse_experts
-from common.server import write_ready_file
+from moe_mesh.common.arch import load_spec
+from moe_mesh.common.placement import format_experts, parse_experts
+from moe_mesh.common.server import write_ready_file
 
 READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 20.0
@@ -129,7 +129,7 @@ class Launcher:
             f"expert-{self._serial}",
             [
                 "-m",
-                "expert_service",
+                "moe_mesh.expert_service",
                 "--checkpoint",
                 str(self.checkpoint),
                 "--experts",
@@ -250,12 +250,16 @@ class Launcher:
         )
         self._wait_ready(experts)
         routers = [
-            self._spawn("router", f"router-{i}", ["-m", "router_service", *ckpt, *self.router_args])
+            self._spawn(
+                "router", f"router-{i}", ["-m", "moe_mesh.router_service", *ckpt, *self.router_args]
+            )
             for i in range(self.routers)
         ]
         print(f"==> starting {len(routers)} router(s)", flush=True)
         self._wait_ready(routers)
-        gateway = self._spawn("gateway", "gateway", ["-m", "gateway", *ckpt, *self.gateway_args])
+        gateway = self._spawn(
+            "gateway", "gateway", ["-m", "moe_mesh.gateway", *ckpt, *self.gateway_args]
+        )
         print("==> starting the gateway", flush=True)
         self._wait_ready([gateway])
         self.endpoints = {

@@ -31,7 +31,7 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.registry import meta_problem
+from moe_mesh.common.registry import meta_problem
 
 log = logging.getLogger(__name__)
 

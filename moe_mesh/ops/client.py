@@ -12,9 +12,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.errors import MoeMeshError
-from common.finish_reason import from_wire
-from protos.moe_mesh.v1 import (
+from moe_mesh.common.errors import MoeMeshError
+from moe_mesh.common.finish_reason import from_wire
+from moe_mesh.protos.moe_mesh.v1 import (
     expert_pb2,
     expert_pb2_grpc,
     inference_pb2,

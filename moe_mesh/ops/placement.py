@@ -14,8 +14,13 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from common.errors import InvalidArgumentError, MoeMeshError, PreconditionError, UnavailableError
-from common.placement import ModelShape, Pair, format_experts, parse_experts
+from moe_mesh.common.errors import (
+    InvalidArgumentError,
+    MoeMeshError,
+    PreconditionError,
+    UnavailableError,
+)
+from moe_mesh.common.placement import ModelShape, Pair, format_experts, parse_experts
 from moe_mesh.ops import tables
 
 COLOCATED = "colocated"  # the placement backend name of experts computed in the router process

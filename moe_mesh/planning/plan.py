@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
-from common.placement import Pair, format_experts
-from common.units import parse_size
+from moe_mesh.common.placement import Pair, format_experts
+from moe_mesh.common.units import parse_size
 from moe_mesh.planning.deploy.plan import Plan, PlanError, load_plan
 from moe_mesh.planning.eplb import PlanOptions, Proposal, propose
 

@@ -21,11 +21,16 @@ from enum import Enum
 
 import torch
 
-from common.errors import AlreadyExistsError, InternalError, InvalidArgumentError, MoeMeshError
-from common.limits import check_context_length
-from router_service.engine.model import MoeModel, pack_step
-from router_service.engine.sampling import SamplingParams, position_seed, sample
-from router_service.settings import RouterSettings
+from moe_mesh.common.errors import (
+    AlreadyExistsError,
+    InternalError,
+    InvalidArgumentError,
+    MoeMeshError,
+)
+from moe_mesh.common.limits import check_context_length
+from moe_mesh.router_service.engine.model import MoeModel, pack_step
+from moe_mesh.router_service.engine.sampling import SamplingParams, position_seed, sample
+from moe_mesh.router_service.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.arch import ModelSpec
-from common.weights import AttentionWeights
-from router_service.engine.kv_cache import KVCache
+from moe_mesh.common.arch import ModelSpec
+from moe_mesh.common.weights import AttentionWeights
+from moe_mesh.router_service.engine.kv_cache import KVCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

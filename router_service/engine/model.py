@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.arch import ModelSpec
-from common.moe import expert_ffn
-from common.weights import DenseWeights
-from router_service.engine.kv_cache import KVCache
-from router_service.engine.layers import AttentionBatch, Prefill, Rope, attention, rms_norm
-from router_service.experts.dispatch import ExpertDispatcher
+from moe_mesh.common.arch import ModelSpec
+from moe_mesh.common.moe import expert_ffn
+from moe_mesh.common.weights import DenseWeights
+from moe_mesh.router_service.engine.kv_cache import KVCache
+from moe_mesh.router_service.engine.layers import AttentionBatch, Prefill, Rope, attention, rms_norm
+from moe_mesh.router_service.experts.dispatch import ExpertDispatcher
 
 
 @dataclass

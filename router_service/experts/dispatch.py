@@ -28,9 +28,9 @@ import torch
 from opentelemetry import trace
 from opentelemetry.metrics import Observation
 
-from common.arch import ModelSpec
-from common.errors import DeadlineExceededError, ExpertUnavailableError, UnavailableError
-from common.moe import (
+from moe_mesh.common.arch import ModelSpec
+from moe_mesh.common.errors import DeadlineExceededError, ExpertUnavailableError, UnavailableError
+from moe_mesh.common.moe import (
     ExpertGroup,
     combine,
     expert_ffn,
@@ -38,8 +38,8 @@ from common.moe import (
     route,
     shared_expert_output,
 )
-from common.resilience import EjectionPolicy, EndpointHealth, LatencyWindow, RetryBudget
-from common.telemetry import (
+from moe_mesh.common.resilience import EjectionPolicy, EndpointHealth, LatencyWindow, RetryBudget
+from moe_mesh.common.telemetry import (
     DISPATCH_DURATION,
     EJECTIONS,
     FAILOVERS,
@@ -48,8 +48,8 @@ from common.telemetry import (
     TOKENS_ROUTED,
     Telemetry,
 )
-from common.weights import FFNWeights, LayerWeights
-from router_service.experts.utilization import UtilizationWindow
+from moe_mesh.common.weights import FFNWeights, LayerWeights
+from moe_mesh.router_service.experts.utilization import UtilizationWindow
 
 
 class ExpertBackend(Protocol):

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 from opentelemetry import propagate, trace
 
-from common.fastpath import parse_ucx_url
-from common.fastpath.client import FastPathError, FrameClient
-from common.fastpath.frame import DTYPE_NAMES, RequestHeader
-from common.fastpath.ucx import load_ucxx
+from moe_mesh.common.fastpath import parse_ucx_url
+from moe_mesh.common.fastpath.client import FastPathError, FrameClient
+from moe_mesh.common.fastpath.frame import DTYPE_NAMES, RequestHeader
+from moe_mesh.common.fastpath.ucx import load_ucxx
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 30.0

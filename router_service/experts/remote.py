@@ -11,14 +11,14 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from common.errors import PreconditionError, UnavailableError
-from common.fastpath.client import FastPathError
-from common.placement import format_experts
-from common.server import channel_options
-from common.status import error_from_rpc
-from common.wire import decode, encode
-from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
-from router_service.experts.fastpath import FastPathConfig, FastPathLink
+from moe_mesh.common.errors import PreconditionError, UnavailableError
+from moe_mesh.common.fastpath.client import FastPathError
+from moe_mesh.common.placement import format_experts
+from moe_mesh.common.server import channel_options
+from moe_mesh.common.status import error_from_rpc
+from moe_mesh.common.wire import decode, encode
+from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
+from moe_mesh.router_service.experts.fastpath import FastPathConfig, FastPathLink
 
 log = logging.getLogger(__name__)
 

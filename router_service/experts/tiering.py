@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.checkpoint import Checkpoint
-from common.placement import Pair, format_experts
-from router_service.experts.dispatch import ColocatedExperts, LivePlacement
-from router_service.experts.utilization import UtilizationWindow
+from moe_mesh.common.checkpoint import Checkpoint
+from moe_mesh.common.placement import Pair, format_experts
+from moe_mesh.router_service.experts.dispatch import ColocatedExperts, LivePlacement
+from moe_mesh.router_service.experts.utilization import UtilizationWindow
 
 log = logging.getLogger(__name__)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from common.tokenizer import Tokenizer
-from gateway.balancer import RouterLostError
-from gateway.core import GatewayCore, ModelInfo
-from gateway.router_client import Chunk
-from gateway.settings import GatewaySettings
+from moe_mesh.common.tokenizer import Tokenizer
+from moe_mesh.gateway.balancer import RouterLostError
+from moe_mesh.gateway.core import GatewayCore, ModelInfo
+from moe_mesh.gateway.router_client import Chunk
+from moe_mesh.gateway.settings import GatewaySettings
 
 
 class FakeRouter:

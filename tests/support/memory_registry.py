@@ -1,8 +1,8 @@
 """`MemoryRegistry`: the Registry protocol inside one process, for unit tests and single-process meshes.
 
 Same semantics as Consul without the network: instances are passing until `set_health` says
-otherwise (nothing probes them), a critical instance is deregistered after its
-`deregister_critical_after_s`, and `fail(reachable=False)` simulates an unreachable registry.
+otherwise (nothing probes them), re-registering keeps an instance's health, a critical instance
+is deregistered after its `deregister_critical_after_s`, and `fail(reachable=False)` simulates an unreachable registry.
 One object is shared by every service of the process, so `close()` leaves it usable.
 """
 
@@ -12,8 +12,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from common.errors import InvalidArgumentError, UnavailableError
-from common.registry import Instance, Membership, meta_problem
+from moe_mesh.common.errors import InvalidArgumentError, UnavailableError
+from moe_mesh.common.registry import Instance, Membership, meta_problem
 
 
 @dataclass
@@ -49,13 +49,21 @@ class MemoryRegistry:
         check_interval_s: float = 2.0,
         deregister_critical_after_s: float = 30.0,
     ) -> None:
-        """Add or replace `instance`, passing; meta beyond Consul's limits raises InvalidArgumentError.
-        `check_interval_s` is unused: nothing is probed here."""
+        """Add `instance`, passing, or replace a registered one keeping its health; meta beyond
+        Consul's limits raises InvalidArgumentError. `check_interval_s` is unused: nothing is
+        probed here."""
         self._check_reachable(f"register {instance.id}")
         if problem := meta_problem(dict(instance.meta)):  # Consul's limits, so both backends agree
             raise InvalidArgumentError("meta", problem)
-        self._drop(instance.id)
-        self._entries[instance.id] = _Entry(instance, deregister_critical_after_s)
+        entry = self._entries.get(instance.id)
+        if entry is None:
+            self._entries[instance.id] = _Entry(instance, deregister_critical_after_s)
+        else:
+            # As on a Consul agent, re-registering keeps the check's status and when it went
+            # critical: services refresh their registration every few seconds, which must neither
+            # hide a passing instance nor revive (or spare from reaping) a critical one.
+            entry.instance = instance
+            entry.deregister_critical_after_s = deregister_critical_after_s
         self._bump()
 
     async def deregister(self, instance_id: str) -> None:
@@ -110,6 +118,11 @@ class MemoryRegistry:
                 key=lambda i: i.id,
             )
         )
+
+    def registered(self, service: str) -> tuple[Instance, ...]:
+        """Every registered instance of `service`, passing or not (Consul's health endpoint without
+        `?passing`): what tests look at to see an instance reaped rather than only hidden."""
+        return tuple(e.instance for e in self._entries.values() if e.instance.service == service)
 
     async def watch(self, service: str) -> AsyncIterator[Membership]:
         """See `Registry.watch`: yields on a change of this service's passing set or of reachability."""

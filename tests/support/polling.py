@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
+from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
 
 
 async def calls(address: str) -> int:
@@ -30,6 +30,14 @@ async def eventually(predicate, timeout_s: float = 15.0, what: str = "") -> None
             return
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.1)
+
+
+def wait_until(predicate, timeout_s: float = 15.0, what: str = "") -> None:
+    """`eventually` for synchronous tests (a subprocess's log, a file): poll for at most timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
 
 
 async def takes_calls(address: str) -> bool:

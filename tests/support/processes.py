@@ -66,7 +66,7 @@ def start_experts(
     # One torch thread each: several services share this host's cores (see bench/mesh_dispatch.py).
     procs = [
         ServiceProcess(
-            "expert_service",
+            "moe_mesh.expert_service",
             ["--checkpoint", str(checkpoint), "--experts", spec, "--compute-threads", "1", *extra],
             workdir,
             f"expert{i}",

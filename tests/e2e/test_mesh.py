@@ -1,0 +1,119 @@
+"""The mesh: a router dispatching to expert-service processes gives the monolithic engine's output."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import time
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from moe_mesh.common.errors import ExpertUnavailableError
+from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
+from moe_mesh.router_service.engine.engine import FinishReason
+from moe_mesh.router_service.engine.model import pack_step
+from tests.support.reference import ALL_REMOTE, GREEDY, PROMPTS, mesh_engine, monolithic, run_engine
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+async def test_all_remote_mesh_matches_monolithic_and_transformers(
+    checkpoint, tmp_path, arch
+) -> None:
+    path = checkpoint(arch)
+    async with mesh_engine(path, ALL_REMOTE, tmp_path) as (engine, _):
+        assert all(not b.local for bs in engine.model.dispatcher.placement.values() for b in bs)
+        tokens = await run_engine(engine, PROMPTS)
+        assert tuple(map(tuple, tokens)) == monolithic(path)
+
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for prompt, generated in zip(PROMPTS, tokens):
+            ref = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=32,
+                min_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+            assert generated == ref
+
+        cache_ = engine.model.new_cache()
+        cache_.reserve(len(PROMPTS), 64)
+        logits = await engine.model.forward(
+            pack_step(list(enumerate(PROMPTS)), []), cache_, all_logits=True
+        )
+        row = 0
+        for prompt in PROMPTS:
+            with torch.no_grad():
+                ref = hf(torch.tensor([prompt])).logits[0]
+            assert (logits[row : row + len(prompt)] - ref).abs().max().item() <= 1e-4
+            row += len(prompt)
+
+
+async def _stats(address: str) -> expert_pb2.ExpertStats:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return (
+            await expert_pb2_grpc.ExpertServiceStub(channel).Describe(expert_pb2.DescribeRequest())
+        ).stats
+
+
+async def test_mixed_placement_with_replicas_matches_monolithic(checkpoint, tmp_path) -> None:
+    """Expert 0 colocated; layer 0 spread over three services; (0,3) and (2,7) have two replicas each."""
+    path = checkpoint("qwen2_moe")
+    specs = ["0:1-4", "0:3,5-7; 2:7", "1-2:1-4", "1-2:5-7"]
+    async with mesh_engine(path, specs, tmp_path, colocate="*:0") as (engine, experts):
+        placement = engine.model.dispatcher.placement
+        assert [b.local for b in placement[(1, 0)]] == [True]
+        assert len(placement[(0, 3)]) == 2 and len(placement[(2, 7)]) == 2
+        assert tuple(map(tuple, await run_engine(engine, PROMPTS))) == monolithic(path)
+        calls = [(await _stats(e.address)).forward_calls for e in experts]
+        assert all(c > 0 for c in calls), calls  # every service took part
+
+
+async def test_unreachable_expert_fails_request_with_its_layer_and_expert(
+    checkpoint, tmp_path
+) -> None:
+    path = checkpoint("mixtral")
+    async with mesh_engine(path, ["*:0-3", "*:4-7", "*:4-7"], tmp_path) as (engine, experts):
+        experts[1].proc.kill()  # one of two replicas of experts 4-7: requests fail over and succeed
+        experts[1].proc.wait(5)
+        assert tuple(map(tuple, await run_engine(engine, PROMPTS[:2]))) == monolithic(path)[:2]
+        assert engine.model.dispatcher.failovers > 0
+
+        experts[0].proc.kill()  # the only replica of experts 0-3
+        experts[0].proc.wait(5)
+        engine.add_request("doomed", PROMPTS[1], GREEDY)
+        outputs = await engine.step()
+        [failed] = [o for o in outputs if o.request_id == "doomed"]
+        assert failed.finish_reason is FinishReason.ERROR
+        assert isinstance(failed.error, ExpertUnavailableError)
+        assert re.search(r"layer \d+ expert\(s\) [0-3]", str(failed.error)), str(failed.error)
+        assert experts[0].address in str(failed.error)
+        assert not engine.running and not engine.has_unfinished()  # the slot was freed
+
+
+async def test_a_hung_replica_is_hedged_around_and_tokens_do_not_change(
+    checkpoint, tmp_path
+) -> None:
+    """SIGSTOP one of two replicas mid-service: calls to it are hedged to the other and it is ejected,
+    so the batch neither stalls for the 30 s expert timeout nor changes a token."""
+    path = checkpoint("mixtral")
+    async with mesh_engine(path, ["*:0-7", "*:0-7"], tmp_path) as (engine, experts):
+        dispatcher = engine.model.dispatcher
+        start = time.monotonic()
+        assert tuple(map(tuple, await run_engine(engine, PROMPTS[:2]))) == monolithic(path)[:2]
+        undisturbed_s = time.monotonic() - start
+        experts[0].signal(signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            tokens = await asyncio.wait_for(run_engine(engine, PROMPTS[:2]), 60)
+            hung_s = time.monotonic() - start
+        finally:
+            experts[0].signal(signal.SIGCONT)
+        assert tuple(map(tuple, tokens)) == monolithic(path)[:2]
+        assert hung_s < undisturbed_s + 1.0, (hung_s, undisturbed_s)
+        assert dispatcher.hedges_won >= 1 and dispatcher.ejections >= 1

@@ -1,0 +1,194 @@
+"""The public gRPC API through a real gateway and router: streaming, cancellation, overload, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from moe_mesh.common.status import RETRY_AFTER_KEY
+from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
+from tests.support.meshes import local_mesh
+from tests.support.reference import PROMPTS, monolithic
+
+
+def greedy(i: int, max_tokens: int = 32, **kw) -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(
+        prompt_token_ids=PROMPTS[i], max_tokens=max_tokens, temperature=0.0, **kw
+    )
+
+
+async def serving(channel: grpc.aio.Channel) -> bool:
+    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_unary_and_stream_match_the_local_engine_and_stream_early(checkpoint) -> None:
+    path = checkpoint("qwen3_moe")
+    async with local_mesh(path) as mesh, grpc.aio.insecure_channel(mesh.grpc_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        # ignore_eos is not public: compare with the local engine on prompts where greedy never hits eos.
+        for i in range(len(PROMPTS)):
+            reply = await stub.Generate(greedy(i))
+            assert tuple(reply.token_ids) == monolithic(path)[i][: len(reply.token_ids)]
+            if reply.finish_reason == types_pb2.FINISH_REASON_LENGTH:
+                assert len(reply.token_ids) == 32
+            assert reply.usage.prompt_tokens == len(PROMPTS[i])
+            assert reply.usage.total_tokens == len(PROMPTS[i]) + len(reply.token_ids)
+
+        start, arrivals, ids, texts = time.monotonic(), [], [], []
+        async for msg in stub.GenerateStream(greedy(3, max_tokens=64)):
+            arrivals.append(time.monotonic() - start)
+            ids += msg.token_ids
+            texts.append(msg.text)
+        assert len(arrivals) > 10
+        assert arrivals[0] < arrivals[-1] / 4  # the first token long before the last
+        unary = await stub.Generate(greedy(3, max_tokens=64))
+        assert ids == list(unary.token_ids) and "".join(texts) == unary.text
+
+
+async def test_cancelling_a_stream_frees_the_router_slot_within_a_second(checkpoint) -> None:
+    async with (
+        local_mesh(checkpoint("mixtral")) as mesh,
+        grpc.aio.insecure_channel(mesh.grpc_address) as channel,
+    ):
+        call = inference_pb2_grpc.InferenceStub(channel).GenerateStream(greedy(2, max_tokens=400))
+        seen = 0
+        async for _ in call:
+            seen += 1
+            if seen == 3:
+                break
+        assert mesh.router.core.status().running == 1
+        call.cancel()
+        start = time.monotonic()
+        while mesh.router.core.status().running and time.monotonic() - start < 1.0:
+            await asyncio.sleep(0.01)
+        assert mesh.router.core.status().running == 0
+        assert mesh.gateway.core.admission.in_flight == 0
+        assert await serving(channel)
+
+
+async def test_burst_beyond_the_queue_is_refused_at_once_and_accepted_requests_complete(
+    checkpoint,
+) -> None:
+    path = checkpoint("olmoe")
+    capacity = 2  # max_in_flight + max_queued
+    async with (
+        local_mesh(path, max_in_flight=1, max_queued=1) as mesh,
+        grpc.aio.insecure_channel(mesh.grpc_address) as channel,
+    ):
+        stub = inference_pb2_grpc.InferenceStub(channel)
+
+        async def one(i: int):
+            start = time.monotonic()
+            try:
+                return await stub.Generate(
+                    greedy(i % len(PROMPTS), max_tokens=8)
+                ), time.monotonic() - start
+            except grpc.aio.AioRpcError as e:
+                return e, time.monotonic() - start
+
+        results = await asyncio.gather(*(one(i) for i in range(10 * capacity)))
+        accepted = [
+            (i, r)
+            for i, (r, _) in enumerate(results)
+            if isinstance(r, inference_pb2.GenerateResponse)
+        ]
+        refused = [(r, t) for r, t in results if isinstance(r, grpc.aio.AioRpcError)]
+        assert len(accepted) >= capacity and len(refused) >= 10 * capacity - capacity - 2
+        assert len(accepted) + len(refused) == 10 * capacity
+        for e, elapsed in refused:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry after" in e.details()
+            assert dict(e.trailing_metadata())[RETRY_AFTER_KEY] == "1"
+            assert elapsed < 0.5  # refused at once, not after waiting
+        for i, reply in accepted:
+            assert tuple(reply.token_ids) == monolithic(path)[i % len(PROMPTS)][:8]
+        assert mesh.gateway.core.admission.in_flight == 0
+
+
+BAD = [
+    ({"prompt": ""}, "prompt"),
+    ({}, "prompt"),  # neither prompt nor ids
+    ({"prompt": "hi", "prompt_token_ids": [1, 2]}, "prompt"),
+    ({"prompt_token_ids": [1] * 600}, "prompt"),  # longer than the context (512)
+    ({"prompt_token_ids": [1, 10**6]}, "prompt_token_ids"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 100000}, "max_tokens"),
+    ({"prompt": "hi", "temperature": -0.1}, "temperature"),
+    ({"prompt": "hi", "top_p": 0.0}, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "top_k": -1}, "top_k"),
+    ({"prompt": "hi", "model": "nope"}, "model"),
+    ({"prompt": "hi", "stop_token_ids": [999999]}, "stop_token_ids"),
+    # Limits: once a 100 KB request_id was UNAVAILABLE and a 20,000-character model RESOURCE_EXHAUSTED
+    # (both echoed into metadata past its size limit).
+    ({"prompt": "hi", "request_id": "r" * 100_000}, "request_id"),
+    ({"prompt": "hi", "model": "m" * 20_000}, "model"),
+    ({"prompt": "hi", "stop": ["x"] * 33}, "stop"),
+    ({"prompt": "hi", "stop": ["x" * 257]}, "stop"),
+    ({"prompt": "hi", "stop_token_ids": [1] * 33}, "stop_token_ids"),
+]
+
+
+async def test_bad_input_is_invalid_argument_naming_the_field_and_the_gateway_stays_healthy(
+    checkpoint,
+) -> None:
+    path = checkpoint("mixtral")
+    async with local_mesh(path) as mesh, grpc.aio.insecure_channel(mesh.grpc_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        for fields, field in BAD:
+            for method in (stub.Generate, stub.GenerateStream):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    result = method(inference_pb2.GenerateRequest(**fields))
+                    if method is stub.GenerateStream:
+                        async for _ in result:
+                            pass
+                    else:
+                        await result
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (
+                    fields,
+                    e.value.details(),
+                )
+                assert e.value.details().startswith(f"{field}:"), (fields, e.value.details())
+            assert await serving(channel)
+        reply = await stub.Generate(greedy(1, max_tokens=4))
+        assert tuple(reply.token_ids) == monolithic(path)[1][:4]
+        models = await stub.ListModels(inference_pb2.ListModelsRequest())
+        assert [m.id for m in models.models] == [path.name] and models.models[0].vocab_size == 512
+
+
+async def test_a_request_id_in_flight_is_already_exists_and_a_huge_message_is_refused(
+    checkpoint,
+) -> None:
+    path = checkpoint("mixtral")
+    async with local_mesh(path) as mesh, grpc.aio.insecure_channel(mesh.grpc_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        first = stub.GenerateStream(greedy(2, max_tokens=400, request_id="same"))
+        await anext(aiter(first))
+        for method in (stub.Generate, stub.GenerateStream):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                call = method(greedy(1, max_tokens=2, request_id="same"))
+                if method is stub.GenerateStream:
+                    async for _ in call:
+                        pass
+                else:
+                    await call
+            assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS, e.value.details()
+            assert e.value.details().startswith("request_id:") and "'same'" in e.value.details()
+        first.cancel()
+        # The public API takes messages up to max_body_bytes (4 MiB), not the router links' 64 MiB.
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Generate(inference_pb2.GenerateRequest(prompt="hi", stop=[""] * 3_000_000))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await serving(channel)
+        start = time.monotonic()
+        while mesh.gateway.core.admission.in_flight and time.monotonic() - start < 1.0:
+            await asyncio.sleep(0.01)  # the cancellation of the first reaches the gateway
+        reply = await stub.Generate(
+            greedy(1, max_tokens=4, request_id="same")
+        )  # free once the first ended
+        assert tuple(reply.token_ids) == monolithic(path)[1][:4] and reply.request_id == "same"

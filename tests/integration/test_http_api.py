@@ -1,0 +1,607 @@
+"""The gateway's OpenAI-compatible HTTP API, through the real `openai` client and raw httpx, on a real mesh."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+
+from moe_mesh.common.tokenizer import TextStream, Tokenizer
+from moe_mesh.gateway.core import TextRequest
+from moe_mesh.gateway.http_api import ChatMessage, chat_prompt, create_app
+from moe_mesh.router_service.build import build_local_engine
+from moe_mesh.router_service.engine.sampling import SamplingParams
+from moe_mesh.router_service.settings import RouterSettings
+from tests.support.fakes import FakeRouter, ScriptedRouter
+from tests.support.fakes import core as fake_core
+from tests.support.meshes import LocalMesh, local_mesh
+from tests.support.polling import eventually
+
+# One mesh serves most tests of this module, so they share its event loop.
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+IDS = [11, 3, 250, 9, 31]
+TEXT = "Hello wörld, naïve café"
+N = 24
+GREEDY = {
+    "temperature": 0,
+    "max_tokens": N,
+    "extra_body": {"ignore_eos": True, "return_token_ids": True},
+}
+
+
+@cache
+def greedy(path: Path, prompt: tuple[int, ...], max_tokens: int = N) -> list[int]:
+    """The in-process engine's greedy tokens (on a worker thread: the test already runs an event loop)."""
+    engine = build_local_engine(RouterSettings(checkpoint=path))
+    engine.add_request(
+        "ref", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    )
+
+    async def run() -> list[int]:
+        out: list[int] = []
+        while engine.has_unfinished():
+            for o in await engine.step():
+                assert o.error is None
+                out += o.new_token_ids
+        return out
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, run()).result()
+
+
+def detokenized(path: Path, ids: list[int]) -> str:
+    """The text the core makes of `ids` streamed one token at a time, as the router sends them.
+
+    Not tokenizer.decode(ids): random models emit stray UTF-8 bytes, which the stream holds back
+    (so a trailing partial character is dropped) instead of decoding to U+FFFD.
+    """
+    stream = TextStream(Tokenizer(path))
+    return "".join(stream.push([t]) for t in ids) + stream.finish()
+
+
+@pytest.fixture(scope="module")
+def path(checkpoint) -> Path:
+    return checkpoint("mixtral")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def mesh(path):
+    async with local_mesh(path) as m:
+        yield m
+
+
+def client(mesh: LocalMesh) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=mesh.http_base_url + "/v1", api_key="unused", max_retries=0)
+
+
+async def wait_idle(mesh: LocalMesh, within_s: float) -> float:
+    """Seconds until the router runs nothing and the gateway holds no admission place; fails after within_s."""
+    t0 = time.monotonic()
+    while mesh.router.core.status().running or mesh.gateway.core.admission.in_flight:
+        assert time.monotonic() - t0 < within_s, "the request still holds its slot"
+        await asyncio.sleep(0.01)
+    return time.monotonic() - t0
+
+
+async def test_completions_give_the_engines_greedy_tokens(mesh, path) -> None:
+    tok = Tokenizer(path)
+    async with client(mesh) as c:
+        for prompt, ids in [(IDS, IDS), (TEXT, tok.encode(TEXT))]:
+            ref = greedy(path, tuple(ids))
+            r = await c.completions.create(
+                model=mesh.gateway.core.model.id, prompt=prompt, **GREEDY
+            )
+            choice = r.choices[0]
+            assert choice.token_ids == ref and choice.text == detokenized(path, ref)
+            assert (
+                choice.finish_reason == "length"
+                and r.object == "text_completion"
+                and r.id.startswith("cmpl-")
+            )
+            usage = r.usage
+            assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+                len(ids),
+                N,
+                len(ids) + N,
+            )
+
+            chunks = [
+                ch
+                async for ch in await c.completions.create(
+                    model="",
+                    prompt=prompt,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    **GREEDY,
+                )
+            ]
+            *deltas, usage = chunks
+            assert sum((d.choices[0].token_ids for d in deltas), []) == ref
+            assert "".join(d.choices[0].text for d in deltas) == choice.text
+            assert [d.choices[0].finish_reason for d in deltas] == [None] * (len(deltas) - 1) + [
+                "length"
+            ]
+            assert all(d.object == "text_completion" and d.id == deltas[0].id for d in chunks)
+            assert usage.choices == [] and (
+                usage.usage.prompt_tokens,
+                usage.usage.completion_tokens,
+            ) == (len(ids), N)
+
+        # OpenAI's batch form with a single prompt, and a stop string that ends the text early.
+        r = await c.completions.create(model="", prompt=[IDS], **GREEDY)
+        assert r.choices[0].token_ids == greedy(path, tuple(IDS))
+        stop = r.choices[0].text[3:5]
+        r = await c.completions.create(model="", prompt=IDS, stop=stop, **GREEDY)
+        assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+
+        # Sampling fields reach the engine: top_k=1 is greedy at any temperature; a seed repeats.
+        sampled = {**GREEDY, "temperature": 1.0}
+        r = await c.completions.create(
+            model="", prompt=IDS, **{**sampled, "extra_body": {**GREEDY["extra_body"], "top_k": 1}}
+        )
+        assert r.choices[0].token_ids == greedy(path, tuple(IDS))
+        a, b = [
+            (await c.completions.create(model="", prompt=IDS, seed=7, **sampled))
+            .choices[0]
+            .token_ids
+            for _ in range(2)
+        ]
+        assert a == b and len(a) == N
+
+
+async def test_chat_completions_stream_and_not(mesh, path) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    rendered = chat_prompt([ChatMessage(**m) for m in messages])
+    assert rendered == "<|system|>\nBe brief.\n<|user|>\nHi there\n<|assistant|>\n"
+    ids = Tokenizer(path).encode(rendered)
+    ref = greedy(path, tuple(ids), 8)
+    async with client(mesh) as c:
+        r = await c.chat.completions.create(
+            model=mesh.gateway.core.model.id,
+            messages=messages,
+            temperature=0,
+            max_completion_tokens=8,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+        assert r.choices[0].message.role == "assistant" and r.choices[0].token_ids == ref
+        assert (
+            r.choices[0].message.content == detokenized(path, ref)
+            and r.choices[0].finish_reason == "length"
+        )
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 8)
+
+        stream = await c.chat.completions.create(
+            model="",
+            messages=messages,
+            temperature=0,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        *deltas, usage = [ch async for ch in stream]
+        assert deltas[0].choices[0].delta.role == "assistant"
+        assert "".join(d.choices[0].delta.content for d in deltas) == r.choices[0].message.content
+        assert (
+            deltas[-1].choices[0].finish_reason == "length" and usage.usage.completion_tokens == 8
+        )
+        assert all(d.object == "chat.completion.chunk" for d in deltas)
+
+        # Text given as content parts renders the same prompt.
+        parts = [
+            {**messages[0]},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}],
+            },
+        ]
+        again = await c.chat.completions.create(
+            model="", messages=parts, temperature=0, max_tokens=8, extra_body={"ignore_eos": True}
+        )
+        assert again.choices[0].message.content == r.choices[0].message.content
+
+
+async def test_models_and_health(mesh) -> None:
+    async with client(mesh) as c:
+        models = [m async for m in c.models.list()]
+    info = mesh.gateway.core.model
+    assert [m.id for m in models] == [info.id] and models[0].object == "model"
+    assert models[0].max_model_len == info.max_model_len == 512
+    async with httpx.AsyncClient(base_url=mesh.http_base_url) as h:
+        assert (await h.get("/health/live")).status_code == 200
+        assert (await h.get("/health/ready")).status_code == 200
+        assert (await h.get("/openapi.json")).status_code == 200
+        nowhere = await h.get("/v1/nowhere")
+        assert nowhere.status_code == 404 and "error" in nowhere.json()
+
+
+def completion(**fields) -> dict:
+    return {"model": "", "prompt": IDS, "max_tokens": 2, **fields}
+
+
+def chat(**fields) -> dict:
+    return {"model": "", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+
+
+BAD = [  # (endpoint, JSON body or raw bytes, the field the error must name)
+    ("completions", completion(prompt=""), "prompt"),
+    ("completions", completion(prompt=[]), "prompt"),
+    ("completions", completion(prompt=[5] * 600), "prompt"),
+    ("completions", completion(prompt=[5, 512]), "prompt"),
+    ("completions", completion(prompt=[-1]), "prompt"),
+    ("completions", completion(prompt=["a", "b"]), "prompt"),
+    ("completions", completion(prompt=[[1], [2]]), "prompt"),
+    ("completions", completion(prompt=5), "prompt"),
+    ("completions", {"model": "", "max_tokens": 2}, "prompt"),
+    ("completions", completion(max_tokens=0), "max_tokens"),
+    ("completions", completion(max_tokens=5000), "max_tokens"),
+    ("completions", completion(max_tokens=510), "max_tokens"),  # 5 prompt tokens + 510 > 512
+    ("completions", completion(max_tokens=0, stream=True), "max_tokens"),  # JSON error, not SSE
+    ("completions", completion(max_tokens="ten"), "max_tokens"),
+    ("completions", completion(temperature=-0.5), "temperature"),
+    ("completions", completion(temperature="hot"), "temperature"),
+    ("completions", completion(top_p=0), "top_p"),
+    ("completions", completion(top_p=1.5), "top_p"),
+    ("completions", completion(top_k=-1), "top_k"),
+    ("completions", completion(seed=-1), "seed"),
+    ("completions", completion(stop=5), "stop"),
+    ("completions", completion(stop_token_ids=[9999]), "stop_token_ids"),
+    ("completions", completion(stream="yes"), "stream"),
+    ("completions", completion(model="gpt-4"), "model"),
+    ("completions", completion(n=2), "n"),
+    ("completions", completion(logprobs=3), "logprobs"),
+    ("completions", b'{"prompt": [1, 2', None),
+    ("completions", b"[1, 2]", None),
+    ("chat/completions", chat(messages=[]), "messages"),
+    ("chat/completions", chat(messages=[{"role": "wizard", "content": "hi"}]), "messages"),
+    (
+        "chat/completions",
+        chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+        "messages",
+    ),
+    ("chat/completions", chat(max_tokens=None, max_completion_tokens=0), "max_completion_tokens"),
+    ("chat/completions", chat(max_tokens=0, stream=True), "max_tokens"),
+    ("chat/completions", chat(n=2), "n"),
+    ("chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    # Lone surrogates are valid JSON escapes but not text.
+    ("completions", b'{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+    ("completions", b'{"prompt": "hi", "stop": ["a\\udfff"], "max_tokens": 2}', "stop"),
+    ("completions", b'{"prompt": "hi", "request_id": "\\ud800", "max_tokens": 2}', "request_id"),
+    (
+        "chat/completions",
+        b'{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}',
+        "messages",
+    ),
+    (
+        "chat/completions",
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udbff"}]}]}',
+        "messages",
+    ),
+    # Limits, checked before any heavy work.
+    ("completions", completion(stop=["x"] * 33), "stop"),
+    ("completions", completion(stop="x" * 257), "stop"),
+    ("completions", completion(stop_token_ids=[1] * 33), "stop_token_ids"),
+    ("completions", completion(request_id="r" * 100_000), "request_id"),
+    ("completions", completion(model="m" * 20_000), "model"),
+    ("chat/completions", chat(messages=[{"role": "user", "content": ""}] * 2049), "messages"),
+]
+
+
+@pytest.mark.parametrize(
+    "endpoint, body, param", BAD, ids=[f"{e}:{p}:{i}" for i, (e, _, p) in enumerate(BAD)]
+)
+async def test_bad_input_is_400_naming_the_field(mesh, endpoint, body, param) -> None:
+    async with httpx.AsyncClient(base_url=mesh.http_base_url) as h:
+        url = f"/v1/{endpoint}"
+        r = await (
+            h.post(url, content=body, headers={"content-type": "application/json"})
+            if isinstance(body, bytes)
+            else h.post(url, json=body)
+        )
+        assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+        error = r.json()["error"]
+        assert (
+            error["type"] == "invalid_request_error"
+            and error["param"] == param
+            and error["message"]
+        ), error
+        assert (await h.get("/health/live")).status_code == 200
+        good = await h.post(url, json=completion() if endpoint == "completions" else chat())
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
+    assert mesh.gateway.core.admission.in_flight == 0
+
+
+async def test_a_large_body_is_413_at_once_while_small_requests_are_served(mesh) -> None:
+    """No body-size limit and tokenization on the event loop once let a 10 MB prompt stall every request ~11 s."""
+    huge = json.dumps({"prompt": "hello world " * 900_000, "max_tokens": 2}).encode()  # 10.8 MB
+    large = json.dumps(
+        {"prompt": "hello world " * 120_000, "max_tokens": 2}
+    ).encode()  # 1.4 MB: under the limit
+
+    async def chunked(body: bytes):
+        for i in range(0, len(body), 2**16):
+            yield body[i : i + 2**16]
+
+    async with httpx.AsyncClient(base_url=mesh.http_base_url, timeout=60) as h:
+
+        async def post(content) -> tuple[httpx.Response, float]:
+            t0 = time.monotonic()
+            r = await h.post(
+                "/v1/completions", content=content, headers={"content-type": "application/json"}
+            )
+            return r, time.monotonic() - t0
+
+        for content, status in [(huge, 413), (chunked(huge), 413), (large, 400)]:
+            task = asyncio.create_task(post(content))
+            await asyncio.sleep(0.01)
+            small = [await post(json.dumps(completion()).encode()) for _ in range(3)]
+            for s, elapsed in small:
+                assert s.status_code == 200 and elapsed < 1.0, elapsed
+            r, _ = await task
+            assert r.status_code == status, r.text
+        r, elapsed = await post(huge)
+        error = r.json()["error"]
+        assert (
+            elapsed < 1.0
+            and error["code"] == "request_too_large"
+            and "4194304 bytes" in error["message"]
+        )
+        large_error = (await post(large))[0].json()["error"]
+        assert large_error["param"] == "prompt" and "context length" in large_error["message"]
+
+
+async def test_a_request_id_in_flight_cannot_be_reused_until_it_ends(mesh) -> None:
+    async with httpx.AsyncClient(base_url=mesh.http_base_url) as h:
+        body = completion(request_id="twice", max_tokens=400, ignore_eos=True, stream=True)
+        async with h.stream("POST", "/v1/completions", json=body) as first:
+            assert first.status_code == 200
+            lines = first.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")
+            second = await h.post("/v1/completions", json=completion(request_id="twice"))
+            assert second.status_code == 409, second.text
+            error = second.json()["error"]
+            assert (
+                error["code"] == "already_exists"
+                and error["param"] == "request_id"
+                and "twice" in error["message"]
+            )
+        await wait_idle(mesh, 1.0)
+        again = await h.post("/v1/completions", json=completion(request_id="twice"))
+        assert again.status_code == 200 and again.json()["id"] == "cmpl-twice"
+
+
+async def test_openai_client_sees_bad_request_with_param(mesh) -> None:
+    async with client(mesh) as c:
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.completions.create(model="", prompt=IDS, n=2)
+        assert e.value.status_code == 400 and e.value.param == "n"
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.chat.completions.create(
+                model="", messages=[{"role": "user", "content": "hi"}], top_p=1.5, stream=True
+            )
+        assert e.value.param == "top_p"
+
+
+async def test_overload_gets_429_with_retry_after_and_accepted_requests_complete(path) -> None:
+    ref = greedy(path, tuple(IDS), 64)  # long enough that the burst arrives while the first two run
+    async with local_mesh(path, max_in_flight=1, max_queued=1) as m, client(m) as c:
+
+        async def one() -> tuple[float, object]:
+            t0 = time.monotonic()
+            try:
+                r = await c.completions.create(model="", prompt=IDS, **{**GREEDY, "max_tokens": 64})
+            except openai.RateLimitError as e:
+                r = e
+            return time.monotonic() - t0, r
+
+        results = await asyncio.gather(*(one() for _ in range(20)))  # 10x the 2 places
+        accepted = [r for _, r in results if not isinstance(r, openai.RateLimitError)]
+        rejected = [(dt, r) for dt, r in results if isinstance(r, openai.RateLimitError)]
+        assert len(accepted) >= 2 and len(rejected) >= 10, (len(accepted), len(rejected))
+        assert all(
+            r.choices[0].token_ids == ref and r.choices[0].finish_reason == "length"
+            for r in accepted
+        )
+        for dt, e in rejected:
+            assert e.status_code == 429 and e.response.headers["retry-after"] == "1" and dt < 1.0
+            assert e.body["code"] == "resource_exhausted"
+        assert m.gateway.core.admission.rejected == len(rejected)
+        await wait_idle(m, 1.0)
+        r = await c.completions.create(model="", prompt=IDS, **GREEDY)
+        assert r.choices[0].token_ids == ref[:N]
+
+
+async def test_client_leaving_a_stream_frees_the_router_slot(mesh) -> None:
+    async with client(mesh) as c:
+        stream = await c.completions.create(
+            model="", prompt=IDS, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+        )
+        chunks = aiter(stream)
+        got = [await anext(chunks), await anext(chunks)]
+        assert all(ch.choices[0].finish_reason is None for ch in got)
+        assert mesh.router.core.status().running == 1
+        await stream.close()
+        await wait_idle(mesh, 1.0)
+
+
+async def test_client_leaving_a_non_streaming_request_frees_the_router_slot(mesh) -> None:
+    async with httpx.AsyncClient(base_url=mesh.http_base_url) as h:
+        task = asyncio.create_task(
+            h.post("/v1/completions", json=completion(max_tokens=500, ignore_eos=True))
+        )
+        t0 = time.monotonic()
+        while not mesh.router.core.status().running:
+            assert time.monotonic() - t0 < 5.0
+            await asyncio.sleep(0.01)
+        task.cancel()  # closes the connection mid-request
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    await wait_idle(mesh, 1.0)
+
+
+async def test_sse_wire_format(mesh) -> None:
+    async with httpx.AsyncClient(base_url=mesh.http_base_url) as h:
+        async with h.stream(
+            "POST", "/v1/completions", json=completion(stream=True, max_tokens=3)
+        ) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith(
+                "text/event-stream"
+            )
+            body = (await r.aread()).decode()
+    events = body.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: {") for e in events[:-2])
+    assert json.loads(events[-3].removeprefix("data: "))["choices"][0]["finish_reason"] in (
+        "stop",
+        "length",
+    )
+
+
+async def test_null_fields_count_as_absent(mesh) -> None:
+    async with httpx.AsyncClient(base_url=mesh.http_base_url) as h:
+        r = await h.post(
+            "/v1/completions", json=completion(stop=None, n=None, stream=None, seed=None, user=None)
+        )
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in (
+            "stop",
+            "length",
+        )
+
+
+async def test_deadline_is_504_before_streaming_and_an_error_event_after(path) -> None:
+    long = completion(max_tokens=500, ignore_eos=True)
+    async with (
+        local_mesh(path, request_timeout_s=0.3) as m,
+        httpx.AsyncClient(base_url=m.http_base_url) as h,
+    ):
+        r = await h.post("/v1/completions", json=long)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded", r.text
+
+        async with h.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
+            assert r.status_code == 200  # the deadline passes after the status line went out
+            events = [line async for line in r.aiter_lines() if line]
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "deadline_exceeded"
+        assert events[-1] == "data: [DONE]"
+        async with client(m) as c:
+            with pytest.raises(openai.APIError) as e:
+                async for _ in await c.completions.create(
+                    model="",
+                    prompt=IDS,
+                    max_tokens=500,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                ):
+                    pass
+            assert e.value.code == "deadline_exceeded"
+        await wait_idle(m, 1.0)
+        assert (await h.get("/health/live")).status_code == 200
+        assert (await h.post("/v1/completions", json=completion())).status_code == 200
+
+
+# -- failure paths, on a core over fake routers ----------------------------------------------------
+
+
+class BrokenRouter(ScriptedRouter):
+    async def generate(self, request, timeout_s, trace_context=None):
+        raise RuntimeError("bug near 10.1.2.3:50051")
+        yield  # an async generator, like the real client
+
+
+async def test_no_router_is_503_and_a_bug_is_500_without_internals(path) -> None:
+    for routers, status, code in [
+        ([], 503, "unavailable"),
+        ([BrokenRouter("a:1")], 500, "internal"),
+    ]:
+        transport = httpx.ASGITransport(
+            app=create_app(fake_core(path, routers)), raise_app_exceptions=False
+        )
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as h:
+            r = await h.post("/v1/completions", json=completion())
+        assert r.status_code == status and r.json()["error"]["code"] == code, r.text
+        assert "10.1.2.3" not in r.text and "a:1" not in r.text
+
+
+async def test_a_client_leaving_while_queued_is_499_and_frees_its_place(path) -> None:
+    gate = asyncio.Event()
+    gw = fake_core(path, [FakeRouter("a:1", gate)], max_in_flight=1, max_queued=2)
+    app = create_app(gw)
+    holder = asyncio.create_task(gw.complete(TextRequest(prompt_token_ids=[1], max_tokens=2)))
+    left = asyncio.Event()
+    body = json.dumps(completion()).encode()
+    received = []
+
+    async def receive() -> dict:
+        if not received:
+            received.append(1)
+            return {"type": "http.request", "body": body, "more_body": False}
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+    call = asyncio.create_task(app(scope, receive, send))
+    t0 = time.monotonic()
+    while not gw.admission.queued:
+        assert time.monotonic() - t0 < 2 and not call.done()
+        await asyncio.sleep(0.005)
+    left.set()
+    await asyncio.wait_for(call, 2)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert gw.admission.queued == 0 and gw.admission.in_flight == 1  # only the holder
+    gate.set()
+    await holder
+    assert gw.admission.in_flight == 0
+
+
+async def test_ready_is_503_while_draining_and_admitted_streams_finish(path) -> None:
+    async with local_mesh(path, grace_s=10) as m, httpx.AsyncClient(base_url=m.http_base_url) as h:
+        body = completion(max_tokens=300, ignore_eos=True, stream=True, return_token_ids=True)
+        async with h.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.aiter_lines()
+            events = [await anext(lines)]
+            stopping = asyncio.create_task(m.gateway.stop())
+            await eventually(lambda: m.gateway.core.draining, 5, "the gateway to start draining")
+            assert not stopping.done()  # still draining the stream
+            async with httpx.AsyncClient(base_url=m.http_base_url) as fresh:  # a new connection
+                ready = await fresh.get("/health/ready")
+                assert ready.status_code == 503
+                refused = await fresh.post("/v1/completions", json=completion())
+                assert (
+                    refused.status_code == 503 and refused.json()["error"]["code"] == "unavailable"
+                )
+                assert (await fresh.get("/health/live")).status_code == 200
+            events += [line async for line in lines if line]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+        assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 300
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        await asyncio.wait_for(stopping, 5)

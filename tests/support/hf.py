@@ -1,0 +1,37 @@
+"""Loading our checkpoints in transformers, for tests that check what `moe-mesh checkpoint create` writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def load(path: Path) -> torch.nn.Module:
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    # A silently re-initialised tensor would make every parity check built on it meaningless.
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model.eval()
+
+
+def top2_share_per_layer(path: Path) -> list[float]:
+    """Fraction of routed slots taken by each MoE layer's two most-used experts, on random token ids."""
+    model = load(path)
+    counts: list[torch.Tensor] = []
+    hooks = [
+        layer.mlp.gate.register_forward_hook(
+            lambda _m, _i, out: counts.append(torch.bincount(out[2].flatten()))
+        )
+        for layer in model.model.layers
+        if hasattr(layer.mlp, "gate")
+    ]
+    # Many short sequences: tokens of one sequence share attention context and so route alike.
+    ids = torch.randint(
+        2, model.config.vocab_size, (128, 16), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    return [(c.sort(descending=True).values[:2].sum() / c.sum()).item() for c in counts]

@@ -1,0 +1,155 @@
+"""The fast path's frame codec, without UCX: round trips, and a FrameError naming the field for every
+malformed frame (garbage, other versions, oversized header, byte counts, size limit, short payload)."""
+
+from __future__ import annotations
+
+import struct
+
+import grpc
+import pytest
+import torch
+
+from moe_mesh.common import errors, status
+from moe_mesh.common.fastpath import frame as f
+from moe_mesh.common.fastpath import parse_ucx_url, ucx_url
+
+LIMIT = 1 << 20
+
+
+def request(**overrides) -> f.RequestHeader:
+    fields = dict(
+        model_id="m",
+        weights_checksum="sha256:abc",
+        layer=1,
+        expert_ids=[3, 0],
+        token_counts=[2, 1],
+        dtype="bfloat16",
+        shape=[3, 64],
+        payload_bytes=3 * 64 * 2,
+        timeout_ms=250.0,
+    )
+    return f.RequestHeader(**{**fields, **overrides})
+
+
+def raw(version: int = f.VERSION, kind: int = 1, body: bytes = b"{}", length: int | None = None):
+    return (
+        struct.pack("<4sHHI", f.MAGIC, version, kind, len(body) if length is None else length)
+        + body
+    )
+
+
+def refused(message: bytes, limit: int = LIMIT) -> f.FrameError:
+    with pytest.raises(f.FrameError) as info:
+        f.decode_header(message, limit)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        request(),
+        request(timeout_ms=None),
+        f.ReplyHeader("float32", [2, 8], 64),
+        f.ErrorHeader("NOT_FOUND", "layer 9", ""),
+    ],
+)
+def test_headers_round_trip(header) -> None:
+    message = f.encode_header(header)
+    assert message[:4] == f.MAGIC and len(message) <= f.FIRST_MESSAGE_BYTES
+    # Received into the fixed buffer: whatever follows the header is ignored.
+    assert f.decode_header(message + b"\0" * 100, LIMIT) == header
+
+
+def test_garbage_and_short_prefixes_are_refused() -> None:
+    assert refused(b"GET / HTTP/1.1\r\n\r\n").field == "magic"
+    assert refused(b"MMF").field == "prefix"
+    assert refused(raw(body=b"not json")).field == "header"
+    assert refused(raw(kind=7, body=b"{}")).field == "header"
+    assert refused(raw(body=b'{"dtype": "float32"}')).field == "header"  # fields missing
+
+
+@pytest.mark.parametrize("version", [0, f.VERSION + 1])
+def test_other_versions_are_refused_with_a_version_error_naming_both(version) -> None:
+    e = refused(raw(version=version, body=b"{}"))
+    assert isinstance(e, f.VersionError) and e.code == "VERSION"
+    assert f"version {version}" in str(e) and f"version {f.VERSION}" in str(e)
+    assert f.encode_header(request(), version=version)[4:6] == struct.pack("<H", version)
+
+
+def test_an_oversized_header_is_refused_from_its_prefix_before_it_is_read() -> None:
+    e = refused(raw(body=b"{}", length=f.MAX_HEADER_BYTES + 1))
+    assert e.field == "header" and str(f.MAX_HEADER_BYTES) in str(e)
+    with pytest.raises(f.FrameError, match="header"):
+        f.encode_header(request(model_id="x" * f.MAX_HEADER_BYTES))
+    assert refused(raw(body=b"{}", length=100)).field == "header"  # announced more than arrived
+
+
+def test_payload_byte_count_must_match_dtype_times_shape_and_fit_the_limit() -> None:
+    e = refused(f.encode_header(request(payload_bytes=3 * 64 * 2 - 1)))
+    assert e.field == "payload_bytes" and "needs 384" in str(e)
+    e = refused(f.encode_header(request(dtype="int8")))
+    assert e.field == "dtype"
+    e = refused(f.encode_header(request(shape=[3, -64], payload_bytes=0)))
+    assert e.field == "shape"
+    e = refused(f.encode_header(request()), limit=100)
+    assert e.field == "payload_bytes" and e.code == "RESOURCE_EXHAUSTED"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"layer": "1"}, "layer"),
+        ({"layer": True}, "layer"),
+        ({"expert_ids": [1, -2]}, "expert_ids"),
+        ({"token_counts": [1.5]}, "token_counts"),
+        ({"timeout_ms": "soon"}, "timeout_ms"),
+        ({"model_id": 7}, "model_id"),
+    ],
+)
+def test_wrongly_typed_fields_are_refused_by_name(overrides, field) -> None:
+    assert refused(f.encode_header(request(**overrides))).field == field
+
+
+def test_the_trailer_tells_a_short_payload_from_a_full_one() -> None:
+    f.decode_trailer(f.encode_trailer(384), 384)
+    with pytest.raises(f.FrameError, match="short payload: header announces 384 bytes, 300"):
+        f.decode_trailer(f.encode_trailer(300), 384)
+    with pytest.raises(f.FrameError, match="trailer"):
+        f.decode_trailer(b"garbage-garbage", 384)
+
+
+def test_payloads_are_views_of_the_tensor_and_received_into_the_output_tensor() -> None:
+    t = torch.randn(3, 64).to(torch.bfloat16)
+    view = f.payload_view(t)
+    assert view.nbytes == 384 and view.ctypes.data == t.data_ptr()  # no copy
+    out = f.empty_like_payload(request())
+    f.payload_view(out)[:] = view
+    assert torch.equal(out, t)
+
+
+def test_error_frames_carry_the_same_classes_as_grpc_statuses() -> None:
+    samples = [
+        errors.InvalidArgumentError("hidden", "bad"),
+        errors.NotFoundError("layer 9"),
+        errors.PreconditionError("weights"),
+        errors.ResourceExhaustedError("full", 1.0),
+        errors.UnavailableError("gone"),
+        errors.DeadlineExceededError("late"),
+        errors.InternalError("bug"),
+    ]
+    for error in samples:
+        header = f.error_header(error)
+        assert header.code == status.status_code(error).name
+        assert header.message == str(error)
+        got = f.error_from_header(header, "peer")
+        rpc = grpc.aio.AioRpcError(status.status_code(error), None, None, details=str(error))
+        want = status.error_from_rpc(rpc, "peer")
+        assert type(got) is type(want) and str(got) == str(want)
+    assert f.error_header(errors.InvalidArgumentError("hidden", "bad")).field == "hidden"
+
+
+def test_ucx_urls() -> None:
+    assert parse_ucx_url(ucx_url("127.0.0.1", 4000)) == ("127.0.0.1", 4000)
+    assert parse_ucx_url([ucx_url("::1", 5)]) == ("::1", 5)
+    assert parse_ucx_url(["tcp://x:1", "ucx://h:70000", "ucx://h:2"]) == ("h", 2)
+    assert parse_ucx_url("") is None and parse_ucx_url([]) is None

@@ -1,0 +1,124 @@
+"""DynamicBatcher on its own: groups queued during a compute merge, split groups, failures, close."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from moe_mesh.common.errors import UnavailableError
+from moe_mesh.common.moe import expert_ffn
+from moe_mesh.common.weights import FFNWeights
+from moe_mesh.expert_service import batcher as batcher_module
+from moe_mesh.expert_service.batcher import DynamicBatcher
+from moe_mesh.expert_service.core import ExpertHost
+from tests.support.experts import HIDDEN, assert_close
+from tests.support.polling import eventually
+
+
+async def test_groups_queued_during_a_compute_merge_into_the_next_batch_without_delay(
+    settings, monkeypatch
+) -> None:
+    started, release = threading.Event(), threading.Event()
+    compute = batcher_module._compute
+
+    def gated(parts, w):  # holds the compute thread until the test has queued more groups
+        started.set()
+        release.wait(5)
+        return compute(parts, w)
+
+    monkeypatch.setattr(batcher_module, "_compute", gated)
+    host = ExpertHost.load(settings())
+    batcher = DynamicBatcher(host.weights, max_queue_delay_us=0)
+    rows = [torch.randn(n, HIDDEN) for n in (2, 3, 4)]
+    first = asyncio.ensure_future(batcher.submit(0, 1, rows[0]))
+    assert await asyncio.to_thread(started.wait, 5)
+    rest = [asyncio.ensure_future(batcher.submit(0, 1, r)) for r in rows[1:]]
+    await eventually(lambda: batcher.stats.groups == 3, 5, "both groups queued behind the batch")
+    release.set()
+    results = await asyncio.wait_for(asyncio.gather(first, *rest), 5)
+    assert (batcher.stats.groups, batcher.stats.batches, batcher.stats.tokens) == (3, 2, 9)
+    assert_close(results, [expert_ffn(r, host.weights[(0, 1)]) for r in rows])
+    await batcher.close()
+
+
+async def test_cancelling_a_group_split_across_batches_drops_its_rest_and_serves_the_others(
+    settings, monkeypatch
+) -> None:
+    batches: list[int] = []
+    started, release = threading.Event(), threading.Event()
+    compute = batcher_module._compute
+
+    def gated(parts, w):  # the first batch holds the compute thread until the test has cancelled
+        batches.append(sum(p.shape[0] for p in parts))
+        started.set()
+        release.wait(5)
+        return compute(parts, w)
+
+    monkeypatch.setattr(batcher_module, "_compute", gated)
+    host = ExpertHost.load(settings())
+    batcher = DynamicBatcher(host.weights, max_batch_tokens=4, max_queue_delay_us=0)
+    big, small = torch.randn(10, HIDDEN), torch.randn(3, HIDDEN)
+    cancelled = asyncio.ensure_future(batcher.submit(0, 1, big))  # 10 rows: batches of 4, 4, 2
+    assert await asyncio.to_thread(started.wait, 5)  # its first 4 rows are computing
+    other = asyncio.ensure_future(batcher.submit(0, 1, small))
+    await eventually(lambda: batcher.stats.groups == 2, 5, "the second group queued")
+    cancelled.cancel()
+    release.set()
+    assert_close([await asyncio.wait_for(other, 5)], [expert_ffn(small, host.weights[(0, 1)])])
+    assert cancelled.cancelled()
+    assert batches == [4, 3]  # the cancelled group's other 6 rows were never computed
+    queue = batcher._queues[(0, 1)]
+    assert (queue.pending_tokens, len(queue.groups)) == (0, 0)
+    again = torch.randn(
+        5, HIDDEN
+    )  # the queue's accounting is intact: a new group is split and served
+    assert_close(
+        [await asyncio.wait_for(batcher.submit(0, 1, again), 5)],
+        [expert_ffn(again, host.weights[(0, 1)])],
+    )
+    assert batches[2:] == [4, 1]
+    await batcher.close()
+    await host.close()
+
+
+async def test_batcher_fails_every_group_of_a_failing_batch_and_keeps_serving(settings) -> None:
+    host = ExpertHost.load(settings())
+    broken = FFNWeights(
+        gate=torch.zeros(8, 3), up=torch.zeros(8, 3), down=torch.zeros(3, 8)
+    )  # wrong width
+    batcher = DynamicBatcher(
+        {(0, 0): broken, (0, 1): host.weights[(0, 1)]}, max_queue_delay_us=50_000
+    )
+    rows = torch.randn(2, HIDDEN)
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            batcher.submit(0, 0, rows),
+            batcher.submit(0, 0, rows),
+            batcher.submit(0, 1, rows),
+            return_exceptions=True,
+        ),
+        5,
+    )
+    assert [type(r) for r in results[:2]] == [RuntimeError, RuntimeError]
+    assert_close([results[2]], [expert_ffn(rows, host.weights[(0, 1)])])
+    assert (batcher.stats.groups, batcher.stats.batches) == (3, 1)
+    assert_close(
+        [await batcher.submit(0, 1, rows)], [results[2]]
+    )  # the queue still works after a failure
+    await batcher.close()
+    await host.close()
+
+
+async def test_closing_the_batcher_fails_queued_groups_instead_of_hanging(settings) -> None:
+    host = ExpertHost.load(settings())
+    batcher = DynamicBatcher(host.weights, max_queue_delay_us=10_000_000)
+    queued = asyncio.ensure_future(batcher.submit(0, 1, torch.randn(2, HIDDEN)))
+    await eventually(lambda: batcher.stats.groups == 1, 5, "the group queued")
+    await asyncio.wait_for(batcher.close(), 5)
+    with pytest.raises(UnavailableError):
+        await queued
+    with pytest.raises(UnavailableError):
+        await batcher.submit(0, 1, torch.randn(2, HIDDEN))

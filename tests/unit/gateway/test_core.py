@@ -1,0 +1,191 @@
+"""Gateway core against fake router backends: admission by priority, balancing over router replicas,
+failover, retries and failure paths."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from moe_mesh.common.errors import (
+    AlreadyExistsError,
+    DeadlineExceededError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from moe_mesh.common.resilience import RetryBudget
+from moe_mesh.gateway.admission import Admission
+from moe_mesh.gateway.core import GatewayCore, TextRequest
+from tests.support.fakes import FakeRouter, ScriptedRouter, core
+from tests.support.polling import eventually
+
+
+async def test_requests_spread_over_router_replicas_by_outstanding_streams(checkpoint) -> None:
+    gate = asyncio.Event()
+    a, b = FakeRouter("a:1", gate), FakeRouter("b:1", gate)
+    gw = core(checkpoint("mixtral"), [a, b])
+    tasks = [
+        asyncio.create_task(gw.complete(TextRequest(prompt_token_ids=[1, 2], max_tokens=3)))
+        for _ in range(6)
+    ]
+    await eventually(lambda: a.outstanding + b.outstanding == 6, 5, "six streams at the routers")
+    assert (a.outstanding, b.outstanding) == (3, 3)  # concurrent streams balance
+    gate.set()
+    results = await asyncio.gather(*tasks)
+    assert all(r.token_ids == [5, 6, 7] and r.finish_reason == "length" for r in results)
+    for _ in range(4):  # sequential requests rotate between idle replicas
+        await gw.complete(TextRequest(prompt_token_ids=[1], max_tokens=1))
+    assert len(a.served) == len(b.served) == 5
+
+
+async def test_admission_serves_waiting_requests_by_priority_then_arrival() -> None:
+    adm = Admission(max_in_flight=1, max_queued=3, retry_after_s=2.0)
+    order: list[str] = []
+
+    async def request(name: str, priority: int) -> None:
+        async with adm.slot(priority):
+            order.append(name)
+            await asyncio.sleep(0.01)
+
+    first = asyncio.create_task(request("first", 0))
+    await asyncio.sleep(0)
+    waiting = [
+        asyncio.create_task(request(n, p)) for n, p in [("low", -1), ("high", 5), ("normal", 0)]
+    ]
+    await asyncio.sleep(0)
+    with pytest.raises(ResourceExhaustedError, match="retry after 2s") as e:
+        await request("rejected", 9)
+    assert e.value.retry_after_s == 2.0 and adm.rejected == 1
+    await asyncio.gather(first, *waiting)
+    assert order == ["first", "high", "normal", "low"]
+    assert adm.in_flight == 0 and adm.queued == 0
+
+
+async def test_a_cancelled_waiter_gives_its_place_back() -> None:
+    adm = Admission(max_in_flight=1, max_queued=1, retry_after_s=1.0)
+    async with adm.slot():
+        waiter = asyncio.create_task(adm.slot().__aenter__())
+        await asyncio.sleep(0)
+        assert adm.queued == 1
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        assert adm.queued == 0
+    assert adm.in_flight == 0
+    async with adm.slot():  # still usable
+        assert adm.in_flight == 1
+
+
+# -- failure paths -------------------------------------------------------------------------------
+
+
+async def collect(
+    gw: GatewayCore, r: TextRequest, timeout_s: float | None = None
+) -> tuple[list[int], list]:
+    async with await gw.start(r, timeout_s) as gen:
+        deltas = [d async for d in gen]
+    return sum((d.token_ids for d in deltas), []), deltas
+
+
+async def test_a_stream_cut_by_a_dying_router_continues_on_another_with_the_same_tokens(
+    checkpoint,
+) -> None:
+    path = checkpoint("mixtral")
+    undisturbed, _ = await collect(
+        core(path, [ScriptedRouter("c:1")]), TextRequest(prompt_token_ids=[1, 2, 3], max_tokens=12)
+    )
+    dying, healthy = ScriptedRouter("a:1", dies_after=5), ScriptedRouter("b:1")
+    gw = core(path, [dying, healthy])
+    gw.balancer._turn = -1  # the first pick is `dying`
+    r = TextRequest(prompt_token_ids=[1, 2, 3], max_tokens=12, temperature=0.7, request_id="r1")
+    ids, deltas = await collect(gw, r)
+    assert ids == undisturbed and len(ids) == 12
+    assert [d.finish_reason for d in deltas] == [None] * 11 + ["length"]
+    assert [d.completion_tokens for d in deltas] == list(range(1, 13)) and deltas[
+        -1
+    ].prompt_tokens == 3
+    [first], [second] = dying.calls, healthy.calls
+    assert list(second.prompt_token_ids) == [
+        1,
+        2,
+        3,
+        *ids[:5],
+    ]  # token ids as they were, not re-tokenized
+    assert second.params.max_tokens == 7 and second.request_id == "r1~1"
+    # temperature > 0 without a seed: the gateway chose one, and the continuation keeps it.
+    assert first.params.seed is not None and second.params.seed == first.params.seed
+    assert gw.balancer.failovers == 1 and gw.balancer.ejected() == ["a:1"]
+
+
+async def test_a_refusing_router_is_ejected_and_requests_go_to_the_healthy_one(checkpoint) -> None:
+    dead, healthy = ScriptedRouter("a:1", refuses=True), ScriptedRouter("b:1")
+    gw = core(checkpoint("mixtral"), [dead, healthy])
+    for _ in range(10):
+        ids, _ = await collect(gw, TextRequest(prompt_token_ids=[1], max_tokens=3))
+        assert ids == [6, 7, 8]
+    assert len(dead.calls) == 1 and len(healthy.calls) == 10  # ejected after its first failure
+
+
+async def test_retries_stop_at_the_budget_and_at_router_attempts(checkpoint) -> None:
+    dead, healthy = ScriptedRouter("a:1", refuses=True), ScriptedRouter("b:1")
+    gw = core(checkpoint("mixtral"), [dead, healthy])
+    gw.balancer.budget = RetryBudget(ratio=0.0, min_per_s=0.0)  # no retry allowed
+    gw.balancer._turn = -1
+    with pytest.raises(UnavailableError, match="no router replica could serve it") as e:
+        await collect(gw, TextRequest(prompt_token_ids=[1], max_tokens=3))
+    assert "a:1" not in str(e.value) and not healthy.calls and gw.balancer.budget.refused == 1
+
+    everyone_dead = [ScriptedRouter(f"d:{i}", refuses=True) for i in range(5)]
+    gw = core(checkpoint("mixtral"), everyone_dead, router_attempts=3)
+    with pytest.raises(UnavailableError, match=r"\(3 tried"):
+        await collect(gw, TextRequest(prompt_token_ids=[1], max_tokens=3))
+    assert sum(len(r.calls) for r in everyone_dead) == 3
+
+
+async def test_no_router_is_unavailable_and_a_stream_without_finish_reason_is_an_error(
+    checkpoint,
+) -> None:
+    gw = core(checkpoint("mixtral"), [])
+    with pytest.raises(UnavailableError, match="no router replica is available"):
+        await collect(gw, TextRequest(prompt_token_ids=[1], max_tokens=3))
+    assert gw.admission.in_flight == 0
+
+    silent = ScriptedRouter("a:1", no_finish=True)
+    gw = core(checkpoint("mixtral"), [silent])
+    with pytest.raises(UnavailableError, match="without a finish reason"):
+        await collect(gw, TextRequest(prompt_token_ids=[1], max_tokens=3))
+    assert len(silent.calls) == 1  # not retried: the router answered, wrongly
+    assert gw.admission.in_flight == 0
+
+
+async def test_waiting_for_admission_ends_at_the_deadline(checkpoint) -> None:
+    gate = asyncio.Event()
+    gw = core(checkpoint("mixtral"), [FakeRouter("a:1", gate)], max_in_flight=1, max_queued=4)
+    holder = asyncio.create_task(collect(gw, TextRequest(prompt_token_ids=[1], max_tokens=2)))
+    await eventually(lambda: gw.admission.in_flight == 1, 5, "the first request admitted")
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceededError, match="waited past its deadline for admission"):
+        await collect(gw, TextRequest(prompt_token_ids=[1], max_tokens=2), timeout_s=0.2)
+    assert time.monotonic() - t0 < 0.5  # at the deadline, not when the place frees up
+    assert gw.admission.queued == 0
+    gate.set()
+    await holder
+    assert gw.admission.in_flight == 0
+
+
+async def test_duplicate_request_ids_in_flight_and_draining_are_refused(checkpoint) -> None:
+    gate = asyncio.Event()
+    router = FakeRouter("a:1", gate)
+    gw = core(checkpoint("mixtral"), [router])
+    first = asyncio.create_task(
+        collect(gw, TextRequest(prompt_token_ids=[1], max_tokens=2, request_id="x"))
+    )
+    await eventually(lambda: router.served == ["x"], 5, "the first request at the router")
+    with pytest.raises(AlreadyExistsError, match="request_id: 'x' is already in flight"):
+        await gw.start(TextRequest(prompt_token_ids=[1], max_tokens=2, request_id="x"))
+    gate.set()
+    await first
+    await collect(gw, TextRequest(prompt_token_ids=[1], max_tokens=2, request_id="x"))  # free again
+    gw.draining = True
+    with pytest.raises(UnavailableError, match="shutting down"):
+        await gw.start(TextRequest(prompt_token_ids=[1], max_tokens=2))

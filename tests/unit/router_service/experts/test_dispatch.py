@@ -1,0 +1,174 @@
+"""ExpertDispatcher against recording backends: replica spreading, colocated preference, failover,
+deadlines, regions."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from moe_mesh.common.checkpoint import Checkpoint
+from moe_mesh.common.errors import DeadlineExceededError, ExpertUnavailableError, UnavailableError
+from moe_mesh.common.resilience import EjectionPolicy
+from moe_mesh.router_service.experts.dispatch import (
+    ColocatedExperts,
+    DispatchPolicy,
+    ExpertDispatcher,
+)
+
+
+class Recording(ColocatedExperts):
+    """Computes like the colocated backend, but looks remote and records which experts it served."""
+
+    local = False
+
+    def __init__(self, weights, fail: bool = False, delay_s: float = 0.0) -> None:
+        super().__init__(weights)
+        self.fail, self.delay_s = fail, delay_s
+        self.served: list[tuple[int, int]] = []
+
+    async def forward(self, layer, groups, timeout_s=None):
+        if self.delay_s:
+            await asyncio.sleep(min(self.delay_s, timeout_s or self.delay_s))
+            if timeout_s is not None and self.delay_s > timeout_s:
+                raise DeadlineExceededError("slow backend")
+        if self.fail:
+            raise UnavailableError("recording backend is down")
+        self.served += [(layer, e) for e, _ in groups]
+        return await super().forward(layer, groups)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    ckpt = Checkpoint(checkpoint("mixtral"))
+    return ckpt.spec, ckpt.load_dense().layers[0], ckpt.load_experts(ckpt.all_expert_pairs())
+
+
+def hidden(spec, n: int = 24) -> torch.Tensor:
+    return torch.randn(n, spec.hidden_size, generator=torch.Generator().manual_seed(n))
+
+
+async def test_calls_to_an_expert_are_spread_over_its_replicas(model) -> None:
+    spec, layer, weights = model
+    a, b = Recording(weights), Recording(weights)
+    dispatcher = ExpertDispatcher(spec, {pair: [a, b] for pair in weights})
+    reference = await ExpertDispatcher(spec, {p: [ColocatedExperts(weights)] for p in weights}).moe(
+        0, hidden(spec), layer
+    )
+    for _ in range(4):
+        assert torch.equal(await dispatcher.moe(0, hidden(spec), layer), reference)
+    assert set(a.served) & set(b.served)  # the same experts went to both replicas
+    assert abs(len(a.served) - len(b.served)) <= len(a.served) // 2
+
+
+async def test_colocated_replica_is_preferred(model) -> None:
+    spec, layer, weights = model
+    local, remote = ColocatedExperts(weights), Recording(weights)
+    dispatcher = ExpertDispatcher(spec, {pair: [remote, local] for pair in weights})
+    await dispatcher.moe(0, hidden(spec), layer)
+    assert remote.served == []
+
+
+async def test_unavailable_replica_fails_over_and_last_replica_names_the_expert(model) -> None:
+    spec, layer, weights = model
+    down, up = Recording(weights, fail=True), Recording(weights)
+    dispatcher = ExpertDispatcher(spec, {pair: [down, up] for pair in weights})
+    await dispatcher.moe(0, hidden(spec), layer)
+    assert up.served and dispatcher.failovers >= 1
+
+    only_down = ExpertDispatcher(spec, {pair: [down] for pair in weights})
+    with pytest.raises(
+        ExpertUnavailableError, match=r"layer 0 expert\(s\) .*recording backend is down"
+    ) as e:
+        await only_down.moe(0, hidden(spec), layer)
+    assert e.value.layer == 0 and e.value.experts
+
+
+async def test_deadline_bounds_the_expert_call(model) -> None:
+    spec, layer, weights = model
+    slow = Recording(weights, delay_s=5.0)
+    dispatcher = ExpertDispatcher(spec, {pair: [slow] for pair in weights})
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceededError):
+        await dispatcher.moe(0, hidden(spec), layer, deadline=time.monotonic() + 0.2)
+    assert time.monotonic() - start < 1.0
+    with pytest.raises(DeadlineExceededError, match="deadline passed"):
+        await dispatcher.moe(0, hidden(spec), layer, deadline=time.monotonic() - 1)
+
+
+async def test_a_failing_replica_is_ejected_then_readmitted_after_its_ejection_time(model) -> None:
+    spec, layer, weights = model
+    down, up = Recording(weights, fail=True), Recording(weights)
+    policy = DispatchPolicy(ejection=EjectionPolicy(base_ejection_s=0.3))
+    dispatcher = ExpertDispatcher(spec, {pair: [down, up] for pair in weights}, policy=policy)
+    await dispatcher.moe(0, hidden(spec), layer)
+    assert dispatcher.ejections == 1 and dispatcher.failovers == 1
+    up.served.clear()
+    for _ in range(5):  # ejected: no call goes to it, so no more failovers
+        await dispatcher.moe(0, hidden(spec), layer)
+    assert dispatcher.failovers == 1 and up.served
+    down.fail = False
+    # The ejection time passing is what is tested, and the dispatcher reads the real clock.
+    await asyncio.sleep(0.35)
+    for _ in range(4):  # re-admitted: it takes calls again (ties rotate between the two)
+        await dispatcher.moe(0, hidden(spec), layer)
+    assert down.served
+
+
+async def test_failovers_stop_when_the_retry_budget_is_spent(model) -> None:
+    spec, layer, weights = model
+    down, up = Recording(weights, fail=True), Recording(weights)
+    # Never ejected, no budget from traffic: every call that lands on `down` costs a retry token.
+    policy = DispatchPolicy(
+        ejection=EjectionPolicy(consecutive_failures=10**9), retry_budget_ratio=0.0
+    )
+    dispatcher = ExpertDispatcher(spec, {pair: [down, up] for pair in weights}, policy=policy)
+    with pytest.raises(ExpertUnavailableError, match="retry budget exhausted"):
+        for _ in range(500):
+            await dispatcher.moe(0, hidden(spec), layer)
+    assert dispatcher.budget.refused == 1 and 50 <= dispatcher.budget.retries < 500
+
+
+async def test_a_slow_replica_is_hedged_and_the_faster_answer_is_the_same(model) -> None:
+    spec, layer, weights = model
+    slow, fast = Recording(weights, delay_s=2.0), Recording(weights)
+    dispatcher = ExpertDispatcher(
+        spec,
+        {pair: [slow, fast] for pair in weights},
+        policy=DispatchPolicy(hedge_initial_delay_s=0.05),
+    )
+    reference = await ExpertDispatcher(spec, {p: [ColocatedExperts(weights)] for p in weights}).moe(
+        0, hidden(spec), layer
+    )
+    start = time.monotonic()
+    for _ in range(3):
+        assert torch.equal(await dispatcher.moe(0, hidden(spec), layer), reference)
+    assert time.monotonic() - start < 1.0
+    assert dispatcher.hedges_won >= 1 and dispatcher.ejections >= 1 and not slow.served
+
+
+class Regional(ColocatedExperts):
+    local = False
+
+    def __init__(self, weights, region: str, outstanding: int) -> None:
+        super().__init__(weights)
+        self.region, self.outstanding, self.served = region, outstanding, 0
+
+    async def forward(self, layer, groups, timeout_s=None):
+        self.served += 1
+        return await super().forward(layer, groups)
+
+
+async def test_dispatcher_prefers_its_region_until_the_penalty_is_exceeded(checkpoint) -> None:
+    ckpt = Checkpoint(checkpoint("mixtral"))
+    weights, layer = ckpt.load_experts(ckpt.all_expert_pairs()), ckpt.load_dense().layers[0]
+    x = torch.randn(16, ckpt.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    for busy_home, expect_home in ((7, True), (9, False)):
+        home, away = Regional(weights, "a", busy_home), Regional(weights, "b", 0)
+        d = ExpertDispatcher(
+            ckpt.spec, {p: [away, home] for p in weights}, region="a", region_penalty=8
+        )
+        await d.moe(0, x, layer)
+        assert (home.served > 0, away.served > 0) == (expect_home, not expect_home)

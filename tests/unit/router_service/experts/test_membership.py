@@ -1,0 +1,45 @@
+"""ExpertMembership on its own: compatibility of registered services, coverage at start."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from moe_mesh.common.errors import PreconditionError
+from moe_mesh.common.registry import Membership
+from tests.support.membership import instance_of, membership_of
+from tests.support.memory_registry import MemoryRegistry
+
+
+async def test_services_of_another_model_or_other_weights_are_ignored(checkpoint, caplog) -> None:
+    m, dispatcher, _ = membership_of(checkpoint("mixtral"))
+    good = instance_of(m, "good", 1)
+    others = [
+        instance_of(m, "other-model", 2, model_id="llama"),
+        instance_of(m, "other-weights", 3, weights_checksum="x"),
+        instance_of(m, "bad-experts", 4, experts="9:0"),
+    ]
+    m.apply(Membership((good, *others), 1))
+    m.apply(Membership((good, *others), 2))
+    assert set(m.backends) == {"good"}
+    assert {b.address for bs in dispatcher.placement.values() for b in bs} == {"127.0.0.1:1"}
+    warned = [r.message for r in caplog.records if "ignoring expert service" in r.message]
+    assert len(warned) == 3 and any(
+        "'llama'" in w for w in warned
+    )  # once per service, naming what differs
+    assert any("'9:0' does not fit this model" in w for w in warned)
+    await m.stop()
+
+
+async def test_start_times_out_naming_the_experts_no_service_covers(checkpoint) -> None:
+    m, _, _ = membership_of(checkpoint("mixtral"))
+    registry = MemoryRegistry()
+    await registry.register(instance_of(m, "half", 1, experts="*:0-3"))
+    start = time.monotonic()
+    with pytest.raises(
+        PreconditionError, match=r"after 0.5s no registered expert service serves 0-2:4-7 "
+    ):
+        await m.start(registry, timeout_s=0.5)
+    assert time.monotonic() - start < 3
+    await m.stop()
