@@ -1,9 +1,13 @@
 """Mesh costs on the `small` preset (float32), all in one run:
 
-1. per-layer dispatch round trip (route, scatter to expert services over gRPC, gather, combine)
-   p50/p99 at 1, 32 and 256 tokens, next to the same layer with every expert colocated;
-2. decode tokens/s of the all-remote mesh vs the monolithic engine at batch 1 and 32 ("mesh efficiency");
+1. per-layer dispatch round trip (route, scatter to the expert services, gather, combine) p50/p99
+   at 1, 32 and 256 tokens over gRPC and over the UCX fast path, next to the same layer with every
+   expert colocated; the fast path's overhead over colocated as a share of gRPC's;
+2. decode tokens/s of the all-remote mesh (gRPC only, then UCX) vs the monolithic engine at batch 1
+   and 32 ("mesh efficiency");
 3. peak RSS of each expert-service process vs the bytes of expert weights it holds.
+
+Both remote routers talk to the same expert-service processes; one has its fast path off.
 
     .venv/bin/python -m bench.mesh_dispatch [--checkpoint DIR] [--services 4]
 
@@ -72,6 +76,15 @@ async def decode_rate(engine, batch: int, new_tokens: int, vocab: int) -> float:
     return batch * (new_tokens - 1) / (tn - t1)
 
 
+def transports(remotes) -> dict[str, int]:
+    """Calls each transport carried, from the backends' own counters, and fast-path fallbacks."""
+    links = [r.fast_path for r in remotes if r.fast_path is not None]
+    return {
+        "ucx": sum(link.calls for link in links),
+        "fallbacks": sum(sum(link.fallbacks.values()) for link in links),
+    }
+
+
 def peak_rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -93,68 +106,81 @@ async def main_async(args: argparse.Namespace) -> dict:
     floor = experts.pop()  # one expert: the process's own footprint (Python, torch, gRPC)
     try:
         local = build_local_engine(RouterSettings(checkpoint=args.checkpoint, max_num_seqs=64))
-        parts = await build_router(
-            RouterSettings(
-                checkpoint=args.checkpoint,
-                max_num_seqs=64,
-                expert_endpoints=[e.address for e in experts],
+        meshes = {}
+        for transport, fast_path in (("grpc", "off"), ("ucx", "ucx")):
+            meshes[transport] = await build_router(
+                RouterSettings(
+                    checkpoint=args.checkpoint,
+                    max_num_seqs=64,
+                    expert_endpoints=[e.address for e in experts],
+                    fast_path=fast_path,
+                )
             )
-        )
-        mesh = parts.engine
-        layer0 = mesh.model.weights.layers[0]
+        layer0 = local.model.weights.layers[0]
         dispatch = []
         for n in (1, 32, 256):
             x = torch.randn(n, spec.hidden_size, generator=torch.Generator().manual_seed(n))
-            remote_ms = await time_layer(mesh.model.dispatcher, layer0, x, args.repeats)
-            local_ms = await time_layer(
-                local.model.dispatcher, local.model.weights.layers[0], x, args.repeats
-            )
-            experts_hit = int(route(x, layer0.router, spec).experts.unique().numel())
             row = {
                 "tokens": n,
-                "experts_hit": experts_hit,
-                "grpc_p50_ms": statistics.median(remote_ms),
-                "grpc_p99_ms": percentile(remote_ms, 0.99),
-                "colocated_p50_ms": statistics.median(local_ms),
-                "colocated_p99_ms": percentile(local_ms, 0.99),
+                "experts_hit": int(route(x, layer0.router, spec).experts.unique().numel()),
             }
-            row["overhead_p50_ms"] = row["grpc_p50_ms"] - row["colocated_p50_ms"]
+            for name, engine in (("colocated", local), *((t, p.engine) for t, p in meshes.items())):
+                ms = await time_layer(
+                    engine.model.dispatcher, engine.model.weights.layers[0], x, args.repeats
+                )
+                row[f"{name}_p50_ms"] = statistics.median(ms)
+                row[f"{name}_p99_ms"] = percentile(ms, 0.99)
+            for t in meshes:
+                row[f"{t}_overhead_p50_ms"] = row[f"{t}_p50_ms"] - row["colocated_p50_ms"]
+            # Target: the fast path's overhead over colocated <= 1/3 of gRPC's (at 32 and 256 tokens).
+            row["ucx_overhead_share_of_grpc"] = (
+                row["ucx_overhead_p50_ms"] / row["grpc_overhead_p50_ms"]
+            )
             dispatch.append(row)
             print(
-                f"dispatch {n:>3} tokens: gRPC p50 {row['grpc_p50_ms']:.2f} ms p99 {row['grpc_p99_ms']:.2f} ms | "
-                f"colocated p50 {row['colocated_p50_ms']:.2f} ms",
+                f"dispatch {n:>3} tokens: p50/p99 ms gRPC {row['grpc_p50_ms']:.2f}/{row['grpc_p99_ms']:.2f} | "
+                f"UCX {row['ucx_p50_ms']:.2f}/{row['ucx_p99_ms']:.2f} | "
+                f"colocated {row['colocated_p50_ms']:.2f}/{row['colocated_p99_ms']:.2f} | "
+                f"UCX overhead {row['ucx_overhead_share_of_grpc']:.2f} of gRPC's",
                 flush=True,
             )
 
         efficiency = []
         for b in (1, 32):
-            mono = statistics.median(
-                [
-                    await decode_rate(local, b, args.new_tokens, spec.vocab_size)
-                    for _ in range(args.decode_repeats)
-                ]
-            )
-            meshed = statistics.median(
-                [
-                    await decode_rate(mesh, b, args.new_tokens, spec.vocab_size)
-                    for _ in range(args.decode_repeats)
-                ]
-            )
+            rates = {
+                name: statistics.median(
+                    [
+                        await decode_rate(engine, b, args.new_tokens, spec.vocab_size)
+                        for _ in range(args.decode_repeats)
+                    ]
+                )
+                for name, engine in (
+                    ("monolithic", local),
+                    *((t, p.engine) for t, p in meshes.items()),
+                )
+            }
+            mono = rates["monolithic"]
             efficiency.append(
                 {
                     "batch": b,
                     "monolithic_tokens_per_s": mono,
-                    "mesh_tokens_per_s": meshed,
-                    "mesh_efficiency": meshed / mono,
+                    **{f"{t}_mesh_tokens_per_s": rates[t] for t in meshes},
+                    **{f"{t}_mesh_efficiency": rates[t] / mono for t in meshes},
                 }
             )
             print(
-                f"decode batch {b:>2}: monolithic {mono:.1f} tok/s, all-remote mesh {meshed:.1f} tok/s, "
-                f"efficiency {meshed / mono:.2f}",
+                f"decode batch {b:>2}: monolithic {mono:.1f} tok/s; all-remote mesh over gRPC "
+                f"{rates['grpc']:.1f} tok/s ({rates['grpc'] / mono:.2f}), over UCX {rates['ucx']:.1f} tok/s "
+                f"({rates['ucx'] / mono:.2f})",
                 flush=True,
             )
-        for r in parts.remotes:
-            await r.close()
+        carried = {t: transports(p.remotes) for t, p in meshes.items()}
+        print(f"calls per transport: {carried}", flush=True)
+        if carried["ucx"].get("ucx", 0) == 0 or carried["ucx"].get("fallbacks"):
+            raise SystemExit(f"the UCX mesh did not run over UCX alone: {carried['ucx']}")
+        for p in meshes.values():
+            for r in p.remotes:
+                await r.close()
 
         expert_bytes = 3 * spec.hidden_size * spec.expert_intermediate_size * 4
         floor_rss = peak_rss_bytes(floor.proc.pid)
@@ -180,6 +206,7 @@ async def main_async(args: argparse.Namespace) -> dict:
             e.stop()
     return {
         "dispatch_round_trip": dispatch,
+        "calls_per_transport": carried,
         "decode": efficiency,
         "expert_service_rss": rss,
         "one_expert_service_peak_rss_mib": floor_rss / 2**20,
