@@ -15,7 +15,7 @@ import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -127,12 +127,22 @@ async def wait_for_signal() -> None:
     await stop.wait()
 
 
-async def serve_until_signal(
-    server: GrpcServer, ready_file: Path | None = None, ready_info: dict[str, Any] | None = None
-) -> None:
-    """Start, announce, and run until SIGTERM/SIGINT; then stop gracefully."""
-    address = await server.start()
-    announce(address, ready_file, ready_info)
-    await wait_for_signal()
-    print(json.dumps({"event": "stopping", "address": address}), flush=True)
-    await server.stop()
+class App(Protocol):
+    """The shape of every service: `await X.create(settings)`, then these."""
+
+    async def start(self) -> str: ...
+    async def wait(self) -> None: ...
+    async def stop(self, grace_s: float | None = None) -> None: ...
+    def ready_info(self) -> dict[str, Any]: ...
+
+
+async def serve_app(app: App, ready_file: Path | None = None) -> None:
+    """A service's whole life after create(): start, announce, wait for SIGTERM/SIGINT, stop
+    gracefully (stop also runs when start fails half-way)."""
+    try:
+        address = await app.start()
+        announce(address, ready_file, app.ready_info())
+        await app.wait()
+        print(json.dumps({"event": "stopping", "address": address}), flush=True)
+    finally:
+        await app.stop()

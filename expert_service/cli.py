@@ -7,7 +7,6 @@ the field's default, so deployments may configure by flags, environment or both.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -81,17 +80,10 @@ def run_serve_expert(args: argparse.Namespace) -> int:
 
 async def serve(settings: ExpertSettings, ready_file: Path | None) -> None:
     """Load, serve until SIGTERM/SIGINT, drain in-flight calls, stop."""
-    from moe_mesh.common.server import announce
+    from moe_mesh.common.server import serve_app
     from moe_mesh.expert_service.app import ExpertApp
 
-    app = await ExpertApp.create(settings)
-    try:
-        address = await app.start()
-        announce(address, ready_file, app.ready_info())
-        await app.wait()
-        print(json.dumps({"event": "stopping", "address": address}), flush=True)
-    finally:
-        await app.stop()
+    await serve_app(await ExpertApp.create(settings), ready_file)
 
 
 def main(argv: list[str] | None = None) -> int:

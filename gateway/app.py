@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
 
 from moe_mesh.common.errors import InvalidArgumentError, MoeMeshError, UnavailableError
 from moe_mesh.common.registry import ROUTER_SERVICE, Instance, Membership, Registry, open_registry
 from moe_mesh.common.registry.follow import Follower, follow
-from moe_mesh.common.server import GrpcServer, Service
+from moe_mesh.common.server import GrpcServer, Service, wait_for_signal
 from moe_mesh.common.telemetry import Telemetry
 from moe_mesh.common.tokenizer import Tokenizer
 from moe_mesh.gateway.core import GatewayCore
@@ -176,10 +177,26 @@ class GatewayApp:
     async def start(self) -> str:
         return await self.grpc.start()
 
-    async def stop(self) -> None:
+    async def wait(self) -> None:
+        """Until SIGTERM / SIGINT."""
+        await wait_for_signal()
+
+    def ready_info(self) -> dict[str, Any]:
+        """After start(): the HTTP address is known once uvicorn has bound."""
+        return {
+            "service": "gateway",
+            "http_address": self.http_address,
+            "metrics": self.telemetry.metrics_address,
+        }
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain HTTP and gRPC (up to grace_s, default the setting), then close the routers."""
         if self._stopped:
             return
         self._stopped = True
+        if grace_s is not None:
+            self.settings = self.settings.model_copy(update={"grace_s": grace_s})
+            self.grpc.grace_s = grace_s
         await self.grpc.stop()
         if self._follow_task is not None:
             self._follow_task.cancel()

@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    from moe_mesh.common.server import serve_until_signal
+    from moe_mesh.common.server import serve_app
     from moe_mesh.gateway.app import GatewayApp
     from moe_mesh.gateway.settings import GatewaySettings
 
@@ -41,14 +41,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     async def main() -> None:
-        app = await GatewayApp.create(settings)
-        # The HTTP address is known only once uvicorn has bound, which happens inside start().
-        info = {"service": "gateway", "http_address": "", "metrics": app.telemetry.metrics_address}
-        app.grpc.on_ready.append(lambda: _fill(info, app))
-        try:
-            await serve_until_signal(app.grpc, args.ready_file, info)
-        finally:
-            await app.stop()
+        await serve_app(await GatewayApp.create(settings), args.ready_file)
 
     try:
         uvloop.run(main())
@@ -56,10 +49,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"moe-mesh serve-gateway: error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-async def _fill(info: dict, app) -> None:
-    info["http_address"] = app.http_address
 
 
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from moe_mesh.common.registry import ROUTER_SERVICE, Instance, open_registry, registration_hooks
-from moe_mesh.common.server import GrpcServer, Service, advertised_host
+from moe_mesh.common.server import GrpcServer, Service, advertised_host, wait_for_signal
 from moe_mesh.common.telemetry import Telemetry
 from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 from moe_mesh.router_service.build import RouterParts, build_router, default_model_id
@@ -96,10 +97,22 @@ class RouterApp:
             self._tiering = asyncio.create_task(self.parts.tierer.run(), name="router-tiering")
 
     async def start(self) -> str:
+        # The core first: it keeps stepping while the server drains in-flight streams on stop.
         self.start_core()
         return await self.server.start()
 
-    async def stop(self) -> None:
+    async def wait(self) -> None:
+        """Until SIGTERM / SIGINT."""
+        await wait_for_signal()
+
+    def ready_info(self) -> dict[str, Any]:
+        return {"service": "router", "metrics": self.telemetry.metrics_address}
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING, deregister, drain streams (up to grace_s, default the setting), then the
+        engine loop, membership and expert channels."""
+        if grace_s is not None:
+            self.server.grace_s = grace_s
         await self.server.stop()
         if self._tiering is not None:
             self._tiering.cancel()

@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    from moe_mesh.common.server import serve_until_signal
+    from moe_mesh.common.server import serve_app
     from moe_mesh.router_service.app import RouterApp
     from moe_mesh.router_service.settings import RouterSettings
 
@@ -46,16 +46,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(settings.compute_threads)
 
     async def main() -> None:
-        app = await RouterApp.create(settings)
-        app.start_core()  # keeps stepping while the server drains in-flight streams on shutdown
-        try:
-            await serve_until_signal(
-                app.server,
-                args.ready_file,
-                {"service": "router", "metrics": app.telemetry.metrics_address},
-            )
-        finally:
-            await app.stop()
+        await serve_app(await RouterApp.create(settings), args.ready_file)
 
     try:
         uvloop.run(main())

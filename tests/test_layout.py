@@ -236,3 +236,27 @@ def test_the_readme_directory_table_names_every_module_and_only_real_ones() -> N
     assert named == _unit_test_folders(), (
         f"tests/unit/: the README names {sorted(named)}, the tree has {sorted(_unit_test_folders())}"
     )
+
+
+def test_every_service_has_one_shape() -> None:
+    """`await App.create(settings)`, then start / wait / stop(grace_s) / ready_info, as
+    common.server.serve_app drives them."""
+    import inspect
+
+    from moe_mesh.common.server import App
+    from moe_mesh.expert_service.app import ExpertApp
+    from moe_mesh.gateway.app import GatewayApp
+    from moe_mesh.router_service.app import RouterApp
+
+    for cls in (ExpertApp, RouterApp, GatewayApp):
+        assert inspect.iscoroutinefunction(cls.create), cls
+        assert list(inspect.signature(cls.create).parameters)[:1] == ["settings"], cls
+        for name in ("start", "wait", "stop", "ready_info"):
+            want, got = getattr(App, name), getattr(cls, name)
+            assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(want), (
+                cls,
+                name,
+            )
+            assert list(inspect.signature(got).parameters) == list(
+                inspect.signature(want).parameters
+            ), (cls, name)
