@@ -26,7 +26,7 @@ class ExpertApp:
     def __init__(self, settings: ExpertSettings, host: ExpertHost, telemetry: Telemetry) -> None:
         self.settings, self.host, self.telemetry = settings, host, telemetry
         self.fast_path = FastPath(host)
-        self.fast_paths: list[str] = []  # advertised once started, e.g. ["ucx://127.0.0.1:PORT"]
+        self.fast_paths: list[str] = []  # advertised once started: ["ucx-worker:<address>"]
         self.server = GrpcServer(
             services=[
                 Service(

@@ -13,7 +13,6 @@ import torch
 from opentelemetry import propagate, trace
 
 from moe_mesh.common.errors import PreconditionError
-from moe_mesh.common.fastpath import ucx_url
 from moe_mesh.common.fastpath.frame import DTYPES, RequestHeader
 from moe_mesh.common.fastpath.server import FrameServer
 from moe_mesh.common.fastpath.ucx import load_ucxx
@@ -24,7 +23,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class FastPath:
-    """The UCX listener of one expert service (settings.fast_path), or nothing when it is off."""
+    """The UCX fast path of one expert service (settings.fast_path), or nothing when it is off."""
 
     def __init__(self, host: ExpertHost) -> None:
         self.host = host
@@ -35,7 +34,6 @@ class FastPath:
             self.server = FrameServer(
                 self.forward,
                 settings.max_message_bytes,
-                settings.fast_path_port,
                 loopback=settings.host in LOOPBACK,
             )
 
@@ -65,8 +63,9 @@ class FastPath:
             hidden,
         )
 
-    async def start(self, advertise_host: str) -> list[str]:
-        """Listen; the URLs to advertise (none when off, or in auto mode without ucxx)."""
+    async def start(self, advertise_host: str = "") -> list[str]:
+        """Serve; the addresses to advertise (none when off, or in auto mode without ucxx).
+        `advertise_host` is unused: a worker address names its host itself."""
         if self.server is None:
             return []
         loopback = self.server.loopback
@@ -77,15 +76,14 @@ class FastPath:
             self.server = None
             return []
         try:
-            port = await self.server.start()
-        except Exception as e:
+            url = await self.server.start()
+        except Exception as e:  # UCX failed to start, or an address over the registry's limit
             if self.mode == "ucx":
                 raise
-            log.warning("fast path off: the UCX listener did not start: %s", e)
+            log.warning("fast path off: UCX did not start: %s", e)
             self.server = None
             return []
-        url = ucx_url(advertise_host, port)
-        log.info("fast path on %s", url)
+        log.info("fast path on UCX worker %s", url[:40] + "…")
         return [url]
 
     async def stop(self) -> None:

@@ -83,6 +83,3 @@ class ExpertSettings(TelemetrySettings):
         description="activations over UCX next to gRPC: 'auto' when ucxx imports, 'ucx' "
         "(required), 'off'; unset: MOE_MESH_FAST_PATH, else auto",
     )
-    fast_path_port: int = Field(
-        0, ge=0, le=65535, description="UCX listener port; 0 picks a free one"
-    )

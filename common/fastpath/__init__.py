@@ -2,17 +2,27 @@
 
 The control plane (Describe, health, errors, registration) stays gRPC; the fast path carries only
 expert calls, with the same checks and error classes, and every caller falls back to gRPC when it
-fails. `frame` is the wire format (no UCX), `ucx` the runtime and frame I/O, `server` the listener
-an expert service runs, `client` the endpoint pool a router calls through.
+fails. `frame` is the wire format (no UCX), `ucx` the runtime and frame I/O, `server` what an
+expert service runs, `client` what a router calls through.
+
+A service is reached by its UCX worker address, not a listening port: ucxx's listener takes no
+bind address and would listen on every interface, while a worker address opens nothing (with
+UCX_NET_DEVICES=lo its TCP transport stays on 127.0.0.1). The address travels as
+`ucx-worker:<urlsafe base64>` in Describe.fast_paths and in the registry's Meta["fast_path"].
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
-import re
 
 FAST_PATH_MODES = ("auto", "ucx", "off")
 MESH_ENV = "MOE_MESH_FAST_PATH"  # one switch for every service of a mesh, e.g. off
+WORKER_SCHEME = "ucx-worker:"
+# Consul refuses a Meta value over 512 characters; the advertisement must fit as a whole. A worker
+# address is ~188 bytes with shared memory + TCP (252 characters encoded), 52 with UCX_TLS=tcp.
+MAX_ADVERTISED_CHARS = 512
 
 
 def mesh_fast_path() -> str:
@@ -20,14 +30,29 @@ def mesh_fast_path() -> str:
     return os.environ.get(MESH_ENV, "auto").strip().lower() or "auto"
 
 
-def ucx_url(host: str, port: int) -> str:
-    return f"ucx://[{host}]:{port}" if ":" in host else f"ucx://{host}:{port}"
+def worker_url(address: bytes) -> str:
+    """The advertisement of a UCX worker address; ValueError when it exceeds the Meta limit
+    (many transports on a host with many devices: narrow UCX_TLS / UCX_NET_DEVICES)."""
+    url = WORKER_SCHEME + base64.urlsafe_b64encode(address).decode()
+    if len(url) > MAX_ADVERTISED_CHARS:
+        raise ValueError(
+            f"UCX worker address of {len(address)} bytes encodes to {len(url)} characters, over "
+            f"the registry's {MAX_ADVERTISED_CHARS}; narrow UCX_TLS or UCX_NET_DEVICES"
+        )
+    return url
 
 
-def parse_ucx_url(urls: str | list[str] | tuple[str, ...]) -> tuple[str, int] | None:
-    """(host, port) of the first ucx:// entry among advertised fast paths, None if there is none."""
+def parse_worker_url(urls: str | list[str] | tuple[str, ...]) -> bytes | None:
+    """The worker address of the first ucx-worker: entry among advertised fast paths, None if
+    there is none (older services advertised ucx://host:port, which this router does not speak)."""
     for url in [urls] if isinstance(urls, str) else urls:
-        m = re.fullmatch(r"ucx://(?:\[([^\]]+)\]|([^:/\[\]]+)):(\d{1,5})", url.strip())
-        if m and 0 < int(m.group(3)) < 65536:
-            return m.group(1) or m.group(2), int(m.group(3))
+        url = url.strip()
+        if not url.startswith(WORKER_SCHEME) or len(url) > MAX_ADVERTISED_CHARS:
+            continue
+        try:
+            address = base64.urlsafe_b64decode(url[len(WORKER_SCHEME) :].encode())
+        except (binascii.Error, ValueError):
+            continue
+        if address:
+            return address
     return None

@@ -1,30 +1,47 @@
-"""The calling side of the fast path: request frames to one listener over a small endpoint pool.
+"""The calling side of the fast path: request frames to one expert service's UCX worker.
 
-A frame occupies its endpoint until the reply arrives (two calls' messages must not interleave
-on one endpoint), so concurrent calls take different endpoints: up to `pool_size`, connected
-lazily and kept for the next calls. Any transport failure closes the endpoint it happened on and
-raises FastPathError naming its cause; the caller falls back to gRPC. Errors the service answers
-(wrong weights, unknown layer...) are raised as the same classes as over gRPC.
+One endpoint per service, opened lazily with a hello that tells the service this process's worker
+address and a random client id. Calls are numbered, and each reply comes back on its call's own
+tag, so concurrent calls share the endpoint without interleaving. Any transport failure drops the
+connection (the next call says hello again, with a new id) and raises FastPathError naming its
+cause; the caller falls back to gRPC. Errors the service answers (wrong weights, unknown layer...)
+are raised as the same classes as over gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
+from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from moe_mesh.common.fastpath.frame import (
+    CLIENT_ID_BITS,
+    HELLO_TAG,
+    MAX_CALL,
     ErrorHeader,
     FrameError,
     Header,
     ReplyHeader,
     RequestHeader,
     VersionError,
+    control_tag,
     encode_header,
+    encode_hello,
     error_from_header,
+    reply_tag,
+    request_tag,
 )
-from moe_mesh.common.fastpath.ucx import FrameReader, UcxRuntime, send_frame, ucx_errors
+from moe_mesh.common.fastpath.ucx import (
+    UcxRuntime,
+    close_endpoint,
+    read_frame,
+    send_frame,
+    ucx_errors,
+)
 
 
 class FastPathError(Exception):
@@ -36,44 +53,33 @@ class FastPathError(Exception):
         self.cause = cause
 
 
-class _Endpoint:
-    def __init__(self, ep: Any, max_payload_bytes: int) -> None:
-        self.ep = ep
-        self.reader = FrameReader(max_payload_bytes)
-        # Sends UCX has not finished when a call was abandoned: kept until the endpoint is closed.
-        self.pinned: list[torch.Tensor] = []
-
-    def abort(self) -> None:
-        self.ep.abort()
-        self.pinned.clear()
+class _Connection:
+    def __init__(self, ep: Any, client_id: int) -> None:
+        self.ep, self.id = ep, client_id
+        self.calls = 0
+        # The control tag's frame, read once and seen by every call in flight: a refusal of a
+        # frame of this connection (cancelled when the connection is dropped).
+        self.refusal: asyncio.Task | None = None
 
 
 class FrameClient:
-    """Calls one fast-path listener (`host`, `port`); `close()` aborts calls in flight."""
+    """Calls one expert service at its UCX worker `address` (bytes); `close()` aborts calls in
+    flight."""
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        max_payload_bytes: int,
-        pool_size: int = 4,
-        loopback: bool = True,
-    ) -> None:
-        self.host, self.port = host, port
-        self.max_payload_bytes, self.pool_size, self.loopback = (
+    def __init__(self, address: bytes, max_payload_bytes: int, loopback: bool = True) -> None:
+        self.worker_address, self.max_payload_bytes, self.loopback = (
+            address,
             max_payload_bytes,
-            pool_size,
             loopback,
         )
-        self._idle: list[_Endpoint] = []
-        self._busy: set[_Endpoint] = set()
-        self._free = asyncio.Semaphore(pool_size)
-        self._ucxx: Any = None  # the UCX runtime, acquired at the first connect
+        self._runtime: UcxRuntime | None = None  # acquired at the first connect
+        self._conn: _Connection | None = None
+        self._connecting: asyncio.Lock | None = None
         self.closed = False
 
     @property
     def address(self) -> str:
-        return f"ucx://{self.host}:{self.port}"
+        return f"ucx-worker:{self.worker_address[:6].hex()}…"
 
     async def call(
         self, header: RequestHeader, payload: torch.Tensor, timeout_s: float
@@ -81,55 +87,69 @@ class FrameClient:
         """The output tensor; raises FastPathError (fall back) or a MoeMeshError the service answered."""
         if self.closed:
             raise FastPathError("closed", f"{self.address} is closed")
-        payload = payload.contiguous()  # what UCX reads from, and what stays pinned if abandoned
+        payload = payload.contiguous()  # what UCX reads from (kept alive by the runtime)
+        conn = await self._connection(timeout_s)
         try:
-            async with asyncio.timeout(timeout_s):
-                await self._free.acquire()
-        except TimeoutError:
-            raise FastPathError("timeout", f"no free endpoint within {timeout_s:g}s") from None
-        endpoint: _Endpoint | None = None
-        try:
-            endpoint = self._idle.pop() if self._idle else await self._connect(timeout_s)
-            self._busy.add(endpoint)
-            try:
-                reply, output = await self._exchange(endpoint, header, payload, timeout_s)
-            except BaseException:
-                endpoint.pinned.append(payload)
-                endpoint.abort()
-                raise
-            # After a refused frame the service closes the endpoint; otherwise it is in sync.
-            if isinstance(reply, ErrorHeader) and reply.field in _FRAME_FIELDS:
-                endpoint.abort()
-            elif not self.closed:
-                self._idle.append(endpoint)
-            return self._result(reply, output)
-        finally:
-            if endpoint is not None:
-                self._busy.discard(endpoint)
-            self._free.release()
+            reply, output = await self._exchange(conn, header, payload, timeout_s)
+        except BaseException:
+            self._drop(conn)
+            raise
+        return self._result(conn, reply, output)
 
-    async def _connect(self, timeout_s: float) -> _Endpoint:
-        if self._ucxx is None:
+    async def _connection(self, timeout_s: float) -> _Connection:
+        if self._conn is not None:
+            return self._conn
+        if self._runtime is None:
             try:
-                self._ucxx = UcxRuntime.acquire(self.loopback)
+                self._runtime = UcxRuntime.acquire(self.loopback)
             except ImportError as e:
                 raise FastPathError("unavailable", str(e)) from None
-        try:
-            async with asyncio.timeout(timeout_s):
-                ep = await self._ucxx.create_endpoint(
-                    self.host, self.port, connect_timeout=timeout_s
-                )
-        except (TimeoutError, *ucx_errors()) as e:
-            raise FastPathError("connect", f"{self.address}: {type(e).__name__}: {e}") from None
-        return _Endpoint(ep, self.max_payload_bytes)
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:  # concurrent first calls share one hello
+            if self._conn is not None:
+                return self._conn
+            runtime = self._runtime
+            try:
+                async with asyncio.timeout(timeout_s):
+                    ep = await runtime.connect(self.worker_address)
+                    conn = _Connection(ep, random.randrange(1, 1 << CLIENT_ID_BITS))
+                    hello = encode_hello(conn.id, runtime.address)
+                    await runtime.send(ep, np.frombuffer(hello, np.uint8), HELLO_TAG)
+            except (TimeoutError, *ucx_errors()) as e:
+                raise FastPathError("connect", f"{self.address}: {type(e).__name__}: {e}") from None
+            if self.closed:
+                close_endpoint(ep)
+                raise FastPathError("closed", f"{self.address} is closed")
+            conn.refusal = asyncio.ensure_future(
+                read_frame(runtime, control_tag(conn.id), self.max_payload_bytes, timeout_s)
+            )
+            self._conn = conn
+            return conn
 
     async def _exchange(
-        self, endpoint: _Endpoint, header: RequestHeader, payload: torch.Tensor, timeout_s: float
+        self, conn: _Connection, header: RequestHeader, payload: torch.Tensor, timeout_s: float
     ) -> tuple[Header, torch.Tensor | None]:
+        runtime = self._runtime
+        assert runtime is not None
+        conn.calls = conn.calls % MAX_CALL + 1
+        header = replace(header, call=conn.calls)
+        assert conn.refusal is not None
+        reply = asyncio.ensure_future(
+            read_frame(runtime, reply_tag(conn.id, header.call), self.max_payload_bytes, timeout_s)
+        )
         try:
             async with asyncio.timeout(timeout_s):
-                await send_frame(endpoint.ep, encode_header(header), payload)
-                return await endpoint.reader.read(endpoint.ep, timeout_s)
+                first = encode_header(header)
+                await send_frame(runtime, conn.ep, request_tag(conn.id), first, payload)
+                done, _ = await asyncio.wait(
+                    [reply, conn.refusal], return_when=asyncio.FIRST_COMPLETED
+                )
+                if reply in done:
+                    return reply.result()
+                if conn.refusal.cancelled():
+                    raise FastPathError("closed", f"{self.address}: connection dropped")
+                return conn.refusal.result()  # the service could not read a frame of ours
         except TimeoutError:
             raise FastPathError(
                 "timeout", f"{self.address}: no reply within {timeout_s:g}s"
@@ -140,14 +160,19 @@ class FrameClient:
             raise FastPathError("protocol", f"{self.address}: {e}") from None
         except ucx_errors() as e:
             raise FastPathError("closed", f"{self.address}: {type(e).__name__}: {e}") from None
+        finally:
+            reply.cancel()
 
-    def _result(self, reply: Header, output: torch.Tensor | None) -> torch.Tensor:
+    def _result(
+        self, conn: _Connection, reply: Header, output: torch.Tensor | None
+    ) -> torch.Tensor:
         if isinstance(reply, ErrorHeader):
             if reply.code == "VERSION" or (
                 reply.code == "INVALID_ARGUMENT" and reply.field in _FRAME_FIELDS
             ):
                 # The service could not read our frame (another version, or a framing bug): not
                 # an answer about the call, so the call goes over gRPC.
+                self._drop(conn)
                 cause = "version" if reply.code == "VERSION" else "protocol"
                 raise FastPathError(cause, f"{self.address}: {reply.message}")
             raise error_from_header(reply, self.address)
@@ -155,16 +180,23 @@ class FrameClient:
             raise FastPathError("protocol", f"{self.address}: expected a reply with a tensor")
         return output
 
+    def _drop(self, conn: _Connection | None) -> None:
+        """Forget a connection: its endpoint closes, its calls in flight fail."""
+        if conn is None or conn is not self._conn:
+            return
+        self._conn = None
+        if conn.refusal is not None:
+            conn.refusal.cancel()  # calls in flight wake up and raise FastPathError("closed")
+        close_endpoint(conn.ep)
+
     def close(self) -> None:
-        """Abort every endpoint (calls in flight fail with FastPathError) and release UCX."""
+        """Abort the connection (calls in flight fail with FastPathError) and release UCX."""
         if self.closed:
             return
         self.closed = True
-        for endpoint in [*self._idle, *self._busy]:
-            endpoint.abort()
-        self._idle.clear()
-        if self._ucxx is not None:
-            self._ucxx = None
+        self._drop(self._conn)
+        if self._runtime is not None:
+            self._runtime = None
             UcxRuntime.release()
 
 
@@ -176,9 +208,9 @@ _FRAME_FIELDS = {
     "prefix",
     "header",
     "kind",
+    "call",
     "payload",
     "payload_bytes",
-    "trailer",
     "dtype",
     "shape",
 }

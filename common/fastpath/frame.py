@@ -1,27 +1,31 @@
 """The fast path's frames: what router and expert service exchange over UCX, without UCX.
 
-A frame is up to three messages, in order on one endpoint:
+Messages are UCX tag messages; a receiver probes a tag, learns the message's exact length, and
+receives it into a buffer of that size (one buffer, no size guess, no trailer). A frame is one or
+two messages on one tag, in order:
 
     1. prefix + header   prefix = magic b"MMFP", version u16, kind u16, header length u32
                          (little-endian, PREFIX_BYTES); header = compact JSON, at most
-                         MAX_HEADER_BYTES, so a receiver posts one fixed buffer for it
+                         MAX_HEADER_BYTES, refused from the probed length before it is received
     2. payload           the tensor's bytes, sent from the tensor's own memory (no copy) and
-                         received into the output tensor's memory (one buffer)
-    3. trailer           b"MMFE" + the payload's byte count as sent (u64)
+                         received into the output tensor's memory; only when the header
+                         announces payload bytes, and its probed length must match them exactly
 
-Messages 2 and 3 exist only when the header announces payload bytes. UCX completes a receive
-into a larger buffer without saying how much arrived, so the trailer is what tells a short
-payload from a full one.
+Tags (64 bits): a client says hello on HELLO_TAG with its own worker address and a random client
+id; then it sends requests on request_tag(id) and each call's reply comes back on
+reply_tag(id, call). A frame the service cannot read is refused on control_tag(id) (its call may
+be unreadable), and the service forgets the client: what follows cannot be trusted.
 
 The version is checked first: a peer speaking another version gets an error frame of code
-VERSION (and the endpoint is closed), so a newer router falls back to gRPC cleanly and an older
-peer is refused with a message that names both versions.
+VERSION, so a newer router falls back to gRPC cleanly and an older peer is refused with a message
+that names both versions. Version 1 was the listener protocol (header, payload, trailer).
 """
 
 from __future__ import annotations
 
 import json
 import struct
+import zlib
 from dataclasses import asdict, dataclass
 from enum import IntEnum
 from typing import Any
@@ -31,16 +35,19 @@ import torch
 from moe_mesh.common import errors
 
 MAGIC = b"MMFP"
-TRAILER_MAGIC = b"MMFE"
-VERSION = 1
+HELLO_MAGIC = b"MMFH"
+VERSION = 2
 _PREFIX = struct.Struct("<4sHHI")  # magic, version, kind, header length
-_TRAILER = struct.Struct("<4sQ")  # magic, payload bytes
+# magic, version, reserved, client id, CRC-32 of the worker address that follows
+_HELLO = struct.Struct("<4sHHQI")
 PREFIX_BYTES = _PREFIX.size  # 12
-TRAILER_BYTES = _TRAILER.size  # 12
 # Expert ids and token counts of one call fit many times over; the bound lets a receiver post
 # one fixed buffer and refuse anything larger before allocating for it.
 MAX_HEADER_BYTES = 16 * 1024
 FIRST_MESSAGE_BYTES = PREFIX_BYTES + MAX_HEADER_BYTES
+MAX_HELLO_BYTES = _HELLO.size + 4096  # worker addresses are a few hundred bytes
+HELLO_TAG = 0x4D4D_4650_4845_4C4F  # b"MMFPHELO"
+CLIENT_ID_BITS = 31  # request and reply tags are (id << 32) | call, call 0 being the control tag
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -85,6 +92,7 @@ class RequestHeader:
     shape: list[int]
     payload_bytes: int
     timeout_ms: float | None = None  # the caller's remaining budget; clocks differ between hosts
+    call: int = 0  # names the reply's tag: reply_tag(client id, call); 0 = none
     trace: dict[str, str] | None = None  # W3C trace context (traceparent...) of a traced call
 
 
@@ -118,12 +126,49 @@ def encode_header(header: Header, version: int = VERSION) -> bytes:
     return _PREFIX.pack(MAGIC, version, _KIND[type(header)], len(body)) + body
 
 
-def encode_trailer(payload_bytes: int) -> bytes:
-    return _TRAILER.pack(TRAILER_MAGIC, payload_bytes)
+def request_tag(client_id: int) -> int:
+    return (client_id << 32) | 0xFFFF_FFFF
+
+
+def reply_tag(client_id: int, call: int) -> int:
+    return (client_id << 32) | call
+
+
+def control_tag(client_id: int) -> int:
+    """Where frame-level refusals go: the client fails its calls in flight and reconnects."""
+    return reply_tag(client_id, 0)
+
+
+MAX_CALL = 0xFFFF_FFFE  # request_tag's low bits are never a call's
+
+
+def encode_hello(client_id: int, address: bytes, version: int = VERSION) -> bytes:
+    return _HELLO.pack(HELLO_MAGIC, version, 0, client_id, zlib.crc32(address)) + address
+
+
+def decode_hello(message: bytes | memoryview) -> tuple[int, bytes]:
+    """(client id, worker address) of a hello; FrameError for anything else (nobody to tell:
+    the receiver drops it). The CRC keeps corrupt or stray bytes from reaching UCX, which aborts
+    the process on an address it cannot unpack; it does not authenticate (loopback peers are
+    trusted as much as on gRPC)."""
+    message = bytes(message)
+    if not _HELLO.size < len(message) <= MAX_HELLO_BYTES:
+        raise FrameError("hello", f"{len(message)} bytes is not a hello")
+    magic, version, _, client_id, crc = _HELLO.unpack_from(message)
+    if magic != HELLO_MAGIC:
+        raise FrameError("hello", f"expected {HELLO_MAGIC!r}, got {magic!r}")
+    if version != VERSION:
+        raise VersionError(version)
+    if not 0 < client_id < 1 << CLIENT_ID_BITS:
+        raise FrameError("hello", f"client id {client_id} out of range")
+    address = message[_HELLO.size :]
+    if zlib.crc32(address) != crc:
+        raise FrameError("hello", "worker address fails its CRC")
+    return client_id, address
 
 
 def decode_header(message: memoryview | bytes, max_payload_bytes: int) -> Header:
-    """Parse message 1 (the start of a receive buffer of FIRST_MESSAGE_BYTES).
+    """Parse message 1 (received whole: its length is probed first).
 
     Raises VersionError for another version and FrameError for anything else malformed: garbage,
     a header over the limit, a payload size that does not match dtype x shape or exceeds
@@ -168,6 +213,8 @@ def decode_header(message: memoryview | bytes, max_payload_bytes: int) -> Header
         for name in ("expert_ids", "token_counts"):
             if not all(type(v) is int and v >= 0 for v in getattr(header, name)):
                 raise FrameError(name, "expected a list of non-negative integers")
+        if type(header.call) is not int or not 0 <= header.call <= MAX_CALL:
+            raise FrameError("call", f"expected a call number, got {header.call!r}")
         if header.timeout_ms is not None and not isinstance(header.timeout_ms, int | float):
             raise FrameError("timeout_ms", f"expected a number, got {header.timeout_ms!r}")
         if header.trace is not None and not (
@@ -179,17 +226,15 @@ def decode_header(message: memoryview | bytes, max_payload_bytes: int) -> Header
     return header
 
 
-def decode_trailer(message: bytes | memoryview, payload_bytes: int) -> None:
-    """Raises FrameError unless the trailer confirms `payload_bytes` arrived."""
-    if len(message) < TRAILER_BYTES:
-        raise FrameError("trailer", f"{len(message)} bytes; expected {TRAILER_BYTES}")
-    magic, sent = _TRAILER.unpack_from(message)
-    if magic != TRAILER_MAGIC:
-        raise FrameError("trailer", f"expected {TRAILER_MAGIC!r}, got {bytes(magic)!r}")
-    if sent != payload_bytes:
+def check_payload_length(header: RequestHeader | ReplyHeader, received: int) -> None:
+    """Raises FrameError unless message 2 carried exactly the announced bytes."""
+    n = header.payload_bytes
+    if received < n:
         raise FrameError(
-            "payload", f"short payload: header announces {payload_bytes} bytes, {sent} were sent"
+            "payload", f"short payload: header announces {n} bytes, {received} were sent"
         )
+    if received > n:
+        raise FrameError("payload", f"more than the {n} bytes announced were sent ({received})")
 
 
 def _expect(header: Header, types: dict[str, type]) -> None:

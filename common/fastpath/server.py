@@ -1,129 +1,203 @@
-"""A UCX listener that answers fast-path request frames with a handler (the service's core).
+"""The service side of the fast path: answers request frames with a handler (the service's core).
 
-Each connected endpoint is served one frame at a time, in its own task; several endpoints (a
-router's pool, several routers) are served concurrently, so their calls meet in the core's batcher.
-An error the handler raises goes back as an error frame and the endpoint stays open; a malformed
-frame is answered with an error frame, then its endpoint is closed, since what follows on it
-cannot be trusted to line up with frame boundaries. Nothing a peer sends stops the listener.
+Nothing listens: clients reach this process's UCX worker by its address (see fastpath/__init__).
+A client's hello (HELLO_TAG) carries its worker address and id; the server opens an endpoint back
+to it and reads its requests on request_tag(id). Each request is handled in its own task, so a
+client's concurrent calls, and other clients', meet in the core's batcher; each reply goes to the
+call's own tag. An error the handler raises goes back as an error frame; a frame that cannot be
+read is refused on the client's control tag and the client is forgotten (it reconnects), since
+what follows from it cannot be trusted to line up with frame boundaries. A hello that is not one
+is dropped: there is nobody to answer. Clients are reaped when UCX reports their endpoint closed,
+and at most MAX_CLIENTS are kept (the least recently heard-from is evicted).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from moe_mesh.common.errors import DeadlineExceededError, InternalError, MoeMeshError
+from moe_mesh.common.fastpath import worker_url
 from moe_mesh.common.fastpath.frame import (
     DTYPE_NAMES,
+    HELLO_TAG,
+    MAX_HELLO_BYTES,
     FrameError,
     ReplyHeader,
     RequestHeader,
+    control_tag,
+    decode_hello,
     encode_header,
     error_header,
+    reply_tag,
+    request_tag,
 )
-from moe_mesh.common.fastpath.ucx import FrameReader, UcxRuntime, send_frame, ucx_errors
+from moe_mesh.common.fastpath.ucx import (
+    UcxRuntime,
+    close_endpoint,
+    read_frame,
+    send_frame,
+    ucx_errors,
+)
 
 log = logging.getLogger(__name__)
 Handler = Callable[[RequestHeader, torch.Tensor | None], Awaitable[torch.Tensor]]
 PAYLOAD_TIMEOUT_S = 10.0  # after a request's header, how long its payload may take to arrive
+MAX_CLIENTS = 256  # router processes x their links; one more evicts the quietest
+MAX_CALLS_PER_CLIENT = 64  # requests of one client handled at once; more wait in UCX's queue
+
+
+class _Client:
+    def __init__(self, client_id: int, ep: Any) -> None:
+        self.id, self.ep = client_id, ep
+        self.reader: asyncio.Task | None = None
+        self.calls: set[asyncio.Task] = set()
+        self.slots = asyncio.Semaphore(MAX_CALLS_PER_CLIENT)
+        self.seen = time.monotonic()
 
 
 class FrameServer:
-    """`await start()` -> port; `await stop()` closes the listener and every endpoint."""
+    """`await start()` -> the address to advertise (ucx-worker:...); `await stop()` forgets every
+    client; start() again serves at the same address (the worker outlives the server)."""
 
-    def __init__(
-        self, handler: Handler, max_payload_bytes: int, port: int = 0, loopback: bool = True
-    ) -> None:
-        self.handler, self.max_payload_bytes = handler, max_payload_bytes
-        self.requested_port, self.loopback = port, loopback
-        self.port = 0
+    def __init__(self, handler: Handler, max_payload_bytes: int, loopback: bool = True) -> None:
+        self.handler, self.max_payload_bytes, self.loopback = handler, max_payload_bytes, loopback
+        self.address = ""
         self.frames = 0  # requests answered with a tensor
         self.errors = 0  # requests answered with an error frame
-        self._listener: Any = None
-        self._endpoints: set[Any] = set()
-        self._tasks: set[asyncio.Task] = set()
+        self.clients: dict[int, _Client] = {}
+        self._runtime: UcxRuntime | None = None
+        self._hello: asyncio.Task | None = None
 
-    async def start(self) -> int:
-        """Listen (the port is bound on every interface: ucxx takes no bind address)."""
-        ucxx = UcxRuntime.acquire(self.loopback)
+    @property
+    def running(self) -> bool:
+        return self._runtime is not None
+
+    async def start(self) -> str:
+        if self._runtime is not None:
+            return self.address
+        runtime = UcxRuntime.acquire(self.loopback)
         try:
-            self._listener = ucxx.create_listener(self._accept, port=self.requested_port)
-        except Exception:
+            self.address = worker_url(runtime.address)
+        except ValueError:
             UcxRuntime.release()
             raise
-        self.port = self._listener.port
-        return self.port
+        self._runtime = runtime
+        self._hello = asyncio.create_task(self._accept())
+        return self.address
 
     async def stop(self) -> None:
-        if self._listener is None:
+        if self._runtime is None:
             return
-        listener, self._listener = self._listener, None
-        for task in list(self._tasks):
+        runtime, self._runtime = self._runtime, None
+        tasks = [self._hello] if self._hello else []
+        for client in list(self.clients.values()):
+            tasks += self._forget(client)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for ep in list(self._endpoints):
-            ep.abort()
-        self._endpoints.clear()
-        listener.close()  # after its handlers ended, or ucxx warns about live handlers
-        UcxRuntime.release()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        runtime.release()
 
-    async def _accept(self, ep: Any) -> None:
-        # ucxx runs this per connection; a task of our own lets stop() cancel it.
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
-        self._endpoints.add(ep)
-        reader = FrameReader(self.max_payload_bytes)
-        try:
-            await self._serve(ep, reader)
-        except asyncio.CancelledError:
-            pass
-        finally:
-            self._endpoints.discard(ep)
-            ep.abort()  # before `reader` (and any buffer UCX may still write) is dropped
-            if task is not None:
-                self._tasks.discard(task)
+    async def _accept(self) -> None:
+        runtime = self._runtime
+        assert runtime is not None
+        while True:
+            probe = await runtime.message(HELLO_TAG)
+            if probe.length > MAX_HELLO_BYTES:
+                hello = np.empty(16, np.uint8)  # truncated: it leaves the queue, then dropped
+            else:
+                hello = np.empty(probe.length, np.uint8)
+            try:
+                await runtime.receive(probe, hello)
+                client_id, address = decode_hello(hello)
+                ep = await runtime.connect(address)
+            except (FrameError, *ucx_errors()) as e:
+                log.info("fast path: dropping a hello that is not one: %s", e)
+                continue
+            self._add(runtime, _Client(client_id, ep))
 
-    async def _serve(self, ep: Any, reader: FrameReader) -> None:
-        transport_errors = ucx_errors()
+    def _add(self, runtime: UcxRuntime, client: _Client) -> None:
+        old = self.clients.get(client.id)
+        if old is not None:  # the same id again: that client reconnected
+            self._forget(old)
+        if len(self.clients) >= MAX_CLIENTS:
+            self._forget(min(self.clients.values(), key=lambda c: c.seen))
+        self.clients[client.id] = client
+        runtime.on_close(client.ep, lambda: self._forget(client))
+        client.reader = asyncio.create_task(self._serve(runtime, client))
+
+    def _forget(self, client: _Client) -> list[asyncio.Task]:
+        """Drop a client (closed, evicted, refused, or stopping); its tasks are cancelled."""
+        if self.clients.get(client.id) is client:
+            del self.clients[client.id]
+        tasks = [t for t in [client.reader, *client.calls] if t is not None]
+        current = asyncio.current_task()
+        for task in tasks:
+            if task is not current:
+                task.cancel()
+        close_endpoint(client.ep)
+        return tasks
+
+    async def _serve(self, runtime: UcxRuntime, client: _Client) -> None:
+        tag = request_tag(client.id)
         while True:
             try:
-                header, payload = await reader.read(ep, PAYLOAD_TIMEOUT_S)
+                header, payload = await read_frame(
+                    runtime, tag, self.max_payload_bytes, PAYLOAD_TIMEOUT_S
+                )
                 if not isinstance(header, RequestHeader):
                     raise FrameError(
                         "kind", f"expected a request frame, got {type(header).__name__}"
                     )
             except FrameError as e:
                 log.info("fast path: refusing a malformed frame: %s", e)
-                await self._answer_error(ep, e)
+                await self._answer(runtime, client, control_tag(client.id), error=e)
+                self._forget(client)
                 return
-            except transport_errors:
-                return  # the peer closed or vanished
+            except ucx_errors():
+                self._forget(client)
+                return
+            client.seen = time.monotonic()
+            await client.slots.acquire()
+            task = asyncio.create_task(self._call(runtime, client, header, payload))
+            client.calls.add(task)
+            task.add_done_callback(client.calls.discard)
+
+    async def _call(
+        self,
+        runtime: UcxRuntime,
+        client: _Client,
+        header: RequestHeader,
+        payload: torch.Tensor | None,
+    ) -> None:
+        tag = reply_tag(client.id, header.call)
+        try:
             try:
-                output = await self._call(header, payload)
+                output = await self._run(header, payload)
             except MoeMeshError as e:
-                await self._answer_error(ep, e)
-                continue
-            except Exception as e:  # a bug in the core must not take the listener down
+                await self._answer(runtime, client, tag, error=e)
+                return
+            except Exception as e:  # a bug in the core must not take the server down
                 log.exception("fast path: handler failed")
-                await self._answer_error(ep, InternalError(f"expert forward failed: {e}"))
-                continue
+                await self._answer(runtime, client, tag, InternalError(f"expert forward: {e}"))
+                return
             reply = ReplyHeader(
                 DTYPE_NAMES[output.dtype],
                 list(output.shape),
                 output.numel() * output.element_size(),
             )
-            try:
-                await send_frame(ep, encode_header(reply), output)
-            except transport_errors:
-                return
+            await self._answer(runtime, client, tag, reply=(reply, output.contiguous()))
             self.frames += 1
+        finally:
+            client.slots.release()
 
-    async def _call(self, header: RequestHeader, payload: torch.Tensor | None) -> torch.Tensor:
+    async def _run(self, header: RequestHeader, payload: torch.Tensor | None) -> torch.Tensor:
         if header.timeout_ms is None:
             return await self.handler(header, payload)
         try:
@@ -133,9 +207,21 @@ class FrameServer:
                 f"expert call did not complete within its {header.timeout_ms:g} ms budget"
             ) from None
 
-    async def _answer_error(self, ep: Any, error: MoeMeshError) -> None:
-        self.errors += 1
+    async def _answer(
+        self,
+        runtime: UcxRuntime,
+        client: _Client,
+        tag: int,
+        error: MoeMeshError | None = None,
+        reply: tuple[ReplyHeader, torch.Tensor] | None = None,
+    ) -> None:
+        if error is not None:
+            self.errors += 1
+            first, payload = encode_header(error_header(error)), None
+        else:
+            assert reply is not None
+            first, payload = encode_header(reply[0]), reply[1]
         try:
-            await send_frame(ep, encode_header(error_header(error)))
+            await send_frame(runtime, client.ep, tag, first, payload)
         except ucx_errors():
-            pass  # the peer is gone; nobody to tell
+            self._forget(client)  # the peer is gone; nobody to tell

@@ -1,12 +1,16 @@
 """Fast-path frames over UCX (ucxx): the process's UCX runtime and sending/receiving one frame.
 
-Progress mode: ucxx's `polling` and `blocking` modes complete every pending request by spinning
-`asyncio.sleep(0)`, and a service always has a receive pending per connected router, so both burn
-a core while idle (measured here, 2 cores: 1.5-1.7 s of CPU per 2 s idle). `thread` progress with
-Python futures idles at ~1% CPU and, for echo round trips between two processes, costs
-p50 0.64 ms at 8 KiB / 0.86 ms at 4 MiB over shared memory and 0.70 / 5.7 ms over UCX_TLS=tcp,
-against gRPC's 0.5 / ~20 ms. The "10-50x slower" thread modes of the brief are those without
-Python futures (completion by polling from the event loop).
+Progress: ucxx's own modes cost either a core while idle (`polling`, and `blocking`, whose request
+waits spin `asyncio.sleep(0)`) or two thread hops per completion (`thread` with Python futures:
+UCX's progress thread, then a notifier thread that wakes the loop; measured here as the reason
+UCX lost to gRPC on 2 cores, and `reset()` waits up to 1 s for that notifier). So the runtime
+drives the worker itself, in the event loop's thread: the worker's epoll descriptor is a loop
+reader; on each wake-up it progresses the worker, completes finished requests, hands probed
+messages to whoever waits on their tag, and re-arms. Nothing spins; idle costs one tick per
+TICK_S (a guard against a missed wake-up), and every completion is one loop callback.
+
+Receives are probe-then-receive (`tag_probe(remove=True)` + `tag_recv_with_handle`): the receiver
+learns a message's exact size before giving it a buffer, and nothing is posted while idle.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -23,18 +28,16 @@ import torch
 from moe_mesh.common.fastpath.frame import (
     FIRST_MESSAGE_BYTES,
     MAX_HEADER_BYTES,
-    PREFIX_BYTES,
-    TRAILER_BYTES,
     FrameError,
     Header,
+    check_payload_length,
     decode_header,
-    decode_trailer,
     empty_like_payload,
-    encode_trailer,
     payload_view,
 )
 
 log = logging.getLogger(__name__)
+TICK_S = 0.2  # progress at least this often while something waits: a missed wake-up costs this
 
 
 def load_ucxx(loopback: bool = False) -> ModuleType | None:
@@ -55,123 +58,244 @@ def load_ucxx(loopback: bool = False) -> ModuleType | None:
     return ucxx
 
 
-class UcxRuntime:
-    """The process's one UCX context, shared by listeners and clients of this event loop.
-
-    ucxx keeps a single context per process, bound to the event loop it was initialised in (its
-    notifier thread hands completions to that loop), so this is the one place that initialises and
-    resets it: `acquire()` inside the running loop, `release()` when done; the last release resets
-    UCX (tests run one event loop after another in one process)."""
-
-    _users = 0
-    _loop: asyncio.AbstractEventLoop | None = None
-
-    @classmethod
-    def acquire(cls, loopback: bool = False) -> ModuleType:
-        ucxx = load_ucxx(loopback)
-        if ucxx is None:
-            raise ImportError("ucxx cannot be imported")
-        loop = asyncio.get_running_loop()
-        if cls._loop is not loop:
-            if cls._loop is not None:  # left over from a loop that ended without releasing
-                cls._reset(ucxx)
-            ucxx.init(progress_mode="thread", enable_python_future=True)
-            cls._loop, cls._users = loop, 0
-        cls._users += 1
-        return ucxx
-
-    @classmethod
-    def release(cls) -> None:
-        cls._users -= 1
-        if cls._users <= 0 and cls._loop is not None:
-            ucxx = load_ucxx()
-            if ucxx is not None:
-                cls._reset(ucxx)
-
-    @classmethod
-    def _reset(cls, ucxx: ModuleType) -> None:
-        cls._loop, cls._users = None, 0
-        try:
-            ucxx.stop_notifier_thread()
-            ucxx.reset()
-        except Exception as e:  # an endpoint still referenced somewhere; the process lives on
-            log.warning("UCX reset incomplete: %s", e)
-
-
 def ucx_errors() -> tuple[type[BaseException], ...]:
     """What ucxx raises for transport failures (peer closed, reset, truncated, cancelled)."""
     ucxx = load_ucxx()
     return (ucxx.exceptions.UCXError,) if ucxx is not None else ()
 
 
-async def send_frame(ep: Any, first: bytes, payload: torch.Tensor | None = None) -> None:
-    """Send one frame: message 1 (`first`, from frame.encode_header), then the payload from the
-    tensor's own memory and its trailer. Submitted in order, awaited together.
+class UcxRuntime:
+    """The process's one UCX worker, driven from one event loop; shared by servers and clients.
 
-    The caller keeps `payload` alive until the endpoint is closed if this is cancelled: UCX does
-    not cancel a send in flight."""
-    sends = [ep.send(np.frombuffer(first, np.uint8))]
+    `UcxRuntime.acquire()` inside the running loop returns it, `release()` when done. The worker
+    outlives its users while the loop runs, so its address (what a service advertises) survives a
+    fast-path restart and stopping is free; a new event loop (tests run one after another) resets
+    UCX first."""
+
+    _current: UcxRuntime | None = None
+    _users = 0
+
+    @classmethod
+    def acquire(cls, loopback: bool = False) -> UcxRuntime:
+        ucxx = load_ucxx(loopback)
+        if ucxx is None:
+            raise ImportError("ucxx cannot be imported")
+        loop = asyncio.get_running_loop()
+        if cls._current is None or cls._current.loop is not loop:
+            if cls._current is not None:
+                cls._current._shutdown()
+            cls._current = cls(ucxx, loop)
+        cls._users += 1
+        return cls._current
+
+    @classmethod
+    def release(cls) -> None:
+        cls._users = max(0, cls._users - 1)
+
+    def __init__(self, ucxx: ModuleType, loop: asyncio.AbstractEventLoop) -> None:
+        from ucxx._lib.arr import Array
+        from ucxx._lib_async import application_context
+
+        self.ucxx, self.loop, self._array = ucxx, loop, Array
+        from ucxx.types import Tag
+
+        self._tag = Tag
+        # ucxx starts its own progress for a loop unless one is registered: ours is.
+        application_context.ProgressTasks[loop] = self
+        ucxx.init(progress_mode="blocking", enable_python_future=False)
+        self.ctx = ucxx.core._get_ctx()
+        self.worker = self.ctx.worker
+        self.worker.init_blocking_progress_mode()
+        self.address: bytes = self.worker.address.tobytes()
+        self._fd = self.worker.epoll_file_descriptor
+        self._requests: list[tuple[Any, asyncio.Future | None, Any]] = []
+        self._waiters: dict[int, asyncio.Future] = {}
+        self._scheduled = False
+        self._tick: asyncio.TimerHandle | None = None
+        loop.add_reader(self._fd, self._progress)
+
+    # -- progress -----------------------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Progress soon (after a submit, or a new waiter): coalesced into one loop callback."""
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self._progress)
+
+    def _progress(self) -> None:
+        self._scheduled = False
+        for _ in range(1000):  # bounded: arm() says busy only while events keep coming
+            self.worker.progress()
+            self._complete()
+            self._probe()
+            if self.worker.arm():
+                break
+        if self._tick is None and (self._requests or self._waiters):
+            self._tick = self.loop.call_later(TICK_S, self._on_tick)
+
+    def _on_tick(self) -> None:
+        self._tick = None
+        self._progress()
+
+    def _complete(self) -> None:
+        if not self._requests:
+            return
+        pending = []
+        for entry in self._requests:
+            request, future, _keepalive = entry
+            if not request.completed:
+                pending.append(entry)
+                continue
+            if future is not None and not future.done():
+                try:
+                    request.check_error()
+                except Exception as e:
+                    future.set_exception(e)
+                else:
+                    future.set_result(None)
+        self._requests = pending
+
+    def _probe(self) -> None:
+        for tag, future in list(self._waiters.items()):
+            if future.done():  # cancelled (timeout): nobody waits any more
+                del self._waiters[tag]
+                continue
+            probe = self.worker.tag_probe(self._tag(tag), remove=True)
+            if probe.matched:
+                del self._waiters[tag]
+                future.set_result(probe)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def send(self, ep: Any, buffer: Any, tag: int) -> asyncio.Future:
+        """Submit one tag message; the future completes when UCX is done with `buffer`, which is
+        kept alive until then even if nobody awaits the future (UCX cannot cancel a send)."""
+        request = ep._ep.tag_send(self._array(buffer), self._tag(tag))
+        return self._track(request, buffer)
+
+    def message(self, tag: int) -> asyncio.Future:
+        """A future for the next message on `tag` (its probe: length, handle); one waiter per tag."""
+        if tag in self._waiters and not self._waiters[tag].done():
+            raise RuntimeError(f"tag {tag:#x} already has a waiter")
+        future = self.loop.create_future()
+        probe = self.worker.tag_probe(self._tag(tag), remove=True)
+        if probe.matched:  # already here: no loop round trip
+            future.set_result(probe)
+            return future
+        self._waiters[tag] = future
+        self.kick()
+        return future
+
+    def receive(self, probe: Any, buffer: Any) -> asyncio.Future:
+        """Receive a probed message into `buffer` (kept alive until UCX is done with it)."""
+        request = self.worker.tag_recv_with_handle(self._array(buffer), probe)
+        return self._track(request, buffer)
+
+    def _track(self, request: Any, buffer: Any) -> asyncio.Future:
+        future = self.loop.create_future()
+        # A send nobody awaits (a reply to a vanished caller) must not log "never retrieved".
+        future.add_done_callback(_retrieve)
+        if request.completed:  # eager messages often complete at submit: no loop round trip
+            try:
+                request.check_error()
+            except Exception as e:
+                future.set_exception(e)
+            else:
+                future.set_result(None)
+            return future
+        self._requests.append((request, future, buffer))
+        self.kick()
+        return future
+
+    async def connect(self, address: bytes) -> Any:
+        """An endpoint to the worker at `address` (raises ucxx errors for a malformed address)."""
+        return await self.ctx.create_endpoint_from_worker_address(
+            self.ucxx.get_ucx_address_from_buffer(address)
+        )
+
+    def on_close(self, ep: Any, callback: Callable[[], None]) -> None:
+        """Run `callback` (in the loop) when UCX reports `ep` closed or failed."""
+        ep._ep.set_close_callback(lambda *_: self.loop.call_soon(callback))
+
+    def _shutdown(self) -> None:
+        """Reset UCX for a new event loop; the old loop may be closed already."""
+        if self._tick is not None:
+            self._tick.cancel()
+        if not self.loop.is_closed():
+            self.loop.remove_reader(self._fd)
+        self._requests.clear()
+        self._waiters.clear()
+        self.worker = self.ctx = None
+        try:
+            self.ucxx.reset()
+        except Exception as e:  # an endpoint still referenced somewhere; the process lives on
+            log.warning("UCX reset incomplete: %s", e)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def close_endpoint(ep: Any) -> None:
+    """Abort an endpoint without waiting on the peer (a dead one would make close block)."""
+    try:
+        ep.abort(period=0)
+    except Exception as e:  # already gone
+        log.debug("endpoint abort: %s", e)
+
+
+async def send_frame(
+    runtime: UcxRuntime, ep: Any, tag: int, first: bytes, payload: torch.Tensor | None = None
+) -> None:
+    """Send one frame: message 1 (`first`, from frame.encode_header), then the payload from the
+    tensor's own memory. Both submitted at once; awaited together."""
+    sends = [runtime.send(ep, np.frombuffer(first, np.uint8), tag)]
     if payload is not None and payload.numel():
-        n = payload.numel() * payload.element_size()
-        sends += [
-            ep.send(payload_view(payload)),
-            ep.send(np.frombuffer(encode_trailer(n), np.uint8)),
-        ]
+        sends.append(runtime.send(ep, payload_view(payload), tag))
     await asyncio.gather(*sends)
 
 
-class FrameReader:
-    """Receives frames on one endpoint into one reusable buffer for message 1."""
+async def read_frame(
+    runtime: UcxRuntime, tag: int, max_payload_bytes: int, payload_timeout_s: float
+) -> tuple[Header, torch.Tensor | None]:
+    """The next frame on `tag`: its header and payload (None when it has none).
 
-    def __init__(self, max_payload_bytes: int) -> None:
-        self.max_payload_bytes = max_payload_bytes
-        self._first = np.empty(FIRST_MESSAGE_BYTES, np.uint8)
-        self._trailer = np.empty(TRAILER_BYTES, np.uint8)
-        # A receive cut short (timeout, cancellation) is not cancelled by UCX: its buffer must
-        # outlive the endpoint, which the caller closes next. The reader lives as long.
-        self._abandoned: list[torch.Tensor] = []
+    Raises FrameError for a malformed frame (the sender should be forgotten after answering),
+    ucxx errors when a receive fails. Waiting for message 1 is unbounded: bound it from outside."""
+    probe = await runtime.message(tag)
+    if probe.length > FIRST_MESSAGE_BYTES:
+        # Received anyway (truncated into a small buffer) so it leaves UCX's queue.
+        await _drain(runtime, probe)
+        raise FrameError(
+            "header",
+            f"message of {probe.length} bytes exceeds {FIRST_MESSAGE_BYTES} "
+            f"(header limit {MAX_HEADER_BYTES})",
+        )
+    first = np.empty(probe.length, np.uint8)
+    await runtime.receive(probe, first)
+    header = decode_header(memoryview(first), max_payload_bytes)
+    n = getattr(header, "payload_bytes", 0)
+    if not n:
+        return header, None
+    payload = empty_like_payload(header)  # the one receive buffer: the tensor itself
+    try:
+        async with asyncio.timeout(payload_timeout_s):
+            probe = await runtime.message(tag)
+    except TimeoutError:
+        raise FrameError(
+            "payload", f"{n} bytes announced, not received within {payload_timeout_s:g}s"
+        ) from None
+    if probe.length > n:
+        await _drain(runtime, probe)
+    else:
+        await runtime.receive(probe, payload_view(payload)[: probe.length])
+    check_payload_length(header, probe.length)
+    return header, payload
 
-    async def read(self, ep: Any, payload_timeout_s: float) -> tuple[Header, torch.Tensor | None]:
-        """The next frame's header and payload (None when it has none).
 
-        Raises FrameError for a malformed frame (the endpoint should be closed after answering),
-        ucxx errors when the peer goes away."""
-        ucxx = load_ucxx()
-        # A message shorter than the prefix would leave the previous frame's prefix readable.
-        self._first[:PREFIX_BYTES] = 0
-        try:
-            await ep.recv(self._first)
-        except ucxx.exceptions.UCXMessageTruncatedError:
-            raise FrameError(
-                "header",
-                f"message exceeds {FIRST_MESSAGE_BYTES} bytes (header limit {MAX_HEADER_BYTES})",
-            ) from None
-        header = decode_header(memoryview(self._first), self.max_payload_bytes)
-        n = getattr(header, "payload_bytes", 0)
-        if not n:
-            return header, None
-        payload = empty_like_payload(header)  # the one receive buffer: the tensor itself
-        # Both receives posted at once; awaited with a bound, and reaped whatever happens.
-        recvs = [
-            asyncio.ensure_future(ep.recv(payload_view(payload))),
-            asyncio.ensure_future(ep.recv(self._trailer)),
-        ]
-        try:
-            async with asyncio.timeout(payload_timeout_s):
-                await asyncio.gather(*recvs)
-        except BaseException as e:
-            self._abandoned.append(payload)
-            for r in recvs:
-                r.cancel()
-            await asyncio.gather(*recvs, return_exceptions=True)
-            if isinstance(e, TimeoutError):
-                raise FrameError(
-                    "payload", f"{n} bytes announced, not received within {payload_timeout_s:g}s"
-                ) from None
-            if isinstance(e, ucxx.exceptions.UCXMessageTruncatedError):
-                raise FrameError(
-                    "payload", f"more than the {n} bytes announced were sent"
-                ) from None
-            raise
-        decode_trailer(self._trailer.tobytes(), n)
-        return header, payload
+async def _drain(runtime: UcxRuntime, probe: Any) -> None:
+    try:
+        await runtime.receive(probe, np.empty(16, np.uint8))
+    except ucx_errors():
+        pass  # truncated, as intended

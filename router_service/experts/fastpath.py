@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from opentelemetry import propagate, trace
 
-from moe_mesh.common.fastpath import parse_ucx_url
+from moe_mesh.common.fastpath import parse_worker_url, worker_url
 from moe_mesh.common.fastpath.client import FastPathError, FrameClient
 from moe_mesh.common.fastpath.frame import DTYPE_NAMES, RequestHeader
 from moe_mesh.common.fastpath.ucx import load_ucxx
@@ -35,7 +35,7 @@ class FastPathConfig:
     backoff_s: float = 1.0
     max_backoff_s: float = MAX_BACKOFF_S
     loopback: bool = True
-    pool_size: int = 4
+    pool_size: int = 4  # unused: calls share one endpoint (replies come back on their own tags)
     # Called with the cause of every fallback (a hook for the fallback counter metric).
     on_fallback: Callable[[str], None] | None = None
 
@@ -50,14 +50,13 @@ class FastPathLink:
     def __init__(
         self,
         url: str,
-        host: str,
-        port: int,
+        address: bytes,
         config: FastPathConfig,
         max_message_bytes: int,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.url, self.config, self.clock = url, config, clock
-        self.client = FrameClient(host, port, max_message_bytes, config.pool_size, config.loopback)
+        self.client = FrameClient(address, max_message_bytes, config.loopback)
         self.fallbacks: Counter[str] = Counter()  # cause -> calls that fell back
         self.calls = 0  # calls the fast path carried
         self.off_until = 0.0
@@ -68,11 +67,10 @@ class FastPathLink:
         cls, urls: list[str] | str, config: FastPathConfig | None, max_message_bytes: int
     ) -> FastPathLink | None:
         """A link when the service advertises ucx and this router's fast path is on."""
-        target = parse_ucx_url(urls) if urls else None
-        if target is None or config is None or not config.enabled():
+        address = parse_worker_url(urls) if urls else None
+        if address is None or config is None or not config.enabled():
             return None
-        host, port = target
-        return cls(f"ucx://{host}:{port}", host, port, config, max_message_bytes)
+        return cls(worker_url(address), address, config, max_message_bytes)
 
     def usable(self) -> bool:
         return not self.client.closed and self.clock() >= self.off_until

@@ -1,10 +1,13 @@
 """The UCX fast path against a real expert service on loopback: the same outputs as gRPC, a matching
-error for every kind of bad frame with the service staying healthy, and per-call fallback to gRPC
-with back-off and re-probe when the listener goes away."""
+error for every kind of bad frame with the service staying healthy, per-call fallback to gRPC with
+back-off and re-probe when the service's fast path goes away, and a service process that listens
+on loopback only."""
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import os
 import struct
 import sys
 from collections.abc import AsyncIterator
@@ -16,10 +19,11 @@ import torch
 
 from moe_mesh.common.errors import MoeMeshError, NotFoundError, PreconditionError, UnavailableError
 from moe_mesh.common.fastpath import frame as f
-from moe_mesh.common.fastpath import parse_ucx_url
+from moe_mesh.common.fastpath import parse_worker_url
+from moe_mesh.common.fastpath import server as server_module
 from moe_mesh.common.fastpath.client import FastPathError, FrameClient
 from moe_mesh.common.fastpath.server import FrameServer
-from moe_mesh.common.fastpath.ucx import FrameReader, UcxRuntime, load_ucxx
+from moe_mesh.common.fastpath.ucx import UcxRuntime, close_endpoint, load_ucxx, read_frame
 from moe_mesh.expert_service.app import ExpertApp
 from moe_mesh.expert_service.settings import ExpertSettings
 from moe_mesh.router_service.experts.fastpath import FastPathConfig
@@ -63,7 +67,7 @@ def groups() -> list[tuple[int, torch.Tensor]]:
 
 async def test_the_service_answers_over_ucx_with_the_same_outputs_as_grpc(checkpoint) -> None:
     async with expert(checkpoint) as app:
-        assert app.fast_paths and parse_ucx_url(app.fast_paths) is not None
+        assert app.fast_paths and parse_worker_url(app.fast_paths) is not None
         assert app._instance().meta["fast_path"] == app.fast_paths[0]
         fast, slow = remote(app), remote(app, mode="off")
         try:
@@ -117,6 +121,7 @@ def good_header(app: ExpertApp, **overrides) -> f.RequestHeader:
         dtype="float32",
         shape=[4, HIDDEN],
         payload_bytes=4 * HIDDEN * 4,
+        call=1,
     )
     return f.RequestHeader(**{**fields, **overrides})
 
@@ -125,25 +130,32 @@ def message(b: bytes) -> np.ndarray:
     return np.frombuffer(b, np.uint8)
 
 
-async def raw_exchange(port: int, messages: list[np.ndarray]) -> f.Header:
-    """Connect, send `messages` as they are, and read the reply frame."""
-    ucxx = UcxRuntime.acquire(loopback=True)
-    ep = await ucxx.create_endpoint("127.0.0.1", port)
-    reader = FrameReader(MESSAGE_BYTES)
-    # Submitted in order, not awaited one by one: the service may refuse (and close) after message 1.
-    sends = [asyncio.ensure_future(ep.send(m)) for m in messages]
+async def raw_exchange(app: ExpertApp, messages: list[np.ndarray]) -> f.Header:
+    """Say hello, send `messages` as they are on the request tag, and read the answer: on call 1's
+    tag (an error about the call) or on the control tag (a frame the service could not read)."""
+    runtime = UcxRuntime.acquire(loopback=True)
+    ep = await runtime.connect(parse_worker_url(app.fast_paths))
+    client_id = 12345
+    runtime.send(ep, message(f.encode_hello(client_id, runtime.address)), f.HELLO_TAG)
+    answers = [
+        asyncio.ensure_future(read_frame(runtime, tag, MESSAGE_BYTES, 5.0))
+        for tag in (f.reply_tag(client_id, 1), f.control_tag(client_id))
+    ]
     try:
-        header, _ = await asyncio.wait_for(reader.read(ep, 5.0), 5.0)
+        for m in messages:  # submitted in order, not awaited: the service may refuse after one
+            runtime.send(ep, m, f.request_tag(client_id))
+        done, _ = await asyncio.wait(answers, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
+        header, _ = done.pop().result()
         return header
     finally:
-        ep.abort()  # before `messages` may be freed: UCX does not cancel sends in flight
-        await asyncio.gather(*sends, return_exceptions=True)
+        for answer in answers:
+            answer.cancel()
+        close_endpoint(ep)
         UcxRuntime.release()
 
 
 def payload(n_bytes: int) -> list[np.ndarray]:
-    data = torch.randn(n_bytes // 4).numpy().view(np.uint8)
-    return [data, message(f.encode_trailer(data.nbytes))]
+    return [torch.randn(n_bytes // 4).numpy().view(np.uint8)]
 
 
 OVERSIZED = struct.pack("<4sHHI", f.MAGIC, f.VERSION, 1, f.MAX_HEADER_BYTES + 1)
@@ -205,6 +217,12 @@ OVERSIZED = struct.pack("<4sHHI", f.MAGIC, f.VERSION, 1, f.MAX_HEADER_BYTES + 1)
             "exceeds",
         ),
         (
+            "long payload",
+            lambda a: [f.encode_header(good_header(a)), *payload(2048)],
+            "INVALID_ARGUMENT",
+            "more than the 1024 bytes",
+        ),
+        (
             "garbage",
             lambda a: [b"\x16\x03\x01 hello, is this TLS?"],
             "INVALID_ARGUMENT",
@@ -228,9 +246,8 @@ async def test_bad_frames_get_the_matching_error_and_the_service_stays_healthy(
     checkpoint, name, frame, code, match
 ) -> None:
     async with expert(checkpoint) as app:
-        port = app.fast_path.server.port
         messages = [message(m) if isinstance(m, bytes) else m for m in frame(app)]
-        reply = await raw_exchange(port, messages)
+        reply = await raw_exchange(app, messages)
         assert isinstance(reply, f.ErrorHeader), name
         assert reply.code == code and match in reply.message, reply
         # The listener and the service answer the next call on both transports.
@@ -246,17 +263,17 @@ async def test_bad_frames_get_the_matching_error_and_the_service_stays_healthy(
 # -- fallback ---------------------------------------------------------------------------------------
 
 
-async def test_without_the_listener_calls_fall_back_to_grpc_back_off_and_re_probe(
+async def test_without_the_fast_path_calls_fall_back_to_grpc_back_off_and_re_probe(
     checkpoint,
 ) -> None:
     causes: list[str] = []
     async with expert(checkpoint) as app:
-        backend = remote(app, backoff_s=0.3, on_fallback=causes.append)
+        backend = remote(app, backoff_s=0.3, timeout_s=0.2, on_fallback=causes.append)
         link = backend.fast_path
         want = await remote(app, mode="off").forward(1, groups(), 5.0)
         try:
             assert (await backend.forward(1, groups(), 5.0)).transport == "ucx"
-            await app.fast_path.server.stop()  # the listener dies; gRPC stays up
+            await app.fast_path.server.stop()  # the fast path dies; gRPC stays up
             got = await backend.forward(1, groups(), 5.0)
             assert got.transport == "grpc" and all(torch.equal(g, w) for g, w in zip(got, want))
             assert sum(link.fallbacks.values()) == 1 and causes
@@ -267,13 +284,9 @@ async def test_without_the_listener_calls_fall_back_to_grpc_back_off_and_re_prob
             assert (await backend.forward(1, groups(), 5.0)).transport == "grpc"
             assert sum(link.fallbacks.values()) == 2
             assert link.off_until - link.clock() > 0.4
-            # The listener returns. UCX binds without SO_REUSEADDR, so the old port may linger in
-            # TIME_WAIT: the new listener takes a free port and the link is pointed at it, as a
-            # restarted service's new registration would.
-            app.fast_path.server = FrameServer(
-                app.fast_path.forward, MESSAGE_BYTES, port=0, loopback=True
-            )
-            link.client.port = await app.fast_path.server.start()
+            # The fast path returns at the same worker address; after the back-off the link says
+            # hello again and is back.
+            assert await app.fast_path.server.start() == app.fast_paths[0]
             await asyncio.sleep(max(0.0, link.off_until - link.clock()) + 0.05)
             assert (await backend.forward(1, groups(), 5.0)).transport == "ucx"
             assert (await backend.forward(1, groups(), 5.0)).transport == "ucx"
@@ -281,30 +294,97 @@ async def test_without_the_listener_calls_fall_back_to_grpc_back_off_and_re_prob
             await backend.close()
 
 
-async def test_an_old_frame_version_peer_makes_the_router_fall_back_cleanly() -> None:
-    ucxx = UcxRuntime.acquire(loopback=True)
-    endpoints = []
+async def test_an_old_frame_version_peer_makes_the_router_fall_back_cleanly(monkeypatch) -> None:
+    """A service speaking frame version 1: it refuses our frame, in its own version."""
 
-    async def old_service(ep) -> None:
-        """A service speaking frame version 0: it refuses our frame, in its own version."""
-        endpoints.append(ep)
-        await ep.recv(np.empty(f.FIRST_MESSAGE_BYTES, np.uint8))
-        refusal = f.ErrorHeader("VERSION", "frame version 1 is not supported", "version")
-        await ep.send(message(f.encode_header(refusal, version=0)))
+    async def refuse(*args, **kwargs):
+        raise f.VersionError(f.VERSION)
 
-    listener = ucxx.create_listener(old_service, port=0)
-    client = FrameClient("127.0.0.1", listener.port, MESSAGE_BYTES)
+    monkeypatch.setattr(server_module, "read_frame", refuse)
+    monkeypatch.setattr(server_module, "VERSION", 1, raising=False)
+    monkeypatch.setattr(
+        server_module, "encode_header", lambda header: f.encode_header(header, version=1)
+    )
+    old = FrameServer(lambda header, payload: None, MESSAGE_BYTES)
+    client = FrameClient(parse_worker_url(await old.start()), MESSAGE_BYTES)
     try:
         header = f.RequestHeader("m", "c", 0, [0], [2], "float32", [2, 4], 32)
         with pytest.raises(FastPathError) as info:
             await client.call(header, torch.randn(2, 4), 2.0)
-        assert info.value.cause == "version" and "version 0 is not supported" in str(info.value)
+        assert info.value.cause == "version" and "version 1 is not supported" in str(info.value)
     finally:
         client.close()
-        for ep in endpoints:
-            ep.abort()
-        listener.close()
-        UcxRuntime.release()
+        await old.stop()
+
+
+async def test_garbage_on_the_hello_tag_is_dropped_and_the_service_stays_healthy(
+    checkpoint,
+) -> None:
+    async with expert(checkpoint) as app:
+        runtime = UcxRuntime.acquire(loopback=True)
+        ep = await runtime.connect(parse_worker_url(app.fast_paths))
+        try:
+            for junk in [
+                b"x",
+                b"\x16\x03\x01 hello, is this TLS?" * 300,
+                f.encode_hello(7, b"no address")[:-1] + b"!",
+            ]:
+                runtime.send(ep, message(junk), f.HELLO_TAG)
+            await asyncio.sleep(0.1)
+            assert not app.fast_path.server.clients
+            backend = remote(app)
+            try:
+                assert (await backend.forward(1, groups(), 5.0)).transport == "ucx"
+            finally:
+                await backend.close()
+        finally:
+            close_endpoint(ep)
+            UcxRuntime.release()
+
+
+def listening_addresses(pid: int) -> list[str]:
+    """The local addresses of every LISTEN TCP socket of process `pid` (from /proc/net/tcp*)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        with open(f"/proc/{pid}/net/{table}") as lines:
+            next(lines)
+            for line in lines:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:  # 0A = LISTEN
+                    continue
+                raw = bytes.fromhex(cols[1].split(":")[0])
+                # /proc prints each 32-bit word in host (little-endian) order.
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4))
+                found.append(str(ipaddress.ip_address(raw)))
+    return found
+
+
+def _loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is a v6 socket's 127.0.0.1
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def test_the_expert_service_process_listens_on_loopback_only(checkpoint, tmp_path) -> None:
+    from tests.support.processes import start_experts
+
+    (proc,) = start_experts(checkpoint("mixtral"), ["0-1:0-3"], tmp_path, "--fast-path", "ucx")
+    try:
+        ready = (tmp_path / "expert0.ready.json").read_text()
+        assert "ucx-worker:" in ready  # the fast path is on
+        addresses = listening_addresses(proc.proc.pid)
+        assert addresses, "the gRPC port at least"
+        assert all(_loopback(a) for a in addresses), addresses
+    finally:
+        proc.stop()
 
 
 async def test_with_ucxx_import_blocked_everything_goes_over_grpc(checkpoint, monkeypatch) -> None:
@@ -313,7 +393,7 @@ async def test_with_ucxx_import_blocked_everything_goes_over_grpc(checkpoint, mo
         monkeypatch.setitem(sys.modules, "ucxx", None)  # `import ucxx` now raises ImportError
         assert load_ucxx() is None
         backend = remote(app)
-        backend.offer_fast_path(["ucx://127.0.0.1:1"])
+        backend.offer_fast_path(["ucx-worker:AAAA"])
         assert backend.fast_path is None
         try:
             assert (await backend.forward(1, groups(), 5.0)).transport == "grpc"

@@ -1,5 +1,6 @@
 """The fast path's frame codec, without UCX: round trips, and a FrameError naming the field for every
-malformed frame (garbage, other versions, oversized header, byte counts, size limit, short payload)."""
+malformed frame (garbage, other versions, oversized header, byte counts, size limit, short payload,
+hellos that are not one), and the worker-address advertisement."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 from moe_mesh.common import errors, status
+from moe_mesh.common.fastpath import MAX_ADVERTISED_CHARS, parse_worker_url, worker_url
 from moe_mesh.common.fastpath import frame as f
-from moe_mesh.common.fastpath import parse_ucx_url, ucx_url
 
 LIMIT = 1 << 20
 
@@ -27,6 +28,7 @@ def request(**overrides) -> f.RequestHeader:
         shape=[3, 64],
         payload_bytes=3 * 64 * 2,
         timeout_ms=250.0,
+        call=7,
     )
     return f.RequestHeader(**{**fields, **overrides})
 
@@ -104,18 +106,46 @@ def test_payload_byte_count_must_match_dtype_times_shape_and_fit_the_limit() -> 
         ({"token_counts": [1.5]}, "token_counts"),
         ({"timeout_ms": "soon"}, "timeout_ms"),
         ({"model_id": 7}, "model_id"),
+        ({"call": -1}, "call"),
+        ({"call": f.MAX_CALL + 1}, "call"),
     ],
 )
 def test_wrongly_typed_fields_are_refused_by_name(overrides, field) -> None:
     assert refused(f.encode_header(request(**overrides))).field == field
 
 
-def test_the_trailer_tells_a_short_payload_from_a_full_one() -> None:
-    f.decode_trailer(f.encode_trailer(384), 384)
+def test_the_probed_payload_length_must_match_the_header_exactly() -> None:
+    f.check_payload_length(request(), 384)
     with pytest.raises(f.FrameError, match="short payload: header announces 384 bytes, 300"):
-        f.decode_trailer(f.encode_trailer(300), 384)
-    with pytest.raises(f.FrameError, match="trailer"):
-        f.decode_trailer(b"garbage-garbage", 384)
+        f.check_payload_length(request(), 300)
+    with pytest.raises(f.FrameError, match="more than the 384 bytes"):
+        f.check_payload_length(request(), 385)
+
+
+def test_hellos_round_trip_and_anything_else_is_refused() -> None:
+    address = bytes(range(188))
+    assert f.decode_hello(f.encode_hello(5, address)) == (5, address)
+    hello = f.encode_hello(5, address)
+    for bad in [
+        b"",
+        b"MMFH",
+        b"GET / HTTP/1.1\r\n\r\n" * 4,
+        hello[:-1] + b"!",  # the address fails its CRC (UCX would abort on it)
+        f.encode_hello(0, address),
+        f.encode_hello(1 << f.CLIENT_ID_BITS, address),
+        f.encode_hello(5, b"x" * f.MAX_HELLO_BYTES),
+    ]:
+        with pytest.raises(f.FrameError):
+            f.decode_hello(bad)
+    with pytest.raises(f.VersionError):
+        f.decode_hello(f.encode_hello(5, address, version=1))
+
+
+def test_tags_of_clients_and_calls_never_meet() -> None:
+    ids = [1, 2, (1 << f.CLIENT_ID_BITS) - 1]
+    tags = {f.request_tag(i) for i in ids} | {f.reply_tag(i, c) for i in ids for c in (1, 2)}
+    tags |= {f.control_tag(i) for i in ids} | {f.HELLO_TAG}
+    assert len(tags) == len(ids) * 4 + 1 and max(tags) < 1 << 64
 
 
 def test_payloads_are_views_of_the_tensor_and_received_into_the_output_tensor() -> None:
@@ -148,8 +178,13 @@ def test_error_frames_carry_the_same_classes_as_grpc_statuses() -> None:
     assert f.error_header(errors.InvalidArgumentError("hidden", "bad")).field == "hidden"
 
 
-def test_ucx_urls() -> None:
-    assert parse_ucx_url(ucx_url("127.0.0.1", 4000)) == ("127.0.0.1", 4000)
-    assert parse_ucx_url([ucx_url("::1", 5)]) == ("::1", 5)
-    assert parse_ucx_url(["tcp://x:1", "ucx://h:70000", "ucx://h:2"]) == ("h", 2)
-    assert parse_ucx_url("") is None and parse_ucx_url([]) is None
+def test_worker_addresses_are_advertised_within_the_registry_limit() -> None:
+    address = bytes(range(188))  # shared memory + TCP
+    url = worker_url(address)
+    assert url.startswith("ucx-worker:") and len(url) <= MAX_ADVERTISED_CHARS
+    assert parse_worker_url(url) == address
+    assert parse_worker_url(["ucx://127.0.0.1:4000", "ucx-worker:!!", url]) == address
+    assert parse_worker_url("") is None and parse_worker_url([]) is None
+    assert parse_worker_url(["ucx://127.0.0.1:4000"]) is None  # a version-1 service: gRPC
+    with pytest.raises(ValueError, match="narrow UCX_TLS"):
+        worker_url(bytes(400))
