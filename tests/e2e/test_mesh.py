@@ -82,7 +82,10 @@ async def test_unreachable_expert_fails_request_with_its_layer_and_expert(
         experts[1].proc.kill()  # one of two replicas of experts 4-7: requests fail over and succeed
         experts[1].proc.wait(5)
         assert tuple(map(tuple, await run_engine(engine, PROMPTS[:2]))) == monolithic(path)[:2]
-        assert engine.model.dispatcher.failovers > 0
+        # Routed around the dead replica: by failover when its death shows at once (gRPC), or by a
+        # hedge when the call waits for it (a UCX shared-memory peer is noticed only at timeout).
+        dispatcher = engine.model.dispatcher
+        assert dispatcher.failovers + dispatcher.hedges_won > 0
 
         experts[0].proc.kill()  # the only replica of experts 0-3
         experts[0].proc.wait(5)
