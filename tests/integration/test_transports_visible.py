@@ -3,7 +3,8 @@ span, dispatch-duration histograms and fast-path fallbacks by cause on the route
 each replica's transport and fast-path record in RouterStatus and `moe-mesh status`.
 
 One router in this process reaches one expert service over UCX, another over gRPC (its fast path
-off), and computes the remaining experts itself, so one request shows all three transports."""
+off), and computes the remaining experts itself, so one request shows all three transports. A peer
+speaking an old frame version is a clean gRPC fallback, counted under its cause."""
 
 from __future__ import annotations
 
@@ -13,16 +14,21 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import pytest
+import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from moe_mesh.common.fastpath.ucx import load_ucxx
+from moe_mesh.common.fastpath import frame as f
+from moe_mesh.common.fastpath.ucx import UcxRuntime, load_ucxx
 from moe_mesh.common.telemetry import Telemetry
 from moe_mesh.expert_service.app import ExpertApp
 from moe_mesh.expert_service.settings import ExpertSettings
 from moe_mesh.ops.client import replica_line, router_status
 from moe_mesh.protos.moe_mesh.v1 import router_pb2_grpc
 from moe_mesh.router_service.app import RouterApp
+from moe_mesh.router_service.build import fast_path_config
+from moe_mesh.router_service.experts.remote import Identity, RemoteExperts
 from moe_mesh.router_service.settings import RouterSettings
 from tests.support.metrics import scrape, total
 from tests.support.routers import generate, request
@@ -148,3 +154,55 @@ async def test_a_lost_fast_path_is_counted_by_cause_and_shown_per_replica(checkp
             if s.attributes["moe.replica"] == m.ucx.address
         }
         assert transports == {"grpc"}
+
+
+async def test_an_old_frame_version_peer_is_a_clean_grpc_fallback_counted_as_version(
+    checkpoint,
+) -> None:
+    """The replica advertises a fast path that speaks frame version 0: the call is answered over
+    gRPC with the same outputs, and the router's counter names the cause."""
+    ucxx = UcxRuntime.acquire(loopback=True)
+    peers = []
+
+    async def old_service(ep) -> None:
+        peers.append(ep)
+        await ep.recv(np.empty(f.FIRST_MESSAGE_BYTES, np.uint8))
+        refusal = f.ErrorHeader("VERSION", "frame version 1 is not supported", "version")
+        await ep.send(np.frombuffer(f.encode_header(refusal, version=0), np.uint8))
+
+    listener = ucxx.create_listener(old_service, port=0)
+    app = await ExpertApp.create(
+        ExpertSettings(
+            checkpoint=checkpoint("mixtral"), experts="*:0-3", fast_path="off", grace_s=1.0
+        )
+    )
+    await app.start()
+    telemetry = Telemetry.create("router", metrics_port=0)
+    identity = Identity(app.host.model_id, app.host.weights_checksum)
+    config = fast_path_config(RouterSettings(fast_path="ucx"), telemetry)
+    backend = RemoteExperts(
+        app.address,
+        identity,
+        2**24,
+        fast_path=config,
+        fast_paths=[f"ucx://127.0.0.1:{listener.port}"],
+    )
+    plain = RemoteExperts(app.address, identity, 2**24)
+    try:
+        torch.manual_seed(0)
+        groups = [(3, torch.randn(5, 64)), (0, torch.randn(2, 64))]
+        got = await backend.forward(1, groups, 5.0)
+        want = await plain.forward(1, groups, 5.0)
+        assert got.transport == "grpc" and all(torch.equal(g, w) for g, w in zip(got, want))
+        assert dict(backend.fast_path.fallbacks) == {"version": 1}
+        samples = scrape(telemetry)
+        assert total(samples, FALLBACKS, moe_cause="version") == total(samples, FALLBACKS) == 1
+    finally:
+        await backend.close()
+        await plain.close()
+        await app.stop()
+        telemetry.shutdown()
+        for ep in peers:
+            ep.abort()
+        listener.close()
+        UcxRuntime.release()
