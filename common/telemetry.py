@@ -77,6 +77,7 @@ FAILOVERS = "moe.router.failovers"  # router, calls retried on another replica
 HEDGES = (
     "moe.router.hedges"  # router, calls also sent to a second replica, by moe.outcome (won / lost)
 )
+FAST_PATH_FALLBACKS = "moe.router.fast_path_fallbacks"  # router, calls re-sent over gRPC after UCX failed, by moe.cause
 EJECTIONS = (
     "moe.router.ejections"  # router, expert replicas ejected after a failure or a lost hedge race
 )

@@ -18,7 +18,7 @@ from moe_mesh.common.errors import InvalidArgumentError, PreconditionError
 from moe_mesh.common.placement import format_experts, parse_experts
 from moe_mesh.common.registry import Registry
 from moe_mesh.common.resilience import EjectionPolicy
-from moe_mesh.common.telemetry import OFF, Telemetry
+from moe_mesh.common.telemetry import FAST_PATH_FALLBACKS, OFF, Telemetry
 from moe_mesh.common.units import parse_size
 from moe_mesh.router_service.engine.engine import Engine
 from moe_mesh.router_service.engine.model import MoeModel
@@ -137,13 +137,18 @@ def tiering_config(settings: RouterSettings, checkpoint: Checkpoint) -> TieringC
     )
 
 
-def fast_path_config(settings: RouterSettings) -> FastPathConfig:
-    """The router's fast-path policy; `ucx` without an importable ucxx is a start-up error."""
+def fast_path_config(settings: RouterSettings, telemetry: Telemetry = OFF) -> FastPathConfig:
+    """The router's fast-path policy, counting every fallback by cause on `telemetry`; `ucx`
+    without an importable ucxx is a start-up error."""
+    fallbacks = telemetry.meter.create_counter(
+        FAST_PATH_FALLBACKS, description="expert calls re-sent over gRPC after UCX failed, by cause"
+    )
     config = FastPathConfig(
         mode=settings.fast_path,
         timeout_s=settings.fast_path_timeout_s,
         backoff_s=settings.fast_path_backoff_s,
         loopback=settings.host in ("127.0.0.1", "localhost", "::1"),
+        on_fallback=lambda cause: fallbacks.add(1, {"moe.cause": cause}),
     )
     if config.mode == "ucx" and not config.enabled():
         raise PreconditionError("fast_path: 'ucx' requires ucxx, which cannot be imported")
@@ -182,7 +187,7 @@ async def build_router(
         checkpoint, placement, model.dispatcher.window, config, settings.tier_interval_s
     )
     identity = _identity(settings, checkpoint)
-    fast_path = fast_path_config(settings)
+    fast_path = fast_path_config(settings, telemetry)
     if registry is not None:
         membership = ExpertMembership(
             checkpoint.spec,

@@ -60,6 +60,32 @@ class RouterStatus:
     hedges: int
     ejections: int
     tiering: TieringStatus
+    replicas: list[ReplicaStatus]  # one per backend of `placement`, in its key order
+
+
+@dataclass
+class ReplicaStatus:
+    """How this router reaches one expert backend now (RouterStatus.replicas documents each field)."""
+
+    backend: str  # "colocated" or the expert service's address
+    transport: str  # "ucx" | "grpc" | "colocated": what the next call tries first
+    fast_path: str  # the UCX link's URL, "" when gRPC only
+    fast_path_calls: int
+    fallbacks: dict[str, int]  # cause -> calls re-sent over gRPC
+
+    @classmethod
+    def of(cls, backend) -> ReplicaStatus:
+        if backend.local:
+            return cls("colocated", "colocated", "", 0, {})
+        # Backends other than RemoteExperts (test doubles) have no fast path: plain gRPC.
+        link = getattr(backend, "fast_path", None)
+        return cls(
+            backend.address,
+            getattr(backend, "transport", "grpc"),
+            link.url if link is not None else "",
+            link.calls if link is not None else 0,
+            dict(link.fallbacks) if link is not None else {},
+        )
 
 
 @dataclass
@@ -120,11 +146,13 @@ class RouterCore:
         d = self.engine.model.dispatcher
         placement: dict[str, list[tuple[int, int]]] = {}
         regions: dict[str, str] = {}
+        backends: dict[str, object] = {}
         for pair, replicas in sorted(d.placement.items()):
             for backend in replicas:
                 key = "colocated" if backend.local else backend.address
                 placement.setdefault(key, []).append(pair)
                 regions[key] = d.region if backend.local else backend.region
+                backends.setdefault(key, backend)
         t = self.tierer
         tiering = TieringStatus(
             t.config.expert_bytes,
@@ -160,6 +188,7 @@ class RouterCore:
             d.hedges,
             d.ejections,
             tiering,
+            [ReplicaStatus.of(b) for b in backends.values()],
         )
 
     async def generate(

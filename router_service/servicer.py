@@ -93,4 +93,15 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             tokens_colocated=st.tokens_colocated,
             hedges=st.hedges,
             ejections=st.ejections,
+            replicas=[
+                router_pb2.ExpertReplica(
+                    backend=r.backend,
+                    transport=r.transport,
+                    fast_path=r.fast_path,
+                    fast_path_calls=r.fast_path_calls,
+                    fast_path_fallbacks=sum(r.fallbacks.values()),
+                    fallback_causes=r.fallbacks,
+                )
+                for r in st.replicas
+            ],
         )

@@ -113,6 +113,17 @@ async def router_status(address: str) -> dict:
         tokens_colocated=st.tokens_colocated,
         placement={p.backend: p.experts for p in st.placement},
         regions={p.backend: p.region for p in st.placement},
+        replicas=[
+            {
+                "backend": r.backend,
+                "transport": r.transport,
+                "fast_path": r.fast_path,
+                "fast_path_calls": r.fast_path_calls,
+                "fast_path_fallbacks": r.fast_path_fallbacks,
+                "fallback_causes": dict(r.fallback_causes),
+            }
+            for r in st.replicas
+        ],
     )
     return row
 
@@ -162,6 +173,8 @@ def print_status(st: dict) -> None:
         if r.get("registry_stale"):
             load += "  (registry unreachable: serving the last known experts)"
         print(f"router   {r['address']:<22} {r['health']:<12} {r.get('error', load)}")
+        for rep in r.get("replicas", []):
+            print(replica_line(rep))
     for e in st["experts"]:
         stats = f"experts {e.get('experts', '?')}  calls {e.get('forward_calls', '?')} batches {e.get('batches', '?')}"
         print(f"expert   {e['address']:<22} {e['health']:<12} {e.get('error', stats)}")
@@ -169,6 +182,21 @@ def print_status(st: dict) -> None:
         if "tokens_routed" in r:
             print(f"\ntokens routed per (layer, expert) by router {r['address']}:")
             print(heatmap(r["tokens_routed"]))
+
+
+def replica_line(r: dict) -> str:
+    """One expert backend of a router: the transport its next call takes and the fast path's record."""
+    line = f"  -> {r['backend']:<22} {r['transport']:<9}"
+    if r["fast_path"]:
+        line += (
+            f" {r['fast_path']}  calls {r['fast_path_calls']} fallbacks {r['fast_path_fallbacks']}"
+        )
+        if r["fallback_causes"]:
+            causes = ", ".join(f"{c} {n}" for c, n in sorted(r["fallback_causes"].items()))
+            line += f" ({causes})"
+    elif r["transport"] == "grpc":
+        line += " no fast path"
+    return line
 
 
 def heatmap(counts: list[list[int]]) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 
 from moe_mesh.common.arch import load_spec
+from moe_mesh.common.fastpath.ucx import load_ucxx
 from moe_mesh.common.finish_reason import from_wire
 from moe_mesh.ops.traces import load_spans
 from moe_mesh.protos.moe_mesh.v1 import (
@@ -126,6 +127,14 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(
             e["health"] == "SERVING" for e in st["experts"]
         )
         assert sum(map(sum, st["routers"][0]["tokens_routed"])) > 0
+        # `up` uses the fast path by default: status names each replica's transport and record.
+        replicas = [r for r in st["routers"][0]["replicas"] if r["backend"] != "colocated"]
+        assert len(replicas) == 8
+        if load_ucxx(loopback=True) is not None:
+            assert all(r["transport"] == "ucx" and not r["fast_path_fallbacks"] for r in replicas)
+            assert sum(r["fast_path_calls"] for r in replicas) > 0
+            table = moe_mesh("status", "--ready-file", ready)
+            assert table.returncode == 0 and table.stdout.count(" ucx ") == 8, table.stdout
 
         stats = moe_mesh(
             "stats", "--ready-file", ready, "--json"

@@ -3,13 +3,11 @@ service, its spans count every routed token, and each service's Prometheus endpo
 
 from __future__ import annotations
 
-import urllib.request
 from contextlib import asynccontextmanager
 
 import grpc
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from prometheus_client.parser import text_string_to_metric_families
 
 from moe_mesh.common.checkpoint import Checkpoint
 from moe_mesh.common.telemetry import Telemetry
@@ -20,6 +18,7 @@ from moe_mesh.gateway.settings import GatewaySettings
 from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
 from moe_mesh.router_service.app import RouterApp
 from moe_mesh.router_service.settings import RouterSettings
+from tests.support.metrics import scrape, total
 
 PROMPT = [11, 3, 250, 9, 31]
 MAX_TOKENS = 6
@@ -136,33 +135,6 @@ async def test_unsampled_requests_leave_no_spans(checkpoint) -> None:
     async with mesh(checkpoint("mixtral"), telemetry) as address:
         await generate(address, prompt_token_ids=PROMPT, max_tokens=3)
     assert exporter.get_finished_spans() == ()
-
-
-def scrape(telemetry: Telemetry) -> dict[str, float]:
-    """Every sample of a service's /metrics as {"name{label=value,...}": value}, labels sorted, scope labels dropped."""
-    text = (
-        urllib.request.urlopen(f"http://{telemetry.metrics_address}/metrics", timeout=5)
-        .read()
-        .decode()
-    )
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(
-                f"{k}={v}" for k, v in sorted(s.labels.items()) if not k.startswith("otel_scope")
-            )
-            out[f"{s.name}{{{labels}}}"] = s.value
-    return out
-
-
-def total(samples: dict[str, float], name: str, **labels: str) -> float:
-    want = [f"{k}={v}" for k, v in labels.items()]
-    return sum(
-        v
-        for k, v in samples.items()
-        if k.split("{")[0] == name
-        and all(w in k.split("{")[1].rstrip("}").split(",") for w in want)
-    )
 
 
 @pytest.mark.parametrize("requests", [3])

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
+
+from tests.support.reference import PROMPTS
 
 
 def load(path: Path) -> torch.nn.Module:
@@ -35,3 +38,22 @@ def top2_share_per_layer(path: Path) -> list[float]:
     for h in hooks:
         h.remove()
     return [(c.sort(descending=True).values[:2].sum() / c.sum()).item() for c in counts]
+
+
+@cache
+def greedy(path: Path, max_tokens: int = 32) -> tuple[tuple[int, ...], ...]:
+    """transformers' greedy continuations of the reference prompts (EOS ignored): what every mesh,
+    whatever carries its activations, must answer token for token."""
+    model = load(path)
+    out = []
+    for prompt in PROMPTS:
+        ids = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        out.append(tuple(ids[0, len(prompt) :].tolist()))
+    return tuple(out)

@@ -14,7 +14,15 @@ from pathlib import Path
 class ServiceProcess:
     """`python -m <module> ... --ready-file F`, waited for until it has written F."""
 
-    def __init__(self, module: str, args: list[str], workdir: Path, name: str) -> None:
+    def __init__(
+        self,
+        module: str,
+        args: list[str],
+        workdir: Path,
+        name: str,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`env`: variables set on top of this process's environment (e.g. UCX_TLS)."""
         self.name = name
         self.ready_file = workdir / f"{name}.ready.json"
         self.log_path = workdir / f"{name}.log"
@@ -23,8 +31,10 @@ class ServiceProcess:
             [sys.executable, "-m", module, *args, "--ready-file", str(self.ready_file)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
         self.address = ""
+        self.ready: dict = {}  # the ready file's contents
 
     def wait_ready(self, timeout_s: float = 60.0) -> ServiceProcess:
         deadline = time.monotonic() + timeout_s
@@ -34,7 +44,8 @@ class ServiceProcess:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name} not ready after {timeout_s}s:\n{self.log()}")
             time.sleep(0.05)
-        self.address = json.loads(self.ready_file.read_text())["address"]
+        self.ready = json.loads(self.ready_file.read_text())
+        self.address = self.ready["address"]
         return self
 
     def log(self) -> str:
@@ -60,7 +71,11 @@ class ServiceProcess:
 
 
 def start_experts(
-    checkpoint: Path, specs: list[str], workdir: Path, *extra: str
+    checkpoint: Path,
+    specs: list[str],
+    workdir: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
 ) -> list[ServiceProcess]:
     """One expert-service process per spec, started together, returned once all are ready."""
     # One torch thread each: several services share this host's cores (see bench/mesh_dispatch.py).
@@ -70,6 +85,7 @@ def start_experts(
             ["--checkpoint", str(checkpoint), "--experts", spec, "--compute-threads", "1", *extra],
             workdir,
             f"expert{i}",
+            env,
         )
         for i, spec in enumerate(specs)
     ]

@@ -64,7 +64,7 @@ class ExpertPlacement(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., experts: _Optional[str] = ..., region: _Optional[str] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "running", "waiting", "steps", "num_layers", "num_experts", "tokens_routed", "failovers", "placement", "registry_stale", "utilization", "utilization_window_s", "region", "expert_bytes", "colocated_bytes", "colocate_budget_bytes", "promotions", "demotions", "pinned_hot", "pinned_remote", "moe_layers", "remote_calls", "tokens_colocated", "hedges", "ejections")
+    __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "running", "waiting", "steps", "num_layers", "num_experts", "tokens_routed", "failovers", "placement", "registry_stale", "utilization", "utilization_window_s", "region", "expert_bytes", "colocated_bytes", "colocate_budget_bytes", "promotions", "demotions", "pinned_hot", "pinned_remote", "moe_layers", "remote_calls", "tokens_colocated", "hedges", "ejections", "replicas")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class RouterStatus(_message.Message):
     TOKENS_COLOCATED_FIELD_NUMBER: _ClassVar[int]
     HEDGES_FIELD_NUMBER: _ClassVar[int]
     EJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -121,4 +122,28 @@ class RouterStatus(_message.Message):
     tokens_colocated: int
     hedges: int
     ejections: int
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., tokens_routed: _Optional[_Iterable[int]] = ..., failovers: _Optional[int] = ..., placement: _Optional[_Iterable[_Union[ExpertPlacement, _Mapping]]] = ..., registry_stale: _Optional[bool] = ..., utilization: _Optional[_Iterable[float]] = ..., utilization_window_s: _Optional[float] = ..., region: _Optional[str] = ..., expert_bytes: _Optional[int] = ..., colocated_bytes: _Optional[int] = ..., colocate_budget_bytes: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., pinned_hot: _Optional[str] = ..., pinned_remote: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., remote_calls: _Optional[int] = ..., tokens_colocated: _Optional[int] = ..., hedges: _Optional[int] = ..., ejections: _Optional[int] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[ExpertReplica]
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., tokens_routed: _Optional[_Iterable[int]] = ..., failovers: _Optional[int] = ..., placement: _Optional[_Iterable[_Union[ExpertPlacement, _Mapping]]] = ..., registry_stale: _Optional[bool] = ..., utilization: _Optional[_Iterable[float]] = ..., utilization_window_s: _Optional[float] = ..., region: _Optional[str] = ..., expert_bytes: _Optional[int] = ..., colocated_bytes: _Optional[int] = ..., colocate_budget_bytes: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., pinned_hot: _Optional[str] = ..., pinned_remote: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., remote_calls: _Optional[int] = ..., tokens_colocated: _Optional[int] = ..., hedges: _Optional[int] = ..., ejections: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ExpertReplica, _Mapping]]] = ...) -> None: ...
+
+class ExpertReplica(_message.Message):
+    __slots__ = ("backend", "transport", "fast_path", "fast_path_calls", "fast_path_fallbacks", "fallback_causes")
+    class FallbackCausesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    FAST_PATH_FIELD_NUMBER: _ClassVar[int]
+    FAST_PATH_CALLS_FIELD_NUMBER: _ClassVar[int]
+    FAST_PATH_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_CAUSES_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    transport: str
+    fast_path: str
+    fast_path_calls: int
+    fast_path_fallbacks: int
+    fallback_causes: _containers.ScalarMap[str, int]
+    def __init__(self, backend: _Optional[str] = ..., transport: _Optional[str] = ..., fast_path: _Optional[str] = ..., fast_path_calls: _Optional[int] = ..., fast_path_fallbacks: _Optional[int] = ..., fallback_causes: _Optional[_Mapping[str, int]] = ...) -> None: ...

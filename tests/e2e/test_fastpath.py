@@ -1,0 +1,240 @@
+"""The UCX fast path between real processes on loopback: every family's greedy tokens identical to
+transformers with every expert remote and every expert call over UCX (shared memory, and
+UCX_TLS=tcp); with ucxx not importable everything goes over gRPC with the same tokens; a replica
+whose fast path goes away mid-load costs no request, is counted, and is used again once it returns.
+
+The router runs as a process of its own: UCX reads its environment when ucxx is imported, which this
+test process has long done. What carried the calls is read from the router's Status (each replica's
+fast-path calls and fallbacks against all remote calls), its span file and its /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+
+from moe_mesh.common.fastpath.ucx import load_ucxx
+from moe_mesh.expert_service.app import ExpertApp
+from moe_mesh.expert_service.settings import ExpertSettings
+from moe_mesh.ops.traces import load_spans
+from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, router_pb2, router_pb2_grpc
+from tests.support import hf
+from tests.support.metrics import scrape, total
+from tests.support.net import free_port
+from tests.support.polling import eventually
+from tests.support.processes import ServiceProcess, start_experts
+from tests.support.reference import PROMPTS
+from tests.support.routers import generate, request
+
+pytestmark = pytest.mark.skipif(
+    load_ucxx(loopback=True) is None, reason="ucxx cannot be imported (pip install ucxx-cu12)"
+)
+TWO_SERVICES = ["*:0-3", "*:4-7"]  # every expert remote, scattered over two processes
+FALLBACKS = "moe_router_fast_path_fallbacks_total"
+
+
+def router_process(
+    path: Path, experts: list[str], workdir: Path, *args: str, env: dict | None = None
+) -> ServiceProcess:
+    """Started, not yet ready (see ServiceProcess.wait_ready)."""
+    return ServiceProcess(
+        "moe_mesh.router_service",
+        ["--checkpoint", str(path), *sum((["--expert", a] for a in experts), []), *args],
+        workdir,
+        "router",
+        env,
+    )
+
+
+@contextmanager
+def mesh(path: Path, workdir: Path, *router_args: str, env: dict | None = None) -> Iterator:
+    experts = start_experts(path, TWO_SERVICES, workdir, env=env)
+    try:
+        router = router_process(path, [e.address for e in experts], workdir, *router_args, env=env)
+        try:
+            yield router.wait_ready(), experts
+        finally:
+            router.stop()
+    finally:
+        for e in experts:
+            e.stop()
+
+
+async def generate_all(address: str, max_tokens: int = 32) -> tuple[tuple[int, ...], ...]:
+    """The reference prompts, all in flight at once (one batch), greedy."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        replies = await asyncio.gather(
+            *(generate(stub, request(i, max_tokens)) for i in range(len(PROMPTS)))
+        )
+    return tuple(tokens for tokens, _ in replies)
+
+
+async def status(address: str) -> router_pb2.RouterStatus:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await router_pb2_grpc.RouterServiceStub(channel).Status(
+            router_pb2.RouterStatusRequest(), timeout=5
+        )
+
+
+async def replica(address: str, backend: str) -> router_pb2.ExpertReplica:
+    return next(r for r in (await status(address)).replicas if r.backend == backend)
+
+
+# -- parity over UCX ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tls", ["default", "tcp"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+async def test_every_family_matches_transformers_with_every_call_over_ucx(
+    checkpoint, tmp_path, arch, tls
+) -> None:
+    path = checkpoint(arch)
+    env = {} if tls == "default" else {"UCX_TLS": "tcp"}
+    trace_file = tmp_path / "router.spans.jsonl"
+    args = ["--fast-path", "ucx", "--trace-file", str(trace_file), "--trace-sample", "1"]
+    with mesh(path, tmp_path, *args, env=env) as (router, experts):
+        assert await generate_all(router.address) == hf.greedy(path)
+        st = await status(router.address)
+        rows = {r.backend: r for r in st.replicas}
+        assert set(rows) == {e.address for e in experts}
+        assert all(r.transport == "ucx" and r.fast_path_fallbacks == 0 for r in rows.values())
+        # Every call the dispatcher sent to an expert service, the fast path carried.
+        assert sum(r.fast_path_calls for r in rows.values()) == st.remote_calls > 0
+    calls = [s for s in load_spans([trace_file]) if s["name"] == "moe.expert_call"]
+    assert len(calls) == st.remote_calls
+    assert {s["attributes"]["moe.transport"] for s in calls} == {"ucx"}
+
+
+# -- fallback ----------------------------------------------------------------------------------------
+
+
+async def test_with_ucxx_import_blocked_everything_goes_over_grpc_with_the_same_tokens(
+    checkpoint, tmp_path
+) -> None:
+    shim = tmp_path / "no_ucxx"
+    (shim / "ucxx").mkdir(parents=True)
+    (shim / "ucxx" / "__init__.py").write_text('raise ImportError("ucxx blocked by the test")\n')
+    env = {"PYTHONPATH": os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", "")])}
+    path = checkpoint("mixtral")
+    with mesh(path, tmp_path, env=env) as (router, experts):  # fast path: auto
+        for e in experts:
+            assert e.ready["fast_paths"] == []
+            async with grpc.aio.insecure_channel(e.address) as channel:
+                described = await expert_pb2_grpc.ExpertServiceStub(channel).Describe(
+                    expert_pb2.DescribeRequest(), timeout=5
+                )
+            assert list(described.fast_paths) == []
+        assert await generate_all(router.address) == hf.greedy(path)
+        st = await status(router.address)
+        assert st.remote_calls > 0
+        assert all(
+            (r.transport, r.fast_path, r.fast_path_calls, r.fast_path_fallbacks)
+            == ("grpc", "", 0, 0)
+            for r in st.replicas
+        )
+
+
+async def test_a_fast_path_lost_mid_load_costs_no_request_and_comes_back(
+    checkpoint, tmp_path, monkeypatch
+) -> None:
+    """Two expert services in this process (one's fast path is stopped and started again while
+    requests keep coming), the router in another."""
+    # UCX binds its listener without SO_REUSEADDR: the port the stopped listener held stays in
+    # TIME_WAIT for a minute and the restart could not bind it. UCX reads this when the context
+    # is created (this process re-creates it once no listener or client is left).
+    monkeypatch.setenv("UCX_TCP_CM_REUSEADDR", "y")
+    path = checkpoint("qwen3_moe")
+    want = tuple(t[:8] for t in hf.greedy(path))
+    apps: list[ExpertApp] = []
+    try:
+        for spec, port in ((TWO_SERVICES[0], free_port()), (TWO_SERVICES[1], 0)):
+            app = await ExpertApp.create(
+                ExpertSettings(
+                    checkpoint=path,
+                    experts=spec,
+                    fast_path="ucx",
+                    fast_path_port=port,  # a fixed port: the restarted listener is found there
+                    compute_threads=1,
+                    grace_s=1.0,
+                )
+            )
+            apps.append(app)
+            await app.start()
+        victim = apps[0]
+        router = router_process(
+            path,
+            [a.address for a in apps],
+            tmp_path,
+            "--fast-path",
+            "ucx",
+            "--fast-path-backoff-s",
+            "0.2",
+            "--metrics-port",
+            "0",
+        )
+        try:
+            # Waited for on a thread: this event loop serves the expert services it describes.
+            await asyncio.to_thread(router.wait_ready)
+            done = asyncio.Event()
+            results: list = []
+
+            async def load() -> None:
+                for _ in range(300):  # bounded: the phases below end it long before
+                    try:
+                        results.append(await generate_all(router.address, max_tokens=8))
+                    except Exception as e:  # counted: the test requires none
+                        results.append(e)
+                    if done.is_set():
+                        return
+
+            async def phases() -> None:
+                calls = lambda: replica(router.address, victim.address)  # noqa: E731
+                await eventually(
+                    lambda: _fast(calls(), lambda r: r.fast_path_calls > 0), 60, "UCX calls"
+                )
+                await victim.fast_path.server.stop()
+                await eventually(
+                    lambda: _fast(calls(), lambda r: r.fast_path_fallbacks > 0), 30, "a fallback"
+                )
+                before = (await calls()).fast_path_calls
+                await victim.fast_path.server.start()
+                # Re-probed after the back-off (doubling from 0.2 s while the listener was gone).
+                await eventually(
+                    lambda: _fast(calls(), lambda r: r.fast_path_calls > before + 5),
+                    30,
+                    "UCX calls again after the listener returned",
+                )
+
+            try:
+                await asyncio.gather(load(), _then(phases(), done))
+            finally:
+                done.set()
+            failed = [r for r in results if isinstance(r, Exception)]
+            assert results and not failed
+            assert all(r == want for r in results)
+            row = await replica(router.address, victim.address)
+            assert row.transport == "ucx" and row.fast_path_fallbacks > 0
+            samples = scrape(router.ready["metrics"])
+            assert total(samples, FALLBACKS) == row.fast_path_fallbacks
+        finally:
+            await asyncio.to_thread(router.stop)
+    finally:
+        for app in apps:
+            await app.stop()
+
+
+async def _fast(row, ok) -> bool:
+    return ok(await row)
+
+
+async def _then(coro, event: asyncio.Event) -> None:
+    try:
+        await coro
+    finally:
+        event.set()
