@@ -88,6 +88,11 @@ class FrameServer:
             UcxRuntime.release()
             raise
         self._runtime = runtime
+        # Hellos sent while this server was stopped name connections it never made; their
+        # clients time out and say hello again.
+        stale = runtime.discard(HELLO_TAG, MAX_CLIENTS)
+        if stale:
+            log.info("fast path: dropped %d hello(s) queued while stopped", stale)
         self._hello = asyncio.create_task(self._accept())
         return self.address
 

@@ -161,6 +161,18 @@ class UcxRuntime:
                 del self._waiters[tag]
                 self._take(probe, future, into, limit)
 
+    def discard(self, tag: int, max_messages: int) -> int:
+        """Drop the messages queued on `tag` (at most `max_messages`); how many were dropped."""
+        self.worker.progress()
+        for dropped in range(max_messages):
+            probe = self.worker.tag_probe(self._tag(tag), remove=True)
+            if not probe.matched:
+                return dropped
+            drain = np.empty(16, np.uint8)  # truncated: it leaves UCX's queue
+            request = self.worker.tag_recv_with_handle(self._array(drain), probe)
+            self._requests.append((request, None, drain))
+        return max_messages
+
     def _take(self, probe: Any, future: asyncio.Future, into: Any, limit: int) -> None:
         """Receive a probed message at once (an eager one completes here, in this callback)."""
         n = probe.length
