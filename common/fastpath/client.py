@@ -29,7 +29,7 @@ from moe_mesh.common.fastpath.frame import (
     RequestHeader,
     VersionError,
     control_tag,
-    encode_header,
+    encode_frame,
     encode_hello,
     error_from_header,
     reply_tag,
@@ -38,8 +38,9 @@ from moe_mesh.common.fastpath.frame import (
 from moe_mesh.common.fastpath.ucx import (
     UcxRuntime,
     close_endpoint,
+    first_message,
     read_frame,
-    send_frame,
+    submit_frame,
     ucx_errors,
 )
 
@@ -53,13 +54,28 @@ class FastPathError(Exception):
         self.cause = cause
 
 
+class _Refused(Exception):
+    """The service refused a frame of this connection (on its control tag)."""
+
+    def __init__(self, header: Header) -> None:
+        self.header = header
+
+
 class _Connection:
     def __init__(self, ep: Any, client_id: int) -> None:
         self.ep, self.id = ep, client_id
         self.calls = 0
-        # The control tag's frame, read once and seen by every call in flight: a refusal of a
-        # frame of this connection (cancelled when the connection is dropped).
+        # The reply futures (first messages) of calls in flight: a refusal or a dropped
+        # connection fails them, so each call waits on its own future alone.
+        self.pending: dict[int, asyncio.Future] = {}
+        # The control tag's frame, read once: a refusal of a frame of this connection
+        # (cancelled when the connection is dropped).
         self.refusal: asyncio.Task | None = None
+
+    def fail(self, error: BaseException) -> None:
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(error)
 
 
 class FrameClient:
@@ -124,6 +140,7 @@ class FrameClient:
             conn.refusal = asyncio.ensure_future(
                 read_frame(runtime, control_tag(conn.id), self.max_payload_bytes, timeout_s)
             )
+            conn.refusal.add_done_callback(lambda task: _refused(conn, task))
             self._conn = conn
             return conn
 
@@ -132,24 +149,20 @@ class FrameClient:
     ) -> tuple[Header, torch.Tensor | None]:
         runtime = self._runtime
         assert runtime is not None
-        conn.calls = conn.calls % MAX_CALL + 1
-        header = replace(header, call=conn.calls)
-        assert conn.refusal is not None
-        reply = asyncio.ensure_future(
-            read_frame(runtime, reply_tag(conn.id, header.call), self.max_payload_bytes, timeout_s)
-        )
+        call = conn.calls = conn.calls % MAX_CALL + 1
+        header = replace(header, call=call)
+        tag = reply_tag(conn.id, call)
+        # Posted before the request leaves: the reply is taken in the callback it arrives in.
+        first = conn.pending[call] = first_message(runtime, tag, self.max_payload_bytes)
         try:
+            messages = encode_frame(header, payload)
+            # Not awaited: the reply implies the request arrived; a failed send fails the reply.
+            for sent in submit_frame(runtime, conn.ep, request_tag(conn.id), messages):
+                sent.add_done_callback(lambda s: _fail_with(first, s))
             async with asyncio.timeout(timeout_s):
-                first = encode_header(header)
-                await send_frame(runtime, conn.ep, request_tag(conn.id), first, payload)
-                done, _ = await asyncio.wait(
-                    [reply, conn.refusal], return_when=asyncio.FIRST_COMPLETED
-                )
-                if reply in done:
-                    return reply.result()
-                if conn.refusal.cancelled():
-                    raise FastPathError("closed", f"{self.address}: connection dropped")
-                return conn.refusal.result()  # the service could not read a frame of ours
+                return await read_frame(runtime, tag, self.max_payload_bytes, timeout_s, first)
+        except _Refused as e:  # the service could not read a frame of ours
+            return e.header, None
         except TimeoutError:
             raise FastPathError(
                 "timeout", f"{self.address}: no reply within {timeout_s:g}s"
@@ -161,7 +174,8 @@ class FrameClient:
         except ucx_errors() as e:
             raise FastPathError("closed", f"{self.address}: {type(e).__name__}: {e}") from None
         finally:
-            reply.cancel()
+            first.cancel()
+            conn.pending.pop(call, None)
 
     def _result(
         self, conn: _Connection, reply: Header, output: torch.Tensor | None
@@ -185,8 +199,9 @@ class FrameClient:
         if conn is None or conn is not self._conn:
             return
         self._conn = None
+        conn.fail(FastPathError("closed", f"{self.address}: connection dropped"))
         if conn.refusal is not None:
-            conn.refusal.cancel()  # calls in flight wake up and raise FastPathError("closed")
+            conn.refusal.cancel()
         close_endpoint(conn.ep)
 
     def close(self) -> None:
@@ -198,6 +213,19 @@ class FrameClient:
         if self._runtime is not None:
             self._runtime = None
             UcxRuntime.release()
+
+
+def _refused(conn: _Connection, task: asyncio.Task) -> None:
+    """The control tag's frame arrived (or its reader ended): the calls in flight learn it."""
+    if task.cancelled():
+        return
+    error = task.exception()
+    conn.fail(_Refused(task.result()[0]) if error is None else error)
+
+
+def _fail_with(reply: asyncio.Future, sent: asyncio.Future) -> None:
+    if not sent.cancelled() and sent.exception() is not None and not reply.done():
+        reply.set_exception(sent.exception())
 
 
 # Fields only a frame-level refusal names (frame.decode_header); errors about the call's content

@@ -19,7 +19,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from moe_mesh.common.errors import DeadlineExceededError, InternalError, MoeMeshError
@@ -33,7 +32,7 @@ from moe_mesh.common.fastpath.frame import (
     RequestHeader,
     control_tag,
     decode_hello,
-    encode_header,
+    encode_frame,
     error_header,
     reply_tag,
     request_tag,
@@ -89,6 +88,11 @@ class FrameServer:
             UcxRuntime.release()
             raise
         self._runtime = runtime
+        # Hellos sent while this server was stopped name connections it never made; their
+        # clients time out and say hello again.
+        stale = runtime.discard(HELLO_TAG, MAX_CLIENTS)
+        if stale:
+            log.info("fast path: dropped %d hello(s) queued while stopped", stale)
         self._hello = asyncio.create_task(self._accept())
         return self.address
 
@@ -108,13 +112,8 @@ class FrameServer:
         runtime = self._runtime
         assert runtime is not None
         while True:
-            probe = await runtime.message(HELLO_TAG)
-            if probe.length > MAX_HELLO_BYTES:
-                hello = np.empty(16, np.uint8)  # truncated: it leaves the queue, then dropped
-            else:
-                hello = np.empty(probe.length, np.uint8)
             try:
-                await runtime.receive(probe, hello)
+                hello = await runtime.recv(HELLO_TAG, MAX_HELLO_BYTES)
                 client_id, address = decode_hello(hello)
                 ep = await runtime.connect(address)
             except (FrameError, *ucx_errors()) as e:
@@ -217,11 +216,11 @@ class FrameServer:
     ) -> None:
         if error is not None:
             self.errors += 1
-            first, payload = encode_header(error_header(error)), None
+            messages = encode_frame(error_header(error))
         else:
             assert reply is not None
-            first, payload = encode_header(reply[0]), reply[1]
+            messages = encode_frame(*reply)
         try:
-            await send_frame(runtime, client.ep, tag, first, payload)
+            await send_frame(runtime, client.ep, tag, messages)
         except ucx_errors():
             self._forget(client)  # the peer is gone; nobody to tell

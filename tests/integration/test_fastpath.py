@@ -295,15 +295,17 @@ async def test_without_the_fast_path_calls_fall_back_to_grpc_back_off_and_re_pro
 
 
 async def test_an_old_frame_version_peer_makes_the_router_fall_back_cleanly(monkeypatch) -> None:
-    """A service speaking frame version 1: it refuses our frame, in its own version."""
+    """A service speaking the previous frame version: it refuses our frame, in its own version."""
 
     async def refuse(*args, **kwargs):
         raise f.VersionError(f.VERSION)
 
     monkeypatch.setattr(server_module, "read_frame", refuse)
-    monkeypatch.setattr(server_module, "VERSION", 1, raising=False)
+    old_version = f.VERSION - 1
     monkeypatch.setattr(
-        server_module, "encode_header", lambda header: f.encode_header(header, version=1)
+        server_module,
+        "encode_frame",
+        lambda header, payload=None: [message(f.encode_header(header, version=old_version))],
     )
     old = FrameServer(lambda header, payload: None, MESSAGE_BYTES)
     client = FrameClient(parse_worker_url(await old.start()), MESSAGE_BYTES)
@@ -311,7 +313,9 @@ async def test_an_old_frame_version_peer_makes_the_router_fall_back_cleanly(monk
         header = f.RequestHeader("m", "c", 0, [0], [2], "float32", [2, 4], 32)
         with pytest.raises(FastPathError) as info:
             await client.call(header, torch.randn(2, 4), 2.0)
-        assert info.value.cause == "version" and "version 1 is not supported" in str(info.value)
+        assert info.value.cause == "version" and f"version {old_version} is not supported" in str(
+            info.value
+        )
     finally:
         client.close()
         await old.stop()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import struct
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -34,10 +35,8 @@ def request(**overrides) -> f.RequestHeader:
 
 
 def raw(version: int = f.VERSION, kind: int = 1, body: bytes = b"{}", length: int | None = None):
-    return (
-        struct.pack("<4sHHI", f.MAGIC, version, kind, len(body) if length is None else length)
-        + body
-    )
+    n = len(body) if length is None else length
+    return struct.pack("<4sHBBI", f.MAGIC, version, kind, 0, n) + body
 
 
 def refused(message: bytes, limit: int = LIMIT) -> f.FrameError:
@@ -155,6 +154,32 @@ def test_payloads_are_views_of_the_tensor_and_received_into_the_output_tensor() 
     out = f.empty_like_payload(request())
     f.payload_view(out)[:] = view
     assert torch.equal(out, t)
+
+
+def test_small_payloads_travel_inline_and_are_received_as_views_of_the_message() -> None:
+    t = torch.randn(3, 64).to(torch.bfloat16)
+    (message,) = f.encode_frame(request(), t)  # one message: one wake-up of the receiver
+    header, payload, follows = f.decode_frame(message, LIMIT)
+    assert header == request() and not follows and torch.equal(payload, t)
+    assert payload.data_ptr() == message.ctypes.data + message.nbytes - 384  # no copy
+    assert payload.data_ptr() % 16 == 0  # the message's alignment, kept by PAYLOAD_ALIGN
+
+
+def test_large_payloads_follow_from_the_tensors_own_memory() -> None:
+    rows = f.INLINE_MAX_BYTES // (64 * 2) + 1
+    t = torch.randn(rows, 64).to(torch.bfloat16)
+    big = request(token_counts=[rows], shape=[rows, 64], payload_bytes=t.nbytes)
+    first, rest = f.encode_frame(big, t)
+    assert f.decode_frame(first, LIMIT) == (big, None, True)
+    assert rest.ctypes.data == t.data_ptr()  # no copy
+
+
+def test_an_inline_payload_must_be_exactly_as_long_as_announced() -> None:
+    (message,) = f.encode_frame(request(), torch.randn(3, 64).to(torch.bfloat16))
+    with pytest.raises(f.FrameError, match="short payload"):
+        f.decode_frame(message[:-1], LIMIT)
+    with pytest.raises(f.FrameError, match="more than the 384 bytes"):
+        f.decode_frame(np.concatenate([message, message[:1]]), LIMIT)
 
 
 def test_error_frames_carry_the_same_classes_as_grpc_statuses() -> None:
