@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+from typing import NamedTuple
 
 FAST_PATH_MODES = ("auto", "ucx", "off")
 MESH_ENV = "MOE_MESH_FAST_PATH"  # one switch for every service of a mesh, e.g. off
@@ -23,6 +24,7 @@ WORKER_SCHEME = "ucx-worker:"
 # Consul refuses a Meta value over 512 characters; the advertisement must fit as a whole. A worker
 # address is ~188 bytes with shared memory + TCP (252 characters encoded), 52 with UCX_TLS=tcp.
 MAX_ADVERTISED_CHARS = 512
+MAX_SERVER = 0xFFFF  # servers on one worker are told apart by the low 16 bits of the hello tag
 
 
 def mesh_fast_path() -> str:
@@ -30,10 +32,18 @@ def mesh_fast_path() -> str:
     return os.environ.get(MESH_ENV, "auto").strip().lower() or "auto"
 
 
-def worker_url(address: bytes) -> str:
-    """The advertisement of a UCX worker address; ValueError when it exceeds the Meta limit
-    (many transports on a host with many devices: narrow UCX_TLS / UCX_NET_DEVICES)."""
-    url = WORKER_SCHEME + base64.urlsafe_b64encode(address).decode()
+class Target(NamedTuple):
+    """Where a client says hello: a UCX worker, and which of the servers on it (a process has one
+    worker, and tests run several expert services in one process)."""
+
+    address: bytes
+    server: int
+
+
+def worker_url(address: bytes, server: int) -> str:
+    """The advertisement `ucx-worker:<base64 address>/<server>`; ValueError when it exceeds the
+    Meta limit (many transports on a host with many devices: narrow UCX_TLS / UCX_NET_DEVICES)."""
+    url = f"{WORKER_SCHEME}{base64.urlsafe_b64encode(address).decode()}/{server}"
     if len(url) > MAX_ADVERTISED_CHARS:
         raise ValueError(
             f"UCX worker address of {len(address)} bytes encodes to {len(url)} characters, over "
@@ -42,17 +52,19 @@ def worker_url(address: bytes) -> str:
     return url
 
 
-def parse_worker_url(urls: str | list[str] | tuple[str, ...]) -> bytes | None:
-    """The worker address of the first ucx-worker: entry among advertised fast paths, None if
+def parse_worker_url(urls: str | list[str] | tuple[str, ...]) -> Target | None:
+    """The target of the first well-formed ucx-worker: entry among advertised fast paths, None if
     there is none (older services advertised ucx://host:port, which this router does not speak)."""
     for url in [urls] if isinstance(urls, str) else urls:
         url = url.strip()
         if not url.startswith(WORKER_SCHEME) or len(url) > MAX_ADVERTISED_CHARS:
             continue
+        encoded, _, server = url[len(WORKER_SCHEME) :].partition("/")
         try:
-            address = base64.urlsafe_b64decode(url[len(WORKER_SCHEME) :].encode())
+            address = base64.urlsafe_b64decode(encoded.encode())
+            number = int(server)
         except (binascii.Error, ValueError):
             continue
-        if address:
-            return address
+        if address and 0 < number <= MAX_SERVER:
+            return Target(address, number)
     return None

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from moe_mesh.common.fastpath import Target
 from moe_mesh.common.fastpath.frame import (
     CLIENT_ID_BITS,
-    HELLO_TAG,
     MAX_CALL,
     ErrorHeader,
     FrameError,
@@ -32,6 +32,7 @@ from moe_mesh.common.fastpath.frame import (
     encode_frame,
     encode_hello,
     error_from_header,
+    hello_tag,
     reply_tag,
     request_tag,
 )
@@ -79,15 +80,11 @@ class _Connection:
 
 
 class FrameClient:
-    """Calls one expert service at its UCX worker `address` (bytes); `close()` aborts calls in
-    flight."""
+    """Calls one expert service at its `target` (UCX worker address and server number);
+    `close()` aborts calls in flight."""
 
-    def __init__(self, address: bytes, max_payload_bytes: int, loopback: bool = True) -> None:
-        self.worker_address, self.max_payload_bytes, self.loopback = (
-            address,
-            max_payload_bytes,
-            loopback,
-        )
+    def __init__(self, target: Target, max_payload_bytes: int, loopback: bool = True) -> None:
+        self.target, self.max_payload_bytes, self.loopback = target, max_payload_bytes, loopback
         self._runtime: UcxRuntime | None = None  # acquired at the first connect
         self._conn: _Connection | None = None
         self._connecting: asyncio.Lock | None = None
@@ -95,7 +92,7 @@ class FrameClient:
 
     @property
     def address(self) -> str:
-        return f"ucx-worker:{self.worker_address[:6].hex()}…"
+        return f"ucx-worker:{self.target.address[:6].hex()}…/{self.target.server}"
 
     async def call(
         self, header: RequestHeader, payload: torch.Tensor, timeout_s: float
@@ -128,10 +125,12 @@ class FrameClient:
             runtime = self._runtime
             try:
                 async with asyncio.timeout(timeout_s):
-                    ep = await runtime.connect(self.worker_address)
+                    ep = await runtime.connect(self.target.address)
                     conn = _Connection(ep, random.randrange(1, 1 << CLIENT_ID_BITS))
                     hello = encode_hello(conn.id, runtime.address)
-                    await runtime.send(ep, np.frombuffer(hello, np.uint8), HELLO_TAG)
+                    await runtime.send(
+                        ep, np.frombuffer(hello, np.uint8), hello_tag(self.target.server)
+                    )
             except (TimeoutError, *ucx_errors()) as e:
                 raise FastPathError("connect", f"{self.address}: {type(e).__name__}: {e}") from None
             if self.closed:

@@ -17,8 +17,8 @@ Payloads up to INLINE_MAX_BYTES go inline: every message to a sleeping peer cost
 signal, a context switch, a loop iteration: ~50-100 us on 2 cores), far more than copying a
 small payload; the receiver's tensor is a view of the received message (no copy there).
 
-Tags (64 bits): a client says hello on HELLO_TAG with its own worker address and a random client
-id; then it sends requests on request_tag(id) and each call's reply comes back on
+Tags (64 bits): a client says hello on hello_tag(server) with its own worker address and a random
+client id; then it sends requests on request_tag(id) and each call's reply comes back on
 reply_tag(id, call). A frame the service cannot read is refused on control_tag(id) (its call may
 be unreadable), and the service forgets the client: what follows cannot be trusted.
 
@@ -58,7 +58,15 @@ PREFIX_BYTES = _PREFIX.size  # 12
 MAX_HEADER_BYTES = 16 * 1024
 FIRST_MESSAGE_BYTES = PREFIX_BYTES + MAX_HEADER_BYTES + PAYLOAD_ALIGN  # + an inline payload
 MAX_HELLO_BYTES = _HELLO.size + 4096  # worker addresses are a few hundred bytes
-HELLO_TAG = 0x4D4D_4650_4845_4C4F  # b"MMFPHELO"
+# Bit 63 set: client tags are below 2**63 (31-bit ids), so a hello never matches one.
+HELLO_TAG = (1 << 63) | 0x4D4D_4650_4845_0000  # b"MMFPHE" + the server's number
+
+
+def hello_tag(server: int) -> int:
+    """Where the server numbered `server` (1..0xFFFF) on a worker takes hellos."""
+    return HELLO_TAG | server
+
+
 CLIENT_ID_BITS = 31  # request and reply tags are (id << 32) | call, call 0 being the control tag
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,7 +1,7 @@
 """The service side of the fast path: answers request frames with a handler (the service's core).
 
 Nothing listens: clients reach this process's UCX worker by its address (see fastpath/__init__).
-A client's hello (HELLO_TAG) carries its worker address and id; the server opens an endpoint back
+A client's hello (on this server's hello tag) carries its worker address and id; the server opens an endpoint back
 to it and reads its requests on request_tag(id). Each request is handled in its own task, so a
 client's concurrent calls, and other clients', meet in the core's batcher; each reply goes to the
 call's own tag. An error the handler raises goes back as an error frame; a frame that cannot be
@@ -14,6 +14,7 @@ and at most MAX_CLIENTS are kept (the least recently heard-from is evicted).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -25,7 +26,6 @@ from moe_mesh.common.errors import DeadlineExceededError, InternalError, MoeMesh
 from moe_mesh.common.fastpath import worker_url
 from moe_mesh.common.fastpath.frame import (
     DTYPE_NAMES,
-    HELLO_TAG,
     MAX_HELLO_BYTES,
     FrameError,
     ReplyHeader,
@@ -34,6 +34,7 @@ from moe_mesh.common.fastpath.frame import (
     decode_hello,
     encode_frame,
     error_header,
+    hello_tag,
     reply_tag,
     request_tag,
 )
@@ -61,12 +62,19 @@ class _Client:
         self.seen = time.monotonic()
 
 
+_numbers = itertools.count(1)
+
+
 class FrameServer:
     """`await start()` -> the address to advertise (ucx-worker:...); `await stop()` forgets every
     client; start() again serves at the same address (the worker outlives the server)."""
 
     def __init__(self, handler: Handler, max_payload_bytes: int, loopback: bool = True) -> None:
         self.handler, self.max_payload_bytes, self.loopback = handler, max_payload_bytes, loopback
+        # Unique in this process (which has one UCX worker), kept across stop/start, so a
+        # restarted server answers at the address it advertised before.
+        self.number = next(_numbers)
+        self.hello_tag = hello_tag(self.number)
         self.address = ""
         self.frames = 0  # requests answered with a tensor
         self.errors = 0  # requests answered with an error frame
@@ -83,14 +91,14 @@ class FrameServer:
             return self.address
         runtime = UcxRuntime.acquire(self.loopback)
         try:
-            self.address = worker_url(runtime.address)
+            self.address = worker_url(runtime.address, self.number)
         except ValueError:
             UcxRuntime.release()
             raise
         self._runtime = runtime
         # Hellos sent while this server was stopped name connections it never made; their
         # clients time out and say hello again.
-        stale = runtime.discard(HELLO_TAG, MAX_CLIENTS)
+        stale = runtime.discard(self.hello_tag, MAX_CLIENTS)
         if stale:
             log.info("fast path: dropped %d hello(s) queued while stopped", stale)
         self._hello = asyncio.create_task(self._accept())
@@ -113,7 +121,7 @@ class FrameServer:
         assert runtime is not None
         while True:
             try:
-                hello = await runtime.recv(HELLO_TAG, MAX_HELLO_BYTES)
+                hello = await runtime.recv(self.hello_tag, MAX_HELLO_BYTES)
                 client_id, address = decode_hello(hello)
                 ep = await runtime.connect(address)
             except (FrameError, *ucx_errors()) as e:

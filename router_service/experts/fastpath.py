@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from opentelemetry import propagate, trace
 
-from moe_mesh.common.fastpath import parse_worker_url, worker_url
+from moe_mesh.common.fastpath import Target, parse_worker_url, worker_url
 from moe_mesh.common.fastpath.client import FastPathError, FrameClient
 from moe_mesh.common.fastpath.frame import DTYPE_NAMES, RequestHeader
 from moe_mesh.common.fastpath.ucx import load_ucxx
@@ -50,13 +50,13 @@ class FastPathLink:
     def __init__(
         self,
         url: str,
-        address: bytes,
+        target: Target,
         config: FastPathConfig,
         max_message_bytes: int,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.url, self.config, self.clock = url, config, clock
-        self.client = FrameClient(address, max_message_bytes, config.loopback)
+        self.client = FrameClient(target, max_message_bytes, config.loopback)
         self.fallbacks: Counter[str] = Counter()  # cause -> calls that fell back
         self.calls = 0  # calls the fast path carried
         self.off_until = 0.0
@@ -67,10 +67,10 @@ class FastPathLink:
         cls, urls: list[str] | str, config: FastPathConfig | None, max_message_bytes: int
     ) -> FastPathLink | None:
         """A link when the service advertises ucx and this router's fast path is on."""
-        address = parse_worker_url(urls) if urls else None
-        if address is None or config is None or not config.enabled():
+        target = parse_worker_url(urls) if urls else None
+        if target is None or config is None or not config.enabled():
             return None
-        return cls(worker_url(address), address, config, max_message_bytes)
+        return cls(worker_url(*target), target, config, max_message_bytes)
 
     def usable(self) -> bool:
         return not self.client.closed and self.clock() >= self.off_until

@@ -134,9 +134,12 @@ async def raw_exchange(app: ExpertApp, messages: list[np.ndarray]) -> f.Header:
     """Say hello, send `messages` as they are on the request tag, and read the answer: on call 1's
     tag (an error about the call) or on the control tag (a frame the service could not read)."""
     runtime = UcxRuntime.acquire(loopback=True)
-    ep = await runtime.connect(parse_worker_url(app.fast_paths))
+    target = parse_worker_url(app.fast_paths)
+    ep = await runtime.connect(target.address)
     client_id = 12345
-    runtime.send(ep, message(f.encode_hello(client_id, runtime.address)), f.HELLO_TAG)
+    runtime.send(
+        ep, message(f.encode_hello(client_id, runtime.address)), f.hello_tag(target.server)
+    )
     answers = [
         asyncio.ensure_future(read_frame(runtime, tag, MESSAGE_BYTES, 5.0))
         for tag in (f.reply_tag(client_id, 1), f.control_tag(client_id))
@@ -326,14 +329,15 @@ async def test_garbage_on_the_hello_tag_is_dropped_and_the_service_stays_healthy
 ) -> None:
     async with expert(checkpoint) as app:
         runtime = UcxRuntime.acquire(loopback=True)
-        ep = await runtime.connect(parse_worker_url(app.fast_paths))
+        target = parse_worker_url(app.fast_paths)
+        ep = await runtime.connect(target.address)
         try:
             for junk in [
                 b"x",
                 b"\x16\x03\x01 hello, is this TLS?" * 300,
                 f.encode_hello(7, b"no address")[:-1] + b"!",
             ]:
-                runtime.send(ep, message(junk), f.HELLO_TAG)
+                runtime.send(ep, message(junk), f.hello_tag(target.server))
             await asyncio.sleep(0.1)
             assert not app.fast_path.server.clients
             backend = remote(app)

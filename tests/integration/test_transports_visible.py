@@ -20,7 +20,9 @@ import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from moe_mesh.common.fastpath import frame as f
-from moe_mesh.common.fastpath.ucx import UcxRuntime, load_ucxx
+from moe_mesh.common.fastpath import server as server_module
+from moe_mesh.common.fastpath.server import FrameServer
+from moe_mesh.common.fastpath.ucx import load_ucxx
 from moe_mesh.common.telemetry import Telemetry
 from moe_mesh.expert_service.app import ExpertApp
 from moe_mesh.expert_service.settings import ExpertSettings
@@ -157,20 +159,26 @@ async def test_a_lost_fast_path_is_counted_by_cause_and_shown_per_replica(checkp
 
 
 async def test_an_old_frame_version_peer_is_a_clean_grpc_fallback_counted_as_version(
-    checkpoint,
+    checkpoint, monkeypatch
 ) -> None:
-    """The replica advertises a fast path that speaks frame version 0: the call is answered over
+    """The replica advertises a fast path that speaks the previous frame version: the call is answered over
     gRPC with the same outputs, and the router's counter names the cause."""
-    ucxx = UcxRuntime.acquire(loopback=True)
-    peers = []
 
-    async def old_service(ep) -> None:
-        peers.append(ep)
-        await ep.recv(np.empty(f.FIRST_MESSAGE_BYTES, np.uint8))
-        refusal = f.ErrorHeader("VERSION", "frame version 1 is not supported", "version")
-        await ep.send(np.frombuffer(f.encode_header(refusal, version=0), np.uint8))
+    async def refuse(*args, **kwargs):
+        raise f.VersionError(f.VERSION)
 
-    listener = ucxx.create_listener(old_service, port=0)
+    # A peer one version behind: it refuses every frame of ours, in its own version.
+    monkeypatch.setattr(server_module, "read_frame", refuse)
+    old_version = f.VERSION - 1
+    monkeypatch.setattr(
+        server_module,
+        "encode_frame",
+        lambda header, payload=None: [
+            np.frombuffer(f.encode_header(header, version=old_version), np.uint8)
+        ],
+    )
+    old = FrameServer(lambda header, payload: None, 2**24)
+    advertised = await old.start()
     app = await ExpertApp.create(
         ExpertSettings(
             checkpoint=checkpoint("mixtral"), experts="*:0-3", fast_path="off", grace_s=1.0
@@ -180,13 +188,7 @@ async def test_an_old_frame_version_peer_is_a_clean_grpc_fallback_counted_as_ver
     telemetry = Telemetry.create("router", metrics_port=0)
     identity = Identity(app.host.model_id, app.host.weights_checksum)
     config = fast_path_config(RouterSettings(fast_path="ucx"), telemetry)
-    backend = RemoteExperts(
-        app.address,
-        identity,
-        2**24,
-        fast_path=config,
-        fast_paths=[f"ucx://127.0.0.1:{listener.port}"],
-    )
+    backend = RemoteExperts(app.address, identity, 2**24, fast_path=config, fast_paths=[advertised])
     plain = RemoteExperts(app.address, identity, 2**24)
     try:
         torch.manual_seed(0)
@@ -202,7 +204,4 @@ async def test_an_old_frame_version_peer_is_a_clean_grpc_fallback_counted_as_ver
         await plain.close()
         await app.stop()
         telemetry.shutdown()
-        for ep in peers:
-            ep.abort()
-        listener.close()
-        UcxRuntime.release()
+        await old.stop()

@@ -143,8 +143,9 @@ def test_hellos_round_trip_and_anything_else_is_refused() -> None:
 def test_tags_of_clients_and_calls_never_meet() -> None:
     ids = [1, 2, (1 << f.CLIENT_ID_BITS) - 1]
     tags = {f.request_tag(i) for i in ids} | {f.reply_tag(i, c) for i in ids for c in (1, 2)}
-    tags |= {f.control_tag(i) for i in ids} | {f.HELLO_TAG}
-    assert len(tags) == len(ids) * 4 + 1 and max(tags) < 1 << 64
+    hellos = {f.hello_tag(n) for n in (1, 2, 0xFFFF)}
+    tags |= {f.control_tag(i) for i in ids} | hellos
+    assert len(tags) == len(ids) * 4 + 3 and max(tags) < 1 << 64
 
 
 def test_payloads_are_views_of_the_tensor_and_received_into_the_output_tensor() -> None:
@@ -205,11 +206,14 @@ def test_error_frames_carry_the_same_classes_as_grpc_statuses() -> None:
 
 def test_worker_addresses_are_advertised_within_the_registry_limit() -> None:
     address = bytes(range(188))  # shared memory + TCP
-    url = worker_url(address)
+    url = worker_url(address, 0xFFFF)
     assert url.startswith("ucx-worker:") and len(url) <= MAX_ADVERTISED_CHARS
-    assert parse_worker_url(url) == address
-    assert parse_worker_url(["ucx://127.0.0.1:4000", "ucx-worker:!!", url]) == address
+    assert parse_worker_url(url) == (address, 0xFFFF)
+    assert parse_worker_url(["ucx://127.0.0.1:4000", "ucx-worker:!!/1", url]) == (address, 0xFFFF)
     assert parse_worker_url("") is None and parse_worker_url([]) is None
     assert parse_worker_url(["ucx://127.0.0.1:4000"]) is None  # a version-1 service: gRPC
+    # No server number, or one outside the hello tag's 16 bits: not an address we can say hello to.
+    bare = url.rpartition("/")[0]
+    assert parse_worker_url([bare, f"{bare}/0", f"{bare}/65536", f"{bare}/x"]) is None
     with pytest.raises(ValueError, match="narrow UCX_TLS"):
-        worker_url(bytes(400))
+        worker_url(bytes(400), 1)
