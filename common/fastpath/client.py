@@ -109,6 +109,12 @@ class FrameClient:
             raise
         return self._result(conn, reply, output)
 
+    async def connect(self, timeout_s: float) -> None:
+        """Say hello now rather than on the first call; FastPathError when that fails."""
+        if self.closed:
+            raise FastPathError("closed", f"{self.address} is closed")
+        await self._connection(timeout_s)
+
     async def _connection(self, timeout_s: float) -> _Connection:
         if self._conn is not None:
             return self._conn

@@ -8,6 +8,7 @@ success, so a flapping listener costs one fallback per back-off, not one per cal
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -127,6 +128,12 @@ class FastPathLink:
         self._backoff_s = min(self._backoff_s * 2, self.config.max_backoff_s)
         if self.config.on_fallback is not None:
             self.config.on_fallback(cause)
+
+    async def warm(self) -> None:
+        """Connect ahead of the first call. A failure here is not a fallback (no call fell back):
+        the first call tries again and counts it if it fails too."""
+        with contextlib.suppress(FastPathError):
+            await self.client.connect(self.config.timeout_s)
 
     def close(self) -> None:
         self.client.close()

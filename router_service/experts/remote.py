@@ -61,6 +61,8 @@ class RemoteExperts:
         self.max_message_bytes = max_message_bytes
         self.fast_path_config = fast_path
         self.fast_path = FastPathLink.offered(list(fast_paths), fast_path, max_message_bytes)
+        self._warming: asyncio.Task | None = None
+        self._warm()
         self.channel = grpc.aio.insecure_channel(
             address,
             options=channel_options(max_message_bytes),
@@ -88,6 +90,18 @@ class RemoteExperts:
             self.fast_path = FastPathLink.offered(
                 list(urls), self.fast_path_config, self.max_message_bytes
             )
+            self._warm()
+
+    def _warm(self) -> None:
+        """Connect the fast path now: a first call that said hello itself would be slow enough to
+        be hedged to another replica (another region, even)."""
+        if self.fast_path is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # built outside a loop: the first call connects
+            return
+        self._warming = loop.create_task(self.fast_path.warm(), name=f"warm {self.address}")
 
     @property
     def transport(self) -> str:
@@ -177,6 +191,9 @@ class RemoteExperts:
             call.cancel()
 
     async def close(self) -> None:
+        if self._warming is not None:
+            self._warming.cancel()
+            await asyncio.gather(self._warming, return_exceptions=True)
         if self.fast_path is not None:
             self.fast_path.close()
         await self.channel.close()

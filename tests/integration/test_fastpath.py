@@ -28,6 +28,7 @@ from moe_mesh.expert_service.app import ExpertApp
 from moe_mesh.expert_service.settings import ExpertSettings
 from moe_mesh.router_service.experts.fastpath import FastPathConfig
 from moe_mesh.router_service.experts.remote import Identity, RemoteExperts
+from tests.support.polling import eventually
 
 pytestmark = pytest.mark.skipif(
     load_ucxx(loopback=True) is None, reason="ucxx cannot be imported (pip install ucxx-cu12)"
@@ -420,5 +421,19 @@ async def test_retire_aborts_ucx_calls_in_flight_without_falling_back(checkpoint
             with pytest.raises(UnavailableError, match="left the mesh"):
                 await call
             assert not backend.fast_path.fallbacks
+        finally:
+            await backend.close()
+
+
+async def test_a_router_says_hello_before_its_first_call(checkpoint) -> None:
+    """The backend connects when it learns the fast path, so the first call does not pay for the
+    hello (slow enough, under load, to be hedged to another replica)."""
+    async with expert(checkpoint) as app:
+        backend = remote(app)
+        try:
+            await eventually(lambda: len(app.fast_path.server.clients) == 1, 10, "the hello")
+            assert backend.fast_path.calls == 0
+            assert (await backend.forward(1, groups(), 5.0)).transport == "ucx"
+            assert len(app.fast_path.server.clients) == 1  # the same connection carried it
         finally:
             await backend.close()
