@@ -187,10 +187,8 @@ def print_status(st: dict) -> None:
 def replica_line(r: dict) -> str:
     """One expert backend of a router: the transport its next call takes and the fast path's record."""
     line = f"  -> {r['backend']:<22} {r['transport']:<9}"
-    if r["fast_path"]:
-        line += (
-            f" {r['fast_path']}  calls {r['fast_path_calls']} fallbacks {r['fast_path_fallbacks']}"
-        )
+    if r["fast_path"]:  # its worker address (~250 characters) is in --json
+        line += f" fast path calls {r['fast_path_calls']} fallbacks {r['fast_path_fallbacks']}"
         if r["fallback_causes"]:
             causes = ", ".join(f"{c} {n}" for c, n in sorted(r["fallback_causes"].items()))
             line += f" ({causes})"
