@@ -36,7 +36,6 @@ class FastPathConfig:
     backoff_s: float = 1.0
     max_backoff_s: float = MAX_BACKOFF_S
     loopback: bool = True
-    pool_size: int = 4  # unused: calls share one endpoint (replies come back on their own tags)
     # Called with the cause of every fallback (a hook for the fallback counter metric).
     on_fallback: Callable[[str], None] | None = None
 

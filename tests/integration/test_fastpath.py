@@ -20,7 +20,6 @@ import torch
 from moe_mesh.common.errors import MoeMeshError, NotFoundError, PreconditionError, UnavailableError
 from moe_mesh.common.fastpath import frame as f
 from moe_mesh.common.fastpath import parse_worker_url
-from moe_mesh.common.fastpath import server as server_module
 from moe_mesh.common.fastpath.client import FastPathError, FrameClient
 from moe_mesh.common.fastpath.server import FrameServer
 from moe_mesh.common.fastpath.ucx import UcxRuntime, close_endpoint, load_ucxx, read_frame
@@ -28,6 +27,7 @@ from moe_mesh.expert_service.app import ExpertApp
 from moe_mesh.expert_service.settings import ExpertSettings
 from moe_mesh.router_service.experts.fastpath import FastPathConfig
 from moe_mesh.router_service.experts.remote import Identity, RemoteExperts
+from tests.support.fastpath import speak_previous_frame_version
 from tests.support.polling import eventually
 
 pytestmark = pytest.mark.skipif(
@@ -301,16 +301,7 @@ async def test_without_the_fast_path_calls_fall_back_to_grpc_back_off_and_re_pro
 async def test_an_old_frame_version_peer_makes_the_router_fall_back_cleanly(monkeypatch) -> None:
     """A service speaking the previous frame version: it refuses our frame, in its own version."""
 
-    async def refuse(*args, **kwargs):
-        raise f.VersionError(f.VERSION)
-
-    monkeypatch.setattr(server_module, "read_frame", refuse)
-    old_version = f.VERSION - 1
-    monkeypatch.setattr(
-        server_module,
-        "encode_frame",
-        lambda header, payload=None: [message(f.encode_header(header, version=old_version))],
-    )
+    old_version = speak_previous_frame_version(monkeypatch)
     old = FrameServer(lambda header, payload: None, MESSAGE_BYTES)
     client = FrameClient(parse_worker_url(await old.start()), MESSAGE_BYTES)
     try:

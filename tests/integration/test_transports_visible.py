@@ -14,13 +14,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 import pytest
 import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from moe_mesh.common.fastpath import frame as f
-from moe_mesh.common.fastpath import server as server_module
 from moe_mesh.common.fastpath.server import FrameServer
 from moe_mesh.common.fastpath.ucx import load_ucxx
 from moe_mesh.common.telemetry import Telemetry
@@ -32,6 +29,7 @@ from moe_mesh.router_service.app import RouterApp
 from moe_mesh.router_service.build import fast_path_config
 from moe_mesh.router_service.experts.remote import Identity, RemoteExperts
 from moe_mesh.router_service.settings import RouterSettings
+from tests.support.fastpath import speak_previous_frame_version
 from tests.support.metrics import scrape, total
 from tests.support.routers import generate, request
 
@@ -161,22 +159,10 @@ async def test_a_lost_fast_path_is_counted_by_cause_and_shown_per_replica(checkp
 async def test_an_old_frame_version_peer_is_a_clean_grpc_fallback_counted_as_version(
     checkpoint, monkeypatch
 ) -> None:
-    """The replica advertises a fast path that speaks the previous frame version: the call is answered over
-    gRPC with the same outputs, and the router's counter names the cause."""
+    """The replica advertises a fast path that speaks the previous frame version: the call is
+    answered over gRPC with the same outputs, and the router's counter names the cause."""
 
-    async def refuse(*args, **kwargs):
-        raise f.VersionError(f.VERSION)
-
-    # A peer one version behind: it refuses every frame of ours, in its own version.
-    monkeypatch.setattr(server_module, "read_frame", refuse)
-    old_version = f.VERSION - 1
-    monkeypatch.setattr(
-        server_module,
-        "encode_frame",
-        lambda header, payload=None: [
-            np.frombuffer(f.encode_header(header, version=old_version), np.uint8)
-        ],
-    )
+    speak_previous_frame_version(monkeypatch)
     old = FrameServer(lambda header, payload: None, 2**24)
     advertised = await old.start()
     app = await ExpertApp.create(
