@@ -32,6 +32,7 @@ protos: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.engine_vs_transformers
 	$(PY) -m bench.mesh_dispatch
+	$(PY) -m bench.dispatch_profile
 	$(PY) -m bench.tiering
 	$(PY) -m bench.tracing
 	$(PY) -m bench.chaos
