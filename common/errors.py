@@ -98,3 +98,34 @@ class DeadlineExceededError(MoeMeshError):
 
 class InternalError(MoeMeshError):
     """Something failed that the caller could not have caused (a bug, a kernel error); names what failed."""
+
+
+# The status each class travels as, by gRPC status code name: a gRPC status (common/status.py) and
+# a fast-path error frame (common/fastpath/frame.py) carry the same one. First match wins; any
+# other error is INTERNAL.
+CODE_NAMES: list[tuple[type[MoeMeshError], str]] = [
+    (InvalidArgumentError, "INVALID_ARGUMENT"),
+    (AlreadyExistsError, "ALREADY_EXISTS"),
+    (NotFoundError, "NOT_FOUND"),
+    (PreconditionError, "FAILED_PRECONDITION"),
+    (ResourceExhaustedError, "RESOURCE_EXHAUSTED"),
+    (UnavailableError, "UNAVAILABLE"),
+    (DeadlineExceededError, "DEADLINE_EXCEEDED"),
+    (CheckpointError, "FAILED_PRECONDITION"),
+]
+
+
+def code_name(error: MoeMeshError) -> str:
+    return next((name for cls, name in CODE_NAMES if isinstance(error, cls)), "INTERNAL")
+
+
+# What a caller raises for a peer's status, by code name; unlisted codes count as unavailable.
+# INVALID_ARGUMENT from a peer means our own request was malformed: a bug, not bad input, hence
+# the base class.
+FROM_CODE_NAME: dict[str, type[MoeMeshError]] = {
+    "INVALID_ARGUMENT": MoeMeshError,
+    "NOT_FOUND": NotFoundError,
+    "FAILED_PRECONDITION": PreconditionError,
+    "UNAVAILABLE": UnavailableError,
+    "DEADLINE_EXCEEDED": DeadlineExceededError,
+}

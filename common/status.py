@@ -6,23 +6,9 @@ import grpc
 
 from moe_mesh.common import errors
 
-_TO_CODE: list[tuple[type[errors.MoeMeshError], grpc.StatusCode]] = [
-    (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
-    (errors.NotFoundError, grpc.StatusCode.NOT_FOUND),
-    (errors.PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
-    (errors.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (errors.CheckpointError, grpc.StatusCode.FAILED_PRECONDITION),
-]
-
 
 def status_code(error: errors.MoeMeshError) -> grpc.StatusCode:
-    for cls, code in _TO_CODE:
-        if isinstance(error, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
+    return grpc.StatusCode[errors.code_name(error)]
 
 
 RETRY_AFTER_KEY = "retry-after-s"
@@ -47,12 +33,9 @@ async def abort_with(
 
 
 _FROM_CODE: dict[grpc.StatusCode, type[errors.MoeMeshError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: errors.MoeMeshError,  # our own request was malformed: a bug, not bad input
+    **{grpc.StatusCode[name]: cls for name, cls in errors.FROM_CODE_NAME.items()},
+    # Only gRPC callers meet it (a request id in flight); its details name the field.
     grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExistsError,
-    grpc.StatusCode.NOT_FOUND: errors.NotFoundError,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.PreconditionError,
-    grpc.StatusCode.UNAVAILABLE: errors.UnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
 }
 
 

@@ -349,39 +349,15 @@ def payload_view(t: torch.Tensor) -> Any:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-# -- errors across the fast path: the same classes as over gRPC ----------------------------------
-
-# Mirrors common/status.py (tests check they agree); names are gRPC status names so both paths
-# speak one vocabulary, without importing grpc here.
-_TO_CODE: list[tuple[type[errors.MoeMeshError], str]] = [
-    (errors.InvalidArgumentError, "INVALID_ARGUMENT"),
-    (errors.AlreadyExistsError, "ALREADY_EXISTS"),
-    (errors.NotFoundError, "NOT_FOUND"),
-    (errors.PreconditionError, "FAILED_PRECONDITION"),
-    (errors.ResourceExhaustedError, "RESOURCE_EXHAUSTED"),
-    (errors.UnavailableError, "UNAVAILABLE"),
-    (errors.DeadlineExceededError, "DEADLINE_EXCEEDED"),
-    (errors.CheckpointError, "FAILED_PRECONDITION"),
-]
-# As over gRPC (common.status.error_from_rpc): INVALID_ARGUMENT from a service means the router
-# sent a malformed request, a bug rather than bad input, hence the base class.
-_FROM_CODE: dict[str, type[errors.MoeMeshError]] = {
-    "INVALID_ARGUMENT": errors.MoeMeshError,
-    "NOT_FOUND": errors.NotFoundError,
-    "FAILED_PRECONDITION": errors.PreconditionError,
-    "UNAVAILABLE": errors.UnavailableError,
-    "DEADLINE_EXCEEDED": errors.DeadlineExceededError,
-}
+# -- errors across the fast path: the classes and codes of gRPC (common.errors.CODE_NAMES) -------
 
 
 def error_header(error: errors.MoeMeshError) -> ErrorHeader:
-    code = getattr(error, "code", None) or next(
-        (c for cls, c in _TO_CODE if isinstance(error, cls)), "INTERNAL"
-    )
+    code = getattr(error, "code", None) or errors.code_name(error)
     return ErrorHeader(code=code, message=str(error), field=getattr(error, "field", "") or "")
 
 
 def error_from_header(header: ErrorHeader, peer: str) -> errors.MoeMeshError:
     """The exception a gRPC caller would get for the same status; unlisted codes count as unavailable."""
-    cls = _FROM_CODE.get(header.code, errors.UnavailableError)
+    cls = errors.FROM_CODE_NAME.get(header.code, errors.UnavailableError)
     return cls(f"{peer}: {header.code}: {header.message}")
