@@ -65,7 +65,7 @@ class ExpertApp:
 
     async def start(self) -> str:
         """The fast path first, so the registration (on gRPC start) advertises it."""
-        self.fast_paths = await self.fast_path.start(self._advertised())
+        self.fast_paths = await self.fast_path.start()
         try:
             return await self.server.start()
         except BaseException:

@@ -13,13 +13,13 @@ import torch
 from opentelemetry import propagate, trace
 
 from moe_mesh.common.errors import PreconditionError
+from moe_mesh.common.fastpath import LOOPBACK_HOSTS
 from moe_mesh.common.fastpath.frame import DTYPES, RequestHeader
 from moe_mesh.common.fastpath.server import FrameServer
 from moe_mesh.common.fastpath.ucx import load_ucxx
 from moe_mesh.expert_service.core import ExpertHost
 
 log = logging.getLogger(__name__)
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class FastPath:
@@ -34,7 +34,7 @@ class FastPath:
             self.server = FrameServer(
                 self.forward,
                 settings.max_message_bytes,
-                loopback=settings.host in LOOPBACK,
+                loopback=settings.host in LOOPBACK_HOSTS,
             )
 
     async def forward(self, header: RequestHeader, hidden: torch.Tensor | None) -> torch.Tensor:
@@ -63,9 +63,9 @@ class FastPath:
             hidden,
         )
 
-    async def start(self, advertise_host: str = "") -> list[str]:
-        """Serve; the addresses to advertise (none when off, or in auto mode without ucxx).
-        `advertise_host` is unused: a worker address names its host itself."""
+    async def start(self) -> list[str]:
+        """Serve; the addresses to advertise (none when off, or in auto mode without ucxx). A worker
+        address names its host itself: no advertised host is needed."""
         if self.server is None:
             return []
         loopback = self.server.loopback

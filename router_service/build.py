@@ -15,6 +15,7 @@ import torch
 
 from moe_mesh.common.checkpoint import Checkpoint
 from moe_mesh.common.errors import InvalidArgumentError, PreconditionError
+from moe_mesh.common.fastpath import LOOPBACK_HOSTS
 from moe_mesh.common.placement import format_experts, parse_experts
 from moe_mesh.common.registry import Registry
 from moe_mesh.common.resilience import EjectionPolicy
@@ -147,7 +148,7 @@ def fast_path_config(settings: RouterSettings, telemetry: Telemetry = OFF) -> Fa
         mode=settings.fast_path,
         timeout_s=settings.fast_path_timeout_s,
         backoff_s=settings.fast_path_backoff_s,
-        loopback=settings.host in ("127.0.0.1", "localhost", "::1"),
+        loopback=settings.host in LOOPBACK_HOSTS,
         on_fallback=lambda cause: fallbacks.add(1, {"moe.cause": cause}),
     )
     if config.mode == "ucx" and not config.enabled():

@@ -24,6 +24,8 @@ WORKER_SCHEME = "ucx-worker:"
 # Consul refuses a Meta value over 512 characters; the advertisement must fit as a whole. A worker
 # address is ~188 bytes with shared memory + TCP (252 characters encoded), 52 with UCX_TLS=tcp.
 MAX_ADVERTISED_CHARS = 512
+# A service or router bound to one of these keeps UCX's TCP transport on `lo` (see ucx.load_ucxx).
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 MAX_SERVER = 0xFFFF  # servers on one worker are told apart by the low 16 bits of the hello tag
 
 
