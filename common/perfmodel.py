@@ -1,0 +1,87 @@
+"""The ping-pong pipeline model of MegaScale-Infer (brief §4), shared by the router's choice of
+micro-batches, `moe-mesh profile` and `moe-mesh plan --search`.
+
+For one MoE layer and a micro-batch of b sequences: Ta(b) is the router's dense compute (attention,
+norms, gating, colocated experts), Te(b) the expert side's compute, Tc(b) the one-way transfer of
+the micro-batch's activations. One micro-batch's round through a layer takes Ta + Tc + Te + Tc;
+with m micro-batches in flight each side serves all of them in turn, so a layer takes the longest
+of one round and either side's total busy time:
+
+    layer(B, m) = max(max_i round(b_i), sum_i Ta(b_i), sum_i Te(b_i))   b_i: B split m ways
+
+m = 1 is the plain sequential layer. More micro-batches hide transfers but pay each side's fixed
+cost (k2, k4: weight reads, kernel launches, per-call overhead) m times, which is why the paper's
+m = 3–4 is not always best on a CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Linear:
+    """y = slope·x + intercept (seconds against sequences or bytes)."""
+
+    slope: float
+    intercept: float
+
+    def __call__(self, x: float) -> float:
+        return self.slope * x + self.intercept
+
+    @classmethod
+    def fit(cls, xs: Sequence[float], ys: Sequence[float]) -> Linear:
+        """Least squares, both coefficients kept >= 0 (a cost never shrinks with work).
+
+        One distinct x cannot separate the two: the whole cost is taken as fixed."""
+        if not xs or len(xs) != len(ys):
+            raise ValueError("fit needs as many x as y values, at least one")
+        n = len(xs)
+        mx, my = sum(xs) / n, sum(ys) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        if sxx == 0:
+            return cls(0.0, max(0.0, my))
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+        if slope < 0:
+            return cls(0.0, max(0.0, my))
+        intercept = my - slope * mx
+        if intercept < 0:  # through the origin instead
+            return cls(max(0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)), 0.0)
+        return cls(slope, intercept)
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Seconds for one MoE layer of one micro-batch."""
+
+    ta: float
+    te: float
+    tc: float  # one way
+
+
+def split(batch: int, m: int) -> list[int]:
+    """Micro-batch sizes: `batch` sequences in min(m, batch) parts that differ by at most one."""
+    m = max(1, min(m, batch))
+    return [batch // m + (1 if i < batch % m else 0) for i in range(m)]
+
+
+def layer_time(costs: Callable[[int], LayerCosts], batch: int, m: int) -> float:
+    """Seconds one MoE layer takes for `batch` sequences in m micro-batches (see the module doc)."""
+    parts = [costs(b) for b in split(batch, m)]
+    one_round = max(c.ta + c.te + 2 * c.tc for c in parts)
+    return max(one_round, sum(c.ta for c in parts), sum(c.te for c in parts))
+
+
+def best_micro_batches(costs: Callable[[int], LayerCosts], batch: int, max_m: int = 4) -> int:
+    """The m in 1..max_m with the shortest predicted layer; the smaller m on a tie."""
+    candidates = range(1, max(1, min(max_m, batch)) + 1)
+    return min(candidates, key=lambda m: (layer_time(costs, batch, m), m))
+
+
+def paper_minimum(c: LayerCosts) -> int:
+    """MegaScale-Infer's condition m >= 2(1 + Tc/Tf), Tf = max(Ta, Te): enough micro-batches to
+    cover both transfers of a round, when every micro-batch costs the same whatever its size."""
+    tf = max(c.ta, c.te)
+    return 1 if tf <= 0 else math.ceil(2 * (1 + c.tc / tf))
