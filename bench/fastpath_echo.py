@@ -86,7 +86,7 @@ async def main(args: argparse.Namespace) -> None:
             times: dict[str, list[float]] = {"ucx": [], "grpc": []}
             for i in range(args.calls + 10):
                 t = time.perf_counter()
-                out = await client.call(header, x, 5.0)
+                out, _ = await client.call(header, x, 5.0)
                 if i >= 10:
                     times["ucx"].append(time.perf_counter() - t)
                 t = time.perf_counter()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import grpc
@@ -31,6 +32,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         self, request: expert_pb2.ExpertForwardRequest, context: grpc.aio.ServicerContext
     ) -> expert_pb2.ExpertForwardResponse:
         try:
+            began = time.perf_counter()
             hidden = wire.decode(request.hidden, "hidden")
             output = await self.host.forward(
                 request.model_id,
@@ -40,7 +42,9 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                 list(request.token_counts),
                 hidden,
             )
-            return expert_pb2.ExpertForwardResponse(output=wire.encode(output))
+            return expert_pb2.ExpertForwardResponse(
+                output=wire.encode(output), service_seconds=time.perf_counter() - began
+            )
         except MoeMeshError as e:
             await abort_with(context, e, self.errors)
             raise  # unreachable: abort raises; keeps type checkers honest

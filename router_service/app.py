@@ -118,6 +118,7 @@ class RouterApp:
             self._tiering.cancel()
             await asyncio.gather(self._tiering, return_exceptions=True)
         await self.core.stop()
+        self.core.engine.model.close()
         if self.membership is not None:
             await self.membership.stop()
         await asyncio.gather(*(r.close() for r in self.parts.remotes))

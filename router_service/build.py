@@ -21,6 +21,7 @@ from moe_mesh.common.registry import Registry
 from moe_mesh.common.resilience import EjectionPolicy
 from moe_mesh.common.telemetry import FAST_PATH_FALLBACKS, OFF, Telemetry
 from moe_mesh.common.units import parse_size
+from moe_mesh.router_service.engine.compute import ComputeThread
 from moe_mesh.router_service.engine.engine import Engine
 from moe_mesh.router_service.engine.model import MoeModel
 from moe_mesh.router_service.experts.dispatch import (
@@ -70,6 +71,7 @@ def build_model(
         ejection=EjectionPolicy(base_ejection_s=settings.expert_ejection_s),
         retry_budget_ratio=settings.retry_budget_ratio,
     )
+    compute = ComputeThread()
     dispatcher = ExpertDispatcher(
         spec,
         placement,
@@ -79,8 +81,9 @@ def build_model(
         window,
         telemetry,
         policy,
+        compute,
     )
-    return MoeModel(spec, checkpoint.load_dense(), dispatcher, max_len)
+    return MoeModel(spec, checkpoint.load_dense(), dispatcher, max_len, compute)
 
 
 def _open(settings: RouterSettings) -> Checkpoint:

@@ -96,8 +96,9 @@ class FrameClient:
 
     async def call(
         self, header: RequestHeader, payload: torch.Tensor, timeout_s: float
-    ) -> torch.Tensor:
-        """The output tensor; raises FastPathError (fall back) or a MoeMeshError the service answered."""
+    ) -> tuple[torch.Tensor, float]:
+        """The output tensor and the service's own time for the call (seconds); raises
+        FastPathError (fall back) or a MoeMeshError the service answered."""
         if self.closed:
             raise FastPathError("closed", f"{self.address} is closed")
         payload = payload.contiguous()  # what UCX reads from (kept alive by the runtime)
@@ -184,7 +185,7 @@ class FrameClient:
 
     def _result(
         self, conn: _Connection, reply: Header, output: torch.Tensor | None
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, float]:
         if isinstance(reply, ErrorHeader):
             if reply.code == "VERSION" or (
                 reply.code == "INVALID_ARGUMENT" and reply.field in _FRAME_FIELDS
@@ -197,7 +198,7 @@ class FrameClient:
             raise error_from_header(reply, self.address)
         if not isinstance(reply, ReplyHeader) or output is None:
             raise FastPathError("protocol", f"{self.address}: expected a reply with a tensor")
-        return output
+        return output, reply.service_s
 
     def _drop(self, conn: _Connection | None) -> None:
         """Forget a connection: its endpoint closes, its calls in flight fail."""

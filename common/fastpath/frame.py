@@ -24,7 +24,8 @@ be unreadable), and the service forgets the client: what follows cannot be trust
 
 The version is checked first: a peer speaking another version gets an error frame of code
 VERSION, so a newer router falls back to gRPC cleanly and an older peer is refused with a message
-that names both versions. Version 1 was the listener protocol (header, payload, trailer); version 2 had no INLINE flag.
+that names both versions. Version 1 was the listener protocol (header, payload, trailer); version 2 had no INLINE flag;
+version 3 replies did not say how long the service took.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from moe_mesh.common import errors
 
 MAGIC = b"MMFP"
 HELLO_MAGIC = b"MMFH"
-VERSION = 3
+VERSION = 4
 _PREFIX = struct.Struct("<4sHBBI")  # magic, version, kind, flags, header length
 INLINE = 1  # flags: the payload is in message 1, after the header
 PAYLOAD_ALIGN = 64  # an inline payload starts here, so its tensor view is aligned for any dtype
@@ -123,6 +124,7 @@ class ReplyHeader:
     dtype: str
     shape: list[int]
     payload_bytes: int
+    service_s: float = 0.0  # the service's own time for the call: queue + compute
 
 
 @dataclass(frozen=True)
@@ -268,6 +270,10 @@ def _decode(message: memoryview, max_payload_bytes: int) -> tuple[Header, int, i
         _expect(header, {"code": str, "message": str, "field": str})
         return header, flags, PREFIX_BYTES + length
     _expect(header, {"dtype": str, "shape": list, "payload_bytes": int})
+    if isinstance(header, ReplyHeader) and (
+        not isinstance(header.service_s, int | float) or isinstance(header.service_s, bool)
+    ):
+        raise FrameError("service_s", f"expected a number, got {header.service_s!r}")
     if isinstance(header, RequestHeader):
         _expect(
             header,

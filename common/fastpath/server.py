@@ -185,6 +185,7 @@ class FrameServer:
     ) -> None:
         tag = reply_tag(client.id, header.call)
         try:
+            began = time.perf_counter()
             try:
                 output = await self._run(header, payload)
             except MoeMeshError as e:
@@ -198,6 +199,7 @@ class FrameServer:
                 DTYPE_NAMES[output.dtype],
                 list(output.shape),
                 output.numel() * output.element_size(),
+                time.perf_counter() - began,
             )
             await self._answer(runtime, client, tag, reply=(reply, output.contiguous()))
             self.frames += 1

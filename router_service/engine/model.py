@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,13 @@ from moe_mesh.common.moe import expert_ffn
 from moe_mesh.common.weights import DenseWeights
 from moe_mesh.router_service.engine.kv_cache import KVCache
 from moe_mesh.router_service.engine.layers import AttentionBatch, Prefill, Rope, attention, rms_norm
-from moe_mesh.router_service.experts.dispatch import ExpertDispatcher
+from moe_mesh.router_service.experts.dispatch import (
+    CallTimes,
+    Compute,
+    ExpertDispatcher,
+    Routed,
+    inline,
+)
 
 
 @dataclass
@@ -61,8 +68,39 @@ def pack_step(
     )
 
 
+@dataclass
+class PassCosts:
+    """What one forward pass cost, for the micro-batch planner: router compute and, per MoE layer
+    that called remote experts, the calls' times."""
+
+    compute_s: float = 0.0
+    remote: list[CallTimes] = field(default_factory=list)
+
+
+@dataclass
+class _Pass:
+    """A forward pass between two compute segments: where it stands and what it waits for."""
+
+    batch: StepBatch
+    cache: KVCache
+    all_logits: bool
+    costs: PassCosts
+    x: torch.Tensor | None = None  # the residual stream
+    layer: int = 0  # the next layer to run, or the MoE layer waiting for its experts
+    waiting: Routed | None = None  # that layer's routing
+    h: torch.Tensor | None = None  # ... and its expert input
+    outputs: list[torch.Tensor] | None = None  # ... and, once they answered, the experts' outputs
+    logits: torch.Tensor | None = None
+
+
 class MoeModel:
-    """Forward passes over packed steps (prefill runs + decode tokens) with a slot KV cache."""
+    """Forward passes over packed steps (prefill runs + decode tokens) with a slot KV cache.
+
+    Torch work runs through `compute` (the router's compute thread) in segments that end where a
+    MoE layer needs remote experts: the event loop then carries the calls while other micro-batches
+    compute. Layers whose experts are all colocated run inside the segment, so a monolithic
+    router computes a whole pass in one segment.
+    """
 
     def __init__(
         self,
@@ -70,29 +108,69 @@ class MoeModel:
         weights: DenseWeights,
         dispatcher: ExpertDispatcher,
         max_model_len: int,
+        compute: Compute = inline,
     ) -> None:
         self.spec, self.weights, self.dispatcher = spec, weights, dispatcher
         self.max_model_len = max_model_len
+        self.compute = compute
         self.dtype = weights.embed.dtype
         self.rope = Rope(spec, max_model_len, self.dtype)
+
+    def close(self) -> None:
+        """Stop the compute thread, if it has one."""
+        close = getattr(self.compute, "close", None)
+        if close is not None:
+            close()
 
     def new_cache(self) -> KVCache:
         return KVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
 
     async def forward(
-        self, batch: StepBatch, cache: KVCache, all_logits: bool = False
+        self,
+        batch: StepBatch,
+        cache: KVCache,
+        all_logits: bool = False,
+        costs: PassCosts | None = None,
     ) -> torch.Tensor:
         """Float32 logits of each sequence's last token [sequences, vocab] (every token's with all_logits)."""
-        s, w = self.spec, self.weights
-        x = F.embedding(batch.token_ids, w.embed)  # [tokens, hidden]
-        for i, layer in enumerate(w.layers):
+        p = _Pass(batch, cache, all_logits, costs or PassCosts())
+        while not await self.compute(self._advance, p):
+            times = CallTimes()
+            p.outputs = await self.dispatcher.gather(p.waiting, p.h, batch.deadline, times)
+            p.costs.remote.append(times)
+        return p.logits
+
+    def _advance(self, p: _Pass) -> bool:
+        """Run layers until one needs remote experts (False) or the pass is done (True)."""
+        began = time.perf_counter()
+        try:
+            return self._run_layers(p)
+        finally:
+            p.costs.compute_s += time.perf_counter() - began
+
+    def _run_layers(self, p: _Pass) -> bool:
+        s, w, d = self.spec, self.weights, self.dispatcher
+        if p.waiting is not None:  # its experts answered: finish that layer
+            p.x = p.x + d.finish(p.waiting, p.outputs, p.h, w.layers[p.layer])
+            p.waiting = p.h = p.outputs = None
+            p.layer += 1
+        x = F.embedding(p.batch.token_ids, w.embed) if p.x is None else p.x  # [tokens, hidden]
+        while p.layer < len(w.layers):
+            i, layer = p.layer, w.layers[p.layer]
             h = rms_norm(x, layer.input_norm, s.rms_norm_eps)
-            x = x + attention(h, layer.attention, s, self.rope, batch.attention, cache, i)
+            x = x + attention(h, layer.attention, s, self.rope, p.batch.attention, p.cache, i)
             h = rms_norm(x, layer.post_attention_norm, s.rms_norm_eps)
             if layer.dense_mlp is not None:
                 x = x + expert_ffn(h, layer.dense_mlp)
             else:
-                x = x + await self.dispatcher.moe(i, h, layer, batch.deadline)
+                routed = d.route(i, h, layer)
+                outputs = d.colocated_outputs(routed, h)
+                if outputs is None:
+                    p.x, p.h, p.waiting = x, h, routed
+                    return False
+                x = x + d.finish(routed, outputs, h, layer)
+            p.layer += 1
         x = rms_norm(x, w.final_norm, s.rms_norm_eps)
-        rows = x if all_logits else x[batch.logits_rows]
-        return F.linear(rows, w.lm_head).float()  # [rows, vocab]
+        rows = x if p.all_logits else x[p.batch.logits_rows]
+        p.logits = F.linear(rows, w.lm_head).float()  # [rows, vocab]
+        return True

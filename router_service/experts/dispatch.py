@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from opentelemetry import trace
@@ -32,6 +34,7 @@ from moe_mesh.common.arch import ModelSpec
 from moe_mesh.common.errors import DeadlineExceededError, ExpertUnavailableError, UnavailableError
 from moe_mesh.common.moe import (
     ExpertGroup,
+    Routing,
     combine,
     expert_ffn,
     group_by_expert,
@@ -56,7 +59,9 @@ class ExpertBackend(Protocol):
     """Computes expert FFNs. `groups` is [(expert, rows [n, hidden])]; returns outputs in the same order.
 
     Raises UnavailableError when the backend cannot be reached (the dispatcher then tries another
-    replica) and DeadlineExceededError when `timeout_s` runs out.
+    replica) and DeadlineExceededError when `timeout_s` runs out. A local backend also offers
+    `compute(layer, groups)`, the same without awaiting, which the dispatcher runs on the
+    router's compute thread.
     """
 
     local: bool  # True: in this process, no network hop
@@ -81,13 +86,39 @@ class ColocatedExperts:
     def __repr__(self) -> str:
         return f"ColocatedExperts({len(self.weights)} experts)"
 
+    def compute(self, layer: int, groups: Sequence[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        return [expert_ffn(rows, self.weights[(layer, expert)]) for expert, rows in groups]
+
     async def forward(
         self, layer: int, groups: Sequence[tuple[int, torch.Tensor]], timeout_s: float | None = None
     ) -> list[torch.Tensor]:
-        return [expert_ffn(rows, self.weights[(layer, expert)]) for expert, rows in groups]
+        return self.compute(layer, groups)
 
 
 Placement = Mapping[tuple[int, int], Sequence[ExpertBackend]]
+# Runs torch work where the router computes: its compute thread, or inline (the default).
+Compute = Callable[..., Awaitable[Any]]
+
+
+async def inline(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+@dataclass
+class Routed:
+    """One MoE layer's routing of a micro-batch, between gating and combining."""
+
+    layer: int
+    routing: Routing
+    groups: list[ExpertGroup]
+
+
+@dataclass
+class CallTimes:
+    """What one layer's remote calls cost, for the micro-batch planner (seconds)."""
+
+    wall: float = 0.0  # first call out to last answer in
+    service: float = 0.0  # the slowest answering service's own time (queue + compute)
 
 
 @dataclass(frozen=True)
@@ -101,6 +132,11 @@ class DispatchPolicy:
     hedge_initial_delay_s: float = 0.25  # before a replica has min_samples latencies
     ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
     retry_budget_ratio: float = 0.2
+
+
+@dataclass
+class _Call:
+    transport: str
 
 
 class ReplicaTimeout(UnavailableError):
@@ -128,8 +164,10 @@ class ExpertDispatcher:
         window: UtilizationWindow | None = None,
         telemetry: Telemetry = OFF,
         policy: DispatchPolicy = DispatchPolicy(),
+        compute: Compute = inline,
     ) -> None:
         self.spec = spec
+        self.compute = compute  # where colocated experts run while remote calls are out
         self.placement = {pair: list(replicas) for pair, replicas in placement.items()}
         self.default_timeout_s = default_timeout_s
         self.region, self.region_penalty = region, region_penalty
@@ -141,6 +179,8 @@ class ExpertDispatcher:
         self.hedges = 0  # calls also sent to a second replica
         self.hedges_won = 0  # ... where the second replica answered first
         self.ejections = 0
+        # Counters are bumped from the event loop and from the compute thread.
+        self._stats_lock = threading.Lock()
         self.policy = policy
         self.budget = RetryBudget(ratio=policy.retry_budget_ratio)
         # Backends come and go with membership: what is learned about one lives as long as it does.
@@ -195,35 +235,91 @@ class ExpertDispatcher:
         self, layer: int, x: torch.Tensor, w: LayerWeights, deadline: float | None = None
     ) -> torch.Tensor:
         """x: [tokens, hidden] (already normed) -> routed (+ shared) expert output [tokens, hidden]."""
+        routed = self.route(layer, x, w)
+        outputs = self.colocated_outputs(routed, x)
+        if outputs is None:
+            outputs = await self.gather(routed, x, deadline)
+        return self.finish(routed, outputs, x, w)
+
+    # The steps of `moe`, so the model can run the synchronous ones on its compute thread.
+
+    def route(self, layer: int, x: torch.Tensor, w: LayerWeights) -> Routed:
+        """Gate and group a layer's tokens by expert, and count them."""
         routing = route(x, w.router, self.spec)
         groups = group_by_expert(routing, self.spec.num_experts)
         counts = torch.bincount(routing.experts.reshape(-1), minlength=self.spec.num_experts)
-        self.tokens_routed[layer] += counts
-        self.window.add(layer, counts)
-        if self.tracer is not None and trace.get_current_span().is_recording():
-            attributes = {
-                "moe.layer": layer,
-                "moe.tokens": x.shape[0],
-                "moe.experts": [g.expert for g in groups],
-                "moe.expert_tokens": [len(g.tokens) for g in groups],
-            }
-            with self.tracer.start_as_current_span("moe.dispatch", attributes=attributes):
-                outputs = await self._scatter_gather(layer, x, groups, deadline)
-        else:
-            outputs = await self._scatter_gather(layer, x, groups, deadline)
-        y = combine(groups, outputs, routing, x.shape[0], like=x)
+        with self._stats_lock:
+            self.tokens_routed[layer] += counts
+            self.window.add(layer, counts)
+        return Routed(layer, routing, groups)
+
+    def colocated_outputs(self, routed: Routed, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """The layer's expert outputs computed here and now when one colocated backend serves
+        every group (no network, nothing to await); None when some group needs a remote call."""
+        placement, layer = self.placement, routed.layer  # one table for the whole layer
+        local = None
+        for g in routed.groups:
+            replicas = placement.get((layer, g.expert)) or (None,)
+            if not getattr(replicas[0], "local", False) or local not in (None, replicas[0]):
+                return None
+            local = replicas[0]
+        if local is None:
+            return []
+        groups = [(g.expert, x[g.tokens]) for g in routed.groups]
+        with self._dispatch_span(routed, x), self._observed(local, layer, groups):
+            outputs = local.compute(layer, groups)
+        with self._stats_lock:
+            self.tokens_colocated += sum(len(g.tokens) for g in routed.groups)
+        return outputs
+
+    async def gather(
+        self,
+        routed: Routed,
+        x: torch.Tensor,
+        deadline: float | None,
+        times: CallTimes | None = None,
+    ) -> list[torch.Tensor]:
+        """Scatter the layer's groups to their backends and gather the outputs, in group order."""
+        with self._dispatch_span(routed, x):
+            return await self._scatter_gather(routed.layer, x, routed.groups, deadline, times)
+
+    def finish(
+        self, routed: Routed, outputs: list[torch.Tensor], x: torch.Tensor, w: LayerWeights
+    ) -> torch.Tensor:
+        """Combine expert outputs by their routing weights (+ the shared expert)."""
+        y = combine(routed.groups, outputs, routed.routing, x.shape[0], like=x)
         if w.shared_expert is not None:
             y = y + shared_expert_output(x, w.shared_expert, w.shared_expert_gate)
         return y
 
+    @contextmanager
+    def _dispatch_span(self, routed: Routed, x: torch.Tensor) -> Iterator[None]:
+        if self.tracer is None or not trace.get_current_span().is_recording():
+            yield
+            return
+        attributes = {
+            "moe.layer": routed.layer,
+            "moe.tokens": x.shape[0],
+            "moe.experts": [g.expert for g in routed.groups],
+            "moe.expert_tokens": [len(g.tokens) for g in routed.groups],
+        }
+        with self.tracer.start_as_current_span("moe.dispatch", attributes=attributes):
+            yield
+
     async def _scatter_gather(
-        self, layer: int, x: torch.Tensor, groups: list[ExpertGroup], deadline: float | None
+        self,
+        layer: int,
+        x: torch.Tensor,
+        groups: list[ExpertGroup],
+        deadline: float | None,
+        times: CallTimes | None,
     ) -> list[torch.Tensor]:
         outputs: list[torch.Tensor | None] = [None] * len(groups)
         excluded: dict[int, set[int]] = {}  # group index -> ids of backends that failed it
         errors: dict[int, Exception] = {}  # group index -> its latest failure
         pending = list(range(len(groups)))
         self.budget.request()
+        start = time.perf_counter()
         while pending:
             plan = self._assign(layer, groups, pending, excluded, errors)
             self._check_deadline(deadline)
@@ -246,7 +342,10 @@ class ExpertDispatcher:
             pending = []
             for (backend, idx), result in zip(order, results):
                 if not backend.local:
-                    self.remote_calls += 1
+                    with self._stats_lock:
+                        self.remote_calls += 1
+                    if times is not None and not isinstance(result, BaseException):
+                        times.service = max(times.service, getattr(result, "service_s", 0.0))
                 if isinstance(result, UnavailableError):
                     self.failovers += 1
                     for i in idx:
@@ -259,7 +358,8 @@ class ExpertDispatcher:
                     for i, y in zip(idx, result):
                         outputs[i] = y
                     if backend.local:
-                        self.tokens_colocated += sum(len(groups[i].tokens) for i in idx)
+                        with self._stats_lock:
+                            self.tokens_colocated += sum(len(groups[i].tokens) for i in idx)
             if pending and not self.budget.try_retry():  # a sick mesh: do not multiply its load
                 causes = dict.fromkeys(str(errors[i]) for i in pending)
                 raise ExpertUnavailableError(
@@ -267,6 +367,8 @@ class ExpertDispatcher:
                     [groups[i].expert for i in pending],
                     "retry budget exhausted; " + "; ".join(causes),
                 )
+        if times is not None:
+            times.wall = time.perf_counter() - start
         return outputs  # type: ignore[return-value]
 
     async def _hedged(
@@ -410,20 +512,30 @@ class ExpertDispatcher:
         groups: list[tuple[int, torch.Tensor]],
         timeout: float,
     ) -> list[torch.Tensor]:
-        """One backend call, timed per transport and, in a traced request, spanned with what it carried.
+        with self._observed(backend, layer, groups) as call:
+            if backend.local:
+                return await self.compute(backend.compute, layer, groups)  # type: ignore[attr-defined]
+            result = await backend.forward(layer, groups, timeout)
+            call.transport = getattr(result, "transport", call.transport)
+            return result
 
-        The transport is known once the call returns: a remote backend's result says whether UCX or
-        gRPC carried it (`ExpertOutputs.transport`)."""
-        transport = "colocated" if backend.local else "grpc"
+    @contextmanager
+    def _observed(
+        self, backend: ExpertBackend, layer: int, groups: list[tuple[int, torch.Tensor]]
+    ) -> Iterator[_Call]:
+        """Time one backend call per transport and, in a traced request, span it with what it carried.
+
+        A remote call's transport is known once it returns: its result says whether UCX or gRPC
+        carried it (`ExpertOutputs.transport`); the caller sets it on the yielded record."""
+        call = _Call("colocated" if backend.local else "grpc")
         start = time.perf_counter()
         try:
             if self.tracer is None or not trace.get_current_span().is_recording():
-                result = await backend.forward(layer, groups, timeout)
-                transport = getattr(result, "transport", transport)
-                return result
+                yield call
+                return
             attributes = {
                 "moe.layer": layer,
-                "moe.transport": transport,
+                "moe.transport": call.transport,
                 "moe.replica": getattr(backend, "address", "colocated"),
                 "moe.region": backend.region,
                 "moe.experts": [e for e, _ in groups],
@@ -433,12 +545,10 @@ class ExpertDispatcher:
             with self.tracer.start_as_current_span(
                 "moe.expert_call", attributes=attributes
             ) as span:
-                result = await backend.forward(layer, groups, timeout)
-                transport = getattr(result, "transport", transport)
-                span.set_attribute("moe.transport", transport)
-                return result
+                yield call
+                span.set_attribute("moe.transport", call.transport)
         finally:
-            self._dispatch_s.record(time.perf_counter() - start, {"moe.transport": transport})
+            self._dispatch_s.record(time.perf_counter() - start, {"moe.transport": call.transport})
 
     def _assign(
         self,

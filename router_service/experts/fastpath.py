@@ -84,8 +84,8 @@ class FastPathLink:
         counts: list[int],
         hidden: torch.Tensor,
         timeout_s: float | None,
-    ) -> torch.Tensor:
-        """The output rows; FastPathError when the call should go over gRPC instead."""
+    ) -> tuple[torch.Tensor, float]:
+        """The output rows and the service's time; FastPathError when the call should go over gRPC."""
         # Half the call's budget at most: a fallback must still have time to finish over gRPC.
         budget = (
             self.config.timeout_s
@@ -105,14 +105,14 @@ class FastPathLink:
             trace=_trace_context(),
         )
         try:
-            output = await self.client.call(header, hidden, budget)
+            reply = await self.client.call(header, hidden, budget)
         except FastPathError as e:
             if not self.client.closed:  # closed on purpose (retire, close): not a fallback
                 self.failed(e.cause, str(e))
             raise
         self.calls += 1
         self._backoff_s = self.config.backoff_s
-        return output
+        return reply
 
     def failed(self, cause: str, detail: str = "") -> None:
         """Count a fallback and turn the fast path off for the current back-off."""

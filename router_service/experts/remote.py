@@ -32,11 +32,13 @@ class Identity:
 
 
 class ExpertOutputs(list):
-    """A backend call's outputs (one tensor per group), with the transport that carried them."""
+    """A backend call's outputs (one tensor per group), with the transport that carried them and
+    the service's own time for the call (queue + compute; the rest of the round trip is transfer)."""
 
-    def __init__(self, outputs, transport: str) -> None:
+    def __init__(self, outputs, transport: str, service_s: float) -> None:
         super().__init__(outputs)
         self.transport = transport  # "ucx" | "grpc"
+        self.service_s = service_s
 
 
 class RemoteExperts:
@@ -122,7 +124,7 @@ class RemoteExperts:
             if link is not None and link.usable():
                 start = time.monotonic()
                 try:
-                    output = await link.forward(
+                    output, service_s = await link.forward(
                         self.identity.model_id,
                         self.identity.weights_checksum,
                         layer,
@@ -131,7 +133,7 @@ class RemoteExperts:
                         hidden,
                         timeout_s,
                     )
-                    return ExpertOutputs(output.split(counts), "ucx")
+                    return ExpertOutputs(output.split(counts), "ucx", service_s)
                 except FastPathError:
                     if self.retired:  # retire() closed the fast path: not a reason to fall back
                         raise UnavailableError(
@@ -139,9 +141,7 @@ class RemoteExperts:
                         ) from None
                 if timeout_s is not None:  # the same call over gRPC, within what is left
                     timeout_s = max(0.0, timeout_s - (time.monotonic() - start))
-            return ExpertOutputs(
-                await self._grpc(layer, expert_ids, counts, hidden, timeout_s), "grpc"
-            )
+            return ExpertOutputs(*await self._grpc(layer, expert_ids, counts, hidden, timeout_s))
         finally:
             self.outstanding -= 1
 
@@ -152,7 +152,7 @@ class RemoteExperts:
         counts: list[int],
         hidden: torch.Tensor,  # [sum(counts), hidden]
         timeout_s: float | None,
-    ) -> list[torch.Tensor]:
+    ) -> tuple[list[torch.Tensor], str, float]:
         request = expert_pb2.ExpertForwardRequest(
             model_id=self.identity.model_id,
             weights_checksum=self.identity.weights_checksum,
@@ -179,7 +179,7 @@ class RemoteExperts:
             raise error_from_rpc(e, self.address) from e
         finally:
             self._calls.discard(call)
-        return list(decode(reply.output, "output").split(counts))
+        return list(decode(reply.output, "output").split(counts)), "grpc", reply.service_seconds
 
     def retire(self) -> None:
         """The service left the mesh: cancel the calls in flight to it (callers fail over at once) and

@@ -24,10 +24,12 @@ class ExpertForwardRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., weights_checksum: _Optional[str] = ..., layer: _Optional[int] = ..., expert_ids: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ExpertForwardResponse(_message.Message):
-    __slots__ = ("output",)
+    __slots__ = ("output", "service_seconds")
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     output: _tensor_pb2.Tensor
-    def __init__(self, output: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    service_seconds: float
+    def __init__(self, output: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., service_seconds: _Optional[float] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

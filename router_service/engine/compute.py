@@ -1,0 +1,30 @@
+"""The router's compute thread: torch work runs here so the event loop keeps gRPC and UCX traffic
+moving while the model computes (torch releases the GIL inside its kernels)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class ComputeThread:
+    """One thread, not a pool: torch already spreads each kernel over the cores, and one queue
+    runs micro-batches' segments in the order they become ready.
+
+    A call carries the caller's context (the current span), so spans opened while computing
+    hang under the request that asked for them."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="router-compute")
+
+    async def __call__(self, fn: Callable[..., T], *args: Any) -> T:
+        ctx = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, ctx.run, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
