@@ -11,6 +11,7 @@ failure in a step fails the step's sequences, and the engine keeps serving the r
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import logging
@@ -28,7 +29,8 @@ from moe_mesh.common.errors import (
     MoeMeshError,
 )
 from moe_mesh.common.limits import check_context_length
-from moe_mesh.router_service.engine.model import MoeModel, pack_step
+from moe_mesh.router_service.engine.model import MoeModel, PassCosts, pack_step
+from moe_mesh.router_service.engine.pipeline import MicroBatchPlanner
 from moe_mesh.router_service.engine.sampling import SamplingParams, position_seed, sample
 from moe_mesh.router_service.settings import RouterSettings
 
@@ -86,6 +88,7 @@ class Engine:
         self._pending: list[StepOutput] = []
         self._stepping = False
         self.eos_ids = frozenset(model.spec.eos_token_ids)
+        self.planner = MicroBatchPlanner(settings.micro_batches)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -187,34 +190,53 @@ class Engine:
         prefills = self._admit()
         if not decodes and not prefills:
             return
+        self.cache.reserve(len(self.running), max(s.num_tokens for s in self.running))
+        m = self.planner.choose(len(prefills) + len(decodes), self.model.dispatcher.remote)
+        parts = _partition(prefills, decodes, m)
+        self._stepping = True
+        try:
+            # Each micro-batch its own pass: while one waits on its experts, another computes.
+            results = await asyncio.gather(
+                *(self._forward(p, d) for p, d in parts), return_exceptions=True
+            )
+        finally:
+            self._stepping = False
+        done: list[Sequence] = []
+        failed: list[tuple[list[Sequence], MoeMeshError]] = []
+        for (p, d), result in zip(parts, results):
+            if isinstance(result, MoeMeshError):  # e.g. an expert was unreachable: no traceback
+                failed.append((p + d, result))
+                continue
+            if isinstance(result, BaseException):
+                raise result
+            for seq, row in zip(p + d, result):
+                if seq.aborted:
+                    continue
+                out = self._next_token(seq, row)
+                outputs.append(out)
+                if out.finish_reason is not None:
+                    done.append(seq)
+        self._release(done)
+        for seqs, error in failed:
+            outputs += self._fail(seqs, error)
+        self._reap_cancelled()
+        outputs += self._pending
+        self._pending = []
+
+    async def _forward(self, prefills: list[Sequence], decodes: list[Sequence]) -> torch.Tensor:
+        """One micro-batch's logits [sequences, vocab], prefills first."""
         batch = pack_step(
             [(s.slot, s.prompt) for s in prefills],
             [(s.slot, s.output[-1], s.num_tokens) for s in decodes],
         )
-        deadlines = [s.deadline for s in self.running]
-        # Expert calls serve every sequence of the step: they may run until the latest deadline.
+        deadlines = [s.deadline for s in prefills + decodes]
+        # Expert calls serve every sequence of the micro-batch: they may run until the latest deadline.
         batch.deadline = None if None in deadlines else max(deadlines)  # type: ignore[type-var]
-        self.cache.reserve(len(self.running), max(s.num_tokens for s in self.running))
-        self._stepping = True
-        try:
-            logits = await self.model.forward(batch, self.cache)  # [sequences, vocab]
-        except MoeMeshError as e:  # e.g. an expert was unreachable: expected, no traceback
-            outputs += self._fail(prefills + decodes, e)
-            return
-        finally:
-            self._stepping = False
-        done: list[Sequence] = []
-        for seq, row in zip(prefills + decodes, logits):
-            if seq.aborted:
-                continue
-            out = self._next_token(seq, row)
-            outputs.append(out)
-            if out.finish_reason is not None:
-                done.append(seq)
-        self._release(done)
-        self._reap_cancelled()
-        outputs += self._pending
-        self._pending = []
+        costs = PassCosts()
+        logits = await self.model.forward(batch, self.cache, costs=costs)
+        if not prefills:
+            self.planner.observe(len(decodes), costs)
+        return logits
 
     def _next_token(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
         """Sample and append one token; a sampling failure ends this sequence only."""
@@ -319,3 +341,29 @@ class Engine:
                     seq.request_id, [], FinishReason.CANCELLED, len(seq.prompt), len(seq.output)
                 )
             )
+
+
+def _partition(
+    prefills: list[Sequence], decodes: list[Sequence], m: int
+) -> list[tuple[list[Sequence], list[Sequence]]]:
+    """Split a step into at most m micro-batches of about equal tokens, in order (prefills, then
+    decodes, whose slots stay contiguous within each micro-batch). Each micro-batch writes only
+    its own sequences' KV-cache slots."""
+    seqs = prefills + decodes
+    weights = [len(s.prompt) for s in prefills] + [1] * len(decodes)
+    total, parts, current, acc = sum(weights), [], [], 0
+    for seq, w in zip(seqs, weights):
+        current.append(seq)
+        acc += w
+        if len(parts) < m - 1 and acc * m >= total * (len(parts) + 1):
+            parts.append(current)
+            current = []
+    if current:
+        parts.append(current)
+    n = len(prefills)
+    out, start = [], 0
+    for part in parts:
+        end = start + len(part)
+        out.append((seqs[start : min(end, n)], seqs[max(start, n) : end]))
+        start = end
+    return out

@@ -111,9 +111,11 @@ def _decode_attention(
     slots, lengths = batch.decode_slots, batch.decode_lengths
     longest = int(lengths.max())
     d = slots.numel()
-    # The engine keeps decoding slots compact: a view, no copy.
-    if int(slots[0]) == 0 and int(slots[-1]) == d - 1:
-        ks, vs = cache.k[layer][:d, :, :longest], cache.v[layer][:d, :, :longest]
+    # The engine keeps decoding slots compact, and a micro-batch takes a run of them: a view, no copy.
+    first = int(slots[0])
+    if int(slots[-1]) - first == d - 1:
+        ks = cache.k[layer][first : first + d, :, :longest]
+        vs = cache.v[layer][first : first + d, :, :longest]
     else:
         ks, vs = cache.k[layer][slots, :, :longest], cache.v[layer][slots, :, :longest]
     mask = (torch.arange(longest)[None, :] < lengths[:, None])[

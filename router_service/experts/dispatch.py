@@ -168,7 +168,7 @@ class ExpertDispatcher:
     ) -> None:
         self.spec = spec
         self.compute = compute  # where colocated experts run while remote calls are out
-        self.placement = {pair: list(replicas) for pair, replicas in placement.items()}
+        self.set_placement(placement)
         self.default_timeout_s = default_timeout_s
         self.region, self.region_penalty = region, region_penalty
         self.window = window or UtilizationWindow(spec.num_layers, spec.num_experts)
@@ -221,6 +221,8 @@ class ExpertDispatcher:
     def set_placement(self, placement: Placement) -> None:
         """Swap in a new placement table (one assignment: a layer call in flight keeps the old one)."""
         self.placement = {pair: list(replicas) for pair, replicas in placement.items()}
+        # Whether some expert is served only remotely, so a step may wait on the network.
+        self.remote = any(not r[0].local for r in self.placement.values() if r)
 
     def _observe_routed(self, _options) -> list[Observation]:
         counts = self.tokens_routed.tolist()

@@ -1,0 +1,125 @@
+"""Micro-batches: how a step is split, how many `auto` picks, and proof that they overlap."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from moe_mesh.common.checkpoint import Checkpoint
+from moe_mesh.router_service.build import build_model
+from moe_mesh.router_service.engine.engine import Engine, Sequence, _partition
+from moe_mesh.router_service.engine.model import PassCosts
+from moe_mesh.router_service.engine.pipeline import MicroBatchPlanner
+from moe_mesh.router_service.engine.sampling import SamplingParams
+from moe_mesh.router_service.experts.dispatch import CallTimes, ColocatedExperts
+from moe_mesh.router_service.experts.remote import ExpertOutputs
+from moe_mesh.router_service.settings import RouterSettings
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+SLEEP_S = 0.05
+
+
+def seqs(*prompt_lengths: int) -> list[Sequence]:
+    return [Sequence(str(i), [1] * n, GREEDY, 0, None) for i, n in enumerate(prompt_lengths)]
+
+
+def test_partition_balances_tokens_and_keeps_order() -> None:
+    decodes = seqs(*[1] * 8)
+    parts = _partition([], decodes, 3)
+    assert [len(d) for _, d in parts] == [3, 3, 2]
+    assert [s for _, d in parts for s in d] == decodes
+    prefills = seqs(30, 2)
+    parts = _partition(prefills, decodes, 2)
+    assert parts[0] == ([prefills[0]], [])  # 30 of 40 tokens: a micro-batch of its own
+    assert parts[1] == ([prefills[1]], decodes)
+    assert _partition([], decodes[:1], 4) == [([], decodes[:1])]
+
+
+def test_planner_fixed_auto_and_colocated() -> None:
+    assert MicroBatchPlanner("3").choose(8, remote=True) == 3
+    assert MicroBatchPlanner("3").choose(2, remote=True) == 2  # at least one sequence each
+    auto = MicroBatchPlanner("auto")
+    assert auto.choose(32, remote=False) == 1
+    assert auto.choose(32, remote=True) == 2  # one size measured so far: measure another
+
+    def costs(b: int, ta: float, te: float, tc: float) -> PassCosts:
+        return PassCosts(ta * b, [CallTimes(wall=te * b + 2 * tc, service=te * b)])
+
+    # Transfers far longer than compute: splitting hides them, up to the cap of 4.
+    for b in (32, 16, 8):
+        auto.observe(b, costs(b, ta=1e-4, te=1e-4, tc=0.05))
+    assert auto.choose(32, remote=True) == 4
+    # A large fixed cost per micro-batch on the expert side and no transfer: do not split.
+    fixed = MicroBatchPlanner("auto")
+    for b in (32, 16):
+        fixed.observe(b, PassCosts(1e-4 * b, [CallTimes(wall=0.05, service=0.05)]))
+    assert fixed.choose(32, remote=True) == 1
+
+
+class SleepyExperts(ColocatedExperts):
+    """A remote-looking backend that sleeps SLEEP_S per call, then computes the true outputs;
+    it records each call's (start, end)."""
+
+    local = False
+    address = "sleepy"
+
+    def __init__(self, weights) -> None:
+        super().__init__(weights)
+        self.calls: list[tuple[int, float, float]] = []
+
+    async def forward(self, layer, groups, timeout_s=None):
+        start = time.perf_counter()
+        await asyncio.sleep(SLEEP_S)
+        out = self.compute(layer, groups)
+        self.calls.append((layer, start, time.perf_counter()))
+        return ExpertOutputs(out, "grpc", SLEEP_S)
+
+
+def run_step(path, micro_batches: str) -> tuple[SleepyExperts, list[list[int]]]:
+    ckpt = Checkpoint(path)
+    sleepy = SleepyExperts(ckpt.load_experts(ckpt.all_expert_pairs()))
+    settings = RouterSettings(checkpoint=path, micro_batches=micro_batches)
+    model = build_model(ckpt, settings, placement={p: [sleepy] for p in ckpt.all_expert_pairs()})
+    engine = Engine(model, settings)
+    for i in range(4):
+        engine.add_request(str(i), [5 + i, 9, 11], GREEDY)
+
+    async def steps():
+        out = [await engine.step() for _ in range(2)]  # prefill, then one decode step
+        return [o.new_token_ids for o in out[-1]]
+
+    try:
+        return sleepy, asyncio.run(steps())
+    finally:
+        model.close()
+
+
+def test_micro_batches_overlap_their_expert_calls(checkpoint) -> None:
+    """With m = 2, the second micro-batch's call for a layer starts before the first one's has
+    answered: the calls' intervals overlap, so the step waits on the union of its calls, not on
+    their sum (which m = 1 does: its calls never overlap)."""
+    path = checkpoint("mixtral")
+    one, tokens_one = run_step(path, "1")
+    two, tokens_two = run_step(path, "2")
+    assert tokens_one == tokens_two
+    moe_layers = len(Checkpoint(path).spec.moe_layer_ids)
+    assert len(one.calls) == 2 * moe_layers and len(two.calls) == 4 * moe_layers
+
+    def union_over_sum(calls) -> float:
+        spans = sorted((s, e) for _, s, e in calls)
+        union, end = 0.0, float("-inf")
+        for s, e in spans:
+            union += max(0.0, e - max(s, end))
+            end = max(end, e)
+        return union / sum(e - s for s, e in spans)
+
+    assert union_over_sum(one.calls) == pytest.approx(1.0)
+    decode_calls = two.calls[-2 * moe_layers :]
+    for layer in set(layer for layer, _, _ in decode_calls):
+        (a_start, a_end), (b_start, b_end) = sorted(
+            (s, e) for lay, s, e in decode_calls if lay == layer
+        )
+        assert b_start < a_end  # in flight together
+    assert union_over_sum(decode_calls) < 0.75
