@@ -26,6 +26,7 @@ from opentelemetry.trace import Span, StatusCode
 from moe_mesh.common.errors import InternalError, MoeMeshError, UnavailableError
 from moe_mesh.common.telemetry import OFF, ROUTER_BATCH_SIZE, ROUTER_QUEUE_DEPTH, Telemetry
 from moe_mesh.router_service.engine.engine import Engine, FinishReason, StepOutput
+from moe_mesh.router_service.engine.pipeline import MicroBatchPlanner
 from moe_mesh.router_service.engine.sampling import SamplingParams
 from moe_mesh.router_service.experts.tiering import Tierer
 
@@ -61,6 +62,7 @@ class RouterStatus:
     ejections: int
     tiering: TieringStatus
     replicas: list[ReplicaStatus]  # one per backend of `placement`, in its key order
+    pipeline: PipelineStatus
 
 
 @dataclass
@@ -86,6 +88,22 @@ class ReplicaStatus:
             link.calls if link is not None else 0,
             dict(link.fallbacks) if link is not None else {},
         )
+
+
+@dataclass
+class PipelineStatus:
+    """Micro-batching now (RouterStatus documents each field)."""
+
+    setting: str
+    micro_batches: int
+    ta_ms: float
+    te_ms: float
+    tc_ms: float
+
+    @classmethod
+    def of(cls, planner: MicroBatchPlanner, setting: str) -> PipelineStatus:
+        c = planner.estimate()
+        return cls(setting, planner.last, c.ta * 1e3, c.te * 1e3, c.tc * 1e3)
 
 
 @dataclass
@@ -189,6 +207,7 @@ class RouterCore:
             d.ejections,
             tiering,
             [ReplicaStatus.of(b) for b in backends.values()],
+            PipelineStatus.of(self.engine.planner, self.engine.settings.micro_batches),
         )
 
     async def generate(

@@ -104,4 +104,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 )
                 for r in st.replicas
             ],
+            micro_batches_setting=st.pipeline.setting,
+            micro_batches=st.pipeline.micro_batches,
+            ta_ms=st.pipeline.ta_ms,
+            te_ms=st.pipeline.te_ms,
+            tc_ms=st.pipeline.tc_ms,
         )

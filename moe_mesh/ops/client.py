@@ -124,6 +124,13 @@ async def router_status(address: str) -> dict:
             }
             for r in st.replicas
         ],
+        micro_batches={
+            "setting": st.micro_batches_setting,
+            "last": st.micro_batches,
+            "ta_ms": st.ta_ms,
+            "te_ms": st.te_ms,
+            "tc_ms": st.tc_ms,
+        },
     )
     return row
 
@@ -173,6 +180,8 @@ def print_status(st: dict) -> None:
         if r.get("registry_stale"):
             load += "  (registry unreachable: serving the last known experts)"
         print(f"router   {r['address']:<22} {r['health']:<12} {r.get('error', load)}")
+        if "micro_batches" in r:
+            print(pipeline_line(r["micro_batches"]))
         for rep in r.get("replicas", []):
             print(replica_line(rep))
     for e in st["experts"]:
@@ -182,6 +191,17 @@ def print_status(st: dict) -> None:
         if "tokens_routed" in r:
             print(f"\ntokens routed per (layer, expert) by router {r['address']}:")
             print(heatmap(r["tokens_routed"]))
+
+
+def pipeline_line(p: dict) -> str:
+    """How the router splits its steps, and the per-layer costs `auto` plans with once measured."""
+    line = f"  micro-batches {p['last']} ({p['setting']})"
+    if p["ta_ms"] or p["te_ms"]:
+        line += (
+            f"  per layer: router {p['ta_ms']:.2f} ms, experts {p['te_ms']:.2f} ms, "
+            f"transfer {p['tc_ms']:.2f} ms each way"
+        )
+    return line
 
 
 def replica_line(r: dict) -> str:

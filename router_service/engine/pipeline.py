@@ -26,6 +26,7 @@ class MicroBatchPlanner:
         self._te: deque[tuple[int, float]] = deque(maxlen=window)
         self._tc: deque[tuple[int, float]] = deque(maxlen=window)
         self.last = 1  # what the latest step used
+        self._sequences = 1  # ... and how many sequences it had
 
     def choose(self, sequences: int, remote: bool) -> int:
         """Micro-batches for a step of `sequences` (each micro-batch gets at least one)."""
@@ -38,7 +39,14 @@ class MicroBatchPlanner:
         else:
             m = best_micro_batches(self.costs(), sequences, MAX_AUTO)
         self.last = max(1, min(m, sequences))
+        self._sequences = sequences
         return self.last
+
+    def estimate(self) -> LayerCosts:
+        """The fitted costs for one micro-batch of the latest step (zeros until measured)."""
+        if not self._ta:
+            return LayerCosts(0.0, 0.0, 0.0)
+        return self.costs()(-(-self._sequences // self.last))
 
     def observe(self, sequences: int, costs: PassCosts) -> None:
         """Learn from one decode micro-batch's pass; passes without remote calls teach nothing."""

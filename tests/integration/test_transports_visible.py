@@ -23,7 +23,7 @@ from moe_mesh.common.fastpath.ucx import load_ucxx
 from moe_mesh.common.telemetry import Telemetry
 from moe_mesh.expert_service.app import ExpertApp
 from moe_mesh.expert_service.settings import ExpertSettings
-from moe_mesh.ops.client import replica_line, router_status
+from moe_mesh.ops.client import pipeline_line, replica_line, router_status
 from moe_mesh.protos.moe_mesh.v1 import router_pb2_grpc
 from moe_mesh.router_service.app import RouterApp
 from moe_mesh.router_service.build import fast_path_config
@@ -125,6 +125,11 @@ async def test_spans_histograms_and_status_name_the_transport_of_every_call(chec
         assert replicas["colocated"]["transport"] == "colocated"
         assert "ucx" in replica_line(replicas[m.ucx.address])
         assert "no fast path" in replica_line(replicas[m.grpc.address])
+        # Decode passes that called experts taught `auto` what a layer costs on each side.
+        pipeline = row["micro_batches"]
+        assert pipeline["setting"] == "auto" and pipeline["last"] >= 1
+        assert pipeline["ta_ms"] > 0 and pipeline["te_ms"] > 0
+        assert "micro-batches" in pipeline_line(pipeline)
 
 
 async def test_a_lost_fast_path_is_counted_by_cause_and_shown_per_replica(checkpoint) -> None:

@@ -64,7 +64,7 @@ class ExpertPlacement(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., experts: _Optional[str] = ..., region: _Optional[str] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "running", "waiting", "steps", "num_layers", "num_experts", "tokens_routed", "failovers", "placement", "registry_stale", "utilization", "utilization_window_s", "region", "expert_bytes", "colocated_bytes", "colocate_budget_bytes", "promotions", "demotions", "pinned_hot", "pinned_remote", "moe_layers", "remote_calls", "tokens_colocated", "hedges", "ejections", "replicas")
+    __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "running", "waiting", "steps", "num_layers", "num_experts", "tokens_routed", "failovers", "placement", "registry_stale", "utilization", "utilization_window_s", "region", "expert_bytes", "colocated_bytes", "colocate_budget_bytes", "promotions", "demotions", "pinned_hot", "pinned_remote", "moe_layers", "remote_calls", "tokens_colocated", "hedges", "ejections", "replicas", "micro_batches_setting", "micro_batches", "ta_ms", "te_ms", "tc_ms")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,11 @@ class RouterStatus(_message.Message):
     HEDGES_FIELD_NUMBER: _ClassVar[int]
     EJECTIONS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCHES_SETTING_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    TA_MS_FIELD_NUMBER: _ClassVar[int]
+    TE_MS_FIELD_NUMBER: _ClassVar[int]
+    TC_MS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -123,7 +128,12 @@ class RouterStatus(_message.Message):
     hedges: int
     ejections: int
     replicas: _containers.RepeatedCompositeFieldContainer[ExpertReplica]
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., tokens_routed: _Optional[_Iterable[int]] = ..., failovers: _Optional[int] = ..., placement: _Optional[_Iterable[_Union[ExpertPlacement, _Mapping]]] = ..., registry_stale: _Optional[bool] = ..., utilization: _Optional[_Iterable[float]] = ..., utilization_window_s: _Optional[float] = ..., region: _Optional[str] = ..., expert_bytes: _Optional[int] = ..., colocated_bytes: _Optional[int] = ..., colocate_budget_bytes: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., pinned_hot: _Optional[str] = ..., pinned_remote: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., remote_calls: _Optional[int] = ..., tokens_colocated: _Optional[int] = ..., hedges: _Optional[int] = ..., ejections: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ExpertReplica, _Mapping]]] = ...) -> None: ...
+    micro_batches_setting: str
+    micro_batches: int
+    ta_ms: float
+    te_ms: float
+    tc_ms: float
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., tokens_routed: _Optional[_Iterable[int]] = ..., failovers: _Optional[int] = ..., placement: _Optional[_Iterable[_Union[ExpertPlacement, _Mapping]]] = ..., registry_stale: _Optional[bool] = ..., utilization: _Optional[_Iterable[float]] = ..., utilization_window_s: _Optional[float] = ..., region: _Optional[str] = ..., expert_bytes: _Optional[int] = ..., colocated_bytes: _Optional[int] = ..., colocate_budget_bytes: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., pinned_hot: _Optional[str] = ..., pinned_remote: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., remote_calls: _Optional[int] = ..., tokens_colocated: _Optional[int] = ..., hedges: _Optional[int] = ..., ejections: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ExpertReplica, _Mapping]]] = ..., micro_batches_setting: _Optional[str] = ..., micro_batches: _Optional[int] = ..., ta_ms: _Optional[float] = ..., te_ms: _Optional[float] = ..., tc_ms: _Optional[float] = ...) -> None: ...
 
 class ExpertReplica(_message.Message):
     __slots__ = ("backend", "transport", "fast_path", "fast_path_calls", "fast_path_fallbacks", "fallback_causes")
