@@ -305,5 +305,7 @@ def load_plan(path: Path) -> Plan:
 
 def invalid(path: Path, e: ValidationError) -> PlanError:
     """A PlanError for a file that failed validation: 'FILE: field.path: message' per problem."""
-    lines = [f"{_loc(err['loc'])}: {err['msg'].removeprefix('Value error, ')}" for err in e.errors()]
+    lines = [
+        f"{_loc(err['loc'])}: {err['msg'].removeprefix('Value error, ')}" for err in e.errors()
+    ]
     return PlanError(f"{path}: " + "\n  ".join(lines))
