@@ -200,7 +200,15 @@ def planned(base: Plan, profile: ProfileFile, best: Candidate, multi_kind: bool)
     raw["expert_groups"] = groups
     router = raw.setdefault("router", {})
     router.update(colocate_budget="0", max_num_seqs=best.batch, micro_batches=best.m)
-    args = list(router.get("args", []))
+    # The searched batch size and micro-batches replace what the base passed as flags.
+    args, skip = [], False
+    for a in router.get("args", []):
+        if skip:
+            skip = False
+        elif a in ("--max-num-seqs", "--micro-batches"):
+            skip = True
+        elif not a.startswith(("--max-num-seqs=", "--micro-batches=")):
+            args.append(a)
     router_node = next(n for n in best.nodes if n.router)
     if not any(a.startswith("--compute-threads") for a in args):
         args += ["--compute-threads", str(router_node.threads)]

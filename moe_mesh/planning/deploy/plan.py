@@ -152,19 +152,28 @@ class RouterPlan(_Strict):
 
     @field_validator("args")
     @classmethod
-    def _fields_are_not_args(cls, args: list[str]) -> list[str]:
+    def _budget_is_a_field(cls, args: list[str]) -> list[str]:
         # Declared once: a flag here would fight the field (and the planner, which edits the field).
-        for flag, field in _ROUTER_FIELD_FLAGS.items():
-            if any(a == flag or a.startswith(f"{flag}=") for a in args):
-                raise ValueError(f"set router.{field} instead of {flag} in router.args")
+        if _has_flag(args, "--colocate-budget"):
+            raise ValueError(
+                "set router.colocate_budget instead of --colocate-budget in router.args"
+            )
         return args
 
+    @model_validator(mode="after")
+    def _batching_set_once(self) -> RouterPlan:
+        # Older plans pass these in args, which stays valid; both at once would be two answers.
+        for field, flag in (
+            ("max_num_seqs", "--max-num-seqs"),
+            ("micro_batches", "--micro-batches"),
+        ):
+            if getattr(self, field) is not None and _has_flag(self.args, flag):
+                raise ValueError(f"router.{field} is set and router.args has {flag}: keep one")
+        return self
 
-_ROUTER_FIELD_FLAGS = {
-    "--colocate-budget": "colocate_budget",
-    "--max-num-seqs": "max_num_seqs",
-    "--micro-batches": "micro_batches",
-}
+
+def _has_flag(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(f"{flag}=") for a in args)
 
 
 class ExpertGroup(_Strict):
