@@ -10,7 +10,7 @@ on this machine and write them as JSON for `moe-mesh plan --search`.
   (--experts / --ready-file) or one this command starts on loopback and stops.
 
 Also the non-MoE parts of a step (dense layers, embedding + LM head) so the planner can predict a
-whole step. The file format is ProfileFile below; `read_profile` checks it.
+whole step. The file format is ProfileFile (moe_mesh/planning/profile_format.py).
 """
 
 from __future__ import annotations
@@ -25,111 +25,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from moe_mesh.common.perfmodel import Linear
-from moe_mesh.planning.deploy.plan import PlanError, invalid
+from moe_mesh.planning.deploy.plan import PlanError
+from moe_mesh.planning.profile_format import Fit, Measured, Point, ProfileFile, TransferPoint
 
 PROG = "moe-mesh profile"
-FORMAT = "moe-mesh-profile/1"
-NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Fit(_Strict):
-    """seconds = slope · x + intercept (x: sequences, tokens or bytes)."""
-
-    slope: NonNeg
-    intercept: NonNeg
-
-    def linear(self) -> Linear:
-        return Linear(self.slope, self.intercept)
-
-    @classmethod
-    def of(cls, xs: list[float], ys: list[float]) -> Fit:
-        f = Linear.fit(xs, ys)
-        return cls(slope=f.slope, intercept=f.intercept)
-
-
-class Point(_Strict):
-    x: NonNeg  # sequences (Ta, dense, head), tokens (Te)
-    wall_s: NonNeg
-    cpu_s: NonNeg
-
-
-class Measured(_Strict):
-    """A cost as a function of size: wall-clock and process CPU seconds, fitted and raw."""
-
-    wall: Fit
-    cpu: Fit
-    threads: int = Field(ge=1)
-    points: list[Point] = Field(min_length=1)
-
-
-class TransferPoint(_Strict):
-    tokens: int = Field(ge=1)
-    bytes: int = Field(ge=1)
-    round_trip_s: NonNeg
-    compute_s: NonNeg
-    one_way_s: NonNeg
-
-
-class Transport(_Strict):
-    """Tc(bytes), one way; or why it was not measured."""
-
-    fit: Fit | None = None
-    points: list[TransferPoint] = Field(default_factory=list)
-    skipped: str | None = None
-
-
-class ProfileFile(_Strict):
-    format: Literal["moe-mesh-profile/1"] = FORMAT
-    checkpoint: str
-    model_id: str = Field(min_length=1)
-    family: str
-    dtype: str
-    hidden_size: int = Field(ge=1)
-    num_layers: int = Field(ge=1)
-    moe_layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
-    num_experts: int = Field(ge=1)
-    top_k: int = Field(ge=1)
-    bytes_per_token: int = Field(ge=1, description="one token's activations on the wire")
-    expert_bytes: int = Field(ge=1, description="weights of one routed expert")
-    dense_bytes: int = Field(ge=0, description="weights the router holds")
-    cores: int = Field(ge=1, description="cores of the machine profiled")
-    context: int = Field(ge=1, description="KV-cache tokens per sequence while timing attention")
-    ta: Measured = Field(description="router side of one MoE layer against micro-batch sequences")
-    te: Measured = Field(description="all experts of one MoE layer against its tokens")
-    dense: Measured | None = Field(None, description="one non-MoE layer; None when there is none")
-    head: Measured = Field(description="embedding, final norm, LM head: once per step")
-    expert_load_shares: dict[str, list[NonNeg]] = Field(
-        description="MoE layer -> each expert's share of its routed tokens on random input"
-    )
-    transports: dict[str, Transport]
-
-
-def read_profile(path: Path) -> ProfileFile:
-    """Read and check a profile; every problem is a PlanError 'FILE: field: message'."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise PlanError(f"{path}: cannot read the profile ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise PlanError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise PlanError(f"{path}: expected a JSON object as `moe-mesh profile` writes")
-    try:
-        profile = ProfileFile.model_validate(raw)
-    except ValidationError as e:
-        raise invalid(path, e) from None
-    if not any(t.fit is not None for t in profile.transports.values()):
-        raise PlanError(f"{path}: transports: no transport was measured")
-    return profile
 
 
 # -- measuring ------------------------------------------------------------------------------------
@@ -312,10 +212,12 @@ def _addresses(args: argparse.Namespace) -> list[str]:
 
 
 def profile(args: argparse.Namespace) -> ProfileFile:
+    import torch
+
     from moe_mesh.common.checkpoint import Checkpoint
     from moe_mesh.planning.measure import LayerBench
 
-    checkpoint = Checkpoint(args.checkpoint, dtype=getattr(__import__("torch"), args.dtype))
+    checkpoint = Checkpoint(args.checkpoint, dtype=getattr(torch, args.dtype))
     bench = LayerBench(checkpoint)
     spec = bench.spec
     _say(f"{spec.family}: {len(spec.moe_layer_ids)} MoE layers x {spec.num_experts} experts")

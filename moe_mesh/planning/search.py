@@ -16,7 +16,7 @@ from moe_mesh.common.placement import Pair, format_experts
 from moe_mesh.planning.deploy.plan import Plan, PlanError
 from moe_mesh.planning.eplb import GroupProposal, PlanOptions, propose
 from moe_mesh.planning.inventory import Inventory, NodeKind
-from moe_mesh.planning.profile import Measured, ProfileFile
+from moe_mesh.planning.profile_format import Measured, ProfileFile
 from moe_mesh.planning.simulate import Costs, Node, Side, Step, simulate
 
 MAX_M = 4
@@ -285,7 +285,7 @@ def run_search(args) -> int:
     from moe_mesh.planning.deploy.plan import load_plan
     from moe_mesh.planning.inventory import load_inventory
     from moe_mesh.planning.plan import PROG, read_record
-    from moe_mesh.planning.profile import read_profile
+    from moe_mesh.planning.profile_format import read_profile
 
     try:
         profile, record = read_profile(args.profile), read_record(args.utilization)

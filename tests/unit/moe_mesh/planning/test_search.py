@@ -11,7 +11,7 @@ import yaml
 from moe_mesh.planning import deploy
 from moe_mesh.planning import plan as plan_cli
 from moe_mesh.planning.inventory import Inventory
-from moe_mesh.planning.profile import ProfileFile
+from moe_mesh.planning.profile_format import ProfileFile
 from moe_mesh.planning.search import Limits, search
 from tests.support.plans import (
     EXAMPLE_PLAN,

@@ -1,4 +1,4 @@
-"""`moe-mesh profile` files: what `read_profile` accepts and the errors that name file and field.
+"""The `moe-mesh profile` file: what `read_profile` accepts and the errors that name file and field.
 (The measuring itself runs in tests/e2e/test_plan_search.py.)"""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from moe_mesh.planning.deploy import PlanError
-from moe_mesh.planning.profile import Fit, read_profile
+from moe_mesh.planning.profile_format import Fit, read_profile
 from tests.support.plans import fit, profile_dict, write_profile
 
 
