@@ -3,7 +3,7 @@
 serving        serve-expert, serve-router, serve-gateway   (the three services)
 running local  up, scale, generate                          (moe_mesh.local)
 operating      status, placement show, stats, trace show    (moe_mesh.ops)
-planning       plan, deploy render, probe                   (moe_mesh.planning)
+planning       profile, plan, deploy render, probe                   (moe_mesh.planning)
 developing     create-checkpoint                            (moe_mesh.dev)
 """
 
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     from moe_mesh.local import cli as local_cli
     from moe_mesh.local import generate_cli
     from moe_mesh.ops import client, placement, stats, traces
-    from moe_mesh.planning import deploy, plan
+    from moe_mesh.planning import deploy, plan, profile
     from moe_mesh.router_service import cli as router_cli
 
     parser = argparse.ArgumentParser(
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     deploy.add_subcommand(subparsers)
     deploy.add_probe_subcommand(subparsers)
     plan.add_subcommand(subparsers)
+    profile.add_subcommand(subparsers)
     placement.add_subcommand(subparsers)
     traces.add_subcommand(subparsers)
     stats.add_subcommand(subparsers)

@@ -242,10 +242,81 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
         help="an expert may be colocated when its load is at least this times its layer's mean "
         "(default 1.5)",
     )
+    search = p.add_argument_group(
+        "--search",
+        "MegaScale-Infer's plan search (moe_mesh/planning/search.py): predict every candidate from "
+        "a profile and rank those meeting the TPOT SLO by tokens/s per cost",
+    )
+    search.add_argument(
+        "--search", action="store_true", help="search deployments instead of proposing EPLB groups"
+    )
+    search.add_argument(
+        "--profile", type=Path, metavar="FILE", help="what `moe-mesh profile` wrote (JSON)"
+    )
+    search.add_argument(
+        "--inventory",
+        type=Path,
+        metavar="FILE",
+        help="node kinds (YAML; deploy/inventory.example.yaml)",
+    )
+    search.add_argument(
+        "--tpot-slo-ms",
+        type=_at_least(0, float),
+        default=None,
+        metavar="MS",
+        help="time per output token at most (default: no limit)",
+    )
+    search.add_argument(
+        "--prediction-out",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the best candidate's prediction (JSON) here",
+    )
+    search.add_argument(
+        "--top", type=_at_least(1), default=5, metavar="N", help="candidates to print (5)"
+    )
+    search.add_argument(
+        "--max-num-seqs",
+        type=_at_least(1),
+        default=None,
+        metavar="N",
+        help="largest batch size B tried (default: the base plan's router.max_num_seqs, else 32)",
+    )
+    search.add_argument(
+        "--max-services",
+        type=_at_least(1),
+        default=8,
+        metavar="N",
+        help="expert groups tried: 1..N (8)",
+    )
+    search.add_argument(
+        "--max-replicas",
+        type=_at_least(1),
+        default=2,
+        metavar="N",
+        help="replicas per group tried: 1..N (2)",
+    )
     p.set_defaults(func=run_plan)
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    searching = ("--profile", args.profile), ("--inventory", args.inventory)
+    if args.search:
+        missing = [flag for flag, value in searching if value is None]
+        if missing:
+            print(f"{PROG}: error: --search needs {' and '.join(missing)}", file=sys.stderr)
+            return 2
+        from moe_mesh.planning.search import run_search
+
+        return run_search(args)
+    given = [flag for flag, value in searching if value is not None]
+    if given or args.tpot_slo_ms is not None or args.prediction_out is not None:
+        print(
+            f"{PROG}: error: {', '.join(given) or 'these flags'} only go with --search",
+            file=sys.stderr,
+        )
+        return 2
     try:
         record, base = read_record(args.utilization), load_plan(args.base)
         if record.model_id != base.model.model_id:

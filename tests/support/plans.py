@@ -43,3 +43,59 @@ def write_record(tmp_path: Path, rows: list[list[float]], **overrides) -> Path:
     path = tmp_path / "utilization.json"
     path.write_text(json.dumps(raw))
     return path
+
+
+def fit(slope: float, intercept: float) -> dict:
+    return {"slope": slope, "intercept": intercept}
+
+
+def measured(wall: dict, cpu: dict | None = None, threads: int = 1) -> dict:
+    cpu = cpu or wall
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "threads": threads,
+        "points": [{"x": 1.0, "wall_s": wall["slope"] + wall["intercept"], "cpu_s": 0.0}],
+    }
+
+
+def profile_dict(layers: int = 2, experts: int = 8, **overrides) -> dict:
+    """A `moe-mesh profile` result with round costs (seconds; Tc against bytes): Ta = 1 ms + 0.1 ms
+    per sequence on 2 threads, Te = 1 ms + 0.1 ms per token on 1, Tc = 0.5 ms one way over grpc."""
+    raw = {
+        "format": "moe-mesh-profile/1",
+        "checkpoint": "/tmp/ckpt",
+        "model_id": "mixtral-small",
+        "family": "mixtral",
+        "dtype": "float32",
+        "hidden_size": 1024,
+        "num_layers": layers,
+        "moe_layers": list(range(layers)),
+        "num_experts": experts,
+        "top_k": 2,
+        "bytes_per_token": 4096,
+        "expert_bytes": MIB,
+        "dense_bytes": 4 * MIB,
+        "cores": 2,
+        "context": 128,
+        "ta": measured(fit(1e-4, 1e-3), threads=2),
+        "te": measured(fit(1e-4, 1e-3)),
+        "dense": None,
+        "head": measured(fit(0.0, 0.0), threads=2),
+        "expert_load_shares": {str(i): [1 / experts] * experts for i in range(layers)},
+        "transports": {"grpc": {"fit": fit(0.0, 5e-4), "points": []}},
+    }
+    raw.update(overrides)
+    return raw
+
+
+def write_profile(tmp_path: Path, **overrides) -> Path:
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile_dict(**overrides)))
+    return path
+
+
+def write_inventory(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "inventory.yaml"
+    path.write_text(text)
+    return path

@@ -96,14 +96,21 @@ def router_command(plan: Plan, port: str, extra: list[str]) -> list[str]:
         "0.0.0.0",
         "--port",
         port,
-        *(
-            ["--colocate-budget", plan.router.colocate_budget]
-            if plan.router.colocate_budget
-            else []
-        ),
+        *router_settings(plan),
         *extra,
         *plan.router.args,
     ]
+
+
+def router_settings(plan: Plan) -> list[str]:
+    """The router flags the plan carries as fields (set ones only, so older plans render as before)."""
+    r = plan.router
+    out = ["--colocate-budget", r.colocate_budget] if r.colocate_budget else []
+    if r.max_num_seqs is not None:
+        out += ["--max-num-seqs", str(r.max_num_seqs)]
+    if r.micro_batches is not None:
+        out += ["--micro-batches", str(r.micro_batches)]
+    return out
 
 
 def gateway_command(plan: Plan) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -136,17 +136,44 @@ class RouterPlan(_Strict):
         description="bytes of expert weights each router colocates by measured load ('512MiB', "
         "'25%'); `moe-mesh plan` sets it from its proposal",
     )
+    max_num_seqs: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="serve-router --max-num-seqs (sequences in the running batch at most); "
+        "`moe-mesh plan --search` sets it to the batch size it predicted for; unset: the router's default",
+    )
+    micro_batches: Literal["auto"] | Annotated[int, Field(ge=1, le=8)] | None = Field(
+        None,
+        description="serve-router --micro-batches: 'auto' or 1..8 micro-batches per decode step "
+        "(MegaScale-Infer's ping-pong); `moe-mesh plan --search` sets it; unset: the router's default",
+    )
     args: list[str] = Field(default_factory=list, description="extra serve-router flags")
 
     @field_validator("args")
     @classmethod
     def _budget_is_a_field(cls, args: list[str]) -> list[str]:
         # Declared once: a flag here would fight the field (and the planner, which edits the field).
-        if any(a == "--colocate-budget" or a.startswith("--colocate-budget=") for a in args):
+        if _has_flag(args, "--colocate-budget"):
             raise ValueError(
                 "set router.colocate_budget instead of --colocate-budget in router.args"
             )
         return args
+
+    @model_validator(mode="after")
+    def _batching_set_once(self) -> RouterPlan:
+        # Older plans pass these in args, which stays valid; both at once would be two answers.
+        for field, flag in (
+            ("max_num_seqs", "--max-num-seqs"),
+            ("micro_batches", "--micro-batches"),
+        ):
+            if getattr(self, field) is not None and _has_flag(self.args, flag):
+                raise ValueError(f"router.{field} is set and router.args has {flag}: keep one")
+        return self
+
+
+def _has_flag(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(f"{flag}=") for a in args)
 
 
 class ExpertGroup(_Strict):
@@ -282,7 +309,12 @@ def load_plan(path: Path) -> Plan:
     try:
         return Plan.model_validate(raw)
     except ValidationError as e:
-        lines = [
-            f"{_loc(err['loc'])}: {err['msg'].removeprefix('Value error, ')}" for err in e.errors()
-        ]
-        raise PlanError(f"{path}: " + "\n  ".join(lines)) from None
+        raise invalid(path, e) from None
+
+
+def invalid(path: Path, e: ValidationError) -> PlanError:
+    """A PlanError for a file that failed validation: 'FILE: field.path: message' per problem."""
+    lines = [
+        f"{_loc(err['loc'])}: {err['msg'].removeprefix('Value error, ')}" for err in e.errors()
+    ]
+    return PlanError(f"{path}: " + "\n  ".join(lines))

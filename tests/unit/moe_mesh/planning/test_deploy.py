@@ -6,6 +6,7 @@ import asyncio
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -143,6 +144,17 @@ BAD_PLANS = [
         _set("router.args", ["--colocate-budget", "1GiB"]),
         "router.args: set router.colocate_budget instead of --colocate-budget",
     ),
+    (
+        _set("router", {"max_num_seqs": 8, "args": ["--max-num-seqs=8"]}),
+        "router: router.max_num_seqs is set and router.args has --max-num-seqs: keep one",
+    ),
+    (
+        _set("router", {"micro_batches": "auto", "args": ["--micro-batches", "2"]}),
+        "router: router.micro_batches is set and router.args has --micro-batches: keep one",
+    ),
+    (_set("router.micro_batches", 9), "router.micro_batches"),
+    (_set("router.micro_batches", "many"), "router.micro_batches"),
+    (_set("router.max_num_seqs", 0), "router.max_num_seqs: Input should be greater than"),
     (
         _set("expert_groups.0.constraints.0.attribute", ""),
         "expert_groups[0].constraints[0].attribute: String should",
@@ -540,3 +552,20 @@ async def test_probe_closed_port_exits_1_quickly() -> None:
         deploy.main, ["probe", f"127.0.0.1:{free_port()}", "--timeout-s", "2"]
     )
     assert code == 1 and time.monotonic() - start < 3.0
+
+
+@pytest.mark.parametrize("micro_batches", [3, "auto"])
+def test_router_batching_fields_render_as_flags(tmp_path: Path, micro_batches) -> None:
+    """max_num_seqs and micro_batches (set by `plan --search`) reach serve-router on both targets;
+    a plan without them (every older plan) renders no such flag."""
+    raw = example_raw()
+    raw["router"].update(max_num_seqs=16, micro_batches=micro_batches)
+    plan = plan_of(raw, tmp_path)
+    command = _compose(plan)["services"]["router"]["command"]
+    assert _after(command, "--max-num-seqs") == "16"
+    assert _after(command, "--micro-batches") == str(micro_batches)
+    frontend = deploy.render(plan, "nomad")["moe-mesh-frontend.nomad.hcl"]
+    assert re.search(r'"--max-num-seqs",\s*"16"', frontend)
+    assert re.search(rf'"--micro-batches",\s*"{micro_batches}"', frontend)
+    old = _compose(plan_of(example_raw(), tmp_path))["services"]["router"]["command"]
+    assert "--max-num-seqs" not in old and "--micro-batches" not in old

@@ -1,0 +1,170 @@
+"""Timing the compute sides of a MoE layer with the serving code itself (for `moe-mesh profile`).
+
+The router side (Ta) runs the router's own layers (RMSNorm, attention over the slot KV cache, the
+post-attention norm, gating, grouping, combine, a shared expert if the family has one) for a decode
+micro-batch; the expert side (Te) runs common.moe.expert_ffn over the groups the real gate makes.
+Both report wall seconds (median) and process CPU seconds per run: the planner needs the CPU time
+to know how much of a shared node a process takes, and the OpenMP pools sleep when idle
+(runtime.configure), so CPU time is work done, not spinning.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moe_mesh.common.arch import ModelSpec
+from moe_mesh.common.checkpoint import Checkpoint
+from moe_mesh.common.moe import (
+    combine,
+    expert_ffn,
+    group_by_expert,
+    route,
+    shared_expert_output,
+)
+from moe_mesh.common.weights import DenseWeights, FFNWeights, LayerWeights
+from moe_mesh.router_service.engine.kv_cache import KVCache
+from moe_mesh.router_service.engine.layers import AttentionBatch, Rope, attention, rms_norm
+
+
+@dataclass(frozen=True)
+class Timing:
+    wall_s: float  # median of the repeats
+    cpu_s: float  # process CPU seconds per repeat (every thread)
+
+
+def timed(fn: Callable[[], object], repeats: int, warmup: int = 2) -> Timing:
+    """Run fn warmup + repeats times; the warm-up pages weights in and sizes torch's buffers."""
+    for _ in range(warmup):
+        fn()
+    walls = []
+    cpu = time.process_time()
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        walls.append(time.perf_counter() - start)
+    return Timing(statistics.median(walls), (time.process_time() - cpu) / repeats)
+
+
+class LayerBench:
+    """One checkpoint's weights (dense part + one MoE layer's experts) and inputs to time them on."""
+
+    def __init__(self, checkpoint: Checkpoint, seed: int = 0) -> None:
+        self.checkpoint = checkpoint
+        self.spec: ModelSpec = checkpoint.spec
+        self.dense: DenseWeights = checkpoint.load_dense()
+        self.layer_id = self.spec.moe_layer_ids[0]  # every MoE layer has the same shapes
+        self.layer: LayerWeights = self.dense.layers[self.layer_id]
+        pairs = [(self.layer_id, e) for e in range(self.spec.num_experts)]
+        self.experts: dict[int, FFNWeights] = {
+            e: w for (_, e), w in checkpoint.load_experts(pairs).items()
+        }
+        self.dtype = self.dense.embed.dtype
+        self._gen = torch.Generator().manual_seed(seed)
+
+    def hidden(self, n: int) -> torch.Tensor:
+        """Embeddings of random token ids: activations of the model's own scale, so the gate
+        spreads tokens as it would (random normals would not)."""
+        ids = torch.randint(0, self.spec.vocab_size, (n,), generator=self._gen)
+        return F.embedding(ids, self.dense.embed)  # [n, hidden]
+
+    def routed(self, n: int, layer: LayerWeights | None = None) -> torch.Tensor:
+        """n tokens as the gate of `layer` sees them (after its post-attention norm)."""
+        layer = layer or self.layer
+        return rms_norm(self.hidden(n), layer.post_attention_norm, self.spec.rms_norm_eps)
+
+    def _decode(self, b: int, context: int) -> tuple[AttentionBatch, KVCache, Rope]:
+        s = self.spec
+        cache = KVCache(1, s.num_kv_heads, s.head_dim, self.dtype, slots=b, capacity=context)
+        for t in (*cache.k, *cache.v):
+            t.normal_(generator=self._gen)
+        slots = torch.arange(b)
+        batch = AttentionBatch(
+            positions=torch.full((b,), context - 1),
+            slots=slots,
+            prefills=[],
+            decode_slots=slots,
+            decode_lengths=torch.full((b,), context),
+            num_prefill_tokens=0,
+        )
+        return batch, cache, Rope(s, context, self.dtype)
+
+    def router_layer(self, b: int, context: int, repeats: int) -> Timing:
+        """Ta(b): the router's share of one MoE layer for b decoding sequences of `context` tokens."""
+        s, w = self.spec, self.layer
+        batch, cache, rope = self._decode(b, context)
+        x = self.hidden(b)
+
+        def step() -> torch.Tensor:
+            h = rms_norm(x, w.input_norm, s.rms_norm_eps)
+            y = x + attention(h, w.attention, s, rope, batch, cache, 0)
+            h = rms_norm(y, w.post_attention_norm, s.rms_norm_eps)
+            routing = route(h, w.router, s)
+            groups = group_by_expert(routing, s.num_experts)
+            # The rows the router sends stand in for the experts' answers: combine costs the same.
+            out = combine(groups, [h[g.tokens] for g in groups], routing, b, h)
+            if w.shared_expert is not None:
+                out = out + shared_expert_output(h, w.shared_expert, w.shared_expert_gate)
+            return y + out
+
+        return timed(step, repeats)
+
+    def dense_layer(self, b: int, context: int, repeats: int) -> Timing | None:
+        """A non-MoE layer (Qwen's mlp_only_layers) for b sequences; None when the model has none."""
+        dense = [i for i, moe in enumerate(self.spec.moe_layers) if not moe]
+        if not dense:
+            return None
+        s, w = self.spec, self.dense.layers[dense[0]]
+        batch, cache, rope = self._decode(b, context)
+        x = self.hidden(b)
+
+        def step() -> torch.Tensor:
+            h = rms_norm(x, w.input_norm, s.rms_norm_eps)
+            y = x + attention(h, w.attention, s, rope, batch, cache, 0)
+            return y + expert_ffn(rms_norm(y, w.post_attention_norm, s.rms_norm_eps), w.dense_mlp)
+
+        return timed(step, repeats)
+
+    def head(self, b: int, repeats: int) -> Timing:
+        """Once per step: embedding, final norm and LM head for b sequences."""
+        w = self.dense
+        ids = torch.randint(0, self.spec.vocab_size, (b,), generator=self._gen)
+
+        def step() -> torch.Tensor:
+            x = rms_norm(F.embedding(ids, w.embed), w.final_norm, self.spec.rms_norm_eps)
+            return F.linear(x, w.lm_head).float()  # [b, vocab]
+
+        return timed(step, repeats)
+
+    def expert_layer(self, b: int, repeats: int) -> Timing:
+        """Te(b): every expert FFN of the layer for b tokens routed by the layer's real gate."""
+        h = self.routed(b)
+        groups = group_by_expert(route(h, self.layer.router, self.spec), self.spec.num_experts)
+        inputs = [(h[g.tokens], self.experts[g.expert]) for g in groups]
+
+        def step() -> None:
+            for rows, w in inputs:
+                expert_ffn(rows, w)
+
+        return timed(step, repeats)
+
+    def expert_call(self, pair: tuple[int, int], rows: torch.Tensor, repeats: int) -> Timing:
+        """One expert's FFN on exactly the rows of a Forward call (what to subtract from its round trip)."""
+        w = self.checkpoint.load_experts([pair])[pair]
+        return timed(lambda: expert_ffn(rows, w), repeats)
+
+    def load_shares(self, tokens: int) -> dict[int, list[float]]:
+        """Per MoE layer, each expert's share of the layer's routed tokens (top-k slots) on `tokens`
+        random embeddings: what a plan assumes when the utilization record says nothing."""
+        out = {}
+        for layer in self.spec.moe_layer_ids:
+            w = self.dense.layers[layer]
+            experts = route(self.routed(tokens, w), w.router, self.spec).experts
+            counts = torch.bincount(experts.reshape(-1), minlength=self.spec.num_experts)
+            out[layer] = (counts.double() / counts.sum()).tolist()
+        return out

@@ -1,0 +1,111 @@
+"""The file `moe-mesh profile` writes and `moe-mesh plan --search` reads: ProfileFile, checked by
+`read_profile` (every problem a PlanError naming the file and the field)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from moe_mesh.common.perfmodel import Linear
+from moe_mesh.planning.deploy.plan import PlanError, invalid
+
+FORMAT = "moe-mesh-profile/1"
+NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Fit(_Strict):
+    """seconds = slope · x + intercept (x: sequences, tokens or bytes)."""
+
+    slope: NonNeg
+    intercept: NonNeg
+
+    def linear(self) -> Linear:
+        return Linear(self.slope, self.intercept)
+
+    @classmethod
+    def of(cls, xs: list[float], ys: list[float]) -> Fit:
+        f = Linear.fit(xs, ys)
+        return cls(slope=f.slope, intercept=f.intercept)
+
+
+class Point(_Strict):
+    x: NonNeg  # sequences (Ta, dense, head), tokens (Te)
+    wall_s: NonNeg
+    cpu_s: NonNeg
+
+
+class Measured(_Strict):
+    """A cost as a function of size: wall-clock and process CPU seconds, fitted and raw."""
+
+    wall: Fit
+    cpu: Fit
+    threads: int = Field(ge=1)
+    points: list[Point] = Field(min_length=1)
+
+
+class TransferPoint(_Strict):
+    tokens: int = Field(ge=1)
+    bytes: int = Field(ge=1)
+    round_trip_s: NonNeg
+    compute_s: NonNeg
+    one_way_s: NonNeg
+
+
+class Transport(_Strict):
+    """Tc(bytes), one way; or why it was not measured."""
+
+    fit: Fit | None = None
+    points: list[TransferPoint] = Field(default_factory=list)
+    skipped: str | None = None
+
+
+class ProfileFile(_Strict):
+    format: Literal["moe-mesh-profile/1"] = FORMAT
+    checkpoint: str
+    model_id: str = Field(min_length=1)
+    family: str
+    dtype: str
+    hidden_size: int = Field(ge=1)
+    num_layers: int = Field(ge=1)
+    moe_layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    num_experts: int = Field(ge=1)
+    top_k: int = Field(ge=1)
+    bytes_per_token: int = Field(ge=1, description="one token's activations on the wire")
+    expert_bytes: int = Field(ge=1, description="weights of one routed expert")
+    dense_bytes: int = Field(ge=0, description="weights the router holds")
+    cores: int = Field(ge=1, description="cores of the machine profiled")
+    context: int = Field(ge=1, description="KV-cache tokens per sequence while timing attention")
+    ta: Measured = Field(description="router side of one MoE layer against micro-batch sequences")
+    te: Measured = Field(description="all experts of one MoE layer against its tokens")
+    dense: Measured | None = Field(None, description="one non-MoE layer; None when there is none")
+    head: Measured = Field(description="embedding, final norm, LM head: once per step")
+    expert_load_shares: dict[str, list[NonNeg]] = Field(
+        description="MoE layer -> each expert's share of its routed tokens on random input"
+    )
+    transports: dict[str, Transport]
+
+
+def read_profile(path: Path) -> ProfileFile:
+    """Read and check a profile; every problem is a PlanError 'FILE: field: message'."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise PlanError(f"{path}: cannot read the profile ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise PlanError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise PlanError(f"{path}: expected a JSON object as `moe-mesh profile` writes")
+    try:
+        profile = ProfileFile.model_validate(raw)
+    except ValidationError as e:
+        raise invalid(path, e) from None
+    if not any(t.fit is not None for t in profile.transports.values()):
+        raise PlanError(f"{path}: transports: no transport was measured")
+    return profile

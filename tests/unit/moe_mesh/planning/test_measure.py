@@ -1,0 +1,45 @@
+"""The compute timings `moe-mesh profile` takes, on a tiny checkpoint: the router's and experts'
+own code runs, times are positive, load shares are shares."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_mesh.common.checkpoint import Checkpoint
+from moe_mesh.planning.measure import LayerBench, timed
+
+
+@pytest.fixture(scope="module")
+def bench(checkpoint) -> LayerBench:
+    return LayerBench(Checkpoint(checkpoint("qwen2_moe"), dtype=torch.float32))
+
+
+def test_timings_are_positive_for_every_side(bench: LayerBench) -> None:
+    for b in (1, 5):
+        for t in (
+            bench.router_layer(b, context=16, repeats=2),
+            bench.expert_layer(b, repeats=2),
+            bench.head(b, repeats=2),
+        ):
+            assert t.wall_s > 0 and t.cpu_s > 0
+    pair = (bench.layer_id, 0)
+    assert bench.expert_call(pair, bench.hidden(3), repeats=2).wall_s > 0
+
+
+def test_dense_layers_are_timed_only_when_the_model_has_them(bench: LayerBench) -> None:
+    dense = bench.dense_layer(2, context=8, repeats=1)
+    assert (dense is None) == all(bench.spec.moe_layers)
+
+
+def test_load_shares_sum_to_one_per_moe_layer(bench: LayerBench) -> None:
+    shares = bench.load_shares(256)
+    assert sorted(shares) == bench.spec.moe_layer_ids
+    for row in shares.values():
+        assert len(row) == bench.spec.num_experts and sum(row) == pytest.approx(1.0)
+
+
+def test_timed_reports_median_wall_and_cpu_per_run() -> None:
+    calls = []
+    t = timed(lambda: calls.append(1), repeats=5, warmup=2)
+    assert len(calls) == 7 and 0 <= t.wall_s < 0.01 and t.cpu_s >= 0

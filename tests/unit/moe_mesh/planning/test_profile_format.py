@@ -1,0 +1,56 @@
+"""The `moe-mesh profile` file: what `read_profile` accepts and the errors that name file and field.
+(The measuring itself runs in tests/e2e/test_plan_search.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_mesh.planning.deploy import PlanError
+from moe_mesh.planning.profile_format import Fit, read_profile
+from tests.support.plans import fit, profile_dict, write_profile
+
+
+def test_a_profile_reads_back(tmp_path: Path) -> None:
+    profile = read_profile(write_profile(tmp_path))
+    assert profile.model_dump(mode="json", exclude_none=True) == {
+        k: v for k, v in profile_dict().items() if v is not None
+    }
+    assert profile.ta.wall.linear()(10) == pytest.approx(2e-3)
+
+
+def test_fit_keeps_costs_non_negative() -> None:
+    assert Fit.of([1, 2, 4], [3.0, 5.0, 9.0]) == Fit(slope=2.0, intercept=1.0)
+    assert Fit.of([1, 2], [2.0, 1.0]).slope == 0.0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"top_k": 0}, "top_k: Input should be greater than or equal to 1"),
+        ({"format": "v0"}, "format: Input should be 'moe-mesh-profile/1'"),
+        ({"moe_layers": []}, "moe_layers: List should have at least 1 item"),
+        ({"transports": {"grpc": {"skipped": "no"}}}, "transports: no transport was measured"),
+        ({"transports": {"grpc": {"fit": fit(-1.0, 0.0)}}}, "transports.grpc.fit.slope"),
+        ({"te": None}, "te: Input should be"),
+        ({"extra": 1}, "extra: Extra inputs are not permitted"),
+    ],
+)
+def test_bad_profile_names_file_and_field(tmp_path: Path, overrides: dict, message: str) -> None:
+    path = write_profile(tmp_path, **overrides)
+    with pytest.raises(PlanError) as e:
+        read_profile(path)
+    assert str(e.value).startswith(f"{path}: ") and message in str(e.value)
+
+
+def test_unreadable_profile(tmp_path: Path) -> None:
+    with pytest.raises(PlanError, match="cannot read the profile"):
+        read_profile(tmp_path / "missing.json")
+    (tmp_path / "p.json").write_text("{")
+    with pytest.raises(PlanError, match="p.json: not valid JSON"):
+        read_profile(tmp_path / "p.json")
+    (tmp_path / "p.json").write_text(json.dumps([1]))
+    with pytest.raises(PlanError, match="expected a JSON object"):
+        read_profile(tmp_path / "p.json")
