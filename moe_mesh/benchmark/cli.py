@@ -48,6 +48,13 @@ def _rates(text: str) -> list[float]:
     return values
 
 
+def _setup(text: str) -> setups.Setup:
+    try:
+        return setups.parse_setup(text)
+    except InvalidArgumentError as e:  # argparse reports its own type errors: usage, exit 2
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--setup: ")) from None
+
+
 def _positive(kind: type) -> object:
     def parse(text: str) -> int | float:
         v = kind(text)
@@ -78,7 +85,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     target.add_argument(
         "--setup",
         action="append",
-        type=setups.parse_setup,
+        type=_setup,
         metavar="NAME=FLAGS",
         help="start `moe-mesh up FLAGS` on --checkpoint, benchmark it, stop it (repeatable; one after "
         "another), e.g. 'monolithic=--expert-services 0' or 'grpc=--router-arg=--fast-path=off'",

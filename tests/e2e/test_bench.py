@@ -74,6 +74,11 @@ def test_bench_against_nothing_or_a_broken_set_up_is_a_one_line_error(checkpoint
     assert bad.returncode == 2
     assert "set-up 'bad'" in bad.stderr and "max-num-seqs" in bad.stderr, bad.stderr
 
+    malformed = moe_mesh("bench", "--setup", "--expert-services 1")
+    assert malformed.returncode == 2
+    assert "argument --setup: expected NAME=FLAGS" in malformed.stderr
+    assert "Traceback" not in malformed.stderr
+
     missing = moe_mesh("bench", "--setup", "a=--expert-services 1")
     assert missing.returncode == 2
     assert "moe-mesh: error: --checkpoint: required with --setup" in missing.stderr
