@@ -3,7 +3,8 @@
 serving        serve-expert, serve-router, serve-gateway   (the three services)
 running local  up, scale, generate                          (moe_mesh.local)
 operating      status, placement show, stats, trace show    (moe_mesh.ops)
-planning       profile, plan, deploy render, probe                   (moe_mesh.planning)
+benchmarking   bench                                        (moe_mesh.benchmark)
+planning       profile, plan, deploy render, probe          (moe_mesh.planning)
 developing     create-checkpoint                            (moe_mesh.dev)
 """
 
@@ -19,6 +20,7 @@ runtime.configure()  # the console script's entry: before anything imports torch
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from moe_mesh.benchmark import cli as bench_cli
     from moe_mesh.dev import create_checkpoint
     from moe_mesh.expert_service import cli as expert_cli
     from moe_mesh.gateway import cli as gateway_cli
@@ -46,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     placement.add_subcommand(subparsers)
     traces.add_subcommand(subparsers)
     stats.add_subcommand(subparsers)
+    bench_cli.add_subcommand(subparsers)
     return parser
 
 

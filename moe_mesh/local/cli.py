@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -40,7 +41,8 @@ def _add_up(subparsers: argparse._SubParsersAction) -> None:
         "--expert-services",
         type=int,
         default=4,
-        help="expert groups, each its own service (default 4)",
+        help="expert groups, each its own service (default 4); 0 runs no expert service and "
+        "colocates every expert in the routers (the monolithic mesh)",
     )
     p.add_argument(
         "--replicas", type=int, default=1, help="replicas of every expert group (default 1)"
@@ -62,6 +64,14 @@ def _add_up(subparsers: argparse._SubParsersAction) -> None:
     add_settings_arguments(p, GatewaySettings, only=GATEWAY_FLAGS)
     add_settings_arguments(p, RouterSettings, only=ROUTER_FLAGS)
     p.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help="more `serve-router` flags for every router, split like a shell does, e.g. "
+        "--router-arg='--fast-path off' (repeatable)",
+    )
+    p.add_argument(
         "--trace-sample",
         type=float,
         default=None,
@@ -78,11 +88,19 @@ def _run_up(args: argparse.Namespace) -> int:
     from moe_mesh.local.launcher import run_up
 
     gateway_args = _pass_through(args, GATEWAY_FLAGS)
-    router_args = _pass_through(args, ROUTER_FLAGS)
+    router_args = _pass_through(args, ROUTER_FLAGS) + [
+        word for text in args.router_arg for word in shlex.split(text)
+    ]
     run_dir = args.run_dir or Path(".cache") / f"mesh-{_time.strftime('%Y%m%d-%H%M%S')}"
     if args.trace_sample is not None and not 0 <= args.trace_sample <= 1:
         print(
             f"moe-mesh up: error: --trace-sample must be in [0, 1], got {args.trace_sample}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.expert_services < 0:
+        print(
+            f"moe-mesh up: error: --expert-services must be >= 0, got {args.expert_services}",
             file=sys.stderr,
         )
         return 2

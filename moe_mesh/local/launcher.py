@@ -3,7 +3,8 @@
 The launcher hosts the embedded registry (a Consul-compatible server, no external process) on a
 background event loop; every child registers in it or follows it. Expert services start first
 (experts split into groups by index, each group replicated), then routers, which discover the
-expert services live, then the gateway, which discovers the routers. Each child writes a ready
+expert services live, then the gateway, which discovers the routers. With no expert services the
+routers colocate every expert (the monolithic mesh). Each child writes a ready
 file once it serves; the launcher waits for all (bounded), prints the endpoints, writes them as
 JSON (the ready file), and then watches: a child that exits is reported at once and leaves the
 ready file. `moe-mesh scale` asks the launcher's loopback control endpoint to add or remove
@@ -237,7 +238,13 @@ class Launcher:
 
     def start(self) -> dict:
         self.start_control_plane()
-        groups = expert_groups(self.spec.num_experts, self.expert_services)
+        # No expert services: the monolithic mesh, every expert colocated in each router.
+        groups = (
+            expert_groups(self.spec.num_experts, self.expert_services)
+            if self.expert_services
+            else []
+        )
+        monolithic = [] if groups else ["--colocate", "*:*"]
         total = len(groups) * self.replicas + self.routers
         # Share the cores instead of every process assuming it owns them all (see common/runtime.py).
         self._threads = str(max(1, (os.cpu_count() or 1) // total))
@@ -251,7 +258,9 @@ class Launcher:
         self._wait_ready(experts)
         routers = [
             self._spawn(
-                "router", f"router-{i}", ["-m", "moe_mesh.router_service", *ckpt, *self.router_args]
+                "router",
+                f"router-{i}",
+                ["-m", "moe_mesh.router_service", *ckpt, *monolithic, *self.router_args],
             )
             for i in range(self.routers)
         ]

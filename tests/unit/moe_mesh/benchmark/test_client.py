@@ -1,0 +1,32 @@
+"""The benchmark's HTTP client against the fake gateway (conftest.py) and against nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from moe_mesh.benchmark import client
+from moe_mesh.benchmark.workload import BenchRequest
+from moe_mesh.common.errors import UnavailableError
+
+
+async def test_errors_are_failed_results_with_the_servers_message(gateway) -> None:
+    async with client.session(30) as s:
+        refused, broken = await asyncio.gather(
+            client.stream_completion(s, gateway.url, "fake", BenchRequest([1], 60), 0.0),
+            client.stream_completion(s, gateway.url, "fake", BenchRequest([1], 7), 0.0),
+        )
+    assert not refused.ok and refused.error == "HTTP 400: max_tokens: too many"
+    assert not broken.ok and broken.error == "UNAVAILABLE: router gone"
+
+
+async def test_an_unreachable_gateway_is_unavailable_with_a_hint() -> None:
+    async with client.session(5) as s:
+        with pytest.raises(UnavailableError, match=r"127\.0\.0\.1:9/v1/models: .*moe-mesh up"):
+            await client.fetch_model(s, "http://127.0.0.1:9")
+
+
+def test_base_url_takes_what_users_paste() -> None:
+    for text in ("127.0.0.1:8000", "http://127.0.0.1:8000/", "http://127.0.0.1:8000/v1"):
+        assert client.base_url(text) == "http://127.0.0.1:8000"
