@@ -34,8 +34,9 @@ class MicroBatchPlanner:
             m = self.fixed
         elif not remote or sequences < 2:
             m = 1
-        elif len({b for b, _ in self._ta}) < 2:
-            m = 2  # one size measured cannot tell fixed from per-token cost: measure another
+        elif len(sizes := {b for b, _ in self._ta}) < 2:
+            # One size cannot tell fixed from per-token cost: measure the whole batch, then halves.
+            m = 2 if sequences in sizes else 1
         else:
             m = best_micro_batches(self.costs(), sequences, MAX_AUTO)
         self.last = max(1, min(m, sequences))

@@ -42,7 +42,10 @@ def test_planner_fixed_auto_and_colocated() -> None:
     assert MicroBatchPlanner("3").choose(2, remote=True) == 2  # at least one sequence each
     auto = MicroBatchPlanner("auto")
     assert auto.choose(32, remote=False) == 1
-    assert auto.choose(32, remote=True) == 2  # one size measured so far: measure another
+    assert auto.choose(32, remote=True) == 1  # nothing measured: the whole batch first
+    auto.observe(32, PassCosts(1e-3, [CallTimes(wall=2e-3, service=1e-3)]))
+    assert auto.choose(32, remote=True) == 2  # then halves, to tell fixed from per-sequence cost
+    auto = MicroBatchPlanner("auto")
 
     def costs(b: int, ta: float, te: float, tc: float) -> PassCosts:
         return PassCosts(ta * b, [CallTimes(wall=te * b + 2 * tc, service=te * b)])
