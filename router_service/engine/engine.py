@@ -1,12 +1,14 @@
 """Continuous batching: requests join and leave the running batch at token boundaries.
 
 Every step packs the prompts of newly admitted sequences and one token of every running
-sequence into a single forward pass, so each MoE layer dispatches once per step. Running
-sequence i lives in KV-cache slot i; when one finishes, the last sequence moves into its slot,
-which keeps decode attention over a contiguous slice of the cache.
+sequence into forward passes: one, or one per micro-batch (pipeline.py) so that their expert
+calls overlap with each other's compute. Running sequence i lives in KV-cache slot i; when one
+finishes, the last sequence moves into its slot, which keeps decode attention over a contiguous
+slice of the cache.
 
-No request can stop the engine: a failure while sampling fails only that sequence, any other
-failure in a step fails the step's sequences, and the engine keeps serving the rest.
+No request can stop the engine: a failure while sampling fails only that sequence, an expert
+failure fails its micro-batch's sequences, any other failure in a step fails the step's
+sequences, and the engine keeps serving the rest.
 """
 
 from __future__ import annotations
