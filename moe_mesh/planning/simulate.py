@@ -5,12 +5,15 @@ Per MoE layer, B sequences split into m micro-batches b_i (perfmodel.split). Exp
 share s_g of the layer's routed tokens; its r replicas take turns (the router sends a micro-batch's
 call to one replica), so
 
-    round_i  = Ta(b_i) + max_g s_g·Te(b_i) + 2·max_g Tc_g(b_i)       calls to all groups at once
+    round_i  = Ta(b_i) + max(max_g s_g·Te(b_i), max_n Σ_{g on n} s_g·Te_cpu(b_i) / cores_n)
+               + 2·max_g Tc_g(b_i)                                      calls to all groups at once
     busy_a   = Σ_i (Ta(b_i) + Σ_g Tc_g(b_i))
     busy_g   = Σ_i (s_g·Te(b_i) + Tc_g(b_i)) / r_g
     layer    = max(max_i round_i, busy_a, max_g busy_g)
 
-with Tc_g(b) = Tc(s_g·b·top_k·bytes per token). With Tc = 0, one group and one replica this is
+with Tc_g(b) = Tc(s_g·b·top_k·bytes per token); the second term of the round is the services of
+one node computing their calls at once on its cores (more services than cores take turns: without
+it, 7 services on a 2-core node were predicted to answer a round as if each had a core of its own). With Tc = 0, one group and one replica this is
 perfmodel.layer_time. Unlike the paper's RDMA, a transfer here is work for both ends' CPUs
 (serialisation, system calls, progress), so each end is busy one Tc per call: which is what makes
 many small expert services cost the router. A step is the MoE layers plus, per micro-batch, the
@@ -107,8 +110,22 @@ def simulate(
             [costs.tc(s * b * costs.top_k * costs.bytes_per_token) if s > 0 else 0.0 for b in parts]
             for s in layer
         ]
+        # The calls of one round run at once: the services on a node share its cores, so their
+        # part of the round takes at least their CPU seconds over its cores (a group's calls
+        # spread over its replicas).
+        shared = [
+            max(
+                sum(
+                    n.replicas.count(g) / replicas[g] * layer[g] * costs.te.cpu(b)
+                    for g in set(n.replicas)
+                )
+                / n.cores
+                for n in nodes
+            )
+            for b in parts
+        ]
         rounds = [
-            ta[i] + max(row[i] for row in te) + 2 * max(row[i] for row in tc)
+            ta[i] + max(max(row[i] for row in te), shared[i]) + 2 * max(row[i] for row in tc)
             for i in range(len(parts))
         ]
         # Each end of a transfer is busy for it (serialisation, system calls): one Tc per call.

@@ -78,6 +78,20 @@ def test_processes_sharing_a_node_are_bound_by_its_cores() -> None:
     assert one_core.seconds == pytest.approx(8 * MS) and one_core.bound == "cpu of tiny node 0"
 
 
+def test_services_called_at_once_share_their_nodes_cores_within_a_round() -> None:
+    c = costs(ta=Linear(0, 1 * MS), te=Linear(0, 4 * MS))
+    # Four services with a quarter of the tokens each: 1 ms apiece on cores of their own ...
+    apart = simulate(c, [[0.25] * 4], [1] * 4, big_node(4), 8, 1).seconds
+    assert apart == pytest.approx((1 + 1) * MS)
+    # ... but on 2 cores their 4 ms of CPU take 2 ms whatever their threads: one micro-batch
+    # leaves the router idle meanwhile, which the node's CPU bound (5 ms / 2 cores) misses.
+    shared = simulate(c, [[0.25] * 4], [1] * 4, (Node("small", 2, True, (0, 1, 2, 3)),), 8, 1)
+    assert shared.seconds == pytest.approx((1 + 2) * MS) and shared.bound == "pipeline"
+    # Replicas on another node take their share of the calls off this node.
+    two = (Node("small", 2, True, (0, 1, 2, 3)), Node("small", 2, False, (0, 1, 2, 3)))
+    assert simulate(c, [[0.25] * 4], [2] * 4, two, 8, 1).seconds == pytest.approx(2 * MS)
+
+
 def test_fewer_threads_than_measured_run_the_cpu_work_on_them() -> None:
     side = Side(Linear(0, 1 * MS), Linear(0, 1.6 * MS), threads=2)
     assert side.time(1, 2) == pytest.approx(1 * MS)  # as measured
