@@ -69,7 +69,7 @@ async def main_async(args: argparse.Namespace) -> dict:
                     )
                     try:
                         tokens_per_s = await rate(parts.engine, batch, args, spec.vocab_size)
-                        used = parts.engine.planner.last
+                        used = dict(sorted(parts.engine.planner.steps_by_m.items()))
                         carried = transports(parts.remotes)
                     finally:
                         for r in parts.remotes:
@@ -81,9 +81,9 @@ async def main_async(args: argparse.Namespace) -> dict:
                     row[f"{key}_tokens_per_s"] = tokens_per_s
                     row[f"{key}_vs_monolithic"] = tokens_per_s / mono
                     if m == "auto":
-                        row[f"{key}_chose"] = used
+                        row[f"{key}_steps_by_m"] = used
                     print(
-                        f"  all-remote {transport} m={m}{f' (chose {used})' if m == 'auto' else ''}: "
+                        f"  all-remote {transport} m={m}{f' (steps by m: {used})' if m == 'auto' else ''}: "
                         f"{tokens_per_s:.1f} tok/s = {tokens_per_s / mono:.2f}x monolithic",
                         flush=True,
                     )

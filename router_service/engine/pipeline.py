@@ -8,13 +8,16 @@ takes the m with the shortest predicted layer. Everything colocated needs no ove
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from statistics import fmean
 
-from moe_mesh.common.perfmodel import LayerCosts, Linear, best_micro_batches
+from moe_mesh.common.perfmodel import LayerCosts, Linear, best_micro_batches, layer_time
 from moe_mesh.router_service.engine.model import PassCosts
 
 MAX_AUTO = 4  # the paper's 3-4 in practice; beyond, fixed costs per micro-batch dominate
+# auto moves off the m it uses only for a predicted gain above this: fits of noisy timings
+# would otherwise flip between two m that are about as good
+HYSTERESIS = 0.1
 
 
 class MicroBatchPlanner:
@@ -26,6 +29,7 @@ class MicroBatchPlanner:
         self._te: deque[tuple[int, float]] = deque(maxlen=window)
         self._tc: deque[tuple[int, float]] = deque(maxlen=window)
         self.last = 1  # what the latest step used
+        self.steps_by_m: Counter[int] = Counter()
         self._sequences = 1  # ... and how many sequences it had
 
     def choose(self, sequences: int, remote: bool) -> int:
@@ -38,9 +42,16 @@ class MicroBatchPlanner:
             # One size cannot tell fixed from per-token cost: measure the whole batch, then halves.
             m = 2 if sequences in sizes else 1
         else:
-            m = best_micro_batches(self.costs(), sequences, MAX_AUTO)
+            costs = self.costs()
+            m = best_micro_batches(costs, sequences, MAX_AUTO)
+            now = min(self.last, sequences)
+            if layer_time(costs, sequences, m) > (1 - HYSTERESIS) * layer_time(
+                costs, sequences, now
+            ):
+                m = now
         self.last = max(1, min(m, sequences))
         self._sequences = sequences
+        self.steps_by_m[self.last] += 1
         return self.last
 
     def estimate(self) -> LayerCosts:

@@ -48,17 +48,19 @@ def test_planner_fixed_auto_and_colocated() -> None:
     auto = MicroBatchPlanner("auto")
 
     def costs(b: int, ta: float, te: float, tc: float) -> PassCosts:
+        """One pass with one remote MoE layer."""
         return PassCosts(ta * b, [CallTimes(wall=te * b + 2 * tc, service=te * b)])
 
-    # Transfers far longer than compute: splitting hides them, up to the cap of 4.
+    # Transfers far longer than compute, in proportion to the bytes: splitting overlaps them.
     for b in (32, 16, 8):
-        auto.observe(b, costs(b, ta=1e-4, te=1e-4, tc=0.05))
+        auto.observe(b, costs(b, ta=1e-4, te=1e-4, tc=0.01 * b))
     assert auto.choose(32, remote=True) == 4
     # A large fixed cost per micro-batch on the expert side and no transfer: do not split.
     fixed = MicroBatchPlanner("auto")
     for b in (32, 16):
         fixed.observe(b, PassCosts(1e-4 * b, [CallTimes(wall=0.05, service=0.05)]))
     assert fixed.choose(32, remote=True) == 1
+    assert fixed.steps_by_m == {1: 1}
 
 
 class SleepyExperts(ColocatedExperts):
