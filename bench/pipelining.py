@@ -1,9 +1,11 @@
 """Ping-pong micro-batches on the `small` preset (float32), in one run: decode tokens/s at batch 32
 and 64 of the monolithic engine and of the all-remote mesh with m = 1, 2, 3, 4 and auto
-micro-batches, over gRPC and over the UCX fast path, each as a ratio to monolithic.
+micro-batches, over gRPC and over the UCX fast path, each as a ratio to monolithic (medians of
+rounds that run every set-up once in turn).
 
 The expert services are separate processes (one torch thread each) shared by every router; each
-router runs in this process with its compute thread, like `moe-mesh serve-router`.
+router runs in this process with its compute thread, like `moe-mesh serve-router`. Auto's steps
+per m are printed with each run.
 
     .venv/bin/python -m bench.pipelining [--checkpoint DIR] [--services 4] [--batches 32 64]
 """
@@ -16,6 +18,7 @@ import json
 import statistics
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from moe_mesh.common import runtime
@@ -34,11 +37,6 @@ from tests.support.processes import start_experts  # noqa: E402
 SETTINGS = ("1", "2", "3", "4", "auto")
 
 
-async def rate(engine, batch: int, args, vocab: int) -> float:
-    runs = [await decode_rate(engine, batch, args.new_tokens, vocab) for _ in range(args.repeats)]
-    return statistics.median(runs)
-
-
 async def main_async(args: argparse.Namespace) -> dict:
     spec = Checkpoint(args.checkpoint).spec
     per = spec.num_experts // args.services
@@ -47,51 +45,70 @@ async def main_async(args: argparse.Namespace) -> dict:
     experts = start_experts(
         args.checkpoint, specs, workdir, "--compute-threads", str(args.expert_threads)
     )
-    fast_paths = ["off"] + (["ucx"] if load_ucxx(loopback=True) is not None else [])
+    transports_ = {"grpc": "off"}
+    if load_ucxx(loopback=True) is not None:
+        transports_["ucx"] = "ucx"
     base = dict(checkpoint=args.checkpoint, max_num_seqs=max(args.batches))
-    rows = []
+    routers = {}
     try:
-        local = build_local_engine(RouterSettings(**base))
-        for batch in args.batches:
-            mono = await rate(local, batch, args, spec.vocab_size)
-            row = {"batch": batch, "monolithic_tokens_per_s": mono}
-            print(f"batch {batch}: monolithic {mono:.1f} tok/s", flush=True)
-            for fast_path in fast_paths:
-                transport = "grpc" if fast_path == "off" else "ucx"
-                for m in SETTINGS:
-                    parts = await build_router(
-                        RouterSettings(
-                            **base,
-                            expert_endpoints=[e.address for e in experts],
-                            fast_path=fast_path,
-                            micro_batches=m,
-                        )
+        engines = {"monolithic": build_local_engine(RouterSettings(**base))}
+        for transport, fast_path in transports_.items():
+            for m in args.micro_batches:
+                routers[f"{transport}_m{m}"] = parts = await build_router(
+                    RouterSettings(
+                        **base,
+                        expert_endpoints=[e.address for e in experts],
+                        fast_path=fast_path,
+                        micro_batches=m,
                     )
-                    try:
-                        tokens_per_s = await rate(parts.engine, batch, args, spec.vocab_size)
-                        used = dict(sorted(parts.engine.planner.steps_by_m.items()))
-                        carried = transports(parts.remotes)
-                    finally:
-                        for r in parts.remotes:
-                            await r.close()
-                        parts.engine.model.close()
-                    if transport == "ucx" and (carried["fallbacks"] or not carried["ucx"]):
-                        raise SystemExit(f"the UCX mesh did not run over UCX alone: {carried}")
-                    key = f"{transport}_m{m}"
-                    row[f"{key}_tokens_per_s"] = tokens_per_s
-                    row[f"{key}_vs_monolithic"] = tokens_per_s / mono
-                    if m == "auto":
-                        row[f"{key}_steps_by_m"] = used
+                )
+                engines[f"{transport}_m{m}"] = parts.engine
+        # Rounds run every set-up once in turn, so this machine's drift hits them alike.
+        runs = {b: {name: [] for name in engines} for b in args.batches}
+        for r in range(args.rounds):
+            for b in args.batches:
+                for name, engine in engines.items():
+                    before = Counter(engine.planner.steps_by_m)
+                    runs[b][name].append(
+                        await decode_rate(engine, b, args.new_tokens, spec.vocab_size)
+                    )
+                    used = dict(sorted((engine.planner.steps_by_m - before).items()))
                     print(
-                        f"  all-remote {transport} m={m}{f' (steps by m: {used})' if m == 'auto' else ''}: "
-                        f"{tokens_per_s:.1f} tok/s = {tokens_per_s / mono:.2f}x monolithic",
+                        f"round {r + 1} batch {b:>2} {name:<11} {runs[b][name][-1]:7.1f} tok/s"
+                        f"  steps by m {used}",
                         flush=True,
                     )
-            rows.append(row)
+        for name, parts in routers.items():
+            carried = transports(parts.remotes)
+            if name.startswith("ucx") and (carried["fallbacks"] or not carried["ucx"]):
+                raise SystemExit(f"{name} did not run over UCX alone: {carried}")
     finally:
+        for parts in routers.values():
+            for r in parts.remotes:
+                await r.close()
+            parts.engine.model.close()
         for e in experts:
             e.stop()
-    return {"decode": rows}
+    rows = []
+    for b, by_name in runs.items():
+        mono = statistics.median(by_name["monolithic"])
+        row = {"batch": b, "monolithic_tokens_per_s": mono}
+        for name, rates in by_name.items():
+            if name != "monolithic":
+                row[f"{name}_tokens_per_s"] = statistics.median(rates)
+                row[f"{name}_vs_monolithic"] = statistics.median(rates) / mono
+        rows.append(row)
+        print(
+            f"batch {b}: monolithic {mono:.1f} tok/s; "
+            + ", ".join(
+                f"{k[:-15]} {v:.2f}x" for k, v in row.items() if k.endswith("_vs_monolithic")
+            ),
+            flush=True,
+        )
+    return {
+        "decode": rows,
+        "steps_by_m": {n: dict(e.planner.steps_by_m) for n, e in engines.items()},
+    }
 
 
 def main() -> int:
@@ -102,7 +119,8 @@ def main() -> int:
     parser.add_argument("--services", type=int, default=4)
     parser.add_argument("--expert-threads", type=int, default=1)
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 64])
-    parser.add_argument("--repeats", type=int, default=3, help="median of this many runs")
+    parser.add_argument("--micro-batches", nargs="+", default=list(SETTINGS), choices=SETTINGS)
+    parser.add_argument("--rounds", type=int, default=3, help="median of this many rounds")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/pipelining.json")
     args = parser.parse_args()

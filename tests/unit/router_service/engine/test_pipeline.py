@@ -63,6 +63,15 @@ def test_planner_fixed_auto_and_colocated() -> None:
     assert fixed.steps_by_m == {1: 1}
 
 
+def test_auto_keeps_its_m_unless_another_is_clearly_faster() -> None:
+    auto = MicroBatchPlanner("auto")
+    # m = 2 predicts a 5% shorter layer (20 ms, the experts' 2 x 10, against 21): not worth it.
+    for b in (32, 16):  # Ta = b·0.34 ms; Te = 10 ms whatever the size; no transfer
+        auto.observe(b, PassCosts(0.011 * b / 32, [CallTimes(wall=0.01, service=0.01)]))
+    assert auto.choose(32, remote=True) == 1
+    assert auto.steps_by_m == {1: 1}
+
+
 class SleepyExperts(ColocatedExperts):
     """A remote-looking backend that sleeps SLEEP_S per call, then computes the true outputs;
     it records each call's (start, end)."""
