@@ -313,22 +313,34 @@ def breakdown(profile_path: Path, window_path: Path, prediction: dict, shape) ->
             "tc_one_way_ms": ms(
                 c.tc(max(smax) * p * profile.top_k * profile.bytes_per_token) if smax else 0.0
             ),
+            "busiest_call_service_cpu_ms": ms(
+                c.service_cpu(max(smax) * p * profile.top_k * profile.bytes_per_token)
+            ),
+            "busiest_call_router_cpu_ms": ms(
+                c.router_cpu(max(smax) * p * profile.top_k * profile.bytes_per_token)
+            ),
             "head_ms": ms(c.head.time(p, rt)),
         }
         for p in parts
     ]
     router_cpu = sum(c.head.cpu(p) for p in parts)
-    experts_cpu = 0.0
+    experts_cpu = router_calls = service_calls = 0.0
     for row in shares:
         for p in parts:
-            tcs = [
-                c.tc(x * p * profile.top_k * profile.bytes_per_token) if x > 0 else 0 for x in row
-            ]
-            router_cpu += c.ta.cpu(p) + sum(tcs)
-            experts_cpu += sum(x * c.te.cpu(p) for x in row) + sum(tcs)
+            sizes = [x * p * profile.top_k * profile.bytes_per_token for x in row if x > 0]
+            router_calls += sum(c.router_cpu(v) for v in sizes)
+            service_calls += sum(c.service_cpu(v) for v in sizes)
+            router_cpu += c.ta.cpu(p)
+            experts_cpu += sum(x * c.te.cpu(p) for x in row)
+    transport = profile.transports[prediction["transport"]]
     return {
-        "router_cpu_ms_per_step": ms(router_cpu),
-        "experts_cpu_ms_per_step": ms(experts_cpu),
+        "router_cpu_ms_per_step": ms(router_cpu + router_calls),
+        "router_per_call_cpu_ms_per_step": ms(router_calls),
+        "experts_cpu_ms_per_step": ms(experts_cpu + service_calls),
+        "experts_per_call_cpu_ms_per_step": ms(service_calls),
+        "per_call_cpu": "measured"
+        if transport.service_call_cpu and transport.router_call_cpu
+        else f"one Tc per call at each end ({transport.cpu_skipped or 'format 1 profile'})",
         "router_threads": rt,
         "expert_threads": et,
         "micro_batches": parts,

@@ -10,10 +10,12 @@ to know how much of a shared node a process takes, and the OpenMP pools sleep wh
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +51,18 @@ def timed(fn: Callable[[], object], repeats: int, warmup: int = 2) -> Timing:
         fn()
         walls.append(time.perf_counter() - start)
     return Timing(statistics.median(walls), (time.process_time() - cpu) / repeats)
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """utime + stime of process `pid` (every thread, exited ones included) in seconds, from
+    /proc/<pid>/stat; None when it cannot be read (not Linux, not this machine's, gone). Its unit
+    is a clock tick (10 ms): time enough calls that a tick is noise."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rpartition(")")[2].split()  # the command name may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class LayerBench:

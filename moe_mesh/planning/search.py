@@ -55,15 +55,18 @@ def _side(m: Measured) -> Side:
 
 
 def costs(profile: ProfileFile, transport: str) -> Costs:
+    measured = profile.transports[transport]
     return Costs(
         ta=_side(profile.ta),
         te=_side(profile.te),
         head=_side(profile.head),
         dense=_side(profile.dense) if profile.dense else None,
         dense_layers=profile.num_layers - len(profile.moe_layers),
-        tc=profile.transports[transport].fit.linear(),
+        tc=measured.fit.linear(),
         bytes_per_token=profile.bytes_per_token,
         top_k=profile.top_k,
+        service_call=measured.service_call_cpu.linear() if measured.service_call_cpu else None,
+        router_call=measured.router_call_cpu.linear() if measured.router_call_cpu else None,
     )
 
 
