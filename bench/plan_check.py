@@ -619,6 +619,24 @@ def main() -> int:
         "note": "steps include the prefill steps and the warm-up request; the bench client "
         "shares the cores",
     }
+    if steps:
+        # Next to the model's CPU per step; the harness (gateway, launcher, bench client) is not
+        # modelled: what the prediction would be if its CPU shared the one node, for the report.
+        per_step = cpu_report["cpu_ms_per_step"]
+        harness = sum(
+            per_step.get(k, 0.0)
+            for k in ("gateway", "launcher (registry)", "bench client + status polls")
+        )
+        modelled = model["router_cpu_ms_per_step"] + model["experts_cpu_ms_per_step"]
+        cpu_report["model_vs_measured_cpu_ms_per_step"] = {
+            "router": [model["router_cpu_ms_per_step"], per_step.get("router")],
+            "expert": [model["experts_cpu_ms_per_step"], per_step.get("expert")],
+        }
+        cpu_report["harness_cpu_ms_per_step"] = round(harness, 2)
+        if len(prediction["plan"]["nodes"]) == 1:
+            cpu_report["predicted_tpot_with_harness_cpu_ms"] = round(
+                max(prediction["predicted_tpot_ms"], (modelled + harness) / profile["cores"]), 2
+            )
     result = {
         "checkpoint": str(ckpt),
         "model_id": profile["model_id"],
