@@ -169,8 +169,21 @@ class LayerBench:
 
     def expert_call(self, pair: tuple[int, int], rows: torch.Tensor, repeats: int) -> Timing:
         """One expert's FFN on exactly the rows of a Forward call (what to subtract from its round trip)."""
-        w = self.checkpoint.load_experts([pair])[pair]
-        return timed(lambda: expert_ffn(rows, w), repeats)
+        return self.experts_call(pair[0], [(pair[1], rows)], repeats)
+
+    def experts_call(
+        self, layer: int, groups: list[tuple[int, torch.Tensor]], repeats: int
+    ) -> Timing:
+        """The FFNs of a Forward call carrying rows for several experts of `layer`, one after another
+        as the service's compute thread runs them."""
+        weights = self.checkpoint.load_experts([(layer, e) for e, _ in groups])
+        inputs = [(rows, weights[(layer, e)]) for e, rows in groups]
+
+        def run() -> None:
+            for rows, w in inputs:
+                expert_ffn(rows, w)
+
+        return timed(run, repeats)
 
     def load_shares(self, tokens: int) -> dict[int, list[float]]:
         """Per MoE layer, each expert's share of the layer's routed tokens (top-k slots) on `tokens`

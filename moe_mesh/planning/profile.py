@@ -149,6 +149,7 @@ async def measure_transports(
     if not served:
         raise PlanError(f"expert service {address} serves no expert of a MoE layer")
     layer, expert = served[0]
+    layer_experts = [e for la, e in served if la == layer]
     identity = Identity(info.model_id, info.weights_checksum)
     loopback = address.rpartition(":")[0].strip("[]") in LOOPBACK_HOSTS
     if pid is not None and not loopback:
@@ -169,18 +170,21 @@ async def measure_transports(
             address, identity, max_bytes, fast_path=config, fast_paths=list(info.fast_paths)
         )
         try:
-            out[name] = await _round_trips(args, bench, remote, name, layer, expert, pid, no_pid)
+            out[name] = await _round_trips(
+                args, bench, remote, name, layer, layer_experts, pid, no_pid
+            )
         finally:
             await remote.close()
     return out
 
 
 async def _round_trips(
-    args, bench, remote, name: str, layer: int, expert: int, pid: int | None, no_pid: str
+    args, bench, remote, name: str, layer: int, experts: list[int], pid: int | None, no_pid: str
 ) -> dict:
     import statistics
 
-    points = []
+    expert = experts[0]
+    points, spread = [], []
     for n in args.transfer_tokens:
         rows = bench.hidden(n)  # [n, hidden] in the compute dtype
         walls, carried = [], set()
@@ -192,9 +196,14 @@ async def _round_trips(
             carried.add(reply.transport)
         cpu = {}
         if pid is not None:
-            cpu = await _call_cpu(args, remote, layer, expert, rows, pid, carried)
+            cpu = await _call_cpu(args, remote, layer, [(expert, rows)], pid, carried)
             if not cpu:
                 no_pid = f"/proc/{pid}/stat of the expert service could not be read"
+            k = min(n, len(experts))
+            if cpu and k > 1:  # the same rows split over k experts
+                spread.append(
+                    await _spread(args, bench, remote, name, layer, experts[:k], rows, pid)
+                )
         if carried != {name}:
             _say(f"{name} skipped: calls went over {sorted(carried)}")
             return {"skipped": f"calls fell back to {sorted(carried - {name})} from {name}"}
@@ -230,17 +239,69 @@ async def _round_trips(
     }
     if all(p.cpu_calls for p in points):
         xs = [p.bytes for p in points]
-        out["service_call_cpu"] = Fit.of(
-            xs, [max(0.0, p.service_cpu_s - p.ffn_cpu_s) for p in points]
-        )
-        out["router_call_cpu"] = Fit.of(xs, [p.router_cpu_s for p in points])
+        service = Fit.of(xs, [max(0.0, p.service_cpu_s - p.ffn_cpu_s) for p in points])
+        router = Fit.of(xs, [p.router_cpu_s for p in points])
+        out.update(service_call_cpu=service, router_call_cpu=router)
+        spread = [p for p in spread if p is not None]
+        if spread:
+            out["spread_points"] = spread
+            out["service_expert_cpu"] = _per_expert(
+                spread, service, lambda p: p.service_cpu_s - p.ffn_cpu_s
+            )
+            out["router_expert_cpu"] = _per_expert(spread, router, lambda p: p.router_cpu_s)
+            _say(
+                f"{name}: each expert beyond the first in a call: service "
+                f"{out['service_expert_cpu'] * 1e3:.3f} ms, router "
+                f"{out['router_expert_cpu'] * 1e3:.3f} ms CPU"
+            )
     else:
         out["cpu_skipped"] = no_pid
         _say(f"{name} per-call CPU skipped: {no_pid}")
     return out
 
 
-async def _call_cpu(args, remote, layer: int, expert: int, rows, pid: int, carried: set) -> dict:
+def _per_expert(spread: list[TransferPoint], one: Fit, cost) -> float:
+    """Median over the spread calls of (cost - the one-expert fit at its bytes) / extra experts."""
+    import statistics
+
+    f = one.linear()
+    return max(0.0, statistics.median((cost(p) - f(p.bytes)) / (p.experts - 1) for p in spread))
+
+
+async def _spread(args, bench, remote, name: str, layer: int, experts: list[int], rows, pid: int):
+    """A call with `rows` split over `experts` (as even as can be): its CPU at both ends and its
+    FFNs in-process (round trip: the mean of the back-to-back calls); None when the service's CPU
+    could not be read or a call went over another transport."""
+    parts = rows.tensor_split(len(experts))
+    groups = list(zip(experts, parts))
+    carried: set = set()
+    for _ in range(3):  # warm-up: the other experts' pages
+        await remote.forward(layer, groups, timeout_s=30.0)
+    start = time.perf_counter()
+    cpu = await _call_cpu(args, remote, layer, groups, pid, carried)
+    if not cpu or carried != {name}:
+        return None
+    rtt = (time.perf_counter() - start) / cpu["cpu_calls"]
+    ffn = bench.experts_call(layer, groups, args.repeats)
+    point = TransferPoint(
+        tokens=rows.shape[0],
+        bytes=rows.numel() * rows.element_size(),
+        experts=len(experts),
+        round_trip_s=rtt,
+        compute_s=ffn.wall_s,
+        one_way_s=max(0.0, rtt - ffn.wall_s) / 2,
+        ffn_cpu_s=ffn.cpu_s,
+        **cpu,
+    )
+    _say(
+        f"Tc {name} {point.tokens} tokens over {len(experts)} experts: CPU per call: service "
+        f"{point.service_cpu_s * 1e3:.3f} ms "
+        f"(FFN {ffn.cpu_s * 1e3:.3f} ms), router {point.router_cpu_s * 1e3:.3f} ms"
+    )
+    return point
+
+
+async def _call_cpu(args, remote, layer: int, groups, pid: int, carried: set) -> dict:
     """CPU seconds per call of the service (pid) and of this process, over back-to-back calls
     for at least --cpu-window-s (and --repeats calls): /proc's clock ticks need a window."""
     from moe_mesh.planning.measure import process_cpu_s
@@ -248,7 +309,7 @@ async def _call_cpu(args, remote, layer: int, expert: int, rows, pid: int, carri
     service_before, router_before = process_cpu_s(pid), time.process_time()
     start, calls = time.perf_counter(), 0
     while calls < args.repeats or time.perf_counter() - start < args.cpu_window_s:
-        reply = await remote.forward(layer, [(expert, rows)], timeout_s=30.0)
+        reply = await remote.forward(layer, groups, timeout_s=30.0)
         carried.add(reply.transport)
         calls += 1
     router = (time.process_time() - router_before) / calls

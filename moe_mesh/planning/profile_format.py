@@ -57,6 +57,7 @@ class Measured(_Strict):
 class TransferPoint(_Strict):
     tokens: int = Field(ge=1)
     bytes: int = Field(ge=1)
+    experts: int = Field(1, ge=1, description="experts the call's rows are split over")
     round_trip_s: NonNeg
     compute_s: NonNeg
     one_way_s: NonNeg
@@ -69,15 +70,20 @@ class TransferPoint(_Strict):
 
 class Transport(_Strict):
     """Tc(bytes), one way; or why it was not measured. Format 2 adds the CPU seconds a Forward
-    call costs each end against its bytes: the service beyond the FFN it runs (receive, decode,
-    batcher, hand-off to the compute thread, encode, send), and the caller (encode, send,
-    receive, decode)."""
+    call costs each end against its bytes and experts: the service beyond the FFN it runs
+    (receive, decode, batcher, hand-off to the compute thread per expert, encode, send), and the
+    caller (encode, send, receive, decode)."""
 
     fit: Fit | None = None
     points: list[TransferPoint] = Field(default_factory=list)
     skipped: str | None = None
-    service_call_cpu: Fit | None = None
-    router_call_cpu: Fit | None = None
+    service_call_cpu: Fit | None = Field(None, description="one expert per call, vs bytes")
+    router_call_cpu: Fit | None = Field(None, description="one expert per call, vs bytes")
+    # Calls whose rows go to several experts (the service runs one batch per expert): each
+    # expert beyond the first adds this much, the median over `spread_points`.
+    spread_points: list[TransferPoint] = Field(default_factory=list)
+    service_expert_cpu: NonNeg | None = None
+    router_expert_cpu: NonNeg | None = None
     cpu_skipped: str | None = Field(None, description="why the per-call CPU was not measured")
 
 

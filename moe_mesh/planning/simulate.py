@@ -4,9 +4,11 @@ extended to several expert services, replicas and shared nodes).
 Per MoE layer, B sequences split into m micro-batches b_i (perfmodel.split). Expert group g takes
 share s_g of the layer's routed tokens; its r replicas take turns (the router sends a micro-batch's
 call to one replica). A call of micro-batch i to group g carries x_gi = s_g·b_i·top_k·bytes per
-token each way and costs, besides its FFN, CPU at both ends measured per call by `moe-mesh
-profile`: Sc(x) in the service (receive, decode, batcher, hand-off to the compute thread, encode,
-send) and Rc(x) in the router (encode, send, receive, decode). Then
+token each way for k_gi experts (expected: Σ_e 1 − (1 − top_k·p_e)^b_i over g's experts, p_e
+an expert's share of the layer's slots) and costs, besides its FFN, CPU at both ends measured per
+call by `moe-mesh profile`: Sc(x, k) in the service (receive, decode, batcher, one batch and
+hand-off to the compute thread per expert, encode, send) and Rc(x, k) in the router (encode,
+send, receive, decode), each linear in x plus a cost per expert beyond the first. Then
 
     round_i  = Ta(b_i) + max( max_g s_g·Te(b_i) + 2·max_g Tc(x_gi),
                               max_n E_ni / cores_n + max_g (2·Tc(x_gi) − Sc(x_gi))⁺ )
@@ -71,14 +73,27 @@ class Costs:
     top_k: int
     service_call: Linear | None = None  # Sc: a service's CPU per call beyond its FFN, vs bytes
     router_call: Linear | None = None  # Rc: the router's CPU per call, vs bytes
+    service_expert: float = 0.0  # Sc's seconds per expert beyond the first in a call
+    router_expert: float = 0.0  # Rc's
 
-    def service_cpu(self, nbytes: float) -> float:
-        """Sc: measured, else one Tc (each end of a transfer works for it)."""
-        return (self.service_call or self.tc)(nbytes)
+    def service_cpu(self, nbytes: float, experts: float = 1.0) -> float:
+        """Sc of a call of `nbytes` for `experts` experts: measured, else one Tc (each end of a
+        transfer works for it)."""
+        if self.service_call is None:
+            return self.tc(nbytes)
+        return self.service_call(nbytes) + self.service_expert * max(0.0, experts - 1)
 
-    def router_cpu(self, nbytes: float) -> float:
-        """Rc: measured, else one Tc."""
-        return (self.router_call or self.tc)(nbytes)
+    def router_cpu(self, nbytes: float, experts: float = 1.0) -> float:
+        """Rc of a call: measured, else one Tc."""
+        if self.router_call is None:
+            return self.tc(nbytes)
+        return self.router_call(nbytes) + self.router_expert * max(0.0, experts - 1)
+
+
+def experts_per_call(expert_shares: Sequence[float], sequences: float, top_k: int) -> float:
+    """Expected experts a call of `sequences` sequences carries rows for: a sequence routes to
+    an expert holding share p of the layer's top_k slots with probability top_k·p."""
+    return sum(1 - (1 - min(1.0, top_k * p)) ** sequences for p in expert_shares if p > 0)
 
 
 @dataclass(frozen=True)
@@ -109,11 +124,13 @@ def simulate(
     nodes: Sequence[Node],
     batch: int,
     m: int,
+    expert_shares: Sequence[Sequence[Sequence[float]]] | None = None,
 ) -> Step:
     """One decode step of `batch` sequences in m micro-batches.
 
     shares[l][g]: group g's share of MoE layer l's routed tokens; replicas[g]: its processes,
-    which `nodes` place (one node has the router)."""
+    which `nodes` place (one node has the router); expert_shares[l][g]: the shares of group g's
+    experts in layer l, for the experts per call (without it: one per call)."""
     router_node = next(n for n in nodes if n.router)
     rt = router_node.threads
     group_threads = [
@@ -123,7 +140,7 @@ def simulate(
     pipeline = 0.0
     router_cpu = 0.0
     group_cpu = [0.0] * len(replicas)
-    for layer in shares:
+    for li, layer in enumerate(shares):
         ta = [costs.ta.time(b, rt) for b in parts]
         te = [[s * costs.te.time(b, t) for b in parts] for s, t in zip(layer, group_threads)]
         # Bytes of each group's call per micro-batch (None: no tokens, no call).
@@ -132,8 +149,21 @@ def simulate(
             for s in layer
         ]
         tc = [[costs.tc(v) if v is not None else 0.0 for v in row] for row in x]
-        sc = [[costs.service_cpu(v) if v is not None else 0.0 for v in row] for row in x]
-        rc = [[costs.router_cpu(v) if v is not None else 0.0 for v in row] for row in x]
+        k = [
+            [
+                experts_per_call(expert_shares[li][g], b, costs.top_k) if expert_shares else 1.0
+                for b in parts
+            ]
+            for g in range(len(layer))
+        ]
+        sc = [
+            [costs.service_cpu(v, n) if v is not None else 0.0 for v, n in zip(row, ks)]
+            for row, ks in zip(x, k)
+        ]
+        rc = [
+            [costs.router_cpu(v, n) if v is not None else 0.0 for v, n in zip(row, ks)]
+            for row, ks in zip(x, k)
+        ]
         # The calls of one round run at once: the services on a node share its cores (a group's
         # calls spread over its replicas), FFN and per-call work alike.
         shared = [

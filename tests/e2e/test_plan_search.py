@@ -48,6 +48,7 @@ def test_profile_then_search(checkpoint, tmp_path: Path) -> None:
     grpc = profile["transports"]["grpc"]
     assert grpc["service_call_cpu"] is not None and grpc["router_call_cpu"] is not None
     assert all(p["cpu_calls"] >= 3 and p["service_cpu_s"] > 0 for p in grpc["points"])
+    assert grpc["spread_points"][0]["experts"] > 1 and grpc["service_expert_cpu"] is not None
     ucx = profile["transports"]["ucx"]
     assert ucx.get("fit") is not None or ucx["skipped"]  # measured, or why not
 

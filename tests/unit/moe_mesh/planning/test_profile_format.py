@@ -17,9 +17,11 @@ from tests.support.plans import fit, profile_dict, write_profile
 def test_a_profile_reads_back(tmp_path: Path) -> None:
     """A format 1 profile (no per-call CPU) still reads."""
     profile = read_profile(write_profile(tmp_path))
-    assert profile.model_dump(mode="json", exclude_none=True) == {
-        k: v for k, v in profile_dict().items() if v is not None
-    }
+    expected = {k: v for k, v in profile_dict().items() if v is not None}
+    for transport in expected["transports"].values():
+        transport["spread_points"] = []  # format 2's fields, empty
+    assert profile.model_dump(mode="json", exclude_none=True) == expected
+    assert costs(profile, "grpc").service_cpu(1000, experts=4) == pytest.approx(5e-4)  # one Tc
     assert profile.ta.wall.linear()(10) == pytest.approx(2e-3)
 
 
@@ -41,6 +43,8 @@ def test_a_format_2_profile_carries_each_ends_cpu_per_call(tmp_path: Path) -> No
         ],
         "service_call_cpu": fit(1e-9, 1.2e-3),
         "router_call_cpu": fit(0.0, 6e-4),
+        "service_expert_cpu": 2e-4,
+        "router_expert_cpu": 1e-5,
     }
     ucx = {"fit": fit(0.0, 4e-4), "cpu_skipped": "no pid"}
     path = write_profile(tmp_path, format=FORMAT, transports={"grpc": grpc, "ucx": ucx})
@@ -50,6 +54,9 @@ def test_a_format_2_profile_carries_each_ends_cpu_per_call(tmp_path: Path) -> No
     grpc_costs, ucx_costs = costs(profile, "grpc"), costs(profile, "ucx")
     assert grpc_costs.service_cpu(1000) == pytest.approx(1.2e-3 + 1e-6)
     assert grpc_costs.router_cpu(1000) == pytest.approx(6e-4)
+    # Rows for three experts: two more batches in the service.
+    assert grpc_costs.service_cpu(1000, experts=3) == pytest.approx(1.2e-3 + 1e-6 + 2 * 2e-4)
+    assert grpc_costs.router_cpu(1000, experts=3) == pytest.approx(6e-4 + 2 * 1e-5)
     # Not measured: each end pays one Tc per call.
     assert ucx_costs.service_cpu(1000) == ucx_costs.router_cpu(1000) == pytest.approx(4e-4)
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from moe_mesh.common.perfmodel import LayerCosts, Linear, layer_time
-from moe_mesh.planning.simulate import Costs, Node, Side, simulate
+from moe_mesh.planning.simulate import Costs, Node, Side, experts_per_call, simulate
 
 MS = 1e-3
 
@@ -156,3 +158,20 @@ def test_without_per_call_cpu_each_end_pays_one_tc() -> None:
         a = simulate(measured, [[0.25] * 4], [1] * 4, small, 8, m)
         assert simulate(old, [[0.25] * 4], [1] * 4, small, 8, m) == a
     assert old.service_cpu(1e6) == old.router_cpu(0) == 0.5 * MS
+
+
+def test_each_expert_a_call_carries_adds_its_batch() -> None:
+    # Two experts with a quarter of the slots each (top-2): a sequence picks each with
+    # probability 1/2, so one sequence's call carries 1 expert on average, many sequences' 2.
+    assert experts_per_call([0.25, 0.25], 1, 2) == pytest.approx(1.0)
+    assert experts_per_call([0.25, 0.25], 3, 2) == pytest.approx(2 * (1 - 0.5**3))
+    assert experts_per_call([0.5, 0.0], 1, 2) == pytest.approx(1.0)
+    c = replace(per_call(ta=2, te=4, tc=0.5, service=1, router=0.25), service_expert=0.5 * MS)
+    # One group of two experts, B = 3 in one micro-batch: 1.75 experts per call, so the service
+    # spends 1 + 0.75 x 0.5 ms on the call beyond its 4 ms FFN; on a 1-core node with the router
+    # (2 + 0.25 ms) the step is 7.625 ms of CPU.
+    one_core = (Node("one", 1, True, (0,)),)
+    step = simulate(c, [[1.0]], [1], one_core, 3, 1, [[[0.25, 0.25]]])
+    assert step.seconds == pytest.approx((2 + 0.25 + 4 + 1 + 0.375) * MS)
+    assert step.bound == "cpu of one node 0"
+    assert simulate(c, [[1.0]], [1], one_core, 3, 1).seconds == pytest.approx(7.25 * MS)
