@@ -270,8 +270,8 @@ def breakdown(profile_path: Path, window_path: Path, prediction: dict, shape) ->
     from moe_mesh.common.placement import parse_experts
     from moe_mesh.planning.plan import read_record
     from moe_mesh.planning.profile_format import read_profile
-    from moe_mesh.planning.search import costs, layer_shares, planning_load
-    from moe_mesh.planning.simulate import Node, simulate
+    from moe_mesh.planning.search import costs, expert_shares, layer_shares, planning_load
+    from moe_mesh.planning.simulate import Node, experts_per_call, simulate
 
     profile = read_profile(profile_path)
     record = read_record(window_path)
@@ -281,7 +281,9 @@ def breakdown(profile_path: Path, window_path: Path, prediction: dict, shape) ->
         for g in prediction["plan"]["expert_groups"]
     ]
     replicas = [g["replicas"] for g in prediction["plan"]["expert_groups"]]
-    shares = layer_shares(list(profile.moe_layers), groups, planning_load(profile, record.load))
+    load = planning_load(profile, record.load)
+    shares = layer_shares(list(profile.moe_layers), groups, load)
+    per_expert = expert_shares(list(profile.moe_layers), groups, load)
     names = [g["name"] for g in prediction["plan"]["expert_groups"]]
     nodes = tuple(
         Node(
@@ -293,7 +295,7 @@ def breakdown(profile_path: Path, window_path: Path, prediction: dict, shape) ->
         for n in prediction["plan"]["nodes"]
     )
     b, m = prediction["batch_size"], prediction["micro_batches"]
-    step = simulate(c, shares, replicas, nodes, b, m)
+    step = simulate(c, shares, replicas, nodes, b, m, per_expert)
     rt = next(n for n in nodes if n.router).threads
     et = min((n.threads for n in nodes if n.replicas), default=1)
     parts = split(b, m)
@@ -313,22 +315,41 @@ def breakdown(profile_path: Path, window_path: Path, prediction: dict, shape) ->
             "tc_one_way_ms": ms(
                 c.tc(max(smax) * p * profile.top_k * profile.bytes_per_token) if smax else 0.0
             ),
+            "busiest_call_service_cpu_ms_if_one_expert": ms(
+                c.service_cpu(max(smax) * p * profile.top_k * profile.bytes_per_token)
+            ),
+            "busiest_call_router_cpu_ms_if_one_expert": ms(
+                c.router_cpu(max(smax) * p * profile.top_k * profile.bytes_per_token)
+            ),
             "head_ms": ms(c.head.time(p, rt)),
         }
         for p in parts
     ]
     router_cpu = sum(c.head.cpu(p) for p in parts)
-    experts_cpu = 0.0
-    for row in shares:
+    experts_cpu = router_calls = service_calls = 0.0
+    experts_in_calls = []
+    for row, experts in zip(shares, per_expert):
         for p in parts:
-            tcs = [
-                c.tc(x * p * profile.top_k * profile.bytes_per_token) if x > 0 else 0 for x in row
+            calls = [
+                (x * p * profile.top_k * profile.bytes_per_token, experts_per_call(e, p, c.top_k))
+                for x, e in zip(row, experts)
+                if x > 0
             ]
-            router_cpu += c.ta.cpu(p) + sum(tcs)
-            experts_cpu += sum(x * c.te.cpu(p) for x in row) + sum(tcs)
+            experts_in_calls += [k for _, k in calls]
+            router_calls += sum(c.router_cpu(v, k) for v, k in calls)
+            service_calls += sum(c.service_cpu(v, k) for v, k in calls)
+            router_cpu += c.ta.cpu(p)
+            experts_cpu += sum(x * c.te.cpu(p) for x in row)
+    transport = profile.transports[prediction["transport"]]
     return {
-        "router_cpu_ms_per_step": ms(router_cpu),
-        "experts_cpu_ms_per_step": ms(experts_cpu),
+        "router_cpu_ms_per_step": ms(router_cpu + router_calls),
+        "router_per_call_cpu_ms_per_step": ms(router_calls),
+        "experts_cpu_ms_per_step": ms(experts_cpu + service_calls),
+        "experts_per_call_cpu_ms_per_step": ms(service_calls),
+        "mean_experts_per_call": round(sum(experts_in_calls) / max(1, len(experts_in_calls)), 2),
+        "per_call_cpu": "measured"
+        if transport.service_call_cpu and transport.router_call_cpu
+        else f"one Tc per call at each end ({transport.cpu_skipped or 'format 1 profile'})",
         "router_threads": rt,
         "expert_threads": et,
         "micro_batches": parts,
@@ -607,6 +628,24 @@ def main() -> int:
         "note": "steps include the prefill steps and the warm-up request; the bench client "
         "shares the cores",
     }
+    if steps:
+        # Next to the model's CPU per step; the harness (gateway, launcher, bench client) is not
+        # modelled: what the prediction would be if its CPU shared the one node, for the report.
+        per_step = cpu_report["cpu_ms_per_step"]
+        harness = sum(
+            per_step.get(k, 0.0)
+            for k in ("gateway", "launcher (registry)", "bench client + status polls")
+        )
+        modelled = model["router_cpu_ms_per_step"] + model["experts_cpu_ms_per_step"]
+        cpu_report["model_vs_measured_cpu_ms_per_step"] = {
+            "router": [model["router_cpu_ms_per_step"], per_step.get("router")],
+            "expert": [model["experts_cpu_ms_per_step"], per_step.get("expert")],
+        }
+        cpu_report["harness_cpu_ms_per_step"] = round(harness, 2)
+        if len(prediction["plan"]["nodes"]) == 1:
+            cpu_report["predicted_tpot_with_harness_cpu_ms"] = round(
+                max(prediction["predicted_tpot_ms"], (modelled + harness) / profile["cores"]), 2
+            )
     result = {
         "checkpoint": str(ckpt),
         "model_id": profile["model_id"],

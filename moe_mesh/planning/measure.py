@@ -10,10 +10,12 @@ to know how much of a shared node a process takes, and the OpenMP pools sleep wh
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +51,18 @@ def timed(fn: Callable[[], object], repeats: int, warmup: int = 2) -> Timing:
         fn()
         walls.append(time.perf_counter() - start)
     return Timing(statistics.median(walls), (time.process_time() - cpu) / repeats)
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """utime + stime of process `pid` (every thread, exited ones included) in seconds, from
+    /proc/<pid>/stat; None when it cannot be read (not Linux, not this machine's, gone). Its unit
+    is a clock tick (10 ms): time enough calls that a tick is noise."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rpartition(")")[2].split()  # the command name may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class LayerBench:
@@ -155,8 +169,21 @@ class LayerBench:
 
     def expert_call(self, pair: tuple[int, int], rows: torch.Tensor, repeats: int) -> Timing:
         """One expert's FFN on exactly the rows of a Forward call (what to subtract from its round trip)."""
-        w = self.checkpoint.load_experts([pair])[pair]
-        return timed(lambda: expert_ffn(rows, w), repeats)
+        return self.experts_call(pair[0], [(pair[1], rows)], repeats)
+
+    def experts_call(
+        self, layer: int, groups: list[tuple[int, torch.Tensor]], repeats: int
+    ) -> Timing:
+        """The FFNs of a Forward call carrying rows for several experts of `layer`, one after another
+        as the service's compute thread runs them."""
+        weights = self.checkpoint.load_experts([(layer, e) for e, _ in groups])
+        inputs = [(rows, weights[(layer, e)]) for e, rows in groups]
+
+        def run() -> None:
+            for rows, w in inputs:
+                expert_ffn(rows, w)
+
+        return timed(run, repeats)
 
     def load_shares(self, tokens: int) -> dict[int, list[float]]:
         """Per MoE layer, each expert's share of the layer's routed tokens (top-k slots) on `tokens`

@@ -8,6 +8,12 @@ on this machine and write them as JSON for `moe-mesh plan --search`.
 - Tc(bytes) per transport: a Forward call's round trip through the real client (RemoteExperts)
   minus the same FFN on the same rows computed here, halved. Against running expert services
   (--experts / --ready-file) or one this command starts on loopback and stops.
+- per-call CPU per transport, against bytes: the service process's CPU seconds per Forward call
+  (/proc/<pid>/stat over at least --cpu-window-s of back-to-back calls) minus the same FFN's CPU
+  here: what a call costs a service beyond its FFN (receive, decode, batcher, hand-off to the
+  compute thread, encode, send); and this process's CPU per call, the router side's cost. The
+  service's pid is known when this command started it or from `moe-mesh up`'s ready file; with
+  --experts it is not, and the CPU is skipped with the reason.
 
 Also the non-MoE parts of a step (dense layers, embedding + LM head) so the planner can predict a
 whole step. The file format is ProfileFile (moe_mesh/planning/profile_format.py).
@@ -122,8 +128,11 @@ class StartedExpert:
                 self.proc.wait(5)
 
 
-async def measure_transports(args: argparse.Namespace, bench, address: str) -> dict:
-    """Tc(bytes) for grpc and ucx against the expert service at `address`."""
+async def measure_transports(
+    args: argparse.Namespace, bench, address: str, pid: int | None, no_pid: str
+) -> dict:
+    """Tc(bytes) for grpc and ucx against the expert service at `address`, and each end's CPU
+    per call when the service's `pid` is known (else `no_pid` says why not)."""
     import torch
 
     from moe_mesh.common.fastpath import LOOPBACK_HOSTS
@@ -140,8 +149,11 @@ async def measure_transports(args: argparse.Namespace, bench, address: str) -> d
     if not served:
         raise PlanError(f"expert service {address} serves no expert of a MoE layer")
     layer, expert = served[0]
+    layer_experts = [e for la, e in served if la == layer]
     identity = Identity(info.model_id, info.weights_checksum)
     loopback = address.rpartition(":")[0].strip("[]") in LOOPBACK_HOSTS
+    if pid is not None and not loopback:
+        pid, no_pid = None, f"expert service {address} is not on this machine's loopback"
     torch.set_num_threads(args.expert_threads)
     out = {}
     for name, mode in (("grpc", "off"), ("ucx", "ucx")):
@@ -158,16 +170,21 @@ async def measure_transports(args: argparse.Namespace, bench, address: str) -> d
             address, identity, max_bytes, fast_path=config, fast_paths=list(info.fast_paths)
         )
         try:
-            out[name] = await _round_trips(args, bench, remote, name, layer, expert)
+            out[name] = await _round_trips(
+                args, bench, remote, name, layer, layer_experts, pid, no_pid
+            )
         finally:
             await remote.close()
     return out
 
 
-async def _round_trips(args, bench, remote, name: str, layer: int, expert: int) -> dict:
+async def _round_trips(
+    args, bench, remote, name: str, layer: int, experts: list[int], pid: int | None, no_pid: str
+) -> dict:
     import statistics
 
-    points = []
+    expert = experts[0]
+    points, spread = [], []
     for n in args.transfer_tokens:
         rows = bench.hidden(n)  # [n, hidden] in the compute dtype
         walls, carried = [], set()
@@ -177,38 +194,151 @@ async def _round_trips(args, bench, remote, name: str, layer: int, expert: int) 
             if i >= 3:
                 walls.append(time.perf_counter() - start)
             carried.add(reply.transport)
+        cpu = {}
+        if pid is not None:
+            cpu = await _call_cpu(args, remote, layer, [(expert, rows)], pid, carried)
+            if not cpu:
+                no_pid = f"/proc/{pid}/stat of the expert service could not be read"
+            k = min(n, len(experts))
+            if cpu and k > 1:  # the same rows split over k experts
+                spread.append(
+                    await _spread(args, bench, remote, name, layer, experts[:k], rows, pid)
+                )
         if carried != {name}:
             _say(f"{name} skipped: calls went over {sorted(carried)}")
             return {"skipped": f"calls fell back to {sorted(carried - {name})} from {name}"}
-        compute = bench.expert_call((layer, expert), rows, args.repeats).wall_s
+        ffn = bench.expert_call((layer, expert), rows, args.repeats)
         rtt = statistics.median(walls)
         size = rows.numel() * rows.element_size()
-        one_way = max(0.0, rtt - compute) / 2
+        one_way = max(0.0, rtt - ffn.wall_s) / 2
+        if cpu:
+            cpu["ffn_cpu_s"] = ffn.cpu_s
         points.append(
             TransferPoint(
-                tokens=n, bytes=size, round_trip_s=rtt, compute_s=compute, one_way_s=one_way
+                tokens=n,
+                bytes=size,
+                round_trip_s=rtt,
+                compute_s=ffn.wall_s,
+                one_way_s=one_way,
+                **cpu,
             )
         )
         _say(
             f"Tc {name} {n} tokens ({size} B): round trip {rtt * 1e3:.3f} ms, "
-            f"FFN {compute * 1e3:.3f} ms, one way {one_way * 1e3:.3f} ms"
+            f"FFN {ffn.wall_s * 1e3:.3f} ms, one way {one_way * 1e3:.3f} ms"
+            + (
+                f"; CPU per call: service {cpu['service_cpu_s'] * 1e3:.3f} ms (FFN "
+                f"{ffn.cpu_s * 1e3:.3f} ms), router {cpu['router_cpu_s'] * 1e3:.3f} ms"
+                if cpu
+                else ""
+            )
         )
-    return {
+    out = {
         "fit": Fit.of([p.bytes for p in points], [p.one_way_s for p in points]),
         "points": points,
     }
+    if all(p.cpu_calls for p in points):
+        xs = [p.bytes for p in points]
+        service = Fit.of(xs, [max(0.0, p.service_cpu_s - p.ffn_cpu_s) for p in points])
+        router = Fit.of(xs, [p.router_cpu_s for p in points])
+        out.update(service_call_cpu=service, router_call_cpu=router)
+        spread = [p for p in spread if p is not None]
+        if spread:
+            out["spread_points"] = spread
+            out["service_expert_cpu"] = _per_expert(
+                spread, service, lambda p: p.service_cpu_s - p.ffn_cpu_s
+            )
+            out["router_expert_cpu"] = _per_expert(spread, router, lambda p: p.router_cpu_s)
+            _say(
+                f"{name}: each expert beyond the first in a call: service "
+                f"{out['service_expert_cpu'] * 1e3:.3f} ms, router "
+                f"{out['router_expert_cpu'] * 1e3:.3f} ms CPU"
+            )
+    else:
+        out["cpu_skipped"] = no_pid
+        _say(f"{name} per-call CPU skipped: {no_pid}")
+    return out
 
 
-def _addresses(args: argparse.Namespace) -> list[str]:
+def _per_expert(spread: list[TransferPoint], one: Fit, cost) -> float:
+    """Median over the spread calls of (cost - the one-expert fit at its bytes) / extra experts."""
+    import statistics
+
+    f = one.linear()
+    return max(0.0, statistics.median((cost(p) - f(p.bytes)) / (p.experts - 1) for p in spread))
+
+
+async def _spread(args, bench, remote, name: str, layer: int, experts: list[int], rows, pid: int):
+    """A call with `rows` split over `experts` (as even as can be): its CPU at both ends and its
+    FFNs in-process (round trip: the mean of the back-to-back calls); None when the service's CPU
+    could not be read or a call went over another transport."""
+    parts = rows.tensor_split(len(experts))
+    groups = list(zip(experts, parts))
+    carried: set = set()
+    for _ in range(3):  # warm-up: the other experts' pages
+        await remote.forward(layer, groups, timeout_s=30.0)
+    start = time.perf_counter()
+    cpu = await _call_cpu(args, remote, layer, groups, pid, carried)
+    if not cpu or carried != {name}:
+        return None
+    rtt = (time.perf_counter() - start) / cpu["cpu_calls"]
+    ffn = bench.experts_call(layer, groups, args.repeats)
+    point = TransferPoint(
+        tokens=rows.shape[0],
+        bytes=rows.numel() * rows.element_size(),
+        experts=len(experts),
+        round_trip_s=rtt,
+        compute_s=ffn.wall_s,
+        one_way_s=max(0.0, rtt - ffn.wall_s) / 2,
+        ffn_cpu_s=ffn.cpu_s,
+        **cpu,
+    )
+    _say(
+        f"Tc {name} {point.tokens} tokens over {len(experts)} experts: CPU per call: service "
+        f"{point.service_cpu_s * 1e3:.3f} ms "
+        f"(FFN {ffn.cpu_s * 1e3:.3f} ms), router {point.router_cpu_s * 1e3:.3f} ms"
+    )
+    return point
+
+
+async def _call_cpu(args, remote, layer: int, groups, pid: int, carried: set) -> dict:
+    """CPU seconds per call of the service (pid) and of this process, over back-to-back calls
+    for at least --cpu-window-s (and --repeats calls): /proc's clock ticks need a window."""
+    from moe_mesh.planning.measure import process_cpu_s
+
+    service_before, router_before = process_cpu_s(pid), time.process_time()
+    start, calls = time.perf_counter(), 0
+    while calls < args.repeats or time.perf_counter() - start < args.cpu_window_s:
+        reply = await remote.forward(layer, groups, timeout_s=30.0)
+        carried.add(reply.transport)
+        calls += 1
+    router = (time.process_time() - router_before) / calls
+    service_after = process_cpu_s(pid)
+    if service_before is None or service_after is None:
+        return {}
+    return {
+        "cpu_calls": calls,
+        "service_cpu_s": (service_after - service_before) / calls,
+        "router_cpu_s": router,
+    }
+
+
+def _targets(args: argparse.Namespace) -> list[tuple[str, int | None, str]]:
+    """(address, pid, why no pid) of each expert service given; `moe-mesh up`'s ready file has
+    the pids (of processes on this machine: it starts them on loopback)."""
     if args.ready_file is not None:
         try:
             ready = json.loads(args.ready_file.read_text())
-            return [e["address"] for e in ready["experts"]]
+            experts = [(e["address"], e.get("pid")) for e in ready["experts"]]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise PlanError(
                 f"{args.ready_file}: experts: expected `moe-mesh up`'s ready file ({e})"
             ) from None
-    return list(args.experts or [])
+        return [
+            (a, pid, "" if pid else f"{args.ready_file} gives no pid for {a}") for a, pid in experts
+        ]
+    why = "a service given by --experts has no known pid (use --ready-file, or let it start one)"
+    return [(a, None, why) for a in args.experts or []]
 
 
 def profile(args: argparse.Namespace) -> ProfileFile:
@@ -223,15 +353,18 @@ def profile(args: argparse.Namespace) -> ProfileFile:
     _say(f"{spec.family}: {len(spec.moe_layer_ids)} MoE layers x {spec.num_experts} experts")
     compute = measure_compute(args, bench)
     shares = bench.load_shares(args.share_tokens)
-    addresses = _addresses(args)
+    targets = _targets(args)
     started = None
     with tempfile.TemporaryDirectory(prefix="moe-profile-") as workdir:
-        if not addresses:
+        if not targets:
             _say("starting an expert service on loopback for the transfer times")
             started = StartedExpert(args, bench.layer_id, Path(workdir))
         try:
-            address = started.wait_ready() if started else addresses[0]
-            transports = asyncio.run(measure_transports(args, bench, address))
+            if started:
+                address, pid, no_pid = started.wait_ready(), started.proc.pid, ""
+            else:
+                address, pid, no_pid = targets[0]
+            transports = asyncio.run(measure_transports(args, bench, address, pid, no_pid))
         finally:
             if started:
                 started.stop()
@@ -296,14 +429,25 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 600:
+        raise argparse.ArgumentTypeError(f"expected seconds between 0 and 600, got {text!r}")
+    return value
+
+
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """Register `profile` on the moe-mesh CLI; `args.func(args)` returns the exit code."""
     p = subparsers.add_parser(
         "profile",
         help="measure Ta, Te and Tc of the ping-pong model for `moe-mesh plan --search`",
-        description="Time the router's share of a MoE layer (Ta), the experts' share (Te) and the "
-        "transfer of activations per transport (Tc) on this machine, fit each linearly and write "
-        "JSON. Progress goes to stderr.",
+        description="Time the router's share of a MoE layer (Ta), the experts' share (Te), the "
+        "transfer of activations per transport (Tc) and the CPU a Forward call costs the expert "
+        "service and the caller, on this machine; fit each linearly and write JSON. Progress "
+        "goes to stderr.",
     )
     p.add_argument("--checkpoint", type=Path, required=True, metavar="DIR")
     p.add_argument("--out", type=Path, default=None, metavar="FILE", help="default stdout")
@@ -332,6 +476,13 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
         help="tokens per Forward call for Tc (1,8,32,128,512)",
     )
     p.add_argument("--repeats", type=_positive, default=20, help="timed runs per point (20)")
+    p.add_argument(
+        "--cpu-window-s",
+        type=_seconds,
+        default=1.0,
+        help="back-to-back calls per transfer size for the per-call CPU of both ends, at least "
+        "this long (1.0 s: /proc counts CPU in 10 ms ticks)",
+    )
     p.add_argument(
         "--router-threads",
         type=_positive,

@@ -1,5 +1,9 @@
 """The file `moe-mesh profile` writes and `moe-mesh plan --search` reads: ProfileFile, checked by
-`read_profile` (every problem a PlanError naming the file and the field)."""
+`read_profile` (every problem a PlanError naming the file and the field).
+
+Format 2 adds each transport's per-call CPU at both ends (`service_call_cpu`, `router_call_cpu`);
+format 1 files, without them, still read (the planner then charges each end one Tc per call, as
+it did)."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from moe_mesh.common.perfmodel import Linear
 from moe_mesh.planning.deploy.plan import PlanError, invalid
 
-FORMAT = "moe-mesh-profile/1"
+FORMAT = "moe-mesh-profile/2"
 NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
@@ -53,21 +57,38 @@ class Measured(_Strict):
 class TransferPoint(_Strict):
     tokens: int = Field(ge=1)
     bytes: int = Field(ge=1)
+    experts: int = Field(1, ge=1, description="experts the call's rows are split over")
     round_trip_s: NonNeg
     compute_s: NonNeg
     one_way_s: NonNeg
+    # Per call, over `cpu_calls` calls (format 2; None when the service's CPU was not readable):
+    cpu_calls: int | None = Field(None, ge=1)
+    service_cpu_s: NonNeg | None = Field(None, description="the service process, all threads")
+    ffn_cpu_s: NonNeg | None = Field(None, description="the same FFN on the same rows in-process")
+    router_cpu_s: NonNeg | None = Field(None, description="the calling process, all threads")
 
 
 class Transport(_Strict):
-    """Tc(bytes), one way; or why it was not measured."""
+    """Tc(bytes), one way; or why it was not measured. Format 2 adds the CPU seconds a Forward
+    call costs each end against its bytes and experts: the service beyond the FFN it runs
+    (receive, decode, batcher, hand-off to the compute thread per expert, encode, send), and the
+    caller (encode, send, receive, decode)."""
 
     fit: Fit | None = None
     points: list[TransferPoint] = Field(default_factory=list)
     skipped: str | None = None
+    service_call_cpu: Fit | None = Field(None, description="one expert per call, vs bytes")
+    router_call_cpu: Fit | None = Field(None, description="one expert per call, vs bytes")
+    # Calls whose rows go to several experts (the service runs one batch per expert): each
+    # expert beyond the first adds this much, the median over `spread_points`.
+    spread_points: list[TransferPoint] = Field(default_factory=list)
+    service_expert_cpu: NonNeg | None = None
+    router_expert_cpu: NonNeg | None = None
+    cpu_skipped: str | None = Field(None, description="why the per-call CPU was not measured")
 
 
 class ProfileFile(_Strict):
-    format: Literal["moe-mesh-profile/1"] = FORMAT
+    format: Literal["moe-mesh-profile/1", "moe-mesh-profile/2"] = FORMAT
     checkpoint: str
     model_id: str = Field(min_length=1)
     family: str

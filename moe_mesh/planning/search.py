@@ -55,15 +55,20 @@ def _side(m: Measured) -> Side:
 
 
 def costs(profile: ProfileFile, transport: str) -> Costs:
+    measured = profile.transports[transport]
     return Costs(
         ta=_side(profile.ta),
         te=_side(profile.te),
         head=_side(profile.head),
         dense=_side(profile.dense) if profile.dense else None,
         dense_layers=profile.num_layers - len(profile.moe_layers),
-        tc=profile.transports[transport].fit.linear(),
+        tc=measured.fit.linear(),
         bytes_per_token=profile.bytes_per_token,
         top_k=profile.top_k,
+        service_call=measured.service_call_cpu.linear() if measured.service_call_cpu else None,
+        router_call=measured.router_call_cpu.linear() if measured.router_call_cpu else None,
+        service_expert=measured.service_expert_cpu or 0.0,
+        router_expert=measured.router_expert_cpu or 0.0,
     )
 
 
@@ -87,6 +92,17 @@ def layer_shares(
     for layer in moe_layers:
         total = sum(x for (la, _), x in load.items() if la == layer) or 1.0
         out.append([sum(load[p] for p in g.pairs if p[0] == layer) / total for g in groups])
+    return out
+
+
+def expert_shares(
+    moe_layers: list[int], groups: tuple[GroupProposal, ...], load: dict[Pair, float]
+) -> list[list[list[float]]]:
+    """shares[l][g]: the share of MoE layer l's routed tokens of each expert of group g."""
+    out = []
+    for layer in moe_layers:
+        total = sum(x for (la, _), x in load.items() if la == layer) or 1.0
+        out.append([[load[p] / total for p in g.pairs if p[0] == layer] for g in groups])
     return out
 
 
@@ -131,6 +147,7 @@ def search(
         proposal = propose(load, profile.expert_bytes, PlanOptions(0, services, 0))
         groups = proposal.groups
         shares = layer_shares(profile.moe_layers, groups, load)
+        per_expert = expert_shares(profile.moe_layers, groups, load)
         for r in range(1, limits.max_replicas + 1):
             # Process p serves group p % len(groups): replicas of one group spread over nodes.
             owner = [p % len(groups) for p in range(len(groups) * r)]
@@ -143,7 +160,7 @@ def search(
                 for transport, c in all_costs.items():
                     for b in batches:
                         for m in range(1, min(MAX_M, b) + 1):
-                            step = simulate(c, shares, [r] * len(groups), nodes, b, m)
+                            step = simulate(c, shares, [r] * len(groups), nodes, b, m, per_expert)
                             if limits.tpot_slo_s is None or step.seconds <= limits.tpot_slo_s:
                                 out.append(Candidate(groups, r, m, b, transport, nodes, step, cost))
     out.sort(

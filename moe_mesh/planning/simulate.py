@@ -3,26 +3,38 @@ extended to several expert services, replicas and shared nodes).
 
 Per MoE layer, B sequences split into m micro-batches b_i (perfmodel.split). Expert group g takes
 share s_g of the layer's routed tokens; its r replicas take turns (the router sends a micro-batch's
-call to one replica), so
+call to one replica). A call of micro-batch i to group g carries x_gi = s_g·b_i·top_k·bytes per
+token each way for k_gi experts (expected: Σ_e 1 − (1 − top_k·p_e)^b_i over g's experts, p_e
+an expert's share of the layer's slots) and costs, besides its FFN, CPU at both ends measured per
+call by `moe-mesh profile`: Sc(x, k) in the service (receive, decode, batcher, one batch and
+hand-off to the compute thread per expert, encode, send) and Rc(x, k) in the router (encode,
+send, receive, decode), each linear in x plus a cost per expert beyond the first. Then
 
-    round_i  = Ta(b_i) + max(max_g s_g·Te(b_i), max_n Σ_{g on n} s_g·Te_cpu(b_i) / cores_n)
-               + 2·max_g Tc_g(b_i)                                      calls to all groups at once
-    busy_a   = Σ_i (Ta(b_i) + Σ_g Tc_g(b_i))
-    busy_g   = Σ_i (s_g·Te(b_i) + Tc_g(b_i)) / r_g
+    round_i  = Ta(b_i) + max( max_g s_g·Te(b_i) + 2·max_g Tc(x_gi),
+                              max_n E_ni / cores_n + max_g (2·Tc(x_gi) − Sc(x_gi))⁺ )
+    E_ni     = Σ_{g on n} (replicas of g on n / r_g)·(s_g·Te_cpu(b_i) + Sc(x_gi))
+    busy_a   = Σ_i (Ta(b_i) + Σ_g Rc(x_gi))
+    busy_g   = Σ_i (s_g·Te(b_i) + Sc(x_gi)) / r_g
     layer    = max(max_i round_i, busy_a, max_g busy_g)
 
-with Tc_g(b) = Tc(s_g·b·top_k·bytes per token); the second term of the round is the services of
-one node computing their calls at once on its cores (more services than cores take turns: without
-it, 7 services on a 2-core node were predicted to answer a round as if each had a core of its own). With Tc = 0, one group and one replica this is
-perfmodel.layer_time. Unlike the paper's RDMA, a transfer here is work for both ends' CPUs
-(serialisation, system calls, progress), so each end is busy one Tc per call: which is what makes
-many small expert services cost the router. A step is the MoE layers plus, per micro-batch, the
-dense (non-MoE) layers and the embedding + LM head.
+The calls of a round are in flight at once. The first term is the slowest call alone: its FFN and
+two one-way transfers Tc (half the measured round trip beyond the FFN, so it holds both ends'
+per-call work for one idle call). The second is the services of a node computing their calls at
+once on its cores (more services than cores take turns: 7 services on a 2-core node do not answer
+as if each had a core of its own), FFN and per-call CPU alike, then the part of a round trip that
+is not the service's work (the wire, the router's side). The router's event loop encodes, sends,
+receives and decodes every call itself: Rc per call in busy_a. With Tc = Sc = Rc = 0, one group
+and one replica this is perfmodel.layer_time. Unlike the paper's RDMA, a transfer here is work for both ends'
+CPUs, so many small expert services cost the router (Rc per call) and their node (Sc per call). A
+profile without per-call CPU (format 1, or a service whose pid it did not know) charges each end
+one Tc per call instead. A step is the MoE layers plus, per micro-batch, the dense (non-MoE)
+layers and the embedding + LM head.
 
 Processes on one node share its cores: every process gets cores // processes threads (as `moe-mesh
 up` hands them out); a side runs on t threads in max(measured wall, measured CPU / t) (never
 faster than measured: nothing beyond the measurement is extrapolated); and the step is at least the
-CPU seconds all processes of a node spend per step divided by its cores.
+CPU seconds all processes of a node spend per step (Ta, Te, head, dense and every call's Sc and Rc)
+divided by its cores.
 """
 
 from __future__ import annotations
@@ -59,6 +71,29 @@ class Costs:
     tc: Linear  # one way, seconds against bytes, of the transport simulated
     bytes_per_token: int
     top_k: int
+    service_call: Linear | None = None  # Sc: a service's CPU per call beyond its FFN, vs bytes
+    router_call: Linear | None = None  # Rc: the router's CPU per call, vs bytes
+    service_expert: float = 0.0  # Sc's seconds per expert beyond the first in a call
+    router_expert: float = 0.0  # Rc's
+
+    def service_cpu(self, nbytes: float, experts: float = 1.0) -> float:
+        """Sc of a call of `nbytes` for `experts` experts: measured, else one Tc (each end of a
+        transfer works for it)."""
+        if self.service_call is None:
+            return self.tc(nbytes)
+        return self.service_call(nbytes) + self.service_expert * max(0.0, experts - 1)
+
+    def router_cpu(self, nbytes: float, experts: float = 1.0) -> float:
+        """Rc of a call: measured, else one Tc."""
+        if self.router_call is None:
+            return self.tc(nbytes)
+        return self.router_call(nbytes) + self.router_expert * max(0.0, experts - 1)
+
+
+def experts_per_call(expert_shares: Sequence[float], sequences: float, top_k: int) -> float:
+    """Expected experts a call of `sequences` sequences carries rows for: a sequence routes to
+    an expert holding share p of the layer's top_k slots with probability top_k·p."""
+    return sum(1 - (1 - min(1.0, top_k * p)) ** sequences for p in expert_shares if p > 0)
 
 
 @dataclass(frozen=True)
@@ -89,11 +124,13 @@ def simulate(
     nodes: Sequence[Node],
     batch: int,
     m: int,
+    expert_shares: Sequence[Sequence[Sequence[float]]] | None = None,
 ) -> Step:
     """One decode step of `batch` sequences in m micro-batches.
 
     shares[l][g]: group g's share of MoE layer l's routed tokens; replicas[g]: its processes,
-    which `nodes` place (one node has the router)."""
+    which `nodes` place (one node has the router); expert_shares[l][g]: the shares of group g's
+    experts in layer l, for the experts per call (without it: one per call)."""
     router_node = next(n for n in nodes if n.router)
     rt = router_node.threads
     group_threads = [
@@ -103,38 +140,55 @@ def simulate(
     pipeline = 0.0
     router_cpu = 0.0
     group_cpu = [0.0] * len(replicas)
-    for layer in shares:
+    for li, layer in enumerate(shares):
         ta = [costs.ta.time(b, rt) for b in parts]
         te = [[s * costs.te.time(b, t) for b in parts] for s, t in zip(layer, group_threads)]
-        tc = [
-            [costs.tc(s * b * costs.top_k * costs.bytes_per_token) if s > 0 else 0.0 for b in parts]
+        # Bytes of each group's call per micro-batch (None: no tokens, no call).
+        x = [
+            [s * b * costs.top_k * costs.bytes_per_token if s > 0 else None for b in parts]
             for s in layer
         ]
-        # The calls of one round run at once: the services on a node share its cores, so their
-        # part of the round takes at least their CPU seconds over its cores (a group's calls
-        # spread over its replicas).
+        tc = [[costs.tc(v) if v is not None else 0.0 for v in row] for row in x]
+        k = [
+            [
+                experts_per_call(expert_shares[li][g], b, costs.top_k) if expert_shares else 1.0
+                for b in parts
+            ]
+            for g in range(len(layer))
+        ]
+        sc = [
+            [costs.service_cpu(v, n) if v is not None else 0.0 for v, n in zip(row, ks)]
+            for row, ks in zip(x, k)
+        ]
+        rc = [
+            [costs.router_cpu(v, n) if v is not None else 0.0 for v, n in zip(row, ks)]
+            for row, ks in zip(x, k)
+        ]
+        # The calls of one round run at once: the services on a node share its cores (a group's
+        # calls spread over its replicas), FFN and per-call work alike.
         shared = [
             max(
                 sum(
-                    n.replicas.count(g) / replicas[g] * layer[g] * costs.te.cpu(b)
+                    n.replicas.count(g) / replicas[g] * (layer[g] * costs.te.cpu(b) + sc[g][i])
                     for g in set(n.replicas)
                 )
                 / n.cores
                 for n in nodes
             )
-            for b in parts
+            + max(max(0.0, 2 * tc[g][i] - sc[g][i]) for g in range(len(layer)))
+            for i, b in enumerate(parts)
         ]
         rounds = [
-            ta[i] + max(max(row[i] for row in te), shared[i]) + 2 * max(row[i] for row in tc)
+            ta[i] + max(max(row[i] for row in te) + 2 * max(row[i] for row in tc), shared[i])
             for i in range(len(parts))
         ]
-        # Each end of a transfer is busy for it (serialisation, system calls): one Tc per call.
-        busy_a = sum(ta) + sum(map(sum, tc))
-        busy_e = max((sum(t) + sum(c)) / r for t, c, r in zip(te, tc, replicas))
+        # The router's event loop encodes, sends, receives and decodes every call itself.
+        busy_a = sum(ta) + sum(map(sum, rc))
+        busy_e = max((sum(t) + sum(c)) / r for t, c, r in zip(te, sc, replicas))
         pipeline += max(max(rounds), busy_a, busy_e)
-        router_cpu += sum(costs.ta.cpu(b) for b in parts) + sum(map(sum, tc))
+        router_cpu += sum(costs.ta.cpu(b) for b in parts) + sum(map(sum, rc))
         for g, s in enumerate(layer):
-            group_cpu[g] += sum(s * costs.te.cpu(b) for b in parts) + sum(tc[g])
+            group_cpu[g] += sum(s * costs.te.cpu(b) for b in parts) + sum(sc[g])
     for b in parts:
         pipeline += costs.head.time(b, rt)
         router_cpu += costs.head.cpu(b)

@@ -33,6 +33,8 @@ def test_profile_then_search(checkpoint, tmp_path: Path) -> None:
         "3",
         "--share-tokens",
         "256",
+        "--cpu-window-s",
+        "0.2",
     )
     assert done.returncode == 0, done.stderr
     assert time.monotonic() - start < 40
@@ -42,6 +44,11 @@ def test_profile_then_search(checkpoint, tmp_path: Path) -> None:
     assert [p["x"] for p in profile["ta"]["points"]] == [1, 4, 16]
     assert profile["transports"]["grpc"]["fit"]["intercept"] >= 0
     assert len(profile["transports"]["grpc"]["points"]) == 2
+    # It started the service, so it knows its pid: both ends' CPU per call are measured.
+    grpc = profile["transports"]["grpc"]
+    assert grpc["service_call_cpu"] is not None and grpc["router_call_cpu"] is not None
+    assert all(p["cpu_calls"] >= 3 and p["service_cpu_s"] > 0 for p in grpc["points"])
+    assert grpc["spread_points"][0]["experts"] > 1 and grpc["service_expert_cpu"] is not None
     ucx = profile["transports"]["ucx"]
     assert ucx.get("fit") is not None or ucx["skipped"]  # measured, or why not
 

@@ -9,16 +9,56 @@ from pathlib import Path
 import pytest
 
 from moe_mesh.planning.deploy import PlanError
-from moe_mesh.planning.profile_format import Fit, read_profile
+from moe_mesh.planning.profile_format import FORMAT, Fit, read_profile
+from moe_mesh.planning.search import costs
 from tests.support.plans import fit, profile_dict, write_profile
 
 
 def test_a_profile_reads_back(tmp_path: Path) -> None:
+    """A format 1 profile (no per-call CPU) still reads."""
     profile = read_profile(write_profile(tmp_path))
-    assert profile.model_dump(mode="json", exclude_none=True) == {
-        k: v for k, v in profile_dict().items() if v is not None
-    }
+    expected = {k: v for k, v in profile_dict().items() if v is not None}
+    for transport in expected["transports"].values():
+        transport["spread_points"] = []  # format 2's fields, empty
+    assert profile.model_dump(mode="json", exclude_none=True) == expected
+    assert costs(profile, "grpc").service_cpu(1000, experts=4) == pytest.approx(5e-4)  # one Tc
     assert profile.ta.wall.linear()(10) == pytest.approx(2e-3)
+
+
+def test_a_format_2_profile_carries_each_ends_cpu_per_call(tmp_path: Path) -> None:
+    grpc = {
+        "fit": fit(0.0, 5e-4),
+        "points": [
+            {
+                "tokens": 8,
+                "bytes": 32768,
+                "round_trip_s": 1.2e-3,
+                "compute_s": 2e-4,
+                "one_way_s": 5e-4,
+                "cpu_calls": 400,
+                "service_cpu_s": 1.4e-3,
+                "ffn_cpu_s": 2e-4,
+                "router_cpu_s": 6e-4,
+            }
+        ],
+        "service_call_cpu": fit(1e-9, 1.2e-3),
+        "router_call_cpu": fit(0.0, 6e-4),
+        "service_expert_cpu": 2e-4,
+        "router_expert_cpu": 1e-5,
+    }
+    ucx = {"fit": fit(0.0, 4e-4), "cpu_skipped": "no pid"}
+    path = write_profile(tmp_path, format=FORMAT, transports={"grpc": grpc, "ucx": ucx})
+    profile = read_profile(path)
+    assert profile.format == "moe-mesh-profile/2"
+    assert profile.transports["grpc"].points[0].cpu_calls == 400
+    grpc_costs, ucx_costs = costs(profile, "grpc"), costs(profile, "ucx")
+    assert grpc_costs.service_cpu(1000) == pytest.approx(1.2e-3 + 1e-6)
+    assert grpc_costs.router_cpu(1000) == pytest.approx(6e-4)
+    # Rows for three experts: two more batches in the service.
+    assert grpc_costs.service_cpu(1000, experts=3) == pytest.approx(1.2e-3 + 1e-6 + 2 * 2e-4)
+    assert grpc_costs.router_cpu(1000, experts=3) == pytest.approx(6e-4 + 2 * 1e-5)
+    # Not measured: each end pays one Tc per call.
+    assert ucx_costs.service_cpu(1000) == ucx_costs.router_cpu(1000) == pytest.approx(4e-4)
 
 
 def test_fit_keeps_costs_non_negative() -> None:
@@ -30,7 +70,11 @@ def test_fit_keeps_costs_non_negative() -> None:
     "overrides, message",
     [
         ({"top_k": 0}, "top_k: Input should be greater than or equal to 1"),
-        ({"format": "v0"}, "format: Input should be 'moe-mesh-profile/1'"),
+        ({"format": "v0"}, "format: Input should be 'moe-mesh-profile/1' or 'moe-mesh-profile/2'"),
+        (
+            {"transports": {"grpc": {"fit": fit(0, 1), "service_call_cpu": fit(0, -1)}}},
+            "transports.grpc.service_call_cpu.intercept",
+        ),
         ({"moe_layers": []}, "moe_layers: List should have at least 1 item"),
         ({"transports": {"grpc": {"skipped": "no"}}}, "transports: no transport was measured"),
         ({"transports": {"grpc": {"fit": fit(-1.0, 0.0)}}}, "transports.grpc.fit.slope"),

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from moe_mesh.common.perfmodel import LayerCosts, Linear, layer_time
-from moe_mesh.planning.simulate import Costs, Node, Side, simulate
+from moe_mesh.planning.simulate import Costs, Node, Side, experts_per_call, simulate
 
 MS = 1e-3
 
@@ -97,3 +99,79 @@ def test_fewer_threads_than_measured_run_the_cpu_work_on_them() -> None:
     assert side.time(1, 2) == pytest.approx(1 * MS)  # as measured
     assert side.time(1, 1) == pytest.approx(1.6 * MS)  # the work on one thread
     assert side.time(1, 8) == pytest.approx(1 * MS)  # never faster than measured
+
+
+def per_call(ta: float, te: float, tc: float, service: float | None, router: float | None) -> Costs:
+    """Fixed costs in ms: Ta, Te of all experts, Tc one way, and each end's CPU per call."""
+
+    def fixed(ms: float | None) -> Linear | None:
+        return None if ms is None else Linear(0, ms * MS)
+
+    return Costs(
+        ta=Side(fixed(ta), fixed(ta), 2),
+        te=Side(fixed(te), fixed(te), 1),
+        head=Side(NONE, NONE, 2),
+        dense=None,
+        dense_layers=0,
+        tc=fixed(tc),
+        bytes_per_token=1000,
+        top_k=2,
+        service_call=fixed(service),
+        router_call=fixed(router),
+    )
+
+
+def test_a_calls_service_cpu_counts_in_the_round_and_the_nodes_cpu() -> None:
+    # Four services with a quarter of the tokens each (1 ms of FFN) and 1 ms of per-call CPU,
+    # the router 0.25 ms per call, Tc 0.5 ms one way.
+    c = per_call(ta=2, te=4, tc=0.5, service=1, router=0.25)
+    shares = [[0.25] * 4]
+    # Cores to spare: each call alone, 2 + 1 + 2 x 0.5 ms; the router busy 2 + 4 x 0.25.
+    apart = simulate(c, shares, [1] * 4, big_node(4), 8, 1)
+    assert apart.seconds == pytest.approx(4 * MS) and apart.bound == "pipeline"
+    # Router and four services on 2 cores: the services' 4 x (1 + 1) ms of CPU take 4 ms, then
+    # what of the round trip is not the service's work (2 x 0.5 - 1 = 0).
+    small = (Node("small", 2, True, (0, 1, 2, 3)),)
+    shared = simulate(c, shares, [1] * 4, small, 8, 1)
+    assert shared.seconds == pytest.approx((2 + 4) * MS) and shared.bound == "pipeline"
+    # Two micro-batches: per step the router spends 2 x (2 + 1) ms, the services 2 x 8 ms, on 2
+    # cores: 11 ms, more than the pipeline's 6 ms (rounds of 6 ms, the router busy 6 ms).
+    two = simulate(c, shares, [1] * 4, small, 8, 2)
+    assert two.seconds == pytest.approx(11 * MS) and two.bound == "cpu of small node 0"
+    assert two.pipeline_s == pytest.approx(6 * MS)
+
+
+def test_the_routers_cpu_per_call_makes_many_services_cost_it() -> None:
+    # Eight services of 0.1 ms FFN each: the router's 8 x 0.5 ms per call outweigh its 1 ms Ta.
+    c = per_call(ta=1, te=0.8, tc=0.2, service=0, router=0.5)
+    step = simulate(c, [[1 / 8] * 8], [1] * 8, big_node(8), 8, 1)
+    assert step.seconds == pytest.approx((1 + 8 * 0.5) * MS)
+    one = simulate(c, [[1.0]], [1], big_node(1), 8, 1)
+    assert one.seconds == pytest.approx(max(1 + 0.8 + 0.4, 1 + 0.5) * MS)
+
+
+def test_without_per_call_cpu_each_end_pays_one_tc() -> None:
+    measured = per_call(ta=2, te=4, tc=0.5, service=0.5, router=0.5)
+    old = per_call(ta=2, te=4, tc=0.5, service=None, router=None)
+    small = (Node("small", 2, True, (0, 1, 2, 3)),)
+    for m in (1, 2):
+        a = simulate(measured, [[0.25] * 4], [1] * 4, small, 8, m)
+        assert simulate(old, [[0.25] * 4], [1] * 4, small, 8, m) == a
+    assert old.service_cpu(1e6) == old.router_cpu(0) == 0.5 * MS
+
+
+def test_each_expert_a_call_carries_adds_its_batch() -> None:
+    # Two experts with a quarter of the slots each (top-2): a sequence picks each with
+    # probability 1/2, so one sequence's call carries 1 expert on average, many sequences' 2.
+    assert experts_per_call([0.25, 0.25], 1, 2) == pytest.approx(1.0)
+    assert experts_per_call([0.25, 0.25], 3, 2) == pytest.approx(2 * (1 - 0.5**3))
+    assert experts_per_call([0.5, 0.0], 1, 2) == pytest.approx(1.0)
+    c = replace(per_call(ta=2, te=4, tc=0.5, service=1, router=0.25), service_expert=0.5 * MS)
+    # One group of two experts, B = 3 in one micro-batch: 1.75 experts per call, so the service
+    # spends 1 + 0.75 x 0.5 ms on the call beyond its 4 ms FFN; on a 1-core node with the router
+    # (2 + 0.25 ms) the step is 7.625 ms of CPU.
+    one_core = (Node("one", 1, True, (0,)),)
+    step = simulate(c, [[1.0]], [1], one_core, 3, 1, [[[0.25, 0.25]]])
+    assert step.seconds == pytest.approx((2 + 0.25 + 4 + 1 + 0.375) * MS)
+    assert step.bound == "cpu of one node 0"
+    assert simulate(c, [[1.0]], [1], one_core, 3, 1).seconds == pytest.approx(7.25 * MS)
