@@ -101,7 +101,9 @@ async def main_async(args: argparse.Namespace) -> dict:
         print(
             f"batch {b}: monolithic {mono:.1f} tok/s; "
             + ", ".join(
-                f"{k[:-15]} {v:.2f}x" for k, v in row.items() if k.endswith("_vs_monolithic")
+                f"{k.removesuffix('_vs_monolithic')} {v:.2f}x"
+                for k, v in row.items()
+                if k.endswith("_vs_monolithic")
             ),
             flush=True,
         )

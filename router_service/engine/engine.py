@@ -19,6 +19,7 @@ import itertools
 import logging
 import math
 import random
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -196,6 +197,7 @@ class Engine:
         m = self.planner.choose(len(prefills) + len(decodes), self.model.dispatcher.remote)
         parts = _partition(prefills, decodes, m)
         self._stepping = True
+        began = time.perf_counter()
         try:
             # Each micro-batch its own pass: while one waits on its experts, another computes.
             results = await asyncio.gather(
@@ -203,6 +205,8 @@ class Engine:
             )
         finally:
             self._stepping = False
+        if not prefills and not any(isinstance(r, BaseException) for r in results):
+            self.planner.observe_step(len(decodes), len(parts), time.perf_counter() - began)
         done: list[Sequence] = []
         failed: list[tuple[list[Sequence], MoeMeshError]] = []
         for (p, d), result in zip(parts, results):

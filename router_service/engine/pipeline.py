@@ -1,23 +1,34 @@
 """How many micro-batches a step is split into (MegaScale-Infer's ping-pong, brief §4).
 
 While one micro-batch waits for its remote experts, another computes on the router's compute
-thread. `auto` fits Ta(b), Te(b) and Tc(b) (common.perfmodel) to what recent steps measured — the
-router's compute per MoE layer, the services' own time per call, the rest of each round trip — and
-takes the m with the shortest predicted layer. Everything colocated needs no overlap: m = 1.
+thread. `auto` lets the pipeline model propose and measured steps decide, per batch-size class
+(powers of two):
+
+- m = 1 and m = 2 are each run for a few decode steps; two sizes of micro-batch are what the
+  model needs to fit Ta(b), Te(b) and Tc(b) (common.perfmodel) from the passes — the router's
+  compute per MoE layer, the services' own time per call, the rest of each round trip;
+- a larger m is tried when the model predicts a layer shorter than the best measured m's by more
+  than HYSTERESIS;
+- the step uses the m with the shortest measured time per sequence; measurements expire after
+  MEMORY steps, so the choice follows the mesh as it changes.
+
+A model fitted to noisy timings on shared cores can be wrong where memory-bound experts pay their
+weight reads once per micro-batch; a measured step cannot. Everything colocated needs no overlap:
+m = 1.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from statistics import fmean
+from collections import Counter, defaultdict, deque
+from statistics import fmean, median
 
 from moe_mesh.common.perfmodel import LayerCosts, Linear, best_micro_batches, layer_time
 from moe_mesh.router_service.engine.model import PassCosts
 
 MAX_AUTO = 4  # the paper's 3-4 in practice; beyond, fixed costs per micro-batch dominate
-# auto moves off the m it uses only for a predicted gain above this: fits of noisy timings
-# would otherwise flip between two m that are about as good
-HYSTERESIS = 0.1
+TRIAL_STEPS = 4  # decode steps an m runs before its time counts
+MEMORY = 256  # steps after which a measurement is forgotten
+HYSTERESIS = 0.1  # a proposal must predict a layer this much shorter than the best measured
 
 
 class MicroBatchPlanner:
@@ -28,37 +39,53 @@ class MicroBatchPlanner:
         self._ta: deque[tuple[int, float]] = deque(maxlen=window)
         self._te: deque[tuple[int, float]] = deque(maxlen=window)
         self._tc: deque[tuple[int, float]] = deque(maxlen=window)
+        # (size class, m) -> (step number, seconds per sequence) of recent decode steps
+        self._steps: defaultdict[tuple[int, int], deque[tuple[int, float]]] = defaultdict(
+            lambda: deque(maxlen=TRIAL_STEPS)
+        )
+        self._step = 0
         self.last = 1  # what the latest step used
-        self.steps_by_m: Counter[int] = Counter()
         self._sequences = 1  # ... and how many sequences it had
+        self.steps_by_m: Counter[int] = Counter()
 
     def choose(self, sequences: int, remote: bool) -> int:
         """Micro-batches for a step of `sequences` (each micro-batch gets at least one)."""
+        self._step += 1
         if self.fixed is not None:
             m = self.fixed
         elif not remote or sequences < 2:
             m = 1
-        elif len(sizes := {b for b, _ in self._ta}) < 2:
-            # One size cannot tell fixed from per-token cost: measure the whole batch, then halves.
-            m = 2 if sequences in sizes else 1
         else:
-            costs = self.costs()
-            m = best_micro_batches(costs, sequences, MAX_AUTO)
-            now = min(self.last, sequences)
-            if layer_time(costs, sequences, m) > (1 - HYSTERESIS) * layer_time(
-                costs, sequences, now
-            ):
-                m = now
+            m = self._auto(sequences)
         self.last = max(1, min(m, sequences))
         self._sequences = sequences
         self.steps_by_m[self.last] += 1
         return self.last
 
-    def estimate(self) -> LayerCosts:
-        """The fitted costs for one micro-batch of the latest step (zeros until measured)."""
-        if not self._ta:
-            return LayerCosts(0.0, 0.0, 0.0)
-        return self.costs()(-(-self._sequences // self.last))
+    def _auto(self, sequences: int) -> int:
+        size = sequences.bit_length()
+        measured = {}
+        for m in range(1, min(MAX_AUTO, sequences) + 1):
+            samples = [s for n, s in self._steps[(size, m)] if self._step - n <= MEMORY]
+            if len(samples) == TRIAL_STEPS:
+                measured[m] = median(samples)
+        for m in (1, 2):
+            if m not in measured:
+                return m
+        best = min(measured, key=measured.__getitem__)
+        if not self._ta:  # no pass called remote experts: nothing to model
+            return best
+        costs = self.costs()
+        proposal = best_micro_batches(costs, sequences, MAX_AUTO)
+        if proposal not in measured and layer_time(costs, sequences, proposal) < (
+            1 - HYSTERESIS
+        ) * layer_time(costs, sequences, best):
+            return proposal
+        return best
+
+    def observe_step(self, sequences: int, m: int, seconds: float) -> None:
+        """A decode step's time (no prefill in it), for the m it ran with."""
+        self._steps[(sequences.bit_length(), m)].append((self._step, seconds / sequences))
 
     def observe(self, sequences: int, costs: PassCosts) -> None:
         """Learn from one decode micro-batch's pass; passes without remote calls teach nothing."""
@@ -75,3 +102,9 @@ class MicroBatchPlanner:
         """The fitted LayerCosts as a function of micro-batch size."""
         ta, te, tc = (Linear.fit(*zip(*w)) for w in (self._ta, self._te, self._tc))
         return lambda b: LayerCosts(ta(b), te(b), tc(b))
+
+    def estimate(self) -> LayerCosts:
+        """The fitted costs for one micro-batch of the latest step (zeros until measured)."""
+        if not self._ta:
+            return LayerCosts(0.0, 0.0, 0.0)
+        return self.costs()(-(-self._sequences // self.last))

@@ -8,10 +8,11 @@ import time
 import pytest
 
 from moe_mesh.common.checkpoint import Checkpoint
+from moe_mesh.common.perfmodel import split
 from moe_mesh.router_service.build import build_model
 from moe_mesh.router_service.engine.engine import Engine, Sequence, _partition
 from moe_mesh.router_service.engine.model import PassCosts
-from moe_mesh.router_service.engine.pipeline import MicroBatchPlanner
+from moe_mesh.router_service.engine.pipeline import MEMORY, TRIAL_STEPS, MicroBatchPlanner
 from moe_mesh.router_service.engine.sampling import SamplingParams
 from moe_mesh.router_service.experts.dispatch import CallTimes, ColocatedExperts
 from moe_mesh.router_service.experts.remote import ExpertOutputs
@@ -37,39 +38,50 @@ def test_partition_balances_tokens_and_keeps_order() -> None:
     assert _partition([], decodes[:1], 4) == [([], decodes[:1])]
 
 
-def test_planner_fixed_auto_and_colocated() -> None:
+def costs(b: int, ta: float, te: float, tc: float) -> PassCosts:
+    """One pass with one remote MoE layer, costs per sequence."""
+    return PassCosts(ta * b, [CallTimes(wall=te * b + 2 * tc * b, service=te * b)])
+
+
+def run(planner: MicroBatchPlanner, sequences: int, step_s: dict[int, float]) -> int:
+    """One decode step as the engine drives it: choose, pass(es), the step's time. Returns m."""
+    m = planner.choose(sequences, remote=True)
+    for b in split(sequences, m):
+        planner.observe(b, costs(b, ta=1e-4, te=1e-4, tc=0.01))
+    planner.observe_step(sequences, m, step_s[m])
+    return m
+
+
+def test_planner_fixed_and_colocated() -> None:
     assert MicroBatchPlanner("3").choose(8, remote=True) == 3
     assert MicroBatchPlanner("3").choose(2, remote=True) == 2  # at least one sequence each
+    assert MicroBatchPlanner("auto").choose(32, remote=False) == 1
+
+
+def test_auto_measures_1_and_2_then_tries_what_the_model_proposes_and_keeps_the_fastest() -> None:
     auto = MicroBatchPlanner("auto")
-    assert auto.choose(32, remote=False) == 1
-    assert auto.choose(32, remote=True) == 1  # nothing measured: the whole batch first
-    auto.observe(32, PassCosts(1e-3, [CallTimes(wall=2e-3, service=1e-3)]))
-    assert auto.choose(32, remote=True) == 2  # then halves, to tell fixed from per-sequence cost
+    # The passes say: transfers far longer than compute, in proportion to the bytes, so the
+    # model predicts 4 micro-batches best; the measured steps say 2 is fastest.
+    step_s = {1: 0.30, 2: 0.20, 3: 0.25, 4: 0.40}
+    used = [run(auto, 32, step_s) for _ in range(3 * TRIAL_STEPS + 4)]
+    assert used[: 3 * TRIAL_STEPS] == [1] * TRIAL_STEPS + [2] * TRIAL_STEPS + [4] * TRIAL_STEPS
+    assert used[3 * TRIAL_STEPS :] == [2] * 4
+    assert auto.steps_by_m == {1: TRIAL_STEPS, 2: TRIAL_STEPS + 4, 4: TRIAL_STEPS}
+
+
+def test_auto_tries_no_proposal_that_is_not_clearly_faster_and_forgets_old_steps() -> None:
     auto = MicroBatchPlanner("auto")
-
-    def costs(b: int, ta: float, te: float, tc: float) -> PassCosts:
-        """One pass with one remote MoE layer."""
-        return PassCosts(ta * b, [CallTimes(wall=te * b + 2 * tc, service=te * b)])
-
-    # Transfers far longer than compute, in proportion to the bytes: splitting overlaps them.
-    for b in (32, 16, 8):
-        auto.observe(b, costs(b, ta=1e-4, te=1e-4, tc=0.01 * b))
-    assert auto.choose(32, remote=True) == 4
-    # A large fixed cost per micro-batch on the expert side and no transfer: do not split.
-    fixed = MicroBatchPlanner("auto")
-    for b in (32, 16):
-        fixed.observe(b, PassCosts(1e-4 * b, [CallTimes(wall=0.05, service=0.05)]))
-    assert fixed.choose(32, remote=True) == 1
-    assert fixed.steps_by_m == {1: 1}
-
-
-def test_auto_keeps_its_m_unless_another_is_clearly_faster() -> None:
-    auto = MicroBatchPlanner("auto")
-    # m = 2 predicts a 5% shorter layer (20 ms, the experts' 2 x 10, against 21): not worth it.
-    for b in (32, 16):  # Ta = b·0.34 ms; Te = 10 ms whatever the size; no transfer
-        auto.observe(b, PassCosts(0.011 * b / 32, [CallTimes(wall=0.01, service=0.01)]))
-    assert auto.choose(32, remote=True) == 1
-    assert auto.steps_by_m == {1: 1}
+    # Te = 10 ms per call whatever its size, no transfer: the model predicts that splitting
+    # costs the experts' time twice, so after measuring 1 and 2 it proposes nothing.
+    for _ in range(2 * TRIAL_STEPS + 1):
+        m = auto.choose(32, remote=True)
+        for b in split(32, m):
+            auto.observe(b, PassCosts(0.011 * b / 32, [CallTimes(wall=0.01, service=0.01)]))
+        auto.observe_step(32, m, {1: 0.1, 2: 0.15}[m])
+    assert auto.steps_by_m == {1: TRIAL_STEPS + 1, 2: TRIAL_STEPS}
+    for _ in range(MEMORY):  # other batch sizes run meanwhile
+        auto.choose(4, remote=True)
+    assert auto.choose(32, remote=True) == 1  # measured again, from the start
 
 
 class SleepyExperts(ColocatedExperts):
