@@ -6,7 +6,8 @@ with the real commands (each a subprocess of `python -m moe_mesh`):
    `moe-mesh placement show --json`, the mesh stopped;
 3. `moe-mesh plan --search` over the profile and the record with this machine's inventory
    (`deploy/inventory.example.yaml`) and `deploy/plan.example.yaml` as the base (its model id and
-   sizes set to the checkpoint's, one router: what the search predicts for);
+   sizes set to the checkpoint's, one router: what the search predicts for), with the benchmark's
+   `--input-len` / `--output-len` (each step then carries B·input/output prompt tokens);
 4. the chosen plan run for real with `moe-mesh up`: its expert groups (contiguous index groups when
    they are the plan's, else `moe-mesh scale` to the plan's exact groups and the default ones
    removed), replicas, B as `--max-num-seqs`, m as `--micro-batches`, the router's flags (threads,
@@ -295,10 +296,12 @@ def breakdown(profile_path: Path, window_path: Path, prediction: dict, shape) ->
         for n in prediction["plan"]["nodes"]
     )
     b, m = prediction["batch_size"], prediction["micro_batches"]
-    step = simulate(c, shares, replicas, nodes, b, m, per_expert)
+    prefill = prediction.get("prefill_tokens_per_step", 0.0)
+    step = simulate(c, shares, replicas, nodes, b, m, per_expert, prefill)
     rt = next(n for n in nodes if n.router).threads
     et = min((n.threads for n in nodes if n.replicas), default=1)
     parts = split(b, m)
+    tokens = [p * (1 + prefill / b) for p in parts]  # with its share of the prompts' tokens
     smax = [max(row) for row in shares]
 
     def ms(x: float) -> float:
@@ -307,39 +310,42 @@ def breakdown(profile_path: Path, window_path: Path, prediction: dict, shape) ->
     per_micro_batch = [
         {
             "b": p,
-            "ta_ms": ms(c.ta.time(p, rt)),
-            "ta_measured_wall_ms": ms(c.ta.wall(p)),
-            "ta_cpu_ms": ms(c.ta.cpu(p)),
-            "te_all_experts_ms": ms(c.te.time(p, et)),
-            "te_busiest_group_ms": ms(max(smax) * c.te.time(p, et)),
+            "tokens": round(t, 2),
+            "ta_ms": ms(c.ta.time(t, rt)),
+            "ta_measured_wall_ms": ms(c.ta.wall(t)),
+            "ta_cpu_ms": ms(c.ta.cpu(t)),
+            "te_all_experts_ms": ms(c.te.time(t, et)),
+            "te_busiest_group_ms": ms(max(smax) * c.te.time(t, et)),
             "tc_one_way_ms": ms(
-                c.tc(max(smax) * p * profile.top_k * profile.bytes_per_token) if smax else 0.0
+                c.tc(max(smax) * t * profile.top_k * profile.bytes_per_token) if smax else 0.0
             ),
             "busiest_call_service_cpu_ms_if_one_expert": ms(
-                c.service_cpu(max(smax) * p * profile.top_k * profile.bytes_per_token)
+                c.service_cpu(max(smax) * t * profile.top_k * profile.bytes_per_token)
             ),
             "busiest_call_router_cpu_ms_if_one_expert": ms(
-                c.router_cpu(max(smax) * p * profile.top_k * profile.bytes_per_token)
+                c.router_cpu(max(smax) * t * profile.top_k * profile.bytes_per_token)
             ),
             "head_ms": ms(c.head.time(p, rt)),
         }
-        for p in parts
+        for p, t in zip(parts, tokens)
     ]
     router_cpu = sum(c.head.cpu(p) for p in parts)
     experts_cpu = router_calls = service_calls = 0.0
     experts_in_calls = []
+    if c.dense is not None:
+        router_cpu += sum(c.dense_layers * c.dense.cpu(t) for t in tokens)
     for row, experts in zip(shares, per_expert):
-        for p in parts:
+        for t in tokens:
             calls = [
-                (x * p * profile.top_k * profile.bytes_per_token, experts_per_call(e, p, c.top_k))
+                (x * t * profile.top_k * profile.bytes_per_token, experts_per_call(e, t, c.top_k))
                 for x, e in zip(row, experts)
                 if x > 0
             ]
             experts_in_calls += [k for _, k in calls]
             router_calls += sum(c.router_cpu(v, k) for v, k in calls)
             service_calls += sum(c.service_cpu(v, k) for v, k in calls)
-            router_cpu += c.ta.cpu(p)
-            experts_cpu += sum(x * c.te.cpu(p) for x in row)
+            router_cpu += c.ta.cpu(t)
+            experts_cpu += sum(x * c.te.cpu(t) for x in row)
     transport = profile.transports[prediction["transport"]]
     return {
         "router_cpu_ms_per_step": ms(router_cpu + router_calls),
@@ -353,6 +359,7 @@ def breakdown(profile_path: Path, window_path: Path, prediction: dict, shape) ->
         "router_threads": rt,
         "expert_threads": et,
         "micro_batches": parts,
+        "prefill_tokens_per_step": prefill,
         "moe_layers": len(shares),
         "busiest_group_share_per_layer": [round(s, 4) for s in smax],
         "per_micro_batch": per_micro_batch,
@@ -516,6 +523,10 @@ def main() -> int:
         files["plan"],
         "--prediction-out",
         files["prediction"],
+        "--input-len",
+        str(L),
+        "--output-len",
+        str(N),
     ]
     if args.max_num_seqs:
         search += ["--max-num-seqs", str(args.max_num_seqs)]
@@ -645,6 +656,20 @@ def main() -> int:
         if len(prediction["plan"]["nodes"]) == 1:
             cpu_report["predicted_tpot_with_harness_cpu_ms"] = round(
                 max(prediction["predicted_tpot_ms"], (modelled + harness) / profile["cores"]), 2
+            )
+    # The gateway belongs to a deployment (the bench client does not): its CPU per output token,
+    # measured here and not modelled; what a step of B tokens would cost with it on the node.
+    out_tokens = point["completed"] * N  # the warm-up request's aside
+    if out_tokens:
+        per_token = {
+            k: round(roles.get(k, 0.0) / out_tokens * 1e3, 3)
+            for k in ("gateway", "bench client + status polls")
+        }
+        cpu_report["cpu_ms_per_output_token"] = per_token
+        if steps and len(prediction["plan"]["nodes"]) == 1:
+            with_gateway = modelled + per_token["gateway"] * b
+            cpu_report["predicted_tpot_with_gateway_cpu_ms"] = round(
+                max(prediction["predicted_tpot_ms"], with_gateway / profile["cores"]), 2
             )
     result = {
         "checkpoint": str(ckpt),

@@ -12,10 +12,14 @@ of one round and either side's total busy time:
 m = 1 is the plain sequential layer. More micro-batches hide transfers but pay each side's fixed
 cost (k2, k4: weight reads, kernel launches, per-call overhead) m times, which is why the paper's
 m = 3–4 is not always best on a CPU.
+
+Costs are `Linear` (fitted, what the router's `auto` micro-batches use) or `Piecewise` (through
+measured points, what `moe-mesh plan --search` reads from a profile).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,6 +54,50 @@ class Linear:
         if intercept < 0:  # through the origin instead
             return cls(max(0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)), 0.0)
         return cls(slope, intercept)
+
+
+@dataclass(frozen=True)
+class Piecewise:
+    """Seconds through measured (x, seconds) points, linear between neighbours and beyond the ends
+    along the end segments (a cost never shrinks with work: the points are first made
+    non-decreasing, a running maximum, and the result is never negative).
+
+    Unlike one straight line through every point, it reproduces what was measured where it was
+    measured: a line fitted over 1..64 undershoots a cost that bends upwards in between."""
+
+    xs: tuple[float, ...]
+    ys: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.xs) < 2 or len(self.xs) != len(self.ys):
+            raise ValueError("Piecewise needs as many x as y values, at least two")
+        if any(b <= a for a, b in zip(self.xs, self.xs[1:])):
+            raise ValueError("Piecewise needs strictly increasing x values")
+
+    @classmethod
+    def through(cls, xs: Sequence[float], ys: Sequence[float]) -> Piecewise | Linear:
+        """Through the points (repeated x averaged); fewer than two distinct x cannot give a
+        slope, so those are Linear.fit's fixed cost."""
+        if not xs or len(xs) != len(ys):
+            raise ValueError("through needs as many x as y values, at least one")
+        by_x: dict[float, list[float]] = {}
+        for x, y in zip(xs, ys):
+            by_x.setdefault(float(x), []).append(float(y))
+        if len(by_x) < 2:
+            return Linear.fit(xs, ys)
+        keys = sorted(by_x)
+        level, out = 0.0, []
+        for x in keys:
+            level = max(level, sum(by_x[x]) / len(by_x[x]))
+            out.append(level)
+        return cls(tuple(keys), tuple(out))
+
+    def __call__(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
+        i = bisect.bisect_right(xs, x) - 1
+        i = min(max(i, 0), len(xs) - 2)  # the end segments carry on beyond the ends
+        slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
+        return max(0.0, ys[i] + slope * (x - xs[i]))
 
 
 @dataclass(frozen=True)

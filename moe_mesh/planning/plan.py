@@ -18,12 +18,17 @@ from typing import Any
 
 import yaml
 
+from moe_mesh.benchmark.workload import DEFAULT_SCALE, MEDIAN_INPUT_TOKENS, MEDIAN_OUTPUT_TOKENS
 from moe_mesh.common.placement import Pair, format_experts
 from moe_mesh.common.units import parse_size
 from moe_mesh.planning.deploy.plan import Plan, PlanError, load_plan
 from moe_mesh.planning.eplb import PlanOptions, Proposal, propose
 
 PROG = "moe-mesh plan"
+# `plan --search`'s request lengths without --input-len / --output-len: what `moe-mesh bench`
+# sends by default (57 and 16 tokens, medians).
+DEFAULT_INPUT_LEN = round(MEDIAN_INPUT_TOKENS * DEFAULT_SCALE)
+DEFAULT_OUTPUT_LEN = round(MEDIAN_OUTPUT_TOKENS * DEFAULT_SCALE)
 
 
 @dataclass(frozen=True)
@@ -284,6 +289,22 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
         help="largest batch size B tried (default: the base plan's router.max_num_seqs, else 32)",
     )
     search.add_argument(
+        "--input-len",
+        type=_at_least(0),
+        default=None,
+        metavar="N",
+        help="prompt tokens per request: each step carries B x input/output of them "
+        f"(default {DEFAULT_INPUT_LEN}, `moe-mesh bench`'s default median; 0: pure decode)",
+    )
+    search.add_argument(
+        "--output-len",
+        type=_at_least(1),
+        default=None,
+        metavar="N",
+        help=f"output tokens per request (default {DEFAULT_OUTPUT_LEN}, `moe-mesh bench`'s "
+        "default median)",
+    )
+    search.add_argument(
         "--max-services",
         type=_at_least(1),
         default=8,
@@ -311,6 +332,11 @@ def run_plan(args: argparse.Namespace) -> int:
 
         return run_search(args)
     given = [flag for flag, value in searching if value is not None]
+    given += [
+        flag
+        for flag, value in (("--input-len", args.input_len), ("--output-len", args.output_len))
+        if value is not None
+    ]
     if given or args.tpot_slo_ms is not None or args.prediction_out is not None:
         print(
             f"{PROG}: error: {', '.join(given) or 'these flags'} only go with --search",

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from moe_mesh.common.perfmodel import Linear
+from moe_mesh.common.perfmodel import Linear, Piecewise
 from moe_mesh.planning.deploy.plan import PlanError, invalid
 
 FORMAT = "moe-mesh-profile/2"
@@ -46,12 +46,26 @@ class Point(_Strict):
 
 
 class Measured(_Strict):
-    """A cost as a function of size: wall-clock and process CPU seconds, fitted and raw."""
+    """A cost as a function of size: wall-clock and process CPU seconds, fitted and raw. The
+    planner interpolates the raw points (`wall_cost`, `cpu_cost`); the fits are kept for readers
+    and for a cost measured at one size."""
 
     wall: Fit
     cpu: Fit
     threads: int = Field(ge=1)
     points: list[Point] = Field(min_length=1)
+
+    def wall_cost(self) -> Piecewise | Linear:
+        """Wall seconds through the measured points (the fit when they are at one size)."""
+        return self._through([p.wall_s for p in self.points], self.wall)
+
+    def cpu_cost(self) -> Piecewise | Linear:
+        """CPU seconds through the measured points (the fit when they are at one size)."""
+        return self._through([p.cpu_s for p in self.points], self.cpu)
+
+    def _through(self, ys: list[float], fit: Fit) -> Piecewise | Linear:
+        xs = [p.x for p in self.points]
+        return fit.linear() if len(set(xs)) < 2 else Piecewise.through(xs, ys)
 
 
 class TransferPoint(_Strict):

@@ -17,7 +17,7 @@ from moe_mesh.planning.deploy.plan import Plan, PlanError
 from moe_mesh.planning.eplb import GroupProposal, PlanOptions, propose
 from moe_mesh.planning.inventory import Inventory, NodeKind
 from moe_mesh.planning.profile_format import Measured, ProfileFile
-from moe_mesh.planning.simulate import Costs, Node, Side, Step, simulate
+from moe_mesh.planning.simulate import DECODE_ONLY, Costs, Node, Side, Step, Workload, simulate
 
 MAX_M = 4
 
@@ -51,7 +51,7 @@ class Candidate:
 
 
 def _side(m: Measured) -> Side:
-    return Side(m.wall.linear(), m.cpu.linear(), m.threads)
+    return Side(m.wall_cost(), m.cpu_cost(), m.threads)
 
 
 def costs(profile: ProfileFile, transport: str) -> Costs:
@@ -134,10 +134,15 @@ def layouts(
 
 
 def search(
-    profile: ProfileFile, load: dict[Pair, float], inventory: Inventory, limits: Limits
+    profile: ProfileFile,
+    load: dict[Pair, float],
+    inventory: Inventory,
+    limits: Limits,
+    workload: Workload = DECODE_ONLY,
 ) -> list[Candidate]:
     """Every feasible candidate meeting the SLO, best first (tokens/s per cost, then tokens/s,
-    then fewer processes and micro-batches: the simpler deployment on a tie)."""
+    then fewer processes and micro-batches: the simpler deployment on a tie). Steps carry the
+    workload's prompt tokens (Workload; the default: pure decode)."""
     load = planning_load(profile, load)
     measured = [t for t, v in profile.transports.items() if v.fit is not None]
     all_costs = {t: costs(profile, t) for t in measured}
@@ -160,7 +165,16 @@ def search(
                 for transport, c in all_costs.items():
                     for b in batches:
                         for m in range(1, min(MAX_M, b) + 1):
-                            step = simulate(c, shares, [r] * len(groups), nodes, b, m, per_expert)
+                            step = simulate(
+                                c,
+                                shares,
+                                [r] * len(groups),
+                                nodes,
+                                b,
+                                m,
+                                per_expert,
+                                workload.prefill_tokens(b),
+                            )
                             if limits.tpot_slo_s is None or step.seconds <= limits.tpot_slo_s:
                                 out.append(Candidate(groups, r, m, b, transport, nodes, step, cost))
     out.sort(
@@ -243,10 +257,13 @@ def planned(base: Plan, profile: ProfileFile, best: Candidate, multi_kind: bool)
         raise PlanError(f"the proposed plan is invalid (a bug): {e}") from None
 
 
-def prediction(best: Candidate, tpot_slo_s: float | None) -> dict:
+def prediction(best: Candidate, tpot_slo_s: float | None, workload: Workload = DECODE_ONLY) -> dict:
     """What `--prediction-out` writes: enough to compare with a measured run of the plan."""
     return {
         "batch_size": best.batch,
+        "input_len": workload.input_len,
+        "output_len": workload.output_len,
+        "prefill_tokens_per_step": workload.prefill_tokens(best.batch),
         "micro_batches": best.m,
         "transport": best.transport,
         "predicted_tokens_per_s": best.tokens_per_s,
@@ -301,7 +318,7 @@ def run_search(args) -> int:
 
     from moe_mesh.planning.deploy.plan import load_plan
     from moe_mesh.planning.inventory import load_inventory
-    from moe_mesh.planning.plan import PROG, read_record
+    from moe_mesh.planning.plan import DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN, PROG, read_record
     from moe_mesh.planning.profile_format import read_profile
 
     try:
@@ -316,7 +333,11 @@ def run_search(args) -> int:
         slo = None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1e3
         max_seqs = args.max_num_seqs or base.router.max_num_seqs or 32
         limits = Limits(max_seqs, args.max_services, args.max_replicas, slo)
-        found = search(profile, record.load, inventory, limits)
+        workload = Workload(
+            DEFAULT_INPUT_LEN if args.input_len is None else args.input_len,
+            DEFAULT_OUTPUT_LEN if args.output_len is None else args.output_len,
+        )
+        found = search(profile, record.load, inventory, limits, workload)
         if not found:
             raise PlanError(
                 f"no candidate meets --tpot-slo-ms {args.tpot_slo_ms:g} with {args.inventory}"
@@ -337,12 +358,13 @@ def run_search(args) -> int:
         "profile": str(args.profile),
         "utilization": str(args.utilization),
         "model_id": profile.model_id,
-        **prediction(best, slo),
+        **prediction(best, slo, workload),
     }
     header = (
         f"# Proposed by `moe-mesh plan --search` from {args.profile} and {args.utilization}: "
         f"B={best.batch}, m={best.m}, {best.transport}, predicted {best.tokens_per_s:.1f} tokens/s, "
-        f"TPOT {best.step.seconds * 1e3:.2f} ms.\n"
+        f"TPOT {best.step.seconds * 1e3:.2f} ms, requests of {workload.input_len} prompt and "
+        f"{workload.output_len} output tokens.\n"
         f"# Review, then: moe-mesh deploy render --plan THIS_FILE --target compose|nomad --out DIR\n"
     )
     text = header + yaml.safe_dump(

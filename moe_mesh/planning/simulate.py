@@ -30,6 +30,14 @@ profile without per-call CPU (format 1, or a service whose pid it did not know) 
 one Tc per call instead. A step is the MoE layers plus, per micro-batch, the dense (non-MoE)
 layers and the embedding + LM head.
 
+With a workload (Workload), every step also carries P = B·input_len/output_len prompt tokens,
+spread over the micro-batches as the engine balances them by tokens: b_i above become the
+micro-batch's tokens b_i·(1 + P/B) wherever a cost goes by tokens (Ta, Te, the calls' bytes and
+experts, the dense layers); the LM head stays at b_i sequences. Tokens/s = B / step.
+
+Costs are seconds through the profile's measured points (common/perfmodel.Piecewise), not one
+straight line through them all, which undershoots costs that bend between the sizes measured.
+
 Processes on one node share its cores: every process gets cores // processes threads (as `moe-mesh
 up` hands them out); a side runs on t threads in max(measured wall, measured CPU / t) (never
 faster than measured: nothing beyond the measurement is extrapolated); and the step is at least the
@@ -39,24 +47,47 @@ divided by its cores.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from moe_mesh.common.perfmodel import Linear, split
 
+Cost = Callable[[float], float]  # seconds against a size: Linear, or Piecewise through points
+
 
 @dataclass(frozen=True)
 class Side:
-    """One measured side: wall seconds at `threads` threads, CPU seconds, against sequences."""
+    """One measured side: wall seconds at `threads` threads, CPU seconds, against tokens."""
 
-    wall: Linear
-    cpu: Linear
+    wall: Cost
+    cpu: Cost
     threads: int
 
     def time(self, x: float, threads: int) -> float:
         """Wall seconds on `threads` threads: never faster than measured, and on fewer threads at
         least the CPU work spread over them."""
         return max(self.wall(x), self.cpu(x) / threads)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Request lengths a step is predicted for: with continuous batching each new request's prompt
+    joins a decode step, so over a request's `output_len` decode steps its slot admits one
+    prompt: on average batch·input_len/output_len prompt tokens ride along with every step (the
+    ratio of mean lengths; lognormal lengths of one sigma have the ratio of their medians).
+
+    First order: a prompt token is charged like a decode token (Ta, Te, the calls' bytes and the
+    dense layers at tokens). Prefill attention, which grows with the prompt rather than the KV
+    context Ta was profiled at, is not told apart. input_len 0: pure decode steps."""
+
+    input_len: int = 0
+    output_len: int = 1
+
+    def prefill_tokens(self, batch: int) -> float:
+        return batch * self.input_len / self.output_len
+
+
+DECODE_ONLY = Workload()
 
 
 @dataclass(frozen=True)
@@ -125,8 +156,10 @@ def simulate(
     batch: int,
     m: int,
     expert_shares: Sequence[Sequence[Sequence[float]]] | None = None,
+    prefill_tokens: float = 0.0,
 ) -> Step:
-    """One decode step of `batch` sequences in m micro-batches.
+    """One decode step of `batch` sequences in m micro-batches, with `prefill_tokens` prompt
+    tokens of requests joining it (Workload.prefill_tokens; 0: pure decode).
 
     shares[l][g]: group g's share of MoE layer l's routed tokens; replicas[g]: its processes,
     which `nodes` place (one node has the router); expert_shares[l][g]: the shares of group g's
@@ -137,22 +170,26 @@ def simulate(
         min((n.threads for n in nodes if g in n.replicas), default=1) for g in range(len(replicas))
     ]
     parts = split(batch, m)
+    # The engine balances micro-batches by tokens: each carries its share of the prompt tokens.
+    # Ta, Te, the calls' bytes and the dense layers go by tokens; the LM head by sequences (only
+    # each sequence's last token reaches it).
+    tokens = [b * (1 + prefill_tokens / batch) for b in parts]
     pipeline = 0.0
     router_cpu = 0.0
     group_cpu = [0.0] * len(replicas)
     for li, layer in enumerate(shares):
-        ta = [costs.ta.time(b, rt) for b in parts]
-        te = [[s * costs.te.time(b, t) for b in parts] for s, t in zip(layer, group_threads)]
+        ta = [costs.ta.time(b, rt) for b in tokens]
+        te = [[s * costs.te.time(b, t) for b in tokens] for s, t in zip(layer, group_threads)]
         # Bytes of each group's call per micro-batch (None: no tokens, no call).
         x = [
-            [s * b * costs.top_k * costs.bytes_per_token if s > 0 else None for b in parts]
+            [s * b * costs.top_k * costs.bytes_per_token if s > 0 else None for b in tokens]
             for s in layer
         ]
         tc = [[costs.tc(v) if v is not None else 0.0 for v in row] for row in x]
         k = [
             [
                 experts_per_call(expert_shares[li][g], b, costs.top_k) if expert_shares else 1.0
-                for b in parts
+                for b in tokens
             ]
             for g in range(len(layer))
         ]
@@ -176,7 +213,7 @@ def simulate(
                 for n in nodes
             )
             + max(max(0.0, 2 * tc[g][i] - sc[g][i]) for g in range(len(layer)))
-            for i, b in enumerate(parts)
+            for i, b in enumerate(tokens)
         ]
         rounds = [
             ta[i] + max(max(row[i] for row in te) + 2 * max(row[i] for row in tc), shared[i])
@@ -186,15 +223,15 @@ def simulate(
         busy_a = sum(ta) + sum(map(sum, rc))
         busy_e = max((sum(t) + sum(c)) / r for t, c, r in zip(te, sc, replicas))
         pipeline += max(max(rounds), busy_a, busy_e)
-        router_cpu += sum(costs.ta.cpu(b) for b in parts) + sum(map(sum, rc))
+        router_cpu += sum(costs.ta.cpu(b) for b in tokens) + sum(map(sum, rc))
         for g, s in enumerate(layer):
-            group_cpu[g] += sum(s * costs.te.cpu(b) for b in parts) + sum(sc[g])
-    for b in parts:
+            group_cpu[g] += sum(s * costs.te.cpu(b) for b in tokens) + sum(sc[g])
+    for b, t in zip(parts, tokens):
         pipeline += costs.head.time(b, rt)
         router_cpu += costs.head.cpu(b)
         if costs.dense is not None:
-            pipeline += costs.dense_layers * costs.dense.time(b, rt)
-            router_cpu += costs.dense_layers * costs.dense.cpu(b)
+            pipeline += costs.dense_layers * costs.dense.time(t, rt)
+            router_cpu += costs.dense_layers * costs.dense.cpu(t)
     step, bound = pipeline, "pipeline"
     for i, n in enumerate(nodes):
         # A group's work is spread over its replicas, wherever they are.

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from moe_mesh.planning.deploy import PlanError
-from moe_mesh.planning.profile_format import FORMAT, Fit, read_profile
+from moe_mesh.planning.profile_format import FORMAT, Fit, Measured, read_profile
 from moe_mesh.planning.search import costs
 from tests.support.plans import fit, profile_dict, write_profile
 
@@ -59,6 +59,23 @@ def test_a_format_2_profile_carries_each_ends_cpu_per_call(tmp_path: Path) -> No
     assert grpc_costs.router_cpu(1000, experts=3) == pytest.approx(6e-4 + 2 * 1e-5)
     # Not measured: each end pays one Tc per call.
     assert ucx_costs.service_cpu(1000) == ucx_costs.router_cpu(1000) == pytest.approx(4e-4)
+
+
+def test_the_planner_reads_costs_through_the_measured_points() -> None:
+    points = [(1, 2.0, 1.5), (8, 4.0, 3.5), (16, 9.56, 18.0)]
+    m = Measured.model_validate(
+        {
+            "wall": Fit.of([1, 8, 16], [2.0, 4.0, 9.56]).model_dump(),
+            "cpu": Fit.of([1, 8, 16], [1.5, 3.5, 18.0]).model_dump(),
+            "threads": 1,
+            "points": [{"x": x, "wall_s": w, "cpu_s": c} for x, w, c in points],
+        }
+    )
+    assert m.wall.linear()(16) < 9.56  # the fit undershoots the last point ...
+    assert m.wall_cost()(16) == pytest.approx(9.56)  # ... the planner's cost does not
+    assert m.cpu_cost()(12) == pytest.approx((3.5 + 18.0) / 2)
+    one_size = m.model_copy(update={"points": m.points[:1]})
+    assert one_size.wall_cost() == m.wall.linear()  # no slope from one size: the fit
 
 
 def test_fit_keeps_costs_non_negative() -> None:

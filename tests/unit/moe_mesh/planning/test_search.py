@@ -13,6 +13,7 @@ from moe_mesh.planning import plan as plan_cli
 from moe_mesh.planning.inventory import Inventory
 from moe_mesh.planning.profile_format import ProfileFile
 from moe_mesh.planning.search import Limits, search
+from moe_mesh.planning.simulate import Workload
 from tests.support.plans import (
     EXAMPLE_PLAN,
     fit,
@@ -97,6 +98,17 @@ def test_weights_that_do_not_fit_rule_a_layout_out() -> None:
     assert all(len(c.nodes) > 1 for c in found)  # never all 20 MiB on one node
 
 
+def test_the_workload_slows_every_step_by_its_prompt_tokens() -> None:
+    profile = ProfileFile.model_validate(profile_dict())
+    decode = search(profile, load(), inventory(BIG), Limits(16))
+    mixed = search(profile, load(), inventory(BIG), Limits(16), Workload(64, 128))
+    assert len(decode) == len(mixed)
+    slower = {(c.batch, c.m, len(c.groups), c.replicas): c.step.seconds for c in mixed}
+    for c in decode:
+        assert slower[(c.batch, c.m, len(c.groups), c.replicas)] > c.step.seconds
+    assert all(c.tokens_per_s == pytest.approx(c.batch / c.step.seconds) for c in mixed)
+
+
 def _search_args(tmp_path: Path, *extra: str) -> list[str]:
     inventory_file = write_inventory(tmp_path, yaml.safe_dump({"kinds": [SMALL]}))
     return [
@@ -140,6 +152,23 @@ def test_search_writes_a_plan_deploy_render_accepts(
     assert "--micro-batches" in rendered and "--max-num-seqs" in rendered
     assert deploy.render(plan, "nomad")
     assert plan_cli.main(args) == 0 and deploy.load_plan(out) == plan  # deterministic
+    # Without --input-len / --output-len: `moe-mesh bench`'s default medians.
+    assert (predicted["input_len"], predicted["output_len"]) == (57, 16)
+    assert predicted["prefill_tokens_per_step"] == pytest.approx(predicted["batch_size"] * 57 / 16)
+
+
+def test_search_takes_the_request_lengths(tmp_path: Path) -> None:
+    tokens_per_s = {}
+    for lengths in (("0", "16"), ("64", "128"), ("256", "16")):
+        prediction = tmp_path / "prediction.json"
+        extra = ("--input-len", lengths[0], "--output-len", lengths[1], "--max-num-seqs", "8")
+        args = _search_args(tmp_path, "--prediction-out", str(prediction), "--out", "/dev/null")
+        assert plan_cli.main([*args, *extra]) == 0
+        predicted = json.loads(prediction.read_text())
+        assert predicted["input_len"] == int(lengths[0])
+        tokens_per_s[lengths] = predicted["predicted_tokens_per_s"]
+    # One node kind, one node: the best is the fastest, and more prompt per output is slower.
+    assert tokens_per_s[("0", "16")] > tokens_per_s[("64", "128")] > tokens_per_s[("256", "16")]
 
 
 @pytest.mark.parametrize(
@@ -172,3 +201,6 @@ def test_search_flags_go_together(tmp_path: Path, capsys) -> None:
     not_searching = [a for a in args if a != "--search"]
     assert plan_cli.main(not_searching) == 2
     assert "--profile, --inventory only go with --search" in capsys.readouterr().err
+    lengths = [*args[args.index("--utilization") :][:2], "--base", str(EXAMPLE_PLAN)]
+    assert plan_cli.main(["plan", *lengths, "--input-len", "64"]) == 2
+    assert "--input-len only go with --search" in capsys.readouterr().err

@@ -7,7 +7,14 @@ from dataclasses import replace
 import pytest
 
 from moe_mesh.common.perfmodel import LayerCosts, Linear, layer_time
-from moe_mesh.planning.simulate import Costs, Node, Side, experts_per_call, simulate
+from moe_mesh.planning.simulate import (
+    Costs,
+    Node,
+    Side,
+    Workload,
+    experts_per_call,
+    simulate,
+)
 
 MS = 1e-3
 
@@ -175,3 +182,20 @@ def test_each_expert_a_call_carries_adds_its_batch() -> None:
     assert step.seconds == pytest.approx((2 + 0.25 + 4 + 1 + 0.375) * MS)
     assert step.bound == "cpu of one node 0"
     assert simulate(c, [[1.0]], [1], one_core, 3, 1).seconds == pytest.approx(7.25 * MS)
+
+
+def test_prompt_tokens_ride_along_with_decode_steps() -> None:
+    """B = 8 in a closed loop of 64-token prompts and 128-token outputs: 8 x 64 / 128 = 4 prompt
+    tokens join every step, split over the micro-batches like the engine's token balance."""
+    workload = Workload(input_len=64, output_len=128)
+    assert workload.prefill_tokens(8) == 4.0
+    assert Workload().prefill_tokens(8) == 0.0  # pure decode
+    head = Linear(0.5 * MS, 0)
+    c = replace(costs(tc=Linear(1e-6, 0)), head=Side(head, head, 2))
+    mixed = simulate(c, [[1.0]], [1], big_node(), 8, 2, prefill_tokens=4.0)
+    # Ta and Te, and the calls' bytes, go by tokens: 12 of them in two micro-batches of 6 ...
+    as_tokens = simulate(c, [[1.0]], [1], big_node(), 12, 2)
+    # ... but only each sequence's last token reaches the LM head: 8, not 12.
+    head_gap = 2 * (head(6) - head(4))
+    assert mixed.seconds == pytest.approx(as_tokens.seconds - head_gap)
+    assert mixed.seconds > simulate(c, [[1.0]], [1], big_node(), 8, 2).seconds
