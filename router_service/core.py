@@ -193,7 +193,7 @@ class RouterCore:
             len(self.engine.running),
             self.engine.num_waiting,
             self.steps,
-            d.tokens_routed.tolist(),
+            d.routed_counts(),
             d.failovers,
             placement,
             regions,

@@ -40,9 +40,8 @@ class RouterSettings(TelemetrySettings):
         description="prompt tokens admitted into one step at most "
         "(a longer single prompt still runs alone)",
     )
-    micro_batches: str = Field(
+    micro_batches: Literal["auto", "1", "2", "3", "4", "5", "6", "7", "8"] = Field(
         "auto",
-        pattern=r"^(auto|[1-8])$",
         description="split each step into this many micro-batches (1-8) that take turns between "
         "the router's compute and remote experts; 'auto' picks 1-4 from measured compute and "
         "transfer times (1 when every expert is colocated)",

@@ -270,10 +270,12 @@ def _decode(message: memoryview, max_payload_bytes: int) -> tuple[Header, int, i
         _expect(header, {"code": str, "message": str, "field": str})
         return header, flags, PREFIX_BYTES + length
     _expect(header, {"dtype": str, "shape": list, "payload_bytes": int})
-    if isinstance(header, ReplyHeader) and (
-        not isinstance(header.service_s, int | float) or isinstance(header.service_s, bool)
+    if isinstance(header, ReplyHeader) and not (
+        isinstance(header.service_s, int | float)
+        and not isinstance(header.service_s, bool)
+        and 0 <= header.service_s < float("inf")
     ):
-        raise FrameError("service_s", f"expected a number, got {header.service_s!r}")
+        raise FrameError("service_s", f"expected seconds >= 0, got {header.service_s!r}")
     if isinstance(header, RequestHeader):
         _expect(
             header,

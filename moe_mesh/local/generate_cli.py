@@ -103,9 +103,12 @@ def _run_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(delta)
         sys.stdout.flush()
 
-    [result] = asyncio.run(
-        generate_local(engine, tokenizer, [request], None if args.json else stream)
-    )
+    try:
+        [result] = asyncio.run(
+            generate_local(engine, tokenizer, [request], None if args.json else stream)
+        )
+    finally:
+        engine.close()
     if args.json:
         print(json.dumps(result.to_json()))
     else:

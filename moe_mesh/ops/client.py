@@ -180,7 +180,7 @@ def print_status(st: dict) -> None:
         if r.get("registry_stale"):
             load += "  (registry unreachable: serving the last known experts)"
         print(f"router   {r['address']:<22} {r['health']:<12} {r.get('error', load)}")
-        if "micro_batches" in r:
+        if r.get("micro_batches", {}).get("setting"):  # older routers do not say
             print(pipeline_line(r["micro_batches"]))
         for rep in r.get("replicas", []):
             print(replica_line(rep))

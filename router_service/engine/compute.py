@@ -27,4 +27,6 @@ class ComputeThread:
         return await asyncio.get_running_loop().run_in_executor(self._pool, ctx.run, fn, *args)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Drop queued work and wait for a segment still running (milliseconds), so nothing
+        computes or opens spans after the service shut its telemetry down."""
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -148,6 +148,10 @@ class Engine:
         if p.top_k < 0:
             raise InvalidArgumentError("top_k", f"must be >= 0, got {p.top_k}")
 
+    def close(self) -> None:
+        """Stop the model's compute thread (after the last step)."""
+        self.model.close()
+
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its slot and KV cache are freed at the next token boundary."""
         seq = self._by_id.get(request_id)
@@ -196,6 +200,7 @@ class Engine:
         self.cache.reserve(len(self.running), max(s.num_tokens for s in self.running))
         m = self.planner.choose(len(prefills) + len(decodes), self.model.dispatcher.remote)
         parts = _partition(prefills, decodes, m)
+        self.planner.ran(len(parts))
         self._stepping = True
         began = time.perf_counter()
         try:
@@ -210,10 +215,15 @@ class Engine:
         done: list[Sequence] = []
         failed: list[tuple[list[Sequence], MoeMeshError]] = []
         for (p, d), result in zip(parts, results):
-            if isinstance(result, MoeMeshError):  # e.g. an expert was unreachable: no traceback
+            if isinstance(result, Exception):
+                # An expert was unreachable (expected: no traceback), or a bug in this
+                # micro-batch: either way only its sequences end; the others keep their tokens.
+                if not isinstance(result, MoeMeshError):
+                    log.error("micro-batch failed", exc_info=result)
+                    result = InternalError(f"engine step failed: {result!r}")
                 failed.append((p + d, result))
                 continue
-            if isinstance(result, BaseException):
+            if isinstance(result, BaseException):  # cancelled: the serving loop is stopping
                 raise result
             for seq, row in zip(p + d, result):
                 if seq.aborted:

@@ -75,6 +75,7 @@ class PassCosts:
 
     compute_s: float = 0.0
     remote: list[CallTimes] = field(default_factory=list)
+    moe_layers: int = 1
 
 
 @dataclass
@@ -134,6 +135,7 @@ class MoeModel:
     ) -> torch.Tensor:
         """Float32 logits of each sequence's last token [sequences, vocab] (every token's with all_logits)."""
         p = _Pass(batch, cache, all_logits, costs or PassCosts())
+        p.costs.moe_layers = max(1, len(self.spec.moe_layer_ids))
         while not await self.compute(self._advance, p):
             times = CallTimes()
             p.outputs = await self.dispatcher.gather(p.waiting, p.h, batch.deadline, times)
@@ -164,7 +166,7 @@ class MoeModel:
                 x = x + expert_ffn(h, layer.dense_mlp)
             else:
                 routed = d.route(i, h, layer)
-                outputs = d.colocated_outputs(routed, h)
+                outputs = d.colocated_outputs(routed, h, p.batch.deadline)
                 if outputs is None:
                     p.x, p.h, p.waiting = x, h, routed
                     return False

@@ -20,6 +20,7 @@ m = 1.
 from __future__ import annotations
 
 from collections import Counter, defaultdict, deque
+from collections.abc import Callable
 from statistics import fmean, median
 
 from moe_mesh.common.perfmodel import LayerCosts, Linear, best_micro_batches, layer_time
@@ -32,6 +33,8 @@ HYSTERESIS = 0.1  # a proposal must predict a layer this much shorter than the b
 
 
 class MicroBatchPlanner:
+    """Chooses each step's micro-batches and learns from the steps and passes that ran."""
+
     def __init__(self, setting: str = "auto", window: int = 64) -> None:
         """`setting`: "auto" or a fixed count."""
         self.fixed = None if setting == "auto" else int(setting)
@@ -57,10 +60,13 @@ class MicroBatchPlanner:
             m = 1
         else:
             m = self._auto(sequences)
-        self.last = max(1, min(m, sequences))
         self._sequences = sequences
-        self.steps_by_m[self.last] += 1
-        return self.last
+        return max(1, min(m, sequences))
+
+    def ran(self, m: int) -> None:
+        """The step ran as m micro-batches (a split by tokens may make fewer than chosen)."""
+        self.last = m
+        self.steps_by_m[m] += 1
 
     def _auto(self, sequences: int) -> int:
         size = sequences.bit_length()
@@ -91,14 +97,14 @@ class MicroBatchPlanner:
         """Learn from one decode micro-batch's pass; passes without remote calls teach nothing."""
         if not costs.remote:
             return
-        layers = len(costs.remote)
-        self._ta.append((sequences, costs.compute_s / layers))
+        # The router's whole compute (dense layers, head, colocated layers too) per MoE layer.
+        self._ta.append((sequences, costs.compute_s / costs.moe_layers))
         self._te.append((sequences, fmean(t.service for t in costs.remote)))
         self._tc.append(
             (sequences, fmean(max(0.0, (t.wall - t.service) / 2) for t in costs.remote))
         )
 
-    def costs(self):
+    def costs(self) -> Callable[[int], LayerCosts]:
         """The fitted LayerCosts as a function of micro-batch size."""
         ta, te, tc = (Linear.fit(*zip(*w)) for w in (self._ta, self._te, self._tc))
         return lambda b: LayerCosts(ta(b), te(b), tc(b))

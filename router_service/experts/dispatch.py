@@ -224,8 +224,13 @@ class ExpertDispatcher:
         # Whether some expert is served only remotely, so a step may wait on the network.
         self.remote = any(not r[0].local for r in self.placement.values() if r)
 
+    def routed_counts(self) -> list[list[int]]:
+        """Tokens routed per [layer][expert] since start (the compute thread adds to them)."""
+        with self._stats_lock:
+            return self.tokens_routed.tolist()
+
     def _observe_routed(self, _options) -> list[Observation]:
-        counts = self.tokens_routed.tolist()
+        counts = self.routed_counts()
         return [
             Observation(n, {"moe.layer": layer, "moe.expert": e})
             for layer, row in enumerate(counts)
@@ -238,7 +243,7 @@ class ExpertDispatcher:
     ) -> torch.Tensor:
         """x: [tokens, hidden] (already normed) -> routed (+ shared) expert output [tokens, hidden]."""
         routed = self.route(layer, x, w)
-        outputs = self.colocated_outputs(routed, x)
+        outputs = self.colocated_outputs(routed, x, deadline)
         if outputs is None:
             outputs = await self.gather(routed, x, deadline)
         return self.finish(routed, outputs, x, w)
@@ -255,9 +260,13 @@ class ExpertDispatcher:
             self.window.add(layer, counts)
         return Routed(layer, routing, groups)
 
-    def colocated_outputs(self, routed: Routed, x: torch.Tensor) -> list[torch.Tensor] | None:
+    def colocated_outputs(
+        self, routed: Routed, x: torch.Tensor, deadline: float | None = None
+    ) -> list[torch.Tensor] | None:
         """The layer's expert outputs computed here and now when one colocated backend serves
-        every group (no network, nothing to await); None when some group needs a remote call."""
+        every group (no network, nothing to await); None when some group needs a remote call.
+
+        Such a layer makes no remote call, so it draws nothing on the retry budget either."""
         placement, layer = self.placement, routed.layer  # one table for the whole layer
         local = None
         for g in routed.groups:
@@ -267,6 +276,7 @@ class ExpertDispatcher:
             local = replicas[0]
         if local is None:
             return []
+        self._check_deadline(deadline)
         groups = [(g.expert, x[g.tokens]) for g in routed.groups]
         with self._dispatch_span(routed, x), self._observed(local, layer, groups):
             outputs = local.compute(layer, groups)
@@ -344,8 +354,7 @@ class ExpertDispatcher:
             pending = []
             for (backend, idx), result in zip(order, results):
                 if not backend.local:
-                    with self._stats_lock:
-                        self.remote_calls += 1
+                    self.remote_calls += 1
                     if times is not None and not isinstance(result, BaseException):
                         times.service = max(times.service, getattr(result, "service_s", 0.0))
                 if isinstance(result, UnavailableError):

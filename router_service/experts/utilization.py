@@ -6,6 +6,7 @@ reused, so reading the window is a sum over the ring and recording is one tensor
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -29,6 +30,8 @@ class UtilizationWindow:
         self._bucket_s = window_s / buckets
         self._counts = torch.zeros(buckets, num_layers, num_experts, dtype=torch.int64)
         self._ids = [-1] * buckets  # which time bucket each slot holds now
+        # The router's compute thread adds; the event loop (tiering, status) reads.
+        self._lock = threading.Lock()
 
     def _slot(self) -> int:
         bucket = int(self.clock() // self._bucket_s)
@@ -40,12 +43,14 @@ class UtilizationWindow:
 
     def add(self, layer: int, counts: torch.Tensor) -> None:
         """Record one MoE layer call: `counts` [experts] tokens routed to each expert."""
-        self._counts[self._slot(), layer] += counts
+        with self._lock:
+            self._counts[self._slot(), layer] += counts
 
     def counts(self) -> torch.Tensor:
         """[layers, experts] float64 tokens routed within the window."""
         current = int(self.clock() // self._bucket_s)
-        live = [s for s, b in enumerate(self._ids) if current - self.buckets < b <= current]
-        if not live:
-            return torch.zeros(self._counts.shape[1:], dtype=torch.float64)
-        return self._counts[live].sum(0).to(torch.float64)
+        with self._lock:
+            live = [s for s, b in enumerate(self._ids) if current - self.buckets < b <= current]
+            if not live:
+                return torch.zeros(self._counts.shape[1:], dtype=torch.float64)
+            return self._counts[live].sum(0).to(torch.float64)

@@ -51,6 +51,7 @@ def refused(message: bytes, limit: int = LIMIT) -> f.FrameError:
         request(),
         request(timeout_ms=None),
         f.ReplyHeader("float32", [2, 8], 64),
+        f.ReplyHeader("float32", [2, 8], 64, service_s=0.0125),
         f.ErrorHeader("NOT_FOUND", "layer 9", ""),
     ],
 )
@@ -67,6 +68,12 @@ def test_garbage_and_short_prefixes_are_refused() -> None:
     assert refused(raw(body=b"not json")).field == "header"
     assert refused(raw(kind=7, body=b"{}")).field == "header"
     assert refused(raw(body=b'{"dtype": "float32"}')).field == "header"  # fields missing
+
+
+@pytest.mark.parametrize("service_s", [b'"1"', b"-1.0", b"NaN", b"Infinity", b"true"])
+def test_a_reply_must_say_its_service_time_in_seconds(service_s: bytes) -> None:
+    body = b'{"dtype": "float32", "shape": [1, 2], "payload_bytes": 8, "service_s": %s}' % service_s
+    assert refused(raw(kind=f.Kind.REPLY, body=body)).field == "service_s"
 
 
 @pytest.mark.parametrize("version", [0, f.VERSION + 1])

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from moe_mesh.common.checkpoint import Checkpoint
+from moe_mesh.common.errors import InternalError
 from moe_mesh.common.perfmodel import split
 from moe_mesh.router_service.build import build_model
 from moe_mesh.router_service.engine.engine import Engine, Sequence, _partition
@@ -46,6 +47,7 @@ def costs(b: int, ta: float, te: float, tc: float) -> PassCosts:
 def run(planner: MicroBatchPlanner, sequences: int, step_s: dict[int, float]) -> int:
     """One decode step as the engine drives it: choose, pass(es), the step's time. Returns m."""
     m = planner.choose(sequences, remote=True)
+    planner.ran(m)
     for b in split(sequences, m):
         planner.observe(b, costs(b, ta=1e-4, te=1e-4, tc=0.01))
     planner.observe_step(sequences, m, step_s[m])
@@ -75,6 +77,7 @@ def test_auto_tries_no_proposal_that_is_not_clearly_faster_and_forgets_old_steps
     # costs the experts' time twice, so after measuring 1 and 2 it proposes nothing.
     for _ in range(2 * TRIAL_STEPS + 1):
         m = auto.choose(32, remote=True)
+        auto.ran(m)
         for b in split(32, m):
             auto.observe(b, PassCosts(0.011 * b / 32, [CallTimes(wall=0.01, service=0.01)]))
         auto.observe_step(32, m, {1: 0.1, 2: 0.15}[m])
@@ -149,3 +152,50 @@ def test_micro_batches_overlap_their_expert_calls(checkpoint) -> None:
         )
         assert b_start < a_end  # in flight together
     assert union_over_sum(decode_calls) < 0.75
+
+
+class BrokenOnce(ColocatedExperts):
+    """Remote-looking experts whose next call, once armed, raises a bug (not a MoeMeshError)."""
+
+    local = False
+    address = "broken"
+
+    def __init__(self, weights) -> None:
+        super().__init__(weights)
+        self.armed = False
+
+    async def forward(self, layer, groups, timeout_s=None):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("a bug in one micro-batch")
+        return ExpertOutputs(self.compute(layer, groups), "grpc", 0.0)
+
+
+def test_a_bug_in_one_micro_batch_ends_only_its_requests(checkpoint) -> None:
+    path = checkpoint("olmoe")
+    ckpt = Checkpoint(path)
+    broken = BrokenOnce(ckpt.load_experts(ckpt.all_expert_pairs()))
+    settings = RouterSettings(checkpoint=path, micro_batches="2")
+    model = build_model(ckpt, settings, placement={p: [broken] for p in ckpt.all_expert_pairs()})
+    engine = Engine(model, settings)
+    for i in range(4):
+        engine.add_request(str(i), [5 + i, 9, 11], GREEDY)
+
+    async def steps():
+        await engine.step()  # prefill
+        broken.armed = True  # the first micro-batch's first call of the next step fails
+        failing = await engine.step()
+        return failing, await engine.step()
+
+    try:
+        failing, after = asyncio.run(steps())
+    finally:
+        engine.close()
+    by_request = {}
+    for out in failing:
+        assert out.request_id not in by_request, "two results for one request in one step"
+        by_request[out.request_id] = out
+    assert {r for r, o in by_request.items() if o.error is not None} == {"0", "1"}
+    assert all(isinstance(by_request[r].error, InternalError) for r in ("0", "1"))
+    assert [len(by_request[r].new_token_ids) for r in ("2", "3")] == [1, 1]
+    assert sorted(o.request_id for o in after) == ["2", "3"]  # they keep decoding
