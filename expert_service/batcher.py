@@ -1,16 +1,20 @@
 """Server-side dynamic batching: concurrent token groups for the same (layer, expert) share one FFN run.
 
-Each (layer, expert) has a queue and, while it holds work, one drain task. The drain task takes up to
-`max_batch_tokens` rows from the head of its queue (splitting a group that does not fit), runs
-`expert_ffn` on the single compute thread and hands each group its output rows. Compute runs off the
-event loop, so calls keep arriving while a batch runs; they queue up and go into the next batch
-together. That is where merging comes from even with `max_queue_delay_us=0`; a positive delay only
-widens the window for the first group of an idle queue.
+Each (layer, expert) has a queue; one scheduler task per batcher runs while any queue holds work.
+Each round it takes up to `max_batch_tokens` rows from the head of every non-empty queue (splitting
+a group that does not fit) and runs all those batches, one after another, in ONE job on the single
+compute thread, so a call with groups for k experts costs one executor hop, not k. Each batch's
+groups then get their output rows; a batch whose FFN raises fails only its own groups. Compute
+runs off the event loop, so calls keep arriving while a job runs; they queue up and go into the
+next job together. That is where merging comes from even with `max_queue_delay_us=0`; a positive
+delay only widens the window for the first group of an idle queue (a round starts when the oldest
+head group has waited the delay, or when some queue holds `max_batch_tokens` rows).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -51,22 +55,42 @@ class _Group:
     computed: int = 0  # rows whose output arrived
     outputs: list[torch.Tensor] = field(
         default_factory=list
-    )  # in row order: one expert runs one batch at a time
+    )  # in row order: a job holds at most one batch per expert
+
+    @property
+    def rest(self) -> int:
+        return self.rows.shape[0] - self.taken
 
 
 @dataclass(eq=False)
 class _Queue:
     groups: deque[_Group] = field(default_factory=deque)
     pending_tokens: int = 0  # queued rows not yet taken into a batch
-    arrived: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
+
+
+_Batch = list[tuple[_Group, int, int]]  # (group, start row, stop row)
 
 
 def _compute(parts: list[torch.Tensor], w: FFNWeights) -> torch.Tensor:
-    """Runs on the compute thread (grad mode is per thread, hence no_grad here)."""
+    """One batch's FFN; runs on the compute thread (grad mode is per thread, hence no_grad here)."""
     with torch.no_grad():
         x = parts[0] if len(parts) == 1 else torch.cat(parts)  # [tokens, hidden]
         return expert_ffn(x, w)  # [tokens, hidden]
+
+
+def _compute_job(
+    batches: list[tuple[list[torch.Tensor], FFNWeights]],
+) -> list[tuple[torch.Tensor | Exception, float]]:
+    """Every batch of one job, in order, on the compute thread: (output or its error, seconds) each."""
+    results: list[tuple[torch.Tensor | Exception, float]] = []
+    for parts, w in batches:
+        began = time.perf_counter()
+        try:
+            out: torch.Tensor | Exception = _compute(parts, w)
+        except Exception as e:  # fails this batch only
+            out = e
+        results.append((out, time.perf_counter() - began))
+    return results
 
 
 class DynamicBatcher:
@@ -99,6 +123,9 @@ class DynamicBatcher:
         )
         self._weights = dict(weights)
         self._queues: dict[Pair, _Queue] = {}
+        self._active: dict[Pair, _Queue] = {}  # the queues holding groups, in arrival order
+        self._arrived = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expert-ffn")
         self._closed = False
 
@@ -119,68 +146,76 @@ class DynamicBatcher:
         queue = self._queues.setdefault(key, _Queue())
         queue.groups.append(group)
         queue.pending_tokens += n
-        queue.arrived.set()
-        if queue.task is None:
-            queue.task = asyncio.create_task(
-                self._drain(key, queue), name=f"expert-batcher-{layer}-{expert}"
-            )
-        # If our caller is cancelled, awaiting cancels the future and the drain task skips the group.
+        self._active.setdefault(key, queue)
+        self._arrived.set()
+        if self._task is None:
+            self._task = asyncio.create_task(self._schedule(), name="expert-batcher")
+        # If our caller is cancelled, awaiting cancels the future and the scheduler skips the group.
         return await group.future
 
     async def close(self) -> None:
         """Stop batching: fail whatever is still queued, then stop the compute thread. Idempotent."""
         self._closed = True
-        tasks = [q.task for q in self._queues.values() if q.task is not None]
-        for task in tasks:
+        if (task := self._task) is not None:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for queue in self._queues.values():
-            self._fail(queue.groups, None)
-            queue.groups.clear()
+            await asyncio.gather(task, return_exceptions=True)
+        self._fail_queued(None)
         # A compute already running cannot be interrupted; wait for it off the loop.
         await asyncio.to_thread(self._executor.shutdown, True)
 
-    # -- drain task ----------------------------------------------------------------------
+    # -- scheduler task ------------------------------------------------------------------
 
-    async def _drain(self, key: Pair, queue: _Queue) -> None:
+    async def _schedule(self) -> None:
         try:
-            while self._drop_finished(queue):
-                await self._wait_for_more(queue)
-                batch = self._take(queue)
-                if batch:
-                    await self._run(key, batch)
+            while self._prune():
+                await self._wait_for_more()
+                job: list[tuple[Pair, _Batch]] = []
+                for key, queue in list(self._active.items()):
+                    if batch := self._take(queue):
+                        job.append((key, batch))
+                    if not queue.groups:
+                        del self._active[key]
+                if job:
+                    await self._run(job)
         except BaseException as e:  # close() cancels us, or a bug: either way no caller may hang
-            self._fail(queue.groups, e)
-            queue.groups.clear()
+            self._fail_queued(e)
             raise
         finally:
-            queue.task = None
+            self._task = None
 
-    def _drop_finished(self, queue: _Queue) -> bool:
+    def _prune(self) -> bool:
+        """Drop finished head groups and emptied queues; True when work is left."""
+        for key, queue in list(self._active.items()):
+            if not self._drop_finished(queue):
+                del self._active[key]
+        return bool(self._active)
+
+    @staticmethod
+    def _drop_finished(queue: _Queue) -> bool:
         """Drop head groups nobody waits for any more (cancelled or failed); True when work is left."""
         while queue.groups and queue.groups[0].future.done():
-            g = queue.groups.popleft()
-            queue.pending_tokens -= g.rows.shape[0] - g.taken
+            queue.pending_tokens -= queue.groups.popleft().rest
         return bool(queue.groups)
 
-    async def _wait_for_more(self, queue: _Queue) -> None:
-        """Wait until the head group has waited max_queue_delay_s, or a full batch is queued."""
+    async def _wait_for_more(self) -> None:
+        """Wait until the oldest head group has waited max_queue_delay_s, or a full batch is queued."""
         if self.max_queue_delay_s <= 0:
             return
         loop = asyncio.get_running_loop()
-        deadline = queue.groups[0].enqueued_s + self.max_queue_delay_s
+        oldest = min(q.groups[0].enqueued_s for q in self._active.values())
+        deadline = oldest + self.max_queue_delay_s
         while (
-            queue.pending_tokens < self.max_batch_tokens
+            all(q.pending_tokens < self.max_batch_tokens for q in self._active.values())
             and (remaining := deadline - loop.time()) > 0
         ):
-            queue.arrived.clear()
+            self._arrived.clear()
             try:
                 async with asyncio.timeout(remaining):
-                    await queue.arrived.wait()
+                    await self._arrived.wait()
             except TimeoutError:
                 return
 
-    def _take(self, queue: _Queue) -> list[tuple[_Group, int, int]]:
+    def _take(self, queue: _Queue) -> _Batch:
         """Up to max_batch_tokens rows from the head of the queue, as (group, start row, stop row)."""
         budget, batch = self.max_batch_tokens, []
         while queue.groups and budget:
@@ -188,7 +223,7 @@ class DynamicBatcher:
             if g.future.done():
                 self._drop_finished(queue)
                 continue
-            n = min(budget, g.rows.shape[0] - g.taken)
+            n = min(budget, g.rest)
             batch.append((g, g.taken, g.taken + n))
             g.taken += n
             budget -= n
@@ -197,32 +232,47 @@ class DynamicBatcher:
                 queue.groups.popleft()
         return batch
 
-    async def _run(self, key: Pair, batch: list[tuple[_Group, int, int]]) -> None:
+    async def _run(self, job: list[tuple[Pair, _Batch]]) -> None:
+        """Compute every batch of the job in one executor call, then hand out the rows."""
         loop = asyncio.get_running_loop()
-        parts = [g.rows[start:stop] for g, start, stop in batch]
         began = loop.time()
-        for g, start, _ in batch:
-            if start == 0:
-                self._queue_s.record(began - g.enqueued_s)
+        for _, batch in job:
+            for g, start, _ in batch:
+                if start == 0:
+                    self._queue_s.record(began - g.enqueued_s)
+        work = [([g.rows[a:b] for g, a, b in batch], self._weights[key]) for key, batch in job]
         try:
-            out = await loop.run_in_executor(self._executor, _compute, parts, self._weights[key])
-        # Fail every group of this batch; their queued remainders are dropped later.
+            results = await loop.run_in_executor(self._executor, _compute_job, work)
+        # Fail every group of this job; their queued remainders are dropped later.
         except Exception as e:
-            self._fail((g for g, _, _ in batch), e)
+            self._fail((g for _, batch in job for g, _, _ in batch), e)
             return
         except BaseException as e:
-            self._fail((g for g, _, _ in batch), e)
+            self._fail((g for _, batch in job for g, _, _ in batch), e)
             raise
-        self.stats.batches += 1
-        self._compute_s.record(loop.time() - began)
-        self._batch_tokens.record(out.shape[0])
-        offset = 0
-        for g, start, stop in batch:
-            g.outputs.append(out[offset : offset + stop - start])
-            offset += stop - start
-            g.computed += stop - start
-            if g.computed == g.rows.shape[0] and not g.future.done():
-                g.future.set_result(g.outputs[0] if len(g.outputs) == 1 else torch.cat(g.outputs))
+        for (_, batch), (out, seconds) in zip(job, results):
+            if isinstance(out, Exception):
+                self._fail((g for g, _, _ in batch), out)
+                continue
+            self.stats.batches += 1
+            self._compute_s.record(seconds)
+            self._batch_tokens.record(out.shape[0])
+            offset = 0
+            for g, start, stop in batch:
+                g.outputs.append(out[offset : offset + stop - start])
+                offset += stop - start
+                g.computed += stop - start
+                if g.computed == g.rows.shape[0] and not g.future.done():
+                    g.future.set_result(
+                        g.outputs[0] if len(g.outputs) == 1 else torch.cat(g.outputs)
+                    )
+
+    def _fail_queued(self, error: BaseException | None) -> None:
+        for queue in self._queues.values():
+            self._fail(queue.groups, error)
+            queue.groups.clear()
+            queue.pending_tokens = 0
+        self._active.clear()
 
     @staticmethod
     def _fail(groups: Iterable[_Group], error: BaseException | None) -> None:

@@ -1,4 +1,4 @@
-"""DynamicBatcher on its own: groups queued during a compute merge, split groups, failures, close."""
+"""DynamicBatcher on its own: groups queued during a compute merge, one job per round, split groups, failures, close."""
 
 from __future__ import annotations
 
@@ -16,6 +16,54 @@ from moe_mesh.expert_service.batcher import DynamicBatcher
 from moe_mesh.expert_service.core import ExpertHost
 from tests.support.experts import HIDDEN, assert_close
 from tests.support.polling import eventually
+
+
+def count_jobs(monkeypatch, batcher: DynamicBatcher) -> list[object]:
+    """The functions handed to the batcher's compute thread, one entry per executor submission."""
+    jobs: list[object] = []
+    submit = batcher._executor.submit
+
+    def counting(fn, /, *args, **kwargs):
+        jobs.append(fn)
+        return submit(fn, *args, **kwargs)
+
+    monkeypatch.setattr(batcher._executor, "submit", counting)
+    return jobs
+
+
+async def test_a_call_with_groups_for_several_experts_is_computed_in_one_executor_job(
+    settings, monkeypatch
+) -> None:
+    batches: list[int] = []
+    compute = batcher_module._compute
+
+    def counted(parts, w):
+        batches.append(sum(p.shape[0] for p in parts))
+        return compute(parts, w)
+
+    monkeypatch.setattr(batcher_module, "_compute", counted)
+    host = ExpertHost.load(settings())
+    jobs = count_jobs(monkeypatch, host.batcher)
+    groups = [(e, torch.randn(n, HIDDEN)) for e, n in ((0, 2), (1, 3), (2, 1), (3, 4))]
+    out = await asyncio.wait_for(
+        host.forward(
+            host.model_id,
+            host.weights_checksum,
+            1,
+            [e for e, _ in groups],
+            [len(rows) for _, rows in groups],
+            torch.cat([rows for _, rows in groups]),
+        ),
+        5,
+    )
+    assert len(jobs) == 1 and batches == [2, 3, 1, 4]  # four batches, one hop to the compute thread
+    stats = host.batcher.stats
+    assert (stats.groups, stats.batches, stats.tokens) == (4, 4, 10)
+    assert_close(
+        list(torch.split(out, [2, 3, 1, 4])),
+        [expert_ffn(rows, host.weights[(1, e)]) for e, rows in groups],
+    )
+    await host.close()
 
 
 async def test_groups_queued_during_a_compute_merge_into_the_next_batch_without_delay(
@@ -84,7 +132,9 @@ async def test_cancelling_a_group_split_across_batches_drops_its_rest_and_serves
     await host.close()
 
 
-async def test_batcher_fails_every_group_of_a_failing_batch_and_keeps_serving(settings) -> None:
+async def test_batcher_fails_every_group_of_a_failing_batch_and_keeps_serving(
+    settings, monkeypatch
+) -> None:
     host = ExpertHost.load(settings())
     broken = FFNWeights(
         gate=torch.zeros(8, 3), up=torch.zeros(8, 3), down=torch.zeros(3, 8)
@@ -92,6 +142,7 @@ async def test_batcher_fails_every_group_of_a_failing_batch_and_keeps_serving(se
     batcher = DynamicBatcher(
         {(0, 0): broken, (0, 1): host.weights[(0, 1)]}, max_queue_delay_us=50_000
     )
+    jobs = count_jobs(monkeypatch, batcher)
     rows = torch.randn(2, HIDDEN)
     results = await asyncio.wait_for(
         asyncio.gather(
@@ -105,6 +156,7 @@ async def test_batcher_fails_every_group_of_a_failing_batch_and_keeps_serving(se
     assert [type(r) for r in results[:2]] == [RuntimeError, RuntimeError]
     assert_close([results[2]], [expert_ffn(rows, host.weights[(0, 1)])])
     assert (batcher.stats.groups, batcher.stats.batches) == (3, 1)
+    assert len(jobs) == 1  # the failing batch shared its job with the one that succeeded
     assert_close(
         [await batcher.submit(0, 1, rows)], [results[2]]
     )  # the queue still works after a failure
