@@ -85,7 +85,7 @@ class TransferPoint(_Strict):
 class Transport(_Strict):
     """Tc(bytes), one way; or why it was not measured. Format 2 adds the CPU seconds a Forward
     call costs each end against its bytes and experts: the service beyond the FFN it runs
-    (receive, decode, batcher, hand-off to the compute thread per expert, encode, send), and the
+    (receive, decode, batcher, one hand-off to the compute thread, encode, send), and the
     caller (encode, send, receive, decode)."""
 
     fit: Fit | None = None

@@ -7,7 +7,7 @@ call to one replica). A call of micro-batch i to group g carries x_gi = s_g·b_i
 token each way for k_gi experts (expected: Σ_e 1 − (1 − top_k·p_e)^b_i over g's experts, p_e
 an expert's share of the layer's slots) and costs, besides its FFN, CPU at both ends measured per
 call by `moe-mesh profile`: Sc(x, k) in the service (receive, decode, batcher, one batch and
-hand-off to the compute thread per expert, encode, send) and Rc(x, k) in the router (encode,
+one hand-off to the compute thread, encode, send) and Rc(x, k) in the router (encode,
 send, receive, decode), each linear in x plus a cost per expert beyond the first. Then
 
     round_i  = Ta(b_i) + max( max_g s_g·Te(b_i) + 2·max_g Tc(x_gi),
