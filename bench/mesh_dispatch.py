@@ -226,7 +226,12 @@ def main() -> int:
     parser.add_argument("--decode-repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/mesh_dispatch.json")
-    args = parser.parse_args()
+    return run(main_async, parser.parse_args())
+
+
+def run(main_async, args: argparse.Namespace) -> int:
+    """The `small` checkpoint made if missing, `main_async(args)` run, its result written to
+    args.out with the set-up it ran on (shared by the benches of expert services)."""
     if not (args.checkpoint / "config.json").exists():
         create_checkpoint(args.checkpoint, "mixtral", "small", seed=0, progress=True)
     result = asyncio.run(main_async(args))

@@ -13,8 +13,6 @@ per m are printed with each run.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -24,12 +22,10 @@ from pathlib import Path
 from moe_mesh.common import runtime
 
 runtime.configure()  # before torch loads OpenMP
-import torch  # noqa: E402
 
-from bench.mesh_dispatch import DEFAULT_CHECKPOINT, ROOT, decode_rate, transports  # noqa: E402
+from bench.mesh_dispatch import DEFAULT_CHECKPOINT, ROOT, decode_rate, run, transports  # noqa: E402
 from moe_mesh.common.checkpoint import Checkpoint  # noqa: E402
 from moe_mesh.common.fastpath.ucx import load_ucxx  # noqa: E402
-from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
 from moe_mesh.router_service.build import build_local_engine, build_router  # noqa: E402
 from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
 from tests.support.processes import start_experts  # noqa: E402
@@ -125,21 +121,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="median of this many rounds")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/pipelining.json")
-    args = parser.parse_args()
-    if not (args.checkpoint / "config.json").exists():
-        create_checkpoint(args.checkpoint, "mixtral", "small", seed=0, progress=True)
-    result = asyncio.run(main_async(args))
-    result.update(
-        checkpoint=str(args.checkpoint),
-        services=args.services,
-        expert_threads=args.expert_threads,
-        torch=torch.__version__,
-        threads=torch.get_num_threads(),
-    )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
-    return 0
+    return run(main_async, parser.parse_args())
 
 
 if __name__ == "__main__":

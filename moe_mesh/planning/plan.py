@@ -21,7 +21,7 @@ import yaml
 from moe_mesh.benchmark.workload import DEFAULT_SCALE, MEDIAN_INPUT_TOKENS, MEDIAN_OUTPUT_TOKENS
 from moe_mesh.common.placement import Pair, format_experts
 from moe_mesh.common.units import parse_size
-from moe_mesh.planning.deploy.plan import Plan, PlanError, load_plan
+from moe_mesh.planning.deploy.plan import Plan, PlanError, load_plan, write_output
 from moe_mesh.planning.eplb import PlanOptions, Proposal, propose
 
 PROG = "moe-mesh plan"
@@ -366,15 +366,13 @@ def run_plan(args: argparse.Namespace) -> int:
         plan.model_dump(mode="json", exclude_defaults=True), sort_keys=False
     )
     print(summary(record, proposal, budget_bytes), file=sys.stderr)
-    if args.out is None:
-        sys.stdout.write(text)
-        return 0
     try:
-        args.out.write_text(text)
-    except OSError as e:
-        print(f"{PROG}: error: --out {args.out}: {e.strerror}", file=sys.stderr)
+        write_output(text, args.out)
+    except PlanError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}", file=sys.stderr)
+    if args.out is not None:
+        print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from moe_mesh.planning.deploy.plan import PlanError
+from moe_mesh.planning.deploy.plan import PlanError, write_output
 from moe_mesh.planning.profile_format import Fit, Measured, Point, ProfileFile, TransferPoint
 
 PROG = "moe-mesh profile"
@@ -526,13 +526,11 @@ def run_profile(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     text = json.dumps(result.model_dump(mode="json"), indent=1) + "\n"
-    if args.out is None:
-        sys.stdout.write(text)
-        return 0
     try:
-        args.out.write_text(text)
-    except OSError as e:
-        print(f"{PROG}: error: --out {args.out}: {e.strerror}", file=sys.stderr)
+        write_output(text, args.out)
+    except PlanError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    _say(f"wrote {args.out}")
+    if args.out is not None:
+        _say(f"wrote {args.out}")
     return 0

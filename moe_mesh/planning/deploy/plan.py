@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -318,3 +319,14 @@ def invalid(path: Path, e: ValidationError) -> PlanError:
         f"{_loc(err['loc'])}: {err['msg'].removeprefix('Value error, ')}" for err in e.errors()
     ]
     return PlanError(f"{path}: " + "\n  ".join(lines))
+
+
+def write_output(text: str, out: Path | None) -> None:
+    """A planning command's result: to `out`, or to stdout without one; PlanError names `--out`."""
+    if out is None:
+        sys.stdout.write(text)
+        return
+    try:
+        out.write_text(text)
+    except OSError as e:
+        raise PlanError(f"--out {out}: {e.strerror}") from None
