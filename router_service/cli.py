@@ -10,7 +10,11 @@ from pathlib import Path
 from moe_mesh.common.cli import add_settings_arguments, settings_from_args
 from moe_mesh.common.errors import MoeMeshError
 
-FLAGS = {"expert_endpoints": "--expert"}  # repeatable: one expert service each
+FLAGS = {
+    "expert_endpoints": "--expert",  # repeatable: one expert service each
+    "enable_chunked_prefill": "--chunked-prefill",  # and --no-chunked-prefill
+    "enable_prefix_caching": "--prefix-caching",  # and --no-prefix-caching
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

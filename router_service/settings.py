@@ -35,10 +35,30 @@ class RouterSettings(TelemetrySettings):
         "default min(max_position_embeddings, 4096)",
     )
     max_prefill_tokens: int = Field(
-        2048,
+        512,
         ge=1,
-        description="prompt tokens admitted into one step at most "
-        "(a longer single prompt still runs alone)",
+        description="prompt tokens one step computes at most: with chunked prefill a longer "
+        "prompt is split over several steps; without, it still runs alone in one step",
+    )
+    enable_chunked_prefill: bool = Field(
+        True,
+        description="split long prompts into chunks of max_prefill_tokens so decoding "
+        "sequences keep stepping meanwhile (--no-chunked-prefill: a prompt runs whole in one step)",
+    )
+    # KV cache
+    kv_cache_bytes: str = Field(
+        "auto",
+        description="bytes of KV cache, allocated at start-up: '4GiB', '2GB', '1073741824', a "
+        "share of the memory available at start-up like '30%', or 'auto': 30% of it, at most "
+        "what max_num_seqs sequences of max_model_len need, at least one such sequence",
+    )
+    kv_block_size: int = Field(
+        16, ge=1, le=1024, description="tokens per KV-cache block (the unit of allocation)"
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="share the KV blocks of identical prompt prefixes between sequences "
+        "(--no-prefix-caching: every prompt computed in full)",
     )
     micro_batches: Literal["auto", "1", "2", "3", "4", "5", "6", "7", "8"] = Field(
         "auto",

@@ -1,6 +1,6 @@
 """Timing the compute sides of a MoE layer with the serving code itself (for `moe-mesh profile`).
 
-The router side (Ta) runs the router's own layers (RMSNorm, attention over the slot KV cache, the
+The router side (Ta) runs the router's own layers (RMSNorm, attention over the paged KV cache, the
 post-attention norm, gating, grouping, combine, a shared expert if the family has one) for a decode
 micro-batch; the expert side (Te) runs common.moe.expert_ffn over the groups the real gate makes.
 Both report wall seconds (median) and process CPU seconds per run: the planner needs the CPU time
@@ -32,6 +32,9 @@ from moe_mesh.common.moe import (
 from moe_mesh.common.weights import DenseWeights, FFNWeights, LayerWeights
 from moe_mesh.router_service.engine.kv_cache import KVCache
 from moe_mesh.router_service.engine.layers import AttentionBatch, Rope, attention, rms_norm
+from moe_mesh.router_service.engine.model import pack_step
+
+BLOCK_SIZE = 16  # the router's default kv_block_size
 
 
 @dataclass(frozen=True)
@@ -94,18 +97,12 @@ class LayerBench:
 
     def _decode(self, b: int, context: int) -> tuple[AttentionBatch, KVCache, Rope]:
         s = self.spec
-        cache = KVCache(1, s.num_kv_heads, s.head_dim, self.dtype, slots=b, capacity=context)
-        for t in (*cache.k, *cache.v):
+        per_seq = -(-context // BLOCK_SIZE)
+        cache = KVCache(1, s.num_kv_heads, s.head_dim, self.dtype, b * per_seq, BLOCK_SIZE)
+        for t in (cache.k, cache.v):
             t.normal_(generator=self._gen)
-        slots = torch.arange(b)
-        batch = AttentionBatch(
-            positions=torch.full((b,), context - 1),
-            slots=slots,
-            prefills=[],
-            decode_slots=slots,
-            decode_lengths=torch.full((b,), context),
-            num_prefill_tokens=0,
-        )
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
+        batch = pack_step([], [(t, 0, context) for t in tables], BLOCK_SIZE).attention
         return batch, cache, Rope(s, context, self.dtype)
 
     def router_layer(self, b: int, context: int, repeats: int) -> Timing:

@@ -1,10 +1,10 @@
 """Continuous batching: requests join and leave the running batch at token boundaries.
 
-Every step packs the prompts of newly admitted sequences and one token of every running
-sequence into forward passes: one, or one per micro-batch (pipeline.py) so that their expert
-calls overlap with each other's compute. Running sequence i lives in KV-cache slot i; when one
-finishes, the last sequence moves into its slot, which keeps decode attention over a contiguous
-slice of the cache.
+Every step packs one token of every decoding sequence and the prompt chunks the scheduler
+picked (scheduler.py: admission by free KV blocks, chunked prefill, preemption) into forward
+passes: one, or one per micro-batch (pipeline.py) so that their expert calls overlap with each
+other's compute. Each sequence reads and writes the KV cache through its own block table; a
+micro-batch writes only its own sequences' unshared blocks.
 
 No request can stop the engine: a failure while sampling fails only that sequence, an expert
 failure fails its micro-batch's sequences, any other failure in a step fails the step's
@@ -14,13 +14,12 @@ sequences, and the engine keeps serving the rest.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -31,10 +30,13 @@ from moe_mesh.common.errors import (
     InvalidArgumentError,
     MoeMeshError,
 )
-from moe_mesh.common.limits import check_context_length
+from moe_mesh.common.limits import check_context_length, check_kv_capacity
+from moe_mesh.router_service.engine.blocks import BlockPool
+from moe_mesh.router_service.engine.kv_cache import KVCache, num_blocks
 from moe_mesh.router_service.engine.model import MoeModel, PassCosts, pack_step
 from moe_mesh.router_service.engine.pipeline import MicroBatchPlanner
 from moe_mesh.router_service.engine.sampling import SamplingParams, position_seed, sample
+from moe_mesh.router_service.engine.scheduler import Chunk, Scheduler, Sequence
 from moe_mesh.router_service.settings import RouterSettings
 
 log = logging.getLogger(__name__)
@@ -57,31 +59,33 @@ class StepOutput:
     error: MoeMeshError | None = None
 
 
-@dataclass(eq=False)
-class Sequence:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    priority: int
-    seed: int | None  # None: greedy
-    deadline: float | None = None  # time.monotonic()
-    output: list[int] = field(default_factory=list)
-    slot: int = -1
-    aborted: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-
 class Engine:
     """Schedules sequences onto the model step by step. Not thread-safe; drive it from one event loop."""
 
-    def __init__(self, model: MoeModel, settings: RouterSettings) -> None:
+    def __init__(
+        self, model: MoeModel, settings: RouterSettings, cache: KVCache | None = None
+    ) -> None:
+        """`cache`: the KV cache to use; default one of `settings.kv_cache_bytes` (an
+        InvalidArgumentError naming it when it cannot hold one sequence of max_model_len)."""
         self.model, self.settings = model, settings
-        self.cache = model.new_cache()
-        self.running: list[Sequence] = []  # running[i].slot == i
-        self._waiting: list[tuple[int, int, Sequence]] = []  # heap of (-priority, arrival, seq)
+        if cache is None:
+            bs = settings.kv_block_size
+            blocks = num_blocks(
+                settings.kv_cache_bytes,
+                model.block_bytes(bs),
+                bs,
+                model.max_model_len,
+                settings.max_num_seqs,
+            )
+            cache = model.new_cache(blocks, bs)
+        self.cache = cache
+        self.scheduler = Scheduler(
+            BlockPool(cache.num_blocks, settings.enable_prefix_caching),
+            cache.block_size,
+            settings.max_num_seqs,
+            settings.max_prefill_tokens,
+            settings.enable_chunked_prefill,
+        )
         self._by_id: dict[str, Sequence] = {}
         self._arrival = itertools.count()
         self._rng = random.Random()
@@ -92,6 +96,11 @@ class Engine:
         self._stepping = False
         self.eos_ids = frozenset(model.spec.eos_token_ids)
         self.planner = MicroBatchPlanner(settings.micro_batches)
+
+    @property
+    def running(self) -> list[Sequence]:
+        """Sequences holding KV blocks, in scheduling order."""
+        return self.scheduler.running
 
     # -- requests --------------------------------------------------------------------------
 
@@ -116,9 +125,10 @@ class Engine:
             priority,
             None if params.greedy else seed,
             deadline,
+            arrival=next(self._arrival),
         )
         self._by_id[request_id] = seq
-        heapq.heappush(self._waiting, (-priority, next(self._arrival), seq))
+        self.scheduler.add(seq)
 
     def _validate(self, request_id: str, prompt: list[int], p: SamplingParams) -> None:
         vocab, limit = self.model.spec.vocab_size, self.model.max_model_len
@@ -139,6 +149,7 @@ class Engine:
         if p.max_tokens < 1:
             raise InvalidArgumentError("max_tokens", f"must be >= 1, got {p.max_tokens}")
         check_context_length(len(prompt), p.max_tokens, limit)
+        check_kv_capacity(len(prompt), p.max_tokens, self.scheduler.capacity_tokens)
         if not (math.isfinite(p.temperature) and p.temperature >= 0):
             raise InvalidArgumentError(
                 "temperature", f"must be a finite number >= 0, got {p.temperature}"
@@ -153,7 +164,7 @@ class Engine:
         self.model.close()
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a request; its slot and KV cache are freed at the next token boundary."""
+        """Cancel a request; its batch place and KV blocks are freed at the next token boundary."""
         seq = self._by_id.get(request_id)
         if seq is None or seq.aborted:
             return False
@@ -168,7 +179,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for *_, s in self._waiting if not s.aborted)
+        return self.scheduler.num_waiting
 
     # -- stepping --------------------------------------------------------------------------
 
@@ -193,12 +204,12 @@ class Engine:
         return outputs
 
     async def _step(self, outputs: list[StepOutput]) -> None:
-        decodes = list(self.running)
-        prefills = self._admit()
-        if not decodes and not prefills:
+        chunks = self.scheduler.schedule()
+        if not chunks:
             return
-        self.cache.reserve(len(self.running), max(s.num_tokens for s in self.running))
-        m = self.planner.choose(len(prefills) + len(decodes), self.model.dispatcher.remote)
+        prefills = [c for c in chunks if not c.decode]
+        decodes = [c for c in chunks if c.decode]
+        m = self.planner.choose(len(chunks), self.model.dispatcher.remote)
         parts = _partition(prefills, decodes, m)
         self.planner.ran(len(parts))
         self._stepping = True
@@ -221,12 +232,14 @@ class Engine:
                 if not isinstance(result, MoeMeshError):
                     log.error("micro-batch failed", exc_info=result)
                     result = InternalError(f"engine step failed: {result!r}")
-                failed.append((p + d, result))
+                failed.append(([c.seq for c in p + d], result))
                 continue
             if isinstance(result, BaseException):  # cancelled: the serving loop is stopping
                 raise result
-            for seq, row in zip(p + d, result):
-                if seq.aborted:
+            self.scheduler.computed(p + d)
+            for chunk, row in zip(p + d, result):
+                seq = chunk.seq
+                if seq.aborted or not chunk.last:  # a prompt chunk before the last: no token yet
                     continue
                 out = self._next_token(seq, row)
                 outputs.append(out)
@@ -239,13 +252,20 @@ class Engine:
         outputs += self._pending
         self._pending = []
 
-    async def _forward(self, prefills: list[Sequence], decodes: list[Sequence]) -> torch.Tensor:
-        """One micro-batch's logits [sequences, vocab], prefills first."""
+    async def _forward(self, prefills: list[Chunk], decodes: list[Chunk]) -> torch.Tensor:
+        """One micro-batch's logits [chunks, vocab], prefills first."""
         batch = pack_step(
-            [(s.slot, s.prompt) for s in prefills],
-            [(s.slot, s.output[-1], s.num_tokens) for s in decodes],
+            [
+                (c.seq.blocks, c.start, c.seq.token_ids(c.start, c.start + c.length))
+                for c in prefills
+            ],
+            [
+                (c.seq.blocks, c.seq.token_ids(c.start, c.start + 1)[0], c.start + 1)
+                for c in decodes
+            ],
+            self.cache.block_size,
         )
-        deadlines = [s.deadline for s in prefills + decodes]
+        deadlines = [c.seq.deadline for c in prefills + decodes]
         # Expert calls serve every sequence of the micro-batch: they may run until the latest deadline.
         batch.deadline = None if None in deadlines else max(deadlines)  # type: ignore[type-var]
         costs = PassCosts()
@@ -282,38 +302,14 @@ class Engine:
         The last resort when the serving loop died mid-step and the batch state cannot be trusted.
         """
         seqs = list(self._by_id.values())
-        self.running, self._waiting, self._by_id, self._cancelled, self._pending = (
-            [],
-            [],
-            {},
-            [],
-            [],
-        )
+        self.scheduler.clear()
+        self._by_id, self._cancelled, self._pending = {}, [], []
         self._stepping = False
-        for seq in seqs:
-            seq.slot = -1
         return [
             StepOutput(s.request_id, [], FinishReason.ERROR, len(s.prompt), len(s.output), error)
             for s in seqs
             if not s.aborted
         ]
-
-    def _admit(self) -> list[Sequence]:
-        admitted: list[Sequence] = []
-        budget = self.settings.max_prefill_tokens
-        while self._waiting and len(self.running) < self.settings.max_num_seqs:
-            seq = self._waiting[0][2]
-            if seq.aborted:
-                heapq.heappop(self._waiting)
-                continue
-            if admitted and len(seq.prompt) > budget:
-                break
-            heapq.heappop(self._waiting)
-            budget -= len(seq.prompt)
-            seq.slot = len(self.running)
-            self.running.append(seq)
-            admitted.append(seq)
-        return admitted
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
@@ -324,15 +320,9 @@ class Engine:
         return None
 
     def _release(self, finished: list[Sequence]) -> None:
-        """Free slots, moving the last running sequence into each hole (highest slot first)."""
-        for seq in sorted(finished, key=lambda s: s.slot, reverse=True):
-            last = self.running.pop()
-            if last is not seq:
-                # last's newest token is not in the cache yet: num_tokens - 1 cached entries.
-                self.cache.move(last.slot, seq.slot, last.num_tokens - 1)
-                last.slot = seq.slot
-                self.running[seq.slot] = last
-            seq.slot = -1
+        """Free the KV blocks of sequences that ended and forget them."""
+        self.scheduler.finish(finished)
+        for seq in finished:
             self._by_id.pop(seq.request_id, None)
 
     def _fail(self, seqs: list[Sequence], error: MoeMeshError) -> list[StepOutput]:
@@ -349,7 +339,7 @@ class Engine:
 
     def _reap_cancelled(self) -> None:
         cancelled, self._cancelled = self._cancelled, []
-        self._release([s for s in cancelled if s.slot >= 0])
+        self._release(cancelled)
         for seq in cancelled:
             self._by_id.pop(seq.request_id, None)
             self._pending.append(
@@ -360,16 +350,16 @@ class Engine:
 
 
 def _partition(
-    prefills: list[Sequence], decodes: list[Sequence], m: int
-) -> list[tuple[list[Sequence], list[Sequence]]]:
+    prefills: list[Chunk], decodes: list[Chunk], m: int
+) -> list[tuple[list[Chunk], list[Chunk]]]:
     """Split a step into at most m micro-batches of about equal tokens, in order (prefills, then
-    decodes, whose slots stay contiguous within each micro-batch). Each micro-batch writes only
-    its own sequences' KV-cache slots."""
-    seqs = prefills + decodes
-    weights = [len(s.prompt) for s in prefills] + [1] * len(decodes)
+    decodes). A sequence is in one micro-batch and writes only its own unshared blocks, so
+    micro-batches never write the same blocks."""
+    chunks = prefills + decodes
+    weights = [c.length for c in chunks]
     total, parts, current, acc = sum(weights), [], [], 0
-    for seq, w in zip(seqs, weights):
-        current.append(seq)
+    for chunk, w in zip(chunks, weights):
+        current.append(chunk)
         acc += w
         if len(parts) < m - 1 and acc * m >= total * (len(parts) + 1):
             parts.append(current)
@@ -380,6 +370,6 @@ def _partition(
     out, start = [], 0
     for part in parts:
         end = start + len(part)
-        out.append((seqs[start : min(end, n)], seqs[max(start, n) : end]))
+        out.append((chunks[start : min(end, n)], chunks[max(start, n) : end]))
         start = end
     return out

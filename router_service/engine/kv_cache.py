@@ -1,12 +1,32 @@
-"""A slot-based KV cache: one slot per running sequence, grown geometrically on demand."""
+"""The paged KV cache: every layer's keys and values in fixed blocks, allocated once.
+
+Which sequence owns which block is blocks.py's business (the block tables); this module holds the
+tensors, writes a step's keys and values by slot (block * block_size + offset), gathers a
+sequence's blocks back into one contiguous context for attention, and sizes the pool from the
+`kv_cache_bytes` setting.
+"""
 
 from __future__ import annotations
 
+import math
+import os
+
 import torch
+
+from moe_mesh.common.errors import InvalidArgumentError
+from moe_mesh.common.units import parse_size
+
+AUTO_SHARE = 0.3  # `auto`: this share of the memory available at start-up, at most what is useful
 
 
 class KVCache:
-    """k[layer], v[layer]: [slots, kv_heads, capacity, head_dim]. Slot i belongs to one sequence."""
+    """k, v: [layers, num_blocks, block_size, kv_heads, head_dim], zero-filled up front.
+
+    Token-major blocks: a step's writes are one index_copy_ per layer over [slots, kv_heads, hd],
+    and a gathered context is a view [seqs, kv_heads, tokens, hd] of the gathered blocks. The
+    whole budget is touched at start-up, so the memory is the process's from then on: running out
+    of blocks later means waiting or preemption, never an allocation failure.
+    """
 
     def __init__(
         self,
@@ -14,8 +34,8 @@ class KVCache:
         kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
-        slots: int = 4,
-        capacity: int = 128,
+        num_blocks: int,
+        block_size: int = 16,
     ) -> None:
         self.num_layers, self.kv_heads, self.head_dim, self.dtype = (
             num_layers,
@@ -23,53 +43,83 @@ class KVCache:
             head_dim,
             dtype,
         )
-        self.k = [self._alloc(slots, capacity) for _ in range(num_layers)]
-        self.v = [self._alloc(slots, capacity) for _ in range(num_layers)]
-
-    def _alloc(self, slots: int, capacity: int) -> torch.Tensor:
-        return torch.zeros(slots, self.kv_heads, capacity, self.head_dim, dtype=self.dtype)
-
-    @property
-    def slots(self) -> int:
-        return self.k[0].shape[0]
-
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[2]
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.num_layers * self.k[0].numel() * self.k[0].element_size()
+        return self.k.nbytes + self.v.nbytes
 
-    def reserve(self, slots: int, length: int) -> None:
-        """Make room for `slots` sequences of up to `length` tokens (doubling to amortise copies)."""
-        if slots <= self.slots and length <= self.capacity:
-            return
-        new_slots, new_cap = self.slots, self.capacity
-        while new_slots < slots:
-            new_slots *= 2
-        while new_cap < length:
-            new_cap *= 2
-        for cache in (self.k, self.v):
-            for i, old in enumerate(cache):
-                grown = self._alloc(new_slots, new_cap)
-                grown[: old.shape[0], :, : old.shape[2]] = old
-                cache[i] = grown
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store keys/values [tokens, kv_heads, head_dim] at their slots [tokens]."""
+        rows = self.num_blocks * self.block_size
+        self.k[layer].view(rows, self.kv_heads, self.head_dim).index_copy_(0, slots, k)
+        self.v[layer].view(rows, self.kv_heads, self.head_dim).index_copy_(0, slots, v)
 
-    def write(
-        self,
-        layer: int,
-        slots: torch.Tensor,
-        positions: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> None:
-        """Store keys/values [tokens, kv_heads, head_dim] at (slot, position) per token."""
-        self.k[layer][slots, :, positions] = k
-        self.v[layer][slots, :, positions] = v
+    def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of sequences' blocks, tables [seqs, blocks] -> [seqs, kv_heads, blocks * block_size, hd]."""
+        s, n = tables.shape
+        flat = tables.reshape(-1)
+        shape = (s, n * self.block_size, self.kv_heads, self.head_dim)
+        ks = self.k[layer].index_select(0, flat).view(shape).transpose(1, 2)
+        vs = self.v[layer].index_select(0, flat).view(shape).transpose(1, 2)
+        return ks, vs
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy a sequence's first `length` cached tokens from slot src to slot dst."""
-        for cache in (self.k, self.v):
-            for t in cache:
-                t[dst, :, :length] = t[src, :, :length]
+
+def block_bytes(
+    num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int
+) -> int:
+    """Bytes of one block: keys and values of block_size tokens in every layer."""
+    return 2 * num_layers * block_size * kv_heads * head_dim * dtype.itemsize
+
+
+def available_memory() -> int:
+    """Bytes the OS could give this process now without swapping (Linux MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def num_blocks(
+    setting: str,
+    block: int,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    available: int | None = None,
+) -> int:
+    """How many blocks of `block` bytes the `kv_cache_bytes` setting buys.
+
+    'auto': AUTO_SHARE of the available memory, at most what max_num_seqs sequences of
+    max_model_len tokens can use (more would only hold prefix cache), at least one such sequence.
+    A size ('4GiB') or a share of the available memory ('30%') is taken as given, and must hold
+    one sequence of max_model_len tokens: InvalidArgumentError naming kv_cache_bytes otherwise.
+    """
+    per_seq = math.ceil(max_model_len / block_size)
+    if setting.strip().lower() == "auto":
+        share = int(AUTO_SHARE * (available_memory() if available is None else available))
+        return max(per_seq, min(share // block, per_seq * max_num_seqs))
+    whole = None
+    if setting.strip().endswith("%"):
+        whole = available_memory() if available is None else available
+    try:
+        budget = parse_size(setting, whole)
+    except ValueError as e:
+        raise InvalidArgumentError("kv_cache_bytes", str(e)) from None
+    blocks = budget // block
+    if blocks < per_seq:
+        raise InvalidArgumentError(
+            "kv_cache_bytes",
+            f"{setting!r} ({budget} bytes) holds {blocks * block_size} tokens ({blocks} blocks "
+            f"of {block_size} tokens, {block} bytes each), fewer than one sequence of "
+            f"max_model_len={max_model_len} tokens needs ({per_seq * block} bytes); "
+            "raise kv_cache_bytes or lower max_model_len",
+        )
+    return blocks

@@ -1,4 +1,4 @@
-"""Dense layers shared by every family: RMSNorm, RoPE, attention over the slot KV cache."""
+"""Dense layers shared by every family: RMSNorm, RoPE, attention over the paged KV cache."""
 
 from __future__ import annotations
 
@@ -44,20 +44,26 @@ class Rope:
 class Prefill:
     """A run of consecutive new tokens of one sequence (a whole prompt, or a chunk of it)."""
 
-    slot: int
     start: int  # tokens of this sequence already in the cache
     length: int
+    blocks: (
+        torch.Tensor
+    )  # [blocks] int64: its block table up to the run's end (read when start > 0)
+    mask: torch.Tensor | None  # [length, start + length] bool when start > 0: causal past the cache
 
 
 @dataclass
 class AttentionBatch:
-    """Token layout of one step: prefill runs first (in list order), then one decode token per sequence."""
+    """Token layout of one step: prefill runs first (in list order), then one decode token per sequence.
+
+    Built once per step (model.pack_step): the same indices serve every layer.
+    """
 
     positions: torch.Tensor  # [tokens] int64
-    slots: torch.Tensor  # [tokens] int64: cache slot of each token
+    slots: torch.Tensor  # [tokens] int64: cache slot of each token, block * block_size + offset
     prefills: list[Prefill]
-    decode_slots: torch.Tensor  # [decodes] int64
-    decode_lengths: torch.Tensor  # [decodes] int64: context length including the new token
+    decode_tables: torch.Tensor  # [decodes, blocks] int64: block tables, padded with block 0
+    decode_mask: torch.Tensor  # [decodes, 1, 1, blocks * block_size] bool: the context to attend
     num_prefill_tokens: int
 
 
@@ -83,23 +89,25 @@ def attention(
     if spec.qk_norm == "per_head":
         q, k = rms_norm(q, w.q_norm, spec.rms_norm_eps), rms_norm(k, w.k_norm, spec.rms_norm_eps)
     q, k = rope.apply(q, batch.positions), rope.apply(k, batch.positions)
-    cache.write(layer, batch.slots, batch.positions, k, v)
+    cache.write(layer, batch.slots, k, v)
 
     out = torch.empty_like(q)  # [tokens, heads, hd]
     row = 0
     for p in batch.prefills:
-        total = p.start + p.length
         qs = q[row : row + p.length].transpose(0, 1)[None]  # [1, heads, len, hd]
-        ks, vs = cache.k[layer][p.slot, :, :total][None], cache.v[layer][p.slot, :, :total][None]
-        mask = None
-        if p.start:  # a later chunk also sees everything cached before it
-            mask = torch.ones(p.length, total, dtype=torch.bool).tril(diagonal=p.start)
+        if p.start:  # a later chunk, or past a prefix-cache hit: it also sees the cached tokens
+            ks, vs = cache.gather(layer, p.blocks[None])  # [1, kv_heads, blocks * bs, hd]
+            total = p.start + p.length
+            ks, vs = ks[:, :, :total], vs[:, :, :total]
+        else:  # the whole context is this run: its keys and values are at hand
+            ks = k[row : row + p.length].transpose(0, 1)[None]  # [1, kv_heads, len, hd]
+            vs = v[row : row + p.length].transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+            qs, ks, vs, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True
         )
         out[row : row + p.length] = o[0].transpose(0, 1)
         row += p.length
-    if batch.decode_slots.numel():
+    if batch.decode_tables.numel():
         out[row:] = _decode_attention(q[row:], batch, cache, layer)
     return F.linear(out.reshape(n, -1), w.o, w.o_bias)
 
@@ -108,18 +116,8 @@ def _decode_attention(
     q: torch.Tensor, batch: AttentionBatch, cache: KVCache, layer: int
 ) -> torch.Tensor:
     """One new token per sequence, batched over sequences with a length mask. q: [decodes, heads, hd]."""
-    slots, lengths = batch.decode_slots, batch.decode_lengths
-    longest = int(lengths.max())
-    d = slots.numel()
-    # The engine keeps decoding slots compact, and a micro-batch takes a run of them: a view, no copy.
-    first = int(slots[0])
-    if int(slots[-1]) - first == d - 1:
-        ks = cache.k[layer][first : first + d, :, :longest]
-        vs = cache.v[layer][first : first + d, :, :longest]
-    else:
-        ks, vs = cache.k[layer][slots, :, :longest], cache.v[layer][slots, :, :longest]
-    mask = (torch.arange(longest)[None, :] < lengths[:, None])[
-        :, None, None, :
-    ]  # [decodes, 1, 1, longest]
-    o = F.scaled_dot_product_attention(q[:, :, None], ks, vs, attn_mask=mask, enable_gqa=True)
+    ks, vs = cache.gather(layer, batch.decode_tables)  # [decodes, kv_heads, blocks * bs, hd]
+    o = F.scaled_dot_product_attention(
+        q[:, :, None], ks, vs, attn_mask=batch.decode_mask, enable_gqa=True
+    )
     return o[:, :, 0]  # [decodes, heads, hd]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from moe_mesh.common.arch import ModelSpec
 from moe_mesh.common.moe import expert_ffn
 from moe_mesh.common.weights import DenseWeights
-from moe_mesh.router_service.engine.kv_cache import KVCache
+from moe_mesh.router_service.engine.kv_cache import KVCache, block_bytes
 from moe_mesh.router_service.engine.layers import AttentionBatch, Prefill, Rope, attention, rms_norm
 from moe_mesh.router_service.experts.dispatch import (
     CallTimes,
@@ -33,33 +33,48 @@ class StepBatch:
 
 
 def pack_step(
-    prefills: Sequence[tuple[int, Sequence[int]]], decodes: Sequence[tuple[int, int, int]]
+    prefills: Sequence[tuple[Sequence[int], int, Sequence[int]]],
+    decodes: Sequence[tuple[Sequence[int], int, int]],
+    block_size: int,
 ) -> StepBatch:
-    """Lay out one step: prefills are (slot, prompt ids); decodes are (slot, token, context length incl. it)."""
+    """Lay out one step over the paged cache. Prefills are (block table, tokens already cached,
+    new token ids); decodes are (block table, token, context length incl. it). A block table must
+    cover every token up to the end of its run."""
     tokens: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    runs: list[Prefill] = []
-    for slot, prompt in prefills:
-        tokens += prompt
-        positions += range(len(prompt))
-        slots += [slot] * len(prompt)
-        runs.append(Prefill(slot=slot, start=0, length=len(prompt)))
+    positions, slots, runs = [], [], []
+    for table, start, ids in prefills:
+        n, total = len(ids), start + len(ids)
+        tokens += ids
+        pos = torch.arange(start, total)
+        blocks = torch.tensor(table[: -(-total // block_size)], dtype=torch.int64)
+        positions.append(pos)
+        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        mask = torch.ones(n, total, dtype=torch.bool).tril(diagonal=start) if start else None
+        runs.append(Prefill(start=start, length=n, blocks=blocks, mask=mask))
     num_prefill = len(tokens)
-    for slot, token, length in decodes:
-        tokens.append(token)
-        positions.append(length - 1)
-        slots.append(slot)
+    tokens += [d[1] for d in decodes]
+    lengths = torch.tensor([d[2] for d in decodes], dtype=torch.int64)
+    width = -(-int(lengths.max()) // block_size) if decodes else 0
+    tables = torch.tensor(
+        [list(t[:width]) + [0] * (width - len(t[:width])) for t, _, _ in decodes],
+        dtype=torch.int64,
+    ).view(len(decodes), width)  # [decodes, blocks]
+    pos = lengths - 1
+    positions.append(pos)
+    slots.append(
+        tables.gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size
+    )
+    context = torch.arange(width * block_size)
+    attn = AttentionBatch(
+        positions=torch.cat(positions),
+        slots=torch.cat(slots),
+        prefills=runs,
+        decode_tables=tables,
+        decode_mask=(context[None, :] < lengths[:, None])[:, None, None, :],
+        num_prefill_tokens=num_prefill,
+    )
     rows = [end - 1 for end in itertools.accumulate(r.length for r in runs)] + list(
         range(num_prefill, len(tokens))
-    )
-    attn = AttentionBatch(
-        positions=torch.tensor(positions, dtype=torch.int64),
-        slots=torch.tensor(slots, dtype=torch.int64),
-        prefills=runs,
-        decode_slots=torch.tensor([d[0] for d in decodes], dtype=torch.int64),
-        decode_lengths=torch.tensor([d[2] for d in decodes], dtype=torch.int64),
-        num_prefill_tokens=num_prefill,
     )
     return StepBatch(
         token_ids=torch.tensor(tokens, dtype=torch.int64),
@@ -95,7 +110,7 @@ class _Pass:
 
 
 class MoeModel:
-    """Forward passes over packed steps (prefill runs + decode tokens) with a slot KV cache.
+    """Forward passes over packed steps (prefill runs + decode tokens) with a paged KV cache.
 
     Torch work runs through `compute` (the router's compute thread) in segments that end where a
     MoE layer needs remote experts: the event loop then carries the calls while other micro-batches
@@ -123,8 +138,15 @@ class MoeModel:
         if close is not None:
             close()
 
-    def new_cache(self) -> KVCache:
-        return KVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
+    def new_cache(self, num_blocks: int, block_size: int = 16) -> KVCache:
+        """A paged cache of `num_blocks` blocks of `block_size` tokens for this model."""
+        s = self.spec
+        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, num_blocks, block_size)
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of one KV-cache block of `block_size` tokens."""
+        s = self.spec
+        return block_bytes(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, block_size)
 
     async def forward(
         self,

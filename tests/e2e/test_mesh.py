@@ -41,10 +41,10 @@ async def test_all_remote_mesh_matches_monolithic_and_transformers(
             )[0, len(prompt) :].tolist()
             assert generated == ref
 
-        cache_ = engine.model.new_cache()
-        cache_.reserve(len(PROMPTS), 64)
+        cache_ = engine.model.new_cache(len(PROMPTS) * 4, 16)
+        tables = [[4 * i + b for b in range(4)] for i in range(len(PROMPTS))]
         logits = await engine.model.forward(
-            pack_step(list(enumerate(PROMPTS)), []), cache_, all_logits=True
+            pack_step([(t, 0, p) for t, p in zip(tables, PROMPTS)], [], 16), cache_, all_logits=True
         )
         row = 0
         for prompt in PROMPTS:

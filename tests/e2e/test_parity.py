@@ -20,6 +20,7 @@ from moe_mesh.router_service.settings import RouterSettings
 PROMPTS = [[7], [11, 3, 250, 9, 31], list(range(40, 53)), [(i * 37) % 400 + 5 for i in range(29)]]
 NEW_TOKENS = 32
 TOL = 1e-4
+BLOCK = 4  # KV-cache block size: small, so the prompts span several blocks
 
 # (arch, create kwargs): the presets, plus configurations beyond them.
 CASES = {
@@ -81,9 +82,11 @@ def case(request, checkpoint) -> Path:
 def test_logits_match_transformers_prefill_and_decode(case: Path) -> None:
     """Prompts of different lengths packed into one prefill, then decode steps with teacher forcing."""
     model = build_model(Checkpoint(case), RouterSettings())
-    cache_ = model.new_cache()
-    cache_.reserve(len(PROMPTS), max(map(len, PROMPTS)) + NEW_TOKENS)
-    batch = pack_step(list(enumerate(PROMPTS)), [])
+    per_seq = -(-(max(map(len, PROMPTS)) + NEW_TOKENS) // BLOCK)
+    cache_ = model.new_cache(len(PROMPTS) * per_seq, BLOCK)
+    # Each sequence's blocks interleaved with the others': tables need not be contiguous.
+    tables = [list(range(i, len(PROMPTS) * per_seq, len(PROMPTS))) for i in range(len(PROMPTS))]
+    batch = pack_step([(t, 0, p) for t, p in zip(tables, PROMPTS)], [], BLOCK)
     ours = asyncio.run(model.forward(batch, cache_, all_logits=True))  # [tokens, vocab]
     hf = _hf(case)
     row = 0
@@ -96,10 +99,10 @@ def test_logits_match_transformers_prefill_and_decode(case: Path) -> None:
     continuations = [_hf_greedy(case, tuple(p), 8) for p in PROMPTS]
     for step in range(8):
         decodes = [
-            (slot, cont[step], len(p) + step + 1)
-            for slot, (p, cont) in enumerate(zip(PROMPTS, continuations))
+            (table, cont[step], len(p) + step + 1)
+            for table, p, cont in zip(tables, PROMPTS, continuations)
         ]
-        logits = asyncio.run(model.forward(pack_step([], decodes), cache_))
+        logits = asyncio.run(model.forward(pack_step([], decodes, BLOCK), cache_))
         for slot, (p, cont) in enumerate(zip(PROMPTS, continuations)):
             with torch.no_grad():
                 ref = hf(torch.tensor([p + cont[: step + 1]])).logits[0, -1]

@@ -81,7 +81,7 @@ def test_stop_token_ids_and_eos_end_generation_with_stop(engine: Engine) -> None
     assert generate(engine, GREEDY) == (greedy, FinishReason.LENGTH)  # ignore_eos keeps going
 
 
-def test_abort_frees_the_slot_and_other_sequences_are_unaffected(engine: Engine) -> None:
+def test_abort_frees_the_blocks_and_other_sequences_are_unaffected(engine: Engine) -> None:
     alone = {p: generate(engine, GREEDY, [p, p + 1, p + 2])[0] for p in (20, 30, 40)}
     for p in (20, 30, 40):
         engine.add_request(str(p), [p, p + 1, p + 2], GREEDY)
@@ -91,7 +91,7 @@ def test_abort_frees_the_slot_and_other_sequences_are_unaffected(engine: Engine)
     async def drive() -> None:
         for step in range(GREEDY.max_tokens + 2):
             if step == 3:
-                assert engine.abort("20")  # slot 0: the last sequence moves into it
+                assert engine.abort("20")  # the first admitted: the others keep their blocks
                 assert len(engine.running) == 2
             for o in await engine.step():
                 seen[o.request_id] += o.new_token_ids
@@ -100,6 +100,7 @@ def test_abort_frees_the_slot_and_other_sequences_are_unaffected(engine: Engine)
 
     asyncio.run(drive())
     assert cancelled == ["20"] and not engine.has_unfinished() and engine.running == []
+    assert engine.scheduler.pool.num_used == 0
     assert seen["20"] == alone[20][:3]
     assert seen["30"] == alone[30] and seen["40"] == alone[40]
     assert not engine.abort("20")
@@ -261,23 +262,24 @@ def test_a_failure_while_sampling_fails_only_that_request(engine: Engine, monkey
     assert generate(engine, GREEDY, [20, 21, 22]) == alone
 
 
-def test_a_failure_outside_forward_and_sampling_fails_the_steps_requests_only(
+def test_a_failure_while_preparing_a_step_fails_the_steps_requests_only(
     engine: Engine,
 ) -> None:
     alone = generate(engine, GREEDY)
-    real, calls = engine.cache.reserve, 0
+    real, calls = engine.scheduler.schedule, 0
 
-    def broken(*args):
+    def broken():
         nonlocal calls
         calls += 1
         if calls == 3:
             raise RuntimeError("simulated bug")
-        return real(*args)
+        return real()
 
-    engine.cache.reserve = broken
+    engine.scheduler.schedule = broken
     engine.add_request("a", PROMPT, GREEDY)
     engine.add_request("b", [20, 21, 22], GREEDY)
     out = collect(engine)
     assert out["a"] == (alone[0][:2], FinishReason.ERROR) and out["b"][1] is FinishReason.ERROR
     assert not engine.has_unfinished() and engine.running == []
+    assert engine.scheduler.pool.num_used == 0  # their blocks went back
     assert generate(engine, GREEDY) == alone

@@ -1,16 +1,19 @@
-"""KVCache: per-token writes land at (slot, position), growth keeps what is cached, moves copy a prefix."""
+"""KVCache: writes land at (block, offset) of their layer only, gathers give a sequence's tokens in
+order whatever blocks hold them; the pool's size from kv_cache_bytes, and its start-up errors."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from moe_mesh.router_service.engine.kv_cache import KVCache
+from moe_mesh.common.errors import InvalidArgumentError
+from moe_mesh.router_service.engine.kv_cache import AUTO_SHARE, KVCache, block_bytes, num_blocks
 
-LAYERS, HEADS, DIM = 2, 3, 4
+LAYERS, HEADS, DIM, BS = 2, 3, 4, 4
 
 
-def cache(slots: int = 2, capacity: int = 4) -> KVCache:
-    return KVCache(LAYERS, HEADS, DIM, torch.float32, slots=slots, capacity=capacity)
+def cache(blocks: int = 6) -> KVCache:
+    return KVCache(LAYERS, HEADS, DIM, torch.float32, blocks, BS)
 
 
 def rows(n: int, start: float = 0.0) -> torch.Tensor:
@@ -18,47 +21,77 @@ def rows(n: int, start: float = 0.0) -> torch.Tensor:
     return torch.arange(n * HEADS * DIM, dtype=torch.float32).view(n, HEADS, DIM) + start
 
 
-def test_shapes_and_bytes() -> None:
-    c = cache(slots=2, capacity=4)
-    assert (c.slots, c.capacity) == (2, 4)
-    assert all(t.shape == (2, HEADS, 4, DIM) for t in c.k + c.v)
-    assert c.nbytes == 2 * LAYERS * 2 * HEADS * 4 * DIM * 4
+def test_shapes_and_bytes_are_fixed_up_front() -> None:
+    c = cache(blocks=6)
+    assert c.k.shape == c.v.shape == (LAYERS, 6, BS, HEADS, DIM)
+    assert c.nbytes == 6 * block_bytes(LAYERS, HEADS, DIM, torch.float32, BS)
+    assert c.k.count_nonzero() == 0  # zero-filled: padding read under a mask is finite
 
 
-def test_write_stores_each_token_at_its_slot_and_position_in_its_layer_only() -> None:
+def test_write_stores_each_token_at_its_block_and_offset_in_its_layer_only() -> None:
     c = cache()
     k, v = rows(3), rows(3, start=1000)
-    c.write(1, torch.tensor([0, 1, 1]), torch.tensor([2, 0, 3]), k, v)
-    assert torch.equal(c.k[1][0, :, 2], k[0]) and torch.equal(c.v[1][0, :, 2], v[0])
-    assert torch.equal(c.k[1][1, :, 0], k[1]) and torch.equal(c.k[1][1, :, 3], k[2])
-    assert torch.equal(c.v[1][1, :, 3], v[2])
+    c.write(1, torch.tensor([2 * BS + 1, 0, 5 * BS + 3]), k, v)
+    assert torch.equal(c.k[1, 2, 1], k[0]) and torch.equal(c.v[1, 2, 1], v[0])
+    assert torch.equal(c.k[1, 0, 0], k[1]) and torch.equal(c.v[1, 5, 3], v[2])
     assert c.k[0].count_nonzero() == 0 and c.v[0].count_nonzero() == 0  # other layer untouched
-    assert c.k[1][0, :, [0, 1, 3]].count_nonzero() == 0  # other positions untouched
+    assert c.k[1].count_nonzero() == 3 * HEADS * DIM - 1  # nothing else (k[1][0,0] has a 0 entry)
 
 
-def test_reserve_doubles_until_it_fits_and_keeps_what_is_cached() -> None:
-    c = cache(slots=2, capacity=4)
-    k = rows(2)
-    c.write(0, torch.tensor([1, 1]), torch.tensor([0, 3]), k, k + 1)
-    before = [t.clone() for t in c.k + c.v]
-    c.reserve(slots=2, length=4)  # already fits: no reallocation
-    assert all(a is b or torch.equal(a, b) for a, b in zip(c.k + c.v, before))
-    c.reserve(slots=5, length=9)
-    assert (c.slots, c.capacity) == (8, 16)  # powers of two times the old size, not exact fits
-    for grown, old in zip(c.k + c.v, before):
-        assert torch.equal(grown[:2, :, :4], old)
-        assert grown[2:].count_nonzero() == 0 and grown[:, :, 4:].count_nonzero() == 0
-    c.reserve(slots=3, length=17)  # one dimension at a time
-    assert (c.slots, c.capacity) == (8, 32)
-
-
-def test_move_copies_a_prefix_to_another_slot_in_every_layer() -> None:
-    c = cache(slots=3, capacity=4)
+def test_gather_returns_each_sequences_tokens_in_order_from_scattered_blocks() -> None:
+    c = cache()
+    tables = [[4, 1], [0, 5]]  # two sequences of 8 tokens, blocks out of order
     for layer in range(LAYERS):
-        c.write(layer, torch.tensor([2] * 4), torch.arange(4), rows(4, 10 * layer), rows(4, -5))
-    c.move(src=2, dst=0, length=3)
-    for layer in range(LAYERS):
-        assert torch.equal(c.k[layer][0, :, :3], c.k[layer][2, :, :3])
-        assert torch.equal(c.v[layer][0, :, :3], c.v[layer][2, :, :3])
-        assert c.k[layer][0, :, 3].count_nonzero() == 0  # only the first `length` tokens
-    assert c.k[0][1].count_nonzero() == 0  # the third slot is untouched
+        for i, table in enumerate(tables):
+            slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(2 * BS)])
+            c.write(layer, slots, rows(2 * BS, 100 * i + layer), rows(2 * BS, -100 * i))
+    ks, vs = c.gather(1, torch.tensor(tables))
+    assert ks.shape == vs.shape == (2, HEADS, 2 * BS, DIM)  # [seqs, kv_heads, tokens, hd]
+    for i in range(2):
+        assert torch.equal(ks[i], rows(2 * BS, 100 * i + 1).transpose(0, 1))
+        assert torch.equal(vs[i], rows(2 * BS, -100 * i).transpose(0, 1))
+
+
+BLOCK = 1000  # bytes
+
+
+@pytest.mark.parametrize(
+    ("setting", "blocks"),
+    [
+        ("64000", 64),
+        ("64KB", 64),
+        ("1MiB", 2**20 // BLOCK),
+        ("10%", 10_000 // BLOCK),  # of the 100 kB available below
+        ("auto", 30),  # 30% of the available memory: 30 blocks
+    ],
+)
+def test_num_blocks_from_the_setting(setting: str, blocks: int) -> None:
+    assert AUTO_SHARE == 0.3
+    assert (
+        num_blocks(setting, BLOCK, BS, max_model_len=40, max_num_seqs=8, available=100_000)
+        == blocks
+    )
+
+
+def test_auto_is_capped_by_what_the_batch_can_use_and_holds_at_least_one_sequence() -> None:
+    # 8 sequences of 40 tokens use 80 blocks at most, whatever the memory.
+    assert num_blocks("auto", BLOCK, BS, 40, 8, available=10**12) == 80
+    # Too little memory: still one sequence of max_model_len (10 blocks).
+    assert num_blocks("auto", BLOCK, BS, 40, 8, available=1000) == 10
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("9000", "holds 36 tokens .* fewer than one sequence of max_model_len=40"),
+        ("1%", "holds 4 tokens"),
+        ("lots", "not a size"),
+        ("150%", "at most 100%"),
+    ],
+)
+def test_a_budget_that_cannot_hold_one_sequence_is_a_start_up_error_naming_the_field(
+    setting: str, message: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=message) as info:
+        num_blocks(setting, BLOCK, BS, max_model_len=40, max_num_seqs=8, available=100_000)
+    assert info.value.field == "kv_cache_bytes"

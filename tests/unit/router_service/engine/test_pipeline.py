@@ -11,10 +11,11 @@ from moe_mesh.common.checkpoint import Checkpoint
 from moe_mesh.common.errors import InternalError
 from moe_mesh.common.perfmodel import split
 from moe_mesh.router_service.build import build_model
-from moe_mesh.router_service.engine.engine import Engine, Sequence, _partition
+from moe_mesh.router_service.engine.engine import Engine, _partition
 from moe_mesh.router_service.engine.model import PassCosts
 from moe_mesh.router_service.engine.pipeline import MEMORY, TRIAL_STEPS, MicroBatchPlanner
 from moe_mesh.router_service.engine.sampling import SamplingParams
+from moe_mesh.router_service.engine.scheduler import Chunk, Sequence
 from moe_mesh.router_service.experts.dispatch import CallTimes, ColocatedExperts
 from moe_mesh.router_service.experts.remote import ExpertOutputs
 from moe_mesh.router_service.settings import RouterSettings
@@ -23,8 +24,12 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 SLEEP_S = 0.05
 
 
-def seqs(*prompt_lengths: int) -> list[Sequence]:
-    return [Sequence(str(i), [1] * n, GREEDY, 0, None) for i, n in enumerate(prompt_lengths)]
+def seqs(*lengths: int) -> list[Chunk]:
+    """One chunk of `n` tokens per length (1: a decode)."""
+    return [
+        Chunk(Sequence(str(i), [1] * (n + 1), GREEDY, 0, None), int(n == 1), n)
+        for i, n in enumerate(lengths)
+    ]
 
 
 def test_partition_balances_tokens_and_keeps_order() -> None:
