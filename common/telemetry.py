@@ -69,6 +69,12 @@ GATEWAY_QUEUE_DEPTH = "moe.gateway.queue.depth"  # gateway, requests admitted an
 GATEWAY_QUEUE_WAIT = "moe.gateway.queue.wait"  # gateway, s
 ROUTER_BATCH_SIZE = "moe.router.batch.size"  # router, sequences per engine step
 ROUTER_QUEUE_DEPTH = "moe.router.queue.depth"  # router, sequences waiting for a batch slot
+ROUTER_KV_BLOCKS = (
+    "moe.router.kv.blocks"  # router, KV-cache blocks by moe.state (used, cached, free)
+)
+PREFIX_CACHE_QUERY_TOKENS = "moe.router.prefix_cache.query_tokens"  # router, tokens admitted
+PREFIX_CACHE_HIT_TOKENS = "moe.router.prefix_cache.hit_tokens"  # router, ... found cached
+PREEMPTIONS = "moe.router.preemptions"  # router, sequences preempted for KV blocks
 TOKENS_ROUTED = (
     "moe.router.tokens_routed"  # router, (token, expert) assignments by moe.layer, moe.expert
 )

@@ -24,10 +24,20 @@ from opentelemetry.metrics import Observation
 from opentelemetry.trace import Span, StatusCode
 
 from moe_mesh.common.errors import InternalError, MoeMeshError, UnavailableError
-from moe_mesh.common.telemetry import OFF, ROUTER_BATCH_SIZE, ROUTER_QUEUE_DEPTH, Telemetry
+from moe_mesh.common.telemetry import (
+    OFF,
+    PREEMPTIONS,
+    PREFIX_CACHE_HIT_TOKENS,
+    PREFIX_CACHE_QUERY_TOKENS,
+    ROUTER_BATCH_SIZE,
+    ROUTER_KV_BLOCKS,
+    ROUTER_QUEUE_DEPTH,
+    Telemetry,
+)
 from moe_mesh.router_service.engine.engine import Engine, FinishReason, StepOutput
 from moe_mesh.router_service.engine.pipeline import MicroBatchPlanner
 from moe_mesh.router_service.engine.sampling import SamplingParams
+from moe_mesh.router_service.engine.scheduler import Scheduler
 from moe_mesh.router_service.experts.tiering import Tierer
 
 log = logging.getLogger(__name__)
@@ -63,6 +73,7 @@ class RouterStatus:
     tiering: TieringStatus
     replicas: list[ReplicaStatus]  # one per backend of `placement`, in its key order
     pipeline: PipelineStatus
+    kv: KvStatus
 
 
 @dataclass
@@ -107,6 +118,32 @@ class PipelineStatus:
 
 
 @dataclass
+class KvStatus:
+    """The paged KV cache and its prefix cache (RouterStatus in router.proto documents each field)."""
+
+    block_size: int
+    blocks_total: int
+    blocks_used: int
+    blocks_cached: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    preemptions: int
+
+    @classmethod
+    def of(cls, scheduler: Scheduler) -> KvStatus:
+        pool = scheduler.pool
+        return cls(
+            scheduler.block_size,
+            pool.num_blocks,
+            pool.num_used,
+            pool.num_cached,
+            scheduler.prefix_query_tokens,
+            scheduler.prefix_hit_tokens,
+            scheduler.preemptions,
+        )
+
+
+@dataclass
 class TieringStatus:
     expert_bytes: int
     colocated_bytes: int
@@ -143,6 +180,7 @@ class RouterCore:
             [lambda _: [Observation(engine.num_waiting)]],
             description="sequences waiting for a batch slot",
         )
+        self._observe_kv(telemetry, engine.scheduler)
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._work = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -151,6 +189,42 @@ class RouterCore:
         self.max_loop_deaths, self.loop_death_window_s = max_loop_deaths, loop_death_window_s
         self.loop_deaths = 0
         self.down: str | None = None  # why the loop gave up, once it has
+
+    @staticmethod
+    def _observe_kv(telemetry: Telemetry, scheduler: Scheduler) -> None:
+        """KV blocks by state and the prefix cache's counts, read at each scrape."""
+        pool = scheduler.pool
+
+        def blocks(_):
+            used, cached = pool.num_used, pool.num_cached
+            free = pool.num_blocks - used - cached
+            return [
+                Observation(n, {"moe.state": state})
+                for state, n in (("used", used), ("cached", cached), ("free", free))
+            ]
+
+        telemetry.meter.create_observable_gauge(
+            ROUTER_KV_BLOCKS,
+            [blocks],
+            description="KV-cache blocks by moe.state: used (by sequences), cached (a prefix "
+            "nobody uses now, evicted on demand), free",
+        )
+        for name, read, description in (
+            (
+                PREFIX_CACHE_QUERY_TOKENS,
+                lambda: scheduler.prefix_query_tokens,
+                "tokens of admitted sequences (the prefix cache's lookups)",
+            ),
+            (
+                PREFIX_CACHE_HIT_TOKENS,
+                lambda: scheduler.prefix_hit_tokens,
+                "tokens of admitted sequences found in the prefix cache",
+            ),
+            (PREEMPTIONS, lambda: scheduler.preemptions, "sequences preempted for KV blocks"),
+        ):
+            telemetry.meter.create_observable_counter(
+                name, [lambda _, read=read: [Observation(read())]], description=description
+            )
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._supervise(), name="router-engine-loop")
@@ -208,6 +282,7 @@ class RouterCore:
             tiering,
             [ReplicaStatus.of(b) for b in backends.values()],
             PipelineStatus.of(self.engine.planner, self.engine.settings.micro_batches),
+            KvStatus.of(self.engine.scheduler),
         )
 
     async def generate(

@@ -109,4 +109,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             ta_ms=st.pipeline.ta_ms,
             te_ms=st.pipeline.te_ms,
             tc_ms=st.pipeline.tc_ms,
+            kv_block_size=st.kv.block_size,
+            kv_blocks_total=st.kv.blocks_total,
+            kv_blocks_used=st.kv.blocks_used,
+            kv_blocks_cached=st.kv.blocks_cached,
+            prefix_cache_query_tokens=st.kv.prefix_query_tokens,
+            prefix_cache_hit_tokens=st.kv.prefix_hit_tokens,
+            preemptions=st.kv.preemptions,
         )

@@ -131,6 +131,15 @@ async def router_status(address: str) -> dict:
             "te_ms": st.te_ms,
             "tc_ms": st.tc_ms,
         },
+        kv={
+            "block_size": st.kv_block_size,
+            "blocks_total": st.kv_blocks_total,
+            "blocks_used": st.kv_blocks_used,
+            "blocks_cached": st.kv_blocks_cached,
+            "prefix_query_tokens": st.prefix_cache_query_tokens,
+            "prefix_hit_tokens": st.prefix_cache_hit_tokens,
+            "preemptions": st.preemptions,
+        },
     )
     return row
 
@@ -182,6 +191,8 @@ def print_status(st: dict) -> None:
         print(f"router   {r['address']:<22} {r['health']:<12} {r.get('error', load)}")
         if r.get("micro_batches", {}).get("setting"):  # older routers do not say
             print(pipeline_line(r["micro_batches"]))
+        if r.get("kv", {}).get("blocks_total"):  # older routers do not say
+            print(kv_line(r["kv"]))
         for rep in r.get("replicas", []):
             print(replica_line(rep))
     for e in st["experts"]:
@@ -201,6 +212,24 @@ def pipeline_line(p: dict) -> str:
             f"  per layer: router {p['ta_ms']:.2f} ms, experts {p['te_ms']:.2f} ms, "
             f"transfer {p['tc_ms']:.2f} ms each way"
         )
+    return line
+
+
+def kv_line(kv: dict) -> str:
+    """The KV cache's blocks and the prefix cache's hit rate since start."""
+    total, used, cached = kv["blocks_total"], kv["blocks_used"], kv["blocks_cached"]
+    line = (
+        f"  kv cache {used}/{total} blocks used ({100 * used / total:.0f}%), {cached} cached, "
+        f"{total - used - cached} free, {kv['block_size']} tokens each"
+    )
+    queried = kv["prefix_query_tokens"]
+    if queried:
+        line += (
+            f"; prefix cache hits {100 * kv['prefix_hit_tokens'] / queried:.1f}% "
+            f"of {queried} tokens"
+        )
+    if kv["preemptions"]:
+        line += f"; {kv['preemptions']} preemptions"
     return line
 
 

@@ -1,4 +1,5 @@
-"""An in-process router service over real gRPC: sampling edge cases, duplicate ids, a dying engine loop."""
+"""An in-process router service over real gRPC: sampling edge cases, duplicate ids, a dying engine loop,
+the KV cache in its status."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from moe_mesh.ops.client import kv_line, router_status
 from moe_mesh.protos.moe_mesh.v1 import router_pb2_grpc
 from moe_mesh.router_service.app import SERVICE_NAME, RouterApp
 from moe_mesh.router_service.settings import RouterSettings
@@ -106,3 +108,26 @@ async def test_engine_loop_deaths_restart_it_then_report_not_serving(
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await generate(stub, request(0), timeout=10)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "stopped serving" in e.value.details()
+
+
+async def test_status_shows_the_kv_cache_and_prefix_cache_hits(local_router, checkpoint) -> None:
+    app, stub, _ = local_router
+    expected = monolithic(checkpoint("olmoe"))
+    # The 29-token prompt twice: the second time its first 28 tokens (1 block of 16) are cached.
+    for _ in range(2):
+        assert await generate(stub, request(3), timeout=10) == (expected[3], LENGTH)
+    row = await router_status(app.server.address)
+    kv = row["kv"]
+    pool = app.core.engine.scheduler.pool
+    assert kv == {
+        "block_size": 16,
+        "blocks_total": pool.num_blocks,
+        "blocks_used": 0,
+        "blocks_cached": 3,  # 29 + 32 tokens: three full blocks published, kept after the end
+        "prefix_query_tokens": 58,
+        "prefix_hit_tokens": 16,
+        "preemptions": 0,
+    }
+    line = kv_line(kv)
+    assert f"0/{pool.num_blocks} blocks used" in line and "3 cached" in line
+    assert "prefix cache hits 27.6% of 58 tokens" in line

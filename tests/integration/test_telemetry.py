@@ -185,3 +185,10 @@ async def test_prometheus_endpoints_count_a_known_workload(checkpoint, requests)
     assert total(gateway, "gen_ai_server_time_per_output_token_seconds_count") == requests
     assert total(gateway, "moe_errors_total", rpc_grpc_status_code="INVALID_ARGUMENT") == 1
     assert total(gateway, "moe_gateway_queue_depth") == 0
+
+    # Blocks by state add up to the pool; the same short prompt never fills a block to share.
+    assert total(router, "moe_router_kv_blocks", moe_state="used") == 0
+    assert total(router, "moe_router_kv_blocks", moe_state="free") > 0
+    assert total(router, "moe_router_prefix_cache_query_tokens_total") == requests * len(PROMPT)
+    assert total(router, "moe_router_prefix_cache_hit_tokens_total") == 0
+    assert total(router, "moe_router_preemptions_total") == 0

@@ -64,7 +64,7 @@ class ExpertPlacement(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., experts: _Optional[str] = ..., region: _Optional[str] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "running", "waiting", "steps", "num_layers", "num_experts", "tokens_routed", "failovers", "placement", "registry_stale", "utilization", "utilization_window_s", "region", "expert_bytes", "colocated_bytes", "colocate_budget_bytes", "promotions", "demotions", "pinned_hot", "pinned_remote", "moe_layers", "remote_calls", "tokens_colocated", "hedges", "ejections", "replicas", "micro_batches_setting", "micro_batches", "ta_ms", "te_ms", "tc_ms")
+    __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "running", "waiting", "steps", "num_layers", "num_experts", "tokens_routed", "failovers", "placement", "registry_stale", "utilization", "utilization_window_s", "region", "expert_bytes", "colocated_bytes", "colocate_budget_bytes", "promotions", "demotions", "pinned_hot", "pinned_remote", "moe_layers", "remote_calls", "tokens_colocated", "hedges", "ejections", "replicas", "micro_batches_setting", "micro_batches", "ta_ms", "te_ms", "tc_ms", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "preemptions")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,13 @@ class RouterStatus(_message.Message):
     TA_MS_FIELD_NUMBER: _ClassVar[int]
     TE_MS_FIELD_NUMBER: _ClassVar[int]
     TC_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -133,7 +140,14 @@ class RouterStatus(_message.Message):
     ta_ms: float
     te_ms: float
     tc_ms: float
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., tokens_routed: _Optional[_Iterable[int]] = ..., failovers: _Optional[int] = ..., placement: _Optional[_Iterable[_Union[ExpertPlacement, _Mapping]]] = ..., registry_stale: _Optional[bool] = ..., utilization: _Optional[_Iterable[float]] = ..., utilization_window_s: _Optional[float] = ..., region: _Optional[str] = ..., expert_bytes: _Optional[int] = ..., colocated_bytes: _Optional[int] = ..., colocate_budget_bytes: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., pinned_hot: _Optional[str] = ..., pinned_remote: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., remote_calls: _Optional[int] = ..., tokens_colocated: _Optional[int] = ..., hedges: _Optional[int] = ..., ejections: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ExpertReplica, _Mapping]]] = ..., micro_batches_setting: _Optional[str] = ..., micro_batches: _Optional[int] = ..., ta_ms: _Optional[float] = ..., te_ms: _Optional[float] = ..., tc_ms: _Optional[float] = ...) -> None: ...
+    kv_block_size: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    preemptions: int
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., tokens_routed: _Optional[_Iterable[int]] = ..., failovers: _Optional[int] = ..., placement: _Optional[_Iterable[_Union[ExpertPlacement, _Mapping]]] = ..., registry_stale: _Optional[bool] = ..., utilization: _Optional[_Iterable[float]] = ..., utilization_window_s: _Optional[float] = ..., region: _Optional[str] = ..., expert_bytes: _Optional[int] = ..., colocated_bytes: _Optional[int] = ..., colocate_budget_bytes: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., pinned_hot: _Optional[str] = ..., pinned_remote: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., remote_calls: _Optional[int] = ..., tokens_colocated: _Optional[int] = ..., hedges: _Optional[int] = ..., ejections: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ExpertReplica, _Mapping]]] = ..., micro_batches_setting: _Optional[str] = ..., micro_batches: _Optional[int] = ..., ta_ms: _Optional[float] = ..., te_ms: _Optional[float] = ..., tc_ms: _Optional[float] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class ExpertReplica(_message.Message):
     __slots__ = ("backend", "transport", "fast_path", "fast_path_calls", "fast_path_fallbacks", "fallback_causes")

@@ -55,7 +55,7 @@ class RouterServiceServicer:
 
     def Generate(self, request, context):
         """One stream per request; the router ends it with a finish reason. Cancelling the call
-        frees the request's batch slot and KV cache.
+        frees the request's batch place and KV-cache blocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
