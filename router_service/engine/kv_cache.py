@@ -20,12 +20,15 @@ AUTO_SHARE = 0.3  # `auto`: this share of the memory available at start-up, at m
 
 
 class KVCache:
-    """k, v: [layers, num_blocks, block_size, kv_heads, head_dim], zero-filled up front.
+    """k, v: [layers, kv_heads, num_blocks, block_size, head_dim], zero-filled up front.
 
-    Token-major blocks: a step's writes are one index_copy_ per layer over [slots, kv_heads, hd],
-    and a gathered context is a view [seqs, kv_heads, tokens, hd] of the gathered blocks. The
-    whole budget is touched at start-up, so the memory is the process's from then on: running out
-    of blocks later means waiting or preemption, never an allocation failure.
+    The whole budget is touched at start-up, so the memory is the process's from then on:
+    running out of blocks later means waiting or preemption, never an allocation failure.
+
+    Attention reads a sequence's context as one [tokens, head_dim] matrix per KV head, which is
+    what SDPA reads fastest (a strided context costs it a copy of its own). Heads outermost make
+    that a single index_select per tensor into [kv_heads, seqs, tokens, head_dim], into a
+    workspace kept between steps: a fresh buffer per layer would page-fault in every one.
     """
 
     def __init__(
@@ -44,9 +47,10 @@ class KVCache:
             dtype,
         )
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
+        shape = (num_layers, kv_heads, num_blocks, block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
+        self._work = torch.empty(0, dtype=dtype)  # gather's output, grown on demand
 
     @property
     def nbytes(self) -> int:
@@ -54,18 +58,26 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store keys/values [tokens, kv_heads, head_dim] at their slots [tokens]."""
-        rows = self.num_blocks * self.block_size
-        self.k[layer].view(rows, self.kv_heads, self.head_dim).index_copy_(0, slots, k)
-        self.v[layer].view(rows, self.kv_heads, self.head_dim).index_copy_(0, slots, v)
+        rows = (self.kv_heads, self.num_blocks * self.block_size, self.head_dim)
+        self.k[layer].view(rows).index_copy_(1, slots, k.transpose(0, 1))
+        self.v[layer].view(rows).index_copy_(1, slots, v.transpose(0, 1))
 
     def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of sequences' blocks, tables [seqs, blocks] -> [seqs, kv_heads, blocks * block_size, hd]."""
+        """Keys and values of sequences' blocks, tables [seqs, blocks] -> [seqs, kv_heads,
+        blocks * block_size, hd] each. Views of a workspace: valid until the next gather
+        (attention calls run one at a time, on the compute thread)."""
         s, n = tables.shape
+        size = self.kv_heads * s * n * self.block_size * self.head_dim
+        if self._work.numel() < 2 * size:
+            self._work = torch.empty(max(2 * size, self._work.numel() * 3 // 2), dtype=self.dtype)
         flat = tables.reshape(-1)
-        shape = (s, n * self.block_size, self.kv_heads, self.head_dim)
-        ks = self.k[layer].index_select(0, flat).view(shape).transpose(1, 2)
-        vs = self.v[layer].index_select(0, flat).view(shape).transpose(1, 2)
-        return ks, vs
+        blocks = (self.kv_heads, s * n, self.block_size, self.head_dim)
+        ks = torch.index_select(self.k[layer], 1, flat, out=self._work[:size].view(blocks))
+        vs = torch.index_select(
+            self.v[layer], 1, flat, out=self._work[size : 2 * size].view(blocks)
+        )
+        context = (self.kv_heads, s, n * self.block_size, self.head_dim)
+        return ks.view(context).transpose(0, 1), vs.view(context).transpose(0, 1)
 
 
 def block_bytes(

@@ -46,9 +46,12 @@ class Sequence:
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output."""
-        if end <= len(self.prompt):
+        p = len(self.prompt)
+        if end <= p:
             return self.prompt[start:end]
-        return (self.prompt + self.output)[start:end]
+        if start >= p:
+            return self.output[start - p : end - p]
+        return self.prompt[start:] + self.output[: end - p]
 
 
 @dataclass(eq=False)

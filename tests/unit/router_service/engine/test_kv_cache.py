@@ -23,7 +23,7 @@ def rows(n: int, start: float = 0.0) -> torch.Tensor:
 
 def test_shapes_and_bytes_are_fixed_up_front() -> None:
     c = cache(blocks=6)
-    assert c.k.shape == c.v.shape == (LAYERS, 6, BS, HEADS, DIM)
+    assert c.k.shape == c.v.shape == (LAYERS, HEADS, 6, BS, DIM)
     assert c.nbytes == 6 * block_bytes(LAYERS, HEADS, DIM, torch.float32, BS)
     assert c.k.count_nonzero() == 0  # zero-filled: padding read under a mask is finite
 
@@ -32,8 +32,8 @@ def test_write_stores_each_token_at_its_block_and_offset_in_its_layer_only() -> 
     c = cache()
     k, v = rows(3), rows(3, start=1000)
     c.write(1, torch.tensor([2 * BS + 1, 0, 5 * BS + 3]), k, v)
-    assert torch.equal(c.k[1, 2, 1], k[0]) and torch.equal(c.v[1, 2, 1], v[0])
-    assert torch.equal(c.k[1, 0, 0], k[1]) and torch.equal(c.v[1, 5, 3], v[2])
+    assert torch.equal(c.k[1, :, 2, 1], k[0]) and torch.equal(c.v[1, :, 2, 1], v[0])
+    assert torch.equal(c.k[1, :, 0, 0], k[1]) and torch.equal(c.v[1, :, 5, 3], v[2])
     assert c.k[0].count_nonzero() == 0 and c.v[0].count_nonzero() == 0  # other layer untouched
     assert c.k[1].count_nonzero() == 3 * HEADS * DIM - 1  # nothing else (k[1][0,0] has a 0 entry)
 
@@ -50,6 +50,13 @@ def test_gather_returns_each_sequences_tokens_in_order_from_scattered_blocks() -
     for i in range(2):
         assert torch.equal(ks[i], rows(2 * BS, 100 * i + 1).transpose(0, 1))
         assert torch.equal(vs[i], rows(2 * BS, -100 * i).transpose(0, 1))
+        assert ks[i, 0].is_contiguous()  # each head's context one matrix, as SDPA reads best
+    # The workspace is reused: a smaller gather needs no new buffer, a larger one grows it.
+    work = c._work
+    one_k, _ = c.gather(0, torch.tensor([[5]]))  # the second block of sequence 1, layer 0
+    assert c._work is work and torch.equal(one_k[0], rows(2 * BS, 100)[BS:].transpose(0, 1))
+    c.gather(0, torch.tensor([[0, 1, 4, 5, 0, 1]]))
+    assert c._work is not work
 
 
 BLOCK = 1000  # bytes
