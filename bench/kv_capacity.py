@@ -9,7 +9,8 @@ of two of such slots that fits. The paged cache holds budget / (16 tokens x byte
 blocks, 63 per sequence. The slot figure is computed that way (it had no admission control: past
 it, it would have allocated beyond the budget). Its decode rate is measured with
 `--slot-checkout DIR`, a checkout of the slot-cache engine (e.g. the commit before the paged
-cache) run at that many sequences; without it, with this engine capped at that many sequences.
+cache) run at that many sequences, next to this engine capped at as many (what gathering blocks
+costs against the slot cache's views); without it, with this engine capped at that many.
 Each measurement runs in a fresh process: `--requests` prompts of `--prompt-len` random tokens,
 as many admitted as fit, prefilled in one step, then their decode steps timed until the first
 sequence ends (`--new-tokens` in all).
@@ -142,13 +143,17 @@ def main() -> int:
         flush=True,
     )
     rows = {}
+    capped = dict(common, **paged, max_num_seqs=slots)
     if args.slot_checkout is not None:
         rows["slot"] = measure(
             args.slot_checkout.resolve(), dict(common, max_num_seqs=slots), slots, args
         )
         rows["slot"]["engine"] = f"slot-cache checkout {args.slot_checkout}"
+        # The same sequences paged: what the gather costs against the slot cache's views.
+        rows["paged_same_n"] = measure(ROOT, capped, slots, args)
+        rows["paged_same_n"]["engine"] = "paged, capped at the slot cache's sequences"
     else:
-        rows["slot"] = measure(ROOT, dict(common, **paged, max_num_seqs=slots), slots, args)
+        rows["slot"] = measure(ROOT, capped, slots, args)
         rows["slot"]["engine"] = "this engine capped at the slot cache's sequences"
     rows["paged"] = measure(
         ROOT, dict(common, **paged, max_num_seqs=args.requests), args.requests, args
@@ -156,7 +161,7 @@ def main() -> int:
     rows["paged"]["engine"] = "paged"
     for name, row in rows.items():
         print(
-            f"{name:>5}: {row['concurrent']:3d} sequences at once, decode "
+            f"{name:>12}: {row['concurrent']:3d} sequences at once, decode "
             f"{row['decode_tokens_per_s']:7.1f} tokens/s ({row['decode_steps']} steps timed), "
             f"cache {row['cache_bytes'] / 2**20:.0f} MiB   [{row['engine']}]"
         )

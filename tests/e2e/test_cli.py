@@ -123,6 +123,15 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path) -> None:
     assert r.returncode == 2 and "checkpoint directory not found" in r.stderr and "nope" in r.stderr
 
 
+def test_serve_router_with_a_kv_budget_too_small_for_one_sequence_exits_2_naming_it(
+    checkpoint,
+) -> None:
+    r = moe_mesh("serve-router", "--checkpoint", checkpoint("mixtral"), "--kv-cache-bytes", "64KiB")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "error: kv_cache_bytes: '64KiB' (65536 bytes) holds" in r.stderr
+    assert "fewer than one sequence of max_model_len=" in r.stderr
+
+
 def test_placement_show_errors_exit_2_with_a_message(tmp_path) -> None:
     missing = moe_mesh("placement", "show", "--ready-file", tmp_path / "nope.json")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
