@@ -82,13 +82,15 @@ class ExpertHost:
     def load(cls, settings: ExpertSettings, telemetry: Telemetry = OFF) -> ExpertHost:
         """Read the configured pairs from the checkpoint; CheckpointError / InvalidArgumentError name
         what is wrong."""
-        checkpoint = Checkpoint(settings.checkpoint, dtype=getattr(torch, settings.dtype))
+        checkpoint = Checkpoint(
+            settings.checkpoint, dtype=getattr(torch, settings.dtype), prepack=True
+        )
         experts = parse_experts(settings.experts, checkpoint.spec)
         return cls(
             settings,
             checkpoint.spec,
             experts,
-            checkpoint.load_experts(experts),  # memory-mapped views: only these pairs are read
+            checkpoint.load_experts(experts),  # only these pairs are read
             settings.model_id or checkpoint.path.resolve().name,
             checkpoint.fingerprint(),
             telemetry,
