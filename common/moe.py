@@ -57,13 +57,13 @@ def group_by_expert(
     tokens = order // k
     if counts is None:
         counts = torch.bincount(flat, minlength=num_experts)
-    groups, start = [], 0
-    for expert, n in enumerate(counts.tolist()):
-        if n:
-            end = start + n
-            groups.append(ExpertGroup(expert, tokens=tokens[start:end], slots=order[start:end]))
-            start = end
-    return groups
+    # Python work per routed expert only: a layer of 256 experts costs what its few routed ones do.
+    routed = counts.nonzero().flatten()  # ascending
+    sizes = counts[routed].tolist()
+    return [
+        ExpertGroup(e, tokens=t, slots=s)
+        for e, t, s in zip(routed.tolist(), tokens.split(sizes), order.split(sizes))
+    ]
 
 
 def expert_ffn(x: torch.Tensor, w: FFNWeights) -> torch.Tensor:
