@@ -63,9 +63,9 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--dtype",
-        default="float32",
+        default="auto",
         choices=["float32", "bfloat16", "float16", "auto"],
-        help="compute dtype (default float32)",
+        help="compute dtype (default auto: the checkpoint's)",
     )
     p.add_argument(
         "--json", action="store_true", help="print one JSON object instead of streaming text"
