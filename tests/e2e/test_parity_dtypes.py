@@ -1,0 +1,279 @@
+"""Parity with transformers in bfloat16 and float16, every family (Mixtral's float32 combine
+included): logits within a few units in the last place and the same greedy choices, except where a
+rounding difference may legitimately decide (an expert or a next token on a near-tie).
+
+The bound. Rounding differences enter at every layer's residual additions, so a floor grows with
+depth: (layers + 1) ulp (units in the last place) of a position's largest logit, 4 ulp for the tiny
+preset's 3 layers. transformers also differs from itself between two equivalent orderings, its
+KV-cache decode and a full recompute of the same sequence: by up to 2.5 ulp on these checkpoints,
+5 just after a near-tie routing (attention carries a flipped expert's effect on), so the bound B at
+a position is the larger of the floor and twice that spread there. Measured: we stay within 2 ulp
+of transformers' recompute, 4.5 after a near-tie, often bit-equal.
+
+Near-ties. A router whose k-th and (k+1)-th logits are within the depth floor of each other (in
+ulps of the router logits) may pick another expert in our engine than in transformers; its output
+then differs by a whole expert's contribution (measured: up to 17 ulp in bfloat16, 52 in float16,
+7% of the logits' scale). Such positions are held to LOOSE (a quarter of the logits' scale, which
+still catches NaN, a wrong cast or a broken layer) instead of B. Greedy choices are compared at
+every step whose top-1/top-2 margin exceeds 2B (below it the bound allows either order).
+
+Positions come from our own greedy output: transformers scores the prompt plus our 32 tokens in
+one pass, so every step is compared given the same prefix, also after a legitimate divergence.
+
+Below the whole-model bound, each MoE block is compared bit for bit on transformers' own inputs;
+Mixtral's is a known mismatch there (see MIXTRAL_COMBINE).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_mesh.common.checkpoint import Checkpoint
+from moe_mesh.router_service.build import build_local_engine, build_model
+from moe_mesh.router_service.engine.engine import Engine
+from moe_mesh.router_service.engine.model import pack_step
+from moe_mesh.router_service.settings import RouterSettings
+from tests.support.hf import load
+from tests.support.reference import GREEDY, PROMPTS, mesh_engine, run_engine
+
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+DTYPES = ["bfloat16", "float16"]
+LOOSE = 0.25  # share of the largest |logit| a position with a routing near-tie may differ by
+# Shares of positions and of greedy steps that must get the tight checks (measured: 65-97% and
+# 44-95%); below them the near-tie exemptions would have hollowed the test out.
+MIN_TIGHT, MIN_GREEDY = 0.5, 0.25
+
+
+def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype`'s numbers at |x| (the unit in the last place)."""
+    exponent = torch.floor(torch.log2(x.abs().clamp_min(torch.finfo(dtype).tiny)))
+    return torch.finfo(dtype).eps * torch.exp2(exponent)
+
+
+@dataclass
+class Scored:
+    """One sequence (a prompt and our greedy tokens) as transformers and we score it."""
+
+    tokens: list[int]  # our greedy continuation
+    ours: torch.Tensor  # [positions, vocab] float32: our logits at every position
+    ref: torch.Tensor  # [positions, vocab] float32: transformers' logits (one full pass)
+    spread: torch.Tensor  # [positions]: max |transformers' KV-cache decode logits - ref|
+    router: torch.Tensor  # [moe layers, positions, experts]: transformers' router logits
+
+
+@cache
+def _hf(path: Path, dtype: torch.dtype) -> torch.nn.Module:
+    return load(path, dtype)
+
+
+@torch.no_grad()
+def _reference(
+    path: Path, dtype: torch.dtype, prompt: list[int], continuation: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers on prompt + continuation: logits of one full pass [positions, vocab], how far
+    its KV-cache decode of the continuation strays from them [positions], and the full pass's
+    router logits [moe layers, positions, experts]."""
+    model = _hf(path, dtype)
+    router: list[torch.Tensor] = []
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda _m, _a, out: router.append(out[0].float()))
+        for layer in model.model.layers
+        if hasattr(layer.mlp, "gate")  # Qwen's dense layers have none
+    ]
+    try:
+        logits = model(torch.tensor([prompt + continuation])).logits[0].float()
+    finally:
+        for h in hooks:
+            h.remove()
+    out = model(torch.tensor([prompt]), use_cache=True)
+    steps = [out.logits[0]]
+    for token in continuation:
+        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+        steps.append(out.logits[0])
+    spread = (torch.cat(steps).float() - logits).abs().amax(-1)
+    return logits, spread, torch.stack(router)
+
+
+async def _teacher_forced(engine: Engine, continuations: list[list[int]]) -> list[torch.Tensor]:
+    """Our logits at every position of each prompt + continuation (prefill, then decode steps)."""
+    model = engine.model
+    cache_ = model.new_cache()
+    cache_.reserve(len(PROMPTS), max(map(len, PROMPTS)) + GREEDY.max_tokens)
+    prefill = await model.forward(pack_step(list(enumerate(PROMPTS)), []), cache_, all_logits=True)
+    rows = list(torch.split(prefill, [len(p) for p in PROMPTS]))
+    for step in range(GREEDY.max_tokens - 1):
+        decodes = [
+            (slot, cont[step], len(p) + step + 1)
+            for slot, (p, cont) in enumerate(zip(PROMPTS, continuations))
+        ]
+        logits = await model.forward(pack_step([], decodes), cache_)
+        rows = [torch.cat([r, logits[slot : slot + 1]]) for slot, r in enumerate(rows)]
+    return [r.float() for r in rows]
+
+
+@cache
+def scored(path: Path, dtype_name: str) -> list[Scored]:
+    dtype = getattr(torch, dtype_name)
+    engine = build_local_engine(RouterSettings(checkpoint=path, dtype=dtype_name))
+    try:
+        assert engine.model.dtype == dtype
+        tokens = asyncio.run(run_engine(engine, PROMPTS))
+        ours = asyncio.run(_teacher_forced(engine, tokens))
+    finally:
+        engine.close()
+    out = []
+    for prompt, cont, logits in zip(PROMPTS, tokens, ours):
+        ref, spread, router = _reference(path, dtype, prompt, cont[:-1])
+        out.append(Scored(cont, logits, ref, spread, router))
+    return out
+
+
+def _floor(logits: torch.Tensor, dtype: torch.dtype, layers: int) -> torch.Tensor:
+    """(layers + 1) ulp of the largest |logit| of each row [...]."""
+    return (layers + 1) * ulp(logits.abs().amax(-1), dtype)
+
+
+def _bound(s: Scored, dtype: torch.dtype, layers: int) -> torch.Tensor:
+    """B per position [positions]: the depth floor, or twice transformers' own spread there."""
+    return torch.maximum(_floor(s.ref, dtype, layers), 2 * s.spread)
+
+
+def _near_tie_routing(s: Scored, k: int, dtype: torch.dtype, layers: int) -> torch.Tensor:
+    """[positions] bool: some layer's k-th and (k+1)-th router logits are within B of each other."""
+    top = s.router.topk(k + 1, dim=-1).values  # [moe layers, positions, k + 1]
+    margin = top[..., k - 1] - top[..., k]
+    return (margin <= _floor(s.router, dtype, layers)).any(0)
+
+
+@pytest.fixture(params=[(f, d) for f in FAMILIES for d in DTYPES], ids="-".join)
+def case(request, checkpoint) -> tuple[Path, str]:
+    family, dtype_name = request.param
+    return checkpoint(family), dtype_name
+
+
+def test_logits_match_transformers_in_the_same_dtype(case) -> None:
+    path, dtype_name = case
+    dtype = getattr(torch, dtype_name)
+    spec = Checkpoint(path).spec
+    tight = total = 0
+    for i, s in enumerate(scored(path, dtype_name)):
+        diff = (s.ours - s.ref).abs().amax(-1)  # [positions]
+        scale = s.ref.abs().amax(-1)
+        bound = _bound(s, dtype, spec.num_layers)
+        tie = _near_tie_routing(s, spec.top_k, dtype, spec.num_layers)
+        over = (~tie & (diff > bound)).nonzero().flatten().tolist()
+        assert not over, f"prompt {i}: positions {over}: {diff[over]} > {bound[over]}"
+        wild = (diff > LOOSE * scale).nonzero().flatten().tolist()
+        assert not wild, f"prompt {i}: positions {wild} differ by more than {LOOSE} of the scale"
+        tight += int((~tie).sum())
+        total += len(tie)
+    assert tight >= MIN_TIGHT * total, f"only {tight} of {total} positions held to the bound"
+
+
+def test_greedy_choices_match_transformers_in_the_same_dtype(case) -> None:
+    path, dtype_name = case
+    dtype = getattr(torch, dtype_name)
+    spec = Checkpoint(path).spec
+    checked = total = 0
+    for i, s in enumerate(scored(path, dtype_name)):
+        steps = slice(len(PROMPTS[i]) - 1, None)  # the positions whose logits chose our tokens
+        ref = s.ref[steps]
+        top2 = ref.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 2 * _bound(s, dtype, spec.num_layers)[steps]
+        clear &= ~_near_tie_routing(s, spec.top_k, dtype, spec.num_layers)[steps]
+        want = ref.argmax(-1)
+        got = torch.tensor(s.tokens)
+        wrong = (clear & (got != want)).nonzero().flatten().tolist()
+        assert not wrong, (
+            f"prompt {i}: steps {wrong}: ours {got[wrong]}, transformers {want[wrong]}"
+        )
+        checked += int(clear.sum())
+        total += len(clear)
+    assert checked >= MIN_GREEDY * total, f"only {checked} of {total} steps had a clear choice"
+
+
+# Known mismatch (issue 14): common/moe.py combine() rounds each expert's weighted output to the
+# model dtype and accumulates in it; transformers' default experts implementation (grouped_mm)
+# keeps Mixtral's float32-weighted outputs in float32, sums a token's k of them and rounds once.
+MIXTRAL_COMBINE = pytest.mark.xfail(
+    raises=AssertionError,
+    strict=True,
+    reason="combine() rounds per expert where transformers rounds once (issue 14)",
+)
+
+
+@pytest.mark.parametrize(
+    ("family", "dtype_name"),
+    [
+        pytest.param(f, d, marks=MIXTRAL_COMBINE if f == "mixtral" else ())
+        for f in FAMILIES
+        for d in DTYPES
+    ],
+)
+def test_moe_blocks_round_like_transformers(checkpoint, family, dtype_name) -> None:
+    """Each MoE block (routing, experts, combine, shared expert) on transformers' own block inputs:
+    the same operations in the same order round to the same bits. This is where a precision
+    choice shows (Mixtral's float32 routing weights and combine, say) that moves the whole model's
+    logits by less than the parity bound above. Measured: every element equal (Mixtral: 37%
+    differ); up to 1% may, for a GEMM kernel that rounds one accumulation differently. (Not in
+    float32: transformers' grouped_mm and our per-expert linears accumulate in different orders,
+    which float32 output keeps and 16-bit rounding hides; float32 parity is test_parity.py's.)"""
+    path = checkpoint(family)
+    dtype = getattr(torch, dtype_name)
+    hf = _hf(path, dtype)
+    model = build_model(Checkpoint(path, dtype=dtype), RouterSettings(dtype=dtype_name))
+    blocks: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, input, output)
+
+    def keep(layer: int):
+        def hook(_module, args, out) -> None:
+            blocks.append((layer, args[0][0], out[0]))  # [tokens, hidden] each
+
+        return hook
+
+    moe_layers = [
+        (i, layer) for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "gate")
+    ]
+    hooks = [layer.mlp.register_forward_hook(keep(i)) for i, layer in moe_layers]
+    try:
+        with torch.no_grad():
+            for prompt in PROMPTS:
+                hf(torch.tensor([prompt]))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(blocks) == len(PROMPTS) * len(moe_layers)
+    try:
+        ours = [
+            asyncio.run(model.dispatcher.moe(i, x, model.weights.layers[i])) for i, x, _ in blocks
+        ]
+    finally:
+        model.close()
+    differ = total = 0
+    for y, (_, _, ref) in zip(ours, blocks):
+        assert y.dtype == dtype and y.shape == ref.shape
+        differ += int((y != ref).sum())
+        total += ref.numel()
+    assert differ <= 0.01 * total, f"{differ} of {total} elements differ from transformers"
+
+
+def test_bfloat16_mesh_matches_the_local_engine(checkpoint, tmp_path) -> None:
+    """Expert services computing in bfloat16 (activations on the wire in bfloat16, Mixtral's
+    float32 routing weights applied at the router) give the in-process engine's tokens."""
+    path = checkpoint("mixtral")
+    local = [s.tokens for s in scored(path, "bfloat16")]
+
+    async def remote() -> list[list[int]]:
+        async with mesh_engine(
+            path, ["*:*"], tmp_path, expert_args=("--dtype", "bfloat16"), dtype="bfloat16"
+        ) as (engine, _):
+            placement = engine.model.dispatcher.placement.values()
+            assert all(not b.local for backends in placement for b in backends)
+            return await run_engine(engine, PROMPTS)
+
+    assert asyncio.run(remote()) == local
