@@ -7,11 +7,11 @@
     GET  /health/ready          200 while `app.state.ready`, else 503
 
 Both generation endpoints stream as Server-Sent Events with `"stream": true`. Besides OpenAI's
-fields they take vLLM-style extensions: `top_k`, `min_p`, `priority`, `stop_token_ids`, `ignore_eos`, and
-`return_token_ids` (adds `token_ids` to every choice) and `request_id` (a duplicate of one in
-flight is 409). Unknown fields are ignored, since OpenAI
-clients send some; known OpenAI features this server cannot honour (`logprobs`, `echo`, penalties,
-`tools`, ...) are refused rather than silently dropped. Values are validated by the core; every
+fields they take vLLM-style extensions: `top_k`, `min_p`, `priority`, `stop_token_ids`,
+`ignore_eos`, and `return_token_ids` (adds `token_ids` to every choice) and `request_id` (a
+duplicate of one in flight is 409). Unknown fields are ignored, since OpenAI clients send some;
+known OpenAI features this server cannot honour (`logprobs`, `echo`, penalties, `tools`, ...) are
+refused rather than silently dropped. Values are validated by the core; every
 error uses OpenAI's `{"error": {message, type, param, code}}` shape, `param` naming the field.
 Bodies over `max_body_bytes` are refused with 413 before they are read; list and string limits
 are part of the body schema, so an oversized list is refused before its items are validated.
