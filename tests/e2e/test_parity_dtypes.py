@@ -17,8 +17,10 @@ then differs by a whole expert's contribution (measured: up to 17 ulp in bfloat1
 still catches NaN, a wrong cast or a broken layer) instead of B. Greedy choices are compared at
 every step whose top-1/top-2 margin exceeds 2B (below it the bound allows either order).
 
-Positions come from our own greedy output: transformers scores the prompt plus our 32 tokens in
-one pass, so every step is compared given the same prefix, also after a legitimate divergence.
+Steps come from the engine serving four greedy requests together: the logits each token was chosen
+from are read where the engine hands them to `sample`, and transformers scores the prompt plus our
+tokens in one pass, so every step is compared given the same prefix, also after a legitimate
+divergence (and nothing here depends on the engine's cache or batch layout).
 
 Below the whole-model bound, each MoE block is compared bit for bit on transformers' own inputs;
 Mixtral's is a known mismatch there (see MIXTRAL_COMBINE).
@@ -27,7 +29,7 @@ Mixtral's is a known mismatch there (see MIXTRAL_COMBINE).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
@@ -36,8 +38,9 @@ import torch
 
 from moe_mesh.common.checkpoint import Checkpoint
 from moe_mesh.router_service.build import build_local_engine, build_model
+from moe_mesh.router_service.engine import engine as engine_module
 from moe_mesh.router_service.engine.engine import Engine
-from moe_mesh.router_service.engine.model import pack_step
+from moe_mesh.router_service.engine.sampling import SamplingParams
 from moe_mesh.router_service.settings import RouterSettings
 from tests.support.hf import load
 from tests.support.reference import GREEDY, PROMPTS, mesh_engine, run_engine
@@ -45,7 +48,7 @@ from tests.support.reference import GREEDY, PROMPTS, mesh_engine, run_engine
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 DTYPES = ["bfloat16", "float16"]
 LOOSE = 0.25  # share of the largest |logit| a position with a routing near-tie may differ by
-# Shares of positions and of greedy steps that must get the tight checks (measured: 65-97% and
+# Shares of positions and of greedy steps that must get the tight checks (measured: 64-97% and
 # 44-95%); below them the near-tie exemptions would have hollowed the test out.
 MIN_TIGHT, MIN_GREEDY = 0.5, 0.25
 
@@ -58,13 +61,14 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @dataclass
 class Scored:
-    """One sequence (a prompt and our greedy tokens) as transformers and we score it."""
+    """One request's steps (the engine's greedy tokens and the logits it chose them from) and
+    transformers' view of the same positions."""
 
     tokens: list[int]  # our greedy continuation
-    ours: torch.Tensor  # [positions, vocab] float32: our logits at every position
-    ref: torch.Tensor  # [positions, vocab] float32: transformers' logits (one full pass)
-    spread: torch.Tensor  # [positions]: max |transformers' KV-cache decode logits - ref|
-    router: torch.Tensor  # [moe layers, positions, experts]: transformers' router logits
+    ours: torch.Tensor  # [steps, vocab] float32: the logits our engine sampled each token from
+    ref: torch.Tensor  # [steps, vocab] float32: transformers' logits there (one full pass)
+    spread: torch.Tensor  # [steps]: max |transformers' KV-cache decode logits - ref|
+    router: torch.Tensor  # [moe layers, steps, experts]: transformers' router logits
 
 
 @cache
@@ -76,10 +80,11 @@ def _hf(path: Path, dtype: torch.dtype) -> torch.nn.Module:
 def _reference(
     path: Path, dtype: torch.dtype, prompt: list[int], continuation: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """transformers on prompt + continuation: logits of one full pass [positions, vocab], how far
-    its KV-cache decode of the continuation strays from them [positions], and the full pass's
-    router logits [moe layers, positions, experts]."""
+    """transformers at the positions that predict each continuation token: logits of one full
+    pass over prompt + continuation[:-1] [steps, vocab], how far its KV-cache decode strays from
+    them [steps], and the full pass's router logits [moe layers, steps, experts]."""
     model = _hf(path, dtype)
+    fed = continuation[:-1]
     router: list[torch.Tensor] = []
     hooks = [
         layer.mlp.gate.register_forward_hook(lambda _m, _a, out: router.append(out[0].float()))
@@ -87,50 +92,57 @@ def _reference(
         if hasattr(layer.mlp, "gate")  # Qwen's dense layers have none
     ]
     try:
-        logits = model(torch.tensor([prompt + continuation])).logits[0].float()
+        logits = model(torch.tensor([prompt + fed])).logits[0].float()
     finally:
         for h in hooks:
             h.remove()
     out = model(torch.tensor([prompt]), use_cache=True)
-    steps = [out.logits[0]]
-    for token in continuation:
+    steps = [out.logits[0, -1:]]
+    for token in fed:
         out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
         steps.append(out.logits[0])
-    spread = (torch.cat(steps).float() - logits).abs().amax(-1)
-    return logits, spread, torch.stack(router)
+    at = slice(len(prompt) - 1, None)
+    spread = (torch.cat(steps).float() - logits[at]).abs().amax(-1)
+    return logits[at], spread, torch.stack(router)[:, at]
 
 
-async def _teacher_forced(engine: Engine, continuations: list[list[int]]) -> list[torch.Tensor]:
-    """Our logits at every position of each prompt + continuation (prefill, then decode steps)."""
-    model = engine.model
-    cache_ = model.new_cache()
-    cache_.reserve(len(PROMPTS), max(map(len, PROMPTS)) + GREEDY.max_tokens)
-    prefill = await model.forward(pack_step(list(enumerate(PROMPTS)), []), cache_, all_logits=True)
-    rows = list(torch.split(prefill, [len(p) for p in PROMPTS]))
-    for step in range(GREEDY.max_tokens - 1):
-        decodes = [
-            (slot, cont[step], len(p) + step + 1)
-            for slot, (p, cont) in enumerate(zip(PROMPTS, continuations))
-        ]
-        logits = await model.forward(pack_step([], decodes), cache_)
-        rows = [torch.cat([r, logits[slot : slot + 1]]) for slot, r in enumerate(rows)]
-    return [r.float() for r in rows]
+async def _generate(engine: Engine) -> list[list[int]]:
+    """Every request's tokens (none may fail)."""
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in await engine.step():
+            assert o.error is None, o.error
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [out[str(i)] for i in range(len(PROMPTS))]
 
 
 @cache
 def scored(path: Path, dtype_name: str) -> list[Scored]:
+    """Greedy requests for PROMPTS through the engine, batched as it serves them, with the logits
+    each token was chosen from (read where the engine hands them to `sample`)."""
     dtype = getattr(torch, dtype_name)
     engine = build_local_engine(RouterSettings(checkpoint=path, dtype=dtype_name))
+    rows: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(PROMPTS))}
+    real = engine_module.sample
+
+    def spy(logits: torch.Tensor, params: SamplingParams, generator) -> int:
+        rows[params.seed].append(logits.float())  # greedy ignores the seed: it names the request
+        return real(logits, params, generator)
+
+    engine_module.sample = spy
     try:
         assert engine.model.dtype == dtype
-        tokens = asyncio.run(run_engine(engine, PROMPTS))
-        ours = asyncio.run(_teacher_forced(engine, tokens))
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, replace(GREEDY, seed=i))
+        tokens = asyncio.run(_generate(engine))
     finally:
+        engine_module.sample = real
         engine.close()
     out = []
-    for prompt, cont, logits in zip(PROMPTS, tokens, ours):
-        ref, spread, router = _reference(path, dtype, prompt, cont[:-1])
-        out.append(Scored(cont, logits, ref, spread, router))
+    for i, (prompt, cont) in enumerate(zip(PROMPTS, tokens)):
+        assert len(cont) == len(rows[i]) == GREEDY.max_tokens
+        ref, spread, router = _reference(path, dtype, prompt, cont)
+        out.append(Scored(cont, torch.stack(rows[i]), ref, spread, router))
     return out
 
 
@@ -140,13 +152,13 @@ def _floor(logits: torch.Tensor, dtype: torch.dtype, layers: int) -> torch.Tenso
 
 
 def _bound(s: Scored, dtype: torch.dtype, layers: int) -> torch.Tensor:
-    """B per position [positions]: the depth floor, or twice transformers' own spread there."""
+    """B per step [steps]: the depth floor, or twice transformers' own spread there."""
     return torch.maximum(_floor(s.ref, dtype, layers), 2 * s.spread)
 
 
 def _near_tie_routing(s: Scored, k: int, dtype: torch.dtype, layers: int) -> torch.Tensor:
-    """[positions] bool: some layer's k-th and (k+1)-th router logits are within B of each other."""
-    top = s.router.topk(k + 1, dim=-1).values  # [moe layers, positions, k + 1]
+    """[steps] bool: some layer's k-th and (k+1)-th router logits are within the floor."""
+    top = s.router.topk(k + 1, dim=-1).values  # [moe layers, steps, k + 1]
     margin = top[..., k - 1] - top[..., k]
     return (margin <= _floor(s.router, dtype, layers)).any(0)
 
@@ -163,17 +175,17 @@ def test_logits_match_transformers_in_the_same_dtype(case) -> None:
     spec = Checkpoint(path).spec
     tight = total = 0
     for i, s in enumerate(scored(path, dtype_name)):
-        diff = (s.ours - s.ref).abs().amax(-1)  # [positions]
+        diff = (s.ours - s.ref).abs().amax(-1)  # [steps]
         scale = s.ref.abs().amax(-1)
         bound = _bound(s, dtype, spec.num_layers)
         tie = _near_tie_routing(s, spec.top_k, dtype, spec.num_layers)
         over = (~tie & (diff > bound)).nonzero().flatten().tolist()
-        assert not over, f"prompt {i}: positions {over}: {diff[over]} > {bound[over]}"
+        assert not over, f"prompt {i}: steps {over}: {diff[over]} > {bound[over]}"
         wild = (diff > LOOSE * scale).nonzero().flatten().tolist()
-        assert not wild, f"prompt {i}: positions {wild} differ by more than {LOOSE} of the scale"
+        assert not wild, f"prompt {i}: steps {wild} differ by more than {LOOSE} of the scale"
         tight += int((~tie).sum())
         total += len(tie)
-    assert tight >= MIN_TIGHT * total, f"only {tight} of {total} positions held to the bound"
+    assert tight >= MIN_TIGHT * total, f"only {tight} of {total} steps held to the bound"
 
 
 def test_greedy_choices_match_transformers_in_the_same_dtype(case) -> None:
@@ -182,12 +194,10 @@ def test_greedy_choices_match_transformers_in_the_same_dtype(case) -> None:
     spec = Checkpoint(path).spec
     checked = total = 0
     for i, s in enumerate(scored(path, dtype_name)):
-        steps = slice(len(PROMPTS[i]) - 1, None)  # the positions whose logits chose our tokens
-        ref = s.ref[steps]
-        top2 = ref.topk(2, dim=-1).values
-        clear = top2[:, 0] - top2[:, 1] > 2 * _bound(s, dtype, spec.num_layers)[steps]
-        clear &= ~_near_tie_routing(s, spec.top_k, dtype, spec.num_layers)[steps]
-        want = ref.argmax(-1)
+        top2 = s.ref.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 2 * _bound(s, dtype, spec.num_layers)
+        clear &= ~_near_tie_routing(s, spec.top_k, dtype, spec.num_layers)
+        want = s.ref.argmax(-1)
         got = torch.tensor(s.tokens)
         wrong = (clear & (got != want)).nonzero().flatten().tolist()
         assert not wrong, (
