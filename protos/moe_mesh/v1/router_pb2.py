@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from moe_mesh.protos.moe_mesh.v1 import types_pb2 as protos_dot_moe__mesh_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/moe_mesh/v1/router.proto\x12\x0bmoe_mesh.v1\x1a\x1eprotos/moe_mesh/v1/types.proto\"\x9f\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x84\x01\n\x15RouterGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.moe_mesh.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\"\x8f\x01\n\x16RouterGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.moe_mesh.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\"\x15\n\x13RouterStatusRequest\"C\n\x0f\x45xpertPlacement\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07\x65xperts\x18\x02 \x01(\t\x12\x0e\n\x06region\x18\x03 \x01(\t\"\x89\x06\n\x0cRouterStatus\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x12\n\nnum_layers\x18\x08 \x01(\r\x12\x13\n\x0bnum_experts\x18\t \x01(\r\x12\x15\n\rtokens_routed\x18\n \x03(\x04\x12\x11\n\tfailovers\x18\x0b \x01(\x04\x12/\n\tplacement\x18\x0c \x03(\x0b\x32\x1c.moe_mesh.v1.ExpertPlacement\x12\x16\n\x0eregistry_stale\x18\r \x01(\x08\x12\x13\n\x0butilization\x18\x0e \x03(\x01\x12\x1c\n\x14utilization_window_s\x18\x0f \x01(\x01\x12\x0e\n\x06region\x18\x10 \x01(\t\x12\x14\n\x0c\x65xpert_bytes\x18\x11 \x01(\x04\x12\x17\n\x0f\x63olocated_bytes\x18\x12 \x01(\x04\x12\x1d\n\x15\x63olocate_budget_bytes\x18\x13 \x01(\x04\x12\x12\n\npromotions\x18\x14 \x01(\x04\x12\x11\n\tdemotions\x18\x15 \x01(\x04\x12\x12\n\npinned_hot\x18\x16 \x01(\t\x12\x15\n\rpinned_remote\x18\x17 \x01(\t\x12\x12\n\nmoe_layers\x18\x18 \x03(\r\x12\x14\n\x0cremote_calls\x18\x19 \x01(\x04\x12\x18\n\x10tokens_colocated\x18\x1a \x01(\x04\x12\x0e\n\x06hedges\x18\x1b \x01(\x04\x12\x11\n\tejections\x18\x1c \x01(\x04\x12,\n\x08replicas\x18\x1d \x03(\x0b\x32\x1a.moe_mesh.v1.ExpertReplica\x12\x1d\n\x15micro_batches_setting\x18\x1e \x01(\t\x12\x15\n\rmicro_batches\x18\x1f \x01(\r\x12\r\n\x05ta_ms\x18  \x01(\x01\x12\r\n\x05te_ms\x18! \x01(\x01\x12\r\n\x05tc_ms\x18\" \x01(\x01\"\xfc\x01\n\rExpertReplica\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x11\n\tfast_path\x18\x03 \x01(\t\x12\x17\n\x0f\x66\x61st_path_calls\x18\x04 \x01(\x04\x12\x1b\n\x13\x66\x61st_path_fallbacks\x18\x05 \x01(\x04\x12G\n\x0f\x66\x61llback_causes\x18\x06 \x03(\x0b\x32..moe_mesh.v1.ExpertReplica.FallbackCausesEntry\x1a\x35\n\x13\x46\x61llbackCausesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xad\x01\n\rRouterService\x12U\n\x08Generate\x12\".moe_mesh.v1.RouterGenerateRequest\x1a#.moe_mesh.v1.RouterGenerateResponse0\x01\x12\x45\n\x06Status\x12 .moe_mesh.v1.RouterStatusRequest\x1a\x19.moe_mesh.v1.RouterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/moe_mesh/v1/router.proto\x12\x0bmoe_mesh.v1\x1a\x1eprotos/moe_mesh/v1/types.proto\"\xae\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\r\n\x05min_p\x18\x08 \x01(\x02\x42\x07\n\x05_seed\"\x84\x01\n\x15RouterGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.moe_mesh.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\"\x8f\x01\n\x16RouterGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.moe_mesh.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\"\x15\n\x13RouterStatusRequest\"C\n\x0f\x45xpertPlacement\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07\x65xperts\x18\x02 \x01(\t\x12\x0e\n\x06region\x18\x03 \x01(\t\"\x89\x06\n\x0cRouterStatus\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x12\n\nnum_layers\x18\x08 \x01(\r\x12\x13\n\x0bnum_experts\x18\t \x01(\r\x12\x15\n\rtokens_routed\x18\n \x03(\x04\x12\x11\n\tfailovers\x18\x0b \x01(\x04\x12/\n\tplacement\x18\x0c \x03(\x0b\x32\x1c.moe_mesh.v1.ExpertPlacement\x12\x16\n\x0eregistry_stale\x18\r \x01(\x08\x12\x13\n\x0butilization\x18\x0e \x03(\x01\x12\x1c\n\x14utilization_window_s\x18\x0f \x01(\x01\x12\x0e\n\x06region\x18\x10 \x01(\t\x12\x14\n\x0c\x65xpert_bytes\x18\x11 \x01(\x04\x12\x17\n\x0f\x63olocated_bytes\x18\x12 \x01(\x04\x12\x1d\n\x15\x63olocate_budget_bytes\x18\x13 \x01(\x04\x12\x12\n\npromotions\x18\x14 \x01(\x04\x12\x11\n\tdemotions\x18\x15 \x01(\x04\x12\x12\n\npinned_hot\x18\x16 \x01(\t\x12\x15\n\rpinned_remote\x18\x17 \x01(\t\x12\x12\n\nmoe_layers\x18\x18 \x03(\r\x12\x14\n\x0cremote_calls\x18\x19 \x01(\x04\x12\x18\n\x10tokens_colocated\x18\x1a \x01(\x04\x12\x0e\n\x06hedges\x18\x1b \x01(\x04\x12\x11\n\tejections\x18\x1c \x01(\x04\x12,\n\x08replicas\x18\x1d \x03(\x0b\x32\x1a.moe_mesh.v1.ExpertReplica\x12\x1d\n\x15micro_batches_setting\x18\x1e \x01(\t\x12\x15\n\rmicro_batches\x18\x1f \x01(\r\x12\r\n\x05ta_ms\x18  \x01(\x01\x12\r\n\x05te_ms\x18! \x01(\x01\x12\r\n\x05tc_ms\x18\" \x01(\x01\"\xfc\x01\n\rExpertReplica\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x11\n\tfast_path\x18\x03 \x01(\t\x12\x17\n\x0f\x66\x61st_path_calls\x18\x04 \x01(\x04\x12\x1b\n\x13\x66\x61st_path_fallbacks\x18\x05 \x01(\x04\x12G\n\x0f\x66\x61llback_causes\x18\x06 \x03(\x0b\x32..moe_mesh.v1.ExpertReplica.FallbackCausesEntry\x1a\x35\n\x13\x46\x61llbackCausesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xad\x01\n\rRouterService\x12U\n\x08Generate\x12\".moe_mesh.v1.RouterGenerateRequest\x1a#.moe_mesh.v1.RouterGenerateResponse0\x01\x12\x45\n\x06Status\x12 .moe_mesh.v1.RouterStatusRequest\x1a\x19.moe_mesh.v1.RouterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,21 +35,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXPERTREPLICA_FALLBACKCAUSESENTRY']._loaded_options = None
   _globals['_EXPERTREPLICA_FALLBACKCAUSESENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=81
-  _globals['_SAMPLINGPARAMS']._serialized_end=240
-  _globals['_ROUTERGENERATEREQUEST']._serialized_start=243
-  _globals['_ROUTERGENERATEREQUEST']._serialized_end=375
-  _globals['_ROUTERGENERATERESPONSE']._serialized_start=378
-  _globals['_ROUTERGENERATERESPONSE']._serialized_end=521
-  _globals['_ROUTERSTATUSREQUEST']._serialized_start=523
-  _globals['_ROUTERSTATUSREQUEST']._serialized_end=544
-  _globals['_EXPERTPLACEMENT']._serialized_start=546
-  _globals['_EXPERTPLACEMENT']._serialized_end=613
-  _globals['_ROUTERSTATUS']._serialized_start=616
-  _globals['_ROUTERSTATUS']._serialized_end=1393
-  _globals['_EXPERTREPLICA']._serialized_start=1396
-  _globals['_EXPERTREPLICA']._serialized_end=1648
-  _globals['_EXPERTREPLICA_FALLBACKCAUSESENTRY']._serialized_start=1595
-  _globals['_EXPERTREPLICA_FALLBACKCAUSESENTRY']._serialized_end=1648
-  _globals['_ROUTERSERVICE']._serialized_start=1651
-  _globals['_ROUTERSERVICE']._serialized_end=1824
+  _globals['_SAMPLINGPARAMS']._serialized_end=255
+  _globals['_ROUTERGENERATEREQUEST']._serialized_start=258
+  _globals['_ROUTERGENERATEREQUEST']._serialized_end=390
+  _globals['_ROUTERGENERATERESPONSE']._serialized_start=393
+  _globals['_ROUTERGENERATERESPONSE']._serialized_end=536
+  _globals['_ROUTERSTATUSREQUEST']._serialized_start=538
+  _globals['_ROUTERSTATUSREQUEST']._serialized_end=559
+  _globals['_EXPERTPLACEMENT']._serialized_start=561
+  _globals['_EXPERTPLACEMENT']._serialized_end=628
+  _globals['_ROUTERSTATUS']._serialized_start=631
+  _globals['_ROUTERSTATUS']._serialized_end=1408
+  _globals['_EXPERTREPLICA']._serialized_start=1411
+  _globals['_EXPERTREPLICA']._serialized_end=1663
+  _globals['_EXPERTREPLICA_FALLBACKCAUSESENTRY']._serialized_start=1610
+  _globals['_EXPERTREPLICA_FALLBACKCAUSESENTRY']._serialized_end=1663
+  _globals['_ROUTERSERVICE']._serialized_start=1666
+  _globals['_ROUTERSERVICE']._serialized_end=1839
 # @@protoc_insertion_point(module_scope)
