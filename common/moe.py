@@ -79,20 +79,17 @@ def combine(
     num_tokens: int,
     like: torch.Tensor,
 ) -> torch.Tensor:
-    """Σ_k w_k · expert_k(x) per token, accumulated in ascending expert order (as transformers does)."""
+    """Σ_k w_k · expert_k(x) per token, summed over the token's choices in routing order."""
     if not groups:
         return torch.zeros(num_tokens, like.shape[-1], dtype=like.dtype)  # [tokens, hidden]
     k = routing.experts.shape[1]
     slots = torch.cat([g.slots for g in groups])  # [tokens * k]: every (token, choice) once
-    weighted = (torch.cat(outputs) * routing.weights.reshape(-1)[slots, None]).to(like.dtype)
-    # Groups come in ascending expert order, so a stable sort by token puts each token's k rows
-    # in ascending expert order; summing them left to right gives the bits of transformers'
-    # index_add_ over experts, with a handful of ops whatever the number of experts.
-    ordered = weighted[torch.argsort(slots // k, stable=True)].view(num_tokens, k, -1)
-    out = ordered[:, 0]
-    for r in range(1, k):
-        out = out + ordered[:, r]
-    return out  # [tokens, hidden]
+    # In the routing weights' dtype (float32 for Mixtral), rounded once after the sum, as
+    # transformers' default (grouped_mm) experts path computes it.
+    weighted = torch.cat(outputs) * routing.weights.reshape(-1)[slots, None]
+    ordered = torch.empty_like(weighted)
+    ordered[slots] = weighted  # row t*k + j: token t's j-th choice
+    return ordered.view(num_tokens, k, -1).sum(dim=1).to(like.dtype)  # [tokens, hidden]
 
 
 def shared_expert_output(

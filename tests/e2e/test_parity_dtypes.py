@@ -208,30 +208,13 @@ def test_greedy_choices_match_transformers_in_the_same_dtype(case) -> None:
     assert checked >= MIN_GREEDY * total, f"only {checked} of {total} steps had a clear choice"
 
 
-# Known mismatch (issue 14): common/moe.py combine() rounds each expert's weighted output to the
-# model dtype and accumulates in it; transformers' default experts implementation (grouped_mm)
-# keeps Mixtral's float32-weighted outputs in float32, sums a token's k of them and rounds once.
-MIXTRAL_COMBINE = pytest.mark.xfail(
-    raises=AssertionError,
-    strict=True,
-    reason="combine() rounds per expert where transformers rounds once (issue 14)",
-)
-
-
-@pytest.mark.parametrize(
-    ("family", "dtype_name"),
-    [
-        pytest.param(f, d, marks=MIXTRAL_COMBINE if f == "mixtral" else ())
-        for f in FAMILIES
-        for d in DTYPES
-    ],
-)
+@pytest.mark.parametrize(("family", "dtype_name"), [(f, d) for f in FAMILIES for d in DTYPES])
 def test_moe_blocks_round_like_transformers(checkpoint, family, dtype_name) -> None:
     """Each MoE block (routing, experts, combine, shared expert) on transformers' own block inputs:
     the same operations in the same order round to the same bits. This is where a precision
     choice shows (Mixtral's float32 routing weights and combine, say) that moves the whole model's
-    logits by less than the parity bound above. Measured: every element equal (Mixtral: 37%
-    differ); up to 1% may, for a GEMM kernel that rounds one accumulation differently. (Not in
+    logits by less than the parity bound above. Measured: every element equal (Mixtral's was 37%
+    before combine rounded once); up to 1% may, for a GEMM kernel that rounds one accumulation differently. (Not in
     float32: transformers' grouped_mm and our per-expert linears accumulate in different orders,
     which float32 output keeps and 16-bit rounding hides; float32 parity is test_parity.py's.)"""
     path = checkpoint(family)
