@@ -36,7 +36,7 @@ from pathlib import Path
 
 from moe_mesh.common import runtime
 
-runtime.configure()  # before torch loads OpenMP
+runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -384,6 +384,7 @@ FIELDS = [
     "temperature",
     "top_p",
     "top_k",
+    "min_p",
     "seed",
     "stop",
     "stop_token_ids",
@@ -416,6 +417,7 @@ def hostile_grpc(rng: random.Random) -> inference_pb2.GenerateRequest:
         temperature=rng.choice([0.0, 1e-45, float("nan"), 5.0]),
         top_p=rng.choice([0.0, 0.5, float("inf")]),
         top_k=rng.choice([0, 3, -1]),
+        min_p=rng.choice([0.0, 0.2, -0.5, float("nan")]),
         stop=["s" * rng.choice([1, 1000])] * rng.choice([0, 1, 100]),
         priority=rng.choice([0, -(2**31)]),
         request_id=rng.choice(["", "dup", "r" * 100_000]),

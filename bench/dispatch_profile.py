@@ -21,7 +21,7 @@ from pathlib import Path
 
 from moe_mesh.common import runtime
 
-runtime.configure()  # before torch loads OpenMP
+runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
 import torch  # noqa: E402
 
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402

@@ -1,10 +1,17 @@
 """Decode throughput of the moe-mesh engine vs transformers `generate`, same checkpoint, same run.
 
-Both generate greedily from the same prompts at batch 1, 8 and 32; runs alternate engine /
-transformers and the median of the repeats is kept, so machine noise hits both sides alike.
-Decode tokens/s = batch * (new_tokens - 1) / (time to generate new_tokens - time to generate 1).
+Both generate greedily from the same prompts at batch 1, 8 and 32, in float32 and in bfloat16
+(each side computing in that dtype); runs alternate engine / transformers and the median of the
+repeats is kept, so machine noise hits both sides alike. Decode tokens/s = batch * (new_tokens -
+1) / (time to generate new_tokens - time to generate 1).
+
+Batch-1 decode reads every weight a token uses once per token, so its rate is bounded by memory
+bandwidth: the run measures this machine's read bandwidth (all threads summing a buffer far
+larger than the last-level cache) and prints the engine's batch-1 rate × bytes read per token
+(the model's sizes: attention, gate, top-k experts, LM head per token) as a share of it.
 
     .venv/bin/python -m bench.engine_vs_transformers [--checkpoint DIR] [--batch-sizes 1,8,32]
+        [--dtypes float32,bfloat16]
 
 (from the checkout root, where `bench` and `tests` import as packages)
 """
@@ -18,6 +25,7 @@ import platform
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from moe_mesh.common import runtime
@@ -71,6 +79,33 @@ def decode_rate(run, prompts: list[list[int]], n: int) -> tuple[float, list[list
     return len(prompts) * (n - 1) / max(tn - t1, 1e-9), tokens
 
 
+def read_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> float:
+    """Bytes/s this machine reads with all torch threads (best of `repeats` sums of a large buffer)."""
+    buf = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def bytes_per_token(spec, itemsize: int) -> int:
+    """Weight bytes one decoding token reads: per layer attention, norms, gate, its top-k experts
+    (plus shared expert / dense MLP), and the LM head. The KV cache of a short context is noise."""
+    h, hd = spec.hidden_size, spec.head_dim
+    attention = (spec.num_heads + 2 * spec.num_kv_heads) * hd * h + h * spec.num_heads * hd + 2 * h
+    params = spec.vocab_size * h + h  # LM head, final norm
+    for moe in spec.moe_layers:
+        params += attention
+        if moe:
+            params += spec.num_experts * h + spec.top_k * 3 * spec.expert_intermediate_size * h
+            params += 3 * (spec.shared_expert_intermediate_size or 0) * h
+        else:
+            params += 3 * spec.dense_intermediate_size * h
+    return params * itemsize
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -82,6 +117,7 @@ def main() -> int:
         help="checkpoint to use; the default is created (small Mixtral) if missing",
     )
     parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
@@ -94,42 +130,52 @@ def main() -> int:
         create_checkpoint(args.checkpoint, "mixtral", "small", seed=0, progress=True)
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    engine = build_local_engine(
-        RouterSettings(checkpoint=args.checkpoint, max_num_seqs=max(batches))
-    )
-    gen = torch.Generator().manual_seed(0)
-    vocab = engine.model.spec.vocab_size
-
+    bandwidth = read_bandwidth()
+    print(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
     rows = []
-    for b in batches:
-        prompts = torch.randint(3, vocab, (b, args.prompt_len), generator=gen).tolist()
-        ours, theirs, same = [], [], True
-        for _ in range(args.repeats):
-            rate, a = decode_rate(
-                lambda p, n: engine_generate(engine, p, n), prompts, args.new_tokens
-            )
-            ours.append(rate)
-            rate, h = decode_rate(lambda p, n: hf_generate(hf, p, n), prompts, args.new_tokens)
-            theirs.append(rate)
-            same = same and a == h
-        row = {
-            "batch": b,
-            "engine_tokens_per_s": statistics.median(ours),
-            "transformers_tokens_per_s": statistics.median(theirs),
-            "greedy_outputs_identical": same,
-        }
-        row["ratio"] = row["engine_tokens_per_s"] / row["transformers_tokens_per_s"]
-        rows.append(row)
-        print(
-            f"batch {b:>3}: engine {row['engine_tokens_per_s']:8.1f} tok/s   transformers "
-            f"{row['transformers_tokens_per_s']:8.1f} tok/s   ratio {row['ratio']:.2f}x   identical={same}",
-            flush=True,
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        hf = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=dtype).eval()
+        engine = build_local_engine(
+            RouterSettings(checkpoint=args.checkpoint, max_num_seqs=max(batches), dtype=dtype_name)
         )
+        spec = engine.model.spec
+        per_token = bytes_per_token(spec, dtype.itemsize)
+        gen = torch.Generator().manual_seed(0)
+        for b in batches:
+            prompts = torch.randint(
+                3, spec.vocab_size, (b, args.prompt_len), generator=gen
+            ).tolist()
+            ours, theirs, same = [], [], True
+            for _ in range(args.repeats):
+                rate, a = decode_rate(partial(engine_generate, engine), prompts, args.new_tokens)
+                ours.append(rate)
+                rate, h = decode_rate(partial(hf_generate, hf), prompts, args.new_tokens)
+                theirs.append(rate)
+                same = same and a == h
+            row = {
+                "dtype": dtype_name,
+                "batch": b,
+                "engine_tokens_per_s": statistics.median(ours),
+                "transformers_tokens_per_s": statistics.median(theirs),
+                "greedy_outputs_identical": same,
+            }
+            row["ratio"] = row["engine_tokens_per_s"] / row["transformers_tokens_per_s"]
+            line = (
+                f"{dtype_name:>8} batch {b:>3}: engine {row['engine_tokens_per_s']:7.1f} tok/s   "
+                f"transformers {row['transformers_tokens_per_s']:7.1f} tok/s   "
+                f"ratio {row['ratio']:.2f}x   identical={same}"
+            )
+            if b == 1:
+                row["bytes_per_token"] = per_token
+                row["bandwidth_share"] = row["engine_tokens_per_s"] * per_token / bandwidth
+                line += f"   {row['bandwidth_share']:.0%} of memory bandwidth"
+            rows.append(row)
+            print(line, flush=True)
+        engine.close()
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    spec = engine.model.spec
     args.out.write_text(
         json.dumps(
             {
@@ -148,6 +194,7 @@ def main() -> int:
                 "torch": torch.__version__,
                 "threads": torch.get_num_threads(),
                 "machine": platform.machine(),
+                "memory_read_bandwidth_bytes_per_s": bandwidth,
                 "results": rows,
             },
             indent=2,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from moe_mesh.common import runtime
 
-runtime.configure()  # before torch loads OpenMP
+runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
 
 from bench.mesh_dispatch import DEFAULT_CHECKPOINT, ROOT, decode_rate, run, transports  # noqa: E402
 from moe_mesh.common.checkpoint import Checkpoint  # noqa: E402

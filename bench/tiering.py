@@ -27,7 +27,7 @@ from pathlib import Path
 
 from moe_mesh.common import runtime
 
-runtime.configure()  # before torch loads OpenMP
+runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

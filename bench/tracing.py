@@ -24,7 +24,7 @@ from pathlib import Path
 
 from moe_mesh.common import runtime
 
-runtime.configure()  # before torch loads OpenMP
+runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -4,6 +4,9 @@ A process loads only what it serves: the router the dense part (`load_dense`), a
 its (layer, expert) pairs (`load_experts`). Tensors are views into memory-mapped safetensors
 files, so untouched tensors cost no memory. Experts may be stored per expert (published
 checkpoints) or fused as 3-D tensors (transformers v5: gate_up_proj [E, 2I, H], down_proj [E, H, I]).
+
+With `prepack=True` (what the services use) every matrix a linear layer reads is converted once
+into the CPU GEMM kernels' layout (common/linear.py): a copy, no longer a view of the file.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 
 from moe_mesh.common.arch import ModelSpec, load_spec, tensor_names
 from moe_mesh.common.errors import CheckpointError
+from moe_mesh.common.linear import prepack
 from moe_mesh.common.safetensors_mmap import SafetensorsFile
 from moe_mesh.common.weights import AttentionWeights, DenseWeights, FFNWeights, LayerWeights
 
@@ -26,8 +30,11 @@ INDEX_FILE = "model.safetensors.index.json"
 class Checkpoint:
     """A checkpoint directory: config.json plus one or more safetensors files (optionally indexed)."""
 
-    def __init__(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, path: str | Path, dtype: torch.dtype | None = None, prepack: bool = False
+    ) -> None:
         self.path = Path(path)
+        self._prepack = prepack
         if not self.path.is_dir():
             raise CheckpointError("checkpoint directory not found", file=str(self.path))
         self.spec: ModelSpec = load_spec(self.path)
@@ -103,6 +110,9 @@ class Checkpoint:
             t = t.to(self.dtype)
         return t
 
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return prepack(weight) if self._prepack else weight
+
     def _optional(self, name: str, shape: tuple[int, ...], present: bool) -> torch.Tensor | None:
         return self.tensor(name, shape) if present else None
 
@@ -113,7 +123,12 @@ class Checkpoint:
         s = self.spec
         embed = self.tensor("model.embed_tokens.weight", (s.vocab_size, s.hidden_size))
         tied = s.tie_word_embeddings and not self.has("lm_head.weight")
-        lm_head = embed if tied else self.tensor("lm_head.weight", (s.vocab_size, s.hidden_size))
+        # A tied head stays the embedding itself: a packed copy would double the largest matrix.
+        lm_head = (
+            embed
+            if tied
+            else self._pack(self.tensor("lm_head.weight", (s.vocab_size, s.hidden_size)))
+        )
         return DenseWeights(
             embed=embed,
             final_norm=self.tensor("model.norm.weight", (s.hidden_size,)),
@@ -135,6 +150,7 @@ class Checkpoint:
             )
             return layer
         moe = p + self._moe_prefix(i)
+        # The gate has a few dozen rows: packing buys nothing there, the plain kernel is quicker.
         layer.router = self.tensor(moe + "gate.weight", (s.num_experts, h))
         if s.shared_expert_intermediate_size:
             layer.shared_expert = self._ffn(
@@ -155,14 +171,13 @@ class Checkpoint:
             "per_head": (s.head_dim, s.head_dim),
             "full": (q_out, kv_out),
         }[s.qk_norm]
+        shapes = {"q": (q_out,), "k": (kv_out,), "v": (kv_out,)}
+        qkv = [self.tensor(f"{p}{n}_proj.weight", (*o, s.hidden_size)) for n, o in shapes.items()]
+        biases = [self.tensor(f"{p}{n}_proj.bias", o) for n, o in shapes.items() if s.qkv_bias]
         return AttentionWeights(
-            q=self.tensor(p + "q_proj.weight", (q_out, s.hidden_size)),
-            k=self.tensor(p + "k_proj.weight", (kv_out, s.hidden_size)),
-            v=self.tensor(p + "v_proj.weight", (kv_out, s.hidden_size)),
-            o=self.tensor(p + "o_proj.weight", (s.hidden_size, q_out)),
-            q_bias=self._optional(p + "q_proj.bias", (q_out,), s.qkv_bias),
-            k_bias=self._optional(p + "k_proj.bias", (kv_out,), s.qkv_bias),
-            v_bias=self._optional(p + "v_proj.bias", (kv_out,), s.qkv_bias),
+            qkv=self._pack(torch.cat(qkv)),
+            o=self._pack(self.tensor(p + "o_proj.weight", (s.hidden_size, q_out))),
+            qkv_bias=torch.cat(biases) if biases else None,
             o_bias=self._optional(p + "o_proj.bias", (s.hidden_size,), s.o_bias),
             q_norm=self._optional(p + "q_norm.weight", (norm_q,), s.qk_norm != "none"),
             k_norm=self._optional(p + "k_norm.weight", (norm_k,), s.qk_norm != "none"),
@@ -170,10 +185,13 @@ class Checkpoint:
 
     def _ffn(self, p: str, gate: str, up: str, down: str, inter: int) -> FFNWeights:
         h = self.spec.hidden_size
+        parts = (
+            self.tensor(f"{p}{gate}.weight", (inter, h)),
+            self.tensor(f"{p}{up}.weight", (inter, h)),
+        )
         return FFNWeights(
-            gate=self.tensor(f"{p}{gate}.weight", (inter, h)),
-            up=self.tensor(f"{p}{up}.weight", (inter, h)),
-            down=self.tensor(f"{p}{down}.weight", (h, inter)),
+            gate_up=self._pack(torch.cat(parts)),
+            down=self._pack(self.tensor(f"{p}{down}.weight", (h, inter))),
         )
 
     def _moe_prefix(self, layer: int) -> str:
@@ -217,7 +235,7 @@ class Checkpoint:
             expert
         ]  # [2I, H], gate rows first
         down = self.tensor(base + "down_proj", (e, h, i))[expert]  # [H, I]
-        return FFNWeights(gate=gate_up[:i], up=gate_up[i:], down=down)
+        return FFNWeights(gate_up=self._pack(gate_up), down=self._pack(down))
 
     def fingerprint(self) -> str:
         """A cheap weights checksum: config.json, every file's header, and 64 KiB sampled across every file.

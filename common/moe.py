@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_mesh.common.arch import ModelSpec
+from moe_mesh.common.linear import linear
 from moe_mesh.common.weights import FFNWeights
 
 
@@ -34,7 +35,7 @@ class ExpertGroup:
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, spec: ModelSpec) -> Routing:
     """Softmax over all experts in float32, top-k, optional renormalisation (always for Mixtral)."""
-    logits = F.linear(x, router_weight)  # [tokens, experts]
+    logits = linear(x, router_weight)  # [tokens, experts]
     probs = torch.softmax(logits.float(), dim=-1)
     top_w, top_e = torch.topk(probs, spec.top_k, dim=-1)  # [tokens, k]
     if spec.norm_topk_prob:
@@ -44,24 +45,31 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, spec: ModelSpec) -> Rout
     return Routing(experts=top_e, weights=top_w)
 
 
-def group_by_expert(routing: Routing, num_experts: int) -> list[ExpertGroup]:
-    """Token rows per routed expert, experts ascending; each expert appears once with its whole group."""
+def group_by_expert(
+    routing: Routing, num_experts: int, counts: torch.Tensor | None = None
+) -> list[ExpertGroup]:
+    """Token rows per routed expert, experts ascending; each expert appears once with its whole group.
+
+    `counts` [experts] is the bincount of routing.experts when the caller has it already."""
     k = routing.experts.shape[1]
     flat = routing.experts.reshape(-1)  # [tokens * k]
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    groups, start = [], 0
-    for expert, n in enumerate(counts):
-        if n:
-            slots = order[start : start + n]
-            groups.append(ExpertGroup(expert=expert, tokens=slots // k, slots=slots))
-            start += n
-    return groups
+    tokens = order // k
+    if counts is None:
+        counts = torch.bincount(flat, minlength=num_experts)
+    # Python work per routed expert only: a layer of 256 experts costs what its few routed ones do.
+    routed = counts.nonzero().flatten()  # ascending
+    sizes = counts[routed].tolist()
+    return [
+        ExpertGroup(e, tokens=t, slots=s)
+        for e, t, s in zip(routed.tolist(), tokens.split(sizes), order.split(sizes))
+    ]
 
 
 def expert_ffn(x: torch.Tensor, w: FFNWeights) -> torch.Tensor:
     """SwiGLU expert: down(silu(gate(x)) * up(x)). x: [n, hidden] -> [n, hidden]."""
-    return F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
+    gate, up = linear(x, w.gate_up).chunk(2, dim=-1)  # [n, inter] each
+    return linear(F.silu(gate) * up, w.down)
 
 
 def combine(
@@ -71,16 +79,17 @@ def combine(
     num_tokens: int,
     like: torch.Tensor,
 ) -> torch.Tensor:
-    """Σ_k w_k · expert_k(x) per token, accumulated in ascending expert order (as transformers does)."""
-    out = torch.zeros(num_tokens, like.shape[-1], dtype=like.dtype)  # [tokens, hidden]
+    """Σ_k w_k · expert_k(x) per token, summed over the token's choices in routing order."""
     if not groups:
-        return out
-    flat_w = routing.weights.reshape(-1)
-    weighted = [(y * flat_w[g.slots, None]).to(like.dtype) for g, y in zip(groups, outputs)]
-    # One index_add_ over rows in group order: CPU index_add_ accumulates duplicates sequentially,
-    # so each token sums its experts in ascending expert order.
-    out.index_add_(0, torch.cat([g.tokens for g in groups]), torch.cat(weighted))
-    return out
+        return torch.zeros(num_tokens, like.shape[-1], dtype=like.dtype)  # [tokens, hidden]
+    k = routing.experts.shape[1]
+    slots = torch.cat([g.slots for g in groups])  # [tokens * k]: every (token, choice) once
+    # In the routing weights' dtype (float32 for Mixtral), rounded once after the sum, as
+    # transformers' default (grouped_mm) experts path computes it.
+    weighted = torch.cat(outputs) * routing.weights.reshape(-1)[slots, None]
+    ordered = torch.empty_like(weighted)
+    ordered[slots] = weighted  # row t*k + j: token t's j-th choice
+    return ordered.view(num_tokens, k, -1).sum(dim=1).to(like.dtype)  # [tokens, hidden]
 
 
 def shared_expert_output(

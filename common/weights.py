@@ -9,26 +9,28 @@ import torch
 
 @dataclass
 class FFNWeights:
-    """A SwiGLU FFN: down(silu(gate(x)) * up(x)). Used for routed experts, shared experts and dense MLPs."""
+    """A SwiGLU FFN: down(silu(gate(x)) * up(x)). Used for routed experts, shared experts and dense MLPs.
 
-    gate: torch.Tensor  # [inter, hidden]
-    up: torch.Tensor  # [inter, hidden]
+    Gate and up are one matrix, so both projections are one GEMM (one pass over x, one kernel call).
+    """
+
+    gate_up: torch.Tensor  # [2 * inter, hidden], gate rows first; plain or prepacked
     down: torch.Tensor  # [hidden, inter]
+
+    @classmethod
+    def from_parts(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> FFNWeights:
+        return cls(gate_up=torch.cat([gate, up]), down=down)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
+        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down))
 
 
 @dataclass
 class AttentionWeights:
-    q: torch.Tensor  # [heads * head_dim, hidden]
-    k: torch.Tensor  # [kv_heads * head_dim, hidden]
-    v: torch.Tensor  # [kv_heads * head_dim, hidden]
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]: q, k, v rows, one GEMM
     o: torch.Tensor  # [hidden, heads * head_dim]
-    q_bias: torch.Tensor | None = None
-    k_bias: torch.Tensor | None = None
-    v_bias: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None  # [head_dim] (per_head) or [heads * head_dim] (full)
     k_norm: torch.Tensor | None = None

@@ -114,7 +114,7 @@ class ExpertApp:
                 "weights_checksum": host.weights_checksum,
                 "experts": format_experts(host.experts),
                 "region": self.settings.region,
-                "dtype": self.settings.dtype,
+                "dtype": str(host.dtype).removeprefix("torch."),
                 "fast_path": self.fast_paths[0] if self.fast_paths else "",
             },
         )

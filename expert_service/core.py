@@ -66,7 +66,8 @@ class ExpertHost:
         telemetry: Telemetry = OFF,
     ) -> None:
         self.settings = settings
-        self.dtype: torch.dtype = getattr(torch, settings.dtype)
+        # What the weights hold: the configured dtype, or the checkpoint's own with "auto".
+        self.dtype: torch.dtype = next(iter(weights.values())).down.dtype
         self.spec, self.experts, self.weights = spec, experts, weights
         self.model_id, self.weights_checksum = model_id, weights_checksum
         self.batcher = DynamicBatcher(
@@ -82,13 +83,17 @@ class ExpertHost:
     def load(cls, settings: ExpertSettings, telemetry: Telemetry = OFF) -> ExpertHost:
         """Read the configured pairs from the checkpoint; CheckpointError / InvalidArgumentError name
         what is wrong."""
-        checkpoint = Checkpoint(settings.checkpoint, dtype=getattr(torch, settings.dtype))
+        checkpoint = Checkpoint(
+            settings.checkpoint,
+            dtype=None if settings.dtype == "auto" else getattr(torch, settings.dtype),
+            prepack=True,
+        )
         experts = parse_experts(settings.experts, checkpoint.spec)
         return cls(
             settings,
             checkpoint.spec,
             experts,
-            checkpoint.load_experts(experts),  # memory-mapped views: only these pairs are read
+            checkpoint.load_experts(experts),  # only these pairs are read
             settings.model_id or checkpoint.path.resolve().name,
             checkpoint.fingerprint(),
             telemetry,

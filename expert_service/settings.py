@@ -28,8 +28,10 @@ class ExpertSettings(TelemetrySettings):
     model_id: str | None = Field(
         None, description="model id routers must send; unset means the checkpoint directory's name"
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="compute dtype; requests must send activations of this dtype"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "auto",
+        description="compute dtype; auto keeps the checkpoint's; requests must send activations "
+        "of this dtype",
     )
     max_batch_tokens: int = Field(
         4096, ge=1, description="token rows per expert FFN execution at most"

@@ -72,6 +72,7 @@ class TextRequest:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     # Sequences, not lists: the gRPC API passes its repeated fields as they are, so their length is
     # checked before anything copies up to a message's worth of entries.
@@ -251,6 +252,9 @@ class GatewayCore:
         top_k = 0 if r.top_k is None else r.top_k
         if not 0 <= top_k < 2**31:
             raise InvalidArgumentError("top_k", f"must be in [0, 2^31), got {top_k}")
+        min_p = 0.0 if r.min_p is None else r.min_p
+        if not (math.isfinite(min_p) and 0 <= min_p <= 1):
+            raise InvalidArgumentError("min_p", f"must be in [0, 1], got {min_p}")
         if r.seed is not None and not 0 <= r.seed < 2**64:
             raise InvalidArgumentError("seed", f"must be in [0, 2^64), got {r.seed}")
         if not -(2**31) <= r.priority < 2**31:
@@ -263,7 +267,14 @@ class GatewayCore:
             # the same seed; without one here, the rest would be drawn from a different sample path.
             seed = secrets.randbits(63)
         return ids, GenerateParams(
-            max_tokens, temperature, top_p, top_k, seed, tuple(r.stop_token_ids), r.ignore_eos
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            seed,
+            tuple(r.stop_token_ids),
+            r.ignore_eos,
         )
 
     # -- generation ------------------------------------------------------------------------

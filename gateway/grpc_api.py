@@ -24,6 +24,7 @@ def _request(msg: inference_pb2.GenerateRequest) -> TextRequest:
         temperature=msg.temperature if msg.HasField("temperature") else None,
         top_p=msg.top_p if msg.HasField("top_p") else None,
         top_k=msg.top_k if msg.HasField("top_k") else None,
+        min_p=msg.min_p if msg.HasField("min_p") else None,
         seed=msg.seed if msg.HasField("seed") else None,
         stop=msg.stop,
         stop_token_ids=msg.stop_token_ids,

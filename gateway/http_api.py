@@ -7,11 +7,11 @@
     GET  /health/ready          200 while `app.state.ready`, else 503
 
 Both generation endpoints stream as Server-Sent Events with `"stream": true`. Besides OpenAI's
-fields they take vLLM-style extensions: `top_k`, `priority`, `stop_token_ids`, `ignore_eos`, and
-`return_token_ids` (adds `token_ids` to every choice) and `request_id` (a duplicate of one in
-flight is 409). Unknown fields are ignored, since OpenAI
-clients send some; known OpenAI features this server cannot honour (`logprobs`, `echo`, penalties,
-`tools`, ...) are refused rather than silently dropped. Values are validated by the core; every
+fields they take vLLM-style extensions: `top_k`, `min_p`, `priority`, `stop_token_ids`,
+`ignore_eos`, and `return_token_ids` (adds `token_ids` to every choice) and `request_id` (a
+duplicate of one in flight is 409). Unknown fields are ignored, since OpenAI clients send some;
+known OpenAI features this server cannot honour (`logprobs`, `echo`, penalties, `tools`, ...) are
+refused rather than silently dropped. Values are validated by the core; every
 error uses OpenAI's `{"error": {message, type, param, code}}` shape, `param` naming the field.
 Bodies over `max_body_bytes` are refused with 413 before they are read; list and string limits
 are part of the body schema, so an oversized list is refused before its items are validated.
@@ -81,6 +81,7 @@ class _Body(_Json):
     stream: bool = False
     stream_options: StreamOptions | None = None
     top_k: Annotated[int, Field(lt=2**31)] | None = None
+    min_p: float | None = None
     priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] = 0
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
@@ -141,6 +142,7 @@ def _text_request(
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
+        min_p=body.min_p,
         seed=body.seed,
         stop=body.stop,
         stop_token_ids=body.stop_token_ids,

@@ -47,6 +47,7 @@ class GenerateParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
@@ -69,6 +70,7 @@ def to_proto(r: RouterRequest) -> router_pb2.RouterGenerateRequest:
         temperature=p.temperature,
         top_p=p.top_p,
         top_k=p.top_k,
+        min_p=p.min_p,
         stop_token_ids=p.stop_token_ids,
         ignore_eos=p.ignore_eos,
     )

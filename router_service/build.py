@@ -90,7 +90,7 @@ def _open(settings: RouterSettings) -> Checkpoint:
     """The configured checkpoint at the compute dtype."""
     if settings.checkpoint is None:
         raise ValueError("settings.checkpoint is required")
-    return Checkpoint(settings.checkpoint, dtype=compute_dtype(settings.dtype))
+    return Checkpoint(settings.checkpoint, dtype=compute_dtype(settings.dtype), prepack=True)
 
 
 def _identity(settings: RouterSettings, checkpoint: Checkpoint) -> Identity:

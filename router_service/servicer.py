@@ -31,6 +31,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             temperature=p.temperature,
             top_p=p.top_p,
             top_k=p.top_k,
+            min_p=p.min_p,
             seed=p.seed if p.HasField("seed") else None,
             stop_token_ids=tuple(p.stop_token_ids),
             ignore_eos=p.ignore_eos,

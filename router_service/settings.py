@@ -22,7 +22,7 @@ class RouterSettings(TelemetrySettings):
         None, description="model id shared with expert services; default: checkpoint dir name"
     )
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
-        "float32", description="compute dtype; auto keeps the checkpoint's dtype"
+        "auto", description="compute dtype; auto keeps the checkpoint's dtype"
     )
     # continuous batching
     max_num_seqs: int = Field(

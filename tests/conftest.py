@@ -10,7 +10,8 @@ import pytest
 
 from moe_mesh.common import runtime
 
-runtime.configure()  # the test process is a router too: before anything imports torch
+# The test process is a router too, next to the expert services it starts: before torch loads.
+runtime.configure(shares_cores=True)
 from moe_mesh.common.server import GrpcServer  # noqa: E402
 from tests.support.factories import make_checkpoint  # noqa: E402
 

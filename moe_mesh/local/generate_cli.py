@@ -53,6 +53,13 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 disables"
     )
+    p.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="keep tokens at least this share of the most likely one's probability, in [0, 1]; "
+        "0 disables (default)",
+    )
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument(
@@ -63,9 +70,9 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--dtype",
-        default="float32",
+        default="auto",
         choices=["float32", "bfloat16", "float16", "auto"],
-        help="compute dtype (default float32)",
+        help="compute dtype (default auto: the checkpoint's)",
     )
     p.add_argument(
         "--json", action="store_true", help="print one JSON object instead of streaming text"
@@ -93,6 +100,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_p=args.min_p,
         seed=args.seed,
         stop_token_ids=tuple(args.stop_token_ids),
         ignore_eos=args.ignore_eos,
@@ -128,6 +136,7 @@ def _run_generate_remote(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_p=args.min_p,
         stop=args.stop,
         stop_token_ids=args.stop_token_ids,
         priority=args.priority,

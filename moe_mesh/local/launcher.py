@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moe_mesh.common import runtime
 from moe_mesh.common.arch import load_spec
 from moe_mesh.common.placement import format_experts, parse_experts
 from moe_mesh.common.server import write_ready_file
@@ -188,7 +189,8 @@ class Launcher:
         ready = self.run_dir / f"{name}.ready.json"
         ready.unlink(missing_ok=True)
         log_path = self.run_dir / f"{name}.log"
-        env = {**os.environ, "CONSUL_HTTP_ADDR": self.registry_address}
+        # Router and expert services share this host's cores (common/runtime.py).
+        env = runtime.shared_cores_env({**os.environ, "CONSUL_HTTP_ADDR": self.registry_address})
         # Every child serves metrics (for `moe-mesh stats`); with tracing, each writes its own span file.
         telemetry = ["--metrics-port", "0"]
         if self.trace_sample is not None:

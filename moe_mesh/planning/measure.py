@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from moe_mesh.common.arch import ModelSpec
 from moe_mesh.common.checkpoint import Checkpoint
+from moe_mesh.common.linear import linear
 from moe_mesh.common.moe import (
     combine,
     expert_ffn,
@@ -148,7 +149,7 @@ class LayerBench:
 
         def step() -> torch.Tensor:
             x = rms_norm(F.embedding(ids, w.embed), w.final_norm, self.spec.rms_norm_eps)
-            return F.linear(x, w.lm_head).float()  # [b, vocab]
+            return linear(x, w.lm_head).float()  # [b, vocab]
 
         return timed(step, repeats)
 

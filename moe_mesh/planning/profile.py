@@ -347,7 +347,7 @@ def profile(args: argparse.Namespace) -> ProfileFile:
     from moe_mesh.common.checkpoint import Checkpoint
     from moe_mesh.planning.measure import LayerBench
 
-    checkpoint = Checkpoint(args.checkpoint, dtype=getattr(torch, args.dtype))
+    checkpoint = Checkpoint(args.checkpoint, dtype=getattr(torch, args.dtype), prepack=True)
     bench = LayerBench(checkpoint)
     spec = bench.spec
     _say(f"{spec.family}: {len(spec.moe_layer_ids)} MoE layers x {spec.num_experts} experts")

@@ -158,6 +158,8 @@ class Engine:
             raise InvalidArgumentError("top_p", f"must be in (0, 1], got {p.top_p}")
         if p.top_k < 0:
             raise InvalidArgumentError("top_k", f"must be >= 0, got {p.top_k}")
+        if not 0 <= p.min_p <= 1:
+            raise InvalidArgumentError("min_p", f"must be in [0, 1], got {p.min_p}")
 
     def close(self) -> None:
         """Stop the model's compute thread (after the last step)."""

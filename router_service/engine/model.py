@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_mesh.common.arch import ModelSpec
+from moe_mesh.common.linear import linear
 from moe_mesh.common.moe import expert_ffn
 from moe_mesh.common.weights import DenseWeights
 from moe_mesh.router_service.engine.kv_cache import KVCache, block_bytes
@@ -196,5 +197,5 @@ class MoeModel:
             p.layer += 1
         x = rms_norm(x, w.final_norm, s.rms_norm_eps)
         rows = x if p.all_logits else x[p.batch.logits_rows]
-        p.logits = F.linear(rows, w.lm_head).float()  # [rows, vocab]
+        p.logits = linear(rows, w.lm_head).float()  # [rows, vocab]
         return True

@@ -1,4 +1,11 @@
-"""Per-request sampling: greedy, temperature, top-k, top-p, with an optional per-request seed.
+"""Per-request sampling: greedy, temperature, top-k, top-p, min-p, with an optional per-request seed.
+
+Filters run in transformers' order and with its arithmetic (`filtered_logits`, checked against its
+logits warpers in tests/unit/router_service/engine/test_sampling.py): temperature, top-k, top-p over
+the top-k survivors, then min-p. vLLM runs min-p before top-k/top-p, which can keep fewer tokens: its
+top-p then counts mass on a distribution min-p already cut. Run last, min-p keeps exactly what it
+would alone (its cut is relative to the most likely token, which every filter keeps), and top-p
+counts the model's own mass.
 
 Randomness is a function of (seed, absolute position) only: the token at position p is drawn from
 a generator seeded with mix(seed, p). A sequence resumed elsewhere from its prompt plus the tokens
@@ -23,6 +30,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 (or anything below GREEDY_BELOW) is greedy
     top_p: float = 1.0  # 1 disables nucleus filtering
     top_k: int = 0  # 0 disables top-k filtering
+    min_p: float = 0.0  # 0 disables; keeps tokens with probability >= min_p x the most likely's
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -47,21 +55,45 @@ def position_seed(seed: int, position: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 1
 
 
+def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The float32 logits [vocab] `sample` draws from: temperature-scaled, filtered tokens at -inf.
+
+    softmax of the result is the sampling distribution. Greedy params leave only the argmax finite.
+    Each filter is transformers' warper of the same name, operation for operation (so surviving
+    sets agree exactly, ties at the top-p boundary included): TemperatureLogitsWarper,
+    TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, in the order generate() applies them.
+    """
+    if params.greedy:
+        keep = torch.full_like(logits, float("-inf"), dtype=torch.float32)
+        top = _argmax(logits)
+        keep[top] = logits[top].float()
+        return keep
+    scaled = logits.float() / params.temperature  # [vocab]
+    if 0 < params.top_k < scaled.numel():
+        # Every token tied with the k-th stays, as in transformers.
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        # Ascending order: a token goes when the mass of it and every less likely token is at most
+        # 1 - top_p, i.e. the tokens above it already hold top_p. The most likely token always stays.
+        ascending, order = torch.sort(scaled)
+        drop = ascending.softmax(-1).cumsum(-1) <= 1 - params.top_p
+        drop[-1] = False
+        scaled = scaled.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(scaled, dim=-1)
+        drop = probs < params.min_p * probs.amax()
+        # The argmax always stays, whatever a NaN made of the comparison (transformers' min_tokens_to_keep).
+        drop[torch.argmax(probs)] = False
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from logits [vocab]; never raises on non-finite or degenerate distributions."""
     if params.greedy:
         return _argmax(logits)
-    scaled = logits.float() / params.temperature  # [vocab]
-    if 0 < params.top_k < scaled.numel():
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token once the tokens before it already hold top_p of the mass; the first always stays.
-        drop = (probs.cumsum(-1) - probs) > params.top_p
-        scaled = scaled.index_fill(0, order[drop], float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
+    probs = torch.softmax(filtered_logits(logits, params), dim=-1)
     # NaN logits, or an inf left by a temperature just above GREEDY_BELOW: multinomial would raise.
     if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
         return _argmax(logits)

@@ -253,8 +253,8 @@ class ExpertDispatcher:
     def route(self, layer: int, x: torch.Tensor, w: LayerWeights) -> Routed:
         """Gate and group a layer's tokens by expert, and count them."""
         routing = route(x, w.router, self.spec)
-        groups = group_by_expert(routing, self.spec.num_experts)
         counts = torch.bincount(routing.experts.reshape(-1), minlength=self.spec.num_experts)
+        groups = group_by_expert(routing, self.spec.num_experts, counts)
         with self._stats_lock:
             self.tokens_routed[layer] += counts
             self.window.add(layer, counts)

@@ -84,6 +84,7 @@ def test_generate_local_streams_text_for_a_prompt(checkpoint) -> None:
         (["--max-tokens", "0"], "max_tokens: must be >= 1"),
         (["--max-tokens", "100000"], "max_tokens: prompt (2 tokens) + max_tokens (100000) exceeds"),
         (["--top-p", "0"], "top_p: must be in (0, 1]"),
+        (["--min-p", "2"], "min_p: must be in [0, 1], got 2.0"),
         (["--temperature", "-1"], "temperature: must be a finite number >= 0"),
     ],
 )

@@ -61,6 +61,7 @@ def sampling(count: st.SearchStrategy, **extra) -> st.SearchStrategy:
             "temperature": floats,
             "top_p": floats,
             "top_k": count,
+            "min_p": floats,
             "stop_token_ids": ids,
         },
         optional={"seed": u64, **extra},

@@ -88,6 +88,7 @@ FIELDS = [
     "temperature",
     "top_p",
     "top_k",
+    "min_p",
     "seed",
     "stop",
     "stop_token_ids",

@@ -117,6 +117,7 @@ async def test_optional_fields_are_sent_when_given_even_at_their_default() -> No
             "temperature": 0,
             "top_p": 0,
             "top_k": 0,
+            "min_p": 0,
             "seed": 0,
             "model": "",
             "priority": 0,
@@ -124,7 +125,7 @@ async def test_optional_fields_are_sent_when_given_even_at_their_default() -> No
         encode_only=True,
     )
     msg = inference_pb2.GenerateRequest.FromString(bytes.fromhex(given["request_hex"]))
-    for field in ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed"):
+    for field in ("prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
         assert msg.HasField(field), field
     assert msg.prompt == "" and msg.temperature == 0 and msg.max_tokens == 0
 
@@ -133,7 +134,7 @@ async def test_optional_fields_are_sent_when_given_even_at_their_default() -> No
     )
     msg = inference_pb2.GenerateRequest.FromString(bytes.fromhex(omitted["request_hex"]))
     assert list(msg.prompt_token_ids) == PROMPT
-    for field in ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed"):
+    for field in ("prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
         assert not msg.HasField(field), field
 
 

@@ -49,6 +49,11 @@ CASES = {
         "olmoe",
         {"overrides": {"clip_qkv": 0.5, "norm_topk_prob": True, "tie_word_embeddings": True}},
     ),
+    # head_dim 32 != hidden 64 / 4 heads: q is 128 wide, twice the hidden size (Qwen3's q/k norm
+    # spans one head; OLMoE cannot: transformers sizes its q norm by hidden_size).
+    "mixtral-head-dim-32": ("mixtral", {"overrides": {"head_dim": 32}}),
+    "qwen2-head-dim-32": ("qwen2_moe", {"overrides": {"head_dim": 32}}),
+    "qwen3-head-dim-32": ("qwen3_moe", {"overrides": {"head_dim": 32}}),
     "mixtral-fused": ("mixtral", {"expert_layout": "fused"}),
     "qwen2-fused-sharded": ("qwen2_moe", {"expert_layout": "fused", "max_shard_size": "100KB"}),
 }

@@ -122,6 +122,9 @@ BAD = [
     ({"prompt": "hi", "top_p": 0.0}, "top_p"),
     ({"prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"prompt": "hi", "top_k": -1}, "top_k"),
+    ({"prompt": "hi", "min_p": -0.5}, "min_p"),
+    ({"prompt": "hi", "min_p": 1.5}, "min_p"),
+    ({"prompt": "hi", "min_p": float("nan")}, "min_p"),
     ({"prompt": "hi", "model": "nope"}, "model"),
     ({"prompt": "hi", "stop_token_ids": [999999]}, "stop_token_ids"),
     # Limits: once a 100 KB request_id was UNAVAILABLE and a 20,000-character model RESOURCE_EXHAUSTED

@@ -143,12 +143,16 @@ async def test_completions_give_the_engines_greedy_tokens(mesh, path) -> None:
         r = await c.completions.create(model="", prompt=IDS, stop=stop, **GREEDY)
         assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
 
-        # Sampling fields reach the engine: top_k=1 is greedy at any temperature; a seed repeats.
+        # Sampling fields reach the engine: top_k=1 and min_p=1 are greedy at any temperature (the
+        # latter but for exact ties); a seed repeats.
         sampled = {**GREEDY, "temperature": 1.0}
-        r = await c.completions.create(
-            model="", prompt=IDS, **{**sampled, "extra_body": {**GREEDY["extra_body"], "top_k": 1}}
-        )
-        assert r.choices[0].token_ids == greedy(path, tuple(IDS))
+        for extension in ({"top_k": 1}, {"min_p": 1.0}):
+            r = await c.completions.create(
+                model="",
+                prompt=IDS,
+                **{**sampled, "extra_body": {**GREEDY["extra_body"], **extension}},
+            )
+            assert r.choices[0].token_ids == greedy(path, tuple(IDS)), extension
         a, b = [
             (await c.completions.create(model="", prompt=IDS, seed=7, **sampled))
             .choices[0]
@@ -253,6 +257,9 @@ BAD = [  # (endpoint, JSON body or raw bytes, the field the error must name)
     ("completions", completion(top_p=0), "top_p"),
     ("completions", completion(top_p=1.5), "top_p"),
     ("completions", completion(top_k=-1), "top_k"),
+    ("completions", completion(min_p=-0.1), "min_p"),
+    ("completions", completion(min_p=2), "min_p"),
+    ("completions", completion(min_p="high"), "min_p"),
     ("completions", completion(seed=-1), "seed"),
     ("completions", completion(stop=5), "stop"),
     ("completions", completion(stop_token_ids=[9999]), "stop_token_ids"),

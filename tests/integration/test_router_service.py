@@ -48,6 +48,22 @@ async def test_tiny_temperature_is_greedy_and_does_not_stop_the_router(
     assert app.core.loop_deaths == 0
 
 
+async def test_min_p_reaches_the_engine_and_out_of_range_is_invalid_argument(
+    local_router, checkpoint
+) -> None:
+    _, stub, _ = local_router
+    expected = monolithic(checkpoint("olmoe"))
+    # min_p = 1 keeps only the most likely token (exact ties aside): greedy at any temperature.
+    assert await generate(stub, request(3, temperature=1.5, min_p=1.0, seed=2), timeout=10) == (
+        expected[3],
+        LENGTH,
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await generate(stub, request(0, temperature=1.0, min_p=1.5), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "min_p: must be in [0, 1], got 1.5"
+
+
 async def test_duplicate_request_id_in_flight_is_already_exists(local_router, checkpoint) -> None:
     app, stub, _ = local_router
     gate = asyncio.Event()

@@ -14,7 +14,7 @@
 //   --encode-only          {"request_hex": "..."}: the request as serialized for the wire, nothing sent
 // and exits 0: gRPC errors are data for the test. Exit code 1 means a usage error or a bug in this client.
 //
-// proto3 `optional` fields (prompt, max_tokens, temperature, top_p, top_k, seed): protobufjs turns each into a
+// proto3 `optional` fields (prompt, max_tokens, temperature, top_p, top_k, min_p, seed): protobufjs turns each into a
 // synthetic oneof `_name`, and proto-loader's serializer (Type.fromObject + encode) writes such a field whenever
 // the request object has it with a non-null value, zero and "" included. So {"temperature": 0} is sent as
 // present (the server then samples greedily) and {"prompt": ""} as a present, empty prompt; leave a key out

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 from tests.support.reference import PROMPTS
 
 
-def load(path: Path) -> torch.nn.Module:
-    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+def load(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
     # A silently re-initialised tensor would make every parity check built on it meaningless.
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     return model.eval()

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from moe_mesh.common import runtime
+
 
 class ServiceProcess:
     """`python -m <module> ... --ready-file F`, waited for until it has written F."""
@@ -31,7 +33,8 @@ class ServiceProcess:
             [sys.executable, "-m", module, *args, "--ready-file", str(self.ready_file)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            # Services started here share the cores with each other and with the tests.
+            env=runtime.shared_cores_env({**os.environ, **(env or {})}),
         )
         self.address = ""
         self.ready: dict = {}  # the ready file's contents

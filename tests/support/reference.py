@@ -4,6 +4,7 @@ placement, transport and fault must reproduce), plus a router engine over expert
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from functools import cache
@@ -61,9 +62,12 @@ def monolithic(path: Path) -> tuple[tuple[int, ...], ...]:
 
 
 @asynccontextmanager
-async def mesh_engine(path: Path, specs: list[str], workdir: Path, **settings):
-    """Expert-service processes for `specs` and an in-process router engine using them."""
-    experts = start_experts(path, specs, workdir)
+async def mesh_engine(
+    path: Path, specs: list[str], workdir: Path, expert_args: Sequence[str] = (), **settings
+):
+    """Expert-service processes for `specs` (with `expert_args`, e.g. a --dtype) and an in-process
+    router engine using them; `settings` are the router's."""
+    experts = start_experts(path, specs, workdir, *expert_args)
     try:
         parts = await build_router(
             RouterSettings(

@@ -45,6 +45,8 @@ def _compose_service(
         "environment": {
             "CONSUL_HTTP_ADDR": "${CONSUL_HTTP_ADDR:-consul:8500}",
             "CONSUL_HTTP_TOKEN": "${CONSUL_HTTP_TOKEN:-}",
+            # The services of one compose project share the host's cores (common/runtime.py).
+            "OMP_WAIT_POLICY": "${OMP_WAIT_POLICY:-PASSIVE}",
         },
         "volumes": [
             "${MODEL_DIR:?set MODEL_DIR to the checkpoint directory on this host}:"

@@ -136,8 +136,8 @@ async def test_batcher_fails_every_group_of_a_failing_batch_and_keeps_serving(
     settings, monkeypatch
 ) -> None:
     host = ExpertHost.load(settings())
-    broken = FFNWeights(
-        gate=torch.zeros(8, 3), up=torch.zeros(8, 3), down=torch.zeros(3, 8)
+    broken = FFNWeights.from_parts(
+        torch.zeros(8, 3), torch.zeros(8, 3), torch.zeros(3, 8)
     )  # wrong width
     batcher = DynamicBatcher(
         {(0, 0): broken, (0, 1): host.weights[(0, 1)]}, max_queue_delay_us=50_000

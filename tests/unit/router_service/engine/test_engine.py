@@ -61,11 +61,13 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(engine: Engine) -> N
     assert first != other
 
 
-def test_top_k_1_and_tiny_top_p_equal_greedy(engine: Engine) -> None:
+def test_top_k_1_tiny_top_p_and_min_p_1_equal_greedy(engine: Engine) -> None:
     greedy, reason = generate(engine, GREEDY)
     assert reason is FinishReason.LENGTH and len(greedy) == GREEDY.max_tokens
     assert generate(engine, replace(GREEDY, temperature=2.0, top_k=1, seed=5))[0] == greedy
     assert generate(engine, replace(GREEDY, temperature=2.0, top_p=1e-6, seed=5))[0] == greedy
+    # min_p = 1 keeps only tokens as likely as the top one: greedy unless two logits tie exactly.
+    assert generate(engine, replace(GREEDY, temperature=2.0, min_p=1.0, seed=5))[0] == greedy
 
 
 def test_stop_token_ids_and_eos_end_generation_with_stop(engine: Engine) -> None:
@@ -138,6 +140,9 @@ def test_waiting_requests_are_admitted_by_priority_up_to_max_num_seqs(checkpoint
         (PROMPT, replace(GREEDY, top_p=0.0), InvalidArgumentError, "top_p"),
         (PROMPT, replace(GREEDY, top_p=1.5), InvalidArgumentError, "top_p"),
         (PROMPT, replace(GREEDY, top_k=-1), InvalidArgumentError, "top_k"),
+        (PROMPT, replace(GREEDY, min_p=-0.1), InvalidArgumentError, "min_p"),
+        (PROMPT, replace(GREEDY, min_p=1.5), InvalidArgumentError, "min_p"),
+        (PROMPT, replace(GREEDY, min_p=math.nan), InvalidArgumentError, "min_p"),
     ],
 )
 def test_invalid_requests_name_the_field_and_leave_the_engine_usable(
@@ -225,6 +230,8 @@ def test_tiny_temperatures_sample_greedily_without_error(
         SamplingParams(temperature=1e-5),
         SamplingParams(temperature=0.7, top_p=0.9),
         SamplingParams(temperature=3.0, top_k=2),
+        SamplingParams(temperature=0.7, min_p=0.1),
+        SamplingParams(temperature=1.3, top_k=2, top_p=0.8, min_p=1.0),
     ],
 )
 def test_degenerate_distributions_fall_back_to_argmax(
