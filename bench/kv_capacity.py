@@ -1,6 +1,6 @@
 """Sequences of ~1,000 tokens in a fixed KV-cache byte budget: how many run at once, and their
 decode tokens/s, slot cache vs paged (local engine, every expert colocated, `small` preset Mixtral
-by default, float32).
+by default, float32 unless `--dtype`).
 
 The slot cache this replaced gave every running sequence a slot of the longest sequence's length,
 both dimensions grown by doubling (from 4 slots of 128 tokens): 1,000-token sequences take slots
@@ -115,6 +115,7 @@ def main() -> int:
         help="checkpoint to use; the default is created (small Mixtral) if missing",
     )
     parser.add_argument("--budget", default="400MiB", help="KV-cache bytes")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--prompt-len", type=int, default=968)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--requests", type=int, default=48, help="more than either cache holds")
@@ -126,13 +127,15 @@ def main() -> int:
         create_checkpoint(args.checkpoint, "mixtral", "small", seed=0, progress=True)
     checkpoint = args.checkpoint.resolve()
     spec = Checkpoint(checkpoint).spec
-    token_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4  # float32
+    itemsize = getattr(torch, args.dtype).itemsize
+    token_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
     budget = parse_size(args.budget)
     length = args.prompt_len + args.new_tokens
     slots = slot_capacity(budget, token_bytes, length)
     # Every prompt admitted in one step (as many as fit), so they all decode together.
     common = dict(
         checkpoint=str(checkpoint),
+        dtype=args.dtype,
         max_prefill_tokens=args.requests * args.prompt_len,
         micro_batches="1",
     )
@@ -175,6 +178,7 @@ def main() -> int:
             {
                 "benchmark": "kv_capacity",
                 "checkpoint": str(checkpoint),
+                "dtype": args.dtype,
                 "budget_bytes": budget,
                 "bytes_per_token": token_bytes,
                 "sequence_tokens": length,

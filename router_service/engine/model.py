@@ -47,9 +47,9 @@ def pack_step(
         n, total = len(ids), start + len(ids)
         tokens += ids
         pos = torch.arange(start, total)
-        blocks = torch.tensor(table[: -(-total // block_size)], dtype=torch.int64)
+        blocks = torch.tensor([table[: -(-total // block_size)]], dtype=torch.int64)
         positions.append(pos)
-        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        slots.append(blocks[0, pos // block_size] * block_size + pos % block_size)
         mask = torch.ones(n, total, dtype=torch.bool).tril(diagonal=start) if start else None
         runs.append(Prefill(start=start, length=n, blocks=blocks, mask=mask))
     num_prefill = len(tokens)

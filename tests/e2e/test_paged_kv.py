@@ -12,6 +12,7 @@ import torch
 
 from moe_mesh.common.checkpoint import Checkpoint
 from moe_mesh.router_service.build import build_model
+from moe_mesh.router_service.engine import kv_cache
 from moe_mesh.router_service.engine.engine import Engine, FinishReason
 from moe_mesh.router_service.engine.sampling import SamplingParams
 from moe_mesh.router_service.settings import RouterSettings
@@ -92,4 +93,15 @@ def test_chunked_prefill_gives_transformers_tokens(path: Path, micro_batches: st
     engine = paged(
         path, 256, max_prefill_tokens=5, micro_batches=micro_batches, enable_prefix_caching=False
     )
+    assert asyncio.run(generate(engine, PROMPTS)) == want(path, PROMPTS)
+
+
+def test_decode_attention_a_sequence_at_a_time_gives_transformers_tokens(
+    path: Path, monkeypatch
+) -> None:
+    """Long contexts are gathered a few sequences at a time (kv_cache.GATHER_BYTES): the same
+    tokens as gathering them all at once."""
+    monkeypatch.setattr(kv_cache, "GATHER_BYTES", 1)  # one sequence per group
+    engine = paged(path, 256)
+    assert engine.cache.group(1) == 1
     assert asyncio.run(generate(engine, PROMPTS)) == want(path, PROMPTS)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moe_mesh.common.errors import InvalidArgumentError
+from moe_mesh.router_service.engine import kv_cache
 from moe_mesh.router_service.engine.kv_cache import AUTO_SHARE, KVCache, block_bytes, num_blocks
 
 LAYERS, HEADS, DIM, BS = 2, 3, 4, 4
@@ -57,6 +58,20 @@ def test_gather_returns_each_sequences_tokens_in_order_from_scattered_blocks() -
     assert c._work is work and torch.equal(one_k[0], rows(2 * BS, 100)[BS:].transpose(0, 1))
     c.gather(0, torch.tensor([[0, 1, 4, 5, 0, 1]]))
     assert c._work is not work
+
+
+def test_a_few_sequences_at_a_time_gather_the_same_contexts(monkeypatch) -> None:
+    c = cache(blocks=8)
+    c.k.normal_(generator=torch.Generator().manual_seed(1))
+    c.v.normal_(generator=torch.Generator().manual_seed(2))
+    tables = torch.tensor([[4, 1], [0, 5], [7, 7], [2, 3]])
+    all_k, all_v = (t.clone() for t in c.gather(0, tables))
+    for seqs in (slice(0, 1), slice(1, 3), slice(3, 4)):
+        k, v = c.gather(0, tables, seqs)
+        assert torch.equal(k, all_k[seqs]) and torch.equal(v, all_v[seqs])
+    per_seq = 2 * HEADS * 2 * BS * DIM * 4  # keys and values of one 2-block context
+    monkeypatch.setattr(kv_cache, "GATHER_BYTES", 3 * per_seq)
+    assert c.group(2) == 3 and c.group(100) == 1  # at least one sequence
 
 
 BLOCK = 1000  # bytes
