@@ -83,7 +83,14 @@ def build_model(
         policy,
         compute,
     )
-    return MoeModel(spec, checkpoint.load_dense(), dispatcher, max_len, compute)
+    return MoeModel(
+        spec,
+        checkpoint.load_dense(),
+        dispatcher,
+        max_len,
+        compute,
+        serial_max_tokens=settings.serial_max_tokens,
+    )
 
 
 def _open(settings: RouterSettings) -> Checkpoint:

@@ -126,10 +126,12 @@ class MoeModel:
         dispatcher: ExpertDispatcher,
         max_model_len: int,
         compute: Compute = inline,
+        serial_max_tokens: int = 0,
     ) -> None:
         self.spec, self.weights, self.dispatcher = spec, weights, dispatcher
         self.max_model_len = max_model_len
         self.compute = compute
+        self.serial_max_tokens = serial_max_tokens
         self.dtype = weights.embed.dtype
         self.rope = Rope(spec, max_model_len, self.dtype)
 
@@ -168,9 +170,17 @@ class MoeModel:
     def _advance(self, p: _Pass) -> bool:
         """Run layers until one needs remote experts (False) or the pass is done (True)."""
         began = time.perf_counter()
+        threads = torch.get_num_threads()
+        # A pass this small is bound by memory bandwidth, which one core nearly saturates: waking
+        # the other threads for each of its hundreds of ops costs more than they add.
+        serial = threads > 1 and p.batch.token_ids.numel() <= self.serial_max_tokens
+        if serial:
+            torch.set_num_threads(1)
         try:
             return self._run_layers(p)
         finally:
+            if serial:
+                torch.set_num_threads(threads)
             p.costs.compute_s += time.perf_counter() - began
 
     def _run_layers(self, p: _Pass) -> bool:
