@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import platform
 import statistics
 import sys
 import time
@@ -26,6 +24,7 @@ from moe_mesh.common import runtime
 runtime.configure()  # before torch loads OpenMP
 import torch  # noqa: E402
 
+from bench import write_result  # noqa: E402
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
 from moe_mesh.router_service.build import build_local_engine  # noqa: E402
 from moe_mesh.router_service.engine.sampling import SamplingParams  # noqa: E402
@@ -137,33 +136,26 @@ def main() -> int:
             f"{label:<40} TTFT {row['ttft_s']:6.2f} s   decoders' worst gap "
             f"{row['worst_gap_s']:6.3f} s (median gap before {row['median_gap_before_s']:.3f} s)"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     spec = engines["chunked"].model.spec
-    args.out.write_text(
-        json.dumps(
-            {
-                "benchmark": "chunked_prefill",
-                "checkpoint": str(args.checkpoint),
-                "model": {
-                    "family": spec.family,
-                    "layers": spec.num_layers,
-                    "hidden": spec.hidden_size,
-                },
-                "dtype": args.dtype,
-                "prompt_len": args.prompt_len,
-                "decoders": args.decoders,
-                "max_prefill_tokens": args.max_prefill_tokens,
-                "repeats": args.repeats,
-                "torch": torch.__version__,
-                "threads": torch.get_num_threads(),
-                "machine": platform.machine(),
-                "results": rows,
-                "runs": runs,
+    write_result(
+        args.out,
+        {
+            "benchmark": "chunked_prefill",
+            "checkpoint": str(args.checkpoint),
+            "model": {
+                "family": spec.family,
+                "layers": spec.num_layers,
+                "hidden": spec.hidden_size,
             },
-            indent=2,
-        )
+            "dtype": args.dtype,
+            "prompt_len": args.prompt_len,
+            "decoders": args.decoders,
+            "max_prefill_tokens": args.max_prefill_tokens,
+            "repeats": args.repeats,
+            "results": rows,
+            "runs": runs,
+        },
     )
-    print(f"wrote {args.out}")
     return 0
 
 

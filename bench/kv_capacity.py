@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +32,7 @@ from moe_mesh.common import runtime
 runtime.configure()  # before torch loads OpenMP
 import torch  # noqa: E402
 
+from bench import write_result  # noqa: E402
 from moe_mesh.common.checkpoint import Checkpoint  # noqa: E402
 from moe_mesh.common.units import parse_size  # noqa: E402
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
@@ -172,26 +172,19 @@ def main() -> int:
     print(
         f"paged / slot: {rows['paged']['concurrent'] / rows['slot']['concurrent']:.2f}x sequences, {ratio:.2f}x decode tokens/s"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "benchmark": "kv_capacity",
-                "checkpoint": str(checkpoint),
-                "dtype": args.dtype,
-                "budget_bytes": budget,
-                "bytes_per_token": token_bytes,
-                "sequence_tokens": length,
-                "slot_capacity": slots,
-                "torch": torch.__version__,
-                "threads": torch.get_num_threads(),
-                "machine": platform.machine(),
-                "results": rows,
-            },
-            indent=2,
-        )
+    write_result(
+        args.out,
+        {
+            "benchmark": "kv_capacity",
+            "checkpoint": str(checkpoint),
+            "dtype": args.dtype,
+            "budget_bytes": budget,
+            "bytes_per_token": token_bytes,
+            "sequence_tokens": length,
+            "slot_capacity": slots,
+            "results": rows,
+        },
     )
-    print(f"wrote {args.out}")
     return 0
 
 

@@ -8,7 +8,6 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-import torch
 
 from moe_mesh.common.checkpoint import Checkpoint
 from moe_mesh.router_service.build import build_model
@@ -16,7 +15,7 @@ from moe_mesh.router_service.engine import kv_cache
 from moe_mesh.router_service.engine.engine import Engine, FinishReason
 from moe_mesh.router_service.engine.sampling import SamplingParams
 from moe_mesh.router_service.settings import RouterSettings
-from tests.support.hf import load
+from tests.support.hf import greedy_tokens, load
 from tests.support.reference import PROMPTS
 
 NEW_TOKENS = 24
@@ -26,15 +25,7 @@ FAMILIES = ["mixtral", "qwen3_moe", "olmoe"]
 
 @cache
 def _hf_greedy(path: Path, prompt: tuple[int, ...], n: int = NEW_TOKENS) -> list[int]:
-    out = load(path).generate(
-        torch.tensor([prompt]),
-        max_new_tokens=n,
-        min_new_tokens=n,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
+    return greedy_tokens(load(path), prompt, n)
 
 
 def paged(path: Path, blocks: int, **settings) -> Engine:

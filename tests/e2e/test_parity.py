@@ -16,6 +16,7 @@ from moe_mesh.router_service.engine.engine import FinishReason
 from moe_mesh.router_service.engine.model import pack_step
 from moe_mesh.router_service.engine.sampling import SamplingParams
 from moe_mesh.router_service.settings import RouterSettings
+from tests.support.hf import greedy_tokens
 
 PROMPTS = [[7], [11, 3, 250, 9, 31], list(range(40, 53)), [(i * 37) % 400 + 5 for i in range(29)]]
 NEW_TOKENS = 32
@@ -67,15 +68,7 @@ def _hf(path: Path):
 
 @cache
 def _hf_greedy(path: Path, prompt: tuple[int, ...], n: int) -> list[int]:
-    out = _hf(path).generate(
-        torch.tensor([prompt]),
-        max_new_tokens=n,
-        min_new_tokens=n,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
+    return greedy_tokens(_hf(path), prompt, n)
 
 
 @pytest.fixture(params=list(CASES), scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -40,20 +41,22 @@ def top2_share_per_layer(path: Path) -> list[float]:
     return [(c.sort(descending=True).values[:2].sum() / c.sum()).item() for c in counts]
 
 
+def greedy_tokens(model: torch.nn.Module, prompt: Sequence[int], n: int) -> list[int]:
+    """transformers `generate`: the n greedy tokens after `prompt`, EOS ignored."""
+    ids = model.generate(
+        torch.tensor([list(prompt)]),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return ids[0, len(prompt) :].tolist()
+
+
 @cache
 def greedy(path: Path, max_tokens: int = 32) -> tuple[tuple[int, ...], ...]:
     """transformers' greedy continuations of the reference prompts (EOS ignored): what every mesh,
     whatever carries its activations, must answer token for token."""
     model = load(path)
-    out = []
-    for prompt in PROMPTS:
-        ids = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        out.append(tuple(ids[0, len(prompt) :].tolist()))
-    return tuple(out)
+    return tuple(tuple(greedy_tokens(model, prompt, max_tokens)) for prompt in PROMPTS)
