@@ -14,9 +14,10 @@ def configure(shares_cores: bool = False) -> None:
     """How idle OpenMP threads wait, unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is already set.
 
     A process with the cores to itself spins briefly after each parallel op: a step runs
-    hundreds of small ops, and waking a sleeping thread for each one cost more than the second
-    thread gained (small preset, 2 cores, 32 sequences, bfloat16: 1060 tok/s spinning briefly,
-    634 sleeping at once, 767 on one thread).
+    hundreds of small ops, and waking a sleeping thread for each one can cost more than the
+    second thread gains (small preset, 2 cores, bfloat16, 32 sequences on two threads: 1060
+    tok/s spinning briefly vs 634 sleeping at once; transformers' generate at batch 1: 75-80 vs
+    30-50 tok/s).
 
     Processes that share cores (`shares_cores`, or `moe-mesh up` and the test suite, which start
     a router and expert services on one host) sleep at once: a spinning thread then steals the

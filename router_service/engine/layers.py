@@ -44,10 +44,6 @@ class Rope:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, heads, head_dim]; positions: [tokens]."""
-        return self.rotate(x, self.at(positions))
-
 
 @dataclass
 class Prefill:
