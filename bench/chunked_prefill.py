@@ -12,7 +12,6 @@ caching is off, so nothing is found cached.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import sys
@@ -24,13 +23,10 @@ from moe_mesh.common import runtime
 runtime.configure()  # before torch loads OpenMP
 import torch  # noqa: E402
 
-from bench import write_result  # noqa: E402
-from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
+from bench import ensure_checkpoint, parser_with_checkpoint, write_result  # noqa: E402
 from moe_mesh.router_service.build import build_local_engine  # noqa: E402
 from moe_mesh.router_service.engine.sampling import SamplingParams  # noqa: E402
 from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
-
-DEFAULT_CHECKPOINT = Path(".cache/bench-small-mixtral")
 
 
 async def one_run(engine, args, gen: torch.Generator, run: int) -> dict:
@@ -87,15 +83,7 @@ def settings(args, chunked: bool) -> RouterSettings:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--checkpoint",
-        type=Path,
-        default=DEFAULT_CHECKPOINT,
-        help="checkpoint to use; the default is created (small Mixtral) if missing",
-    )
+    parser = parser_with_checkpoint(__doc__)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--prompt-len", type=int, default=2000)
     parser.add_argument("--decoders", type=int, default=16)
@@ -107,8 +95,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results/chunked_prefill.json"))
     args = parser.parse_args()
 
-    if not (args.checkpoint / "config.json").exists():
-        create_checkpoint(args.checkpoint, "mixtral", "small", seed=0, progress=True)
+    ensure_checkpoint(args.checkpoint)
     engines = {
         "chunked": build_local_engine(settings(args, True)),
         "whole": build_local_engine(settings(args, False)),

@@ -24,7 +24,7 @@ from moe_mesh.common import runtime
 runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
 import torch  # noqa: E402
 
-from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
+from bench import ensure_checkpoint  # noqa: E402
 from moe_mesh.router_service.build import build_local_engine, build_router  # noqa: E402
 from moe_mesh.router_service.experts.remote import RemoteExperts  # noqa: E402
 from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
@@ -125,8 +125,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=60)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/dispatch_profile.json")
     args = parser.parse_args()
-    if not (args.checkpoint / "config.json").exists():
-        create_checkpoint(args.checkpoint, "mixtral", "small", seed=0, progress=True)
+    ensure_checkpoint(args.checkpoint)
     rows = asyncio.run(profile(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(

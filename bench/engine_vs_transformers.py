@@ -18,7 +18,6 @@ larger than the last-level cache) and prints the engine's batch-1 rate × bytes 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import sys
@@ -31,13 +30,10 @@ from moe_mesh.common import runtime
 runtime.configure()  # before torch loads OpenMP
 import torch  # noqa: E402
 
-from bench import write_result  # noqa: E402
-from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
+from bench import ensure_checkpoint, parser_with_checkpoint, write_result  # noqa: E402
 from moe_mesh.router_service.build import build_local_engine  # noqa: E402
 from moe_mesh.router_service.engine.sampling import SamplingParams  # noqa: E402
 from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
-
-DEFAULT_CHECKPOINT = Path(".cache/bench-small-mixtral")
 
 
 def engine_generate(engine, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
@@ -106,15 +102,7 @@ def bytes_per_token(spec, itemsize: int) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--checkpoint",
-        type=Path,
-        default=DEFAULT_CHECKPOINT,
-        help="checkpoint to use; the default is created (small Mixtral) if missing",
-    )
+    parser = parser_with_checkpoint(__doc__)
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -125,8 +113,7 @@ def main() -> int:
     )
     args = parser.parse_args()
 
-    if not (args.checkpoint / "config.json").exists():
-        create_checkpoint(args.checkpoint, "mixtral", "small", seed=0, progress=True)
+    ensure_checkpoint(args.checkpoint)
     from transformers import AutoModelForCausalLM
 
     batches = [int(b) for b in args.batch_sizes.split(",")]

@@ -20,7 +20,6 @@ sequence ends (`--new-tokens` in all).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -32,13 +31,11 @@ from moe_mesh.common import runtime
 runtime.configure()  # before torch loads OpenMP
 import torch  # noqa: E402
 
-from bench import write_result  # noqa: E402
+from bench import ensure_checkpoint, parser_with_checkpoint, write_result  # noqa: E402
 from moe_mesh.common.checkpoint import Checkpoint  # noqa: E402
 from moe_mesh.common.units import parse_size  # noqa: E402
-from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CHECKPOINT = Path(".cache/bench-small-mixtral")
 
 # Runs in a fresh process with either checkout on its path: only API both engines share.
 MEASURE = r"""
@@ -105,15 +102,7 @@ def slot_capacity(budget: int, token_bytes: int, length: int) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--checkpoint",
-        type=Path,
-        default=DEFAULT_CHECKPOINT,
-        help="checkpoint to use; the default is created (small Mixtral) if missing",
-    )
+    parser = parser_with_checkpoint(__doc__)
     parser.add_argument("--budget", default="400MiB", help="KV-cache bytes")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--prompt-len", type=int, default=968)
@@ -123,8 +112,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results/kv_capacity.json"))
     args = parser.parse_args()
 
-    if not (args.checkpoint / "config.json").exists():
-        create_checkpoint(args.checkpoint, "mixtral", "small", seed=0, progress=True)
+    ensure_checkpoint(args.checkpoint)
     checkpoint = args.checkpoint.resolve()
     spec = Checkpoint(checkpoint).spec
     itemsize = getattr(torch, args.dtype).itemsize

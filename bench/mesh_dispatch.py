@@ -30,11 +30,12 @@ from moe_mesh.common import runtime
 runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
 import torch  # noqa: E402
 
+from bench import ensure_checkpoint  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 from moe_mesh.common.checkpoint import Checkpoint  # noqa: E402
 from moe_mesh.common.moe import route  # noqa: E402
-from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
 from moe_mesh.router_service.build import build_local_engine, build_router  # noqa: E402
 from moe_mesh.router_service.engine.sampling import SamplingParams  # noqa: E402
 from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
@@ -232,8 +233,7 @@ def main() -> int:
 def run(main_async, args: argparse.Namespace) -> int:
     """The `small` checkpoint made if missing, `main_async(args)` run, its result written to
     args.out with the set-up it ran on (shared by the benches of expert services)."""
-    if not (args.checkpoint / "config.json").exists():
-        create_checkpoint(args.checkpoint, "mixtral", "small", seed=0, progress=True)
+    ensure_checkpoint(args.checkpoint)
     result = asyncio.run(main_async(args))
     result.update(
         checkpoint=str(args.checkpoint),
