@@ -34,8 +34,9 @@ from moe_mesh.common.weights import DenseWeights, FFNWeights, LayerWeights
 from moe_mesh.router_service.engine.kv_cache import KVCache
 from moe_mesh.router_service.engine.layers import AttentionBatch, Rope, attention, rms_norm
 from moe_mesh.router_service.engine.model import pack_step
+from moe_mesh.router_service.settings import RouterSettings
 
-BLOCK_SIZE = 16  # the router's default kv_block_size
+BLOCK_SIZE = RouterSettings.model_fields["kv_block_size"].default  # what a router runs with
 
 
 @dataclass(frozen=True)
