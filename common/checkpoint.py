@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from moe_mesh.common.arch import ModelSpec, load_spec, tensor_names
+from moe_mesh.common.arch import ModelSpec, family_module, load_spec, tensor_names
 from moe_mesh.common.errors import CheckpointError
 from moe_mesh.common.linear import prepack
 from moe_mesh.common.safetensors_mmap import SafetensorsFile
@@ -39,6 +39,8 @@ class Checkpoint:
             raise CheckpointError("checkpoint directory not found", file=str(self.path))
         self.spec: ModelSpec = load_spec(self.path)
         self.names = tensor_names(self.spec)
+        # A family module may take over parts of loading (common/arch/__init__.py lists the hooks).
+        self.family = family_module(self.spec.family)
         self.dtype = dtype  # None keeps the stored dtype (zero-copy)
         self._files: dict[str, SafetensorsFile] = {}
         self._where = self._index()
@@ -110,10 +112,11 @@ class Checkpoint:
             t = t.to(self.dtype)
         return t
 
-    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """A weight a linear layer reads: prepacked when this checkpoint was opened to serve."""
         return prepack(weight) if self._prepack else weight
 
-    def _optional(self, name: str, shape: tuple[int, ...], present: bool) -> torch.Tensor | None:
+    def optional(self, name: str, shape: tuple[int, ...], present: bool) -> torch.Tensor | None:
         return self.tensor(name, shape) if present else None
 
     # -- dense part ------------------------------------------------------------------------
@@ -121,39 +124,44 @@ class Checkpoint:
     def load_dense(self) -> DenseWeights:
         """Embeddings, attention, norms, routers, dense and shared MLPs, LM head: no routed expert."""
         s = self.spec
-        embed = self.tensor("model.embed_tokens.weight", (s.vocab_size, s.hidden_size))
+        embed_name, norm_name = getattr(
+            self.family, "DENSE_NAMES", ("model.embed_tokens.weight", "model.norm.weight")
+        )
+        embed = self.tensor(embed_name, (s.vocab_size, s.hidden_size))
         tied = s.tie_word_embeddings and not self.has("lm_head.weight")
         # A tied head stays the embedding itself: a packed copy would double the largest matrix.
         lm_head = (
             embed
             if tied
-            else self._pack(self.tensor("lm_head.weight", (s.vocab_size, s.hidden_size)))
+            else self.pack(self.tensor("lm_head.weight", (s.vocab_size, s.hidden_size)))
         )
+        load_layer = getattr(self.family, "load_layer", Checkpoint.layer)
         return DenseWeights(
             embed=embed,
-            final_norm=self.tensor("model.norm.weight", (s.hidden_size,)),
+            final_norm=self.tensor(norm_name, (s.hidden_size,)),
             lm_head=lm_head,
-            layers=[self._layer(i) for i in range(s.num_layers)],
+            layers=[load_layer(self, i) for i in range(s.num_layers)],
         )
 
-    def _layer(self, i: int) -> LayerWeights:
+    def layer(self, i: int) -> LayerWeights:
+        """Layer i in the Llama-like layout the first four families share."""
         s, p = self.spec, f"model.layers.{i}."
         h = s.hidden_size
         layer = LayerWeights(
             input_norm=self.tensor(p + "input_layernorm.weight", (h,)),
             post_attention_norm=self.tensor(p + "post_attention_layernorm.weight", (h,)),
-            attention=self._attention(p + "self_attn."),
+            attention=self.attention(p + "self_attn."),
         )
         if not s.moe_layers[i]:
-            layer.dense_mlp = self._ffn(
+            layer.dense_mlp = self.ffn(
                 p + "mlp.", "gate_proj", "up_proj", "down_proj", s.dense_intermediate_size
             )
             return layer
-        moe = p + self._moe_prefix(i)
+        moe = p + self.moe_prefix(i)
         # The gate has a few dozen rows: packing buys nothing there, the plain kernel is quicker.
         layer.router = self.tensor(moe + "gate.weight", (s.num_experts, h))
         if s.shared_expert_intermediate_size:
-            layer.shared_expert = self._ffn(
+            layer.shared_expert = self.ffn(
                 moe + "shared_expert.",
                 "gate_proj",
                 "up_proj",
@@ -163,7 +171,8 @@ class Checkpoint:
             layer.shared_expert_gate = self.tensor(moe + "shared_expert_gate.weight", (1, h))
         return layer
 
-    def _attention(self, p: str) -> AttentionWeights:
+    def attention(self, p: str) -> AttentionWeights:
+        """q/k/v/o attention under prefix p: one fused qkv matrix, the spec's biases and norms."""
         s = self.spec
         q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         norm_q, norm_k = {
@@ -175,26 +184,27 @@ class Checkpoint:
         qkv = [self.tensor(f"{p}{n}_proj.weight", (*o, s.hidden_size)) for n, o in shapes.items()]
         biases = [self.tensor(f"{p}{n}_proj.bias", o) for n, o in shapes.items() if s.qkv_bias]
         return AttentionWeights(
-            qkv=self._pack(torch.cat(qkv)),
-            o=self._pack(self.tensor(p + "o_proj.weight", (s.hidden_size, q_out))),
+            qkv=self.pack(torch.cat(qkv)),
+            o=self.pack(self.tensor(p + "o_proj.weight", (s.hidden_size, q_out))),
             qkv_bias=torch.cat(biases) if biases else None,
-            o_bias=self._optional(p + "o_proj.bias", (s.hidden_size,), s.o_bias),
-            q_norm=self._optional(p + "q_norm.weight", (norm_q,), s.qk_norm != "none"),
-            k_norm=self._optional(p + "k_norm.weight", (norm_k,), s.qk_norm != "none"),
+            o_bias=self.optional(p + "o_proj.bias", (s.hidden_size,), s.o_bias),
+            q_norm=self.optional(p + "q_norm.weight", (norm_q,), s.qk_norm != "none"),
+            k_norm=self.optional(p + "k_norm.weight", (norm_k,), s.qk_norm != "none"),
         )
 
-    def _ffn(self, p: str, gate: str, up: str, down: str, inter: int) -> FFNWeights:
+    def ffn(self, p: str, gate: str, up: str, down: str, inter: int) -> FFNWeights:
         h = self.spec.hidden_size
         parts = (
             self.tensor(f"{p}{gate}.weight", (inter, h)),
             self.tensor(f"{p}{up}.weight", (inter, h)),
         )
         return FFNWeights(
-            gate_up=self._pack(torch.cat(parts)),
-            down=self._pack(self.tensor(f"{p}{down}.weight", (h, inter))),
+            gate_up=self.pack(torch.cat(parts)),
+            down=self.pack(self.tensor(f"{p}{down}.weight", (h, inter))),
+            activation=self.spec.activation,
         )
 
-    def _moe_prefix(self, layer: int) -> str:
+    def moe_prefix(self, layer: int) -> str:
         for prefix in self.names.moe_prefixes:
             if self.has(f"model.layers.{layer}.{prefix}gate.weight"):
                 return prefix
@@ -205,6 +215,7 @@ class Checkpoint:
     def load_experts(self, pairs: Iterable[tuple[int, int]]) -> dict[tuple[int, int], FFNWeights]:
         """FFN weights of the given (layer, expert) pairs, and nothing else."""
         s, n = self.spec, self.names
+        load_expert = getattr(self.family, "load_expert", None)
         out: dict[tuple[int, int], FFNWeights] = {}
         for layer, expert in sorted(set(pairs)):
             if not 0 <= layer < s.num_layers or not s.moe_layers[layer]:
@@ -215,11 +226,13 @@ class Checkpoint:
                 raise CheckpointError(
                     f"expert {expert} out of range; layer {layer} has {s.num_experts} experts"
                 )
-            base = f"model.layers.{layer}.{self._moe_prefix(layer)}experts."
-            if self.has(base + "gate_up_proj"):
+            base = f"model.layers.{layer}.{self.moe_prefix(layer)}experts."
+            if load_expert is not None:
+                out[(layer, expert)] = load_expert(self, layer, expert)
+            elif self.has(base + "gate_up_proj"):
                 out[(layer, expert)] = self._fused_expert(base, expert)
             else:
-                out[(layer, expert)] = self._ffn(
+                out[(layer, expert)] = self.ffn(
                     f"{base}{expert}.",
                     n.expert_gate,
                     n.expert_up,
@@ -235,7 +248,7 @@ class Checkpoint:
             expert
         ]  # [2I, H], gate rows first
         down = self.tensor(base + "down_proj", (e, h, i))[expert]  # [H, I]
-        return FFNWeights(gate_up=self._pack(gate_up), down=self._pack(down))
+        return FFNWeights(gate_up=self.pack(gate_up), down=self.pack(down), activation=s.activation)
 
     def fingerprint(self) -> str:
         """A cheap weights checksum: config.json, every file's header, and 64 KiB sampled across every file.

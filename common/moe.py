@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_mesh.common.arch import ModelSpec
+from moe_mesh.common.arch.spec import ExpertActivation
 from moe_mesh.common.linear import linear
 from moe_mesh.common.weights import FFNWeights
 
@@ -33,9 +34,25 @@ class ExpertGroup:
     slots: torch.Tensor  # [n] int64 flat indices into routing.weights
 
 
-def route(x: torch.Tensor, router_weight: torch.Tensor, spec: ModelSpec) -> Routing:
-    """Softmax over all experts in float32, top-k, optional renormalisation (always for Mixtral)."""
-    logits = linear(x, router_weight)  # [tokens, experts]
+def route(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    spec: ModelSpec,
+    bias: torch.Tensor | None = None,
+    correction: torch.Tensor | None = None,
+) -> Routing:
+    """Top-k experts and their weights per token, by the family's rule (spec.router)."""
+    if spec.router == "sigmoid_group":
+        return _route_sigmoid_group(x, router_weight, spec, correction)
+    logits = linear(x, router_weight, bias)  # [tokens, experts]
+    if spec.router == "topk_softmax":  # gpt-oss: softmax over the k best logits only
+        top_logits, top_e = torch.topk(logits, spec.top_k, dim=-1)
+        return Routing(experts=top_e, weights=torch.softmax(top_logits, dim=1))
+    if spec.router == "softmax_pnorm":  # DBRX: in the hidden dtype, weights over their p-norm
+        top_w, top_e = torch.topk(torch.softmax(logits, dim=1), spec.top_k, dim=-1)
+        if spec.router_pnorm is not None:
+            top_w = top_w / torch.norm(top_w, p=spec.router_pnorm, dim=-1, keepdim=True)
+        return Routing(experts=top_e, weights=top_w)
     probs = torch.softmax(logits.float(), dim=-1)
     top_w, top_e = torch.topk(probs, spec.top_k, dim=-1)  # [tokens, k]
     if spec.norm_topk_prob:
@@ -43,6 +60,26 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, spec: ModelSpec) -> Rout
     if not spec.combine_in_fp32:
         top_w = top_w.to(x.dtype)
     return Routing(experts=top_e, weights=top_w)
+
+
+def _route_sigmoid_group(
+    x: torch.Tensor, weight: torch.Tensor, spec: ModelSpec, correction: torch.Tensor | None
+) -> Routing:
+    """DeepSeek-V3 / GLM-4.5, in float32: sigmoid scores; the correction bias steers which experts
+    are chosen (best topk_group of n_group groups, a group ranked by its two best experts) but not
+    their weights, which are the plain scores, optionally renormalised, times routed_scaling_factor."""
+    scores = torch.sigmoid(F.linear(x.float(), weight.float()))  # [tokens, experts]
+    choice = scores if correction is None else scores + correction
+    groups = choice.view(-1, spec.n_group, spec.num_experts // spec.n_group)
+    group_scores = groups.topk(2, dim=-1)[0].sum(dim=-1)  # [tokens, n_group]
+    best = torch.topk(group_scores, k=spec.topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    choice = choice.masked_fill(~keep.repeat_interleave(groups.shape[-1], dim=1), float("-inf"))
+    top_e = torch.topk(choice, k=spec.top_k, dim=-1, sorted=False)[1]
+    top_w = scores.gather(1, top_e)
+    if spec.norm_topk_prob:
+        top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(experts=top_e, weights=top_w * spec.routed_scaling_factor)
 
 
 def group_by_expert(
@@ -67,9 +104,20 @@ def group_by_expert(
 
 
 def expert_ffn(x: torch.Tensor, w: FFNWeights) -> torch.Tensor:
-    """SwiGLU expert: down(silu(gate(x)) * up(x)). x: [n, hidden] -> [n, hidden]."""
-    gate, up = linear(x, w.gate_up).chunk(2, dim=-1)  # [n, inter] each
-    return linear(F.silu(gate) * up, w.down)
+    """A gated expert: down(act(gate(x), up(x))). x: [n, hidden] -> [n, hidden]."""
+    gate, up = linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [n, inter] each
+    return linear(gated(gate, up, w.activation), w.down, w.down_bias)
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor, act: ExpertActivation) -> torch.Tensor:
+    """The gated activation between an FFN's two projections (spec.ExpertActivation)."""
+    if act.kind == "silu":
+        return F.silu(gate) * up
+    if act.kind == "gelu":
+        return F.gelu(gate) * up
+    gate = gate.clamp(max=act.limit)  # clamped_swiglu (gpt-oss)
+    up = up.clamp(-act.limit, act.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
 
 
 def combine(
@@ -93,7 +141,9 @@ def combine(
 
 
 def shared_expert_output(
-    x: torch.Tensor, shared: FFNWeights, gate_weight: torch.Tensor
+    x: torch.Tensor, shared: FFNWeights, gate_weight: torch.Tensor | None
 ) -> torch.Tensor:
-    """Qwen2-MoE's shared expert: sigmoid(gate(x)) * ffn(x)."""
+    """The shared expert: gated by sigmoid(gate(x)) in Qwen2-MoE, added as it is elsewhere."""
+    if gate_weight is None:
+        return expert_ffn(x, shared)
     return torch.sigmoid(F.linear(x, gate_weight)) * expert_ffn(x, shared)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_mesh.common.arch.spec import ExpertActivation
+
 
 @dataclass
 class FFNWeights:
@@ -16,6 +18,9 @@ class FFNWeights:
 
     gate_up: torch.Tensor  # [2 * inter, hidden], gate rows first; plain or prepacked
     down: torch.Tensor  # [hidden, inter]
+    gate_up_bias: torch.Tensor | None = None  # [2 * inter] (gpt-oss)
+    down_bias: torch.Tensor | None = None  # [hidden]
+    activation: ExpertActivation = ExpertActivation()
 
     @classmethod
     def from_parts(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> FFNWeights:
@@ -23,7 +28,8 @@ class FFNWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down))
+        tensors = (self.gate_up, self.down, self.gate_up_bias, self.down_bias)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 @dataclass
@@ -42,9 +48,13 @@ class LayerWeights:
     post_attention_norm: torch.Tensor  # [hidden]
     attention: AttentionWeights
     router: torch.Tensor | None = None  # [experts, hidden]; None on a dense layer
+    router_bias: torch.Tensor | None = None  # [experts]: added to the logits (gpt-oss)
+    router_correction: torch.Tensor | None = (
+        None  # [experts]: e_score_correction_bias, for selection only
+    )
     dense_mlp: FFNWeights | None = None
     shared_expert: FFNWeights | None = None
-    shared_expert_gate: torch.Tensor | None = None  # [1, hidden]
+    shared_expert_gate: torch.Tensor | None = None  # [1, hidden]; None: added ungated
 
 
 @dataclass

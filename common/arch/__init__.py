@@ -2,6 +2,12 @@
 
 Each family module defines `parse(config, get) -> ModelSpec` and `names(spec) -> TensorNames`.
 `get(key, default=REQUIRED)` raises a CheckpointError naming config.json and the missing field.
+
+A family whose files differ from the Llama-like layout of the first four may also define, for
+common/checkpoint.py:
+  DENSE_NAMES = (embedding, final norm): tensor names, if not model.embed_tokens / model.norm
+  load_layer(checkpoint, i) -> LayerWeights: everything of layer i but its routed experts
+  load_expert(checkpoint, layer, expert) -> FFNWeights: one routed expert
 """
 
 from __future__ import annotations
@@ -13,12 +19,12 @@ from typing import Any
 from moe_mesh.common.arch.spec import REQUIRED, ModelSpec, TensorNames
 from moe_mesh.common.errors import CheckpointError, UnsupportedModelError
 
-__all__ = ["ModelSpec", "TensorNames", "load_spec", "parse_spec", "FAMILIES"]
+__all__ = ["ModelSpec", "TensorNames", "load_spec", "parse_spec", "family_module", "FAMILIES"]
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
-def _family_module(model_type: str) -> Any:
+def family_module(model_type: str) -> Any:
     from moe_mesh.common.arch import mixtral, olmoe, qwen2_moe, qwen3_moe
 
     return {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "olmoe": olmoe}[
@@ -42,7 +48,7 @@ def parse_spec(config: dict[str, Any], source: str = "config.json") -> ModelSpec
             file=source,
         )
     try:
-        spec = _family_module(model_type).parse(config, get)
+        spec = family_module(model_type).parse(config, get)
     except CheckpointError as e:
         if e.file is None:
             raise type(e)(str(e), file=source) from e
@@ -50,13 +56,6 @@ def parse_spec(config: dict[str, Any], source: str = "config.json") -> ModelSpec
     if spec.top_k > spec.num_experts:
         raise CheckpointError(
             f"num_experts_per_tok={spec.top_k} exceeds the {spec.num_experts} experts", file=source
-        )
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise UnsupportedModelError(
-            f"rope_type={rope.get('rope_type', rope.get('type'))!r} is not supported; "
-            "only 'default' RoPE is",
-            file=source,
         )
     return spec
 
@@ -74,4 +73,4 @@ def load_spec(checkpoint_dir: Path) -> ModelSpec:
 
 
 def tensor_names(spec: ModelSpec) -> TensorNames:
-    return _family_module(spec.family).names(spec)
+    return family_module(spec.family).names(spec)

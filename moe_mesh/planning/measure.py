@@ -32,7 +32,7 @@ from moe_mesh.common.moe import (
 )
 from moe_mesh.common.weights import DenseWeights, FFNWeights, LayerWeights
 from moe_mesh.router_service.engine.kv_cache import KVCache
-from moe_mesh.router_service.engine.layers import AttentionBatch, Rope, attention, rms_norm
+from moe_mesh.router_service.engine.layers import AttentionBatch, Rope, attention, norm
 from moe_mesh.router_service.engine.model import pack_step
 from moe_mesh.router_service.settings import RouterSettings
 
@@ -95,12 +95,13 @@ class LayerBench:
     def routed(self, n: int, layer: LayerWeights | None = None) -> torch.Tensor:
         """n tokens as the gate of `layer` sees them (after its post-attention norm)."""
         layer = layer or self.layer
-        return rms_norm(self.hidden(n), layer.post_attention_norm, self.spec.rms_norm_eps)
+        return norm(self.hidden(n), layer.post_attention_norm, self.spec)
 
     def _decode(self, b: int, context: int) -> tuple[AttentionBatch, KVCache, Rope]:
         s = self.spec
         per_seq = -(-context // BLOCK_SIZE)
-        cache = KVCache(1, s.num_kv_heads, s.head_dim, self.dtype, b * per_seq, BLOCK_SIZE)
+        heads, k_dim, v_dim = s.kv_dims
+        cache = KVCache(1, heads, k_dim, self.dtype, b * per_seq, BLOCK_SIZE, v_dim)
         for t in (cache.k, cache.v):
             t.normal_(generator=self._gen)
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
@@ -114,9 +115,9 @@ class LayerBench:
         x = self.hidden(b)
 
         def step() -> torch.Tensor:
-            h = rms_norm(x, w.input_norm, s.rms_norm_eps)
+            h = norm(x, w.input_norm, s)
             y = x + attention(h, w.attention, s, rope, batch, cache, 0)
-            h = rms_norm(y, w.post_attention_norm, s.rms_norm_eps)
+            h = norm(y, w.post_attention_norm, s)
             routing = route(h, w.router, s)
             groups = group_by_expert(routing, s.num_experts)
             # The rows the router sends stand in for the experts' answers: combine costs the same.
@@ -137,9 +138,9 @@ class LayerBench:
         x = self.hidden(b)
 
         def step() -> torch.Tensor:
-            h = rms_norm(x, w.input_norm, s.rms_norm_eps)
+            h = norm(x, w.input_norm, s)
             y = x + attention(h, w.attention, s, rope, batch, cache, 0)
-            return y + expert_ffn(rms_norm(y, w.post_attention_norm, s.rms_norm_eps), w.dense_mlp)
+            return y + expert_ffn(norm(y, w.post_attention_norm, s), w.dense_mlp)
 
         return timed(step, repeats)
 
@@ -149,7 +150,7 @@ class LayerBench:
         ids = torch.randint(0, self.spec.vocab_size, (b,), generator=self._gen)
 
         def step() -> torch.Tensor:
-            x = rms_norm(F.embedding(ids, w.embed), w.final_norm, self.spec.rms_norm_eps)
+            x = norm(F.embedding(ids, w.embed), w.final_norm, self.spec)
             return linear(x, w.lm_head).float()  # [b, vocab]
 
         return timed(step, repeats)

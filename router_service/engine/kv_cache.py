@@ -24,7 +24,8 @@ GATHER_BYTES = 8 * 2**20
 
 
 class KVCache:
-    """k, v: [layers, kv_heads, num_blocks, block_size, head_dim], zero-filled up front.
+    """k: [layers, kv_heads, num_blocks, block_size, head_dim], v: the same with v_dim (head_dim
+    unless given: MLA caches a latent and a rope key of different sizes), zero-filled up front.
 
     The whole budget is touched at start-up, so the memory is the process's from then on:
     running out of blocks later means waiting or preemption, never an allocation failure.
@@ -44,17 +45,14 @@ class KVCache:
         dtype: torch.dtype,
         num_blocks: int,
         block_size: int = 16,
+        v_dim: int | None = None,
     ) -> None:
-        self.num_layers, self.kv_heads, self.head_dim, self.dtype = (
-            num_layers,
-            kv_heads,
-            head_dim,
-            dtype,
-        )
+        self.num_layers, self.kv_heads, self.dtype = num_layers, kv_heads, dtype
+        self.head_dim, self.v_dim = head_dim, head_dim if v_dim is None else v_dim
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_layers, kv_heads, num_blocks, block_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        shape = (num_layers, kv_heads, num_blocks, block_size)
+        self.k = torch.zeros(*shape, self.head_dim, dtype=dtype)
+        self.v = torch.zeros(*shape, self.v_dim, dtype=dtype)
         self._work = torch.empty(0, dtype=dtype)  # gather's output, grown on demand
         self._tables: torch.Tensor | None = None  # the latest tables gathered ...
         self._rows = torch.empty(0, dtype=torch.int64)  # ... as rows of [heads * blocks, bs * hd]
@@ -65,22 +63,23 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store keys/values [tokens, kv_heads, head_dim] at their slots [tokens]."""
-        rows = (self.kv_heads, self.num_blocks * self.block_size, self.head_dim)
-        self.k[layer].view(rows).index_copy_(1, slots, k.transpose(0, 1))
-        self.v[layer].view(rows).index_copy_(1, slots, v.transpose(0, 1))
+        rows = (self.kv_heads, self.num_blocks * self.block_size)
+        self.k[layer].view(*rows, self.head_dim).index_copy_(1, slots, k.transpose(0, 1))
+        self.v[layer].view(*rows, self.v_dim).index_copy_(1, slots, v.transpose(0, 1))
 
     def group(self, blocks: int) -> int:
         """How many sequences of `blocks` blocks to gather at once: their keys and values within
         GATHER_BYTES, so attention reads them back from the cache the gather just wrote them to
         rather than from memory (long contexts then cost about what contiguous ones did)."""
-        per_seq = 2 * self.kv_heads * blocks * self.block_size * self.head_dim * self.dtype.itemsize
+        dims = self.head_dim + self.v_dim
+        per_seq = self.kv_heads * blocks * self.block_size * dims * self.dtype.itemsize
         return max(1, GATHER_BYTES // per_seq)
 
     def gather(
         self, layer: int, tables: torch.Tensor, seqs: slice = slice(None)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of sequences' blocks, tables[seqs] [seqs, blocks] -> [seqs, kv_heads,
-        blocks * block_size, hd] each. Views of a workspace: valid until the next gather
+        blocks * block_size, head_dim / v_dim]. Views of a workspace: valid until the next gather
         (attention calls run one at a time, on the compute thread)."""
         if tables is not self._tables:  # every layer of a step gathers the same tables
             heads = torch.arange(self.kv_heads)[:, None, None] * self.num_blocks
@@ -88,25 +87,36 @@ class KVCache:
         chosen = self._rows[:, seqs]
         s, n = chosen.shape[1:]
         rows = chosen.reshape(-1)
-        size = self.kv_heads * s * n * self.block_size * self.head_dim
-        if self._work.numel() < 2 * size:
-            self._work = torch.empty(max(2 * size, self._work.numel() * 3 // 2), dtype=self.dtype)
+        k_row, v_row = self.block_size * self.head_dim, self.block_size * self.v_dim
+        k_size, v_size = rows.numel() * k_row, rows.numel() * v_row
+        if self._work.numel() < k_size + v_size:
+            need = k_size + v_size
+            self._work = torch.empty(max(need, self._work.numel() * 3 // 2), dtype=self.dtype)
         # One row per (head, block): index_select over rows of whole blocks copies at memcpy
         # speed; selecting along the block dimension of [heads, blocks, ...] is 3x slower.
-        flat = (self.kv_heads * self.num_blocks, self.block_size * self.head_dim)
-        out = (self.kv_heads * s * n, self.block_size * self.head_dim)
-        ks, vs = self._work[:size].view(out), self._work[size : 2 * size].view(out)
-        torch.index_select(self.k[layer].view(flat), 0, rows, out=ks)
-        torch.index_select(self.v[layer].view(flat), 0, rows, out=vs)
-        context = (self.kv_heads, s, n * self.block_size, self.head_dim)
-        return ks.view(context).transpose(0, 1), vs.view(context).transpose(0, 1)
+        blocks = self.kv_heads * self.num_blocks
+        ks = self._work[:k_size].view(-1, k_row)
+        vs = self._work[k_size : k_size + v_size].view(-1, v_row)
+        torch.index_select(self.k[layer].view(blocks, k_row), 0, rows, out=ks)
+        torch.index_select(self.v[layer].view(blocks, v_row), 0, rows, out=vs)
+        context = (self.kv_heads, s, n * self.block_size)
+        return (
+            ks.view(*context, self.head_dim).transpose(0, 1),
+            vs.view(*context, self.v_dim).transpose(0, 1),
+        )
 
 
 def block_bytes(
-    num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int
+    num_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int,
+    v_dim: int | None = None,
 ) -> int:
     """Bytes of one block: keys and values of block_size tokens in every layer."""
-    return 2 * num_layers * block_size * kv_heads * head_dim * dtype.itemsize
+    dims = head_dim + (head_dim if v_dim is None else v_dim)
+    return num_layers * block_size * kv_heads * dims * dtype.itemsize
 
 
 def available_memory() -> int:

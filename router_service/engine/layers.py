@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from moe_mesh.common.arch import ModelSpec
+from moe_mesh.common.arch.spec import RopeSpec
 from moe_mesh.common.linear import linear
 from moe_mesh.common.weights import AttentionWeights
 from moe_mesh.router_service.engine.kv_cache import KVCache
@@ -20,29 +22,87 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
 
 
+def norm(x: torch.Tensor, weight: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """The family's block norm: RMSNorm, or LayerNorm without bias (DBRX)."""
+    if spec.norm == "layer":
+        return F.layer_norm(x, x.shape[-1:], weight, None, spec.rms_norm_eps)
+    return rms_norm(x, weight, spec.rms_norm_eps)
+
+
 class Rope:
-    """Default RoPE with a precomputed cos/sin table (same float ops as transformers, so same values)."""
+    """RoPE with a precomputed cos/sin table (same float ops as transformers, so same values).
+
+    Covers what the families configure (common/arch/spec.py RopeSpec): YaRN frequency scaling and
+    its attention factor, rotation of only a head's first `rotary_dim` dims (GLM), and DeepSeek's
+    interleaved pairs, whose output transformers lays out as halves (so do we: q and k alike).
+    """
 
     def __init__(self, spec: ModelSpec, max_len: int, dtype: torch.dtype) -> None:
-        dim = spec.head_dim
-        inv_freq = 1.0 / (
-            spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-        )
+        r = spec.rope
+        head = spec.mla.qk_rope_head_dim if spec.mla is not None else spec.head_dim
+        dim = self.dim = r.rotary_dim or head
+        self.interleaved = r.interleaved
+        inv_freq, scale = _inv_freq(spec.rope_theta, dim, r)
         freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq  # [len, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [len, dim]
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self.cos, self.sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [tokens, 1, head_dim] of these positions: once per step, used by every layer."""
+        """cos, sin [tokens, 1, dim] of these positions: once per step, used by every layer."""
         return self.cos[positions, None], self.sin[positions, None]
 
-    @staticmethod
-    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x: [tokens, heads, head_dim] rotated by its tokens' positions."""
+    def rotate(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [tokens, heads, head_dim] rotated by its tokens' positions (its first `dim` dims)."""
         cos, sin = cos_sin
+        if x.shape[-1] != self.dim:  # partial rotary: the rest passes through
+            rot, rest = x[..., : self.dim], x[..., self.dim :]
+            return torch.cat((self.rotate(rot, cos_sin), rest), dim=-1)
         half = x.shape[-1] // 2
+        if self.interleaved:
+            cos, sin = cos[..., :half], sin[..., :half]
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
+
+
+def _inv_freq(theta: float, dim: int, r: RopeSpec) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim / 2] and the cos/sin scale (YaRN's attention factor, else 1)."""
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    if r.scaling == "default":
+        return 1.0 / pos_freqs, 1.0
+    # YaRN (arXiv 2309.00071), as transformers computes it: frequencies below the correction
+    # range are interpolated by `factor`, those above kept, a linear ramp in between.
+    factor = r.factor
+    scale = r.attention_factor
+    if scale is None:
+        scale = (
+            yarn_mscale(factor, r.mscale) / yarn_mscale(factor, r.mscale_all_dim)
+            if r.mscale and r.mscale_all_dim
+            else yarn_mscale(factor)
+        )
+
+    def correction_dim(rotations: float) -> float:
+        wavelength = r.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(wavelength) / (2 * math.log(theta))
+
+    low, high = correction_dim(r.beta_fast), correction_dim(r.beta_slow)
+    if r.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv_freq, float(scale)
+
+
+def yarn_mscale(factor: float, mscale: float | None = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by `factor`."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * (mscale or 1.0) * math.log(factor) + 1.0
 
 
 @dataclass
@@ -88,7 +148,7 @@ def attention(
     if spec.qk_norm == "none" and spec.clip_qkv is None:
         qkv = qkv.view(n, heads + 2 * kv_heads, hd)
         # q and k rotate together: one pass of the rope ops instead of two.
-        qk, v = Rope.rotate(qkv[:, : heads + kv_heads], batch.rope), qkv[:, heads + kv_heads :]
+        qk, v = rope.rotate(qkv[:, : heads + kv_heads], batch.rope), qkv[:, heads + kv_heads :]
     else:
         q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
         if spec.qk_norm == "full":
@@ -104,7 +164,7 @@ def attention(
                 rms_norm(q, w.q_norm, spec.rms_norm_eps),
                 rms_norm(k, w.k_norm, spec.rms_norm_eps),
             )
-        qk = Rope.rotate(torch.cat([q, k], dim=1), batch.rope)  # [tokens, heads + kv_heads, hd]
+        qk = rope.rotate(torch.cat([q, k], dim=1), batch.rope)  # [tokens, heads + kv_heads, hd]
     q, k = qk[:, :heads], qk[:, heads:]
     cache.write(layer, batch.slots, k, v)
 

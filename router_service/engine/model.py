@@ -15,7 +15,7 @@ from moe_mesh.common.linear import linear
 from moe_mesh.common.moe import expert_ffn
 from moe_mesh.common.weights import DenseWeights
 from moe_mesh.router_service.engine.kv_cache import KVCache, block_bytes
-from moe_mesh.router_service.engine.layers import AttentionBatch, Prefill, Rope, attention, rms_norm
+from moe_mesh.router_service.engine.layers import AttentionBatch, Prefill, Rope, attention, norm
 from moe_mesh.router_service.experts.dispatch import (
     CallTimes,
     Compute,
@@ -143,13 +143,15 @@ class MoeModel:
 
     def new_cache(self, num_blocks: int, block_size: int = 16) -> KVCache:
         """A paged cache of `num_blocks` blocks of `block_size` tokens for this model."""
-        s = self.spec
-        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, num_blocks, block_size)
+        heads, k_dim, v_dim = self.spec.kv_dims
+        return KVCache(
+            self.spec.num_layers, heads, k_dim, self.dtype, num_blocks, block_size, v_dim
+        )
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one KV-cache block of `block_size` tokens."""
-        s = self.spec
-        return block_bytes(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, block_size)
+        heads, k_dim, v_dim = self.spec.kv_dims
+        return block_bytes(self.spec.num_layers, heads, k_dim, self.dtype, block_size, v_dim)
 
     async def forward(
         self,
@@ -192,9 +194,9 @@ class MoeModel:
         x = F.embedding(p.batch.token_ids, w.embed) if p.x is None else p.x  # [tokens, hidden]
         while p.layer < len(w.layers):
             i, layer = p.layer, w.layers[p.layer]
-            h = rms_norm(x, layer.input_norm, s.rms_norm_eps)
+            h = norm(x, layer.input_norm, s)
             x = x + attention(h, layer.attention, s, self.rope, p.batch.attention, p.cache, i)
-            h = rms_norm(x, layer.post_attention_norm, s.rms_norm_eps)
+            h = norm(x, layer.post_attention_norm, s)
             if layer.dense_mlp is not None:
                 x = x + expert_ffn(h, layer.dense_mlp)
             else:
@@ -205,7 +207,7 @@ class MoeModel:
                     return False
                 x = x + d.finish(routed, outputs, h, layer)
             p.layer += 1
-        x = rms_norm(x, w.final_norm, s.rms_norm_eps)
+        x = norm(x, w.final_norm, s)
         rows = x if p.all_logits else x[p.batch.logits_rows]
         p.logits = linear(rows, w.lm_head).float()  # [rows, vocab]
         return True

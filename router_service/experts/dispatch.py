@@ -252,7 +252,7 @@ class ExpertDispatcher:
 
     def route(self, layer: int, x: torch.Tensor, w: LayerWeights) -> Routed:
         """Gate and group a layer's tokens by expert, and count them."""
-        routing = route(x, w.router, self.spec)
+        routing = route(x, w.router, self.spec, w.router_bias, w.router_correction)
         counts = torch.bincount(routing.experts.reshape(-1), minlength=self.spec.num_experts)
         groups = group_by_expert(routing, self.spec.num_experts, counts)
         with self._stats_lock:

@@ -138,9 +138,9 @@ def test_corrupt_safetensors_names_the_file(broken, corrupt) -> None:
 
 def test_unsupported_rope_and_sliding_window_are_named(broken, checkpoint, tmp_path) -> None:
     _edit_config(
-        broken, lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0})
+        broken, lambda c: c.update(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0})
     )
-    with pytest.raises(UnsupportedModelError, match="rope_type='yarn'"):
+    with pytest.raises(UnsupportedModelError, match="rope_type='longrope'"):
         Checkpoint(broken)
     mixtral = tmp_path / "mixtral"
     shutil.copytree(checkpoint("mixtral"), mixtral)
