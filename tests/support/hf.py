@@ -38,13 +38,14 @@ def router_logits(out: torch.Tensor | tuple) -> torch.Tensor:
 def top2_share_per_layer(path: Path) -> list[float]:
     """Fraction of routed slots taken by each MoE layer's two most-used experts, on random token ids."""
     model = load(path)
-    k = getattr(model.config, "num_experts_per_tok", None) or model.config.ffn_config.moe_top_k
     counts: list[torch.Tensor] = []
+
+    def chosen(out: torch.Tensor | tuple) -> torch.Tensor:  # DBRX's router returns only logits
+        return out[2] if isinstance(out, tuple) else out.topk(model.config.ffn_config.moe_top_k)[1]
+
     hooks = [
         router.register_forward_hook(
-            lambda _m, _i, out: counts.append(
-                torch.bincount(router_logits(out).topk(k).indices.flatten())
-            )
+            lambda _m, _i, out: counts.append(torch.bincount(chosen(out).flatten()))
         )
         for _, _, router in moe_blocks(model)
     ]
