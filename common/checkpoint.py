@@ -92,8 +92,9 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._where
 
-    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The tensor `name`, checked against the shape the config implies."""
+    def tensor(self, name: str, shape: tuple[int, ...], rows: slice | None = None) -> torch.Tensor:
+        """The tensor `name`, checked against the shape the config implies; only `rows` of it
+        when given (sliced before any dtype conversion: one expert of a fused tensor)."""
         if name not in self._where:
             raise CheckpointError("missing tensor", file=str(self.path), tensor=name)
         file = self._file(self._where[name])
@@ -108,6 +109,8 @@ class Checkpoint:
                 file=str(file.path),
                 tensor=name,
             )
+        if rows is not None:
+            t = t[rows]
         if self.dtype is not None and t.dtype != self.dtype:
             t = t.to(self.dtype)
         return t

@@ -25,6 +25,9 @@ from moe_mesh.common.weights import FFNWeights
 class Routing:
     experts: torch.Tensor  # [tokens, k] int64
     weights: torch.Tensor  # [tokens, k] float32 (Mixtral) or hidden dtype
+    # DBRX: transformers adds each weighted output into the running sum in the hidden dtype,
+    # experts ascending; combine then does the same (the experts come sorted).
+    add_in_order: bool = False
 
 
 @dataclass
@@ -52,7 +55,8 @@ def route(
         top_w, top_e = torch.topk(torch.softmax(logits, dim=1), spec.top_k, dim=-1)
         if spec.router_pnorm is not None:
             top_w = top_w / torch.norm(top_w, p=spec.router_pnorm, dim=-1, keepdim=True)
-        return Routing(experts=top_e, weights=top_w)
+        top_e, order = top_e.sort(dim=-1)
+        return Routing(experts=top_e, weights=top_w.gather(1, order), add_in_order=True)
     probs = torch.softmax(logits.float(), dim=-1)
     top_w, top_e = torch.topk(probs, spec.top_k, dim=-1)  # [tokens, k]
     if spec.norm_topk_prob:
@@ -137,7 +141,13 @@ def combine(
     weighted = torch.cat(outputs) * routing.weights.reshape(-1)[slots, None]
     ordered = torch.empty_like(weighted)
     ordered[slots] = weighted  # row t*k + j: token t's j-th choice
-    return ordered.view(num_tokens, k, -1).sum(dim=1).to(like.dtype)  # [tokens, hidden]
+    choices = ordered.view(num_tokens, k, -1)  # [tokens, k, hidden]
+    if routing.add_in_order:
+        y = choices[:, 0]
+        for j in range(1, k):
+            y = y + choices[:, j]
+        return y.to(like.dtype)
+    return choices.sum(dim=1).to(like.dtype)  # [tokens, hidden]
 
 
 def shared_expert_output(

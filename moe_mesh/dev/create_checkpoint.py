@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "dbrx")
 PRESETS = ("tiny", "small")
 EXPERT_LAYOUTS = ("per_expert", "fused")
 
@@ -61,6 +61,11 @@ _PRESETS: dict[str, dict[str, Any]] = {
         vocab=8192,
         init=0.05,
     ),
+}
+# (arch, preset) -> preset fields a family changes. DBRX's small has its published 16 experts top-4,
+# half as wide: the others' small's expert parameters and active parameters per token.
+_FAMILY_PRESETS: dict[tuple[str, str], dict[str, Any]] = {
+    ("dbrx", "small"): dict(experts=16, top_k=4, expert_width=512),
 }
 _CLASSES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
@@ -160,6 +165,8 @@ def _tokenizer_json(vocab_size: int) -> str:
 
 
 def _config_kwargs(arch: str, p: Mapping[str, Any], vocab: int) -> dict[str, Any]:
+    if arch == "dbrx":
+        return _dbrx_kwargs(p, vocab)
     kw: dict[str, Any] = dict(
         vocab_size=vocab,
         hidden_size=p["hidden"],
@@ -194,6 +201,38 @@ def _config_kwargs(arch: str, p: Mapping[str, Any], vocab: int) -> dict[str, Any
     return kw
 
 
+def _dbrx_kwargs(p: Mapping[str, Any], vocab: int) -> dict[str, Any]:
+    """DBRX spells the Llama fields its own way and nests attention and FFN settings."""
+    theta = 500000.0  # published DBRX's; transformers 5.23 reads rope_parameters, yet needs attn_config's
+    return dict(
+        vocab_size=vocab,
+        d_model=p["hidden"],
+        n_layers=p["layers"],
+        n_heads=p["heads"],
+        max_seq_len=p["max_pos"],
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        attn_config=dict(kv_n_heads=p["kv_heads"], clip_qkv=8.0, rope_theta=theta),
+        ffn_config=dict(
+            ffn_hidden_size=p["expert_width"],
+            moe_num_experts=p["experts"],
+            moe_top_k=p["top_k"],
+        ),
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=1,
+        initializer_range=p["init"],
+    )
+
+
+def _skew_targets(model: torch.nn.Module) -> tuple[Any, torch.nn.Module, list[Any]]:
+    """(embedding, decoder layers, router linears) in the family's module layout."""
+    if model.config.model_type == "dbrx":
+        blocks = model.transformer.blocks
+        return model.transformer.wte, blocks, [b.ffn.router.layer for b in blocks]
+    layers = model.model.layers  # dense layers have no gate
+    return model.model.embed_tokens, layers, [x.mlp.gate for x in layers if hasattr(x.mlp, "gate")]
+
+
 def _apply_router_skew(model: torch.nn.Module, skew: float, seed: int) -> None:
     """Give each MoE layer a Zipf-shaped per-expert gate bias of ``skew`` gate-logit standard deviations."""
     import torch
@@ -202,21 +241,20 @@ def _apply_router_skew(model: torch.nn.Module, skew: float, seed: int) -> None:
     gen = torch.Generator().manual_seed(
         seed
     )  # separate stream: must not disturb or depend on init order
-    gates = [
-        layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")
-    ]  # dense layers have none
+    embed, layers, gates = _skew_targets(model)
     with torch.no_grad():
-        model.model.embed_tokens.weight[:, _DC_DIM] = _DC_AMPLITUDE * sigma
+        embed.weight[:, _DC_DIM] = _DC_AMPLITUDE * sigma
         # Reserve the DC dimension for the routers: attention and MLPs neither read it (a constant input would
         # leak a consistent random direction into the residual stream, i.e. unrequested skew) nor write to it.
-        for name, w in model.model.layers.named_parameters():
+        for name, w in layers.named_parameters():
             if w.ndim < 2:
                 continue
-            if "down_proj" in name or "o_proj" in name:
+            # (DBRX's w2 [experts * inter, hidden] writes through its last dim, as the readers read.)
+            if "down_proj" in name or "o_proj" in name or "out_proj" in name:
                 w.index_fill_(w.ndim - 2, torch.tensor([_DC_DIM]), 0.0)
             else:
                 w[..., _DC_DIM] = 0.0
-        if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
+        if model.lm_head.weight.data_ptr() != embed.weight.data_ptr():
             model.lm_head.weight[:, _DC_DIM] = (
                 0.0  # else every prompt would favour the same output tokens
             )
@@ -226,7 +264,7 @@ def _apply_router_skew(model: torch.nn.Module, skew: float, seed: int) -> None:
         stats: list[tuple[float, float]] = []
 
         def measure(_module: torch.nn.Module, args: tuple, out: tuple) -> None:
-            x, logits = args[0], out[0]
+            x, logits = args[0], out if isinstance(out, torch.Tensor) else out[0]
             stats.append((x[..., _DC_DIM].mean().item(), (logits - logits.mean(0)).std().item()))
 
         hooks = [g.register_forward_hook(measure) for g in gates]
@@ -350,7 +388,8 @@ def create_checkpoint(
 
     ``arch`` is one of ARCHS and ``preset`` one of PRESETS. The same arguments give byte-identical files.
     ``overrides`` are merged into the transformers config kwargs last (aliases such as Mixtral's ``num_experts``
-    are resolved to the family's canonical field first).
+    are resolved to the family's canonical field first; a dict merges into the preset's sub-config of that name,
+    e.g. DBRX's ``ffn_config={"moe_top_k": 4}``).
 
     ``router_skew`` biases every router towards a few per-layer "hot" experts (a different, seeded set per
     layer): the expert of popularity rank r gets a gate-logit bias of ``router_skew * (1/(r+1) - mean)`` in
@@ -360,7 +399,7 @@ def create_checkpoint(
     1 ~38%, 2 ~50%, 3 ~60%, 4 ~68%, 6 ~78%.
     ``expert_layout="fused"`` stores experts as transformers v5 3-D tensors
     (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) instead of one tensor per
-    expert. ``max_shard_size`` is passed to ``save_pretrained`` (e.g. "200MB"); ``progress`` prints stage
+    expert (not for dbrx, whose own layout is fused). ``max_shard_size`` is passed to ``save_pretrained`` (e.g. "200MB"); ``progress`` prints stage
     messages and progress bars on stderr.
 
     Raises ValueError for unknown arch/preset/layout and FileExistsError if out_dir exists and is not empty.
@@ -372,6 +411,8 @@ def create_checkpoint(
     ):
         if value not in valid:
             raise ValueError(f"unknown {what} {value!r}; expected one of: {', '.join(valid)}")
+    if arch == "dbrx" and expert_layout == "fused":
+        raise ValueError("expert_layout 'fused' is not for dbrx: its experts are fused already")
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"output directory {out_dir} already exists and is not empty")
@@ -385,14 +426,18 @@ def create_checkpoint(
         if progress:
             print(f"[checkpoint] {msg}", file=sys.stderr, flush=True)
 
-    p = _PRESETS[preset]
+    p = {**_PRESETS[preset], **_FAMILY_PRESETS.get((arch, preset), {})}
     stage(f"training byte-level BPE tokenizer (target vocab {p['vocab']})")
     tokenizer = Tokenizer.from_str(_tokenizer_json(p["vocab"]))
     config_cls, model_cls = (getattr(transformers, name) for name in _CLASSES[arch])
     alias = getattr(
         config_cls, "attribute_map", {}
     )  # lets an override of an alias replace the preset's field
-    merged = {**_config_kwargs(arch, p, tokenizer.get_vocab_size()), **(overrides or {})}
+    merged = _config_kwargs(arch, p, tokenizer.get_vocab_size())
+    # A nested sub-config (DBRX's attn_config, ffn_config) is merged, not replaced.
+    for key, value in (overrides or {}).items():
+        both = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = {**merged[key], **value} if both else value
     config = config_cls(**{alias.get(k, k): v for k, v in merged.items()})
 
     stage(f"initialising {model_cls.__name__} ({preset}, seed {seed})")

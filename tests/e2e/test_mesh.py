@@ -6,6 +6,7 @@ import asyncio
 import re
 import signal
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -16,10 +17,11 @@ from moe_mesh.common.errors import ExpertUnavailableError
 from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
 from moe_mesh.router_service.engine.engine import FinishReason
 from moe_mesh.router_service.engine.model import pack_step
+from tests.support.hf import greedy as hf_greedy
 from tests.support.reference import ALL_REMOTE, GREEDY, PROMPTS, mesh_engine, monolithic, run_engine
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "dbrx"])
 async def test_all_remote_mesh_matches_monolithic_and_transformers(
     checkpoint, tmp_path, arch
 ) -> None:
@@ -52,6 +54,32 @@ async def test_all_remote_mesh_matches_monolithic_and_transformers(
                 ref = hf(torch.tensor([prompt])).logits[0]
             assert (logits[row : row + len(prompt)] - ref).abs().max().item() <= 1e-4
             row += len(prompt)
+
+
+async def test_dbrx_top4_of_16_all_remote_with_joins_and_leaves_matches_transformers(
+    checkpoint, tmp_path
+) -> None:
+    """DBRX's published routing shape (4 of 16 experts, weights over their p-norm, here 2) with
+    clipped q/k/v, every expert remote, requests joining mid-run and leaving early."""
+    overrides = {
+        "attn_config": {"clip_qkv": 0.2},
+        "ffn_config": {"moe_num_experts": 16, "moe_top_k": 4, "moe_normalize_expert_weights": 2.0},
+    }
+    path = checkpoint("dbrx", overrides=overrides)
+    plan = {0: [(0, 32), (1, 6)], 3: [(2, 32)], 9: [(3, 10)]}  # step -> [(prompt, max_tokens)]
+    got: dict[str, list[int]] = {}
+    async with mesh_engine(path, ["*:0-7", "*:8-15"], tmp_path) as (engine, _):
+        assert all(not b.local for bs in engine.model.dispatcher.placement.values() for b in bs)
+        step = 0
+        while step <= max(plan) or engine.has_unfinished():
+            for i, n in plan.get(step, []):
+                engine.add_request(str(i), PROMPTS[i], replace(GREEDY, max_tokens=n))
+            for out in await engine.step():
+                assert out.error is None, out.error
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            step += 1
+    want = hf_greedy(path)
+    assert got == {str(i): list(want[i][:n]) for runs in plan.values() for i, n in runs}
 
 
 async def _stats(address: str) -> expert_pb2.ExpertStats:

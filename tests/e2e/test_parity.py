@@ -57,6 +57,37 @@ CASES = {
     "qwen3-head-dim-32": ("qwen3_moe", {"overrides": {"head_dim": 32}}),
     "mixtral-fused": ("mixtral", {"expert_layout": "fused"}),
     "qwen2-fused-sharded": ("qwen2_moe", {"expert_layout": "fused", "max_shard_size": "100KB"}),
+    # DBRX's preset: GQA 4/2, clip_qkv 8 (never reached at this width), weights over their 1-norm.
+    # It cannot tie its embeddings (transformers' DbrxConfig refuses), so every case is untied.
+    "dbrx": ("dbrx", {}),
+    "dbrx-16experts-top4": (
+        "dbrx",
+        {"overrides": {"ffn_config": {"moe_num_experts": 16, "moe_top_k": 4}}},
+    ),
+    # clip_qkv 0.2 clamps ~15% of the q/k/v values; one kv head for all four query heads.
+    "dbrx-clip-pnorm2-mqa": (
+        "dbrx",
+        {
+            "overrides": {
+                "attn_config": {"clip_qkv": 0.2, "kv_n_heads": 1},
+                "ffn_config": {"moe_normalize_expert_weights": 2.0},
+            }
+        },
+    ),
+    # (clip_qkv null is no reference: transformers 5.23's DbrxAttention calls clamp(None, None).)
+    "dbrx-unnormalised-gelu-mha-sharded": (
+        "dbrx",
+        {
+            "overrides": {
+                "attn_config": {"kv_n_heads": 4},
+                "ffn_config": {
+                    "moe_normalize_expert_weights": None,
+                    "ffn_act_fn": {"name": "gelu"},
+                },
+            },
+            "max_shard_size": "100KB",
+        },
+    ),
 }
 
 

@@ -42,10 +42,10 @@ from moe_mesh.router_service.engine import engine as engine_module
 from moe_mesh.router_service.engine.engine import Engine
 from moe_mesh.router_service.engine.sampling import SamplingParams
 from moe_mesh.router_service.settings import RouterSettings
-from tests.support.hf import load
+from tests.support.hf import load, moe_blocks, router_logits
 from tests.support.reference import GREEDY, PROMPTS, mesh_engine, run_engine
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "dbrx"]
 DTYPES = ["bfloat16", "float16"]
 LOOSE = 0.25  # share of the largest |logit| a position with a routing near-tie may differ by
 # Shares of positions and of greedy steps that must get the tight checks (measured: 64-97% and
@@ -87,9 +87,8 @@ def _reference(
     fed = continuation[:-1]
     router: list[torch.Tensor] = []
     hooks = [
-        layer.mlp.gate.register_forward_hook(lambda _m, _a, out: router.append(out[0].float()))
-        for layer in model.model.layers
-        if hasattr(layer.mlp, "gate")  # Qwen's dense layers have none
+        gate.register_forward_hook(lambda _m, _a, out: router.append(router_logits(out).float()))
+        for _, _, gate in moe_blocks(model)
     ]
     try:
         logits = model(torch.tensor([prompt + fed])).logits[0].float()
@@ -229,10 +228,8 @@ def test_moe_blocks_round_like_transformers(checkpoint, family, dtype_name) -> N
 
         return hook
 
-    moe_layers = [
-        (i, layer) for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "gate")
-    ]
-    hooks = [layer.mlp.register_forward_hook(keep(i)) for i, layer in moe_layers]
+    moe_layers = moe_blocks(hf)
+    hooks = [block.register_forward_hook(keep(i)) for i, block, _ in moe_layers]
     try:
         with torch.no_grad():
             for prompt in PROMPTS:

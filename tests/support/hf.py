@@ -19,16 +19,35 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     return model.eval()
 
 
+def moe_blocks(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
+    """(layer, MoE block, router) of each MoE layer. A router's weight is [experts, hidden]; its
+    output is the logits, or a tuple starting with them (`router_logits`)."""
+    if model.config.model_type == "dbrx":
+        return [(i, b.ffn, b.ffn.router.layer) for i, b in enumerate(model.transformer.blocks)]
+    return [
+        (i, layer.mlp, layer.mlp.gate)
+        for i, layer in enumerate(model.model.layers)
+        if hasattr(layer.mlp, "gate")  # Qwen's dense layers have none
+    ]
+
+
+def router_logits(out: torch.Tensor | tuple) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
 def top2_share_per_layer(path: Path) -> list[float]:
     """Fraction of routed slots taken by each MoE layer's two most-used experts, on random token ids."""
     model = load(path)
     counts: list[torch.Tensor] = []
+
+    def chosen(out: torch.Tensor | tuple) -> torch.Tensor:  # DBRX's router returns only logits
+        return out[2] if isinstance(out, tuple) else out.topk(model.config.ffn_config.moe_top_k)[1]
+
     hooks = [
-        layer.mlp.gate.register_forward_hook(
-            lambda _m, _i, out: counts.append(torch.bincount(out[2].flatten()))
+        router.register_forward_hook(
+            lambda _m, _i, out: counts.append(torch.bincount(chosen(out).flatten()))
         )
-        for layer in model.model.layers
-        if hasattr(layer.mlp, "gate")
+        for _, _, router in moe_blocks(model)
     ]
     # Many short sequences: tokens of one sequence share attention context and so route alike.
     ids = torch.randint(

@@ -14,7 +14,7 @@ from transformers.utils import logging as hf_logging
 
 from moe_mesh.dev.create_checkpoint import ARCHS, add_subcommand, create_checkpoint
 from tests.support.factories import make_checkpoint
-from tests.support.hf import load, top2_share_per_layer
+from tests.support.hf import load, moe_blocks, top2_share_per_layer
 
 # Family-specific config.json keys for the tiny preset (expert count, expert width, dense/shared widths).
 TINY_FIELDS = {
@@ -32,7 +32,24 @@ TINY_FIELDS = {
         "head_dim": 16,
     },
     "olmoe": {"num_experts": 8, "intermediate_size": 96},
+    "dbrx": {
+        "ffn_config.moe_num_experts": 8,
+        "ffn_config.ffn_hidden_size": 96,
+        "attn_config.kv_n_heads": 2,
+        "attn_config.clip_qkv": 8.0,
+    },
 }
+# DBRX spells the common fields its own way (dotted: a field of a nested sub-config).
+SPELLING = {
+    "dbrx": {
+        "hidden_size": "d_model",
+        "num_hidden_layers": "n_layers",
+        "num_attention_heads": "n_heads",
+        "num_experts_per_tok": "ffn_config.moe_top_k",
+        "max_position_embeddings": "max_seq_len",
+    }
+}
+FUSABLE = [a for a in ARCHS if a != "dbrx"]  # DBRX's own layout is fused already
 FOREIGN_KEYS = {
     "mixtral": {"moe_intermediate_size", "num_experts", "shared_expert_intermediate_size"},
     "olmoe": {
@@ -43,6 +60,7 @@ FOREIGN_KEYS = {
     },
     "qwen2_moe": {"num_local_experts", "head_dim"},
     "qwen3_moe": {"num_local_experts", "shared_expert_intermediate_size"},
+    "dbrx": {"hidden_size", "num_experts", "num_local_experts", "intermediate_size", "head_dim"},
 }
 PROMPT = torch.tensor([[5, 17, 300, 42, 99, 7, 256, 3, 1, 480, 64, 12]])
 
@@ -69,6 +87,12 @@ def logits(path: Path) -> torch.Tensor:
         return model(input_ids=PROMPT).logits
 
 
+def field(config: dict, arch: str, key: str):
+    for part in SPELLING.get(arch, {}).get(key, key).split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
+
+
 def tensor_keys(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     out = {}
     for file in sorted(path.glob("*.safetensors")):
@@ -92,7 +116,7 @@ def test_tiny_loads_in_transformers(root: Path, arch: str) -> None:
         "dtype": "float32",
         **TINY_FIELDS[arch],
     }
-    assert {k: config.get(k) for k in expected} == expected
+    assert {k: field(config, arch, k) for k in expected} == expected
     assert not FOREIGN_KEYS[arch] & config.keys()
 
     tok = AutoTokenizer.from_pretrained(path)
@@ -130,7 +154,7 @@ def test_same_seed_same_bytes(tmp_path: Path, arch: str) -> None:
     assert (a / "tokenizer.json").read_bytes() == (c / "tokenizer.json").read_bytes()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", FUSABLE)
 @pytest.mark.parametrize("shard", [None, "150KB"])
 def test_fused_layout_matches_per_expert(root: Path, arch: str, shard: str | None) -> None:
     per_expert = make_checkpoint(root, arch, seed=1, max_shard_size=shard)
@@ -193,8 +217,8 @@ def test_router_skew(root: Path, arch: str) -> None:
     # Each layer gets its own hot experts, like real traffic.
     model = load(skewed_path)
     hot = {
-        tuple(layer.mlp.gate.weight[:, 0].topk(2).indices.sort().values.tolist())
-        for layer in model.model.layers
+        tuple(gate.weight[:, 0].topk(2).indices.sort().values.tolist())
+        for _, _, gate in moe_blocks(model)
     }
     assert len(hot) > 1
 
@@ -241,6 +265,25 @@ def test_overrides(root: Path, arch: str, overrides: dict, check: dict) -> None:
         assert torch.isfinite(load(path)(input_ids=PROMPT).logits).all()
 
 
+def test_dbrx_overrides_merge_into_its_sub_configs(root: Path) -> None:
+    overrides = {
+        "ffn_config": {"moe_num_experts": 16, "moe_top_k": 4},
+        "attn_config": {"clip_qkv": 0.5},
+        "hidden_size": 32,  # its attribute_map alias of d_model
+    }
+    path = make_checkpoint(root, "dbrx", overrides=overrides, router_skew=2.0)
+    config = json.loads((path / "config.json").read_text())
+    assert config["d_model"] == 32 and "hidden_size" not in config
+    ffn = config["ffn_config"]
+    # ffn_hidden_size and kv_n_heads: the preset's, kept
+    assert (ffn["moe_num_experts"], ffn["moe_top_k"], ffn["ffn_hidden_size"]) == (16, 4, 96)
+    assert (config["attn_config"]["clip_qkv"], config["attn_config"]["kv_n_heads"]) == (0.5, 2)
+    keys = tensor_keys(path)
+    assert keys["transformer.blocks.2.ffn.experts.mlp.w2"][1] == (16 * 96, 32)
+    with torch.no_grad():
+        assert torch.isfinite(load(path)(input_ids=PROMPT).logits).all()
+
+
 def test_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="mixtral, qwen2_moe, qwen3_moe, olmoe"):
         create_checkpoint(tmp_path / "x", "llama")
@@ -248,6 +291,9 @@ def test_errors(tmp_path: Path) -> None:
         create_checkpoint(tmp_path / "x", "olmoe", "huge")
     with pytest.raises(ValueError, match="per_expert, fused"):
         create_checkpoint(tmp_path / "x", "olmoe", expert_layout="stacked")
+    with pytest.raises(ValueError, match="fused already"):
+        create_checkpoint(tmp_path / "x", "dbrx", expert_layout="fused")
+    assert not (tmp_path / "x").exists()
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep.txt").write_text("x")
     with pytest.raises(FileExistsError, match="not empty"):
