@@ -92,8 +92,11 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._where
 
-    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The tensor `name`, checked against the shape the config implies."""
+    def tensor(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The tensor `name`, checked against the shape the config implies. With `dtype` (packed
+        integers, e.g. MXFP4 codes) the stored dtype must be that one, and is kept."""
         if name not in self._where:
             raise CheckpointError("missing tensor", file=str(self.path), tensor=name)
         file = self._file(self._where[name])
@@ -108,6 +111,12 @@ class Checkpoint:
                 file=str(file.path),
                 tensor=name,
             )
+        if dtype is not None:
+            if t.dtype != dtype:
+                raise CheckpointError(
+                    f"wrong dtype {t.dtype}, expected {dtype}", file=str(file.path), tensor=name
+                )
+            return t
         if self.dtype is not None and t.dtype != self.dtype:
             t = t.to(self.dtype)
         return t
