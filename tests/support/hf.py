@@ -19,16 +19,21 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     return model.eval()
 
 
+def gate(layer: torch.nn.Module) -> torch.nn.Module | None:
+    """A decoder layer's router module (gpt-oss names it `router`); None on a dense layer."""
+    return getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)
+
+
 def top2_share_per_layer(path: Path) -> list[float]:
     """Fraction of routed slots taken by each MoE layer's two most-used experts, on random token ids."""
     model = load(path)
     counts: list[torch.Tensor] = []
     hooks = [
-        layer.mlp.gate.register_forward_hook(
+        gate(layer).register_forward_hook(
             lambda _m, _i, out: counts.append(torch.bincount(out[2].flatten()))
         )
         for layer in model.model.layers
-        if hasattr(layer.mlp, "gate")
+        if gate(layer) is not None
     ]
     # Many short sequences: tokens of one sequence share attention context and so route alike.
     ids = torch.randint(

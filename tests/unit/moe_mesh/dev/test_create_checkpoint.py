@@ -14,7 +14,7 @@ from transformers.utils import logging as hf_logging
 
 from moe_mesh.dev.create_checkpoint import ARCHS, add_subcommand, create_checkpoint
 from tests.support.factories import make_checkpoint
-from tests.support.hf import load, top2_share_per_layer
+from tests.support.hf import gate, load, top2_share_per_layer
 
 # Family-specific config.json keys for the tiny preset (expert count, expert width, dense/shared widths).
 TINY_FIELDS = {
@@ -32,6 +32,12 @@ TINY_FIELDS = {
         "head_dim": 16,
     },
     "olmoe": {"num_experts": 8, "intermediate_size": 96},
+    "gpt_oss": {
+        "num_local_experts": 8,
+        "intermediate_size": 96,
+        "head_dim": 16,
+        "sliding_window": 16,
+    },
 }
 FOREIGN_KEYS = {
     "mixtral": {"moe_intermediate_size", "num_experts", "shared_expert_intermediate_size"},
@@ -43,7 +49,10 @@ FOREIGN_KEYS = {
     },
     "qwen2_moe": {"num_local_experts", "head_dim"},
     "qwen3_moe": {"num_local_experts", "shared_expert_intermediate_size"},
+    "gpt_oss": {"num_experts", "moe_intermediate_size", "shared_expert_intermediate_size"},
 }
+# gpt-oss has no per-expert layout: transformers writes its experts fused (see test_gpt_oss_*).
+PER_EXPERT_ARCHS = [a for a in ARCHS if a != "gpt_oss"]
 PROMPT = torch.tensor([[5, 17, 300, 42, 99, 7, 256, 3, 1, 480, 64, 12]])
 
 
@@ -130,7 +139,7 @@ def test_same_seed_same_bytes(tmp_path: Path, arch: str) -> None:
     assert (a / "tokenizer.json").read_bytes() == (c / "tokenizer.json").read_bytes()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", PER_EXPERT_ARCHS)
 @pytest.mark.parametrize("shard", [None, "150KB"])
 def test_fused_layout_matches_per_expert(root: Path, arch: str, shard: str | None) -> None:
     per_expert = make_checkpoint(root, arch, seed=1, max_shard_size=shard)
@@ -193,7 +202,7 @@ def test_router_skew(root: Path, arch: str) -> None:
     # Each layer gets its own hot experts, like real traffic.
     model = load(skewed_path)
     hot = {
-        tuple(layer.mlp.gate.weight[:, 0].topk(2).indices.sort().values.tolist())
+        tuple(gate(layer).weight[:, 0].topk(2).indices.sort().values.tolist())
         for layer in model.model.layers
     }
     assert len(hot) > 1
@@ -239,6 +248,51 @@ def test_overrides(root: Path, arch: str, overrides: dict, check: dict) -> None:
     assert keys["model.layers.0.mlp.experts.down_proj"][1][0] == experts
     with torch.no_grad():
         assert torch.isfinite(load(path)(input_ids=PROMPT).logits).all()
+
+
+def test_gpt_oss_biases_and_sinks_are_not_transformers_zeros(root: Path) -> None:
+    model = load(make_checkpoint(root, "gpt_oss", overrides={"attention_bias": True}))
+    params = dict(model.model.layers[1].named_parameters())
+    assert params["self_attn.sinks"].abs().max() > 0.5  # of order one, as trained ones are
+    for name in ("self_attn.q_proj.bias", "self_attn.o_proj.bias", "mlp.experts.gate_up_proj_bias"):
+        assert params[name].abs().min() > 0, name
+
+
+def test_gpt_oss_mxfp4_from_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    out = tmp_path / "mxfp4"
+    argv = ["--arch", "gpt_oss", "--out", str(out), "--quantize", "mxfp4", "--router-skew", "2"]
+    assert run_cli("checkpoint", "create", *argv, "--max-shard-size", "150KB") == 0
+    keys = tensor_keys(out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {k: f for k, (f, _) in keys.items()}
+    experts = "model.layers.0.mlp.experts."
+    assert keys[experts + "gate_up_proj_blocks"][1] == (8, 192, 2, 16)
+    assert keys[experts + "down_proj_scales"][1] == (8, 64, 3)
+    assert experts + "gate_up_proj" not in keys and experts + "gate_up_proj_bias" in keys
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+    model, info = AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=Mxfp4Config(dequantize=True), output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=PROMPT).logits).all()
+
+
+def test_gpt_oss_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="only gpt_oss"):
+        create_checkpoint(tmp_path / "x", "mixtral", quantize="mxfp4")
+    with pytest.raises(ValueError, match="quantize='int4'"):
+        create_checkpoint(tmp_path / "x", "gpt_oss", quantize="int4")
+    with pytest.raises(ValueError, match="fused already"):
+        create_checkpoint(tmp_path / "x", "gpt_oss", expert_layout="fused")
+    with pytest.raises(ValueError, match="multiples of 32, not 64 and 80"):
+        create_checkpoint(
+            tmp_path / "x", "gpt_oss", quantize="mxfp4", overrides={"intermediate_size": 80}
+        )
+    assert not (tmp_path / "x").exists()
 
 
 def test_errors(tmp_path: Path) -> None:
