@@ -92,9 +92,16 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._where
 
-    def tensor(self, name: str, shape: tuple[int, ...], rows: slice | None = None) -> torch.Tensor:
+    def tensor(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        rows: slice | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
         """The tensor `name`, checked against the shape the config implies; only `rows` of it
-        when given (sliced before any dtype conversion: one expert of a fused tensor)."""
+        when given (sliced before any dtype conversion: one expert of a fused tensor). With
+        `dtype` (packed integers, e.g. MXFP4 codes) the stored dtype must be that one, and is kept."""
         if name not in self._where:
             raise CheckpointError("missing tensor", file=str(self.path), tensor=name)
         file = self._file(self._where[name])
@@ -111,6 +118,12 @@ class Checkpoint:
             )
         if rows is not None:
             t = t[rows]
+        if dtype is not None:
+            if t.dtype != dtype:
+                raise CheckpointError(
+                    f"wrong dtype {t.dtype}, expected {dtype}", file=str(file.path), tensor=name
+                )
+            return t
         if self.dtype is not None and t.dtype != self.dtype:
             t = t.to(self.dtype)
         return t

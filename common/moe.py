@@ -108,9 +108,16 @@ def group_by_expert(
 
 
 def expert_ffn(x: torch.Tensor, w: FFNWeights) -> torch.Tensor:
-    """A gated expert: down(act(gate(x), up(x))). x: [n, hidden] -> [n, hidden]."""
-    gate, up = linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [n, inter] each
-    return linear(gated(gate, up, w.activation), w.down, w.down_bias)
+    """A gated expert: down(act(gate(x), up(x))). x: [n, hidden] -> [n, hidden].
+
+    Biases (gpt-oss) are added to the rounded products, as transformers adds them: a bias fused
+    into the GEMM rounds once, and differs from it in the last bit of most bfloat16 outputs."""
+    h = linear(x, w.gate_up)  # [n, 2 * inter]
+    if w.gate_up_bias is not None:
+        h = h + w.gate_up_bias
+    gate, up = h.chunk(2, dim=-1)  # [n, inter] each
+    y = linear(gated(gate, up, w.activation), w.down)  # [n, hidden]
+    return y if w.down_bias is None else y + w.down_bias
 
 
 def gated(gate: torch.Tensor, up: torch.Tensor, act: ExpertActivation) -> torch.Tensor:

@@ -40,6 +40,7 @@ class AttentionWeights:
     o_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None  # [head_dim] (per_head) or [heads * head_dim] (full)
     k_norm: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # [heads]: a learned logit in each head's softmax (gpt-oss)
 
 
 @dataclass

@@ -126,8 +126,10 @@ class ModelSpec:
 
     @property
     def expert_params(self) -> int:
-        """Parameters of one routed expert: gate and up [inter, hidden], down [hidden, inter]."""
-        return 3 * self.hidden_size * self.expert_intermediate_size
+        """Parameters of one routed expert: gate and up [inter, hidden], down [hidden, inter], and
+        their biases [2 * inter], [hidden] where the family has them (gpt-oss)."""
+        h, i = self.hidden_size, self.expert_intermediate_size
+        return 3 * h * i + (2 * i + h if self.expert_bias else 0)
 
     @property
     def moe_layer_ids(self) -> list[int]:

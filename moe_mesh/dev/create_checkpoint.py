@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "dbrx")
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "dbrx")
 PRESETS = ("tiny", "small")
 EXPERT_LAYOUTS = ("per_expert", "fused")
+QUANTIZATIONS = ("mxfp4",)  # gpt-oss's published expert format
 
 EOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|pad|>"  # ids 0 and 1; EOS doubles as BOS
 
@@ -188,6 +189,26 @@ def _config_kwargs(arch: str, p: Mapping[str, Any], vocab: int) -> dict[str, Any
         )
     elif arch == "olmoe":
         kw.update(num_experts=p["experts"], intermediate_size=p["expert_width"])
+    elif arch == "gpt_oss":
+        # YaRN as published gpt-oss has it (there factor 32 over 4096 original positions), with
+        # a factor that matches the preset's max_position_embeddings (else transformers warns).
+        # The window: 128 in the small preset (as published), 16 in the tiny one, which most
+        # test sequences outgrow.
+        kw.update(
+            head_dim=p["head_dim"],
+            num_local_experts=p["experts"],
+            intermediate_size=p["expert_width"],
+            sliding_window=p["max_pos"] // 32,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=8.0,
+                original_max_position_embeddings=p["max_pos"] // 8,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+            ),
+        )
     else:  # Qwen: experts use moe_intermediate_size, dense (mlp_only) layers intermediate_size
         kw.update(
             num_experts=p["experts"],
@@ -230,7 +251,29 @@ def _skew_targets(model: torch.nn.Module) -> tuple[Any, torch.nn.Module, list[An
         blocks = model.transformer.blocks
         return model.transformer.wte, blocks, [b.ffn.router.layer for b in blocks]
     layers = model.model.layers  # dense layers have no gate
-    return model.model.embed_tokens, layers, [x.mlp.gate for x in layers if hasattr(x.mlp, "gate")]
+    return model.model.embed_tokens, layers, [g for x in layers if (g := _gate(x)) is not None]
+
+
+def _gpt_oss_init(model: torch.nn.Module, seed: int) -> None:
+    """Trained gpt-oss has sinks of order one and non-zero biases; transformers initialises biases to
+    zero and sinks at initializer_range, which would leave what they do untested. The biases stay
+    small (a tenth of initializer_range): adding the same vector to every token, larger ones
+    would give every token's router input a common direction, i.e. unrequested router skew."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)  # a stream of its own, like the router skew's
+    std = model.config.initializer_range / 10
+    with torch.no_grad():
+        for name, w in model.model.layers.named_parameters():
+            if name.endswith("sinks"):
+                w.copy_(torch.randn(w.shape, generator=gen))
+            elif name.endswith("bias") and "router" not in name:  # the router's is random already
+                w.copy_(std * torch.randn(w.shape, generator=gen))
+
+
+def _gate(layer: torch.nn.Module) -> torch.nn.Module | None:
+    """A decoder layer's router (gpt-oss calls it `router`); None on a dense layer."""
+    return getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)
 
 
 def _apply_router_skew(model: torch.nn.Module, skew: float, seed: int) -> None:
@@ -246,11 +289,21 @@ def _apply_router_skew(model: torch.nn.Module, skew: float, seed: int) -> None:
         embed.weight[:, _DC_DIM] = _DC_AMPLITUDE * sigma
         # Reserve the DC dimension for the routers: attention and MLPs neither read it (a constant input would
         # leak a consistent random direction into the residual stream, i.e. unrequested skew) nor write to it.
+        # gpt-oss stores experts as [experts, in, out], has biases, and the ones of its
+        # down and o projections add to the residual stream too. (DBRX's w2 [experts * inter,
+        # hidden] writes through its last dim, as the readers read.)
+        transposed = model.config.model_type == "gpt_oss"
         for name, w in layers.named_parameters():
+            writes = "down_proj" in name or "o_proj" in name or "out_proj" in name
+            if transposed and name.endswith("bias"):
+                if writes:
+                    w[..., _DC_DIM] = 0.0
+                continue
             if w.ndim < 2:
                 continue
-            # (DBRX's w2 [experts * inter, hidden] writes through its last dim, as the readers read.)
-            if "down_proj" in name or "o_proj" in name or "out_proj" in name:
+            if transposed and ".experts." in name:
+                w.index_fill_(w.ndim - (1 if writes else 2), torch.tensor([_DC_DIM]), 0.0)
+            elif writes:
                 w.index_fill_(w.ndim - 2, torch.tensor([_DC_DIM]), 0.0)
             else:
                 w[..., _DC_DIM] = 0.0
@@ -372,6 +425,46 @@ def _fuse_experts(out_dir: Path, progress: bool) -> None:
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
+def _quantize_mxfp4(out_dir: Path) -> None:
+    """Rewrite gpt-oss's float experts as published: ``*_blocks`` / ``*_scales`` in MXFP4 with rows
+    of [E, 2I, H] and [E, H, I] (transformers keeps [E, H, 2I] and [E, I, H]), biases as they are,
+    and a ``quantization_config`` in config.json."""
+    from safetensors.torch import load_file, save_file
+
+    from moe_mesh.common import mxfp4
+
+    index_path = out_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
+    for fname in files:
+        tensors = load_file(out_dir / fname)
+        for name in [
+            n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        ]:
+            blocks, scales = mxfp4.quantize(tensors.pop(name).transpose(1, 2))
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            if index:
+                shard = index["weight_map"].pop(name)
+                index["weight_map"].update({name + "_blocks": shard, name + "_scales": shard})
+        save_file(tensors, out_dir / (fname + ".tmp"), metadata={"format": "pt"})
+        os.replace(out_dir / (fname + ".tmp"), out_dir / fname)
+    if index:
+        index["weight_map"] = dict(sorted(index["weight_map"].items()))
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    cfg_path = out_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"] = {  # what openai/gpt-oss-20b's config.json says
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+        "quant_method": "mxfp4",
+    }
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 def create_checkpoint(
     out_dir: Path,
     arch: str,
@@ -383,6 +476,7 @@ def create_checkpoint(
     expert_layout: str = "per_expert",
     max_shard_size: str | int | None = None,
     progress: bool = False,
+    quantize: str | None = None,
 ) -> Path:
     """Write a random-initialised HuggingFace-layout checkpoint (config.json, safetensors, tokenizer); return out_dir.
 
@@ -401,6 +495,8 @@ def create_checkpoint(
     (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) instead of one tensor per
     expert (not for dbrx, whose own layout is fused). ``max_shard_size`` is passed to ``save_pretrained`` (e.g. "200MB"); ``progress`` prints stage
     messages and progress bars on stderr.
+    gpt-oss stores its experts fused (``[E, H, 2I]`` with gate and up columns alternating, ``[E, I, H]``)
+    whatever the layout; ``quantize="mxfp4"`` writes them as published gpt-oss checkpoints do.
 
     Raises ValueError for unknown arch/preset/layout and FileExistsError if out_dir exists and is not empty.
     """
@@ -413,6 +509,10 @@ def create_checkpoint(
             raise ValueError(f"unknown {what} {value!r}; expected one of: {', '.join(valid)}")
     if arch == "dbrx" and expert_layout == "fused":
         raise ValueError("expert_layout 'fused' is not for dbrx: its experts are fused already")
+    if quantize is not None and (quantize not in QUANTIZATIONS or arch != "gpt_oss"):
+        raise ValueError(f"quantize={quantize!r}: only gpt_oss has one, {', '.join(QUANTIZATIONS)}")
+    if arch == "gpt_oss" and expert_layout != "per_expert":
+        raise ValueError("gpt_oss experts are fused already: expert_layout applies to the others")
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"output directory {out_dir} already exists and is not empty")
@@ -439,10 +539,17 @@ def create_checkpoint(
         both = isinstance(value, dict) and isinstance(merged.get(key), dict)
         merged[key] = {**merged[key], **value} if both else value
     config = config_cls(**{alias.get(k, k): v for k, v in merged.items()})
+    if quantize and (config.hidden_size % 32 or config.intermediate_size % 32):
+        raise ValueError(
+            f"MXFP4 needs hidden_size and intermediate_size in multiples of 32, not "
+            f"{config.hidden_size} and {config.intermediate_size}"
+        )
 
     stage(f"initialising {model_cls.__name__} ({preset}, seed {seed})")
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
+    if arch == "gpt_oss":
+        _gpt_oss_init(model, seed)
     if router_skew:
         _apply_router_skew(model, router_skew, seed)
     n_params = sum(t.numel() for t in model.parameters())
@@ -471,6 +578,9 @@ def create_checkpoint(
     if expert_layout == "fused":
         stage("rewriting experts as fused 3-D tensors")
         _fuse_experts(out_dir, progress)
+    if quantize == "mxfp4":
+        stage("quantizing experts to MXFP4")
+        _quantize_mxfp4(out_dir)
 
     stage("saving tokenizer")
     tokenizer.save(str(out_dir / "tokenizer.json"), pretty=True)
@@ -511,6 +621,7 @@ def _cmd_create(args: argparse.Namespace) -> int:
             expert_layout=args.expert_layout,
             max_shard_size=args.max_shard_size,
             progress=args.preset != "tiny",
+            quantize=args.quantize,
         )
     except (FileExistsError, ValueError) as exc:
         print(f"moe-mesh checkpoint create: error: {exc}", file=sys.stderr)
@@ -555,6 +666,12 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
         type=lambda s: int(s) if s.isdigit() else s,
         default=None,
         help='e.g. "200MB" or a byte count',
+    )
+    create.add_argument(
+        "--quantize",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="gpt_oss: store the experts in MXFP4, as published gpt-oss checkpoints do",
     )
     create.add_argument(
         "--override",

@@ -1,9 +1,10 @@
-"""Dense layers shared by every family: RMSNorm, RoPE, attention over the paged KV cache."""
+"""Dense layers shared by every family: RMSNorm, RoPE, attention over the paged KV cache (with
+sliding windows and attention sinks where the family has them)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -129,6 +130,8 @@ class AttentionBatch:
     decode_mask: torch.Tensor  # [decodes, 1, 1, blocks * block_size] bool: the context to attend
     num_prefill_tokens: int
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of `positions`, filled once
+    # Masks of sliding windows and sinks (gpt-oss), made by the first layer that needs each: _mask.
+    masks: dict[tuple[int, int | None, bool], torch.Tensor] = field(default_factory=dict)
 
 
 def attention(
@@ -168,9 +171,12 @@ def attention(
     q, k = qk[:, :heads], qk[:, heads:]
     cache.write(layer, batch.slots, k, v)
 
+    window = spec.sliding_window if spec.is_sliding(layer) else None
+    # The first four families have neither: they run exactly the ops they always ran.
+    plain = window is None and w.sinks is None
     out = torch.empty_like(q)  # [tokens, heads, hd]
     row = 0
-    for p in batch.prefills:
+    for run, p in enumerate(batch.prefills):
         qs = q[row : row + p.length].transpose(0, 1)[None]  # [1, heads, len, hd]
         if p.start:  # a later chunk, or past a prefix-cache hit: it also sees the cached tokens
             ks, vs = cache.gather(layer, p.blocks)  # [1, kv_heads, blocks * bs, hd]
@@ -179,18 +185,76 @@ def attention(
         else:  # the whole context is this run: its keys and values are at hand
             ks = k[row : row + p.length].transpose(0, 1)[None]  # [1, kv_heads, len, hd]
             vs = v[row : row + p.length].transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True
-        )
+        if plain:
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True
+            )
+        else:
+            sinks = None if w.sinks is None else w.sinks[:, None, None]  # [heads, 1, 1]
+            o = _attend(qs, ks, vs, _mask(batch, run, window, sinks is not None), sinks, True)
         out[row : row + p.length] = o[0].transpose(0, 1)
         row += p.length
     if batch.decode_tables.numel():
-        out[row:] = _decode_attention(q[row:], batch, cache, layer)
+        out[row:] = _decode_attention(q[row:], batch, cache, layer, window, w.sinks)
     return linear(out.reshape(n, -1), w.o, w.o_bias)
 
 
+def _mask(batch: AttentionBatch, run: int, window: int | None, sink: bool) -> torch.Tensor:
+    """Which keys each query of prefill run `run` (-1: the decodes) sees, bool [..., queries,
+    keys]: the causal ones, on a sliding layer only the last `window` positions (transformers'
+    rule: key > query - window), and the sink key, appended, always. Made once per step."""
+    key = (run, window, sink)
+    if key in batch.masks:
+        return batch.masks[key]
+    if run < 0:  # [decodes, 1, 1, blocks * block_size]
+        allowed = batch.decode_mask
+        query = batch.positions[batch.num_prefill_tokens :, None, None, None]
+    else:  # [length, start + length]
+        p = batch.prefills[run]
+        query = torch.arange(p.start, p.start + p.length)[:, None]
+        allowed = torch.arange(p.start + p.length) <= query
+    if window is not None:
+        allowed = allowed & (torch.arange(allowed.shape[-1]) > query - window)
+    if sink:
+        allowed = F.pad(allowed, (0, 1), value=True)
+    batch.masks[key] = allowed
+    return allowed
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    sinks: torch.Tensor | None,
+    gqa: bool = False,
+) -> torch.Tensor:
+    """SDPA over the `allowed` keys, with gpt-oss's attention sinks when given (broadcastable to
+    q[..., :1]: one per query head). q [..., heads, queries, hd], k and v [..., kv_heads, keys, hd].
+
+    A sink is a learned per-head logit in the softmax's denominator that brings no value. It is
+    one more key, last, of value zero; for its logit to be the head's sink whatever the query, q
+    and k get one more dimension: 0 in every key, 1 in the sink key, sink / scale in each query
+    head. The mask stays one for all heads (a float mask per head would be heads times larger)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
+    hd = q.shape[-1]
+    scale = hd**-0.5
+    q = torch.cat([q, (sinks / scale).to(q.dtype).expand(*q.shape[:-1], 1)], dim=-1)
+    k = F.pad(k, (0, 1, 0, 1))  # [..., keys + 1, hd + 1]
+    k[..., -1, -1] = 1
+    v = F.pad(v, (0, 1, 0, 1))  # zero; its extra dimension only keeps SDPA on its fused kernel
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+    return o[..., :hd]
+
+
 def _decode_attention(
-    q: torch.Tensor, batch: AttentionBatch, cache: KVCache, layer: int
+    q: torch.Tensor,
+    batch: AttentionBatch,
+    cache: KVCache,
+    layer: int,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence, batched over sequences with a length mask. q: [decodes, heads, hd]."""
     tables, mask = batch.decode_tables, batch.decode_mask
@@ -198,14 +262,22 @@ def _decode_attention(
     # The g query heads that share a kv head go in as g query rows of that head: plain SDPA, no
     # GQA expansion (6× faster in bfloat16 at 32 sequences, the same bits).
     q = q.unflatten(1, (kv_heads, -1))  # [decodes, kv_heads, g, hd]
+    attend = F.scaled_dot_product_attention
+    if window is not None or sinks is not None:  # gpt-oss
+        mask = _mask(batch, -1, window, sinks is not None)
+        sinks = None if sinks is None else sinks.view(kv_heads, -1, 1)  # [kv_heads, g, 1]
+
+        def attend(q, k, v, attn_mask):
+            return _attend(q, k, v, attn_mask, sinks)
+
     step = cache.group(tables.shape[1])
     if step >= d:
         ks, vs = cache.gather(layer, tables)  # [decodes, kv_heads, blocks * bs, hd]
-        o = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask)
+        o = attend(q, ks, vs, attn_mask=mask)
     else:  # long contexts: a few sequences at a time, gathered where SDPA reads them fastest
         o = torch.empty_like(q)
         for s in range(0, d, step):
             seqs = slice(s, s + step)
             ks, vs = cache.gather(layer, tables, seqs)
-            o[seqs] = F.scaled_dot_product_attention(q[seqs], ks, vs, attn_mask=mask[seqs])
+            o[seqs] = attend(q[seqs], ks, vs, attn_mask=mask[seqs])
     return o.flatten(1, 2)  # [decodes, heads, hd]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Mxfp4Config
 
 from moe_mesh.common.checkpoint import Checkpoint
 from moe_mesh.router_service.build import build_local_engine, build_model
@@ -88,12 +88,39 @@ CASES = {
             "max_shard_size": "100KB",
         },
     ),
+    # gpt-oss's preset slides a 16-token window over even layers, with yarn and attention biases.
+    "gpt_oss": ("gpt_oss", {}),
+    "gpt_oss-window5-full-first-5experts-top3": (
+        "gpt_oss",
+        {
+            "overrides": {
+                "sliding_window": 5,  # shorter than 3 of the 4 prompts, not a multiple of BLOCK
+                "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+                "num_local_experts": 5,
+                "num_experts_per_tok": 3,
+            }
+        },
+    ),
+    "gpt_oss-no-bias-no-yarn-head-dim-32": (
+        "gpt_oss",
+        {
+            "overrides": {
+                "attention_bias": False,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0},
+                "head_dim": 32,
+            }
+        },
+    ),
+    "gpt_oss-mxfp4-sharded": ("gpt_oss", {"quantize": "mxfp4", "max_shard_size": "100KB"}),
 }
 
 
 @cache
 def _hf(path: Path):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # MXFP4 experts: transformers dequantizes them at load, on CPU (no kernels here).
+    quantized = "quantization_config" in (path / "config.json").read_text()
+    kwargs = {"quantization_config": Mxfp4Config(dequantize=True)} if quantized else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
     return model.eval()
 
 

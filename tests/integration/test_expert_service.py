@@ -62,6 +62,7 @@ def settings(checkpoint) -> Callable[..., ExpertSettings]:
         ("qwen3_moe", {"expert_layout": "fused"}, "float32"),
         ("olmoe", {}, "bfloat16"),
         ("dbrx", {}, "bfloat16"),
+        ("gpt_oss", {"quantize": "mxfp4"}, "bfloat16"),  # biases; MXFP4 dequantized at load
     ],
 )
 async def test_forward_matches_expert_ffn_and_describe_reports_what_is_served(

@@ -24,10 +24,12 @@ def moe_blocks(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module, torch
     output is the logits, or a tuple starting with them (`router_logits`)."""
     if model.config.model_type == "dbrx":
         return [(i, b.ffn, b.ffn.router.layer) for i, b in enumerate(model.transformer.blocks)]
+    # gpt-oss names its router `router`; Qwen's dense layers have none.
+    routers = [
+        getattr(x.mlp, "gate", None) or getattr(x.mlp, "router", None) for x in model.model.layers
+    ]
     return [
-        (i, layer.mlp, layer.mlp.gate)
-        for i, layer in enumerate(model.model.layers)
-        if hasattr(layer.mlp, "gate")  # Qwen's dense layers have none
+        (i, x.mlp, r) for i, (x, r) in enumerate(zip(model.model.layers, routers)) if r is not None
     ]
 
 

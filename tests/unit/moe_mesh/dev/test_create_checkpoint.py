@@ -38,6 +38,12 @@ TINY_FIELDS = {
         "attn_config.kv_n_heads": 2,
         "attn_config.clip_qkv": 8.0,
     },
+    "gpt_oss": {
+        "num_local_experts": 8,
+        "intermediate_size": 96,
+        "head_dim": 16,
+        "sliding_window": 16,
+    },
 }
 # DBRX spells the common fields its own way (dotted: a field of a nested sub-config).
 SPELLING = {
@@ -49,7 +55,7 @@ SPELLING = {
         "max_position_embeddings": "max_seq_len",
     }
 }
-FUSABLE = [a for a in ARCHS if a != "dbrx"]  # DBRX's own layout is fused already
+FUSABLE = [a for a in ARCHS if a not in ("dbrx", "gpt_oss")]  # their own layouts are fused already
 FOREIGN_KEYS = {
     "mixtral": {"moe_intermediate_size", "num_experts", "shared_expert_intermediate_size"},
     "olmoe": {
@@ -61,6 +67,7 @@ FOREIGN_KEYS = {
     "qwen2_moe": {"num_local_experts", "head_dim"},
     "qwen3_moe": {"num_local_experts", "shared_expert_intermediate_size"},
     "dbrx": {"hidden_size", "num_experts", "num_local_experts", "intermediate_size", "head_dim"},
+    "gpt_oss": {"num_experts", "moe_intermediate_size", "shared_expert_intermediate_size"},
 }
 PROMPT = torch.tensor([[5, 17, 300, 42, 99, 7, 256, 3, 1, 480, 64, 12]])
 
@@ -282,6 +289,51 @@ def test_dbrx_overrides_merge_into_its_sub_configs(root: Path) -> None:
     assert keys["transformer.blocks.2.ffn.experts.mlp.w2"][1] == (16 * 96, 32)
     with torch.no_grad():
         assert torch.isfinite(load(path)(input_ids=PROMPT).logits).all()
+
+
+def test_gpt_oss_biases_and_sinks_are_not_transformers_zeros(root: Path) -> None:
+    model = load(make_checkpoint(root, "gpt_oss", overrides={"attention_bias": True}))
+    params = dict(model.model.layers[1].named_parameters())
+    assert params["self_attn.sinks"].abs().max() > 0.5  # of order one, as trained ones are
+    for name in ("self_attn.q_proj.bias", "self_attn.o_proj.bias", "mlp.experts.gate_up_proj_bias"):
+        assert params[name].abs().min() > 0, name
+
+
+def test_gpt_oss_mxfp4_from_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    out = tmp_path / "mxfp4"
+    argv = ["--arch", "gpt_oss", "--out", str(out), "--quantize", "mxfp4", "--router-skew", "2"]
+    assert run_cli("checkpoint", "create", *argv, "--max-shard-size", "150KB") == 0
+    keys = tensor_keys(out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {k: f for k, (f, _) in keys.items()}
+    experts = "model.layers.0.mlp.experts."
+    assert keys[experts + "gate_up_proj_blocks"][1] == (8, 192, 2, 16)
+    assert keys[experts + "down_proj_scales"][1] == (8, 64, 3)
+    assert experts + "gate_up_proj" not in keys and experts + "gate_up_proj_bias" in keys
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+    model, info = AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=Mxfp4Config(dequantize=True), output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=PROMPT).logits).all()
+
+
+def test_gpt_oss_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="only gpt_oss"):
+        create_checkpoint(tmp_path / "x", "mixtral", quantize="mxfp4")
+    with pytest.raises(ValueError, match="quantize='int4'"):
+        create_checkpoint(tmp_path / "x", "gpt_oss", quantize="int4")
+    with pytest.raises(ValueError, match="fused already"):
+        create_checkpoint(tmp_path / "x", "gpt_oss", expert_layout="fused")
+    with pytest.raises(ValueError, match="multiples of 32, not 64 and 80"):
+        create_checkpoint(
+            tmp_path / "x", "gpt_oss", quantize="mxfp4", overrides={"intermediate_size": 80}
+        )
+    assert not (tmp_path / "x").exists()
 
 
 def test_errors(tmp_path: Path) -> None:
