@@ -97,6 +97,7 @@ class Checkpoint:
         name: str,
         shape: tuple[int, ...],
         rows: slice | None = None,
+        *,
         dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """The tensor `name`, checked against the shape the config implies; only `rows` of it

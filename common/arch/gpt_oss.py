@@ -120,6 +120,6 @@ def _mxfp4(checkpoint, name: str, expert: int, shape: tuple[int, int, int], dtyp
             tensor=name + "_blocks",
         )
     groups = cols // mxfp4.BLOCK
-    blocks = checkpoint.tensor(name + "_blocks", (e, rows, groups, 16), torch.uint8)[expert]
-    scales = checkpoint.tensor(name + "_scales", (e, rows, groups), torch.uint8)[expert]
+    blocks = checkpoint.tensor(name + "_blocks", (e, rows, groups, 16), dtype=torch.uint8)[expert]
+    scales = checkpoint.tensor(name + "_scales", (e, rows, groups), dtype=torch.uint8)[expert]
     return mxfp4.dequantize(blocks, scales, dtype)
