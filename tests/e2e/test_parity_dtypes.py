@@ -45,7 +45,7 @@ from moe_mesh.router_service.settings import RouterSettings
 from tests.support.hf import load
 from tests.support.reference import GREEDY, PROMPTS, mesh_engine, run_engine
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"]
 DTYPES = ["bfloat16", "float16"]
 LOOSE = 0.25  # share of the largest |logit| a position with a routing near-tie may differ by
 # Shares of positions and of greedy steps that must get the tight checks (measured: 64-97% and
@@ -69,6 +69,10 @@ class Scored:
     ref: torch.Tensor  # [steps, vocab] float32: transformers' logits there (one full pass)
     spread: torch.Tensor  # [steps]: max |transformers' KV-cache decode logits - ref|
     router: torch.Tensor  # [moe layers, steps, experts]: transformers' router logits
+    # sigmoid_group routers (DeepSeek-V3): their e_score_correction_bias [moe layers, experts],
+    # n_group and topk_group, which decide with the logits what is chosen
+    correction: torch.Tensor | None = None
+    groups: tuple[int, int] = (1, 1)
 
 
 @cache
@@ -138,11 +142,20 @@ def scored(path: Path, dtype_name: str) -> list[Scored]:
     finally:
         engine_module.sample = real
         engine.close()
+    spec, grouped = engine.model.spec, {}
+    if spec.router == "sigmoid_group":
+        gates = [
+            layer.mlp.gate for layer in _hf(path, dtype).model.layers if hasattr(layer.mlp, "gate")
+        ]
+        grouped = dict(
+            correction=torch.stack([g.e_score_correction_bias.float() for g in gates]),
+            groups=(spec.n_group, spec.topk_group),
+        )
     out = []
     for i, (prompt, cont) in enumerate(zip(PROMPTS, tokens)):
         assert len(cont) == len(rows[i]) == GREEDY.max_tokens
         ref, spread, router = _reference(path, dtype, prompt, cont)
-        out.append(Scored(cont, torch.stack(rows[i]), ref, spread, router))
+        out.append(Scored(cont, torch.stack(rows[i]), ref, spread, router, **grouped))
     return out
 
 
@@ -157,10 +170,33 @@ def _bound(s: Scored, dtype: torch.dtype, layers: int) -> torch.Tensor:
 
 
 def _near_tie_routing(s: Scored, k: int, dtype: torch.dtype, layers: int) -> torch.Tensor:
-    """[steps] bool: some layer's k-th and (k+1)-th router logits are within the floor."""
-    top = s.router.topk(k + 1, dim=-1).values  # [moe layers, steps, k + 1]
-    margin = top[..., k - 1] - top[..., k]
+    """[steps] bool: some layer's k-th and (k+1)-th router logits are within the floor (for a
+    sigmoid_group router, what it ranks: see _group_routing_margin)."""
+    if s.correction is not None:
+        margin = _group_routing_margin(s, k)
+    else:
+        top = s.router.topk(k + 1, dim=-1).values  # [moe layers, steps, k + 1]
+        margin = top[..., k - 1] - top[..., k]
     return (margin <= _floor(s.router, dtype, layers)).any(0)
+
+
+def _group_routing_margin(s: Scored, k: int) -> torch.Tensor:
+    """How near sigmoid_group routing (common/moe.py) is to choosing otherwise [moe layers, steps],
+    in router-logit units: the gap between the k-th and (k+1)-th expert of the kept groups and
+    that between the last kept and the first dropped group, in choice scores (sigmoid of the
+    logit + correction), the smaller after scaling each to the logit gap that moves it as much.
+    A logit error moves a choice score by at most a quarter of itself (the sigmoid's slope), a
+    group score (two of them) by half."""
+    n_group, topk_group = s.groups
+    choice = (s.router.sigmoid() + s.correction[:, None]).unflatten(-1, (n_group, -1))
+    group = choice.topk(2, dim=-1).values.sum(-1)  # [moe layers, steps, n_group]
+    ranked = group.sort(dim=-1, descending=True).values
+    kept = group >= ranked[..., topk_group - 1, None]
+    top = choice.masked_fill(~kept[..., None], float("-inf")).flatten(-2).topk(k + 1, dim=-1)
+    margin = 4 * (top.values[..., k - 1] - top.values[..., k])
+    if topk_group < n_group:
+        margin = torch.minimum(margin, 2 * (ranked[..., topk_group - 1] - ranked[..., topk_group]))
+    return margin
 
 
 @pytest.fixture(params=[(f, d) for f in FAMILIES for d in DTYPES], ids="-".join)

@@ -61,6 +61,7 @@ def settings(checkpoint) -> Callable[..., ExpertSettings]:
         ("mixtral", {}, "float32"),
         ("qwen3_moe", {"expert_layout": "fused"}, "float32"),
         ("olmoe", {}, "bfloat16"),
+        ("deepseek_v3", {"expert_layout": "fused"}, "bfloat16"),
     ],
 )
 async def test_forward_matches_expert_ffn_and_describe_reports_what_is_served(
