@@ -4,7 +4,9 @@ A token's cache entry is what MLA compresses its keys and values into, shared by
 kv_a_layernorm-normalised latent [kv_lora] as the entry's "key" and the rotated rope key [rope] as
 its "value" (spec.kv_dims). Prefill expands its context's latents through kv_b into per-head keys
 and values, as transformers does; decode attends over the latents themselves (`_decode`), which
-reads the cache once instead of expanding it for every new token.
+reads the cache once instead of expanding it for every new token: the same products
+reassociated, so 16-bit decode rounds a unit or two apart from transformers' (prefill rounds
+alike; docs/families/deepseek_v3.md).
 """
 
 from __future__ import annotations

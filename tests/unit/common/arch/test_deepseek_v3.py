@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from moe_mesh.common.arch import parse_spec
 from moe_mesh.common.checkpoint import Checkpoint
 from moe_mesh.common.errors import CheckpointError, UnsupportedModelError
+from moe_mesh.common.moe import route
 from moe_mesh.common.safetensors_mmap import SafetensorsFile
 from moe_mesh.common.weights import MLAWeights
 
@@ -124,6 +125,42 @@ def test_a_missing_field_is_named(field: str) -> None:
     config.pop(field)
     with pytest.raises(CheckpointError, match=f"missing config field '{field}'.*config.json"):
         parse_spec(config)
+
+
+@pytest.mark.parametrize(
+    ("experts", "n_group", "topk_group", "k", "norm", "scaling"),
+    [(8, 4, 2, 2, True, 2.5), (12, 3, 1, 3, False, 1.5), (16, 1, 1, 4, True, 1.0)],
+)
+def test_routing_is_transformers_routing(experts, n_group, topk_group, k, norm, scaling) -> None:
+    """common/moe.py's sigmoid_group rule against transformers' DeepseekV3TopkRouter: the same
+    experts in the same order, the same weights, the correction bias steering the choice only."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    fields = dict(
+        n_routed_experts=experts,
+        n_group=n_group,
+        topk_group=topk_group,
+        num_experts_per_tok=k,
+        norm_topk_prob=norm,
+        routed_scaling_factor=scaling,
+    )
+    spec = parse_spec({**V3_CONFIG, **fields, "hidden_size": 32, "num_attention_heads": 4})
+    gen = torch.Generator().manual_seed(experts)
+    hf = DeepseekV3TopkRouter(DeepseekV3Config(hidden_size=32, **fields))
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(experts, 32, generator=gen) * 0.1)
+        hf.e_score_correction_bias.copy_(torch.randn(experts, generator=gen) * 0.05)
+    x = torch.randn(64, 32, generator=gen)
+    _, hf_weights, hf_experts = hf(x)
+    ours = route(x, hf.weight.detach(), spec, correction=hf.e_score_correction_bias)
+    assert torch.equal(ours.experts, hf_experts) and torch.equal(ours.weights, hf_weights)
+    plain = route(x, hf.weight.detach(), spec)  # without the bias, other experts win somewhere
+    assert not torch.equal(plain.experts.sort().values, ours.experts.sort().values)
+    scores = torch.sigmoid(x @ hf.weight.detach().T).gather(1, ours.experts)
+    if norm:
+        scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    assert torch.allclose(ours.weights, scores * scaling)  # weighed by the uncorrected scores
 
 
 # -- loading ------------------------------------------------------------------------------------
