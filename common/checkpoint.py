@@ -119,14 +119,13 @@ class Checkpoint:
             )
         if rows is not None:
             t = t[rows]
-        if dtype is not None:
-            if t.dtype != dtype:
+        want = dtype or self.dtype
+        if want is not None and t.dtype != want:
+            if not (t.dtype.is_floating_point and want.is_floating_point):  # packed codes
                 raise CheckpointError(
-                    f"wrong dtype {t.dtype}, expected {dtype}", file=str(file.path), tensor=name
+                    f"wrong dtype {t.dtype}, expected {want}", file=str(file.path), tensor=name
                 )
-            return t
-        if self.dtype is not None and t.dtype != self.dtype:
-            t = t.to(self.dtype)
+            t = t.to(want)
         return t
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:

@@ -44,10 +44,25 @@ class AttentionWeights:
 
 
 @dataclass
+class MLAWeights:
+    """DeepSeek's multi-head latent attention (router_service/engine/mla.py): q from x directly or
+    through a normalised low-rank q_lora, keys and values expanded from a normalised kv_lora latent."""
+
+    a: torch.Tensor  # [q_out or q_lora, hidden] + [kv_lora + rope, hidden] rows: one GEMM over x
+    kv_a_norm: torch.Tensor  # [kv_lora]
+    kv_b: torch.Tensor  # [heads * (nope + v), kv_lora]: per head, key rows then value rows
+    o: torch.Tensor  # [hidden, heads * v]
+    q_b: torch.Tensor | None = None  # [heads * (nope + rope), q_lora]; None: a holds q_proj
+    q_a_norm: torch.Tensor | None = None  # [q_lora]
+    a_bias: torch.Tensor | None = None  # attention_bias
+    o_bias: torch.Tensor | None = None
+
+
+@dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
     post_attention_norm: torch.Tensor  # [hidden]
-    attention: AttentionWeights
+    attention: AttentionWeights | MLAWeights
     router: torch.Tensor | None = None  # [experts, hidden]; None on a dense layer
     router_bias: torch.Tensor | None = None  # [experts]: added to the logits (gpt-oss)
     router_correction: torch.Tensor | None = (

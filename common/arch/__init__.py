@@ -21,17 +21,26 @@ from moe_mesh.common.errors import CheckpointError, UnsupportedModelError
 
 __all__ = ["ModelSpec", "TensorNames", "load_spec", "parse_spec", "family_module", "FAMILIES"]
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "dbrx")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "dbrx")
 
 
 def family_module(model_type: str) -> Any:
-    from moe_mesh.common.arch import dbrx, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe
+    from moe_mesh.common.arch import (
+        dbrx,
+        deepseek_v3,
+        gpt_oss,
+        mixtral,
+        olmoe,
+        qwen2_moe,
+        qwen3_moe,
+    )
 
     return {
         "mixtral": mixtral,
         "qwen2_moe": qwen2_moe,
         "qwen3_moe": qwen3_moe,
         "olmoe": olmoe,
+        "deepseek_v3": deepseek_v3,
         "gpt_oss": gpt_oss,
         "dbrx": dbrx,
     }[model_type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -192,6 +193,13 @@ def qwen_moe_layers(config: dict, get, num_layers: int) -> tuple[bool, ...]:
 
 
 ROPE_TYPES = ("default", "yarn")
+
+
+def yarn_mscale(factor: float, mscale: float | None = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by `factor`."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * (mscale or 1.0) * math.log(factor) + 1.0
 
 
 def rope_spec(config: dict, rotary_dim: int | None = None, interleaved: bool = False) -> RopeSpec:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "dbrx")
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "dbrx")
 PRESETS = ("tiny", "small")
 EXPERT_LAYOUTS = ("per_expert", "fused")
 QUANTIZATIONS = ("mxfp4",)  # gpt-oss's published expert format
@@ -189,6 +189,23 @@ def _config_kwargs(arch: str, p: Mapping[str, Any], vocab: int) -> dict[str, Any
         )
     elif arch == "olmoe":
         kw.update(num_experts=p["experts"], intermediate_size=p["expert_width"])
+    elif arch == "deepseek_v3":  # latent attention: heads expand their keys/values from one latent
+        kw.update(
+            num_key_value_heads=p["heads"],
+            kv_lora_rank=p["hidden"] // 2,
+            q_lora_rank=3 * p["hidden"] // 4,
+            qk_nope_head_dim=p["head_dim"],
+            qk_rope_head_dim=p["head_dim"] // 2,
+            v_head_dim=p["head_dim"],
+            n_routed_experts=p["experts"],
+            n_group=4,
+            topk_group=2,
+            moe_intermediate_size=p["expert_width"],
+            n_shared_experts=1,
+            first_k_dense_replace=0,
+            intermediate_size=p["dense_width"],
+            num_mtp_layers=0,  # no multi-token-prediction layer is written
+        )
     elif arch == "gpt_oss":
         # YaRN as published gpt-oss has it (there factor 32 over 4096 original positions), with
         # a factor that matches the preset's max_position_embeddings (else transformers warns).
@@ -274,6 +291,23 @@ def _gpt_oss_init(model: torch.nn.Module, seed: int) -> None:
 def _gate(layer: torch.nn.Module) -> torch.nn.Module | None:
     """A decoder layer's router (gpt-oss calls it `router`); None on a dense layer."""
     return getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)
+
+
+def _randomise_correction_bias(model: torch.nn.Module, seed: int) -> None:
+    """Give routers with an e_score_correction_bias (DeepSeek-V3) a random one, as published
+    checkpoints have: transformers initialises it to zeros, which would leave untested that it
+    steers which experts are chosen but not their weights. A quarter of initializer_range changes
+    the choice of 15-20% of the tiny preset's tokens and leaves the load as even (uniform-routing
+    top-2 share ~0.3); a larger one would make experts hot, which the bias exists to prevent."""
+    import torch
+
+    # Its own stream: it neither moves nor depends on the init order.
+    gen = torch.Generator().manual_seed(seed)
+    std = model.config.initializer_range / 4
+    with torch.no_grad():
+        for name, bias in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                bias.copy_(torch.randn(bias.shape, generator=gen) * std)
 
 
 def _apply_router_skew(model: torch.nn.Module, skew: float, seed: int) -> None:
@@ -550,6 +584,7 @@ def create_checkpoint(
     model = model_cls(config).to(torch.float32).eval()
     if arch == "gpt_oss":
         _gpt_oss_init(model, seed)
+    _randomise_correction_bias(model, seed)
     if router_skew:
         _apply_router_skew(model, router_skew, seed)
     n_params = sum(t.numel() for t in model.parameters())

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from moe_mesh.common.arch import ModelSpec
-from moe_mesh.common.arch.spec import RopeSpec
+from moe_mesh.common.arch.spec import RopeSpec, yarn_mscale
 from moe_mesh.common.linear import linear
-from moe_mesh.common.weights import AttentionWeights
+from moe_mesh.common.weights import AttentionWeights, MLAWeights
 from moe_mesh.router_service.engine.kv_cache import KVCache
 
 
@@ -99,13 +99,6 @@ def _inv_freq(theta: float, dim: int, r: RopeSpec) -> tuple[torch.Tensor, float]
     return inv_freq, float(scale)
 
 
-def yarn_mscale(factor: float, mscale: float | None = 1.0) -> float:
-    """YaRN's magnitude correction for a context stretched by `factor`."""
-    if factor <= 1:
-        return 1.0
-    return 0.1 * (mscale or 1.0) * math.log(factor) + 1.0
-
-
 @dataclass
 class Prefill:
     """A run of consecutive new tokens of one sequence (a whole prompt, or a chunk of it)."""
@@ -136,7 +129,7 @@ class AttentionBatch:
 
 def attention(
     x: torch.Tensor,
-    w: AttentionWeights,
+    w: AttentionWeights | MLAWeights,
     spec: ModelSpec,
     rope: Rope,
     batch: AttentionBatch,
@@ -144,6 +137,10 @@ def attention(
     layer: int,
 ) -> torch.Tensor:
     """Self-attention for all tokens of a step; writes their keys/values into the cache. x: [tokens, hidden]."""
+    if spec.mla is not None:  # DeepSeek's latent attention: other projections, another cache entry
+        from moe_mesh.router_service.engine.mla import mla_attention
+
+        return mla_attention(x, w, spec, rope, batch, cache, layer)
     n, hd, heads, kv_heads = x.shape[0], spec.head_dim, spec.num_heads, spec.num_kv_heads
     if batch.rope is None:
         batch.rope = rope.at(batch.positions)

@@ -21,7 +21,9 @@ from tests.support.hf import greedy as hf_greedy
 from tests.support.reference import ALL_REMOTE, GREEDY, PROMPTS, mesh_engine, monolithic, run_engine
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "dbrx"])
+@pytest.mark.parametrize(
+    "arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "dbrx"]
+)
 async def test_all_remote_mesh_matches_monolithic_and_transformers(
     checkpoint, tmp_path, arch
 ) -> None:

@@ -23,6 +23,14 @@ NEW_TOKENS = 32
 TOL = 1e-4
 BLOCK = 4  # KV-cache block size: small, so the prompts span several blocks
 
+_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
 # (arch, create kwargs): the presets, plus configurations beyond them.
 CASES = {
     "mixtral": ("mixtral", {}),
@@ -57,6 +65,44 @@ CASES = {
     "qwen3-head-dim-32": ("qwen3_moe", {"overrides": {"head_dim": 32}}),
     "mixtral-fused": ("mixtral", {"expert_layout": "fused"}),
     "qwen2-fused-sharded": ("qwen2_moe", {"expert_layout": "fused", "max_shard_size": "100KB"}),
+    # The preset: 4 groups of 2 experts, the best 2 groups compete, q_lora, interleaved rope.
+    "deepseek_v3": ("deepseek_v3", {}),
+    "deepseek-3groups-top1-unnormalised": (
+        "deepseek_v3",
+        {
+            "overrides": {
+                "n_routed_experts": 12,
+                "n_group": 3,
+                "topk_group": 1,
+                "num_experts_per_tok": 3,
+                "norm_topk_prob": False,
+                "routed_scaling_factor": 1.5,
+            }
+        },
+    ),
+    "deepseek-dense-first-fused-sharded": (
+        "deepseek_v3",
+        {
+            "overrides": {"first_k_dense_replace": 1},
+            "expert_layout": "fused",
+            "max_shard_size": "100KB",
+        },
+    ),
+    # A plain q_proj; biases on kv_a and o; the latent norms keep eps 1e-6 whatever rms_norm_eps says.
+    "deepseek-q-proj-bias-eps": (
+        "deepseek_v3",
+        {"overrides": {"q_lora_rank": None, "attention_bias": True, "rms_norm_eps": 1e-5}},
+    ),
+    # YaRN as DeepSeek-V3 configures it (mscale = mscale_all_dim = 1: the softmax scale grows).
+    "deepseek-yarn": (
+        "deepseek_v3",
+        {"overrides": {"rope_parameters": {**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0}}},
+    ),
+    # Plain YaRN (cos/sin scaled by its attention factor), rope in halves rather than pairs.
+    "deepseek-yarn-halves": (
+        "deepseek_v3",
+        {"overrides": {"rope_parameters": _YARN, "rope_interleave": False}},
+    ),
     # DBRX's preset: GQA 4/2, clip_qkv 8 (never reached at this width), weights over their 1-norm.
     # It cannot tie its embeddings (transformers' DbrxConfig refuses), so every case is untied.
     "dbrx": ("dbrx", {}),

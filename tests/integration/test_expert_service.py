@@ -61,6 +61,7 @@ def settings(checkpoint) -> Callable[..., ExpertSettings]:
         ("mixtral", {}, "float32"),
         ("qwen3_moe", {"expert_layout": "fused"}, "float32"),
         ("olmoe", {}, "bfloat16"),
+        ("deepseek_v3", {"expert_layout": "fused"}, "bfloat16"),
         ("dbrx", {}, "bfloat16"),
         ("gpt_oss", {"quantize": "mxfp4"}, "bfloat16"),  # biases; MXFP4 dequantized at load
     ],

@@ -32,6 +32,18 @@ TINY_FIELDS = {
         "head_dim": 16,
     },
     "olmoe": {"num_experts": 8, "intermediate_size": 96},
+    "deepseek_v3": {
+        "n_routed_experts": 8,
+        "moe_intermediate_size": 96,
+        "intermediate_size": 128,
+        "n_shared_experts": 1,
+        "n_group": 4,
+        "topk_group": 2,
+        "first_k_dense_replace": 0,
+        "num_key_value_heads": 4,  # latent attention: every head expands its own keys
+        "kv_lora_rank": 32,
+        "q_lora_rank": 48,
+    },
     "dbrx": {
         "ffn_config.moe_num_experts": 8,
         "ffn_config.ffn_hidden_size": 96,
@@ -66,6 +78,7 @@ FOREIGN_KEYS = {
     },
     "qwen2_moe": {"num_local_experts", "head_dim"},
     "qwen3_moe": {"num_local_experts", "shared_expert_intermediate_size"},
+    "deepseek_v3": {"num_experts", "num_local_experts", "shared_expert_intermediate_size"},
     "dbrx": {"hidden_size", "num_experts", "num_local_experts", "intermediate_size", "head_dim"},
     "gpt_oss": {"num_experts", "moe_intermediate_size", "shared_expert_intermediate_size"},
 }
@@ -252,6 +265,11 @@ def test_router_skew(root: Path, arch: str) -> None:
         ),
         ("qwen2_moe", {"mlp_only_layers": [1], "decoder_sparse_step": 1}, {"mlp_only_layers": [1]}),
         ("qwen3_moe", {"mlp_only_layers": [1], "decoder_sparse_step": 1}, {"mlp_only_layers": [1]}),
+        (
+            "deepseek_v3",
+            {"num_local_experts": 6, "n_group": 3, "topk_group": 1, "q_lora_rank": None},
+            {"n_routed_experts": 6, "n_group": 3, "q_lora_rank": None},
+        ),
     ],
 )
 def test_overrides(root: Path, arch: str, overrides: dict, check: dict) -> None:
@@ -266,7 +284,9 @@ def test_overrides(root: Path, arch: str, overrides: dict, check: dict) -> None:
         )
     if overrides.get("tie_word_embeddings"):
         assert "lm_head.weight" not in keys
-    experts = config.get("num_experts", config.get("num_local_experts"))
+    experts = (
+        config.get("num_experts") or config.get("num_local_experts") or config["n_routed_experts"]
+    )
     assert keys["model.layers.0.mlp.experts.down_proj"][1][0] == experts
     with torch.no_grad():
         assert torch.isfinite(load(path)(input_ids=PROMPT).logits).all()

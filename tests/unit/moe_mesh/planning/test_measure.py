@@ -43,3 +43,17 @@ def test_timed_reports_median_wall_and_cpu_per_run() -> None:
     calls = []
     t = timed(lambda: calls.append(1), repeats=5, warmup=2)
     assert len(calls) == 7 and 0 <= t.wall_s < 0.01 and t.cpu_s >= 0
+
+
+def test_a_latent_attention_model_with_dense_layers_is_timed(checkpoint) -> None:
+    path = checkpoint("deepseek_v3", overrides={"first_k_dense_replace": 1})
+    bench = LayerBench(Checkpoint(path, dtype=torch.float32))
+    assert bench.layer_id == 1
+    for t in (
+        bench.router_layer(3, context=16, repeats=1),
+        bench.dense_layer(3, context=16, repeats=1),
+        bench.expert_layer(3, repeats=1),
+    ):
+        assert t.wall_s > 0
+    shares = bench.load_shares(64)
+    assert sorted(shares) == [1, 2] and sum(shares[1]) == pytest.approx(1.0)
