@@ -92,8 +92,11 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._where
 
-    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The tensor `name`, checked against the shape the config implies."""
+    def tensor(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The tensor `name`, checked against the shape the config implies; in `dtype` if given
+        (a tensor the model keeps in float32 whatever it computes in), else the checkpoint's."""
         if name not in self._where:
             raise CheckpointError("missing tensor", file=str(self.path), tensor=name)
         file = self._file(self._where[name])
@@ -108,8 +111,9 @@ class Checkpoint:
                 file=str(file.path),
                 tensor=name,
             )
-        if self.dtype is not None and t.dtype != self.dtype:
-            t = t.to(self.dtype)
+        dtype = dtype or self.dtype
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
         return t
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:

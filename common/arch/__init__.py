@@ -21,15 +21,19 @@ from moe_mesh.common.errors import CheckpointError, UnsupportedModelError
 
 __all__ = ["ModelSpec", "TensorNames", "load_spec", "parse_spec", "family_module", "FAMILIES"]
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")
 
 
 def family_module(model_type: str) -> Any:
-    from moe_mesh.common.arch import mixtral, olmoe, qwen2_moe, qwen3_moe
+    from moe_mesh.common.arch import glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
 
-    return {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "olmoe": olmoe}[
-        model_type
-    ]
+    return {
+        "mixtral": mixtral,
+        "qwen2_moe": qwen2_moe,
+        "qwen3_moe": qwen3_moe,
+        "olmoe": olmoe,
+        "glm4_moe": glm4_moe,
+    }[model_type]
 
 
 def parse_spec(config: dict[str, Any], source: str = "config.json") -> ModelSpec:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")
 PRESETS = ("tiny", "small")
 EXPERT_LAYOUTS = ("per_expert", "fused")
 
@@ -181,6 +181,18 @@ def _config_kwargs(arch: str, p: Mapping[str, Any], vocab: int) -> dict[str, Any
         )
     elif arch == "olmoe":
         kw.update(num_experts=p["experts"], intermediate_size=p["expert_width"])
+    elif arch == "glm4_moe":  # as GLM-4.5: q/k norm, q/k/v bias, half rotary, first layer dense
+        kw.update(
+            head_dim=p["head_dim"],
+            n_routed_experts=p["experts"],
+            moe_intermediate_size=p["expert_width"],
+            intermediate_size=p["dense_width"],
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            use_qk_norm=True,
+            attention_bias=True,
+            routed_scaling_factor=2.5,
+        )
     else:  # Qwen: experts use moe_intermediate_size, dense (mlp_only) layers intermediate_size
         kw.update(
             num_experts=p["experts"],
@@ -192,6 +204,26 @@ def _config_kwargs(arch: str, p: Mapping[str, Any], vocab: int) -> dict[str, Any
         else:  # not a declared Qwen3MoeConfig field, but the attention reads it and published configs set it
             kw.update(head_dim=p["head_dim"])
     return kw
+
+
+def _set_correction_bias(model: torch.nn.Module, seed: int) -> None:
+    """Give sigmoid routers (GLM-4.5, DeepSeek-V3) a seeded e_score_correction_bias.
+
+    transformers starts it at zeros, where experts are chosen by the plain scores; a trained model's
+    is not, and only a non-zero one shows whether a reader applies it to selection alone. Its spread
+    is a fifth of the scores' across experts (sigmoid'(0) = 1/4 times the gate logits' spread):
+    measured on the tiny preset, it changes the choice of ~20% of tokens and keeps routing even
+    (two of eight experts take ~30% of the slots; as wide as the scores, it would be ~50%)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 7919)  # not the router skew's stream
+    c = model.config
+    std = 0.05 * c.initializer_range * c.hidden_size**0.5
+    with torch.no_grad():
+        for layer in model.model.layers:
+            bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
+            if bias is not None:
+                bias.copy_(std * torch.randn(bias.shape, generator=gen))
 
 
 def _apply_router_skew(model: torch.nn.Module, skew: float, seed: int) -> None:
@@ -398,6 +430,7 @@ def create_checkpoint(
     stage(f"initialising {model_cls.__name__} ({preset}, seed {seed})")
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
+    _set_correction_bias(model, seed)
     if router_skew:
         _apply_router_skew(model, router_skew, seed)
     n_params = sum(t.numel() for t in model.parameters())

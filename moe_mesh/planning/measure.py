@@ -118,7 +118,7 @@ class LayerBench:
             h = norm(x, w.input_norm, s)
             y = x + attention(h, w.attention, s, rope, batch, cache, 0)
             h = norm(y, w.post_attention_norm, s)
-            routing = route(h, w.router, s)
+            routing = route(h, w.router, s, w.router_bias, w.router_correction)
             groups = group_by_expert(routing, s.num_experts)
             # The rows the router sends stand in for the experts' answers: combine costs the same.
             out = combine(groups, [h[g.tokens] for g in groups], routing, b, h)
@@ -158,7 +158,9 @@ class LayerBench:
     def expert_layer(self, b: int, repeats: int) -> Timing:
         """Te(b): every expert FFN of the layer for b tokens routed by the layer's real gate."""
         h = self.routed(b)
-        groups = group_by_expert(route(h, self.layer.router, self.spec), self.spec.num_experts)
+        layer = self.layer
+        routing = route(h, layer.router, self.spec, layer.router_bias, layer.router_correction)
+        groups = group_by_expert(routing, self.spec.num_experts)
         inputs = [(h[g.tokens], self.experts[g.expert]) for g in groups]
 
         def step() -> None:
@@ -191,7 +193,8 @@ class LayerBench:
         out = {}
         for layer in self.spec.moe_layer_ids:
             w = self.dense.layers[layer]
-            experts = route(self.routed(tokens, w), w.router, self.spec).experts
+            h = self.routed(tokens, w)
+            experts = route(h, w.router, self.spec, w.router_bias, w.router_correction).experts
             counts = torch.bincount(experts.reshape(-1), minlength=self.spec.num_experts)
             out[layer] = (counts.double() / counts.sum()).tolist()
         return out

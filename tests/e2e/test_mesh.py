@@ -19,7 +19,7 @@ from moe_mesh.router_service.engine.model import pack_step
 from tests.support.reference import ALL_REMOTE, GREEDY, PROMPTS, mesh_engine, monolithic, run_engine
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"])
 async def test_all_remote_mesh_matches_monolithic_and_transformers(
     checkpoint, tmp_path, arch
 ) -> None:

@@ -20,7 +20,7 @@ from tests.support.reference import PROMPTS
 
 NEW_TOKENS = 24
 BS = 4
-FAMILIES = ["mixtral", "qwen3_moe", "olmoe"]
+FAMILIES = ["mixtral", "qwen3_moe", "olmoe", "glm4_moe"]
 
 
 @cache

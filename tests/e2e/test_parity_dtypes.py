@@ -45,7 +45,7 @@ from moe_mesh.router_service.settings import RouterSettings
 from tests.support.hf import load
 from tests.support.reference import GREEDY, PROMPTS, mesh_engine, run_engine
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"]
 DTYPES = ["bfloat16", "float16"]
 LOOSE = 0.25  # share of the largest |logit| a position with a routing near-tie may differ by
 # Shares of positions and of greedy steps that must get the tight checks (measured: 64-97% and

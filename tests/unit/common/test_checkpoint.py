@@ -206,7 +206,7 @@ def test_tensor_listed_in_the_index_but_missing_from_its_shard(sharded) -> None:
     assert name in str(e.value) and shard.name in str(e.value)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"])
 def test_the_spec_knows_an_experts_size_without_loading_it(checkpoint, arch) -> None:
     ckpt = Checkpoint(checkpoint(arch), dtype=torch.bfloat16)
     [weights] = ckpt.load_experts(ckpt.all_expert_pairs()[:1]).values()
