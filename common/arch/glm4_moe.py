@@ -19,7 +19,9 @@ def parse(config: dict, get) -> ModelSpec:
 
     def aliased(key: str, default=REQUIRED):
         # transformers' attribute_map: GLM's config.json spells the expert count n_routed_experts.
-        return get("n_routed_experts") if key == "num_local_experts" else get(key, default)
+        if key == "num_local_experts":
+            return config.get(key) or get("n_routed_experts")
+        return get(key, default)
 
     fields = common_fields(config, aliased)
     head_dim, experts = fields["head_dim"], fields["num_experts"]

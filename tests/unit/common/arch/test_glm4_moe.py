@@ -106,6 +106,9 @@ def test_air_like_config_without_qk_norm_groups_or_shared_expert() -> None:
     )
     assert (s.qk_norm, s.qkv_bias, s.n_group, s.topk_group) == ("none", False, 8, 4)
     assert all(s.moe_layers) and s.shared_expert_intermediate_size == 2 * 1536
+    # the alias transformers also reads
+    config = {k: v for k, v in PUBLISHED.items() if k != "n_routed_experts"}
+    assert parse_spec({**config, "num_local_experts": 64}).num_experts == 64
 
 
 @pytest.mark.parametrize(
@@ -157,7 +160,7 @@ def test_sigmoid_group_routing_matches_transformers(
     gen = torch.Generator().manual_seed(n_group * 10 + top_k)
     with torch.no_grad():
         router.weight.copy_(torch.randn(experts, hidden, generator=gen) * 0.2)
-        # as wide as the scores' spread: selection then differs from the plain scores'
+        # about half the scores' spread: selection then differs from the plain scores'
         router.e_score_correction_bias.copy_(torch.randn(experts, generator=gen) * 0.1)
         x = torch.randn(200, hidden, generator=gen)
         _, want_w, want_e = router(x)
