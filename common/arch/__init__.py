@@ -21,13 +21,23 @@ from moe_mesh.common.errors import CheckpointError, UnsupportedModelError
 
 __all__ = ["ModelSpec", "TensorNames", "load_spec", "parse_spec", "family_module", "FAMILIES"]
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "dbrx")
+FAMILIES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "deepseek_v3",
+    "gpt_oss",
+    "dbrx",
+    "glm4_moe",
+)
 
 
 def family_module(model_type: str) -> Any:
     from moe_mesh.common.arch import (
         dbrx,
         deepseek_v3,
+        glm4_moe,
         gpt_oss,
         mixtral,
         olmoe,
@@ -43,6 +53,7 @@ def family_module(model_type: str) -> Any:
         "deepseek_v3": deepseek_v3,
         "gpt_oss": gpt_oss,
         "dbrx": dbrx,
+        "glm4_moe": glm4_moe,
     }[model_type]
 
 

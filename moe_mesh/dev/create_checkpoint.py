@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "dbrx")
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "dbrx", "glm4_moe")
 PRESETS = ("tiny", "small")
 EXPERT_LAYOUTS = ("per_expert", "fused")
 QUANTIZATIONS = ("mxfp4",)  # gpt-oss's published expert format
@@ -226,6 +226,18 @@ def _config_kwargs(arch: str, p: Mapping[str, Any], vocab: int) -> dict[str, Any
                 truncate=False,
             ),
         )
+    elif arch == "glm4_moe":  # as GLM-4.5: q/k norm, q/k/v bias, half rotary, first layer dense
+        kw.update(
+            head_dim=p["head_dim"],
+            n_routed_experts=p["experts"],
+            moe_intermediate_size=p["expert_width"],
+            intermediate_size=p["dense_width"],
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            use_qk_norm=True,
+            attention_bias=True,
+            routed_scaling_factor=2.5,
+        )
     else:  # Qwen: experts use moe_intermediate_size, dense (mlp_only) layers intermediate_size
         kw.update(
             num_experts=p["experts"],
@@ -294,7 +306,7 @@ def _gate(layer: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def _randomise_correction_bias(model: torch.nn.Module, seed: int) -> None:
-    """Give routers with an e_score_correction_bias (DeepSeek-V3) a random one, as published
+    """Give routers with an e_score_correction_bias (DeepSeek-V3, GLM-4.5) a random one, as published
     checkpoints have: transformers initialises it to zeros, which would leave untested that it
     steers which experts are chosen but not their weights. A quarter of initializer_range changes
     the choice of 15-20% of the tiny preset's tokens and leaves the load as even (uniform-routing

@@ -22,7 +22,8 @@ from tests.support.reference import ALL_REMOTE, GREEDY, PROMPTS, mesh_engine, mo
 
 
 @pytest.mark.parametrize(
-    "arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "dbrx"]
+    "arch",
+    ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "dbrx", "glm4_moe"],
 )
 async def test_all_remote_mesh_matches_monolithic_and_transformers(
     checkpoint, tmp_path, arch

@@ -20,7 +20,7 @@ from tests.support.reference import PROMPTS
 
 NEW_TOKENS = 24
 BS = 4
-FAMILIES = ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "dbrx", "gpt_oss"]
+FAMILIES = ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "dbrx", "gpt_oss", "glm4_moe"]
 
 
 @cache

@@ -158,6 +158,51 @@ CASES = {
         },
     ),
     "gpt_oss-mxfp4-sharded": ("gpt_oss", {"quantize": "mxfp4", "max_shard_size": "100KB"}),
+    # GLM-4.5 (every glm4_moe checkpoint we create has a non-zero e_score_correction_bias): the
+    # preset has q/k norm, q/k/v bias, half rotary, one group, first layer dense, scaling 2.5.
+    "glm4_moe": ("glm4_moe", {}),
+    "glm4-4groups-top2-nonorm-dense2-rotary-quarter": (
+        "glm4_moe",
+        {
+            "overrides": {
+                "n_group": 4,
+                "topk_group": 2,
+                "norm_topk_prob": False,
+                "first_k_dense_replace": 2,
+                "partial_rotary_factor": 0.25,
+            }
+        },
+    ),
+    "glm4-no-qknorm-no-bias-2groups-top3-all-moe": (
+        "glm4_moe",
+        {
+            "overrides": {
+                "use_qk_norm": False,
+                "attention_bias": False,
+                "n_group": 2,
+                "topk_group": 1,
+                "num_experts_per_tok": 3,
+                "first_k_dense_replace": 0,
+                "routed_scaling_factor": 1.0,
+                "partial_rotary_factor": 0.75,
+            }
+        },
+    ),
+    "glm4-fused-yarn-full-rotary": (
+        "glm4_moe",
+        {
+            "expert_layout": "fused",
+            "overrides": {
+                "partial_rotary_factor": 1.0,
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                },
+            },
+        },
+    ),
 }
 
 

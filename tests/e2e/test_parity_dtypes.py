@@ -47,7 +47,7 @@ from moe_mesh.router_service.settings import RouterSettings
 from tests.support.hf import load, moe_blocks, router_logits
 from tests.support.reference import GREEDY, PROMPTS, mesh_engine, run_engine
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "dbrx"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "dbrx", "glm4_moe"]
 # gpt-oss's MoE blocks too. Not its whole-model logits: transformers runs gpt-oss attention eagerly
 # only (no SDPA), rounding scores and probabilities to 16 bits where SDPA (ours) accumulates in
 # float32, which moves a few steps' logits up to 1.5x past the bound (they stay within it when

@@ -13,7 +13,16 @@ from moe_mesh.router_service.settings import RouterSettings
 from tests.support.processes import start_experts
 from tests.support.reference import PROMPTS, monolithic
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "dbrx", "gpt_oss"]
+FAMILIES = [
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "deepseek_v3",
+    "dbrx",
+    "gpt_oss",
+    "glm4_moe",
+]
 # step -> [(prompt, max_tokens)]: 0 and 1 start together, 1 leaves early, 2 and 3 join later
 SCHEDULE = {0: [(0, 32), (1, 6)], 3: [(2, 32)], 9: [(3, 10)]}
 

@@ -207,7 +207,8 @@ def test_tensor_listed_in_the_index_but_missing_from_its_shard(sharded) -> None:
 
 
 @pytest.mark.parametrize(
-    "arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "dbrx"]
+    "arch",
+    ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "dbrx", "glm4_moe"],
 )
 def test_the_spec_knows_an_experts_size_without_loading_it(checkpoint, arch) -> None:
     ckpt = Checkpoint(checkpoint(arch), dtype=torch.bfloat16)
