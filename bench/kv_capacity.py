@@ -116,7 +116,8 @@ def main() -> int:
     checkpoint = args.checkpoint.resolve()
     spec = Checkpoint(checkpoint).spec
     itemsize = getattr(torch, args.dtype).itemsize
-    token_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
+    heads, k_dim, v_dim = spec.kv_dims
+    token_bytes = spec.num_layers * heads * (k_dim + v_dim) * itemsize
     budget = parse_size(args.budget)
     length = args.prompt_len + args.new_tokens
     slots = slot_capacity(budget, token_bytes, length)

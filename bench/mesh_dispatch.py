@@ -123,7 +123,11 @@ async def main_async(args: argparse.Namespace) -> dict:
             x = torch.randn(n, spec.hidden_size, generator=torch.Generator().manual_seed(n))
             row = {
                 "tokens": n,
-                "experts_hit": int(route(x, layer0.router, spec).experts.unique().numel()),
+                "experts_hit": int(
+                    route(x, layer0.router, spec, layer0.router_bias, layer0.router_correction)
+                    .experts.unique()
+                    .numel()
+                ),
             }
             for name, engine in (("colocated", local), *((t, p.engine) for t, p in meshes.items())):
                 ms = await time_layer(
