@@ -1,0 +1,138 @@
+"""Rewrites of a saved checkpoint's experts: the fused transformers v5 layout, and MXFP4."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+_PER_EXPERT = re.compile(
+    r"^(.+?)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
+_ROLE = {
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+}
+
+
+def fuse_experts(out_dir: Path, progress: bool) -> None:
+    """Rewrite per-expert tensors as transformers v5 fused ``experts.gate_up_proj`` / ``experts.down_proj``."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    index_path = out_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    with (
+        safe_open(out_dir / "model.safetensors", "pt")
+        if index is None
+        else contextlib.nullcontext() as f
+    ):
+        old_map = index["weight_map"] if index else dict.fromkeys(f.keys(), "model.safetensors")
+    new_map: dict[str, str] = {}  # new key -> file
+    # new key -> old key, or the [gate, up, down] per-expert key lists
+    sources: dict[str, list[str] | str] = {}
+    experts: dict[str, dict[tuple[str, int], str]] = {}
+    for key in old_map:
+        if m := _PER_EXPERT.match(key):
+            experts.setdefault(m[1], {})[(_ROLE[m[3]], int(m[2]))] = key
+        else:  # Mixtral's block_sparse_moe is mlp in v5; renaming keeps the whole layer under one prefix
+            new_key = key.replace(".block_sparse_moe.", ".mlp.")
+            new_map[new_key], sources[new_key] = old_map[key], key
+    for prefix, parts in experts.items():
+        n = 1 + max(e for _, e in parts)
+        # Fused tensors go to the shard that held expert 0's gate, so shards stay near max_shard_size.
+        home = old_map[parts[("gate", 0)]]
+        for name, roles in (("gate_up_proj", ("gate", "up")), ("down_proj", ("down",))):
+            new_map[f"{prefix}.mlp.experts.{name}"] = home
+            sources[f"{prefix}.mlp.experts.{name}"] = [
+                parts[(r, e)] for e in range(n) for r in roles
+            ]
+    files = sorted(set(old_map.values()))
+    # A shard that held only expert slices homed elsewhere ends up empty: drop it and renumber the rest.
+    kept = [f for f in files if f in new_map.values()]
+    renamed = {
+        f: f if index is None else f"model-{i:05d}-of-{len(kept):05d}.safetensors"
+        for i, f in enumerate(kept, 1)
+    }
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(out_dir / f, "pt")) for f in files}
+
+        def load(old_key: str) -> torch.Tensor:
+            return handles[old_map[old_key]].get_tensor(old_key)
+
+        for fname in tqdm(kept, desc="Fusing experts", disable=not progress, file=sys.stderr):
+            tensors = {}
+            for new_key in (k for k, f in new_map.items() if f == fname):
+                src = sources[new_key]
+                if isinstance(src, str):
+                    tensors[new_key] = load(src)
+                # [E, 2I, H]: gate rows then up rows per expert.
+                elif new_key.endswith("gate_up_proj"):
+                    pairs = zip(src[::2], src[1::2])
+                    tensors[new_key] = torch.stack(
+                        [torch.cat([load(g), load(u)]) for g, u in pairs]
+                    )
+                else:  # [E, H, I]
+                    tensors[new_key] = torch.stack([load(k) for k in src])
+            save_file(tensors, out_dir / (renamed[fname] + ".tmp"), metadata={"format": "pt"})
+    for fname in files:
+        (out_dir / fname).unlink()
+    for fname in kept:
+        os.replace(out_dir / (renamed[fname] + ".tmp"), out_dir / renamed[fname])
+    if index is not None:
+        index["weight_map"] = {k: renamed[f] for k, f in sorted(new_map.items())}
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def quantize_mxfp4(out_dir: Path) -> None:
+    """Rewrite gpt-oss's float experts as published: ``*_blocks`` / ``*_scales`` in MXFP4 with rows
+    of [E, 2I, H] and [E, H, I] (transformers keeps [E, H, 2I] and [E, I, H]), biases as they are,
+    and a ``quantization_config`` in config.json."""
+    from safetensors.torch import load_file, save_file
+
+    from moe_mesh.common import mxfp4
+
+    index_path = out_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
+    for fname in files:
+        tensors = load_file(out_dir / fname)
+        for name in [
+            n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        ]:
+            blocks, scales = mxfp4.quantize(tensors.pop(name).transpose(1, 2))
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            if index:
+                shard = index["weight_map"].pop(name)
+                index["weight_map"].update({name + "_blocks": shard, name + "_scales": shard})
+        save_file(tensors, out_dir / (fname + ".tmp"), metadata={"format": "pt"})
+        os.replace(out_dir / (fname + ".tmp"), out_dir / fname)
+    if index:
+        index["weight_map"] = dict(sorted(index["weight_map"].items()))
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    cfg_path = out_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"] = {  # what openai/gpt-oss-20b's config.json says
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+        "quant_method": "mxfp4",
+    }
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
