@@ -45,9 +45,6 @@ def parse(config: dict, get) -> ModelSpec:
     if rope.scaling == "yarn" and rope.mscale_all_dim:
         mscale = yarn_mscale(rope.factor, rope.mscale_all_dim)
         scale = scale * mscale * mscale
-    experts, n_group = fields["num_experts"], get("n_group", 1) or 1
-    topk_group = get("topk_group", 1) or 1
-    _check_groups(experts, n_group, topk_group, fields["top_k"])
     dense = get("first_k_dense_replace", 0) or 0
     fields.update(rope=rope, num_kv_heads=fields["num_heads"], head_dim=qk_head_dim)
     return ModelSpec(
@@ -58,27 +55,24 @@ def parse(config: dict, get) -> ModelSpec:
         qk_norm="none",
         clip_qkv=None,
         expert_intermediate_size=get("moe_intermediate_size"),
-        norm_topk_prob=bool(get("norm_topk_prob", True)),
-        combine_in_fp32=True,  # the routing weights stay float32 (the router computes in float32)
         moe_layers=tuple(i >= dense for i in range(fields["num_layers"])),
         dense_intermediate_size=get("intermediate_size"),
         shared_expert_intermediate_size=get("moe_intermediate_size")
         * (get("n_shared_experts", 0) or 0),
-        router="sigmoid_group",
-        n_group=n_group,
-        topk_group=topk_group,
-        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+        **group_routing(get, fields["num_experts"], fields["top_k"]),
         mla=mla,
         attention_scale=scale,
     )
 
 
-def _check_groups(experts: int, n_group: int, topk_group: int, top_k: int) -> None:
-    """A group is ranked by its two best experts, and top_k experts must fit the kept groups."""
+def group_routing(get, experts: int, top_k: int) -> dict:
+    """The ModelSpec fields of sigmoid group-limited routing (DeepSeek-V3, and GLM-4.5 after it),
+    checked: groups must split the experts evenly, 2 or more each, and the kept ones hold k."""
+    n_group, topk_group = get("n_group", 1) or 1, get("topk_group", 1) or 1
     if experts % n_group or experts // n_group < 2:
         raise CheckpointError(
             f"n_group={n_group} must split the {experts} routed experts into equal groups "
-            "of at least 2"
+            "of at least 2 (a group is ranked by its two best experts)"
         )
     if not 1 <= topk_group <= n_group:
         raise CheckpointError(f"topk_group={topk_group} must be between 1 and n_group={n_group}")
@@ -87,6 +81,14 @@ def _check_groups(experts: int, n_group: int, topk_group: int, top_k: int) -> No
             f"num_experts_per_tok={top_k} exceeds the {topk_group * (experts // n_group)} "
             f"experts of topk_group={topk_group} groups"
         )
+    return dict(
+        router="sigmoid_group",
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(get("norm_topk_prob", True)),
+        combine_in_fp32=True,  # the weights stay float32 (the router computes in float32)
+    )
 
 
 def names(spec: ModelSpec) -> TensorNames:
@@ -116,6 +118,12 @@ def load_layer(ckpt, i: int) -> LayerWeights:
             mlp, "gate_proj", "up_proj", "down_proj", s.dense_intermediate_size
         )
         return layer
+    return load_group_routed(ckpt, mlp, layer)
+
+
+def load_group_routed(ckpt, mlp: str, layer: LayerWeights) -> LayerWeights:
+    """A sigmoid-group MoE block under prefix `mlp`: router, correction bias, shared experts."""
+    s, h = ckpt.spec, ckpt.spec.hidden_size
     layer.router = ckpt.tensor(mlp + "gate.weight", (s.num_experts, h))
     # Float32 whatever the model's dtype, as transformers keeps it (_keep_in_fp32_modules_strict).
     layer.router_correction = ckpt.tensor(

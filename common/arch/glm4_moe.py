@@ -9,8 +9,10 @@ loaded: they serve speculative decoding, not the model's own next-token logits.
 
 from __future__ import annotations
 
+from moe_mesh.common.arch.deepseek_v3 import group_routing, load_group_routed
 from moe_mesh.common.arch.spec import REQUIRED, ModelSpec, TensorNames, common_fields, rope_spec
 from moe_mesh.common.errors import CheckpointError, UnsupportedModelError
+from moe_mesh.common.weights import LayerWeights
 
 
 def parse(config: dict, get) -> ModelSpec:
@@ -35,17 +37,6 @@ def parse(config: dict, get) -> ModelSpec:
             "expected an even number from 2 to head_dim"
         )
     fields["rope"] = rope_spec(config, rotary_dim=rotary if rotary < head_dim else None)
-    n_group, topk_group = get("n_group", 1), get("topk_group", 1)
-    if experts % n_group or not 1 <= topk_group <= n_group:
-        raise CheckpointError(
-            f"n_group={n_group}, topk_group={topk_group}: n_group must divide the {experts} "
-            "experts and topk_group be from 1 to n_group"
-        )
-    if experts // n_group < 2 or fields["top_k"] > topk_group * (experts // n_group):
-        raise CheckpointError(
-            f"num_experts_per_tok={fields['top_k']} with n_group={n_group}, topk_group="
-            f"{topk_group}: groups need 2 or more experts and the chosen groups k of them"
-        )
     dense = get("first_k_dense_replace", 1)
     moe_width = get("moe_intermediate_size")
     bias = bool(get("attention_bias", False))
@@ -57,15 +48,10 @@ def parse(config: dict, get) -> ModelSpec:
         qk_norm="per_head" if get("use_qk_norm", False) else "none",
         clip_qkv=None,
         expert_intermediate_size=moe_width,
-        norm_topk_prob=bool(get("norm_topk_prob", True)),
-        combine_in_fp32=True,  # the sigmoid router's weights stay float32, as transformers' do
         moe_layers=tuple(i >= dense for i in range(fields["num_layers"])),
         dense_intermediate_size=get("intermediate_size"),
         shared_expert_intermediate_size=moe_width * get("n_shared_experts", 1),
-        router="sigmoid_group",
-        n_group=n_group,
-        topk_group=topk_group,
-        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+        **group_routing(get, experts, fields["top_k"]),
     )
 
 
@@ -78,33 +64,17 @@ def names(spec: ModelSpec) -> TensorNames:
     )
 
 
-def load_layer(checkpoint, i: int):
+def load_layer(checkpoint, i: int) -> LayerWeights:
     """Layer i without its routed experts: a dense layer is Llama-like; a MoE layer adds the router,
     its correction bias (float32 whatever the compute dtype, like transformers' buffer) and the
     ungated shared expert."""
-    import torch  # here: reading a config.json needs no torch
-
-    from moe_mesh.common.weights import LayerWeights
-
     s = checkpoint.spec
     if not s.moe_layers[i]:
         return checkpoint.layer(i)
-    p, h, e = f"model.layers.{i}.", s.hidden_size, s.num_experts
+    p, h = f"model.layers.{i}.", s.hidden_size
     layer = LayerWeights(
         input_norm=checkpoint.tensor(p + "input_layernorm.weight", (h,)),
         post_attention_norm=checkpoint.tensor(p + "post_attention_layernorm.weight", (h,)),
         attention=checkpoint.attention(p + "self_attn."),
-        router=checkpoint.tensor(p + "mlp.gate.weight", (e, h)),
-        router_correction=checkpoint.tensor(
-            p + "mlp.gate.e_score_correction_bias", (e,), dtype=torch.float32
-        ),
     )
-    if s.shared_expert_intermediate_size:
-        layer.shared_expert = checkpoint.ffn(
-            p + "mlp.shared_experts.",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-            s.shared_expert_intermediate_size,
-        )
-    return layer
+    return load_group_routed(checkpoint, p + "mlp.", layer)

@@ -116,10 +116,10 @@ def test_air_like_config_without_qk_norm_groups_or_shared_expert() -> None:
     [
         ({"n_routed_experts": None}, "missing config field 'n_routed_experts'"),
         ({"partial_rotary_factor": 0.2}, "partial_rotary_factor=0.2 rotates 25 of 128"),
-        ({"n_group": 3}, "n_group=3, topk_group=1: n_group must divide the 160"),
-        ({"n_group": 4, "topk_group": 5}, "topk_group be from 1 to n_group"),
-        ({"n_group": 80, "topk_group": 2}, "num_experts_per_tok=8 with n_group=80"),
-        ({"n_group": 160, "topk_group": 160}, "groups need 2 or more experts"),
+        ({"n_group": 3}, "n_group=3 must split the 160 routed experts into equal groups"),
+        ({"n_group": 4, "topk_group": 5}, "topk_group=5 must be between 1 and n_group=4"),
+        ({"n_group": 80, "topk_group": 2}, "num_experts_per_tok=8 exceeds the 4 experts"),
+        ({"n_group": 160, "topk_group": 160}, "n_group=160 must split .* groups of at least 2"),
     ],
 )
 def test_inconsistent_configs_name_the_field(edit, message) -> None:
