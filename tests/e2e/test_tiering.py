@@ -214,10 +214,16 @@ async def test_router_uses_its_region_falls_back_and_returns(
         return proc
 
     a, b = await expert_in("a", "a1"), await expert_in("b", "b1")
-    parts = await build_router(
-        RouterSettings(checkpoint=path, registry="consul", registry_address=address, region="a"),
-        open_registry("consul", address),
+    # No hedging: on a loaded machine a slow call to region a would also go to b, and this test
+    # counts which region served.
+    settings = RouterSettings(
+        checkpoint=path,
+        registry="consul",
+        registry_address=address,
+        region="a",
+        hedge_min_delay_s=60.0,
     )
+    parts = await build_router(settings, open_registry("consul", address))
     membership, procs = parts.membership, [a, b]
     try:
         await eventually(
