@@ -101,8 +101,9 @@ class Checkpoint:
         dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """The tensor `name`, checked against the shape the config implies; only `rows` of it
-        when given (sliced before any dtype conversion: one expert of a fused tensor). With
-        `dtype` (packed integers, e.g. MXFP4 codes) the stored dtype must be that one, and is kept."""
+        when given (sliced before any dtype conversion: one expert of a fused tensor). In `dtype`
+        when given, else the checkpoint's: floats convert (a correction bias stays float32 in a
+        bfloat16 model); packed integer codes (MXFP4) must be stored in it."""
         if name not in self._where:
             raise CheckpointError("missing tensor", file=str(self.path), tensor=name)
         file = self._file(self._where[name])

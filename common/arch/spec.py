@@ -22,9 +22,8 @@ RouterKind = Literal["softmax", "sigmoid_group", "topk_softmax", "softmax_pnorm"
 class RopeSpec:
     """Rotary position embedding as configured: which dims rotate, how, and the frequency scaling."""
 
-    rotary_dim: int | None = (
-        None  # dims of a head that rotate (the first ones); None: the whole head
-    )
+    # dims of a head that rotate (the first ones); None: the whole head
+    rotary_dim: int | None = None
     interleaved: bool = False  # pairs (x0, x1), (x2, x3)... (DeepSeek's rope_interleave) vs halves
     scaling: Literal["default", "yarn"] = "default"
     factor: float = 1.0  # yarn
@@ -109,9 +108,8 @@ class ModelSpec:
     mla: MLASpec | None = None  # DeepSeek-V3: latent attention instead of q/k/v heads
     attention_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax denominator
     sliding_window: int | None = None
-    layer_types: tuple[
-        str, ...
-    ] = ()  # per layer "full_attention" | "sliding_attention"; () all full
+    # per layer "full_attention" | "sliding_attention"; () all full
+    layer_types: tuple[str, ...] = ()
     attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
 
     def is_sliding(self, layer: int) -> bool:
