@@ -64,6 +64,12 @@ class NotFoundError(MoeMeshError):
     """The addressed layer, expert or model is not served here."""
 
 
+class ModelNotFoundError(NotFoundError):
+    """A request names a model this server does not serve (OpenAI's 404 `model_not_found`)."""
+
+    field = "model"
+
+
 class PreconditionError(MoeMeshError):
     """Caller and server disagree about what they serve (model id, weights checksum)."""
 

@@ -180,11 +180,17 @@ class Telemetry:
     tracer_provider: TracerProvider | None = None
     meter_provider: MeterProvider | None = None
     metrics_address: str | None = None
+    # Where the metrics are collected; a service may also serve it on a port of its own (/metrics).
+    registry: Any = field(default=None, repr=False)
     _http: Any = field(default=None, repr=False)
 
     @classmethod
     def from_settings(
-        cls, service: str, settings: TelemetrySettings, host: str = "127.0.0.1"
+        cls,
+        service: str,
+        settings: TelemetrySettings,
+        host: str = "127.0.0.1",
+        collect_metrics: bool = False,
     ) -> Telemetry:
         return cls.create(
             service,
@@ -192,6 +198,7 @@ class Telemetry:
             sample=settings.trace_sample,
             metrics_port=settings.metrics_port,
             host=host,
+            collect_metrics=collect_metrics,
         )
 
     @classmethod
@@ -204,7 +211,9 @@ class Telemetry:
         metrics_port: int | None = None,
         host: str = "127.0.0.1",
         exporters: Sequence[SpanExporter] = (),
+        collect_metrics: bool = False,
     ) -> Telemetry:
+        """`collect_metrics`: keep metrics in `registry` even without a metrics port."""
         resource = Resource.create({"service.name": service})
         t = cls(service)
         ratio = sample_ratio(sample)
@@ -221,15 +230,18 @@ class Telemetry:
 
                 provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
             t.tracer_provider = provider
-        if metrics_port is not None:
+        if metrics_port is not None or collect_metrics:
             from opentelemetry.exporter.prometheus import PrometheusMetricReader
-            from prometheus_client import CollectorRegistry, start_http_server
+            from prometheus_client import CollectorRegistry
 
-            registry = CollectorRegistry()
+            t.registry = CollectorRegistry()
             t.meter_provider = MeterProvider(
-                metric_readers=[PrometheusMetricReader(registry=registry)], resource=resource
+                metric_readers=[PrometheusMetricReader(registry=t.registry)], resource=resource
             )
-            server, thread = start_http_server(metrics_port, addr=host, registry=registry)
+        if metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            server, thread = start_http_server(metrics_port, addr=host, registry=t.registry)
             t._http = (server, thread)
             t.metrics_address = f"{host}:{server.server_port}"
         return t

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from moe_mesh.common.chat_template import ChatTemplate
 from moe_mesh.common.errors import CheckpointError
 
 
@@ -30,15 +31,18 @@ class Tokenizer:
             if config.exists()
             else False
         )
+        self.chat_template = ChatTemplate.from_checkpoint(checkpoint_dir)
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`add_special_tokens=False` for a rendered chat template, which writes its own."""
         # encode_batch releases the GIL (encode does not) at the same speed, so a caller may run a long
         # text on a worker thread without stalling its event loop.
-        return self._tok.encode_batch([text], add_special_tokens=self.add_bos)[0].ids
+        special = self.add_bos and add_special_tokens
+        return self._tok.encode_batch([text], add_special_tokens=special)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

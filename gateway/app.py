@@ -62,7 +62,7 @@ class GatewayApp:
         # Bounded drain: past grace_s, open streams are cancelled, which frees their router slots.
         self.http = _EmbeddedUvicorn(
             uvicorn.Config(
-                create_app(core),
+                create_app(core, telemetry.registry),
                 host=settings.host,
                 port=settings.http_port,
                 log_level="warning",
@@ -80,7 +80,9 @@ class GatewayApp:
         cls, settings: GatewaySettings, telemetry: Telemetry | None = None
     ) -> GatewayApp:
         """Telemetry comes from the settings unless given (tests pass in-memory exporters)."""
-        telemetry = telemetry or Telemetry.from_settings("gateway", settings, settings.host)
+        telemetry = telemetry or Telemetry.from_settings(
+            "gateway", settings, settings.host, collect_metrics=True
+        )
         try:
             return await cls._create(settings, telemetry)
         except BaseException:

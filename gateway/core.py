@@ -25,6 +25,7 @@ from moe_mesh.common.errors import (
     AlreadyExistsError,
     DeadlineExceededError,
     InvalidArgumentError,
+    ModelNotFoundError,
     MoeMeshError,
     UnavailableError,
 )
@@ -81,6 +82,8 @@ class TextRequest:
     priority: int = 0
     request_id: str = ""
     ignore_eos: bool = False
+    # False for a rendered chat template, which writes the special tokens it wants.
+    add_special_tokens: bool = True
 
 
 @dataclass
@@ -103,6 +106,7 @@ class Completion:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 class Generation:
@@ -110,6 +114,7 @@ class Generation:
 
     def __init__(self, request_id: str, deltas: AsyncIterator[Delta], release) -> None:
         self.request_id = request_id
+        self.prompt_token_ids: list[int] = []
         self._deltas = deltas
         self._release = release
 
@@ -171,8 +176,13 @@ class GatewayCore:
             description="admitted requests waiting for an in-flight place",
         )
 
+    @property
+    def served_names(self) -> list[str]:
+        """The names clients may use for the model: --served-model-name, else the router's id."""
+        return self.settings.served_model_name or [self.model.id]
+
     def list_models(self) -> list[ModelInfo]:
-        return [self.model]
+        return [replace(self.model, id=name) for name in self.served_names]
 
     def set_routers(self, routers: Sequence[RouterBackend]) -> None:
         """The router replicas to balance over from now on (registry membership changed)."""
@@ -189,9 +199,10 @@ class GatewayCore:
                     name, f"must be at most {s.max_id_chars} characters, got {len(value)}"
                 )
             check_unicode(name, value)
-        if r.model and r.model != m.id:
-            raise InvalidArgumentError(
-                "model", f"unknown model {r.model!r}; this gateway serves {m.id!r}"
+        if r.model and r.model not in self.served_names:
+            raise ModelNotFoundError(
+                f"model {r.model!r} does not exist; this gateway serves "
+                + ", ".join(repr(n) for n in self.served_names)
             )
         for name, values in (("stop", r.stop), ("stop_token_ids", r.stop_token_ids)):
             if len(values) > s.max_stop_strings:
@@ -222,9 +233,9 @@ class GatewayCore:
         if r.prompt is None:
             ids = list(r.prompt_token_ids or [])
         elif len(r.prompt) <= s.inline_tokenize_chars:
-            ids = self.tokenizer.encode(r.prompt)
+            ids = self.tokenizer.encode(r.prompt, r.add_special_tokens)
         else:  # about a microsecond per character: keep the event loop serving meanwhile
-            ids = await asyncio.to_thread(self.tokenizer.encode, r.prompt)
+            ids = await asyncio.to_thread(self.tokenizer.encode, r.prompt, r.add_special_tokens)
         if not ids:
             raise InvalidArgumentError("prompt_token_ids", "must not be empty")
         bad = next((t for t in ids if not 0 <= t < m.vocab_size), None)
@@ -320,7 +331,9 @@ class GatewayCore:
                 self._active.discard(request_id)
                 await slot.__aexit__(None, None, None)
 
-        return Generation(request_id, self._stream(request, r.stop, deadline, began), release)
+        gen = Generation(request_id, self._stream(request, r.stop, deadline, began), release)
+        gen.prompt_token_ids = ids
+        return gen
 
     async def complete(self, r: TextRequest, timeout_s: float | None = None) -> Completion:
         """Run a request to the end."""
@@ -338,6 +351,7 @@ class GatewayCore:
             last.finish_reason,
             last.prompt_tokens,
             last.completion_tokens,
+            gen.prompt_token_ids,
         )
 
     def _request_span(self, request: RouterRequest) -> Span | None:

@@ -1,14 +1,16 @@
 """OpenAI-compatible HTTP API: a thin adapter that converts JSON to the core's types and back.
 
     POST /v1/completions        prompt: a string, token ids, or a list holding exactly one of those
-    POST /v1/chat/completions   messages rendered by `chat_prompt`
+    POST /v1/chat/completions   messages rendered by the checkpoint's chat template (`render_chat`)
     GET  /v1/models             the served model, OpenAI list shape
     GET  /health/live           200 while the process serves HTTP
-    GET  /health/ready          200 while `app.state.ready`, else 503
+    GET  /health/ready, /health 200 while `app.state.ready`, else 503
+    GET  /metrics               the gateway's Prometheus metrics (also on --metrics-port if set)
 
 Both generation endpoints stream as Server-Sent Events with `"stream": true`. Besides OpenAI's
 fields they take vLLM-style extensions: `top_k`, `min_p`, `priority`, `stop_token_ids`,
-`ignore_eos`, and `return_token_ids` (adds `token_ids` to every choice) and `request_id` (a
+`ignore_eos`, `return_token_ids` (adds `token_ids` to every choice and, unless streaming,
+`prompt_token_ids` to the response), `chat_template_kwargs`, `add_generation_prompt` and `request_id` (a
 duplicate of one in flight is 409). Unknown fields are ignored, since OpenAI clients send some;
 known OpenAI features this server cannot honour (`logprobs`, `echo`, penalties, `tools`, ...) are
 refused rather than silently dropped. Values are validated by the core; every
@@ -34,6 +36,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -106,6 +109,10 @@ class ChatMessage(_Json):
 class ChatBody(_Body):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    # vLLM's extensions: variables for the template (e.g. enable_thinking), and whether to end the
+    # prompt with the assistant's header.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
 
 
 # OpenAI fields that would change the result; refused unless absent or set to their no-op value.
@@ -200,11 +207,12 @@ def _completion_prompt(
     return (p, None) if isinstance(p, str) else (None, list(p))
 
 
-def chat_prompt(messages: list[ChatMessage]) -> str:
-    """Render a conversation as "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n" to answer.
+# Says which template rendered a chat: "checkpoint", or "builtin" when the checkpoint has none.
+CHAT_TEMPLATE_HEADER = "X-Moe-Mesh-Chat-Template"
 
-    A plain-text template that any tokenizer can encode; content given as parts keeps the text parts.
-    """
+
+def _messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The conversation as plain dicts; content given as parts keeps the text parts."""
     if not messages:
         raise errors.InvalidArgumentError("messages", "must not be empty")
     out = []
@@ -218,8 +226,32 @@ def chat_prompt(messages: list[ChatMessage]) -> str:
         else:
             content = m.content or ""
         check_unicode("messages", content, f"messages[{i}].content: ")
-        out.append(f"<|{m.role}|>\n{content}\n")
-    return "".join(out) + "<|assistant|>\n"
+        # Extra fields (name, tool_call_id, ...) reach the template as clients sent them.
+        out.append({**(m.model_extra or {}), "role": m.role, "content": content})
+    return out
+
+
+def builtin_chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    """For checkpoints without a template: "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n".
+
+    Plain text that any tokenizer can encode.
+    """
+    out = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    return out + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+def render_chat(core: GatewayCore, body: ChatBody) -> tuple[str, str]:
+    """(prompt text, which template rendered it)."""
+    messages = _messages(body.messages)
+    template = core.tokenizer.chat_template
+    if template is None:
+        if body.chat_template_kwargs:
+            raise errors.InvalidArgumentError(
+                "chat_template_kwargs", "the model has no chat template to pass them to"
+            )
+        return builtin_chat_prompt(messages, body.add_generation_prompt), "builtin"
+    text = template.render(messages, body.add_generation_prompt, body.chat_template_kwargs)
+    return text, "checkpoint"
 
 
 @contextmanager
@@ -241,6 +273,7 @@ _ERRORS: list[tuple[type[errors.MoeMeshError], int, str, str]] = [
     (errors.InvalidArgumentError, 400, "invalid_request_error", "invalid_argument"),
     (errors.AlreadyExistsError, 409, "invalid_request_error", "already_exists"),
     (errors.PreconditionError, 400, "invalid_request_error", "failed_precondition"),
+    (errors.ModelNotFoundError, 404, "invalid_request_error", "model_not_found"),
     (errors.NotFoundError, 404, "not_found_error", "not_found"),
     (errors.ResourceExhaustedError, 429, "rate_limit_error", "resource_exhausted"),
     (errors.UnavailableError, 503, "service_unavailable_error", "unavailable"),
@@ -254,7 +287,12 @@ def _error_body(e: Exception) -> tuple[int, dict]:
         (500, "server_error", "internal"),
     )
     param = (
-        e.field if isinstance(e, (errors.InvalidArgumentError, errors.AlreadyExistsError)) else None
+        e.field
+        if isinstance(
+            e,
+            (errors.InvalidArgumentError, errors.AlreadyExistsError, errors.ModelNotFoundError),
+        )
+        else None
     )
     # A bug's message says nothing a client can act on and may describe internals: it goes to the log.
     message = str(e) if isinstance(e, errors.MoeMeshError) else "internal server error"
@@ -476,7 +514,7 @@ async def _answer(
                 "id": shape.id_prefix + gen.request_id,
                 "object": shape.chunk_object,
                 "created": int(time.time()),
-                "model": core.model.id,
+                "model": core.served_names[0],
             }
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _EventStream(gen, _events(gen, head, include_usage, shape.chunk))
@@ -491,15 +529,17 @@ async def _answer(
             "id": shape.id_prefix + c.request_id,
             "object": shape.object,
             "created": int(time.time()),
-            "model": core.model.id,
+            "model": core.served_names[0],
             "choices": [shape.whole(whole)],
             "usage": _usage(whole),
+            **({"prompt_token_ids": c.prompt_token_ids} if body.return_token_ids else {}),
         }
     )
 
 
-def create_app(core: GatewayCore) -> FastAPI:
-    """The HTTP app over `core`. `app.state.ready` (True at creation) and `core.draining` drive /health/ready."""
+def create_app(core: GatewayCore, metrics: Any = None) -> FastAPI:
+    """The HTTP app over `core`. `app.state.ready` (True at creation) and `core.draining` drive
+    /health/ready and /health; `metrics` (a prometheus_client registry) is served at /metrics."""
     app = FastAPI(title="moe-mesh gateway")
     app.add_middleware(_BodyLimit, limit=core.settings.max_body_bytes)
     app.add_exception_handler(errors.MoeMeshError, _on_mesh_error)
@@ -515,9 +555,16 @@ def create_app(core: GatewayCore) -> FastAPI:
         return {"status": "live"}
 
     @app.get("/health/ready")
+    @app.get("/health")  # vLLM's name for it, which load balancers and probes are set up with
     async def ready() -> JSONResponse:
         ok = bool(app.state.ready) and not core.draining
         return JSONResponse({"status": "ready" if ok else "not ready"}, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        if metrics is None:
+            raise StarletteHTTPException(404, "this gateway collects no metrics")
+        return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -556,7 +603,9 @@ def create_app(core: GatewayCore) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: Chat, request: Request) -> Response:
         max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-        r = _text_request(body, chat_prompt(body.messages), None, getattr(body, max_field))
+        prompt, template = render_chat(core, body)
+        r = _text_request(body, prompt, None, getattr(body, max_field))
+        r.add_special_tokens = False  # the template wrote the special tokens it wants
 
         def chunk(d: Delta, first: bool) -> dict:
             delta = {"role": "assistant", "content": d.text} if first else {"content": d.text}
@@ -578,7 +627,7 @@ def create_app(core: GatewayCore) -> FastAPI:
             }
 
         shape = _Shape("chatcmpl-", "chat.completion", "chat.completion.chunk", chunk, whole)
-        return await _answer(
+        response = await _answer(
             core,
             request,
             body,
@@ -586,5 +635,7 @@ def create_app(core: GatewayCore) -> FastAPI:
             shape,
             {"prompt": "messages", "prompt_token_ids": "messages", "max_tokens": max_field},
         )
+        response.headers[CHAT_TEMPLATE_HEADER] = template
+        return response
 
     return app

@@ -19,6 +19,11 @@ class GatewaySettings(TelemetrySettings):
     checkpoint: Path = Field(
         ..., description="checkpoint directory (the gateway reads only its tokenizer)"
     )
+    served_model_name: list[str] = Field(
+        default_factory=list,
+        description="names the model is listed and accepted under (the first is "
+        "the one responses carry); default the model id the routers report",
+    )
     routers: list[str] = Field(
         default_factory=list, description="host:port of router replicas (with registry='none')"
     )

@@ -11,6 +11,15 @@ import random
 from collections.abc import Iterator
 
 EOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|pad|>"  # ids 0 and 1; EOS doubles as BOS
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # ids 2 and 3: the chat template's turn markers
+
+# ChatML, as Qwen's instruct checkpoints write it: what `moe-mesh checkpoint create` ships.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 _PROSE = """\
 The harbour was quiet in the early morning, and the fishing boats rocked gently against the old stone pier. A gull circled twice above the lighthouse before settling on a post, watching the nets being hauled in. Somewhere up the hill a radio played a song about rivers, distant mountains and the people who leave home.
@@ -85,7 +94,7 @@ def tokenizer_json(vocab_size: int) -> str:
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        special_tokens=[EOS_TOKEN, PAD_TOKEN, IM_START, IM_END],
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )  # every byte: no <unk>

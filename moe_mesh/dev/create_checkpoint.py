@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from moe_mesh.dev.bpe import EOS_TOKEN, PAD_TOKEN, tokenizer_json
+from moe_mesh.dev.bpe import CHAT_TEMPLATE, EOS_TOKEN, PAD_TOKEN, tokenizer_json
 from moe_mesh.dev.expert_layouts import fuse_experts, quantize_mxfp4
 from moe_mesh.dev.families import (
     CLASSES,
@@ -159,6 +159,7 @@ def create_checkpoint(
         "unk_token": None,
         "model_max_length": config.max_position_embeddings,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     stage("done")

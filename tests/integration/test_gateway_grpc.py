@@ -125,7 +125,6 @@ BAD = [
     ({"prompt": "hi", "min_p": -0.5}, "min_p"),
     ({"prompt": "hi", "min_p": 1.5}, "min_p"),
     ({"prompt": "hi", "min_p": float("nan")}, "min_p"),
-    ({"prompt": "hi", "model": "nope"}, "model"),
     ({"prompt": "hi", "stop_token_ids": [999999]}, "stop_token_ids"),
     # Limits: once a 100 KB request_id was UNAVAILABLE and a 20,000-character model RESOURCE_EXHAUSTED
     # (both echoed into metadata past its size limit).
@@ -158,6 +157,9 @@ async def test_bad_input_is_invalid_argument_naming_the_field_and_the_gateway_st
                 )
                 assert e.value.details().startswith(f"{field}:"), (fields, e.value.details())
             assert await serving(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Generate(inference_pb2.GenerateRequest(prompt="hi", model="nope"))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "'nope'" in e.value.details()
         reply = await stub.Generate(greedy(1, max_tokens=4))
         assert tuple(reply.token_ids) == monolithic(path)[1][:4]
         models = await stub.ListModels(inference_pb2.ListModelsRequest())

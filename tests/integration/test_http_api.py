@@ -16,7 +16,7 @@ import pytest_asyncio
 
 from moe_mesh.common.tokenizer import TextStream, Tokenizer
 from moe_mesh.gateway.core import TextRequest
-from moe_mesh.gateway.http_api import ChatMessage, chat_prompt, create_app
+from moe_mesh.gateway.http_api import create_app
 from moe_mesh.router_service.build import build_local_engine
 from moe_mesh.router_service.engine.sampling import SamplingParams
 from moe_mesh.router_service.settings import RouterSettings
@@ -162,20 +162,32 @@ async def test_completions_give_the_engines_greedy_tokens(mesh, path) -> None:
         assert a == b and len(a) == N
 
 
+def hf_chat_ids(path: Path, messages: list[dict], **kwargs) -> list[int]:
+    """transformers' apply_chat_template on the checkpoint's own tokenizer and template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
 async def test_chat_completions_stream_and_not(mesh, path) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-    rendered = chat_prompt([ChatMessage(**m) for m in messages])
-    assert rendered == "<|system|>\nBe brief.\n<|user|>\nHi there\n<|assistant|>\n"
-    ids = Tokenizer(path).encode(rendered)
+    # `checkpoint create` ships a ChatML template: the prompt is exactly transformers' rendering.
+    ids = hf_chat_ids(path, messages)
+    assert ids[0] == Tokenizer(path).encode("<|im_start|>", False)[0]
     ref = greedy(path, tuple(ids), 8)
     async with client(mesh) as c:
-        r = await c.chat.completions.create(
+        raw = await c.chat.completions.with_raw_response.create(
             model=mesh.gateway.core.model.id,
             messages=messages,
             temperature=0,
             max_completion_tokens=8,
             extra_body={"ignore_eos": True, "return_token_ids": True},
         )
+        assert raw.headers["x-moe-mesh-chat-template"] == "checkpoint"
+        r = raw.parse()
+        assert r.prompt_token_ids == ids
         assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
         assert r.choices[0].message.role == "assistant" and r.choices[0].token_ids == ref
         assert (
@@ -215,6 +227,31 @@ async def test_chat_completions_stream_and_not(mesh, path) -> None:
         assert again.choices[0].message.content == r.choices[0].message.content
 
 
+async def test_an_unknown_model_is_404_model_not_found(mesh) -> None:
+    async with client(mesh) as c:
+        for call in (
+            c.completions.create(model="gpt-4", prompt=IDS, max_tokens=2),
+            c.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}]),
+        ):
+            with pytest.raises(openai.NotFoundError) as e:
+                await call
+            assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+            assert "gpt-4" in e.value.body["message"]
+
+
+async def test_served_model_names_are_listed_accepted_and_answered_with(path) -> None:
+    gw = fake_core(path, [FakeRouter("a:1")], served_model_name=["moe", "moe-alias"])
+    transport = httpx.ASGITransport(app=create_app(gw))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as h:
+        listed = (await h.get("/v1/models")).json()["data"]
+        assert [m["id"] for m in listed] == ["moe", "moe-alias"]
+        r = await h.post("/v1/completions", json=completion(model="moe-alias"))
+        assert r.status_code == 200 and r.json()["model"] == "moe"
+        r = await h.post("/v1/completions", json=completion(model="m"))  # the router's own id
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert (await h.get("/metrics")).status_code == 404  # this core collects no metrics
+
+
 async def test_models_and_health(mesh) -> None:
     async with client(mesh) as c:
         models = [m async for m in c.models.list()]
@@ -224,6 +261,13 @@ async def test_models_and_health(mesh) -> None:
     async with httpx.AsyncClient(base_url=mesh.http_base_url) as h:
         assert (await h.get("/health/live")).status_code == 200
         assert (await h.get("/health/ready")).status_code == 200
+        assert (await h.get("/health")).status_code == 200
+        metrics = await h.get("/metrics")
+        assert metrics.status_code == 200 and metrics.headers["content-type"].startswith(
+            "text/plain"
+        )
+        # The requests of the tests before this one were counted.
+        assert "gen_ai_server_request_duration_seconds_count" in metrics.text, metrics.text[:500]
         assert (await h.get("/openapi.json")).status_code == 200
         nowhere = await h.get("/v1/nowhere")
         assert nowhere.status_code == 404 and "error" in nowhere.json()
@@ -264,7 +308,6 @@ BAD = [  # (endpoint, JSON body or raw bytes, the field the error must name)
     ("completions", completion(stop=5), "stop"),
     ("completions", completion(stop_token_ids=[9999]), "stop_token_ids"),
     ("completions", completion(stream="yes"), "stream"),
-    ("completions", completion(model="gpt-4"), "model"),
     ("completions", completion(n=2), "n"),
     ("completions", completion(logprobs=3), "logprobs"),
     ("completions", b'{"prompt": [1, 2', None),
