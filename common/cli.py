@@ -17,6 +17,7 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticUndefined
 
+from moe_mesh.common import errors
 from moe_mesh.common.errors import InvalidArgumentError
 
 
@@ -109,3 +110,14 @@ def settings_from_args(
 def _one_line(problems: list[tuple[str, str]]) -> InvalidArgumentError:
     (first, message), rest = problems[0], problems[1:]
     return InvalidArgumentError(first, "; ".join([message, *(f"{f}: {m}" for f, m in rest)]))
+
+
+EXIT_FAILED, EXIT_USAGE = 1, 2
+
+
+def exit_code(e: BaseException) -> int:
+    """The row of the exit-code table (README, "Exit codes") an error ends a command with: 2 when
+    the command was wrong (a bad value, a missing or broken checkpoint, an unknown name), 1 when the
+    mesh or the machine failed (a peer unreachable, a port taken, a service died)."""
+    usage = (errors.InvalidArgumentError, errors.CheckpointError, errors.NotFoundError)
+    return EXIT_USAGE if isinstance(e, usage) else EXIT_FAILED

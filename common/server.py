@@ -76,8 +76,8 @@ class GrpcServer:
         )
         try:
             self.bound_port = server.add_insecure_port(f"{self.host}:{self.port}")
-        except RuntimeError as e:  # grpc raises RuntimeError("Failed to bind ...")
-            raise OSError(f"cannot bind {self.host}:{self.port}: {e}") from e
+        except RuntimeError:  # grpc raises RuntimeError("Failed to bind ...") and says no more
+            raise bind_error(self.host, self.port, "gRPC") from None
         await server.start()
         self._server = server
         for name in ["", *names]:
@@ -94,6 +94,35 @@ class GrpcServer:
         for hook in self.on_stop:
             await hook()
         await server.stop(self.grace_s)
+
+
+def bind_error(host: str, port: int, what: str) -> OSError:
+    """One line naming the address, why it cannot be listened on, and what to do."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, port))
+        why = "it could not be bound"
+    except OSError as e:
+        why = e.strerror or str(e)
+    hint = (
+        "choose another port (0 picks a free one) or stop what holds it"
+        if port
+        else "is the host one of this machine's addresses?"
+    )
+    return OSError(f"cannot listen on {host}:{port} for {what}: {why.lower()}; {hint}")
+
+
+def listen_socket(host: str, port: int, what: str) -> socket.socket:
+    """A bound, listening TCP socket, or bind_error's one line."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise bind_error(host, port, what) from None
+    return sock
 
 
 def advertised_host(bind_host: str, advertise: str | None = None) -> str:

@@ -5,6 +5,7 @@ import sys
 from moe_mesh.common import runtime
 
 runtime.configure()  # before anything imports torch
+runtime.die_with_parent()
 
 from moe_mesh.expert_service.cli import main  # noqa: E402
 

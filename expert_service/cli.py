@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from moe_mesh.common.cli import add_settings_arguments, settings_from_args
+from moe_mesh.common.cli import add_settings_arguments, exit_code, settings_from_args
 from moe_mesh.common.errors import MoeMeshError
 from moe_mesh.expert_service.settings import ExpertSettings
 
@@ -68,13 +68,10 @@ def run_serve_expert(args: argparse.Namespace) -> int:
         torch.set_num_threads(settings.compute_threads)
     try:
         uvloop.run(serve(settings, args.ready_file))
-    except (
-        MoeMeshError
-    ) as e:  # bad --experts spec, broken or missing checkpoint, no ucxx for --fast-path ucx
-        return _error(str(e))
-    except OSError as e:  # cannot bind the port
+    # bad --experts spec, broken or missing checkpoint, no ucxx for --fast-path ucx, port in use
+    except (MoeMeshError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
+        return exit_code(e)
     return 0
 
 

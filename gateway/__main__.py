@@ -3,6 +3,7 @@ import sys
 from moe_mesh.common import runtime
 
 runtime.configure()  # before anything imports torch
+runtime.die_with_parent()
 
 from moe_mesh.gateway.cli import main  # noqa: E402
 

@@ -12,7 +12,7 @@ import uvicorn
 from moe_mesh.common.errors import InvalidArgumentError, MoeMeshError, UnavailableError
 from moe_mesh.common.registry import ROUTER_SERVICE, Instance, Membership, Registry, open_registry
 from moe_mesh.common.registry.follow import Follower, follow
-from moe_mesh.common.server import GrpcServer, Service, wait_for_signal
+from moe_mesh.common.server import GrpcServer, Service, listen_socket, wait_for_signal
 from moe_mesh.common.telemetry import Telemetry
 from moe_mesh.common.tokenizer import Tokenizer
 from moe_mesh.gateway.core import GatewayCore
@@ -154,7 +154,9 @@ class GatewayApp:
         return f"{self.settings.host}:{port}"
 
     async def _start_http(self) -> None:
-        self._http_task = asyncio.create_task(self.http.serve(), name="gateway-http")
+        # Bound here, not by uvicorn, which would log the failure and exit the process itself.
+        sock = listen_socket(self.settings.host, self.settings.http_port, "HTTP")
+        self._http_task = asyncio.create_task(self.http.serve([sock]), name="gateway-http")
         while not self.http.started:
             if self._http_task.done():
                 self._http_task.result()  # raises the bind error

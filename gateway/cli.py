@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from moe_mesh.common.cli import add_settings_arguments, settings_from_args
+from moe_mesh.common.cli import add_settings_arguments, exit_code, settings_from_args
 from moe_mesh.common.errors import MoeMeshError
 
 FLAGS = {"routers": "--router"}  # repeatable: one router replica each
@@ -45,9 +45,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         uvloop.run(main())
-    except (MoeMeshError, OSError) as e:
+    except (MoeMeshError, OSError) as e:  # no router, port in use
         print(f"moe-mesh serve-gateway: error: {e}", file=sys.stderr)
-        return 2
+        return exit_code(e)
     return 0
 
 

@@ -11,10 +11,14 @@ developing     create-checkpoint                            (moe_mesh.dev)
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 
+import grpc
+
 from moe_mesh.common import runtime
-from moe_mesh.common.errors import MoeMeshError
+from moe_mesh.common.cli import exit_code
+from moe_mesh.common.errors import MoeMeshError, UnavailableError
 
 runtime.configure()  # the console script's entry: before anything imports torch
 
@@ -52,15 +56,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def version() -> str:
+    try:
+        return importlib.metadata.version("moe-mesh")
+    except importlib.metadata.PackageNotFoundError:  # a source checkout that was never installed
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Exit codes, the same for every command (README, "Exit codes"): 0 done; 1 the mesh or the
+    machine failed (a service died or could not start, a port is taken, a peer is unreachable, a
+    request failed); 2 the command was wrong (a bad flag or value, a missing file, input refused);
+    130 interrupted (Ctrl-C); 141 stdout closed (`| head`)."""
+    parser = build_parser()
+    parser.add_argument("--version", action="version", version=f"moe-mesh {version()}")
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except MoeMeshError as e:
-        print(f"moe-mesh: error: {e}", file=sys.stderr)
-        return 2
+        hint = (
+            "; is the mesh up, and is the address (or --ready-file) the one `moe-mesh up` printed?"
+            if isinstance(e, UnavailableError)
+            else ""
+        )
+        print(f"moe-mesh: error: {e}{hint}", file=sys.stderr)
+        return exit_code(e)
+    except grpc.RpcError as e:  # a command's call to a service: one line, not gRPC's debug text
+        print(f"moe-mesh: error: {_rpc_problem(e)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        from moe_mesh.local.launcher import EXIT_BROKEN_PIPE, silence_stdout
+
+        silence_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _rpc_problem(e: grpc.RpcError) -> str:
+    code = e.code() if hasattr(e, "code") else None
+    details = (e.details() if hasattr(e, "details") else None) or str(e)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return (
+            f"cannot reach the service ({code.name}: {details.splitlines()[0]}); is the mesh up, "
+            "and is the address (or --ready-file) the one `moe-mesh up` printed?"
+        )
+    return f"{code.name if code else 'RPC failed'}: {details.splitlines()[0]}"
 
 
 if __name__ == "__main__":

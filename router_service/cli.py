@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from moe_mesh.common.cli import add_settings_arguments, settings_from_args
+from moe_mesh.common.cli import add_settings_arguments, exit_code, settings_from_args
 from moe_mesh.common.errors import MoeMeshError
 
 FLAGS = {
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         uvloop.run(main())
     except (MoeMeshError, OSError) as e:  # no expert service, mismatched weights, port in use
         print(f"moe-mesh serve-router: error: {e}", file=sys.stderr)
-        return 2
+        return exit_code(e)
     return 0
 
 

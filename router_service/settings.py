@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from moe_mesh.common.fastpath import mesh_fast_path
 from moe_mesh.common.telemetry import TelemetrySettings
+from moe_mesh.common.units import parse_size
 
 
 class RouterSettings(TelemetrySettings):
@@ -109,6 +110,13 @@ class RouterSettings(TelemetrySettings):
         "utilization: '512MiB', '2GB', '1048576' or a share of all routed experts "
         "like '25%'; '0' turns tiering off",
     )
+
+    @field_validator("colocate_budget")
+    @classmethod
+    def _a_size(cls, v: str) -> str:
+        parse_size(v, whole=1)  # the whole is known only once the checkpoint is read: format only
+        return v
+
     pin_remote: str = Field("", description="expert spec never colocated by tiering")
     tier_interval_s: float = Field(5.0, gt=0, description="seconds between tiering decisions")
     tier_window_s: float = Field(60.0, gt=0, description="utilization window the policy reads")

@@ -8,18 +8,71 @@ import shlex
 import sys
 from pathlib import Path
 
-from moe_mesh.common.cli import add_settings_arguments, flag
+from moe_mesh.common.cli import add_settings_arguments, flag, settings_from_args
+from moe_mesh.common.errors import InvalidArgumentError
 from moe_mesh.gateway.settings import GatewaySettings
 from moe_mesh.router_service.settings import RouterSettings
 
-GATEWAY_FLAGS = ("max_in_flight", "max_queued")
+# The gateway's public address (the other services take free loopback ports) and its limits.
+GATEWAY_FLAGS = (
+    "host",
+    "grpc_port",
+    "http_port",
+    "served_model_name",
+    "max_in_flight",
+    "max_queued",
+)
 ROUTER_FLAGS = ("max_num_seqs", "colocate_budget")
 
 
 def _pass_through(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
-    return [
-        f for name in names if (v := getattr(args, name)) is not None for f in (flag(name), str(v))
-    ]
+    out = []
+    for name in names:
+        value = getattr(args, name)
+        for v in value if isinstance(value, list) else [] if value is None else [value]:
+            out += [flag(name), str(v)]
+    return out
+
+
+class _RouterFlags(argparse.ArgumentParser):
+    """The router's parser, reporting a bad flag as one line instead of its whole usage."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise InvalidArgumentError("--router-arg", message)
+
+
+def _check_flags(args: argparse.Namespace, router_args: list[str]) -> str | None:
+    """The first problem with the flags, before any process starts (a child would find it late)."""
+    for name, value, low in (
+        ("--routers", args.routers, 1),
+        ("--replicas", args.replicas, 1),
+        ("--expert-services", args.expert_services, 0),
+    ):
+        if value < low:
+            return f"{name} must be >= {low}, got {value}"
+    if args.trace_sample is not None and not 0 <= args.trace_sample <= 1:
+        return f"--trace-sample must be in [0, 1], got {args.trace_sample}"
+    if not (args.checkpoint / "config.json").is_file():
+        return f"--checkpoint: {args.checkpoint} has no config.json (not a checkpoint directory)"
+    from moe_mesh.router_service import cli as router_cli
+
+    # Every router flag, --router-arg's included, through the router's own parser and settings.
+    parser = _RouterFlags(add_help=False)
+    router_cli.add_arguments(parser)
+    gateway = argparse.Namespace(
+        checkpoint=args.checkpoint, **{n: getattr(args, n) for n in GATEWAY_FLAGS}
+    )
+    try:
+        router, unknown = parser.parse_known_args(
+            ["--checkpoint", str(args.checkpoint), *router_args]
+        )
+        if unknown:
+            return f"--router-arg: unknown router flag(s) {' '.join(unknown)}"
+        settings_from_args(GatewaySettings, gateway)
+        settings_from_args(RouterSettings, router, flags=router_cli.FLAGS)
+    except InvalidArgumentError as e:
+        return str(e)
+    return None
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
@@ -92,17 +145,9 @@ def _run_up(args: argparse.Namespace) -> int:
         word for text in args.router_arg for word in shlex.split(text)
     ]
     run_dir = args.run_dir or Path(".cache") / f"mesh-{_time.strftime('%Y%m%d-%H%M%S')}"
-    if args.trace_sample is not None and not 0 <= args.trace_sample <= 1:
-        print(
-            f"moe-mesh up: error: --trace-sample must be in [0, 1], got {args.trace_sample}",
-            file=sys.stderr,
-        )
-        return 2
-    if args.expert_services < 0:
-        print(
-            f"moe-mesh up: error: --expert-services must be >= 0, got {args.expert_services}",
-            file=sys.stderr,
-        )
+    problem = _check_flags(args, router_args)
+    if problem:
+        print(f"moe-mesh up: error: {problem}", file=sys.stderr)
         return 2
     return run_up(
         args.checkpoint,

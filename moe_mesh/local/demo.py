@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from moe_mesh.dev.create_checkpoint import create_checkpoint
-    from moe_mesh.local.launcher import Launcher
+    from moe_mesh.local.launcher import Launcher, say
     from moe_mesh.ops import stats as stats_view
     from moe_mesh.ops.client import mesh_status, print_status
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             "\n(The checkpoint is random-initialised, so the text is gibberish; routing and timings are real.)"
         )
     finally:
-        print("==> shutting the mesh down")
+        say("==> shutting the mesh down")  # never raises: a closed stdout must not skip the stop
         launcher.stop()  # each service flushes its spans as it stops
     _show_trace(mesh["trace_files"])
     return 0
@@ -122,4 +122,10 @@ def _show_trace(files: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from moe_mesh.local.launcher import EXIT_BROKEN_PIPE, silence_stdout
+
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `make demo | head`: the mesh is already stopped
+        silence_stdout()
+        sys.exit(EXIT_BROKEN_PIPE)

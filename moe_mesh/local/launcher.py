@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -33,6 +35,8 @@ from moe_mesh.common.placement import format_experts, parse_experts
 from moe_mesh.common.server import write_ready_file
 
 READY_TIMEOUT_S = 180.0
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
+EXIT_BROKEN_PIPE = 141  # stdout's reader went away, as a shell reports SIGPIPE
 STOP_TIMEOUT_S = 20.0
 
 
@@ -97,6 +101,9 @@ class Launcher:
         self.control_address = ""
         self._threads = "1"
         self._serial = 0
+        # Set by Ctrl-C / SIGTERM: start-up gives up at once instead of reporting the children that
+        # the same Ctrl-C stopped as crashes.
+        self.stopping = threading.Event()
         run_dir.mkdir(parents=True, exist_ok=True)
 
     def _on_loop(self, coro):
@@ -190,7 +197,13 @@ class Launcher:
         ready.unlink(missing_ok=True)
         log_path = self.run_dir / f"{name}.log"
         # Router and expert services share this host's cores (common/runtime.py).
-        env = runtime.shared_cores_env({**os.environ, "CONSUL_HTTP_ADDR": self.registry_address})
+        env = runtime.shared_cores_env(
+            {
+                **os.environ,
+                "CONSUL_HTTP_ADDR": self.registry_address,
+                runtime.PARENT_PID_ENV: str(os.getpid()),
+            }
+        )
         # Every child serves metrics (for `moe-mesh stats`); with tracing, each writes its own span file.
         telemetry = ["--metrics-port", "0"]
         if self.trace_sample is not None:
@@ -217,6 +230,8 @@ class Launcher:
         deadline = time.monotonic() + self.ready_timeout_s
         pending = list(children)
         while pending:
+            if self.stopping.is_set():
+                raise Interrupted()
             for c in list(pending):
                 if c.ready_file.exists():
                     c.info = json.loads(c.ready_file.read_text())
@@ -321,6 +336,10 @@ class Launcher:
         """Report children that exit; return when asked to stop or when the gateway or every router is gone."""
         reported: set[str] = set()
         while not stop[0]:
+            if stdout_closed():
+                print("!!> stdout was closed; stopping the mesh", file=sys.stderr, flush=True)
+                silence_stdout()
+                return
             with self._lock:
                 children = list(self.children)
             died = [
@@ -380,6 +399,40 @@ class Launcher:
             self._loop.close()
 
 
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM arrived while the mesh was starting."""
+
+
+def say(*args: object) -> bool:
+    """print to stdout, flushed; False once its reader has gone (stdout then goes to /dev/null, so
+    nothing later, the interpreter's exit included, trips over the closed pipe)."""
+    try:
+        print(*args, flush=True)
+        return True
+    except BrokenPipeError:
+        silence_stdout()
+        return False
+
+
+def silence_stdout() -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def stdout_closed() -> bool:
+    """True when stdout is a pipe whose reader has gone, found without writing to it: a launcher that
+    prints nothing while it watches must still notice `moe-mesh up | head -1` ending."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode):
+            return False
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
 def _tail(path: Path, lines: int = 15) -> str:
     try:
         return "\n".join("    " + line for line in path.read_text().splitlines()[-lines:])
@@ -409,31 +462,43 @@ def run_up(
         trace_sample,
         ready_file,
     )
-    stop = [False]
+    stop: list = [False]
 
     def on_signal(signum, frame) -> None:
-        stop[0] = True
+        stop[0] = signum
+        launcher.stopping.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 1
     try:
         endpoints = launcher.start()
-        print(f"==> mesh up (logs in {run_dir})")
-        print(f"    gateway gRPC   {endpoints['gateway_grpc']}")
-        print(f"    gateway HTTP   http://{endpoints['gateway_http']}/v1   (OpenAI-compatible)")
-        for r in endpoints["routers"]:
-            print(f"    router         {r}")
-        for e in endpoints["experts"]:
-            print(f"    expert service {e['address']}  experts {e['experts']}")
-        print("==> serving; Ctrl-C to stop", flush=True)
+        lines = [
+            f"==> mesh up (logs in {run_dir})",
+            f"    gateway gRPC   {endpoints['gateway_grpc']}",
+            f"    gateway HTTP   http://{endpoints['gateway_http']}/v1   (OpenAI-compatible)",
+            *(f"    router         {r}" for r in endpoints["routers"]),
+            *(
+                f"    expert service {e['address']}  experts {e['experts']}"
+                for e in endpoints["experts"]
+            ),
+            "==> serving; Ctrl-C to stop",
+        ]
+        if not all(say(line) for line in lines):
+            return (code := EXIT_BROKEN_PIPE)
         launcher.watch(stop)
-        return 0 if stop[0] else 1
+        code = EXIT_BROKEN_PIPE if stdout_closed() else 1
+    except Interrupted:
+        pass
     except (RuntimeError, TimeoutError) as e:
         print(f"moe-mesh up: error: {e}", file=sys.stderr)
-        return 1
     finally:
-        print("==> stopping the mesh", flush=True)
+        # Stop first: a print to a closed stdout must not skip it.
+        say("==> stopping the mesh")
         launcher.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
+    if stop[0]:
+        return EXIT_INTERRUPTED if stop[0] == signal.SIGINT else 0
+    return code

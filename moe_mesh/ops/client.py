@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from moe_mesh.common.errors import MoeMeshError
 from moe_mesh.common.finish_reason import from_wire
+from moe_mesh.common.status import error_from_rpc
 from moe_mesh.protos.moe_mesh.v1 import (
     expert_pb2,
     expert_pb2_grpc,
@@ -45,7 +45,7 @@ async def generate_remote(
                     sys.stdout.flush()
                 last = msg
         except grpc.aio.AioRpcError as e:
-            raise MoeMeshError(f"{e.code().name}: {e.details()}") from e
+            raise error_from_rpc(e, peer=address) from e
     latency = time.perf_counter() - start
     assert last is not None
     n = len(ids)

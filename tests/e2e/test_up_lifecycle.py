@@ -1,0 +1,171 @@
+"""`moe-mesh up` cannot leak processes however it ends: SIGKILL, a closed stdout pipe, Ctrl-C during
+start-up; bad flags are refused before anything starts; fixed gateway ports when asked."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.support.cli import moe_mesh
+
+
+def start_up(path: Path, tmp_path: Path, *flags: str, stdout=None) -> tuple[subprocess.Popen, Path]:
+    ready = tmp_path / "mesh.json"
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "moe_mesh",
+            "up",
+            "--checkpoint",
+            str(path),
+            "--expert-services",
+            "1",
+            "--ready-file",
+            str(ready),
+            "--run-dir",
+            str(tmp_path / "run"),
+            *flags,
+        ],
+        stdout=stdout if stdout is not None else open(tmp_path / "up.log", "w"),
+        stderr=subprocess.STDOUT if stdout is None else open(tmp_path / "up.err", "w"),
+    )
+    return up, ready
+
+
+def wait_ready(up: subprocess.Popen, ready: Path, tmp_path: Path) -> dict:
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert up.poll() is None, f"up exited {up.returncode}"
+        assert time.monotonic() < deadline, "mesh not up in 120 s"
+        time.sleep(0.1)
+    return json.loads(ready.read_text())
+
+
+def children_of(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def assert_all_gone(procs: list[psutil.Process], within_s: float = 5.0) -> None:
+    gone, alive = psutil.wait_procs(procs, timeout=within_s)
+    try:
+        assert not alive, f"still running {within_s:g}s later: {[p.pid for p in alive]}"
+    finally:
+        for p in alive:  # never leave them behind, even when the test fails
+            p.kill()
+
+
+def test_kill_9_of_up_takes_every_child_with_it(checkpoint, tmp_path) -> None:
+    up, ready = start_up(checkpoint("mixtral"), tmp_path)
+    try:
+        mesh = wait_ready(up, ready, tmp_path)
+        children = children_of(up.pid)
+        # gateway, router, one expert service: each listed in the ready file by pid
+        assert {c.pid for c in children} >= set(mesh["pids"].values())
+        assert len(mesh["pids"]) == 3
+        up.kill()  # no handler runs: only the kernel's parent-death signal can stop them
+        up.wait(10)
+        assert_all_gone(children)
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def test_a_closed_stdout_pipe_stops_up_and_every_child(checkpoint, tmp_path) -> None:
+    read, write = os.pipe()
+    up, ready = start_up(checkpoint("mixtral"), tmp_path, stdout=write)
+    os.close(write)
+    try:
+        wait_ready(up, ready, tmp_path)
+        children = children_of(up.pid)
+        assert len(children) == 3
+        os.close(read)  # `moe-mesh up | head -1` after head has exited
+        assert up.wait(30) == 141, (tmp_path / "up.err").read_text()
+        assert_all_gone(children)
+        err = (tmp_path / "up.err").read_text()
+        assert "Traceback" not in err and "stdout was closed" in err, err
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def test_ctrl_c_during_start_up_is_a_clean_130(checkpoint, tmp_path) -> None:
+    up, ready = start_up(checkpoint("mixtral"), tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not list((tmp_path / "run").glob("expert-*.log")):  # the first child is starting
+            assert time.monotonic() < deadline and up.poll() is None
+            time.sleep(0.05)
+        children = children_of(up.pid)
+        up.send_signal(signal.SIGINT)
+        assert up.wait(30) == 130
+        assert_all_gone(children)
+        log = (tmp_path / "up.log").read_text()
+        assert "exited with code" not in log and "error" not in log.lower(), log
+        assert not ready.exists()
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--routers", "0"], "--routers"),
+        (["--replicas", "0"], "--replicas"),
+        (["--expert-services", "-1"], "--expert-services"),
+        (["--colocate-budget", "lots"], "--colocate-budget"),
+        (["--max-in-flight", "0"], "--max-in-flight"),
+        (["--router-arg=--micro-batches banana"], "--micro-batches"),
+        (["--http-port", "70000"], "--http-port"),
+    ],
+)
+def test_bad_flags_are_refused_before_anything_starts(checkpoint, tmp_path, flags, words) -> None:
+    run = tmp_path / "run"
+    r = moe_mesh("up", "--checkpoint", checkpoint("mixtral"), "--run-dir", run, *flags)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert words in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not list(run.glob("*.log")), "a service was started"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fixed_gateway_ports_and_a_taken_port_is_one_line(checkpoint, tmp_path) -> None:
+    grpc_port, http_port = free_port(), free_port()
+    flags = ["--grpc-port", str(grpc_port), "--http-port", str(http_port)]
+    up, ready = start_up(checkpoint("mixtral"), tmp_path, *flags)
+    try:
+        mesh = wait_ready(up, ready, tmp_path)
+        assert mesh["gateway_grpc"] == f"127.0.0.1:{grpc_port}"
+        assert mesh["gateway_http"] == f"127.0.0.1:{http_port}"
+        # Both ports are taken now: a second gateway on them fails in one line naming the address.
+        for flag, port in (("--grpc-port", grpc_port), ("--http-port", http_port)):
+            r = moe_mesh(
+                "serve-gateway",
+                "--checkpoint",
+                checkpoint("mixtral"),
+                "--router",
+                mesh["routers"][0],
+                *flags,
+                *(("--grpc-port", str(free_port())) if flag == "--http-port" else ()),
+            )
+            assert r.returncode == 1, (r.returncode, r.stderr)
+            lines = [line for line in r.stderr.splitlines() if "error" in line.lower()]
+            assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0], r.stderr
+            assert "in use" in lines[0] and "Traceback" not in r.stderr, r.stderr
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
