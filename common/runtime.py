@@ -49,27 +49,28 @@ def shared_cores_env(env: dict[str, str]) -> dict[str, str]:
 
 # Set by a launcher on the services it starts: they must not outlive it, however it ends.
 PARENT_PID_ENV = "MOE_MESH_PARENT_PID"
+WATCHDOG_PERIOD_S = 0.25
 
 
 def die_with_parent() -> None:
-    """Have the kernel kill this process when the launcher named by MOE_MESH_PARENT_PID dies.
+    """End this process within WATCHDOG_PERIOD_S once the launcher named by MOE_MESH_PARENT_PID is gone.
 
-    Signal handlers cannot do this: a launcher killed with SIGKILL, or one that dies on a closed pipe
-    mid-print, runs none. PR_SET_PDEATHSIG is Linux's parent-death signal; set in the child (not in a
-    preexec_fn, which is unsafe in a threaded launcher), then the parent is checked once more, since
-    it may have died before the call. Elsewhere (macOS) this does nothing.
+    Signal handlers cannot do this: a launcher killed with SIGKILL runs none. Linux's parent-death
+    signal (PR_SET_PDEATHSIG) fires when the *thread* that started the child exits, and a launcher
+    starts children from worker threads (`moe-mesh scale`), so a thread watches instead: when the
+    parent dies the child is re-parented, and getppid() changes. It runs beside model loading too.
+    The launcher's registry died with it, so there is nothing to drain towards: the end is SIGKILL.
     """
     expected = os.environ.get(PARENT_PID_ENV)
     if not expected:
         return
-    try:
-        import ctypes
-        import signal
+    import signal
+    import threading
+    import time
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(expected):
-        os._exit(1)  # the launcher is already gone
+    def watch() -> None:
+        while os.getppid() == int(expected):
+            time.sleep(WATCHDOG_PERIOD_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()

@@ -6,6 +6,7 @@ in U+FFFD, and text that could still become a stop string is held back until it 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,6 +44,11 @@ class Tokenizer:
         # text on a worker thread without stalling its event loop.
         special = self.add_bos and add_special_tokens
         return self._tok.encode_batch([text], add_special_tokens=special)[0].ids
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one tokenizer per process, kept for its life
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens included (logprobs name tokens this way)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

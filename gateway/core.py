@@ -44,8 +44,16 @@ from moe_mesh.common.telemetry import (
 from moe_mesh.common.tokenizer import TextStream, Tokenizer
 from moe_mesh.gateway.admission import Admission
 from moe_mesh.gateway.balancer import Balancer, RouterLostError
-from moe_mesh.gateway.router_client import GenerateParams, ModelInfo, RouterBackend, RouterRequest
+from moe_mesh.gateway.router_client import (
+    GenerateParams,
+    Logprobs,
+    ModelInfo,
+    RouterBackend,
+    RouterRequest,
+)
 from moe_mesh.gateway.settings import GatewaySettings
+
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +92,11 @@ class TextRequest:
     ignore_eos: bool = False
     # False for a rendered chat template, which writes the special tokens it wants.
     add_special_tokens: bool = True
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    logprobs: int | None = None  # alternatives per token (0-20); None: no logprobs
 
 
 @dataclass
@@ -96,6 +109,7 @@ class Delta:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[Logprobs] | None = None  # one per token of token_ids, when asked for
 
 
 @dataclass
@@ -107,6 +121,7 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     prompt_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs] | None = None
 
 
 class Generation:
@@ -272,6 +287,26 @@ class GatewayCore:
             raise InvalidArgumentError(
                 "priority", f"must fit a 32-bit signed integer, got {r.priority}"
             )
+        penalties = []
+        for name, default, low, high in (
+            ("presence_penalty", 0.0, -2.0, 2.0),
+            ("frequency_penalty", 0.0, -2.0, 2.0),
+            ("repetition_penalty", 1.0, 0.0, math.inf),
+        ):
+            value = getattr(r, name)
+            value = default if value is None else value
+            if not (math.isfinite(value) and low <= value <= high) or (low == 0 and value == 0):
+                bound = f"[{low:g}, {high:g}]" if math.isfinite(high) else "> 0"
+                raise InvalidArgumentError(name, f"must be {bound}, got {value}")
+            penalties.append(value)
+        if not 0 <= r.min_tokens <= max_tokens:
+            raise InvalidArgumentError(
+                "min_tokens", f"must be in [0, max_tokens={max_tokens}], got {r.min_tokens}"
+            )
+        if r.logprobs is not None and not 0 <= r.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgumentError(
+                "top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {r.logprobs}"
+            )
         seed = r.seed
         if seed is None and temperature > 0:
             # A request that moves to another router mid-stream continues from its tokens so far with
@@ -286,6 +321,9 @@ class GatewayCore:
             seed,
             tuple(r.stop_token_ids),
             r.ignore_eos,
+            *penalties,
+            r.min_tokens,
+            r.logprobs,
         )
 
     # -- generation ------------------------------------------------------------------------
@@ -338,10 +376,11 @@ class GatewayCore:
     async def complete(self, r: TextRequest, timeout_s: float | None = None) -> Completion:
         """Run a request to the end."""
         async with await self.start(r, timeout_s) as gen:
-            ids, text, last = [], [], None
+            ids, text, last, logprobs = [], [], None, []
             async for delta in gen:
                 ids += delta.token_ids
                 text.append(delta.text)
+                logprobs += delta.logprobs or []
                 last = delta
         assert last is not None and last.finish_reason is not None
         return Completion(
@@ -352,6 +391,7 @@ class GatewayCore:
             last.prompt_tokens,
             last.completion_tokens,
             gen.prompt_token_ids,
+            logprobs if r.logprobs is not None else None,
         )
 
     def _request_span(self, request: RouterRequest) -> Span | None:
@@ -455,8 +495,11 @@ class GatewayCore:
                     completion = base + chunk.completion_tokens
                     delta = text.push(chunk.token_ids)
                     # A stop string: end here; closing `chunks` cancels the router stream.
+                    lp = chunk.logprobs
                     if text.stopped:
-                        yield Delta(rid, chunk.token_ids, delta, "stop", prompt_tokens, completion)
+                        yield Delta(
+                            rid, chunk.token_ids, delta, "stop", prompt_tokens, completion, lp
+                        )
                         return
                     if chunk.finish_reason is not None:
                         yield Delta(
@@ -466,9 +509,10 @@ class GatewayCore:
                             chunk.finish_reason,
                             prompt_tokens,
                             completion,
+                            lp,
                         )
                         return
-                    yield Delta(rid, chunk.token_ids, delta, None, prompt_tokens, completion)
+                    yield Delta(rid, chunk.token_ids, delta, None, prompt_tokens, completion, lp)
                 log.warning(
                     "router %s ended the stream of %s without a finish reason", router.address, rid
                 )
@@ -518,7 +562,13 @@ class GatewayCore:
         """
         if attempt == 0:
             return request
-        params = replace(request.params, max_tokens=request.params.max_tokens - len(sent))
+        # Penalties over the output then count the tokens sent as prompt: presence and frequency
+        # penalties are exact only without failover.
+        params = replace(
+            request.params,
+            max_tokens=request.params.max_tokens - len(sent),
+            min_tokens=max(0, request.params.min_tokens - len(sent)),
+        )
         return RouterRequest(
             f"{request.request_id}~{attempt}",
             [*request.prompt_token_ids, *sent],

@@ -10,7 +10,8 @@ from moe_mesh.common.errors import MoeMeshError
 from moe_mesh.common.finish_reason import to_wire
 from moe_mesh.common.status import abort_with
 from moe_mesh.gateway.core import GatewayCore, TextRequest
-from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
+from moe_mesh.gateway.router_client import Logprobs
+from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,22 @@ def _request(msg: inference_pb2.GenerateRequest) -> TextRequest:
         stop_token_ids=msg.stop_token_ids,
         priority=msg.priority,
         request_id=msg.request_id,
+        ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
+        presence_penalty=msg.presence_penalty if msg.HasField("presence_penalty") else None,
+        frequency_penalty=msg.frequency_penalty if msg.HasField("frequency_penalty") else None,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else None,
+        logprobs=msg.top_logprobs if msg.logprobs else None,
     )
+
+
+def _logprobs(logprobs: list[Logprobs] | None) -> list[types_pb2.TokenLogprobs]:
+    return [
+        types_pb2.TokenLogprobs(
+            logprob=lp, top=[types_pb2.TopLogprob(token_id=i, logprob=v) for i, v in top]
+        )
+        for lp, top in logprobs or ()
+    ]
 
 
 def _usage(prompt: int, completion: int) -> inference_pb2.Usage:
@@ -60,6 +76,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             text=c.text,
             finish_reason=to_wire(c.finish_reason),
             usage=_usage(c.prompt_tokens, c.completion_tokens),
+            logprobs=_logprobs(c.logprobs),
         )
 
     async def GenerateStream(
@@ -75,6 +92,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         text=d.text,
                         finish_reason=to_wire(d.finish_reason),
                         usage=_usage(d.prompt_tokens, d.completion_tokens) if last else None,
+                        logprobs=_logprobs(d.logprobs),
                     )
         except MoeMeshError as e:
             log.info("stream %s failed: %s", request.request_id or "-", e)

@@ -42,7 +42,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moe_mesh.common import errors
-from moe_mesh.gateway.core import Delta, GatewayCore, Generation, TextRequest, check_unicode
+from moe_mesh.gateway.choices import Choices, chat_logprobs, completion_logprobs, requests_for
+from moe_mesh.gateway.core import (
+    MAX_LOGPROBS,
+    Completion,
+    Delta,
+    GatewayCore,
+    TextRequest,
+    check_unicode,
+)
 from moe_mesh.gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -90,10 +98,16 @@ class _Body(_Json):
     ignore_eos: bool = False
     return_token_ids: bool = False
     request_id: str = ""
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: Annotated[int, Field(ge=0, lt=2**31)] = 0
 
 
 class CompletionBody(_Body):
     prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class ContentPart(_Json):
@@ -113,18 +127,15 @@ class ChatBody(_Body):
     # prompt with the assistant's header.
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 # OpenAI fields that would change the result; refused unless absent or set to their no-op value.
 _UNSUPPORTED = (
     "best_of",
-    "echo",
-    "logprobs",
-    "top_logprobs",
     "suffix",
     "logit_bias",
-    "presence_penalty",
-    "frequency_penalty",
     "tools",
     "functions",
     "response_format",
@@ -133,10 +144,12 @@ _NO_OP = {"best_of": 1, "response_format": {"type": "text"}}
 
 
 def _text_request(
-    body: _Body, prompt: str | None, ids: list[int] | None, max_tokens: int | None
+    body: _Body,
+    prompt: str | None,
+    ids: list[int] | None,
+    max_tokens: int | None,
+    logprobs: int | None,
 ) -> TextRequest:
-    if body.n not in (None, 1):
-        raise errors.InvalidArgumentError("n", f"only n=1 is supported, got {body.n}")
     for name in _UNSUPPORTED:
         value = (body.model_extra or {}).get(name)
         if value not in (None, False, "", [], {}) and value != _NO_OP.get(name, 0):
@@ -156,6 +169,11 @@ def _text_request(
         priority=body.priority,
         ignore_eos=body.ignore_eos,
         request_id=body.request_id,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        min_tokens=body.min_tokens,
+        logprobs=logprobs,
     )
 
 
@@ -321,11 +339,13 @@ def _invalid_request(message: str, param: str | None) -> JSONResponse:
     )
 
 
-def _usage(d: Delta) -> dict:
+def _usage(ds: list[Delta]) -> dict:
+    """The prompt once, the completions of every choice."""
+    prompt, completion = ds[0].prompt_tokens, sum(d.completion_tokens for d in ds)
     return {
-        "prompt_tokens": d.prompt_tokens,
-        "completion_tokens": d.completion_tokens,
-        "total_tokens": d.prompt_tokens + d.completion_tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
 
 
@@ -336,7 +356,7 @@ def _sse(obj: dict) -> bytes:
 class _EventStream(StreamingResponse):
     """Server-Sent Events over an admitted generation, closed however the response ends."""
 
-    def __init__(self, generation: Generation, events: AsyncIterator[bytes]) -> None:
+    def __init__(self, generation: Choices, events: AsyncIterator[bytes]) -> None:
         super().__init__(
             events,
             media_type="text/event-stream",
@@ -357,20 +377,24 @@ class _EventStream(StreamingResponse):
 
 
 async def _events(
-    gen: Generation, head: dict, include_usage: bool, choice: Callable[[Delta, bool], dict]
+    choices: Choices,
+    head: dict,
+    include_usage: bool,
+    choice: Callable[[Delta, int, bool], dict],
 ) -> AsyncIterator[bytes]:
-    """OpenAI chunk stream: one chunk per delta, an optional usage chunk, then [DONE]."""
-    last, usage = None, {"usage": None} if include_usage else {}
+    """OpenAI chunk stream: one chunk per delta of any choice, an optional usage chunk, then [DONE]."""
+    last: dict[int, Delta] = {}
+    usage = {"usage": None} if include_usage else {}
     try:
-        async for d in gen:
-            yield _sse({**head, "choices": [choice(d, last is None)], **usage})
-            last = d
+        async for i, d in choices.deltas():
+            yield _sse({**head, "choices": [choice(d, i, i not in last)], **usage})
+            last[i] = d
     except errors.MoeMeshError as e:  # the status line is long gone: report in-band, as OpenAI does
-        log.info("stream %s failed: %s", gen.request_id, e)
+        log.info("stream %s failed: %s", choices.request_id, e)
         yield _sse(_error_body(e)[1])
     else:
-        if include_usage and last is not None:
-            yield _sse({**head, "choices": [], "usage": _usage(last)})
+        if include_usage and last:
+            yield _sse({**head, "choices": [], "usage": _usage(list(last.values()))})
     yield b"data: [DONE]\n\n"
 
 
@@ -402,8 +426,8 @@ class _Shape:
     id_prefix: str
     object: str
     chunk_object: str
-    chunk: Callable[[Delta, bool], dict]  # (delta, is first) -> a streamed choice
-    whole: Callable[[Delta], dict]  # the whole generation as one delta -> the choice
+    chunk: Callable[[Delta, int, bool], dict]  # (delta, index, its first) -> a streamed choice
+    whole: Callable[[Delta, int], dict]  # (a whole generation as one delta, index) -> the choice
 
 
 def _token_ids(on: bool, ids: list[int]) -> dict:
@@ -503,38 +527,66 @@ async def _answer(
     shape: _Shape,
     names: dict[str, str],
 ) -> Response:
-    """Run `r` and answer in `shape`; the core's field names are reported as this endpoint's `names`."""
+    """Run `r` (n times for n choices) and answer in `shape`; the core's field names are reported as
+    this endpoint's `names`."""
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= core.settings.max_choices:
+        raise errors.InvalidArgumentError(
+            "n", f"must be in [1, {core.settings.max_choices}], got {n}"
+        )
+    requests = requests_for(r, n)
     with _fields_named(**names):
         if body.stream:
             # Validation and admission errors leave here, as an HTTP status, before any SSE byte.
-            gen = await _unless_disconnected(request, core.start(r))
-            if gen is None:
+            choices = await _unless_disconnected(request, Choices.start(core, requests))
+            if choices is None:
                 return Response(status_code=499)  # the client left while queued
             head = {
-                "id": shape.id_prefix + gen.request_id,
+                "id": shape.id_prefix + choices.request_id,
                 "object": shape.chunk_object,
                 "created": int(time.time()),
                 "model": core.served_names[0],
             }
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _EventStream(gen, _events(gen, head, include_usage, shape.chunk))
-        c = await _unless_disconnected(request, core.complete(r))
-    if c is None:
+            return _EventStream(choices, _events(choices, head, include_usage, shape.chunk))
+        done = await _unless_disconnected(request, _complete_all(core, requests))
+    if done is None:
         return Response(status_code=499)
-    whole = Delta(
-        c.request_id, c.token_ids, c.text, c.finish_reason, c.prompt_tokens, c.completion_tokens
-    )
+    wholes = [
+        Delta(
+            c.request_id,
+            c.token_ids,
+            c.text,
+            c.finish_reason,
+            c.prompt_tokens,
+            c.completion_tokens,
+            c.logprobs,
+        )
+        for c in done
+    ]
     return JSONResponse(
         {
-            "id": shape.id_prefix + c.request_id,
+            "id": shape.id_prefix + done[0].request_id,
             "object": shape.object,
             "created": int(time.time()),
             "model": core.served_names[0],
-            "choices": [shape.whole(whole)],
-            "usage": _usage(whole),
-            **({"prompt_token_ids": c.prompt_token_ids} if body.return_token_ids else {}),
+            "choices": [shape.whole(d, i) for i, d in enumerate(wholes)],
+            "usage": _usage(wholes),
+            **({"prompt_token_ids": done[0].prompt_token_ids} if body.return_token_ids else {}),
         }
     )
+
+
+async def _complete_all(core: GatewayCore, requests: list[TextRequest]) -> list[Completion]:
+    """Every request to its end; one failing cancels the others, and its error is the answer."""
+    if len(requests) == 1:
+        return [await core.complete(requests[0])]
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(core.complete(r)) for r in requests]
+    except ExceptionGroup as e:
+        raise e.exceptions[0] from None
+    return [t.result() for t in tasks]
 
 
 def create_app(core: GatewayCore, metrics: Any = None) -> FastAPI:
@@ -586,13 +638,25 @@ def create_app(core: GatewayCore, metrics: Any = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: Completion, request: Request) -> Response:
-        r = _text_request(body, *_completion_prompt(body.prompt), body.max_tokens)
+        text, ids = _completion_prompt(body.prompt)
+        if body.echo and body.logprobs is not None:
+            raise errors.InvalidArgumentError(
+                "echo",
+                "echo with logprobs needs the prompt's logprobs, which this server does not compute",
+            )
+        r = _text_request(body, text, ids, body.max_tokens, body.logprobs)
+        echo = (text if text is not None else core.tokenizer.decode(ids or [])) if body.echo else ""
+        offsets: dict[int, int] = {}  # choice -> characters of its text so far
 
-        def choice(d: Delta, first: bool = False) -> dict:
+        def choice(d: Delta, index: int, first: bool = True) -> dict:
+            prefix = echo if first else ""
+            start = offsets.get(index, 0)
+            offsets[index] = start + len(prefix) + len(d.text)
+            lp = completion_logprobs(d.logprobs, core.tokenizer.token_text, d.token_ids, start)
             return {
-                "index": 0,
-                "text": d.text,
-                "logprobs": None,
+                "index": index,
+                "text": prefix + d.text,
+                "logprobs": lp,
                 "finish_reason": d.finish_reason,
                 **_token_ids(body.return_token_ids, d.token_ids),
             }
@@ -604,24 +668,30 @@ def create_app(core: GatewayCore, metrics: Any = None) -> FastAPI:
     async def chat_completions(body: Chat, request: Request) -> Response:
         max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         prompt, template = render_chat(core, body)
-        r = _text_request(body, prompt, None, getattr(body, max_field))
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise errors.InvalidArgumentError("top_logprobs", "needs logprobs: true")
+        r = _text_request(body, prompt, None, getattr(body, max_field), top)
         r.add_special_tokens = False  # the template wrote the special tokens it wants
 
-        def chunk(d: Delta, first: bool) -> dict:
+        def logprobs(d: Delta) -> dict | None:
+            return chat_logprobs(d.logprobs, core.tokenizer.token_text, d.token_ids)
+
+        def chunk(d: Delta, index: int, first: bool) -> dict:
             delta = {"role": "assistant", "content": d.text} if first else {"content": d.text}
             return {
-                "index": 0,
+                "index": index,
                 "delta": delta,
-                "logprobs": None,
+                "logprobs": logprobs(d),
                 "finish_reason": d.finish_reason,
                 **_token_ids(body.return_token_ids, d.token_ids),
             }
 
-        def whole(d: Delta) -> dict:
+        def whole(d: Delta, index: int) -> dict:
             return {
-                "index": 0,
+                "index": index,
                 "message": {"role": "assistant", "content": d.text},
-                "logprobs": None,
+                "logprobs": logprobs(d),
                 "finish_reason": d.finish_reason,
                 **_token_ids(body.return_token_ids, d.token_ids),
             }

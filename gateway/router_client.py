@@ -51,6 +51,15 @@ class GenerateParams:
     seed: int | None = None
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logprobs: int | None = None  # alternatives per token; None: no logprobs
+
+
+# A produced token's logprob and its (token id, logprob) alternatives, most likely first.
+Logprobs = tuple[float, tuple[tuple[int, float], ...]]
 
 
 @dataclass(frozen=True)
@@ -73,9 +82,16 @@ def to_proto(r: RouterRequest) -> router_pb2.RouterGenerateRequest:
         min_p=p.min_p,
         stop_token_ids=p.stop_token_ids,
         ignore_eos=p.ignore_eos,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        min_tokens=p.min_tokens,
     )
     if p.seed is not None:
         params.seed = p.seed
+    if p.repetition_penalty != 1.0:
+        params.repetition_penalty = p.repetition_penalty
+    if p.logprobs is not None:
+        params.logprobs = p.logprobs
     return router_pb2.RouterGenerateRequest(
         request_id=r.request_id,
         prompt_token_ids=r.prompt_token_ids,
@@ -90,6 +106,7 @@ class Chunk:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[Logprobs] | None = None  # one per token, when asked for
 
 
 class RouterBackend(Protocol):
@@ -142,6 +159,11 @@ class RouterClient:
                     from_wire(msg.finish_reason),
                     msg.prompt_tokens,
                     msg.completion_tokens,
+                    [
+                        (t.logprob, tuple((a.token_id, a.logprob) for a in t.top))
+                        for t in msg.logprobs
+                    ]
+                    or None,
                 )
                 if chunk.finish_reason is not None:
                     # The router ends the stream right after its last message. Reading to the end completes

@@ -70,6 +70,7 @@ class GatewaySettings(TelemetrySettings):
         description="largest HTTP request body (else 413) and public "
         "gRPC message (else RESOURCE_EXHAUSTED)",
     )
+    max_choices: int = Field(16, ge=1, description="largest `n` (choices per request)")
     max_messages: int = Field(2048, ge=1, description="chat messages per request at most")
     max_stop_strings: int = Field(32, ge=0, description="stop strings per request at most")
     max_stop_chars: int = Field(256, ge=1, description="characters per stop string at most")

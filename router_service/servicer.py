@@ -12,7 +12,7 @@ from moe_mesh.common.finish_reason import to_wire
 from moe_mesh.common.placement import format_experts
 from moe_mesh.common.status import abort_with
 from moe_mesh.common.telemetry import OFF, Telemetry
-from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
+from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc, types_pb2
 from moe_mesh.router_service.core import RouterCore
 from moe_mesh.router_service.engine.sampling import SamplingParams
 
@@ -35,6 +35,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             seed=p.seed if p.HasField("seed") else None,
             stop_token_ids=tuple(p.stop_token_ids),
             ignore_eos=p.ignore_eos,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+            min_tokens=p.min_tokens,
+            logprobs=p.logprobs if p.HasField("logprobs") else None,
         )
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
@@ -51,6 +56,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     finish_reason=to_wire(out.finish_reason),
                     prompt_tokens=out.prompt_tokens,
                     completion_tokens=out.completion_tokens,
+                    logprobs=[
+                        types_pb2.TokenLogprobs(
+                            logprob=t.logprob,
+                            top=[types_pb2.TopLogprob(token_id=i, logprob=v) for i, v in t.top],
+                        )
+                        for t in out.logprobs or ()
+                    ],
                 )
         except MoeMeshError as e:
             await abort_with(context, e, self.errors)

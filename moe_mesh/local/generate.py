@@ -28,6 +28,7 @@ class GenerationResult:
     finish_reason: str | None = None
     time_to_first_token_s: float = 0.0
     latency_s: float = 0.0
+    logprobs: list[dict] | None = None  # {"logprob", "top": [[token id, logprob], ...]} per token
 
     def to_json(self) -> dict:
         n = len(self.token_ids)
@@ -45,6 +46,7 @@ class GenerationResult:
             "latency_s": round(self.latency_s, 4),
             "time_to_first_token_s": round(self.time_to_first_token_s, 4),
             "decode_tokens_per_s": round((n - 1) / decode_s, 2) if n > 1 and decode_s > 0 else None,
+            **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
         }
 
 
@@ -74,6 +76,10 @@ async def generate_local(
             if not res.token_ids and out.new_token_ids:
                 res.time_to_first_token_s = time.perf_counter() - start
             res.token_ids += out.new_token_ids
+            if out.logprobs is not None:
+                res.logprobs = (res.logprobs or []) + [
+                    {"logprob": t.logprob, "top": [list(a) for a in t.top]} for t in out.logprobs
+                ]
             emit(out.request_id, stream.push(out.new_token_ids))
             if stream.stopped:
                 engine.abort(out.request_id)

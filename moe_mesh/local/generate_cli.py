@@ -69,6 +69,28 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
         "--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token"
     )
     p.add_argument(
+        "--min-tokens", type=int, default=0, help="EOS and stop tokens cannot end generation sooner"
+    )
+    p.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default 0: off)"
+    )
+    p.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default 0: off)"
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="over prompt and output tokens, > 0 (default 1: off)",
+    )
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --json: each token's logprob and its N (0-20) most likely alternatives",
+    )
+    p.add_argument(
         "--dtype",
         default="auto",
         choices=["float32", "bfloat16", "float16", "auto"],
@@ -104,6 +126,11 @@ def _run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop_token_ids=tuple(args.stop_token_ids),
         ignore_eos=args.ignore_eos,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        min_tokens=args.min_tokens,
+        logprobs=args.logprobs,
     )
     request = LocalRequest("cli-0", ids, params, tuple(args.stop))
 
@@ -140,6 +167,13 @@ def _run_generate_remote(args: argparse.Namespace) -> int:
         stop=args.stop,
         stop_token_ids=args.stop_token_ids,
         priority=args.priority,
+        ignore_eos=args.ignore_eos,
+        min_tokens=args.min_tokens,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        logprobs=args.logprobs is not None,
+        top_logprobs=args.logprobs or 0,
     )
     if args.prompt is not None:
         request.prompt = args.prompt
@@ -147,11 +181,6 @@ def _run_generate_remote(args: argparse.Namespace) -> int:
         request.prompt_token_ids.extend(args.prompt_token_ids)
     if args.seed is not None:
         request.seed = args.seed
-    if args.ignore_eos:
-        print(
-            "moe-mesh generate: error: --ignore-eos is only available with --local", file=sys.stderr
-        )
-        return 2
     result = asyncio.run(generate_remote(args.gateway, request, stream=not args.json))
     if args.json:
         print(json.dumps(result))

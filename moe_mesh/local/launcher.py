@@ -332,14 +332,15 @@ class Launcher:
             self.ready_file.parent.mkdir(parents=True, exist_ok=True)
             write_ready_file(self.ready_file, self.endpoints, indent=2)
 
-    def watch(self, stop: list[bool]) -> None:
-        """Report children that exit; return when asked to stop or when the gateway or every router is gone."""
+    def watch(self, stop: list) -> bool:
+        """Report children that exit; return when asked to stop, when the gateway or every router is
+        gone, or when stdout's reader has gone (then True)."""
         reported: set[str] = set()
         while not stop[0]:
             if stdout_closed():
                 print("!!> stdout was closed; stopping the mesh", file=sys.stderr, flush=True)
                 silence_stdout()
-                return
+                return True
             with self._lock:
                 children = list(self.children)
             died = [
@@ -364,8 +365,9 @@ class Launcher:
                 c.proc.poll() is not None for c in children if c.role == "router"
             ):
                 print("!!> the mesh cannot serve any more; stopping", file=sys.stderr, flush=True)
-                return
+                return False
             time.sleep(0.2)
+        return False
 
     def _terminate(self, children: list[Child]) -> None:
         group = [c for c in children if c.proc.poll() is None]
@@ -485,8 +487,7 @@ def run_up(
         ]
         if not all(say(line) for line in lines):
             return (code := EXIT_BROKEN_PIPE)
-        launcher.watch(stop)
-        code = EXIT_BROKEN_PIPE if stdout_closed() else 1
+        code = EXIT_BROKEN_PIPE if launcher.watch(stop) else 1
     except Interrupted:
         pass
     except (RuntimeError, TimeoutError) as e:

@@ -33,6 +33,7 @@ async def generate_remote(
     text: list[str] = []
     first = None
     last = None
+    logprobs: list[dict] = []
     async with grpc.aio.insecure_channel(address) as channel:
         try:
             async for msg in inference_pb2_grpc.InferenceStub(channel).GenerateStream(request):
@@ -40,6 +41,10 @@ async def generate_remote(
                     first = time.perf_counter() - start
                 ids += msg.token_ids
                 text.append(msg.text)
+                logprobs += [
+                    {"logprob": t.logprob, "top": [[a.token_id, a.logprob] for a in t.top]}
+                    for t in msg.logprobs
+                ]
                 if stream and msg.text:
                     sys.stdout.write(msg.text)
                     sys.stdout.flush()
@@ -62,6 +67,7 @@ async def generate_remote(
         "latency_s": round(latency, 4),
         "time_to_first_token_s": round(first or 0.0, 4),
         "decode_tokens_per_s": round((n - 1) / (latency - first), 2) if n > 1 and first else None,
+        **({"logprobs": logprobs} if request.logprobs else {}),
     }
 
 

@@ -35,7 +35,15 @@ from moe_mesh.router_service.engine.blocks import BlockPool
 from moe_mesh.router_service.engine.kv_cache import KVCache, num_blocks
 from moe_mesh.router_service.engine.model import MoeModel, PassCosts, pack_step
 from moe_mesh.router_service.engine.pipeline import MicroBatchPlanner
-from moe_mesh.router_service.engine.sampling import SamplingParams, position_seed, sample
+from moe_mesh.router_service.engine.sampling import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    TokenLogprobs,
+    penalized_logits,
+    position_seed,
+    sample,
+    token_logprobs,
+)
 from moe_mesh.router_service.engine.scheduler import Chunk, Scheduler, Sequence
 from moe_mesh.router_service.settings import RouterSettings
 
@@ -57,6 +65,7 @@ class StepOutput:
     prompt_tokens: int
     completion_tokens: int
     error: MoeMeshError | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
 
 
 class Engine:
@@ -160,6 +169,21 @@ class Engine:
             raise InvalidArgumentError("top_k", f"must be >= 0, got {p.top_k}")
         if not 0 <= p.min_p <= 1:
             raise InvalidArgumentError("min_p", f"must be in [0, 1], got {p.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(p, name) <= 2:
+                raise InvalidArgumentError(name, f"must be in [-2, 2], got {getattr(p, name)}")
+        if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
+            raise InvalidArgumentError(
+                "repetition_penalty", f"must be a finite number > 0, got {p.repetition_penalty}"
+            )
+        if not 0 <= p.min_tokens <= p.max_tokens:
+            raise InvalidArgumentError(
+                "min_tokens", f"must be in [0, max_tokens={p.max_tokens}], got {p.min_tokens}"
+            )
+        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgumentError(
+                "top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {p.logprobs}"
+            )
 
     def close(self) -> None:
         """Stop the model's compute thread (after the last step)."""
@@ -283,7 +307,12 @@ class Engine:
             # The token's absolute position picks its randomness: see sampling.py.
             if seq.seed is not None:
                 gen = self._generator.manual_seed(position_seed(seq.seed, seq.num_tokens))
-            token = sample(logits, seq.params, gen)
+            token = sample(self._processed(seq, logits), seq.params, gen)
+            logprobs = (
+                None
+                if seq.params.logprobs is None
+                else [token_logprobs(logits, token, seq.params.logprobs)]
+            )
         except Exception as e:
             log.exception("sampling failed for request %s", seq.request_id)
             return StepOutput(
@@ -296,7 +325,22 @@ class Engine:
             )
         seq.output.append(token)
         reason = self._finish_reason(seq, token)
-        return StepOutput(seq.request_id, [token], reason, len(seq.prompt), len(seq.output))
+        return StepOutput(
+            seq.request_id, [token], reason, len(seq.prompt), len(seq.output), None, logprobs
+        )
+
+    def _processed(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with the request's penalties, and its ending tokens barred until min_tokens."""
+        p = seq.params
+        if p.penalized:
+            logits = penalized_logits(logits, p, seq.prompt, seq.output)
+        if len(seq.output) < p.min_tokens:
+            ending = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_ids)]
+            if ending:
+                logits = logits.float().index_fill(
+                    0, torch.tensor(ending, dtype=torch.long), float("-inf")
+                )
+        return logits
 
     def fail_all(self, error: MoeMeshError) -> list[StepOutput]:
         """End every request, running or waiting, with `error` and start empty.

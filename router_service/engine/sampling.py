@@ -34,10 +34,63 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # OpenAI's penalties over the tokens generated so far, in [-2, 2]; 0 disables.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # HF/vLLM's over prompt and generated tokens, > 0; 1 disables.
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end generation before this many tokens
+    logprobs: int | None = None  # return each token's logprob and this many top alternatives
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1
+
+
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A produced token's logprob under the model's own distribution, and the most likely tokens'."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+def penalized_logits(
+    logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]
+) -> torch.Tensor:
+    """`logits` [vocab] with the penalties applied, before temperature and the filters (vLLM's order).
+
+    repetition_penalty (CTRL, as transformers' RepetitionPenaltyLogitsProcessor): a token seen in the
+    prompt or the output has its logit divided by the penalty when positive, multiplied when negative.
+    presence / frequency (OpenAI): logit -= frequency x count in the output + presence x (count > 0).
+    Costs O(prompt + output) per token, and only for requests that set a penalty.
+    """
+    x = logits.float().clone()
+    if params.repetition_penalty != 1:
+        seen = torch.tensor(sorted(set(prompt).union(output)), dtype=torch.long)
+        v = x[seen]
+        p = params.repetition_penalty
+        x[seen] = torch.where(v > 0, v / p, v * p)
+    if output and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=x.numel()).float()
+        x -= counts * params.frequency_penalty + (counts > 0).float() * params.presence_penalty
+    return x
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """The logprob of `token` and the `top` most likely tokens under log_softmax of the raw logits
+    (before penalties, temperature and filters: what the model says, as vLLM reports by default)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(lp, top) if top else None
+    pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
+    return TokenLogprobs(float(lp[token]), pairs)
 
 
 def _splitmix64(x: int) -> int:

@@ -20,6 +20,7 @@ from tests.support.cli import moe_mesh
 
 def start_up(path: Path, tmp_path: Path, *flags: str, stdout=None) -> tuple[subprocess.Popen, Path]:
     ready = tmp_path / "mesh.json"
+    log, err = open(tmp_path / "up.log", "w"), open(tmp_path / "up.err", "w")
     up = subprocess.Popen(
         [
             sys.executable,
@@ -36,9 +37,11 @@ def start_up(path: Path, tmp_path: Path, *flags: str, stdout=None) -> tuple[subp
             str(tmp_path / "run"),
             *flags,
         ],
-        stdout=stdout if stdout is not None else open(tmp_path / "up.log", "w"),
-        stderr=subprocess.STDOUT if stdout is None else open(tmp_path / "up.err", "w"),
+        stdout=stdout if stdout is not None else log,
+        stderr=subprocess.STDOUT if stdout is None else err,
     )
+    log.close()  # the child has its own copies
+    err.close()
     return up, ready
 
 

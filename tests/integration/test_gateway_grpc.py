@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 import time
 
 import grpc
@@ -133,6 +135,10 @@ BAD = [
     ({"prompt": "hi", "stop": ["x"] * 33}, "stop"),
     ({"prompt": "hi", "stop": ["x" * 257]}, "stop"),
     ({"prompt": "hi", "stop_token_ids": [1] * 33}, "stop_token_ids"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "hi", "repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    ({"prompt": "hi", "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ]
 
 
@@ -197,3 +203,51 @@ async def test_a_request_id_in_flight_is_already_exists_and_a_huge_message_is_re
             greedy(1, max_tokens=4, request_id="same")
         )  # free once the first ended
         assert tuple(reply.token_ids) == monolithic(path)[1][:4] and reply.request_id == "same"
+
+
+async def test_logprobs_and_ignore_eos_over_grpc_and_the_generate_command(checkpoint) -> None:
+    path = checkpoint("mixtral")
+    request = inference_pb2.GenerateRequest(
+        prompt_token_ids=[1, 2, 3],
+        max_tokens=6,
+        temperature=0,
+        ignore_eos=True,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    async with local_mesh(path) as mesh, grpc.aio.insecure_channel(mesh.grpc_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        reply = await stub.Generate(request)
+        assert len(reply.token_ids) == len(reply.logprobs) == 6
+        for token, lp in zip(reply.token_ids, reply.logprobs):  # greedy: the top alternative
+            assert (
+                len(lp.top) == 2 and lp.top[0].token_id == token and lp.top[0].logprob == lp.logprob
+            )
+        streamed = [m async for m in stub.GenerateStream(request)]
+        assert [t for m in streamed for t in m.token_ids] == list(reply.token_ids)
+        assert [lp for m in streamed for lp in m.logprobs] == list(reply.logprobs)
+        cli = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "moe_mesh",
+            "generate",
+            "--gateway",
+            mesh.grpc_address,
+            "--prompt-token-ids",
+            "1,2,3",
+            "--max-tokens",
+            "6",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--logprobs",
+            "2",
+            "--json",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(cli.communicate(), 60)
+        assert cli.returncode == 0, err.decode()
+        result = json.loads(out)
+        assert result["token_ids"] == list(reply.token_ids)
+        assert [x["logprob"] for x in result["logprobs"]] == [lp.logprob for lp in reply.logprobs]

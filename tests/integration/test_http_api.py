@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
+import torch
 
 from moe_mesh.common.tokenizer import TextStream, Tokenizer
 from moe_mesh.gateway.core import TextRequest
@@ -227,6 +228,124 @@ async def test_chat_completions_stream_and_not(mesh, path) -> None:
         assert again.choices[0].message.content == r.choices[0].message.content
 
 
+async def test_logprobs_are_transformers_log_softmax_at_the_same_positions(mesh, path) -> None:
+    from tests.support.hf import load
+
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat_ids = hf_chat_ids(path, messages)
+    async with client(mesh) as c:
+        r = await c.completions.create(
+            model="",
+            prompt=IDS,
+            max_tokens=6,
+            temperature=0,
+            logprobs=3,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        completion_ids, legacy = r.choices[0].token_ids, r.choices[0].logprobs
+        # Streamed, sampled: a logprob is still the model's own, before temperature.
+        stream = await c.chat.completions.create(
+            model="",
+            messages=messages,
+            max_tokens=6,
+            temperature=0.8,
+            seed=3,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        chat_tokens, chat_lp = [], []
+        async for chunk in stream:
+            chat_tokens += chunk.choices[0].token_ids
+            chat_lp += chunk.choices[0].logprobs.content
+    model = load(path)
+    for prompt, ids in ((IDS, completion_ids), (chat_ids, chat_tokens)):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[0].float()
+        ref = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)  # the positions that chose ids
+        if prompt is IDS:
+            assert len(legacy.token_logprobs) == len(ids) == 6
+            got = torch.tensor(legacy.token_logprobs)
+            assert max(legacy.top_logprobs[0].values()) == pytest.approx(
+                float(ref[0].max()), abs=1e-4
+            )
+            assert legacy.text_offset[0] == 0 and legacy.tokens[0] == Tokenizer(path).token_text(
+                ids[0]
+            )
+        else:
+            assert len(chat_lp) == len(ids) == 6
+            got = torch.tensor([e.logprob for e in chat_lp])
+            tops = torch.tensor([[t.logprob for t in e.top_logprobs] for e in chat_lp])
+            assert torch.allclose(tops, ref.topk(2).values, atol=1e-4)
+        want = ref.gather(1, torch.tensor(ids)[:, None])[:, 0]
+        assert torch.allclose(got, want, atol=1e-4), (got, want)
+
+
+async def test_n_choices_with_a_seed_are_reproducible(mesh) -> None:
+    async with client(mesh) as c:
+
+        async def three() -> list[list[int]]:
+            r = await c.completions.create(
+                model="",
+                prompt=IDS,
+                n=3,
+                seed=7,
+                temperature=1.0,
+                max_tokens=8,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
+            assert [ch.index for ch in r.choices] == [0, 1, 2]
+            assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens == len(IDS)
+            return [ch.token_ids for ch in r.choices]
+
+        first = await three()
+        assert first == await three()
+        assert len({tuple(t) for t in first}) > 1, "three seeds drew the same tokens"
+        # Streamed, the choices interleave by index and add up to the same tokens.
+        stream = await c.completions.create(
+            model="",
+            prompt=IDS,
+            n=3,
+            seed=7,
+            temperature=1.0,
+            max_tokens=8,
+            stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        async for chunk in stream:
+            streamed[chunk.choices[0].index] += chunk.choices[0].token_ids
+        assert [streamed[i] for i in range(3)] == first
+    await wait_idle(mesh, 5.0)
+
+
+async def test_echo_and_penalties_over_http(mesh, path) -> None:
+    async with client(mesh) as c:
+        r = await c.completions.create(
+            model="",
+            prompt=TEXT,
+            max_tokens=4,
+            temperature=0,
+            echo=True,
+            extra_body={"ignore_eos": True},
+        )
+        assert r.choices[0].text.startswith(TEXT) and len(r.choices[0].text) > len(TEXT)
+        plain = await c.completions.create(model="", prompt=IDS, **GREEDY)
+        penalized = await c.completions.create(
+            model="", prompt=IDS, presence_penalty=2.0, frequency_penalty=2.0, **GREEDY
+        )
+        assert penalized.choices[0].token_ids != plain.choices[0].token_ids
+        held = await c.completions.create(
+            model="",
+            prompt=IDS,
+            max_tokens=N,
+            temperature=0,
+            extra_body={"min_tokens": 5, "stop_token_ids": [plain.choices[0].token_ids[0]]},
+        )
+        assert held.usage.completion_tokens >= 5
+
+
 async def test_an_unknown_model_is_404_model_not_found(mesh) -> None:
     async with client(mesh) as c:
         for call in (
@@ -308,8 +427,6 @@ BAD = [  # (endpoint, JSON body or raw bytes, the field the error must name)
     ("completions", completion(stop=5), "stop"),
     ("completions", completion(stop_token_ids=[9999]), "stop_token_ids"),
     ("completions", completion(stream="yes"), "stream"),
-    ("completions", completion(n=2), "n"),
-    ("completions", completion(logprobs=3), "logprobs"),
     ("completions", b'{"prompt": [1, 2', None),
     ("completions", b"[1, 2]", None),
     ("chat/completions", chat(messages=[]), "messages"),
@@ -321,7 +438,6 @@ BAD = [  # (endpoint, JSON body or raw bytes, the field the error must name)
     ),
     ("chat/completions", chat(max_tokens=None, max_completion_tokens=0), "max_completion_tokens"),
     ("chat/completions", chat(max_tokens=0, stream=True), "max_tokens"),
-    ("chat/completions", chat(n=2), "n"),
     ("chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     # Lone surrogates are valid JSON escapes but not text.
     ("completions", b'{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
@@ -344,6 +460,16 @@ BAD = [  # (endpoint, JSON body or raw bytes, the field the error must name)
     ("completions", completion(request_id="r" * 100_000), "request_id"),
     ("completions", completion(model="m" * 20_000), "model"),
     ("chat/completions", chat(messages=[{"role": "user", "content": ""}] * 2049), "messages"),
+    ("completions", completion(n=0), "n"),
+    ("completions", completion(n=17), "n"),
+    ("completions", completion(presence_penalty=2.5), "presence_penalty"),
+    ("chat/completions", chat(frequency_penalty=-2.5), "frequency_penalty"),
+    ("completions", completion(repetition_penalty=0.0), "repetition_penalty"),
+    ("completions", completion(min_tokens=3), "min_tokens"),  # max_tokens is 2
+    ("completions", completion(logprobs=21), "logprobs"),
+    ("completions", completion(logprobs=2, echo=True), "echo"),
+    ("chat/completions", chat(top_logprobs=2), "top_logprobs"),
+    ("chat/completions", chat(logprobs=True, top_logprobs=21), "top_logprobs"),
 ]
 
 
@@ -433,7 +559,7 @@ async def test_a_request_id_in_flight_cannot_be_reused_until_it_ends(mesh) -> No
 async def test_openai_client_sees_bad_request_with_param(mesh) -> None:
     async with client(mesh) as c:
         with pytest.raises(openai.BadRequestError) as e:
-            await c.completions.create(model="", prompt=IDS, n=2)
+            await c.completions.create(model="", prompt=IDS, n=99)
         assert e.value.status_code == 400 and e.value.param == "n"
         with pytest.raises(openai.BadRequestError) as e:
             await c.chat.completions.create(

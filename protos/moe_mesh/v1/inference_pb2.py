@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from moe_mesh.protos.moe_mesh.v1 import types_pb2 as protos_dot_moe__mesh_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/moe_mesh/v1/inference.proto\x12\x0bmoe_mesh.v1\x1a\x1eprotos/moe_mesh/v1/types.proto\"\xee\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x10\n\x08priority\x18\x0b \x01(\x05\x12\x12\n\nrequest_id\x18\x0c \x01(\tB\t\n\x07_promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seed\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\x9c\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.moe_mesh.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.moe_mesh.v1.Usage\"\xa2\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.moe_mesh.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.moe_mesh.v1.Usage\"\x13\n\x11ListModelsRequest\"X\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.moe_mesh.v1.ModelInfo2\xfa\x01\n\tInference\x12G\n\x08Generate\x12\x1c.moe_mesh.v1.GenerateRequest\x1a\x1d.moe_mesh.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.moe_mesh.v1.GenerateRequest\x1a#.moe_mesh.v1.GenerateStreamResponse0\x01\x12M\n\nListModels\x12\x1e.moe_mesh.v1.ListModelsRequest\x1a\x1f.moe_mesh.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/moe_mesh/v1/inference.proto\x12\x0bmoe_mesh.v1\x1a\x1eprotos/moe_mesh/v1/types.proto\"\xe0\x04\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x10\n\x08priority\x18\x0b \x01(\x05\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\x1d\n\x10presence_penalty\x18\x10 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x11 \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x12 \x01(\x02H\t\x88\x01\x01\x12\x10\n\x08logprobs\x18\x13 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x14 \x01(\rB\t\n\x07_promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xca\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.moe_mesh.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.moe_mesh.v1.Usage\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.moe_mesh.v1.TokenLogprobs\"\xd0\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.moe_mesh.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.moe_mesh.v1.Usage\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.moe_mesh.v1.TokenLogprobs\"\x13\n\x11ListModelsRequest\"X\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.moe_mesh.v1.ModelInfo2\xfa\x01\n\tInference\x12G\n\x08Generate\x12\x1c.moe_mesh.v1.GenerateRequest\x1a\x1d.moe_mesh.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.moe_mesh.v1.GenerateRequest\x1a#.moe_mesh.v1.GenerateStreamResponse0\x01\x12M\n\nListModels\x12\x1e.moe_mesh.v1.ListModelsRequest\x1a\x1f.moe_mesh.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.moe_mesh.v1.inferenc
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=84
-  _globals['_GENERATEREQUEST']._serialized_end=450
-  _globals['_USAGE']._serialized_start=452
-  _globals['_USAGE']._serialized_end=531
-  _globals['_GENERATERESPONSE']._serialized_start=534
-  _globals['_GENERATERESPONSE']._serialized_end=690
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=693
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=855
-  _globals['_LISTMODELSREQUEST']._serialized_start=857
-  _globals['_LISTMODELSREQUEST']._serialized_end=876
-  _globals['_MODELINFO']._serialized_start=878
-  _globals['_MODELINFO']._serialized_end=966
-  _globals['_LISTMODELSRESPONSE']._serialized_start=968
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1028
-  _globals['_INFERENCE']._serialized_start=1031
-  _globals['_INFERENCE']._serialized_end=1281
+  _globals['_GENERATEREQUEST']._serialized_end=692
+  _globals['_USAGE']._serialized_start=694
+  _globals['_USAGE']._serialized_end=773
+  _globals['_GENERATERESPONSE']._serialized_start=776
+  _globals['_GENERATERESPONSE']._serialized_end=978
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=981
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1189
+  _globals['_LISTMODELSREQUEST']._serialized_start=1191
+  _globals['_LISTMODELSREQUEST']._serialized_end=1210
+  _globals['_MODELINFO']._serialized_start=1212
+  _globals['_MODELINFO']._serialized_end=1300
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1302
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1362
+  _globals['_INFERENCE']._serialized_start=1365
+  _globals['_INFERENCE']._serialized_end=1615
 # @@protoc_insertion_point(module_scope)

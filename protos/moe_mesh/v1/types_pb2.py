@@ -24,13 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/moe_mesh/v1/types.proto\x12\x0bmoe_mesh.v1*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/moe_mesh/v1/types.proto\x12\x0bmoe_mesh.v1\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"F\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.moe_mesh.v1.TopLogprob*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.moe_mesh.v1.types_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=47
-  _globals['_FINISHREASON']._serialized_end=171
+  _globals['_FINISHREASON']._serialized_start=168
+  _globals['_FINISHREASON']._serialized_end=292
+  _globals['_TOPLOGPROB']._serialized_start=47
+  _globals['_TOPLOGPROB']._serialized_end=94
+  _globals['_TOKENLOGPROBS']._serialized_start=96
+  _globals['_TOKENLOGPROBS']._serialized_end=166
 # @@protoc_insertion_point(module_scope)
