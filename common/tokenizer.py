@@ -14,11 +14,13 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 
 from moe_mesh.common.chat_template import ChatTemplate
-from moe_mesh.common.errors import CheckpointError
+from moe_mesh.common.errors import CheckpointError, InvalidArgumentError
 
 
 class Tokenizer:
     """A checkpoint's tokenizer.json (HuggingFace `tokenizers` format)."""
+
+    available = True
 
     def __init__(self, checkpoint_dir: str | Path) -> None:
         path = Path(checkpoint_dir) / "tokenizer.json"
@@ -52,6 +54,27 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+class NoTokenizer:
+    """Stands in for the tokenizer of a gateway serving token ids only (--skip-tokenizer-init):
+    text cannot be encoded, and tokens decode to nothing."""
+
+    available = False
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise InvalidArgumentError(
+            "prompt",
+            "this server has no tokenizer (--skip-tokenizer-init): send token ids "
+            "(prompt_token_ids, or a list of integers as the prompt)",
+        )
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return ""
+
+    def token_text(self, token_id: int) -> str:
+        return ""
 
 
 class TextStream:

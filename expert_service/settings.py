@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from moe_mesh.common.fastpath import mesh_fast_path
+from moe_mesh.common.hub import CheckpointPath
 from moe_mesh.common.telemetry import TelemetrySettings
 
 
@@ -17,7 +17,9 @@ class ExpertSettings(TelemetrySettings):
 
     model_config = SettingsConfigDict(env_prefix="MOE_EXPERT_", extra="forbid")
 
-    checkpoint: Path = Field(..., description="HuggingFace-layout checkpoint directory")
+    checkpoint: CheckpointPath = Field(
+        ..., description="HuggingFace-layout checkpoint directory, or a Hugging Face model id"
+    )
     experts: str = Field(
         "*:*", description="(layer, expert) pairs to serve, e.g. '*:*' or '0-3:0,1; 5:7'"
     )

@@ -14,7 +14,7 @@ from moe_mesh.common.registry import ROUTER_SERVICE, Instance, Membership, Regis
 from moe_mesh.common.registry.follow import Follower, follow
 from moe_mesh.common.server import GrpcServer, Service, listen_socket, wait_for_signal
 from moe_mesh.common.telemetry import Telemetry
-from moe_mesh.common.tokenizer import Tokenizer
+from moe_mesh.common.tokenizer import NoTokenizer, Tokenizer
 from moe_mesh.gateway.core import GatewayCore
 from moe_mesh.gateway.grpc_api import InferenceServicer
 from moe_mesh.gateway.http_api import create_app
@@ -110,7 +110,7 @@ class GatewayApp:
         ids = {m.id for m in models}
         if len(ids) != 1:
             raise UnavailableError(f"routers serve different models: {sorted(ids)}")
-        core = GatewayCore(settings, Tokenizer(settings.checkpoint), routers, models[0], telemetry)
+        core = GatewayCore(settings, _tokenizer(settings), routers, models[0], telemetry)
         return cls(settings, core, routers, telemetry)
 
     @classmethod
@@ -134,7 +134,7 @@ class GatewayApp:
         routers.reconcile({i.id: i for i in first.instances})
         model = await next(iter(routers.clients.values())).model(settings.connect_timeout_s)
         clients = list(routers.clients.values())
-        core = GatewayCore(settings, Tokenizer(settings.checkpoint), clients, model, telemetry)
+        core = GatewayCore(settings, _tokenizer(settings), clients, model, telemetry)
         app = cls(settings, core, clients, telemetry)
 
         def apply(m: Membership) -> None:
@@ -207,6 +207,10 @@ class GatewayApp:
             await asyncio.gather(self._follow_task, return_exceptions=True)
         await asyncio.gather(*(r.close() for r in self.routers))
         self.telemetry.shutdown()
+
+
+def _tokenizer(settings: GatewaySettings) -> Tokenizer | NoTokenizer:
+    return NoTokenizer() if settings.skip_tokenizer_init else Tokenizer(settings.checkpoint)
 
 
 async def _model(router: RouterClient, timeout_s: float) -> ModelInfo:

@@ -41,7 +41,7 @@ from moe_mesh.common.telemetry import (
     TIME_TO_FIRST_TOKEN,
     Telemetry,
 )
-from moe_mesh.common.tokenizer import TextStream, Tokenizer
+from moe_mesh.common.tokenizer import NoTokenizer, TextStream, Tokenizer
 from moe_mesh.gateway.admission import Admission
 from moe_mesh.gateway.balancer import Balancer, RouterLostError
 from moe_mesh.gateway.router_client import (
@@ -153,7 +153,7 @@ class GatewayCore:
     def __init__(
         self,
         settings: GatewaySettings,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | NoTokenizer,
         routers: Sequence[RouterBackend],
         model: ModelInfo,
         telemetry: Telemetry = OFF,
@@ -214,6 +214,10 @@ class GatewayCore:
                     name, f"must be at most {s.max_id_chars} characters, got {len(value)}"
                 )
             check_unicode(name, value)
+        if r.stop and not self.tokenizer.available:
+            raise InvalidArgumentError(
+                "stop", "stop strings need a tokenizer (this server has --skip-tokenizer-init)"
+            )
         if r.model and r.model not in self.served_names:
             raise ModelNotFoundError(
                 f"model {r.model!r} does not exist; this gateway serves "

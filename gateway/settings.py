@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from moe_mesh.common.hub import CheckpointPath
 from moe_mesh.common.telemetry import TelemetrySettings
 
 
@@ -16,8 +16,15 @@ class GatewaySettings(TelemetrySettings):
 
     model_config = SettingsConfigDict(env_prefix="MOE_GATEWAY_", extra="forbid")
 
-    checkpoint: Path = Field(
-        ..., description="checkpoint directory (the gateway reads only its tokenizer)"
+    checkpoint: CheckpointPath = Field(
+        ...,
+        description="checkpoint directory or Hugging Face model id (the gateway reads only its "
+        "tokenizer files)",
+    )
+    skip_tokenizer_init: bool = Field(
+        False,
+        description="serve token ids only, without loading a tokenizer: text prompts, chat and stop "
+        "strings are refused, and responses carry token ids with empty text",
     )
     served_model_name: list[str] = Field(
         default_factory=list,

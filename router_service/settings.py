@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from moe_mesh.common.fastpath import mesh_fast_path
+from moe_mesh.common.hub import CheckpointPath
 from moe_mesh.common.telemetry import TelemetrySettings
 from moe_mesh.common.units import parse_size
 
@@ -18,7 +18,9 @@ class RouterSettings(TelemetrySettings):
 
     model_config = SettingsConfigDict(env_prefix="MOE_ROUTER_", extra="forbid")
 
-    checkpoint: Path | None = Field(None, description="HuggingFace-layout checkpoint directory")
+    checkpoint: CheckpointPath | None = Field(
+        None, description="HuggingFace-layout checkpoint directory, or a Hugging Face model id"
+    )
     model_id: str | None = Field(
         None, description="model id shared with expert services; default: checkpoint dir name"
     )

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from moe_mesh.common.cli import add_settings_arguments, flag, settings_from_args
 from moe_mesh.common.errors import InvalidArgumentError
+from moe_mesh.common.hub import resolve_checkpoint
 from moe_mesh.gateway.settings import GatewaySettings
 from moe_mesh.router_service.settings import RouterSettings
 
@@ -88,7 +89,10 @@ def _add_up(subparsers: argparse._SubParsersAction) -> None:
         "processes on loopback; Ctrl-C or SIGTERM stops them all.",
     )
     p.add_argument(
-        "--checkpoint", required=True, type=Path, help="HuggingFace-layout checkpoint directory"
+        "--checkpoint",
+        required=True,
+        type=Path,
+        help="HuggingFace-layout checkpoint directory, or a Hugging Face model id (org/name[@rev])",
     )
     p.add_argument(
         "--expert-services",
@@ -145,6 +149,7 @@ def _run_up(args: argparse.Namespace) -> int:
         word for text in args.router_arg for word in shlex.split(text)
     ]
     run_dir = args.run_dir or Path(".cache") / f"mesh-{_time.strftime('%Y%m%d-%H%M%S')}"
+    args.checkpoint = resolve_checkpoint(args.checkpoint)  # an HF model id: its cached snapshot
     problem = _check_flags(args, router_args)
     if problem:
         print(f"moe-mesh up: error: {problem}", file=sys.stderr)

@@ -114,8 +114,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     from moe_mesh.router_service.engine.sampling import SamplingParams
     from moe_mesh.router_service.settings import RouterSettings
 
-    engine = build_local_engine(RouterSettings(checkpoint=args.checkpoint, dtype=args.dtype))
-    tokenizer = Tokenizer(args.checkpoint)
+    settings = RouterSettings(checkpoint=args.checkpoint, dtype=args.dtype)
+    engine = build_local_engine(settings)
+    tokenizer = Tokenizer(settings.checkpoint)  # resolved: a Hugging Face model id works too
     ids = args.prompt_token_ids if args.prompt is None else tokenizer.encode(args.prompt)
     params = SamplingParams(
         max_tokens=args.max_tokens,

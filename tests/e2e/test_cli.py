@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -260,3 +261,52 @@ async def test_deploy_probe_as_a_process_without_torch() -> None:
     assert code == 0 and out.splitlines() == [f"{server.address}: SERVING", "False"]
     code, _, err = await run(f"127.0.0.1:{free_port()}")
     assert code == 1 and "UNAVAILABLE" in err
+
+
+def hub_cache(tmp_path: Path, checkpoint_dir: Path, repo: str = "moe-mesh/tiny-mixtral") -> Path:
+    """A Hugging Face hub cache holding `checkpoint_dir` as `repo` at main, laid out as the hub lays
+    it out (models--org--name/refs/main -> snapshots/<commit>/...)."""
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = cache / f"models--{repo.replace('/', '--')}"
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    snapshot = repo_dir / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for f in checkpoint_dir.iterdir():
+        (snapshot / f.name).symlink_to(f)
+    return cache
+
+
+def test_checkpoint_may_be_a_hugging_face_model_id_resolved_offline(checkpoint, tmp_path) -> None:
+    path = checkpoint("mixtral")
+    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache(tmp_path, path)), "HF_HUB_OFFLINE": "1"}
+    args = [
+        "--local",
+        "--prompt-token-ids",
+        "11,3,250,9",
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "0",
+    ]
+    by_dir = moe_mesh("generate", "--checkpoint", path, *args, "--json")
+    by_id = subprocess.run(
+        [sys.executable, "-m", "moe_mesh", "generate", "--checkpoint", "moe-mesh/tiny-mixtral"]
+        + [*args, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert by_id.returncode == 0, by_id.stderr
+    assert json.loads(by_id.stdout)["token_ids"] == json.loads(by_dir.stdout)["token_ids"]
+    missing = subprocess.run(
+        [sys.executable, "-m", "moe_mesh", "generate", "--checkpoint", "moe-mesh/absent", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert missing.returncode == 2 and "neither a directory nor a model" in missing.stderr
+    assert "Traceback" not in missing.stderr

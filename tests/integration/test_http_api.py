@@ -781,3 +781,35 @@ async def test_ready_is_503_while_draining_and_admitted_streams_finish(path) -> 
         assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 300
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         await asyncio.wait_for(stopping, 5)
+
+
+async def test_skip_tokenizer_init_serves_token_ids_and_refuses_text(path, tmp_path) -> None:
+    from moe_mesh.common.errors import CheckpointError
+    from moe_mesh.common.tokenizer import NoTokenizer
+    from moe_mesh.gateway.app import _tokenizer
+    from moe_mesh.gateway.core import GatewayCore, ModelInfo
+    from moe_mesh.gateway.settings import GatewaySettings
+
+    bare = tmp_path / "no-tokenizer"  # a checkpoint directory without tokenizer files
+    bare.mkdir()
+    (bare / "config.json").write_text((path / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="tokenizer"):
+        _tokenizer(GatewaySettings(checkpoint=bare, routers=["a:1"]))
+    s = GatewaySettings(checkpoint=bare, routers=["a:1"], skip_tokenizer_init=True)
+    assert isinstance(tokenizer := _tokenizer(s), NoTokenizer)
+    core = GatewayCore(s, tokenizer, [FakeRouter("a:1")], ModelInfo("m", "mixtral", 512, 512))
+    transport = httpx.ASGITransport(app=create_app(core))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as h:
+        r = await h.post("/v1/completions", json=completion(return_token_ids=True))
+        assert r.status_code == 200, r.text
+        assert (
+            r.json()["choices"][0]["token_ids"] == [5, 6] and r.json()["choices"][0]["text"] == ""
+        )
+        for endpoint, body, param in [
+            ("completions", completion(prompt="hello"), "prompt"),
+            ("chat/completions", chat(), "messages"),
+            ("completions", completion(stop=["x"]), "stop"),
+        ]:
+            r = await h.post(f"/v1/{endpoint}", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert "tokenizer" in r.json()["error"]["message"]
