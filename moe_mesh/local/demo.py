@@ -86,10 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n==> {total} tokens in {wall:.2f}s: {total / wall:.1f} tokens/s aggregate\n")
         print_status(asyncio.run(mesh_status(mesh)))
         print("\n==> metrics scraped from every service's Prometheus endpoint (moe-mesh stats)\n")
-        endpoints = [("gateway", mesh["metrics"]["gateway"])] + [
-            (role, a)
-            for role, key in (("router", "routers"), ("expert", "experts"))
-            for a in mesh["metrics"][key]
+        endpoints = [
+            ("gateway", mesh["metrics"]["gateway"], mesh["gateway_grpc"]),
+            *(("router", a, n) for a, n in zip(mesh["metrics"]["routers"], mesh["routers"])),
+            *(
+                ("expert", a, e["address"])
+                for a, e in zip(mesh["metrics"]["experts"], mesh["experts"])
+            ),
         ]
         print(stats_view.render(stats_view.collect(endpoints)))
         print(

@@ -2,8 +2,11 @@
 Prometheus endpoints.
 
 Every service exposes its OpenTelemetry metrics for Prometheus (common/telemetry.py). This reads them
-once, without a Prometheus server: percentiles are estimated from histogram buckets the way
-Prometheus' `histogram_quantile` does, so they match what a dashboard over the same metrics shows.
+once, without a Prometheus server. A histogram knows only how many observations fell in each bucket,
+so a percentile is shown exactly where the buckets pin it down (one observation: the sum; all
+observations at a bucket's upper bound: the mean equals it) and otherwise as the bound it is known
+to be ("≤ 250", or "> 10000" past the last bucket), never interpolated: Prometheus'
+`histogram_quantile` interpolates (`quantile` below), which made one 201 ms request read p50 175.
 """
 
 from __future__ import annotations
@@ -84,6 +87,32 @@ def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
     return lower + (upper - lower) * (rank - below) / (count - below)
 
 
+def percentile(
+    buckets: list[tuple[float, float]], count: float, total: float, q: float, integer: bool = False
+) -> tuple[float | None, str]:
+    """(value, how it is known): "=" exact, "≤" the upper bound of the bucket holding the rank, ">"
+    beyond the largest finite bound. `count` and `total` are the histogram's _count and _sum;
+    `integer`: the metric counts things (batch sizes), so a bucket holding one integer pins it."""
+    buckets = sorted(buckets)
+    if not count or len(buckets) < 2:
+        return None, "="
+    if count == 1:
+        return total, "="
+    rank = max(q * count, 1.0)  # the ceil-free rank: the smallest bucket holding that many
+    b = next(i for i, (_, c) in enumerate(buckets) if c >= rank)
+    if b == len(buckets) - 1:
+        return buckets[-2][0], ">"
+    upper = buckets[b][0]
+    lower = buckets[b - 1][0] if b else 0.0
+    if integer and upper == math.floor(upper) and upper - lower <= 1:
+        return upper, "="
+    # Every observation in this one bucket, their mean at its upper bound: all equal that bound.
+    below = buckets[b - 1][1] if b else 0.0
+    if below == 0 and buckets[b][1] == count and math.isclose(total / count, upper):
+        return upper, "="
+    return upper, "≤"
+
+
 def _samples(families: list[Metric], otel_name: str, suffix: str = "") -> list[tuple[dict, float]]:
     name = prometheus_name(otel_name)
     return [
@@ -116,7 +145,12 @@ def _histograms(families: list[Metric], otel_name: str, seconds: bool) -> list[d
         }
         if split:
             row["labels"] = {split: part}
-        row |= {f"p{round(100 * q)}": quantile(list(h["buckets"].items()), q) for q in QUANTILES}
+        for q in QUANTILES:
+            value, known = percentile(
+                list(h["buckets"].items()), h["count"], h["sum"], q, integer=not seconds
+            )
+            row[f"p{round(100 * q)}"] = value
+            row[f"p{round(100 * q)}_known"] = known  # "=", "≤" or ">"
         rows.append(row)
     return rows
 
@@ -194,13 +228,19 @@ def summarize(scraped: dict[str, list[Metric]], roles: dict[str, str] | None = N
     return {"services": services, "utilization": utilization(scraped)}
 
 
-def collect(endpoints: list[tuple[str | None, str]]) -> dict:
-    """Scrape (role or None, address) endpoints and summarize; unreachable ones are warned about and listed
-    under "unreachable", UnavailableError if none answers."""
+def collect(endpoints: list[tuple]) -> dict:
+    """Scrape (role or None, metrics address[, service address]) endpoints and summarize; unreachable
+    ones are warned about and listed under "unreachable", UnavailableError if none answers.
+
+    With its service address (the gRPC address `moe-mesh status` shows) a service is named by it, and
+    its metrics endpoint is listed as "metrics": one name for a service in every view."""
     scraped: dict[str, list[Metric]] = {}
     roles: dict[str, str] = {}
+    names: dict[str, str] = {}
     unreachable = []
-    for role, address in endpoints:
+    for role, address, *name in endpoints:
+        if name and name[0]:
+            names[address] = name[0]
         try:
             scraped[address] = scrape(address)
         except UnavailableError as e:
@@ -213,7 +253,11 @@ def collect(endpoints: list[tuple[str | None, str]]) -> dict:
         raise UnavailableError(
             "no metrics endpoint answered: " + "; ".join(u["error"] for u in unreachable)
         )
-    return summarize(scraped, roles) | {"unreachable": unreachable}
+    summary = summarize(scraped, roles) | {"unreachable": unreachable}
+    for s in summary["services"]:
+        s["metrics"] = s["address"]
+        s["address"] = names.get(s["address"], s["address"])
+    return summary
 
 
 def render(summary: dict) -> str:
@@ -244,11 +288,14 @@ def _row(r: dict) -> list[str]:
     scale, fmt = (1000, "{:.2f}") if r["unit"] == "s" else (1, "{:.1f}")
     name = r["metric"] + "".join(f" [{v}]" for v in r.get("labels", {}).values())
     name += " (ms)" if r["unit"] == "s" else ""
-    return [
-        name,
-        str(r["count"]),
-        *("-" if r[k] is None else fmt.format(scale * r[k]) for k in ("p50", "p90", "p99", "mean")),
-    ]
+
+    def shown(k: str) -> str:
+        if r[k] is None:
+            return "-"
+        known = r.get(f"{k}_known", "=")
+        return ("" if known == "=" else known) + fmt.format(scale * r[k])
+
+    return [name, str(r["count"]), *(shown(k) for k in ("p50", "p90", "p99", "mean"))]
 
 
 def _aligned(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -292,15 +339,23 @@ def write_png(summary: dict, path: Path) -> None:
     )
 
 
+def _nth(names: list, i: int) -> str | None:
+    return names[i] if i < len(names) else None
+
+
 def _ready_endpoints(path: Path) -> list[tuple[str | None, str]]:
     if not path.exists():
         raise InvalidArgumentError("--ready-file", f"{path} does not exist (is the mesh up?)")
     try:
-        m = json.loads(path.read_text())["metrics"]
+        mesh = json.loads(path.read_text())
+        m = mesh["metrics"]
+        routers = list(mesh.get("routers") or [])
+        experts = [e.get("address") for e in mesh.get("experts") or []]
+        # Parallel lists when `moe-mesh up` wrote them; a metrics endpoint without a name keeps its own.
         return [
-            ("gateway", m["gateway"]),
-            *(("router", a) for a in m["routers"]),
-            *(("expert", a) for a in m["experts"]),
+            ("gateway", m["gateway"], mesh.get("gateway_grpc")),
+            *(("router", a, _nth(routers, i)) for i, a in enumerate(m["routers"])),
+            *(("expert", a, _nth(experts, i)) for i, a in enumerate(m["experts"])),
         ]
     except (ValueError, KeyError, TypeError):
         raise InvalidArgumentError(

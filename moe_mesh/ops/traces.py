@@ -113,8 +113,20 @@ def _roots(trace: list[dict]) -> list[dict]:
     return [s for s in trace if s["parent_id"] not in ids]
 
 
+# Calls that keep the mesh running rather than serve a request: left out unless asked for.
+_CONTROL = ("/Check", "/Watch", "/Status", "/Describe", "/ListModels")
+GATEWAY_REQUEST = "moe.gateway.request"
+
+
+def is_control(trace: list[dict]) -> bool:
+    """A health check, Status, Describe or ListModels call (its root span is the RPC's)."""
+    roots = _roots(trace) or trace
+    return roots[0]["name"].endswith(_CONTROL)
+
+
 def pick(by_trace: dict[str, list[dict]], trace_id: str | None = None) -> str:
-    """The trace asked for, else the complete trace whose root started last (the latest of all if none is)."""
+    """The trace asked for, else the latest complete trace holding a gateway request, else the latest
+    complete one that is not a control call (health, Status, Describe), else the latest of all."""
     if not by_trace:
         raise NotFoundError("no spans in the files")
     if trace_id is not None:
@@ -125,8 +137,11 @@ def pick(by_trace: dict[str, list[dict]], trace_id: str | None = None) -> str:
             )
         return _bare(trace_id)
     complete = [t for t, spans in by_trace.items() if len(_roots(spans)) == 1]
-    if complete:
-        return max(complete, key=lambda t: _roots(by_trace[t])[0]["start"])
+    requests = [t for t in complete if any(s["name"] == GATEWAY_REQUEST for s in by_trace[t])]
+    served = [t for t in complete if not is_control(by_trace[t])]
+    for candidates in (requests, served, complete):
+        if candidates:
+            return max(candidates, key=lambda t: _roots(by_trace[t])[0]["start"])
     return max(by_trace, key=lambda t: by_trace[t][0]["start"])
 
 
@@ -222,12 +237,16 @@ def _value(key: str, value: object) -> str:
     return str(value)
 
 
-def render_list(spans: list[dict]) -> str:
-    """One line per trace in start order: id, root, start, duration, spans, services."""
+def render_list(spans: list[dict], everything: bool = False) -> str:
+    """One line per trace in start order: id, root, start, duration, spans, services. Control calls
+    (health, Status, Describe) only with `everything`; a last line counts those left out."""
     if not spans:
         raise NotFoundError("no spans in the files")
-    rows = []
+    rows, hidden = [], 0
     for trace_id, trace in traces(spans).items():
+        if not everything and is_control(trace):
+            hidden += 1
+            continue
         roots = _roots(trace)
         root = (roots or trace)[0]  # no root at all only in a file with a parent cycle
         when = datetime.fromtimestamp(trace[0]["start"], UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
@@ -242,8 +261,11 @@ def render_list(spans: list[dict]) -> str:
                 ",".join(sorted({s["service"] for s in trace})),
             ]
         )
-    return table(
+    listed = table(
         ["trace id", "root span", "root service", "start (UTC)", "ms", "spans", "services"], rows
+    )
+    return listed + (
+        f"\n({hidden} health/Status/Describe calls not shown; --all)" if hidden else ""
     )
 
 
@@ -260,7 +282,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
         help="one request's spans across services as a tree",
         description="Put a trace together from the span files of several services and print its "
         "span tree: duration, offset from the trace's start and the key attributes "
-        "of every span. Without --trace-id, the latest complete trace.",
+        "of every span. Without --trace-id, the latest complete trace holding a gateway request.",
     )
     s.add_argument(
         "files",
@@ -274,6 +296,11 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     )
     s.add_argument(
         "--list", action="store_true", help="list the traces in the files instead of showing one"
+    )
+    s.add_argument(
+        "--all",
+        action="store_true",
+        help="with --list, also the health checks and Status/Describe calls (left out by default)",
     )
     s.add_argument(
         "--max-depth",
@@ -295,7 +322,9 @@ def run_show(args: argparse.Namespace) -> int:
     try:
         spans = load_spans(args.files)
         print(
-            render_list(spans) if args.list else render_trace(spans, args.trace_id, args.max_depth)
+            render_list(spans, args.all)
+            if args.list
+            else render_trace(spans, args.trace_id, args.max_depth)
         )
     except MoeMeshError as e:
         print(f"moe-mesh trace show: error: {e}", file=sys.stderr)

@@ -14,7 +14,15 @@ from moe_mesh.common import telemetry as tm
 from moe_mesh.common.errors import UnavailableError
 from moe_mesh.common.telemetry import COUNT_BUCKETS, SECONDS_BUCKETS, Telemetry
 from moe_mesh.ops import stats as stats_view
-from moe_mesh.ops.stats import collect, infer_role, quantile, render, scrape, summarize
+from moe_mesh.ops.stats import (
+    collect,
+    infer_role,
+    percentile,
+    quantile,
+    render,
+    scrape,
+    summarize,
+)
 from tests.support.net import free_port
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -113,6 +121,21 @@ def test_quantile_interpolates_like_histogram_quantile() -> None:
         quantile(buckets, 1.5)
 
 
+def test_percentiles_are_exact_where_the_buckets_pin_them_and_bounds_elsewhere() -> None:
+    seconds = [(0.1, 0.0), (0.25, 1.0), (math.inf, 1.0)]
+    # One 201 ms request: exactly 201 ms (interpolating said p50 175, p90 235).
+    assert percentile(seconds, 1, 0.201, 0.5) == (0.201, "=")
+    assert percentile(seconds, 1, 0.201, 0.99) == (0.201, "=")
+    # Every batch had 1 sequence: 1, not 0.5; also as seconds, all at the bucket's upper bound.
+    batches = [(1.0, 7.0), (2.0, 7.0), (math.inf, 7.0)]
+    assert percentile(batches, 7, 7.0, 0.5, integer=True) == (1.0, "=")
+    assert percentile(batches, 7, 7.0, 0.5) == (1.0, "=")
+    spread = [(0.1, 2.0), (0.25, 5.0), (1.0, 5.0), (math.inf, 6.0)]
+    assert percentile(spread, 6, 3.0, 0.5) == (0.25, "≤")
+    assert percentile(spread, 6, 3.0, 0.99) == (1.0, ">")  # past the last finite bound
+    assert percentile(spread, 0, 0.0, 0.5) == (None, "=")
+
+
 def test_gateway_percentiles_requests_and_errors_from_the_real_exposition(mesh) -> None:
     families = scrape(mesh["gateway"])
     assert infer_role(families) == "gateway"
@@ -127,14 +150,17 @@ def test_gateway_percentiles_requests_and_errors_from_the_real_exposition(mesh) 
         and duration["count"] == 100
     )
     assert duration["mean"] == pytest.approx((40 * 0.003 + 60 * 0.2) / 100)
-    # 40 in (2.5 ms, 5 ms], 60 in (100 ms, 250 ms]: the 50th observation is the 10th of 60 in the upper bucket.
-    assert duration["p50"] == pytest.approx(0.1 + 0.15 * 10 / 60)
-    assert duration["p90"] == pytest.approx(0.1 + 0.15 * 50 / 60)
-    assert duration["p99"] == pytest.approx(0.1 + 0.15 * 59 / 60)
+    # 40 in (2.5 ms, 5 ms], 60 in (100 ms, 250 ms]: the 50th, 90th and 99th observations are in the
+    # upper bucket, and that is all a histogram knows of them: at most 250 ms.
+    for p in ("p50", "p90", "p99"):
+        assert (duration[p], duration[f"{p}_known"]) == (0.25, "≤")
     assert ttft["metric"] == tm.TIME_TO_FIRST_TOKEN
-    assert (ttft["p50"], ttft["p90"], ttft["p99"]) == pytest.approx(
-        (0.5, 0.9, 0.99)
-    )  # uniform: exact at bounds
+    # 0.01 ... 1.00 s: the 50th is in (0.25, 0.5], the 90th and 99th in (0.75, 1].
+    assert [(ttft[p], ttft[f"{p}_known"]) for p in ("p50", "p90", "p99")] == [
+        (0.5, "≤"),
+        (1.0, "≤"),
+        (1.0, "≤"),
+    ]
     assert s["batch"] == []
 
 
@@ -156,7 +182,7 @@ def test_routers_batches_transports_and_the_summed_heatmap(mesh) -> None:
         "moe_transport": "grpc"
     }
     assert colocated["count"] == grpc["count"] == 10
-    assert colocated["p50"] < 0.0005 < 0.0025 < grpc["p50"] <= 0.005
+    assert colocated["p50"] <= 0.0005 < 0.0025 < grpc["p50"] <= 0.005
     u = summary["utilization"]
     assert (u["layers"], u["num_experts"]) == ([1, 2], EXPERTS)
     assert u["tokens_routed"] == [[40, 10, 20, 0], [3, 0, 0, 20]]
@@ -179,9 +205,9 @@ def test_render_shows_every_service_and_the_heatmap(mesh) -> None:
         tm.REQUEST_DURATION,
         "(ms)",
         "100",
-        "125.00",
-        "225.00",
-        "247.50",
+        "≤250.00",
+        "≤250.00",
+        "≤250.00",
         "121.20",
     ]
     assert (
@@ -192,9 +218,9 @@ def test_render_shows_every_service_and_the_heatmap(mesh) -> None:
     assert blocks[1].splitlines()[-1].split() == [
         tm.ROUTER_BATCH_SIZE,
         "4",
-        "2.0",
-        "3.6",
-        "4.0",
+        "2.0",  # exact: the bucket (1, 2] holds one integer
+        "≤4.0",  # 3 and 4 share the bucket (2, 4]
+        "≤4.0",
         "2.5",
     ]
     assert blocks[3].startswith(f"expert {mesh['experts'][0]}  errors none\n")
@@ -224,9 +250,13 @@ def test_ready_file_json_and_png(mesh, tmp_path, capsys) -> None:
     summary = json.loads(out)
     assert set(summary) == {"services", "utilization", "unreachable"}
     assert [s["role"] for s in summary["services"]] == ["gateway", "router", "router", "expert"]
+    # Named as `moe-mesh status` names them, by gRPC address, with the metrics endpoint beside it.
+    assert [s["address"] for s in summary["services"][:2]] == ["127.0.0.1:1", "127.0.0.1:2"]
+    assert summary["services"][2]["address"] == summary["services"][2]["metrics"]  # no name given
     assert set(summary["services"][1]) == {
         "role",
         "address",
+        "metrics",
         "requests",
         "latency",
         "batch",
@@ -242,6 +272,9 @@ def test_ready_file_json_and_png(mesh, tmp_path, capsys) -> None:
         "p50",
         "p90",
         "p99",
+        "p50_known",
+        "p90_known",
+        "p99_known",
     }
     assert summary["utilization"]["tokens_routed"] == [[40, 10, 20, 0], [3, 0, 0, 20]]
     assert [u["address"] for u in summary["unreachable"]] == [down]

@@ -286,3 +286,24 @@ def test_registered_on_the_moe_mesh_cli(files, capsys) -> None:
     args = build_parser().parse_args(["trace", "show", str(files["gateway"]), "--list"])
     assert args.func(args) == 0
     assert len(capsys.readouterr().out.splitlines()) == 3
+
+
+def test_the_default_trace_holds_a_gateway_request_and_control_calls_are_not_listed(
+    tmp_path,
+) -> None:
+    gw = Service("gateway", tmp_path / "gateway.jsonl")
+    root = gw.span("/moe_mesh.v1.Inference/GenerateStream", 0, 50, kind=SpanKind.SERVER)
+    gw.span("moe.gateway.request", 1, 49, root)
+    # Later, and complete too: a health check and a Describe, as a prober or `moe-mesh status` makes.
+    gw.span("/grpc.health.v1.Health/Check", 100, 101, kind=SpanKind.SERVER)
+    gw.span("/moe_mesh.v1.ExpertService/Describe", 200, 201, kind=SpanKind.SERVER)
+    gw.provider.shutdown()
+    spans = load_spans([gw.path])
+    request = format(root.get_span_context().trace_id, "032x")
+    assert trace_view.pick(trace_view.traces(spans)) == request
+    listed = trace_view.render_list(spans)
+    assert request in listed and "v1.Health/Check" not in listed
+    assert "ExpertService/Describe" not in listed
+    assert "(2 health/Status/Describe calls not shown; --all)" in listed
+    everything = trace_view.render_list(spans, everything=True)
+    assert "Health/Check" in everything and "ExpertService/Describe" in everything
