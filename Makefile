@@ -11,8 +11,9 @@ CHECKPOINT ?=
 $(STAMP): pyproject.toml constraints.txt tests/node/package.json tests/node/package-lock.json
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
-	@command -v npm >/dev/null || { echo 'npm not found: Node.js (node + npm) is needed for tests/e2e/test_node_client.py' >&2; exit 1; }
-	npm ci --prefix tests/node --no-audit --no-fund
+	@# Only the Node.js interop test needs npm; without it that test is skipped, and the demo runs anyway.
+	@if command -v npm >/dev/null; then npm ci --prefix tests/node --no-audit --no-fund; \
+	else echo 'npm not found: tests/e2e/test_node_client.py will be skipped' >&2; fi
 	touch $@
 
 setup: $(STAMP)

@@ -20,9 +20,10 @@ from tests.support import REPO
 from tests.support.meshes import local_mesh
 
 NODE = shutil.which("node")
-if NODE is None:
+if NODE is None or shutil.which("npm") is None:
     pytest.skip(
-        "`node` is not on PATH: the Node.js interop client cannot run", allow_module_level=True
+        "`node` or `npm` is not on PATH: the Node.js interop client cannot be installed or run",
+        allow_module_level=True,
     )
 
 NODE_DIR = REPO / "tests" / "node"
