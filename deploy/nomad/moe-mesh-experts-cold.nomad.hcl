@@ -19,6 +19,8 @@ job "moe-mesh-experts-cold" {
 
     network {
       port "grpc" {}
+
+      port "metrics" {}
     }
 
     volume "model" {
@@ -46,6 +48,22 @@ job "moe-mesh-experts-cold" {
         port     = "grpc"
         interval = "10s"
         timeout  = "3s"
+      }
+    }
+
+    service {
+      name     = "moe-mesh-experts-cold-metrics"
+      port     = "metrics"
+      provider = "consul"
+      tags     = ["moe-mesh", "prometheus"]
+
+      check {
+        name     = "metrics"
+        type     = "http"
+        port     = "metrics"
+        interval = "10s"
+        timeout  = "3s"
+        path     = "/metrics"
       }
     }
 
@@ -84,6 +102,8 @@ job "moe-mesh-experts-cold" {
           "global",
           "--compute-threads",
           "1",
+          "--metrics-port",
+          "${NOMAD_PORT_metrics}",
         ]
       }
 
@@ -94,7 +114,10 @@ job "moe-mesh-experts-cold" {
       }
 
       env {
-        CONSUL_HTTP_ADDR = "127.0.0.1:8500"
+        CONSUL_HTTP_ADDR            = "127.0.0.1:8500"
+        OTEL_EXPORTER_OTLP_ENDPOINT = ""
+        OTEL_RESOURCE_ATTRIBUTES    = "service.namespace=moe-mesh,moe_mesh.component=expert-cold"
+        OTEL_TRACES_SAMPLER_ARG     = "0.01"
       }
 
       resources {

@@ -25,6 +25,8 @@ job "moe-mesh-experts-hot" {
 
     network {
       port "grpc" {}
+
+      port "metrics" {}
     }
 
     volume "model" {
@@ -52,6 +54,22 @@ job "moe-mesh-experts-hot" {
         port     = "grpc"
         interval = "10s"
         timeout  = "3s"
+      }
+    }
+
+    service {
+      name     = "moe-mesh-experts-hot-metrics"
+      port     = "metrics"
+      provider = "consul"
+      tags     = ["moe-mesh", "prometheus"]
+
+      check {
+        name     = "metrics"
+        type     = "http"
+        port     = "metrics"
+        interval = "10s"
+        timeout  = "3s"
+        path     = "/metrics"
       }
     }
 
@@ -90,6 +108,8 @@ job "moe-mesh-experts-hot" {
           "global",
           "--compute-threads",
           "2",
+          "--metrics-port",
+          "${NOMAD_PORT_metrics}",
         ]
       }
 
@@ -100,7 +120,10 @@ job "moe-mesh-experts-hot" {
       }
 
       env {
-        CONSUL_HTTP_ADDR = "127.0.0.1:8500"
+        CONSUL_HTTP_ADDR            = "127.0.0.1:8500"
+        OTEL_EXPORTER_OTLP_ENDPOINT = ""
+        OTEL_RESOURCE_ATTRIBUTES    = "service.namespace=moe-mesh,moe_mesh.component=expert-hot"
+        OTEL_TRACES_SAMPLER_ARG     = "0.01"
       }
 
       resources {

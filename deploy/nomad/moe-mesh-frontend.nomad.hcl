@@ -19,6 +19,8 @@ job "moe-mesh-frontend" {
 
     network {
       port "grpc" {}
+
+      port "metrics" {}
     }
 
     volume "model" {
@@ -39,6 +41,22 @@ job "moe-mesh-frontend" {
         port     = "grpc"
         interval = "10s"
         timeout  = "3s"
+      }
+    }
+
+    service {
+      name     = "moe-mesh-routers-metrics"
+      port     = "metrics"
+      provider = "consul"
+      tags     = ["moe-mesh", "prometheus"]
+
+      check {
+        name     = "metrics"
+        type     = "http"
+        port     = "metrics"
+        interval = "10s"
+        timeout  = "3s"
+        path     = "/metrics"
       }
     }
 
@@ -71,6 +89,8 @@ job "moe-mesh-frontend" {
           "${NOMAD_PORT_grpc}",
           "--advertise-host",
           "${NOMAD_IP_grpc}",
+          "--metrics-port",
+          "${NOMAD_PORT_metrics}",
         ]
       }
 
@@ -81,7 +101,10 @@ job "moe-mesh-frontend" {
       }
 
       env {
-        CONSUL_HTTP_ADDR = "127.0.0.1:8500"
+        CONSUL_HTTP_ADDR            = "127.0.0.1:8500"
+        OTEL_EXPORTER_OTLP_ENDPOINT = ""
+        OTEL_RESOURCE_ATTRIBUTES    = "service.namespace=moe-mesh,moe_mesh.component=router"
+        OTEL_TRACES_SAMPLER_ARG     = "0.01"
       }
 
       resources {
@@ -102,6 +125,8 @@ job "moe-mesh-frontend" {
       port "http" {
         static = 8000
       }
+
+      port "metrics" {}
     }
 
     volume "model" {
@@ -141,6 +166,22 @@ job "moe-mesh-frontend" {
       }
     }
 
+    service {
+      name     = "moe-mesh-gateway-metrics"
+      port     = "metrics"
+      provider = "consul"
+      tags     = ["moe-mesh", "prometheus"]
+
+      check {
+        name     = "metrics"
+        type     = "http"
+        port     = "metrics"
+        interval = "10s"
+        timeout  = "3s"
+        path     = "/metrics"
+      }
+    }
+
     restart {
       attempts = 3
       interval = "5m"
@@ -168,6 +209,8 @@ job "moe-mesh-frontend" {
           "50050",
           "--http-port",
           "8000",
+          "--metrics-port",
+          "${NOMAD_PORT_metrics}",
         ]
       }
 
@@ -178,7 +221,10 @@ job "moe-mesh-frontend" {
       }
 
       env {
-        CONSUL_HTTP_ADDR = "127.0.0.1:8500"
+        CONSUL_HTTP_ADDR            = "127.0.0.1:8500"
+        OTEL_EXPORTER_OTLP_ENDPOINT = ""
+        OTEL_RESOURCE_ATTRIBUTES    = "service.namespace=moe-mesh,moe_mesh.component=gateway"
+        OTEL_TRACES_SAMPLER_ARG     = "0.01"
       }
 
       resources {

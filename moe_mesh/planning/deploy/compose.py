@@ -7,7 +7,8 @@ from typing import Any
 
 import yaml
 
-from moe_mesh.planning.deploy.plan import ExpertGroup, Plan
+from moe_mesh.planning.deploy.plan import ExpertGroup, Plan, Resources
+from moe_mesh.planning.deploy.prometheus import METRICS_PORT, dns_job, prometheus_yml
 
 HEADER = (
     "Rendered by `moe-mesh deploy render --target {target}` from a deploy plan. "
@@ -31,29 +32,48 @@ def _compose_healthcheck(port: int, start_period: str) -> dict[str, Any]:
     }
 
 
+def otel_env(plan: Plan, component: str) -> dict[str, str]:
+    """OpenTelemetry's standard variables: traces go to OTLP once an endpoint is set (deployment's
+    choice, empty by default), sampled at 1%; the resource names the deployment and the component."""
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "${OTEL_EXPORTER_OTLP_ENDPOINT:-}",
+        "OTEL_TRACES_SAMPLER_ARG": "${OTEL_TRACES_SAMPLER_ARG:-0.01}",
+        "OTEL_RESOURCE_ATTRIBUTES": f"service.namespace={plan.name},moe_mesh.component={component}",
+    }
+
+
+def cpus(r: Resources) -> str:
+    """The plan's CPU share in cores: 1000 MHz is counted as one core, as Nomad's docs suggest."""
+    return f"{r.cpu_mhz / 1000:g}"
+
+
 def _compose_service(
     plan: Plan,
+    name: str,
     command: list[str],
     port: int,
     replicas: int,
     depends_on: Iterable[str],
     start_period: str,
+    resources: Resources,
 ) -> dict[str, Any]:
+    size = {"cpus": cpus(resources), "memory": f"{resources.memory_mb}M"}
     return {
         "image": "${MOE_MESH_IMAGE:-" + _dollar(plan.image) + "}",
-        "command": [_dollar(c) for c in command],
+        "command": [_dollar(c) for c in [*command, "--metrics-port", str(METRICS_PORT)]],
         "environment": {
             "CONSUL_HTTP_ADDR": "${CONSUL_HTTP_ADDR:-consul:8500}",
             "CONSUL_HTTP_TOKEN": "${CONSUL_HTTP_TOKEN:-}",
             # The services of one compose project share the host's cores (common/runtime.py).
             "OMP_WAIT_POLICY": "${OMP_WAIT_POLICY:-PASSIVE}",
+            **otel_env(plan, name),
         },
         "volumes": [
             "${MODEL_DIR:?set MODEL_DIR to the checkpoint directory on this host}:"
             f"{_dollar(plan.model.checkpoint)}:ro"
         ],
-        "expose": [str(port)],
-        "deploy": {"replicas": replicas},
+        "expose": [str(port), str(METRICS_PORT)],
+        "deploy": {"replicas": replicas, "resources": {"limits": size, "reservations": size}},
         "healthcheck": _compose_healthcheck(port, start_period),
         "depends_on": {name: {"condition": "service_healthy"} for name in ["consul", *depends_on]},
         "restart": "unless-stopped",
@@ -154,29 +174,60 @@ def render_compose(plan: Plan) -> dict[str, str]:
     }
     for g, name in zip(plan.expert_groups, groups):
         services[name] = _compose_service(
-            plan, expert_command(plan, g, str(g.port), []), g.port, g.replicas, [], "60s"
+            plan,
+            name,
+            expert_command(plan, g, str(g.port), []),
+            g.port,
+            g.replicas,
+            [],
+            "60s",
+            g.resources,
         )
     r = plan.router
     services["router"] = _compose_service(
-        plan, router_command(plan, str(r.port), []), r.port, r.replicas, groups, "120s"
+        plan,
+        "router",
+        router_command(plan, str(r.port), []),
+        r.port,
+        r.replicas,
+        groups,
+        "120s",
+        r.resources,
     )
     gw = plan.gateway
     gateway = _compose_service(
-        plan, gateway_command(plan), gw.grpc_port, gw.replicas, ["router"], "60s"
+        plan,
+        "gateway",
+        gateway_command(plan),
+        gw.grpc_port,
+        gw.replicas,
+        ["router"],
+        "60s",
+        gw.resources,
     )
     # One replica publishes fixed host ports; several would collide, so Docker picks host ports for them.
     gateway["ports"] = [
         f"{p}:{p}" if gw.replicas == 1 else str(p) for p in (gw.grpc_port, gw.http_port)
     ]
     services["gateway"] = gateway
+    services["prometheus"] = {
+        "image": "${PROMETHEUS_IMAGE:-" + _dollar(plan.compose.prometheus_image) + "}",
+        "command": ["--config.file=/etc/prometheus/prometheus.yml"],
+        "volumes": ["./prometheus.yml:/etc/prometheus/prometheus.yml:ro"],
+        "ports": ["127.0.0.1:9090:9090"],  # the UI and PromQL API, on the Docker host's loopback
+        "restart": "unless-stopped",
+    }
     head = "".join(f"# {line}\n" for line in wrap(HEADER.format(target="compose")))
     compose = head + yaml.safe_dump(
         {"services": services}, sort_keys=True, default_flow_style=False, width=1000
     )
+    # Docker's DNS answers a service name with every replica's address.
+    scrape = [dns_job(name, name) for name in [*groups, "router", "gateway"]]
     return {
         "docker-compose.yml": compose,
         "Dockerfile": DOCKERFILE,
         ".env.example": _env_example(plan),
+        "prometheus.yml": head + prometheus_yml(scrape),
     }
 
 
@@ -241,4 +292,11 @@ MOE_MESH_IMAGE={plan.image}
 CONSUL_IMAGE={plan.compose.consul_image}
 CONSUL_HTTP_ADDR=consul:8500
 CONSUL_HTTP_TOKEN=
+
+# Traces: every service exports spans over OTLP once this names a collector (e.g. http://otel:4317),
+# sampling this share of new requests. Metrics: Prometheus (service `prometheus`, prometheus.yml)
+# scrapes every replica on port {METRICS_PORT}; its UI is on this host's 127.0.0.1:9090.
+OTEL_EXPORTER_OTLP_ENDPOINT=
+OTEL_TRACES_SAMPLER_ARG=0.01
+PROMETHEUS_IMAGE={plan.compose.prometheus_image}
 """

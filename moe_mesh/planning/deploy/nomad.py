@@ -13,6 +13,7 @@ from moe_mesh.planning.deploy.compose import (
     wrap,
 )
 from moe_mesh.planning.deploy.plan import Constraint, ExpertGroup, Plan, Resources
+from moe_mesh.planning.deploy.prometheus import consul_job, prometheus_yml
 
 
 class Interp(str):
@@ -122,7 +123,21 @@ def _group(
     ports: list[Block],
     services: list[Block],
     task: Block,
+    metrics_service: str,
 ) -> Block:
+    """A task group; every one also gets a `metrics` port, registered in Consul as `metrics_service`
+    (tagged prometheus) for the scrape configuration's consul_sd."""
+    ports = [*ports, Block("port", ("metrics",))]
+    services = [
+        *services,
+        _service(
+            metrics_service,
+            "metrics",
+            ["moe-mesh", "prometheus"],
+            {},
+            _check("metrics", "metrics", "http", "/metrics"),
+        ),
+    ]
     body: list = [("count", count)]
     body += [
         Block(
@@ -154,13 +169,25 @@ def _group(
     return Block("group", (name,), body)
 
 
-def _task(plan: Plan, name: str, args: list[str], resources: Resources) -> Block:
+def _task(plan: Plan, name: str, args: list[str], resources: Resources, component: str) -> Block:
+    args = [*args, "--metrics-port", Interp("${NOMAD_PORT_metrics}")]
     config = Block("config", body=[("image", plan.image), ("network_mode", "host"), ("args", args)])
     mount = Block(
         "volume_mount",
         body=[("volume", "model"), ("destination", plan.model.checkpoint), ("read_only", True)],
     )
-    env = Block("env", body=[("CONSUL_HTTP_ADDR", plan.nomad.consul_http_addr)])
+    env = Block(
+        "env",
+        body=[
+            ("CONSUL_HTTP_ADDR", plan.nomad.consul_http_addr),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", plan.nomad.otlp_endpoint),
+            (
+                "OTEL_RESOURCE_ATTRIBUTES",
+                f"service.namespace={plan.name},moe_mesh.component={component}",
+            ),
+            ("OTEL_TRACES_SAMPLER_ARG", "0.01"),
+        ],
+    )
     res = Block("resources", body=[("cpu", resources.cpu_mhz), ("memory", resources.memory_mb)])
     return Block(
         "task",
@@ -200,7 +227,8 @@ def _expert_job(plan: Plan, g: ExpertGroup) -> Block:
         g.constraints,
         [Block("port", ("grpc",))],
         [service],
-        _task(plan, "serve-expert", args, g.resources),
+        _task(plan, "serve-expert", args, g.resources, f"expert-{g.name}"),
+        f"{job}-metrics",
     )
     return _job(plan, job, g.region, g.datacenters, [group])
 
@@ -219,7 +247,9 @@ def _frontend_job(plan: Plan) -> Block:
             "serve-router",
             router_command(plan, Interp("${NOMAD_PORT_grpc}"), _DYNAMIC),
             r.resources,
+            "router",
         ),
+        f"{plan.name}-routers-metrics",
     )
     ports = [
         Block("port", ("grpc",), [("static", gw.grpc_port)]),
@@ -242,7 +272,8 @@ def _frontend_job(plan: Plan) -> Block:
         gw.constraints,
         ports,
         services,
-        _task(plan, "serve-gateway", gateway_command(plan), gw.resources),
+        _task(plan, "serve-gateway", gateway_command(plan), gw.resources, "gateway"),
+        f"{plan.name}-gateway-metrics",
     )
     return _job(plan, f"{plan.name}-frontend", r.region, r.datacenters, [router, gateway])
 
@@ -254,4 +285,10 @@ def render_nomad(plan: Plan) -> dict[str, str]:
         for g in plan.expert_groups
     }
     files[f"{plan.name}-frontend.nomad.hcl"] = _hcl_file(_frontend_job(plan))
+    components = [f"experts-{g.name}" for g in plan.expert_groups] + ["routers", "gateway"]
+    scrape = [
+        consul_job(c, f"{plan.name}-{c}-metrics", plan.nomad.consul_http_addr) for c in components
+    ]
+    head = "".join(f"# {line}\n" for line in wrap(HEADER.format(target="nomad")))
+    files["prometheus.yml"] = head + prometheus_yml(scrape)
     return dict(sorted(files.items()))

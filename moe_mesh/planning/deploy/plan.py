@@ -44,7 +44,8 @@ class _Strict(BaseModel):
 
 
 class Resources(_Strict):
-    """Nomad task resources (compose leaves sizing to the host)."""
+    """A replica's resources: Nomad's task resources, compose's limits and reservations, Kubernetes'
+    requests and limits (1000 MHz counted as one core)."""
 
     cpu_mhz: int = Field(ge=100, description="CPU share in MHz")
     memory_mb: int = Field(ge=64, description="memory limit in MiB")
@@ -206,6 +207,9 @@ class ComposePlan(_Strict):
     consul_image: str = Field(
         "hashicorp/consul:1.20", min_length=1, description="image of the Consul dev agent"
     )
+    prometheus_image: str = Field(
+        "prom/prometheus:v2.53.0", min_length=1, description="image of the Prometheus server"
+    )
 
 
 class NomadPlan(_Strict):
@@ -219,6 +223,9 @@ class NomadPlan(_Strict):
         "127.0.0.1:8500",
         min_length=1,
         description="the node's Consul agent as tasks on host networking see it",
+    )
+    otlp_endpoint: str = Field(
+        "", description="OTLP collector for traces (OTEL_EXPORTER_OTLP_ENDPOINT); empty: none"
     )
 
 

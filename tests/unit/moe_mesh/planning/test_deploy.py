@@ -274,11 +274,24 @@ def _after(command: list[str], flag: str) -> str:
 def test_compose_services_follow_the_plan(tmp_path: Path) -> None:
     plan = a_plan(tmp_path)
     services = _compose(plan)["services"]
-    assert set(services) == {"consul", "gateway", "router", "expert-a", "expert-b", "expert-c-tail"}
+    assert set(services) == {
+        "consul",
+        "prometheus",
+        "gateway",
+        "router",
+        "expert-a",
+        "expert-b",
+        "expert-c-tail",
+    }
     assert services["consul"]["command"] == ["agent", "-dev", "-client", "0.0.0.0"]
     assert services["consul"]["healthcheck"]["test"][:2] == ["CMD", "consul"]
-    moe = {name: s for name, s in services.items() if name != "consul"}
-    for s in moe.values():
+    moe = {name: s for name, s in services.items() if name not in ("consul", "prometheus")}
+    for name, s in moe.items():
+        # Metrics on a fixed port for Prometheus, OTLP once an endpoint is set, the component named.
+        assert s["command"][-2:] == ["--metrics-port", "9400"] and "9400" in s["expose"]
+        env = s["environment"]
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "${OTEL_EXPORTER_OTLP_ENDPOINT:-}"
+        assert env["OTEL_RESOURCE_ATTRIBUTES"].endswith(f"moe_mesh.component={name}")
         assert (
             _after(s["command"], "--registry") == "consul"
             and _after(s["command"], "--host") == "0.0.0.0"
@@ -299,18 +312,23 @@ def test_compose_services_follow_the_plan(tmp_path: Path) -> None:
         s = services[f"expert-{g.name}"]
         assert s["deploy"]["replicas"] == g.replicas
         assert _after(s["command"], "--experts") == g.experts
-        assert _after(s["command"], "--port") == str(g.port) and s["expose"] == [str(g.port)]
+        assert _after(s["command"], "--port") == str(g.port) and s["expose"] == [
+            str(g.port),
+            "9400",
+        ]
+        size = {"cpus": f"{g.resources.cpu_mhz / 1000:g}", "memory": f"{g.resources.memory_mb}M"}
+        assert s["deploy"]["resources"] == {"limits": size, "reservations": size}
         assert s["healthcheck"]["test"] == ["CMD", "moe-mesh", "probe", f"127.0.0.1:{g.port}"]
         assert ("--region" in s["command"]) == bool(g.region)
         if g.region:
             assert _after(s["command"], "--region") == g.region
         assert set(s["depends_on"]) == {"consul"}
     assert (
-        services["expert-c-tail"]["command"][-1] == "--model-id-note=$$HOME"
+        services["expert-c-tail"]["command"][-3] == "--model-id-note=$$HOME"
     )  # '$' escaped for compose
     router = services["router"]
     assert router["deploy"]["replicas"] == 3 and _after(router["command"], "--port") == "6000"
-    assert router["command"][-2:] == ["--max-num-seqs", "64"]
+    assert router["command"][-4:-2] == ["--max-num-seqs", "64"]
     assert set(router["depends_on"]) == {"consul", "expert-a", "expert-b", "expert-c-tail"}
     assert all(d == {"condition": "service_healthy"} for d in router["depends_on"].values())
     gateway = services["gateway"]
@@ -329,6 +347,8 @@ def _jobs(plan: deploy.Plan) -> dict[str, dict]:
     """Job name -> job body, each file parsed by python-hcl2 on its own."""
     jobs = {}
     for name, text in deploy.render(plan, "nomad").items():
+        if name == "prometheus.yml":
+            continue
         [job] = hcl2.loads(text, serialization_options=HCL_OPTIONS)["job"]
         [(job_name, body)] = job.items()
         assert name == f"{job_name}.nomad.hcl"
@@ -343,6 +363,14 @@ def _one(body: dict, block: str, label: str | None = None) -> dict:
     [(got, inner)] = item.items()
     assert got == label
     return inner
+
+
+def _ports(group: dict) -> dict[str, dict]:
+    return {label: inner for p in _one(group, "network")["port"] for label, inner in p.items()}
+
+
+def _services(group: dict) -> dict[str, dict]:
+    return {s["name"]: s for s in group["service"]}
 
 
 def _groups(job: dict) -> dict[str, dict]:
@@ -364,8 +392,16 @@ def _check_task(plan: deploy.Plan, group: dict, task: str) -> list[str]:
         "source": plan.nomad.model_volume,
         "read_only": True,
     }
-    assert _one(t, "env")["CONSUL_HTTP_ADDR"] == plan.nomad.consul_http_addr
+    env = _one(t, "env")
+    assert env["CONSUL_HTTP_ADDR"] == plan.nomad.consul_http_addr
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == plan.nomad.otlp_endpoint
+    assert env["OTEL_RESOURCE_ATTRIBUTES"].startswith(f"service.namespace={plan.name},")
     args = config["args"]
+    # Every task serves metrics on its group's `metrics` port, registered for Prometheus.
+    assert args[-2:] == ["--metrics-port", "${NOMAD_PORT_metrics}"]
+    assert _ports(group)["metrics"] == {}
+    [metrics] = [s for s in group["service"] if s["port"] == "metrics"]
+    assert "prometheus" in metrics["tags"] and _one(metrics, "check")["path"] == "/metrics"
     assert (
         args[0] == task
         and _after(args, "--registry") == "consul"
@@ -392,8 +428,8 @@ def test_nomad_jobs_parse_and_follow_the_plan(tmp_path: Path, which: str) -> Non
         assert [
             (c["attribute"], c["operator"], c["value"]) for c in group.get("constraint", [])
         ] == [(c.attribute, c.operator, c.value) for c in g.constraints]
-        assert _one(_one(group, "network"), "port", "grpc") == {}  # Nomad picks the host port
-        service = _one(group, "service")
+        assert _ports(group)["grpc"] == {}  # Nomad picks the host port
+        service = _services(group)[f"{plan.name}-experts-{g.name}"]
         assert (
             service["name"] == f"{plan.name}-experts-{g.name}" and service["provider"] == "consul"
         )
@@ -410,7 +446,7 @@ def test_nomad_jobs_parse_and_follow_the_plan(tmp_path: Path, which: str) -> Non
             and _after(args, "--advertise-host") == "${NOMAD_IP_grpc}"
         )
         assert (_after(args, "--region") if "--region" in args else "") == g.region
-        assert args[len(args) - len(g.args) :] == g.args or not g.args
+        assert args[len(args) - len(g.args) - 2 : -2] == g.args or not g.args
     front = jobs[f"{plan.name}-frontend"]
     assert front.get("region") == (plan.router.region or None)
     assert front["datacenters"] == (plan.router.datacenters or plan.nomad.datacenters)
@@ -418,16 +454,20 @@ def test_nomad_jobs_parse_and_follow_the_plan(tmp_path: Path, which: str) -> Non
     assert list(groups) == ["router", "gateway"]
     router, gateway = groups["router"], groups["gateway"]
     assert router["count"] == plan.router.replicas and gateway["count"] == plan.gateway.replicas
-    assert _one(_one(router, "service"), "check")["type"] == "grpc"
+    assert _one(_services(router)[f"{plan.name}-routers"], "check")["type"] == "grpc"
     args = _check_task(plan, router, "serve-router")
     assert "--expert" not in args and _after(args, "--port") == "${NOMAD_PORT_grpc}"
-    ports = {label: inner for p in _one(gateway, "network")["port"] for label, inner in p.items()}
-    assert ports == {
+    assert _ports(gateway) == {
         "grpc": {"static": plan.gateway.grpc_port},
         "http": {"static": plan.gateway.http_port},
+        "metrics": {},
     }
-    services = {s["name"]: s for s in gateway["service"]}
-    assert set(services) == {f"{plan.name}-gateway", f"{plan.name}-gateway-http"}
+    services = _services(gateway)
+    assert set(services) == {
+        f"{plan.name}-gateway",
+        f"{plan.name}-gateway-http",
+        f"{plan.name}-gateway-metrics",
+    }
     assert _one(services[f"{plan.name}-gateway"], "check")["type"] == "grpc"
     assert _one(services[f"{plan.name}-gateway-http"], "check")["path"] == "/health/ready"
     args = _check_task(plan, gateway, "serve-gateway")
@@ -446,7 +486,7 @@ def test_nomad_escapes_plan_strings_but_not_its_own_interpolations(tmp_path: Pat
     assert (
         job["moe-mesh-experts-cold"]["group"][0]["experts"]["task"][0]["serve-expert"]["config"][0][
             "args"
-        ][-1]
+        ][-3]
         == '--note=a"b\\c $${x} %%{y}'
     )  # HCL keeps the escapes; Nomad turns them back into '${x} %{y}'
 
@@ -492,12 +532,13 @@ def test_render_writes_checks_and_removes_stale_jobs(
         "moe-mesh-experts-cold.nomad.hcl",
         "moe-mesh-experts-hot.nomad.hcl",
         "moe-mesh-frontend.nomad.hcl",
+        "prometheus.yml",
     ]
 
 
 def test_compose_render_writes_dockerfile_and_env_example(tmp_path: Path) -> None:
     files = deploy.render(deploy.load_plan(EXAMPLE_PLAN), "compose")
-    assert sorted(files) == [".env.example", "Dockerfile", "docker-compose.yml"]
+    assert sorted(files) == [".env.example", "Dockerfile", "docker-compose.yml", "prometheus.yml"]
     assert "FROM python:3.11-slim" in files["Dockerfile"]
     assert "pip install" in files["Dockerfile"] and "-c constraints.txt ." in files["Dockerfile"]
     assert "download.pytorch.org" not in files["Dockerfile"]
@@ -569,3 +610,36 @@ def test_router_batching_fields_render_as_flags(tmp_path: Path, micro_batches) -
     assert re.search(rf'"--micro-batches",\s*"{micro_batches}"', frontend)
     old = _compose(plan_of(example_raw(), tmp_path))["services"]["router"]["command"]
     assert "--max-num-seqs" not in old and "--micro-batches" not in old
+
+
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="no `promtool` (Debian package prometheus)"
+)
+def test_the_compose_scrape_configuration_passes_promtool(tmp_path: Path) -> None:
+    # Debian's Prometheus is built without Consul and Kubernetes discovery, so only the compose
+    # configuration (DNS discovery) can be checked by it here.
+    files = deploy.render(deploy.load_plan(EXAMPLE_PLAN), "compose")
+    (tmp_path / "prometheus.yml").write_text(files["prometheus.yml"])
+    r = subprocess.run(
+        ["promtool", "check", "config", str(tmp_path / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(
+    shutil.which("docker-compose") is None, reason="no `docker-compose` (Debian package)"
+)
+def test_docker_compose_accepts_the_rendered_file(tmp_path: Path) -> None:
+    for name, text in deploy.render(deploy.load_plan(EXAMPLE_PLAN), "compose").items():
+        (tmp_path / name).write_text(text)
+    r = subprocess.run(
+        ["docker-compose", "--env-file", ".env.example", "config", "-q"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
