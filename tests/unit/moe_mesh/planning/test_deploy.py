@@ -553,8 +553,14 @@ def test_compose_render_writes_dockerfile_and_env_example(tmp_path: Path) -> Non
         "CONSUL_IMAGE",
         "CONSUL_HTTP_ADDR",
         "CONSUL_HTTP_TOKEN",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_TRACES_SAMPLER_ARG",
+        "PROMETHEUS_IMAGE",
     }
     assert env["MOE_MESH_IMAGE"] == "moe-mesh:0.1.0"
+    # Every ${VAR} the compose file reads is offered in .env.example.
+    used = set(re.findall(r"\$\{([A-Z_]+)[:?}-]", files["docker-compose.yml"]))
+    assert used <= set(env) | {"OMP_WAIT_POLICY"}, used - set(env)
 
 
 # ------------------------------------------------------------------------------------------ probe
