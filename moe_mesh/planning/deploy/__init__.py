@@ -4,7 +4,9 @@ A plan (YAML, see deploy/plan.example.yaml) names the image, the checkpoint, the
 replicas and the expert groups (an expert spec each, see common/placement.py). `render` turns it into
   compose: one docker-compose.yml (a Consul dev agent, gateway, router, one service per expert group,
            `deploy.replicas` each), a Dockerfile and a .env.example;
-  nomad:   one job per expert group, and one job with the router and gateway groups.
+  nomad:   one job per expert group, and one job with the router and gateway groups;
+  kubernetes: a Deployment, headless Service and PodDisruptionBudget per component (kubernetes.py).
+Each also gets a Prometheus scrape configuration (prometheus.py).
 Every service runs with `--registry consul`: routers find expert services and gateways find routers
 there, so the rendered files list no addresses. Output is deterministic (sorted keys, fixed order),
 so committed examples can be compared byte for byte with a fresh render.
@@ -24,6 +26,7 @@ from moe_mesh.planning.deploy.compose import (
     HEADER,
     render_compose,
 )
+from moe_mesh.planning.deploy.kubernetes import render_kubernetes
 from moe_mesh.planning.deploy.nomad import Block, Interp, render_nomad
 from moe_mesh.planning.deploy.plan import (
     ComposePlan,
@@ -67,21 +70,24 @@ __all__ = [
     "probe",
     "render",
     "render_compose",
+    "render_kubernetes",
     "render_nomad",
     "run_probe",
     "run_render",
     "write_rendered",
 ]
 
-TARGETS = ("compose", "nomad")
+TARGETS = ("compose", "nomad", "kubernetes")
 
 
 def render(plan: Plan, target: str) -> dict[str, str]:
-    """File name -> content for `target` ('compose' or 'nomad')."""
+    """File name -> content for `target` ('compose', 'nomad' or 'kubernetes')."""
     if target == "compose":
         return render_compose(plan)
     if target == "nomad":
         return render_nomad(plan)
+    if target == "kubernetes":
+        return render_kubernetes(plan)
     raise ValueError(f"unknown target {target!r}; expected one of {', '.join(TARGETS)}")
 
 
@@ -126,14 +132,15 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """Register `deploy render` on the moe-mesh CLI; `args.func(args)` returns the exit code."""
     p = subparsers.add_parser(
         "deploy",
-        help="render docker-compose / Nomad deployments from a plan",
+        help="render docker-compose / Nomad / Kubernetes deployments from a plan",
         description="Deployments rendered from a plan file (see deploy/plan.example.yaml).",
     )
     sub = p.add_subparsers(dest="deploy_command", required=True, metavar="COMMAND")
     r = sub.add_parser(
         "render",
         help="render a plan for a target",
-        description="Render a plan into docker-compose files or Nomad jobs. Every service "
+        description="Render a plan into docker-compose files, Nomad jobs or Kubernetes manifests. "
+        "Every service "
         "discovers the others through Consul; output is deterministic.",
     )
     r.add_argument("--plan", type=Path, required=True, help="plan file (YAML)")
@@ -141,8 +148,9 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "--target",
         choices=TARGETS,
         required=True,
-        help="compose: docker-compose.yml + Dockerfile + "
-        ".env.example; nomad: one job per expert group + one for router and gateway",
+        help="compose: docker-compose.yml + Dockerfile + .env.example + prometheus.yml; nomad: one "
+        "job per expert group + one for router and gateway + prometheus.yml; kubernetes: a "
+        "Deployment, Service and PodDisruptionBudget per component + the Prometheus ConfigMap",
     )
     r.add_argument(
         "--out", type=Path, required=True, help="directory to write into (created if missing)"

@@ -229,6 +229,25 @@ class NomadPlan(_Strict):
     )
 
 
+class KubernetesPlan(_Strict):
+    namespace: Name = Field("moe-mesh", description="namespace of every object")
+    model_claim: Name = Field(
+        "moe-mesh-model",
+        description="PersistentVolumeClaim holding the checkpoint (mounted read-only, ReadOnlyMany)",
+    )
+    consul_http_addr: str = Field(
+        "consul-server.consul.svc:8500",
+        min_length=1,
+        description="the cluster's Consul HTTP API (the Consul Helm chart's server service)",
+    )
+    consul_token_secret: Name = Field(
+        "moe-mesh-consul", description="Secret whose `token` key is CONSUL_HTTP_TOKEN, if present"
+    )
+    otlp_endpoint: str = Field(
+        "", description="OTLP collector for traces (OTEL_EXPORTER_OTLP_ENDPOINT); empty: none"
+    )
+
+
 class Plan(_Strict):
     """Everything `deploy render` needs; unknown keys are errors (typos fail loudly)."""
 
@@ -242,6 +261,7 @@ class Plan(_Strict):
     expert_groups: list[ExpertGroup] = Field(min_length=1)
     compose: ComposePlan = ComposePlan()
     nomad: NomadPlan = NomadPlan()
+    kubernetes: KubernetesPlan = KubernetesPlan()
 
     @field_validator("expert_groups")
     @classmethod

@@ -25,7 +25,7 @@ from tests.support import REPO
 from tests.support.net import free_port
 
 EXAMPLE_PLAN = REPO / "deploy" / "plan.example.yaml"
-COMMITTED = {"compose": REPO / "deploy" / "compose", "nomad": REPO / "deploy" / "nomad"}
+COMMITTED = {t: REPO / "deploy" / t for t in ("compose", "nomad", "kubernetes")}
 COMPOSE_SCHEMA = REPO / "deploy" / "schema" / "compose-spec.json"
 HCL_OPTIONS = SerializationOptions(
     explicit_blocks=False, strip_string_quotes=True, with_comments=False
@@ -649,3 +649,73 @@ def test_docker_compose_accepts_the_rendered_file(tmp_path: Path) -> None:
         timeout=60,
     )
     assert r.returncode == 0, r.stderr
+
+
+# ------------------------------------------------------------------------------------- kubernetes
+
+K8S_VERSION = "1.37.0"  # kubernetes-validate carries the API schemas of each release offline
+
+
+def _objects(plan: deploy.Plan) -> dict[tuple[str, str], dict]:
+    """(kind, name) -> object, from every rendered file."""
+    out = {}
+    for text in deploy.render(plan, "kubernetes").values():
+        for obj in yaml.safe_load_all(text):
+            out[obj["kind"], obj["metadata"]["name"]] = obj
+    return out
+
+
+@pytest.mark.parametrize("which", ["example", "other"])
+def test_kubernetes_manifests_validate_offline_against_the_api_schemas(tmp_path, which) -> None:
+    import kubernetes_validate
+
+    plan = deploy.load_plan(EXAMPLE_PLAN) if which == "example" else a_plan(tmp_path)
+    objects = _objects(plan)
+    for obj in objects.values():
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    # The schemas are really checked: a misspelt field and a wrong type are refused.
+    broken = copy.deepcopy(objects["Deployment", "router"])
+    broken["spec"]["replica"] = 2
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
+    broken = copy.deepcopy(objects["Deployment", "router"])
+    broken["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
+
+
+def test_kubernetes_manifests_follow_the_plan(tmp_path) -> None:
+    plan = a_plan(tmp_path)
+    objects = _objects(plan)
+    components = [f"expert-{g.name}" for g in plan.expert_groups] + ["router", "gateway"]
+    for name in components:
+        assert {("Deployment", name), ("Service", name), ("PodDisruptionBudget", name)} <= set(
+            objects
+        )
+        assert objects["PodDisruptionBudget", name]["spec"]["maxUnavailable"] == 1
+    for g in plan.expert_groups:
+        d = objects["Deployment", f"expert-{g.name}"]
+        assert d["spec"]["replicas"] == g.replicas
+        pod = d["spec"]["template"]
+        assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9400"
+        [c] = pod["spec"]["containers"]
+        assert _after(c["args"], "--experts") == g.experts
+        assert _after(c["args"], "--advertise-host") == "$(POD_IP)"  # registers its pod IP
+        assert c["readinessProbe"]["grpc"]["port"] == g.port  # the gRPC health service
+        size = {"cpu": f"{g.resources.cpu_mhz / 1000:g}", "memory": f"{g.resources.memory_mb}Mi"}
+        assert c["resources"] == {"requests": size, "limits": size}
+        env = {e["name"]: e for e in c["env"]}
+        assert env["CONSUL_HTTP_ADDR"]["value"] == plan.kubernetes.consul_http_addr
+        assert env["CONSUL_HTTP_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
+        assert objects["Service", f"expert-{g.name}"]["spec"]["clusterIP"] == "None"
+        volume = pod["spec"]["volumes"][0]["persistentVolumeClaim"]
+        assert volume == {"claimName": plan.kubernetes.model_claim, "readOnly": True}
+    gateway = objects["Service", "gateway"]["spec"]
+    assert {p["name"]: p["port"] for p in gateway["ports"]} == {
+        "grpc": plan.gateway.grpc_port,
+        "http": plan.gateway.http_port,
+        "metrics": 9400,
+    }
+    config = objects["ConfigMap", f"{plan.name}-prometheus"]["data"]["prometheus.yml"]
+    [job] = yaml.safe_load(config)["scrape_configs"]
+    assert job["kubernetes_sd_configs"][0]["namespaces"]["names"] == [plan.kubernetes.namespace]

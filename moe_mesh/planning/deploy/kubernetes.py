@@ -1,0 +1,237 @@
+"""The kubernetes target: manifests for one namespace, one Deployment per expert group.
+
+Discovery stays Consul's, as in the other targets: every pod registers itself with the address it
+advertises (its pod IP), so routers find expert services and gateways find routers without listing
+addresses; `kubernetes.consul_http_addr` names the cluster's Consul (e.g. the Consul Helm chart's
+server service), and an optional Secret supplies CONSUL_HTTP_TOKEN. Each component gets:
+  a Deployment (replicas, the plan's resources as requests and limits, gRPC readiness and liveness
+  probes on the standard health service, a read-only checkpoint volume from a PersistentVolumeClaim,
+  pods annotated for Prometheus), a headless Service (stable DNS for every replica's pod IP), and a
+  PodDisruptionBudget (a voluntary eviction never takes down more than one replica at a time).
+The gateway's Service is a ClusterIP one with its public gRPC and HTTP ports. A ConfigMap holds the
+Prometheus scrape configuration (pod discovery by annotation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from moe_mesh.planning.deploy.compose import (
+    HEADER,
+    cpus,
+    expert_command,
+    gateway_command,
+    router_command,
+    wrap,
+)
+from moe_mesh.planning.deploy.plan import Plan, Resources
+from moe_mesh.planning.deploy.prometheus import (
+    METRICS_PORT,
+    kubernetes_pods_job,
+    prometheus_yml,
+)
+
+MODEL_VOLUME = "model"
+
+
+def _labels(plan: Plan, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/part-of": plan.name, "app": component}
+
+
+def _meta(plan: Plan, name: str, component: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": plan.kubernetes.namespace,
+        "labels": _labels(plan, component),
+    }
+
+
+def _container(
+    plan: Plan, component: str, args: list[str], ports: dict[str, int], resources: Resources
+) -> dict[str, Any]:
+    size = {"cpu": cpus(resources), "memory": f"{resources.memory_mb}Mi"}
+    grpc_port = next(iter(ports.values()))
+    probe = {"grpc": {"port": grpc_port}, "periodSeconds": 10, "timeoutSeconds": 3}
+    env: list[dict[str, Any]] = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "CONSUL_HTTP_ADDR", "value": plan.kubernetes.consul_http_addr},
+        {
+            "name": "CONSUL_HTTP_TOKEN",
+            "valueFrom": {
+                "secretKeyRef": {
+                    "name": plan.kubernetes.consul_token_secret,
+                    "key": "token",
+                    "optional": True,
+                }
+            },
+        },
+        {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": plan.kubernetes.otlp_endpoint},
+        {"name": "OTEL_TRACES_SAMPLER_ARG", "value": "0.01"},
+        {
+            "name": "OTEL_RESOURCE_ATTRIBUTES",
+            "value": f"service.namespace={plan.name},moe_mesh.component={component}",
+        },
+    ]
+    return {
+        "name": component,
+        "image": plan.image,
+        # $(POD_IP) is Kubernetes' own expansion of the variable above.
+        "args": [*args, "--metrics-port", str(METRICS_PORT)],
+        "env": env,
+        "ports": [
+            *({"name": n, "containerPort": p} for n, p in ports.items()),
+            {"name": "metrics", "containerPort": METRICS_PORT},
+        ],
+        "resources": {"requests": size, "limits": size},
+        # Loading weights takes a while: liveness waits for the first readiness.
+        "startupProbe": {**probe, "failureThreshold": 60},
+        "readinessProbe": probe,
+        "livenessProbe": {**probe, "failureThreshold": 3},
+        "volumeMounts": [
+            {"name": MODEL_VOLUME, "mountPath": plan.model.checkpoint, "readOnly": True}
+        ],
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001},
+    }
+
+
+def _deployment(
+    plan: Plan,
+    component: str,
+    replicas: int,
+    args: list[str],
+    ports: dict[str, int],
+    resources: Resources,
+) -> dict[str, Any]:
+    labels = _labels(plan, component)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(plan, component, component),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(METRICS_PORT),
+                    },
+                },
+                "spec": {
+                    # Services drain in-flight calls for up to 10 s after SIGTERM.
+                    "terminationGracePeriodSeconds": 20,
+                    "containers": [_container(plan, component, args, ports, resources)],
+                    "volumes": [
+                        {
+                            "name": MODEL_VOLUME,
+                            "persistentVolumeClaim": {
+                                "claimName": plan.kubernetes.model_claim,
+                                "readOnly": True,
+                            },
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def _service(plan: Plan, component: str, ports: dict[str, int], headless: bool) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "selector": _labels(plan, component),
+        "ports": [
+            {"name": n, "port": p, "targetPort": n}
+            for n, p in [*ports.items(), ("metrics", METRICS_PORT)]
+        ],
+    }
+    if headless:
+        spec["clusterIP"] = "None"  # DNS answers with every ready replica's pod IP
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(plan, component, component),
+        "spec": spec,
+    }
+
+
+def _budget(plan: Plan, component: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(plan, component, component),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _labels(plan, component)}},
+    }
+
+
+def _component(
+    plan: Plan,
+    component: str,
+    replicas: int,
+    args: list[str],
+    ports: dict[str, int],
+    resources: Resources,
+    headless: bool = True,
+) -> list[dict[str, Any]]:
+    return [
+        _deployment(plan, component, replicas, args, ports, resources),
+        _service(plan, component, ports, headless),
+        _budget(plan, component),
+    ]
+
+
+ADVERTISE = ["--advertise-host", "$(POD_IP)"]
+
+
+def manifests(plan: Plan) -> dict[str, list[dict[str, Any]]]:
+    """File name -> the objects it holds."""
+    files: dict[str, list[dict[str, Any]]] = {}
+    for g in plan.expert_groups:
+        name = f"expert-{g.name}"
+        args = expert_command(plan, g, str(g.port), ADVERTISE)
+        files[f"{name}.yaml"] = _component(
+            plan, name, g.replicas, args, {"grpc": g.port}, g.resources
+        )
+    r, gw = plan.router, plan.gateway
+    files["router.yaml"] = _component(
+        plan,
+        "router",
+        r.replicas,
+        router_command(plan, str(r.port), ADVERTISE),
+        {"grpc": r.port},
+        r.resources,
+    )
+    files["gateway.yaml"] = _component(
+        plan,
+        "gateway",
+        gw.replicas,
+        gateway_command(plan),
+        {"grpc": gw.grpc_port, "http": gw.http_port},
+        gw.resources,
+        headless=False,
+    )
+    files["prometheus.yaml"] = [
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": _meta(plan, f"{plan.name}-prometheus", "prometheus"),
+            "data": {
+                "prometheus.yml": prometheus_yml([kubernetes_pods_job(plan.kubernetes.namespace)])
+            },
+        }
+    ]
+    files["namespace.yaml"] = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": plan.kubernetes.namespace}}
+    ]
+    return files
+
+
+def render_kubernetes(plan: Plan) -> dict[str, str]:
+    head = "".join(f"# {line}\n" for line in wrap(HEADER.format(target="kubernetes")))
+    return {
+        name: head
+        + yaml.safe_dump_all(objects, sort_keys=False, default_flow_style=False, width=1000)
+        for name, objects in sorted(manifests(plan).items())
+    }
