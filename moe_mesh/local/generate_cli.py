@@ -6,6 +6,23 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
+
+from moe_mesh.common.errors import InvalidArgumentError
+
+
+def gateway_of(ready_file: Path) -> str:
+    """The gateway's gRPC address in a ready file `moe-mesh up` wrote."""
+    try:
+        return json.loads(ready_file.read_text())["gateway_grpc"]
+    except FileNotFoundError:
+        raise InvalidArgumentError(
+            "--ready-file", f"{ready_file} does not exist (is the mesh up?)"
+        ) from None
+    except (ValueError, KeyError, TypeError):
+        raise InvalidArgumentError(
+            "--ready-file", f"{ready_file} is not a ready file of `moe-mesh up` (no gateway_grpc)"
+        ) from None
 
 
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -30,6 +47,12 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument(
         "--gateway", metavar="HOST:PORT", help="the gateway's gRPC address of a running mesh"
+    )
+    where.add_argument(
+        "--ready-file",
+        type=Path,
+        metavar="FILE",
+        help="the gateway of the mesh `moe-mesh up --ready-file FILE` started",
     )
     where.add_argument(
         "--local", action="store_true", help="run the engine in this process (needs --checkpoint)"
@@ -103,6 +126,8 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    if args.ready_file:
+        args.gateway = gateway_of(args.ready_file)
     if args.gateway:
         return _run_generate_remote(args)
     if not args.checkpoint:

@@ -154,6 +154,12 @@ def test_fixed_gateway_ports_and_a_taken_port_is_one_line(checkpoint, tmp_path) 
         mesh = wait_ready(up, ready, tmp_path)
         assert mesh["gateway_grpc"] == f"127.0.0.1:{grpc_port}"
         assert mesh["gateway_http"] == f"127.0.0.1:{http_port}"
+        # The ready file is all a client command needs to find the mesh.
+        args = ["--prompt-token-ids", "1,2,3", "--max-tokens", "2", "--temperature", "0", "--json"]
+        r = moe_mesh("generate", "--ready-file", ready, *args)
+        assert r.returncode == 0 and len(json.loads(r.stdout)["token_ids"]) == 2, r.stderr
+        status = moe_mesh("status", "--ready-file", ready, "--json")
+        assert status.returncode == 0 and f"127.0.0.1:{grpc_port}" in status.stdout, status.stderr
         # Both ports are taken now: a second gateway on them fails in one line naming the address.
         for flag, port in (("--grpc-port", grpc_port), ("--http-port", http_port)):
             r = moe_mesh(

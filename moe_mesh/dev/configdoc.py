@@ -1,0 +1,218 @@
+"""docs/configuration.md: every setting of every service (flag, environment variable, default) from
+the settings models, and the process-wide variables the code reads.
+
+    python -m moe_mesh.dev.configdoc           # rewrite docs/configuration.md
+    python -m moe_mesh.dev.configdoc --check   # exit 1 when the committed file is stale
+
+tests/unit/moe_mesh/dev/test_configdoc.py fails when the file is stale or when the code reads a
+variable this page does not describe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+from pathlib import Path
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from moe_mesh.common.cli import flag
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+
+# Read anywhere in the code, outside the settings models: (name, who reads it, what it does).
+PROCESS_WIDE = [
+    (
+        "MOE_MESH_FAST_PATH",
+        "router, expert service",
+        "`off` forces gRPC for activations everywhere (the mesh-wide switch of `--fast-path`)",
+    ),
+    (
+        "MOE_MESH_PREPACK",
+        "router, expert service",
+        "`off` keeps every weight a plain tensor instead of prepacked for the CPU's GEMM kernels",
+    ),
+    (
+        "MOE_MESH_PARENT_PID",
+        "services started by `moe-mesh up`",
+        "set by the launcher: a service ends within 0.25 s once that process is gone",
+    ),
+    (
+        "CONSUL_HTTP_ADDR",
+        "every service, `--registry consul`",
+        "Consul's HTTP API (default 127.0.0.1:8500; `moe-mesh up` points it at its embedded registry)",
+    ),
+    ("CONSUL_HTTP_TOKEN", "every service", "Consul ACL token (also CONSUL_HTTP_TOKEN_FILE)"),
+    ("CONSUL_HTTP_TOKEN_FILE", "every service", "a file holding the ACL token"),
+    ("CONSUL_HTTP_SSL", "every service", "`true`: HTTPS to the Consul agent"),
+    ("CONSUL_HTTP_SSL_VERIFY", "every service", "`false` skips verifying the agent's certificate"),
+    ("CONSUL_CACERT", "every service", "CA file for the agent's certificate (also CONSUL_CAPATH)"),
+    ("CONSUL_CAPATH", "every service", "CA directory for the agent's certificate"),
+    (
+        "CONSUL_CLIENT_CERT",
+        "every service",
+        "client certificate for the agent (with CONSUL_CLIENT_KEY)",
+    ),
+    ("CONSUL_CLIENT_KEY", "every service", "client key for the agent"),
+    (
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "every service",
+        "OTLP collector: spans are exported there once set (also OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)",
+    ),
+    ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "every service", "OTLP collector for traces only"),
+    (
+        "OTEL_TRACES_SAMPLER_ARG",
+        "every service",
+        "share of new traces recorded when `--trace-sample` is not given (default 0.01)",
+    ),
+    ("OTEL_TRACES_EXPORTER", "every service", "`none` turns OTLP export off"),
+    ("OTEL_SDK_DISABLED", "every service", "`true` turns OpenTelemetry off"),
+    (
+        "GRPC_VERBOSITY",
+        "every process",
+        "gRPC core's own log lines; `NONE` unless set (ERROR, INFO or DEBUG bring them back)",
+    ),
+    (
+        "OMP_WAIT_POLICY",
+        "every process",
+        "how idle OpenMP threads wait; PASSIVE where processes share cores (`up`, compose), else a short spin (GOMP_SPINCOUNT)",
+    ),
+    (
+        "GOMP_SPINCOUNT",
+        "every process",
+        "OpenMP spin before sleeping; set by default when a process has the cores to itself",
+    ),
+    (
+        "UCX_TLS",
+        "router, expert service",
+        "UCX transports for the fast path (e.g. `rc,ud,sm,self` on RDMA hosts; see the README)",
+    ),
+    (
+        "UCX_NET_DEVICES",
+        "router, expert service",
+        "the NICs UCX may use (e.g. `mlx5_0:1`); `lo` by default on a loopback-only mesh",
+    ),
+    (
+        "UCX_RNDV_THRESH",
+        "router, expert service",
+        "UCX's rendezvous threshold; `32k` by default (eager messages up to 32 KiB measured faster)",
+    ),
+    (
+        "UCX_MM_ERROR_HANDLING",
+        "router, expert service",
+        "`y` by default, so a shared-memory endpoint fails cleanly instead of aborting the process",
+    ),
+    (
+        "UCX_WARN_UNUSED_ENV_VARS",
+        "router, expert service",
+        "`n` by default: UCX's warnings about the variables above",
+    ),
+    (
+        "HF_HUB_OFFLINE",
+        "`--checkpoint ORG/NAME`",
+        "`1`: resolve Hugging Face model ids from the cache only",
+    ),
+    ("HF_HOME", "`--checkpoint ORG/NAME`", "Hugging Face's home (the hub cache is HF_HOME/hub)"),
+    ("HF_HUB_CACHE", "`--checkpoint ORG/NAME`", "the hub cache directory itself"),
+    ("HF_TOKEN", "`--checkpoint ORG/NAME`", "token for gated or private models"),
+]
+
+
+def _models() -> list[tuple[str, str, type[BaseModel], dict[str, str]]]:
+    """(command, what it runs, settings model, the flags it renames)."""
+    from moe_mesh.expert_service.settings import ExpertSettings
+    from moe_mesh.gateway import cli as gateway_cli
+    from moe_mesh.gateway.settings import GatewaySettings
+    from moe_mesh.router_service import cli as router_cli
+    from moe_mesh.router_service.settings import RouterSettings
+
+    return [
+        ("moe-mesh serve-gateway", "the gateway", GatewaySettings, gateway_cli.FLAGS),
+        ("moe-mesh serve-router", "a router", RouterSettings, router_cli.FLAGS),
+        ("moe-mesh serve-expert", "an expert service", ExpertSettings, {}),
+    ]
+
+
+def _default(field) -> str:
+    if field.is_required():
+        return "required"
+    value = field.default_factory() if field.default_factory else field.default
+    if value is PydanticUndefined or value in (None, "", []):
+        return "-"
+    return f"`{value}`"
+
+
+def _type(annotation) -> str:
+    """A field's type as a reader wants it: no validators, no module names."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _type(args[0])
+    if origin in (typing.Union, types.UnionType):
+        return " \\| ".join(_type(a) for a in args)
+    if origin is typing.Literal:
+        return " \\| ".join(f"`{a}`" for a in args)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type(a) for a in args)}]"
+    return "None" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
+
+
+def render() -> str:
+    lines = [
+        "# Configuration",
+        "",
+        "<!-- Generated by `python -m moe_mesh.dev.configdoc` from the settings models; do not edit. -->",
+        "",
+        "Every service takes each setting as a flag or as an environment variable (the flag wins), "
+        "then falls back to the default. A list variable takes JSON, e.g. "
+        "`MOE_GATEWAY_ROUTERS='[\"10.0.0.5:50051\"]'`.",
+        "",
+    ]
+    for command, who, model, renamed in _models():
+        prefix = model.model_config.get("env_prefix", "")
+        lines += [
+            f"## `{command}` ({who}, `{prefix}*`)",
+            "",
+            "| flag | environment variable | type | default | what it does |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for name, field in model.model_fields.items():
+            description = (field.description or "").replace("|", "\\|")
+            lines.append(
+                f"| `{renamed.get(name, flag(name))}` | `{prefix}{name.upper()}` "
+                f"| {_type(field.annotation)} "
+                f"| {_default(field)} | {description} |"
+            )
+        lines.append("")
+    lines += [
+        "## Process-wide variables",
+        "",
+        "| variable | read by | what it does |",
+        "| --- | --- | --- |",
+        *(f"| `{name}` | {who} | {what} |" for name, who, what in PROCESS_WIDE),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moe_mesh.dev.configdoc", description=__doc__)
+    p.add_argument(
+        "--check", action="store_true", help="exit 1 when docs/configuration.md is stale"
+    )
+    args = p.parse_args(argv)
+    text = render()
+    if args.check:
+        stale = not DOC.exists() or DOC.read_text() != text
+        if stale:
+            print(f"{DOC} is stale: run python -m moe_mesh.dev.configdoc", file=sys.stderr)
+        return int(stale)
+    DOC.write_text(text)
+    print(DOC)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
