@@ -91,7 +91,7 @@ def settings_from_args(
                 names.get(str(err["loc"][0]), flag(str(err["loc"][0])))
                 if err["loc"]
                 else "settings",
-                err["msg"],
+                err["msg"].removeprefix("Value error, "),  # our validators' own message
             )
             for err in e.errors()
         ]
@@ -119,5 +119,10 @@ def exit_code(e: BaseException) -> int:
     """The row of the exit-code table (README, "Exit codes") an error ends a command with: 2 when
     the command was wrong (a bad value, a missing or broken checkpoint, an unknown name), 1 when the
     mesh or the machine failed (a peer unreachable, a port taken, a service died)."""
-    usage = (errors.InvalidArgumentError, errors.CheckpointError, errors.NotFoundError)
+    usage = (
+        errors.InvalidArgumentError,
+        errors.CheckpointError,
+        errors.NotFoundError,
+        errors.PreconditionError,  # services of different checkpoints pointed at each other
+    )
     return EXIT_USAGE if isinstance(e, usage) else EXIT_FAILED

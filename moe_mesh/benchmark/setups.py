@@ -99,10 +99,13 @@ def started(
         deadline = time.monotonic() + ready_timeout_s
         while not ready.exists():
             if proc.poll() is not None:
-                raise UnavailableError(
+                problem = (
                     f"set-up {setup.name!r}: `moe-mesh up {shlex.join(setup.up_args)}` exited with "
                     f"code {proc.returncode} (log {log_path}):\n{_tail(log_path)}"
                 )
+                if proc.returncode == 2:  # up refused its flags before starting anything
+                    raise InvalidArgumentError("--setup", problem)
+                raise UnavailableError(problem)
             if time.monotonic() > deadline:
                 raise UnavailableError(
                     f"set-up {setup.name!r} not serving after {ready_timeout_s:g}s (log {log_path})"

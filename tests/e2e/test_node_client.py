@@ -237,12 +237,6 @@ async def test_generate_stream_matches_unary(path) -> None:
         ("Generate", {"prompt": "Hi", "prompt_token_ids": PROMPT}, "prompt", "exactly one"),
         ("Generate", {"prompt_token_ids": PROMPT, "max_tokens": 0}, "max_tokens", "got 0"),
         ("Generate", {"prompt_token_ids": PROMPT, "top_p": 1.5}, "top_p", "got 1.5"),
-        (
-            "Generate",
-            {"model": "no-such-model", "prompt_token_ids": PROMPT},
-            "model",
-            "no-such-model",
-        ),
         ("GenerateStream", {"prompt": "", "max_tokens": 4}, "prompt", "must not be empty"),
         ("GenerateStream", {"prompt_token_ids": PROMPT, "max_tokens": 0}, "max_tokens", "got 0"),
     ],
@@ -261,3 +255,11 @@ async def test_invalid_requests_are_invalid_argument_naming_the_field(
     ]
     if method == "GenerateStream":
         assert got["messages"] == []
+
+
+async def test_an_unknown_model_is_not_found(path) -> None:
+    async with local_mesh(path) as mesh:
+        request = {"model": "no-such-model", "prompt_token_ids": PROMPT}
+        got = await node("Generate", request, mesh.grpc_address)
+    assert got["error"]["code_name"] == "NOT_FOUND", got
+    assert "no-such-model" in got["error"]["details"]

@@ -253,8 +253,8 @@ async def test_router_uses_its_region_falls_back_and_returns(
 @pytest.mark.parametrize(
     "flags, needle",
     [
-        (["--colocate-budget", "lots"], "colocate_budget"),
-        (["--colocate-budget", "120%"], "colocate_budget"),
+        (["--colocate-budget", "lots"], "--colocate-budget: 'lots' is not a size"),
+        (["--colocate-budget", "120%"], "--colocate-budget: '120%': a percentage is at most 100%"),
         (["--colocate", "0:1", "--pin-remote", "0:1"], "pin_remote"),
         (["--region", "eu west"], "region"),
     ],
