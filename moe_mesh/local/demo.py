@@ -118,8 +118,9 @@ def _show_trace(files: list[str]) -> None:
     )
     request_id, trace_id = request["attributes"].get("gen_ai.request.id"), request["trace_id"]
     print(
-        f"\n==> the trace of {request_id}, gateway -> router -> expert services, down to the engine steps "
-        f"(full tree: moe-mesh trace show {' '.join(files)} --trace-id {trace_id})\n"
+        f"\n==> the trace of {request_id}: gateway -> router -> its engine steps; each step's expert "
+        f"calls, down to the expert services' FFN spans, are in the full tree "
+        f"(moe-mesh trace show {' '.join(files)} --trace-id {trace_id})\n"
     )
     print(trace_view.render_trace(spans, trace_id, max_depth=5))
 
