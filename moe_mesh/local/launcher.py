@@ -11,7 +11,8 @@ ready file. `moe-mesh scale` asks the launcher's loopback control endpoint to ad
 expert-service processes; scale operations run one at a time, each sets an absolute replica count
 (so repeating one changes nothing), and the ready file follows them, which is what `moe-mesh
 status` reads. Ctrl-C / SIGTERM stops everything, gateway first, experts last, each with SIGTERM
-(graceful drain) and SIGKILL after a timeout.
+(graceful drain) and SIGKILL after a timeout; so does a closed stdout. However the launcher itself
+ends, SIGKILL included, its children end with it (they watch it: common/runtime.die_with_parent).
 """
 
 from __future__ import annotations
