@@ -124,5 +124,6 @@ def exit_code(e: BaseException) -> int:
         errors.CheckpointError,
         errors.NotFoundError,
         errors.PreconditionError,  # services of different checkpoints pointed at each other
+        errors.UnauthenticatedError,  # no API key, or a wrong one
     )
     return EXIT_USAGE if isinstance(e, usage) else EXIT_FAILED

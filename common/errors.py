@@ -74,6 +74,10 @@ class PreconditionError(MoeMeshError):
     """Caller and server disagree about what they serve (model id, weights checksum)."""
 
 
+class UnauthenticatedError(MoeMeshError):
+    """The caller brought no credentials, or ones this server does not accept."""
+
+
 class ResourceExhaustedError(MoeMeshError):
     """Admission refused: every slot and queue place is taken. Retry after `retry_after_s`."""
 
@@ -114,6 +118,7 @@ CODE_NAMES: list[tuple[type[MoeMeshError], str]] = [
     (AlreadyExistsError, "ALREADY_EXISTS"),
     (NotFoundError, "NOT_FOUND"),
     (PreconditionError, "FAILED_PRECONDITION"),
+    (UnauthenticatedError, "UNAUTHENTICATED"),
     (ResourceExhaustedError, "RESOURCE_EXHAUSTED"),
     (UnavailableError, "UNAVAILABLE"),
     (DeadlineExceededError, "DEADLINE_EXCEEDED"),
@@ -132,6 +137,7 @@ FROM_CODE_NAME: dict[str, type[MoeMeshError]] = {
     "INVALID_ARGUMENT": MoeMeshError,
     "NOT_FOUND": NotFoundError,
     "FAILED_PRECONDITION": PreconditionError,
+    "UNAUTHENTICATED": UnauthenticatedError,
     "UNAVAILABLE": UnavailableError,
     "DEADLINE_EXCEEDED": DeadlineExceededError,
 }

@@ -1,6 +1,7 @@
 """The one gRPC server lifecycle every service uses.
 
-start: bind (loopback by default), health SERVING, reflection on, then `on_ready` hooks (registration).
+start: bind (loopback by default; TLS with `credentials`), health SERVING, reflection when asked,
+       then `on_ready` hooks (registration).
 stop:  health NOT_SERVING, `on_stop` hooks (deregistration), stop accepting, let in-flight calls
        finish for up to `grace_s`, then stop.
 """
@@ -51,6 +52,10 @@ class GrpcServer:
     on_ready: list[Hook] = field(default_factory=list)
     on_stop: list[Hook] = field(default_factory=list)
     interceptors: Sequence[grpc.aio.ServerInterceptor] = ()  # e.g. tracing
+    credentials: grpc.ServerCredentials | None = None  # None: plaintext
+    # Reflection lists every method to anyone who connects (a fuzzer found Forward through it):
+    # internal services leave it off unless an operator asks.
+    reflection: bool = False
 
     def __post_init__(self) -> None:
         self.health = health.aio.HealthServicer()
@@ -71,11 +76,17 @@ class GrpcServer:
             s.add_to_server(s.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [s.name for s in self.services]
-        reflection.enable_server_reflection(
-            [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-        )
+        if self.reflection:
+            reflection.enable_server_reflection(
+                [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+            )
+        address = f"{self.host}:{self.port}"
         try:
-            self.bound_port = server.add_insecure_port(f"{self.host}:{self.port}")
+            self.bound_port = (
+                server.add_secure_port(address, self.credentials)
+                if self.credentials is not None
+                else server.add_insecure_port(address)
+            )
         except RuntimeError:  # grpc raises RuntimeError("Failed to bind ...") and says no more
             raise bind_error(self.host, self.port, "gRPC") from None
         await server.start()

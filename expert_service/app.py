@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from moe_mesh.common.fastpath.auth import HelloVerifier
 from moe_mesh.common.placement import format_experts
 from moe_mesh.common.registry import EXPERT_SERVICE, Instance, open_registry, registration_hooks
 from moe_mesh.common.server import GrpcServer, Service, advertised_host, wait_for_signal
 from moe_mesh.common.telemetry import Telemetry
+from moe_mesh.common.tls import MeshTls
 from moe_mesh.expert_service.core import ExpertHost
 from moe_mesh.expert_service.fastpath import FastPath
 from moe_mesh.expert_service.servicer import ExpertServicer
@@ -23,9 +25,15 @@ SERVICE_NAME = expert_pb2.DESCRIPTOR.services_by_name[
 class ExpertApp:
     """A running expert service: gRPC server and, when on, the UCX fast path, over one ExpertHost."""
 
-    def __init__(self, settings: ExpertSettings, host: ExpertHost, telemetry: Telemetry) -> None:
+    def __init__(
+        self,
+        settings: ExpertSettings,
+        host: ExpertHost,
+        telemetry: Telemetry,
+        tls: MeshTls | None = None,
+    ) -> None:
         self.settings, self.host, self.telemetry = settings, host, telemetry
-        self.fast_path = FastPath(host)
+        self.fast_path = FastPath(host, HelloVerifier(tls) if tls else None)
         self.fast_paths: list[str] = []  # advertised once started: ["ucx-worker:<address>"]
         self.server = GrpcServer(
             services=[
@@ -40,7 +48,10 @@ class ExpertApp:
             max_message_bytes=settings.max_message_bytes,
             grace_s=settings.grace_s,
             interceptors=telemetry.server_interceptors(),
+            credentials=tls.server_credentials() if tls else None,
+            reflection=settings.reflection,
         )
+        self.tls = tls is not None
         registration_hooks(
             self.server, open_registry(settings.registry, settings.registry_address), self._instance
         )
@@ -51,13 +62,14 @@ class ExpertApp:
     ) -> ExpertApp:
         """Load the configured experts. Telemetry comes from the settings unless given (tests pass one
         with an in-memory exporter); it is shut down by stop()."""
+        tls = MeshTls.from_settings(settings)  # before loading weights: a bad file fails fast
         telemetry = telemetry or Telemetry.from_settings("expert", settings, settings.host)
         try:
             host = ExpertHost.load(settings, telemetry)
         except BaseException:
             telemetry.shutdown()
             raise
-        return cls(settings, host, telemetry)
+        return cls(settings, host, telemetry, tls)
 
     @property
     def address(self) -> str:
@@ -117,4 +129,5 @@ class ExpertApp:
                 "dtype": str(host.dtype).removeprefix("torch."),
                 "fast_path": self.fast_paths[0] if self.fast_paths else "",
             },
+            tls=self.tls,
         )

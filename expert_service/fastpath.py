@@ -14,6 +14,7 @@ from opentelemetry import propagate, trace
 
 from moe_mesh.common.errors import PreconditionError
 from moe_mesh.common.fastpath import LOOPBACK_HOSTS
+from moe_mesh.common.fastpath.auth import HelloVerifier
 from moe_mesh.common.fastpath.frame import DTYPES, RequestHeader
 from moe_mesh.common.fastpath.server import FrameServer
 from moe_mesh.common.fastpath.ucx import load_ucxx
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 class FastPath:
     """The UCX fast path of one expert service (settings.fast_path), or nothing when it is off."""
 
-    def __init__(self, host: ExpertHost) -> None:
+    def __init__(self, host: ExpertHost, verifier: HelloVerifier | None = None) -> None:
         self.host = host
         settings = host.settings
         self.mode = settings.fast_path
@@ -35,6 +36,7 @@ class FastPath:
                 self.forward,
                 settings.max_message_bytes,
                 loopback=settings.host in LOOPBACK_HOSTS,
+                verifier=verifier,
             )
 
     async def forward(self, header: RequestHeader, hidden: torch.Tensor | None) -> torch.Tensor:

@@ -10,9 +10,10 @@ from pydantic_settings import SettingsConfigDict
 from moe_mesh.common.fastpath import mesh_fast_path
 from moe_mesh.common.hub import CheckpointPath
 from moe_mesh.common.telemetry import TelemetrySettings
+from moe_mesh.common.tls import SecuritySettings
 
 
-class ExpertSettings(TelemetrySettings):
+class ExpertSettings(TelemetrySettings, SecuritySettings):
     """What one expert service serves, where it listens, and its batching and size limits."""
 
     model_config = SettingsConfigDict(env_prefix="MOE_EXPERT_", extra="forbid")

@@ -14,7 +14,9 @@ from moe_mesh.common.registry import ROUTER_SERVICE, Instance, Membership, Regis
 from moe_mesh.common.registry.follow import Follower, follow
 from moe_mesh.common.server import GrpcServer, Service, listen_socket, wait_for_signal
 from moe_mesh.common.telemetry import Telemetry
+from moe_mesh.common.tls import MeshTls, load_identity, public_server_credentials
 from moe_mesh.common.tokenizer import NoTokenizer, Tokenizer
+from moe_mesh.gateway.auth import ApiKeys
 from moe_mesh.gateway.core import GatewayCore
 from moe_mesh.gateway.grpc_api import InferenceServicer
 from moe_mesh.gateway.http_api import create_app
@@ -42,6 +44,7 @@ class GatewayApp:
         telemetry: Telemetry,
     ) -> None:
         self.settings, self.core, self.routers, self.telemetry = settings, core, routers, telemetry
+        public = settings.public_tls_files()
         self.grpc = GrpcServer(
             [
                 Service(
@@ -56,6 +59,8 @@ class GatewayApp:
             max_message_bytes=settings.max_body_bytes,
             grace_s=settings.grace_s,
             interceptors=telemetry.server_interceptors(),
+            credentials=public_server_credentials(*public) if public else None,
+            reflection=settings.reflection,
         )
         self.grpc.on_ready.append(self._start_http)
         self.grpc.on_stop.append(self._stop_http)
@@ -69,6 +74,8 @@ class GatewayApp:
                 lifespan="off",
                 loop="none",
                 timeout_graceful_shutdown=max(1, round(settings.grace_s)),
+                ssl_certfile=public[0] if public else None,
+                ssl_keyfile=public[1] if public else None,
             )
         )
         self._http_task: asyncio.Task | None = None
@@ -91,15 +98,20 @@ class GatewayApp:
 
     @classmethod
     async def _create(cls, settings: GatewaySettings, telemetry: Telemetry) -> GatewayApp:
+        # Files first: a bad key or certificate file fails before any router is dialed.
+        keys = ApiKeys.from_environment(settings.api_key_file)
+        tls = MeshTls.from_settings(settings)
+        if public := settings.public_tls_files():
+            load_identity(*public, ("public_tls_cert", "public_tls_key"))
         registry = open_registry(settings.registry, settings.registry_address)
         if registry is not None:
-            return await cls._create_following(settings, registry, telemetry)
+            return await cls._create_following(settings, registry, telemetry, keys, tls)
         if not settings.routers:
             raise InvalidArgumentError(
                 "routers", "give at least one router address, or registry='consul'"
             )
         routers = [
-            RouterClient(a, settings.max_message_bytes, telemetry.client_interceptors())
+            RouterClient(a, settings.max_message_bytes, telemetry.client_interceptors(), tls)
             for a in settings.routers
         ]
         try:
@@ -110,18 +122,23 @@ class GatewayApp:
         ids = {m.id for m in models}
         if len(ids) != 1:
             raise UnavailableError(f"routers serve different models: {sorted(ids)}")
-        core = GatewayCore(settings, _tokenizer(settings), routers, models[0], telemetry)
+        core = GatewayCore(settings, _tokenizer(settings), routers, models[0], telemetry, keys)
         return cls(settings, core, routers, telemetry)
 
     @classmethod
     async def _create_following(
-        cls, settings: GatewaySettings, registry: Registry, telemetry: Telemetry
+        cls,
+        settings: GatewaySettings,
+        registry: Registry,
+        telemetry: Telemetry,
+        keys: ApiKeys,
+        tls: MeshTls | None,
     ) -> GatewayApp:
         """Routers come and go with the registry; start once one is there and answers Status."""
         interceptors = telemetry.client_interceptors()
 
         def connect(inst: Instance) -> RouterClient:
-            return RouterClient(inst.endpoint, settings.max_message_bytes, interceptors)
+            return RouterClient(inst.endpoint, settings.max_message_bytes, interceptors, tls)
 
         def leave(client: RouterClient) -> None:
             # Streams in flight keep the channel; close it once they have had time to end.
@@ -134,7 +151,7 @@ class GatewayApp:
         routers.reconcile({i.id: i for i in first.instances})
         model = await next(iter(routers.clients.values())).model(settings.connect_timeout_s)
         clients = list(routers.clients.values())
-        core = GatewayCore(settings, _tokenizer(settings), clients, model, telemetry)
+        core = GatewayCore(settings, _tokenizer(settings), clients, model, telemetry, keys)
         app = cls(settings, core, clients, telemetry)
 
         def apply(m: Membership) -> None:

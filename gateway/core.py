@@ -43,6 +43,7 @@ from moe_mesh.common.telemetry import (
 )
 from moe_mesh.common.tokenizer import NoTokenizer, TextStream, Tokenizer
 from moe_mesh.gateway.admission import Admission
+from moe_mesh.gateway.auth import ApiKeys
 from moe_mesh.gateway.balancer import Balancer, RouterLostError
 from moe_mesh.gateway.router_client import (
     GenerateParams,
@@ -157,6 +158,7 @@ class GatewayCore:
         routers: Sequence[RouterBackend],
         model: ModelInfo,
         telemetry: Telemetry = OFF,
+        keys: ApiKeys | None = None,
     ) -> None:
         self.settings, self.tokenizer, self.routers, self.model = (
             settings,
@@ -164,6 +166,7 @@ class GatewayCore:
             list(routers),
             model,
         )
+        self.keys = keys or ApiKeys()  # none: the API is open
         self.admission = Admission(
             settings.max_in_flight, settings.max_queued, settings.retry_after_s
         )

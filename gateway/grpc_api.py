@@ -9,6 +9,7 @@ import grpc
 from moe_mesh.common.errors import MoeMeshError
 from moe_mesh.common.finish_reason import to_wire
 from moe_mesh.common.status import abort_with
+from moe_mesh.gateway.auth import Caller
 from moe_mesh.gateway.core import GatewayCore, TextRequest
 from moe_mesh.gateway.router_client import Logprobs
 from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
@@ -59,10 +60,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, core: GatewayCore) -> None:
         self.core = core
 
+    def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        """The API key from `authorization: Bearer <key>` metadata, as on HTTP."""
+        metadata = dict(context.invocation_metadata() or ())
+        return self.core.keys.authenticate(metadata.get("authorization"))
+
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ):
         try:
+            self._caller(context).admit(request.priority)
             c = await self.core.complete(_request(request), context.time_remaining())
         except MoeMeshError as e:
             log.info("request %s failed: %s", request.request_id or "-", e)
@@ -83,6 +90,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ):
         try:
+            self._caller(context).admit(request.priority)
             async with await self.core.start(_request(request), context.time_remaining()) as gen:
                 async for d in gen:
                     last = d.finish_reason is not None
@@ -101,6 +109,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ):
+        try:
+            self._caller(context)
+        except MoeMeshError as e:
+            await abort_with(context, e)
         return inference_pb2.ListModelsResponse(
             models=[
                 inference_pb2.ModelInfo(

@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moe_mesh.common import errors
+from moe_mesh.gateway.auth import ApiKeys, Caller
 from moe_mesh.gateway.choices import Choices, chat_logprobs, completion_logprobs, requests_for
 from moe_mesh.gateway.core import (
     MAX_LOGPROBS,
@@ -293,6 +294,7 @@ _ERRORS: list[tuple[type[errors.MoeMeshError], int, str, str]] = [
     (errors.PreconditionError, 400, "invalid_request_error", "failed_precondition"),
     (errors.ModelNotFoundError, 404, "invalid_request_error", "model_not_found"),
     (errors.NotFoundError, 404, "not_found_error", "not_found"),
+    (errors.UnauthenticatedError, 401, "invalid_request_error", "invalid_api_key"),
     (errors.ResourceExhaustedError, 429, "rate_limit_error", "resource_exhausted"),
     (errors.UnavailableError, 503, "service_unavailable_error", "unavailable"),
     (errors.DeadlineExceededError, 504, "timeout_error", "deadline_exceeded"),
@@ -320,6 +322,8 @@ def _error_body(e: Exception) -> tuple[int, dict]:
 def _error_response(e: Exception) -> JSONResponse:
     status, body = _error_body(e)
     headers = {}
+    if isinstance(e, errors.UnauthenticatedError):
+        headers["WWW-Authenticate"] = "Bearer"
     if isinstance(e, errors.ResourceExhaustedError):
         headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))  # HTTP wants whole seconds
     return JSONResponse(body, status, headers)
@@ -434,6 +438,33 @@ def _token_ids(on: bool, ids: list[int]) -> dict:
     return {"token_ids": ids} if on else {}
 
 
+class _Authenticate:
+    """ASGI middleware: under API keys, a /v1/ request without a good key gets 401 before its body
+    is read; an accepted one carries its caller in `request.state.caller`. Health and metrics
+    stay open, for probes and scrapers (vLLM's choice too)."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        try:
+            caller = (
+                self.keys.authenticate(authorization)
+                if scope["path"].startswith("/v1/")
+                else Caller(None)
+            )
+        except errors.UnauthenticatedError as e:
+            log.info("%s %s refused: %s", scope["method"], scope["path"], e)
+            await _error_response(e)(scope, receive, send)
+            return
+        scope.setdefault("state", {})["caller"] = caller
+        await self.app(scope, receive, send)
+
+
 class _BodyLimit:
     """ASGI middleware: a body over `limit` bytes gets 413 before it is read (by its Content-Length),
     or, sent chunked, as soon as the bytes read pass the limit. Either way nothing parses it."""
@@ -529,6 +560,7 @@ async def _answer(
 ) -> Response:
     """Run `r` (n times for n choices) and answer in `shape`; the core's field names are reported as
     this endpoint's `names`."""
+    request.state.caller.admit(body.priority)  # the key's rate and priority cap; n counts once
     n = 1 if body.n is None else body.n
     if not 1 <= n <= core.settings.max_choices:
         raise errors.InvalidArgumentError(
@@ -594,6 +626,7 @@ def create_app(core: GatewayCore, metrics: Any = None) -> FastAPI:
     /health/ready and /health; `metrics` (a prometheus_client registry) is served at /metrics."""
     app = FastAPI(title="moe-mesh gateway")
     app.add_middleware(_BodyLimit, limit=core.settings.max_body_bytes)
+    app.add_middleware(_Authenticate, keys=core.keys)  # added last: runs first
     app.add_exception_handler(errors.MoeMeshError, _on_mesh_error)
     app.add_exception_handler(RequestValidationError, _on_invalid_body)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)

@@ -16,6 +16,7 @@ from moe_mesh.common.errors import MoeMeshError
 from moe_mesh.common.finish_reason import from_wire
 from moe_mesh.common.server import channel_options
 from moe_mesh.common.status import error_from_rpc
+from moe_mesh.common.tls import MeshTls, open_channel
 from moe_mesh.gateway.balancer import RouterLostError
 from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 
@@ -128,13 +129,10 @@ class RouterClient:
         address: str,
         max_message_bytes: int,
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        tls: MeshTls | None = None,
     ) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(
-            address,
-            options=channel_options(max_message_bytes),
-            interceptors=list(interceptors) or None,
-        )
+        self.channel = open_channel(address, channel_options(max_message_bytes), interceptors, tls)
         self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
         self.outstanding = 0
 

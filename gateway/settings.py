@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from moe_mesh.common.hub import CheckpointPath
 from moe_mesh.common.telemetry import TelemetrySettings
+from moe_mesh.common.tls import SecuritySettings
 
 
-class GatewaySettings(TelemetrySettings):
+class GatewaySettings(TelemetrySettings, SecuritySettings):
     """The public edge: where it listens, which routers it balances over, admission and request limits."""
 
     model_config = SettingsConfigDict(env_prefix="MOE_GATEWAY_", extra="forbid")
@@ -43,6 +45,23 @@ class GatewaySettings(TelemetrySettings):
         None, description="Consul HTTP address; default CONSUL_HTTP_ADDR"
     )
     host: str = Field("127.0.0.1", description="address both APIs bind")
+    api_key_file: Path | None = Field(
+        None,
+        description="API keys, one per line with optional name=, rpm= and max_priority= "
+        "(README, Security); re-read when it changes. Keys may also come from "
+        "MOE_GATEWAY_API_KEY (comma-separated). With neither, the API is open",
+    )
+    public_tls_cert: Path | None = Field(
+        None,
+        description="PEM certificate of the public gRPC and HTTP endpoints (default tls_cert); "
+        "with public_tls_key both endpoints speak TLS",
+    )
+    public_tls_key: Path | None = Field(
+        None, description="PEM private key of public_tls_cert (default tls_key)"
+    )
+    reflection: bool = Field(
+        True, description="serve gRPC server reflection on the public gRPC endpoint"
+    )
     grpc_port: int = Field(0, ge=0, le=65535, description="public gRPC port; 0 picks a free one")
     http_port: int = Field(
         0, ge=0, le=65535, description="OpenAI-compatible HTTP port; 0 picks a free one"
@@ -109,3 +128,18 @@ class GatewaySettings(TelemetrySettings):
     grace_s: float = Field(
         10.0, ge=0, description="how long in-flight requests may finish on shutdown"
     )
+
+    @model_validator(mode="after")
+    def _public_pair(self) -> GatewaySettings:
+        if (self.public_tls_cert is None) != (self.public_tls_key is None):
+            given = "public_tls_cert" if self.public_tls_cert else "public_tls_key"
+            raise ValueError(f"{given} needs its pair (public_tls_cert and public_tls_key)")
+        return self
+
+    def public_tls_files(self) -> tuple[Path, Path] | None:
+        """(certificate, key) of the public endpoints, or None when they are plaintext."""
+        if self.public_tls_cert is not None and self.public_tls_key is not None:
+            return self.public_tls_cert, self.public_tls_key
+        if self.tls_cert is not None and self.tls_key is not None:
+            return self.tls_cert, self.tls_key
+        return None

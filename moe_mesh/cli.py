@@ -1,7 +1,7 @@
 """The `moe-mesh` command line. Each subcommand lives with the code it drives; this file only lists them:
 
 serving        serve-expert, serve-router, serve-gateway   (the three services)
-running local  up, scale, generate                          (moe_mesh.local)
+running local  up, scale, generate, certs                   (moe_mesh.local)
 operating      status, placement show, stats, trace show    (moe_mesh.ops)
 benchmarking   bench                                        (moe_mesh.benchmark)
 planning       profile, plan, deploy render, probe          (moe_mesh.planning)
@@ -28,8 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     from moe_mesh.dev import create_checkpoint
     from moe_mesh.expert_service import cli as expert_cli
     from moe_mesh.gateway import cli as gateway_cli
+    from moe_mesh.local import certs, generate_cli
     from moe_mesh.local import cli as local_cli
-    from moe_mesh.local import generate_cli
     from moe_mesh.ops import client, placement, stats, traces
     from moe_mesh.planning import deploy, plan, profile
     from moe_mesh.router_service import cli as router_cli
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     router_cli.add_subcommand(subparsers)
     gateway_cli.add_subcommand(subparsers)
     local_cli.add_subcommands(subparsers)
+    certs.add_subcommand(subparsers)
     client.add_subcommand(subparsers)
     deploy.add_subcommand(subparsers)
     deploy.add_probe_subcommand(subparsers)

@@ -16,10 +16,12 @@ import torch
 from moe_mesh.common.checkpoint import Checkpoint
 from moe_mesh.common.errors import InvalidArgumentError, PreconditionError
 from moe_mesh.common.fastpath import LOOPBACK_HOSTS
+from moe_mesh.common.fastpath.auth import HelloSigner
 from moe_mesh.common.placement import format_experts, parse_experts
 from moe_mesh.common.registry import Registry
 from moe_mesh.common.resilience import EjectionPolicy
 from moe_mesh.common.telemetry import FAST_PATH_FALLBACKS, OFF, Telemetry
+from moe_mesh.common.tls import MeshTls
 from moe_mesh.common.units import parse_size
 from moe_mesh.router_service.engine.compute import ComputeThread
 from moe_mesh.router_service.engine.engine import Engine
@@ -148,7 +150,9 @@ def tiering_config(settings: RouterSettings, checkpoint: Checkpoint) -> TieringC
     )
 
 
-def fast_path_config(settings: RouterSettings, telemetry: Telemetry = OFF) -> FastPathConfig:
+def fast_path_config(
+    settings: RouterSettings, telemetry: Telemetry = OFF, tls: MeshTls | None = None
+) -> FastPathConfig:
     """The router's fast-path policy, counting every fallback by cause on `telemetry`; `ucx`
     without an importable ucxx is a start-up error."""
     fallbacks = telemetry.meter.create_counter(
@@ -160,6 +164,7 @@ def fast_path_config(settings: RouterSettings, telemetry: Telemetry = OFF) -> Fa
         backoff_s=settings.fast_path_backoff_s,
         loopback=settings.host in LOOPBACK_HOSTS,
         on_fallback=lambda cause: fallbacks.add(1, {"moe.cause": cause}),
+        signer=HelloSigner.from_tls(tls) if tls else None,
     )
     if config.mode == "ucx" and not config.enabled():
         raise PreconditionError("fast_path: 'ucx' requires ucxx, which cannot be imported")
@@ -198,7 +203,8 @@ async def build_router(
         checkpoint, placement, model.dispatcher.window, config, settings.tier_interval_s
     )
     identity = _identity(settings, checkpoint)
-    fast_path = fast_path_config(settings, telemetry)
+    tls = MeshTls.from_settings(settings)  # mutual TLS to the expert services
+    fast_path = fast_path_config(settings, telemetry, tls)
     if registry is not None:
         membership = ExpertMembership(
             checkpoint.spec,
@@ -207,6 +213,7 @@ async def build_router(
             settings.max_message_bytes,
             telemetry.client_interceptors(),
             fast_path,
+            tls,
         )
         await membership.start(registry, settings.connect_timeout_s)
         return RouterParts(Engine(model, settings), tierer, membership=membership)
@@ -218,6 +225,7 @@ async def build_router(
             settings.connect_timeout_s,
             telemetry.client_interceptors(),
             fast_path,
+            tls,
         )
         if settings.expert_endpoints
         else {}

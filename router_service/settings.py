@@ -10,10 +10,11 @@ from pydantic_settings import SettingsConfigDict
 from moe_mesh.common.fastpath import mesh_fast_path
 from moe_mesh.common.hub import CheckpointPath
 from moe_mesh.common.telemetry import TelemetrySettings
+from moe_mesh.common.tls import SecuritySettings
 from moe_mesh.common.units import parse_size
 
 
-class RouterSettings(TelemetrySettings):
+class RouterSettings(TelemetrySettings, SecuritySettings):
     """Everything one router process needs: model, batching limits, expert placement, serving."""
 
     model_config = SettingsConfigDict(env_prefix="MOE_ROUTER_", extra="forbid")

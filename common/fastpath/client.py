@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from moe_mesh.common.fastpath import Target
+from moe_mesh.common.fastpath.auth import HelloSigner
 from moe_mesh.common.fastpath.frame import (
     CLIENT_ID_BITS,
     MAX_CALL,
@@ -83,8 +84,15 @@ class FrameClient:
     """Calls one expert service at its `target` (UCX worker address and server number);
     `close()` aborts calls in flight."""
 
-    def __init__(self, target: Target, max_payload_bytes: int, loopback: bool = True) -> None:
+    def __init__(
+        self,
+        target: Target,
+        max_payload_bytes: int,
+        loopback: bool = True,
+        signer: HelloSigner | None = None,
+    ) -> None:
         self.target, self.max_payload_bytes, self.loopback = target, max_payload_bytes, loopback
+        self.signer = signer  # under mutual TLS: proves this router's mesh certificate
         self._runtime: UcxRuntime | None = None  # acquired at the first connect
         self._conn: _Connection | None = None
         self._connecting: asyncio.Lock | None = None
@@ -134,7 +142,12 @@ class FrameClient:
                 async with asyncio.timeout(timeout_s):
                     ep = await runtime.connect(self.target.address)
                     conn = _Connection(ep, random.randrange(1, 1 << CLIENT_ID_BITS))
-                    hello = encode_hello(conn.id, runtime.address)
+                    proof = (
+                        self.signer.proof(*self.target, conn.id, runtime.address)
+                        if self.signer
+                        else b""
+                    )
+                    hello = encode_hello(conn.id, runtime.address, proof=proof)
                     await runtime.send(
                         ep, np.frombuffer(hello, np.uint8), hello_tag(self.target.server)
                     )

@@ -17,10 +17,11 @@ Payloads up to INLINE_MAX_BYTES go inline: every message to a sleeping peer cost
 signal, a context switch, a loop iteration: ~50-100 us on 2 cores), far more than copying a
 small payload; the receiver's tensor is a view of the received message (no copy there).
 
-Tags (64 bits): a client says hello on hello_tag(server) with its own worker address and a random
-client id; then it sends requests on request_tag(id) and each call's reply comes back on
-reply_tag(id, call). A frame the service cannot read is refused on control_tag(id) (its call may
-be unreadable), and the service forgets the client: what follows cannot be trusted.
+Tags (64 bits): a client says hello on hello_tag(server) with its own worker address, a random
+client id and, under mutual TLS, a proof that it holds a mesh certificate (fastpath.auth); then it
+sends requests on request_tag(id) and each call's reply comes back on reply_tag(id, call). A frame
+the service cannot read is refused on control_tag(id) (its call may be unreadable), and the service
+forgets the client: what follows cannot be trusted.
 
 The version is checked first: a peer speaking another version gets an error frame of code
 VERSION, so a newer router falls back to gRPC cleanly and an older peer is refused with a message
@@ -51,14 +52,15 @@ PAYLOAD_ALIGN = 64  # an inline payload starts here, so its tensor view is align
 # Measured crossover (bench.fastpath_echo): a copy of up to this many bytes costs less than the
 # wake-up of a second message.
 INLINE_MAX_BYTES = 256 * 1024
-# magic, version, reserved, client id, CRC-32 of the worker address that follows
+# magic, version, proof length, client id, CRC-32 of the worker address; then address and proof
 _HELLO = struct.Struct("<4sHHQI")
 PREFIX_BYTES = _PREFIX.size  # 12
 # Expert ids and token counts of one call fit many times over; the bound lets a receiver post
 # one fixed buffer and refuse anything larger before allocating for it.
 MAX_HEADER_BYTES = 16 * 1024
 FIRST_MESSAGE_BYTES = PREFIX_BYTES + MAX_HEADER_BYTES + PAYLOAD_ALIGN  # + an inline payload
-MAX_HELLO_BYTES = _HELLO.size + 4096  # worker addresses are a few hundred bytes
+# Worker addresses are a few hundred bytes, proofs (a certificate and a signature) about one KiB.
+MAX_HELLO_BYTES = _HELLO.size + 16384
 # Bit 63 set: client tags are below 2**63 (31-bit ids), so a hello never matches one.
 HELLO_TAG = (1 << 63) | 0x4D4D_4650_4845_0000  # b"MMFPHE" + the server's number
 
@@ -190,29 +192,37 @@ def control_tag(client_id: int) -> int:
 MAX_CALL = 0xFFFF_FFFE  # request_tag's low bits are never a call's
 
 
-def encode_hello(client_id: int, address: bytes, version: int = VERSION) -> bytes:
-    return _HELLO.pack(HELLO_MAGIC, version, 0, client_id, zlib.crc32(address)) + address
+def encode_hello(
+    client_id: int, address: bytes, version: int = VERSION, proof: bytes = b""
+) -> bytes:
+    return (
+        _HELLO.pack(HELLO_MAGIC, version, len(proof), client_id, zlib.crc32(address))
+        + address
+        + proof
+    )
 
 
-def decode_hello(message: bytes | memoryview) -> tuple[int, bytes]:
-    """(client id, worker address) of a hello; FrameError for anything else (nobody to tell:
-    the receiver drops it). The CRC keeps corrupt or stray bytes from reaching UCX, which aborts
-    the process on an address it cannot unpack; it does not authenticate (loopback peers are
-    trusted as much as on gRPC)."""
+def decode_hello(message: bytes | memoryview) -> tuple[int, bytes, bytes]:
+    """(client id, worker address, proof) of a hello; FrameError for anything else (nobody to
+    tell: the receiver drops it). The CRC keeps corrupt or stray bytes from reaching UCX, which
+    aborts the process on an address it cannot unpack; the proof (fastpath.auth, under mutual
+    TLS) is what authenticates."""
     message = bytes(message)
     if not _HELLO.size < len(message) <= MAX_HELLO_BYTES:
         raise FrameError("hello", f"{len(message)} bytes is not a hello")
-    magic, version, _, client_id, crc = _HELLO.unpack_from(message)
+    magic, version, proof_bytes, client_id, crc = _HELLO.unpack_from(message)
     if magic != HELLO_MAGIC:
         raise FrameError("hello", f"expected {HELLO_MAGIC!r}, got {magic!r}")
     if version != VERSION:
         raise VersionError(version)
     if not 0 < client_id < 1 << CLIENT_ID_BITS:
         raise FrameError("hello", f"client id {client_id} out of range")
-    address = message[_HELLO.size :]
+    if proof_bytes >= len(message) - _HELLO.size:
+        raise FrameError("hello", f"a proof of {proof_bytes} bytes leaves no worker address")
+    address = message[_HELLO.size : len(message) - proof_bytes]
     if zlib.crc32(address) != crc:
         raise FrameError("hello", "worker address fails its CRC")
-    return client_id, address
+    return client_id, address, message[len(message) - proof_bytes :]
 
 
 def decode_frame(

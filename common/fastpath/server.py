@@ -1,8 +1,9 @@
 """The service side of the fast path: answers request frames with a handler (the service's core).
 
 Nothing listens: clients reach this process's UCX worker by its address (see fastpath/__init__).
-A client's hello (on this server's hello tag) carries its worker address and id; the server opens an endpoint back
-to it and reads its requests on request_tag(id). Each request is handled in its own task, so a
+A client's hello (on this server's hello tag) carries its worker address and id (and, with a
+verifier, its proof of a mesh certificate: a hello without a good one is dropped); the server opens
+an endpoint back to it and reads its requests on request_tag(id). Each request is handled in its own task, so a
 client's concurrent calls, and other clients', meet in the core's batcher; each reply goes to the
 call's own tag. An error the handler raises goes back as an error frame; a frame that cannot be
 read is refused on the client's control tag and the client is forgotten (it reconnects), since
@@ -24,6 +25,7 @@ import torch
 
 from moe_mesh.common.errors import DeadlineExceededError, InternalError, MoeMeshError
 from moe_mesh.common.fastpath import worker_url
+from moe_mesh.common.fastpath.auth import HelloVerifier
 from moe_mesh.common.fastpath.frame import (
     DTYPE_NAMES,
     MAX_HELLO_BYTES,
@@ -69,8 +71,15 @@ class FrameServer:
     """`await start()` -> the address to advertise (ucx-worker:...); `await stop()` forgets every
     client; start() again serves at the same address (the worker outlives the server)."""
 
-    def __init__(self, handler: Handler, max_payload_bytes: int, loopback: bool = True) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        max_payload_bytes: int,
+        loopback: bool = True,
+        verifier: HelloVerifier | None = None,
+    ) -> None:
         self.handler, self.max_payload_bytes, self.loopback = handler, max_payload_bytes, loopback
+        self.verifier = verifier  # under mutual TLS: hellos must prove a mesh certificate
         # Unique in this process (which has one UCX worker), kept across stop/start, so a
         # restarted server answers at the address it advertised before.
         self.number = next(_numbers)
@@ -78,6 +87,7 @@ class FrameServer:
         self.address = ""
         self.frames = 0  # requests answered with a tensor
         self.errors = 0  # requests answered with an error frame
+        self.refused = 0  # hellos dropped for a missing or bad proof
         self.clients: dict[int, _Client] = {}
         self._runtime: UcxRuntime | None = None
         self._hello: asyncio.Task | None = None
@@ -122,10 +132,21 @@ class FrameServer:
         while True:
             try:
                 hello = await runtime.recv(self.hello_tag, MAX_HELLO_BYTES)
-                client_id, address = decode_hello(hello)
-                ep = await runtime.connect(address)
+                client_id, address, proof = decode_hello(hello)
             except (FrameError, *ucx_errors()) as e:
                 log.info("fast path: dropping a hello that is not one: %s", e)
+                continue
+            if self.verifier is not None:
+                try:
+                    self.verifier.check(proof, runtime.address, self.number, client_id, address)
+                except FrameError as e:
+                    self.refused += 1
+                    log.warning("fast path: refusing a hello: %s", e)
+                    continue
+            try:
+                ep = await runtime.connect(address)
+            except ucx_errors() as e:
+                log.info("fast path: cannot reach a client that said hello: %s", e)
                 continue
             self._add(runtime, _Client(client_id, ep))
 

@@ -34,6 +34,7 @@ class Instance:
     meta: Mapping[str, str] = field(
         default_factory=dict
     )  # model_id, weights_checksum, experts, region, fast_path
+    tls: bool = False  # its gRPC endpoint speaks (mutual) TLS: health checks must too
 
     @property
     def endpoint(self) -> str:

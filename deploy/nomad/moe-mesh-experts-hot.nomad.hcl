@@ -50,10 +50,23 @@ job "moe-mesh-experts-hot" {
 
       check {
         name     = "grpc health"
-        type     = "grpc"
-        port     = "grpc"
+        type     = "script"
+        task     = "serve-expert"
+        command  = "moe-mesh"
+        args = [
+          "probe",
+          "127.0.0.1:${NOMAD_PORT_grpc}",
+          "--tls-cert",
+          "${NOMAD_SECRETS_DIR}/tls-cert.pem",
+          "--tls-key",
+          "${NOMAD_SECRETS_DIR}/tls-key.pem",
+          "--tls-ca",
+          "${NOMAD_SECRETS_DIR}/tls-ca.pem",
+          "--tls-server-name",
+          "moe-mesh",
+        ]
         interval = "10s"
-        timeout  = "3s"
+        timeout  = "5s"
       }
     }
 
@@ -108,6 +121,14 @@ job "moe-mesh-experts-hot" {
           "global",
           "--compute-threads",
           "2",
+          "--tls-cert",
+          "${NOMAD_SECRETS_DIR}/tls-cert.pem",
+          "--tls-key",
+          "${NOMAD_SECRETS_DIR}/tls-key.pem",
+          "--tls-ca",
+          "${NOMAD_SECRETS_DIR}/tls-ca.pem",
+          "--tls-server-name",
+          "moe-mesh",
           "--metrics-port",
           "${NOMAD_PORT_metrics}",
         ]
@@ -124,11 +145,48 @@ job "moe-mesh-experts-hot" {
         OTEL_EXPORTER_OTLP_ENDPOINT = ""
         OTEL_RESOURCE_ATTRIBUTES    = "service.namespace=moe-mesh,moe_mesh.component=expert-hot"
         OTEL_TRACES_SAMPLER_ARG     = "0.01"
+        CONSUL_HTTP_TOKEN_FILE      = "${NOMAD_SECRETS_DIR}/consul-token"
       }
 
       resources {
         cpu    = 4000
         memory = 4096
+      }
+
+      template {
+        data        = "{{ with nomadVar \"nomad/jobs/moe-mesh-experts-hot\" }}{{ .tls_ca }}{{ end }}"
+        destination = "secrets/tls-ca.pem"
+        perms       = "0400"
+        uid         = 10001
+        gid         = 10001
+        change_mode = "restart"
+      }
+
+      template {
+        data        = "{{ with nomadVar \"nomad/jobs/moe-mesh-experts-hot\" }}{{ .expert_tls_cert }}{{ end }}"
+        destination = "secrets/tls-cert.pem"
+        perms       = "0400"
+        uid         = 10001
+        gid         = 10001
+        change_mode = "restart"
+      }
+
+      template {
+        data        = "{{ with nomadVar \"nomad/jobs/moe-mesh-experts-hot\" }}{{ .expert_tls_key }}{{ end }}"
+        destination = "secrets/tls-key.pem"
+        perms       = "0400"
+        uid         = 10001
+        gid         = 10001
+        change_mode = "restart"
+      }
+
+      template {
+        data        = "{{ with nomadVar \"nomad/jobs/moe-mesh-experts-hot\" }}{{ .consul_token }}{{ end }}"
+        destination = "secrets/consul-token"
+        perms       = "0400"
+        uid         = 10001
+        gid         = 10001
+        change_mode = "restart"
       }
     }
   }

@@ -37,10 +37,23 @@ job "moe-mesh-frontend" {
 
       check {
         name     = "grpc health"
-        type     = "grpc"
-        port     = "grpc"
+        type     = "script"
+        task     = "serve-router"
+        command  = "moe-mesh"
+        args = [
+          "probe",
+          "127.0.0.1:${NOMAD_PORT_grpc}",
+          "--tls-cert",
+          "${NOMAD_SECRETS_DIR}/tls-cert.pem",
+          "--tls-key",
+          "${NOMAD_SECRETS_DIR}/tls-key.pem",
+          "--tls-ca",
+          "${NOMAD_SECRETS_DIR}/tls-ca.pem",
+          "--tls-server-name",
+          "moe-mesh",
+        ]
         interval = "10s"
-        timeout  = "3s"
+        timeout  = "5s"
       }
     }
 
@@ -89,6 +102,14 @@ job "moe-mesh-frontend" {
           "${NOMAD_PORT_grpc}",
           "--advertise-host",
           "${NOMAD_IP_grpc}",
+          "--tls-cert",
+          "${NOMAD_SECRETS_DIR}/tls-cert.pem",
+          "--tls-key",
+          "${NOMAD_SECRETS_DIR}/tls-key.pem",
+          "--tls-ca",
+          "${NOMAD_SECRETS_DIR}/tls-ca.pem",
+          "--tls-server-name",
+          "moe-mesh",
           "--metrics-port",
           "${NOMAD_PORT_metrics}",
         ]
@@ -105,11 +126,48 @@ job "moe-mesh-frontend" {
         OTEL_EXPORTER_OTLP_ENDPOINT = ""
         OTEL_RESOURCE_ATTRIBUTES    = "service.namespace=moe-mesh,moe_mesh.component=router"
         OTEL_TRACES_SAMPLER_ARG     = "0.01"
+        CONSUL_HTTP_TOKEN_FILE      = "${NOMAD_SECRETS_DIR}/consul-token"
       }
 
       resources {
         cpu    = 2000
         memory = 4096
+      }
+
+      template {
+        data        = "{{ with nomadVar \"nomad/jobs/moe-mesh-frontend\" }}{{ .tls_ca }}{{ end }}"
+        destination = "secrets/tls-ca.pem"
+        perms       = "0400"
+        uid         = 10001
+        gid         = 10001
+        change_mode = "restart"
+      }
+
+      template {
+        data        = "{{ with nomadVar \"nomad/jobs/moe-mesh-frontend\" }}{{ .router_tls_cert }}{{ end }}"
+        destination = "secrets/tls-cert.pem"
+        perms       = "0400"
+        uid         = 10001
+        gid         = 10001
+        change_mode = "restart"
+      }
+
+      template {
+        data        = "{{ with nomadVar \"nomad/jobs/moe-mesh-frontend\" }}{{ .router_tls_key }}{{ end }}"
+        destination = "secrets/tls-key.pem"
+        perms       = "0400"
+        uid         = 10001
+        gid         = 10001
+        change_mode = "restart"
+      }
+
+      template {
+        data        = "{{ with nomadVar \"nomad/jobs/moe-mesh-frontend\" }}{{ .consul_token }}{{ end }}"
+        destination = "secrets/consul-token"
+        perms       = "0400"
+        uid         = 10001
+        gid         = 10001
+        change_mode = "restart"
       }
     }
   }
@@ -143,10 +201,23 @@ job "moe-mesh-frontend" {
 
       check {
         name     = "grpc health"
-        type     = "grpc"
-        port     = "grpc"
+        type     = "script"
+        task     = "serve-gateway"
+        command  = "moe-mesh"
+        args = [
+          "probe",
+          "127.0.0.1:${NOMAD_PORT_grpc}",
+          "--tls-cert",
+          "${NOMAD_SECRETS_DIR}/tls-cert.pem",
+          "--tls-key",
+          "${NOMAD_SECRETS_DIR}/tls-key.pem",
+          "--tls-ca",
+          "${NOMAD_SECRETS_DIR}/tls-ca.pem",
+          "--tls-server-name",
+          "moe-mesh",
+        ]
         interval = "10s"
-        timeout  = "3s"
+        timeout  = "5s"
       }
     }
 
@@ -157,12 +228,14 @@ job "moe-mesh-frontend" {
       tags     = ["moe-mesh", "openai"]
 
       check {
-        name     = "http ready"
-        type     = "http"
-        port     = "http"
-        interval = "10s"
-        timeout  = "3s"
-        path     = "/health/ready"
+        name            = "http ready"
+        type            = "http"
+        port            = "http"
+        interval        = "10s"
+        timeout         = "3s"
+        path            = "/health/ready"
+        protocol        = "https"
+        tls_skip_verify = true
       }
     }
 
@@ -209,6 +282,16 @@ job "moe-mesh-frontend" {
           "50050",
           "--http-port",
           "8000",
+          "--tls-cert",
+          "${NOMAD_SECRETS_DIR}/tls-cert.pem",
+          "--tls-key",
+          "${NOMAD_SECRETS_DIR}/tls-key.pem",
+          "--tls-ca",
+          "${NOMAD_SECRETS_DIR}/tls-ca.pem",
+          "--tls-server-name",
+          "moe-mesh",
+          "--api-key-file",
+          "${NOMAD_SECRETS_DIR}/api-keys",
           "--metrics-port",
           "${NOMAD_PORT_metrics}",
         ]
@@ -225,11 +308,57 @@ job "moe-mesh-frontend" {
         OTEL_EXPORTER_OTLP_ENDPOINT = ""
         OTEL_RESOURCE_ATTRIBUTES    = "service.namespace=moe-mesh,moe_mesh.component=gateway"
         OTEL_TRACES_SAMPLER_ARG     = "0.01"
+        CONSUL_HTTP_TOKEN_FILE      = "${NOMAD_SECRETS_DIR}/consul-token"
       }
 
       resources {
         cpu    = 500
         memory = 1024
+      }
+
+      template {
+        data        = "{{ with nomadVar \"nomad/jobs/moe-mesh-frontend\" }}{{ .tls_ca }}{{ end }}"
+        destination = "secrets/tls-ca.pem"
+        perms       = "0400"
+        uid         = 10001
+        gid         = 10001
+        change_mode = "restart"
+      }
+
+      template {
+        data        = "{{ with nomadVar \"nomad/jobs/moe-mesh-frontend\" }}{{ .gateway_tls_cert }}{{ end }}"
+        destination = "secrets/tls-cert.pem"
+        perms       = "0400"
+        uid         = 10001
+        gid         = 10001
+        change_mode = "restart"
+      }
+
+      template {
+        data        = "{{ with nomadVar \"nomad/jobs/moe-mesh-frontend\" }}{{ .gateway_tls_key }}{{ end }}"
+        destination = "secrets/tls-key.pem"
+        perms       = "0400"
+        uid         = 10001
+        gid         = 10001
+        change_mode = "restart"
+      }
+
+      template {
+        data        = "{{ with nomadVar \"nomad/jobs/moe-mesh-frontend\" }}{{ .api_keys }}{{ end }}"
+        destination = "secrets/api-keys"
+        perms       = "0400"
+        uid         = 10001
+        gid         = 10001
+        change_mode = "restart"
+      }
+
+      template {
+        data        = "{{ with nomadVar \"nomad/jobs/moe-mesh-frontend\" }}{{ .consul_token }}{{ end }}"
+        destination = "secrets/consul-token"
+        perms       = "0400"
+        uid         = 10001
+        gid         = 10001
+        change_mode = "restart"
       }
     }
   }

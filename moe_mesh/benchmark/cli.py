@@ -149,6 +149,13 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, help="JSON report (default .cache/bench-<time>/bench.json)")
     p.add_argument("--png", type=Path, help="throughput-vs-TPOT picture (default next to --out)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--tls-ca",
+        type=Path,
+        default=None,
+        help="check an https gateway against this CA (a ready file of `up --tls` names its own); "
+        "an API key goes in MOE_MESH_API_KEY",
+    )
     p.set_defaults(func=run_bench)
 
 
@@ -162,7 +169,8 @@ def _points(args: argparse.Namespace) -> list[LoadPoint]:
 
 def _ready_url(path: Path) -> str:
     try:
-        return "http://" + json.loads(path.read_text())["gateway_http"]
+        mesh = json.loads(path.read_text())
+        return ("https://" if "tls" in mesh else "http://") + mesh["gateway_http"]
     except OSError:
         raise InvalidArgumentError(
             "--ready-file", f"{path} cannot be read (is the mesh up?)"
@@ -171,12 +179,23 @@ def _ready_url(path: Path) -> str:
         raise InvalidArgumentError("--ready-file", f"{path} names no gateway_http") from None
 
 
+def _ca(args: argparse.Namespace) -> Path | None:
+    """The CA an https gateway is checked against: --tls-ca, or the ready file's of `up --tls`."""
+    if args.tls_ca is not None:
+        return args.tls_ca
+    ready = getattr(args, "ready_file", None)
+    if ready is not None and ready.exists():
+        files = json.loads(ready.read_text()).get("tls")
+        return Path(files["ca"]) if files else None
+    return None
+
+
 async def _bench_target(url: str, name: str, args: argparse.Namespace, report: dict) -> dict:
     """Every load point against the gateway at `url`: the set-up's entry of the report."""
     from tqdm import tqdm
 
     url = client.base_url(url)
-    async with client.session(args.max_duration_s + 60) as s:
+    async with client.session(args.max_duration_s + 60, _ca(args)) as s:
         model = await client.fetch_model(s, url)
         max_len = min(args.max_model_len or model.max_model_len, model.max_model_len)
         requests = build_workload(

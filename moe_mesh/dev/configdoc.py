@@ -36,6 +36,17 @@ PROCESS_WIDE = [
         "`off` keeps every weight a plain tensor instead of prepacked for the CPU's GEMM kernels",
     ),
     (
+        "MOE_GATEWAY_API_KEY",
+        "gateway",
+        "API keys the gateway accepts, comma-separated (with or instead of --api-key-file); an "
+        "environment variable only, never a flag, so it stays out of process listings",
+    ),
+    (
+        "MOE_MESH_API_KEY",
+        "`moe-mesh generate --gateway`",
+        "the API key sent as `authorization: Bearer` to a gateway that requires keys",
+    ),
+    (
         "MOE_MESH_PARENT_PID",
         "services started by `moe-mesh up`",
         "set by the launcher: a service ends within 0.25 s once that process is gone",

@@ -22,6 +22,7 @@ GATEWAY_FLAGS = (
     "served_model_name",
     "max_in_flight",
     "max_queued",
+    "api_key_file",
 )
 ROUTER_FLAGS = ("max_num_seqs", "colocate_budget")
 
@@ -51,6 +52,8 @@ def _check_flags(args: argparse.Namespace, router_args: list[str]) -> str | None
     ):
         if value < low:
             return f"{name} must be >= {low}, got {value}"
+    if args.certs_dir is not None and not args.tls:
+        return "--certs-dir needs --tls"
     if args.trace_sample is not None and not 0 <= args.trace_sample <= 1:
         return f"--trace-sample must be in [0, 1], got {args.trace_sample}"
     if not (args.checkpoint / "config.json").is_file():
@@ -129,6 +132,19 @@ def _add_up(subparsers: argparse._SubParsersAction) -> None:
         "--router-arg='--fast-path off' (repeatable)",
     )
     p.add_argument(
+        "--tls",
+        action="store_true",
+        help="mutual TLS on every connection of the mesh (and TLS on the gateway's public "
+        "endpoints), with a CA and certificates `moe-mesh certs` writes into --certs-dir",
+    )
+    p.add_argument(
+        "--certs-dir",
+        type=Path,
+        default=None,
+        help="with --tls: the certificates to use, created there when missing "
+        "(default RUN_DIR/certs)",
+    )
+    p.add_argument(
         "--trace-sample",
         type=float,
         default=None,
@@ -164,6 +180,7 @@ def _run_up(args: argparse.Namespace) -> int:
         gateway_args,
         router_args,
         args.trace_sample,
+        (args.certs_dir or run_dir / "certs") if args.tls else None,
     )
 
 

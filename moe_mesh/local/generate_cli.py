@@ -59,6 +59,13 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--checkpoint", help="HuggingFace-layout checkpoint directory (with --local)")
     p.add_argument(
+        "--tls-ca",
+        type=Path,
+        metavar="FILE",
+        help="the gateway speaks TLS: check its certificate against this CA (a ready file of "
+        "`up --tls` names it itself). An API key goes in MOE_MESH_API_KEY",
+    )
+    p.add_argument(
         "--priority", type=int, default=0, help="higher is served first (with --gateway)"
     )
     src = p.add_mutually_exclusive_group(required=True)
@@ -126,8 +133,13 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from moe_mesh.common.tls import MeshTls
+    from moe_mesh.ops.client import mesh_tls
+
+    args.tls = MeshTls.ca_only(args.tls_ca) if args.tls_ca else None
     if args.ready_file:
         args.gateway = gateway_of(args.ready_file)
+        args.tls = args.tls or mesh_tls(json.loads(args.ready_file.read_text()))
     if args.gateway:
         return _run_generate_remote(args)
     if not args.checkpoint:
@@ -207,7 +219,7 @@ def _run_generate_remote(args: argparse.Namespace) -> int:
         request.prompt_token_ids.extend(args.prompt_token_ids)
     if args.seed is not None:
         request.seed = args.seed
-    result = asyncio.run(generate_remote(args.gateway, request, stream=not args.json))
+    result = asyncio.run(generate_remote(args.gateway, request, not args.json, args.tls))
     if args.json:
         print(json.dumps(result))
     else:

@@ -34,6 +34,8 @@ from moe_mesh.common import runtime
 from moe_mesh.common.arch import load_spec
 from moe_mesh.common.placement import format_experts, parse_experts
 from moe_mesh.common.server import write_ready_file
+from moe_mesh.common.tls import MeshTls
+from moe_mesh.local import certs
 
 READY_TIMEOUT_S = 180.0
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
@@ -76,7 +78,9 @@ class Launcher:
         ready_file: Path | None = None,
         ready_timeout_s: float = READY_TIMEOUT_S,
         stop_timeout_s: float = STOP_TIMEOUT_S,
+        tls_dir: Path | None = None,
     ) -> None:
+        self.tls_dir = tls_dir  # mutual TLS everywhere, with the certificates there
         self.checkpoint, self.run_dir, self.trace_sample = checkpoint, run_dir, trace_sample
         self.expert_services, self.replicas, self.routers = expert_services, replicas, routers
         self.gateway_args, self.router_args = gateway_args, router_args
@@ -113,7 +117,8 @@ class Launcher:
     async def _start_services(self) -> tuple[str, str]:
         from moe_mesh.local.registry import EmbeddedConsul
 
-        self._registry = EmbeddedConsul()
+        # Its health checks present a mesh certificate, as Consul's enable_agent_tls_for_checks.
+        self._registry = EmbeddedConsul(tls=self._mesh_tls("registry"))
         registry = await self._registry.start()
         self._control_server = control = await asyncio.start_server(self._control, "127.0.0.1", 0)
         host, port = control.sockets[0].getsockname()[:2]
@@ -148,8 +153,21 @@ class Launcher:
                 self._threads,
                 "--registry",
                 "consul",
+                *self._tls_args("expert"),
             ],
         )
+
+    def _tls_args(self, service: str) -> list[str]:
+        if self.tls_dir is None:
+            return []
+        f = certs.files(self.tls_dir, service)
+        return ["--tls-cert", str(f.cert), "--tls-key", str(f.key), "--tls-ca", str(f.ca)]
+
+    def _mesh_tls(self, service: str) -> MeshTls | None:
+        if self.tls_dir is None:
+            return None
+        f = certs.files(self.tls_dir, service)
+        return MeshTls.load(f.cert, f.key, f.ca)
 
     def scale(self, experts: str, replicas: int) -> dict:
         """Run exactly `replicas` expert-service processes serving `experts` (0 removes them all)."""
@@ -251,6 +269,9 @@ class Launcher:
 
     def start_control_plane(self) -> None:
         """The embedded registry and the `scale` endpoint, on the launcher's own event loop thread."""
+        if self.tls_dir is not None:
+            made = certs.create(self.tls_dir, certs.SERVICES)
+            print(f"==> mutual TLS with the certificates in {self.tls_dir} ({len(made)} services)")
         self._thread.start()
         self.registry_address, self.control_address = self._on_loop(self._start_services())
 
@@ -278,14 +299,23 @@ class Launcher:
             self._spawn(
                 "router",
                 f"router-{i}",
-                ["-m", "moe_mesh.router_service", *ckpt, *monolithic, *self.router_args],
+                [
+                    "-m",
+                    "moe_mesh.router_service",
+                    *ckpt,
+                    *monolithic,
+                    *self._tls_args("router"),
+                    *self.router_args,
+                ],
             )
             for i in range(self.routers)
         ]
         print(f"==> starting {len(routers)} router(s)", flush=True)
         self._wait_ready(routers)
         gateway = self._spawn(
-            "gateway", "gateway", ["-m", "moe_mesh.gateway", *ckpt, *self.gateway_args]
+            "gateway",
+            "gateway",
+            ["-m", "moe_mesh.gateway", *ckpt, *self._tls_args("gateway"), *self.gateway_args],
         )
         print("==> starting the gateway", flush=True)
         self._wait_ready([gateway])
@@ -305,6 +335,9 @@ class Launcher:
             "control": self.control_address,
             "run_dir": str(self.run_dir),
         }
+        if self.tls_dir is not None:  # what clients of this mesh (status, generate) present
+            f = certs.files(self.tls_dir, "client")
+            self.endpoints["tls"] = {"ca": str(f.ca), "cert": str(f.cert), "key": str(f.key)}
         self.publish()
         return self.endpoints
 
@@ -453,6 +486,7 @@ def run_up(
     gateway_args: list[str],
     router_args: list[str],
     trace_sample: float | None = None,
+    tls_dir: Path | None = None,
 ) -> int:
     launcher = Launcher(
         checkpoint,
@@ -464,6 +498,7 @@ def run_up(
         router_args,
         trace_sample,
         ready_file,
+        tls_dir=tls_dir,
     )
     stop: list = [False]
 
@@ -478,7 +513,9 @@ def run_up(
         lines = [
             f"==> mesh up (logs in {run_dir})",
             f"    gateway gRPC   {endpoints['gateway_grpc']}",
-            f"    gateway HTTP   http://{endpoints['gateway_http']}/v1   (OpenAI-compatible)",
+            f"    gateway HTTP   {'https' if tls_dir else 'http'}://{endpoints['gateway_http']}/v1"
+            "   (OpenAI-compatible)",
+            *([f"    CA             {endpoints['tls']['ca']}"] if tls_dir else []),
             *(f"    router         {r}" for r in endpoints["routers"]),
             *(
                 f"    expert service {e['address']}  experts {e['experts']}"

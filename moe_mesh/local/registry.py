@@ -32,6 +32,7 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_mesh.common.registry import meta_problem
+from moe_mesh.common.tls import MeshTls
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,10 @@ class EmbeddedConsul:
         *,
         check_timeout_s: float = 2.0,
         log_size: int = 1000,
+        tls: MeshTls | None = None,
     ) -> None:
+        # The certificate TLS health checks present (Consul: enable_agent_tls_for_checks).
+        self.tls = tls
         self.host, self.port = host, port
         self.check_timeout_s = check_timeout_s  # for checks without their own Timeout
         self.requests: collections.deque[Request] = collections.deque(maxlen=log_size)
@@ -197,6 +201,9 @@ class EmbeddedConsul:
     async def _run_check(self, svc: _Service, check: _Check) -> None:
         while True:
             status, output = await self._probe(check)
+            # Consul keeps the latest output (a check that starts and stays critical says why);
+            # only a status change is a change of index, as with Consul's check_update_interval.
+            check.output = output
             if status != check.status:
                 log.info(
                     "service %s check %s: %s -> %s %s",
@@ -227,10 +234,11 @@ class EmbeddedConsul:
         # A fresh channel per probe, as Consul dials per check: a reused channel would sit in gRPC's
         # reconnect backoff (up to minutes) after the instance restarts.
         target, _, name = check.target.partition("/")
-        creds = grpc.ssl_channel_credentials() if check.use_tls else None
-        channel = (
-            grpc.aio.secure_channel(target, creds) if creds else grpc.aio.insecure_channel(target)
-        )
+        if check.use_tls:
+            creds = self.tls.channel_credentials() if self.tls else grpc.ssl_channel_credentials()
+            channel = grpc.aio.secure_channel(target, creds)
+        else:
+            channel = grpc.aio.insecure_channel(target)
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=name), timeout=check.timeout_s

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_mesh.common.finish_reason import from_wire
 from moe_mesh.common.status import error_from_rpc
+from moe_mesh.common.tls import MeshTls, open_channel
 from moe_mesh.protos.moe_mesh.v1 import (
     expert_pb2,
     expert_pb2_grpc,
@@ -23,9 +25,28 @@ from moe_mesh.protos.moe_mesh.v1 import (
     router_pb2_grpc,
 )
 
+API_KEY_ENV = "MOE_MESH_API_KEY"  # what `generate --gateway` sends as its API key
+
+
+def mesh_tls(mesh: dict) -> MeshTls | None:
+    """The client certificate a ready file of `moe-mesh up --tls` names, or None (plaintext)."""
+    files = mesh.get("tls")
+    if not files:
+        return None
+    return MeshTls.load(Path(files["cert"]), Path(files["key"]), Path(files["ca"]))
+
+
+def api_key_metadata() -> tuple[tuple[str, str], ...]:
+    """`authorization` metadata from MOE_MESH_API_KEY, for a gateway that wants API keys."""
+    key = os.environ.get(API_KEY_ENV, "").strip()
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
 
 async def generate_remote(
-    address: str, request: inference_pb2.GenerateRequest, stream: bool
+    address: str,
+    request: inference_pb2.GenerateRequest,
+    stream: bool,
+    tls: MeshTls | None = None,
 ) -> dict:
     """Stream a request from the gateway; print text as it arrives when `stream`; return the JSON result."""
     start = time.perf_counter()
@@ -34,9 +55,10 @@ async def generate_remote(
     first = None
     last = None
     logprobs: list[dict] = []
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address, [], tls=tls) as channel:
         try:
-            async for msg in inference_pb2_grpc.InferenceStub(channel).GenerateStream(request):
+            calls = inference_pb2_grpc.InferenceStub(channel)
+            async for msg in calls.GenerateStream(request, metadata=api_key_metadata()):
                 if first is None and msg.token_ids:
                     first = time.perf_counter() - start
                 ids += msg.token_ids
@@ -81,9 +103,9 @@ async def _health(channel: grpc.aio.Channel) -> str:
         return e.code().name
 
 
-async def router_status(address: str) -> dict:
+async def router_status(address: str, tls: MeshTls | None = None) -> dict:
     """One router's health, load, placement and utilization; only address/health/error when Status fails."""
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with open_channel(address, [], tls=tls) as ch:
         row: dict = {"address": address, "health": await _health(ch)}
         try:
             st = await router_pb2_grpc.RouterServiceStub(ch).Status(
@@ -153,15 +175,17 @@ async def router_status(address: str) -> dict:
 async def mesh_status(mesh: dict) -> dict:
     """Health of every service in a ready file written by `moe-mesh up`, what experts serve, router load."""
     out: dict = {"gateway": {}, "routers": [], "experts": []}
-    async with grpc.aio.insecure_channel(mesh["gateway_grpc"]) as ch:
+    tls = mesh_tls(mesh)
+    async with open_channel(mesh["gateway_grpc"], [], tls=tls) as ch:
         out["gateway"] = {
             "address": mesh["gateway_grpc"],
             "http": mesh["gateway_http"],
+            "scheme": "https" if tls else "http",
             "health": await _health(ch),
         }
-    out["routers"] = [await router_status(address) for address in mesh["routers"]]
+    out["routers"] = [await router_status(address, tls) for address in mesh["routers"]]
     for e in mesh["experts"]:
-        async with grpc.aio.insecure_channel(e["address"]) as ch:
+        async with open_channel(e["address"], [], tls=tls) as ch:
             row = {"address": e["address"], "health": await _health(ch)}
             try:
                 d = await expert_pb2_grpc.ExpertServiceStub(ch).Describe(
@@ -187,7 +211,8 @@ def _rows(flat, width: int) -> list[list]:
 
 def print_status(st: dict) -> None:
     g = st["gateway"]
-    print(f"gateway  {g['address']:<22} {g['health']:<12} http://{g['http']}/v1")
+    url = f"{g.get('scheme', 'http')}://{g['http']}/v1"
+    print(f"gateway  {g['address']:<22} {g['health']:<12} {url}")
     for r in st["routers"]:
         load = f"running {r.get('running', '?')} waiting {r.get('waiting', '?')} steps {r.get('steps', '?')}"
         if r.get("failovers") or r.get("hedges") or r.get("ejections"):

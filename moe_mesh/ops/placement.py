@@ -322,10 +322,16 @@ def _ready_routers(path: Path) -> list[str]:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from moe_mesh.ops.client import router_status
+    from moe_mesh.ops.client import mesh_tls, router_status
+
+    tls = (
+        mesh_tls(json.loads(args.ready_file.read_text()))
+        if args.ready_file is not None and args.ready_file.exists()
+        else None
+    )
 
     async def ask(addresses: list[str]) -> list[dict]:
-        return list(await asyncio.gather(*(router_status(a) for a in addresses)))
+        return list(await asyncio.gather(*(router_status(a, tls) for a in addresses)))
 
     try:
         record = placement_record(asyncio.run(ask(args.routers or _ready_routers(args.ready_file))))

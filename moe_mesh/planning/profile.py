@@ -136,11 +136,16 @@ async def measure_transports(
     import torch
 
     from moe_mesh.common.fastpath import LOOPBACK_HOSTS
+    from moe_mesh.common.fastpath.auth import HelloSigner
+    from moe_mesh.ops.client import mesh_tls
     from moe_mesh.router_service.experts.fastpath import FastPathConfig
     from moe_mesh.router_service.experts.remote import Identity, RemoteExperts
 
+    # A mesh of `up --tls`: its ready file names the client certificate to call (and say hello) with.
+    tls = mesh_tls(json.loads(args.ready_file.read_text())) if args.ready_file else None
+    signer = HelloSigner.from_tls(tls) if tls else None
     max_bytes = 256 * 2**20
-    probe = RemoteExperts(address, Identity("", ""), max_bytes)
+    probe = RemoteExperts(address, Identity("", ""), max_bytes, tls=tls)
     try:
         info = await probe.describe(args.connect_timeout_s)
     finally:
@@ -157,7 +162,7 @@ async def measure_transports(
     torch.set_num_threads(args.expert_threads)
     out = {}
     for name, mode in (("grpc", "off"), ("ucx", "ucx")):
-        config = FastPathConfig(mode=mode, loopback=loopback)
+        config = FastPathConfig(mode=mode, loopback=loopback, signer=signer)
         if mode == "ucx" and not config.enabled():
             out[name] = {"skipped": "ucxx cannot be imported here"}
             _say("ucx skipped: ucxx cannot be imported")
@@ -167,7 +172,12 @@ async def measure_transports(
             _say(f"ucx skipped: {address} advertises no fast path")
             continue
         remote = RemoteExperts(
-            address, identity, max_bytes, fast_path=config, fast_paths=list(info.fast_paths)
+            address,
+            identity,
+            max_bytes,
+            fast_path=config,
+            fast_paths=list(info.fast_paths),
+            tls=tls,
         )
         try:
             out[name] = await _round_trips(

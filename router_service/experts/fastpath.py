@@ -19,6 +19,7 @@ import torch
 from opentelemetry import propagate, trace
 
 from moe_mesh.common.fastpath import Target, parse_worker_url, worker_url
+from moe_mesh.common.fastpath.auth import HelloSigner
 from moe_mesh.common.fastpath.client import FastPathError, FrameClient
 from moe_mesh.common.fastpath.frame import DTYPE_NAMES, RequestHeader
 from moe_mesh.common.fastpath.ucx import load_ucxx
@@ -38,6 +39,7 @@ class FastPathConfig:
     loopback: bool = True
     # Called with the cause of every fallback (a hook for the fallback counter metric).
     on_fallback: Callable[[str], None] | None = None
+    signer: HelloSigner | None = None  # under mutual TLS: hellos prove the router's certificate
 
     def enabled(self) -> bool:
         """Off by setting, or auto without ucxx; `ucx` without ucxx is refused at start-up."""
@@ -56,7 +58,7 @@ class FastPathLink:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.url, self.config, self.clock = url, config, clock
-        self.client = FrameClient(target, max_message_bytes, config.loopback)
+        self.client = FrameClient(target, max_message_bytes, config.loopback, config.signer)
         self.fallbacks: Counter[str] = Counter()  # cause -> calls that fell back
         self.calls = 0  # calls the fast path carried
         self.off_until = 0.0

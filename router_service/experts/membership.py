@@ -21,6 +21,7 @@ from moe_mesh.common.errors import InvalidArgumentError, PreconditionError
 from moe_mesh.common.placement import Pair, format_experts, parse_experts
 from moe_mesh.common.registry import EXPERT_SERVICE, Instance, Membership, Registry
 from moe_mesh.common.registry.follow import Follower, follow
+from moe_mesh.common.tls import MeshTls
 from moe_mesh.router_service.experts.dispatch import ExpertBackend, LivePlacement
 from moe_mesh.router_service.experts.fastpath import FastPathConfig
 from moe_mesh.router_service.experts.remote import Identity, RemoteExperts
@@ -38,9 +39,10 @@ class ExpertMembership:
         max_message_bytes: int,
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
         fast_path: FastPathConfig | None = None,
+        tls: MeshTls | None = None,
     ) -> None:
         self.spec, self.identity, self.placement = spec, identity, placement
-        self.fast_path = fast_path
+        self.fast_path, self.tls = fast_path, tls
         self.max_message_bytes, self.interceptors = max_message_bytes, interceptors
         self._follower: Follower[RemoteExperts] = Follower(self._connect, self._leave)
         self.backends = self._follower.clients  # instance id -> backend
@@ -94,6 +96,7 @@ class ExpertMembership:
             self.interceptors,
             self.fast_path,
             [fast_path] if fast_path else [],
+            self.tls,
         )
 
     @staticmethod

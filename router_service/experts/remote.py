@@ -16,6 +16,7 @@ from moe_mesh.common.fastpath.client import FastPathError
 from moe_mesh.common.placement import format_experts
 from moe_mesh.common.server import channel_options
 from moe_mesh.common.status import error_from_rpc
+from moe_mesh.common.tls import MeshTls, open_channel
 from moe_mesh.common.wire import decode, encode
 from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
 from moe_mesh.router_service.experts.fastpath import FastPathConfig, FastPathLink
@@ -57,6 +58,7 @@ class RemoteExperts:
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
         fast_path: FastPathConfig | None = None,
         fast_paths: Sequence[str] = (),
+        tls: MeshTls | None = None,
     ) -> None:
         self.address, self.region = address, region
         self.identity = identity
@@ -65,11 +67,7 @@ class RemoteExperts:
         self.fast_path = FastPathLink.offered(list(fast_paths), fast_path, max_message_bytes)
         self._warming: asyncio.Task | None = None
         self._warm()
-        self.channel = grpc.aio.insecure_channel(
-            address,
-            options=channel_options(max_message_bytes),
-            interceptors=list(interceptors) or None,
-        )
+        self.channel = open_channel(address, channel_options(max_message_bytes), interceptors, tls)
         self.stub = expert_pb2_grpc.ExpertServiceStub(self.channel)
         self.outstanding = 0
         self.retired = False
@@ -206,6 +204,7 @@ async def connect(
     timeout_s: float,
     interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     fast_path: FastPathConfig | None = None,
+    tls: MeshTls | None = None,
 ) -> dict[tuple[int, int], list[RemoteExperts]]:
     """Describe every expert service (waiting up to timeout_s for each) and map pair -> replicas.
 
@@ -213,7 +212,7 @@ async def connect(
     """
     backends = [
         RemoteExperts(
-            a, identity, max_message_bytes, interceptors=interceptors, fast_path=fast_path
+            a, identity, max_message_bytes, interceptors=interceptors, fast_path=fast_path, tls=tls
         )
         for a in addresses
     ]

@@ -58,6 +58,8 @@ async def node(
     *,
     deadline_ms: int | None = None,
     encode_only: bool = False,
+    ca: Path | None = None,
+    api_key: str | None = None,
 ) -> dict:
     """Run client.mjs as a subprocess (never blocking the loop that serves the mesh) and return its JSON."""
     args = [str(CLIENT), "--method", method, "--request", json.dumps(request or {})]
@@ -67,6 +69,10 @@ async def node(
         args += ["--deadline-ms", str(deadline_ms)]
     if encode_only:
         args.append("--encode-only")
+    if ca is not None:
+        args += ["--ca", str(ca)]
+    if api_key is not None:
+        args += ["--api-key", api_key]
     proc = await asyncio.create_subprocess_exec(
         NODE, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
@@ -263,3 +269,30 @@ async def test_an_unknown_model_is_not_found(path) -> None:
         got = await node("Generate", request, mesh.grpc_address)
     assert got["error"]["code_name"] == "NOT_FOUND", got
     assert "no-such-model" in got["error"]["details"]
+
+
+async def test_over_tls_with_an_api_key(path, tmp_path) -> None:
+    """A gateway on TLS with API keys: the Node client checks the server against the CA and sends
+    its key as `authorization` metadata; without the key it gets UNAUTHENTICATED."""
+    from moe_mesh.local import certs
+    from tests.support.certs import tls_flags
+
+    certs.create(tmp_path, ["router", "gateway"])
+    (tmp_path / "keys").write_text("sk-node-0123456789\n")
+    expected = greedy_reference(path, PROMPT, MAX_TOKENS)
+    request = {"prompt_token_ids": PROMPT, "temperature": 0, "max_tokens": MAX_TOKENS}
+    async with local_mesh(
+        path,
+        router=tls_flags(tmp_path, "router"),
+        api_key_file=tmp_path / "keys",
+        **tls_flags(tmp_path, "gateway"),
+    ) as mesh:
+        ca = tmp_path / certs.CA_FILE
+        got = await node(
+            "Generate", request, mesh.grpc_address, ca=ca, api_key="sk-node-0123456789"
+        )
+        refused = await node("Generate", request, mesh.grpc_address, ca=ca)
+        wrong = await node("ListModels", {}, mesh.grpc_address, ca=ca, api_key="sk-wrong-12345678")
+    assert [int(t) for t in got["token_ids"]] == expected
+    assert refused["error"]["code_name"] == "UNAUTHENTICATED"
+    assert wrong["error"]["code_name"] == "UNAUTHENTICATED"

@@ -15,7 +15,7 @@ import contextlib
 import shutil
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -26,7 +26,9 @@ from moe_mesh.common.errors import InvalidArgumentError, UnavailableError
 from moe_mesh.common.registry import Instance, Membership, Registry
 from moe_mesh.common.registry.consul import ConsulRegistry
 from moe_mesh.common.server import GrpcServer
+from moe_mesh.local import certs
 from moe_mesh.local.registry import EmbeddedConsul, parse_duration
+from tests.support.certs import mesh_tls
 from tests.support.memory_registry import MemoryRegistry
 from tests.support.polling import eventually
 from tests.support.registries import (
@@ -478,3 +480,48 @@ async def test_index_backwards_without_an_error_recovers_after_one_wait(grpc_ser
         await reg.close()
         await first.stop()
         await second.stop()
+
+
+async def test_a_tls_instance_is_checked_over_tls_with_the_registrys_certificate(tmp_path):
+    """A service under mutual TLS registers a TLS health check; it passes only for a registry that
+    presents a certificate of the mesh's CA (Consul: enable_agent_tls_for_checks)."""
+    certs.create(tmp_path, ["expert", "registry"])
+    tls = mesh_tls(tmp_path, "expert")
+    server = GrpcServer([], grace_s=0.1, credentials=tls.server_credentials())
+    await server.start()
+    try:
+        for registry_tls, status in [
+            (mesh_tls(tmp_path, "registry"), "passing"),
+            (None, "critical"),
+        ]:
+            embedded = EmbeddedConsul(tls=registry_tls)
+            address = await embedded.start()
+            client = consul_client(address)
+            try:
+                await client.register(
+                    replace(instance_of(server, "tls"), tls=True), check_interval_s=0.2
+                )
+
+                deadline = time.monotonic() + 10
+                # Checked at least once (a new check starts critical, with no output).
+                while (check := await _service_check(address, "tls"))["Status"] != status or not (
+                    check["Output"]
+                ):
+                    assert time.monotonic() < deadline, check
+                    await asyncio.sleep(0.1)
+                if status == "critical":  # it did dial: the handshake failed without a certificate
+                    assert "UNAVAILABLE" in check["Output"]
+            finally:
+                await client.close()
+                await embedded.stop()
+    finally:
+        await server.stop()
+
+
+async def _service_check(address: str, service_id: str) -> dict:
+    """The health check of one registered instance, as Consul's HTTP API reports it."""
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"http://{address}/v1/health/service/{SERVICE}") as r:
+            entries = await r.json()
+    [check] = [c for e in entries for c in e["Checks"] if c.get("ServiceID") == service_id]
+    return check

@@ -3,7 +3,10 @@
 // tests/test_node_client.py:
 //
 //   node client.mjs --address HOST:PORT --method {Generate,GenerateStream,ListModels} \
-//       [--request '<json>'] [--deadline-ms N] [--encode-only]
+//       [--request '<json>'] [--deadline-ms N] [--encode-only] [--ca FILE] [--api-key KEY]
+//
+// --ca: speak TLS, checking the server's certificate against this CA; --api-key: send it as
+// `authorization: Bearer KEY` metadata.
 //
 // Prints ONE JSON object on stdout:
 //   Generate / ListModels  the response message
@@ -20,6 +23,7 @@
 // present (the server then samples greedily) and {"prompt": ""} as a present, empty prompt; leave a key out
 // (or set it to null) to send it absent.
 
+import { readFileSync } from "node:fs";
 import { performance } from "node:perf_hooks";
 import { fileURLToPath } from "node:url";
 import { parseArgs } from "node:util";
@@ -34,7 +38,7 @@ const LOADER_OPTIONS = { keepCase: true, longs: String, enums: String, defaults:
                          includeDirs: [REPO_ROOT] };
 
 const USAGE = "usage: node client.mjs --address HOST:PORT --method {Generate,GenerateStream,ListModels} " +
-              "[--request '<json>'] [--deadline-ms N] [--encode-only]";
+              "[--request '<json>'] [--deadline-ms N] [--encode-only] [--ca FILE] [--api-key KEY]";
 
 class UsageError extends Error {}
 
@@ -49,6 +53,8 @@ function parseCli(argv) {
         request: { type: "string", default: "{}" },
         "deadline-ms": { type: "string" },
         "encode-only": { type: "boolean", default: false },
+        ca: { type: "string" },
+        "api-key": { type: "string" },
         help: { type: "boolean", short: "h", default: false },
       },
     }));
@@ -75,7 +81,8 @@ function parseCli(argv) {
     deadlineMs = Number(values["deadline-ms"]);
     if (!Number.isFinite(deadlineMs) || deadlineMs <= 0) throw new UsageError("--deadline-ms must be a positive number");
   }
-  return { address: values.address, method: values.method, request, deadlineMs, encodeOnly: values["encode-only"] };
+  return { address: values.address, method: values.method, request, deadlineMs, encodeOnly: values["encode-only"],
+           ca: values.ca, apiKey: values["api-key"] };
 }
 
 function loadService() {
@@ -100,9 +107,9 @@ function errorResult(err) {
   return { error: { code: err.code, code_name: grpc.status[err.code] ?? String(err.code), details: err.details ?? "" } };
 }
 
-function unary(client, name, request, options) {
+function unary(client, name, request, metadata, options) {
   return new Promise((resolve, reject) => {
-    client[name](request, options, (err, response) => {
+    client[name](request, metadata, options, (err, response) => {
       if (err) {
         try { resolve(errorResult(err)); } catch (e) { reject(e); }
       } else {
@@ -112,14 +119,14 @@ function unary(client, name, request, options) {
   });
 }
 
-function serverStream(client, name, request, options) {
+function serverStream(client, name, request, metadata, options) {
   return new Promise((resolve, reject) => {
     const started = performance.now();
     const messages = [];
     let first = null;
     let last = null;
     let failed = null;
-    const call = client[name](request, options);
+    const call = client[name](request, metadata, options);
     call.on("data", (message) => {
       const t = performance.now() - started;
       if (first === null) first = t;
@@ -148,12 +155,15 @@ async function main() {
     return { request_hex: method.requestSerialize(args.request).toString("hex") };
   }
   const Client = grpc.makeGenericClientConstructor(service, "Inference");
-  const client = new Client(args.address, grpc.credentials.createInsecure());
+  const credentials = args.ca ? grpc.credentials.createSsl(readFileSync(args.ca)) : grpc.credentials.createInsecure();
+  const client = new Client(args.address, credentials);
   try {
     const options = args.deadlineMs === undefined ? {} : { deadline: new Date(Date.now() + args.deadlineMs) };
+    const metadata = new grpc.Metadata();
+    if (args.apiKey) metadata.set("authorization", `Bearer ${args.apiKey}`);
     return method.responseStream
-      ? await serverStream(client, args.method, args.request, options)
-      : await unary(client, args.method, args.request, options);
+      ? await serverStream(client, args.method, args.request, metadata, options)
+      : await unary(client, args.method, args.request, metadata, options);
   } finally {
     client.close();
   }

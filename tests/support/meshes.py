@@ -24,7 +24,8 @@ class LocalMesh:
 
     @property
     def http_base_url(self) -> str:
-        return f"http://{self.gateway.http_address}"
+        scheme = "https" if self.gateway.settings.public_tls_files() else "http"
+        return f"{scheme}://{self.gateway.http_address}"
 
 
 @asynccontextmanager

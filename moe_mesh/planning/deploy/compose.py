@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import yaml
 
+from moe_mesh.planning.deploy import secrets
 from moe_mesh.planning.deploy.plan import ExpertGroup, Plan, Resources
 from moe_mesh.planning.deploy.prometheus import METRICS_PORT, dns_job, prometheus_yml
 
@@ -15,6 +16,7 @@ HEADER = (
     "Do not edit: change the plan and render again."
 )
 EXPERT_SERVICE_PREFIX = "expert-"  # compose service of group G: expert-G
+SECRETS_DIR = "/run/secrets"  # where compose mounts a service's secrets
 
 
 def _dollar(s: str) -> str:
@@ -22,9 +24,9 @@ def _dollar(s: str) -> str:
     return s.replace("$", "$$")
 
 
-def _compose_healthcheck(port: int, start_period: str) -> dict[str, Any]:
+def _compose_healthcheck(plan: Plan, port: int, start_period: str) -> dict[str, Any]:
     return {
-        "test": ["CMD", "moe-mesh", "probe", f"127.0.0.1:{port}"],
+        "test": ["CMD", *secrets.probe(plan, str(port), SECRETS_DIR)],
         "interval": "10s",
         "timeout": "5s",
         "retries": 3,
@@ -58,12 +60,19 @@ def _compose_service(
     resources: Resources,
 ) -> dict[str, Any]:
     size = {"cpus": cpus(resources), "memory": f"{resources.memory_mb}M"}
-    return {
+    command = [*command, *secrets.flags(plan, name, SECRETS_DIR)]
+    # Under `security` the Consul token is a secret file too, not a value in .env.
+    token = (
+        {"CONSUL_HTTP_TOKEN_FILE": f"{SECRETS_DIR}/{secrets.CONSUL_TOKEN}"}
+        if secrets.secure(plan)
+        else {"CONSUL_HTTP_TOKEN": "${CONSUL_HTTP_TOKEN:-}"}
+    )
+    service: dict[str, Any] = {
         "image": "${MOE_MESH_IMAGE:-" + _dollar(plan.image) + "}",
         "command": [_dollar(c) for c in [*command, "--metrics-port", str(METRICS_PORT)]],
         "environment": {
             "CONSUL_HTTP_ADDR": "${CONSUL_HTTP_ADDR:-consul:8500}",
-            "CONSUL_HTTP_TOKEN": "${CONSUL_HTTP_TOKEN:-}",
+            **token,
             # The services of one compose project share the host's cores (common/runtime.py).
             "OMP_WAIT_POLICY": "${OMP_WAIT_POLICY:-PASSIVE}",
             **otel_env(plan, name),
@@ -74,11 +83,33 @@ def _compose_service(
         ],
         "expose": [str(port), str(METRICS_PORT)],
         "deploy": {"replicas": replicas, "resources": {"limits": size, "reservations": size}},
-        "healthcheck": _compose_healthcheck(port, start_period),
+        "healthcheck": _compose_healthcheck(plan, port, start_period),
         "depends_on": {name: {"condition": "service_healthy"} for name in ["consul", *depends_on]},
         "restart": "unless-stopped",
         "stop_grace_period": "20s",  # services drain in-flight calls for up to 10 s after SIGTERM
     }
+    if secrets.secure(plan):
+        service["secrets"] = [
+            {"source": _secret_name(name, f), "target": f} for f in secrets.files(plan, name)
+        ]
+    return service
+
+
+def _secret_name(component: str, file: str) -> str:
+    """A compose secret per file; certificates and keys per kind of component."""
+    if file in (secrets.CERT, secrets.KEY):
+        return f"{secrets.kind(component)}-{file.removesuffix('.pem')}"
+    return file.removesuffix(".pem")
+
+
+def _compose_secrets(plan: Plan, components: list[str]) -> dict[str, Any]:
+    """Top-level `secrets`: each one a file under ./secrets, named as `moe-mesh certs` names it."""
+    out = {}
+    for component in components:
+        for f in secrets.files(plan, component):
+            written = secrets.CERTS_OUTPUT.get(f, f).format(kind=secrets.kind(component))
+            out[_secret_name(component, f)] = {"file": f"./secrets/{written}"}
+    return dict(sorted(out.items()))
 
 
 def expert_command(plan: Plan, g: ExpertGroup, port: str, extra: list[str]) -> list[str]:
@@ -135,7 +166,7 @@ def router_settings(plan: Plan) -> list[str]:
     return out
 
 
-def gateway_command(plan: Plan) -> list[str]:
+def gateway_command(plan: Plan, extra: Sequence[str] = ()) -> list[str]:
     gw = plan.gateway
     return [
         "serve-gateway",
@@ -149,6 +180,7 @@ def gateway_command(plan: Plan) -> list[str]:
         str(gw.grpc_port),
         "--http-port",
         str(gw.http_port),
+        *extra,
         *gw.args,
     ]
 
@@ -218,9 +250,10 @@ def render_compose(plan: Plan) -> dict[str, str]:
         "restart": "unless-stopped",
     }
     head = "".join(f"# {line}\n" for line in wrap(HEADER.format(target="compose")))
-    compose = head + yaml.safe_dump(
-        {"services": services}, sort_keys=True, default_flow_style=False, width=1000
-    )
+    document: dict[str, Any] = {"services": services}
+    if secrets.secure(plan):
+        document["secrets"] = _compose_secrets(plan, [*groups, "router", "gateway"])
+    compose = head + yaml.safe_dump(document, sort_keys=True, default_flow_style=False, width=1000)
     # Docker's DNS answers a service name with every replica's address.
     scrape = [dns_job(name, name) for name in [*groups, "router", "gateway"]]
     return {
@@ -275,6 +308,29 @@ CMD ["--help"]
 """
 
 
+def _token_or_secrets(plan: Plan) -> str:
+    if not secrets.secure(plan):
+        return "CONSUL_HTTP_TOKEN=\n"
+    made = []
+    if plan.security.tls:
+        made.append(
+            f"#   moe-mesh certs --out secrets --host {plan.security.server_name}   "
+            "(CA, and a certificate per kind of service)"
+        )
+    if plan.security.api_keys:
+        made.append("#   secrets/api-keys   one key per line (README, Security)")
+    return "\n".join(
+        [
+            "# Secrets are files under ./secrets (docker-compose mounts each where its service",
+            "# reads it; nothing secret goes in this file). Create them next to docker-compose.yml:",
+            *made,
+            "#   secrets/consul-token   the Consul ACL token (may be empty)",
+            "# and make them readable by the image's user (uid 10001).",
+            "",
+        ]
+    )
+
+
 def _env_example(plan: Plan) -> str:
     return f"""\
 {"".join(f"# {line}{chr(10)}" for line in wrap(HEADER.format(target="compose")))}\
@@ -291,8 +347,7 @@ MOE_MESH_IMAGE={plan.image}
 # point CONSUL_HTTP_ADDR at its agent and put an ACL token allowed to register services here.
 CONSUL_IMAGE={plan.compose.consul_image}
 CONSUL_HTTP_ADDR=consul:8500
-CONSUL_HTTP_TOKEN=
-
+{_token_or_secrets(plan)}
 # Traces: every service exports spans over OTLP once this names a collector (e.g. http://otel:4317),
 # sampling this share of new requests. Metrics: Prometheus (service `prometheus`, prometheus.yml)
 # scrapes every replica on port {METRICS_PORT}; its UI is on this host's 127.0.0.1:9090.

@@ -9,7 +9,9 @@ server service), and an optional Secret supplies CONSUL_HTTP_TOKEN. Each compone
   pods annotated for Prometheus), a headless Service (stable DNS for every replica's pod IP), and a
   PodDisruptionBudget (a voluntary eviction never takes down more than one replica at a time).
 The gateway's Service is a ClusterIP one with its public gRPC and HTTP ports. A ConfigMap holds the
-Prometheus scrape configuration (pod discovery by annotation).
+Prometheus scrape configuration (pod discovery by annotation). Under `security`, each pod mounts its
+certificate, key, CA and (gateway) API keys from Secrets the operator creates (secret_names), in one
+projected read-only volume, and probes with `moe-mesh probe` (the kubelet's gRPC probe has no TLS).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from moe_mesh.planning.deploy import secrets
 from moe_mesh.planning.deploy.compose import (
     HEADER,
     cpus,
@@ -34,6 +37,7 @@ from moe_mesh.planning.deploy.prometheus import (
 )
 
 MODEL_VOLUME = "model"
+SECRETS_VOLUME, SECRETS_DIR = "secrets", "/run/secrets/moe-mesh"
 
 
 def _labels(plan: Plan, component: str) -> dict[str, str]:
@@ -53,7 +57,16 @@ def _container(
 ) -> dict[str, Any]:
     size = {"cpu": cpus(resources), "memory": f"{resources.memory_mb}Mi"}
     grpc_port = next(iter(ports.values()))
-    probe = {"grpc": {"port": grpc_port}, "periodSeconds": 10, "timeoutSeconds": 3}
+    # The kubelet's gRPC probe speaks plaintext only: under TLS the probe is `moe-mesh probe`.
+    check = (
+        {"exec": {"command": secrets.probe(plan, str(grpc_port), SECRETS_DIR)}}
+        if plan.security.tls
+        else {"grpc": {"port": grpc_port}}
+    )
+    probe = {**check, "periodSeconds": 10, "timeoutSeconds": 3}
+    mounts = [{"name": MODEL_VOLUME, "mountPath": plan.model.checkpoint, "readOnly": True}]
+    if secret_names(plan, component):
+        mounts.append({"name": SECRETS_VOLUME, "mountPath": SECRETS_DIR, "readOnly": True})
     env: list[dict[str, Any]] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "CONSUL_HTTP_ADDR", "value": plan.kubernetes.consul_http_addr},
@@ -78,7 +91,12 @@ def _container(
         "name": component,
         "image": plan.image,
         # $(POD_IP) is Kubernetes' own expansion of the variable above.
-        "args": [*args, "--metrics-port", str(METRICS_PORT)],
+        "args": [
+            *args,
+            *secrets.flags(plan, component, SECRETS_DIR),
+            "--metrics-port",
+            str(METRICS_PORT),
+        ],
         "env": env,
         "ports": [
             *({"name": n, "containerPort": p} for n, p in ports.items()),
@@ -89,9 +107,7 @@ def _container(
         "startupProbe": {**probe, "failureThreshold": 60},
         "readinessProbe": probe,
         "livenessProbe": {**probe, "failureThreshold": 3},
-        "volumeMounts": [
-            {"name": MODEL_VOLUME, "mountPath": plan.model.checkpoint, "readOnly": True}
-        ],
+        "volumeMounts": mounts,
         "securityContext": {"runAsNonRoot": True, "runAsUser": 10001},
     }
 
@@ -105,6 +121,16 @@ def _deployment(
     resources: Resources,
 ) -> dict[str, Any]:
     labels = _labels(plan, component)
+    volumes: list[dict[str, Any]] = [
+        {
+            "name": MODEL_VOLUME,
+            "persistentVolumeClaim": {"claimName": plan.kubernetes.model_claim, "readOnly": True},
+        }
+    ]
+    pod: dict[str, Any] = {}
+    if secret_names(plan, component):
+        volumes.append(_secrets_volume(plan, component))
+        pod["securityContext"] = {"fsGroup": 10001}  # the image's user reads the 0440 files
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -124,19 +150,36 @@ def _deployment(
                     # Services drain in-flight calls for up to 10 s after SIGTERM.
                     "terminationGracePeriodSeconds": 20,
                     "containers": [_container(plan, component, args, ports, resources)],
-                    "volumes": [
-                        {
-                            "name": MODEL_VOLUME,
-                            "persistentVolumeClaim": {
-                                "claimName": plan.kubernetes.model_claim,
-                                "readOnly": True,
-                            },
-                        }
-                    ],
+                    "volumes": volumes,
+                    **pod,
                 },
             },
         },
     }
+
+
+def secret_names(plan: Plan, component: str) -> dict[str, str]:
+    """file -> the Secret it comes from: `<name>-tls-<kind>` (keys tls-ca.pem, tls-cert.pem,
+    tls-key.pem), `<name>-api-keys` (key api-keys) and the Consul token's Secret (key token)."""
+    out = {}
+    for f in secrets.files(plan, component):
+        if f in (secrets.CA, secrets.CERT, secrets.KEY):
+            out[f] = f"{plan.name}-tls-{secrets.kind(component)}"
+        elif f == secrets.API_KEYS:
+            out[f] = f"{plan.name}-api-keys"
+    return out  # the Consul token stays CONSUL_HTTP_TOKEN from its (optional) Secret
+
+
+def _secrets_volume(plan: Plan, component: str) -> dict[str, Any]:
+    """One projected volume of every secret file the component reads (never environment values)."""
+    by_secret: dict[str, list[str]] = {}
+    for f, secret in secret_names(plan, component).items():
+        by_secret.setdefault(secret, []).append(f)
+    sources = [
+        {"secret": {"name": s, "items": [{"key": f, "path": f} for f in fs]}}
+        for s, fs in by_secret.items()
+    ]
+    return {"name": SECRETS_VOLUME, "projected": {"sources": sources, "defaultMode": 0o440}}
 
 
 def _service(plan: Plan, component: str, ports: dict[str, int], headless: bool) -> dict[str, Any]:

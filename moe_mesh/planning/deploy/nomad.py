@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from moe_mesh.planning.deploy import secrets
 from moe_mesh.planning.deploy.compose import (
     HEADER,
     expert_command,
@@ -169,8 +170,81 @@ def _group(
     return Block("group", (name,), body)
 
 
-def _task(plan: Plan, name: str, args: list[str], resources: Resources, component: str) -> Block:
-    args = [*args, "--metrics-port", Interp("${NOMAD_PORT_metrics}")]
+SECRETS = "${NOMAD_SECRETS_DIR}"  # the task's private directory, where templates render secrets
+
+
+def _interp(words: list[str]) -> list[str]:
+    """Words that name a Nomad variable on purpose keep their ${...}."""
+    return [Interp(w) if "${NOMAD_" in w else w for w in words]
+
+
+def _variable_item(component: str, file: str) -> str:
+    """The item of the job's Nomad Variable (nomad/jobs/<job>) a secret file comes from:
+    tls_ca, <kind>_tls_cert, <kind>_tls_key, api_keys, consul_token."""
+    item = file.removesuffix(".pem").replace("-", "_")
+    return f"{secrets.kind(component)}_{item}" if file in (secrets.CERT, secrets.KEY) else item
+
+
+def _templates(plan: Plan, job: str, component: str) -> list[Block]:
+    """Each secret file, rendered from the job's Nomad Variable into the task's secrets dir,
+    readable by the image's user only; a changed secret restarts the task."""
+    return [
+        Block(
+            "template",
+            body=[
+                (
+                    "data",
+                    f'{{{{ with nomadVar "nomad/jobs/{job}" }}}}'
+                    f"{{{{ .{_variable_item(component, f)} }}}}{{{{ end }}}}",
+                ),
+                ("destination", f"secrets/{f}"),
+                ("perms", "0400"),
+                ("uid", 10001),
+                ("gid", 10001),
+                ("change_mode", "restart"),
+            ],
+        )
+        for f in secrets.files(plan, component)
+    ]
+
+
+def _health_check(plan: Plan, task: str) -> Block:
+    """Consul's gRPC check speaks plaintext unless its agent has the mesh's certificate: under TLS
+    the check is `moe-mesh probe` inside the task, presenting the task's own certificate."""
+    if not plan.security.tls:
+        return _check("grpc health", "grpc")
+    probe = _interp(secrets.probe(plan, "${NOMAD_PORT_grpc}", SECRETS))
+    return Block(
+        "check",
+        body=[
+            ("name", "grpc health"),
+            ("type", "script"),
+            ("task", task),
+            ("command", probe[0]),
+            ("args", probe[1:]),
+            ("interval", "10s"),
+            ("timeout", "5s"),
+        ],
+    )
+
+
+def _ready_check(plan: Plan) -> Block:
+    check = _check("http ready", "http", "http", "/health/ready")
+    if plan.security.tls:  # HTTPS from the mesh's private CA, which Consul's agent does not know;
+        # the check reads a status and sends nothing secret
+        check.body += [("protocol", "https"), ("tls_skip_verify", True)]
+    return check
+
+
+def _task(
+    plan: Plan, name: str, args: list[str], resources: Resources, component: str, job: str
+) -> Block:
+    args = [
+        *args,
+        *_interp(secrets.flags(plan, component, SECRETS)),
+        "--metrics-port",
+        Interp("${NOMAD_PORT_metrics}"),
+    ]
     config = Block("config", body=[("image", plan.image), ("network_mode", "host"), ("args", args)])
     mount = Block(
         "volume_mount",
@@ -186,6 +260,11 @@ def _task(plan: Plan, name: str, args: list[str], resources: Resources, componen
                 f"service.namespace={plan.name},moe_mesh.component={component}",
             ),
             ("OTEL_TRACES_SAMPLER_ARG", "0.01"),
+            *(
+                [("CONSUL_HTTP_TOKEN_FILE", Interp(f"{SECRETS}/{secrets.CONSUL_TOKEN}"))]
+                if secrets.secure(plan)
+                else []
+            ),
         ],
     )
     res = Block("resources", body=[("cpu", resources.cpu_mhz), ("memory", resources.memory_mb)])
@@ -200,6 +279,7 @@ def _task(plan: Plan, name: str, args: list[str], resources: Resources, componen
             mount,
             env,
             res,
+            *_templates(plan, job, component),
         ],
     )
 
@@ -218,7 +298,11 @@ def _expert_job(plan: Plan, g: ExpertGroup) -> Block:
     # weights checksum and served experts in their metadata), which are what routers discover.
     job = f"{plan.name}-experts-{g.name}"
     service = _service(
-        job, "grpc", ["moe-mesh", f"expert-group:{g.name}"], meta, _check("grpc health", "grpc")
+        job,
+        "grpc",
+        ["moe-mesh", f"expert-group:{g.name}"],
+        meta,
+        _health_check(plan, "serve-expert"),
     )
     group = _group(
         plan,
@@ -227,7 +311,7 @@ def _expert_job(plan: Plan, g: ExpertGroup) -> Block:
         g.constraints,
         [Block("port", ("grpc",))],
         [service],
-        _task(plan, "serve-expert", args, g.resources, f"expert-{g.name}"),
+        _task(plan, "serve-expert", args, g.resources, f"expert-{g.name}", job),
         f"{job}-metrics",
     )
     return _job(plan, job, g.region, g.datacenters, [group])
@@ -235,19 +319,29 @@ def _expert_job(plan: Plan, g: ExpertGroup) -> Block:
 
 def _frontend_job(plan: Plan) -> Block:
     r, gw = plan.router, plan.gateway
+    job = f"{plan.name}-frontend"
     router = _group(
         plan,
         "router",
         r.replicas,
         r.constraints,
         [Block("port", ("grpc",))],
-        [_service(f"{plan.name}-routers", "grpc", ["moe-mesh"], {}, _check("grpc health", "grpc"))],
+        [
+            _service(
+                f"{plan.name}-routers",
+                "grpc",
+                ["moe-mesh"],
+                {},
+                _health_check(plan, "serve-router"),
+            )
+        ],
         _task(
             plan,
             "serve-router",
             router_command(plan, Interp("${NOMAD_PORT_grpc}"), _DYNAMIC),
             r.resources,
             "router",
+            job,
         ),
         f"{plan.name}-routers-metrics",
     )
@@ -256,13 +350,15 @@ def _frontend_job(plan: Plan) -> Block:
         Block("port", ("http",), [("static", gw.http_port)]),
     ]
     services = [
-        _service(f"{plan.name}-gateway", "grpc", ["moe-mesh"], {}, _check("grpc health", "grpc")),
+        _service(
+            f"{plan.name}-gateway", "grpc", ["moe-mesh"], {}, _health_check(plan, "serve-gateway")
+        ),
         _service(
             f"{plan.name}-gateway-http",
             "http",
             ["moe-mesh", "openai"],
             {},
-            _check("http ready", "http", "http", "/health/ready"),
+            _ready_check(plan),
         ),
     ]
     gateway = _group(
@@ -272,10 +368,10 @@ def _frontend_job(plan: Plan) -> Block:
         gw.constraints,
         ports,
         services,
-        _task(plan, "serve-gateway", gateway_command(plan), gw.resources, "gateway"),
+        _task(plan, "serve-gateway", gateway_command(plan), gw.resources, "gateway", job),
         f"{plan.name}-gateway-metrics",
     )
-    return _job(plan, f"{plan.name}-frontend", r.region, r.datacenters, [router, gateway])
+    return _job(plan, job, r.region, r.datacenters, [router, gateway])
 
 
 def render_nomad(plan: Plan) -> dict[str, str]:

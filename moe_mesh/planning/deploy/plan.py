@@ -248,6 +248,23 @@ class KubernetesPlan(_Strict):
     )
 
 
+class SecurityPlan(_Strict):
+    """What the renders protect; every secret is a file mounted from the target's secret store
+    (README, Security; deploy/secrets.py)."""
+
+    tls: bool = Field(
+        False,
+        description="mutual TLS between the services and TLS on the gateway's public ports, "
+        "from certificates `moe-mesh certs --host <server_name>` writes",
+    )
+    api_keys: bool = Field(False, description="the gateway requires API keys (a key file)")
+    server_name: Name = Field(
+        "moe-mesh",
+        description="name every service certificate carries and every service checks, instead "
+        "of the address it dials (a pod IP, a container id)",
+    )
+
+
 class Plan(_Strict):
     """Everything `deploy render` needs; unknown keys are errors (typos fail loudly)."""
 
@@ -262,6 +279,7 @@ class Plan(_Strict):
     compose: ComposePlan = ComposePlan()
     nomad: NomadPlan = NomadPlan()
     kubernetes: KubernetesPlan = KubernetesPlan()
+    security: SecurityPlan = SecurityPlan()
 
     @field_validator("expert_groups")
     @classmethod

@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moe_mesh.common.tls import MeshTls
 
 
-def probe(target: str, service: str = "", timeout_s: float = 2.0) -> tuple[bool, str]:
-    """One standard gRPC health Check: (serving, status name or error)."""
+def probe(
+    target: str, service: str = "", timeout_s: float = 2.0, tls: MeshTls | None = None
+) -> tuple[bool, str]:
+    """One standard gRPC health Check (over mutual TLS with `tls`): (serving, status or error)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(target) as channel:
+    channel = (
+        grpc.secure_channel(target, tls.channel_credentials(), options=tls.channel_options())
+        if tls is not None
+        else grpc.insecure_channel(target)
+    )
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
@@ -37,11 +49,27 @@ def add_probe_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--timeout-s", type=float, default=2.0, help="give up after this many seconds (default 2)"
     )
+    for name, what in [
+        ("--tls-cert", "certificate to present (a service of a mesh under mutual TLS)"),
+        ("--tls-key", "its private key"),
+        ("--tls-ca", "CA the service's certificate must chain to"),
+    ]:
+        p.add_argument(name, type=Path, default=None, help=what)
+    p.add_argument(
+        "--tls-server-name", default=None, help="name the service's certificate must carry"
+    )
     p.set_defaults(func=run_probe)
 
 
 def run_probe(args: argparse.Namespace) -> int:
-    serving, status = probe(args.address, args.service, args.timeout_s)
+    from moe_mesh.common.cli import settings_from_args
+    from moe_mesh.common.tls import MeshTls, SecuritySettings
+
+    if args.tls_cert or args.tls_key:
+        tls = MeshTls.from_settings(settings_from_args(SecuritySettings, args))
+    else:  # a public TLS endpoint: check it, present nothing
+        tls = MeshTls.ca_only(args.tls_ca) if args.tls_ca else None
+    serving, status = probe(args.address, args.service, args.timeout_s, tls)
     print(
         f"{args.address}{' ' + args.service if args.service else ''}: {status}",
         file=sys.stdout if serving else sys.stderr,

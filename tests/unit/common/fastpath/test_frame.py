@@ -130,7 +130,8 @@ def test_the_probed_payload_length_must_match_the_header_exactly() -> None:
 
 def test_hellos_round_trip_and_anything_else_is_refused() -> None:
     address = bytes(range(188))
-    assert f.decode_hello(f.encode_hello(5, address)) == (5, address)
+    assert f.decode_hello(f.encode_hello(5, address)) == (5, address, b"")
+    assert f.decode_hello(f.encode_hello(5, address, proof=b"p" * 9)) == (5, address, b"p" * 9)
     hello = f.encode_hello(5, address)
     for bad in [
         b"",
@@ -140,6 +141,7 @@ def test_hellos_round_trip_and_anything_else_is_refused() -> None:
         f.encode_hello(0, address),
         f.encode_hello(1 << f.CLIENT_ID_BITS, address),
         f.encode_hello(5, b"x" * f.MAX_HELLO_BYTES),
+        f.encode_hello(5, b"", proof=b"x" * 64),  # a proof leaving no address
     ]:
         with pytest.raises(f.FrameError):
             f.decode_hello(bad)

@@ -43,8 +43,10 @@ def plan_of(raw: dict, tmp_path: Path) -> deploy.Plan:
 
 
 def a_plan(tmp_path: Path) -> deploy.Plan:
-    """A plan unlike the example: three groups, several gateways, a '$' in a flag, no regions on one group."""
+    """A plan unlike the example: three groups, several gateways, a '$' in a flag, no regions on one
+    group, no `security` (the example has it)."""
     raw = example_raw()
+    raw.pop("security")
     raw["name"] = "mesh"
     raw["gateway"]["replicas"] = 2
     raw["router"] = {
@@ -435,7 +437,15 @@ def test_nomad_jobs_parse_and_follow_the_plan(tmp_path: Path, which: str) -> Non
         )
         assert service["port"] == "grpc" and _one(service, "meta")["experts"] == g.experts
         check = _one(service, "check")
-        assert check["type"] == "grpc" and check["port"] == "grpc"
+        if plan.security.tls:  # `moe-mesh probe` in the task, presenting its certificate
+            assert (check["type"], check["task"], check["command"]) == (
+                "script",
+                "serve-expert",
+                "moe-mesh",
+            )
+            assert _after(check["args"], "--tls-server-name") == plan.security.server_name
+        else:
+            assert check["type"] == "grpc" and check["port"] == "grpc"
         args = _check_task(plan, group, "serve-expert")
         assert (
             _after(args, "--experts") == g.experts
@@ -454,7 +464,8 @@ def test_nomad_jobs_parse_and_follow_the_plan(tmp_path: Path, which: str) -> Non
     assert list(groups) == ["router", "gateway"]
     router, gateway = groups["router"], groups["gateway"]
     assert router["count"] == plan.router.replicas and gateway["count"] == plan.gateway.replicas
-    assert _one(_services(router)[f"{plan.name}-routers"], "check")["type"] == "grpc"
+    kind = "script" if plan.security.tls else "grpc"
+    assert _one(_services(router)[f"{plan.name}-routers"], "check")["type"] == kind
     args = _check_task(plan, router, "serve-router")
     assert "--expert" not in args and _after(args, "--port") == "${NOMAD_PORT_grpc}"
     assert _ports(gateway) == {
@@ -468,7 +479,7 @@ def test_nomad_jobs_parse_and_follow_the_plan(tmp_path: Path, which: str) -> Non
         f"{plan.name}-gateway-http",
         f"{plan.name}-gateway-metrics",
     }
-    assert _one(services[f"{plan.name}-gateway"], "check")["type"] == "grpc"
+    assert _one(services[f"{plan.name}-gateway"], "check")["type"] == kind
     assert _one(services[f"{plan.name}-gateway-http"], "check")["path"] == "/health/ready"
     args = _check_task(plan, gateway, "serve-gateway")
     assert "--router" not in args and _after(args, "--grpc-port") == str(plan.gateway.grpc_port)
@@ -476,6 +487,7 @@ def test_nomad_jobs_parse_and_follow_the_plan(tmp_path: Path, which: str) -> Non
 
 def test_nomad_escapes_plan_strings_but_not_its_own_interpolations(tmp_path: Path) -> None:
     raw = example_raw()
+    raw.pop("security")  # its flags would follow the plan's args
     raw["expert_groups"][1]["args"] = ['--note=a"b\\c ${x} %{y}']
     text = deploy.render(plan_of(raw, tmp_path), "nomad")["moe-mesh-experts-cold.nomad.hcl"]
     assert r'"--note=a\"b\\c $${x} %%{y}",' in text
@@ -552,12 +564,13 @@ def test_compose_render_writes_dockerfile_and_env_example(tmp_path: Path) -> Non
         "MOE_MESH_IMAGE",
         "CONSUL_IMAGE",
         "CONSUL_HTTP_ADDR",
-        "CONSUL_HTTP_TOKEN",
         "OTEL_EXPORTER_OTLP_ENDPOINT",
         "OTEL_TRACES_SAMPLER_ARG",
         "PROMETHEUS_IMAGE",
     }
     assert env["MOE_MESH_IMAGE"] == "moe-mesh:0.1.0"
+    # The example plan is secured: the Consul token is a secret file, not a value here.
+    assert "moe-mesh certs --out secrets --host moe-mesh" in files[".env.example"]
     # Every ${VAR} the compose file reads is offered in .env.example.
     used = set(re.findall(r"\$\{([A-Z_]+)[:?}-]", files["docker-compose.yml"]))
     assert used <= set(env) | {"OMP_WAIT_POLICY"}, used - set(env)
@@ -719,3 +732,106 @@ def test_kubernetes_manifests_follow_the_plan(tmp_path) -> None:
     config = objects["ConfigMap", f"{plan.name}-prometheus"]["data"]["prometheus.yml"]
     [job] = yaml.safe_load(config)["scrape_configs"]
     assert job["kubernetes_sd_configs"][0]["namespaces"]["names"] == [plan.kubernetes.namespace]
+
+
+# ------------------------------------------------------------------------------------- security
+
+
+def _kind(component: str) -> str:
+    return "expert" if component.startswith("expert-") else component
+
+
+def _wanted(component: str) -> set[str]:
+    """The secret files a component of the (secured) example plan reads."""
+    tls = {"tls-ca.pem", "tls-cert.pem", "tls-key.pem"}
+    return tls | ({"api-keys"} if component == "gateway" else set())
+
+
+def _secret_flags(args: list[str], component: str, directory: str) -> set[str]:
+    """The files the service's flags name, which must all be in `directory`."""
+    flags = ["--tls-cert", "--tls-key", "--tls-ca"]
+    flags += ["--api-key-file"] if component == "gateway" else []
+    paths = [_after(args, f) for f in flags]
+    assert all(p.startswith(directory + "/") for p in paths), paths
+    assert _after(args, "--tls-server-name") == "moe-mesh"
+    return {p.removeprefix(directory + "/") for p in paths}
+
+
+def test_secured_compose_mounts_every_key_and_certificate_as_a_secret_file() -> None:
+    plan = deploy.load_plan(EXAMPLE_PLAN)
+    assert plan.security.tls and plan.security.api_keys
+    doc = _compose(plan)
+    assert _schema_errors(doc) == []
+    declared = doc["secrets"]
+    for name, s in doc["services"].items():
+        if name in ("consul", "prometheus"):
+            continue
+        kind = _kind(name)
+        mounted = {m["target"]: m["source"] for m in s["secrets"]}
+        assert set(mounted) == _wanted(name) | {"consul-token"}
+        assert mounted["tls-cert.pem"] == f"{kind}-tls-cert"
+        assert mounted["tls-key.pem"] == f"{kind}-tls-key"
+        assert _secret_flags(s["command"], name, "/run/secrets") <= set(mounted)
+        # The health check presents the service's own certificate.
+        assert _secret_flags(s["healthcheck"]["test"], "probe", "/run/secrets") <= set(mounted)
+        env = s["environment"]
+        assert "CONSUL_HTTP_TOKEN" not in env
+        assert env["CONSUL_HTTP_TOKEN_FILE"] == "/run/secrets/consul-token"
+        for source in mounted.values():  # each one a file `moe-mesh certs` (or the operator) writes
+            assert declared[source]["file"].startswith("./secrets/")
+    assert declared["expert-tls-key"] == {"file": "./secrets/expert-key.pem"}
+    assert declared["tls-ca"] == {"file": "./secrets/ca.pem"}
+
+
+def test_secured_kubernetes_pods_project_their_secrets_and_probe_with_tls() -> None:
+    plan = deploy.load_plan(EXAMPLE_PLAN)
+    objects = _objects(plan)
+    for name in [f"expert-{g.name}" for g in plan.expert_groups] + ["router", "gateway"]:
+        pod = objects["Deployment", name]["spec"]["template"]["spec"]
+        [c] = pod["containers"]
+        [volume] = [v for v in pod["volumes"] if v["name"] == "secrets"]
+        files = {
+            item["path"]: source["secret"]["name"]
+            for source in volume["projected"]["sources"]
+            for item in source["secret"]["items"]
+        }
+        assert set(files) == _wanted(name)
+        assert {files[f] for f in ("tls-ca.pem", "tls-cert.pem", "tls-key.pem")} == {
+            f"moe-mesh-tls-{_kind(name)}"
+        }
+        if name == "gateway":
+            assert files["api-keys"] == "moe-mesh-api-keys"
+        assert volume["projected"]["defaultMode"] == 0o440 and pod["securityContext"] == {
+            "fsGroup": 10001
+        }
+        [mount] = [m for m in c["volumeMounts"] if m["name"] == "secrets"]
+        assert mount["readOnly"] and _secret_flags(c["args"], name, mount["mountPath"]) <= set(
+            files
+        )
+        probe = c["readinessProbe"]["exec"]["command"]
+        assert probe[:2] == ["moe-mesh", "probe"] and "--tls-cert" in probe
+        assert not any("BEGIN" in str(e.get("value", "")) for e in c["env"])
+
+
+def test_secured_nomad_tasks_render_their_secrets_from_nomad_variables(tmp_path: Path) -> None:
+    plan = deploy.load_plan(EXAMPLE_PLAN)
+    for job_name, job in _jobs(plan).items():
+        for group_name, group in _groups(job).items():
+            [(task_name, task)] = [kv for t in group["task"] for kv in t.items()]
+            component = "gateway" if group_name == "gateway" else "router"
+            if group_name == "experts":
+                component = "expert-x"
+            written = {}
+            for t in task["template"]:
+                assert f'nomadVar "nomad/jobs/{job_name}"' in t["data"]
+                assert (t["perms"], t["uid"], t["change_mode"]) == ("0400", 10001, "restart")
+                written[t["destination"].removeprefix("secrets/")] = t["data"]
+            assert set(written) == _wanted(component) | {"consul-token"}
+            assert f".{_kind(component)}_tls_key " in written["tls-key.pem"]
+            args = _one(task, "config")["args"]
+            assert _secret_flags(args, component, "${NOMAD_SECRETS_DIR}") <= set(written)
+            env = _one(task, "env")
+            assert env["CONSUL_HTTP_TOKEN_FILE"] == "${NOMAD_SECRETS_DIR}/consul-token"
+            [grpc] = [s for s in group["service"] if s["port"] == "grpc"]
+            check = _one(grpc, "check")
+            assert check["type"] == "script" and check["task"] == task_name

@@ -1,0 +1,143 @@
+"""What security costs, in one run on the `small` preset: decode tokens/s through the gateway of a
+mesh under `moe-mesh up --tls` (mutual TLS on every gRPC hop, authenticated fast-path hellos, TLS
+and an API key at the edge) against the same mesh in plaintext, at batch 1 and 32, over the
+UCX fast path and over gRPC alone (where TLS encrypts every activation).
+
+Both meshes run side by side and take turns (rounds of every set-up once), so this machine's
+drift hits them alike; each is `moe-mesh up` as a user starts it, driven by concurrent gRPC
+streams with EOS ignored. The rate counts tokens after each stream's first (decode only).
+
+    .venv/bin/python -m bench.tls_overhead [--checkpoint DIR] [--batches 1 32] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import ensure_checkpoint
+from moe_mesh.common.tls import MeshTls, open_channel
+from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
+
+KEY = "sk-bench-tls-0123456789"
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CHECKPOINT = ROOT / ".cache/bench-small-mixtral"  # bench.mesh_dispatch's
+
+
+def start(checkpoint: Path, workdir: Path, name: str, tls: bool, fast_path: str) -> tuple:
+    ready = workdir / f"{name}.json"
+    args = [sys.executable, "-m", "moe_mesh", "up", "--checkpoint", str(checkpoint)]
+    args += ["--ready-file", str(ready), "--run-dir", str(workdir / name)]
+    args += ["--router-arg", f"--fast-path {fast_path} --max-num-seqs 64"]
+    if tls:
+        (workdir / "keys").write_text(f"{KEY}\n")
+        args += ["--tls", "--api-key-file", str(workdir / "keys")]
+    log = open(workdir / f"{name}.log", "w")
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT), ready
+
+
+def wait(proc: subprocess.Popen, ready: Path, timeout_s: float = 300) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"mesh for {ready.name} did not come up (see its log)")
+        time.sleep(0.2)
+    return json.loads(ready.read_text())
+
+
+async def decode_rate(mesh: dict, batch: int, new_tokens: int) -> float:
+    tls = MeshTls.ca_only(Path(mesh["tls"]["ca"])) if "tls" in mesh else None
+    metadata = (("authorization", f"Bearer {KEY}"),) if tls else ()
+    async with open_channel(mesh["gateway_grpc"], [], tls=tls) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+
+        async def one(i: int) -> tuple[float, float, int]:
+            request = inference_pb2.GenerateRequest(
+                prompt_token_ids=[(i * 37 + j * 11) % 500 + 5 for j in range(16)],
+                max_tokens=new_tokens,
+                temperature=0.0,
+                ignore_eos=True,
+            )
+            first = last = 0.0
+            tokens = 0
+            async for m in stub.GenerateStream(request, metadata=metadata, timeout=600):
+                now = time.perf_counter()
+                if not tokens and m.token_ids:
+                    first = now
+                tokens += len(m.token_ids)
+                last = now
+            return first, last, tokens
+
+        await one(0)  # warm: channels, fast-path hellos, the first prefill
+        streams = await asyncio.gather(*(one(i) for i in range(batch)))
+    decoded = sum(t - 1 for _, _, t in streams)
+    return decoded / (max(s[1] for s in streams) - min(s[0] for s in streams))
+
+
+async def measure(meshes: dict[str, dict], args: argparse.Namespace) -> dict:
+    runs: dict[int, dict[str, list[float]]] = {b: {n: [] for n in meshes} for b in args.batches}
+    for r in range(args.rounds):
+        for b in args.batches:
+            for name, mesh in meshes.items():
+                rate = await decode_rate(mesh, b, args.new_tokens)
+                runs[b][name].append(rate)
+                print(f"round {r + 1} batch {b:>2} {name:<10} {rate:7.1f} tok/s", flush=True)
+    rows = []
+    for b, by_name in runs.items():
+        row: dict = {"batch": b}
+        for name, rates in by_name.items():
+            row[f"{name}_tokens_per_s"] = statistics.median(rates)
+        for transport in args.transports:
+            ratio = row[f"{transport}-tls_tokens_per_s"] / row[f"{transport}-plain_tokens_per_s"]
+            row[f"{transport}_tls_vs_plaintext"] = ratio
+            print(f"batch {b}: {transport} TLS / plaintext = {ratio:.3f}", flush=True)
+        rows.append(row)
+    return {"decode": rows}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--transports", nargs="+", default=["ucx", "grpc"], choices=["ucx", "grpc"])
+    parser.add_argument("--rounds", type=int, default=3, help="median of this many rounds")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/tls_overhead.json")
+    args = parser.parse_args()
+    ensure_checkpoint(args.checkpoint)
+    workdir = Path(tempfile.mkdtemp(prefix="moe-bench-tls-"))
+    procs = {}
+    try:
+        for transport in args.transports:
+            fast_path = "ucx" if transport == "ucx" else "off"
+            for tls in (False, True):
+                name = f"{transport}-{'tls' if tls else 'plain'}"
+                procs[name] = start(args.checkpoint, workdir, name, tls, fast_path)
+                wait(*procs[name])  # one at a time: start-ups would fight for the cores
+        meshes = {name: json.loads(ready.read_text()) for name, (_, ready) in procs.items()}
+        result = asyncio.run(measure(meshes, args))
+    finally:
+        for proc, _ in procs.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc, _ in procs.values():
+            proc.wait(60)
+    result.update(checkpoint=str(args.checkpoint), cpus=os.cpu_count(), new_tokens=args.new_tokens)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

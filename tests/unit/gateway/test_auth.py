@@ -1,0 +1,89 @@
+"""API keys: parsed without ever echoing a key, compared by digest, limited per key (rate and
+priority cap), and re-read when the file changes (a broken file keeps the keys in force)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from moe_mesh.common.errors import (
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+)
+from moe_mesh.gateway.auth import ApiKeys, parse_keys
+
+KEY_A, KEY_B = "sk-aaaaaaaaaaaa", "sk-bbbbbbbbbbbb"
+
+
+def test_key_files_parse_and_bad_lines_never_echo_the_key() -> None:
+    keys = parse_keys(f"# comment\n\n{KEY_A} name=a rpm=60 max_priority=2\n{KEY_B}\n", "f")
+    assert [(k.name, k.rpm, k.max_priority) for k in keys] == [("a", 60, 2), ("key2", None, None)]
+    for bad, message in [
+        (f"{KEY_A} colour=blue", "unknown option"),
+        ("short", "8\\+ characters"),
+        (f"{KEY_A} rpm=many", "numbers"),
+        (f"{KEY_A} rpm=0", "above 0"),
+    ]:
+        with pytest.raises(ValueError, match=message) as info:
+            parse_keys(bad, "keys.txt")
+        assert KEY_A not in str(info.value) and "line 1" in str(info.value)
+
+
+def test_without_keys_everyone_is_admitted() -> None:
+    keys = ApiKeys()
+    assert not keys.enabled
+    keys.authenticate(None).admit(priority=100)
+
+
+def test_bearer_keys_from_the_environment_value() -> None:
+    keys = ApiKeys(env_keys=f"{KEY_A},{KEY_B}")
+    assert keys.authenticate(f"Bearer {KEY_B}").name == "key2"
+    assert keys.authenticate(f"bearer  {KEY_A} ").name == "key1"
+    for bad in [None, "", "Bearer", f"Basic {KEY_A}", "Bearer sk-wrong-key-123", KEY_A]:
+        with pytest.raises(UnauthenticatedError):
+            keys.authenticate(bad)
+
+
+def test_rate_limit_and_priority_cap_per_key(tmp_path) -> None:
+    now = [100.0]
+    path = tmp_path / "keys"
+    path.write_text(f"{KEY_A} name=a rpm=2 max_priority=0\n{KEY_B} name=b\n")
+    keys = ApiKeys(path, clock=lambda: now[0])
+    a = keys.authenticate(f"Bearer {KEY_A}")
+    with pytest.raises(InvalidArgumentError, match="priority: at most 0 for this API key, got 5"):
+        a.admit(5)
+    a.admit(0)
+    a.admit(-3)
+    with pytest.raises(ResourceExhaustedError, match="'a'") as info:
+        a.admit(0)
+    assert info.value.retry_after_s == pytest.approx(30)
+    now[0] += 30  # one minute's 2 requests: one comes back every 30 s
+    a.admit(0)
+    b = keys.authenticate(f"Bearer {KEY_B}")
+    for _ in range(50):  # no limits on b
+        b.admit(7)
+
+
+def test_a_key_file_change_takes_effect_and_a_broken_one_keeps_the_keys(tmp_path) -> None:
+    path = tmp_path / "keys"
+    path.write_text(f"{KEY_A}\n")
+    keys = ApiKeys(path)
+    keys.authenticate(f"Bearer {KEY_A}")
+    path.write_text(f"{KEY_B} name=rotated\n")
+    assert keys.authenticate(f"Bearer {KEY_B}").name == "rotated"
+    with pytest.raises(UnauthenticatedError):
+        keys.authenticate(f"Bearer {KEY_A}")  # revoked
+    path.write_text("short\n")  # a mistake: the keys in force stay
+    assert keys.authenticate(f"Bearer {KEY_B}").name == "rotated"
+    os.unlink(path)
+    assert keys.authenticate(f"Bearer {KEY_B}").name == "rotated"
+
+
+def test_a_bad_key_file_at_start_up_is_an_error_naming_the_setting(tmp_path) -> None:
+    with pytest.raises(InvalidArgumentError, match="api_key_file"):
+        ApiKeys(tmp_path / "absent")
+    (tmp_path / "bad").write_text("x\n")
+    with pytest.raises(InvalidArgumentError, match="line 1"):
+        ApiKeys(tmp_path / "bad")
