@@ -11,6 +11,7 @@ import logging
 
 import torch
 from opentelemetry import propagate, trace
+from opentelemetry.metrics import Observation
 
 from moe_mesh.common.errors import PreconditionError
 from moe_mesh.common.fastpath import LOOPBACK_HOSTS
@@ -18,6 +19,7 @@ from moe_mesh.common.fastpath.auth import HelloVerifier
 from moe_mesh.common.fastpath.frame import DTYPES, RequestHeader
 from moe_mesh.common.fastpath.server import FrameServer
 from moe_mesh.common.fastpath.ucx import load_ucxx
+from moe_mesh.common.telemetry import FAST_PATH_REFUSED
 from moe_mesh.expert_service.core import ExpertHost
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,12 @@ class FastPath:
                 settings.max_message_bytes,
                 loopback=settings.host in LOOPBACK_HOSTS,
                 verifier=verifier,
+            )
+            server = self.server
+            host.telemetry.meter.create_observable_counter(
+                FAST_PATH_REFUSED,
+                [lambda _: [Observation(server.refused)]],
+                description="fast-path hellos dropped for a missing or bad certificate proof",
             )
 
     async def forward(self, header: RequestHeader, hidden: torch.Tensor | None) -> torch.Tensor:

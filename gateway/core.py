@@ -27,6 +27,7 @@ from moe_mesh.common.errors import (
     InvalidArgumentError,
     ModelNotFoundError,
     MoeMeshError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from moe_mesh.common.limits import check_context_length
@@ -43,7 +44,7 @@ from moe_mesh.common.telemetry import (
 )
 from moe_mesh.common.tokenizer import NoTokenizer, TextStream, Tokenizer
 from moe_mesh.gateway.admission import Admission
-from moe_mesh.gateway.auth import ApiKeys
+from moe_mesh.gateway.auth import ApiKeys, Caller
 from moe_mesh.gateway.balancer import Balancer, RouterLostError
 from moe_mesh.gateway.router_client import (
     GenerateParams,
@@ -193,6 +194,15 @@ class GatewayCore:
             [lambda _: [Observation(self.admission.queued)]],
             description="admitted requests waiting for an in-flight place",
         )
+
+    def authenticate(self, authorization: str | None) -> Caller:
+        """The caller an `Authorization` value names (keys.authenticate); a refusal counts as a
+        failed request (UNAUTHENTICATED), so a flood of bad keys shows on the dashboard."""
+        try:
+            return self.keys.authenticate(authorization)
+        except UnauthenticatedError as e:
+            self._errors.add(1, {"rpc.grpc.status_code": status_code(e).name})
+            raise
 
     @property
     def served_names(self) -> list[str]:

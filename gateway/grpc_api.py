@@ -63,7 +63,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
         """The API key from `authorization: Bearer <key>` metadata, as on HTTP."""
         metadata = dict(context.invocation_metadata() or ())
-        return self.core.keys.authenticate(metadata.get("authorization"))
+        return self.core.authenticate(metadata.get("authorization"))
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext

@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moe_mesh.common import errors
-from moe_mesh.gateway.auth import ApiKeys, Caller
+from moe_mesh.gateway.auth import Caller
 from moe_mesh.gateway.choices import Choices, chat_logprobs, completion_logprobs, requests_for
 from moe_mesh.gateway.core import (
     MAX_LOGPROBS,
@@ -443,8 +443,8 @@ class _Authenticate:
     is read; an accepted one carries its caller in `request.state.caller`. Health and metrics
     stay open, for probes and scrapers (vLLM's choice too)."""
 
-    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
-        self.app, self.keys = app, keys
+    def __init__(self, app: ASGIApp, core: GatewayCore) -> None:
+        self.app, self.core = app, core
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -453,7 +453,7 @@ class _Authenticate:
         authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         try:
             caller = (
-                self.keys.authenticate(authorization)
+                self.core.authenticate(authorization)
                 if scope["path"].startswith("/v1/")
                 else Caller(None)
             )
@@ -626,7 +626,7 @@ def create_app(core: GatewayCore, metrics: Any = None) -> FastAPI:
     /health/ready and /health; `metrics` (a prometheus_client registry) is served at /metrics."""
     app = FastAPI(title="moe-mesh gateway")
     app.add_middleware(_BodyLimit, limit=core.settings.max_body_bytes)
-    app.add_middleware(_Authenticate, keys=core.keys)  # added last: runs first
+    app.add_middleware(_Authenticate, core=core)  # added last: runs first
     app.add_exception_handler(errors.MoeMeshError, _on_mesh_error)
     app.add_exception_handler(RequestValidationError, _on_invalid_body)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)

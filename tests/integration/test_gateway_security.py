@@ -13,6 +13,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from moe_mesh.common.tls import MeshTls, open_channel
 from moe_mesh.local import certs
@@ -72,9 +73,18 @@ async def test_no_key_or_a_wrong_key_is_401_and_a_good_key_is_served_over_https(
             None,
         )
         assert (await raw.get("/v1/models")).status_code == 401
-        # Probes and scrapers need no key.
+        # Probes and scrapers need no key; the refusals above are counted.
         assert (await raw.get("/health")).status_code == 200
-        assert (await raw.get("/metrics")).status_code == 200
+        metrics = await raw.get("/metrics")
+        assert metrics.status_code == 200
+        refused = [
+            s.value
+            for family in text_string_to_metric_families(metrics.text)
+            for s in family.samples
+            if s.name == "moe_errors_total"
+            and s.labels.get("rpc_grpc_status_code") == "UNAUTHENTICATED"
+        ]
+        assert refused == [3.0]  # the wrong key, and the two requests without one
     async with client(mesh, KEY) as good:
         done = await good.completions.create(model="", prompt=[5, 6], max_tokens=3, temperature=0)
         assert done.usage.completion_tokens == 3

@@ -31,6 +31,7 @@ from moe_mesh.router_service.experts.fastpath import FastPathConfig
 from moe_mesh.router_service.experts.remote import Identity, RemoteExperts
 from moe_mesh.router_service.settings import RouterSettings
 from tests.support.certs import mesh_tls, tls_flags
+from tests.support.metrics import scrape, total
 
 HIDDEN = 64
 
@@ -124,7 +125,7 @@ async def test_the_fast_path_drops_unproven_hellos_and_the_router_falls_back_to_
     checkpoint, pki
 ) -> None:
     mesh, other = pki
-    async with expert(checkpoint, pki) as app:
+    async with expert(checkpoint, pki, metrics_port=0) as app:
         server = app.fast_path.server
         target = parse_worker_url(app.fast_paths)
         header = RequestHeader(
@@ -147,6 +148,7 @@ async def test_the_fast_path_drops_unproven_hellos_and_the_router_falls_back_to_
             finally:
                 client.close()
         assert server.refused == 2 and server.frames == 0 and not server.clients
+        assert total(scrape(app.telemetry), "moe_expert_fast_path_hellos_refused_total") == 2
 
         identity = Identity(app.host.model_id, app.host.weights_checksum)
         router_tls = mesh_tls(mesh, "router")
