@@ -3,7 +3,8 @@
 Each certificate serves and calls (both TLS usages), names the service and this machine
 (localhost, 127.0.0.1, ::1) plus any --host given, and is signed by the CA. Keys are EC P-256,
 written owner-only (0600). An existing CA in the directory is reused, so certificates for a new
-service can be added later; existing service files are kept unless --force.
+service can be added later; existing service files are kept unless --force. A CA whose key is not
+there (kept offline) is never replaced: the certificates already there are used as they are.
 """
 
 from __future__ import annotations
@@ -57,14 +58,14 @@ def create(
         if not service or "/" in service or service.startswith("."):
             raise InvalidArgumentError("service", f"{service!r} is not a file-name-safe name")
     directory.mkdir(parents=True, exist_ok=True)
+    out = {s: files(directory, s) for s in services}
+    missing = [s for s, f in out.items() if force or not (f.cert.exists() and f.key.exists())]
+    if not missing:  # nothing to issue: the CA key may well be kept elsewhere
+        return out
     ca_cert, ca_key = _ca(directory, organization, days)
     names = list(dict.fromkeys([*LOCAL_NAMES, *hosts]))
-    out = {}
-    for service in services:
-        paths = files(directory, service)
-        out[service] = paths
-        if paths.cert.exists() and paths.key.exists() and not force:
-            continue
+    for service in missing:
+        paths = out[service]
         key = ec.generate_private_key(ec.SECP256R1())
         cert = _issue(ca_cert, ca_key, key, service, [service, *names], days, organization)
         _write(paths.key, _key_pem(key), private=True)
@@ -77,8 +78,19 @@ def _ca(
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     cert_path, key_path = directory / CA_FILE, directory / CA_KEY_FILE
     if cert_path.exists() and key_path.exists():
-        key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
-        return x509.load_pem_x509_certificate(cert_path.read_bytes()), key  # type: ignore[return-value]
+        try:
+            key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+            return x509.load_pem_x509_certificate(cert_path.read_bytes()), key  # type: ignore[return-value]
+        except (ValueError, TypeError) as e:
+            raise InvalidArgumentError(
+                "certs", f"{directory}: {CA_FILE} or {CA_KEY_FILE} is not an unencrypted PEM ({e})"
+            ) from None
+    if cert_path.exists():  # a CA whose key is kept elsewhere: never replace it
+        raise InvalidArgumentError(
+            "certs",
+            f"{directory} has {CA_FILE} but not {CA_KEY_FILE}: certificates it lacks "
+            "cannot be issued here",
+        )
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name(
         [

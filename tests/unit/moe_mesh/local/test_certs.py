@@ -6,9 +6,11 @@ from __future__ import annotations
 import ipaddress
 import stat
 
+import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from moe_mesh.common.errors import InvalidArgumentError
 from moe_mesh.common.tls import MeshTls
 from moe_mesh.local import certs
 from tests.support.cli import moe_mesh
@@ -56,3 +58,16 @@ def test_the_command_writes_every_service_and_refuses_bad_input(tmp_path) -> Non
     assert bad.returncode == 2 and "days" in bad.stderr
     bad = moe_mesh("certs", "--out", str(tmp_path / "d"), "--service", "../x")
     assert bad.returncode == 2 and "service" in bad.stderr
+
+
+def test_a_ca_kept_elsewhere_is_never_replaced_and_a_broken_one_is_named(tmp_path) -> None:
+    made = certs.create(tmp_path, ["router"])["router"]
+    (tmp_path / certs.CA_KEY_FILE).unlink()  # the CA key lives offline
+    ca = made.ca.read_bytes()
+    assert certs.create(tmp_path, ["router"])["router"] == made  # nothing to issue: fine
+    with pytest.raises(InvalidArgumentError, match="has ca.pem but not ca-key.pem"):
+        certs.create(tmp_path, ["router", "expert"])
+    assert made.ca.read_bytes() == ca and not (tmp_path / "expert.pem").exists()
+    (tmp_path / certs.CA_KEY_FILE).write_text("junk")
+    with pytest.raises(InvalidArgumentError, match="not an unencrypted PEM"):
+        certs.create(tmp_path, ["expert"])
