@@ -1,6 +1,6 @@
 """The UCX fast path between real processes on loopback: every family's greedy tokens identical to
 transformers with every expert remote and every expert call over UCX (shared memory, and
-UCX_TLS=tcp); with ucxx not importable everything goes over gRPC with the same tokens; a replica
+UCX_TLS=tcp with the whole mesh under mutual TLS, so the hellos carry certificate proofs); with ucxx not importable everything goes over gRPC with the same tokens; a replica
 whose fast path goes away mid-load costs no request, is counted, and is used again once it returns.
 
 The router runs as a process of its own: UCX reads its environment when ucxx is imported, which this
@@ -19,11 +19,14 @@ import grpc
 import pytest
 
 from moe_mesh.common.fastpath.ucx import load_ucxx
+from moe_mesh.common.tls import MeshTls, open_channel
 from moe_mesh.expert_service.app import ExpertApp
 from moe_mesh.expert_service.settings import ExpertSettings
+from moe_mesh.local import certs
 from moe_mesh.ops.traces import load_spans
 from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.support import hf
+from tests.support.certs import mesh_tls, tls_args
 from tests.support.metrics import scrape, total
 from tests.support.polling import eventually
 from tests.support.processes import ServiceProcess, start_experts
@@ -51,10 +54,18 @@ def router_process(
 
 
 @contextmanager
-def mesh(path: Path, workdir: Path, *router_args: str, env: dict | None = None) -> Iterator:
-    experts = start_experts(path, TWO_SERVICES, workdir, env=env)
+def mesh(
+    path: Path, workdir: Path, *router_args: str, env: dict | None = None, tls: bool = False
+) -> Iterator:
+    """Expert services and a router; with `tls` every one of them serves mutual TLS."""
+    expert_tls = router_tls = []
+    if tls:
+        certs.create(workdir / "certs", ["expert", "router"])
+        expert_tls, router_tls = (tls_args(workdir / "certs", k) for k in ("expert", "router"))
+    experts = start_experts(path, TWO_SERVICES, workdir, *expert_tls, env=env)
     try:
-        router = router_process(path, [e.address for e in experts], workdir, *router_args, env=env)
+        addresses = [e.address for e in experts]
+        router = router_process(path, addresses, workdir, *router_tls, *router_args, env=env)
         try:
             yield router.wait_ready(), experts
         finally:
@@ -64,9 +75,11 @@ def mesh(path: Path, workdir: Path, *router_args: str, env: dict | None = None) 
             e.stop()
 
 
-async def generate_all(address: str, max_tokens: int = 32) -> tuple[tuple[int, ...], ...]:
+async def generate_all(
+    address: str, max_tokens: int = 32, tls: MeshTls | None = None
+) -> tuple[tuple[int, ...], ...]:
     """The reference prompts, all in flight at once (one batch), greedy."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address, [], tls=tls) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
         replies = await asyncio.gather(
             *(generate(stub, request(i, max_tokens)) for i in range(len(PROMPTS)))
@@ -74,8 +87,8 @@ async def generate_all(address: str, max_tokens: int = 32) -> tuple[tuple[int, .
     return tuple(tokens for tokens, _ in replies)
 
 
-async def status(address: str) -> router_pb2.RouterStatus:
-    async with grpc.aio.insecure_channel(address) as channel:
+async def status(address: str, tls: MeshTls | None = None) -> router_pb2.RouterStatus:
+    async with open_channel(address, [], tls=tls) as channel:
         return await router_pb2_grpc.RouterServiceStub(channel).Status(
             router_pb2.RouterStatusRequest(), timeout=5
         )
@@ -97,9 +110,11 @@ async def test_every_family_matches_transformers_with_every_call_over_ucx(
     env = {} if tls == "default" else {"UCX_TLS": "tcp"}
     trace_file = tmp_path / "router.spans.jsonl"
     args = ["--fast-path", "ucx", "--trace-file", str(trace_file), "--trace-sample", "1"]
-    with mesh(path, tmp_path, *args, env=env) as (router, experts):
-        assert await generate_all(router.address) == hf.greedy(path)
-        st = await status(router.address)
+    secure = tls == "tcp"
+    with mesh(path, tmp_path, *args, env=env, tls=secure) as (router, experts):
+        client = mesh_tls(tmp_path / "certs", "router") if secure else None
+        assert await generate_all(router.address, tls=client) == hf.greedy(path)
+        st = await status(router.address, client)
         rows = {r.backend: r for r in st.replicas}
         assert set(rows) == {e.address for e in experts}
         assert all(r.transport == "ucx" and r.fast_path_fallbacks == 0 for r in rows.values())

@@ -17,3 +17,9 @@ def tls_flags(directory: Path, service: str) -> dict[str, Path]:
     """A service's settings fields for its certificate in `directory`."""
     f = certs.files(directory, service)
     return {"tls_cert": f.cert, "tls_key": f.key, "tls_ca": f.ca}
+
+
+def tls_args(directory: Path, service: str) -> list[str]:
+    """A service process's flags for its certificate in `directory`."""
+    f = certs.files(directory, service)
+    return ["--tls-cert", str(f.cert), "--tls-key", str(f.key), "--tls-ca", str(f.ca)]
