@@ -15,7 +15,8 @@ duplicate of one in flight is 409). Unknown fields are ignored, since OpenAI cli
 known OpenAI features this server cannot honour (`logprobs`, `echo`, penalties, `tools`, ...) are
 refused rather than silently dropped. Values are validated by the core; every
 error uses OpenAI's `{"error": {message, type, param, code}}` shape, `param` naming the field.
-Bodies over `max_body_bytes` are refused with 413 before they are read; list and string limits
+Under API keys (gateway/auth.py) a /v1/ request without `Authorization: Bearer <key>` of a known
+key is 401 before its body is read. Bodies over `max_body_bytes` are refused with 413 before they are read; list and string limits
 are part of the body schema, so an oversized list is refused before its items are validated.
 """
 
