@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import uvicorn
 
 from moe_mesh.common.errors import InvalidArgumentError, MoeMeshError, UnavailableError
@@ -14,7 +15,7 @@ from moe_mesh.common.registry import ROUTER_SERVICE, Instance, Membership, Regis
 from moe_mesh.common.registry.follow import Follower, follow
 from moe_mesh.common.server import GrpcServer, Service, listen_socket, wait_for_signal
 from moe_mesh.common.telemetry import Telemetry
-from moe_mesh.common.tls import MeshTls, load_identity, public_server_credentials
+from moe_mesh.common.tls import MeshTls, public_server_credentials
 from moe_mesh.common.tokenizer import NoTokenizer, Tokenizer
 from moe_mesh.gateway.auth import ApiKeys
 from moe_mesh.gateway.core import GatewayCore
@@ -42,9 +43,11 @@ class GatewayApp:
         core: GatewayCore,
         routers: list[RouterClient],
         telemetry: Telemetry,
+        public_credentials: grpc.ServerCredentials | None = None,
     ) -> None:
+        """`public_credentials`: TLS of the public endpoints (settings.public_tls_files, checked)."""
         self.settings, self.core, self.routers, self.telemetry = settings, core, routers, telemetry
-        public = settings.public_tls_files()
+        public = settings.public_tls_files() if public_credentials else None
         self.grpc = GrpcServer(
             [
                 Service(
@@ -59,7 +62,7 @@ class GatewayApp:
             max_message_bytes=settings.max_body_bytes,
             grace_s=settings.grace_s,
             interceptors=telemetry.server_interceptors(),
-            credentials=public_server_credentials(*public) if public else None,
+            credentials=public_credentials,
             reflection=settings.reflection,
         )
         self.grpc.on_ready.append(self._start_http)
@@ -101,11 +104,13 @@ class GatewayApp:
         # Files first: a bad key or certificate file fails before any router is dialed.
         keys = ApiKeys.from_environment(settings.api_key_file)
         tls = MeshTls.from_settings(settings)
-        if public := settings.public_tls_files():
-            load_identity(*public, ("public_tls_cert", "public_tls_key"))
+        public = settings.public_tls_files()
+        credentials = public_server_credentials(*public) if public else None
         registry = open_registry(settings.registry, settings.registry_address)
         if registry is not None:
-            return await cls._create_following(settings, registry, telemetry, keys, tls)
+            return await cls._create_following(
+                settings, registry, telemetry, keys, tls, credentials
+            )
         if not settings.routers:
             raise InvalidArgumentError(
                 "routers", "give at least one router address, or registry='consul'"
@@ -123,7 +128,7 @@ class GatewayApp:
         if len(ids) != 1:
             raise UnavailableError(f"routers serve different models: {sorted(ids)}")
         core = GatewayCore(settings, _tokenizer(settings), routers, models[0], telemetry, keys)
-        return cls(settings, core, routers, telemetry)
+        return cls(settings, core, routers, telemetry, credentials)
 
     @classmethod
     async def _create_following(
@@ -133,6 +138,7 @@ class GatewayApp:
         telemetry: Telemetry,
         keys: ApiKeys,
         tls: MeshTls | None,
+        credentials: grpc.ServerCredentials | None,
     ) -> GatewayApp:
         """Routers come and go with the registry; start once one is there and answers Status."""
         interceptors = telemetry.client_interceptors()
@@ -152,7 +158,7 @@ class GatewayApp:
         model = await next(iter(routers.clients.values())).model(settings.connect_timeout_s)
         clients = list(routers.clients.values())
         core = GatewayCore(settings, _tokenizer(settings), clients, model, telemetry, keys)
-        app = cls(settings, core, clients, telemetry)
+        app = cls(settings, core, clients, telemetry, credentials)
 
         def apply(m: Membership) -> None:
             if routers.reconcile(

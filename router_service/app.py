@@ -9,7 +9,6 @@ from typing import Any
 from moe_mesh.common.registry import ROUTER_SERVICE, Instance, open_registry, registration_hooks
 from moe_mesh.common.server import GrpcServer, Service, advertised_host, wait_for_signal
 from moe_mesh.common.telemetry import Telemetry
-from moe_mesh.common.tls import MeshTls
 from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 from moe_mesh.router_service.build import RouterParts, build_router, default_model_id
 from moe_mesh.router_service.core import RouterCore
@@ -29,7 +28,6 @@ class RouterApp:
         parts: RouterParts,
         model_id: str,
         telemetry: Telemetry,
-        tls: MeshTls | None = None,
     ) -> None:
         self.settings, self.parts, self.telemetry = settings, parts, telemetry
         self.membership = parts.membership
@@ -57,7 +55,7 @@ class RouterApp:
             max_message_bytes=settings.max_message_bytes,
             grace_s=settings.grace_s,
             interceptors=telemetry.server_interceptors(),
-            credentials=tls.server_credentials() if tls else None,
+            credentials=parts.tls.server_credentials() if parts.tls else None,
             reflection=settings.reflection,
         )
 
@@ -70,7 +68,7 @@ class RouterApp:
                 self.server.bound_port,
                 tags=("moe-mesh",),
                 meta={"model_id": core.model_id},
-                tls=tls is not None,
+                tls=parts.tls is not None,
             )
 
         registration_hooks(
@@ -89,7 +87,6 @@ class RouterApp:
     ) -> RouterApp:
         """Telemetry comes from the settings unless given (tests pass in-memory exporters)."""
         model_id = settings.model_id or default_model_id(settings.checkpoint)
-        tls = MeshTls.from_settings(settings)
         telemetry = telemetry or Telemetry.from_settings("router", settings, settings.host)
         try:
             registry = open_registry(settings.registry, settings.registry_address)
@@ -97,7 +94,7 @@ class RouterApp:
         except BaseException:
             telemetry.shutdown()
             raise
-        return cls(settings, parts, model_id, telemetry, tls)
+        return cls(settings, parts, model_id, telemetry)
 
     def start_core(self) -> None:
         """Step the engine and, with a colocation budget, re-tier experts as utilization moves."""

@@ -181,6 +181,7 @@ class RouterParts:
         default_factory=list
     )  # static expert services, closed on stop
     membership: ExpertMembership | None = None
+    tls: MeshTls | None = None  # the mesh identity it calls expert services with, and serves with
 
 
 async def build_router(
@@ -189,6 +190,7 @@ async def build_router(
     """An engine whose experts live in expert services (static endpoints, or the registry followed live),
     in the `colocate` spec, and in tiering's budget. With neither endpoints nor registry it is monolithic.
     Waits until every expert has a replica."""
+    tls = MeshTls.from_settings(settings)  # first: a bad certificate file fails before any load
     checkpoint = _open(settings)
     config = tiering_config(settings, checkpoint)
     model = build_model(checkpoint, settings, placement={}, telemetry=telemetry)
@@ -203,7 +205,6 @@ async def build_router(
         checkpoint, placement, model.dispatcher.window, config, settings.tier_interval_s
     )
     identity = _identity(settings, checkpoint)
-    tls = MeshTls.from_settings(settings)  # mutual TLS to the expert services
     fast_path = fast_path_config(settings, telemetry, tls)
     if registry is not None:
         membership = ExpertMembership(
@@ -216,7 +217,7 @@ async def build_router(
             tls,
         )
         await membership.start(registry, settings.connect_timeout_s)
-        return RouterParts(Engine(model, settings), tierer, membership=membership)
+        return RouterParts(Engine(model, settings), tierer, membership=membership, tls=tls)
     remote = (
         await connect(
             settings.expert_endpoints,
@@ -242,4 +243,4 @@ async def build_router(
             f"no expert service serves {format_experts(missing)} and they are not colocated "
             "(add expert services or --colocate)"
         )
-    return RouterParts(Engine(model, settings), tierer, remotes=backends)
+    return RouterParts(Engine(model, settings), tierer, remotes=backends, tls=tls)
