@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench import ensure_checkpoint
-from moe_mesh.common.tls import MeshTls, open_channel
+from moe_mesh.benchmark.setups import Setup, started
+from moe_mesh.common.tls import open_channel
+from moe_mesh.ops.client import mesh_tls
 from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
 
 KEY = "sk-bench-tls-0123456789"
@@ -33,29 +34,13 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINT = ROOT / ".cache/bench-small-mixtral"  # bench.mesh_dispatch's
 
 
-def start(checkpoint: Path, workdir: Path, name: str, tls: bool, fast_path: str) -> tuple:
-    ready = workdir / f"{name}.json"
-    args = [sys.executable, "-m", "moe_mesh", "up", "--checkpoint", str(checkpoint)]
-    args += ["--ready-file", str(ready), "--run-dir", str(workdir / name)]
-    args += ["--router-arg", f"--fast-path {fast_path} --max-num-seqs 64"]
-    if tls:
-        (workdir / "keys").write_text(f"{KEY}\n")
-        args += ["--tls", "--api-key-file", str(workdir / "keys")]
-    log = open(workdir / f"{name}.log", "w")
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT), ready
-
-
-def wait(proc: subprocess.Popen, ready: Path, timeout_s: float = 300) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"mesh for {ready.name} did not come up (see its log)")
-        time.sleep(0.2)
-    return json.loads(ready.read_text())
+def setup(name: str, tls: bool, fast_path: str, keys: Path) -> Setup:
+    args = ["--router-arg", f"--fast-path {fast_path} --max-num-seqs 64"]
+    return Setup(name, tuple(args + (["--tls", "--api-key-file", str(keys)] if tls else [])))
 
 
 async def decode_rate(mesh: dict, batch: int, new_tokens: int) -> float:
-    tls = MeshTls.ca_only(Path(mesh["tls"]["ca"])) if "tls" in mesh else None
+    tls = mesh_tls(mesh)
     metadata = (("authorization", f"Bearer {KEY}"),) if tls else ()
     async with open_channel(mesh["gateway_grpc"], [], tls=tls) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
@@ -117,21 +102,19 @@ def main() -> int:
     args = parser.parse_args()
     ensure_checkpoint(args.checkpoint)
     workdir = Path(tempfile.mkdtemp(prefix="moe-bench-tls-"))
-    procs = {}
-    try:
+    (workdir / "keys").write_text(f"{KEY}\n")
+    meshes = {}
+    with contextlib.ExitStack() as stack:
         for transport in args.transports:
             fast_path = "ucx" if transport == "ucx" else "off"
             for tls in (False, True):
                 name = f"{transport}-{'tls' if tls else 'plain'}"
-                procs[name] = start(args.checkpoint, workdir, name, tls, fast_path)
-                wait(*procs[name])  # one at a time: start-ups would fight for the cores
-        meshes = {name: json.loads(ready.read_text()) for name, (_, ready) in procs.items()}
+                # One at a time (start-ups would fight for the cores), then all up side by side.
+                ready = stack.enter_context(
+                    started(setup(name, tls, fast_path, workdir / "keys"), args.checkpoint, workdir)
+                )
+                meshes[name] = json.loads(ready.read_text())
         result = asyncio.run(measure(meshes, args))
-    finally:
-        for proc, _ in procs.values():
-            proc.send_signal(signal.SIGTERM)
-        for proc, _ in procs.values():
-            proc.wait(60)
     result.update(checkpoint=str(args.checkpoint), cpus=os.cpu_count(), new_tokens=args.new_tokens)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -179,23 +179,18 @@ def _ready_url(path: Path) -> str:
         raise InvalidArgumentError("--ready-file", f"{path} names no gateway_http") from None
 
 
-def _ca(args: argparse.Namespace) -> Path | None:
-    """The CA an https gateway is checked against: --tls-ca, or the ready file's of `up --tls`."""
-    if args.tls_ca is not None:
-        return args.tls_ca
-    ready = getattr(args, "ready_file", None)
-    if ready is not None and ready.exists():
-        files = json.loads(ready.read_text()).get("tls")
-        return Path(files["ca"]) if files else None
-    return None
-
-
-async def _bench_target(url: str, name: str, args: argparse.Namespace, report: dict) -> dict:
-    """Every load point against the gateway at `url`: the set-up's entry of the report."""
+async def _bench_target(
+    url: str, name: str, args: argparse.Namespace, report: dict, ready: Path | None = None
+) -> dict:
+    """Every load point against the gateway at `url` (of the mesh `ready` describes, if known):
+    the set-up's entry of the report."""
     from tqdm import tqdm
 
+    from moe_mesh.ops.client import client_tls
+
     url = client.base_url(url)
-    async with client.session(args.max_duration_s + 60, _ca(args)) as s:
+    tls = client_tls(ready, args.tls_ca)  # an https gateway: its CA
+    async with client.session(args.max_duration_s + 60, tls) as s:
         model = await client.fetch_model(s, url)
         max_len = min(args.max_model_len or model.max_model_len, model.max_model_len)
         requests = build_workload(
@@ -311,12 +306,13 @@ def run_bench(args: argparse.Namespace) -> int:
                     f"==> set-up {setup.name}: moe-mesh up {' '.join(setup.up_args)}",
                     file=sys.stderr,
                 )
-            with setups.started(setup, args.checkpoint, out.parent / "setups") as url:
-                entry = asyncio.run(_bench_target(url, setup.name, args, report))
+            with setups.started(setup, args.checkpoint, out.parent / "setups") as ready:
+                url = _ready_url(ready)
+                entry = asyncio.run(_bench_target(url, setup.name, args, report, ready))
             record({**entry, "up_args": list(setup.up_args)})
     else:
         url = args.url or _ready_url(args.ready_file)
-        record(asyncio.run(_bench_target(url, args.name, args, report)))
+        record(asyncio.run(_bench_target(url, args.name, args, report, args.ready_file)))
     print(render(report))
     print(f"wrote {out}", file=sys.stderr)
     try:

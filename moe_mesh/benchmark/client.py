@@ -8,20 +8,19 @@ Requests go to the OpenAI-compatible `/v1/completions` with the prompt as token 
 from __future__ import annotations
 
 import json
-import os
 import ssl
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 
 from moe_mesh.benchmark.stats import RequestResult
 from moe_mesh.benchmark.workload import BenchRequest
 from moe_mesh.common.errors import PreconditionError, UnavailableError
+from moe_mesh.common.tls import MeshTls
+from moe_mesh.ops.client import api_key
 
 CONNECT_TIMEOUT_S = 10.0
-API_KEY_ENV = "MOE_MESH_API_KEY"  # as `moe-mesh generate --gateway` sends it
 
 
 @dataclass(frozen=True)
@@ -39,14 +38,13 @@ def base_url(url: str) -> str:
     return url.removesuffix("/v1")
 
 
-def session(timeout_s: float, ca: Path | None = None) -> aiohttp.ClientSession:
+def session(timeout_s: float, tls: MeshTls | None = None) -> aiohttp.ClientSession:
     """A session with no connection cap (the load generator, not the pool, bounds concurrency),
-    checking an https gateway against `ca` and sending the API key in MOE_MESH_API_KEY."""
-    key = os.environ.get(API_KEY_ENV, "").strip()
+    checking an https gateway against `tls`'s CA and sending the API key in MOE_MESH_API_KEY."""
+    key = api_key()
+    context = ssl.create_default_context(cadata=tls.ca.decode()) if tls else True
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(
-            limit=0, ssl=ssl.create_default_context(cafile=str(ca)) if ca else True
-        ),
+        connector=aiohttp.TCPConnector(limit=0, ssl=context),
         timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=CONNECT_TIMEOUT_S),
         headers={"Authorization": f"Bearer {key}"} if key else None,
     )

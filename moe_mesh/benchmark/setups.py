@@ -10,7 +10,6 @@ SIGKILLed after a bound.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -69,9 +68,9 @@ def started(
     run_dir: Path,
     ready_timeout_s: float = READY_TIMEOUT_S,
     stop_timeout_s: float = STOP_TIMEOUT_S,
-) -> Iterator[str]:
-    """Run `moe-mesh up` for `setup` and yield the gateway's HTTP address (http://host:port) once
-    the whole mesh serves; stop it on the way out. Its logs go to run_dir/NAME/."""
+) -> Iterator[Path]:
+    """Run `moe-mesh up` for `setup` and yield its ready file (the endpoints, and a `--tls` mesh's
+    certificates) once the whole mesh serves; stop it on the way out. Its logs go to run_dir/NAME/."""
     here = run_dir / setup.name
     here.mkdir(parents=True, exist_ok=True)
     ready = here / "ready.json"
@@ -111,7 +110,7 @@ def started(
                     f"set-up {setup.name!r} not serving after {ready_timeout_s:g}s (log {log_path})"
                 )
             time.sleep(0.1)
-        yield "http://" + json.loads(ready.read_text())["gateway_http"]
+        yield ready
     finally:
         _stop(proc, stop_timeout_s)
 

@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from moe_mesh.common.errors import InvalidArgumentError
+from moe_mesh.common.tls import MeshTls
 
 SERVICES = ("gateway", "router", "expert", "registry", "client")
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -40,6 +41,18 @@ def files(directory: Path, service: str) -> ServiceFiles:
     return ServiceFiles(
         directory / f"{service}.pem", directory / f"{service}-key.pem", directory / CA_FILE
     )
+
+
+def flags(directory: Path, service: str) -> list[str]:
+    """The flags that give a service process its certificate in `directory`."""
+    f = files(directory, service)
+    return ["--tls-cert", str(f.cert), "--tls-key", str(f.key), "--tls-ca", str(f.ca)]
+
+
+def mesh_tls(directory: Path, service: str) -> MeshTls:
+    """A service's identity in `directory`, read and checked."""
+    f = files(directory, service)
+    return MeshTls.load(f.cert, f.key, f.ca)
 
 
 def create(

@@ -133,13 +133,11 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from moe_mesh.common.tls import MeshTls
-    from moe_mesh.ops.client import mesh_tls
+    from moe_mesh.ops.client import client_tls
 
-    args.tls = MeshTls.ca_only(args.tls_ca) if args.tls_ca else None
     if args.ready_file:
         args.gateway = gateway_of(args.ready_file)
-        args.tls = args.tls or mesh_tls(json.loads(args.ready_file.read_text()))
+    args.tls = client_tls(args.ready_file, args.tls_ca)
     if args.gateway:
         return _run_generate_remote(args)
     if not args.checkpoint:

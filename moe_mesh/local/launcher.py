@@ -34,7 +34,6 @@ from moe_mesh.common import runtime
 from moe_mesh.common.arch import load_spec
 from moe_mesh.common.placement import format_experts, parse_experts
 from moe_mesh.common.server import write_ready_file
-from moe_mesh.common.tls import MeshTls
 from moe_mesh.local import certs
 
 READY_TIMEOUT_S = 180.0
@@ -118,7 +117,9 @@ class Launcher:
         from moe_mesh.local.registry import EmbeddedConsul
 
         # Its health checks present a mesh certificate, as Consul's enable_agent_tls_for_checks.
-        self._registry = EmbeddedConsul(tls=self._mesh_tls("registry"))
+        self._registry = EmbeddedConsul(
+            tls=certs.mesh_tls(self.tls_dir, "registry") if self.tls_dir else None
+        )
         registry = await self._registry.start()
         self._control_server = control = await asyncio.start_server(self._control, "127.0.0.1", 0)
         host, port = control.sockets[0].getsockname()[:2]
@@ -158,16 +159,7 @@ class Launcher:
         )
 
     def _tls_args(self, service: str) -> list[str]:
-        if self.tls_dir is None:
-            return []
-        f = certs.files(self.tls_dir, service)
-        return ["--tls-cert", str(f.cert), "--tls-key", str(f.key), "--tls-ca", str(f.ca)]
-
-    def _mesh_tls(self, service: str) -> MeshTls | None:
-        if self.tls_dir is None:
-            return None
-        f = certs.files(self.tls_dir, service)
-        return MeshTls.load(f.cert, f.key, f.ca)
+        return certs.flags(self.tls_dir, service) if self.tls_dir else []
 
     def scale(self, experts: str, replicas: int) -> dict:
         """Run exactly `replicas` expert-service processes serving `experts` (0 removes them all)."""

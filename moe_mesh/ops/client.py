@@ -25,7 +25,7 @@ from moe_mesh.protos.moe_mesh.v1 import (
     router_pb2_grpc,
 )
 
-API_KEY_ENV = "MOE_MESH_API_KEY"  # what `generate --gateway` sends as its API key
+API_KEY_ENV = "MOE_MESH_API_KEY"  # the API key clients of a gateway send (generate, bench)
 
 
 def mesh_tls(mesh: dict) -> MeshTls | None:
@@ -36,10 +36,23 @@ def mesh_tls(mesh: dict) -> MeshTls | None:
     return MeshTls.load(Path(files["cert"]), Path(files["key"]), Path(files["ca"]))
 
 
+def client_tls(ready_file: Path | None, ca: Path | None = None) -> MeshTls | None:
+    """How a client checks a running mesh: against `ca` (--tls-ca) alone when given, else with the
+    client certificate a ready file of `up --tls` names, else plaintext."""
+    if ca is not None:
+        return MeshTls.ca_only(ca)
+    if ready_file is None or not ready_file.exists():
+        return None
+    return mesh_tls(json.loads(ready_file.read_text()))
+
+
+def api_key() -> str:
+    return os.environ.get(API_KEY_ENV, "").strip()
+
+
 def api_key_metadata() -> tuple[tuple[str, str], ...]:
     """`authorization` metadata from MOE_MESH_API_KEY, for a gateway that wants API keys."""
-    key = os.environ.get(API_KEY_ENV, "").strip()
-    return (("authorization", f"Bearer {key}"),) if key else ()
+    return (("authorization", f"Bearer {key}"),) if (key := api_key()) else ()
 
 
 async def generate_remote(

@@ -322,13 +322,9 @@ def _ready_routers(path: Path) -> list[str]:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from moe_mesh.ops.client import mesh_tls, router_status
+    from moe_mesh.ops.client import client_tls, router_status
 
-    tls = (
-        mesh_tls(json.loads(args.ready_file.read_text()))
-        if args.ready_file is not None and args.ready_file.exists()
-        else None
-    )
+    tls = client_tls(args.ready_file)
 
     async def ask(addresses: list[str]) -> list[dict]:
         return list(await asyncio.gather(*(router_status(a, tls) for a in addresses)))

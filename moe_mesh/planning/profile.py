@@ -137,12 +137,12 @@ async def measure_transports(
 
     from moe_mesh.common.fastpath import LOOPBACK_HOSTS
     from moe_mesh.common.fastpath.auth import HelloSigner
-    from moe_mesh.ops.client import mesh_tls
+    from moe_mesh.ops.client import client_tls
     from moe_mesh.router_service.experts.fastpath import FastPathConfig
     from moe_mesh.router_service.experts.remote import Identity, RemoteExperts
 
     # A mesh of `up --tls`: its ready file names the client certificate to call (and say hello) with.
-    tls = mesh_tls(json.loads(args.ready_file.read_text())) if args.ready_file else None
+    tls = client_tls(args.ready_file)
     signer = HelloSigner.from_tls(tls) if tls else None
     max_bytes = 256 * 2**20
     probe = RemoteExperts(address, Identity("", ""), max_bytes, tls=tls)

@@ -26,7 +26,6 @@ from moe_mesh.local import certs
 from moe_mesh.ops.traces import load_spans
 from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.support import hf
-from tests.support.certs import mesh_tls, tls_args
 from tests.support.metrics import scrape, total
 from tests.support.polling import eventually
 from tests.support.processes import ServiceProcess, start_experts
@@ -61,7 +60,7 @@ def mesh(
     expert_tls = router_tls = []
     if tls:
         certs.create(workdir / "certs", ["expert", "router"])
-        expert_tls, router_tls = (tls_args(workdir / "certs", k) for k in ("expert", "router"))
+        expert_tls, router_tls = (certs.flags(workdir / "certs", k) for k in ("expert", "router"))
     experts = start_experts(path, TWO_SERVICES, workdir, *expert_tls, env=env)
     try:
         addresses = [e.address for e in experts]
@@ -112,7 +111,7 @@ async def test_every_family_matches_transformers_with_every_call_over_ucx(
     args = ["--fast-path", "ucx", "--trace-file", str(trace_file), "--trace-sample", "1"]
     secure = tls == "tcp"
     with mesh(path, tmp_path, *args, env=env, tls=secure) as (router, experts):
-        client = mesh_tls(tmp_path / "certs", "router") if secure else None
+        client = certs.mesh_tls(tmp_path / "certs", "router") if secure else None
         assert await generate_all(router.address, tls=client) == hf.greedy(path)
         st = await status(router.address, client)
         rows = {r.backend: r for r in st.replicas}

@@ -28,7 +28,6 @@ from moe_mesh.common.registry.consul import ConsulRegistry
 from moe_mesh.common.server import GrpcServer
 from moe_mesh.local import certs
 from moe_mesh.local.registry import EmbeddedConsul, parse_duration
-from tests.support.certs import mesh_tls
 from tests.support.memory_registry import MemoryRegistry
 from tests.support.polling import eventually
 from tests.support.registries import (
@@ -486,12 +485,12 @@ async def test_a_tls_instance_is_checked_over_tls_with_the_registrys_certificate
     """A service under mutual TLS registers a TLS health check; it passes only for a registry that
     presents a certificate of the mesh's CA (Consul: enable_agent_tls_for_checks)."""
     certs.create(tmp_path, ["expert", "registry"])
-    tls = mesh_tls(tmp_path, "expert")
+    tls = certs.mesh_tls(tmp_path, "expert")
     server = GrpcServer([], grace_s=0.1, credentials=tls.server_credentials())
     await server.start()
     try:
         for registry_tls, status in [
-            (mesh_tls(tmp_path, "registry"), "passing"),
+            (certs.mesh_tls(tmp_path, "registry"), "passing"),
             (None, "critical"),
         ]:
             embedded = EmbeddedConsul(tls=registry_tls)

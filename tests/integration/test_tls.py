@@ -30,7 +30,7 @@ from moe_mesh.router_service.app import RouterApp
 from moe_mesh.router_service.experts.fastpath import FastPathConfig
 from moe_mesh.router_service.experts.remote import Identity, RemoteExperts
 from moe_mesh.router_service.settings import RouterSettings
-from tests.support.certs import mesh_tls, tls_flags
+from tests.support.certs import tls_flags
 from tests.support.metrics import scrape, total
 
 HIDDEN = 64
@@ -67,7 +67,7 @@ def callers(pki) -> dict[str, MeshTls | None | str]:
     certificate of another CA (which also does not trust the mesh's server certificate: it is
     given the mesh CA to check the server with, so only its own certificate is wrong)."""
     mesh, other = pki
-    stranger = mesh_tls(other, "client")
+    stranger = certs.mesh_tls(other, "client")
     return {
         "plaintext": None,
         "no certificate": MeshTls.ca_only(mesh / certs.CA_FILE),
@@ -85,7 +85,7 @@ async def health(address: str, tls: MeshTls | None) -> int:
 
 async def test_an_expert_service_serves_only_callers_of_the_mesh_ca(checkpoint, pki) -> None:
     async with expert(checkpoint, pki) as app:
-        assert await health(app.address, mesh_tls(pki[0], "client")) == 1  # SERVING
+        assert await health(app.address, certs.mesh_tls(pki[0], "client")) == 1  # SERVING
         for name, tls in callers(pki).items():
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await health(app.address, tls)
@@ -100,7 +100,7 @@ async def test_a_router_serves_only_callers_of_the_mesh_ca_and_lists_no_methods(
     app = await RouterApp.create(settings)
     await app.start()
     try:
-        async with open_channel(app.server.address, [], tls=mesh_tls(pki[0], "client")) as ch:
+        async with open_channel(app.server.address, [], tls=certs.mesh_tls(pki[0], "client")) as ch:
             status = await router_pb2_grpc.RouterServiceStub(ch).Status(
                 router_pb2.RouterStatusRequest(), timeout=5
             )
@@ -139,7 +139,7 @@ async def test_the_fast_path_drops_unproven_hellos_and_the_router_falls_back_to_
             payload_bytes=2 * HIDDEN * 4,
         )
         hidden = torch.randn(2, HIDDEN)
-        strangers = [None, HelloSigner.from_tls(mesh_tls(other, "client"))]
+        strangers = [None, HelloSigner.from_tls(certs.mesh_tls(other, "client"))]
         for signer in strangers:
             client = FrameClient(target, 2**24, signer=signer)
             try:
@@ -151,7 +151,7 @@ async def test_the_fast_path_drops_unproven_hellos_and_the_router_falls_back_to_
         assert total(scrape(app.telemetry), "moe_expert_fast_path_hellos_refused_total") == 2
 
         identity = Identity(app.host.model_id, app.host.weights_checksum)
-        router_tls = mesh_tls(mesh, "router")
+        router_tls = certs.mesh_tls(mesh, "router")
 
         def backend(signer: HelloSigner | None) -> RemoteExperts:
             config = FastPathConfig(mode="ucx", timeout_s=0.5, signer=signer)

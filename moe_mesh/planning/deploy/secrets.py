@@ -37,12 +37,19 @@ def files(plan: Plan, component: str) -> list[str]:
     return out + ([CONSUL_TOKEN] if secure(plan) else [])
 
 
+def _tls_flags(plan: Plan, directory: str) -> list[str]:
+    """The certificate flags a service and its probe share (none without `security.tls`)."""
+    if not plan.security.tls:
+        return []
+    return [
+        *("--tls-cert", f"{directory}/{CERT}", "--tls-key", f"{directory}/{KEY}"),
+        *("--tls-ca", f"{directory}/{CA}", "--tls-server-name", plan.security.server_name),
+    ]
+
+
 def flags(plan: Plan, component: str, directory: str) -> list[str]:
     """The service flags naming its secret files in `directory`."""
-    out = []
-    if plan.security.tls:
-        out += ["--tls-cert", f"{directory}/{CERT}", "--tls-key", f"{directory}/{KEY}"]
-        out += ["--tls-ca", f"{directory}/{CA}", "--tls-server-name", plan.security.server_name]
+    out = _tls_flags(plan, directory)
     if plan.security.api_keys and kind(component) == "gateway":
         out += ["--api-key-file", f"{directory}/{API_KEYS}"]
     return out
@@ -50,8 +57,4 @@ def flags(plan: Plan, component: str, directory: str) -> list[str]:
 
 def probe(plan: Plan, port: str, directory: str) -> list[str]:
     """`moe-mesh probe` of a service on this host, presenting its own certificate under TLS."""
-    out = ["moe-mesh", "probe", f"127.0.0.1:{port}"]
-    if plan.security.tls:
-        out += ["--tls-cert", f"{directory}/{CERT}", "--tls-key", f"{directory}/{KEY}"]
-        out += ["--tls-ca", f"{directory}/{CA}", "--tls-server-name", plan.security.server_name]
-    return out
+    return ["moe-mesh", "probe", f"127.0.0.1:{port}", *_tls_flags(plan, directory)]

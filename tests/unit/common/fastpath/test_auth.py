@@ -10,7 +10,6 @@ import pytest
 from moe_mesh.common.fastpath import frame as f
 from moe_mesh.common.fastpath.auth import MAX_SKEW_S, HelloSigner, HelloVerifier
 from moe_mesh.local import certs
-from tests.support.certs import mesh_tls
 
 SERVER, NUMBER, CLIENT, ADDRESS = b"server-worker-address", 3, 12345, b"client-worker-address"
 
@@ -20,23 +19,24 @@ def keys(tmp_path_factory):
     mesh, other = tmp_path_factory.mktemp("mesh"), tmp_path_factory.mktemp("other")
     certs.create(mesh, ["router", "expert"])
     certs.create(other, ["router"])
-    verifier = HelloVerifier(mesh_tls(mesh, "expert"))
+    verifier = HelloVerifier(certs.mesh_tls(mesh, "expert"))
     return (
-        HelloSigner.from_tls(mesh_tls(mesh, "router")),
-        HelloSigner.from_tls(mesh_tls(other, "router")),
+        HelloSigner.from_tls(certs.mesh_tls(mesh, "router")),
+        HelloSigner.from_tls(certs.mesh_tls(other, "router")),
         verifier,
+        mesh,
     )
 
 
 def test_a_proof_of_the_mesh_passes_and_travels_in_the_hello(keys) -> None:
-    signer, _, verifier = keys
+    signer, _, verifier, _ = keys
     proof = signer.proof(SERVER, NUMBER, CLIENT, ADDRESS)
     client_id, address, got = f.decode_hello(f.encode_hello(CLIENT, ADDRESS, proof=proof))
     verifier.check(got, SERVER, NUMBER, client_id, address)
 
 
 def test_anything_else_is_refused(keys) -> None:
-    signer, stranger, verifier = keys
+    signer, stranger, verifier, _ = keys
     good = signer.proof(SERVER, NUMBER, CLIENT, ADDRESS)
     cases = {
         "no mesh certificate proof": (b"", SERVER, NUMBER, CLIENT, ADDRESS),
@@ -65,9 +65,9 @@ def test_anything_else_is_refused(keys) -> None:
 
 
 def test_an_old_proof_is_refused(keys) -> None:
-    signer, _, verifier = keys
+    signer, _, _, mesh = keys
     proof = signer.proof(SERVER, NUMBER, CLIENT, ADDRESS)
-    later = HelloVerifier.__new__(HelloVerifier)
-    later.ca, later.clock = verifier.ca, lambda: time.time() + MAX_SKEW_S + 5
+    expert = certs.mesh_tls(mesh, "expert")
+    later = HelloVerifier(expert, clock=lambda: time.time() + MAX_SKEW_S + 5)
     with pytest.raises(f.FrameError, match="s off"):
         later.check(proof, SERVER, NUMBER, CLIENT, ADDRESS)
