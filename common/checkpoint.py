@@ -6,7 +6,8 @@ files, so untouched tensors cost no memory. Experts may be stored per expert (pu
 checkpoints) or fused as 3-D tensors (transformers v5: gate_up_proj [E, 2I, H], down_proj [E, H, I]).
 
 With `prepack=True` (what the services use) every matrix a linear layer reads is converted once
-into the CPU GEMM kernels' layout (common/linear.py): a copy, no longer a view of the file.
+into oneDNN's layout where this host measured it faster (common/linear.py): a copy, no longer a
+view of the file.
 """
 
 from __future__ import annotations

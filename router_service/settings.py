@@ -70,14 +70,14 @@ class RouterSettings(TelemetrySettings, SecuritySettings):
         "the router's compute and remote experts; 'auto' picks 1-4 from measured compute and "
         "transfer times (1 when every expert is colocated)",
     )
-    serial_max_tokens: int = Field(
-        32,
+    serial_max_tokens: int | None = Field(
+        None,
         ge=0,
         le=1 << 20,
         description="forward passes of at most this many tokens (decode steps, small batches) "
-        "compute on one thread: they are bound by memory bandwidth, which one core nearly "
-        "saturates, and waking the others for each of their small ops costs more than they add; "
-        "0: always use every compute thread",
+        "compute on one thread, leaving the other cores asleep through their hundreds of small "
+        "ops; unset: 32 where one thread reads most of the memory bandwidth that all threads "
+        "read (measured once per host, common/linear.py), else 0: always every compute thread",
     )
     compute_threads: int | None = Field(
         None,

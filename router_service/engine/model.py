@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from moe_mesh.common.arch import ModelSpec
-from moe_mesh.common.linear import linear
+from moe_mesh.common.linear import SERIAL_TOKENS, linear
+from moe_mesh.common.linear import plan as kernel_plan
 from moe_mesh.common.moe import expert_ffn
 from moe_mesh.common.weights import DenseWeights
 from moe_mesh.router_service.engine.kv_cache import KVCache, block_bytes
@@ -126,13 +127,15 @@ class MoeModel:
         dispatcher: ExpertDispatcher,
         max_model_len: int,
         compute: Compute = inline,
-        serial_max_tokens: int = 0,
+        serial_max_tokens: int | None = 0,
     ) -> None:
         self.spec, self.weights, self.dispatcher = spec, weights, dispatcher
         self.max_model_len = max_model_len
         self.compute = compute
-        self.serial_max_tokens = serial_max_tokens
         self.dtype = weights.embed.dtype
+        if serial_max_tokens is None:  # what this host runs fastest
+            serial_max_tokens = SERIAL_TOKENS if kernel_plan(self.dtype).serial else 0
+        self.serial_max_tokens = serial_max_tokens
         self.rope = Rope(spec, max_model_len, self.dtype)
 
     def close(self) -> None:
@@ -173,7 +176,7 @@ class MoeModel:
         """Run layers until one needs remote experts (False) or the pass is done (True)."""
         began = time.perf_counter()
         threads = torch.get_num_threads()
-        # A pass this small is bound by memory bandwidth, which one core nearly saturates: waking
+        # A pass this small is bound by memory bandwidth: where one core reads most of it, waking
         # the other threads for each of its hundreds of ops costs more than they add.
         serial = threads > 1 and p.batch.token_ids.numel() <= self.serial_max_tokens
         if serial:

@@ -15,8 +15,10 @@ from moe_mesh.common.errors import (
     InternalError,
     InvalidArgumentError,
 )
+from moe_mesh.common.linear import SERIAL_TOKENS, KernelPlan
 from moe_mesh.router_service.build import build_local_engine
 from moe_mesh.router_service.engine import engine as engine_module
+from moe_mesh.router_service.engine import model as model_module
 from moe_mesh.router_service.engine.engine import Engine, FinishReason
 from moe_mesh.router_service.engine.sampling import SamplingParams, sample
 from moe_mesh.router_service.settings import RouterSettings
@@ -290,3 +292,17 @@ def test_a_failure_while_preparing_a_step_fails_the_steps_requests_only(
     assert not engine.has_unfinished() and engine.running == []
     assert engine.scheduler.pool.num_used == 0  # their blocks went back
     assert generate(engine, GREEDY) == alone
+
+
+@pytest.mark.parametrize("serial", [True, False])
+def test_an_unset_serial_max_tokens_follows_the_hosts_kernel_plan(checkpoint, monkeypatch, serial):
+    plan = KernelPlan(packed=False, serial=serial)
+    monkeypatch.setattr(model_module, "kernel_plan", lambda dtype: plan)
+    path = checkpoint("qwen3_moe")
+    for asked, expected in ((None, SERIAL_TOKENS if serial else 0), (7, 7)):
+        settings = RouterSettings(checkpoint=path, max_model_len=64, serial_max_tokens=asked)
+        engine = build_local_engine(settings)
+        try:
+            assert engine.model.serial_max_tokens == expected
+        finally:
+            engine.close()
