@@ -33,15 +33,8 @@ PROCESS_WIDE = [
     (
         "MOE_MESH_PREPACK",
         "router, expert service",
-        "`auto` (default): hold linear weights in oneDNN's prepacked layout where that measured "
-        "faster on this CPU; `on` always (where oneDNN has the dtype), `off` never",
-    ),
-    (
-        "MOE_MESH_KERNEL_CACHE",
-        "router, expert service, profile",
-        "file where the kernel plan measured on this host is kept (default "
-        "`~/.cache/moe-mesh/kernels.json`, under `XDG_CACHE_HOME` when set); `off` measures at "
-        "every start; delete the file to measure again",
+        "`auto` (default): hold linear weights in oneDNN's prepacked layout where the process "
+        "measured it faster at start-up; `on` always (where oneDNN has the dtype), `off` never",
     ),
     (
         "MOE_GATEWAY_API_KEY",

@@ -1,8 +1,6 @@
-"""The kernel plan (measured once per host, cached) and the products `linear` computes."""
+"""The layout and decode threads a process measures at start-up, and the products `linear` computes."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
@@ -12,84 +10,78 @@ from moe_mesh.common import linear as L
 
 
 @pytest.fixture
-def fresh(monkeypatch, tmp_path):
-    """A process that has not planned yet, caching in a file of its own."""
-    monkeypatch.setenv("MOE_MESH_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+def fresh(monkeypatch):
+    """A process that has measured nothing yet, on a small working set."""
     monkeypatch.delenv("MOE_MESH_PREPACK", raising=False)
-    L.plan.cache_clear()
-    yield tmp_path / "kernels.json"
-    L.plan.cache_clear()
+    monkeypatch.setattr(L, "_WORKING_SET", 4 << 20)
+    L.packed.cache_clear()
+    L.serial_decode.cache_clear()
+    yield
+    L.packed.cache_clear()
+    L.serial_decode.cache_clear()
 
 
-def counting(monkeypatch, result: L.KernelPlan) -> list[torch.dtype]:
-    calls: list[torch.dtype] = []
+def timed(monkeypatch, seconds) -> list[tuple[int, str, int]]:
+    """Replace the timer: `seconds(rows, kernel, threads)` is what each measurement takes."""
+    calls = []
 
-    def measure(dtype):
-        calls.append(dtype)
-        return result
+    def fake(weights, rows, product, repeats=3):
+        kernel = "packed" if product is L._packed_linear else "plain"
+        calls.append((rows, kernel, torch.get_num_threads()))
+        return seconds(rows, kernel, torch.get_num_threads())
 
-    monkeypatch.setattr(L, "_measure", measure)
+    monkeypatch.setattr(L, "_seconds", fake)
     return calls
 
 
-def test_a_plan_is_measured_once_per_host_then_read_from_the_cache(fresh, monkeypatch):
-    calls = counting(monkeypatch, L.KernelPlan(True, False, 0.5))
-    first = L.plan(torch.bfloat16)
-    assert calls == [torch.bfloat16] and (first.packed, first.serial) == (True, False)
-    entry = json.loads(fresh.read_text())
-    assert [k.endswith("torch.bfloat16") for k in entry] == [True]
-
-    L.plan.cache_clear()  # a new process on the same host
-    again = L.plan(torch.bfloat16)
-    assert calls == [torch.bfloat16]
-    assert (again.packed, again.serial, again.seconds) == (True, False, 0.0)
-
-
-def test_a_torn_or_foreign_cache_is_measured_again(fresh, monkeypatch):
-    calls = counting(monkeypatch, L.KernelPlan(False, True))
-    fresh.write_text('{"oops": ')
-    L.plan(torch.float32)
-    key = L._host_key(torch.float32)
-    fresh.write_text(json.dumps({key: {"packed": "yes", "serial": 1}}))
-    L.plan.cache_clear()
-    L.plan(torch.float32)
-    assert calls == [torch.float32, torch.float32]
-    assert json.loads(fresh.read_text())[key]["packed"] is False
-
-
-def test_cache_off_measures_every_start_and_writes_nothing(fresh, monkeypatch):
-    monkeypatch.setenv("MOE_MESH_KERNEL_CACHE", "off")
-    calls = counting(monkeypatch, L.KernelPlan(False, True))
-    L.plan(torch.float32)
-    L.plan.cache_clear()
-    L.plan(torch.float32)
-    assert len(calls) == 2 and not fresh.exists()
+@pytest.mark.skipif(not L._can_pack(torch.float32), reason="this torch has no oneDNN linear")
+@pytest.mark.parametrize(("packed_share", "chosen"), [(0.5, True), (0.95, False), (1.3, False)])
+def test_the_layout_is_prepacked_only_when_clearly_faster(fresh, monkeypatch, packed_share, chosen):
+    calls = timed(
+        monkeypatch, lambda rows, kernel, _: rows * (packed_share if kernel == "packed" else 1)
+    )
+    assert L.packed(torch.float32) is chosen
+    assert sorted({rows for rows, _, _ in calls}) == [1, 4, 16, 64]
+    assert L.prepack(torch.randn(8, 4)).is_mkldnn is chosen
+    L.packed(torch.float32)
+    assert len(calls) == 8  # measured once per process
 
 
 @pytest.mark.parametrize("setting", ["on", "off"])
-def test_moe_mesh_prepack_overrides_the_measured_layout(fresh, monkeypatch, setting):
-    counting(monkeypatch, L.KernelPlan(setting == "off", True))
+def test_moe_mesh_prepack_decides_without_measuring(fresh, monkeypatch, setting):
+    calls = timed(monkeypatch, lambda *_: 1.0)
     monkeypatch.setenv("MOE_MESH_PREPACK", setting)
-    w = torch.randn(64, 32)
-    assert L.plan(torch.float32).packed is (setting == "on" and L._can_pack(torch.float32))
-    assert L.prepack(w).is_mkldnn is L.plan(torch.float32).packed
+    expected = setting == "on" and L._can_pack(torch.float32)
+    assert L.packed(torch.float32) is expected and calls == []
+    assert L.prepack(torch.randn(8, 4)).is_mkldnn is expected
 
 
-def test_measuring_times_the_real_kernels_and_decides_each_question(fresh):
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        p = L._measure(dtype, working_set=4 << 20)
-        assert isinstance(p.packed, bool) and isinstance(p.serial, bool) and p.seconds > 0
-        assert L._can_pack(dtype) or not p.packed  # only what oneDNN has is ever chosen
+@pytest.mark.parametrize(("speedup", "one_thread"), [(1.2, True), (1.9, False)])
+def test_decode_passes_keep_one_thread_unless_more_threads_read_much_faster(
+    fresh, monkeypatch, speedup, one_thread
+):
+    monkeypatch.setenv("MOE_MESH_PREPACK", "off")
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:  # one thread is all there is
-        assert L._measure(torch.float32, working_set=4 << 20).serial
+    torch.set_num_threads(2)
+    try:
+        calls = timed(monkeypatch, lambda rows, kernel, n: 1.0 if n == 1 else 1 / speedup)
+        assert L.serial_decode(torch.float32) is one_thread
+        assert [n for _, _, n in calls] == [2, 1]
+        assert torch.get_num_threads() == 2  # put back
     finally:
         torch.set_num_threads(threads)
 
 
+def test_measuring_times_the_real_kernels(fresh):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert L.packed(dtype) in (True, False)
+        assert L._can_pack(dtype) or not L.packed(dtype)  # only what oneDNN has is chosen
+        assert L.serial_decode(dtype) in (True, False)
+    assert L._seconds(L._weights(torch.float32), 4, F.linear) > 0
+
+
 @pytest.mark.parametrize("pack", [False, True])
-def test_float32_products_are_torchs_within_rounding(pack):
+def test_products_are_torchs_within_rounding(pack):
     if pack and not L._can_pack(torch.float32):
         pytest.skip("this torch build has no oneDNN linear kernels")
     w, b, x = torch.randn(48, 32), torch.randn(48), torch.randn(5, 32)

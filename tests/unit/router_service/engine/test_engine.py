@@ -15,7 +15,7 @@ from moe_mesh.common.errors import (
     InternalError,
     InvalidArgumentError,
 )
-from moe_mesh.common.linear import SERIAL_TOKENS, KernelPlan
+from moe_mesh.common.linear import SERIAL_TOKENS
 from moe_mesh.router_service.build import build_local_engine
 from moe_mesh.router_service.engine import engine as engine_module
 from moe_mesh.router_service.engine import model as model_module
@@ -295,9 +295,8 @@ def test_a_failure_while_preparing_a_step_fails_the_steps_requests_only(
 
 
 @pytest.mark.parametrize("serial", [True, False])
-def test_an_unset_serial_max_tokens_follows_the_hosts_kernel_plan(checkpoint, monkeypatch, serial):
-    plan = KernelPlan(packed=False, serial=serial)
-    monkeypatch.setattr(model_module, "kernel_plan", lambda dtype: plan)
+def test_an_unset_serial_max_tokens_follows_what_the_host_measured(checkpoint, monkeypatch, serial):
+    monkeypatch.setattr(model_module, "serial_decode", lambda dtype: serial)
     path = checkpoint("qwen3_moe")
     for asked, expected in ((None, SERIAL_TOKENS if serial else 0), (7, 7)):
         settings = RouterSettings(checkpoint=path, max_model_len=64, serial_max_tokens=asked)
