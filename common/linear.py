@@ -5,7 +5,9 @@ which kernel is fastest there depends on the CPU, not on the model. Measured on 
 same Xeon family (2 cores each):
 - with AMX/avx512_bf16, oneDNN's prepacked weights ran 1-32-row products 2-4× faster than MKL on
   a plain [out, in] matrix; without them (no native bf16), one-row float32 products ran 15%
-  slower prepacked (20 vs 28 GB/s) and 32-row ones 15% faster;
+  slower prepacked (20 vs 28 GB/s) and 32-row ones 15% faster, and their last bits differed
+  from MKL's enough to flip greedy near-ties against transformers (float32 must not: it is
+  prepacked only where the products are bit-identical to torch's);
 - one thread read 38 of two threads' 47 GB/s on the first host and 15 of 28 on the second,
   which decides whether a decode pass should leave the other cores asleep (the router's
   --serial-max-tokens).
@@ -60,6 +62,10 @@ def packed(dtype: torch.dtype) -> bool:
         return False
     if forced in ("on", "1", "true", "yes"):
         return True
+    if dtype == torch.float32 and not _same_bits():
+        # float32 must give transformers' tokens exactly, and near-ties flip on the last bit.
+        log.info("float32 weights plain: prepacked products differ from torch's in the last bits")
+        return False
     began = time.perf_counter()
     plain = _weights(dtype)
     layout = [torch.ops.mkldnn._reorder_linear_weight(w) for w in plain]
@@ -117,6 +123,18 @@ def _packed_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _same_bits() -> bool:
+    """Whether oneDNN's float32 products are bit-identical to torch's (MKL's) here."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 1024, generator=gen)
+    layout = torch.ops.mkldnn._reorder_linear_weight(w)
+    for rows in (1, 4, 16, 64):
+        x = torch.randn(rows, 1024, generator=gen)
+        if not torch.equal(_packed_linear(x, layout), F.linear(x, w)):
+            return False
+    return True
 
 
 def _weights(dtype: torch.dtype) -> list[torch.Tensor]:

@@ -37,6 +37,7 @@ def timed(monkeypatch, seconds) -> list[tuple[int, str, int]]:
 @pytest.mark.skipif(not L._can_pack(torch.float32), reason="this torch has no oneDNN linear")
 @pytest.mark.parametrize(("packed_share", "chosen"), [(0.5, True), (0.95, False), (1.3, False)])
 def test_the_layout_is_prepacked_only_when_clearly_faster(fresh, monkeypatch, packed_share, chosen):
+    monkeypatch.setattr(L, "_same_bits", lambda: True)
     calls = timed(
         monkeypatch, lambda rows, kernel, _: rows * (packed_share if kernel == "packed" else 1)
     )
@@ -45,6 +46,23 @@ def test_the_layout_is_prepacked_only_when_clearly_faster(fresh, monkeypatch, pa
     assert L.prepack(torch.randn(8, 4)).is_mkldnn is chosen
     L.packed(torch.float32)
     assert len(calls) == 8  # measured once per process
+
+
+def test_float32_stays_plain_where_prepacked_products_differ_in_the_last_bits(fresh, monkeypatch):
+    calls = timed(monkeypatch, lambda rows, kernel, _: 0.1 if kernel == "packed" else 1.0)
+    monkeypatch.setattr(L, "_same_bits", lambda: False)
+    assert L.packed(torch.float32) is False and calls == []  # however fast it would be
+    if L._can_pack(torch.bfloat16):  # 16-bit parity is bounded, not exact: speed decides
+        assert L.packed(torch.bfloat16) is True
+
+
+@pytest.mark.skipif(not L._can_pack(torch.float32), reason="this torch has no oneDNN linear")
+def test_the_bit_check_compares_real_products(fresh):
+    w, x = torch.randn(256, 1024), torch.randn(3, 1024)
+    same = torch.equal(
+        L._packed_linear(x, torch.ops.mkldnn._reorder_linear_weight(w)), F.linear(x, w)
+    )
+    assert L._same_bits() in (same, False)  # one differing shape is enough to say no
 
 
 @pytest.mark.parametrize("setting", ["on", "off"])
