@@ -1,4 +1,4 @@
-"""Linear layers in the layout, and decode passes on the threads, this host runs fastest, as measured.
+"""Linear layers, and the threads of a decode pass, chosen by measuring this host at start-up.
 
 Decoding reads every weight once per step, so a step's time is mostly GEMV/small-GEMM time, and
 which kernel is fastest there depends on the CPU, not on the model. Measured on two hosts of the
@@ -12,8 +12,8 @@ same Xeon family (2 cores each):
   which decides whether a decode pass should leave the other cores asleep (the router's
   --serial-max-tokens).
 
-So a process measures both on its first use, on 64 MiB of weights (0.1-0.3 s each), and follows
-what it found: `prepack` holds weights in the faster layout, and the router asks `serial_decode` for its
+So a process measures both on first use, on 64 MiB of weights (0.1-0.5 s), and follows what it
+found: `prepack` holds weights in the faster layout, and the router asks `serial_decode` for its
 default --serial-max-tokens. Not cached across processes: a measurement disturbed by a busy
 neighbour must not outlive the process that took it. MOE_MESH_PREPACK=on|off overrides the
 measured layout (plain tensors with `off`).
