@@ -44,7 +44,9 @@ async def main_async(args: argparse.Namespace) -> dict:
     transports_ = {"grpc": "off"}
     if load_ucxx(loopback=True) is not None:
         transports_["ucx"] = "ucx"
-    base = dict(checkpoint=args.checkpoint, max_num_seqs=max(args.batches))
+    # Eleven routers live in this process: each KV cache sized for the 16 + 16 tokens a sequence
+    # has here, not `auto`'s share of free memory (eleven of those swap the machine).
+    base = dict(checkpoint=args.checkpoint, max_num_seqs=max(args.batches), max_model_len=64)
     routers = {}
     try:
         engines = {"monolithic": build_local_engine(RouterSettings(**base))}
