@@ -10,8 +10,7 @@ same Xeon family (2 cores each):
   prepacked only where the products are bit-identical to torch's);
 - one thread read 38 of two threads' 47 GB/s on the first host and 15 of 28 on the second,
   which decides whether a decode pass should leave the other cores asleep (the router's
-  --serial-max-tokens); where processes share the cores and idle threads sleep at once
-  (runtime.configure), a decode pass always keeps to one thread.
+  --serial-max-tokens).
 
 So a process measures both on first use, on 64 MiB of weights (0.1-0.5 s), and follows what it
 found: `prepack` holds weights in the faster layout, and the router asks `serial_decode` for its
@@ -30,8 +29,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
-from moe_mesh.common import runtime
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +88,6 @@ def serial_decode(dtype: torch.dtype) -> bool:
     """Whether decode-sized passes of `dtype` weights run on one thread (as fast, fewer wake-ups)."""
     threads = torch.get_num_threads()
     if threads == 1:
-        return True
-    if runtime.threads_sleep():
-        # Processes share these cores (moe-mesh up, compose, the suite): the other core is a
-        # neighbour's, and waking a sleeping thread for each small op ran a 32-sequence
-        # monolithic router at 49 tok/s against 190 on one thread.
-        log.info("%s decode passes on one thread: idle threads sleep (shared cores)", dtype)
         return True
     weights = _weights(dtype)
     if packed(dtype):

@@ -37,14 +37,6 @@ def configure(shares_cores: bool = False) -> None:
         _spin_defaulted = True
 
 
-def threads_sleep() -> bool:
-    """Whether idle OpenMP threads sleep at once here (processes sharing the cores)."""
-    return (
-        os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
-        or os.environ.get("GOMP_SPINCOUNT") == "0"
-    )
-
-
 def shared_cores_env(env: dict[str, str]) -> dict[str, str]:
     """`env` for a child process that will share this host's cores with its siblings."""
     env = dict(env)

@@ -76,9 +76,8 @@ class RouterSettings(TelemetrySettings, SecuritySettings):
         le=1 << 20,
         description="forward passes of at most this many tokens (decode steps, small batches) "
         "compute on one thread, leaving the other cores asleep through their hundreds of small "
-        "ops; unset: 32 where idle threads sleep at once (cores shared with other processes) "
-        "or all threads read less than 1.5x what one thread reads (measured at start-up, "
-        "common/linear.py), else 0: always every compute thread",
+        "ops; unset: 32 where all threads read less than 1.5x what one thread reads (measured "
+        "at start-up, common/linear.py), else 0: always every compute thread",
     )
     compute_threads: int | None = Field(
         None,

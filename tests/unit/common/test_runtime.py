@@ -42,22 +42,3 @@ def test_what_the_user_set_wins_here_and_in_children(
         and len({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ)) == 1
     )
     assert runtime.shared_cores_env(dict(os.environ))[var] == value
-
-
-@pytest.mark.parametrize(
-    ("env", "sleeps"),
-    [
-        ({"OMP_WAIT_POLICY": "PASSIVE"}, True),
-        ({"OMP_WAIT_POLICY": "passive"}, True),
-        ({"GOMP_SPINCOUNT": "0"}, True),
-        ({"GOMP_SPINCOUNT": "10000"}, False),
-        ({"OMP_WAIT_POLICY": "ACTIVE"}, False),
-        ({}, False),
-    ],
-)
-def test_threads_sleep_reads_how_openmp_was_told_to_wait(monkeypatch, env, sleeps):
-    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    assert runtime.threads_sleep() is sleeps
