@@ -44,9 +44,10 @@ async def main_async(args: argparse.Namespace) -> dict:
     transports_ = {"grpc": "off"}
     if load_ucxx(loopback=True) is not None:
         transports_["ucx"] = "ucx"
-    # Eleven routers live in this process: each KV cache sized for a sequence's 16 prompt and
-    # new tokens here, not `auto`'s share of free memory (eleven of those swap the machine).
-    longest = 16 + args.new_tokens
+    # Eleven routers live in this process: each KV cache sized for twice a sequence's 16 prompt
+    # and new tokens (room for the previous run's cached prefixes, so no step waits for blocks),
+    # not `auto`'s share of free memory (eleven of those swap the machine).
+    longest = 2 * (16 + args.new_tokens)
     base = dict(checkpoint=args.checkpoint, max_num_seqs=max(args.batches), max_model_len=longest)
     routers = {}
     try:
