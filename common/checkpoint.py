@@ -6,8 +6,8 @@ files, so untouched tensors cost no memory. Experts may be stored per expert (pu
 checkpoints) or fused as 3-D tensors (transformers v5: gate_up_proj [E, 2I, H], down_proj [E, H, I]).
 
 With `prepack=True` (what the services use) every matrix a linear layer reads is converted once
-into oneDNN's layout where this host measured it faster (common/linear.py): a copy, no longer a
-view of the file.
+into oneDNN's layout where this host measured it faster, or wherever oneDNN has the dtype with
+`batch_invariant=True` (expert services; common/linear.py): a copy, no longer a view of the file.
 """
 
 from __future__ import annotations
@@ -32,10 +32,14 @@ class Checkpoint:
     """A checkpoint directory: config.json plus one or more safetensors files (optionally indexed)."""
 
     def __init__(
-        self, path: str | Path, dtype: torch.dtype | None = None, prepack: bool = False
+        self,
+        path: str | Path,
+        dtype: torch.dtype | None = None,
+        prepack: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         self.path = Path(path)
-        self._prepack = prepack
+        self._prepack, self._batch_invariant = prepack, batch_invariant
         if not self.path.is_dir():
             raise CheckpointError("checkpoint directory not found", file=str(self.path))
         self.spec: ModelSpec = load_spec(self.path)
@@ -132,7 +136,7 @@ class Checkpoint:
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """A weight a linear layer reads: prepacked when this checkpoint was opened to serve."""
-        return prepack(weight) if self._prepack else weight
+        return prepack(weight, self._batch_invariant) if self._prepack else weight
 
     def optional(self, name: str, shape: tuple[int, ...], present: bool) -> torch.Tensor | None:
         return self.tensor(name, shape) if present else None

@@ -44,6 +44,13 @@ _SHAPE = (2048, 1024)  # a small expert's projection
 _WORKING_SET = 64 << 20  # more than a core's caches: products read memory as a model's do
 
 
+def _prepack_setting() -> str:
+    value = os.environ.get("MOE_MESH_PREPACK", "auto").lower()
+    if value in ("off", "0", "false", "no"):
+        return "off"
+    return "on" if value in ("on", "1", "true", "yes") else "auto"
+
+
 def _can_pack(dtype: torch.dtype) -> bool:
     if not torch.backends.mkldnn.is_available() or not hasattr(
         torch.ops.mkldnn, "_reorder_linear_weight"
@@ -57,10 +64,10 @@ def _can_pack(dtype: torch.dtype) -> bool:
 @functools.cache
 def packed(dtype: torch.dtype) -> bool:
     """Whether `dtype` weights are held in oneDNN's prepacked layout in this process."""
-    forced = os.environ.get("MOE_MESH_PREPACK", "auto").lower()
-    if forced in ("off", "0", "false", "no") or not _can_pack(dtype):
+    forced = _prepack_setting()
+    if forced == "off" or not _can_pack(dtype):
         return False
-    if forced in ("on", "1", "true", "yes"):
+    if forced == "on":
         return True
     if dtype == torch.float32 and not _same_bits():
         # float32 must give transformers' tokens exactly, and near-ties flip on the last bit.
@@ -105,11 +112,20 @@ def serial_decode(dtype: torch.dtype) -> bool:
     return one < _PARALLEL_GAIN * every
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [out, in] in oneDNN's blocked layout when that is faster here, else unchanged."""
-    if weight.device.type != "cpu" or weight.is_mkldnn or not packed(weight.dtype):
+def prepack(weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+    """`weight` [out, in] in oneDNN's blocked layout when that is faster here, else unchanged.
+
+    `batch_invariant`: in oneDNN's layout wherever it has the dtype, faster or not. Its products
+    give a row the same bits whatever else is in the batch; MKL's small-batch kernels do not (an
+    8-row product's rows differ from the same rows inside a 40-row one). An expert service merges
+    its callers' rows into one batch, so its answers must not depend on their batch-mates."""
+    if weight.device.type != "cpu" or weight.is_mkldnn:
         return weight
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+    if batch_invariant:
+        wanted = _prepack_setting() != "off" and _can_pack(weight.dtype)
+    else:
+        wanted = packed(weight.dtype)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if wanted else weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -87,6 +87,7 @@ class ExpertHost:
             settings.checkpoint,
             dtype=None if settings.dtype == "auto" else getattr(torch, settings.dtype),
             prepack=True,
+            batch_invariant=True,  # the batcher merges callers: rows must not see batch-mates
         )
         experts = parse_experts(settings.experts, checkpoint.spec)
         return cls(

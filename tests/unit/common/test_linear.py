@@ -109,3 +109,18 @@ def test_products_are_torchs_within_rounding(pack):
         torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     else:
         assert torch.equal(y, F.linear(x, w, b))
+
+
+@pytest.mark.skipif(not L._can_pack(torch.float32), reason="this torch has no oneDNN linear")
+def test_batch_invariant_weights_give_a_row_the_same_bits_whatever_its_batch_mates(
+    fresh, monkeypatch
+):
+    monkeypatch.setattr(L, "_same_bits", lambda: False)  # the measured choice would stay plain
+    w, x = torch.randn(2048, 1024), torch.randn(40, 1024)
+    assert not L.prepack(w).is_mkldnn
+    weight = L.prepack(w, batch_invariant=True)
+    assert weight.is_mkldnn
+    for rows in (1, 8, 16):
+        assert torch.equal(L.linear(x[:rows], weight), L.linear(x, weight)[:rows])
+    monkeypatch.setenv("MOE_MESH_PREPACK", "off")
+    assert not L.prepack(w, batch_invariant=True).is_mkldnn
