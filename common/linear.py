@@ -75,7 +75,7 @@ def packed(dtype: torch.dtype) -> bool:
         return False
     began = time.perf_counter()
     plain = _weights(dtype)
-    layout = [torch.ops.mkldnn._reorder_linear_weight(w) for w in plain]
+    layout = [_pack(w) for w in plain]
     ratio = 1.0  # decode-sized products, rows spread log-uniformly, each counting alike
     for rows in (1, 4, 16, 64):
         ratio *= _seconds(layout, rows, _packed_linear) / _seconds(plain, rows, F.linear)
@@ -98,7 +98,7 @@ def serial_decode(dtype: torch.dtype) -> bool:
         return True
     weights = _weights(dtype)
     if packed(dtype):
-        weights = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+        weights = [_pack(w) for w in weights]
     product = _packed_linear if packed(dtype) else F.linear
     every = _seconds(weights, 1, product, repeats=5)
     torch.set_num_threads(1)
@@ -125,7 +125,7 @@ def prepack(weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor
         wanted = _prepack_setting() != "off" and _can_pack(weight.dtype)
     else:
         wanted = packed(weight.dtype)
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if wanted else weight
+    return _pack(weight) if wanted else weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,6 +133,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.is_mkldnn:
         return _packed_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 
 
 def _packed_linear(
@@ -145,7 +149,7 @@ def _same_bits() -> bool:
     """Whether oneDNN's float32 products are bit-identical to torch's (MKL's) here."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(256, 1024, generator=gen)
-    layout = torch.ops.mkldnn._reorder_linear_weight(w)
+    layout = _pack(w)
     for rows in (1, 4, 16, 64):
         x = torch.randn(rows, 1024, generator=gen)
         if not torch.equal(_packed_linear(x, layout), F.linear(x, w)):

@@ -73,15 +73,19 @@ def process_cpu_s(pid: int) -> float | None:
 class LayerBench:
     """One checkpoint's weights (dense part + one MoE layer's experts) and inputs to time them on."""
 
-    def __init__(self, checkpoint: Checkpoint, seed: int = 0) -> None:
-        self.checkpoint = checkpoint
+    def __init__(
+        self, checkpoint: Checkpoint, seed: int = 0, experts: Checkpoint | None = None
+    ) -> None:
+        """`experts`: where the expert weights come from, opened as an expert service opens
+        them (its layout may differ from the router's; common/linear.py); default `checkpoint`."""
+        self.expert_checkpoint = experts or checkpoint
         self.spec: ModelSpec = checkpoint.spec
         self.dense: DenseWeights = checkpoint.load_dense()
         self.layer_id = self.spec.moe_layer_ids[0]  # every MoE layer has the same shapes
         self.layer: LayerWeights = self.dense.layers[self.layer_id]
         pairs = [(self.layer_id, e) for e in range(self.spec.num_experts)]
         self.experts: dict[int, FFNWeights] = {
-            e: w for (_, e), w in checkpoint.load_experts(pairs).items()
+            e: w for (_, e), w in self.expert_checkpoint.load_experts(pairs).items()
         }
         self.dtype = self.dense.embed.dtype
         self._gen = torch.Generator().manual_seed(seed)
@@ -178,7 +182,7 @@ class LayerBench:
     ) -> Timing:
         """The FFNs of a Forward call carrying rows for several experts of `layer`, one after another
         as the service's compute thread runs them."""
-        weights = self.checkpoint.load_experts([(layer, e) for e, _ in groups])
+        weights = self.expert_checkpoint.load_experts([(layer, e) for e, _ in groups])
         inputs = [(rows, weights[(layer, e)]) for e, rows in groups]
 
         def run() -> None:

@@ -357,8 +357,11 @@ def profile(args: argparse.Namespace) -> ProfileFile:
     from moe_mesh.common.checkpoint import Checkpoint
     from moe_mesh.planning.measure import LayerBench
 
-    checkpoint = Checkpoint(args.checkpoint, dtype=getattr(torch, args.dtype), prepack=True)
-    bench = LayerBench(checkpoint)
+    dtype = getattr(torch, args.dtype)
+    checkpoint = Checkpoint(args.checkpoint, dtype=dtype, prepack=True)
+    # Expert timings in the layout expert services hold (batch-invariant), not the router's.
+    experts = Checkpoint(args.checkpoint, dtype=dtype, prepack=True, batch_invariant=True)
+    bench = LayerBench(checkpoint, experts=experts)
     spec = bench.spec
     _say(f"{spec.family}: {len(spec.moe_layer_ids)} MoE layers x {spec.num_experts} experts")
     compute = measure_compute(args, bench)

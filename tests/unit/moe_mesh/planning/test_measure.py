@@ -57,3 +57,16 @@ def test_a_latent_attention_model_with_dense_layers_is_timed(checkpoint) -> None
         assert t.wall_s > 0
     shares = bench.load_shares(64)
     assert sorted(shares) == [1, 2] and sum(shares[1]) == pytest.approx(1.0)
+
+
+@pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN kernels"
+)
+def test_expert_timings_use_the_layout_expert_services_hold(checkpoint) -> None:
+    path = checkpoint("qwen2_moe")
+    service = Checkpoint(path, dtype=torch.float32, prepack=True, batch_invariant=True)
+    bench = LayerBench(Checkpoint(path, dtype=torch.float32), experts=service)
+    served = service.load_experts([(bench.layer_id, 0)])[(bench.layer_id, 0)]
+    assert bench.experts[0].gate_up.is_mkldnn == served.gate_up.is_mkldnn == True  # noqa: E712
+    assert not bench.layer.attention.qkv.is_mkldnn  # the router's side stays as it was opened
+    assert bench.experts_call(bench.layer_id, [(0, bench.hidden(2))], repeats=1).wall_s > 0
