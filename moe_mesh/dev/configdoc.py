@@ -110,7 +110,8 @@ PROCESS_WIDE = [
     (
         "UCX_RNDV_THRESH",
         "router, expert service",
-        "UCX's rendezvous threshold; `32k` by default (eager messages up to 32 KiB measured faster)",
+        "UCX's rendezvous threshold; `intra:2mb,inter:32kb` by default (on one host, eager "
+        "messages up to 2 MiB measured faster)",
     ),
     (
         "UCX_MM_ERROR_HANDLING",

@@ -1,7 +1,8 @@
 """The UCX fast path between real processes on loopback: every family's greedy tokens identical to
 transformers with every expert remote and every expert call over UCX (shared memory, and
 UCX_TLS=tcp with the whole mesh under mutual TLS, so the hellos carry certificate proofs); with ucxx not importable everything goes over gRPC with the same tokens; a replica
-whose fast path goes away mid-load costs no request, is counted, and is used again once it returns.
+whose fast path goes away mid-load costs no request, is counted, and is used again once it returns;
+payloads of each UCX protocol (inline, a second eager message, rendezvous) cross byte for byte.
 
 The router runs as a process of its own: UCX reads its environment when ucxx is imported, which this
 test process has long done. What carried the calls is read from the router's Status (each replica's
@@ -11,13 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
+from moe_mesh.common.fastpath import parse_worker_url
+from moe_mesh.common.fastpath.client import FrameClient
+from moe_mesh.common.fastpath.frame import RequestHeader
 from moe_mesh.common.fastpath.ucx import load_ucxx
 from moe_mesh.common.tls import MeshTls, open_channel
 from moe_mesh.expert_service.app import ExpertApp
@@ -248,3 +255,55 @@ async def _then(coro, event: asyncio.Event) -> None:
         await coro
     finally:
         event.set()
+
+
+# -- payload sizes between processes -----------------------------------------------------------------
+
+_ECHO_SERVER = """
+import asyncio, sys
+from moe_mesh.common.fastpath.server import FrameServer
+
+async def main():
+    async def echo(header, payload):
+        return payload
+    server = FrameServer(echo, 64 << 20)
+    print(await server.start(), flush=True)
+    await asyncio.to_thread(sys.stdin.read)  # until the test closes our stdin
+    await server.stop()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("tls", ["default", "tcp"])
+async def test_payloads_of_every_protocol_cross_between_processes_exactly(tls) -> None:
+    """Inline in one eager message, a second eager message (over 256 KiB), and rendezvous (over
+    the 2 MiB eager limit within a host): each arrives whole, byte for byte, twice in a row."""
+    env = {**os.environ, **({"UCX_TLS": "tcp"} if tls == "tcp" else {})}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ECHO_SERVER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    client = None
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
+        target = parse_worker_url(line.strip())
+        assert target is not None, line
+        client = FrameClient(target, 64 << 20)
+        for n_bytes in (8 << 10, 1 << 20, 4 << 20):
+            x = torch.randn(n_bytes // 4 // 64, 64)
+            header = RequestHeader(
+                "m", "c", 0, [0], [x.shape[0]], "float32", list(x.shape), n_bytes
+            )
+            for _ in range(2):
+                out, _ = await client.call(header, x, 20.0)
+                assert torch.equal(out, x), n_bytes
+    finally:
+        if client is not None:
+            client.close()
+        proc.stdin.close()
+        proc.wait(20)
+        proc.stdout.close()
