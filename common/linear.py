@@ -14,9 +14,11 @@ same Xeon family (2 cores each):
 
 So a process measures both on first use, on 64 MiB of weights (0.1-0.5 s), and follows what it
 found: `prepack` holds weights in the faster layout, and the router asks `serial_decode` for its
-default --serial-max-tokens. Not cached across processes: a measurement disturbed by a busy
-neighbour must not outlive the process that took it. MOE_MESH_PREPACK=on|off overrides the
-measured layout (plain tensors with `off`).
+default --serial-max-tokens. bfloat16 weights have a third candidate, moe-mesh's own kernel
+(common.bf16), timed against the better of the other two. Not cached across processes: a
+measurement disturbed by a busy neighbour must not outlive the process that took it.
+MOE_MESH_PREPACK overrides the measured layout: `on` oneDNN's, `off` plain tensors, `panels`
+moe-mesh's own bfloat16 kernel wherever it runs.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from moe_mesh.common import bf16
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,8 @@ def _prepack_setting() -> str:
     value = os.environ.get("MOE_MESH_PREPACK", "auto").lower()
     if value in ("off", "0", "false", "no"):
         return "off"
+    if value == "panels":
+        return value
     return "on" if value in ("on", "1", "true", "yes") else "auto"
 
 
@@ -67,7 +73,7 @@ def packed(dtype: torch.dtype) -> bool:
     forced = _prepack_setting()
     if forced == "off" or not _can_pack(dtype):
         return False
-    if forced == "on":
+    if forced in ("on", "panels"):
         return True
     if dtype == torch.float32 and not _same_bits():
         # float32 must give transformers' tokens exactly, and near-ties flip on the last bit.
@@ -91,19 +97,47 @@ def packed(dtype: torch.dtype) -> bool:
 
 
 @functools.cache
+def panels(dtype: torch.dtype) -> bool:
+    """Whether `dtype` weights are held for moe-mesh's own kernel (bf16.Panels) in this process:
+    bfloat16 only, where it runs, and only where it beats the better of plain and oneDNN."""
+    forced = _prepack_setting()
+    if dtype != torch.bfloat16 or forced in ("off", "on") or bf16.library() is None:
+        return False
+    if forced == "panels":
+        return True
+    began = time.perf_counter()
+    plain = _weights(dtype)
+    ours = [bf16.Panels(w) for w in plain]
+    layout = [_pack(w) for w in plain] if _can_pack(dtype) else None
+    ratio = 1.0
+    for rows in (1, 4, 16, 64):
+        other = _seconds(plain, rows, F.linear)
+        if layout is not None:
+            other = min(other, _seconds(layout, rows, _packed_linear))
+        ratio *= _seconds(ours, rows, linear) / other
+    faster = ratio ** (1 / 4) < _MARGIN
+    log.info(
+        "%s weights %s: moe-mesh's kernel took %.2f× the time of the best other layout "
+        "(measured in %.2f s)",
+        dtype,
+        "in moe-mesh's panels" if faster else "not in moe-mesh's panels",
+        ratio ** (1 / 4),
+        time.perf_counter() - began,
+    )
+    return faster
+
+
+@functools.cache
 def serial_decode(dtype: torch.dtype) -> bool:
     """Whether decode-sized passes of `dtype` weights run on one thread (as fast, fewer wake-ups)."""
     threads = torch.get_num_threads()
     if threads == 1:
         return True
-    weights = _weights(dtype)
-    if packed(dtype):
-        weights = [_pack(w) for w in weights]
-    product = _packed_linear if packed(dtype) else F.linear
-    every = _seconds(weights, 1, product, repeats=5)
+    weights = [prepack(w) for w in _weights(dtype)]
+    every = _seconds(weights, 1, linear, repeats=5)
     torch.set_num_threads(1)
     try:
-        one = _seconds(weights, 1, product, repeats=5)
+        one = _seconds(weights, 1, linear, repeats=5)
     finally:
         torch.set_num_threads(threads)
     log.info(
@@ -121,6 +155,8 @@ def prepack(weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor
     its callers' rows into one batch, so its answers must not depend on their batch-mates."""
     if weight.device.type != "cpu" or weight.is_mkldnn:
         return weight
+    if panels(weight.dtype) and bf16.fits(weight):  # batch-invariant too: a sum per output in order
+        return bf16.Panels(weight)
     if batch_invariant:
         wanted = _prepack_setting() != "off" and _can_pack(weight.dtype)
     else:
@@ -130,6 +166,8 @@ def prepack(weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [n, in] · weightᵀ (+ bias) -> [n, out], for a plain or a prepacked weight."""
+    if isinstance(weight, bf16.Panels):
+        return weight(x, bias)
     if weight.is_mkldnn:
         return _packed_linear(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -33,8 +33,20 @@ PROCESS_WIDE = [
     (
         "MOE_MESH_PREPACK",
         "router, expert service",
-        "`auto` (default): hold linear weights in oneDNN's prepacked layout where the process "
-        "measured it faster at start-up; `on` always (where oneDNN has the dtype), `off` never",
+        "`auto` (default): hold linear weights in the layout the process measured fastest at "
+        "start-up (plain, oneDNN's prepacked, or for bfloat16 moe-mesh's own kernel); `on` "
+        "oneDNN's (where it has the dtype), `off` plain, `panels` moe-mesh's bfloat16 kernel "
+        "wherever it runs",
+    ),
+    (
+        "MOE_MESH_CACHE_DIR",
+        "router, expert service",
+        "where the bfloat16 kernel is built on first use (default `~/.cache/moe-mesh`)",
+    ),
+    (
+        "CC",
+        "router, expert service",
+        "the C compiler that builds the bfloat16 kernel (default `cc`); none: the kernel is skipped",
     ),
     (
         "MOE_GATEWAY_API_KEY",

@@ -221,9 +221,9 @@ def test_logits_match_transformers_in_the_same_dtype(case) -> None:
         scale = s.ref.abs().amax(-1)
         bound = _bound(s, dtype, spec.num_layers)
         tie = _near_tie_routing(s, spec.top_k, dtype, spec.num_layers)
-        over = (~tie & (diff > bound)).nonzero().flatten().tolist()
+        over = (~tie & ~(diff <= bound)).nonzero().flatten().tolist()  # NaN fails too
         assert not over, f"prompt {i}: steps {over}: {diff[over]} > {bound[over]}"
-        wild = (diff > LOOSE * scale).nonzero().flatten().tolist()
+        wild = (~(diff <= LOOSE * scale)).nonzero().flatten().tolist()
         assert not wild, f"prompt {i}: steps {wild} differ by more than {LOOSE} of the scale"
         tight += int((~tie).sum())
         total += len(tie)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moe_mesh.common import bf16
 from moe_mesh.common import linear as L
 
 
@@ -14,11 +15,12 @@ def fresh(monkeypatch):
     """A process that has measured nothing yet, on a small working set."""
     monkeypatch.delenv("MOE_MESH_PREPACK", raising=False)
     monkeypatch.setattr(L, "_WORKING_SET", 4 << 20)
-    L.packed.cache_clear()
-    L.serial_decode.cache_clear()
+    caches = (L.packed, L.panels, L.serial_decode)
+    for c in caches:
+        c.cache_clear()
     yield
-    L.packed.cache_clear()
-    L.serial_decode.cache_clear()
+    for c in caches:
+        c.cache_clear()
 
 
 def timed(monkeypatch, seconds) -> list[tuple[int, str, int]]:
@@ -27,6 +29,8 @@ def timed(monkeypatch, seconds) -> list[tuple[int, str, int]]:
 
     def fake(weights, rows, product, repeats=3):
         kernel = "packed" if product is L._packed_linear else "plain"
+        if product is L.linear and isinstance(weights[0], bf16.Panels):
+            kernel = "panels"
         calls.append((rows, kernel, torch.get_num_threads()))
         return seconds(rows, kernel, torch.get_num_threads())
 
@@ -124,3 +128,39 @@ def test_batch_invariant_weights_give_a_row_the_same_bits_whatever_its_batch_mat
         assert torch.equal(L.linear(x[:rows], weight), L.linear(x, weight)[:rows])
     monkeypatch.setenv("MOE_MESH_PREPACK", "off")
     assert not L.prepack(w, batch_invariant=True).is_mkldnn
+
+
+@pytest.mark.skipif(bf16.library() is None, reason="no C compiler or no AVX-512: no bf16 kernel")
+@pytest.mark.parametrize(("share", "chosen"), [(0.5, True), (0.95, False)])
+def test_bfloat16_weights_take_the_kernel_only_when_it_beats_the_best_other_layout(
+    fresh, monkeypatch, share, chosen
+):
+    # oneDNN (when torch has it) is twice plain's speed: the kernel is timed against that.
+    cost = {"plain": 2.0, "packed": 1.0, "panels": share}
+    if not L._can_pack(torch.bfloat16):
+        cost["plain"] = 1.0
+    calls = timed(monkeypatch, lambda rows, kernel, _: rows * cost[kernel])
+    assert L.panels(torch.bfloat16) is chosen
+    assert {k for _, k, _ in calls} >= {"plain", "panels"}
+    w = torch.randn(128, 32).bfloat16()
+    assert isinstance(L.prepack(w), bf16.Panels) is chosen
+    assert isinstance(L.prepack(w, batch_invariant=True), bf16.Panels) is chosen
+    x = torch.randn(3, 32).bfloat16()
+    assert torch.equal(L.linear(x, L.prepack(w)).float(), L.linear(x, L.prepack(w)).float())
+    assert not L.panels(torch.float32)  # float32 keeps torch's bits
+
+
+@pytest.mark.skipif(bf16.library() is None, reason="no C compiler or no AVX-512: no bf16 kernel")
+def test_moe_mesh_prepack_panels_and_off_decide_the_bfloat16_layout_without_measuring(
+    fresh, monkeypatch
+):
+    calls = timed(monkeypatch, lambda *_: 1.0)
+    w = torch.randn(64, 32).bfloat16()
+    monkeypatch.setenv("MOE_MESH_PREPACK", "panels")
+    assert L.panels(torch.bfloat16) and isinstance(L.prepack(w), bf16.Panels)
+    assert not isinstance(L.prepack(torch.randn(96, 32).bfloat16()), bf16.Panels)  # cannot hold
+    L.panels.cache_clear()
+    L.packed.cache_clear()
+    monkeypatch.setenv("MOE_MESH_PREPACK", "off")
+    assert not L.panels(torch.bfloat16) and L.prepack(w) is w
+    assert calls == []

@@ -1,0 +1,88 @@
+/* bfloat16 linear layers for CPUs without native bfloat16 arithmetic (AVX-512F/BW is enough).
+
+   y[M][N] (float32) = x[M][K] (float32) . W^T for W bfloat16 [N][K], held in panels of 32 output
+   columns: P[panel][k][32]. A bfloat16 is a float32's upper half, so unpacking a 64-byte row of a
+   panel with zeros (unpacklo/unpackhi) yields its columns as float32 with no arithmetic; pack()
+   permutes each row so that the two halves come out as columns 0-15 and 16-31.
+
+   Every output element sums x[m][k] * W[n][k] over k in order, one float32 accumulator each:
+   a row's result does not depend on the other rows of the batch (expert services merge callers),
+   and is as accurate as a float32-accumulating GEMM rounded to bfloat16 once at the end. */
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#define PANEL 32
+#define ROWS 6 /* x rows per pass: 6 x 4 accumulators + 4 weight vectors fit the 32 registers */
+
+static int column(int p) { /* word p of a panel row -> the column stored there */
+    int lane = p / 8, q = p % 8;
+    return q < 4 ? lane * 4 + q : 16 + lane * 4 + (q - 4);
+}
+
+int moe_bf16_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+}
+
+/* w [N][K] -> out [N / 32][K][32]; N a multiple of 32 */
+void moe_bf16_pack(const uint16_t *w, uint16_t *out, long n, long k) {
+    for (long panel = 0; panel < n / PANEL; panel++)
+        for (long i = 0; i < k; i++)
+            for (int p = 0; p < PANEL; p++)
+                out[(panel * k + i) * PANEL + p] = w[(panel * PANEL + column(p)) * k + i];
+}
+
+/* rows x[0..R) against two panels (64 columns) into y (row stride ldy), + bias when given */
+#define KERNEL(R)                                                                               \
+    __attribute__((target("avx512f,avx512bw"))) static void kernel_##R(                         \
+        const float *x, const uint16_t *p0, const uint16_t *p1, float *y, long ldy, long k,     \
+        const float *bias) {                                                                    \
+        __m512 acc[R][4];                                                                       \
+        for (int r = 0; r < R; r++)                                                             \
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();                        \
+        const __m512i zero = _mm512_setzero_si512();                                            \
+        for (long i = 0; i < k; i++) {                                                          \
+            __m512i a = _mm512_loadu_si512(p0 + i * PANEL);                                     \
+            __m512i b = _mm512_loadu_si512(p1 + i * PANEL);                                     \
+            __m512 w[4] = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, a)),                 \
+                           _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, a)),                 \
+                           _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, b)),                 \
+                           _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, b))};                \
+            for (int r = 0; r < R; r++) {                                                       \
+                __m512 xr = _mm512_set1_ps(x[r * k + i]);                                       \
+                for (int j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(xr, w[j], acc[r][j]);   \
+            }                                                                                   \
+        }                                                                                       \
+        for (int r = 0; r < R; r++)                                                             \
+            for (int j = 0; j < 4; j++) {                                                       \
+                __m512 v = acc[r][j];                                                           \
+                if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j * 16));                 \
+                _mm512_storeu_ps(y + r * ldy + j * 16, v);                                      \
+            }                                                                                   \
+    }
+KERNEL(1)
+KERNEL(2)
+KERNEL(3)
+KERNEL(4)
+KERNEL(5)
+KERNEL(6)
+
+typedef void (*kernel)(const float *, const uint16_t *, const uint16_t *, float *, long, long,
+                       const float *);
+static const kernel kernels[ROWS + 1] = {0, kernel_1, kernel_2, kernel_3,
+                                         kernel_4, kernel_5, kernel_6};
+
+/* x [m][k] float32, packed from moe_bf16_pack, bias [n] float32 or NULL, y [m][n] float32;
+   n a multiple of 64. Columns are split over `threads` OpenMP threads. */
+void moe_bf16_linear(const float *x, const uint16_t *packed, const float *bias, float *y, long m,
+                     long n, long k, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long c = 0; c < n / 64; c++) {
+        const uint16_t *p0 = packed + 2 * c * k * PANEL, *p1 = p0 + k * PANEL;
+        for (long r = 0; r < m; r += ROWS) {
+            long rows = m - r < ROWS ? m - r : ROWS;
+            kernels[rows](x + r * k, p0, p1, y + r * n + c * 64, n, k, bias ? bias + c * 64 : 0);
+        }
+    }
+}

@@ -1,0 +1,92 @@
+"""moe-mesh's bfloat16 kernel: F.linear's products to within one rounding, rows independent of
+their batch-mates, any input width, and a clean refusal where it cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_mesh.common import bf16
+
+pytestmark = pytest.mark.skipif(
+    bf16.library() is None, reason="no C compiler or no AVX-512 here: the kernel cannot be built"
+)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """float32 accumulation of the bfloat16 operands, rounded to bfloat16 once."""
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), w.float(), b).bfloat16()
+
+
+@pytest.mark.parametrize(("out", "width"), [(64, 1), (64, 17), (192, 96), (128, 1024)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_products_are_float32_accumulations_rounded_once(out, width, rows, with_bias) -> None:
+    gen = torch.Generator().manual_seed(rows * out + width)
+    w = torch.randn(out, width, generator=gen).bfloat16()
+    x = torch.randn(rows, width, generator=gen).bfloat16()
+    bias = torch.randn(out, generator=gen).bfloat16() if with_bias else None
+    got, want = bf16.Panels(w)(x, bias), reference(x, w, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
+    # Sums in another order may round to the neighbouring bfloat16, never further.
+    ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(1e-3)
+    assert ((got.float() - want.float()).abs() <= ulp).all()
+    assert (got == want).float().mean() > 0.9
+
+
+def test_a_row_gets_the_same_bits_whatever_its_batch_mates() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = bf16.Panels(torch.randn(256, 512, generator=gen).bfloat16())
+    x = torch.randn(40, 512, generator=gen).bfloat16()
+    batch = w(x)
+    for i in (0, 5, 6, 39):
+        assert torch.equal(w(x[i : i + 1]), batch[i : i + 1])
+    assert torch.equal(w(x[6:14]), batch[6:14])
+
+
+def test_views_pack_and_inputs_of_any_leading_shape_multiply() -> None:
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(96, 128, generator=gen).bfloat16()
+    w = base.t()  # [128, 96], not contiguous: packing copies it first
+    x = torch.randn(2, 3, 96, generator=gen).bfloat16()
+    got = bf16.Panels(w)(x)
+    assert got.shape == (2, 3, 128)
+    assert torch.equal(got.view(6, 128), bf16.Panels(w.contiguous())(x.view(6, 96)))
+    assert bf16.Panels(w)(torch.empty(0, 96, dtype=torch.bfloat16)).shape == (0, 128)
+
+
+def test_other_input_dtypes_and_shapes_it_cannot_hold_are_refused() -> None:
+    w = torch.randn(64, 32).bfloat16()
+    with pytest.raises(TypeError, match="bfloat16 input"):
+        bf16.Panels(w)(torch.randn(2, 32))
+    assert bf16.fits(w)
+    assert not bf16.fits(torch.randn(96, 32).bfloat16())  # rows not a multiple of 64
+    assert not bf16.fits(torch.randn(64, 32))  # float32 stays torch's
+
+
+def test_without_a_compiler_there_is_no_kernel(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("MOE_MESH_CACHE_DIR", str(tmp_path / "cache"))
+    bf16.library.cache_clear()
+    try:
+        assert bf16.library() is None
+        assert not bf16.fits(torch.randn(64, 32).bfloat16())
+        assert list((tmp_path / "cache").iterdir()) == []  # no half-written library left
+    finally:
+        bf16.library.cache_clear()
+
+
+def test_a_build_goes_to_the_cache_once(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("MOE_MESH_CACHE_DIR", str(tmp_path))
+    bf16.library.cache_clear()
+    try:
+        assert bf16.library() is not None
+        built = list(tmp_path.iterdir())
+        assert len(built) == 1 and built[0].suffix == ".so"
+        stamp = built[0].stat().st_mtime_ns
+        bf16.library.cache_clear()
+        assert bf16.library() is not None and built[0].stat().st_mtime_ns == stamp
+    finally:
+        bf16.library.cache_clear()
