@@ -73,6 +73,9 @@ def _build(compiler: str, path: Path) -> None:
         if done.returncode:
             raise subprocess.SubprocessError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, path)  # whole or not at all, however many processes build at once
+        for old in path.parent.glob("bf16-*.so"):  # earlier sources' builds (a mapped one lives on)
+            if old != path:
+                old.unlink(missing_ok=True)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

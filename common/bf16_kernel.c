@@ -14,6 +14,9 @@
 
 #define PANEL 32
 #define ROWS 6 /* x rows per pass: 6 x 4 accumulators + 4 weight vectors fit the 32 registers */
+/* Panel rows prefetched ahead (2 KiB): the hardware prefetcher alone left one- and two-row
+   products at 20 GB/s on 256 MiB of weights, this at 25 (prefetches past the end never fault) */
+#define AHEAD 32
 
 static int column(int p) { /* word p of a panel row -> the column stored there */
     int lane = p / 8, q = p % 8;
@@ -43,6 +46,8 @@ void moe_bf16_pack(const uint16_t *w, uint16_t *out, long n, long k) {
             for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();                        \
         const __m512i zero = _mm512_setzero_si512();                                            \
         for (long i = 0; i < k; i++) {                                                          \
+            _mm_prefetch((const char *)(p0 + (i + AHEAD) * PANEL), _MM_HINT_T0);                \
+            _mm_prefetch((const char *)(p1 + (i + AHEAD) * PANEL), _MM_HINT_T0);                \
             __m512i a = _mm512_loadu_si512(p0 + i * PANEL);                                     \
             __m512i b = _mm512_loadu_si512(p1 + i * PANEL);                                     \
             __m512 w[4] = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, a)),                 \
