@@ -56,6 +56,7 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.moe_bf16_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
     lib.moe_bf16_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.moe_bf16_linear.restype = ctypes.c_int
     return lib
 
 
@@ -112,11 +113,11 @@ class Panels:
         if x.dtype != torch.bfloat16:
             raise TypeError(f"expected bfloat16 input for a bfloat16 weight, got {x.dtype}")
         n, k = self.shape
-        rows = x.reshape(-1, k).float().contiguous()  # the kernel's operand: [m, in] float32
-        y = torch.empty(rows.shape[0], n)
+        rows = x.reshape(-1, k).contiguous()  # [m, in]; held here while the kernel reads it
+        y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
         if rows.shape[0]:
             b = None if bias is None else bias.float().contiguous()
-            self._linear(  # releases the GIL, like a torch op
+            failed = self._linear(  # releases the GIL, like a torch op
                 rows.data_ptr(),
                 self.data.data_ptr(),
                 None if b is None else b.data_ptr(),
@@ -126,4 +127,6 @@ class Panels:
                 k,
                 torch.get_num_threads(),
             )
-        return y.to(torch.bfloat16).view(*x.shape[:-1], n)
+            if failed:
+                raise MemoryError(f"bfloat16 kernel: no memory to widen {rows.shape[0]}x{k} inputs")
+        return y.view(*x.shape[:-1], n)

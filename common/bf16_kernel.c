@@ -1,6 +1,6 @@
 /* bfloat16 linear layers for CPUs without native bfloat16 arithmetic (AVX-512F/BW is enough).
 
-   y[M][N] (float32) = x[M][K] (float32) . W^T for W bfloat16 [N][K], held in panels of 32 output
+   y[M][N] = x[M][K] . W^T, all bfloat16 [N][K] for W, held in panels of 32 output
    columns: P[panel][k][32]. A bfloat16 is a float32's upper half, so unpacking a 64-byte row of a
    panel with zeros (unpacklo/unpackhi) yields its columns as float32 with no arithmetic; pack()
    permutes each row so that the two halves come out as columns 0-15 and 16-31.
@@ -11,6 +11,7 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define PANEL 32
 #define ROWS 6 /* x rows per pass: 6 x 4 accumulators + 4 weight vectors fit the 32 registers */
@@ -36,10 +37,21 @@ void moe_bf16_pack(const uint16_t *w, uint16_t *out, long n, long k) {
                 out[(panel * k + i) * PANEL + p] = w[(panel * PANEL + column(p)) * k + i];
 }
 
-/* rows x[0..R) against two panels (64 columns) into y (row stride ldy), + bias when given */
+/* 16 float32 -> 16 bfloat16, rounded to nearest even (NaN stays a quiet NaN), as torch rounds */
+__attribute__((target("avx512f,avx512bw"))) static inline __m256i to_bf16(__m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    r = _mm512_srli_epi32(r, 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* rows x[0..R) (float32) against two panels (64 columns) into y (bfloat16, row stride ldy),
+   + bias when given */
 #define KERNEL(R)                                                                               \
     __attribute__((target("avx512f,avx512bw"))) static void kernel_##R(                         \
-        const float *x, const uint16_t *p0, const uint16_t *p1, float *y, long ldy, long k,     \
+        const float *x, const uint16_t *p0, const uint16_t *p1, uint16_t *y, long ldy, long k,  \
         const float *bias) {                                                                    \
         __m512 acc[R][4];                                                                       \
         for (int r = 0; r < R; r++)                                                             \
@@ -63,7 +75,7 @@ void moe_bf16_pack(const uint16_t *w, uint16_t *out, long n, long k) {
             for (int j = 0; j < 4; j++) {                                                       \
                 __m512 v = acc[r][j];                                                           \
                 if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j * 16));                 \
-                _mm512_storeu_ps(y + r * ldy + j * 16, v);                                      \
+                _mm256_storeu_si256((__m256i *)(y + r * ldy + j * 16), to_bf16(v));             \
             }                                                                                   \
     }
 KERNEL(1)
@@ -73,21 +85,28 @@ KERNEL(4)
 KERNEL(5)
 KERNEL(6)
 
-typedef void (*kernel)(const float *, const uint16_t *, const uint16_t *, float *, long, long,
+typedef void (*kernel)(const float *, const uint16_t *, const uint16_t *, uint16_t *, long, long,
                        const float *);
 static const kernel kernels[ROWS + 1] = {0, kernel_1, kernel_2, kernel_3,
                                          kernel_4, kernel_5, kernel_6};
 
-/* x [m][k] float32, packed from moe_bf16_pack, bias [n] float32 or NULL, y [m][n] float32;
-   n a multiple of 64. Columns are split over `threads` OpenMP threads. */
-void moe_bf16_linear(const float *x, const uint16_t *packed, const float *bias, float *y, long m,
-                     long n, long k, int threads) {
+/* x [m][k] bfloat16, packed from moe_bf16_pack, bias [n] float32 or NULL, y [m][n] bfloat16;
+   n a multiple of 64. Columns are split over `threads` OpenMP threads. x is widened to float32
+   once, here (every column block reads it); -1 when there is no memory for that. */
+int moe_bf16_linear(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y,
+                    long m, long n, long k, int threads) {
+    uint32_t *wide = malloc(sizeof(float) * m * k);
+    if (!wide) return -1;
+    for (long i = 0; i < m * k; i++) wide[i] = (uint32_t)x[i] << 16;
+    const float *xf = (const float *)wide;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long c = 0; c < n / 64; c++) {
         const uint16_t *p0 = packed + 2 * c * k * PANEL, *p1 = p0 + k * PANEL;
         for (long r = 0; r < m; r += ROWS) {
             long rows = m - r < ROWS ? m - r : ROWS;
-            kernels[rows](x + r * k, p0, p1, y + r * n + c * 64, n, k, bias ? bias + c * 64 : 0);
+            kernels[rows](xf + r * k, p0, p1, y + r * n + c * 64, n, k, bias ? bias + c * 64 : 0);
         }
     }
+    free(wide);
+    return 0;
 }

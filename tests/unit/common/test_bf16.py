@@ -90,3 +90,23 @@ def test_a_build_goes_to_the_cache_once(monkeypatch, tmp_path) -> None:
         assert bf16.library() is not None and built[0].stat().st_mtime_ns == stamp
     finally:
         bf16.library.cache_clear()
+
+
+def test_outputs_round_to_nearest_even_as_torch_rounds() -> None:
+    """Each output is the exact float32 sum of two inputs (weights of one and zero), so only the
+    final rounding to bfloat16 can differ from torch's; ties and overflow included."""
+    k = 64
+    w = torch.zeros(128, k)
+    for n in range(128):
+        w[n, n % k] = w[n, (n + 1) % k] = 1
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(7, k, generator=gen) * 2.0 ** torch.randint(-3, 4, (7, k), generator=gen)
+    x[0, :2] = torch.tensor([1.0, 2.0**-8])  # 1 + 2^-8: a tie, kept even
+    x[1, :2] = torch.tensor([3.3e38, 3.3e38])  # past bfloat16's largest: inf
+    x = x.bfloat16()
+    got = bf16.Panels(w.bfloat16())(x)
+    a, b = x.float()[:, torch.arange(128) % k], x.float()[:, (torch.arange(128) + 1) % k]
+    assert torch.equal(got, (a + b).bfloat16())
+    assert got[1, 0] == float("inf")
+    x[2, 5] = float("nan")
+    assert torch.isnan(bf16.Panels(w.bfloat16())(x)[2]).all()  # 0 x NaN is NaN, as in torch
