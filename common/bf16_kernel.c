@@ -1,7 +1,7 @@
 /* bfloat16 linear layers for CPUs without native bfloat16 arithmetic (AVX-512F/BW is enough).
 
-   y[M][N] = x[M][K] . W^T, all bfloat16 [N][K] for W, held in panels of 32 output
-   columns: P[panel][k][32]. A bfloat16 is a float32's upper half, so unpacking a 64-byte row of a
+   y[M][N] = x[M][K] . W^T, all bfloat16, with W [N][K] held in panels of 32 output columns:
+   P[panel][k][32]. A bfloat16 is a float32's upper half, so unpacking a 64-byte row of a
    panel with zeros (unpacklo/unpackhi) yields its columns as float32 with no arithmetic; pack()
    permutes each row so that the two halves come out as columns 0-15 and 16-31.
 
