@@ -1,8 +1,8 @@
 """moe-mesh's own bfloat16 linear layer (bf16_kernel.c) for CPUs without bfloat16 instructions.
 
 Without avx512_bf16 or AMX, oneDNN converts bfloat16 weights on the way to float32 arithmetic at
-a cost: on this project's 2-core Xeon its prepacked products of 4-32 rows read weights at 2-11
-GB/s, slower than float32 on twice the bytes. The kernel widens bfloat16 to float32 in registers
+a cost: on this project's 2-core Xeon its prepacked products of 4-32 rows read weights at
+1.4-7 GB/s, slower than float32 on twice the bytes. The kernel widens bfloat16 to float32 in registers
 (a bfloat16 is a float32's upper half) from a layout made for it (`Panels`), and measured 2.2-4×
 oneDNN's speed at 4-32 rows and 1.1-1.45× at one row on 1-16 MiB weights (common.linear measures
 it against the others at start-up and uses it only where it wins).
