@@ -230,8 +230,9 @@ class FrameServer:
     async def _run(self, header: RequestHeader, payload: torch.Tensor | None) -> torch.Tensor:
         if header.timeout_ms is None:
             return await self.handler(header, payload)
-        try:
-            return await asyncio.wait_for(self.handler(header, payload), header.timeout_ms / 1e3)
+        try:  # in this task: wait_for would start another one for every call (Python 3.11)
+            async with asyncio.timeout(header.timeout_ms / 1e3):
+                return await self.handler(header, payload)
         except TimeoutError:
             raise DeadlineExceededError(
                 f"expert call did not complete within its {header.timeout_ms:g} ms budget"

@@ -12,12 +12,19 @@ import struct
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from moe_mesh.common.errors import MoeMeshError, NotFoundError, PreconditionError, UnavailableError
+from moe_mesh.common.errors import (
+    DeadlineExceededError,
+    MoeMeshError,
+    NotFoundError,
+    PreconditionError,
+    UnavailableError,
+)
 from moe_mesh.common.fastpath import frame as f
 from moe_mesh.common.fastpath import parse_worker_url
 from moe_mesh.common.fastpath.client import FastPathError, FrameClient
@@ -428,3 +435,30 @@ async def test_a_router_says_hello_before_its_first_call(checkpoint) -> None:
             assert len(app.fast_path.server.clients) == 1  # the same connection carried it
         finally:
             await backend.close()
+
+
+async def test_a_call_past_its_budget_is_answered_deadline_exceeded_and_the_next_one_served() -> (
+    None
+):
+    calls = []
+
+    async def handler(header, payload):
+        calls.append(header.layer)
+        if header.layer == 1:
+            await asyncio.sleep(5)  # cancelled at the caller's budget
+        return payload
+
+    server = FrameServer(handler, MESSAGE_BYTES)
+    client = FrameClient(parse_worker_url(await server.start()), MESSAGE_BYTES)
+    try:
+        x = torch.randn(2, 4)
+        slow = f.RequestHeader("m", "c", 1, [0], [2], "float32", [2, 4], 32, timeout_ms=50.0)
+        began = asyncio.get_running_loop().time()
+        with pytest.raises(DeadlineExceededError, match="50 ms budget"):
+            await client.call(slow, x, 5.0)
+        assert asyncio.get_running_loop().time() - began < 2.0
+        out, _ = await client.call(replace(slow, layer=2), x, 5.0)
+        assert torch.equal(out, x) and calls == [1, 2]
+    finally:
+        client.close()
+        await server.stop()
