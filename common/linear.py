@@ -45,6 +45,7 @@ _PARALLEL_GAIN = 1.5
 # oneDNN's layout must be this much faster than torch's own path to replace it: closer is noise.
 _MARGIN = 0.9
 _SHAPE = (2048, 1024)  # a small expert's projection
+_ROWS = (1, 4, 16, 64)  # the product sizes a layout is timed at
 _WORKING_SET = 64 << 20  # more than a core's caches: products read memory as a model's do
 
 
@@ -82,15 +83,16 @@ def packed(dtype: torch.dtype) -> bool:
     began = time.perf_counter()
     plain = _weights(dtype)
     layout = [_pack(w) for w in plain]
-    ratio = 1.0  # decode-sized products, rows spread log-uniformly, each counting alike
-    for rows in (1, 4, 16, 64):
-        ratio *= _seconds(layout, rows, _packed_linear) / _seconds(plain, rows, F.linear)
-    faster = ratio ** (1 / 4) < _MARGIN
+    ratio = _time_ratio(
+        lambda rows: _seconds(layout, rows, _packed_linear),
+        lambda rows: _seconds(plain, rows, F.linear),
+    )
+    faster = ratio < _MARGIN
     log.info(
         "%s weights %s: prepacked took %.2f× plain's time (measured in %.2f s)",
         dtype,
         "prepacked" if faster else "plain",
-        ratio ** (1 / 4),
+        ratio,
         time.perf_counter() - began,
     )
     return faster
@@ -109,19 +111,21 @@ def panels(dtype: torch.dtype) -> bool:
     plain = _weights(dtype)
     ours = [bf16.Panels(w) for w in plain]
     layout = [_pack(w) for w in plain] if _can_pack(dtype) else None
-    ratio = 1.0
-    for rows in (1, 4, 16, 64):
+
+    def best_other(rows: int) -> float:
         other = _seconds(plain, rows, F.linear)
         if layout is not None:
             other = min(other, _seconds(layout, rows, _packed_linear))
-        ratio *= _seconds(ours, rows, linear) / other
-    faster = ratio ** (1 / 4) < _MARGIN
+        return other
+
+    ratio = _time_ratio(lambda rows: _seconds(ours, rows, linear), best_other)
+    faster = ratio < _MARGIN
     log.info(
         "%s weights %s: moe-mesh's kernel took %.2f× the time of the best other layout "
         "(measured in %.2f s)",
         dtype,
         "in moe-mesh's panels" if faster else "not in moe-mesh's panels",
-        ratio ** (1 / 4),
+        ratio,
         time.perf_counter() - began,
     )
     return faster
@@ -147,7 +151,8 @@ def serial_decode(dtype: torch.dtype) -> bool:
 
 
 def prepack(weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-    """`weight` [out, in] in oneDNN's blocked layout when that is faster here, else unchanged.
+    """`weight` [out, in] in the layout measured fastest here (oneDNN's blocked layout, or for
+    bfloat16 moe-mesh's panels), else unchanged.
 
     `batch_invariant`: in oneDNN's layout wherever it has the dtype, faster or not. Its products
     give a row the same bits whatever else is in the batch; MKL's small-batch kernels do not (an
@@ -193,6 +198,15 @@ def _same_bits() -> bool:
         if not torch.equal(_packed_linear(x, layout), F.linear(x, w)):
             return False
     return True
+
+
+def _time_ratio(candidate: Callable[[int], float], baseline: Callable[[int], float]) -> float:
+    """Geometric mean of candidate's time ÷ baseline's over decode-sized products (seconds of a
+    pass of `rows`-row products each): rows spread log-uniformly, each counting alike."""
+    ratio = 1.0
+    for rows in _ROWS:
+        ratio *= candidate(rows) / baseline(rows)
+    return ratio ** (1 / len(_ROWS))
 
 
 def _weights(dtype: torch.dtype) -> list[torch.Tensor]:
