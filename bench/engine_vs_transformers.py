@@ -2,7 +2,9 @@
 
 Both generate greedily from the same prompts at batch 1, 8 and 32, in float32 and in bfloat16
 (each side computing in that dtype); runs alternate engine / transformers and the median of the
-repeats is kept, so machine noise hits both sides alike. Decode tokens/s = batch * (new_tokens -
+repeats is kept, so machine noise hits both sides alike. Before each side runs, the other side's
+OpenMP workers are ended (runtime.release_openmp_threads): two idle teams on one host slow both.
+Decode tokens/s = batch * (new_tokens -
 1) / (time to generate new_tokens - time to generate 1).
 
 Batch-1 decode reads every weight a token uses once per token, so its rate is bounded by memory
@@ -37,6 +39,7 @@ from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
 
 
 def engine_generate(engine, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+    runtime.release_openmp_threads()  # transformers' team, on this thread
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}", p, params)
@@ -52,7 +55,8 @@ def engine_generate(engine, prompts: list[list[int]], n: int) -> tuple[float, li
     return time.perf_counter() - start, [out[f"b{i}"] for i in range(len(prompts))]
 
 
-def hf_generate(model, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+def hf_generate(model, engine, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+    engine.model.compute.release_openmp_threads()  # the engine's team, on its compute thread
     ids = torch.tensor(prompts)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -136,11 +140,11 @@ def main() -> int:
             ours, theirs, same = [], [], True
             # One-time costs (kernel set-up for these shapes) must not land in a timed run.
             engine_generate(engine, prompts, 2)
-            hf_generate(hf, prompts, 2)
+            hf_generate(hf, engine, prompts, 2)
             for _ in range(args.repeats):
                 rate, a = decode_rate(partial(engine_generate, engine), prompts, args.new_tokens)
                 ours.append(rate)
-                rate, h = decode_rate(partial(hf_generate, hf), prompts, args.new_tokens)
+                rate, h = decode_rate(partial(hf_generate, hf, engine), prompts, args.new_tokens)
                 theirs.append(rate)
                 same = same and a == h
             row = {

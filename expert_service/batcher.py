@@ -126,7 +126,13 @@ class DynamicBatcher:
         self._active: dict[Pair, _Queue] = {}  # the queues holding groups, in arrival order
         self._arrived = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expert-ffn")
+        # As many threads as its creator has: a new thread would take torch's latest setting.
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="expert-ffn",
+            initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),),
+        )
         self._closed = False
 
     async def submit(self, layer: int, expert: int, rows: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import torch
+
+from moe_mesh.common import runtime
+
 T = TypeVar("T")
 
 
@@ -20,11 +24,22 @@ class ComputeThread:
     hang under the request that asked for them."""
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="router-compute")
+        # As many threads as its creator has: a new thread would take torch's latest setting.
+        self._pool = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="router-compute",
+            initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),),
+        )
 
     async def __call__(self, fn: Callable[..., T], *args: Any) -> T:
         ctx = contextvars.copy_context()
         return await asyncio.get_running_loop().run_in_executor(self._pool, ctx.run, fn, *args)
+
+    def release_openmp_threads(self) -> None:
+        """End this thread's OpenMP workers (runtime.release_openmp_threads), e.g. before another
+        thread computes in parallel for a while."""
+        self._pool.submit(runtime.release_openmp_threads).result()
 
     def close(self) -> None:
         """Drop queued work and wait for a segment still running (milliseconds), so nothing

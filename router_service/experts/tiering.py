@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_mesh.common import runtime
 from moe_mesh.common.checkpoint import Checkpoint
 from moe_mesh.common.placement import Pair, format_experts
+from moe_mesh.common.weights import FFNWeights
 from moe_mesh.router_service.experts.dispatch import ColocatedExperts, LivePlacement
 from moe_mesh.router_service.experts.utilization import UtilizationWindow
 
@@ -130,11 +132,7 @@ class Tierer:
             promote = target - current
             if not promote and not demote:
                 return
-            loaded = (
-                await asyncio.to_thread(self.checkpoint.load_experts, sorted(promote))
-                if promote
-                else {}
-            )
+            loaded = await asyncio.to_thread(self._load, sorted(promote)) if promote else {}
             kept = {p: w for p, w in self.placement.colocated.weights.items() if p not in demote}
             self.placement.set_colocated(ColocatedExperts({**kept, **loaded}))
             now = self.clock()
@@ -149,6 +147,14 @@ class Tierer:
                 len(kept) + len(loaded),
                 self.colocated_bytes() / 2**20,
             )
+
+    def _load(self, pairs: list[Pair]) -> dict[Pair, FFNWeights]:
+        """Load on a worker thread, then end that thread's OpenMP workers: left idle beside the
+        compute thread's they would slow it (runtime.release_openmp_threads)."""
+        try:
+            return self.checkpoint.load_experts(pairs)
+        finally:
+            runtime.release_openmp_threads()
 
     async def run(self) -> None:
         while True:

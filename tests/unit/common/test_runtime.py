@@ -1,9 +1,11 @@
 """OpenMP wait defaults: a lone process spins briefly, processes sharing cores sleep at once,
-and whatever the user set wins."""
+whatever the user set wins, and a thread that loaded can hand its cores over."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -42,3 +44,30 @@ def test_what_the_user_set_wins_here_and_in_children(
         and len({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ)) == 1
     )
     assert runtime.shared_cores_env(dict(os.environ))[var] == value
+
+
+RELEASE = """
+import os, torch
+from moe_mesh.common import runtime
+torch.set_num_threads(2)
+def threads(): return len(os.listdir('/proc/self/task'))
+x = torch.empty(4_000_000)
+alone = threads()
+x.fill_(1)  # a parallel op: this thread's team of OpenMP workers starts
+with_team = threads()
+runtime.release_openmp_threads(serial=True)
+released = threads()
+x.add_(1)  # serial now: no team again
+print(alone, with_team, released, threads(), torch.get_num_threads())
+"""
+
+
+def test_a_thread_releases_its_openmp_workers_and_stays_serial() -> None:
+    # In a child: the test process's own OpenMP state is left alone.
+    out = subprocess.run(
+        [sys.executable, "-c", RELEASE], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
+    alone, with_team, released, after, threads = map(int, out)
+    assert with_team == alone + 1
+    assert released == alone and after == alone
+    assert threads == 1
