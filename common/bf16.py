@@ -57,6 +57,14 @@ def library() -> ctypes.CDLL | None:
     lib.moe_bf16_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
     lib.moe_bf16_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.moe_bf16_linear.restype = ctypes.c_int
+    lib.moe_bf16_rms_norm.argtypes = (
+        [ctypes.c_void_p] * 3
+        + [ctypes.c_long] * 2
+        + [
+            ctypes.c_float,
+            ctypes.c_int,
+        ]
+    )
     return lib
 
 
@@ -91,6 +99,35 @@ def fits(weight: torch.Tensor) -> bool:
         and weight.shape[0] % COLUMNS == 0
         and library() is not None
     )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """transformers' RMSNorm of bfloat16 x [..., h] by weight [h] in one kernel call (a decode step
+    runs two per layer, and the eight torch ops of the recipe cost ~60 us each call here, their
+    caches cold after the weights streamed through); None where the kernel cannot take them."""
+    lib = library()
+    h = x.shape[-1]
+    if (
+        lib is None
+        or x.dtype != torch.bfloat16
+        or weight.dtype != torch.bfloat16
+        or x.device.type != "cpu"
+        or weight.shape != (h,)
+        or h % 16
+    ):
+        return None
+    rows, w = x.contiguous(), weight.contiguous()  # held here while the kernel reads them
+    y = torch.empty_like(rows)
+    lib.moe_bf16_rms_norm(
+        rows.data_ptr(),
+        w.data_ptr(),
+        y.data_ptr(),
+        rows.numel() // h,
+        h,
+        eps,
+        torch.get_num_threads(),
+    )
+    return y
 
 
 class Panels:

@@ -1,4 +1,5 @@
-/* bfloat16 linear layers for CPUs without native bfloat16 arithmetic (AVX-512F/BW is enough).
+/* bfloat16 linear layers and RMSNorm for CPUs without native bfloat16 arithmetic (AVX-512F/BW
+   is enough).
 
    y[M][N] = x[M][K] . W^T, all bfloat16, with W [N][K] held in panels of 32 output columns:
    P[panel][k][32]. A bfloat16 is a float32's upper half, so unpacking a 64-byte row of a
@@ -109,4 +110,38 @@ int moe_bf16_linear(const uint16_t *x, const uint16_t *packed, const float *bias
     }
     free(wide);
     return 0;
+}
+
+/* 16 bfloat16 -> 16 float32 */
+__attribute__((target("avx512f,avx512bw"))) static inline __m512 widen(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+__attribute__((target("avx512f,avx512bw"))) static inline __m512 load(const uint16_t *p) {
+    return widen(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* RMSNorm of rows x [m][h] by weight [h] into y, all bfloat16, h a multiple of 16, computed as
+   transformers computes it: in float32, the normalised row rounded to bfloat16, then multiplied
+   by the weight and rounded again. One call instead of the eight torch ops of that recipe. */
+__attribute__((target("avx512f,avx512bw"))) void moe_bf16_rms_norm(const uint16_t *x,
+                                                                     const uint16_t *w,
+                                                                     uint16_t *y, long m, long h,
+                                                                     float eps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (m >= 64)
+    for (long r = 0; r < m; r++) {
+        const uint16_t *xr = x + r * h;
+        uint16_t *yr = y + r * h;
+        __m512 squares = _mm512_setzero_ps();
+        for (long i = 0; i < h; i += 16) {
+            __m512 v = load(xr + i);
+            squares = _mm512_add_ps(squares, _mm512_mul_ps(v, v));
+        }
+        float mean = _mm512_reduce_add_ps(squares) / (float)h;
+        __m512 scale = _mm512_set1_ps(1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(mean + eps))));
+        for (long i = 0; i < h; i += 16) {
+            __m512 normed = widen(to_bf16(_mm512_mul_ps(load(xr + i), scale)));
+            _mm256_storeu_si256((__m256i *)(yr + i), to_bf16(_mm512_mul_ps(load(w + i), normed)));
+        }
+    }
 }

@@ -33,8 +33,15 @@ class Routing:
 @dataclass
 class ExpertGroup:
     expert: int
-    tokens: torch.Tensor  # [n] int64 row indices into the layer input
-    slots: torch.Tensor  # [n] int64 flat indices into routing.weights
+    # [n] int64 row indices into the layer input, or slice(None) when the layer has one token
+    tokens: torch.Tensor | slice
+    # [n] int64 flat indices into routing.weights; with one token, its choice's index
+    slots: torch.Tensor | int
+
+    @property
+    def size(self) -> int:
+        """Token rows in the group."""
+        return 1 if isinstance(self.slots, int) else len(self.slots)
 
 
 def route(
@@ -91,8 +98,16 @@ def group_by_expert(
 ) -> list[ExpertGroup]:
     """Token rows per routed expert, experts ascending; each expert appears once with its whole group.
 
-    `counts` [experts] is the bincount of routing.experts when the caller has it already."""
+    `counts` [experts] is the bincount of routing.experts when the caller has it already.
+
+    A single token (decode at batch 1) is grouped in Python: index tensors would cost more torch
+    calls than the experts' products, each tens of microseconds once the weights streamed through
+    the caches."""
     k = routing.experts.shape[1]
+    if routing.experts.shape[0] == 1:
+        chosen = routing.experts[0].tolist()  # k distinct experts
+        order = sorted(range(k), key=chosen.__getitem__)
+        return [ExpertGroup(chosen[j], tokens=slice(None), slots=j) for j in order]
     flat = routing.experts.reshape(-1)  # [tokens * k]
     order = torch.argsort(flat, stable=True)
     tokens = order // k
@@ -142,12 +157,16 @@ def combine(
     if not groups:
         return torch.zeros(num_tokens, like.shape[-1], dtype=like.dtype)  # [tokens, hidden]
     k = routing.experts.shape[1]
-    slots = torch.cat([g.slots for g in groups])  # [tokens * k]: every (token, choice) once
     # In the routing weights' dtype (float32 for Mixtral), rounded once after the sum, as
     # transformers' default (grouped_mm) experts path computes it.
-    weighted = torch.cat(outputs) * routing.weights.reshape(-1)[slots, None]
-    ordered = torch.empty_like(weighted)
-    ordered[slots] = weighted  # row t*k + j: token t's j-th choice
+    if isinstance(groups[0].slots, int):  # one token (group_by_expert): its choices in order
+        by_choice = sorted(range(len(groups)), key=lambda i: groups[i].slots)
+        ordered = torch.cat([outputs[i] for i in by_choice]) * routing.weights.reshape(-1, 1)
+    else:
+        slots = torch.cat([g.slots for g in groups])  # [tokens * k]: every (token, choice) once
+        weighted = torch.cat(outputs) * routing.weights.reshape(-1)[slots, None]
+        ordered = torch.empty_like(weighted)
+        ordered[slots] = weighted  # row t*k + j: token t's j-th choice
     choices = ordered.view(num_tokens, k, -1)  # [tokens, k, hidden]
     if routing.add_in_order:
         y = choices[:, 0]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from moe_mesh.common import bf16
 from moe_mesh.common.arch import ModelSpec
 from moe_mesh.common.arch.spec import RopeSpec, yarn_mscale
 from moe_mesh.common.linear import linear
@@ -20,6 +21,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, scaled in the input dtype (as transformers does)."""
     if x.dtype == torch.float32:  # one fused op; the same bits as the three below
         return F.rms_norm(x, x.shape[-1:], weight, eps)
+    if (y := bf16.rms_norm(x, weight, eps)) is not None:
+        return y
     return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
 
 

@@ -281,7 +281,7 @@ class ExpertDispatcher:
         with self._dispatch_span(routed, x), self._observed(local, layer, groups):
             outputs = local.compute(layer, groups)
         with self._stats_lock:
-            self.tokens_colocated += sum(len(g.tokens) for g in routed.groups)
+            self.tokens_colocated += sum(g.size for g in routed.groups)
         return outputs
 
     async def gather(
@@ -313,7 +313,7 @@ class ExpertDispatcher:
             "moe.layer": routed.layer,
             "moe.tokens": x.shape[0],
             "moe.experts": [g.expert for g in routed.groups],
-            "moe.expert_tokens": [len(g.tokens) for g in routed.groups],
+            "moe.expert_tokens": [g.size for g in routed.groups],
         }
         with self.tracer.start_as_current_span("moe.dispatch", attributes=attributes):
             yield
@@ -370,7 +370,7 @@ class ExpertDispatcher:
                         outputs[i] = y
                     if backend.local:
                         with self._stats_lock:
-                            self.tokens_colocated += sum(len(groups[i].tokens) for i in idx)
+                            self.tokens_colocated += sum(groups[i].size for i in idx)
             if pending and not self.budget.try_retry():  # a sick mesh: do not multiply its load
                 causes = dict.fromkeys(str(errors[i]) for i in pending)
                 raise ExpertUnavailableError(

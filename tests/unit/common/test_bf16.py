@@ -110,3 +110,25 @@ def test_outputs_round_to_nearest_even_as_torch_rounds() -> None:
     assert got[1, 0] == float("inf")
     x[2, 5] = float("nan")
     assert torch.isnan(bf16.Panels(w.bfloat16())(x)[2]).all()  # 0 x NaN is NaN, as in torch
+
+
+@pytest.mark.parametrize("shape", [(1, 1024), (7, 64), (3, 5, 128), (70, 256)])
+def test_rms_norm_rounds_as_transformers_recipe_does(shape) -> None:
+    gen = torch.Generator().manual_seed(len(shape))
+    x = (torch.randn(*shape, generator=gen) * 4).bfloat16()
+    w = torch.randn(shape[-1], generator=gen).bfloat16()
+    # transformers: in float32, the normalised row rounded, then times the weight in bfloat16
+    want = w * F.rms_norm(x.float(), x.shape[-1:], None, 1e-5).bfloat16()
+    got = bf16.rms_norm(x, w, 1e-5)
+    assert got.shape == x.shape and got.dtype == torch.bfloat16
+    ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+    assert ulps.max() <= 1 and (ulps == 0).float().mean() >= 0.99
+    strided = x.transpose(0, -1).contiguous().transpose(0, -1)  # the same values, not contiguous
+    assert torch.equal(bf16.rms_norm(strided, w, 1e-5), got)
+
+
+def test_rms_norm_leaves_what_it_cannot_take_to_torch() -> None:
+    x, w = torch.randn(2, 64).bfloat16(), torch.randn(64).bfloat16()
+    assert bf16.rms_norm(x.float(), w, 1e-5) is None  # float32 input
+    assert bf16.rms_norm(x, w.float(), 1e-5) is None  # float32 weight
+    assert bf16.rms_norm(x[:, :40], w[:40], 1e-5) is None  # width not a multiple of 16
