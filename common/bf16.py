@@ -7,6 +7,11 @@ a cost: on this project's 2-core Xeon its prepacked products of 4-32 rows read w
 oneDNN's speed at 4-32 rows and 1.1-1.45× at one row on 1-16 MiB weights (common.linear measures
 it against the others at start-up and uses it only where it wins).
 
+Where weights are panels, a gated expert FFN (`silu_ffn`) and RMSNorm (`rms_norm`) are one call
+each too: a decode step at batch 1 runs a few hundred small ops, and here each torch call costs
+tens of microseconds once the weights have streamed through the caches, more than their
+arithmetic. Both round where torch's op-by-op recipe rounds.
+
 The C source is compiled on first use with the host's compiler (`$CC`, else `cc`) into
 $MOE_MESH_CACHE_DIR (default ~/.cache/moe-mesh), once per source version; where there is no
 compiler or no AVX-512 the kernel is not used, and that is logged.
@@ -57,6 +62,8 @@ def library() -> ctypes.CDLL | None:
     lib.moe_bf16_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
     lib.moe_bf16_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.moe_bf16_linear.restype = ctypes.c_int
+    lib.moe_bf16_silu_ffn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.moe_bf16_silu_ffn.restype = ctypes.c_int
     lib.moe_bf16_rms_norm.argtypes = (
         [ctypes.c_void_p] * 3
         + [ctypes.c_long] * 2
@@ -130,6 +137,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return y
 
 
+def silu_ffn(x: torch.Tensor, gate_up: object, down: object) -> torch.Tensor | None:
+    """down(silu(gate) * up) of x [..., hidden] with gate|up = gate_up(x), in one kernel call
+    instead of seven torch calls; None unless both weights are Panels (then torch computes it)."""
+    if not (isinstance(gate_up, Panels) and isinstance(down, Panels)):
+        return None
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"expected bfloat16 input for a bfloat16 weight, got {x.dtype}")
+    inter, hidden = down.shape[1], down.shape[0]
+    rows = x.reshape(-1, hidden).contiguous()  # held here while the kernel reads it
+    y = torch.empty(rows.shape[0], hidden, dtype=torch.bfloat16)
+    if rows.shape[0] and gate_up._silu_ffn(  # releases the GIL, like a torch op
+        rows.data_ptr(),
+        gate_up.data.data_ptr(),
+        down.data.data_ptr(),
+        y.data_ptr(),
+        rows.shape[0],
+        inter,
+        hidden,
+        torch.get_num_threads(),
+    ):
+        raise MemoryError(f"bfloat16 kernel: no memory for {rows.shape[0]} rows' intermediates")
+    return y.view(*x.shape[:-1], hidden)
+
+
 class Panels:
     """A bfloat16 weight [out, in] in the kernel's layout; `panels(x, bias)` is F.linear's result."""
 
@@ -142,6 +173,7 @@ class Panels:
         assert lib is not None and fits(weight)
         self.shape = weight.shape
         self._linear = lib.moe_bf16_linear
+        self._silu_ffn = lib.moe_bf16_silu_ffn
         self.data = torch.empty(weight.numel(), dtype=torch.bfloat16)
         source = weight.contiguous()  # held here: a temporary would be freed before the call
         lib.moe_bf16_pack(source.data_ptr(), self.data.data_ptr(), *weight.shape)

@@ -1,5 +1,5 @@
-/* bfloat16 linear layers and RMSNorm for CPUs without native bfloat16 arithmetic (AVX-512F/BW
-   is enough).
+/* bfloat16 linear layers, gated FFNs and RMSNorm for CPUs without native bfloat16 arithmetic
+   (AVX-512F/BW is enough).
 
    y[M][N] = x[M][K] . W^T, all bfloat16, with W [N][K] held in panels of 32 output columns:
    P[panel][k][32]. A bfloat16 is a float32's upper half, so unpacking a 64-byte row of a
@@ -144,4 +144,49 @@ __attribute__((target("avx512f,avx512bw"))) void moe_bf16_rms_norm(const uint16_
             _mm256_storeu_si256((__m256i *)(yr + i), to_bf16(_mm512_mul_ps(load(w + i), normed)));
         }
     }
+}
+
+/* exp of float32 lanes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p its degree-7 Taylor
+   polynomial (relative error below 1e-8, far inside a bfloat16 rounding) */
+__attribute__((target("avx512f,avx512bw"))) static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(89.0f)), _mm512_set1_ps(-104.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    static const float c[8] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24,
+                               1.0f / 6,    0.5f,       1.0f,       1.0f};
+    __m512 p = _mm512_set1_ps(c[0]);
+    for (int i = 1; i < 8; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[i]));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* out[i] = silu(g[i]) * u[i] for one row g|u [2][n], n a multiple of 16 */
+__attribute__((target("avx512f,avx512bw"))) static void silu_mul(const uint16_t *gu, uint16_t *out,
+                                                                  long n) {
+    for (long i = 0; i < n; i += 16) {
+        __m512 g = load(gu + i);
+        __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        __m512 act = widen(to_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e))));
+        _mm256_storeu_si256((__m256i *)(out + i), to_bf16(_mm512_mul_ps(act, load(gu + n + i))));
+    }
+}
+
+/* An expert's FFN on rows x [m][hidden]: down(silu(gate) * up) with gate|up = gate_up(x), both
+   weights packed. Every intermediate is rounded to bfloat16 where torch's ops round it (the
+   product, silu, the gated product), so rows are what the op-by-op recipe gives to within a
+   rounding, and independent of their batch-mates. -1 when there is no memory for the
+   intermediates. */
+int moe_bf16_silu_ffn(const uint16_t *x, const uint16_t *gate_up, const uint16_t *down,
+                      uint16_t *y, long m, long inter, long hidden, int threads) {
+    uint16_t *h = malloc(sizeof(uint16_t) * m * 3 * inter); /* gate|up, then the gated product */
+    if (!h) return -1;
+    uint16_t *gated = h + m * 2 * inter;
+    int failed = moe_bf16_linear(x, gate_up, 0, h, m, 2 * inter, hidden, threads);
+    if (!failed) {
+        for (long r = 0; r < m; r++) silu_mul(h + r * 2 * inter, gated + r * inter, inter);
+        failed = moe_bf16_linear(gated, down, 0, y, m, hidden, inter, threads);
+    }
+    free(h);
+    return failed;
 }

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moe_mesh.common import bf16
 from moe_mesh.common.arch import ModelSpec
 from moe_mesh.common.arch.spec import ExpertActivation
 from moe_mesh.common.linear import linear
@@ -127,6 +128,9 @@ def expert_ffn(x: torch.Tensor, w: FFNWeights) -> torch.Tensor:
 
     Biases (gpt-oss) are added to the rounded products, as transformers adds them: a bias fused
     into the GEMM rounds once, and differs from it in the last bit of most bfloat16 outputs."""
+    if w.activation.kind == "silu" and w.gate_up_bias is None and w.down_bias is None:
+        if (y := bf16.silu_ffn(x, w.gate_up, w.down)) is not None:  # one call, bfloat16 panels
+            return y
     h = linear(x, w.gate_up)  # [n, 2 * inter]
     if w.gate_up_bias is not None:
         h = h + w.gate_up_bias

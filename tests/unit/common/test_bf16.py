@@ -64,6 +64,9 @@ def test_other_input_dtypes_and_shapes_it_cannot_hold_are_refused() -> None:
     assert bf16.fits(w)
     assert not bf16.fits(torch.randn(96, 32).bfloat16())  # rows not a multiple of 64
     assert not bf16.fits(torch.randn(64, 32))  # float32 stays torch's
+    assert bf16.silu_ffn(torch.randn(2, 32).bfloat16(), w, w.T) is None  # plain weights: torch's
+    with pytest.raises(TypeError, match="bfloat16 input"):
+        bf16.silu_ffn(torch.randn(2, 64), bf16.Panels(w), bf16.Panels(w))
 
 
 def test_without_a_compiler_there_is_no_kernel(monkeypatch, tmp_path) -> None:
@@ -132,3 +135,49 @@ def test_rms_norm_leaves_what_it_cannot_take_to_torch() -> None:
     assert bf16.rms_norm(x.float(), w, 1e-5) is None  # float32 input
     assert bf16.rms_norm(x, w.float(), 1e-5) is None  # float32 weight
     assert bf16.rms_norm(x[:, :40], w[:40], 1e-5) is None  # width not a multiple of 16
+
+
+def ffn_pair(hidden: int, inter: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(2 * inter, hidden, generator=gen) / hidden**0.5
+    return gate_up.bfloat16(), (torch.randn(hidden, inter, generator=gen) / inter**0.5).bfloat16()
+
+
+def op_by_op(x: torch.Tensor, gate_up: bf16.Panels, down: bf16.Panels) -> torch.Tensor:
+    gate, up = gate_up(x).chunk(2, dim=-1)
+    return down(F.silu(gate) * up)
+
+
+@pytest.mark.parametrize(
+    ("rows", "hidden", "inter"), [(1, 1024, 1024), (7, 256, 512), (40, 128, 64)]
+)
+def test_silu_ffn_rounds_where_the_op_by_op_recipe_rounds(rows, hidden, inter) -> None:
+    gate_up, down = (bf16.Panels(w) for w in ffn_pair(hidden, inter, rows))
+    x = (torch.randn(rows, hidden, generator=torch.Generator().manual_seed(9)) * 2).bfloat16()
+    x[0, :4] = torch.tensor([60.0, -60.0, 1e-3, -1e-3])  # gates far into silu's tails
+    got, want = bf16.silu_ffn(x, gate_up, down), op_by_op(x, gate_up, down)
+    ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+    assert ulps.max() <= 1 and (ulps == 0).float().mean() >= 0.99
+    assert torch.equal(bf16.silu_ffn(x[:1], gate_up, down), got[:1])  # rows stay independent
+    assert bf16.silu_ffn(x.view(1, rows, hidden), gate_up, down).shape == (1, rows, hidden)
+    assert bf16.silu_ffn(x[:0], gate_up, down).shape == (0, hidden)
+
+
+def test_silu_of_extreme_gates_is_torchs() -> None:
+    # gate = x[i], up = x[63] = 1, down = identity: the output is silu(x) itself.
+    n = 64
+    gate = torch.eye(n)
+    gate[-1] = 0
+    up = torch.zeros(n, n)
+    up[:, -1] = 1
+    gate_up, down = (
+        bf16.Panels(torch.cat([gate, up]).bfloat16()),
+        bf16.Panels(torch.eye(n).bfloat16()),
+    )
+    x = torch.zeros(1, n)
+    values = [0.0, 1.0, -1.0, 20.0, -20.0, 88.0, -88.0, 120.0, -120.0, 1e-30, -3.0e38]
+    x[0, : len(values)] = torch.tensor(values)
+    x[0, -1] = 1
+    x = x.bfloat16()
+    got = bf16.silu_ffn(x, gate_up, down)[0, : len(values)]
+    assert torch.equal(got, F.silu(x[0, : len(values)]))
