@@ -13,7 +13,7 @@ same Xeon family (2 cores each):
   --serial-max-tokens).
 
 So a process measures both on first use, on 64 MiB of weights (0.1-0.5 s), and follows what it
-found: `prepack` holds weights in the faster layout, and the router asks `serial_decode` for its
+found: `prepack` holds weights in the faster layout, and the router asks `serial_tokens` for its
 default --serial-max-tokens. bfloat16 weights have a third candidate, moe-mesh's own kernel
 (common.bf16), timed against the better of the other two. Not cached across processes: a
 measurement disturbed by a busy neighbour must not outlive the process that took it.
@@ -36,12 +36,14 @@ from moe_mesh.common import bf16
 
 log = logging.getLogger(__name__)
 
-# Passes of at most this many tokens are decode-sized: what `serial_decode` applies to.
+# Passes of at most this many tokens are decode-sized: the most `serial_tokens` returns.
 SERIAL_TOKENS = 32
-# One thread is kept for decode passes unless all threads read at least this much faster: the
-# first host's 1.24× lost to waking the other thread for every small op (serial won by 7-36% in
-# the engine), the second host's 1.9× did not (serial lost 20-30%).
-_PARALLEL_GAIN = 1.5
+_SERIAL_ROWS = (1, 4, 16, SERIAL_TOKENS)  # the product sizes serial_tokens times
+# Products of a pass's size keep one thread unless all threads run them at least this much
+# faster: a host at 1.24× on one-row products lost to waking the other thread for every small
+# op (serial won by 7-36% in the engine); one at 1.41× did not (serial lost 15%, and 23-35% at 8
+# and 32 tokens, where its products gained 1.6-1.7×).
+_PARALLEL_GAIN = 1.3
 # oneDNN's layout must be this much faster than torch's own path to replace it: closer is noise.
 _MARGIN = 0.9
 _SHAPE = (2048, 1024)  # a small expert's projection
@@ -132,22 +134,34 @@ def panels(dtype: torch.dtype) -> bool:
 
 
 @functools.cache
-def serial_decode(dtype: torch.dtype) -> bool:
-    """Whether decode-sized passes of `dtype` weights run on one thread (as fast, fewer wake-ups)."""
+def serial_tokens(dtype: torch.dtype) -> int:
+    """The largest decode pass (tokens, up to SERIAL_TOKENS) of `dtype` weights that runs on one
+    thread: products of up to that many rows gain less than _PARALLEL_GAIN from all threads, so
+    waking them for each of a pass's ops is not worth it. 0: every pass on every thread."""
     threads = torch.get_num_threads()
     if threads == 1:
-        return True
+        return SERIAL_TOKENS
     weights = [prepack(w) for w in _weights(dtype)]
-    every = _seconds(weights, 1, linear, repeats=5)
-    torch.set_num_threads(1)
-    try:
-        one = _seconds(weights, 1, linear, repeats=5)
-    finally:
-        torch.set_num_threads(threads)
+    serial, gains = 0, []
+    for rows in _SERIAL_ROWS:
+        every = _seconds(weights, rows, linear, repeats=5)
+        torch.set_num_threads(1)
+        try:
+            one = _seconds(weights, rows, linear, repeats=5)
+        finally:
+            torch.set_num_threads(threads)
+        gains.append(f"{rows} rows {one / every:.2f}×")
+        if one >= _PARALLEL_GAIN * every:
+            break
+        serial = rows
     log.info(
-        "%s one-row products: %d threads %.2f× one thread's speed", dtype, threads, one / every
+        "%s products on %d threads vs one: %s; passes of up to %d tokens on one thread",
+        dtype,
+        threads,
+        ", ".join(gains),
+        serial,
     )
-    return one < _PARALLEL_GAIN * every
+    return serial
 
 
 def prepack(weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:

@@ -76,8 +76,9 @@ class RouterSettings(TelemetrySettings, SecuritySettings):
         le=1 << 20,
         description="forward passes of at most this many tokens (decode steps, small batches) "
         "compute on one thread, leaving the other cores asleep through their hundreds of small "
-        "ops; unset: 32 where all threads read less than 1.5x what one thread reads (measured "
-        "at start-up, common/linear.py), else 0: always every compute thread",
+        "ops; unset: measured at start-up (common/linear.py): the largest of 1, 4, 16 and 32 rows "
+        "whose products all threads run less than 1.3x faster than one, else 0: always every "
+        "compute thread",
     )
     compute_threads: int | None = Field(
         None,

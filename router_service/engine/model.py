@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_mesh.common.arch import ModelSpec
-from moe_mesh.common.linear import SERIAL_TOKENS, linear, serial_decode
+from moe_mesh.common.linear import linear, serial_tokens
 from moe_mesh.common.moe import expert_ffn
 from moe_mesh.common.weights import DenseWeights
 from moe_mesh.router_service.engine.kv_cache import KVCache, block_bytes
@@ -133,7 +133,7 @@ class MoeModel:
         self.compute = compute
         self.dtype = weights.embed.dtype
         if serial_max_tokens is None:  # what this host runs fastest
-            serial_max_tokens = SERIAL_TOKENS if serial_decode(self.dtype) else 0
+            serial_max_tokens = serial_tokens(self.dtype)
         self.serial_max_tokens = serial_max_tokens
         self.rope = Rope(spec, max_model_len, self.dtype)
 

@@ -15,7 +15,7 @@ def fresh(monkeypatch):
     """A process that has measured nothing yet, on a small working set."""
     monkeypatch.delenv("MOE_MESH_PREPACK", raising=False)
     monkeypatch.setattr(L, "_WORKING_SET", 4 << 20)
-    caches = (L.packed, L.panels, L.serial_decode)
+    caches = (L.packed, L.panels, L.serial_tokens)
     for c in caches:
         c.cache_clear()
     yield
@@ -78,17 +78,24 @@ def test_moe_mesh_prepack_decides_without_measuring(fresh, monkeypatch, setting)
     assert L.prepack(torch.randn(8, 4)).is_mkldnn is expected
 
 
-@pytest.mark.parametrize(("speedup", "one_thread"), [(1.2, True), (1.9, False)])
-def test_decode_passes_keep_one_thread_unless_more_threads_read_much_faster(
-    fresh, monkeypatch, speedup, one_thread
+@pytest.mark.parametrize(
+    ("speedups", "serial", "sizes_timed"),
+    [
+        ({1: 1.2, 4: 1.2, 16: 1.25, 32: 1.1}, 32, [1, 4, 16, 32]),
+        ({1: 1.2, 4: 1.25, 16: 1.6, 32: 1.1}, 4, [1, 4, 16]),  # the first size that gains ends it
+        ({1: 1.4, 4: 1.0, 16: 1.0, 32: 1.0}, 0, [1]),
+    ],
+)
+def test_decode_passes_keep_one_thread_up_to_the_size_more_threads_speed_up(
+    fresh, monkeypatch, speedups, serial, sizes_timed
 ):
     monkeypatch.setenv("MOE_MESH_PREPACK", "off")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        calls = timed(monkeypatch, lambda rows, kernel, n: 1.0 if n == 1 else 1 / speedup)
-        assert L.serial_decode(torch.float32) is one_thread
-        assert [n for _, _, n in calls] == [2, 1]
+        calls = timed(monkeypatch, lambda rows, kernel, n: 1.0 if n == 1 else 1 / speedups[rows])
+        assert L.serial_tokens(torch.float32) == serial
+        assert [(rows, n) for rows, _, n in calls] == [(r, n) for r in sizes_timed for n in (2, 1)]
         assert torch.get_num_threads() == 2  # put back
     finally:
         torch.set_num_threads(threads)
@@ -98,7 +105,7 @@ def test_measuring_times_the_real_kernels(fresh):
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert L.packed(dtype) in (True, False)
         assert L._can_pack(dtype) or not L.packed(dtype)  # only what oneDNN has is chosen
-        assert L.serial_decode(dtype) in (True, False)
+        assert L.serial_tokens(dtype) in (0, 1, 4, 16, 32)
     assert L._seconds(L._weights(torch.float32), 4, F.linear) > 0
 
 

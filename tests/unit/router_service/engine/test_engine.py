@@ -15,7 +15,6 @@ from moe_mesh.common.errors import (
     InternalError,
     InvalidArgumentError,
 )
-from moe_mesh.common.linear import SERIAL_TOKENS
 from moe_mesh.router_service.build import build_local_engine
 from moe_mesh.router_service.engine import engine as engine_module
 from moe_mesh.router_service.engine import model as model_module
@@ -294,11 +293,11 @@ def test_a_failure_while_preparing_a_step_fails_the_steps_requests_only(
     assert generate(engine, GREEDY) == alone
 
 
-@pytest.mark.parametrize("serial", [True, False])
+@pytest.mark.parametrize("serial", [16, 0])
 def test_an_unset_serial_max_tokens_follows_what_the_host_measured(checkpoint, monkeypatch, serial):
-    monkeypatch.setattr(model_module, "serial_decode", lambda dtype: serial)
+    monkeypatch.setattr(model_module, "serial_tokens", lambda dtype: serial)
     path = checkpoint("qwen3_moe")
-    for asked, expected in ((None, SERIAL_TOKENS if serial else 0), (7, 7)):
+    for asked, expected in ((None, serial), (7, 7)):
         settings = RouterSettings(checkpoint=path, max_model_len=64, serial_max_tokens=asked)
         engine = build_local_engine(settings)
         try:
