@@ -184,6 +184,7 @@ int moe_bf16_silu_ffn(const uint16_t *x, const uint16_t *gate_up, const uint16_t
     uint16_t *gated = h + m * 2 * inter;
     int failed = moe_bf16_linear(x, gate_up, 0, h, m, 2 * inter, hidden, threads);
     if (!failed) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (m * inter >= 1 << 16)
         for (long r = 0; r < m; r++) silu_mul(h + r * 2 * inter, gated + r * inter, inter);
         failed = moe_bf16_linear(gated, down, 0, y, m, hidden, inter, threads);
     }
