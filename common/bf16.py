@@ -8,7 +8,7 @@ oneDNN's speed at 4-32 rows and 1.1-1.45× at one row on 1-16 MiB weights (commo
 it against the others at start-up and uses it only where it wins).
 
 Where weights are panels, a gated expert FFN (`silu_ffn`) and RMSNorm (`rms_norm`) are one call
-each too: a decode step at batch 1 runs a few hundred small ops, and here each torch call costs
+each too, and so is RoPE (`rope`, float32 as well): a decode step at batch 1 runs a few hundred small ops, and here each torch call costs
 tens of microseconds once the weights have streamed through the caches, more than their
 arithmetic. Both round where torch's op-by-op recipe rounds.
 
@@ -33,7 +33,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("bf16_kernel.c")
-_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 COLUMNS = 64  # output columns per kernel call: a weight's row count must be a multiple
 
 
@@ -64,6 +64,10 @@ def library() -> ctypes.CDLL | None:
     lib.moe_bf16_linear.restype = ctypes.c_int
     lib.moe_bf16_silu_ffn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.moe_bf16_silu_ffn.restype = ctypes.c_int
+    for rope in (lib.moe_rope_f32, lib.moe_rope_bf16):
+        rope.argtypes = (
+            [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+        )
     lib.moe_bf16_rms_norm.argtypes = (
         [ctypes.c_void_p] * 3
         + [ctypes.c_long] * 2
@@ -135,6 +139,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         torch.get_num_threads(),
     )
     return y
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """x [tokens, heads, d] rotated by cos, sin [tokens, 1, d]: x * cos + rotate_half(x) * sin in
+    one call instead of six torch calls, rounded as those ops round (float32 or bfloat16, so the
+    same bits); None where the kernel cannot take them."""
+    lib = library()
+    kernel = {torch.float32: "moe_rope_f32", torch.bfloat16: "moe_rope_bf16"}.get(x.dtype)
+    if lib is None or kernel is None or x.dim() != 3 or x.device.type != "cpu" or not x.numel():
+        return None
+    n, heads, d = x.shape
+    if x.stride(2) != 1 or x.stride(1) != d or d % 2 or {cos.dtype, sin.dtype} != {x.dtype}:
+        return None
+    c, s = cos.reshape(n, d).contiguous(), sin.reshape(n, d).contiguous()  # held for the call
+    out = torch.empty(n, heads, d, dtype=x.dtype)
+    getattr(lib, kernel)(
+        x.data_ptr(), x.stride(0), c.data_ptr(), s.data_ptr(), out.data_ptr(), n, heads, d
+    )
+    return out
 
 
 def silu_ffn(x: torch.Tensor, gate_up: object, down: object) -> torch.Tensor | None:

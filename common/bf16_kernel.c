@@ -1,5 +1,5 @@
 /* bfloat16 linear layers, gated FFNs and RMSNorm for CPUs without native bfloat16 arithmetic
-   (AVX-512F/BW is enough).
+   (AVX-512F/BW is enough), and RoPE in bfloat16 and float32.
 
    y[M][N] = x[M][K] . W^T, all bfloat16, with W [N][K] held in panels of 32 output columns:
    P[panel][k][32]. A bfloat16 is a float32's upper half, so unpacking a 64-byte row of a
@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define PANEL 32
 #define ROWS 6 /* x rows per pass: 6 x 4 accumulators + 4 weight vectors fit the 32 registers */
@@ -190,4 +191,53 @@ int moe_bf16_silu_ffn(const uint16_t *x, const uint16_t *gate_up, const uint16_t
     }
     free(h);
     return failed;
+}
+
+static inline float bf16_value(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float bf16_round(float f) { /* to the nearest bfloat16, ties to even, as torch */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (f != f) return bf16_value(0x7FC0);
+    return bf16_value((uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16));
+}
+
+/* RoPE of x [n][heads][d] (tokens ldx elements apart, heads d apart) by cos, sin [n][d] into
+   out [n][heads][d]: x * cos + rotate_half(x) * sin, where rotate_half(x) is (-x2, x1). Each
+   product and the sum round as torch's three ops round them: no fused multiply-add (the file is
+   built with -ffp-contract=off), and in bfloat16 a rounding after each. */
+void moe_rope_f32(const float *x, long ldx, const float *cos, const float *sin, float *out,
+                  long n, long heads, long d) {
+    long half = d / 2;
+    for (long t = 0; t < n; t++)
+        for (long h = 0; h < heads; h++) {
+            const float *v = x + t * ldx + h * d, *c = cos + t * d, *s = sin + t * d;
+            float *o = out + (t * heads + h) * d;
+            for (long i = 0; i < half; i++) o[i] = v[i] * c[i] + (-v[i + half]) * s[i];
+            for (long i = half; i < d; i++) o[i] = v[i] * c[i] + v[i - half] * s[i];
+        }
+}
+
+void moe_rope_bf16(const uint16_t *x, long ldx, const uint16_t *cos, const uint16_t *sin,
+                   uint16_t *out, long n, long heads, long d) {
+    long half = d / 2;
+    for (long t = 0; t < n; t++)
+        for (long h = 0; h < heads; h++) {
+            const uint16_t *v = x + t * ldx + h * d, *c = cos + t * d, *s = sin + t * d;
+            uint16_t *o = out + (t * heads + h) * d;
+            for (long i = 0; i < d; i++) {
+                float turned = i < half ? -bf16_value(v[i + half]) : bf16_value(v[i - half]);
+                float a = bf16_round(bf16_value(v[i]) * bf16_value(c[i]));
+                float b = bf16_round(turned * bf16_value(s[i]));
+                float sum = bf16_round(a + b);
+                uint32_t bits;
+                memcpy(&bits, &sum, sizeof bits);
+                o[i] = (uint16_t)(bits >> 16);
+            }
+        }
 }

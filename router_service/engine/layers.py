@@ -66,6 +66,8 @@ class Rope:
             cos, sin = cos[..., :half], sin[..., :half]
             x1, x2 = x[..., 0::2], x[..., 1::2]
             return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        if (y := bf16.rope(x, cos, sin)) is not None:  # one call, the same bits
+            return y
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
@@ -172,6 +174,9 @@ def attention(
     cache.write(layer, batch.slots, k, v)
 
     window = spec.sliding_window if spec.is_sliding(layer) else None
+    if not batch.prefills:  # decodes alone: their attention is the whole output
+        out = _decode_attention(q, batch, cache, layer, window, w.sinks)
+        return linear(out.reshape(n, -1), w.o, w.o_bias)
     # The first four families have neither: they run exactly the ops they always ran.
     plain = window is None and w.sinks is None
     out = torch.empty_like(q)  # [tokens, heads, hd]

@@ -181,3 +181,25 @@ def test_silu_of_extreme_gates_is_torchs() -> None:
     x = x.bfloat16()
     got = bf16.silu_ffn(x, gate_up, down)[0, : len(values)]
     assert torch.equal(got, F.silu(x[0, : len(values)]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "heads", "d"), [(1, 20, 64), (7, 6, 128), (33, 3, 16)])
+def test_rope_gives_the_bits_of_torchs_three_ops(dtype, tokens, heads, d) -> None:
+    gen = torch.Generator().manual_seed(d)
+    qkv = (torch.randn(tokens, heads + 4, d, generator=gen) * 3).to(dtype)
+    qkv[0, 0, :3] = torch.tensor([float("inf"), float("nan"), -0.0])
+    x = qkv[:, :heads]  # q and k of a fused projection: a view, tokens heads + 4 rows apart
+    angle = torch.randn(tokens, 1, d, generator=gen) * 100
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    half = d // 2
+    want = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    torch.testing.assert_close(bf16.rope(x, cos, sin), want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_rope_leaves_what_it_cannot_take_to_torch() -> None:
+    x, cs = torch.randn(2, 3, 8), torch.randn(2, 1, 8)
+    assert bf16.rope(x.half(), cs.half(), cs.half()) is None  # float16
+    assert bf16.rope(x, cs.bfloat16(), cs.bfloat16()) is None  # cos/sin of another dtype
+    assert bf16.rope(x[..., :7], cs[..., :7], cs[..., :7]) is None  # odd width, strided
+    assert bf16.rope(x[:0], cs[:0], cs[:0]) is None  # no tokens
