@@ -8,9 +8,9 @@ oneDNN's speed at 4-32 rows and 1.1-1.45× at one row on 1-16 MiB weights (commo
 it against the others at start-up and uses it only where it wins).
 
 Where weights are panels, a gated expert FFN (`silu_ffn`) and RMSNorm (`rms_norm`) are one call
-each too, and so is RoPE (`rope`, float32 as well): a decode step at batch 1 runs a few hundred small ops, and here each torch call costs
-tens of microseconds once the weights have streamed through the caches, more than their
-arithmetic. Both round where torch's op-by-op recipe rounds.
+each too, and so is RoPE (`rope`, float32 as well): a decode step at batch 1 runs a few hundred
+small ops, and here each torch call costs tens of microseconds once the weights have streamed
+through the caches, more than its arithmetic. Each rounds where torch's op-by-op recipe rounds.
 
 The C source is compiled on first use with the host's compiler (`$CC`, else `cc`) into
 $MOE_MESH_CACHE_DIR (default ~/.cache/moe-mesh), once per source version; where there is no
@@ -68,14 +68,8 @@ def library() -> ctypes.CDLL | None:
         rope.argtypes = (
             [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
         )
-    lib.moe_bf16_rms_norm.argtypes = (
-        [ctypes.c_void_p] * 3
-        + [ctypes.c_long] * 2
-        + [
-            ctypes.c_float,
-            ctypes.c_int,
-        ]
-    )
+    norm = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float, ctypes.c_int]
+    lib.moe_bf16_rms_norm.argtypes = norm
     return lib
 
 
