@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 # About 0.1-0.3 ms of spinning: longer than the gap between two ops of a step, far shorter
 # than a step or a network wait.
@@ -67,6 +68,19 @@ def release_openmp_threads(serial: bool = False) -> None:
         import torch
 
         torch.set_num_threads(1)  # this thread's OpenMP and MKL; threads started later too
+
+
+def compute_thread(name: str) -> ThreadPoolExecutor:
+    """One thread for a service's torch work, computing with as many threads as the caller has
+    now: a new thread would otherwise take torch's latest setting (1 after a serial pass)."""
+    import torch
+
+    return ThreadPoolExecutor(
+        1,
+        thread_name_prefix=name,
+        initializer=torch.set_num_threads,
+        initargs=(torch.get_num_threads(),),
+    )
 
 
 _gomp: ctypes.CDLL | None = None

@@ -22,6 +22,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from moe_mesh.common import runtime
+
 Hook = Callable[[], Awaitable[None]]
 
 
@@ -178,7 +180,12 @@ class App(Protocol):
 
 async def serve_app(app: App, ready_file: Path | None = None) -> None:
     """A service's whole life after create(): start, announce, wait for SIGTERM/SIGINT, stop
-    gracefully (stop also runs when start fails half-way)."""
+    gracefully (stop also runs when start fails half-way).
+
+    create() loaded the model on this thread; from here a compute thread does the parallel torch
+    work, so this one's OpenMP workers end (runtime.release_openmp_threads; nothing to end in a
+    process without torch)."""
+    runtime.release_openmp_threads(serial=True)
     try:
         address = await app.start()
         announce(address, ready_file, app.ready_info())

@@ -17,11 +17,11 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
+from moe_mesh.common import runtime
 from moe_mesh.common.errors import NotFoundError, UnavailableError
 from moe_mesh.common.moe import expert_ffn
 from moe_mesh.common.placement import Pair
@@ -126,13 +126,7 @@ class DynamicBatcher:
         self._active: dict[Pair, _Queue] = {}  # the queues holding groups, in arrival order
         self._arrived = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        # As many threads as its creator has: a new thread would take torch's latest setting.
-        self._executor = ThreadPoolExecutor(
-            max_workers=1,
-            thread_name_prefix="expert-ffn",
-            initializer=torch.set_num_threads,
-            initargs=(torch.get_num_threads(),),
-        )
+        self._executor = runtime.compute_thread("expert-ffn")
         self._closed = False
 
     async def submit(self, layer: int, expert: int, rows: torch.Tensor) -> torch.Tensor:

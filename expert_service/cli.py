@@ -10,7 +10,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from moe_mesh.common import runtime
 from moe_mesh.common.cli import add_settings_arguments, exit_code, settings_from_args
 from moe_mesh.common.errors import MoeMeshError
 from moe_mesh.expert_service.settings import ExpertSettings
@@ -81,9 +80,7 @@ async def serve(settings: ExpertSettings, ready_file: Path | None) -> None:
     from moe_mesh.common.server import serve_app
     from moe_mesh.expert_service.app import ExpertApp
 
-    app = await ExpertApp.create(settings)
-    runtime.release_openmp_threads(serial=True)  # loaded: the batcher's thread computes
-    await serve_app(app, ready_file)
+    await serve_app(await ExpertApp.create(settings), ready_file)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,6 @@ import logging
 import sys
 from pathlib import Path
 
-from moe_mesh.common import runtime
 from moe_mesh.common.cli import add_settings_arguments, exit_code, settings_from_args
 from moe_mesh.common.errors import MoeMeshError
 
@@ -51,9 +50,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(settings.compute_threads)
 
     async def main() -> None:
-        app = await RouterApp.create(settings)
-        runtime.release_openmp_threads(serial=True)  # loaded: the compute thread computes
-        await serve_app(app, args.ready_file)
+        await serve_app(await RouterApp.create(settings), args.ready_file)
 
     try:
         uvloop.run(main())

@@ -6,10 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
-
-import torch
 
 from moe_mesh.common import runtime
 
@@ -24,13 +21,7 @@ class ComputeThread:
     hang under the request that asked for them."""
 
     def __init__(self) -> None:
-        # As many threads as its creator has: a new thread would take torch's latest setting.
-        self._pool = ThreadPoolExecutor(
-            1,
-            thread_name_prefix="router-compute",
-            initializer=torch.set_num_threads,
-            initargs=(torch.get_num_threads(),),
-        )
+        self._pool = runtime.compute_thread("router-compute")
 
     async def __call__(self, fn: Callable[..., T], *args: Any) -> T:
         ctx = contextvars.copy_context()
