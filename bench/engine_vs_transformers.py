@@ -4,8 +4,7 @@ Both generate greedily from the same prompts at batch 1, 8 and 32, in float32 an
 (each side computing in that dtype); runs alternate engine / transformers and the median of the
 repeats is kept, so machine noise hits both sides alike. Before each side runs, the other side's
 OpenMP workers are ended (runtime.release_openmp_threads): two idle teams on one host slow both.
-Decode tokens/s = batch * (new_tokens -
-1) / (time to generate new_tokens - time to generate 1).
+Decode tokens/s = batch * (new_tokens - 1) / (time to generate new_tokens - time to generate 1).
 
 Batch-1 decode reads every weight a token uses once per token, so its rate is bounded by memory
 bandwidth: the run measures this machine's read bandwidth (all threads summing a buffer far

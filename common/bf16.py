@@ -135,12 +135,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return y
 
 
+_ROPE = {torch.float32: "moe_rope_f32", torch.bfloat16: "moe_rope_bf16"}
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """x [tokens, heads, d] rotated by cos, sin [tokens, 1, d]: x * cos + rotate_half(x) * sin in
     one call instead of six torch calls, rounded as those ops round (float32 or bfloat16, so the
     same bits); None where the kernel cannot take them."""
     lib = library()
-    kernel = {torch.float32: "moe_rope_f32", torch.bfloat16: "moe_rope_bf16"}.get(x.dtype)
+    kernel = _ROPE.get(x.dtype)
     if lib is None or kernel is None or x.dim() != 3 or x.device.type != "cpu" or not x.numel():
         return None
     n, heads, d = x.shape
@@ -159,12 +162,10 @@ def silu_ffn(x: torch.Tensor, gate_up: object, down: object) -> torch.Tensor | N
     instead of seven torch calls; None unless both weights are Panels (then torch computes it)."""
     if not (isinstance(gate_up, Panels) and isinstance(down, Panels)):
         return None
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"expected bfloat16 input for a bfloat16 weight, got {x.dtype}")
     inter, hidden = down.shape[1], down.shape[0]
-    rows = x.reshape(-1, hidden).contiguous()  # held here while the kernel reads it
+    rows = _rows(x, hidden)  # held here while the kernel reads it
     y = torch.empty(rows.shape[0], hidden, dtype=torch.bfloat16)
-    if rows.shape[0] and gate_up._silu_ffn(  # releases the GIL, like a torch op
+    if rows.shape[0] and library().moe_bf16_silu_ffn(  # releases the GIL, like a torch op
         rows.data_ptr(),
         gate_up.data.data_ptr(),
         down.data.data_ptr(),
@@ -190,16 +191,13 @@ class Panels:
         assert lib is not None and fits(weight)
         self.shape = weight.shape
         self._linear = lib.moe_bf16_linear
-        self._silu_ffn = lib.moe_bf16_silu_ffn
         self.data = torch.empty(weight.numel(), dtype=torch.bfloat16)
         source = weight.contiguous()  # held here: a temporary would be freed before the call
         lib.moe_bf16_pack(source.data_ptr(), self.data.data_ptr(), *weight.shape)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dtype != torch.bfloat16:
-            raise TypeError(f"expected bfloat16 input for a bfloat16 weight, got {x.dtype}")
         n, k = self.shape
-        rows = x.reshape(-1, k).contiguous()  # [m, in]; held here while the kernel reads it
+        rows = _rows(x, k)  # [m, in]; held here while the kernel reads it
         y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
         if rows.shape[0]:
             b = None if bias is None else bias.float().contiguous()
@@ -216,3 +214,10 @@ class Panels:
             if failed:
                 raise MemoryError(f"bfloat16 kernel: no memory to widen {rows.shape[0]}x{k} inputs")
         return y.view(*x.shape[:-1], n)
+
+
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [..., width] as contiguous rows [m, width] for a kernel over bfloat16 weights."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"expected bfloat16 input for a bfloat16 weight, got {x.dtype}")
+    return x.reshape(-1, width).contiguous()
