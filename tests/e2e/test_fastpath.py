@@ -35,7 +35,7 @@ from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, router_pb2,
 from tests.support import hf
 from tests.support.metrics import scrape, total
 from tests.support.polling import eventually
-from tests.support.processes import ServiceProcess, start_experts
+from tests.support.processes import ServiceProcess, start_experts, stop_all
 from tests.support.reference import PROMPTS
 from tests.support.routers import generate, request
 
@@ -77,8 +77,7 @@ def mesh(
         finally:
             router.stop()
     finally:
-        for e in experts:
-            e.stop()
+        stop_all(experts)
 
 
 async def generate_all(

@@ -23,7 +23,7 @@ import pytest
 from moe_mesh.gateway.app import GatewayApp
 from moe_mesh.gateway.settings import GatewaySettings
 from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
-from tests.support.processes import ServiceProcess
+from tests.support.processes import ServiceProcess, stop_all
 from tests.support.reference import PROMPTS
 
 ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+:\d+|localhost:\d+|\[[0-9a-f:]+\]:\d+")
@@ -44,8 +44,7 @@ def routers(path: Path, workdir: Path, n: int = 2) -> Iterator[list[ServiceProce
     try:
         yield [p.wait_ready() for p in procs]
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 @asynccontextmanager

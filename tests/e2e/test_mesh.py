@@ -32,19 +32,9 @@ async def test_all_remote_mesh_matches_monolithic_and_transformers(
     async with mesh_engine(path, ALL_REMOTE, tmp_path) as (engine, _):
         assert all(not b.local for bs in engine.model.dispatcher.placement.values() for b in bs)
         tokens = await run_engine(engine, PROMPTS)
-        assert tuple(map(tuple, tokens)) == monolithic(path)
+        assert tuple(map(tuple, tokens)) == monolithic(path) == hf_greedy(path)  # the latter cached
 
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        for prompt, generated in zip(PROMPTS, tokens):
-            ref = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=32,
-                min_new_tokens=32,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
-            assert generated == ref
 
         cache_ = engine.model.new_cache(len(PROMPTS) * 4, 16)
         tables = [[4 * i + b for b in range(4)] for i in range(len(PROMPTS))]

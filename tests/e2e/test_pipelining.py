@@ -1,6 +1,7 @@
-"""Micro-batches change no token: m = 2, 3, 4 against m = 1 and the monolithic engine (itself
-token-exact against transformers, test_parity.py), every family, every expert remote or some
-colocated, while requests join and leave mid-run."""
+"""Micro-batches change no token: m = 2 (uneven halves of three requests) and m = 3 (one each)
+against the monolithic engine (itself token-exact against transformers, test_parity.py), every
+family, every expert remote or some colocated, while requests join and leave mid-run. (m = 1 is
+test_mesh.py's mesh; a larger m is capped at the requests in flight, which m = 3 reaches.)"""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from moe_mesh.router_service.build import build_router
 from moe_mesh.router_service.engine.engine import FinishReason
 from moe_mesh.router_service.engine.sampling import SamplingParams
 from moe_mesh.router_service.settings import RouterSettings
-from tests.support.processes import start_experts
+from tests.support.processes import start_experts, stop_all
 from tests.support.reference import PROMPTS, monolithic
 
 FAMILIES = [
@@ -51,7 +52,7 @@ async def test_micro_batches_give_the_same_tokens(family, checkpoint, tmp_path) 
     experts = start_experts(path, ["*:0-3", "*:4-7"], tmp_path)
     try:
         for colocate in ("", "*:0,5"):
-            for m in ("1", "2", "3", "4"):
+            for m in ("2", "3"):
                 parts = await build_router(
                     RouterSettings(
                         checkpoint=path,
@@ -70,5 +71,4 @@ async def test_micro_batches_give_the_same_tokens(family, checkpoint, tmp_path) 
                 # At most three requests run together in SCHEDULE.
                 assert most == min(int(m), 3), "the steps were not split as asked"
     finally:
-        for e in experts:
-            e.stop()
+        stop_all(experts)

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
-from tests.support.processes import ServiceProcess, start_experts
+from tests.support.processes import ServiceProcess, start_experts, stop_all
 from tests.support.reference import PROMPTS, monolithic
 from tests.support.routers import LENGTH, generate, request, wait_status
 
@@ -38,8 +38,7 @@ def mesh(checkpoint, tmp_path):
         yield path, router.wait_ready(), experts
     finally:
         router.stop()
-        for e in experts:
-            e.stop()
+        stop_all(experts)
 
 
 async def test_streamed_generation_matches_monolithic_and_errors_map_to_status(mesh) -> None:
@@ -145,5 +144,4 @@ def test_router_refuses_expert_service_of_another_checkpoint(checkpoint, tmp_pat
         finally:
             router.stop()
     finally:
-        for e in experts:
-            e.stop()
+        stop_all(experts)

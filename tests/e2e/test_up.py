@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -62,11 +63,19 @@ def _status_experts(ready: Path) -> dict[str, str]:
     return {e["address"]: e["experts"] for e in json.loads(status.stdout)["experts"]}
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(
     checkpoint, tmp_path
 ) -> None:
     path = checkpoint("mixtral")
     ready = tmp_path / "mesh.json"
+    grpc_port, http_port = _free_port(), _free_port()
+    ports = ["--grpc-port", str(grpc_port), "--http-port", str(http_port)]
     log = open(tmp_path / "up.log", "w")
     up = subprocess.Popen(
         [
@@ -77,7 +86,7 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(
             "--checkpoint",
             str(path),
             "--expert-services",
-            "4",
+            "2",
             "--replicas",
             "2",
             "--ready-file",
@@ -86,6 +95,7 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(
             str(tmp_path / "run"),
             "--trace-sample",
             "1.0",
+            *ports,
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -99,7 +109,24 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(
         mesh = json.loads(ready.read_text())
         assert {"gateway_grpc", "gateway_http", "routers", "experts"} <= set(mesh) and len(
             mesh["experts"]
-        ) == 8
+        ) == 4
+        assert mesh["gateway_grpc"] == f"127.0.0.1:{grpc_port}"
+        assert mesh["gateway_http"] == f"127.0.0.1:{http_port}"
+        # Both ports are taken now: a second gateway on them fails in one line naming the address.
+        for flag, port in (("--grpc-port", grpc_port), ("--http-port", http_port)):
+            r = moe_mesh(
+                "serve-gateway",
+                "--checkpoint",
+                path,
+                "--router",
+                mesh["routers"][0],
+                *ports,
+                *(("--grpc-port", str(_free_port())) if flag == "--http-port" else ()),
+            )
+            assert r.returncode == 1, (r.returncode, r.stderr)
+            lines = [line for line in r.stderr.splitlines() if "error" in line.lower()]
+            assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0], r.stderr
+            assert "in use" in lines[0] and "Traceback" not in r.stderr, r.stderr
 
         # The gateway stops at EOS; the reference ignores it: what the mesh must answer, whole.
         eos = load_spec(path).eos_token_ids
@@ -129,12 +156,12 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(
         assert sum(map(sum, st["routers"][0]["tokens_routed"])) > 0
         # `up` uses the fast path by default: status names each replica's transport and record.
         replicas = [r for r in st["routers"][0]["replicas"] if r["backend"] != "colocated"]
-        assert len(replicas) == 8
+        assert len(replicas) == 4
         if load_ucxx(loopback=True) is not None:
             assert all(r["transport"] == "ucx" and not r["fast_path_fallbacks"] for r in replicas)
             assert sum(r["fast_path_calls"] for r in replicas) > 0
             table = moe_mesh("status", "--ready-file", ready)
-            assert table.returncode == 0 and table.stdout.count(" ucx ") == 8, table.stdout
+            assert table.returncode == 0 and table.stdout.count(" ucx ") == 4, table.stdout
 
         stats = moe_mesh(
             "stats", "--ready-file", ready, "--json"
@@ -146,10 +173,10 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(
             map(sum, st["routers"][0]["tokens_routed"])
         )
 
-        gen = moe_mesh(
+        gen = moe_mesh(  # the ready file is all a client command needs to find the mesh
             "generate",
-            "--gateway",
-            mesh["gateway_grpc"],
+            "--ready-file",
+            ready,
             "--prompt-token-ids",
             ",".join(map(str, PROMPTS[1])),
             "--max-tokens",

@@ -1,12 +1,11 @@
 """`moe-mesh up` cannot leak processes however it ends: SIGKILL, a closed stdout pipe, Ctrl-C during
-start-up; bad flags are refused before anything starts; fixed gateway ports when asked."""
+start-up; bad flags are refused before anything starts. (Fixed gateway ports: test_up.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -138,43 +137,3 @@ def test_bad_flags_are_refused_before_anything_starts(checkpoint, tmp_path, flag
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert words in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not list(run.glob("*.log")), "a service was started"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_fixed_gateway_ports_and_a_taken_port_is_one_line(checkpoint, tmp_path) -> None:
-    grpc_port, http_port = free_port(), free_port()
-    flags = ["--grpc-port", str(grpc_port), "--http-port", str(http_port)]
-    up, ready = start_up(checkpoint("mixtral"), tmp_path, *flags)
-    try:
-        mesh = wait_ready(up, ready, tmp_path)
-        assert mesh["gateway_grpc"] == f"127.0.0.1:{grpc_port}"
-        assert mesh["gateway_http"] == f"127.0.0.1:{http_port}"
-        # The ready file is all a client command needs to find the mesh.
-        args = ["--prompt-token-ids", "1,2,3", "--max-tokens", "2", "--temperature", "0", "--json"]
-        r = moe_mesh("generate", "--ready-file", ready, *args)
-        assert r.returncode == 0 and len(json.loads(r.stdout)["token_ids"]) == 2, r.stderr
-        status = moe_mesh("status", "--ready-file", ready, "--json")
-        assert status.returncode == 0 and f"127.0.0.1:{grpc_port}" in status.stdout, status.stderr
-        # Both ports are taken now: a second gateway on them fails in one line naming the address.
-        for flag, port in (("--grpc-port", grpc_port), ("--http-port", http_port)):
-            r = moe_mesh(
-                "serve-gateway",
-                "--checkpoint",
-                checkpoint("mixtral"),
-                "--router",
-                mesh["routers"][0],
-                *flags,
-                *(("--grpc-port", str(free_port())) if flag == "--http-port" else ()),
-            )
-            assert r.returncode == 1, (r.returncode, r.stderr)
-            lines = [line for line in r.stderr.splitlines() if "error" in line.lower()]
-            assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0], r.stderr
-            assert "in use" in lines[0] and "Traceback" not in r.stderr, r.stderr
-    finally:
-        up.send_signal(signal.SIGTERM)
-        assert up.wait(60) == 0

@@ -14,7 +14,7 @@ from moe_mesh.router_service.build import build_local_engine, build_router
 from moe_mesh.router_service.engine.engine import Engine, FinishReason
 from moe_mesh.router_service.engine.sampling import SamplingParams
 from moe_mesh.router_service.settings import RouterSettings
-from tests.support.processes import start_experts
+from tests.support.processes import start_experts, stop_all
 
 PROMPTS = [[7], [11, 3, 250, 9, 31], list(range(40, 53)), [(i * 37) % 400 + 5 for i in range(29)]]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -80,5 +80,4 @@ async def mesh_engine(
             for r in parts.remotes:
                 await r.close()
     finally:
-        for e in experts:
-            e.stop()
+        stop_all(experts)
