@@ -68,8 +68,10 @@ def library() -> ctypes.CDLL | None:
         rope.argtypes = (
             [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
         )
-    norm = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float, ctypes.c_int]
+    norm = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.moe_bf16_rms_norm.argtypes = norm
+    combine = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_int, ctypes.c_void_p]
+    lib.moe_bf16_combine.argtypes = combine
     return lib
 
 
@@ -106,10 +108,14 @@ def fits(weight: torch.Tensor) -> bool:
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """transformers' RMSNorm of bfloat16 x [..., h] by weight [h] in one kernel call (a decode step
     runs two per layer, and the eight torch ops of the recipe cost ~60 us each call here, their
-    caches cold after the weights streamed through); None where the kernel cannot take them."""
+    caches cold after the weights streamed through). With `delta`, of x + delta, the residual
+    addition before the norm, in the same call. Returns (x + delta or x, the norm); None where the
+    kernel cannot take them."""
     lib = library()
     h = x.shape[-1]
     if (
@@ -119,12 +125,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         or x.device.type != "cpu"
         or weight.shape != (h,)
         or h % 16
+        or (delta is not None and (delta.dtype, delta.shape) != (x.dtype, x.shape))
     ):
         return None
     rows, w = x.contiguous(), weight.contiguous()  # held here while the kernel reads them
+    d = None if delta is None else delta.contiguous()
+    total = rows if d is None else torch.empty_like(rows)
     y = torch.empty_like(rows)
     lib.moe_bf16_rms_norm(
         rows.data_ptr(),
+        None if d is None else d.data_ptr(),
+        total.data_ptr(),
         w.data_ptr(),
         y.data_ptr(),
         rows.numel() // h,
@@ -132,6 +143,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         eps,
         torch.get_num_threads(),
     )
+    return total, y
+
+
+def combine_one(outputs: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor | None:
+    """One token's Σ_j weights[j] · outputs[j] (bfloat16 [1, h] each, weights [k] float32 or
+    bfloat16, in choice order) in one call instead of five torch calls, rounded as torch's
+    multiply-then-sum rounds; None where the kernel cannot take them."""
+    lib = library()
+    h = outputs[0].shape[-1] if outputs else 0
+    if (
+        lib is None
+        or not outputs
+        or h % 16
+        or weights.dtype not in (torch.float32, torch.bfloat16)
+        or weights.numel() != len(outputs)
+        or any(o.dtype != torch.bfloat16 or o.numel() != h for o in outputs)
+    ):
+        return None
+    rows = [o.contiguous() for o in outputs]  # held here while the kernel reads them
+    pointers = (ctypes.c_void_p * len(rows))(*(o.data_ptr() for o in rows))
+    w = (ctypes.c_float * len(rows))(*weights.float().tolist())
+    y = torch.empty(1, h, dtype=torch.bfloat16)
+    lib.moe_bf16_combine(pointers, w, len(rows), h, weights.dtype == torch.bfloat16, y.data_ptr())
     return y
 
 

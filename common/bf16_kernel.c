@@ -124,8 +124,12 @@ __attribute__((target("avx512f,avx512bw"))) static inline __m512 load(const uint
 
 /* RMSNorm of rows x [m][h] by weight [h] into y, all bfloat16, h a multiple of 16, computed as
    transformers computes it: in float32, the normalised row rounded to bfloat16, then multiplied
-   by the weight and rounded again. One call instead of the eight torch ops of that recipe. */
+   by the weight and rounded again. One call instead of the eight torch ops of that recipe.
+   With `delta`, the row normalised is x + delta (rounded, as torch's add rounds), written to
+   `sum`: a residual addition and the norm after it in one call. */
 __attribute__((target("avx512f,avx512bw"))) void moe_bf16_rms_norm(const uint16_t *x,
+                                                                     const uint16_t *delta,
+                                                                     uint16_t *sum,
                                                                      const uint16_t *w,
                                                                      uint16_t *y, long m, long h,
                                                                      float eps, int threads) {
@@ -133,6 +137,12 @@ __attribute__((target("avx512f,avx512bw"))) void moe_bf16_rms_norm(const uint16_
     for (long r = 0; r < m; r++) {
         const uint16_t *xr = x + r * h;
         uint16_t *yr = y + r * h;
+        if (delta) {
+            for (long i = 0; i < h; i += 16)
+                _mm256_storeu_si256((__m256i *)(sum + r * h + i),
+                                    to_bf16(_mm512_add_ps(load(xr + i), load(delta + r * h + i))));
+            xr = sum + r * h;
+        }
         __m512 squares = _mm512_setzero_ps();
         for (long i = 0; i < h; i += 16) {
             __m512 v = load(xr + i);
@@ -144,6 +154,25 @@ __attribute__((target("avx512f,avx512bw"))) void moe_bf16_rms_norm(const uint16_
             __m512 normed = widen(to_bf16(_mm512_mul_ps(load(xr + i), scale)));
             _mm256_storeu_si256((__m256i *)(yr + i), to_bf16(_mm512_mul_ps(load(w + i), normed)));
         }
+    }
+}
+
+/* One token's MoE output: the sum over its k choices of weight[j] * outputs[j] [h] (bfloat16),
+   in choice order, into y [h]: each product in float32 (rounded to bfloat16 first where the
+   weights are bfloat16, `round_products`), summed in float32 from zero and rounded once, as
+   torch's multiply and sum over the choices compute it. */
+__attribute__((target("avx512f,avx512bw"))) void moe_bf16_combine(const uint16_t *const *outputs,
+                                                                    const float *weights, long k,
+                                                                    long h, int round_products,
+                                                                    uint16_t *y) {
+    for (long i = 0; i < h; i += 16) {
+        __m512 acc = _mm512_setzero_ps();
+        for (long j = 0; j < k; j++) {
+            __m512 p = _mm512_mul_ps(load(outputs[j] + i), _mm512_set1_ps(weights[j]));
+            if (round_products) p = widen(to_bf16(p));
+            acc = _mm512_add_ps(acc, p);
+        }
+        _mm256_storeu_si256((__m256i *)(y + i), to_bf16(acc));
     }
 }
 

@@ -164,8 +164,11 @@ def combine(
     # In the routing weights' dtype (float32 for Mixtral), rounded once after the sum, as
     # transformers' default (grouped_mm) experts path computes it.
     if isinstance(groups[0].slots, int):  # one token (group_by_expert): its choices in order
-        by_choice = sorted(range(len(groups)), key=lambda i: groups[i].slots)
-        ordered = torch.cat([outputs[i] for i in by_choice]) * routing.weights.reshape(-1, 1)
+        by_choice = [outputs[i] for i in sorted(range(len(groups)), key=lambda i: groups[i].slots)]
+        if like.dtype == torch.bfloat16 and not routing.add_in_order:
+            if (y := bf16.combine_one(by_choice, routing.weights.reshape(-1))) is not None:
+                return y
+        ordered = torch.cat(by_choice) * routing.weights.reshape(-1, 1)
     else:
         slots = torch.cat([g.slots for g in groups])  # [tokens * k]: every (token, choice) once
         weighted = torch.cat(outputs) * routing.weights.reshape(-1)[slots, None]

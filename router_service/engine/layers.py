@@ -21,8 +21,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, scaled in the input dtype (as transformers does)."""
     if x.dtype == torch.float32:  # one fused op; the same bits as the three below
         return F.rms_norm(x, x.shape[-1:], weight, eps)
-    if (y := bf16.rms_norm(x, weight, eps)) is not None:
-        return y
+    if (fused := bf16.rms_norm(x, weight, eps)) is not None:
+        return fused[1]
     return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
 
 
@@ -31,6 +31,16 @@ def norm(x: torch.Tensor, weight: torch.Tensor, spec: ModelSpec) -> torch.Tensor
     if spec.norm == "layer":
         return F.layer_norm(x, x.shape[-1:], weight, None, spec.rms_norm_eps)
     return rms_norm(x, weight, spec.rms_norm_eps)
+
+
+def add_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, spec: ModelSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream after adding `delta`, and its norm: one kernel call in bfloat16."""
+    if spec.norm == "rms" and (fused := bf16.rms_norm(x, weight, spec.rms_norm_eps, delta)):
+        return fused
+    x = x + delta
+    return x, norm(x, weight, spec)
 
 
 class Rope:

@@ -15,7 +15,14 @@ from moe_mesh.common.linear import linear, serial_tokens
 from moe_mesh.common.moe import expert_ffn
 from moe_mesh.common.weights import DenseWeights
 from moe_mesh.router_service.engine.kv_cache import KVCache, block_bytes
-from moe_mesh.router_service.engine.layers import AttentionBatch, Prefill, Rope, attention, norm
+from moe_mesh.router_service.engine.layers import (
+    AttentionBatch,
+    Prefill,
+    Rope,
+    add_norm,
+    attention,
+    norm,
+)
 from moe_mesh.router_service.experts.dispatch import (
     CallTimes,
     Compute,
@@ -189,27 +196,36 @@ class MoeModel:
 
     def _run_layers(self, p: _Pass) -> bool:
         s, w, d = self.spec, self.weights, self.dispatcher
+        # h is the residual stream x normed for what reads it next: each residual addition and
+        # the norm after it are one step (add_norm: one kernel call in bfloat16).
         if p.waiting is not None:  # its experts answered: finish that layer
-            p.x = p.x + d.finish(p.waiting, p.outputs, p.h, w.layers[p.layer])
+            delta = d.finish(p.waiting, p.outputs, p.h, w.layers[p.layer])
+            x, h = add_norm(p.x, delta, self._norm_after(p.layer), s)
             p.waiting = p.h = p.outputs = None
             p.layer += 1
-        x = F.embedding(p.batch.token_ids, w.embed) if p.x is None else p.x  # [tokens, hidden]
+        else:
+            x = F.embedding(p.batch.token_ids, w.embed)  # [tokens, hidden]
+            h = norm(x, self._norm_after(-1), s)
         while p.layer < len(w.layers):
             i, layer = p.layer, w.layers[p.layer]
-            h = norm(x, layer.input_norm, s)
-            x = x + attention(h, layer.attention, s, self.rope, p.batch.attention, p.cache, i)
-            h = norm(x, layer.post_attention_norm, s)
+            attended = attention(h, layer.attention, s, self.rope, p.batch.attention, p.cache, i)
+            x, h = add_norm(x, attended, layer.post_attention_norm, s)
             if layer.dense_mlp is not None:
-                x = x + expert_ffn(h, layer.dense_mlp)
+                delta = expert_ffn(h, layer.dense_mlp)
             else:
                 routed = d.route(i, h, layer)
-                outputs = d.colocated_outputs(routed, h, p.batch.deadline)
-                if outputs is None:
+                delta = d.colocated_outputs(routed, h, p.batch.deadline)
+                if delta is None:
                     p.x, p.h, p.waiting = x, h, routed
                     return False
-                x = x + d.finish(routed, outputs, h, layer)
+                delta = d.finish(routed, delta, h, layer)
+            x, h = add_norm(x, delta, self._norm_after(i), s)
             p.layer += 1
-        x = norm(x, w.final_norm, s)
-        rows = x if p.all_logits else x[p.batch.logits_rows]
+        rows = h if p.all_logits else h[p.batch.logits_rows]
         p.logits = linear(rows, w.lm_head).float()  # [rows, vocab]
         return True
+
+    def _norm_after(self, layer: int) -> torch.Tensor:
+        """The weight of the norm that reads layer `layer`'s output (-1: the embeddings)."""
+        w = self.weights
+        return w.layers[layer + 1].input_norm if layer + 1 < len(w.layers) else w.final_norm

@@ -122,12 +122,17 @@ def test_rms_norm_rounds_as_transformers_recipe_does(shape) -> None:
     w = torch.randn(shape[-1], generator=gen).bfloat16()
     # transformers: in float32, the normalised row rounded, then times the weight in bfloat16
     want = w * F.rms_norm(x.float(), x.shape[-1:], None, 1e-5).bfloat16()
-    got = bf16.rms_norm(x, w, 1e-5)
-    assert got.shape == x.shape and got.dtype == torch.bfloat16
+    same, got = bf16.rms_norm(x, w, 1e-5)
+    assert same is x and got.shape == x.shape and got.dtype == torch.bfloat16
     ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
     assert ulps.max() <= 1 and (ulps == 0).float().mean() >= 0.99
     strided = x.transpose(0, -1).contiguous().transpose(0, -1)  # the same values, not contiguous
-    assert torch.equal(bf16.rms_norm(strided, w, 1e-5), got)
+    assert torch.equal(bf16.rms_norm(strided, w, 1e-5)[1], got)
+    # With a residual delta: x + delta rounded as torch's add rounds, and the norm of that sum.
+    delta = (torch.randn(*shape, generator=gen) * 4).bfloat16()
+    total, normed = bf16.rms_norm(x - delta, w, 1e-5, delta)
+    assert torch.equal(total.view(torch.int16), ((x - delta) + delta).view(torch.int16))
+    assert torch.equal(normed, bf16.rms_norm(total, w, 1e-5)[1])
 
 
 def test_rms_norm_leaves_what_it_cannot_take_to_torch() -> None:
@@ -135,6 +140,28 @@ def test_rms_norm_leaves_what_it_cannot_take_to_torch() -> None:
     assert bf16.rms_norm(x.float(), w, 1e-5) is None  # float32 input
     assert bf16.rms_norm(x, w.float(), 1e-5) is None  # float32 weight
     assert bf16.rms_norm(x[:, :40], w[:40], 1e-5) is None  # width not a multiple of 16
+    assert bf16.rms_norm(x, w, 1e-5, x[:1]) is None  # a delta of another shape
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_combine_one_gives_the_bits_of_torchs_multiply_and_sum(k, weight_dtype) -> None:
+    gen = torch.Generator().manual_seed(k)
+    outputs = [(torch.randn(1, 128, generator=gen) * 10.0 ** (j - 2)).bfloat16() for j in range(k)]
+    outputs[0][0, :4] = 0.0
+    outputs[-1][0, 2:6] = -0.0  # a sum of zeros that starts from +0 is +0, as in torch
+    weights = torch.rand(k, generator=gen).to(weight_dtype)
+    want = (torch.cat(outputs) * weights[:, None]).view(1, k, -1).sum(dim=1).bfloat16()
+    got = bf16.combine_one(outputs, weights)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_combine_one_leaves_what_it_cannot_take_to_torch() -> None:
+    out = [torch.randn(1, 64).bfloat16()] * 2
+    assert bf16.combine_one(out, torch.ones(3)) is None  # a weight per output
+    assert bf16.combine_one([o.float() for o in out], torch.ones(2)) is None
+    assert bf16.combine_one([o[:, :40] for o in out], torch.ones(2)) is None
+    assert bf16.combine_one(out, torch.ones(2, dtype=torch.float64)) is None
 
 
 def ffn_pair(hidden: int, inter: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
