@@ -94,12 +94,8 @@ def _route_sigmoid_group(
     return Routing(experts=top_e, weights=top_w * spec.routed_scaling_factor)
 
 
-def group_by_expert(
-    routing: Routing, num_experts: int, counts: torch.Tensor | None = None
-) -> list[ExpertGroup]:
+def group_by_expert(routing: Routing, num_experts: int) -> list[ExpertGroup]:
     """Token rows per routed expert, experts ascending; each expert appears once with its whole group.
-
-    `counts` [experts] is the bincount of routing.experts when the caller has it already.
 
     A single token (decode at batch 1) is grouped in Python: index tensors would cost more torch
     calls than the experts' products, each tens of microseconds once the weights streamed through
@@ -112,8 +108,7 @@ def group_by_expert(
     flat = routing.experts.reshape(-1)  # [tokens * k]
     order = torch.argsort(flat, stable=True)
     tokens = order // k
-    if counts is None:
-        counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.bincount(flat, minlength=num_experts)
     # Python work per routed expert only: a layer of 256 experts costs what its few routed ones do.
     routed = counts.nonzero().flatten()  # ascending
     sizes = counts[routed].tolist()

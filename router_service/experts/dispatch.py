@@ -172,7 +172,8 @@ class ExpertDispatcher:
         self.default_timeout_s = default_timeout_s
         self.region, self.region_penalty = region, region_penalty
         self.window = window or UtilizationWindow(spec.num_layers, spec.num_experts)
-        self.tokens_routed = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.int64)
+        # [layer][expert]: Python ints, bumped once per MoE layer call (see UtilizationWindow)
+        self.tokens_routed = [[0] * spec.num_experts for _ in range(spec.num_layers)]
         self.tokens_colocated = 0  # routed (token, expert) assignments computed in this process
         self.remote_calls = 0
         self.failovers = 0
@@ -227,7 +228,7 @@ class ExpertDispatcher:
     def routed_counts(self) -> list[list[int]]:
         """Tokens routed per [layer][expert] since start (the compute thread adds to them)."""
         with self._stats_lock:
-            return self.tokens_routed.tolist()
+            return [list(row) for row in self.tokens_routed]
 
     def _observe_routed(self, _options) -> list[Observation]:
         counts = self.routed_counts()
@@ -253,11 +254,13 @@ class ExpertDispatcher:
     def route(self, layer: int, x: torch.Tensor, w: LayerWeights) -> Routed:
         """Gate and group a layer's tokens by expert, and count them."""
         routing = route(x, w.router, self.spec, w.router_bias, w.router_correction)
-        counts = torch.bincount(routing.experts.reshape(-1), minlength=self.spec.num_experts)
-        groups = group_by_expert(routing, self.spec.num_experts, counts)
+        groups = group_by_expert(routing, self.spec.num_experts)
+        routed = [(g.expert, g.size) for g in groups]
         with self._stats_lock:
-            self.tokens_routed[layer] += counts
-            self.window.add(layer, counts)
+            row = self.tokens_routed[layer]
+            for expert, n in routed:
+                row[expert] += n
+            self.window.add(layer, routed)
         return Routed(layer, routing, groups)
 
     def colocated_outputs(
