@@ -7,10 +7,14 @@ a cost: on this project's 2-core Xeon its prepacked products of 4-32 rows read w
 oneDNN's speed at 4-32 rows and 1.1-1.45× at one row on 1-16 MiB weights (common.linear measures
 it against the others at start-up and uses it only where it wins).
 
-Where weights are panels, a gated expert FFN (`silu_ffn`) and RMSNorm (`rms_norm`) are one call
-each too, and so is RoPE (`rope`, float32 as well): a decode step at batch 1 runs a few hundred
-small ops, and here each torch call costs tens of microseconds once the weights have streamed
-through the caches, more than its arithmetic. Each rounds where torch's op-by-op recipe rounds.
+Where weights are panels, a gated expert FFN (`silu_ffn`) is one call too, and so are RMSNorm
+with the residual addition before it (`rms_norm`) and one token's expert combine
+(`combine_one`); in bfloat16 and float32, RoPE (`rope`), the KV-cache write (`kv_write`) and
+decode attention read in place from the paged cache (`decode_attention`). A decode step at
+batch 1 runs a few hundred small ops, and here each torch call costs tens of microseconds once
+the weights have streamed through the caches, more than its arithmetic. Each rounds where
+torch's op-by-op recipe rounds, except attention: SDPA's own exp and summation order are not
+reproduced, so its outputs may differ from SDPA's in the last bit.
 
 The C source is compiled on first use with the host's compiler (`$CC`, else `cc`) into
 $MOE_MESH_CACHE_DIR (default ~/.cache/moe-mesh), once per source version; where there is no
@@ -72,6 +76,21 @@ def library() -> ctypes.CDLL | None:
     lib.moe_bf16_rms_norm.argtypes = norm
     combine = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_int, ctypes.c_void_p]
     lib.moe_bf16_combine.argtypes = combine
+    lib.moe_decode_attention.argtypes = (
+        [ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
+        + [ctypes.c_void_p] * 3
+        + [ctypes.c_long, ctypes.c_void_p]
+        + [ctypes.c_long] * 7
+        + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    )
+    lib.moe_decode_attention.restype = ctypes.c_int
+    lib.moe_kv_write.argtypes = (
+        [ctypes.c_int]
+        + [ctypes.c_void_p, ctypes.c_long] * 2
+        + [ctypes.c_void_p]
+        + [ctypes.c_long] * 5
+        + [ctypes.c_void_p] * 2
+    )
     return lib
 
 
@@ -170,6 +189,7 @@ def combine_one(outputs: list[torch.Tensor], weights: torch.Tensor) -> torch.Ten
 
 
 _ROPE = {torch.float32: "moe_rope_f32", torch.bfloat16: "moe_rope_bf16"}
+_FLOATS = tuple(_ROPE)  # what the attention kernels take
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
@@ -255,3 +275,104 @@ def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
     if x.dtype != torch.bfloat16:
         raise TypeError(f"expected bfloat16 input for a bfloat16 weight, got {x.dtype}")
     return x.reshape(-1, width).contiguous()
+
+
+def _rows_of_heads(t: torch.Tensor) -> bool:
+    """Whether t [tokens, heads, dim] has contiguous heads (tokens may be further apart)."""
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+def kv_write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+) -> bool:
+    """Store keys/values [tokens, kv_heads, dim] at `slots` of one layer's cache [kv_heads,
+    blocks, block_size, dim] in one call (index_copy_ over transposed views takes two plus
+    theirs); False where the kernel cannot take them."""
+    lib = library()
+    dtype = k.dtype
+    if (
+        lib is None
+        or dtype not in _FLOATS
+        or {v.dtype, cache_k.dtype, cache_v.dtype} != {dtype}
+        or not (_rows_of_heads(k) and _rows_of_heads(v))
+        or not (cache_k.is_contiguous() and cache_v.is_contiguous())
+        or slots.dtype != torch.int64
+    ):
+        return False
+    heads, blocks, block_size = cache_k.shape[:3]
+    s = slots.contiguous()
+    lib.moe_kv_write(
+        dtype == torch.bfloat16,
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        s.data_ptr(),
+        s.numel(),
+        heads,
+        k.shape[2],
+        v.shape[2],
+        blocks * block_size,
+        cache_k.data_ptr(),
+        cache_v.data_ptr(),
+    )
+    return True
+
+
+def decode_attention(
+    q: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """Attention of one new token per sequence, q [decodes, heads, dim] (heads contiguous, the g
+    sharing a KV head adjacent), over its first lengths[s] cached tokens, read through its block
+    table from one layer's cache [kv_heads, blocks, block_size, dim]: [decodes, heads, v_dim].
+    One call instead of gathering the contexts and calling SDPA; None where it cannot."""
+    lib = library()
+    dtype = q.dtype
+    kv_heads, blocks, block_size, hd = cache_k.shape
+    vd = cache_v.shape[3]
+    d, heads = q.shape[:2]
+    if (
+        lib is None
+        or dtype not in _FLOATS
+        or {cache_k.dtype, cache_v.dtype} != {dtype}
+        or not _rows_of_heads(q)
+        or q.shape[2] != hd
+        or heads % kv_heads
+        or hd % 16
+        or vd % 16
+        or not (cache_k.is_contiguous() and cache_v.is_contiguous())
+    ):
+        return None
+    t, n = tables.contiguous(), lengths.contiguous()  # held here while the kernel reads them
+    out = torch.empty(d, heads, vd, dtype=dtype)
+    if d and lib.moe_decode_attention(
+        dtype == torch.bfloat16,
+        q.data_ptr(),
+        q.stride(0),
+        cache_k.data_ptr(),
+        cache_v.data_ptr(),
+        t.data_ptr(),
+        t.shape[1],
+        n.data_ptr(),
+        d,
+        kv_heads,
+        heads // kv_heads,
+        hd,
+        vd,
+        blocks,
+        block_size,
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    ):
+        raise MemoryError("decode attention: no memory for a context's scores")
+    return out

@@ -270,3 +270,111 @@ void moe_rope_bf16(const uint16_t *x, long ldx, const uint16_t *cos, const uint1
             }
         }
 }
+
+/* Decode attention straight from the paged KV cache: one new query token per sequence, so no
+   gathered copy of the contexts and no SDPA call per layer (together ~200 us a layer at batch 1).
+   q [d][kv_heads][g][hd] (the g query heads sharing a KV head; sequences ldq apart), the layer's cache k [kv_heads]
+   [num_blocks][bs][hd] and v [...][vd], block tables [d][width], context lengths [d]; out
+   [d][kv_heads][g][vd]. `bf` says whether q, the cache and out are bfloat16 (else float32).
+
+   Computed as torch's CPU flash-attention kernel computes a context of up to 512 keys: scores in
+   float32 times `scale`, softmax against the row's maximum, in bfloat16 the probabilities
+   rounded to bfloat16 before they weight the values, the weighted sum divided by the sum of the
+   unrounded exponentials. Its exp is a 20-bit approximation and its dot products run in another
+   order, so results may differ from SDPA's in the last bit. */
+__attribute__((target("avx512f,avx512bw"))) static inline __m512 load_any(const void *p, long i,
+                                                                          int bf) {
+    return bf ? load((const uint16_t *)p + i) : _mm512_loadu_ps((const float *)p + i);
+}
+
+__attribute__((target("avx512f,avx512bw"))) int moe_decode_attention(
+    int bf, const void *q, long ldq, const void *kc, const void *vc, const int64_t *tables,
+    long width, const int64_t *lengths, long d, long kv_heads, long g, long hd, long vd,
+    long num_blocks, long bs, float scale, void *out, int threads) {
+    long most = 0;
+    for (long s = 0; s < d; s++) most = lengths[s] > most ? lengths[s] : most;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (d * kv_heads >= 4)
+    {
+        /* the g query rows of a KV head together: each key and value is read once for all */
+        float *scores = malloc(sizeof(float) * g * (most + 1)); /* g rows of n scores + their sum */
+        float *acc = malloc(sizeof(float) * g * vd);
+        if (!scores || !acc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (long job = 0; job < d * kv_heads; job++) {
+            if (!scores || !acc) continue;
+            long s = job / kv_heads, h = job % kv_heads, n = lengths[s];
+            const int64_t *table = tables + s * width;
+            long row = s * ldq + h * g * hd; /* q's first row of this head; out is [d][kv_heads][g][vd] */
+            for (long j = 0; j < n; j++) {
+                long slot = (h * num_blocks + table[j / bs]) * bs + j % bs;
+                for (long r = 0; r < g; r++) {
+                    __m512 dot = _mm512_setzero_ps();
+                    for (long i = 0; i < hd; i += 16)
+                        dot = _mm512_fmadd_ps(load_any(q, row + r * hd + i, bf),
+                                              load_any(kc, slot * hd + i, bf), dot);
+                    scores[r * (n + 1) + j] = _mm512_reduce_add_ps(dot) * scale;
+                }
+            }
+            for (long r = 0; r < g; r++) { /* softmax numerators, 16 at a time; the sum last */
+                float *sc = scores + r * (n + 1), top = -__builtin_inff();
+                for (long j = 0; j < n; j++) top = sc[j] > top ? sc[j] : top;
+                __m512 sum = _mm512_setzero_ps();
+                for (long j = 0; j < n; j += 16) {
+                    __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+                    __m512 x = _mm512_maskz_loadu_ps(live, sc + j);
+                    __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(x, _mm512_set1_ps(top))));
+                    sum = _mm512_add_ps(sum, e);
+                    if (bf) e = widen(to_bf16(e));
+                    _mm512_mask_storeu_ps(sc + j, live, e);
+                }
+                sc[n] = _mm512_reduce_add_ps(sum);
+            }
+            for (long i = 0; i < g * vd; i++) acc[i] = 0.0f;
+            for (long j = 0; j < n; j++) {
+                long slot = (h * num_blocks + table[j / bs]) * bs + j % bs;
+                for (long i = 0; i < vd; i += 16) {
+                    __m512 v = load_any(vc, slot * vd + i, bf);
+                    for (long r = 0; r < g; r++)
+                        _mm512_storeu_ps(acc + r * vd + i,
+                                         _mm512_fmadd_ps(_mm512_set1_ps(scores[r * (n + 1) + j]), v,
+                                                         _mm512_loadu_ps(acc + r * vd + i)));
+                }
+            }
+            for (long r = 0; r < g; r++) {
+                __m512 sum = _mm512_set1_ps(scores[r * (n + 1) + n]);
+                long at = (job * g + r) * vd;
+                for (long i = 0; i < vd; i += 16) {
+                    __m512 o = _mm512_div_ps(_mm512_loadu_ps(acc + r * vd + i), sum);
+                    if (bf)
+                        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at + i), to_bf16(o));
+                    else
+                        _mm512_storeu_ps((float *)out + at + i, o);
+                }
+            }
+        }
+        free(scores);
+        free(acc);
+    }
+    return failed;
+}
+
+/* Store n tokens' new keys k [n][kv_heads][hd] and values v [...][vd] (tokens ldk and ldv
+   elements apart, heads contiguous) at their cache slots (block * bs + offset) of one layer's
+   cache k [kv_heads][num_blocks * bs][hd] and v: what index_copy_ does, without its transposes. */
+void moe_kv_write(int bf, const void *k, long ldk, const void *v, long ldv, const int64_t *slots,
+                  long n, long kv_heads, long hd, long vd, long slots_per_head, void *kc,
+                  void *vc) {
+    size_t size = bf ? 2 : 4;
+    for (long t = 0; t < n; t++)
+        for (long h = 0; h < kv_heads; h++) {
+            long at = h * slots_per_head + slots[t];
+            memcpy((char *)kc + at * hd * size, (const char *)k + (t * ldk + h * hd) * size,
+                   hd * size);
+            memcpy((char *)vc + at * vd * size, (const char *)v + (t * ldv + h * vd) * size,
+                   vd * size);
+        }
+}

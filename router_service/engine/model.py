@@ -79,6 +79,7 @@ def pack_step(
         prefills=runs,
         decode_tables=tables,
         decode_mask=(context[None, :] < lengths[:, None])[:, None, None, :],
+        decode_lengths=lengths,
         num_prefill_tokens=num_prefill,
     )
     rows = [end - 1 for end in itertools.accumulate(r.length for r in runs)] + list(

@@ -230,3 +230,77 @@ def test_rope_leaves_what_it_cannot_take_to_torch() -> None:
     assert bf16.rope(x, cs.bfloat16(), cs.bfloat16()) is None  # cos/sin of another dtype
     assert bf16.rope(x[..., :7], cs[..., :7], cs[..., :7]) is None  # odd width, strided
     assert bf16.rope(x[:0], cs[:0], cs[:0]) is None  # no tokens
+
+
+def paged(dtype: torch.dtype, kv_heads: int, dim: int, block_size: int = 4, blocks: int = 64):
+    """A layer's cache, random: k and v [kv_heads, blocks, block_size, dim]."""
+    gen = torch.Generator().manual_seed(dim)
+    shape = (kv_heads, blocks, block_size, dim)
+    return tuple(torch.randn(*shape, generator=gen).to(dtype) for _ in range(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_stores_what_index_copy_stores(dtype) -> None:
+    k_cache, v_cache = paged(dtype, 2, 32)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    qkv = torch.randn(3, 8, 32).to(dtype)  # [tokens, q heads 4 | k heads 2 | v heads 2, dim]
+    k, v, slots = qkv[:, 4:6], qkv[:, 6:], torch.tensor([5, 200, 17])  # tokens 256 apart
+    assert bf16.kv_write(k, v, slots, k_cache, v_cache)
+    for cache, new in ((want_k, k), (want_v, v)):
+        cache.view(2, -1, 32).index_copy_(1, slots, new.transpose(0, 1))
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_heads", "group", "dim"), [(2, 4, 64), (4, 1, 32), (1, 3, 128)])
+def test_decode_attention_in_place_is_sdpa_over_the_gathered_context(
+    dtype, kv_heads, group, dim
+) -> None:
+    k_cache, v_cache = paged(dtype, kv_heads, dim)
+    gen = torch.Generator().manual_seed(kv_heads)
+    lengths = torch.tensor([1, 37, 150])
+    tables = torch.stack([torch.randperm(64, generator=gen)[:38] for _ in range(3)])  # shuffled
+    q = torch.randn(3, kv_heads * group, dim, generator=gen).to(dtype)
+    got = bf16.decode_attention(q, k_cache, v_cache, tables, lengths, dim**-0.5)
+
+    def context(cache: torch.Tensor) -> torch.Tensor:  # [seqs, kv_heads, tokens, dim]
+        return cache[:, tables].flatten(2, 3).transpose(0, 1)
+
+    mask = (torch.arange(38 * 4) < lengths[:, None])[:, None, None, :]
+    q4 = q.unflatten(1, (kv_heads, group))
+    sdpa, exact = (
+        F.scaled_dot_product_attention(
+            q4.to(t), context(k_cache).to(t), context(v_cache).to(t), attn_mask=mask
+        ).flatten(1, 2)  # [seqs, heads, dim]
+        for t in (dtype, torch.float64)
+    )
+    scale = exact.abs().amax(-1, keepdim=True)  # errors relative to each row's largest output
+    ours, theirs = ((t.double() - exact) / scale for t in (got, sdpa))
+    assert got.shape == (3, kv_heads * group, dim) and got.dtype == dtype
+    if dtype == torch.float32:
+        assert ours.abs().max() < 1e-5
+    else:  # as close as SDPA's own bfloat16 result: both round probabilities and output
+        assert ours.abs().max() <= theirs.abs().max() * 2
+        assert ours.abs().mean() <= theirs.abs().mean() * 1.1
+
+
+def test_attention_kernels_leave_what_they_cannot_take_to_torch() -> None:
+    k_cache, v_cache = paged(torch.float32, 2, 24)  # a head dimension not a multiple of 16
+    q = torch.randn(1, 2, 24)
+    tables, lengths = torch.zeros(1, 1, dtype=torch.int64), torch.tensor([1])
+    assert bf16.decode_attention(q, k_cache, v_cache, tables, lengths, 0.2) is None
+    k_cache, v_cache = paged(torch.float32, 2, 32)
+    assert (
+        bf16.decode_attention(
+            q.new_zeros(1, 2, 32).bfloat16(), k_cache, v_cache, tables, lengths, 0.2
+        )
+        is None
+    )
+    assert (
+        bf16.decode_attention(torch.randn(1, 3, 32), k_cache, v_cache, tables, lengths, 0.2) is None
+    )
+    k = torch.randn(1, 2, 32)
+    assert not bf16.kv_write(k.double(), k.double(), lengths, k_cache, v_cache)
+    assert not bf16.kv_write(
+        k.transpose(1, 2).contiguous().transpose(1, 2), k, lengths, k_cache, v_cache
+    )
