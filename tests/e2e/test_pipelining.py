@@ -1,7 +1,6 @@
-"""Micro-batches change no token: m = 2 (uneven halves of three requests) and m = 3 (one each)
-against the monolithic engine (itself token-exact against transformers, test_parity.py), every
-family, every expert remote or some colocated, while requests join and leave mid-run. (m = 1 is
-test_mesh.py's mesh; a larger m is capped at the requests in flight, which m = 3 reaches.)"""
+"""Micro-batches change no token: m = 2, 3, 4 against m = 1 and the monolithic engine (itself
+token-exact against transformers, test_parity.py), every family, every expert remote or some
+colocated, while requests join and leave mid-run."""
 
 from __future__ import annotations
 
@@ -52,7 +51,7 @@ async def test_micro_batches_give_the_same_tokens(family, checkpoint, tmp_path) 
     experts = start_experts(path, ["*:0-3", "*:4-7"], tmp_path)
     try:
         for colocate in ("", "*:0,5"):
-            for m in ("2", "3"):
+            for m in ("1", "2", "3", "4"):
                 parts = await build_router(
                     RouterSettings(
                         checkpoint=path,
