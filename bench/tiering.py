@@ -42,7 +42,7 @@ from tests.support.processes import start_experts  # noqa: E402
 async def decode(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     """Generate `new_tokens` per prompt; tokens/s of the decode steps and the dispatcher's counters moved."""
     d = engine.model.dispatcher
-    calls0, local0, routed0 = d.remote_calls, d.tokens_colocated, int(d.tokens_routed.sum())
+    calls0, local0, routed0 = d.remote_calls, d.tokens_colocated, sum(map(sum, d.routed_counts()))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{time.monotonic_ns()}-{i}", p, params)
@@ -59,7 +59,7 @@ async def decode(engine, prompts: list[list[int]], new_tokens: int) -> dict:
         "tokens_per_s": generated / elapsed,
         "remote_calls_per_token": (d.remote_calls - calls0) / total,
         "in_process_share": (d.tokens_colocated - local0)
-        / max(1, int(d.tokens_routed.sum()) - routed0),
+        / max(1, sum(map(sum, d.routed_counts())) - routed0),
     }
 
 

@@ -84,6 +84,14 @@ def library() -> ctypes.CDLL | None:
         + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     )
     lib.moe_decode_attention.restype = ctypes.c_int
+    lib.moe_decode_step_attention.argtypes = (
+        [ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
+        + [ctypes.c_void_p] * 7
+        + [ctypes.c_long, ctypes.c_void_p]
+        + [ctypes.c_long] * 6
+        + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    )
+    lib.moe_decode_step_attention.restype = ctypes.c_int
     lib.moe_kv_write.argtypes = (
         [ctypes.c_int]
         + [ctypes.c_void_p, ctypes.c_long] * 2
@@ -368,6 +376,69 @@ def decode_attention(
         heads // kv_heads,
         hd,
         vd,
+        blocks,
+        block_size,
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    ):
+        raise MemoryError("decode attention: no memory for a context's scores")
+    return out
+
+
+def decode_step_attention(
+    qkv: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    slots: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    heads: int,
+    scale: float,
+) -> torch.Tensor | None:
+    """A step of decodes only, from the qkv product [decodes, (heads + 2 * kv_heads) * dim] to
+    attention's output [decodes, heads, dim], in one call: `rope` of q and k by cos, sin
+    [decodes, 1, dim], `kv_write` at `slots`, then `decode_attention`. None where it cannot."""
+    lib = library()
+    dtype, d = qkv.dtype, qkv.shape[0]
+    kv_heads, blocks, block_size, hd = cache_k.shape
+    if (
+        lib is None
+        or dtype not in _FLOATS
+        or {cache_k.dtype, cache_v.dtype, cos_sin[0].dtype, cos_sin[1].dtype} != {dtype}
+        or qkv.dim() != 2
+        or qkv.stride(1) != 1
+        or qkv.shape[1] != (heads + 2 * kv_heads) * hd
+        or cache_v.shape[3] != hd
+        or heads % kv_heads
+        or hd % 16
+        or not (cache_k.is_contiguous() and cache_v.is_contiguous())
+        or slots.dtype != torch.int64
+        or not d
+    ):
+        return None
+    cos, sin = (c.reshape(d, hd).contiguous() for c in cos_sin)  # held for the call
+    t, n, s = tables.contiguous(), lengths.contiguous(), slots.contiguous()
+    qk = torch.empty(d, heads + kv_heads, hd, dtype=dtype)
+    out = torch.empty(d, heads, hd, dtype=dtype)
+    if lib.moe_decode_step_attention(
+        dtype == torch.bfloat16,
+        qkv.data_ptr(),
+        qkv.stride(0),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        qk.data_ptr(),
+        s.data_ptr(),
+        cache_k.data_ptr(),
+        cache_v.data_ptr(),
+        t.data_ptr(),
+        t.shape[1],
+        n.data_ptr(),
+        d,
+        heads,
+        kv_heads,
+        hd,
         blocks,
         block_size,
         scale,

@@ -378,3 +378,24 @@ void moe_kv_write(int bf, const void *k, long ldk, const void *v, long ldv, cons
                    vd * size);
         }
 }
+
+/* A decode-only step's whole attention after the qkv product, in one call: RoPE of q and k
+   (qkv [d][heads + 2 * kv_heads][hd], rows ldqkv apart; cos, sin [d][hd]) into qk, the keys and
+   values written to their cache slots, then decode attention of the rotated queries into out
+   [d][heads][hd]. qk is scratch [d][heads + kv_heads][hd]. Returns what the attention returns. */
+int moe_decode_step_attention(int bf, const void *qkv, long ldqkv, const void *cos,
+                              const void *sin, void *qk, const int64_t *slots, void *kc, void *vc,
+                              const int64_t *tables, long width, const int64_t *lengths, long d,
+                              long heads, long kv_heads, long hd, long num_blocks, long bs,
+                              float scale, void *out, int threads) {
+    long rotated = heads + kv_heads, size = bf ? 2 : 4;
+    if (bf)
+        moe_rope_bf16(qkv, ldqkv, cos, sin, qk, d, rotated, hd);
+    else
+        moe_rope_f32(qkv, ldqkv, cos, sin, qk, d, rotated, hd);
+    const char *k = (const char *)qk + heads * hd * size;
+    const char *v = (const char *)qkv + rotated * hd * size;
+    moe_kv_write(bf, k, rotated * hd, v, ldqkv, slots, d, kv_heads, hd, hd, num_blocks * bs, kc, vc);
+    return moe_decode_attention(bf, qk, rotated * hd, kc, vc, tables, width, lengths, d, kv_heads,
+                                heads / kv_heads, hd, hd, num_blocks, bs, scale, out, threads);
+}

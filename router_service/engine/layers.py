@@ -161,6 +161,18 @@ def attention(
     if batch.rope is None:
         batch.rope = rope.at(batch.positions)
     qkv = linear(x, w.qkv, w.qkv_bias)  # [tokens, (heads + 2 * kv_heads) * hd]
+    window = spec.sliding_window if spec.is_sliding(layer) else None
+    plain = window is None and w.sinks is None
+    if plain and not batch.prefills and spec.qk_norm == "none" and spec.clip_qkv is None:
+        # decodes alone: rope, cache write and attention in one kernel call where it can
+        if not rope.interleaved and rope.dim == hd:
+            k, v, scale = cache.k[layer], cache.v[layer], hd**-0.5
+            tables, lengths = batch.decode_tables, batch.decode_lengths
+            fused = bf16.decode_step_attention(
+                qkv, batch.rope, batch.slots, k, v, tables, lengths, heads, scale
+            )
+            if fused is not None:
+                return linear(fused.reshape(n, -1), w.o, w.o_bias)
     if spec.qk_norm == "none" and spec.clip_qkv is None:
         qkv = qkv.view(n, heads + 2 * kv_heads, hd)
         # q and k rotate together: one pass of the rope ops instead of two.
@@ -184,12 +196,10 @@ def attention(
     q, k = qk[:, :heads], qk[:, heads:]
     cache.write(layer, batch.slots, k, v)
 
-    window = spec.sliding_window if spec.is_sliding(layer) else None
     if not batch.prefills:  # decodes alone: their attention is the whole output
         out = _decode_attention(q, batch, cache, layer, window, w.sinks)
         return linear(out.reshape(n, -1), w.o, w.o_bias)
     # The first four families have neither: they run exactly the ops they always ran.
-    plain = window is None and w.sinks is None
     out = torch.empty_like(q)  # [tokens, heads, hd]
     row = 0
     for run, p in enumerate(batch.prefills):

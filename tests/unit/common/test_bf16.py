@@ -304,3 +304,25 @@ def test_attention_kernels_leave_what_they_cannot_take_to_torch() -> None:
     assert not bf16.kv_write(
         k.transpose(1, 2).contiguous().transpose(1, 2), k, lengths, k_cache, v_cache
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_steps_attention_in_one_call_is_its_three_kernels_in_turn(dtype) -> None:
+    heads, kv_heads, dim = 4, 2, 32
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    cos, sin = (torch.randn(3, 1, dim, generator=gen).to(dtype) for _ in range(2))
+    lengths = torch.tensor([3, 9, 17])
+    tables = torch.stack([torch.randperm(64, generator=gen)[:5] for _ in range(3)])
+    slots = tables.gather(1, ((lengths - 1) // 4)[:, None])[:, 0] * 4 + (lengths - 1) % 4
+    fused_cache, apart_cache = paged(dtype, kv_heads, dim), paged(dtype, kv_heads, dim)
+    fused = bf16.decode_step_attention(
+        qkv, (cos, sin), slots, *fused_cache, tables, lengths, 4, 0.3
+    )
+
+    rows = qkv.view(3, heads + 2 * kv_heads, dim)
+    qk = bf16.rope(rows[:, : heads + kv_heads], cos, sin)
+    assert bf16.kv_write(qk[:, heads:], rows[:, heads + kv_heads :], slots, *apart_cache)
+    apart = bf16.decode_attention(qk[:, :heads], *apart_cache, tables, lengths, 0.3)
+    assert torch.equal(fused, apart)
+    assert all(torch.equal(a, b) for a, b in zip(fused_cache, apart_cache))
