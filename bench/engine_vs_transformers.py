@@ -131,6 +131,9 @@ def main() -> int:
         )
         spec = engine.model.spec
         per_token = bytes_per_token(spec, dtype.itemsize)
+        # Measured at start-up (common.linear.serial_tokens): it moves with the host's speed.
+        serial = engine.model.serial_max_tokens
+        print(f"{dtype_name}: the engine decodes up to {serial} tokens on one thread", flush=True)
         gen = torch.Generator().manual_seed(0)
         for b in batches:
             prompts = torch.randint(
@@ -152,6 +155,7 @@ def main() -> int:
                 "engine_tokens_per_s": statistics.median(ours),
                 "transformers_tokens_per_s": statistics.median(theirs),
                 "greedy_outputs_identical": same,
+                "engine_serial_max_tokens": serial,
             }
             row["ratio"] = row["engine_tokens_per_s"] / row["transformers_tokens_per_s"]
             line = (
