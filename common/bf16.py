@@ -41,6 +41,23 @@ _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 COLUMNS = 64  # output columns per kernel call: a weight's row count must be a multiple
 
 
+_C_TYPES = {"i": ctypes.c_int, "l": ctypes.c_long, "f": ctypes.c_float, "p": ctypes.c_void_p}
+# Each kernel's arguments, a letter each (int, long, float, pointer), and whether it returns an
+# int (a failure flag); as declared in bf16_kernel.c.
+_SIGNATURES = {
+    "moe_bf16_pack": ("ppll", False),
+    "moe_bf16_linear": ("ppppllli", True),
+    "moe_bf16_silu_ffn": ("ppppllli", True),
+    "moe_rope_f32": ("plppplll", False),
+    "moe_rope_bf16": ("plppplll", False),
+    "moe_bf16_rms_norm": ("pppppllfi", False),
+    "moe_bf16_combine": ("ppllip", False),
+    "moe_kv_write": ("iplplplllllpp", False),
+    "moe_decode_attention": ("iplppplplllllllfpi", True),
+    "moe_decode_step_attention": ("iplppppppplpllllllfpi", True),
+}
+
+
 def cache_dir() -> Path:
     if root := os.environ.get("MOE_MESH_CACHE_DIR"):
         return Path(root)
@@ -63,42 +80,10 @@ def library() -> ctypes.CDLL | None:
     if not lib.moe_bf16_supported():
         log.info("bfloat16 kernel unavailable: this CPU lacks AVX-512F/BW")
         return None
-    lib.moe_bf16_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
-    lib.moe_bf16_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    lib.moe_bf16_linear.restype = ctypes.c_int
-    lib.moe_bf16_silu_ffn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    lib.moe_bf16_silu_ffn.restype = ctypes.c_int
-    for rope in (lib.moe_rope_f32, lib.moe_rope_bf16):
-        rope.argtypes = (
-            [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
-        )
-    norm = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 2 + [ctypes.c_float, ctypes.c_int]
-    lib.moe_bf16_rms_norm.argtypes = norm
-    combine = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_int, ctypes.c_void_p]
-    lib.moe_bf16_combine.argtypes = combine
-    lib.moe_decode_attention.argtypes = (
-        [ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
-        + [ctypes.c_void_p] * 3
-        + [ctypes.c_long, ctypes.c_void_p]
-        + [ctypes.c_long] * 7
-        + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-    )
-    lib.moe_decode_attention.restype = ctypes.c_int
-    lib.moe_decode_step_attention.argtypes = (
-        [ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
-        + [ctypes.c_void_p] * 7
-        + [ctypes.c_long, ctypes.c_void_p]
-        + [ctypes.c_long] * 6
-        + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-    )
-    lib.moe_decode_step_attention.restype = ctypes.c_int
-    lib.moe_kv_write.argtypes = (
-        [ctypes.c_int]
-        + [ctypes.c_void_p, ctypes.c_long] * 2
-        + [ctypes.c_void_p]
-        + [ctypes.c_long] * 5
-        + [ctypes.c_void_p] * 2
-    )
+    for name, (arguments, returns_int) in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes = [_C_TYPES[a] for a in arguments]
+        function.restype = ctypes.c_int if returns_int else None
     return lib
 
 
