@@ -1,5 +1,6 @@
-/* bfloat16 linear layers, gated FFNs and RMSNorm for CPUs without native bfloat16 arithmetic
-   (AVX-512F/BW is enough), and RoPE in bfloat16 and float32.
+/* bfloat16 linear layers, gated FFNs, RMSNorm and a token's expert combine for CPUs without
+   native bfloat16 arithmetic (AVX-512F/BW is enough); RoPE, the KV-cache write and decode
+   attention over the paged cache in bfloat16 and float32.
 
    y[M][N] = x[M][K] . W^T, all bfloat16, with W [N][K] held in panels of 32 output columns:
    P[panel][k][32]. A bfloat16 is a float32's upper half, so unpacking a 64-byte row of a
@@ -273,15 +274,16 @@ void moe_rope_bf16(const uint16_t *x, long ldx, const uint16_t *cos, const uint1
 
 /* Decode attention straight from the paged KV cache: one new query token per sequence, so no
    gathered copy of the contexts and no SDPA call per layer (together ~200 us a layer at batch 1).
-   q [d][kv_heads][g][hd] (the g query heads sharing a KV head; sequences ldq apart), the layer's cache k [kv_heads]
-   [num_blocks][bs][hd] and v [...][vd], block tables [d][width], context lengths [d]; out
-   [d][kv_heads][g][vd]. `bf` says whether q, the cache and out are bfloat16 (else float32).
+   q [d][kv_heads][g][hd] (the g query heads sharing a KV head; sequences ldq apart), the layer's
+   cache k [kv_heads][num_blocks][bs][hd] and v [...][vd], block tables [d][width], context
+   lengths [d] (each >= 1); out [d][kv_heads][g][vd]. `bf`: q, the cache and out are bfloat16,
+   else float32.
 
    Computed as torch's CPU flash-attention kernel computes a context of up to 512 keys: scores in
    float32 times `scale`, softmax against the row's maximum, in bfloat16 the probabilities
    rounded to bfloat16 before they weight the values, the weighted sum divided by the sum of the
-   unrounded exponentials. Its exp is a 20-bit approximation and its dot products run in another
-   order, so results may differ from SDPA's in the last bit. */
+   unrounded exponentials. Torch's exp there is a 20-bit approximation and its dot products and
+   sums run in another order, so results may differ from SDPA's in the last bit. */
 __attribute__((target("avx512f,avx512bw"))) static inline __m512 load_any(const void *p, long i,
                                                                           int bf) {
     return bf ? load((const uint16_t *)p + i) : _mm512_loadu_ps((const float *)p + i);
@@ -308,7 +310,7 @@ __attribute__((target("avx512f,avx512bw"))) int moe_decode_attention(
             if (!scores || !acc) continue;
             long s = job / kv_heads, h = job % kv_heads, n = lengths[s];
             const int64_t *table = tables + s * width;
-            long row = s * ldq + h * g * hd; /* q's first row of this head; out is [d][kv_heads][g][vd] */
+            long row = s * ldq + h * g * hd; /* this head's first query row */
             for (long j = 0; j < n; j++) {
                 long slot = (h * num_blocks + table[j / bs]) * bs + j % bs;
                 for (long r = 0; r < g; r++) {
@@ -326,7 +328,8 @@ __attribute__((target("avx512f,avx512bw"))) int moe_decode_attention(
                 for (long j = 0; j < n; j += 16) {
                     __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
                     __m512 x = _mm512_maskz_loadu_ps(live, sc + j);
-                    __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(x, _mm512_set1_ps(top))));
+                    __m512 e = exp_ps(_mm512_sub_ps(x, _mm512_set1_ps(top)));
+                    e = _mm512_maskz_mov_ps(live, e);
                     sum = _mm512_add_ps(sum, e);
                     if (bf) e = widen(to_bf16(e));
                     _mm512_mask_storeu_ps(sc + j, live, e);
