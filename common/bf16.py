@@ -194,7 +194,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     if lib is None or kernel is None or x.dim() != 3 or x.device.type != "cpu" or not x.numel():
         return None
     n, heads, d = x.shape
-    if x.stride(2) != 1 or x.stride(1) != d or d % 2 or {cos.dtype, sin.dtype} != {x.dtype}:
+    if not _rows_of_heads(x) or d % 2 or {cos.dtype, sin.dtype} != {x.dtype}:
         return None
     c, s = cos.reshape(n, d).contiguous(), sin.reshape(n, d).contiguous()  # held for the call
     out = torch.empty(n, heads, d, dtype=x.dtype)
@@ -275,6 +275,18 @@ def _rows_of_heads(t: torch.Tensor) -> bool:
     return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
 
+def _takes_cache(dtype: torch.dtype, cache_k: torch.Tensor, cache_v: torch.Tensor) -> bool:
+    """Whether the KV kernels take a layer's cache [kv_heads, blocks, block_size, dim] whose
+    tensors hold `dtype`: float32 or bfloat16, contiguous, and the kernel built here."""
+    return (
+        library() is not None
+        and dtype in _FLOATS
+        and {cache_k.dtype, cache_v.dtype} == {dtype}
+        and cache_k.is_contiguous()
+        and cache_v.is_contiguous()
+    )
+
+
 def kv_write(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -285,20 +297,17 @@ def kv_write(
     """Store keys/values [tokens, kv_heads, dim] at `slots` of one layer's cache [kv_heads,
     blocks, block_size, dim] in one call (index_copy_ over transposed views takes two plus
     theirs); False where the kernel cannot take them."""
-    lib = library()
     dtype = k.dtype
     if (
-        lib is None
-        or dtype not in _FLOATS
-        or {v.dtype, cache_k.dtype, cache_v.dtype} != {dtype}
+        not _takes_cache(dtype, cache_k, cache_v)
+        or v.dtype != dtype
         or not (_rows_of_heads(k) and _rows_of_heads(v))
-        or not (cache_k.is_contiguous() and cache_v.is_contiguous())
         or slots.dtype != torch.int64
     ):
         return False
     heads, blocks, block_size = cache_k.shape[:3]
     s = slots.contiguous()
-    lib.moe_kv_write(
+    library().moe_kv_write(
         dtype == torch.bfloat16,
         k.data_ptr(),
         k.stride(0),
@@ -328,26 +337,22 @@ def decode_attention(
     sharing a KV head adjacent), over its first lengths[s] cached tokens, read through its block
     table from one layer's cache [kv_heads, blocks, block_size, dim]: [decodes, heads, v_dim].
     One call instead of gathering the contexts and calling SDPA; None where it cannot."""
-    lib = library()
     dtype = q.dtype
     kv_heads, blocks, block_size, hd = cache_k.shape
     vd = cache_v.shape[3]
     d, heads = q.shape[:2]
     if (
-        lib is None
-        or dtype not in _FLOATS
-        or {cache_k.dtype, cache_v.dtype} != {dtype}
+        not _takes_cache(dtype, cache_k, cache_v)
         or not _rows_of_heads(q)
         or q.shape[2] != hd
         or heads % kv_heads
         or hd % 16
         or vd % 16
-        or not (cache_k.is_contiguous() and cache_v.is_contiguous())
     ):
         return None
     t, n = tables.contiguous(), lengths.contiguous()  # held here while the kernel reads them
     out = torch.empty(d, heads, vd, dtype=dtype)
-    if d and lib.moe_decode_attention(
+    if d and library().moe_decode_attention(
         dtype == torch.bfloat16,
         q.data_ptr(),
         q.stride(0),
@@ -385,20 +390,17 @@ def decode_step_attention(
     """A step of decodes only, from the qkv product [decodes, (heads + 2 * kv_heads) * dim] to
     attention's output [decodes, heads, dim], in one call: `rope` of q and k by cos, sin
     [decodes, 1, dim], `kv_write` at `slots`, then `decode_attention`. None where it cannot."""
-    lib = library()
     dtype, d = qkv.dtype, qkv.shape[0]
     kv_heads, blocks, block_size, hd = cache_k.shape
     if (
-        lib is None
-        or dtype not in _FLOATS
-        or {cache_k.dtype, cache_v.dtype, cos_sin[0].dtype, cos_sin[1].dtype} != {dtype}
+        not _takes_cache(dtype, cache_k, cache_v)
+        or {cos_sin[0].dtype, cos_sin[1].dtype} != {dtype}
         or qkv.dim() != 2
         or qkv.stride(1) != 1
         or qkv.shape[1] != (heads + 2 * kv_heads) * hd
         or cache_v.shape[3] != hd
         or heads % kv_heads
         or hd % 16
-        or not (cache_k.is_contiguous() and cache_v.is_contiguous())
         or slots.dtype != torch.int64
         or not d
     ):
@@ -407,7 +409,7 @@ def decode_step_attention(
     t, n, s = tables.contiguous(), lengths.contiguous(), slots.contiguous()
     qk = torch.empty(d, heads + kv_heads, hd, dtype=dtype)
     out = torch.empty(d, heads, hd, dtype=dtype)
-    if lib.moe_decode_step_attention(
+    if library().moe_decode_step_attention(
         dtype == torch.bfloat16,
         qkv.data_ptr(),
         qkv.stride(0),

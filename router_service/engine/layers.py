@@ -163,17 +163,18 @@ def attention(
     qkv = linear(x, w.qkv, w.qkv_bias)  # [tokens, (heads + 2 * kv_heads) * hd]
     window = spec.sliding_window if spec.is_sliding(layer) else None
     plain = window is None and w.sinks is None
-    if plain and not batch.prefills and spec.qk_norm == "none" and spec.clip_qkv is None:
+    raw_qk = spec.qk_norm == "none" and spec.clip_qkv is None  # q and k go to RoPE as computed
+    whole_rope = not rope.interleaved and rope.dim == hd
+    if plain and raw_qk and whole_rope and not batch.prefills:
         # decodes alone: rope, cache write and attention in one kernel call where it can
-        if not rope.interleaved and rope.dim == hd:
-            k, v, scale = cache.k[layer], cache.v[layer], hd**-0.5
-            tables, lengths = batch.decode_tables, batch.decode_lengths
-            fused = bf16.decode_step_attention(
-                qkv, batch.rope, batch.slots, k, v, tables, lengths, heads, scale
-            )
-            if fused is not None:
-                return linear(fused.reshape(n, -1), w.o, w.o_bias)
-    if spec.qk_norm == "none" and spec.clip_qkv is None:
+        k, v, scale = cache.k[layer], cache.v[layer], hd**-0.5
+        tables, lengths = batch.decode_tables, batch.decode_lengths
+        fused = bf16.decode_step_attention(
+            qkv, batch.rope, batch.slots, k, v, tables, lengths, heads, scale
+        )
+        if fused is not None:
+            return linear(fused.reshape(n, -1), w.o, w.o_bias)
+    if raw_qk:
         qkv = qkv.view(n, heads + 2 * kv_heads, hd)
         # q and k rotate together: one pass of the rope ops instead of two.
         qk, v = rope.rotate(qkv[:, : heads + kv_heads], batch.rope), qkv[:, heads + kv_heads :]
