@@ -7,12 +7,13 @@ a cost: on this project's 2-core Xeon its prepacked products of 4-32 rows read w
 oneDNN's speed at 4-32 rows and 1.1-1.45× at one row on 1-16 MiB weights (common.linear measures
 it against the others at start-up and uses it only where it wins).
 
-Where weights are panels, a gated expert FFN (`silu_ffn`) is one call too, and so are RMSNorm
-with the residual addition before it (`rms_norm`) and one token's expert combine
-(`combine_one`); in bfloat16 and float32, RoPE (`rope`), the KV-cache write (`kv_write`) and
-decode attention read in place from the paged cache (`decode_attention`). A decode step at
-batch 1 runs a few hundred small ops, and here each torch call costs tens of microseconds once
-the weights have streamed through the caches, more than its arithmetic. Each rounds where
+Where weights are panels, a gated expert FFN (`silu_ffn`) is one call too, and so is RMSNorm
+with the residual addition before it (`rms_norm`). In bfloat16 and float32 so are a layer's
+expert combine (`combine`), RoPE (`rope`), the KV-cache write (`kv_write`) and decode attention
+read in place from the paged cache (`decode_attention`); grouping a layer's tokens by expert
+(`group`) is one call too. A decode step at batch 1 runs a few hundred small ops, and here
+each torch call costs tens of microseconds once the weights have streamed through the caches,
+more than its arithmetic. Each rounds where
 torch's op-by-op recipe rounds, except attention: SDPA's own exp and summation order are not
 reproduced, so its outputs may differ from SDPA's in the last bit.
 
@@ -51,7 +52,8 @@ _SIGNATURES = {
     "moe_rope_f32": ("plppplll", False),
     "moe_rope_bf16": ("plppplll", False),
     "moe_bf16_rms_norm": ("pppppllfi", False),
-    "moe_bf16_combine": ("ppllip", False),
+    "moe_combine": ("ppplipilllipi", True),
+    "moe_group": ("pllippp", True),
     "moe_kv_write": ("iplplplllllpp", False),
     "moe_decode_attention": ("iplppplplllllllfpi", True),
     "moe_decode_step_attention": ("iplppppppplpllllllfpi", True),
@@ -158,27 +160,81 @@ def rms_norm(
     return total, y
 
 
-def combine_one(outputs: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor | None:
-    """One token's Σ_j weights[j] · outputs[j] (bfloat16 [1, h] each, weights [k] float32 or
-    bfloat16, in choice order) in one call instead of five torch calls, rounded as torch's
-    multiply-then-sum rounds; None where the kernel cannot take them."""
+def group(
+    experts: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+    """experts [n, k] (int64) grouped by expert in one call instead of five torch calls: (order,
+    tokens, counts) as moe.group_by_expert computes them with a stable argsort (the flat choices
+    sorted by expert, their tokens, and the choices per expert); None without the kernel or for
+    an expert id out of range."""
     lib = library()
+    if lib is None or experts.dtype != torch.int64 or experts.dim() != 2:
+        return None
+    flat = experts.contiguous()
+    n, k = flat.shape
+    order = torch.empty(n * k, dtype=torch.int64)
+    tokens = torch.empty(n * k, dtype=torch.int64)
+    counts = torch.empty(num_experts, dtype=torch.int64)
+    if lib.moe_group(
+        flat.data_ptr(), n, k, num_experts, order.data_ptr(), tokens.data_ptr(), counts.data_ptr()
+    ):
+        return None
+    return order, tokens, counts.tolist()
+
+
+def combine(
+    outputs: list[torch.Tensor],
+    slots: list[torch.Tensor | int],
+    weights: torch.Tensor,
+    k: int,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """A layer's expert combine in one call instead of five torch calls: for each of n tokens,
+    the sum over its k choices (in order) of weights[t*k + j] times the output row of choice j,
+    into y [n, h] of `dtype`. outputs[g] [rows, h] holds the rows of slots[g] (int64 t*k + j
+    each, or one int for a one-row group). Rounded as moe.combine's torch ops round; None where
+    the kernel cannot take them (it checks that the slots cover every choice once)."""
+    lib = library()
+    n = weights.numel() // k if k else 0
     h = outputs[0].shape[-1] if outputs else 0
+    rows_dtype = outputs[0].dtype if outputs else None
     if (
         lib is None
-        or not outputs
+        or not n
+        or len(slots) != len(outputs)
         or h % 16
-        or weights.dtype not in (torch.float32, torch.bfloat16)
-        or weights.numel() != len(outputs)
-        or any(o.dtype != torch.bfloat16 or o.numel() != h for o in outputs)
+        or not 0 < k <= 16  # torch sums a few choices in order (tested up to 16)
+        or rows_dtype not in _FLOATS
+        or dtype != rows_dtype
+        or weights.dtype not in _FLOATS
+        or weights.numel() != n * k
+        or any(o.dtype != rows_dtype or o.dim() != 2 or o.shape[1] != h for o in outputs)
     ):
         return None
     rows = [o.contiguous() for o in outputs]  # held here while the kernel reads them
-    pointers = (ctypes.c_void_p * len(rows))(*(o.data_ptr() for o in rows))
-    w = (ctypes.c_float * len(rows))(*weights.float().tolist())
-    y = torch.empty(1, h, dtype=torch.bfloat16)
-    lib.moe_bf16_combine(pointers, w, len(rows), h, weights.dtype == torch.bfloat16, y.data_ptr())
-    return y
+    lone = iter(torch.tensor([s for s in slots if isinstance(s, int)], dtype=torch.int64))
+    held = [next(lone).reshape(1) if isinstance(s, int) else s.contiguous() for s in slots]
+    if any(t.dtype != torch.int64 or t.numel() != r.shape[0] for t, r in zip(held, rows)):
+        return None
+    g = len(rows)
+    w = weights.contiguous()
+    y = torch.empty(n, h, dtype=dtype)
+    failed = lib.moe_combine(
+        (ctypes.c_void_p * g)(*(r.data_ptr() for r in rows)),
+        (ctypes.c_void_p * g)(*(t.data_ptr() for t in held)),
+        (ctypes.c_long * g)(*(t.numel() for t in held)),
+        g,
+        rows_dtype == torch.bfloat16,
+        w.data_ptr(),
+        w.dtype == torch.bfloat16,
+        n,
+        k,
+        h,
+        dtype == torch.bfloat16,
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return None if failed else y
 
 
 _ROPE = {torch.float32: "moe_rope_f32", torch.bfloat16: "moe_rope_bf16"}

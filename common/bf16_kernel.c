@@ -1,4 +1,4 @@
-/* bfloat16 linear layers, gated FFNs, RMSNorm and a token's expert combine for CPUs without
+/* bfloat16 linear layers, gated FFNs, RMSNorm and a layer's expert combine for CPUs without
    native bfloat16 arithmetic (AVX-512F/BW is enough); RoPE, the KV-cache write and decode
    attention over the paged cache in bfloat16 and float32.
 
@@ -158,23 +158,96 @@ __attribute__((target("avx512f,avx512bw"))) void moe_bf16_rms_norm(const uint16_
     }
 }
 
-/* One token's MoE output: the sum over its k choices of weight[j] * outputs[j] [h] (bfloat16),
-   in choice order, into y [h]: each product in float32 (rounded to bfloat16 first where the
-   weights are bfloat16, `round_products`), summed in float32 from zero and rounded once, as
-   torch's multiply and sum over the choices compute it. */
-__attribute__((target("avx512f,avx512bw"))) void moe_bf16_combine(const uint16_t *const *outputs,
-                                                                    const float *weights, long k,
-                                                                    long h, int round_products,
-                                                                    uint16_t *y) {
-    for (long i = 0; i < h; i += 16) {
-        __m512 acc = _mm512_setzero_ps();
-        for (long j = 0; j < k; j++) {
-            __m512 p = _mm512_mul_ps(load(outputs[j] + i), _mm512_set1_ps(weights[j]));
-            if (round_products) p = widen(to_bf16(p));
-            acc = _mm512_add_ps(acc, p);
+static inline float bf16_value(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* A layer's tokens grouped by routed expert (a stable counting sort): experts [n][k] (int64, each
+   below num_experts) -> order [n*k], the flat choices t*k + j sorted by expert with ties in
+   choice order, tokens [n*k] = order / k, counts [num_experts]. -1 for an expert id out of
+   range, or without memory. */
+int moe_group(const int64_t *experts, long n, long k, long num_experts, int64_t *order,
+              int64_t *tokens, int64_t *counts) {
+    long total = n * k;
+    int64_t *next = calloc(num_experts ? num_experts : 1, sizeof *next);
+    if (!next) return -1;
+    memset(counts, 0, num_experts * sizeof *counts);
+    for (long s = 0; s < total; s++) {
+        if (experts[s] < 0 || experts[s] >= num_experts) {
+            free(next);
+            return -1;
         }
-        _mm256_storeu_si256((__m256i *)(y + i), to_bf16(acc));
+        counts[experts[s]]++;
     }
+    for (long e = 1; e < num_experts; e++) next[e] = next[e - 1] + counts[e - 1];
+    for (long s = 0; s < total; s++) {
+        int64_t at = next[experts[s]]++;
+        order[at] = s;
+        tokens[at] = s / k;
+    }
+    free(next);
+    return 0;
+}
+
+/* 16 lanes of a float32 or bfloat16 row */
+__attribute__((target("avx512f,avx512bw"))) static inline __m512 load_row(const void *row, long i,
+                                                                         int is_bf16) {
+    return is_bf16 ? load((const uint16_t *)row + i) : _mm512_loadu_ps((const float *)row + i);
+}
+
+/* A layer's expert combine: y[t] = sum over j < k of weights[t*k + j] * (the output row of choice
+   j of token t), choices in order, as torch computes it from the expert outputs (groups[g]:
+   rows [sizes[g]][h], float32 or bfloat16, row r holding slot slots[g][r] = t*k + j): each
+   product in the product's dtype (bfloat16 only when rows and weights both are), summed in
+   float32 from 0, then y (float32 or bfloat16) rounded once. h a multiple of 16. -1 when the
+   slots are not every one of n*k exactly once (nothing is written), or without memory. */
+__attribute__((target("avx512f,avx512bw"))) int moe_combine(
+    const void *const *groups, const long *const *slots, const long *sizes, long count,
+    int rows_bf16, const void *weights, int weights_bf16, long n, long k, long h, int y_bf16,
+    void *y, int threads) {
+    long total = n * k;
+    const void **row = calloc(total ? total : 1, sizeof *row);
+    if (!row) return -1;
+    long seen = 0;
+    for (long g = 0; g < count; g++)
+        for (long r = 0; r < sizes[g]; r++) {
+            long s = slots[g][r];
+            if (s < 0 || s >= total || row[s]) {
+                free(row);
+                return -1;
+            }
+            row[s] = rows_bf16 ? (const void *)((const uint16_t *)groups[g] + r * h)
+                               : (const void *)((const float *)groups[g] + r * h);
+            seen++;
+        }
+    if (seen != total) {
+        free(row);
+        return -1;
+    }
+    int round_products = rows_bf16 && weights_bf16;
+#pragma omp parallel for schedule(static) num_threads(threads) if (total * h >= 1 << 16)
+    for (long t = 0; t < n; t++) {
+        for (long i = 0; i < h; i += 16) {
+            __m512 acc = _mm512_setzero_ps();
+            for (long j = 0; j < k; j++) {
+                long s = t * k + j;
+                float w = weights_bf16 ? bf16_value(((const uint16_t *)weights)[s])
+                                       : ((const float *)weights)[s];
+                __m512 p = _mm512_mul_ps(load_row(row[s], i, rows_bf16), _mm512_set1_ps(w));
+                if (round_products) p = widen(to_bf16(p));
+                acc = _mm512_add_ps(acc, p);
+            }
+            if (y_bf16)
+                _mm256_storeu_si256((__m256i *)((uint16_t *)y + t * h + i), to_bf16(acc));
+            else
+                _mm512_storeu_ps((float *)y + t * h + i, acc);
+        }
+    }
+    free(row);
+    return 0;
 }
 
 /* exp of float32 lanes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p its degree-7 Taylor
@@ -221,13 +294,6 @@ int moe_bf16_silu_ffn(const uint16_t *x, const uint16_t *gate_up, const uint16_t
     }
     free(h);
     return failed;
-}
-
-static inline float bf16_value(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
 }
 
 static inline float bf16_round(float f) { /* to the nearest bfloat16, ties to even, as torch */

@@ -105,17 +105,53 @@ def group_by_expert(routing: Routing, num_experts: int) -> list[ExpertGroup]:
         chosen = routing.experts[0].tolist()  # k distinct experts
         order = sorted(range(k), key=chosen.__getitem__)
         return [ExpertGroup(chosen[j], tokens=slice(None), slots=j) for j in order]
-    flat = routing.experts.reshape(-1)  # [tokens * k]
-    order = torch.argsort(flat, stable=True)
-    tokens = order // k
-    counts = torch.bincount(flat, minlength=num_experts)
-    # Python work per routed expert only: a layer of 256 experts costs what its few routed ones do.
-    routed = counts.nonzero().flatten()  # ascending
-    sizes = counts[routed].tolist()
+    if (grouped := bf16.group(routing.experts, num_experts)) is not None:
+        order, tokens, counts = grouped
+        routed = [e for e, c in enumerate(counts) if c]
+        sizes = [counts[e] for e in routed]
+    else:
+        flat = routing.experts.reshape(-1)  # [tokens * k]
+        order = torch.argsort(flat, stable=True)
+        tokens = order // k
+        counts = torch.bincount(flat, minlength=num_experts)
+        # Python work per routed expert only: 256 experts cost what their few routed ones do.
+        nonzero = counts.nonzero().flatten()  # ascending
+        routed, sizes = nonzero.tolist(), counts[nonzero].tolist()
+    # Views of one tensor each: gather_rows joins the tokens back without a copy.
     return [
         ExpertGroup(e, tokens=t, slots=s)
-        for e, t, s in zip(routed.tolist(), tokens.split(sizes), order.split(sizes))
+        for e, t, s in zip(routed, tokens.split(sizes), order.split(sizes))
     ]
+
+
+def gather_rows(x: torch.Tensor, groups: list[ExpertGroup]) -> list[torch.Tensor]:
+    """Each group's rows of x, as views of one gathered tensor: one index op for the layer, not
+    one per group, and groups next to each other (one service's experts) are next to each other
+    in memory, so `joined` sends them without another copy."""
+    if not groups or isinstance(groups[0].tokens, slice):  # one token: every group is x itself
+        return [x[g.tokens] for g in groups]
+    rows = x.index_select(0, joined([g.tokens for g in groups]))
+    return list(rows.split([g.size for g in groups]))
+
+
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The rows of `parts` as one tensor: a view when they lie back to back in one buffer (as
+    gather_rows leaves consecutive groups), else a copy."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    storage, end = first.untyped_storage().data_ptr(), first.data_ptr()
+    for p in parts:
+        if (
+            p.data_ptr() != end
+            or not p.is_contiguous()
+            or p.dtype != first.dtype
+            or p.untyped_storage().data_ptr() != storage
+        ):
+            return torch.cat(parts)
+        end += p.numel() * p.element_size()
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
 def expert_ffn(x: torch.Tensor, w: FFNWeights) -> torch.Tensor:
@@ -156,13 +192,16 @@ def combine(
     if not groups:
         return torch.zeros(num_tokens, like.shape[-1], dtype=like.dtype)  # [tokens, hidden]
     k = routing.experts.shape[1]
+    if not routing.add_in_order:  # the torch ops below, in one call
+        slots = [g.slots for g in groups]
+        if (
+            y := bf16.combine(outputs, slots, routing.weights.reshape(-1), k, like.dtype)
+        ) is not None:
+            return y
     # In the routing weights' dtype (float32 for Mixtral), rounded once after the sum, as
     # transformers' default (grouped_mm) experts path computes it.
     if isinstance(groups[0].slots, int):  # one token (group_by_expert): its choices in order
         by_choice = [outputs[i] for i in sorted(range(len(groups)), key=lambda i: groups[i].slots)]
-        if like.dtype == torch.bfloat16 and not routing.add_in_order:
-            if (y := bf16.combine_one(by_choice, routing.weights.reshape(-1))) is not None:
-                return y
         ordered = torch.cat(by_choice) * routing.weights.reshape(-1, 1)
     else:
         slots = torch.cat([g.slots for g in groups])  # [tokens * k]: every (token, choice) once

@@ -131,27 +131,41 @@ class DynamicBatcher:
 
     async def submit(self, layer: int, expert: int, rows: torch.Tensor) -> torch.Tensor:
         """expert_ffn(rows) for rows [n, hidden] -> [n, hidden], computed together with concurrent callers."""
+        return (await self.submit_all(layer, [(expert, rows)]))[0]
+
+    async def submit_all(
+        self, layer: int, groups: list[tuple[int, torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """`submit` for each (expert, rows) of one call, queued at once and awaited together
+        (no task per group); nothing is queued when one expert is not served here."""
         if self._closed:
             raise UnavailableError("expert service is shutting down")
-        key = (layer, expert)
-        if key not in self._weights:
-            raise NotFoundError(f"layer {layer} expert {expert} is not served here")
+        for expert, _ in groups:
+            if (layer, expert) not in self._weights:
+                raise NotFoundError(f"layer {layer} expert {expert} is not served here")
+        loop = asyncio.get_running_loop()
+        futures = [self._enqueue(loop, (layer, expert), rows) for expert, rows in groups]
+        if self._task is None:
+            self._task = asyncio.create_task(self._schedule(), name="expert-batcher")
+        # If our caller is cancelled, gather cancels the futures and the scheduler skips them.
+        return list(await asyncio.gather(*futures))
+
+    def _enqueue(
+        self, loop: asyncio.AbstractEventLoop, key: Pair, rows: torch.Tensor
+    ) -> asyncio.Future[torch.Tensor]:
         n = rows.shape[0]
         self.stats.groups += 1
         self.stats.tokens += n
-        if n == 0:
-            return rows.clone()
-        loop = asyncio.get_running_loop()
         group = _Group(rows, loop.create_future(), loop.time())
+        if n == 0:
+            group.future.set_result(rows.clone())
+            return group.future
         queue = self._queues.setdefault(key, _Queue())
         queue.groups.append(group)
         queue.pending_tokens += n
         self._active.setdefault(key, queue)
         self._arrived.set()
-        if self._task is None:
-            self._task = asyncio.create_task(self._schedule(), name="expert-batcher")
-        # If our caller is cancelled, awaiting cancels the future and the scheduler skips the group.
-        return await group.future
+        return group.future
 
     async def close(self) -> None:
         """Stop batching: fail whatever is still queued, then stop the compute thread. Idempotent."""

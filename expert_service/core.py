@@ -7,7 +7,7 @@ can be fixed from the message alone.
 
 from __future__ import annotations
 
-import asyncio
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -148,9 +148,7 @@ class ExpertHost:
                 }
             )
         rows = torch.split(hidden, list(token_counts))  # views, one per expert
-        outputs = await asyncio.gather(
-            *(self.batcher.submit(layer, e, r) for e, r in zip(expert_ids, rows))
-        )
+        outputs = await self.batcher.submit_all(layer, list(zip(expert_ids, rows)))
         return (
             outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         )  # [sum(token_counts), hidden]
@@ -229,6 +227,10 @@ class ExpertHost:
                 f"expected {_dtype_label(self.dtype)}, got {_dtype_label(hidden.dtype)}",
             )
         # A NaN/inf row would poison every token batched with it here and come back as garbage.
+        # One pass to check: a NaN or inf anywhere makes the sum NaN or inf; only then count them
+        # (a sum can also overflow with finite values, which the count then clears).
+        if math.isfinite(hidden.sum(dtype=torch.float32).item()):
+            return
         bad = int(hidden.numel() - torch.isfinite(hidden).sum())
         if bad:
             raise InvalidArgumentError(

@@ -37,6 +37,7 @@ from moe_mesh.common.moe import (
     Routing,
     combine,
     expert_ffn,
+    gather_rows,
     group_by_expert,
     route,
     shared_expert_output,
@@ -280,7 +281,7 @@ class ExpertDispatcher:
         if local is None:
             return []
         self._check_deadline(deadline)
-        groups = [(g.expert, x[g.tokens]) for g in routed.groups]
+        groups = list(zip((g.expert for g in routed.groups), gather_rows(x, routed.groups)))
         with self._dispatch_span(routed, x), self._observed(local, layer, groups):
             outputs = local.compute(layer, groups)
         with self._stats_lock:
@@ -333,6 +334,7 @@ class ExpertDispatcher:
         excluded: dict[int, set[int]] = {}  # group index -> ids of backends that failed it
         errors: dict[int, Exception] = {}  # group index -> its latest failure
         pending = list(range(len(groups)))
+        rows = gather_rows(x, groups)
         self.budget.request()
         start = time.perf_counter()
         while pending:
@@ -345,7 +347,7 @@ class ExpertDispatcher:
                     self._hedged(
                         b,
                         layer,
-                        [(groups[i].expert, x[groups[i].tokens]) for i in idx],
+                        [(groups[i].expert, rows[i]) for i in idx],
                         idx,
                         excluded,
                         deadline,

@@ -13,6 +13,7 @@ import torch
 
 from moe_mesh.common.errors import PreconditionError, UnavailableError
 from moe_mesh.common.fastpath.client import FastPathError
+from moe_mesh.common.moe import joined
 from moe_mesh.common.placement import format_experts
 from moe_mesh.common.server import channel_options
 from moe_mesh.common.status import error_from_rpc
@@ -115,7 +116,7 @@ class RemoteExperts:
             raise UnavailableError(f"expert service {self.address} left the mesh")
         counts = [rows.shape[0] for _, rows in groups]
         expert_ids = [e for e, _ in groups]
-        hidden = groups[0][1] if len(groups) == 1 else torch.cat([rows for _, rows in groups])
+        hidden = joined([rows for _, rows in groups])  # one buffer already, in the usual case
         self.outstanding += 1
         try:
             link = self.fast_path

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_mesh.common import bf16
+from moe_mesh.common.moe import Routing, group_by_expert
 
 pytestmark = pytest.mark.skipif(
     bf16.library() is None, reason="no C compiler or no AVX-512 here: the kernel cannot be built"
@@ -143,25 +144,72 @@ def test_rms_norm_leaves_what_it_cannot_take_to_torch() -> None:
     assert bf16.rms_norm(x, w, 1e-5, x[:1]) is None  # a delta of another shape
 
 
-@pytest.mark.parametrize("k", range(1, 9))
+def routed(n: int, k: int, gen: torch.Generator) -> list:
+    """The expert groups of n tokens, each routed to k distinct experts of 32 (a lone token's
+    slots are ints, as group_by_expert gives them)."""
+    experts = torch.rand(n, 32, generator=gen).argsort(dim=1)[:, :k]
+    return group_by_expert(Routing(experts, torch.rand(n, k)), 32)
+
+
+def torch_combine(outputs, groups, weights, n, k, dtype) -> torch.Tensor:
+    """moe.combine's torch recipe for many tokens (a lone token's int slots as a tensor)."""
+    slots = torch.cat([torch.as_tensor(g.slots).reshape(-1) for g in groups])
+    weighted = torch.cat(outputs) * weights.reshape(-1)[slots, None]
+    ordered = torch.empty_like(weighted)
+    ordered[slots] = weighted
+    return ordered.view(n, k, -1).sum(dim=1).to(dtype)
+
+
+@pytest.mark.parametrize("n", [1, 5, 64])
+@pytest.mark.parametrize("k", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_combine_one_gives_the_bits_of_torchs_multiply_and_sum(k, weight_dtype) -> None:
-    gen = torch.Generator().manual_seed(k)
-    outputs = [(torch.randn(1, 128, generator=gen) * 10.0 ** (j - 2)).bfloat16() for j in range(k)]
-    outputs[0][0, :4] = 0.0
-    outputs[-1][0, 2:6] = -0.0  # a sum of zeros that starts from +0 is +0, as in torch
-    weights = torch.rand(k, generator=gen).to(weight_dtype)
-    want = (torch.cat(outputs) * weights[:, None]).view(1, k, -1).sum(dim=1).bfloat16()
-    got = bf16.combine_one(outputs, weights)
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+def test_combine_gives_the_bits_of_torchs_multiply_and_sum(n, k, dtype, weight_dtype) -> None:
+    gen = torch.Generator().manual_seed(n * 100 + k)
+    groups = routed(n, k, gen)
+    outputs = [
+        (torch.randn(g.size, 128, generator=gen) * 10.0 ** (i % 5 - 2)).to(dtype)
+        for i, g in enumerate(groups)
+    ]
+    outputs[0][:, :4] = 0.0
+    outputs[-1][:, 2:6] = -0.0  # a sum of zeros that starts from +0 is +0, as in torch
+    weights = torch.rand(n, k, generator=gen).to(weight_dtype)
+    want = torch_combine(outputs, groups, weights, n, k, dtype)
+    got = bf16.combine(outputs, [g.slots for g in groups], weights.reshape(-1), k, dtype)
+    assert got.dtype == dtype and torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-def test_combine_one_leaves_what_it_cannot_take_to_torch() -> None:
-    out = [torch.randn(1, 64).bfloat16()] * 2
-    assert bf16.combine_one(out, torch.ones(3)) is None  # a weight per output
-    assert bf16.combine_one([o.float() for o in out], torch.ones(2)) is None
-    assert bf16.combine_one([o[:, :40] for o in out], torch.ones(2)) is None
-    assert bf16.combine_one(out, torch.ones(2, dtype=torch.float64)) is None
+@pytest.mark.parametrize("n, k, num_experts", [(0, 2, 8), (1, 2, 8), (37, 2, 8), (64, 8, 256)])
+def test_group_sorts_choices_by_expert_as_a_stable_argsort(n, k, num_experts) -> None:
+    experts = torch.randint(0, num_experts, (n, k), generator=torch.Generator().manual_seed(n))
+    order, tokens, counts = bf16.group(experts, num_experts)
+    want = torch.argsort(experts.reshape(-1), stable=True)
+    assert torch.equal(order, want) and torch.equal(tokens, want // k)
+    assert counts == torch.bincount(experts.reshape(-1), minlength=num_experts).tolist()
+    if n:
+        experts[n // 2, 0] = num_experts  # out of range: left to torch, which raises
+        assert bf16.group(experts, num_experts) is None
+
+
+def test_combine_leaves_what_it_cannot_take_to_torch() -> None:
+    groups = routed(4, 2, torch.Generator().manual_seed(0))
+    outputs = [torch.randn(g.size, 64) for g in groups]
+    slots = [g.slots for g in groups]
+    w = torch.rand(8)
+    assert bf16.combine(outputs, slots, w, 2, torch.float32) is not None  # what it takes
+    assert bf16.combine(outputs, slots, w, 2, torch.bfloat16) is None  # a cast it does not do
+    assert bf16.combine([o.double() for o in outputs], slots, w, 2, torch.float64) is None
+    assert bf16.combine([o[:, :40] for o in outputs], slots, w, 2, torch.float32) is None
+    assert bf16.combine(outputs, slots, w.double(), 2, torch.float32) is None
+    assert bf16.combine(outputs, slots, w[:6], 2, torch.float32) is None  # a weight per choice
+    # The kernel checks the slots: each choice exactly once.
+    twice = [slots[0], *slots[1:-1], slots[0][: len(slots[-1])]]
+    assert (
+        bf16.combine(outputs[:-1] + [outputs[0][: len(slots[-1])]], twice, w, 2, torch.float32)
+        is None
+    )
+    outside = [*slots[:-1], slots[-1] + 100]
+    assert bf16.combine(outputs, outside, w, 2, torch.float32) is None
 
 
 def ffn_pair(hidden: int, inter: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,12 +1,12 @@
-"""A lone token is grouped and combined without index tensors (common/moe.py), to the same bits
-as the same token in a batch."""
+"""common/moe.py: a lone token is grouped and combined without index tensors, to the same bits as
+the same token in a batch; a layer's rows are gathered once and a service's groups sent as one view."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe_mesh.common.moe import Routing, combine, group_by_expert
+from moe_mesh.common.moe import Routing, combine, gather_rows, group_by_expert, joined
 
 
 def outputs_of(x: torch.Tensor, groups) -> list[torch.Tensor]:
@@ -33,3 +33,20 @@ def test_a_lone_token_combines_to_the_bits_it_gets_in_a_batch(k, add_in_order, d
         assert [g.size for g in lone_groups] == [1] * k
         got = combine(lone_groups, outputs_of(x[t : t + 1], lone_groups), alone, 1, like=x)
         assert torch.equal(got, together[t : t + 1])
+
+
+def test_rows_are_gathered_once_and_consecutive_groups_join_without_a_copy() -> None:
+    x = torch.randn(6, 8)
+    experts = torch.tensor([[3, 1], [0, 3], [1, 2], [3, 0], [2, 1], [0, 2]])
+    groups = group_by_expert(Routing(experts, torch.rand(6, 2)), 4)
+    rows = gather_rows(x, groups)
+    assert [r.tolist() for r in rows] == [x[g.tokens].tolist() for g in groups]
+    both = joined(rows[1:3])  # what a service holding experts 1 and 2 is sent
+    assert both.data_ptr() == rows[1].data_ptr()  # a view: no copy
+    assert torch.equal(both, torch.cat(rows[1:3]))
+    # Not back to back (another group between, or separate tensors): copied, same rows.
+    for parts in (rows[1:4:2], [x[:2], x[2:3].clone()]):
+        out = joined(parts)
+        assert torch.equal(out, torch.cat(parts)) and out.data_ptr() != parts[0].data_ptr()
+    lone = group_by_expert(Routing(torch.tensor([[2, 0]]), torch.rand(1, 2)), 4)
+    assert all(r is not None and torch.equal(r, x[:1]) for r in gather_rows(x[:1], lone))

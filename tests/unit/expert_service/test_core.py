@@ -1,7 +1,11 @@
-"""ExpertHost: what one expert service loads."""
+"""ExpertHost: what one expert service loads, and which activations it takes."""
 
 from __future__ import annotations
 
+import pytest
+import torch
+
+from moe_mesh.common.errors import InvalidArgumentError
 from moe_mesh.common.placement import parse_experts
 from moe_mesh.common.weights import FFNWeights
 from moe_mesh.expert_service.core import ExpertHost
@@ -13,3 +17,21 @@ def test_host_loads_only_its_experts(settings) -> None:
         host = ExpertHost.load(settings(experts=spec))
         assert sorted(host.weights) == parse_experts(spec, host.spec)
         assert all(isinstance(w, FFNWeights) for w in host.weights.values())
+
+
+async def test_large_finite_activations_pass_and_any_nan_or_inf_is_counted(settings) -> None:
+    host = ExpertHost.load(settings(experts="0:0"))
+    h = host.spec.hidden_size
+
+    def forward(hidden):
+        return host.forward(host.model_id, host.weights_checksum, 0, [0], [2], hidden)
+
+    # Their sum overflows to inf: still finite activations, so the call is served.
+    out = await forward(torch.full((2, h), 3e38))
+    assert out.shape == (2, h)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        hidden = torch.zeros(2, h)
+        hidden[1, 3] = hidden[0, 0] = bad
+        with pytest.raises(InvalidArgumentError, match="holds 2 non-finite value"):
+            await forward(hidden)
+    await host.close()
