@@ -209,6 +209,10 @@ class FrameServer:
             began = time.perf_counter()
             try:
                 output = await self._run(header, payload)
+                if output.dtype not in DTYPE_NAMES:  # the caller would wait for a reply in vain
+                    raise InternalError(
+                        f"expert forward returned {output.dtype}: not a frame dtype"
+                    )
             except MoeMeshError as e:
                 await self._answer(runtime, client, tag, error=e)
                 return

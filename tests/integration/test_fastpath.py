@@ -462,3 +462,28 @@ async def test_a_call_past_its_budget_is_answered_deadline_exceeded_and_the_next
     finally:
         client.close()
         await server.stop()
+
+
+async def test_a_handler_bug_is_answered_internal_and_the_next_call_served() -> None:
+    async def handler(header, payload):
+        if header.layer == 1:
+            return payload.double()  # no frame carries float64: the caller must still hear back
+        if header.layer == 2:
+            raise RuntimeError("a bug in the core")
+        return payload
+
+    server = FrameServer(handler, MESSAGE_BYTES)
+    client = FrameClient(parse_worker_url(await server.start()), MESSAGE_BYTES)
+    try:
+        x = torch.randn(2, 4)
+        call = f.RequestHeader("m", "c", 1, [0], [2], "float32", [2, 4], 32)
+        # INTERNAL from a peer is raised as over gRPC: unavailable, so the router fails over.
+        with pytest.raises(UnavailableError, match="INTERNAL: .*float64"):
+            await client.call(call, x, 5.0)
+        with pytest.raises(UnavailableError, match="INTERNAL: .*a bug in the core"):
+            await client.call(replace(call, layer=2), x, 5.0)
+        out, _ = await client.call(replace(call, layer=3), x, 5.0)
+        assert torch.equal(out, x) and server.errors == 2
+    finally:
+        client.close()
+        await server.stop()
