@@ -8,7 +8,8 @@
    and 32 ("mesh efficiency");
 3. peak RSS of each expert-service process vs the bytes of expert weights it holds.
 
-Both remote routers talk to the same expert-service processes; one has its fast path off.
+Both remote routers talk to the same expert-service processes; one has its fast path off. The
+set-ups are timed in turn, repeat by repeat, so drift in this host's speed hits them alike.
 
     .venv/bin/python -m bench.mesh_dispatch [--checkpoint DIR] [--services 4]
 
@@ -51,23 +52,34 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def time_layer(
-    dispatcher, layer_weights, x: torch.Tensor, repeats: int
-) -> tuple[list[float], list[float]]:
-    """Per call of MoE layer 0 (ms): its whole time, and the part of its remote calls' round trip
+async def time_layer(dispatcher, layer_weights, x: torch.Tensor) -> tuple[float, float]:
+    """One call of MoE layer 0 (ms): its whole time, and the part of its remote calls' round trip
     that was not the slowest service's own time (transfer, framing, waking up; 0 colocated)."""
-    times, beyond = [], []
-    for _ in range(repeats + 3):
-        start = time.perf_counter()
-        routed = dispatcher.route(0, x, layer_weights)
-        outputs = dispatcher.colocated_outputs(routed, x)
-        calls = CallTimes()
-        if outputs is None:
-            outputs = await dispatcher.gather(routed, x, None, calls)
-        dispatcher.finish(routed, outputs, x, layer_weights)
-        times.append((time.perf_counter() - start) * 1000)
-        beyond.append((calls.wall - calls.service) * 1000)
-    return times[3:], beyond[3:]  # first calls warm channels and page in weights
+    start = time.perf_counter()
+    routed = dispatcher.route(0, x, layer_weights)
+    outputs = dispatcher.colocated_outputs(routed, x)
+    calls = CallTimes()
+    if outputs is None:
+        outputs = await dispatcher.gather(routed, x, None, calls)
+    dispatcher.finish(routed, outputs, x, layer_weights)
+    return (time.perf_counter() - start) * 1000, (calls.wall - calls.service) * 1000
+
+
+async def time_layers(
+    engines: dict, x: torch.Tensor, repeats: int
+) -> dict[str, tuple[list[float], list[float]]]:
+    """time_layer per engine, in rounds that take each engine in turn, so that drift in this
+    host's speed hits them alike; the first rounds warm channels and page in weights."""
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in engines}
+    for r in range(repeats + 3):
+        for name, engine in engines.items():
+            ms, beyond = await time_layer(
+                engine.model.dispatcher, engine.model.weights.layers[0], x
+            )
+            if r >= 3:
+                times[name][0].append(ms)
+                times[name][1].append(beyond)
+    return times
 
 
 async def decode_rate(engine, batch: int, new_tokens: int, vocab: int) -> float:
@@ -141,10 +153,8 @@ async def main_async(args: argparse.Namespace) -> dict:
                     .numel()
                 ),
             }
-            for name, engine in (("colocated", local), *((t, p.engine) for t, p in meshes.items())):
-                ms, beyond = await time_layer(
-                    engine.model.dispatcher, engine.model.weights.layers[0], x, args.repeats
-                )
+            engines = {"colocated": local, **{t: p.engine for t, p in meshes.items()}}
+            for name, (ms, beyond) in (await time_layers(engines, x, args.repeats)).items():
                 row[f"{name}_p50_ms"] = statistics.median(ms)
                 row[f"{name}_p99_ms"] = percentile(ms, 0.99)
                 if name != "colocated":
@@ -172,18 +182,14 @@ async def main_async(args: argparse.Namespace) -> dict:
 
         efficiency = []
         for b in (1, 32):
-            rates = {
-                name: statistics.median(
-                    [
+            engines = {"monolithic": local, **{t: p.engine for t, p in meshes.items()}}
+            runs: dict[str, list[float]] = {name: [] for name in engines}
+            for _ in range(args.decode_repeats):  # in turn, as the layer timings
+                for name, engine in engines.items():
+                    runs[name].append(
                         await decode_rate(engine, b, args.new_tokens, spec.vocab_size)
-                        for _ in range(args.decode_repeats)
-                    ]
-                )
-                for name, engine in (
-                    ("monolithic", local),
-                    *((t, p.engine) for t, p in meshes.items()),
-                )
-            }
+                    )
+            rates = {name: statistics.median(r) for name, r in runs.items()}
             mono = rates["monolithic"]
             efficiency.append(
                 {
