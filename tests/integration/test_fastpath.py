@@ -26,7 +26,7 @@ from moe_mesh.common.errors import (
     UnavailableError,
 )
 from moe_mesh.common.fastpath import frame as f
-from moe_mesh.common.fastpath import parse_worker_url
+from moe_mesh.common.fastpath import parse_worker_url, ucx
 from moe_mesh.common.fastpath.client import FastPathError, FrameClient
 from moe_mesh.common.fastpath.server import FrameServer
 from moe_mesh.common.fastpath.ucx import UcxRuntime, close_endpoint, load_ucxx, read_frame
@@ -487,3 +487,24 @@ async def test_a_handler_bug_is_answered_internal_and_the_next_call_served() -> 
     finally:
         client.close()
         await server.stop()
+
+
+async def test_while_a_message_is_part_way_the_runtime_progresses_every_busy_tick() -> None:
+    """Nothing is sure to wake the worker for the rest of a message (a send waiting for room at
+    its peer, a receive's later fragments), so the guard tick shortens while one is part-way."""
+    runtime = UcxRuntime.acquire(loopback=True)
+    try:
+        loop = asyncio.get_running_loop()
+
+        class PartWay:
+            completed = False
+
+        runtime._requests.append((PartWay(), None, None))
+        runtime._progress()
+        assert runtime._tick.when() - loop.time() <= ucx.BUSY_TICK_S < ucx.TICK_S / 100
+        runtime._requests.clear()
+        await asyncio.sleep(2 * ucx.BUSY_TICK_S)  # the busy tick fired and found nothing part-way
+        assert runtime._tick is None or runtime._tick.when() - loop.time() > ucx.BUSY_TICK_S
+    finally:
+        runtime._requests.clear()
+        UcxRuntime.release()
