@@ -32,6 +32,7 @@ runtime.configure()  # before torch loads OpenMP
 import torch  # noqa: E402
 
 from bench import ensure_checkpoint, parser_with_checkpoint, write_result  # noqa: E402
+from moe_mesh.planning.measure import read_bandwidth  # noqa: E402
 from moe_mesh.router_service.build import build_local_engine  # noqa: E402
 from moe_mesh.router_service.engine.sampling import SamplingParams  # noqa: E402
 from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
@@ -75,17 +76,6 @@ def decode_rate(run, prompts: list[list[int]], n: int) -> tuple[float, list[list
     t1, _ = run(prompts, 1)
     tn, tokens = run(prompts, n)
     return len(prompts) * (n - 1) / max(tn - t1, 1e-9), tokens
-
-
-def read_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> float:
-    """Bytes/s this machine reads with all torch threads (best of `repeats` sums of a large buffer)."""
-    buf = torch.ones(nbytes // 4)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best
 
 
 def bytes_per_token(spec, itemsize: int) -> int:

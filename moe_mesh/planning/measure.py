@@ -202,3 +202,15 @@ class LayerBench:
             counts = torch.bincount(experts.reshape(-1), minlength=self.spec.num_experts)
             out[layer] = (counts.double() / counts.sum()).tolist()
         return out
+
+
+def read_bandwidth(nbytes: int = 2**28, repeats: int = 5) -> float:
+    """Bytes/s this machine reads with all torch threads (best of `repeats` sums of a buffer far
+    larger than the last-level cache)."""
+    buf = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best

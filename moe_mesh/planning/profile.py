@@ -355,7 +355,7 @@ def profile(args: argparse.Namespace) -> ProfileFile:
     import torch
 
     from moe_mesh.common.checkpoint import Checkpoint
-    from moe_mesh.planning.measure import LayerBench
+    from moe_mesh.planning.measure import LayerBench, read_bandwidth
 
     dtype = getattr(torch, args.dtype)
     checkpoint = Checkpoint(args.checkpoint, dtype=dtype, prepack=True)
@@ -365,6 +365,9 @@ def profile(args: argparse.Namespace) -> ProfileFile:
     spec = bench.spec
     _say(f"{spec.family}: {len(spec.moe_layer_ids)} MoE layers x {spec.num_experts} experts")
     compute = measure_compute(args, bench)
+    _say("memory read bandwidth")
+    bandwidth = read_bandwidth()
+    _say(f"  {bandwidth / 1e9:.1f} GB/s")
     shares = bench.load_shares(args.share_tokens)
     targets = _targets(args)
     started = None
@@ -400,6 +403,7 @@ def profile(args: argparse.Namespace) -> ProfileFile:
         expert_bytes=spec.expert_params * item,
         dense_bytes=dense_bytes + _layer_bytes(bench.dense),
         cores=os.cpu_count() or 1,
+        memory_bandwidth=bandwidth,
         context=args.context,
         **compute,
         expert_load_shares={str(k): v for k, v in shares.items()},

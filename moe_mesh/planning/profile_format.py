@@ -2,8 +2,8 @@
 `read_profile` (every problem a PlanError naming the file and the field).
 
 Format 2 adds each transport's per-call CPU at both ends (`service_call_cpu`, `router_call_cpu`);
-format 1 files, without them, still read (the planner then charges each end one Tc per call, as
-it did)."""
+format 3 the machine's memory read bandwidth (`memory_bandwidth`). Older files still read: the
+planner then charges each end one Tc per call, and bounds nothing by bandwidth."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from moe_mesh.common.perfmodel import Linear, Piecewise
 from moe_mesh.planning.deploy.plan import PlanError, invalid
 
-FORMAT = "moe-mesh-profile/2"
+FORMAT = "moe-mesh-profile/3"
 NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
@@ -102,7 +102,7 @@ class Transport(_Strict):
 
 
 class ProfileFile(_Strict):
-    format: Literal["moe-mesh-profile/1", "moe-mesh-profile/2"] = FORMAT
+    format: Literal["moe-mesh-profile/1", "moe-mesh-profile/2", "moe-mesh-profile/3"] = FORMAT
     checkpoint: str
     model_id: str = Field(min_length=1)
     family: str
@@ -116,6 +116,9 @@ class ProfileFile(_Strict):
     expert_bytes: int = Field(ge=1, description="weights of one routed expert")
     dense_bytes: int = Field(ge=0, description="weights the router holds")
     cores: int = Field(ge=1, description="cores of the machine profiled")
+    memory_bandwidth: NonNeg | None = Field(
+        None, description="bytes/s the machine profiled reads with all its cores (format 3)"
+    )
     context: int = Field(ge=1, description="KV-cache tokens per sequence while timing attention")
     ta: Measured = Field(description="router side of one MoE layer against micro-batch sequences")
     te: Measured = Field(description="all experts of one MoE layer against its tokens")

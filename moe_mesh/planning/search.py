@@ -65,6 +65,8 @@ def costs(profile: ProfileFile, transport: str) -> Costs:
         tc=measured.fit.linear(),
         bytes_per_token=profile.bytes_per_token,
         top_k=profile.top_k,
+        expert_bytes=profile.expert_bytes,
+        bandwidth=profile.memory_bandwidth or 0.0,
         service_call=measured.service_call_cpu.linear() if measured.service_call_cpu else None,
         router_call=measured.router_call_cpu.linear() if measured.router_call_cpu else None,
         service_expert=measured.service_expert_cpu or 0.0,

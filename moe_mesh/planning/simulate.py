@@ -11,8 +11,10 @@ one hand-off to the compute thread, encode, send) and Rc(x, k) in the router (en
 send, receive, decode), each linear in x plus a cost per expert beyond the first. Then
 
     round_i  = Ta(b_i) + max( max_g s_g·Te(b_i) + 2·max_g Tc(x_gi),
-                              max_n E_ni / cores_n + max_g (2·Tc(x_gi) − Sc(x_gi))⁺ )
+                              max_n max(E_ni / cores_n, W_ni / bandwidth_n)
+                                + max_g (2·Tc(x_gi) − Sc(x_gi))⁺ )
     E_ni     = Σ_{g on n} (replicas of g on n / r_g)·(s_g·Te_cpu(b_i) + Sc(x_gi))
+    W_ni     = Σ_{g on n} (replicas of g on n / r_g)·k_gi·expert_bytes
     busy_a   = Σ_i (Ta(b_i) + Σ_g Rc(x_gi))
     busy_g   = Σ_i (s_g·Te(b_i) + Sc(x_gi)) / r_g
     layer    = max(max_i round_i, busy_a, max_g busy_g)
@@ -21,8 +23,11 @@ The calls of a round are in flight at once. The first term is the slowest call a
 two one-way transfers Tc (half the measured round trip beyond the FFN, so it holds both ends'
 per-call work for one idle call). The second is the services of a node computing their calls at
 once on its cores (more services than cores take turns: 7 services on a 2-core node do not answer
-as if each had a core of its own), FFN and per-call CPU alike, then the part of a round trip that
-is not the service's work (the wire, the router's side). The router's event loop encodes, sends,
+as if each had a core of its own), FFN and per-call CPU alike, and reading the weights of the
+k_gi experts each call computes through the node's one memory bus (W_ni bytes at the profile's
+measured read bandwidth: on the `small` preset a decode round reads every expert of the layer,
+and four services computing at once took as long as that, not a quarter of the FFN time each);
+then the part of a round trip that is not the service's work (the wire, the router's side). The router's event loop encodes, sends,
 receives and decodes every call itself: Rc per call in busy_a. With Tc = Sc = Rc = 0, one group
 and one replica this is perfmodel.layer_time. Unlike the paper's RDMA, a transfer here is work for both ends'
 CPUs, so many small expert services cost the router (Rc per call) and their node (Sc per call). A
@@ -106,6 +111,8 @@ class Costs:
     router_call: Linear | None = None  # Rc: the router's CPU per call, vs bytes
     service_expert: float = 0.0  # Sc's seconds per expert beyond the first in a call
     router_expert: float = 0.0  # Rc's
+    expert_bytes: int = 0  # weights of one routed expert
+    bandwidth: float = 0.0  # bytes/s a node reads (0: unknown, no bound)
 
     def service_cpu(self, nbytes: float, experts: float = 1.0) -> float:
         """Sc of a call of `nbytes` for `experts` experts: measured, else one Tc (each end of a
@@ -202,19 +209,20 @@ def simulate(
             for row, ks in zip(x, k)
         ]
         # The calls of one round run at once: the services on a node share its cores (a group's
-        # calls spread over its replicas), FFN and per-call work alike.
-        shared = [
-            max(
-                sum(
-                    n.replicas.count(g) / replicas[g] * (layer[g] * costs.te.cpu(b) + sc[g][i])
-                    for g in set(n.replicas)
-                )
-                / n.cores
-                for n in nodes
-            )
-            + max(max(0.0, 2 * tc[g][i] - sc[g][i]) for g in range(len(layer)))
-            for i, b in enumerate(tokens)
-        ]
+        # calls spread over its replicas), FFN and per-call work alike, and read their experts'
+        # weights through the node's one memory bus.
+        shared = []
+        for i, b in enumerate(tokens):
+            busiest = 0.0
+            for n in nodes:
+                held = [(g, n.replicas.count(g) / replicas[g]) for g in set(n.replicas)]
+                t = sum(w * (layer[g] * costs.te.cpu(b) + sc[g][i]) for g, w in held) / n.cores
+                if costs.bandwidth:
+                    read = sum(w * k[g][i] for g, w in held if x[g][i] is not None)
+                    t = max(t, read * costs.expert_bytes / costs.bandwidth)
+                busiest = max(busiest, t)
+            wire = max(max(0.0, 2 * tc[g][i] - sc[g][i]) for g in range(len(layer)))
+            shared.append(busiest + wire)
         rounds = [
             ta[i] + max(max(row[i] for row in te) + 2 * max(row[i] for row in tc), shared[i])
             for i in range(len(parts))

@@ -47,7 +47,9 @@ def test_a_format_2_profile_carries_each_ends_cpu_per_call(tmp_path: Path) -> No
         "router_expert_cpu": 1e-5,
     }
     ucx = {"fit": fit(0.0, 4e-4), "cpu_skipped": "no pid"}
-    path = write_profile(tmp_path, format=FORMAT, transports={"grpc": grpc, "ucx": ucx})
+    path = write_profile(
+        tmp_path, format="moe-mesh-profile/2", transports={"grpc": grpc, "ucx": ucx}
+    )
     profile = read_profile(path)
     assert profile.format == "moe-mesh-profile/2"
     assert profile.transports["grpc"].points[0].cpu_calls == 400
@@ -87,7 +89,10 @@ def test_fit_keeps_costs_non_negative() -> None:
     "overrides, message",
     [
         ({"top_k": 0}, "top_k: Input should be greater than or equal to 1"),
-        ({"format": "v0"}, "format: Input should be 'moe-mesh-profile/1' or 'moe-mesh-profile/2'"),
+        (
+            {"format": "v0"},
+            "format: Input should be 'moe-mesh-profile/1', 'moe-mesh-profile/2' or 'moe-mesh-profile/3'",
+        ),
         (
             {"transports": {"grpc": {"fit": fit(0, 1), "service_call_cpu": fit(0, -1)}}},
             "transports.grpc.service_call_cpu.intercept",
@@ -115,3 +120,13 @@ def test_unreadable_profile(tmp_path: Path) -> None:
     (tmp_path / "p.json").write_text(json.dumps([1]))
     with pytest.raises(PlanError, match="expected a JSON object"):
         read_profile(tmp_path / "p.json")
+
+
+def test_a_format_3_profile_bounds_a_round_by_the_memory_bandwidth(tmp_path: Path) -> None:
+    path = write_profile(tmp_path, format=FORMAT, memory_bandwidth=2e10)
+    profile = read_profile(path)
+    assert profile.format == "moe-mesh-profile/3"
+    c = costs(profile, "grpc")
+    assert (c.bandwidth, c.expert_bytes) == (2e10, profile.expert_bytes)
+    older = costs(read_profile(write_profile(tmp_path, format="moe-mesh-profile/2")), "grpc")
+    assert older.bandwidth == 0.0  # not measured: no bound

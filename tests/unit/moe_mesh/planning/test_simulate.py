@@ -199,3 +199,23 @@ def test_prompt_tokens_ride_along_with_decode_steps() -> None:
     head_gap = 2 * (head(6) - head(4))
     assert mixed.seconds == pytest.approx(as_tokens.seconds - head_gap)
     assert mixed.seconds > simulate(c, [[1.0]], [1], big_node(), 8, 2).seconds
+
+
+def test_services_on_one_node_read_their_experts_through_its_one_memory_bus() -> None:
+    # Four groups of two experts, one node; 32 sequences hit every expert of the layer.
+    shares, experts = [[0.25] * 4], [[[0.0625, 0.0625]] * 4]
+    nodes = (Node("host", 2, True, (0, 1, 2, 3)),)
+    c = costs()
+    unbounded = simulate(c, shares, [1] * 4, nodes, 32, 1, experts).seconds
+    # 8 experts x 40 MB at 20 GB/s: 16 ms of reading, longer than the services' CPU.
+    bounded = simulate(
+        replace(c, expert_bytes=40_000_000, bandwidth=20e9), shares, [1] * 4, nodes, 32, 1, experts
+    ).seconds
+    k = experts_per_call([0.0625, 0.0625], 32, 2)
+    assert bounded == pytest.approx(c.ta.wall(32) + 4 * k * 40_000_000 / 20e9)
+    assert bounded > unbounded
+    # Machines whose bus keeps up: the CPU bound stands.
+    fast = replace(c, expert_bytes=40_000_000, bandwidth=1e15)
+    assert simulate(fast, shares, [1] * 4, nodes, 32, 1, experts).seconds == pytest.approx(
+        unbounded
+    )
