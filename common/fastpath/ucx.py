@@ -13,7 +13,9 @@ A message part-way is not always woken for: a send that waits for room at its pe
 shared-memory queue was full) resumes only when this side progresses again, and the rest of a
 message being received has been seen to arrive without a wake-up. So while any request is
 incomplete the tick is BUSY_TICK_S (measured: 256-token layers over 2 services stalled for the
-old 200 ms tick in up to 7 of 150 calls, once per stall a 1 MiB send or receive part-way).
+old 200 ms tick in up to 7 of 150 calls, once per stall a 1 MiB send or receive part-way), for
+as long as requests keep moving: one stuck for BUSY_FOR_S (a sender gone mid-message) is back
+on TICK_S rather than waking the process 2,000 times a second.
 
 Receives are probe-then-receive (`tag_probe(remove=True)` + `tag_recv_with_handle`): the receiver
 learns a message's exact size before giving it a buffer, and nothing is posted while idle. Both
@@ -45,6 +47,7 @@ from moe_mesh.common.fastpath.frame import (
 log = logging.getLogger(__name__)
 TICK_S = 0.2  # progress at least this often while something waits: a missed wake-up costs this
 BUSY_TICK_S = 0.0005  # ... and this often while a message is part-way
+BUSY_FOR_S = 1.0  # ... unless no request has moved (begun, finished) for this long
 
 
 def load_ucxx(loopback: bool = False) -> ModuleType | None:
@@ -125,12 +128,14 @@ class UcxRuntime:
         self._waiters: dict[int, tuple[asyncio.Future, Any, int]] = {}
         self._scheduled = False
         self._tick: asyncio.TimerHandle | None = None
+        self._moved = 0.0  # loop time a request last began or finished
         loop.add_reader(self._fd, self._progress)
 
     # -- progress -----------------------------------------------------------------------------
 
     def kick(self) -> None:
         """Progress soon (after a submit, or a new waiter): coalesced into one loop callback."""
+        self._moved = self.loop.time()
         if not self._scheduled:
             self._scheduled = True
             self.loop.call_soon(self._progress)
@@ -145,7 +150,8 @@ class UcxRuntime:
                 break
         if not (self._requests or self._waiters):
             return
-        delay = BUSY_TICK_S if self._requests else TICK_S
+        busy = self._requests and self.loop.time() - self._moved < BUSY_FOR_S
+        delay = BUSY_TICK_S if busy else TICK_S
         if self._tick is not None:
             if self._tick.when() <= self.loop.time() + delay:
                 return
@@ -167,6 +173,8 @@ class UcxRuntime:
                 continue
             if future is not None and not future.done():
                 _settle(request, future, _keepalive)
+        if len(pending) < len(self._requests):
+            self._moved = self.loop.time()
         self._requests = pending
 
     def _probe(self) -> None:
@@ -193,6 +201,7 @@ class UcxRuntime:
 
     def _take(self, probe: Any, future: asyncio.Future, into: Any, limit: int) -> None:
         """Receive a probed message at once (an eager one completes here, in this callback)."""
+        self._moved = self.loop.time()
         n = probe.length
         if n > limit:
             # Received anyway (truncated into a small buffer) so it leaves UCX's queue.

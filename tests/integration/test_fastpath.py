@@ -489,9 +489,12 @@ async def test_a_handler_bug_is_answered_internal_and_the_next_call_served() -> 
         await server.stop()
 
 
-async def test_while_a_message_is_part_way_the_runtime_progresses_every_busy_tick() -> None:
+async def test_while_a_message_is_part_way_the_runtime_progresses_every_busy_tick(
+    monkeypatch,
+) -> None:
     """Nothing is sure to wake the worker for the rest of a message (a send waiting for room at
-    its peer, a receive's later fragments), so the guard tick shortens while one is part-way."""
+    its peer, a receive's later fragments), so the guard tick shortens while one is part-way and
+    requests keep moving."""
     runtime = UcxRuntime.acquire(loopback=True)
     try:
         loop = asyncio.get_running_loop()
@@ -500,11 +503,20 @@ async def test_while_a_message_is_part_way_the_runtime_progresses_every_busy_tic
             completed = False
 
         runtime._requests.append((PartWay(), None, None))
-        runtime._progress()
+        runtime.kick()  # as a submit does
+        await asyncio.sleep(0)
         assert runtime._tick.when() - loop.time() <= ucx.BUSY_TICK_S < ucx.TICK_S / 100
         runtime._requests.clear()
         await asyncio.sleep(2 * ucx.BUSY_TICK_S)  # the busy tick fired and found nothing part-way
         assert runtime._tick is None or runtime._tick.when() - loop.time() > ucx.BUSY_TICK_S
+        # One that never moves again (its sender gone mid-message) goes back to the guard tick.
+        monkeypatch.setattr(ucx, "BUSY_FOR_S", 0.05)
+        runtime._requests.append((PartWay(), None, None))
+        runtime.kick()
+        await asyncio.sleep(0.01)
+        assert runtime._tick.when() - loop.time() <= ucx.BUSY_TICK_S
+        await asyncio.sleep(0.1)
+        assert runtime._tick.when() - loop.time() > ucx.BUSY_TICK_S
     finally:
         runtime._requests.clear()
         UcxRuntime.release()
