@@ -13,9 +13,9 @@ expert combine (`combine`), RoPE (`rope`), the KV-cache write (`kv_write`) and d
 read in place from the paged cache (`decode_attention`); grouping a layer's tokens by expert
 (`group`) is one call too. A decode step at batch 1 runs a few hundred small ops, and here
 each torch call costs tens of microseconds once the weights have streamed through the caches,
-more than its arithmetic. Each rounds where
-torch's op-by-op recipe rounds, except attention: SDPA's own exp and summation order are not
-reproduced, so its outputs may differ from SDPA's in the last bit.
+more than its arithmetic. Each rounds where torch's op-by-op recipe rounds, except attention:
+SDPA's own exp and summation order are not reproduced, so its outputs may differ from SDPA's in
+the last bit.
 
 The C source is compiled on first use with the host's compiler (`$CC`, else `cc`) into
 $MOE_MESH_CACHE_DIR (default ~/.cache/moe-mesh), once per source version; where there is no

@@ -1,6 +1,6 @@
-/* bfloat16 linear layers, gated FFNs, RMSNorm and a layer's expert combine for CPUs without
-   native bfloat16 arithmetic (AVX-512F/BW is enough); RoPE, the KV-cache write and decode
-   attention over the paged cache in bfloat16 and float32.
+/* bfloat16 linear layers, gated FFNs and RMSNorm for CPUs without native bfloat16 arithmetic
+   (AVX-512F/BW is enough); a layer's expert grouping and combine, RoPE, the KV-cache write and
+   decode attention over the paged cache in bfloat16 and float32.
 
    y[M][N] = x[M][K] . W^T, all bfloat16, with W [N][K] held in panels of 32 output columns:
    P[panel][k][32]. A bfloat16 is a float32's upper half, so unpacking a 64-byte row of a
