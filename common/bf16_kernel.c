@@ -192,10 +192,10 @@ int moe_group(const int64_t *experts, long n, long k, long num_experts, int64_t 
     return 0;
 }
 
-/* 16 lanes of a float32 or bfloat16 row */
-__attribute__((target("avx512f,avx512bw"))) static inline __m512 load_row(const void *row, long i,
-                                                                         int is_bf16) {
-    return is_bf16 ? load((const uint16_t *)row + i) : _mm512_loadu_ps((const float *)row + i);
+/* 16 lanes of a float32 (bf 0) or bfloat16 (bf 1) row from element i */
+__attribute__((target("avx512f,avx512bw"))) static inline __m512 load_any(const void *p, long i,
+                                                                          int bf) {
+    return bf ? load((const uint16_t *)p + i) : _mm512_loadu_ps((const float *)p + i);
 }
 
 /* A layer's expert combine: y[t] = sum over j < k of weights[t*k + j] * (the output row of choice
@@ -219,8 +219,7 @@ __attribute__((target("avx512f,avx512bw"))) int moe_combine(
                 free(row);
                 return -1;
             }
-            row[s] = rows_bf16 ? (const void *)((const uint16_t *)groups[g] + r * h)
-                               : (const void *)((const float *)groups[g] + r * h);
+            row[s] = (const char *)groups[g] + r * h * (rows_bf16 ? 2 : 4);
             seen++;
         }
     if (seen != total) {
@@ -236,7 +235,7 @@ __attribute__((target("avx512f,avx512bw"))) int moe_combine(
                 long s = t * k + j;
                 float w = weights_bf16 ? bf16_value(((const uint16_t *)weights)[s])
                                        : ((const float *)weights)[s];
-                __m512 p = _mm512_mul_ps(load_row(row[s], i, rows_bf16), _mm512_set1_ps(w));
+                __m512 p = _mm512_mul_ps(load_any(row[s], i, rows_bf16), _mm512_set1_ps(w));
                 if (round_products) p = widen(to_bf16(p));
                 acc = _mm512_add_ps(acc, p);
             }
@@ -350,11 +349,6 @@ void moe_rope_bf16(const uint16_t *x, long ldx, const uint16_t *cos, const uint1
    rounded to bfloat16 before they weight the values, the weighted sum divided by the sum of the
    unrounded exponentials. Torch's exp there is a 20-bit approximation and its dot products and
    sums run in another order, so results may differ from SDPA's in the last bit. */
-__attribute__((target("avx512f,avx512bw"))) static inline __m512 load_any(const void *p, long i,
-                                                                          int bf) {
-    return bf ? load((const uint16_t *)p + i) : _mm512_loadu_ps((const float *)p + i);
-}
-
 __attribute__((target("avx512f,avx512bw"))) int moe_decode_attention(
     int bf, const void *q, long ldq, const void *kc, const void *vc, const int64_t *tables,
     long width, const int64_t *lengths, long d, long kv_heads, long g, long hd, long vd,
