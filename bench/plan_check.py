@@ -3,11 +3,12 @@ with the real commands (each a subprocess of `python -m moe_mesh`):
 
 1. `moe-mesh profile` on the checkpoint (KV context = input + output / 2, the mean of the decode);
 2. a utilization record: `moe-mesh up` (default mesh), a little traffic with `moe-mesh bench`,
-   `moe-mesh placement show --json`, the mesh stopped;
+   `moe-mesh status --json` and `moe-mesh placement show --json`, the mesh stopped;
 3. `moe-mesh plan --search` over the profile and the record with this machine's inventory
    (`deploy/inventory.example.yaml`) and `deploy/plan.example.yaml` as the base (its model id and
    sizes set to the checkpoint's, one router: what the search predicts for), with the benchmark's
-   `--input-len` / `--output-len` (each step then carries B·input/output prompt tokens);
+   `--input-len` / `--output-len` (each step then carries B·input/output prompt tokens),
+   calibrated on the traffic's bench and status (moe_mesh/planning/calibrate.py);
 4. the chosen plan run for real with `moe-mesh up`: its expert groups (contiguous index groups when
    they are the plan's, else `moe-mesh scale` to the plan's exact groups and the default ones
    removed), replicas, B as `--max-num-seqs`, m as `--micro-batches`, the router's flags (threads,
@@ -298,6 +299,7 @@ def breakdown(profile_path: Path, window_path: Path, prediction: dict, shape) ->
     b, m = prediction["batch_size"], prediction["micro_batches"]
     prefill = prediction.get("prefill_tokens_per_step", 0.0)
     step = simulate(c, shares, replicas, nodes, b, m, per_expert, prefill)
+    factor = (prediction.get("calibration") or {}).get("factor", 1.0)
     rt = next(n for n in nodes if n.router).threads
     et = min((n.threads for n in nodes if n.replicas), default=1)
     parts = split(b, m)
@@ -367,7 +369,9 @@ def breakdown(profile_path: Path, window_path: Path, prediction: dict, shape) ->
         "pipeline_ms": ms(step.pipeline_s),
         "pipeline_per_moe_layer_ms": ms(step.pipeline_s / max(1, len(shares))),
         "bound": step.bound,
-        "reproduces_prediction": abs(step.seconds * 1e3 - prediction["predicted_tpot_ms"]) < 1e-6,
+        "calibration_factor": factor,
+        "reproduces_prediction": abs(step.seconds * factor * 1e3 - prediction["predicted_tpot_ms"])
+        < 1e-6,
     }
 
 
@@ -438,6 +442,7 @@ def main() -> int:
         "profile": str(workdir / "profile.json"),
         "traffic_bench": str(workdir / "traffic.json"),
         "window": str(workdir / "window.json"),
+        "traffic_status": str(workdir / "traffic-status.json"),
         "base_plan": str(workdir / "base.yaml"),
         "plan": str(workdir / "plan.yaml"),
         "prediction": str(workdir / "prediction.json"),
@@ -496,6 +501,12 @@ def main() -> int:
                 stdout=workdir / "traffic.out",
             )
             runner.run(
+                "traffic-status",
+                ["status", "--ready-file", str(mesh.ready_file), "--json"],
+                120,
+                stdout=paths["traffic_status"],
+            )
+            runner.run(
                 "placement-show",
                 ["placement", "show", "--ready-file", str(mesh.ready_file), "--json"],
                 120,
@@ -527,6 +538,10 @@ def main() -> int:
         str(L),
         "--output-len",
         str(N),
+        "--calibrate-bench",
+        files["traffic_bench"],
+        "--calibrate-status",
+        files["traffic_status"],
     ]
     if args.max_num_seqs:
         search += ["--max-num-seqs", str(args.max_num_seqs)]
@@ -616,6 +631,7 @@ def main() -> int:
     measured = b / (tpot_p50_ms / 1e3)
     predicted = prediction["predicted_tokens_per_s"]
     ratio = measured / predicted
+    factor = (prediction.get("calibration") or {}).get("factor", 1.0)
     router_after = after.get("routers", [{}])[0]
     steps = router_after.get("steps", 0) - before.get("routers", [{}])[0].get("steps", 0)
     cpu = {k: cpu_after[k] - cpu_before.get(k, 0.0) for k in cpu_after}
@@ -680,7 +696,9 @@ def main() -> int:
             "tpot_ms": prediction["predicted_tpot_ms"],
             "pipeline_tpot_ms": prediction["pipeline_tpot_ms"],
             "bound": prediction["bound"],
+            "calibration": prediction.get("calibration"),
         },
+        "ratio_measured_over_uncalibrated_model": ratio * factor,
         "measured": {
             "decode_tokens_per_s": measured,
             "tpot_p50_ms": tpot_p50_ms,
@@ -722,7 +740,8 @@ def main() -> int:
         f"predicted {predicted:.1f} tokens/s (TPOT {prediction['predicted_tpot_ms']:.1f} ms), "
         f"measured {measured:.1f} tokens/s (B={b} / TPOT p50 {tpot_p50_ms:.1f} ms; output "
         f"{point['output_throughput']:.1f} tokens/s): ratio {ratio:.2f}, within 20%: "
-        f"{result['within_20_percent']}"
+        f"{result['within_20_percent']} (the model before calibration x{factor:.3f}: ratio "
+        f"{ratio * factor:.2f})"
     )
     print(f"wrote {args.out}")
     return 0

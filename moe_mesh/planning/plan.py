@@ -318,11 +318,34 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="replicas per group tried: 1..N (2)",
     )
+    search.add_argument(
+        "--calibrate-bench",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="calibrate the model on a measured run (moe_mesh/planning/calibrate.py): the JSON of "
+        "`moe-mesh bench --concurrency B` (one point) against the mesh the utilization record "
+        "came from; with --calibrate-status",
+    )
+    search.add_argument(
+        "--calibrate-status",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="`moe-mesh status --json` of that mesh after the run (its expert groups, m, "
+        "transport)",
+    )
     p.set_defaults(func=run_plan)
 
 
 def run_plan(args: argparse.Namespace) -> int:
     searching = ("--profile", args.profile), ("--inventory", args.inventory)
+    calibrating = [args.calibrate_bench is None, args.calibrate_status is None]
+    if args.search and calibrating.count(True) == 1:
+        print(
+            f"{PROG}: error: --calibrate-bench and --calibrate-status go together", file=sys.stderr
+        )
+        return 2
     if args.search:
         missing = [flag for flag, value in searching if value is None]
         if missing:
@@ -334,7 +357,12 @@ def run_plan(args: argparse.Namespace) -> int:
     given = [flag for flag, value in searching if value is not None]
     given += [
         flag
-        for flag, value in (("--input-len", args.input_len), ("--output-len", args.output_len))
+        for flag, value in (
+            ("--input-len", args.input_len),
+            ("--output-len", args.output_len),
+            ("--calibrate-bench", args.calibrate_bench),
+            ("--calibrate-status", args.calibrate_status),
+        )
         if value is not None
     ]
     if given or args.tpot_slo_ms is not None or args.prediction_out is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from moe_mesh.common.placement import Pair, format_experts
+from moe_mesh.common.placement import ModelShape, Pair, format_experts
 from moe_mesh.planning.deploy.plan import Plan, PlanError
 from moe_mesh.planning.eplb import GroupProposal, PlanOptions, propose
 from moe_mesh.planning.inventory import Inventory, NodeKind
@@ -72,6 +72,11 @@ def costs(profile: ProfileFile, transport: str) -> Costs:
         service_expert=measured.service_expert_cpu or 0.0,
         router_expert=measured.router_expert_cpu or 0.0,
     )
+
+
+def all_transports(profile: ProfileFile) -> dict[str, Costs]:
+    """Costs of each transport the profile measured."""
+    return {t: costs(profile, t) for t, v in profile.transports.items() if v.fit is not None}
 
 
 def planning_load(profile: ProfileFile, load: dict[Pair, float]) -> dict[Pair, float]:
@@ -141,13 +146,14 @@ def search(
     inventory: Inventory,
     limits: Limits,
     workload: Workload = DECODE_ONLY,
+    scale: float = 1.0,
 ) -> list[Candidate]:
     """Every feasible candidate meeting the SLO, best first (tokens/s per cost, then tokens/s,
     then fewer processes and micro-batches: the simpler deployment on a tie). Steps carry the
-    workload's prompt tokens (Workload; the default: pure decode)."""
+    workload's prompt tokens (Workload; the default: pure decode) and are multiplied by `scale`
+    (calibrate.py) before the SLO is checked."""
     load = planning_load(profile, load)
-    measured = [t for t, v in profile.transports.items() if v.fit is not None]
-    all_costs = {t: costs(profile, t) for t in measured}
+    all_costs = all_transports(profile)
     batches = [b for b in (2**i for i in range(13)) if b <= limits.max_num_seqs]
     out = []
     for services in range(1, min(limits.max_services, profile.num_experts) + 1):
@@ -177,6 +183,7 @@ def search(
                                 per_expert,
                                 workload.prefill_tokens(b),
                             )
+                            step = Step(step.seconds * scale, step.pipeline_s * scale, step.bound)
                             if limits.tpot_slo_s is None or step.seconds <= limits.tpot_slo_s:
                                 out.append(Candidate(groups, r, m, b, transport, nodes, step, cost))
     out.sort(
@@ -318,6 +325,7 @@ def run_search(args) -> int:
 
     import yaml
 
+    from moe_mesh.planning.calibrate import calibrate, observed
     from moe_mesh.planning.deploy.plan import load_plan
     from moe_mesh.planning.inventory import load_inventory
     from moe_mesh.planning.plan import DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN, PROG, read_record
@@ -339,7 +347,14 @@ def run_search(args) -> int:
             DEFAULT_INPUT_LEN if args.input_len is None else args.input_len,
             DEFAULT_OUTPUT_LEN if args.output_len is None else args.output_len,
         )
-        found = search(profile, record.load, inventory, limits, workload)
+        calibration = None
+        if args.calibrate_bench is not None:
+            shape = ModelShape(profile.num_layers, profile.num_experts, tuple(profile.moe_layers))
+            seen = observed(args.calibrate_bench, args.calibrate_status, shape)
+            load = planning_load(profile, record.load)
+            calibration = calibrate(profile, all_transports(profile), load, inventory, seen)
+        scale = calibration.factor if calibration else 1.0
+        found = search(profile, record.load, inventory, limits, workload, scale)
         if not found:
             raise PlanError(
                 f"no candidate meets --tpot-slo-ms {args.tpot_slo_ms:g} with {args.inventory}"
@@ -351,6 +366,14 @@ def run_search(args) -> int:
     except PlanError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    if calibration is not None:
+        o = calibration.observed
+        print(
+            f"calibrated on {args.calibrate_bench}: {sum(o.replicas)} service(s), B={o.batch}, "
+            f"m={o.m}, {o.transport}: measured TPOT {o.tpot_s * 1e3:.1f} ms, the model "
+            f"{calibration.predicted_tpot_s * 1e3:.1f} ms; every step x {calibration.factor:.3f}",
+            file=sys.stderr,
+        )
     print(
         f"{len(found)} candidates meet the SLO; the best {min(args.top, len(found))}:",
         file=sys.stderr,
@@ -361,6 +384,7 @@ def run_search(args) -> int:
         "utilization": str(args.utilization),
         "model_id": profile.model_id,
         **prediction(best, slo, workload),
+        "calibration": calibration.record() if calibration else None,
     }
     header = (
         f"# Proposed by `moe-mesh plan --search` from {args.profile} and {args.utilization}: "

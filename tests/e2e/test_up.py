@@ -18,6 +18,7 @@ from moe_mesh.common.arch import load_spec
 from moe_mesh.common.fastpath.ucx import load_ucxx
 from moe_mesh.common.finish_reason import from_wire
 from moe_mesh.ops.traces import load_spans
+from moe_mesh.planning.calibrate import observed
 from moe_mesh.protos.moe_mesh.v1 import (
     expert_pb2,
     expert_pb2_grpc,
@@ -162,6 +163,16 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(
             assert sum(r["fast_path_calls"] for r in replicas) > 0
             table = moe_mesh("status", "--ready-file", ready)
             assert table.returncode == 0 and table.stdout.count(" ucx ") == 4, table.stdout
+        # What `plan --search --calibrate-status` reads of it: the mesh's groups, m, transport.
+        (tmp_path / "status.json").write_text(status.stdout)
+        point = {"concurrency": 1, "completed": 1, "input_tokens": 9, "output_tokens": 8}
+        bench = {"setups": [{"points": [{**point, "tpot_ms": {"p50": 50.0}}]}]}
+        (tmp_path / "bench.json").write_text(json.dumps(bench))
+        spec = load_spec(path)
+        seen = observed(tmp_path / "bench.json", tmp_path / "status.json", spec)
+        assert seen.replicas == (1, 1, 1, 1) and seen.m >= 1
+        assert sum(map(len, seen.groups)) == sum(spec.moe_layers) * spec.num_experts
+        assert seen.transport == replicas[0]["transport"]
 
         stats = moe_mesh(
             "stats", "--ready-file", ready, "--json"
