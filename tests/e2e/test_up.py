@@ -170,7 +170,7 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(
         (tmp_path / "bench.json").write_text(json.dumps(bench))
         spec = load_spec(path)
         seen = observed(tmp_path / "bench.json", tmp_path / "status.json", spec)
-        assert seen.replicas == (1, 1, 1, 1) and seen.m >= 1
+        assert sum(seen.replicas) == len(replicas) and seen.m >= 1
         assert sum(map(len, seen.groups)) == sum(spec.moe_layers) * spec.num_experts
         assert seen.transport == replicas[0]["transport"]
 
