@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import yaml
+
 from tests.support import REPO
 
 EXAMPLE_PLAN = REPO / "deploy" / "plan.example.yaml"
@@ -99,3 +101,25 @@ def write_inventory(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "inventory.yaml"
     path.write_text(text)
     return path
+
+
+# A 2-core node kind, like this host (deploy/inventory.example.yaml).
+SMALL_NODE = {"name": "small", "cores": 2, "memory": "8GiB", "cost_per_hour": 0.1, "available": 1}
+
+
+def search_args(tmp_path: Path, *extra: str) -> list[str]:
+    """`plan --search` over a written profile, a skewed record and one SMALL_NODE."""
+    inventory = write_inventory(tmp_path, yaml.safe_dump({"kinds": [SMALL_NODE]}))
+    return [
+        "plan",
+        "--search",
+        "--profile",
+        str(write_profile(tmp_path)),
+        "--utilization",
+        str(write_record(tmp_path, skewed())),
+        "--inventory",
+        str(inventory),
+        "--base",
+        str(EXAMPLE_PLAN),
+        *extra,
+    ]

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from moe_mesh.common.placement import ModelShape
 from moe_mesh.planning import plan as plan_cli
@@ -15,16 +14,8 @@ from moe_mesh.planning.inventory import Inventory
 from moe_mesh.planning.profile_format import ProfileFile
 from moe_mesh.planning.search import Limits, all_transports, planning_load, search
 from moe_mesh.planning.simulate import Node, simulate
-from tests.support.plans import (
-    EXAMPLE_PLAN,
-    profile_dict,
-    skewed,
-    write_inventory,
-    write_profile,
-    write_record,
-)
+from tests.support.plans import SMALL_NODE, profile_dict, search_args
 
-SMALL = {"name": "small", "cores": 2, "memory": "8GiB", "cost_per_hour": 0.1, "available": 1}
 SHAPE = ModelShape(2, 8, (0, 1))
 UNIFORM = {(la, e): 1.0 for la in range(2) for e in range(8)}
 
@@ -72,7 +63,7 @@ def test_the_observed_mesh_is_read_from_the_bench_and_the_status(tmp_path: Path)
 def test_the_factor_is_measured_over_the_model_and_scales_every_candidate(tmp_path: Path) -> None:
     profile = ProfileFile.model_validate(profile_dict())
     costs = all_transports(profile)
-    inventory = Inventory.model_validate({"kinds": [SMALL]})
+    inventory = Inventory.model_validate({"kinds": [SMALL_NODE]})
     seen = observed(
         bench_report(tmp_path, 120.0), status_report(tmp_path, TWO_GROUPS_ONE_TWICE), SHAPE
     )
@@ -82,7 +73,7 @@ def test_the_factor_is_measured_over_the_model_and_scales_every_candidate(tmp_pa
         costs["grpc"],
         [half, half],
         [2, 1],
-        [Node("small", 2, True, (0, 0, 1))],
+        [Node(SMALL_NODE["name"], 2, True, (0, 0, 1))],
         4,
         1,
         [[[1 / 8] * 4] * 2] * 2,
@@ -99,24 +90,7 @@ def test_the_factor_is_measured_over_the_model_and_scales_every_candidate(tmp_pa
 
 
 def _args(tmp_path: Path, *extra: str) -> list[str]:
-    inventory = write_inventory(tmp_path, yaml.safe_dump({"kinds": [SMALL]}))
-    return [
-        "plan",
-        "--search",
-        "--profile",
-        str(write_profile(tmp_path)),
-        "--utilization",
-        str(write_record(tmp_path, skewed())),
-        "--inventory",
-        str(inventory),
-        "--base",
-        str(EXAMPLE_PLAN),
-        "--max-num-seqs",
-        "8",
-        "--out",
-        "/dev/null",
-        *extra,
-    ]
+    return search_args(tmp_path, "--max-num-seqs", "8", "--out", "/dev/null", *extra)
 
 
 def test_a_calibrated_search_predicts_the_observed_level(tmp_path: Path, capsys) -> None:

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from moe_mesh.planning import deploy
 from moe_mesh.planning import plan as plan_cli
@@ -16,18 +15,17 @@ from moe_mesh.planning.search import Limits, search
 from moe_mesh.planning.simulate import Workload
 from tests.support.plans import (
     EXAMPLE_PLAN,
+    SMALL_NODE,
     fit,
     measured,
     profile_dict,
-    skewed,
-    write_inventory,
+    search_args,
     write_profile,
-    write_record,
 )
 
 MS = 1e-3
 BIG = {"name": "big", "cores": 64, "memory": "64GiB", "cost_per_hour": 1.0, "available": 2}
-SMALL = {"name": "small", "cores": 2, "memory": "8GiB", "cost_per_hour": 0.1, "available": 1}
+SMALL = SMALL_NODE
 
 
 def inventory(*kinds: dict) -> Inventory:
@@ -109,28 +107,11 @@ def test_the_workload_slows_every_step_by_its_prompt_tokens() -> None:
     assert all(c.tokens_per_s == pytest.approx(c.batch / c.step.seconds) for c in mixed)
 
 
-def _search_args(tmp_path: Path, *extra: str) -> list[str]:
-    inventory_file = write_inventory(tmp_path, yaml.safe_dump({"kinds": [SMALL]}))
-    return [
-        "plan",
-        "--search",
-        "--profile",
-        str(write_profile(tmp_path)),
-        "--utilization",
-        str(write_record(tmp_path, skewed())),
-        "--inventory",
-        str(inventory_file),
-        "--base",
-        str(EXAMPLE_PLAN),
-        *extra,
-    ]
-
-
 def test_search_writes_a_plan_deploy_render_accepts(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     out, prediction = tmp_path / "plan.yaml", tmp_path / "prediction.json"
-    args = _search_args(
+    args = search_args(
         tmp_path, "--out", str(out), "--prediction-out", str(prediction), "--tpot-slo-ms", "100"
     )
     assert plan_cli.main(args) == 0
@@ -162,7 +143,7 @@ def test_search_takes_the_request_lengths(tmp_path: Path) -> None:
     for lengths in (("0", "16"), ("64", "128"), ("256", "16")):
         prediction = tmp_path / "prediction.json"
         extra = ("--input-len", lengths[0], "--output-len", lengths[1], "--max-num-seqs", "8")
-        args = _search_args(tmp_path, "--prediction-out", str(prediction), "--out", "/dev/null")
+        args = search_args(tmp_path, "--prediction-out", str(prediction), "--out", "/dev/null")
         assert plan_cli.main([*args, *extra]) == 0
         predicted = json.loads(prediction.read_text())
         assert predicted["input_len"] == int(lengths[0])
@@ -180,12 +161,12 @@ def test_search_takes_the_request_lengths(tmp_path: Path) -> None:
 def test_search_errors_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture, extra: list[str], message: str
 ) -> None:
-    assert plan_cli.main(_search_args(tmp_path, *extra)) == 2
+    assert plan_cli.main(search_args(tmp_path, *extra)) == 2
     assert message in capsys.readouterr().err
 
 
 def test_profile_of_another_model_is_refused(tmp_path: Path, capsys) -> None:
-    args = _search_args(tmp_path)
+    args = search_args(tmp_path)
     write_profile(tmp_path, model_id="other")
     assert plan_cli.main(args) == 2
     err = capsys.readouterr().err
@@ -194,7 +175,7 @@ def test_profile_of_another_model_is_refused(tmp_path: Path, capsys) -> None:
 
 
 def test_search_flags_go_together(tmp_path: Path, capsys) -> None:
-    args = _search_args(tmp_path)
+    args = search_args(tmp_path)
     without_inventory = args[: args.index("--inventory")] + args[args.index("--base") :]
     assert plan_cli.main(without_inventory) == 2
     assert "--search needs --inventory" in capsys.readouterr().err
