@@ -386,11 +386,12 @@ def run_search(args) -> int:
         **prediction(best, slo, workload),
         "calibration": calibration.record() if calibration else None,
     }
+    calibrated = f", calibrated x{calibration.factor:.3f}" if calibration else ""
     header = (
         f"# Proposed by `moe-mesh plan --search` from {args.profile} and {args.utilization}: "
         f"B={best.batch}, m={best.m}, {best.transport}, predicted {best.tokens_per_s:.1f} tokens/s, "
-        f"TPOT {best.step.seconds * 1e3:.2f} ms, requests of {workload.input_len} prompt and "
-        f"{workload.output_len} output tokens.\n"
+        f"TPOT {best.step.seconds * 1e3:.2f} ms{calibrated}, requests of {workload.input_len} "
+        f"prompt and {workload.output_len} output tokens.\n"
         f"# Review, then: moe-mesh deploy render --plan THIS_FILE --target compose|nomad --out DIR\n"
     )
     text = header + yaml.safe_dump(
