@@ -1,6 +1,6 @@
 """Micro-batches change no token: m = 2, 3, 4 against m = 1 and the monolithic engine (itself
-token-exact against transformers, test_parity.py), every family, every expert remote or some
-colocated, while requests join and leave mid-run."""
+token-exact against transformers, test_parity.py), every attention kind, every expert remote or
+some colocated, while requests join and leave mid-run."""
 
 from __future__ import annotations
 
@@ -13,19 +13,11 @@ from moe_mesh.router_service.settings import RouterSettings
 from tests.support.processes import start_experts, stop_all
 from tests.support.reference import PROMPTS, monolithic
 
-FAMILIES = [
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "olmoe",
-    "deepseek_v3",
-    "dbrx",
-    "gpt_oss",
-    "glm4_moe",
-]
+# The four families the issue names, then the two whose attention keeps its own KV cache (MLA)
+# or sinks; dbrx and glm4_moe attend as the first four do (their m = 1 mesh is in test_mesh.py).
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"]
 EVERY_SPLIT = [(colocate, m) for colocate in ("", "*:0,5") for m in ("1", "2", "3", "4")]
-# The families after the first four: their m = 1 mesh is checked in test_mesh.py, so two splits
-# each (suite time), one all-remote and one with experts colocated.
+# After the first four, two splits each (suite time): all-remote, and with experts colocated.
 SOME_SPLITS = [("", "4"), ("*:0,5", "3")]
 # step -> [(prompt, max_tokens)]: 0 and 1 start together, 1 leaves early, 2 and 3 join later
 SCHEDULE = {0: [(0, 32), (1, 6)], 3: [(2, 32)], 9: [(3, 10)]}
