@@ -5,9 +5,10 @@ The profile measures each side alone (Ta and Te in one process, a call against o
 A running mesh costs more than those parts: its processes wake each other through a scheduler,
 take turns on shared cores, and the engine, the gateway and the clients do work per step the
 profile does not see. On the 2-core host `moe-mesh bench` measured 0.60-0.72 of the decode rate
-the model alone predicted, for the default mesh at B = 4 and for the chosen plan at B = 32 alike. So the search predicts the mesh that was measured (its expert groups, m, transport, B and
-request lengths, on one node of the inventory's first kind, as `moe-mesh up` runs it) and scales
-every candidate's step by measured / predicted. The ranking is the model's; the level is the
+the model alone predicted, for the default mesh at B = 4 and for the chosen plan at B = 32 alike.
+So the search predicts the mesh that was measured (its expert groups, m, transport, B and request
+lengths, on one node of the inventory's first kind, as `moe-mesh up` runs it) and scales every
+candidate's step by measured / predicted. The ranking is the model's; the level is the
 measurement's. Both files come from the mesh the utilization record was taken on:
 `moe-mesh bench --ready-file R --concurrency B --out B.json` (one closed-loop point) and
 `moe-mesh status --ready-file R --json > S.json` after it.
