@@ -266,8 +266,6 @@ def wait_placement(ready_file: Path, shape, want: list, timeout_s: float) -> dic
 def breakdown(profile_path: Path, window_path: Path, prediction: dict, shape) -> dict:
     """The prediction taken apart per MoE layer (moe_mesh/planning/simulate.py), to set next to
     what the router measures."""
-    from types import SimpleNamespace
-
     from moe_mesh.common.perfmodel import split
     from moe_mesh.common.placement import parse_experts
     from moe_mesh.planning.plan import read_record
@@ -278,14 +276,11 @@ def breakdown(profile_path: Path, window_path: Path, prediction: dict, shape) ->
     profile = read_profile(profile_path)
     record = read_record(window_path)
     c = costs(profile, prediction["transport"])
-    groups = [
-        SimpleNamespace(pairs=parse_experts(g["experts"], shape))
-        for g in prediction["plan"]["expert_groups"]
-    ]
+    groups = [parse_experts(g["experts"], shape) for g in prediction["plan"]["expert_groups"]]
     replicas = [g["replicas"] for g in prediction["plan"]["expert_groups"]]
     load = planning_load(profile, record.load)
-    shares = layer_shares(list(profile.moe_layers), groups, load)
-    per_expert = expert_shares(list(profile.moe_layers), groups, load)
+    per_expert = expert_shares(profile.moe_layers, groups, load)
+    shares = layer_shares(per_expert)
     names = [g["name"] for g in prediction["plan"]["expert_groups"]]
     nodes = tuple(
         Node(

@@ -29,6 +29,7 @@ from moe_mesh.ops.placement import COLOCATED
 from moe_mesh.planning.deploy.plan import PlanError
 from moe_mesh.planning.inventory import Inventory
 from moe_mesh.planning.profile_format import ProfileFile
+from moe_mesh.planning.search import expert_shares, layer_shares
 from moe_mesh.planning.simulate import Costs, Node, Workload, simulate
 
 
@@ -164,15 +165,10 @@ def calibrate(
     kind = inventory.kinds[0]
     owners = tuple(g for g, r in enumerate(seen.replicas) for _ in range(r))
     node = Node(kind.name, kind.cores, True, owners)
-    shares, per_expert = [], []
-    for layer in profile.moe_layers:
-        total = sum(x for (la, _), x in load.items() if la == layer) or 1.0
-        mine = [[load.get(p, 0.0) / total for p in g if p[0] == layer] for g in seen.groups]
-        per_expert.append(mine)
-        shares.append([sum(x) for x in mine])
+    per_expert = expert_shares(profile.moe_layers, seen.groups, load)
     step = simulate(
         costs[seen.transport],
-        shares,
+        layer_shares(per_expert),
         list(seen.replicas),
         [node],
         seen.batch,

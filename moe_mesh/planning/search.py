@@ -9,7 +9,7 @@ TPOT SLO by decode tokens/s per cost per hour.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from moe_mesh.common.placement import ModelShape, Pair, format_experts
@@ -91,26 +91,20 @@ def planning_load(profile: ProfileFile, load: dict[Pair, float]) -> dict[Pair, f
     return out
 
 
-def layer_shares(
-    moe_layers: list[int], groups: tuple[GroupProposal, ...], load: dict[Pair, float]
-) -> list[list[float]]:
-    """shares[l][g]: group g's share of MoE layer l's routed tokens."""
-    out = []
-    for layer in moe_layers:
-        total = sum(x for (la, _), x in load.items() if la == layer) or 1.0
-        out.append([sum(load[p] for p in g.pairs if p[0] == layer) / total for g in groups])
-    return out
-
-
 def expert_shares(
-    moe_layers: list[int], groups: tuple[GroupProposal, ...], load: dict[Pair, float]
+    moe_layers: Sequence[int], groups: Sequence[Sequence[Pair]], load: dict[Pair, float]
 ) -> list[list[list[float]]]:
-    """shares[l][g]: the share of MoE layer l's routed tokens of each expert of group g."""
+    """shares[l][g]: the share of MoE layer l's routed tokens of each expert of group g (its pairs)."""
     out = []
     for layer in moe_layers:
         total = sum(x for (la, _), x in load.items() if la == layer) or 1.0
-        out.append([[load[p] / total for p in g.pairs if p[0] == layer] for g in groups])
+        out.append([[load[p] / total for p in g if p[0] == layer] for g in groups])
     return out
+
+
+def layer_shares(per_expert: list[list[list[float]]]) -> list[list[float]]:
+    """shares[l][g]: group g's share of MoE layer l's routed tokens (from expert_shares)."""
+    return [[sum(g) for g in layer] for layer in per_expert]
 
 
 Placed = list[tuple[NodeKind, bool, list[int]]]  # per node: kind, has the router, its processes
@@ -159,8 +153,8 @@ def search(
     for services in range(1, min(limits.max_services, profile.num_experts) + 1):
         proposal = propose(load, profile.expert_bytes, PlanOptions(0, services, 0))
         groups = proposal.groups
-        shares = layer_shares(profile.moe_layers, groups, load)
-        per_expert = expert_shares(profile.moe_layers, groups, load)
+        per_expert = expert_shares(profile.moe_layers, [g.pairs for g in groups], load)
+        shares = layer_shares(per_expert)
         for r in range(1, limits.max_replicas + 1):
             # Process p serves group p % len(groups): replicas of one group spread over nodes.
             owner = [p % len(groups) for p in range(len(groups) * r)]
