@@ -1,9 +1,10 @@
-"""Shared fixtures (checkpoints created once per session, tiny health-only gRPC servers) and the `e2e`
-marker, set by folder."""
+"""Shared fixtures (checkpoints created once per session, tiny health-only gRPC servers, a port
+that refuses connections) and the `e2e` marker, set by folder."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,15 @@ async def grpc_servers() -> AsyncIterator[Callable[[], Awaitable[GrpcServer]]]:
     yield make
     for s in servers:
         await s.stop()
+
+
+@pytest.fixture
+def closed_port() -> Iterator[int]:
+    """A loopback port that refuses connections for the whole test: bound here and never listened
+    on, so no other process (the other pytest worker's services) can take it meanwhile."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
 
 
 E2E = Path(__file__).parent / "e2e"

@@ -17,7 +17,6 @@ from moe_mesh.common.tokenizer import Tokenizer
 from moe_mesh.planning import deploy
 from tests.support import REPO
 from tests.support.cli import moe_mesh
-from tests.support.net import free_port
 from tests.support.plans import EXAMPLE_PLAN, MIB, skewed, write_record
 from tests.support.processes import ServiceProcess
 
@@ -232,7 +231,7 @@ def test_plan_error_has_no_traceback(tmp_path: Path) -> None:
     )
 
 
-async def test_deploy_probe_as_a_process_without_torch() -> None:
+async def test_deploy_probe_as_a_process_without_torch(closed_port) -> None:
     """What a container health check runs: a fresh process that never imports torch."""
     script = (
         "import sys; from moe_mesh.planning import deploy; code = deploy.main(['probe', sys.argv[1]]); "
@@ -259,7 +258,7 @@ async def test_deploy_probe_as_a_process_without_torch() -> None:
     finally:
         await server.stop()
     assert code == 0 and out.splitlines() == [f"{server.address}: SERVING", "False"]
-    code, _, err = await run(f"127.0.0.1:{free_port()}")
+    code, _, err = await run(f"127.0.0.1:{closed_port}")
     assert code == 1 and "UNAVAILABLE" in err
 
 

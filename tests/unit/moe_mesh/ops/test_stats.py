@@ -23,7 +23,6 @@ from moe_mesh.ops.stats import (
     scrape,
     summarize,
 )
-from tests.support.net import free_port
 
 PNG = b"\x89PNG\r\n\x1a\n"
 EXPERTS = 4
@@ -233,9 +232,9 @@ def test_render_shows_every_service_and_the_heatmap(mesh) -> None:
     ]
 
 
-def test_ready_file_json_and_png(mesh, tmp_path, capsys) -> None:
+def test_ready_file_json_and_png(mesh, tmp_path, capsys, closed_port) -> None:
     ready = tmp_path / "mesh.json"
-    down = f"127.0.0.1:{free_port()}"
+    down = f"127.0.0.1:{closed_port}"
     ready.write_text(
         json.dumps(
             {
@@ -297,8 +296,8 @@ def test_role_without_target_info_comes_from_the_metrics(mesh) -> None:
         assert infer_role([f for f in families if f.name != "target_info"]) == role
 
 
-def test_unreachable_endpoints(mesh, tmp_path, capsys) -> None:
-    down = f"127.0.0.1:{free_port()}"
+def test_unreachable_endpoints(mesh, tmp_path, capsys, closed_port) -> None:
+    down = f"127.0.0.1:{closed_port}"
     with pytest.raises(UnavailableError, match=f"{down}: .*refused"):
         scrape(down)
     assert stats("--metrics", down, "--metrics", mesh["experts"][0]) == 0

@@ -22,7 +22,6 @@ from hcl2.utils import SerializationOptions
 from moe_mesh.common.server import GrpcServer
 from moe_mesh.planning import deploy
 from tests.support import REPO
-from tests.support.net import free_port
 
 EXAMPLE_PLAN = REPO / "deploy" / "plan.example.yaml"
 COMMITTED = {t: REPO / "deploy" / t for t in ("compose", "nomad", "kubernetes")}
@@ -606,10 +605,10 @@ async def test_probe_not_serving_or_unknown_service_exits_1(health_server: GrpcS
     assert await asyncio.to_thread(deploy.main, ["probe", health_server.address]) == 1
 
 
-async def test_probe_closed_port_exits_1_quickly() -> None:
+async def test_probe_closed_port_exits_1_quickly(closed_port) -> None:
     start = time.monotonic()
     code = await asyncio.to_thread(
-        deploy.main, ["probe", f"127.0.0.1:{free_port()}", "--timeout-s", "2"]
+        deploy.main, ["probe", f"127.0.0.1:{closed_port}", "--timeout-s", "2"]
     )
     assert code == 1 and time.monotonic() - start < 3.0
 
