@@ -16,7 +16,8 @@ incomplete the tick is BUSY_TICK_S (measured: 256-token layers over 2 services s
 old 200 ms tick in up to 7 of 150 calls, once per stall a 1 MiB send or receive part-way), for
 as long as requests keep moving: one stuck for BUSY_FOR_S (a sender gone mid-message) is back
 on TICK_S rather than waking the process 1,000 times a second. BUSY_TICK_S is uvloop's timer
-resolution: it runs a shorter call_later at once, as call_soon, which made the services spin.
+resolution: it runs a shorter call_later at once, as call_soon (a Handle without when()), which
+made the services spin.
 
 Receives are probe-then-receive (`tag_probe(remove=True)` + `tag_recv_with_handle`): the receiver
 learns a message's exact size before giving it a buffer, and nothing is posted while idle. Both
@@ -128,9 +129,7 @@ class UcxRuntime:
         # tag -> (future, buffer to receive into or None, largest length taken)
         self._waiters: dict[int, tuple[asyncio.Future, Any, int]] = {}
         self._scheduled = False
-        # The guard tick and the loop time it is due (uvloop's Handle of a call_soon has no when()).
-        self._tick: asyncio.Handle | None = None
-        self._tick_at = 0.0
+        self._tick: asyncio.TimerHandle | None = None
         self._moved = 0.0  # loop time a request last began or finished
         loop.add_reader(self._fd, self._progress)
 
@@ -155,12 +154,11 @@ class UcxRuntime:
             return
         busy = self._requests and self.loop.time() - self._moved < BUSY_FOR_S
         delay = BUSY_TICK_S if busy else TICK_S
-        due = self.loop.time() + delay
         if self._tick is not None:
-            if self._tick_at <= due:
+            if self._tick.when() <= self.loop.time() + delay:
                 return
             self._tick.cancel()
-        self._tick, self._tick_at = self.loop.call_later(delay, self._on_tick), due
+        self._tick = self.loop.call_later(delay, self._on_tick)
 
     def _on_tick(self) -> None:
         self._tick = None

@@ -521,7 +521,7 @@ async def _busy_ticks(monkeypatch) -> None:
     monkeypatch.setattr(runtime, "_progress", counted)  # what kick and the tick call
 
     def busy() -> bool:  # the next tick is a busy one (uvloop's clock counts whole ms)
-        return runtime._tick_at - loop.time() <= ucx.BUSY_TICK_S * 1.01
+        return runtime._tick.when() - loop.time() <= ucx.BUSY_TICK_S * 1.01
 
     try:
 
