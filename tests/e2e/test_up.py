@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from moe_mesh.protos.moe_mesh.v1 import (
     inference_pb2_grpc,
 )
 from tests.support.cli import moe_mesh
+from tests.support.net import free_port
 from tests.support.polling import wait_until
 from tests.support.reference import PROMPTS, monolithic
 
@@ -64,18 +64,12 @@ def _status_experts(ready: Path) -> dict[str, str]:
     return {e["address"]: e["experts"] for e in json.loads(status.stdout)["experts"]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(
     checkpoint, tmp_path
 ) -> None:
     path = checkpoint("mixtral")
     ready = tmp_path / "mesh.json"
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = free_port(), free_port()
     ports = ["--grpc-port", str(grpc_port), "--http-port", str(http_port)]
     log = open(tmp_path / "up.log", "w")
     up = subprocess.Popen(
@@ -122,7 +116,7 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(
                 "--router",
                 mesh["routers"][0],
                 *ports,
-                *(("--grpc-port", str(_free_port())) if flag == "--http-port" else ()),
+                *(("--grpc-port", str(free_port())) if flag == "--http-port" else ()),
             )
             assert r.returncode == 1, (r.returncode, r.stderr)
             lines = [line for line in r.stderr.splitlines() if "error" in line.lower()]
