@@ -505,6 +505,68 @@ def test_under_uvloop_the_busy_tick_is_a_timer_not_a_spin(monkeypatch) -> None:
     uvloop.run(_busy_ticks(monkeypatch))
 
 
+def test_a_message_found_part_way_gets_its_sender_the_core_not_a_tick(monkeypatch) -> None:
+    """The rest of a message whose first fragment woke us is usually held by its sender, preempted
+    on our core: the runtime yields the core and progresses again at once, for YIELD_FOR_S, so
+    the receive completes without waiting for the (1 ms) busy tick; a sender that never finishes
+    leaves the runtime on the busy tick, not yielding for ever."""
+    uvloop.run(_part_way(monkeypatch))
+
+
+async def _part_way(monkeypatch) -> None:
+    runtime = UcxRuntime.acquire(loopback=True)
+    yields = 0
+    sender_finishes = True
+
+    class PartWay:  # what tag_recv_with_handle returns for a message still arriving
+        completed = False
+
+        def check_error(self) -> None:
+            pass
+
+    request = PartWay()
+
+    def sched_yield() -> None:  # the preempted sender runs and sends the rest
+        nonlocal yields
+        yields += 1
+        request.completed = sender_finishes
+
+    class Worker:  # the real worker, but this receive is part-way
+        def __init__(self, real) -> None:
+            self.real = real
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+        def tag_recv_with_handle(self, buffer, probe):
+            return request
+
+    class Probe:
+        length = 4
+
+    monkeypatch.setattr(ucx.os, "sched_yield", sched_yield)
+    monkeypatch.setattr(runtime, "worker", Worker(runtime.worker))
+    loop = asyncio.get_running_loop()
+    try:
+        future = loop.create_future()
+        runtime._take(Probe(), future, None, 16)
+        assert not future.done()
+        for _ in range(5):  # loop turns, far below uvloop's 1 ms timer resolution
+            await asyncio.sleep(0)
+        assert future.done() and yields == 1
+        # A sender gone mid-message: yielding stops after YIELD_FOR_S, the busy tick takes over.
+        sender_finishes, request.completed, yields = False, False, 0
+        runtime._take(Probe(), loop.create_future(), None, 16)
+        await asyncio.sleep(ucx.YIELD_FOR_S + 0.003)
+        stopped = yields
+        assert stopped > 0
+        await asyncio.sleep(0.01)
+        assert yields == stopped and runtime._tick is not None
+    finally:
+        runtime._requests.clear()
+        UcxRuntime.release()
+
+
 async def _busy_ticks(monkeypatch) -> None:
     loop = asyncio.get_running_loop()
     errors: list[dict] = []
