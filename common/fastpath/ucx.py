@@ -140,7 +140,9 @@ class UcxRuntime:
         self._scheduled = False
         self._tick: asyncio.TimerHandle | None = None
         self._moved = 0.0  # loop time a request last began or finished
-        self._yield_until = 0.0  # monotonic time until which a part-way message's sender gets the core
+        self._yield_until = (
+            0.0  # monotonic time until which a part-way message's sender gets the core
+        )
         loop.add_reader(self._fd, self._progress)
 
     # -- progress -----------------------------------------------------------------------------
