@@ -1,9 +1,11 @@
 """Round trip of one fast-path call vs one gRPC unary call, between two processes, no model:
 a FrameServer (or a gRPC server) whose handler returns its input, called in turn at each size.
 
-    .venv/bin/python -m bench.fastpath_echo [--sizes 8192 131072 1048576] [--calls 300]
+    .venv/bin/python -m bench.fastpath_echo [--sizes 8192 131072 1048576] [--calls 300] [--gap-ms 0]
 
 Prints p50/p99 per size and transport, and the server's CPU over 2 s idle (after the calls).
+With --gap-ms both ends sleep between calls, as a decode step's expert calls find them: a message
+then wakes its receiver, which may preempt the sender part-way (fastpath/ucx.py).
 """
 
 from __future__ import annotations
@@ -85,10 +87,12 @@ async def main(args: argparse.Namespace) -> None:
             data = x.numpy().tobytes()
             times: dict[str, list[float]] = {"ucx": [], "grpc": []}
             for i in range(args.calls + 10):
+                await asyncio.sleep(args.gap_ms / 1e3)
                 t = time.perf_counter()
                 out, _ = await client.call(header, x, 5.0)
                 if i >= 10:
                     times["ucx"].append(time.perf_counter() - t)
+                await asyncio.sleep(args.gap_ms / 1e3)
                 t = time.perf_counter()
                 await echo(data)
                 if i >= 10:
@@ -115,5 +119,6 @@ if __name__ == "__main__":
     parser.add_argument("--serve", action="store_true")
     parser.add_argument("--sizes", type=int, nargs="+", default=[8192, 131072, 1048576])
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--gap-ms", type=float, default=0.0, help="idle time between calls")
     a = parser.parse_args()
     asyncio.run(serve() if a.serve else main(a))

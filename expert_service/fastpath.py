@@ -14,7 +14,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.metrics import Observation
 
 from moe_mesh.common.errors import PreconditionError
-from moe_mesh.common.fastpath import LOOPBACK_HOSTS
+from moe_mesh.common.fastpath import LOOPBACK_HOSTS, ucx
 from moe_mesh.common.fastpath.auth import HelloVerifier
 from moe_mesh.common.fastpath.frame import DTYPES, RequestHeader
 from moe_mesh.common.fastpath.server import FrameServer
@@ -81,8 +81,8 @@ class FastPath:
         loopback = self.server.loopback
         if load_ucxx(loopback) is None:
             if self.mode == "ucx":
-                raise PreconditionError("--fast-path ucx: ucxx cannot be imported")
-            log.info("fast path off: ucxx cannot be imported")
+                raise PreconditionError(f"--fast-path ucx: {ucx.unavailable}")
+            log.info("fast path off: %s", ucx.unavailable)
             self.server = None
             return []
         try:

@@ -15,7 +15,7 @@ import torch
 
 from moe_mesh.common.checkpoint import Checkpoint
 from moe_mesh.common.errors import InvalidArgumentError, PreconditionError
-from moe_mesh.common.fastpath import LOOPBACK_HOSTS
+from moe_mesh.common.fastpath import LOOPBACK_HOSTS, ucx
 from moe_mesh.common.fastpath.auth import HelloSigner
 from moe_mesh.common.placement import format_experts, parse_experts
 from moe_mesh.common.registry import Registry
@@ -167,7 +167,7 @@ def fast_path_config(
         signer=HelloSigner.from_tls(tls) if tls else None,
     )
     if config.mode == "ucx" and not config.enabled():
-        raise PreconditionError("fast_path: 'ucx' requires ucxx, which cannot be imported")
+        raise PreconditionError(f"fast_path: 'ucx' cannot run: {ucx.unavailable}")
     return config
 
 

@@ -36,8 +36,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -61,12 +62,40 @@ BUSY_FOR_S = 1.0  # ... unless no request has moved (begun, finished) for this l
 YIELD_FOR_S = 0.0005  # after a message is found part-way, yield and progress this long
 
 
+# UCX's shared-memory transports write a fragment's length into 16 bits of their FIFO element
+# (uct_mm_fifo_element_t): with larger segments, messages arrive truncated or never (measured:
+# UCX_MM_SEG_SIZE=140000 cut 64 KiB payloads to 0 bytes, 65600 lost them).
+MAX_SEGMENT_BYTES = 65535
+_SEGMENT_VARS = ("UCX_MM_SEG_SIZE", "UCX_SYSV_SEG_SIZE", "UCX_POSIX_SEG_SIZE", "UCX_XPMEM_SEG_SIZE")
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30}
+unavailable = "ucxx has not been loaded"  # why load_ucxx last returned None
+
+
+def oversized_segments(env: Mapping[str, str]) -> str | None:
+    """What in `env` would make UCX's shared memory corrupt messages, or None."""
+    for name in _SEGMENT_VARS:
+        match = re.fullmatch(r"\s*(\d+)\s*([a-z]*)\s*", env.get(name, "").lower())
+        if match and match[2] in _UNITS and int(match[1]) * _UNITS[match[2]] > MAX_SEGMENT_BYTES:
+            return (
+                f"{name}={env[name]} is over the {MAX_SEGMENT_BYTES} bytes a UCX shared-memory "
+                "fragment can carry (its length field has 16 bits); unset it or lower it"
+            )
+    return None
+
+
 def load_ucxx(loopback: bool = False) -> ModuleType | None:
-    """ucxx, or None when it cannot be imported (not installed, no libucx); never raises.
+    """ucxx, or None when it cannot be imported (not installed, no libucx) or UCX's environment
+    would corrupt messages (oversized_segments); never raises. `unavailable` says why.
 
     UCX reads its environment once, when ucxx is imported: shared memory needs error handling on
     to let endpoints fail cleanly instead of aborting the process, and on a loopback-only mesh the
     TCP transport stays on `lo`. Explicit settings (UCX_TLS, UCX_NET_DEVICES) win."""
+    global unavailable
+    if (oversized := oversized_segments(os.environ)) is not None:
+        if unavailable != oversized:
+            log.warning("UCX fast path off: %s", oversized)
+        unavailable = oversized
+        return None
     os.environ.setdefault("UCX_MM_ERROR_HANDLING", "y")
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     # Rendezvous costs a message each way before the data moves (RTS, RTR), and with a peer that
@@ -79,7 +108,8 @@ def load_ucxx(loopback: bool = False) -> ModuleType | None:
     try:
         import ucxx
     except Exception as e:  # ImportError, or OSError from a missing libucx
-        log.info("UCX fast path unavailable: cannot import ucxx (%s)", e)
+        unavailable = f"ucxx cannot be imported ({e})"
+        log.info("UCX fast path unavailable: %s", unavailable)
         return None
     return ucxx
 

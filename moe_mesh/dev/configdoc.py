@@ -126,6 +126,12 @@ PROCESS_WIDE = [
         "messages up to 2 MiB measured faster)",
     ),
     (
+        "UCX_MM_SEG_SIZE",
+        "router, expert service",
+        "UCX's shared-memory fragment size (also `UCX_SYSV_SEG_SIZE`, `UCX_POSIX_SEG_SIZE`); 64 KiB "
+        "or more turns the fast path off (UCX keeps a fragment's length in 16 bits)",
+    ),
+    (
         "UCX_MM_ERROR_HANDLING",
         "router, expert service",
         "`y` by default, so a shared-memory endpoint fails cleanly instead of aborting the process",

@@ -409,6 +409,25 @@ async def test_with_ucxx_import_blocked_everything_goes_over_grpc(checkpoint, mo
             await backend.close()
 
 
+async def test_ucx_segments_over_16_bits_turn_the_fast_path_off_saying_why(
+    checkpoint, monkeypatch
+) -> None:
+    """UCX's shared memory truncates fragments over 65535 bytes (a 16-bit length): with such a
+    segment size every call would time out or arrive short, so the fast path is off, and a
+    service told `--fast-path ucx` refuses to start, naming the variable."""
+    assert ucx.oversized_segments({"UCX_MM_SEG_SIZE": "8256"}) is None
+    assert ucx.oversized_segments({"UCX_POSIX_SEG_SIZE": "65535"}) is None
+    assert ucx.oversized_segments({"UCX_MM_SEG_SIZE": "64k"})  # 65536 does not fit either
+    monkeypatch.setenv("UCX_SYSV_SEG_SIZE", "140000")
+    assert load_ucxx() is None
+    with pytest.raises(PreconditionError, match="UCX_SYSV_SEG_SIZE=140000 is over the 65535"):
+        async with expert(checkpoint, fast_path="ucx"):
+            pass
+    async with expert(checkpoint) as app:  # auto: served over gRPC only
+        assert app.fast_paths == []
+        assert not FastPathConfig().enabled()
+
+
 async def test_retire_aborts_ucx_calls_in_flight_without_falling_back(checkpoint) -> None:
     async with expert(checkpoint, max_queue_delay_us=300_000) as app:
         backend = remote(app)
