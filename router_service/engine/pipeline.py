@@ -4,13 +4,16 @@ While one micro-batch waits for its remote experts, another computes on the rout
 thread. `auto` lets the pipeline model propose and measured steps decide, per batch-size class
 (powers of two):
 
-- m = 1 and m = 2 are each run for a few decode steps; two sizes of micro-batch are what the
-  model needs to fit Ta(b), Te(b) and Tc(b) (common.perfmodel) from the passes — the router's
-  compute per MoE layer, the services' own time per call, the rest of each round trip;
+- m = 1 and m = 2 are each run for a few decode steps, in turns (a burst of noise on shared cores
+  then slows both, not one); two sizes of micro-batch are what the model needs to fit Ta(b),
+  Te(b) and Tc(b) (common.perfmodel) from the passes — the router's compute per MoE layer, the
+  services' own time per call, the rest of each round trip;
 - a larger m is tried when the model predicts a layer shorter than the best measured m's by more
   than HYSTERESIS;
 - the step uses the m with the shortest measured time per sequence; measurements expire after
-  MEMORY steps, so the choice follows the mesh as it changes.
+  MEMORY steps, so the choice follows the mesh as it changes, and a wrong one made in a burst of
+  noise lasts that long (measured: with 256, m = 2 measured once in a quiet moment ran a whole
+  benchmark 0.72x as fast as m = 1).
 
 A model fitted to noisy timings on shared cores can be wrong where memory-bound experts pay their
 weight reads once per micro-batch; a measured step cannot. Everything colocated needs no overlap:
@@ -28,7 +31,7 @@ from moe_mesh.router_service.engine.model import PassCosts
 
 MAX_AUTO = 4  # the paper's 3-4 in practice; beyond, fixed costs per micro-batch dominate
 TRIAL_STEPS = 4  # decode steps an m runs before its time counts
-MEMORY = 256  # steps after which a measurement is forgotten
+MEMORY = 32  # steps after which a measurement is forgotten: the runner-up is re-measured
 HYSTERESIS = 0.1  # a proposal must predict a layer this much shorter than the best measured
 
 
@@ -70,14 +73,14 @@ class MicroBatchPlanner:
 
     def _auto(self, sequences: int) -> int:
         size = sequences.bit_length()
-        measured = {}
-        for m in range(1, min(MAX_AUTO, sequences) + 1):
-            samples = [s for n, s in self._steps[(size, m)] if self._step - n <= MEMORY]
-            if len(samples) == TRIAL_STEPS:
-                measured[m] = median(samples)
-        for m in (1, 2):
-            if m not in measured:
-                return m
+        fresh = {
+            m: [s for n, s in self._steps[(size, m)] if self._step - n <= MEMORY]
+            for m in range(1, min(MAX_AUTO, sequences) + 1)
+        }
+        measured = {m: median(s) for m, s in fresh.items() if len(s) == TRIAL_STEPS}
+        untried = [m for m in (1, 2) if m not in measured]
+        if untried:  # in turns while both are being measured
+            return min(untried, key=lambda m: (len(fresh[m]), m))
         best = min(measured, key=measured.__getitem__)
         if not self._ta:  # no pass called remote experts: nothing to model
             return best
