@@ -12,8 +12,8 @@ thread. `auto` lets the pipeline model propose and measured steps decide, per ba
   than HYSTERESIS;
 - the step uses the m with the shortest measured time per sequence; measurements expire after
   MEMORY steps, so the choice follows the mesh as it changes, and a wrong one made in a burst of
-  noise lasts that long (measured: with 256, m = 2 measured once in a quiet moment ran a whole
-  benchmark 0.72x as fast as m = 1).
+  noise lasts that long (measured with 256 and m = 1 measured before m = 2: a burst during the
+  first made the whole benchmark run m = 2, at 0.72x of m = 1).
 
 A model fitted to noisy timings on shared cores can be wrong where memory-bound experts pay their
 weight reads once per micro-batch; a measured step cannot. Everything colocated needs no overlap:
@@ -31,7 +31,10 @@ from moe_mesh.router_service.engine.model import PassCosts
 
 MAX_AUTO = 4  # the paper's 3-4 in practice; beyond, fixed costs per micro-batch dominate
 TRIAL_STEPS = 4  # decode steps an m runs before its time counts
-MEMORY = 32  # steps after which a measurement is forgotten: the runner-up is re-measured
+# Steps after which a measurement is forgotten, so the runner-up is measured again, for
+# TRIAL_STEPS steps each time: at 32 that was ~30% of steps on m = 2 (0.58x of m = 1 here), and
+# auto ran 0.82x of m = 1.
+MEMORY = 128
 HYSTERESIS = 0.1  # a proposal must predict a layer this much shorter than the best measured
 
 
