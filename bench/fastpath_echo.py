@@ -4,8 +4,8 @@ a FrameServer (or a gRPC server) whose handler returns its input, called in turn
     .venv/bin/python -m bench.fastpath_echo [--sizes 8192 131072 1048576] [--calls 300] [--gap-ms 0]
 
 Prints p50/p99 per size and transport, and the server's CPU over 2 s idle (after the calls).
-With --gap-ms both ends sleep between calls, as a decode step's expert calls find them: a message
-then wakes its receiver, which may preempt the sender part-way (fastpath/ucx.py).
+With --gap-ms both ends are idle between calls, as a decode step's expert calls find them: a
+message then wakes its receiver, which may preempt the sender part-way (fastpath/ucx.py).
 """
 
 from __future__ import annotations
@@ -87,12 +87,14 @@ async def main(args: argparse.Namespace) -> None:
             data = x.numpy().tobytes()
             times: dict[str, list[float]] = {"ucx": [], "grpc": []}
             for i in range(args.calls + 10):
-                await asyncio.sleep(args.gap_ms / 1e3)
+                if args.gap_ms:
+                    await asyncio.sleep(args.gap_ms / 1e3)
                 t = time.perf_counter()
                 out, _ = await client.call(header, x, 5.0)
                 if i >= 10:
                     times["ucx"].append(time.perf_counter() - t)
-                await asyncio.sleep(args.gap_ms / 1e3)
+                if args.gap_ms:
+                    await asyncio.sleep(args.gap_ms / 1e3)
                 t = time.perf_counter()
                 await echo(data)
                 if i >= 10:

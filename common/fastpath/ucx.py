@@ -23,12 +23,11 @@ Receives are probe-then-receive (`tag_probe(remove=True)` + `tag_recv_with_handl
 learns a message's exact size before giving it a buffer, and nothing is posted while idle. Both
 happen in the same progress callback, so an eager message costs its receiver one wake-up.
 
-A probe matches on a message's first fragment. When the rest is missing, its sender is most
-likely not slow but preempted: the fragment woke this process, and the scheduler runs a woken
-task on its waker's core, in the middle of the waker's send (measured: a 128 KiB message, sent
-after 10 ms idle, still part-way after 2 ms of polling, while the sender's send had returned
-done). So for YIELD_FOR_S after such a probe, progress goes on as loop callbacks that first give
-the core away (sched_yield): the sender finishes in about 0.15 ms, instead of on the next tick.
+A probe matches on a message's first fragment. When the rest is missing, its sender is often not
+slow but preempted: the fragment woke this process, which the scheduler may run on the waker's
+core, in the middle of the waker's send (measured: 128 KiB messages after 10 ms idle were still
+part-way after 2 ms of polling, and complete ~0.15 ms after a sched_yield). So for YIELD_FOR_S
+after such a probe, progress goes on as loop callbacks that first give the core away.
 """
 
 from __future__ import annotations
@@ -67,15 +66,18 @@ YIELD_FOR_S = 0.0005  # after a message is found part-way, yield and progress th
 # UCX_MM_SEG_SIZE=140000 cut 64 KiB payloads to 0 bytes, 65600 lost them).
 MAX_SEGMENT_BYTES = 65535
 _SEGMENT_VARS = ("UCX_MM_SEG_SIZE", "UCX_SYSV_SEG_SIZE", "UCX_POSIX_SEG_SIZE", "UCX_XPMEM_SEG_SIZE")
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30}
-unavailable = "ucxx has not been loaded"  # why load_ucxx last returned None
+_UNITS = {u + b: 1 << 10 * i for i, u in enumerate(("", "k", "m", "g", "t")) for b in ("", "b")}
+unavailable = ""  # why load_ucxx last returned None
 
 
 def oversized_segments(env: Mapping[str, str]) -> str | None:
-    """What in `env` would make UCX's shared memory corrupt messages, or None."""
+    """What in `env` would make UCX's shared memory corrupt messages, or None (a size set in
+    ucx.conf instead is not seen)."""
     for name in _SEGMENT_VARS:
-        match = re.fullmatch(r"\s*(\d+)\s*([a-z]*)\s*", env.get(name, "").lower())
-        if match and match[2] in _UNITS and int(match[1]) * _UNITS[match[2]] > MAX_SEGMENT_BYTES:
+        value = env.get(name, "").strip().lower()
+        match = re.fullmatch(r"(\d+)([a-z]*)", value)
+        size = int(match[1]) * _UNITS.get(match[2], 0) if match else 0
+        if value == "inf" or size > MAX_SEGMENT_BYTES:
             return (
                 f"{name}={env[name]} is over the {MAX_SEGMENT_BYTES} bytes a UCX shared-memory "
                 "fragment can carry (its length field has 16 bits); unset it or lower it"
@@ -111,6 +113,7 @@ def load_ucxx(loopback: bool = False) -> ModuleType | None:
         unavailable = f"ucxx cannot be imported ({e})"
         log.info("UCX fast path unavailable: %s", unavailable)
         return None
+    unavailable = ""
     return ucxx
 
 
@@ -170,9 +173,8 @@ class UcxRuntime:
         self._scheduled = False
         self._tick: asyncio.TimerHandle | None = None
         self._moved = 0.0  # loop time a request last began or finished
-        self._yield_until = (
-            0.0  # monotonic time until which a part-way message's sender gets the core
-        )
+        # monotonic time until which a part-way message's sender gets the core
+        self._yield_until = 0.0
         loop.add_reader(self._fd, self._progress)
 
     # -- progress -----------------------------------------------------------------------------
@@ -180,12 +182,18 @@ class UcxRuntime:
     def kick(self) -> None:
         """Progress soon (after a submit, or a new waiter): coalesced into one loop callback."""
         self._moved = self.loop.time()
+        self._soon()
+
+    def _soon(self) -> None:
         if not self._scheduled:
             self._scheduled = True
-            self.loop.call_soon(self._progress)
+            self.loop.call_soon(self._progress_soon)
+
+    def _progress_soon(self) -> None:
+        self._scheduled = False
+        self._progress()
 
     def _progress(self) -> None:
-        self._scheduled = False
         for _ in range(1000):  # bounded: arm() says busy only while events keep coming
             self.worker.progress()
             self._complete()
@@ -195,9 +203,8 @@ class UcxRuntime:
         if not (self._requests or self._waiters):
             return
         if self._requests and time.monotonic() < self._yield_until:
-            os.sched_yield()  # our waker is likely runnable on this core: let it send the rest
-            self._scheduled = True
-            self.loop.call_soon(self._progress)
+            os.sched_yield()  # our waker may be runnable on this core: let it send the rest
+            self._soon()
             return
         busy = self._requests and self.loop.time() - self._moved < BUSY_FOR_S
         delay = BUSY_TICK_S if busy else TICK_S

@@ -128,7 +128,7 @@ PROCESS_WIDE = [
     (
         "UCX_MM_SEG_SIZE",
         "router, expert service",
-        "UCX's shared-memory fragment size (also `UCX_SYSV_SEG_SIZE`, `UCX_POSIX_SEG_SIZE`); 64 KiB "
+        "UCX's shared-memory fragment size (also `UCX_SYSV_`, `UCX_POSIX_`, `UCX_XPMEM_SEG_SIZE`); 64 KiB "
         "or more turns the fast path off (UCX keeps a fragment's length in 16 bits)",
     ),
     (

@@ -11,9 +11,8 @@ thread. `auto` lets the pipeline model propose and measured steps decide, per ba
 - a larger m is tried when the model predicts a layer shorter than the best measured m's by more
   than HYSTERESIS;
 - the step uses the m with the shortest measured time per sequence; measurements expire after
-  MEMORY steps, so the choice follows the mesh as it changes, and a wrong one made in a burst of
-  noise lasts that long (measured with 256 and m = 1 measured before m = 2: a burst during the
-  first made the whole benchmark run m = 2, at 0.72x of m = 1).
+  MEMORY steps, so the choice follows the mesh as it changes and one made in a burst of noise is
+  taken again.
 
 A model fitted to noisy timings on shared cores can be wrong where memory-bound experts pay their
 weight reads once per micro-batch; a measured step cannot. Everything colocated needs no overlap:
@@ -31,9 +30,8 @@ from moe_mesh.router_service.engine.model import PassCosts
 
 MAX_AUTO = 4  # the paper's 3-4 in practice; beyond, fixed costs per micro-batch dominate
 TRIAL_STEPS = 4  # decode steps an m runs before its time counts
-# Steps after which a measurement is forgotten, so the runner-up is measured again, for
-# TRIAL_STEPS steps each time: at 32 that was ~30% of steps on m = 2 (0.58x of m = 1 here), and
-# auto ran 0.82x of m = 1.
+# Steps after which a measurement is forgotten: short enough that a choice made in noise is taken
+# again, long enough that re-measuring a much slower runner-up costs few steps (32 cost ~30%).
 MEMORY = 128
 HYSTERESIS = 0.1  # a proposal must predict a layer this much shorter than the best measured
 

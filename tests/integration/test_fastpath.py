@@ -39,7 +39,7 @@ from tests.support.fastpath import speak_previous_frame_version
 from tests.support.polling import eventually
 
 pytestmark = pytest.mark.skipif(
-    load_ucxx(loopback=True) is None, reason="ucxx cannot be imported (pip install ucxx-cu12)"
+    load_ucxx(loopback=True) is None, reason=f"UCX fast path unavailable: {ucx.unavailable}"
 )
 MESSAGE_BYTES = 16 * 1024 * 1024
 HIDDEN = 64
@@ -418,6 +418,8 @@ async def test_ucx_segments_over_16_bits_turn_the_fast_path_off_saying_why(
     assert ucx.oversized_segments({"UCX_MM_SEG_SIZE": "8256"}) is None
     assert ucx.oversized_segments({"UCX_POSIX_SEG_SIZE": "65535"}) is None
     assert ucx.oversized_segments({"UCX_MM_SEG_SIZE": "64k"})  # 65536 does not fit either
+    assert ucx.oversized_segments({"UCX_XPMEM_SEG_SIZE": "1GB"})
+    assert ucx.oversized_segments({"UCX_MM_SEG_SIZE": "inf"})
     monkeypatch.setenv("UCX_SYSV_SEG_SIZE", "140000")
     assert load_ucxx() is None
     with pytest.raises(PreconditionError, match="UCX_SYSV_SEG_SIZE=140000 is over the 65535"):
@@ -525,16 +527,16 @@ def test_under_uvloop_the_busy_tick_is_a_timer_not_a_spin(monkeypatch) -> None:
 
 
 def test_a_message_found_part_way_gets_its_sender_the_core_not_a_tick(monkeypatch) -> None:
-    """The rest of a message whose first fragment woke us is usually held by its sender, preempted
-    on our core: the runtime yields the core and progresses again at once, for YIELD_FOR_S, so
-    the receive completes without waiting for the (1 ms) busy tick; a sender that never finishes
-    leaves the runtime on the busy tick, not yielding for ever."""
+    """The rest of a message whose first fragment woke us is often held by its sender, preempted
+    on our core: the runtime yields the core and progresses again at once, once per loop turn,
+    for YIELD_FOR_S, so the receive completes without waiting for the (1 ms) busy tick; a sender
+    that never finishes leaves the runtime on the busy tick, not yielding for ever."""
     uvloop.run(_part_way(monkeypatch))
 
 
 async def _part_way(monkeypatch) -> None:
     runtime = UcxRuntime.acquire(loopback=True)
-    yields = 0
+    yields = probes = 0
     sender_finishes = True
 
     class PartWay:  # what tag_recv_with_handle returns for a message still arriving
@@ -550,39 +552,48 @@ async def _part_way(monkeypatch) -> None:
         yields += 1
         request.completed = sender_finishes
 
-    class Worker:  # the real worker, but this receive is part-way
+    class Probe:
+        length = 4
+
+        def __init__(self, matched: bool) -> None:
+            self.matched = matched
+
+    class Worker:  # the real worker, but a message's first fragment arrives after recv() asks
         def __init__(self, real) -> None:
             self.real = real
 
         def __getattr__(self, name):
             return getattr(self.real, name)
 
+        def tag_probe(self, tag, remove):
+            nonlocal probes
+            probes += 1
+            return Probe(matched=probes % 2 == 0)
+
         def tag_recv_with_handle(self, buffer, probe):
             return request
 
-    class Probe:
-        length = 4
-
     monkeypatch.setattr(ucx.os, "sched_yield", sched_yield)
+    monkeypatch.setattr(ucx, "YIELD_FOR_S", 0.05)
     monkeypatch.setattr(runtime, "worker", Worker(runtime.worker))
-    loop = asyncio.get_running_loop()
     try:
-        future = loop.create_future()
-        runtime._take(Probe(), future, None, 16)
-        assert not future.done()
+        future = runtime.recv(1, 16)  # not there yet: found by the next progress
         for _ in range(5):  # loop turns, far below uvloop's 1 ms timer resolution
             await asyncio.sleep(0)
         assert future.done() and yields == 1
-        # A sender gone mid-message: yielding stops after YIELD_FOR_S, the busy tick takes over.
+        # A sender gone mid-message: one yield per loop turn, then the busy tick takes over.
         sender_finishes, request.completed, yields = False, False, 0
-        runtime._take(Probe(), loop.create_future(), None, 16)
-        await asyncio.sleep(ucx.YIELD_FOR_S + 0.003)
+        runtime.recv(1, 16)
+        for turns in range(1, 21):
+            await asyncio.sleep(0)
+            assert 0 < yields <= turns + 1
+        await asyncio.sleep(ucx.YIELD_FOR_S + 0.01)
         stopped = yields
-        assert stopped > 0
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.02)
         assert yields == stopped and runtime._tick is not None
     finally:
         runtime._requests.clear()
+        runtime._waiters.clear()
         UcxRuntime.release()
 
 
