@@ -3,7 +3,6 @@ that refuses connections) and the `e2e` marker, set by folder."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from moe_mesh.common import runtime
 runtime.configure(shares_cores=True)
 from moe_mesh.common.server import GrpcServer  # noqa: E402
 from tests.support.factories import make_checkpoint  # noqa: E402
+from tests.support.net import bound_port  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -50,11 +50,10 @@ async def grpc_servers() -> AsyncIterator[Callable[[], Awaitable[GrpcServer]]]:
 
 @pytest.fixture
 def closed_port() -> Iterator[int]:
-    """A loopback port that refuses connections for the whole test: bound here and never listened
-    on, so no other process (the other pytest worker's services) can take it meanwhile."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        yield s.getsockname()[1]
+    """A loopback port that refuses connections for the whole test, which the other pytest
+    worker's services cannot take meanwhile."""
+    with bound_port() as port:
+        yield port
 
 
 E2E = Path(__file__).parent / "e2e"

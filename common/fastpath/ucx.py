@@ -275,7 +275,7 @@ class UcxRuntime:
             self._requests.append((request, future, buffer))
             # time.monotonic: uvloop's loop.time() moves in whole milliseconds
             self._yield_until = time.monotonic() + YIELD_FOR_S
-            self.kick()
+            self._soon()  # _moved is set above
 
     # -- requests -----------------------------------------------------------------------------
 

@@ -520,6 +520,15 @@ async def test_while_a_message_is_part_way_the_runtime_progresses_every_busy_tic
     await _busy_ticks(monkeypatch)
 
 
+class PartWay:
+    """A UCX request for a message still arriving (tag_recv_with_handle's, or a send's)."""
+
+    completed = False
+
+    def check_error(self) -> None:
+        pass
+
+
 def test_under_uvloop_the_busy_tick_is_a_timer_not_a_spin(monkeypatch) -> None:
     """The services and routers run uvloop, which runs a call_later shorter than its 1 ms
     resolution at once: a shorter busy tick spun the loop and failed on the Handle it got."""
@@ -538,12 +547,6 @@ async def _part_way(monkeypatch) -> None:
     runtime = UcxRuntime.acquire(loopback=True)
     yields = probes = 0
     sender_finishes = True
-
-    class PartWay:  # what tag_recv_with_handle returns for a message still arriving
-        completed = False
-
-        def check_error(self) -> None:
-            pass
 
     request = PartWay()
 
@@ -616,10 +619,6 @@ async def _busy_ticks(monkeypatch) -> None:
         return runtime._tick.when() - loop.time() <= ucx.BUSY_TICK_S * 1.01
 
     try:
-
-        class PartWay:
-            completed = False
-
         runtime._requests.append((PartWay(), None, None))
         runtime.kick()  # as a submit does
         await asyncio.sleep(0)

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def bound_port() -> Iterator[int]:
+    """A loopback port bound here and never listened on while the block runs: connections to it
+    are refused, and no other process can take it meanwhile."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
 
 
 def free_port() -> int:
     """A loopback port nobody listens on: bound, then released, for a service to bind next (the
     `closed_port` fixture holds one that must stay closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with bound_port() as port:
+        return port

@@ -59,6 +59,17 @@ def run(planner: MicroBatchPlanner, sequences: int, step_s: dict[int, float]) ->
     return m
 
 
+def run_flat(planner: MicroBatchPlanner, step_s: dict[int, float]) -> int:
+    """A 32-sequence decode step whose calls take 10 ms whatever their size, so the model proposes
+    no m beyond the measured ones. Returns m."""
+    m = planner.choose(32, remote=True)
+    planner.ran(m)
+    for b in split(32, m):
+        planner.observe(b, PassCosts(0.011 * b / 32, [CallTimes(wall=0.01, service=0.01)]))
+    planner.observe_step(32, m, step_s[m])
+    return m
+
+
 def test_planner_fixed_and_colocated() -> None:
     assert MicroBatchPlanner("3").choose(8, remote=True) == 3
     assert MicroBatchPlanner("3").choose(2, remote=True) == 2  # at least one sequence each
@@ -81,11 +92,7 @@ def test_auto_tries_no_proposal_that_is_not_clearly_faster_and_forgets_old_steps
     # Te = 10 ms per call whatever its size, no transfer: the model predicts that splitting
     # costs the experts' time twice, so after measuring 1 and 2 it proposes nothing.
     for _ in range(2 * TRIAL_STEPS + 1):
-        m = auto.choose(32, remote=True)
-        auto.ran(m)
-        for b in split(32, m):
-            auto.observe(b, PassCosts(0.011 * b / 32, [CallTimes(wall=0.01, service=0.01)]))
-        auto.observe_step(32, m, {1: 0.1, 2: 0.15}[m])
+        run_flat(auto, {1: 0.1, 2: 0.15})
     assert auto.steps_by_m == {1: TRIAL_STEPS + 1, 2: TRIAL_STEPS}
     for _ in range(MEMORY):  # other batch sizes run meanwhile
         auto.choose(4, remote=True)
@@ -96,15 +103,10 @@ def test_auto_takes_back_a_choice_made_in_a_burst_of_noise_within_memory_steps()
     """m = 1 is faster, but the host was busy while it was measured: auto runs m = 2 until the
     measurement expires, then measures m = 1 again and returns to it."""
     auto = MicroBatchPlanner("auto")
-    used = []
-    for step in range(2 * TRIAL_STEPS + MEMORY + 2 * TRIAL_STEPS):
-        m = auto.choose(32, remote=True)
-        auto.ran(m)
-        used.append(m)
-        for b in split(32, m):  # Te the same whatever the size: the model proposes nothing
-            auto.observe(b, PassCosts(0.011 * b / 32, [CallTimes(wall=0.01, service=0.01)]))
-        busy = step < 2 * TRIAL_STEPS and m == 1
-        auto.observe_step(32, m, {1: 0.5 if busy else 0.1, 2: 0.15}[m])
+    used = [
+        run_flat(auto, {1: 0.5 if step < 2 * TRIAL_STEPS else 0.1, 2: 0.15})
+        for step in range(2 * TRIAL_STEPS + MEMORY + 2 * TRIAL_STEPS)
+    ]
     assert used[2 * TRIAL_STEPS] == 2  # misled
     assert used.count(2) <= TRIAL_STEPS + MEMORY + 1
     assert used[-TRIAL_STEPS:] == [1] * TRIAL_STEPS
