@@ -1,0 +1,92 @@
+"""What this host's cores give a mesh of processes, recorded with the mesh benches' results.
+
+A mesh on one host can only beat the monolithic engine by computing in several processes at
+once. Some virtual machines list two cores that run two busy processes at well under twice the
+speed of one (measured on one: pure Python 1.2x, a GEMM 1.6x), and expert FFNs at small batch
+are bound by memory reads, which the cores share. So every mesh ratio is read next to these:
+
+- `speedup`: throughput of one busy process per core, all at once, over one process alone, for
+  a Python loop, a float32 GEMM (one torch thread) and a read of a buffer larger than the cache;
+- `read_gb_per_s`: that read's bandwidth from one process alone.
+
+    .venv/bin/python -m bench.host   (from the checkout root; writes bench/results/host.json)
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+READ_BYTES = 256 << 20
+REPEATS = {"python": 100, "gemm": 100, "read": 10}  # ~0.5 s each alone on the host above
+
+
+def _work(kind: str, repeats: int) -> float:
+    """Seconds for `repeats` units of `kind`, in this (worker) process."""
+    import torch
+
+    torch.set_num_threads(1)
+    if kind == "gemm":
+        a = torch.randn(512, 512)
+        a @ a  # first call: kernel selection
+    elif kind == "read":
+        a = torch.ones(READ_BYTES // 4)
+        a.sum()  # pages touched before timing
+    start = time.perf_counter()
+    for _ in range(repeats):
+        if kind == "python":
+            sum(range(200_000))
+        elif kind == "gemm":
+            a @ a
+        else:
+            a.sum()
+    return time.perf_counter() - start
+
+
+def host_facts(scale: float = 1.0, workers: int | None = None) -> dict:
+    """CPU model and core count, and the speedups and bandwidth above (a few seconds)."""
+    workers = workers or os.cpu_count() or 1
+    facts: dict = {"cpu": _cpu_model(), "cores": os.cpu_count(), "speedup": {}}
+    # spawn: fork after torch loaded OpenMP in the caller would hang the workers
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        pool.starmap(_work, [("python", 1)] * workers)  # every worker imported torch
+        for kind, n in REPEATS.items():
+            repeats = max(1, round(n * scale))
+            alone = pool.apply(_work, (kind, repeats))
+            together = pool.starmap(_work, [(kind, repeats)] * workers)
+            facts["speedup"][kind] = round(workers * alone / max(together), 2)
+            if kind == "read":
+                facts["read_gb_per_s"] = round(repeats * READ_BYTES / alone / 1e9, 2)
+    return facts
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> int:
+    import json
+
+    facts = host_facts()
+    print(json.dumps(facts, indent=2))
+    out = ROOT / "bench/results/host.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(facts, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
