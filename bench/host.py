@@ -9,6 +9,8 @@ are bound by memory reads, which the cores share. So every mesh ratio is read ne
   a Python loop, a float32 GEMM (one torch thread) and a read of a buffer larger than the cache;
 - `read_gb_per_s`: that read's bandwidth from one process alone.
 
+The benches measure it before and after their run (`around`).
+
     .venv/bin/python -m bench.host   (from the checkout root; writes bench/results/host.json)
 """
 
@@ -19,6 +21,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,6 +66,17 @@ def host_facts(scale: float = 1.0, workers: int | None = None) -> dict:
             if kind == "read":
                 facts["read_gb_per_s"] = round(repeats * READ_BYTES / alone / 1e9, 2)
     return facts
+
+
+def around(run: Callable[[], dict]) -> dict:
+    """`run()`'s result with `host_facts` from before it (the cores to themselves) and after it:
+    a run whose host changed speed in between is one to repeat."""
+    before = host_facts()
+    print(f"host before: {before}", flush=True)
+    result = run()
+    after = host_facts()
+    print(f"host after: {after}", flush=True)
+    return {**result, "host": {"before": before, "after": after}}
 
 
 def _cpu_model() -> str:

@@ -33,7 +33,7 @@ runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads 
 import torch  # noqa: E402
 
 from bench import ensure_checkpoint  # noqa: E402
-from bench.host import host_facts  # noqa: E402
+from bench.host import around  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -269,11 +269,8 @@ def run(main_async, args: argparse.Namespace) -> int:
     """The `small` checkpoint made if missing, `main_async(args)` run, its result written to
     args.out with the set-up it ran on (shared by the benches of expert services)."""
     ensure_checkpoint(args.checkpoint)
-    host = host_facts()  # before any service starts: the cores to themselves
-    print(f"host: {host}")
-    result = asyncio.run(main_async(args))
+    result = around(lambda: asyncio.run(main_async(args)))
     result.update(
-        host=host,
         checkpoint=str(args.checkpoint),
         services=args.services,
         expert_threads=args.expert_threads,

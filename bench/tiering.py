@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from bench.host import host_facts  # noqa: E402
+from bench.host import around  # noqa: E402
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
 from moe_mesh.router_service.build import build_local_engine, build_router  # noqa: E402
 from moe_mesh.router_service.engine.sampling import SamplingParams  # noqa: E402
@@ -192,9 +192,7 @@ def main() -> int:
             create_checkpoint(
                 args.checkpoint, "mixtral", "small", router_skew=args.skew, progress=True
             )
-    host = host_facts()  # before any service starts: the cores to themselves
-    print(f"host: {host}", flush=True)
-    result = {**asyncio.run(main_async(args)), "host": host}
+    result = around(lambda: asyncio.run(main_async(args)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     for b, by_name in result["summary"].items():
