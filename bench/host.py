@@ -16,6 +16,7 @@ The benches measure it before and after their run (`around`).
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import platform
@@ -23,13 +24,22 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 READ_BYTES = 256 << 20
 REPEATS = {"python": 100, "gemm": 100, "read": 10}  # ~0.5 s each alone on the host above
 
 
-def _work(kind: str, repeats: int) -> float:
+_start: Any = None  # a worker's barrier: the workers of one measurement start together
+
+
+def _init(start: Any) -> None:
+    global _start
+    _start = start
+
+
+def _work(kind: str, repeats: int, together: bool = False) -> float:
     """Seconds for `repeats` units of `kind`, in this (worker) process."""
     import torch
 
@@ -40,6 +50,8 @@ def _work(kind: str, repeats: int) -> float:
     elif kind == "read":
         a = torch.ones(READ_BYTES // 4)
         a.sum()  # pages touched before timing
+    if together:
+        _start.wait(timeout=60)
     start = time.perf_counter()
     for _ in range(repeats):
         if kind == "python":
@@ -51,17 +63,16 @@ def _work(kind: str, repeats: int) -> float:
     return time.perf_counter() - start
 
 
-def host_facts(scale: float = 1.0, workers: int | None = None) -> dict:
+def host_facts() -> dict:
     """CPU model and core count, and the speedups and bandwidth above (a few seconds)."""
-    workers = workers or os.cpu_count() or 1
-    facts: dict = {"cpu": _cpu_model(), "cores": os.cpu_count(), "speedup": {}}
+    workers = os.cpu_count() or 1
+    facts: dict = {"cpu": _cpu_model(), "cores": workers, "speedup": {}}
     # spawn: fork after torch loaded OpenMP in the caller would hang the workers
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        pool.starmap(_work, [("python", 1)] * workers)  # every worker imported torch
-        for kind, n in REPEATS.items():
-            repeats = max(1, round(n * scale))
+    spawn = multiprocessing.get_context("spawn")
+    with spawn.Pool(workers, _init, (spawn.Barrier(workers),)) as pool:
+        for kind, repeats in REPEATS.items():
             alone = pool.apply(_work, (kind, repeats))
-            together = pool.starmap(_work, [(kind, repeats)] * workers)
+            together = pool.starmap(_work, [(kind, repeats, True)] * workers)
             facts["speedup"][kind] = round(workers * alone / max(together), 2)
             if kind == "read":
                 facts["read_gb_per_s"] = round(repeats * READ_BYTES / alone / 1e9, 2)
@@ -91,8 +102,6 @@ def _cpu_model() -> str:
 
 
 def main() -> int:
-    import json
-
     facts = host_facts()
     print(json.dumps(facts, indent=2))
     out = ROOT / "bench/results/host.json"
