@@ -102,12 +102,11 @@ def _cpu_model() -> str:
 
 
 def main() -> int:
+    from bench import write_result
+
     facts = host_facts()
     print(json.dumps(facts, indent=2))
-    out = ROOT / "bench/results/host.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(facts, indent=2))
-    print(f"wrote {out}")
+    write_result(ROOT / "bench/results/host.json", facts)
     return 0
 
 

@@ -166,20 +166,20 @@ async def main_async(args: argparse.Namespace) -> dict:
             # An overhead can be negative (four services computing experts side by side can beat one
             # process): then the share is no figure, the inequality still is.
             ucx, grpc = row["ucx_overhead_p50_ms"], row["grpc_overhead_p50_ms"]
-            row["ucx_overhead_share_of_grpc"] = ucx / grpc if grpc > 0 else None
-            row["ucx_overhead_within_a_third_of_grpc"] = ucx <= grpc / 3
+            share = row["ucx_overhead_share_of_grpc"] = ucx / grpc if grpc > 0 else None
+            within = row["ucx_overhead_within_a_third_of_grpc"] = ucx <= grpc / 3
             # What the transport itself controls: the round trip beyond the services' own time.
             row["ucx_beyond_service_share_of_grpc"] = (
                 row["ucx_beyond_service_p50_ms"] / row["grpc_beyond_service_p50_ms"]
             )
             dispatch.append(row)
-            share = f" ({ucx / grpc:.2f} of gRPC's)" if grpc > 0 else ""
             print(
                 f"dispatch {n:>3} tokens: p50/p99 ms gRPC {row['grpc_p50_ms']:.2f}/{row['grpc_p99_ms']:.2f} | "
                 f"UCX {row['ucx_p50_ms']:.2f}/{row['ucx_p99_ms']:.2f} | "
                 f"colocated {row['colocated_p50_ms']:.2f}/{row['colocated_p99_ms']:.2f} | "
                 f"overhead over colocated gRPC {grpc:+.2f}, UCX {ucx:+.2f}"
-                f"{share}, {'within' if ucx <= grpc / 3 else 'over'} a third of gRPC's | beyond the "
+                f"{'' if share is None else f' ({share:.2f} of gRPC)'}, "
+                f"{'within' if within else 'over'} a third of gRPC's | beyond the "
                 f"services' own time: gRPC {row['grpc_beyond_service_p50_ms']:.2f}, UCX "
                 f"{row['ucx_beyond_service_p50_ms']:.2f} ({row['ucx_beyond_service_share_of_grpc']:.2f})",
                 flush=True,
