@@ -1,6 +1,8 @@
 """The UCX fast path between real processes on loopback: every family's greedy tokens identical to
-transformers with every expert remote and every expert call over UCX (shared memory, and
-UCX_TLS=tcp with the whole mesh under mutual TLS, so the hellos carry certificate proofs); with ucxx not importable everything goes over gRPC with the same tokens; a replica
+transformers with every expert remote and every expert call over UCX with UCX_TLS=tcp and the whole
+mesh under mutual TLS, so the hellos carry certificate proofs (over shared memory, UCX's default
+here, test_mesh.py's all-remote parity shows the same); with ucxx not importable everything goes
+over gRPC with the same tokens; a replica
 whose fast path goes away mid-load costs no request, is counted, and is used again once it returns;
 payloads of each UCX protocol (inline, a second eager message, rendezvous) cross byte for byte.
 
@@ -106,18 +108,15 @@ async def replica(address: str, backend: str) -> router_pb2.ExpertReplica:
 # -- parity over UCX ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tls", ["default", "tcp"])
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
-async def test_every_family_matches_transformers_with_every_call_over_ucx(
-    checkpoint, tmp_path, arch, tls
+async def test_every_family_matches_transformers_with_every_call_over_ucx_tcp(
+    checkpoint, tmp_path, arch
 ) -> None:
     path = checkpoint(arch)
-    env = {} if tls == "default" else {"UCX_TLS": "tcp"}
     trace_file = tmp_path / "router.spans.jsonl"
     args = ["--fast-path", "ucx", "--trace-file", str(trace_file), "--trace-sample", "1"]
-    secure = tls == "tcp"
-    with mesh(path, tmp_path, *args, env=env, tls=secure) as (router, experts):
-        client = certs.mesh_tls(tmp_path / "certs", "router") if secure else None
+    with mesh(path, tmp_path, *args, env={"UCX_TLS": "tcp"}, tls=True) as (router, experts):
+        client = certs.mesh_tls(tmp_path / "certs", "router")
         assert await generate_all(router.address, tls=client) == hf.greedy(path)
         st = await status(router.address, client)
         rows = {r.backend: r for r in st.replicas}

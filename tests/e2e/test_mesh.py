@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from moe_mesh.common.errors import ExpertUnavailableError
+from moe_mesh.common.fastpath.ucx import load_ucxx
 from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
 from moe_mesh.router_service.engine.engine import FinishReason
 from moe_mesh.router_service.engine.model import pack_step
@@ -30,9 +31,16 @@ async def test_all_remote_mesh_matches_monolithic_and_transformers(
 ) -> None:
     path = checkpoint(arch)
     async with mesh_engine(path, ALL_REMOTE, tmp_path) as (engine, _):
-        assert all(not b.local for bs in engine.model.dispatcher.placement.values() for b in bs)
+        dispatcher = engine.model.dispatcher
+        assert all(not b.local for bs in dispatcher.placement.values() for b in bs)
         tokens = await run_engine(engine, PROMPTS)
         assert tuple(map(tuple, tokens)) == monolithic(path) == hf_greedy(path)  # the latter cached
+        if load_ucxx(loopback=True) is not None:
+            # The fast path is on by default, over UCX's shared memory here (test_fastpath.py runs
+            # UCX_TLS=tcp): it carried every call, and none fell back.
+            links = {b.fast_path for bs in dispatcher.placement.values() for b in bs}
+            assert None not in links and not any(link.fallbacks for link in links)
+            assert sum(link.calls for link in links) == dispatcher.remote_calls > 0
 
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
