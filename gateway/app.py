@@ -101,15 +101,16 @@ class GatewayApp:
 
     @classmethod
     async def _create(cls, settings: GatewaySettings, telemetry: Telemetry) -> GatewayApp:
-        # Files first: a bad key or certificate file fails before any router is dialed.
+        # Files first: a bad key, certificate or checkpoint fails before any router is dialed.
         keys = ApiKeys.from_environment(settings.api_key_file)
         tls = MeshTls.from_settings(settings)
         public = settings.public_tls_files()
         credentials = public_server_credentials(*public) if public else None
+        tokenizer = _tokenizer(settings)
         registry = open_registry(settings.registry, settings.registry_address)
         if registry is not None:
             return await cls._create_following(
-                settings, registry, telemetry, keys, tls, credentials
+                settings, registry, telemetry, keys, tls, credentials, tokenizer
             )
         if not settings.routers:
             raise InvalidArgumentError(
@@ -127,7 +128,7 @@ class GatewayApp:
         ids = {m.id for m in models}
         if len(ids) != 1:
             raise UnavailableError(f"routers serve different models: {sorted(ids)}")
-        core = GatewayCore(settings, _tokenizer(settings), routers, models[0], telemetry, keys)
+        core = GatewayCore(settings, tokenizer, routers, models[0], telemetry, keys)
         return cls(settings, core, routers, telemetry, credentials)
 
     @classmethod
@@ -139,6 +140,7 @@ class GatewayApp:
         keys: ApiKeys,
         tls: MeshTls | None,
         credentials: grpc.ServerCredentials | None,
+        tokenizer: Tokenizer | NoTokenizer,
     ) -> GatewayApp:
         """Routers come and go with the registry; start once one is there and answers Status."""
         interceptors = telemetry.client_interceptors()
@@ -157,7 +159,7 @@ class GatewayApp:
         routers.reconcile({i.id: i for i in first.instances})
         model = await next(iter(routers.clients.values())).model(settings.connect_timeout_s)
         clients = list(routers.clients.values())
-        core = GatewayCore(settings, _tokenizer(settings), clients, model, telemetry, keys)
+        core = GatewayCore(settings, tokenizer, clients, model, telemetry, keys)
         app = cls(settings, core, clients, telemetry, credentials)
 
         def apply(m: Membership) -> None:

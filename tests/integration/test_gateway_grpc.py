@@ -1,4 +1,5 @@
-"""The public gRPC API through a real gateway and router: streaming, cancellation, overload, bad input."""
+"""The public gRPC API through a real gateway and router: streaming, cancellation, overload, bad input,
+a wrong checkpoint at start-up."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from moe_mesh.common.errors import CheckpointError
 from moe_mesh.common.status import RETRY_AFTER_KEY
+from moe_mesh.gateway.app import GatewayApp
+from moe_mesh.gateway.settings import GatewaySettings
 from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
 from tests.support.meshes import local_mesh
+from tests.support.net import free_port
 from tests.support.reference import PROMPTS, monolithic
 
 
@@ -251,3 +256,16 @@ async def test_logprobs_and_ignore_eos_over_grpc_and_the_generate_command(checkp
         result = json.loads(out)
         assert result["token_ids"] == list(reply.token_ids)
         assert [x["logprob"] for x in result["logprobs"]] == [lp.logprob for lp in reply.logprobs]
+
+
+async def test_a_checkpoint_without_a_tokenizer_fails_start_up_before_any_router_wait(
+    tmp_path,
+) -> None:
+    # The router address answers nothing: a start-up that dialed it first would wait 30 s.
+    settings = GatewaySettings(
+        checkpoint=tmp_path, routers=[f"127.0.0.1:{free_port()}"], connect_timeout_s=30.0
+    )
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        await GatewayApp.create(settings)
+    assert time.monotonic() - start < 10
