@@ -2,9 +2,9 @@
 transformers with every expert remote and every expert call over UCX with UCX_TLS=tcp and the whole
 mesh under mutual TLS, so the hellos carry certificate proofs (over shared memory, UCX's default
 here, test_mesh.py's all-remote parity shows the same); with ucxx not importable everything goes
-over gRPC with the same tokens; a replica
-whose fast path goes away mid-load costs no request, is counted, and is used again once it returns;
-payloads of each UCX protocol (inline, a second eager message, rendezvous) cross byte for byte.
+over gRPC with the same tokens; a replica whose fast path goes away mid-load costs no request, is
+counted, and is used again once it returns; payloads of each UCX protocol (inline, a second eager
+message, rendezvous) cross byte for byte.
 
 The router runs as a process of its own: UCX reads its environment when ucxx is imported, which this
 test process has long done. What carried the calls is read from the router's Status (each replica's
