@@ -80,13 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     except MoeMeshError as e:
         hint = (
             "; is the mesh up, and is the address (or --ready-file) the one `moe-mesh up` printed?"
-            if isinstance(e, UnavailableError)
+            if isinstance(e, UnavailableError) and "?" not in str(e)  # none asked yet
             else ""
         )
-        print(f"moe-mesh: error: {e}{hint}", file=sys.stderr)
+        print(f"moe-mesh {args.command}: error: {e}{hint}", file=sys.stderr)
         return exit_code(e)
     except grpc.RpcError as e:  # a command's call to a service: one line, not gRPC's debug text
-        print(f"moe-mesh: error: {_rpc_problem(e)}", file=sys.stderr)
+        print(f"moe-mesh {args.command}: error: {_rpc_problem(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -23,6 +23,7 @@ from moe_mesh.benchmark.workload import (
     build_workload,
 )
 from moe_mesh.common.errors import InvalidArgumentError
+from moe_mesh.ops.ready import read_ready_file
 from moe_mesh.ops.tables import table
 
 DEFAULT_CONCURRENCY = "1,2,4,8"
@@ -168,15 +169,8 @@ def _points(args: argparse.Namespace) -> list[LoadPoint]:
 
 
 def _ready_url(path: Path) -> str:
-    try:
-        mesh = json.loads(path.read_text())
-        return ("https://" if "tls" in mesh else "http://") + mesh["gateway_http"]
-    except OSError:
-        raise InvalidArgumentError(
-            "--ready-file", f"{path} cannot be read (is the mesh up?)"
-        ) from None
-    except (ValueError, KeyError, TypeError):
-        raise InvalidArgumentError("--ready-file", f"{path} names no gateway_http") from None
+    mesh = read_ready_file(path, "gateway_http")
+    return ("https://" if "tls" in mesh else "http://") + mesh["gateway_http"]
 
 
 async def _bench_target(

@@ -12,6 +12,7 @@ from moe_mesh.common.cli import add_settings_arguments, flag, settings_from_args
 from moe_mesh.common.errors import InvalidArgumentError
 from moe_mesh.common.hub import resolve_checkpoint
 from moe_mesh.gateway.settings import GatewaySettings
+from moe_mesh.ops.ready import read_ready_file
 from moe_mesh.router_service.settings import RouterSettings
 
 # The gateway's public address (the other services take free loopback ports) and its limits.
@@ -204,13 +205,7 @@ def _add_scale(subparsers: argparse._SubParsersAction) -> None:
 def _run_scale(args: argparse.Namespace) -> int:
     import socket
 
-    if not args.ready_file.exists():
-        print(
-            f"moe-mesh scale: error: {args.ready_file} does not exist (is the mesh up?)",
-            file=sys.stderr,
-        )
-        return 2
-    host, _, port = json.loads(args.ready_file.read_text())["control"].rpartition(":")
+    host, _, port = read_ready_file(args.ready_file, "control")["control"].rpartition(":")
     with socket.create_connection((host, int(port)), timeout=300) as conn:
         conn.sendall(
             (json.dumps({"experts": args.experts, "replicas": args.replicas}) + "\n").encode()

@@ -8,21 +8,12 @@ import json
 import sys
 from pathlib import Path
 
-from moe_mesh.common.errors import InvalidArgumentError
+from moe_mesh.ops.ready import read_ready_file
 
 
 def gateway_of(ready_file: Path) -> str:
     """The gateway's gRPC address in a ready file `moe-mesh up` wrote."""
-    try:
-        return json.loads(ready_file.read_text())["gateway_grpc"]
-    except FileNotFoundError:
-        raise InvalidArgumentError(
-            "--ready-file", f"{ready_file} does not exist (is the mesh up?)"
-        ) from None
-    except (ValueError, KeyError, TypeError):
-        raise InvalidArgumentError(
-            "--ready-file", f"{ready_file} is not a ready file of `moe-mesh up` (no gateway_grpc)"
-        ) from None
+    return read_ready_file(ready_file, "gateway_grpc")["gateway_grpc"]
 
 
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:

@@ -13,9 +13,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from moe_mesh.common.errors import InvalidArgumentError, MoeMeshError
 from moe_mesh.common.finish_reason import from_wire
 from moe_mesh.common.status import error_from_rpc
 from moe_mesh.common.tls import MeshTls, open_channel
+from moe_mesh.ops.ready import read_ready_file
 from moe_mesh.protos.moe_mesh.v1 import (
     expert_pb2,
     expert_pb2_grpc,
@@ -43,7 +45,7 @@ def client_tls(ready_file: Path | None, ca: Path | None = None) -> MeshTls | Non
         return MeshTls.ca_only(ca)
     if ready_file is None or not ready_file.exists():
         return None
-    return mesh_tls(json.loads(ready_file.read_text()))
+    return mesh_tls(read_ready_file(ready_file))
 
 
 def api_key() -> str:
@@ -85,7 +87,7 @@ async def generate_remote(
                     sys.stdout.flush()
                 last = msg
         except grpc.aio.AioRpcError as e:
-            raise error_from_rpc(e, peer=address) from e
+            raise _gateway_error(e, address) from e
     latency = time.perf_counter() - start
     assert last is not None
     n = len(ids)
@@ -104,6 +106,23 @@ async def generate_remote(
         "decode_tokens_per_s": round((n - 1) / (latency - first), 2) if n > 1 and first else None,
         **({"logprobs": logprobs} if request.logprobs else {}),
     }
+
+
+def _gateway_error(e: grpc.aio.AioRpcError, address: str) -> MoeMeshError:
+    """A refused request is the user's to fix (exit 2), as is an address that is not a gateway."""
+    details = e.details() or ""
+    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # the gateway's details start with the field
+        field, sep, message = details.partition(": ")
+        return (
+            InvalidArgumentError(field, message) if sep else InvalidArgumentError("input", details)
+        )
+    if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+        return InvalidArgumentError(
+            "--gateway",
+            f"{address} does not serve moe-mesh's Inference API: give the gateway's gRPC address "
+            "(`moe-mesh up` prints it), not a router's or an expert service's",
+        )
+    return error_from_rpc(e, peer=address)
 
 
 async def _health(channel: grpc.aio.Channel) -> str:
@@ -326,13 +345,8 @@ def _add_status(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    if not args.ready_file.exists():
-        print(
-            f"moe-mesh status: error: {args.ready_file} does not exist (is the mesh up?)",
-            file=sys.stderr,
-        )
-        return 2
-    status = asyncio.run(mesh_status(json.loads(args.ready_file.read_text())))
+    mesh = read_ready_file(args.ready_file, "gateway_grpc", "gateway_http", "routers", "experts")
+    status = asyncio.run(mesh_status(mesh))
     if args.json:
         print(json.dumps(status))
     else:

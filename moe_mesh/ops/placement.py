@@ -22,6 +22,7 @@ from moe_mesh.common.errors import (
 )
 from moe_mesh.common.placement import ModelShape, Pair, format_experts, parse_experts
 from moe_mesh.ops import tables
+from moe_mesh.ops.ready import read_ready_file
 
 COLOCATED = "colocated"  # the placement backend name of experts computed in the router process
 BLOCK = 16  # experts per heatmap block: 16 cells of 5 characters keep a block under 100 columns
@@ -310,15 +311,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _ready_routers(path: Path) -> list[str]:
-    if not path.exists():
-        raise InvalidArgumentError("--ready-file", f"{path} does not exist (is the mesh up?)")
-    try:
-        return list(json.loads(path.read_text())["routers"])
-    except (ValueError, KeyError, TypeError):
-        raise InvalidArgumentError(
-            "--ready-file",
-            f"{path} is not a ready file of `moe-mesh up` (JSON with a 'routers' list)",
-        ) from None
+    return list(read_ready_file(path, "routers")["routers"])
 
 
 def run_show(args: argparse.Namespace) -> int:

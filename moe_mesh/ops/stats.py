@@ -26,6 +26,7 @@ from moe_mesh.common import telemetry as tm
 from moe_mesh.common.errors import InvalidArgumentError, MoeMeshError, UnavailableError
 from moe_mesh.ops import tables
 from moe_mesh.ops.placement import BLOCK, heatmap_png, shares
+from moe_mesh.ops.ready import read_ready_file
 
 ROLES = ("gateway", "router", "expert")
 SECONDS = (
@@ -344,10 +345,8 @@ def _nth(names: list, i: int) -> str | None:
 
 
 def _ready_endpoints(path: Path) -> list[tuple[str | None, str]]:
-    if not path.exists():
-        raise InvalidArgumentError("--ready-file", f"{path} does not exist (is the mesh up?)")
+    mesh = read_ready_file(path, "metrics")
     try:
-        mesh = json.loads(path.read_text())
         m = mesh["metrics"]
         routers = list(mesh.get("routers") or [])
         experts = [e.get("address") for e in mesh.get("experts") or []]
@@ -357,7 +356,7 @@ def _ready_endpoints(path: Path) -> list[tuple[str | None, str]]:
             *(("router", a, _nth(routers, i)) for i, a in enumerate(m["routers"])),
             *(("expert", a, _nth(experts, i)) for i, a in enumerate(m["experts"])),
         ]
-    except (ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         raise InvalidArgumentError(
             "--ready-file",
             f"{path} names no metrics endpoints (a JSON 'metrics' object "

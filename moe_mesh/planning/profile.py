@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from moe_mesh.ops.ready import read_ready_file
 from moe_mesh.planning.deploy.plan import PlanError, write_output
 from moe_mesh.planning.profile_format import Fit, Measured, Point, ProfileFile, TransferPoint
 
@@ -337,10 +338,10 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, int | None, str]]:
     """(address, pid, why no pid) of each expert service given; `moe-mesh up`'s ready file has
     the pids (of processes on this machine: it starts them on loopback)."""
     if args.ready_file is not None:
+        ready = read_ready_file(args.ready_file, "experts")
         try:
-            ready = json.loads(args.ready_file.read_text())
             experts = [(e["address"], e.get("pid")) for e in ready["experts"]]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (KeyError, TypeError, AttributeError) as e:
             raise PlanError(
                 f"{args.ready_file}: experts: expected `moe-mesh up`'s ready file ({e})"
             ) from None

@@ -60,7 +60,7 @@ def test_bench_two_set_ups_at_two_concurrencies_reports_exact_tokens_and_draws(
 def test_bench_against_nothing_or_a_broken_set_up_is_a_one_line_error(checkpoint, tmp_path) -> None:
     run = moe_mesh("bench", "--url", "127.0.0.1:9", "--out", tmp_path / "x.json")
     assert run.returncode == 1  # unreachable: the exit-code table's row for a failed peer
-    assert run.stderr.startswith("moe-mesh: error: http://127.0.0.1:9/v1/models: ")
+    assert run.stderr.startswith("moe-mesh bench: error: http://127.0.0.1:9/v1/models: ")
     assert "is a gateway serving there?" in run.stderr and "Traceback" not in run.stderr
     assert not (tmp_path / "x.json").exists()
 
@@ -81,4 +81,4 @@ def test_bench_against_nothing_or_a_broken_set_up_is_a_one_line_error(checkpoint
 
     missing = moe_mesh("bench", "--setup", "a=--expert-services 1")
     assert missing.returncode == 2
-    assert "moe-mesh: error: --checkpoint: required with --setup" in missing.stderr
+    assert "moe-mesh bench: error: --checkpoint: required with --setup" in missing.stderr

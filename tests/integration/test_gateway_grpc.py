@@ -258,6 +258,30 @@ async def test_logprobs_and_ignore_eos_over_grpc_and_the_generate_command(checkp
         assert [x["logprob"] for x in result["logprobs"]] == [lp.logprob for lp in reply.logprobs]
 
 
+async def generate_command(*args: str) -> tuple[int, str]:
+    cli = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "moe_mesh", "generate", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await asyncio.wait_for(cli.communicate(), 60)
+    return cli.returncode, err.decode()
+
+
+async def test_the_generate_command_exits_2_for_input_the_gateway_refuses_and_for_a_router(
+    checkpoint,
+) -> None:
+    async with local_mesh(checkpoint("mixtral")) as mesh:
+        code, err = await generate_command(
+            "--gateway", mesh.grpc_address, "--prompt-token-ids", "1,2", "--temperature", "-1"
+        )
+        assert code == 2 and "temperature: must be >= 0" in err and "Traceback" not in err, err
+        # A router answers gRPC too, but not the Inference API.
+        code, err = await generate_command(
+            "--gateway", mesh.router.server.address, "--prompt-token-ids", "1,2"
+        )
+        assert code == 2 and "does not serve moe-mesh's Inference API" in err, err
+
+
 async def test_a_checkpoint_without_a_tokenizer_fails_start_up_before_any_router_wait(
     tmp_path,
 ) -> None:

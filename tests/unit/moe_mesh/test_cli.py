@@ -1,11 +1,14 @@
-"""The `moe-mesh` parser: a known command builds only its own, and parses as the whole one does."""
+"""The `moe-mesh` parser: a known command builds only its own, and parses as the whole one does; a
+broken ready file is one line and exit 2 for every command that reads one."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from moe_mesh.cli import _COMMANDS, build_parser
+import pytest
+
+from moe_mesh.cli import _COMMANDS, build_parser, main
 
 
 def _commands(parser) -> list[str]:
@@ -29,3 +32,38 @@ def test_status_imports_no_other_commands_module() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        ("garbage", "(not JSON)"),
+        ("", "(not JSON)"),
+        ("[1]", "(not a JSON object)"),
+        ('{"pids": {}}', "is not a ready file of `moe-mesh up` (no "),
+        (None, "cannot be read: Is a directory"),
+    ],
+)
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["status"],
+        ["scale", "--experts", "0:0", "--replicas", "1"],
+        ["placement", "show"],
+        ["stats"],
+        ["bench"],
+        ["generate", "--prompt", "hi"],
+    ],
+)
+def test_every_command_refuses_a_broken_ready_file_in_one_line_with_exit_2(
+    argv, content, why, tmp_path, capsys
+) -> None:
+    path = tmp_path / "mesh.json"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_text(content)
+    assert main([*argv, "--ready-file", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moe-mesh {argv[0]}") and "--ready-file" in err and why in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err

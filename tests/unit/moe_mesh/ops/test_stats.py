@@ -320,7 +320,7 @@ def test_unreachable_endpoints(mesh, tmp_path, capsys, closed_port) -> None:
     assert "does not exist" in capsys.readouterr().err
     (tmp_path / "old.json").write_text(json.dumps({"routers": []}))
     assert stats("--ready-file", tmp_path / "old.json") == 2
-    assert "names no metrics endpoints" in capsys.readouterr().err
+    assert "is not a ready file of `moe-mesh up` (no metrics)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         stats("--metrics", "no-port")
     assert "expected HOST:PORT" in capsys.readouterr().err
