@@ -57,6 +57,8 @@ def _check_flags(args: argparse.Namespace, router_args: list[str]) -> str | None
         return "--certs-dir needs --tls"
     if args.trace_sample is not None and not 0 <= args.trace_sample <= 1:
         return f"--trace-sample must be in [0, 1], got {args.trace_sample}"
+    if args.grpc_port and args.grpc_port == args.http_port:
+        return f"--grpc-port and --http-port are both {args.grpc_port}: the gateway needs two ports"
     if not (args.checkpoint / "config.json").is_file():
         return f"--checkpoint: {args.checkpoint} has no config.json (not a checkpoint directory)"
     from moe_mesh.router_service import cli as router_cli
@@ -77,6 +79,20 @@ def _check_flags(args: argparse.Namespace, router_args: list[str]) -> str | None
         settings_from_args(RouterSettings, router, flags=router_cli.FLAGS)
     except InvalidArgumentError as e:
         return str(e)
+    return None
+
+
+def _taken_port(args: argparse.Namespace) -> str | None:
+    """A fixed gateway port something already listens on (the gateway binds it again later)."""
+    from moe_mesh.common.server import listen_socket
+
+    host = args.host or GatewaySettings.model_fields["host"].default
+    for name, port in (("--grpc-port", args.grpc_port), ("--http-port", args.http_port)):
+        if port:
+            try:
+                listen_socket(host, port, f"the gateway ({name})").close()
+            except OSError as e:
+                return str(e)
     return None
 
 
@@ -171,6 +187,9 @@ def _run_up(args: argparse.Namespace) -> int:
     if problem:
         print(f"moe-mesh up: error: {problem}", file=sys.stderr)
         return 2
+    if problem := _taken_port(args):  # found now rather than after every other service started
+        print(f"moe-mesh up: error: {problem}", file=sys.stderr)
+        return 1
     return run_up(
         args.checkpoint,
         args.expert_services,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -129,6 +130,7 @@ def test_ctrl_c_during_start_up_is_a_clean_130(checkpoint, tmp_path) -> None:
         (["--max-in-flight", "0"], "--max-in-flight"),
         (["--router-arg=--micro-batches banana"], "--micro-batches"),
         (["--http-port", "70000"], "--http-port"),
+        (["--grpc-port", "45123", "--http-port", "45123"], "both 45123"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_starts(checkpoint, tmp_path, flags, words) -> None:
@@ -137,3 +139,17 @@ def test_bad_flags_are_refused_before_anything_starts(checkpoint, tmp_path, flag
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert words in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not list(run.glob("*.log")), "a service was started"
+
+
+def test_a_taken_gateway_port_is_refused_before_anything_starts(checkpoint, tmp_path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        run = tmp_path / "run"
+        r = moe_mesh(
+            "up", "--checkpoint", checkpoint("mixtral"), "--run-dir", run, "--http-port", port
+        )
+    assert r.returncode == 1, (r.returncode, r.stderr)  # the exit-code table's row for a taken port
+    assert f"127.0.0.1:{port}" in r.stderr and "in use" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not list(run.glob("*.log")), r.stderr
