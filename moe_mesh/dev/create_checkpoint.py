@@ -65,7 +65,8 @@ def create_checkpoint(
     gpt-oss stores its experts fused (``[E, H, 2I]`` with gate and up columns alternating, ``[E, I, H]``)
     whatever the layout; ``quantize="mxfp4"`` writes them as published gpt-oss checkpoints do.
 
-    Raises ValueError for unknown arch/preset/layout and FileExistsError if out_dir exists and is not empty.
+    Raises ValueError for unknown arch/preset/layout or an out_dir that cannot be created, and
+    FileExistsError if out_dir exists and is not empty.
     """
     for what, value, valid in (
         ("arch", arch, ARCHS),
@@ -83,6 +84,10 @@ def create_checkpoint(
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"output directory {out_dir} already exists and is not empty")
+    try:  # now: a path that cannot be a directory must not fail after the model is built
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create output directory {out_dir}: {e.strerror}") from None
 
     import torch  # here, not at module level: `moe-mesh probe` and friends must start fast
     import transformers
