@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -84,10 +85,12 @@ def create_checkpoint(
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"output directory {out_dir} already exists and is not empty")
-    try:  # now: a path that cannot be a directory must not fail after the model is built
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"cannot create output directory {out_dir}: {e.strerror}") from None
+    # Now, not after the model is built: the nearest existing ancestor must take a directory.
+    ancestor = next(p for p in (out_dir, *out_dir.absolute().parents) if p.exists())
+    if not (ancestor.is_dir() and os.access(ancestor, os.W_OK)):
+        raise ValueError(
+            f"cannot create output directory {out_dir}: {ancestor} is not a writable directory"
+        )
 
     import torch  # here, not at module level: `moe-mesh probe` and friends must start fast
     import transformers
@@ -198,6 +201,9 @@ def _cmd_create(args: argparse.Namespace) -> int:
     except (FileExistsError, ValueError) as exc:
         print(f"moe-mesh checkpoint create: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the disk, not the command: full, or a path the checks above let by
+        print(f"moe-mesh checkpoint create: error: writing {args.out}: {exc}", file=sys.stderr)
+        return 1
     print(out)
     return 0
 
