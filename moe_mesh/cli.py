@@ -15,14 +15,14 @@ import importlib
 import importlib.metadata
 import sys
 
-import grpc
-
 from moe_mesh.common import runtime
-from moe_mesh.common.cli import exit_code
-from moe_mesh.common.errors import MoeMeshError, UnavailableError
 
-runtime.configure()  # the console script's entry: before anything imports torch
+runtime.configure()  # the console script's entry: before anything imports torch or grpc
 
+import grpc  # noqa: E402
+
+from moe_mesh.common.cli import exit_code  # noqa: E402
+from moe_mesh.common.errors import MoeMeshError, UnavailableError  # noqa: E402
 
 # Each command -> the module and function that add it to the parser, in the order `--help` lists them.
 _COMMANDS = {
