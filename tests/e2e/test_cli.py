@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -131,6 +132,25 @@ def test_serve_router_with_a_kv_budget_too_small_for_one_sequence_exits_2_naming
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "error: kv_cache_bytes: '64KiB' (65536 bytes) holds" in r.stderr
     assert "fewer than one sequence of max_model_len=" in r.stderr
+
+
+def test_serve_expert_on_a_taken_port_says_so_in_one_line(checkpoint) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        # As a user's shell has it: this test process set GRPC_VERBOSITY itself (runtime.configure).
+        env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+        r = subprocess.run(
+            [sys.executable, "-m", "moe_mesh", "serve-expert", "--checkpoint", checkpoint("mixtral"),
+             "--experts", "*:0", "--port", str(port)],
+            capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    # One line: ours, not gRPC core's own ("E1126 ... add_port.cc] Failed to add port") before it.
+    [line] = [line for line in r.stderr.splitlines() if "error" in line.lower()]
+    assert line.startswith("moe-mesh serve-expert: error: cannot listen on 127.0.0.1:"), r.stderr
+    assert "add_port" not in r.stderr, r.stderr
 
 
 def test_placement_show_errors_exit_2_with_a_message(tmp_path) -> None:
