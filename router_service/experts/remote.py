@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from moe_mesh.common.errors import PreconditionError, UnavailableError
+from moe_mesh.common.errors import DeadlineExceededError, PreconditionError, UnavailableError
 from moe_mesh.common.fastpath.client import FastPathError
 from moe_mesh.common.moe import joined
 from moe_mesh.common.placement import format_experts
@@ -222,9 +222,14 @@ async def connect(
         replies = await asyncio.gather(
             *(b.describe(max(0.1, deadline - time.monotonic())) for b in backends)
         )
-    except UnavailableError as e:
+    except (
+        UnavailableError,
+        DeadlineExceededError,
+    ) as e:  # Describe waits for the service to listen
         await asyncio.gather(*(b.close() for b in backends))
-        raise UnavailableError(f"expert service not reachable within {timeout_s}s: {e}") from e
+        raise UnavailableError(
+            f"expert service not reachable within {timeout_s:g}s (--connect-timeout-s): {e}"
+        ) from e
     placement: dict[tuple[int, int], list[RemoteExperts]] = {}
     for backend, info in zip(backends, replies):
         for field in ("model_id", "weights_checksum"):

@@ -1,5 +1,5 @@
 """An in-process router service over real gRPC: sampling edge cases, duplicate ids, a dying engine loop,
-the KV cache in its status."""
+the KV cache in its status, an expert service that never answers at start-up."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from moe_mesh.common.errors import UnavailableError
 from moe_mesh.ops.client import kv_line, router_status
 from moe_mesh.protos.moe_mesh.v1 import router_pb2_grpc
 from moe_mesh.router_service.app import SERVICE_NAME, RouterApp
@@ -147,3 +148,15 @@ async def test_status_shows_the_kv_cache_and_prefix_cache_hits(local_router, che
     line = kv_line(kv)
     assert f"0/{pool.num_blocks} blocks used" in line and "3 cached" in line
     assert "prefix cache hits 27.6% of 58 tokens" in line
+
+
+async def test_an_expert_service_that_never_answers_fails_start_up_naming_the_flag(
+    checkpoint, closed_port
+) -> None:
+    settings = RouterSettings(
+        checkpoint=checkpoint("olmoe"),
+        expert_endpoints=[f"127.0.0.1:{closed_port}"],
+        connect_timeout_s=0.5,
+    )
+    with pytest.raises(UnavailableError, match=r"within 0.5s \(--connect-timeout-s\): 127.0.0.1:"):
+        await RouterApp.create(settings)
