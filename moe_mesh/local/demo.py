@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         create_checkpoint(path, "mixtral", "small", seed=0, router_skew=2.0, progress=True)
+    else:
+        print(f"==> using the checkpoint in {path}", file=sys.stderr)
     run_dir = Path(".cache") / "demo-mesh"
     for old in run_dir.glob("*.spans.jsonl"):  # spans of an earlier demo would mix with this one's
         old.unlink()
@@ -102,7 +104,17 @@ def main(argv: list[str] | None = None) -> int:
         say("==> shutting the mesh down")  # never raises: a closed stdout must not skip the stop
         launcher.stop()  # each service flushes its spans as it stops
     _show_trace(mesh["trace_files"])
+    print(
+        f"\n==> done. To keep a mesh running and send it your own requests, see README.md, "
+        f"'Try it' ({_command()} up --checkpoint {path} ...)."
+    )
     return 0
+
+
+def _command() -> str:
+    """How to run moe-mesh from this shell: the console script of this virtualenv."""
+    script = Path(sys.executable).parent / "moe-mesh"
+    return str(script) if script.exists() else f"{sys.executable} -m moe_mesh"
 
 
 def _show_trace(files: list[str]) -> None:
@@ -120,7 +132,7 @@ def _show_trace(files: list[str]) -> None:
     print(
         f"\n==> the trace of {request_id}: gateway -> router -> its engine steps; each step's expert "
         f"calls, down to the expert services' FFN spans, are in the full tree "
-        f"(moe-mesh trace show {' '.join(files)} --trace-id {trace_id})\n"
+        f"({_command()} trace show {' '.join(files)} --trace-id {trace_id})\n"
     )
     print(trace_view.render_trace(spans, trace_id, max_depth=5))
 
