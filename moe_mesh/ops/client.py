@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_mesh.common.errors import InvalidArgumentError, MoeMeshError
 from moe_mesh.common.finish_reason import from_wire
+from moe_mesh.common.placement import ModelShape, format_experts, parse_experts
 from moe_mesh.common.status import error_from_rpc
 from moe_mesh.common.tls import MeshTls, open_channel
 from moe_mesh.ops.ready import read_ready_file
@@ -201,7 +202,25 @@ async def router_status(address: str, tls: MeshTls | None = None) -> dict:
             "preemptions": st.preemptions,
         },
     )
+    row["unserved"] = unserved(row)
     return row
+
+
+def unserved(router: dict) -> str:
+    """The experts no replica in a router's placement serves, as an expert spec ('' when none):
+    a request routed to one of them fails, however healthy every service left is."""
+    shape = ModelShape(router["num_layers"], router["num_experts"], tuple(router["moe_layers"]))
+    try:
+        served = {p for spec in router["placement"].values() for p in parse_experts(spec, shape)}
+    except InvalidArgumentError:  # a router whose shape this client cannot read: no claim
+        return ""
+    missing = [
+        (layer, e)
+        for layer in shape.moe_layer_ids
+        for e in range(shape.num_experts)
+        if (layer, e) not in served
+    ]
+    return format_experts(missing) if missing else ""
 
 
 async def mesh_status(mesh: dict) -> dict:
@@ -258,6 +277,10 @@ def print_status(st: dict) -> None:
             print(kv_line(r["kv"]))
         for rep in r.get("replicas", []):
             print(replica_line(rep))
+        if r.get("unserved"):
+            print(
+                f"  !! served by no replica: experts {r['unserved']} (requests routed there fail)"
+            )
     for e in st["experts"]:
         stats = f"experts {e.get('experts', '?')}  calls {e.get('forward_calls', '?')} batches {e.get('batches', '?')}"
         print(f"expert   {e['address']:<22} {e['health']:<12} {e.get('error', stats)}")
@@ -352,4 +375,5 @@ def _run_status(args: argparse.Namespace) -> int:
     else:
         print_status(status)
     healthy = [s["health"] for s in [status["gateway"], *status["routers"], *status["experts"]]]
-    return 0 if all(h == "SERVING" for h in healthy) else 1
+    whole = not any(r.get("unserved") for r in status["routers"])
+    return 0 if whole and all(h == "SERVING" for h in healthy) else 1
