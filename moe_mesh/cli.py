@@ -11,6 +11,7 @@ developing     create-checkpoint                            (moe_mesh.dev)
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.metadata
 import sys
@@ -46,10 +47,37 @@ _COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that a mistyped flag is reported by the command it was given to, with that
+    command's usage and the flags it comes closest to. (Subcommands' parsers are of this class too:
+    add_subparsers makes them of the parent's.)"""
+
+    finished: list[argparse.ArgumentParser] = []  # innermost first: the command a line reached
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        self._words = list(sys.argv[1:] if args is None else args)
+        parsed = super().parse_known_args(args, namespace)
+        _Parser.finished.append(self)
+        return parsed
+
+    def error(self, message: str):  # type: ignore[override]
+        super().error(message + self.guesses(getattr(self, "_words", [])))
+
+    def guesses(self, words: list[str]) -> str:
+        """'; --promt: did you mean --prompt?' for each word like a flag this parser lacks."""
+        known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        out = ""
+        for word in (w.split("=")[0] for w in words if w.startswith("--")):
+            if not any(k.startswith(word) for k in known):  # neither a flag nor its abbreviation
+                for match in difflib.get_close_matches(word, known, n=1, cutoff=0.75):
+                    out += f"; {word}: did you mean {match}?"
+        return out
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """Every command's parser, or only `command`'s when it is one: importing all their modules
     costs ~0.5 s more than one does, on every `moe-mesh status` or `generate`."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="moe-mesh", description="Serve sparse MoE language models as a gRPC mesh."
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -74,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv[0] if argv else None)
     parser.add_argument("--version", action="version", version=f"moe-mesh {version()}")
-    args = parser.parse_args(argv)
+    _Parser.finished.clear()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported by the command they were given to, not by `moe-mesh` itself
+        _Parser.finished[0].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except MoeMeshError as e:

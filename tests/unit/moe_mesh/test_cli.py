@@ -67,3 +67,23 @@ def test_every_command_refuses_a_broken_ready_file_in_one_line_with_exit_2(
     err = capsys.readouterr().err
     assert err.startswith(f"moe-mesh {argv[0]}") and "--ready-file" in err and why in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["status", "--ready-file", "x", "--jsn"], "unrecognized arguments: --jsn; --jsn: did you mean --json?"),
+        (["up", "--checkpont", "x"], "the following arguments are required: --checkpoint; --checkpont: did you mean --checkpoint?"),
+        (["status", "--ready-file", "x", "--bogus"], "unrecognized arguments: --bogus\n"),
+    ],
+)  # fmt: skip
+def test_a_mistyped_flag_is_reported_by_its_command_with_the_flag_it_is_closest_to(
+    argv, said, capsys
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"usage: moe-mesh {argv[0]} "), err
+    assert err.endswith(
+        f"moe-mesh {argv[0]}: error: {said}" + ("" if said.endswith("\n") else "\n")
+    )
