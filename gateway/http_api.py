@@ -526,8 +526,11 @@ async def _on_invalid_body(request: Request, e: RequestValidationError) -> JSONR
         )
     loc = tuple(first.get("loc", ()))
     if loc[:1] != ("body",) or len(loc) < 2:
+        got = "an empty body" if first.get("type") == "missing" else first.get("msg", "").lower()
+        sent = request.headers.get("content-type") or "none"
         return _invalid_request(
-            f"the body must be a JSON object, sent as application/json: {first.get('msg', '')}",
+            "the body must be a JSON object, sent as application/json "
+            f"(this request: {got}; content type {sent})",
             None,
         )
     param = str(loc[1])

@@ -497,6 +497,15 @@ async def test_bad_input_is_400_naming_the_field(mesh, endpoint, body, param) ->
     assert mesh.gateway.core.admission.in_flight == 0
 
 
+async def test_a_body_that_is_not_a_json_object_says_what_was_sent(mesh) -> None:
+    async with httpx.AsyncClient(base_url=mesh.http_base_url) as h:
+        empty = await h.post("/v1/completions", headers={"content-type": "application/json"})
+        form = await h.post("/v1/completions", data={"prompt": "hi"})  # curl -d's default
+    assert empty.status_code == form.status_code == 400
+    assert "(this request: an empty body; content type application/json)" in empty.text
+    assert "content type application/x-www-form-urlencoded)" in form.text, form.text
+
+
 async def test_a_large_body_is_413_at_once_while_small_requests_are_served(mesh) -> None:
     """No body-size limit and tokenization on the event loop once let a 10 MB prompt stall every request ~11 s."""
     huge = json.dumps({"prompt": "hello world " * 900_000, "max_tokens": 2}).encode()  # 10.8 MB
