@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from moe_mesh.common.arch import ModelSpec, family_module, load_spec, tensor_names
+from moe_mesh.common.arch import ModelSpec, checkpoint_spec, family_module, tensor_names
 from moe_mesh.common.errors import CheckpointError
 from moe_mesh.common.linear import prepack
 from moe_mesh.common.safetensors_mmap import SafetensorsFile
@@ -40,9 +40,7 @@ class Checkpoint:
     ) -> None:
         self.path = Path(path)
         self._prepack, self._batch_invariant = prepack, batch_invariant
-        if not self.path.is_dir():
-            raise CheckpointError("checkpoint directory not found", file=str(self.path))
-        self.spec: ModelSpec = load_spec(self.path)
+        self.spec: ModelSpec = checkpoint_spec(self.path)
         self.names = tensor_names(self.spec)
         # A family module may take over parts of loading (common/arch/__init__.py lists the hooks).
         self.family = family_module(self.spec.family)

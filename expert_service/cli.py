@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from moe_mesh.common.arch import checkpoint_spec
 from moe_mesh.common.cli import add_settings_arguments, exit_code, settings_from_args
 from moe_mesh.common.errors import MoeMeshError
 from moe_mesh.expert_service.settings import ExpertSettings
@@ -58,6 +59,7 @@ def run_serve_expert(args: argparse.Namespace) -> int:
     """Load the experts, serve until SIGTERM/SIGINT, drain, exit 0; bad configuration exits 2 with one line."""
     try:
         settings = settings_from_args(ExpertSettings, args)
+        checkpoint_spec(settings.checkpoint)
     except MoeMeshError as e:
         return _error(str(e))
     import uvloop  # the heavy imports (torch, grpc) wait until the flags are known to be valid

@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from moe_mesh.common.arch import checkpoint_spec
 from moe_mesh.common.cli import add_settings_arguments, exit_code, settings_from_args
 from moe_mesh.common.errors import MoeMeshError
 
@@ -31,18 +32,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvloop
-
-    from moe_mesh.common.server import serve_app
-    from moe_mesh.router_service.app import RouterApp
     from moe_mesh.router_service.settings import RouterSettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     try:
         settings = settings_from_args(RouterSettings, args, required=["checkpoint"], flags=FLAGS)
+        checkpoint_spec(settings.checkpoint)
     except MoeMeshError as e:
         print(f"moe-mesh serve-router: error: {e}", file=sys.stderr)
-        return 2
+        return exit_code(e)
+    import uvloop  # the heavy imports (torch, grpc) wait until the flags are known to be valid
+
+    from moe_mesh.common.server import serve_app
+    from moe_mesh.router_service.app import RouterApp
 
     if settings.compute_threads:
         import torch

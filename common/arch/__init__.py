@@ -85,6 +85,14 @@ def parse_spec(config: dict[str, Any], source: str = "config.json") -> ModelSpec
     return spec
 
 
+def checkpoint_spec(checkpoint_dir: Path) -> ModelSpec:
+    """The spec of the checkpoint in `checkpoint_dir`, from its config.json alone (torch-free): a
+    command refuses a wrong --checkpoint before it imports torch."""
+    if not Path(checkpoint_dir).is_dir():
+        raise CheckpointError("checkpoint directory not found", file=str(checkpoint_dir))
+    return load_spec(checkpoint_dir)
+
+
 def load_spec(checkpoint_dir: Path) -> ModelSpec:
     """Read and parse `checkpoint_dir/config.json`."""
     path = Path(checkpoint_dir) / "config.json"

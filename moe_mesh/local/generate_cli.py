@@ -134,13 +134,17 @@ def _run_generate(args: argparse.Namespace) -> int:
     if not args.checkpoint:
         print("moe-mesh generate: error: --local needs --checkpoint", file=sys.stderr)
         return 2
+    from moe_mesh.common.arch import checkpoint_spec
+    from moe_mesh.router_service.settings import RouterSettings
+
+    settings = RouterSettings(checkpoint=args.checkpoint, dtype=args.dtype)
+    checkpoint_spec(settings.checkpoint)  # before torch loads: a wrong path fails at once
+
     from moe_mesh.common.tokenizer import Tokenizer
     from moe_mesh.local.generate import LocalRequest, generate_local
     from moe_mesh.router_service.build import build_local_engine
     from moe_mesh.router_service.engine.sampling import SamplingParams
-    from moe_mesh.router_service.settings import RouterSettings
 
-    settings = RouterSettings(checkpoint=args.checkpoint, dtype=args.dtype)
     engine = build_local_engine(settings)
     tokenizer = Tokenizer(settings.checkpoint)  # resolved: a Hugging Face model id works too
     ids = args.prompt_token_ids if args.prompt is None else tokenizer.encode(args.prompt)

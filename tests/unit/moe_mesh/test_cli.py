@@ -87,3 +87,22 @@ def test_a_mistyped_flag_is_reported_by_its_command_with_the_flag_it_is_closest_
     assert err.endswith(
         f"moe-mesh {argv[0]}: error: {said}" + ("" if said.endswith("\n") else "\n")
     )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve-expert", "--experts", "*:0"],
+        ["serve-router"],
+        ["generate", "--local", "--prompt", "x"],
+    ],
+)
+def test_a_wrong_checkpoint_is_refused_before_torch_is_imported(argv, tmp_path) -> None:
+    probe = (
+        "import sys; from moe_mesh.cli import main; "
+        f"code = main({[*argv, '--checkpoint', str(tmp_path / 'nope')]!r}); "
+        "print(code, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["2", "False"], out.stderr
+    assert "checkpoint directory not found" in out.stderr, out.stderr
