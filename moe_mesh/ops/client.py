@@ -15,9 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_mesh.common.errors import InvalidArgumentError, MoeMeshError
 from moe_mesh.common.finish_reason import from_wire
-from moe_mesh.common.placement import ModelShape, format_experts, parse_experts
 from moe_mesh.common.status import error_from_rpc
 from moe_mesh.common.tls import MeshTls, open_channel
+from moe_mesh.ops.placement import unserved
 from moe_mesh.ops.ready import read_ready_file
 from moe_mesh.protos.moe_mesh.v1 import (
     expert_pb2,
@@ -204,23 +204,6 @@ async def router_status(address: str, tls: MeshTls | None = None) -> dict:
     )
     row["unserved"] = unserved(row)
     return row
-
-
-def unserved(router: dict) -> str:
-    """The experts no replica in a router's placement serves, as an expert spec ('' when none):
-    a request routed to one of them fails, however healthy every service left is."""
-    shape = ModelShape(router["num_layers"], router["num_experts"], tuple(router["moe_layers"]))
-    try:
-        served = {p for spec in router["placement"].values() for p in parse_experts(spec, shape)}
-    except InvalidArgumentError:  # a router whose shape this client cannot read: no claim
-        return ""
-    missing = [
-        (layer, e)
-        for layer in shape.moe_layer_ids
-        for e in range(shape.num_experts)
-        if (layer, e) not in served
-    ]
-    return format_experts(missing) if missing else ""
 
 
 async def mesh_status(mesh: dict) -> dict:

@@ -110,6 +110,22 @@ def pairs_of(spec: str, record: dict) -> set[Pair]:
     return set(parse_experts(spec, shape))
 
 
+def unserved(router: dict) -> str:
+    """The experts no replica in a `router_status` row's placement serves, as an expert spec (''
+    when none): a request routed to one of them fails, however healthy every service left is."""
+    try:
+        served = set().union(*(pairs_of(spec, router) for spec in router["placement"].values()))
+    except InvalidArgumentError:  # a router whose shape this client cannot read: no claim
+        return ""
+    missing = [
+        (layer, e)
+        for layer in router["moe_layers"]
+        for e in range(router["num_experts"])
+        if (layer, e) not in served
+    ]
+    return format_experts(missing) if missing else ""
+
+
 def shares(row: list[float]) -> list[int]:
     """Each expert's share of a layer's tokens in whole percent, rounded so the layer adds up to exactly 100."""
     total = sum(row)

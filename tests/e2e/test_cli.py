@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from moe_mesh.common.tokenizer import Tokenizer
 from moe_mesh.planning import deploy
 from tests.support import REPO
 from tests.support.cli import moe_mesh
+from tests.support.net import bound_port
 from tests.support.plans import EXAMPLE_PLAN, MIB, skewed, write_record
 from tests.support.processes import ServiceProcess
 
@@ -135,10 +135,7 @@ def test_serve_router_with_a_kv_budget_too_small_for_one_sequence_exits_2_naming
 
 
 def test_serve_expert_on_a_taken_port_says_so_in_one_line(checkpoint) -> None:
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
+    with bound_port(listen=True) as port:
         # As a user's shell has it: this test process set GRPC_VERBOSITY itself (runtime.configure).
         env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
         r = subprocess.run(

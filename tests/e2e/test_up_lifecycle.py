@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import psutil
 import pytest
 
 from tests.support.cli import moe_mesh
+from tests.support.net import bound_port
 
 
 def start_up(path: Path, tmp_path: Path, *flags: str, stdout=None) -> tuple[subprocess.Popen, Path]:
@@ -142,10 +142,7 @@ def test_bad_flags_are_refused_before_anything_starts(checkpoint, tmp_path, flag
 
 
 def test_a_taken_gateway_port_is_refused_before_anything_starts(checkpoint, tmp_path) -> None:
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
+    with bound_port(listen=True) as port:
         run = tmp_path / "run"
         r = moe_mesh(
             "up", "--checkpoint", checkpoint("mixtral"), "--run-dir", run, "--http-port", port

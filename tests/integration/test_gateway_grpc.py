@@ -28,6 +28,16 @@ def greedy(i: int, max_tokens: int = 32, **kw) -> inference_pb2.GenerateRequest:
     )
 
 
+async def generate_command(*args: str) -> tuple[int, str, str]:
+    """`moe-mesh generate ARGS` as a user runs it: exit code, stdout, stderr."""
+    cli = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "moe_mesh", "generate", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(cli.communicate(), 60)
+    return cli.returncode, out.decode(), err.decode()
+
+
 async def serving(channel: grpc.aio.Channel) -> bool:
     reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
     return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -231,52 +241,26 @@ async def test_logprobs_and_ignore_eos_over_grpc_and_the_generate_command(checkp
         streamed = [m async for m in stub.GenerateStream(request)]
         assert [t for m in streamed for t in m.token_ids] == list(reply.token_ids)
         assert [lp for m in streamed for lp in m.logprobs] == list(reply.logprobs)
-        cli = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "moe_mesh",
-            "generate",
-            "--gateway",
-            mesh.grpc_address,
-            "--prompt-token-ids",
-            "1,2,3",
-            "--max-tokens",
-            "6",
-            "--temperature",
-            "0",
-            "--ignore-eos",
-            "--logprobs",
-            "2",
-            "--json",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(cli.communicate(), 60)
-        assert cli.returncode == 0, err.decode()
+        code, out, err = await generate_command(
+            "--gateway", mesh.grpc_address, "--prompt-token-ids", "1,2,3", "--max-tokens", "6",
+            "--temperature", "0", "--ignore-eos", "--logprobs", "2", "--json",
+        )  # fmt: skip
+        assert code == 0, err
         result = json.loads(out)
         assert result["token_ids"] == list(reply.token_ids)
         assert [x["logprob"] for x in result["logprobs"]] == [lp.logprob for lp in reply.logprobs]
-
-
-async def generate_command(*args: str) -> tuple[int, str]:
-    cli = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "moe_mesh", "generate", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    _, err = await asyncio.wait_for(cli.communicate(), 60)
-    return cli.returncode, err.decode()
 
 
 async def test_the_generate_command_exits_2_for_input_the_gateway_refuses_and_for_a_router(
     checkpoint,
 ) -> None:
     async with local_mesh(checkpoint("mixtral")) as mesh:
-        code, err = await generate_command(
+        code, _, err = await generate_command(
             "--gateway", mesh.grpc_address, "--prompt-token-ids", "1,2", "--temperature", "-1"
         )
         assert code == 2 and "temperature: must be >= 0" in err and "Traceback" not in err, err
         # A router answers gRPC too, but not the Inference API.
-        code, err = await generate_command(
+        code, _, err = await generate_command(
             "--gateway", mesh.router.server.address, "--prompt-token-ids", "1,2"
         )
         assert code == 2 and "does not serve moe-mesh's Inference API" in err, err

@@ -8,11 +8,14 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def bound_port() -> Iterator[int]:
-    """A loopback port bound here and never listened on while the block runs: connections to it
-    are refused, and no other process can take it meanwhile."""
+def bound_port(listen: bool = False) -> Iterator[int]:
+    """A loopback port bound here while the block runs, so no other process can take it: never
+    listened on (connections are refused), or with `listen` taken as a user's other server takes
+    one."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
+        if listen:
+            s.listen()
         yield s.getsockname()[1]
 
 
