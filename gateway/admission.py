@@ -2,6 +2,11 @@
 
 A request beyond both is refused at once (ResourceExhaustedError with a retry hint) instead of
 queueing without bound; waiting requests get freed places highest priority first, then FIFO.
+
+A request may need several places at once (the n choices of one streamed response): it takes all of
+them together or waits for all of them, never holding some while it waits for the rest, so two such
+requests cannot each hold what the other waits for. The first in line waits until its places are
+free; those behind it do not overtake it (a large request is not starved by small ones).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ class Admission:
             retry_after_s,
         )
         self.in_flight = 0
-        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        # (-priority, arrival, places, waiter)
+        self._waiting: list[tuple[int, int, int, asyncio.Future[None]]] = []
         self._order = itertools.count()
         self.rejected = 0
 
@@ -34,15 +40,19 @@ class Admission:
     @asynccontextmanager
     async def slot(self, priority: int = 0) -> AsyncIterator[None]:
         """Hold an in-flight place for the body; wait for one (bounded) or raise ResourceExhaustedError."""
-        await self._acquire(priority)
+        await self.acquire(priority)
         try:
             yield
         finally:
-            self._release()
+            self.release()
 
-    async def _acquire(self, priority: int) -> None:
-        if self.in_flight < self.max_in_flight and not self.queued:
-            self.in_flight += 1
+    async def acquire(self, priority: int = 0, places: int = 1) -> None:
+        """Take `places` (at most max_in_flight) together, waiting for them in line (bounded), or
+        raise ResourceExhaustedError; give each back with release()."""
+        if not 1 <= places <= self.max_in_flight:
+            raise ValueError(f"{places} places of {self.max_in_flight}")
+        if self.in_flight + places <= self.max_in_flight and not self.queued:
+            self.in_flight += places
             return
         if self.queued >= self.max_queued:
             self.rejected += 1
@@ -52,18 +62,28 @@ class Admission:
                 self.retry_after_s,
             )
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiting, (-priority, next(self._order), waiter))
+        heapq.heappush(self._waiting, (-priority, next(self._order), places, waiter))
         try:
-            await waiter  # _release hands its place over: in_flight stays counted
+            await waiter  # _grant counted our places in in_flight
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
-                self._release()  # the place arrived as we were cancelled: pass it on
+                self.release(places)  # they arrived as we were cancelled: pass them on
+            else:
+                self._grant()  # we no longer block those behind us
             raise
 
-    def _release(self) -> None:
+    def release(self, places: int = 1) -> None:
+        self.in_flight -= places
+        self._grant()
+
+    def _grant(self) -> None:
         while self._waiting:
-            *_, waiter = heapq.heappop(self._waiting)
-            if not waiter.done():
-                waiter.set_result(None)
+            *_, places, waiter = self._waiting[0]
+            if waiter.done():  # cancelled while waiting
+                heapq.heappop(self._waiting)
+                continue
+            if self.in_flight + places > self.max_in_flight:
                 return
-        self.in_flight -= 1
+            heapq.heappop(self._waiting)
+            self.in_flight += places
+            waiter.set_result(None)

@@ -35,15 +35,8 @@ class Choices:
 
     @classmethod
     async def start(cls, core: GatewayCore, requests: list[TextRequest]) -> Choices:
-        """Admit every request, or none: one refused releases those already admitted."""
-        started: list[Generation] = []
-        try:
-            for r in requests:
-                started.append(await core.start(r))
-        except BaseException:
-            await asyncio.gather(*(g.aclose() for g in started), return_exceptions=True)
-            raise
-        return cls(started)
+        """Admit every request together, or none (GatewayCore.start_all)."""
+        return cls(await core.start_all(requests))
 
     async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
         if len(self.generations) == 1:  # the common case, without a queue and tasks per token

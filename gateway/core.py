@@ -347,47 +347,70 @@ class GatewayCore:
 
     async def start(self, r: TextRequest, timeout_s: float | None = None) -> Generation:
         """Validate and admit `r` (raising at once when invalid or when the queue is full), then stream."""
+        return (await self.start_all([r], timeout_s))[0]
+
+    async def start_all(
+        self, requests: Sequence[TextRequest], timeout_s: float | None = None
+    ) -> list[Generation]:
+        """start() for requests streamed together (one response's n choices): all are admitted at
+        once, taking their places together, or none is (Admission says why that matters)."""
         try:
-            return await self._start(r, timeout_s)
+            return await self._start(requests, timeout_s)
         except MoeMeshError as e:
             self._errors.add(1, {"rpc.grpc.status_code": status_code(e).name})
             raise
 
-    async def _start(self, r: TextRequest, timeout_s: float | None) -> Generation:
+    async def _start(
+        self, requests: Sequence[TextRequest], timeout_s: float | None
+    ) -> list[Generation]:
         began = time.monotonic()
         deadline = began + (timeout_s if timeout_s is not None else self.settings.request_timeout_s)
         if self.draining:
             raise UnavailableError("the gateway is shutting down; retry on another replica")
-        ids, params = await self.validate(r)
-        request_id = r.request_id or uuid.uuid4().hex
-        if request_id in self._active:
-            raise AlreadyExistsError("request_id", f"{request_id!r} is already in flight")
-        self._active.add(request_id)
-        slot = self.admission.slot(r.priority)
+        if len(requests) > self.admission.max_in_flight:
+            raise InvalidArgumentError(
+                "n",
+                f"{len(requests)} streamed choices run at once, and this gateway runs at most "
+                f"max_in_flight={self.admission.max_in_flight} requests",
+            )
+        validated = [await self.validate(r) for r in requests]
+        ids = [r.request_id or uuid.uuid4().hex for r in requests]
+        for request_id in ids:
+            if request_id in self._active:
+                raise AlreadyExistsError("request_id", f"{request_id!r} is already in flight")
+        self._active.update(ids)
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                await slot.__aenter__()
+                await self.admission.acquire(requests[0].priority, len(requests))
         except TimeoutError:
-            self._active.discard(request_id)
+            self._active.difference_update(ids)
             raise DeadlineExceededError(
-                f"request {request_id} waited past its deadline for admission"
+                f"request {ids[0]} waited past its deadline for admission"
             ) from None
         except BaseException:
-            self._active.discard(request_id)
+            self._active.difference_update(ids)
             raise
         self._queue_wait.record(time.monotonic() - began)
-        request = RouterRequest(request_id, ids, params, r.priority)
+        return [
+            self._generation(RouterRequest(i, tokens, params, r.priority), r.stop, deadline, began)
+            for i, r, (tokens, params) in zip(ids, requests, validated)
+        ]
+
+    def _generation(
+        self, request: RouterRequest, stop: Sequence[str], deadline: float, began: float
+    ) -> Generation:
+        """An admitted request's stream; closing it gives its place back, once."""
         released = False
 
         async def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                self._active.discard(request_id)
-                await slot.__aexit__(None, None, None)
+                self._active.discard(request.request_id)
+                self.admission.release()
 
-        gen = Generation(request_id, self._stream(request, r.stop, deadline, began), release)
-        gen.prompt_token_ids = ids
+        gen = Generation(request.request_id, self._stream(request, stop, deadline, began), release)
+        gen.prompt_token_ids = request.prompt_token_ids
         return gen
 
     async def complete(self, r: TextRequest, timeout_s: float | None = None) -> Completion:

@@ -606,6 +606,32 @@ async def test_overload_gets_429_with_retry_after_and_accepted_requests_complete
         assert r.choices[0].token_ids == ref[:N]
 
 
+async def test_streamed_choices_are_admitted_together_so_concurrent_ones_never_deadlock(
+    path,
+) -> None:
+    """Each streamed response's n choices take their places at once: two responses cannot each
+    hold one place while waiting for the other's (which hung them until their deadline)."""
+    ref = greedy(path, tuple(IDS), 4)
+    async with local_mesh(path, max_in_flight=2, max_queued=8) as m, client(m) as c:
+
+        async def streamed(n: int) -> dict[int, list[int]]:
+            stream = await c.completions.create(
+                model="", prompt=IDS, n=n, stream=True, **{**GREEDY, "max_tokens": 4}
+            )
+            got: dict[int, list[int]] = {}
+            async for chunk in stream:
+                got.setdefault(chunk.choices[0].index, []).extend(chunk.choices[0].token_ids)
+            return got
+
+        done = await asyncio.wait_for(asyncio.gather(*(streamed(2) for _ in range(4))), 60)
+        assert done == [{0: ref, 1: ref}] * 4
+        with pytest.raises(openai.BadRequestError) as e:
+            await streamed(3)
+        assert e.value.body["param"] == "n" and "max_in_flight=2" in e.value.body["message"]
+        await wait_idle(m, 5.0)
+        assert m.gateway.core.admission.in_flight == 0
+
+
 async def test_client_leaving_a_stream_frees_the_router_slot(mesh) -> None:
     async with client(mesh) as c:
         stream = await c.completions.create(

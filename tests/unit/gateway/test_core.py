@@ -76,6 +76,35 @@ async def test_a_cancelled_waiter_gives_its_place_back() -> None:
         assert adm.in_flight == 1
 
 
+async def test_places_taken_together_never_deadlock_and_the_first_in_line_is_not_overtaken() -> (
+    None
+):
+    adm = Admission(max_in_flight=2, max_queued=4, retry_after_s=1.0)
+    await adm.acquire(places=1)
+    both = asyncio.create_task(adm.acquire(places=2))  # needs both places: waits, holding none
+    await asyncio.sleep(0)
+    assert adm.in_flight == 1 and adm.queued == 1
+    one = asyncio.create_task(adm.acquire(places=1))  # would fit, but queues behind `both`
+    await asyncio.sleep(0)
+    assert adm.in_flight == 1 and adm.queued == 2
+    adm.release()
+    await both
+    assert adm.in_flight == 2 and not one.done()
+    adm.release(2)
+    await one
+    assert adm.in_flight == 1 and adm.queued == 0
+    # A waiter needing more than is free gives way when it leaves the line.
+    big = asyncio.create_task(adm.acquire(places=2))
+    small = asyncio.create_task(adm.acquire(places=1))
+    await asyncio.sleep(0)
+    big.cancel()
+    await asyncio.gather(big, return_exceptions=True)
+    await asyncio.wait_for(small, 1)
+    assert adm.in_flight == 2 and adm.queued == 0
+    with pytest.raises(ValueError):
+        await adm.acquire(places=3)
+
+
 # -- failure paths -------------------------------------------------------------------------------
 
 
