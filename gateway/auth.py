@@ -4,7 +4,8 @@ Keys come from a file (`api_key_file`) and/or the environment (`MOE_GATEWAY_API_
 separated by commas), never from a flag: a command line is visible to every user of the host.
 The file holds one key per line, optionally with `name=` (what logs and metrics show instead of
 the key), `rpm=` (requests per minute, a token bucket as large as one minute's share) and
-`max_priority=` (the highest `priority` the key may ask for):
+`max_priority=` (the highest `priority` the key may ask for, and what a request that asks for none
+runs at when it is below 0):
 
     # moe-mesh API keys
     sk-team-a-1f0c...  name=team-a rpm=600
@@ -93,15 +94,20 @@ class Caller:
     def name(self) -> str:
         return self.key.name if self.key else ""
 
-    def admit(self, priority: int) -> None:
-        if self.key is None or self.keys is None:
-            return
-        cap = self.key.max_priority
-        if cap is not None and priority > cap:
+    def admit(self, priority: int | None) -> int:
+        """The priority a request runs at: what it asks for, at most its key's cap (above it is
+        refused), or when it asks for none 0 or the cap if that is lower; takes one request from
+        the key's rate (ResourceExhaustedError when it is spent)."""
+        cap = self.key.max_priority if self.key is not None else None
+        if priority is None:
+            priority = 0 if cap is None else min(0, cap)
+        elif cap is not None and priority > cap:
             raise InvalidArgumentError(
                 "priority", f"at most {cap} for this API key, got {priority}"
             )
-        self.keys.take(self.key)
+        if self.key is not None and self.keys is not None:
+            self.keys.take(self.key)
+        return priority
 
 
 @dataclass
@@ -114,7 +120,13 @@ class ApiKeys:
     _buckets: dict[str, _Bucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._env = parse_keys(self.env_keys.replace(",", "\n"), ENV_KEYS)
+        try:
+            self._env = parse_keys(self.env_keys.replace(",", "\n"), ENV_KEYS)
+        except ValueError as e:
+            # its keys are separated by commas, not lines
+            raise InvalidArgumentError(
+                ENV_KEYS, str(e).replace(f"{ENV_KEYS} line", "key")
+            ) from None
         self._keys = self._env
         if self.file is not None:  # at start-up a bad file is an error, not a log line
             try:

@@ -201,8 +201,20 @@ class GatewayCore:
         try:
             return self.keys.authenticate(authorization)
         except UnauthenticatedError as e:
-            self._errors.add(1, {"rpc.grpc.status_code": status_code(e).name})
+            self.count_failure(e)
             raise
+
+    def count_failure(self, error: BaseException | str) -> None:
+        """Count a failed request in moe_errors_total by status code: `error` once, however many
+        layers it passes on its way out, or a code name for what the HTTP server refuses itself."""
+        if isinstance(error, str):
+            code = error
+        elif getattr(error, "_moe_counted", False):
+            return
+        else:
+            error._moe_counted = True  # type: ignore[attr-defined]
+            code = status_code(error).name if isinstance(error, MoeMeshError) else "INTERNAL"
+        self._errors.add(1, {"rpc.grpc.status_code": code})
 
     @property
     def served_names(self) -> list[str]:
@@ -357,7 +369,7 @@ class GatewayCore:
         try:
             return await self._start(requests, timeout_s)
         except MoeMeshError as e:
-            self._errors.add(1, {"rpc.grpc.status_code": status_code(e).name})
+            self.count_failure(e)
             raise
 
     async def _start(
@@ -480,7 +492,7 @@ class GatewayCore:
                 yield delta
         except MoeMeshError as e:
             status = status_code(e).name
-            self._errors.add(1, {"rpc.grpc.status_code": status})
+            self.count_failure(e)
             if span is not None:
                 span.record_exception(e)
                 span.set_status(StatusCode.ERROR, str(e))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import grpc
 
@@ -65,14 +66,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         metadata = dict(context.invocation_metadata() or ())
         return self.core.authenticate(metadata.get("authorization"))
 
+    def _admitted(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> TextRequest:
+        """The request as its API key lets it run (Caller.admit); priority 0 is proto3's unset."""
+        r = _request(request)
+        return replace(r, priority=self._caller(context).admit(request.priority or None))
+
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ):
         try:
-            self._caller(context).admit(request.priority)
-            c = await self.core.complete(_request(request), context.time_remaining())
+            c = await self.core.complete(self._admitted(request, context), context.time_remaining())
         except MoeMeshError as e:
             log.info("request %s failed: %s", request.request_id or "-", e)
+            self.core.count_failure(e)  # those refused before the core too (key, priority)
             await abort_with(context, e)
         log.info(
             "request %s finished: %s, %d tokens", c.request_id, c.finish_reason, c.completion_tokens
@@ -90,8 +98,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ):
         try:
-            self._caller(context).admit(request.priority)
-            async with await self.core.start(_request(request), context.time_remaining()) as gen:
+            r = self._admitted(request, context)
+            async with await self.core.start(r, context.time_remaining()) as gen:
                 async for d in gen:
                     last = d.finish_reason is not None
                     yield inference_pb2.GenerateStreamResponse(
@@ -104,6 +112,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     )
         except MoeMeshError as e:
             log.info("stream %s failed: %s", request.request_id or "-", e)
+            self.core.count_failure(e)
             await abort_with(context, e)
 
     async def ListModels(
@@ -112,6 +121,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         try:
             self._caller(context)
         except MoeMeshError as e:
+            self.core.count_failure(e)
             await abort_with(context, e)
         return inference_pb2.ListModelsResponse(
             models=[

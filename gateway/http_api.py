@@ -30,7 +30,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
@@ -95,7 +95,7 @@ class _Body(_Json):
     stream_options: StreamOptions | None = None
     top_k: Annotated[int, Field(lt=2**31)] | None = None
     min_p: float | None = None
-    priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] = 0
+    priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] | None = None  # None: the key's (auth)
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     return_token_ids: bool = False
@@ -168,7 +168,7 @@ def _text_request(
         seed=body.seed,
         stop=body.stop,
         stop_token_ids=body.stop_token_ids,
-        priority=body.priority,
+        priority=body.priority or 0,  # _answer applies the API key's cap
         ignore_eos=body.ignore_eos,
         request_id=body.request_id,
         presence_penalty=body.presence_penalty,
@@ -470,8 +470,8 @@ class _BodyLimit:
     """ASGI middleware: a body over `limit` bytes gets 413 before it is read (by its Content-Length),
     or, sent chunked, as soon as the bytes read pass the limit. Either way nothing parses it."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, limit: int, refused: Callable[[str], None]) -> None:
+        self.app, self.limit, self.refused = app, limit, refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -481,6 +481,7 @@ class _BodyLimit:
         if length.isdigit() and int(length) > self.limit:
             # No "Connection: close": uvicorn then discards the rest of the body as it arrives, unparsed,
             # so the client finishes sending and reads this answer instead of a reset connection.
+            self.refused("RESOURCE_EXHAUSTED")
             response = JSONResponse(self._error(int(length)), 413)
             await response(scope, receive, send)
             return
@@ -514,10 +515,12 @@ class _BodyLimit:
 
 async def _on_mesh_error(request: Request, e: errors.MoeMeshError) -> JSONResponse:
     log.info("%s %s failed: %s", request.method, request.url.path, e)
+    request.app.state.core.count_failure(e)
     return _error_response(e)
 
 
 async def _on_invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
+    request.app.state.core.count_failure("INVALID_ARGUMENT")
     problems = e.errors()
     first = problems[0] if problems else {}
     if first.get("type") == "json_invalid":
@@ -543,7 +546,12 @@ async def _on_invalid_body(request: Request, e: RequestValidationError) -> JSONR
     return _invalid_request("; ".join(details), param)
 
 
+# HTTP statuses the server answers itself, as the gRPC codes moe_errors_total counts by
+_HTTP_CODES = {404: "NOT_FOUND", 405: "UNIMPLEMENTED", 413: "RESOURCE_EXHAUSTED"}
+
+
 async def _on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    request.app.state.core.count_failure(_HTTP_CODES.get(e.status_code, "INVALID_ARGUMENT"))
     code = {413: "request_too_large"}.get(e.status_code)
     error = {"message": str(e.detail), "type": "invalid_request_error", "param": None, "code": code}
     return JSONResponse({"error": error}, e.status_code, e.headers)
@@ -551,6 +559,7 @@ async def _on_http_error(request: Request, e: StarletteHTTPException) -> JSONRes
 
 async def _on_bug(request: Request, e: Exception) -> JSONResponse:
     # Starlette re-raises it afterwards, so the server logs the traceback.
+    request.app.state.core.count_failure(e)
     return _error_response(e)
 
 
@@ -564,7 +573,8 @@ async def _answer(
 ) -> Response:
     """Run `r` (n times for n choices) and answer in `shape`; the core's field names are reported as
     this endpoint's `names`."""
-    request.state.caller.admit(body.priority)  # the key's rate and priority cap; n counts once
+    # The key's rate and priority cap; n counts once.
+    r = replace(r, priority=request.state.caller.admit(body.priority))
     n = 1 if body.n is None else body.n
     if not 1 <= n <= core.settings.max_choices:
         raise errors.InvalidArgumentError(
@@ -629,13 +639,14 @@ def create_app(core: GatewayCore, metrics: Any = None) -> FastAPI:
     """The HTTP app over `core`. `app.state.ready` (True at creation) and `core.draining` drive
     /health/ready and /health; `metrics` (a prometheus_client registry) is served at /metrics."""
     app = FastAPI(title="moe-mesh gateway")
-    app.add_middleware(_BodyLimit, limit=core.settings.max_body_bytes)
+    app.add_middleware(_BodyLimit, limit=core.settings.max_body_bytes, refused=core.count_failure)
     app.add_middleware(_Authenticate, core=core)  # added last: runs first
     app.add_exception_handler(errors.MoeMeshError, _on_mesh_error)
     app.add_exception_handler(RequestValidationError, _on_invalid_body)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_bug)
     app.state.ready = True
+    app.state.core = core  # for the exception handlers
     started = int(time.time())
     Completion, Chat = _bounded_bodies(core.settings, core.model.max_model_len)
 

@@ -22,13 +22,17 @@ from tests.support.certs import tls_flags
 from tests.support.meshes import LocalMesh, local_mesh
 
 KEY, LIMITED, NEW_KEY = "sk-test-0123456789", "sk-limited-0123456789", "sk-rotated-0123456789"
+BATCH = "sk-batch-0123456789"  # README's example of a key for batch work
 
 
 @pytest.fixture
 async def mesh(checkpoint, tmp_path) -> AsyncIterator[LocalMesh]:
     certs.create(tmp_path / "certs", ["router", "gateway"])
     keys = tmp_path / "keys"
-    keys.write_text(f"{KEY} name=main\n{LIMITED} name=limited rpm=1 max_priority=0\n")
+    keys.write_text(
+        f"{KEY} name=main\n{LIMITED} name=limited rpm=1 max_priority=0\n"
+        f"{BATCH} name=batch max_priority=-10\n"
+    )
     async with local_mesh(
         checkpoint("mixtral"),
         router=tls_flags(tmp_path / "certs", "router"),
@@ -108,7 +112,18 @@ async def test_a_key_file_change_takes_effect_without_a_restart(mesh, tmp_path) 
         assert [m.id for m in (await new.models.list()).data]
 
 
-async def test_per_key_priority_cap_and_rate_limit(mesh) -> None:
+def errors_by_code(metrics: str) -> dict[str, float]:
+    return {
+        s.labels["rpc_grpc_status_code"]: s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+        if s.name == "moe_errors_total"
+    }
+
+
+async def test_per_key_priority_cap_and_rate_limit_are_applied_and_counted(mesh) -> None:
+    async with http(mesh) as raw:
+        before = errors_by_code((await raw.get("/metrics")).text)
     async with http(mesh, LIMITED) as raw:
         body = {"prompt": [5], "max_tokens": 1}
         r = await raw.post("/v1/completions", json={**body, "priority": 3})
@@ -121,6 +136,31 @@ async def test_per_key_priority_cap_and_rate_limit(mesh) -> None:
     async with http(mesh, KEY) as raw:  # other keys are not limited by it
         r = await raw.post("/v1/completions", json={"prompt": [5], "max_tokens": 1, "priority": 9})
         assert r.status_code == 200
+        # Refused by the HTTP server itself: a body that is not the schema's, one over the limit.
+        r = await raw.post("/v1/completions", json={"prompt": [5], "max_tokens": "many"})
+        assert r.status_code == 400
+        big = b"x" * (mesh.gateway.settings.max_body_bytes + 1)
+        r = await raw.post("/v1/completions", content=big)
+        assert r.status_code == 413
+        after = errors_by_code((await raw.get("/metrics")).text)
+    # Every refusal above counts once, by the status a gRPC caller would get.
+    grew = {code: n - before.get(code, 0.0) for code, n in after.items()}
+    assert {code: n for code, n in grew.items() if n} == {
+        "INVALID_ARGUMENT": 2.0,
+        "RESOURCE_EXHAUSTED": 2.0,
+    }
+    # A key capped below 0 serves requests that ask for no priority (at its cap), over gRPC too.
+    async with client(mesh, BATCH) as batch:
+        done = await batch.completions.create(model="", prompt=[5, 6], max_tokens=2)
+        assert done.usage.completion_tokens == 2
+    tls = MeshTls.ca_only(ca_file(mesh))
+    async with open_channel(mesh.grpc_address, [], tls=tls) as channel:
+        reply = await inference_pb2_grpc.InferenceStub(channel).Generate(
+            inference_pb2.GenerateRequest(prompt_token_ids=[5, 6], max_tokens=2),
+            metadata=(("authorization", f"Bearer {BATCH}"),),
+            timeout=10,
+        )
+        assert len(reply.token_ids) == 2
 
 
 async def test_grpc_callers_need_the_key_too(mesh) -> None:

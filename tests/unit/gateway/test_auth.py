@@ -44,6 +44,9 @@ def test_bearer_keys_from_the_environment_value() -> None:
     for bad in [None, "", "Bearer", f"Basic {KEY_A}", "Bearer sk-wrong-key-123", KEY_A]:
         with pytest.raises(UnauthenticatedError):
             keys.authenticate(bad)
+    # A bad one is refused at start-up like a bad key file, naming the variable and which key.
+    with pytest.raises(InvalidArgumentError, match="MOE_GATEWAY_API_KEY: key 2: a key needs 8"):
+        ApiKeys(env_keys=f"{KEY_A},short")
 
 
 def test_rate_limit_and_priority_cap_per_key(tmp_path) -> None:
@@ -64,6 +67,17 @@ def test_rate_limit_and_priority_cap_per_key(tmp_path) -> None:
     b = keys.authenticate(f"Bearer {KEY_B}")
     for _ in range(50):  # no limits on b
         b.admit(7)
+
+
+def test_a_request_asking_no_priority_runs_at_its_keys_cap_when_that_is_below_0(tmp_path) -> None:
+    path = tmp_path / "keys"
+    path.write_text(f"{KEY_A} name=batch max_priority=-10\n{KEY_B} name=b max_priority=5\n")
+    keys = ApiKeys(path)
+    batch, b = (keys.authenticate(f"Bearer {k}") for k in (KEY_A, KEY_B))
+    assert (batch.admit(None), batch.admit(-20), b.admit(None), b.admit(3)) == (-10, -20, 0, 3)
+    with pytest.raises(InvalidArgumentError, match="at most -10 for this API key, got 0"):
+        batch.admit(0)  # asked for explicitly
+    assert ApiKeys().authenticate(None).admit(None) == 0
 
 
 def test_a_key_file_change_takes_effect_and_a_broken_one_keeps_the_keys(tmp_path) -> None:
