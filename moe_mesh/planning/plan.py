@@ -387,7 +387,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return 2
     header = (
         f"# Proposed by `moe-mesh plan` from {args.utilization} ({record.window_s:g} s window) on top of "
-        f"{args.base}.\n# Review, then: moe-mesh deploy render --plan THIS_FILE --target compose|nomad "
+        f"{args.base}.\n# Review, then: moe-mesh deploy render --plan THIS_FILE --target compose|nomad|kubernetes "
         f"--out DIR\n"
     )
     text = header + yaml.safe_dump(

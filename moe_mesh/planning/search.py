@@ -214,19 +214,39 @@ def _node_text(n: Node) -> str:
     return f"{n.kind}[{'+'.join(what)}]"
 
 
+# A replica's memory beyond its weights: Python, torch, gRPC and UCX (an expert service of the tiny
+# preset holds ~400 MiB resident)
+PROCESS_MIB = 512
+
+
+def cpu_share_mhz(node: Node) -> int:
+    """Each process's share of its node (1000 MHz a core, as deploy render counts): what the
+    prediction assumed, so the plan can be scheduled on the nodes it was predicted for."""
+    return max(100, node.cores * 1000 // (int(node.router) + len(node.replicas)))
+
+
 def planned(base: Plan, profile: ProfileFile, best: Candidate, multi_kind: bool) -> Plan:
-    """`base` with the candidate's expert groups, replicas, threads and router settings."""
+    """`base` with the candidate's expert groups, replicas, threads, resources and router settings.
+    Each group keeps what `base`'s first group says of where and how to run (region, port, args),
+    not its size or placement."""
     raw = base.model_dump(mode="json", exclude_defaults=True)
-    template = base.expert_groups[0].model_dump(mode="json", exclude_defaults=True)
+    template = base.expert_groups[0].model_dump(
+        mode="json", exclude_defaults=True, include={"region", "datacenters", "port", "args"}
+    )
     groups = []
     for g, group in enumerate(best.groups):
         hosts = [n for n in best.nodes if g in n.replicas]
+        weights_mib = -(-len(group.pairs) * profile.expert_bytes // 2**20)
         entry = {
             **template,
             "name": group.name,
             "experts": format_experts(list(group.pairs)),
             "replicas": best.replicas,
             "compute_threads": min(n.threads for n in hosts),
+            "resources": {
+                "cpu_mhz": min(cpu_share_mhz(n) for n in hosts),
+                "memory_mb": weights_mib + PROCESS_MIB,
+            },
         }
         if multi_kind:  # the node class each group was predicted on
             entry["constraints"] = [{"attribute": "${node.class}", "value": hosts[0].kind}]
@@ -244,6 +264,9 @@ def planned(base: Plan, profile: ProfileFile, best: Candidate, multi_kind: bool)
         elif not a.startswith(("--max-num-seqs=", "--micro-batches=")):
             args.append(a)
     router_node = next(n for n in best.nodes if n.router)
+    # The prediction is for one router on its node.
+    router["replicas"] = 1
+    router.setdefault("resources", {"memory_mb": 4096})["cpu_mhz"] = cpu_share_mhz(router_node)
     if not any(a.startswith("--compute-threads") for a in args):
         args += ["--compute-threads", str(router_node.threads)]
     if best.transport == "grpc" and "ucx" in profile.transports:
@@ -386,7 +409,7 @@ def run_search(args) -> int:
         f"B={best.batch}, m={best.m}, {best.transport}, predicted {best.tokens_per_s:.1f} tokens/s, "
         f"TPOT {best.step.seconds * 1e3:.2f} ms{calibrated}, requests of {workload.input_len} "
         f"prompt and {workload.output_len} output tokens.\n"
-        f"# Review, then: moe-mesh deploy render --plan THIS_FILE --target compose|nomad --out DIR\n"
+        f"# Review, then: moe-mesh deploy render --plan THIS_FILE --target compose|nomad|kubernetes --out DIR\n"
     )
     text = header + yaml.safe_dump(
         plan.model_dump(mode="json", exclude_defaults=True), sort_keys=False

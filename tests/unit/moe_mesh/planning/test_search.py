@@ -129,6 +129,15 @@ def test_search_writes_a_plan_deploy_render_accepts(
     groups = predicted["plan"]["expert_groups"]
     assert [g.name for g in plan.expert_groups] == [g["name"] for g in groups]
     assert all(g.compute_threads >= 1 for g in plan.expert_groups)
+    # What it reserves fits the node it was predicted on (one kind: no node-class constraint, of
+    # the example plan's first group or any other), with one router as predicted.
+    assert plan.router.replicas == 1 and not any(g.constraints for g in plan.expert_groups)
+    cpu = {g.name: g.resources.cpu_mhz for g in plan.expert_groups}
+    for node in predicted["plan"]["nodes"]:
+        used = sum(cpu[name] for name in node["expert_groups"])
+        used += plan.router.resources.cpu_mhz if node["router"] else 0
+        assert used <= SMALL["cores"] * 1000, node
+    assert all(g.resources.memory_mb < 8 * 1024 for g in plan.expert_groups)
     rendered = deploy.render(plan, "compose")["docker-compose.yml"]
     assert "--micro-batches" in rendered and "--max-num-seqs" in rendered
     assert deploy.render(plan, "nomad")
