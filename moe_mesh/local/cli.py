@@ -181,7 +181,11 @@ def _run_up(args: argparse.Namespace) -> int:
     router_args = _pass_through(args, ROUTER_FLAGS) + [
         word for text in args.router_arg for word in shlex.split(text)
     ]
-    run_dir = args.run_dir or Path(".cache") / f"mesh-{_time.strftime('%Y%m%d-%H%M%S')}"
+    # Absolute: the ready file names files under it (certificates, logs, spans) that client
+    # commands read from wherever they run.
+    run_dir = (
+        args.run_dir or Path(".cache") / f"mesh-{_time.strftime('%Y%m%d-%H%M%S')}"
+    ).absolute()
     args.checkpoint = resolve_checkpoint(args.checkpoint)  # an HF model id: its cached snapshot
     problem = _check_flags(args, router_args)
     if problem:
@@ -200,7 +204,7 @@ def _run_up(args: argparse.Namespace) -> int:
         gateway_args,
         router_args,
         args.trace_sample,
-        (args.certs_dir or run_dir / "certs") if args.tls else None,
+        (args.certs_dir or run_dir / "certs").absolute() if args.tls else None,
     )
 
 

@@ -38,10 +38,11 @@ def test_up_tls_serves_transformers_tokens_and_refuses_strangers(checkpoint, tmp
         [
             *(sys.executable, "-m", "moe_mesh", "up", "--checkpoint", str(path)),
             *("--expert-services", "2", "--tls", "--api-key-file", str(keys)),
-            *("--ready-file", str(ready), "--run-dir", str(tmp_path / "run")),
+            *("--ready-file", str(ready), "--run-dir", "run"),  # relative: to the cwd below
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
+        cwd=tmp_path,
     )
     try:
         deadline = time.monotonic() + 120
@@ -50,6 +51,8 @@ def test_up_tls_serves_transformers_tokens_and_refuses_strangers(checkpoint, tmp
             assert time.monotonic() < deadline, "mesh not up in 120 s"
             time.sleep(0.1)
         mesh = json.loads(ready.read_text())
+        # The ready file names its files absolutely: client commands here run in another cwd.
+        assert all(Path(f).is_absolute() for f in mesh["tls"].values()), mesh["tls"]
         client = MeshTls.load(*(Path(mesh["tls"][n]) for n in ("cert", "key", "ca")))
         ca = Path(mesh["tls"]["ca"])
         key = (("authorization", f"Bearer {KEY}"),)
