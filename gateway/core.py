@@ -221,6 +221,15 @@ class GatewayCore:
         """The names clients may use for the model: --served-model-name, else the router's id."""
         return self.settings.served_model_name or [self.model.id]
 
+    def served_model(self, name: str) -> ModelInfo:
+        """The model served under `name`, or ModelNotFoundError naming those that are."""
+        if name not in self.served_names:
+            raise ModelNotFoundError(
+                f"model {name!r} does not exist; this gateway serves "
+                + ", ".join(repr(n) for n in self.served_names)
+            )
+        return replace(self.model, id=name)
+
     def list_models(self) -> list[ModelInfo]:
         return [replace(self.model, id=name) for name in self.served_names]
 
@@ -243,11 +252,8 @@ class GatewayCore:
             raise InvalidArgumentError(
                 "stop", "stop strings need a tokenizer (this server has --skip-tokenizer-init)"
             )
-        if r.model and r.model not in self.served_names:
-            raise ModelNotFoundError(
-                f"model {r.model!r} does not exist; this gateway serves "
-                + ", ".join(repr(n) for n in self.served_names)
-            )
+        if r.model:
+            self.served_model(r.model)
         for name, values in (("stop", r.stop), ("stop_token_ids", r.stop_token_ids)):
             if len(values) > s.max_stop_strings:
                 raise InvalidArgumentError(

@@ -3,6 +3,7 @@
     POST /v1/completions        prompt: a string, token ids, or a list holding exactly one of those
     POST /v1/chat/completions   messages rendered by the checkpoint's chat template (`render_chat`)
     GET  /v1/models             the served model, OpenAI list shape
+    GET  /v1/models/{name}      one served name, or 404 model_not_found
     GET  /health/live           200 while the process serves HTTP
     GET  /health/ready, /health 200 while `app.state.ready`, else 503
     GET  /metrics               the gateway's Prometheus metrics (also on --metrics-port if set)
@@ -53,6 +54,7 @@ from moe_mesh.gateway.core import (
     TextRequest,
     check_unicode,
 )
+from moe_mesh.gateway.router_client import ModelInfo
 from moe_mesh.gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -666,23 +668,24 @@ def create_app(core: GatewayCore, metrics: Any = None) -> FastAPI:
             raise StarletteHTTPException(404, "this gateway collects no metrics")
         return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
 
+    def model_object(m: ModelInfo) -> dict:
+        return {
+            "id": m.id,
+            "object": "model",
+            "created": started,
+            "owned_by": "moe-mesh",
+            "architecture": m.architecture,
+            "max_model_len": m.max_model_len,
+            "vocab_size": m.vocab_size,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": m.id,
-                    "object": "model",
-                    "created": started,
-                    "owned_by": "moe-mesh",
-                    "architecture": m.architecture,
-                    "max_model_len": m.max_model_len,
-                    "vocab_size": m.vocab_size,
-                }
-                for m in core.list_models()
-            ],
-        }
+        return {"object": "list", "data": [model_object(m) for m in core.list_models()]}
+
+    @app.get("/v1/models/{model:path}")  # a served name may hold slashes (a Hub id)
+    async def model(model: str) -> dict:
+        return model_object(core.served_model(model))
 
     @app.post("/v1/completions")
     async def completions(body: Completion, request: Request) -> Response:

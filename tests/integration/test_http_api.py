@@ -377,6 +377,11 @@ async def test_models_and_health(mesh) -> None:
     info = mesh.gateway.core.model
     assert [m.id for m in models] == [info.id] and models[0].object == "model"
     assert models[0].max_model_len == info.max_model_len == 512
+    async with client(mesh) as c:  # one model by name, as the openai client retrieves it
+        assert (await c.models.retrieve(info.id)).max_model_len == 512
+        with pytest.raises(openai.NotFoundError) as e:
+            await c.models.retrieve("no/such-model")
+        assert e.value.body["code"] == "model_not_found" and repr(info.id) in e.value.message
     async with httpx.AsyncClient(base_url=mesh.http_base_url) as h:
         assert (await h.get("/health/live")).status_code == 200
         assert (await h.get("/health/ready")).status_code == 200
