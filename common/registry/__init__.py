@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from moe_mesh.common.errors import MoeMeshError
+from moe_mesh.common.errors import InvalidArgumentError, MoeMeshError
 
 EXPERT_SERVICE = "moe-mesh-expert"
 ROUTER_SERVICE = "moe-mesh-router"
@@ -111,7 +111,10 @@ def open_registry(kind: str, address: str | None = None) -> Registry | None:
     if kind == "consul":
         from moe_mesh.common.registry.consul import ConsulRegistry
 
-        return ConsulRegistry(address)
+        try:
+            return ConsulRegistry(address)
+        except ValueError as e:  # a malformed address, an unreadable token file
+            raise InvalidArgumentError("registry", str(e)) from None
     raise ValueError(f"unknown registry {kind!r}; expected 'none' or 'consul'")
 
 
@@ -140,8 +143,9 @@ def registration_hooks(
                 log.warning("could not refresh the registration: %s", e)
 
     async def register() -> None:
-        state["instance"] = make_instance()
-        await registry.register(state["instance"])
+        instance = make_instance()
+        await registry.register(instance)
+        state["instance"] = instance  # what stopping deregisters: nothing, if this failed
         state["task"] = asyncio.create_task(refresh(), name="registry-refresh")
 
     async def deregister() -> None:

@@ -46,6 +46,12 @@ _REGISTRY_ERRORS = (
 )
 
 
+def _why(e: BaseException) -> str:
+    """One line for a failed request: aiohttp's own text ("Cannot connect to host ..."), or the
+    exception's class when it has none (a timeout)."""
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
 def go_duration(seconds: float) -> str:
     """Seconds as a Go duration string, the format Consul expects for intervals and `wait`."""
     return f"{max(1, round(seconds * 1000))}ms"
@@ -100,9 +106,14 @@ class ConsulConfig:
             raise ValueError(f"Consul address {raw!r}: scheme must be http or https")
         if token is None:
             token = env.get("CONSUL_HTTP_TOKEN") or None
-            if token is None and env.get("CONSUL_HTTP_TOKEN_FILE"):
-                with open(env["CONSUL_HTTP_TOKEN_FILE"]) as f:
-                    token = f.read().strip() or None
+            if token is None and (path := env.get("CONSUL_HTTP_TOKEN_FILE")):
+                try:
+                    with open(path) as f:
+                        token = f.read().strip() or None
+                except OSError as e:
+                    raise ValueError(
+                        f"CONSUL_HTTP_TOKEN_FILE={path} cannot be read: {e.strerror}"
+                    ) from None
         if verify is None:
             verify = env.get("CONSUL_HTTP_SSL_VERIFY", "true").lower() not in ("0", "false")
         return cls(
@@ -285,7 +296,8 @@ class ConsulRegistry:
             ) from e
         except _REGISTRY_ERRORS as e:
             raise UnavailableError(
-                f"cannot register {instance.id} at {self.config.address}: {e!r}"
+                f"cannot register {instance.id} at {self.config.address} ({_why(e)}): is a "
+                "Consul agent running there? (--registry-address, CONSUL_HTTP_ADDR)"
             ) from e
         if not ok:
             raise UnavailableError(f"{self.config.address} refused to register {instance.id}")
@@ -297,7 +309,7 @@ class ConsulRegistry:
                 await self._client().agent.service.deregister(instance_id)
         except _REGISTRY_ERRORS as e:
             raise UnavailableError(
-                f"cannot deregister {instance_id} at {self.config.address}: {e!r}"
+                f"cannot deregister {instance_id} at {self.config.address}: {_why(e)}"
             ) from e
 
     async def _query(self, service: str, index: int) -> tuple[int, tuple[Instance, ...]]:
@@ -335,10 +347,10 @@ class ConsulRegistry:
             except _REGISTRY_ERRORS as e:
                 if not stale:
                     log.warning(
-                        "registry %s unreachable while watching %s: %r",
+                        "registry %s unreachable while watching %s: %s",
                         self.config.address,
                         service,
-                        e,
+                        _why(e),
                     )
                     stale = True
                     yield Membership.stale_from(last)

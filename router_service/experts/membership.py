@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import grpc
 
 from moe_mesh.common.arch import ModelSpec
-from moe_mesh.common.errors import InvalidArgumentError, PreconditionError
+from moe_mesh.common.errors import InvalidArgumentError, PreconditionError, UnavailableError
 from moe_mesh.common.placement import Pair, format_experts, parse_experts
 from moe_mesh.common.registry import EXPERT_SERVICE, Instance, Membership, Registry
 from moe_mesh.common.registry.follow import Follower, follow
@@ -48,6 +48,7 @@ class ExpertMembership:
         self.backends = self._follower.clients  # instance id -> backend
         self._pairs: dict[str, list[Pair]] = {}  # instance id -> what it serves
         self.stale = False
+        self.answered = False  # the registry has answered a query
         self.changes = 0
         self._changed = asyncio.Event()
         self._ignored: set[str] = set()
@@ -57,6 +58,7 @@ class ExpertMembership:
     def apply(self, membership: Membership) -> None:
         """Adopt a membership snapshot: connect new services, drop departed ones, rebuild the placement."""
         self.stale = membership.stale
+        self.answered |= not membership.stale
         wanted = {}
         for inst in membership.instances:
             if not self._compatible(inst):
@@ -142,6 +144,12 @@ class ExpertMembership:
         while self.missing():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                await self.stop()
+                if not self.answered:
+                    raise UnavailableError(
+                        f"the registry did not answer in {timeout_s:g}s: is its agent running "
+                        "where --registry-address (or CONSUL_HTTP_ADDR) says?"
+                    )
                 raise PreconditionError(
                     f"after {timeout_s:g}s no registered expert service serves "
                     f"{format_experts(self.missing())} (and they are not colocated)"

@@ -9,7 +9,8 @@ import socket
 import pytest
 from aiohttp import web
 
-from moe_mesh.common.registry import Instance, Membership
+from moe_mesh.common.errors import InvalidArgumentError
+from moe_mesh.common.registry import Instance, Membership, open_registry
 from moe_mesh.common.registry.consul import ConsulConfig
 from tests.support.registries import SERVICE, STEP_S, consul_client, ids
 
@@ -132,3 +133,10 @@ def test_consul_config_tls_and_token_sources(tmp_path):
     )
     with pytest.raises(ValueError):
         ConsulConfig.from_env(env={"CONSUL_HTTP_ADDR": "h:notaport"})
+    with pytest.raises(ValueError, match=r"CONSUL_HTTP_TOKEN_FILE=\S*nowhere cannot be read"):
+        ConsulConfig.from_env(env={"CONSUL_HTTP_TOKEN_FILE": str(tmp_path / "nowhere")})
+
+
+def test_a_service_given_a_malformed_registry_address_is_refused_naming_it() -> None:
+    with pytest.raises(InvalidArgumentError, match="registry: Consul address 'not a url:xx'"):
+        open_registry("consul", "not a url:xx")

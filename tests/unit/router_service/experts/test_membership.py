@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 
-from moe_mesh.common.errors import PreconditionError
+from moe_mesh.common.errors import PreconditionError, UnavailableError
 from moe_mesh.common.registry import Membership
 from tests.support.membership import instance_of, membership_of
 from tests.support.memory_registry import MemoryRegistry
@@ -43,3 +44,25 @@ async def test_start_times_out_naming_the_experts_no_service_covers(checkpoint) 
         await m.start(registry, timeout_s=0.5)
     assert time.monotonic() - start < 3
     await m.stop()
+
+
+class _Silent:
+    """A registry whose agent never answers: its watch only ever reports stale, empty memberships."""
+
+    closed = False
+
+    async def watch(self, service: str):
+        while True:
+            yield Membership((), 0, stale=True)
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_start_says_the_registry_never_answered_and_closes_it(checkpoint) -> None:
+    m, _, _ = membership_of(checkpoint("mixtral"))
+    registry = _Silent()
+    with pytest.raises(UnavailableError, match="the registry did not answer in 0.3s"):
+        await m.start(registry, timeout_s=0.3)
+    assert registry.closed
