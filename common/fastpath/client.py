@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -169,12 +168,11 @@ class FrameClient:
         runtime = self._runtime
         assert runtime is not None
         call = conn.calls = conn.calls % MAX_CALL + 1
-        header = replace(header, call=call)
         tag = reply_tag(conn.id, call)
         # Posted before the request leaves: the reply is taken in the callback it arrives in.
         first = conn.pending[call] = first_message(runtime, tag, self.max_payload_bytes)
         try:
-            messages = encode_frame(header, payload)
+            messages = encode_frame(header, payload, call=call)
             # Not awaited: the reply implies the request arrived; a failed send fails the reply.
             for sent in submit_frame(runtime, conn.ep, request_tag(conn.id), messages):
                 sent.add_done_callback(lambda s: _fail_with(first, s))

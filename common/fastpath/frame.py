@@ -5,13 +5,25 @@ receives it into a buffer of that size (one buffer, no size guess, no trailer). 
 two messages on one tag, in order:
 
     1. prefix + header   prefix = magic b"MMFP", version u16, kind u8, flags u8, header length
-                         u32 (little-endian, PREFIX_BYTES); header = compact JSON, at most
-                         MAX_HEADER_BYTES. With flag INLINE, the payload follows in the same
-                         message at the next PAYLOAD_ALIGN boundary, and the message must end
-                         exactly where the payload does.
+                         u32 (little-endian, PREFIX_BYTES); header = the kind's fixed fields, then
+                         its lists and strings (layouts below), at most MAX_HEADER_BYTES. With
+                         flag INLINE, the payload follows in the same message at the next
+                         PAYLOAD_ALIGN boundary, and the message must end exactly where the
+                         payload does.
     2. payload           without INLINE: the tensor's bytes, sent from the tensor's own memory
                          (no copy) and received into the output tensor's memory; only when the
                          header announces payload bytes, and its length must match them exactly
+
+Headers are packed structs, not JSON: on this host JSON took ~90 us of each call's ~0.45 ms of
+CPU at each end (encode 17-41 us, decode 38-48 us with its type checks), and a fixed layout
+needs no type checks (a count cannot be a string). Little-endian throughout:
+
+    request  layer u32, call u32, timeout_ms f64 (NaN: none), payload_bytes u64, expert ids u16,
+             token counts u16, dims u8, dtype u8 (DTYPE_CODES), then byte lengths u16 of model id,
+             weights checksum and trace; then expert ids u32 each, token counts u32 each, shape
+             u64 each, model id and checksum (UTF-8), trace (a JSON object of strings, or empty)
+    reply    payload_bytes u64, service_s f64, dtype u8, dims u8; then shape u64 each
+    error    byte lengths u16 of code and field, u32 of message; then the three (UTF-8)
 
 Payloads up to INLINE_MAX_BYTES go inline: every message to a sleeping peer costs a wake-up (a
 signal, a context switch, a loop iteration: ~50-100 us on 2 cores), far more than copying a
@@ -26,15 +38,16 @@ forgets the client: what follows cannot be trusted.
 The version is checked first: a peer speaking another version gets an error frame of code
 VERSION, so a newer router falls back to gRPC cleanly and an older peer is refused with a message
 that names both versions. Version 1 was the listener protocol (header, payload, trailer); version 2 had no INLINE flag;
-version 3 replies did not say how long the service took.
+version 3 replies did not say how long the service took; version 4 headers were JSON.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
@@ -45,7 +58,7 @@ from moe_mesh.common import errors
 
 MAGIC = b"MMFP"
 HELLO_MAGIC = b"MMFH"
-VERSION = 4
+VERSION = 5
 _PREFIX = struct.Struct("<4sHBBI")  # magic, version, kind, flags, header length
 INLINE = 1  # flags: the payload is in message 1, after the header
 PAYLOAD_ALIGN = 64  # an inline payload starts here, so its tensor view is aligned for any dtype
@@ -74,6 +87,11 @@ CLIENT_ID_BITS = 31  # request and reply tags are (id << 32) | call, call 0 bein
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3}  # on the wire
+_CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+_REQUEST = struct.Struct("<IIdQHHBBHHH")
+_REPLY = struct.Struct("<QdBB")
+_ERROR = struct.Struct("<HHI")
 
 
 class Kind(IntEnum):
@@ -140,31 +158,66 @@ class ErrorHeader:
 
 Header = RequestHeader | ReplyHeader | ErrorHeader
 _KIND = {RequestHeader: Kind.REQUEST, ReplyHeader: Kind.REPLY, ErrorHeader: Kind.ERROR}
-_CLASS = {v: k for k, v in _KIND.items()}
-# Field names per class: a shallow dict for json (asdict deep-copies every list, ~20 us a call).
-_FIELDS = {cls: [f.name for f in fields(cls)] for cls in _KIND}
 
 
-def encode_header(header: Header, version: int = VERSION, flags: int = 0) -> bytes:
-    """Message 1 of a frame without its payload. `version` is a parameter only so tests can speak
-    an older version."""
-    body = json.dumps(
-        {name: getattr(header, name) for name in _FIELDS[type(header)]}, separators=(",", ":")
-    ).encode()
+def encode_header(header: Header, version: int = VERSION, flags: int = 0, call: int = 0) -> bytes:
+    """Message 1 of a frame without its payload; `call` (a request's) overrides header.call.
+    `version` is a parameter only so tests can speak an older version."""
+    try:
+        if isinstance(header, RequestHeader):
+            body = _encode_request(header, call or header.call)
+        elif isinstance(header, ReplyHeader):
+            body = _REPLY.pack(
+                header.payload_bytes,
+                header.service_s,
+                DTYPE_CODES.get(header.dtype, 0),
+                len(header.shape),
+            ) + struct.pack(f"<{len(header.shape)}Q", *header.shape)
+        else:
+            code, field, message = (x.encode() for x in (header.code, header.field, header.message))
+            body = _ERROR.pack(len(code), len(field), len(message)) + code + field + message
+    except struct.error as e:  # a value beyond its field (a negative count, a huge id)
+        raise FrameError("header", f"cannot be encoded: {e}") from None
     if len(body) > MAX_HEADER_BYTES:
         raise FrameError("header", f"{len(body)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
     return _PREFIX.pack(MAGIC, version, _KIND[type(header)], flags, len(body)) + body
 
 
-def encode_frame(header: Header, payload: torch.Tensor | None = None) -> list[Any]:
+def _encode_request(h: RequestHeader, call: int) -> bytes:
+    model, checksum = h.model_id.encode(), h.weights_checksum.encode()
+    trace = json.dumps(h.trace, separators=(",", ":")).encode() if h.trace else b""
+    n, m, d = len(h.expert_ids), len(h.token_counts), len(h.shape)
+    return (
+        _REQUEST.pack(
+            h.layer,
+            call,
+            math.nan if h.timeout_ms is None else h.timeout_ms,
+            h.payload_bytes,
+            n,
+            m,
+            d,
+            DTYPE_CODES.get(h.dtype, 0),
+            len(model),
+            len(checksum),
+            len(trace),
+        )
+        + struct.pack(f"<{n}I{m}I{d}Q", *h.expert_ids, *h.token_counts, *h.shape)
+        + model
+        + checksum
+        + trace
+    )
+
+
+def encode_frame(header: Header, payload: torch.Tensor | None = None, call: int = 0) -> list[Any]:
     """The messages of a frame (numpy byte arrays): one, with the payload inline when it is at
-    most INLINE_MAX_BYTES, else the header and then a view of the (contiguous) tensor's memory."""
+    most INLINE_MAX_BYTES, else the header and then a view of the (contiguous) tensor's memory.
+    `call`: as in encode_header."""
     n = 0 if payload is None else payload.numel() * payload.element_size()
     if not n:
-        return [np.frombuffer(encode_header(header), np.uint8)]
+        return [np.frombuffer(encode_header(header, call=call), np.uint8)]
     if n > INLINE_MAX_BYTES:
-        return [np.frombuffer(encode_header(header), np.uint8), payload_view(payload)]
-    first = encode_header(header, flags=INLINE)
+        return [np.frombuffer(encode_header(header, call=call), np.uint8), payload_view(payload)]
+    first = encode_header(header, flags=INLINE, call=call)
     offset = _payload_offset(len(first))
     message = np.empty(offset + n, np.uint8)
     message[: len(first)] = np.frombuffer(first, np.uint8)
@@ -240,8 +293,9 @@ def decode_frame(
         return header, None, True
     offset = _payload_offset(first_bytes)
     check_payload_length(header, max(0, len(message) - offset))
-    data = torch.frombuffer(message, dtype=torch.uint8, offset=offset, count=n)
-    return header, data.view(DTYPES[header.dtype]).view(header.shape), False
+    dtype = DTYPES[header.dtype]
+    data = torch.frombuffer(message, dtype=dtype, offset=offset, count=n // dtype.itemsize)
+    return header, data.view(header.shape), False
 
 
 def decode_header(message: memoryview | bytes, max_payload_bytes: int) -> Header:
@@ -270,47 +324,95 @@ def _decode(message: memoryview, max_payload_bytes: int) -> tuple[Header, int, i
         raise FrameError(
             "header", f"announces {length} bytes, {len(message) - PREFIX_BYTES} arrived"
         )
+    body = message[PREFIX_BYTES : PREFIX_BYTES + length]
     try:
-        fields = json.loads(bytes(message[PREFIX_BYTES : PREFIX_BYTES + length]))
-        cls = _CLASS[Kind(kind)]
-        header = cls(**fields)
-    except (ValueError, TypeError, KeyError) as e:
+        kind = Kind(kind)
+    except ValueError:
+        raise FrameError("kind", f"{kind} is not a frame kind") from None
+    try:
+        if kind is Kind.REQUEST:
+            header = _decode_request(body)
+        elif kind is Kind.REPLY:
+            header = _decode_reply(body)
+        else:
+            header = _decode_error(body)
+            return header, flags, PREFIX_BYTES + length
+    except (struct.error, UnicodeDecodeError) as e:
         raise FrameError("header", f"cannot be read: {e}") from None
-    if isinstance(header, ErrorHeader):
-        _expect(header, {"code": str, "message": str, "field": str})
-        return header, flags, PREFIX_BYTES + length
-    _expect(header, {"dtype": str, "shape": list, "payload_bytes": int})
-    if isinstance(header, ReplyHeader) and not (
-        isinstance(header.service_s, int | float)
-        and not isinstance(header.service_s, bool)
-        and 0 <= header.service_s < float("inf")
-    ):
-        raise FrameError("service_s", f"expected seconds >= 0, got {header.service_s!r}")
-    if isinstance(header, RequestHeader):
-        _expect(
-            header,
-            {
-                "model_id": str,
-                "weights_checksum": str,
-                "layer": int,
-                "expert_ids": list,
-                "token_counts": list,
-            },
-        )
-        for name in ("expert_ids", "token_counts"):
-            if not all(type(v) is int and v >= 0 for v in getattr(header, name)):
-                raise FrameError(name, "expected a list of non-negative integers")
-        if type(header.call) is not int or not 0 <= header.call <= MAX_CALL:
-            raise FrameError("call", f"expected a call number, got {header.call!r}")
-        if header.timeout_ms is not None and not isinstance(header.timeout_ms, int | float):
-            raise FrameError("timeout_ms", f"expected a number, got {header.timeout_ms!r}")
-        if header.trace is not None and not (
-            isinstance(header.trace, dict)
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in header.trace.items())
-        ):
-            raise FrameError("trace", "expected a map of strings (W3C trace context)")
     _check_payload(header, max_payload_bytes)
     return header, flags, PREFIX_BYTES + length
+
+
+def _fits(body: memoryview, needs: int) -> None:
+    if len(body) != needs:
+        raise FrameError("header", f"{len(body)} bytes, where its fields need {needs}")
+
+
+def _dtype(code: int) -> str:
+    name = _CODE_DTYPES.get(code)
+    if name is None:
+        raise FrameError(
+            "dtype",
+            f"unsupported dtype code {code}; expected one of "
+            + ", ".join(f"{c} ({n})" for n, c in DTYPE_CODES.items()),
+        )
+    return name
+
+
+def _decode_request(body: memoryview) -> RequestHeader:
+    layer, call, timeout_ms, payload_bytes, n, m, d, dtype, lm, lc, lt = _REQUEST.unpack_from(body)
+    lists = struct.Struct(f"<{n}I{m}I{d}Q")
+    _fits(body, _REQUEST.size + lists.size + lm + lc + lt)
+    values = lists.unpack_from(body, _REQUEST.size)
+    at = _REQUEST.size + lists.size
+    model = str(body[at : at + lm], "utf-8")
+    checksum = str(body[at + lm : at + lm + lc], "utf-8")
+    trace = None
+    if lt:
+        try:
+            trace = json.loads(bytes(body[at + lm + lc :]))
+        except ValueError:
+            trace = None  # refused below
+        if not (
+            isinstance(trace, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in trace.items())
+        ):
+            raise FrameError("trace", "expected a map of strings (W3C trace context)")
+    if call > MAX_CALL:
+        raise FrameError("call", f"expected a call number, got {call}")
+    return RequestHeader(
+        model,
+        checksum,
+        layer,
+        list(values[:n]),
+        list(values[n : n + m]),
+        _dtype(dtype),
+        list(values[n + m :]),
+        payload_bytes,
+        None if math.isnan(timeout_ms) else timeout_ms,
+        call,
+        trace,
+    )
+
+
+def _decode_reply(body: memoryview) -> ReplyHeader:
+    payload_bytes, service_s, dtype, d = _REPLY.unpack_from(body)
+    _fits(body, _REPLY.size + 8 * d)
+    if not 0 <= service_s < math.inf:  # NaN fails too
+        raise FrameError("service_s", f"expected seconds >= 0, got {service_s!r}")
+    shape = list(struct.unpack_from(f"<{d}Q", body, _REPLY.size))
+    return ReplyHeader(_dtype(dtype), shape, payload_bytes, service_s)
+
+
+def _decode_error(body: memoryview) -> ErrorHeader:
+    lc, lf, lm = _ERROR.unpack_from(body)
+    _fits(body, _ERROR.size + lc + lf + lm)
+    at = _ERROR.size
+    code, field, message = (
+        str(body[a:b], "utf-8")
+        for a, b in ((at, at + lc), (at + lc, at + lc + lf), (at + lc + lf, at + lc + lf + lm))
+    )
+    return ErrorHeader(code, message, field)
 
 
 def check_payload_length(header: RequestHeader | ReplyHeader, received: int) -> None:
@@ -324,21 +426,11 @@ def check_payload_length(header: RequestHeader | ReplyHeader, received: int) -> 
         raise FrameError("payload", f"more than the {n} bytes announced were sent ({received})")
 
 
-def _expect(header: Header, types: dict[str, type]) -> None:
-    for name, typ in types.items():
-        value = getattr(header, name)
-        # bool is an int in Python, never a valid count or id here.
-        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-            raise FrameError(name, f"expected {typ.__name__}, got {value!r}")
-
-
 def _check_payload(header: RequestHeader | ReplyHeader, max_payload_bytes: int) -> None:
     if header.dtype not in DTYPES:
         raise FrameError(
             "dtype", f"unsupported dtype {header.dtype!r}; expected one of {', '.join(DTYPES)}"
         )
-    if not all(type(d) is int and d >= 0 for d in header.shape):
-        raise FrameError("shape", f"expected non-negative integer dimensions, got {header.shape}")
     numel = 1
     for d in header.shape:
         numel *= d
