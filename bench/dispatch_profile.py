@@ -11,7 +11,6 @@ layer is waiting on compute, not on the transport.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
@@ -23,6 +22,7 @@ from moe_mesh.common import runtime
 
 runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
 import torch  # noqa: E402
+import uvloop  # noqa: E402
 
 from bench import ensure_checkpoint  # noqa: E402
 from moe_mesh.router_service.build import build_local_engine, build_router  # noqa: E402
@@ -126,7 +126,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/dispatch_profile.json")
     args = parser.parse_args()
     ensure_checkpoint(args.checkpoint)
-    rows = asyncio.run(profile(args))
+    rows = uvloop.run(profile(args))  # the router's loop (mesh_dispatch.run)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps({"rows": rows, "torch_threads": torch.get_num_threads()}, indent=2)

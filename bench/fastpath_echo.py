@@ -20,6 +20,7 @@ import time
 
 import grpc
 import torch
+import uvloop
 
 from moe_mesh.common.fastpath import parse_worker_url
 from moe_mesh.common.fastpath.client import FrameClient
@@ -123,4 +124,4 @@ if __name__ == "__main__":
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--gap-ms", type=float, default=0.0, help="idle time between calls")
     a = parser.parse_args()
-    asyncio.run(serve() if a.serve else main(a))
+    uvloop.run(serve() if a.serve else main(a))  # as the services and routers run

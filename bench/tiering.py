@@ -17,7 +17,6 @@ machine's speed hits them alike; medians and ratios to all-remote go to bench/re
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
@@ -29,6 +28,7 @@ from moe_mesh.common import runtime
 
 runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
 import torch  # noqa: E402
+import uvloop  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -192,7 +192,7 @@ def main() -> int:
             create_checkpoint(
                 args.checkpoint, "mixtral", "small", router_skew=args.skew, progress=True
             )
-    result = around(lambda: asyncio.run(main_async(args)))
+    result = around(lambda: uvloop.run(main_async(args)))  # the router's loop (mesh_dispatch.run)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     for b, by_name in result["summary"].items():
