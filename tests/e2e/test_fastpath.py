@@ -38,13 +38,12 @@ from tests.support import hf
 from tests.support.metrics import scrape, total
 from tests.support.polling import eventually
 from tests.support.processes import ServiceProcess, start_experts, stop_all
-from tests.support.reference import PROMPTS
+from tests.support.reference import ALL_REMOTE, PROMPTS
 from tests.support.routers import generate, request
 
 pytestmark = pytest.mark.skipif(
     load_ucxx(loopback=True) is None, reason="ucxx cannot be imported (pip install ucxx-cu12)"
 )
-TWO_SERVICES = ["*:0-3", "*:4-7"]  # every expert remote, scattered over two processes
 FALLBACKS = "moe_router_fast_path_fallbacks_total"
 
 
@@ -70,7 +69,7 @@ def mesh(
     if tls:
         certs.create(workdir / "certs", ["expert", "router"])
         expert_tls, router_tls = (certs.flags(workdir / "certs", k) for k in ("expert", "router"))
-    experts = start_experts(path, TWO_SERVICES, workdir, *expert_tls, env=env)
+    experts = start_experts(path, ALL_REMOTE, workdir, *expert_tls, env=env)
     try:
         addresses = [e.address for e in experts]
         router = router_process(path, addresses, workdir, *router_tls, *router_args, env=env)
@@ -167,7 +166,7 @@ async def test_a_fast_path_lost_mid_load_costs_no_request_and_comes_back(
     want = tuple(t[:8] for t in hf.greedy(path))
     apps: list[ExpertApp] = []
     try:
-        for spec in TWO_SERVICES:
+        for spec in ALL_REMOTE:
             # The restarted fast path answers at the same worker address (the worker lives as
             # long as this event loop), so the router finds it again without a new Describe.
             app = await ExpertApp.create(

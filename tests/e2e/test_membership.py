@@ -21,7 +21,7 @@ from moe_mesh.router_service.settings import RouterSettings
 from tests.support.membership import instance_of, membership_of
 from tests.support.polling import eventually, takes_calls
 from tests.support.processes import start_experts
-from tests.support.reference import PROMPTS, monolithic
+from tests.support.reference import ALL_REMOTE, PROMPTS, monolithic
 
 
 class Load:
@@ -87,7 +87,7 @@ async def test_membership_changes_under_load(checkpoint, tmp_path, monkeypatch) 
     flags = ("--registry", "consul")
     (tmp_path / "a").mkdir()
     # start_experts blocks while it waits: on a thread, so this loop keeps serving the registry.
-    procs = await asyncio.to_thread(start_experts, path, ["*:0-3", "*:4-7"], tmp_path / "a", *flags)
+    procs = await asyncio.to_thread(start_experts, path, ALL_REMOTE, tmp_path / "a", *flags)
     router = await RouterApp.create(
         RouterSettings(
             checkpoint=path, registry="consul", registry_address=address, connect_timeout_s=30

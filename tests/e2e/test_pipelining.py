@@ -11,7 +11,7 @@ from moe_mesh.router_service.engine.engine import FinishReason
 from moe_mesh.router_service.engine.sampling import SamplingParams
 from moe_mesh.router_service.settings import RouterSettings
 from tests.support.processes import start_experts, stop_all
-from tests.support.reference import PROMPTS, monolithic
+from tests.support.reference import ALL_REMOTE, PROMPTS, monolithic
 
 # The four families the issue names, then the two whose attention keeps its own KV cache (MLA)
 # or sinks; dbrx and glm4_moe attend as the first four do (their m = 1 mesh is in test_mesh.py).
@@ -44,7 +44,7 @@ async def drive(engine) -> tuple[dict[str, list[int]], int]:
 async def test_micro_batches_give_the_same_tokens(family, checkpoint, tmp_path) -> None:
     path = checkpoint(family)
     want = {str(i): list(monolithic(path)[i][:n]) for plan in SCHEDULE.values() for i, n in plan}
-    experts = start_experts(path, ["*:0-3", "*:4-7"], tmp_path)
+    experts = start_experts(path, ALL_REMOTE, tmp_path)
     try:
         for colocate, m in EVERY_SPLIT if family in FAMILIES[:4] else SOME_SPLITS:
             parts = await build_router(

@@ -12,14 +12,14 @@ import pytest
 
 from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 from tests.support.processes import ServiceProcess, start_experts, stop_all
-from tests.support.reference import PROMPTS, monolithic
+from tests.support.reference import ALL_REMOTE, PROMPTS, monolithic
 from tests.support.routers import LENGTH, generate, request, wait_status
 
 
 @pytest.fixture
 def mesh(checkpoint, tmp_path):
     path = checkpoint("olmoe")
-    experts = start_experts(path, ["*:0-3", "*:4-7"], tmp_path)
+    experts = start_experts(path, ALL_REMOTE, tmp_path)
     # A learned per-call timeout would end calls to a paused expert by itself; at 60 s only the
     # request's deadline (what these tests check) bounds them.
     router = ServiceProcess(

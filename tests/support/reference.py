@@ -18,7 +18,9 @@ from tests.support.processes import start_experts, stop_all
 
 PROMPTS = [[7], [11, 3, 250, 9, 31], list(range(40, 53)), [(i * 37) % 400 + 5 for i in range(29)]]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-ALL_REMOTE = ["*:0-1", "*:2-3", "*:4-5", "*:6-7"]
+# Every expert remote, over two service processes: a token's experts still often sit in both, and
+# each process more costs the suite ~3.5 s of start-up.
+ALL_REMOTE = ["*:0-3", "*:4-7"]
 
 
 async def run_engine(
