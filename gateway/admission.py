@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 from moe_mesh.common.errors import ResourceExhaustedError
 
@@ -36,15 +34,6 @@ class Admission:
     @property
     def queued(self) -> int:
         return sum(1 for *_, f in self._waiting if not f.done())
-
-    @asynccontextmanager
-    async def slot(self, priority: int = 0) -> AsyncIterator[None]:
-        """Hold an in-flight place for the body; wait for one (bounded) or raise ResourceExhaustedError."""
-        await self.acquire(priority)
-        try:
-            yield
-        finally:
-            self.release()
 
     async def acquire(self, priority: int = 0, places: int = 1) -> None:
         """Take `places` (at most max_in_flight) together, waiting for them in line (bounded), or

@@ -44,9 +44,10 @@ async def test_admission_serves_waiting_requests_by_priority_then_arrival() -> N
     order: list[str] = []
 
     async def request(name: str, priority: int) -> None:
-        async with adm.slot(priority):
-            order.append(name)
-            await asyncio.sleep(0.01)
+        await adm.acquire(priority)
+        order.append(name)
+        await asyncio.sleep(0.01)
+        adm.release()
 
     first = asyncio.create_task(request("first", 0))
     await asyncio.sleep(0)
@@ -64,16 +65,17 @@ async def test_admission_serves_waiting_requests_by_priority_then_arrival() -> N
 
 async def test_a_cancelled_waiter_gives_its_place_back() -> None:
     adm = Admission(max_in_flight=1, max_queued=1, retry_after_s=1.0)
-    async with adm.slot():
-        waiter = asyncio.create_task(adm.slot().__aenter__())
-        await asyncio.sleep(0)
-        assert adm.queued == 1
-        waiter.cancel()
-        await asyncio.gather(waiter, return_exceptions=True)
-        assert adm.queued == 0
+    await adm.acquire()
+    waiter = asyncio.create_task(adm.acquire())
+    await asyncio.sleep(0)
+    assert adm.queued == 1
+    waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)
+    assert adm.queued == 0
+    adm.release()
     assert adm.in_flight == 0
-    async with adm.slot():  # still usable
-        assert adm.in_flight == 1
+    await adm.acquire()  # still usable
+    assert adm.in_flight == 1
 
 
 async def test_places_taken_together_never_deadlock_and_the_first_in_line_is_not_overtaken() -> (
