@@ -298,7 +298,9 @@ class GatewayCore:
             raise InvalidArgumentError(
                 "stop_token_ids", f"token id {bad} is outside the vocabulary [0, {m.vocab_size})"
             )
-        max_tokens = s.default_max_tokens if r.max_tokens is None else r.max_tokens
+        max_tokens = r.max_tokens
+        if max_tokens is None:  # the default: never what makes a prompt that fits too long
+            max_tokens = max(1, min(s.default_max_tokens, m.max_model_len - len(ids)))
         if not 1 <= max_tokens <= s.max_tokens_limit:
             raise InvalidArgumentError(
                 "max_tokens", f"must be in [1, {s.max_tokens_limit}], got {max_tokens}"

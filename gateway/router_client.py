@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator, Sequence
@@ -171,6 +172,14 @@ class RouterClient:
                 yield chunk
         except grpc.aio.AioRpcError as e:
             raise self._error(e, request.request_id) from e
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # our caller cancelled us (its client left)
+            # The call was cancelled under us: this router left the registry and its channel was
+            # closed (a frozen router is dropped so), which must fail over like a lost router.
+            log.info("router %s: %s cut off: its channel closed", self.address, request.request_id)
+            raise RouterLostError("the router left mid-stream") from None
         finally:
             self.outstanding -= 1
             call.cancel()  # no-op once the stream ended

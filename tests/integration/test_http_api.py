@@ -570,6 +570,13 @@ async def test_a_request_id_in_flight_cannot_be_reused_until_it_ends(mesh) -> No
         assert again.status_code == 200 and again.json()["id"] == "cmpl-twice"
 
 
+async def test_without_max_tokens_a_prompt_near_the_context_gets_what_is_left(mesh) -> None:
+    n = mesh.gateway.core.model.max_model_len - 3  # the 16-token default would not fit
+    async with client(mesh) as c:
+        r = await c.completions.create(model="", prompt=[5] * n, temperature=0)
+    assert r.usage.completion_tokens <= 3 and r.usage.prompt_tokens == n
+
+
 async def test_openai_client_sees_bad_request_with_param(mesh) -> None:
     async with client(mesh) as c:
         with pytest.raises(openai.BadRequestError) as e:

@@ -1,0 +1,51 @@
+"""RouterClient against a real gRPC server: a stream cut off by its channel closing (the gateway
+drops a router that left the registry) fails over like a lost router, not as a cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from moe_mesh.gateway.balancer import RouterLostError
+from moe_mesh.gateway.router_client import GenerateParams, RouterClient, RouterRequest
+from moe_mesh.protos.moe_mesh.v1 import router_pb2
+
+
+async def test_a_stream_whose_channel_closes_under_it_is_a_lost_router() -> None:
+    async def generate(request: bytes, context):  # a router that streams slowly
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            yield router_pb2.RouterGenerateResponse(token_ids=[5]).SerializeToString()
+
+    server = grpc.aio.server()
+    handler = grpc.method_handlers_generic_handler(
+        "moe_mesh.v1.RouterService",
+        {"Generate": grpc.unary_stream_rpc_method_handler(generate)},
+    )
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = RouterClient(f"127.0.0.1:{port}", 1 << 20)
+    try:
+        request = RouterRequest("r1", [1, 2], GenerateParams(max_tokens=100))
+        got = []
+        with pytest.raises(RouterLostError, match="left mid-stream"):
+            async for chunk in client.generate(request, timeout_s=30):
+                got.append(chunk)
+                if len(got) == 2:
+                    asyncio.get_running_loop().call_soon(
+                        lambda: asyncio.ensure_future(client.close())
+                    )
+        assert len(got) >= 2
+        # Cancelling the reader itself (its client left) stays a cancellation.
+        client = RouterClient(f"127.0.0.1:{port}", 1 << 20)
+        reader = asyncio.create_task(anext(client.generate(request, timeout_s=30)))
+        await asyncio.sleep(0.01)
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+    finally:
+        await client.close()
+        await server.stop(0)
