@@ -334,12 +334,19 @@ class Launcher:
         return self.endpoints
 
     def publish(self) -> None:
-        """Refresh the expert services and pids in `endpoints` from the live children and rewrite the
-        ready file (atomically), so `moe-mesh status` follows scale operations and deaths."""
+        """Refresh the routers, expert services and pids in `endpoints` from the live children and
+        rewrite the ready file (atomically), so `moe-mesh status` follows scale operations and
+        deaths."""
         with self._lock:
             live = [c for c in self.children if c.proc.poll() is None and not c.retired]
         # c.info is empty until the child is ready
         experts = [c for c in live if c.role == "expert" and c.info]
+        routers = [c for c in live if c.role == "router" and c.info]
+        if "routers" in self.endpoints:  # once the gateway has been started with them
+            self.endpoints["routers"] = [c.info["address"] for c in routers]
+            self.endpoints.setdefault("metrics", {})["routers"] = [
+                c.info.get("metrics") for c in routers
+            ]
         self.endpoints.update(
             experts=[
                 {

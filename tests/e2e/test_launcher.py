@@ -140,3 +140,18 @@ def test_scale_is_serialized_idempotent_followed_by_the_ready_file_and_reaches_z
     gone = mesh.scale(group, 0)
     assert gone["removed"] == [kept["address"]] and _serving(mesh, group) == []
     assert all(c.proc.poll() is not None for c in mesh.children)
+
+
+def test_the_ready_file_drops_a_router_that_died(launcher, tmp_path) -> None:
+    mesh = launcher()
+    a, b = (mesh._spawn("router", name, SLEEPER) for name in ("router-0", "router-1"))
+    for i, c in enumerate((a, b)):
+        c.info = {"address": f"127.0.0.1:{5000 + i}", "metrics": f"127.0.0.1:{6000 + i}"}
+    mesh.endpoints = {"routers": ["127.0.0.1:5000", "127.0.0.1:5001"], "metrics": {}}
+    b.proc.kill()
+    b.proc.wait()
+    mesh.publish()
+    ready = json.loads((tmp_path / "mesh.json").read_text())
+    assert ready["routers"] == ["127.0.0.1:5000"]
+    assert ready["metrics"]["routers"] == ["127.0.0.1:6000"]
+    assert set(ready["pids"]) == {"router-0"}
