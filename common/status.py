@@ -12,6 +12,9 @@ def status_code(error: errors.MoeMeshError) -> grpc.StatusCode:
 
 
 RETRY_AFTER_KEY = "retry-after-s"
+# Trailer of an UNAVAILABLE that is about the expert replicas behind the service that sent it, not
+# that service: a gateway keeps the router and does not retry the request on another one.
+EXPERTS_UNAVAILABLE_KEY = "moe-experts-unavailable"
 
 
 async def abort_with(
@@ -19,16 +22,17 @@ async def abort_with(
 ) -> None:
     """End the RPC with the status that matches `error`; its message is sent as the details.
 
-    A ResourceExhaustedError also carries its retry hint as trailing metadata `retry-after-s`.
+    A ResourceExhaustedError also carries its retry hint as trailing metadata `retry-after-s`, an
+    ExpertUnavailableError the EXPERTS_UNAVAILABLE_KEY trailer.
     `counter` (an OpenTelemetry counter) counts the failure by status code.
     """
     if counter is not None:
         counter.add(1, {"rpc.grpc.status_code": status_code(error).name})
-    trailers = (
-        ((RETRY_AFTER_KEY, f"{error.retry_after_s:g}"),)
-        if isinstance(error, errors.ResourceExhaustedError)
-        else ()
-    )
+    trailers: tuple[tuple[str, str], ...] = ()
+    if isinstance(error, errors.ResourceExhaustedError):
+        trailers = ((RETRY_AFTER_KEY, f"{error.retry_after_s:g}"),)
+    elif isinstance(error, errors.ExpertUnavailableError):
+        trailers = ((EXPERTS_UNAVAILABLE_KEY, "1"),)
     await context.abort(status_code(error), str(error), trailing_metadata=trailers)
 
 

@@ -16,7 +16,7 @@ from opentelemetry.context import Context
 from moe_mesh.common.errors import MoeMeshError
 from moe_mesh.common.finish_reason import from_wire
 from moe_mesh.common.server import channel_options
-from moe_mesh.common.status import error_from_rpc
+from moe_mesh.common.status import EXPERTS_UNAVAILABLE_KEY, error_from_rpc
 from moe_mesh.common.tls import MeshTls, open_channel
 from moe_mesh.gateway.balancer import RouterLostError
 from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
@@ -196,10 +196,12 @@ class RouterClient:
 
     def _error(self, e: grpc.aio.AioRpcError, what: str) -> MoeMeshError:
         """Our error for a failed call. Its message may reach the public, so it leaves out this router's
-        address (logged here instead); UNAVAILABLE becomes RouterLostError, which the core retries elsewhere."""
+        address (logged here instead); UNAVAILABLE becomes RouterLostError, which the core retries elsewhere,
+        unless the router says its expert replicas are what is unavailable."""
         log.info("router %s: %s failed: %s: %s", self.address, what, e.code().name, e.details())
         details = scrub_addresses(e.details() or "")
-        if e.code() == grpc.StatusCode.UNAVAILABLE:
+        experts = dict(e.trailing_metadata() or ()).get(EXPERTS_UNAVAILABLE_KEY)
+        if e.code() == grpc.StatusCode.UNAVAILABLE and not experts:
             return RouterLostError(f"UNAVAILABLE: {details}")
         return error_from_rpc(e, details=details)
 

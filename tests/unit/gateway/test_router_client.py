@@ -8,6 +8,8 @@ import asyncio
 import grpc
 import pytest
 
+from moe_mesh.common.errors import ExpertUnavailableError, UnavailableError
+from moe_mesh.common.status import abort_with
 from moe_mesh.gateway.balancer import RouterLostError
 from moe_mesh.gateway.router_client import GenerateParams, RouterClient, RouterRequest
 from moe_mesh.protos.moe_mesh.v1 import router_pb2
@@ -46,6 +48,34 @@ async def test_a_stream_whose_channel_closes_under_it_is_a_lost_router() -> None
         reader.cancel()
         with pytest.raises(asyncio.CancelledError):
             await reader
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_a_router_whose_experts_are_unavailable_is_not_a_lost_router() -> None:
+    async def generate(request: bytes, context):
+        await abort_with(context, error)
+        yield b""  # never reached: makes this an async generator, as a streaming handler is
+
+    server = grpc.aio.server()
+    handler = grpc.method_handlers_generic_handler(
+        "moe_mesh.v1.RouterService",
+        {"Generate": grpc.unary_stream_rpc_method_handler(generate)},
+    )
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = RouterClient(f"127.0.0.1:{port}", 1 << 20)
+    request = RouterRequest("r1", [1, 2], GenerateParams(max_tokens=4))
+    try:
+        error = ExpertUnavailableError(1, [2, 3])  # the gateway keeps this router
+        with pytest.raises(UnavailableError, match="layer 1 expert") as info:
+            await anext(client.generate(request, timeout_s=10))
+        assert not isinstance(info.value, RouterLostError)
+        error = UnavailableError("the router is going away")  # this one fails over
+        with pytest.raises(RouterLostError):
+            await anext(client.generate(request, timeout_s=10))
     finally:
         await client.close()
         await server.stop(0)
