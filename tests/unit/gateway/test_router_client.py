@@ -4,6 +4,8 @@ drops a router that left the registry) fails over like a lost router, not as a c
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
 import pytest
@@ -15,12 +17,10 @@ from moe_mesh.gateway.router_client import GenerateParams, RouterClient, RouterR
 from moe_mesh.protos.moe_mesh.v1 import router_pb2
 
 
-async def test_a_stream_whose_channel_closes_under_it_is_a_lost_router() -> None:
-    async def generate(request: bytes, context):  # a router that streams slowly
-        for _ in range(100):
-            await asyncio.sleep(0.05)
-            yield router_pb2.RouterGenerateResponse(token_ids=[5]).SerializeToString()
-
+@asynccontextmanager
+async def router_serving(generate) -> AsyncIterator[str]:
+    """A gRPC server on loopback whose RouterService.Generate is `generate` (bytes in, bytes
+    out); its address."""
     server = grpc.aio.server()
     handler = grpc.method_handlers_generic_handler(
         "moe_mesh.v1.RouterService",
@@ -29,8 +29,20 @@ async def test_a_stream_whose_channel_closes_under_it_is_a_lost_router() -> None
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    client = RouterClient(f"127.0.0.1:{port}", 1 << 20)
     try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+async def test_a_stream_whose_channel_closes_under_it_is_a_lost_router() -> None:
+    async def generate(request: bytes, context):  # a router that streams slowly
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            yield router_pb2.RouterGenerateResponse(token_ids=[5]).SerializeToString()
+
+    async with router_serving(generate) as address:
+        client = RouterClient(address, 1 << 20)
         request = RouterRequest("r1", [1, 2], GenerateParams(max_tokens=100))
         got = []
         with pytest.raises(RouterLostError, match="left mid-stream"):
@@ -42,15 +54,13 @@ async def test_a_stream_whose_channel_closes_under_it_is_a_lost_router() -> None
                     )
         assert len(got) >= 2
         # Cancelling the reader itself (its client left) stays a cancellation.
-        client = RouterClient(f"127.0.0.1:{port}", 1 << 20)
+        client = RouterClient(address, 1 << 20)
         reader = asyncio.create_task(anext(client.generate(request, timeout_s=30)))
         await asyncio.sleep(0.01)
         reader.cancel()
         with pytest.raises(asyncio.CancelledError):
             await reader
-    finally:
         await client.close()
-        await server.stop(0)
 
 
 async def test_a_router_whose_experts_are_unavailable_is_not_a_lost_router() -> None:
@@ -58,17 +68,9 @@ async def test_a_router_whose_experts_are_unavailable_is_not_a_lost_router() -> 
         await abort_with(context, error)
         yield b""  # never reached: makes this an async generator, as a streaming handler is
 
-    server = grpc.aio.server()
-    handler = grpc.method_handlers_generic_handler(
-        "moe_mesh.v1.RouterService",
-        {"Generate": grpc.unary_stream_rpc_method_handler(generate)},
-    )
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    client = RouterClient(f"127.0.0.1:{port}", 1 << 20)
     request = RouterRequest("r1", [1, 2], GenerateParams(max_tokens=4))
-    try:
+    async with router_serving(generate) as address:
+        client = RouterClient(address, 1 << 20)
         error = ExpertUnavailableError(1, [2, 3])  # the gateway keeps this router
         with pytest.raises(UnavailableError, match="layer 1 expert") as info:
             await anext(client.generate(request, timeout_s=10))
@@ -76,6 +78,4 @@ async def test_a_router_whose_experts_are_unavailable_is_not_a_lost_router() -> 
         error = UnavailableError("the router is going away")  # this one fails over
         with pytest.raises(RouterLostError):
             await anext(client.generate(request, timeout_s=10))
-    finally:
         await client.close()
-        await server.stop(0)
