@@ -314,11 +314,7 @@ class Launcher:
         self.endpoints = {
             "gateway_grpc": gateway.info["address"],
             "gateway_http": gateway.info["http_address"],
-            "routers": [c.info["address"] for c in routers],
-            "metrics": {
-                "gateway": gateway.info.get("metrics"),
-                "routers": [c.info.get("metrics") for c in routers],
-            },
+            "metrics": {"gateway": gateway.info.get("metrics")},  # publish() adds the rest
             "trace_files": [str(self.run_dir / f"{c.name}.spans.jsonl") for c in self.children]
             if self.trace_sample is not None
             else [],
@@ -342,11 +338,10 @@ class Launcher:
         # c.info is empty until the child is ready
         experts = [c for c in live if c.role == "expert" and c.info]
         routers = [c for c in live if c.role == "router" and c.info]
-        if "routers" in self.endpoints:  # once the gateway has been started with them
-            self.endpoints["routers"] = [c.info["address"] for c in routers]
-            self.endpoints.setdefault("metrics", {})["routers"] = [
-                c.info.get("metrics") for c in routers
-            ]
+        self.endpoints["routers"] = [c.info["address"] for c in routers]
+        self.endpoints.setdefault("metrics", {})["routers"] = [
+            c.info.get("metrics") for c in routers
+        ]
         self.endpoints.update(
             experts=[
                 {
