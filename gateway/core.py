@@ -223,12 +223,13 @@ class GatewayCore:
 
     def served_model(self, name: str) -> ModelInfo:
         """The model served under `name`, or ModelNotFoundError naming those that are."""
-        if name not in self.served_names:
-            raise ModelNotFoundError(
-                f"model {name!r} does not exist; this gateway serves "
-                + ", ".join(repr(n) for n in self.served_names)
-            )
-        return replace(self.model, id=name)
+        for m in self.list_models():
+            if m.id == name:
+                return m
+        raise ModelNotFoundError(
+            f"model {name!r} does not exist; this gateway serves "
+            + ", ".join(repr(n) for n in self.served_names)
+        )
 
     def list_models(self) -> list[ModelInfo]:
         return [replace(self.model, id=name) for name in self.served_names]
