@@ -39,7 +39,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    create_model,
+    model_validator,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -198,12 +207,20 @@ def _bounded_bodies(
         "stop_token_ids": (Annotated[list[int], Field(max_length=s.max_stop_strings)], []),
     }
     ids = Annotated[list[int], Field(max_length=max_model_len)]
-    prompt = (
-        str
-        | ids
-        | Annotated[list[str], Field(max_length=64)]
-        | Annotated[list[ids], Field(max_length=64)]
-    )
+    # Picked by the value's shape, so a refusal names the one form that was sent (a plain union
+    # would list why the value is none of the four).
+    prompt = Annotated[
+        Annotated[str, Tag("str")]
+        | Annotated[ids, Tag("list[int]")]
+        | Annotated[list[str], Field(max_length=64), Tag("list[str]")]
+        | Annotated[list[ids], Field(max_length=64), Tag("list[list[int]]")],
+        Discriminator(
+            _prompt_form,
+            custom_error_type="prompt_form",
+            custom_error_message="must be a string, a list of token ids, or a list holding one "
+            "of those",
+        ),
+    ]
     completion = create_model(
         "CompletionBody", __base__=CompletionBody, prompt=(prompt, ...), **shared
     )
@@ -214,6 +231,16 @@ def _bounded_bodies(
         messages=(Annotated[list[ChatMessage], Field(max_length=s.max_messages)], ...),
     )
     return completion, chat
+
+
+def _prompt_form(value: Any) -> str | None:
+    """Which form of `prompt` a value is meant as (its first element decides for a list)."""
+    if isinstance(value, str):
+        return "str"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else 0
+    return {str: "list[str]", list: "list[list[int]]"}.get(type(first), "list[int]")
 
 
 def _completion_prompt(
@@ -384,7 +411,8 @@ class _EventStream(StreamingResponse):
 
 
 async def _events(
-    choices: Choices,
+    deltas: AsyncIterator[tuple[int, Delta]],
+    request_id: str,
     head: dict,
     include_usage: bool,
     choice: Callable[[Delta, int, bool], dict],
@@ -393,16 +421,42 @@ async def _events(
     last: dict[int, Delta] = {}
     usage = {"usage": None} if include_usage else {}
     try:
-        async for i, d in choices.deltas():
+        async for i, d in deltas:
             yield _sse({**head, "choices": [choice(d, i, i not in last)], **usage})
             last[i] = d
     except errors.MoeMeshError as e:  # the status line is long gone: report in-band, as OpenAI does
-        log.info("stream %s failed: %s", choices.request_id, e)
+        log.info("stream %s failed: %s", request_id, e)
         yield _sse(_error_body(e)[1])
     else:
         if include_usage and last:
             yield _sse({**head, "choices": [], "usage": _usage(list(last.values()))})
     yield b"data: [DONE]\n\n"
+
+
+async def _first_delta(request: Request, choices: Choices) -> AsyncIterator | None:
+    """`choices`' deltas once the first has come (None if the client left first). A generation that
+    fails before its first token raises here, so the client gets an HTTP status it can act on
+    (the openai client retries a 503) instead of a 200 carrying an error event."""
+    deltas = choices.deltas()
+    try:
+        first = await _unless_disconnected(request, anext(deltas, _END))
+    except BaseException:
+        await choices.aclose()
+        raise
+    if first is None:
+        await choices.aclose()
+        return None
+
+    async def chained() -> AsyncIterator[tuple[int, Delta]]:
+        if first is not _END:
+            yield first
+            async for item in deltas:
+                yield item
+
+    return chained()
+
+
+_END = object()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
@@ -585,10 +639,12 @@ async def _answer(
     requests = requests_for(r, n)
     with _fields_named(**names):
         if body.stream:
-            # Validation and admission errors leave here, as an HTTP status, before any SSE byte.
+            # Validation, admission and a failure before the first token leave here, as an HTTP
+            # status, before any SSE byte.
             choices = await _unless_disconnected(request, Choices.start(core, requests))
-            if choices is None:
-                return Response(status_code=499)  # the client left while queued
+            deltas = choices and await _first_delta(request, choices)
+            if deltas is None:
+                return Response(status_code=499)  # the client left while queued or prefilling
             head = {
                 "id": shape.id_prefix + choices.request_id,
                 "object": shape.chunk_object,
@@ -596,7 +652,8 @@ async def _answer(
                 "model": core.served_names[0],
             }
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _EventStream(choices, _events(choices, head, include_usage, shape.chunk))
+            events = _events(deltas, choices.request_id, head, include_usage, shape.chunk)
+            return _EventStream(choices, events)
         done = await _unless_disconnected(request, _complete_all(core, requests))
     if done is None:
         return Response(status_code=499)

@@ -502,6 +502,19 @@ async def test_bad_input_is_400_naming_the_field(mesh, endpoint, body, param) ->
     assert mesh.gateway.core.admission.in_flight == 0
 
 
+async def test_a_bad_prompt_is_explained_in_the_form_it_was_sent(mesh) -> None:
+    """Not why it is none of the four forms a prompt may take (a 600-id prompt once also read
+    "Input should be a valid string" and two 64-item limits)."""
+    async with httpx.AsyncClient(base_url=mesh.http_base_url) as h:
+        long = await h.post("/v1/completions", json=completion(prompt=[5] * 600))
+        odd = await h.post("/v1/completions", json=completion(prompt=5))
+    message = long.json()["error"]["message"]
+    assert "at most 512 items" in message and "string" not in message and "64" not in message
+    assert odd.json()["error"]["message"] == (
+        "prompt: must be a string, a list of token ids, or a list holding one of those"
+    )
+
+
 async def test_a_body_that_is_not_a_json_object_says_what_was_sent(mesh) -> None:
     async with httpx.AsyncClient(base_url=mesh.http_base_url) as h:
         empty = await h.post("/v1/completions", headers={"content-type": "application/json"})
@@ -739,16 +752,20 @@ class BrokenRouter(ScriptedRouter):
         yield  # an async generator, like the real client
 
 
-async def test_no_router_is_503_and_a_bug_is_500_without_internals(path) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_no_router_is_503_and_a_bug_is_500_without_internals(path, stream) -> None:
+    """Streamed too: a generation that fails before its first token is an HTTP status, not a 200
+    with an error event, so clients (the openai one retries 5xx) can act on it."""
     for routers, status, code in [
         ([], 503, "unavailable"),
+        ([ScriptedRouter("a:1", refuses=True)], 503, "unavailable"),
         ([BrokenRouter("a:1")], 500, "internal"),
     ]:
         transport = httpx.ASGITransport(
             app=create_app(fake_core(path, routers)), raise_app_exceptions=False
         )
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as h:
-            r = await h.post("/v1/completions", json=completion())
+            r = await h.post("/v1/completions", json=completion(stream=stream))
         assert r.status_code == status and r.json()["error"]["code"] == code, r.text
         assert "10.1.2.3" not in r.text and "a:1" not in r.text
 
