@@ -7,6 +7,7 @@ dead router has no open streams, so without ejection it would attract every new 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Collection, Sequence
 from typing import Protocol
@@ -19,6 +20,8 @@ from moe_mesh.common.resilience import (
     RetryBudget,
     pick_healthy,
 )
+
+log = logging.getLogger(__name__)
 
 
 class RouterLostError(UnavailableError):
@@ -39,12 +42,25 @@ class Balancer:
         self._health: dict[str, EndpointHealth] = {}
         self._turn = 0
         self.failovers = 0  # calls continued on another router, for status and tests
+        self.ejections = 0  # times a router was ejected, for metrics
 
     def health(self, router: Routable) -> EndpointHealth:
         h = self._health.get(router.address)
         if h is None:
             h = self._health[router.address] = EndpointHealth(self.policy, self._clock)
         return h
+
+    def failed(self, router: Routable, cause: Exception) -> None:
+        """Count a failed call of `router`; an ejection is logged, as the operator's first clue."""
+        health = self.health(router)
+        if health.failure():
+            self.ejections += 1
+            log.warning(
+                "router %s ejected for %.0f s after: %s",
+                router.address,
+                health.ejected_until - self._clock(),
+                cause,
+            )
 
     def pick(self, routers: Sequence[Routable], avoid: Collection[str] = ()) -> Routable:
         """The admitted router with the fewest open streams, preferring ones not in `avoid` (tried already)."""

@@ -34,6 +34,9 @@ from moe_mesh.common.limits import check_context_length
 from moe_mesh.common.resilience import EjectionPolicy, RetryBudget
 from moe_mesh.common.status import status_code
 from moe_mesh.common.telemetry import (
+    GATEWAY_EJECTIONS,
+    GATEWAY_FAILOVERS,
+    GATEWAY_IN_FLIGHT,
     GATEWAY_QUEUE_DEPTH,
     GATEWAY_QUEUE_WAIT,
     OFF,
@@ -193,6 +196,21 @@ class GatewayCore:
             GATEWAY_QUEUE_DEPTH,
             [lambda _: [Observation(self.admission.queued)]],
             description="admitted requests waiting for an in-flight place",
+        )
+        telemetry.meter.create_observable_gauge(
+            GATEWAY_IN_FLIGHT,
+            [lambda _: [Observation(self.admission.in_flight)]],
+            description="requests streaming from routers",
+        )
+        telemetry.meter.create_observable_counter(
+            GATEWAY_FAILOVERS,
+            [lambda _: [Observation(self.balancer.failovers)]],
+            description="router calls continued on another router",
+        )
+        telemetry.meter.create_observable_counter(
+            GATEWAY_EJECTIONS,
+            [lambda _: [Observation(self.balancer.ejections)]],
+            description="routers ejected for a while after a failed call",
         )
 
     def authenticate(self, authorization: str | None) -> Caller:
@@ -581,7 +599,7 @@ class GatewayCore:
                     f"request {rid}: the router ended the stream without a finish reason"
                 )
             except RouterLostError as e:
-                health.failure()
+                self.balancer.failed(router, e)
                 if not self._may_retry(rid, attempt, deadline):
                     raise UnavailableError(
                         f"request {rid}: no router replica could serve it "

@@ -185,6 +185,9 @@ async def test_prometheus_endpoints_count_a_known_workload(checkpoint, requests)
     assert total(gateway, "gen_ai_server_time_per_output_token_seconds_count") == requests
     assert total(gateway, "moe_errors_total", rpc_grpc_status_code="INVALID_ARGUMENT") == 1
     assert total(gateway, "moe_gateway_queue_depth") == 0
+    assert total(gateway, "moe_gateway_in_flight") == 0
+    assert total(gateway, "moe_gateway_failovers_total") == 0
+    assert total(gateway, "moe_gateway_router_ejections_total") == 0
 
     # Blocks by state add up to the pool; the same short prompt never fills a block to share.
     assert total(router, "moe_router_kv_blocks", moe_state="used") == 0

@@ -4,6 +4,7 @@ failover, retries and failure paths."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -148,13 +149,22 @@ async def test_a_stream_cut_by_a_dying_router_continues_on_another_with_the_same
     assert gw.balancer.failovers == 1 and gw.balancer.ejected() == ["a:1"]
 
 
-async def test_a_refusing_router_is_ejected_and_requests_go_to_the_healthy_one(checkpoint) -> None:
+async def test_a_refusing_router_is_ejected_and_requests_go_to_the_healthy_one(
+    checkpoint, caplog
+) -> None:
     dead, healthy = ScriptedRouter("a:1", refuses=True), ScriptedRouter("b:1")
     gw = core(checkpoint("mixtral"), [dead, healthy])
-    for _ in range(10):
-        ids, _ = await collect(gw, TextRequest(prompt_token_ids=[1], max_tokens=3))
-        assert ids == [6, 7, 8]
+    gw.balancer._turn = -1  # the first pick is `dead`
+    with caplog.at_level(logging.WARNING, "moe_mesh.gateway.balancer"):
+        for _ in range(10):
+            ids, _ = await collect(gw, TextRequest(prompt_token_ids=[1], max_tokens=3))
+            assert ids == [6, 7, 8]
     assert len(dead.calls) == 1 and len(healthy.calls) == 10  # ejected after its first failure
+    assert gw.balancer.ejections == 1 and gw.balancer.failovers == 1
+    [record] = caplog.records  # the operator's clue: which router, for how long, and why
+    assert record.getMessage() == (
+        "router a:1 ejected for 1 s after: UNAVAILABLE: failed to connect to all addresses"
+    )
 
 
 async def test_retries_stop_at_the_budget_and_at_router_attempts(checkpoint) -> None:
