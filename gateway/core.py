@@ -102,6 +102,9 @@ class TextRequest:
     repetition_penalty: float | None = None
     min_tokens: int = 0
     logprobs: int | None = None  # alternatives per token (0-20); None: no logprobs
+    # Without max_tokens, run to the end of the context (chat, as OpenAI's and vLLM's do) rather
+    # than --default-max-tokens. The router always has KV room for one max_model_len sequence.
+    fills_context: bool = False
 
 
 @dataclass
@@ -319,7 +322,8 @@ class GatewayCore:
             )
         max_tokens = r.max_tokens
         if max_tokens is None:  # the default: never what makes a prompt that fits too long
-            max_tokens = max(1, min(s.default_max_tokens, m.max_model_len - len(ids)))
+            default = s.max_tokens_limit if r.fills_context else s.default_max_tokens
+            max_tokens = max(1, min(default, m.max_model_len - len(ids)))
         if not 1 <= max_tokens <= s.max_tokens_limit:
             raise InvalidArgumentError(
                 "max_tokens", f"must be in [1, {s.max_tokens_limit}], got {max_tokens}"

@@ -781,6 +781,7 @@ def create_app(core: GatewayCore, metrics: Any = None) -> FastAPI:
             raise errors.InvalidArgumentError("top_logprobs", "needs logprobs: true")
         r = _text_request(body, prompt, None, getattr(body, max_field), top)
         r.add_special_tokens = False  # the template wrote the special tokens it wants
+        r.fills_context = True
 
         def logprobs(d: Delta) -> dict | None:
             return chat_logprobs(d.logprobs, core.tokenizer.token_text, d.token_ids)

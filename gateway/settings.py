@@ -79,7 +79,11 @@ class GatewaySettings(TelemetrySettings, SecuritySettings):
     max_tokens_limit: int = Field(
         4096, ge=1, description="largest max_tokens a request may ask for"
     )
-    default_max_tokens: int = Field(16, ge=1, description="max_tokens when a request gives none")
+    default_max_tokens: int = Field(
+        16,
+        ge=1,
+        description="max_tokens when a completion request gives none (chat runs to the end of the context)",
+    )
     request_timeout_s: float = Field(
         600.0, gt=0, description="deadline of a request that brings none"
     )

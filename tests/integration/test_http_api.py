@@ -386,11 +386,11 @@ async def test_models_and_health(mesh) -> None:
         assert (await h.get("/health/live")).status_code == 200
         assert (await h.get("/health/ready")).status_code == 200
         assert (await h.get("/health")).status_code == 200
+        assert (await h.post("/v1/completions", json=completion())).status_code == 200
         metrics = await h.get("/metrics")
         assert metrics.status_code == 200 and metrics.headers["content-type"].startswith(
             "text/plain"
         )
-        # The requests of the tests before this one were counted.
         assert "gen_ai_server_request_duration_seconds_count" in metrics.text, metrics.text[:500]
         assert (await h.get("/openapi.json")).status_code == 200
         nowhere = await h.get("/v1/nowhere")
@@ -588,6 +588,20 @@ async def test_without_max_tokens_a_prompt_near_the_context_gets_what_is_left(me
     async with client(mesh) as c:
         r = await c.completions.create(model="", prompt=[5] * n, temperature=0)
     assert r.usage.completion_tokens <= 3 and r.usage.prompt_tokens == n
+
+
+async def test_a_chat_without_max_tokens_runs_to_the_end_of_the_context(mesh) -> None:
+    """As OpenAI's and vLLM's chat do; not the 16 tokens of a completion without max_tokens."""
+    context = mesh.gateway.core.model.max_model_len
+    async with client(mesh) as c:
+        r = await c.chat.completions.create(
+            model="",
+            messages=[{"role": "user", "content": "hi " * ((context - 120) // 2)}],
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == context
+    assert r.usage.completion_tokens > 16 and r.choices[0].finish_reason == "length"
 
 
 async def test_openai_client_sees_bad_request_with_param(mesh) -> None:
