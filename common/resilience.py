@@ -2,7 +2,8 @@
 
 - `EndpointHealth`: Envoy-style outlier ejection per endpoint. Consecutive failures eject it for
   a time that doubles with each ejection (capped); once that time passes it is re-admitted, and
-  its next call is the probe. A success resets the failure count.
+  its next call is the probe. A success resets the failure count. A passing health check may end
+  an ejection early (`readmit`; common/probing.py checks ejected endpoints).
 - `pick_healthy`: the endpoints a balancer may choose from: the admitted ones, or all of them when
   every one is ejected (Envoy's panic mode: a fully ejected cluster still gets traffic).
 - `RetryBudget`: retries may add at most `ratio` of the recent requests (plus a small reserve per
@@ -44,14 +45,37 @@ class EndpointHealth:
         self.ejections = 0  # total, for status and metrics
         self._streak = 0  # ejections since the last success: sets the next ejection's length
         self.ejected_until = 0.0
+        self.ejection_s = 0.0  # length of the latest ejection, for logs
+        # Re-admitted by a health check and no real call has succeeded since.
+        self.readmitted = False
 
     @property
     def ejected(self) -> bool:
         return self._clock() < self.ejected_until
 
+    @property
+    def ejection_left_s(self) -> float:
+        return max(0.0, self.ejected_until - self._clock())
+
+    @property
+    def streak(self) -> int:
+        """Ejections since the last successful call."""
+        return self._streak
+
     def success(self) -> None:
         self.failures = 0
         self._streak = 0
+        self.readmitted = False
+
+    def readmit(self) -> None:
+        """End the ejection now: a health check passed.
+
+        The streak stays until a real call succeeds. A check shows the endpoint is up, not that it
+        serves well: one that passes checks but fails its next call is ejected for twice as long
+        again, as if the check had not been made."""
+        self.ejected_until = 0.0
+        self.failures = 0
+        self.readmitted = True
 
     def failure(self) -> bool:
         """Count a failure; True when it ejected the endpoint."""
@@ -59,9 +83,8 @@ class EndpointHealth:
         if self.failures < self.policy.consecutive_failures or self.ejected:
             return False
         p = self.policy
-        self.ejected_until = self._clock() + min(
-            p.max_ejection_s, p.base_ejection_s * 2**self._streak
-        )
+        self.ejection_s = min(p.max_ejection_s, p.base_ejection_s * 2**self._streak)
+        self.ejected_until = self._clock() + self.ejection_s
         self._streak += 1
         self.ejections += 1
         self.failures = 0

@@ -81,3 +81,16 @@ def test_latency_window_quantiles_over_the_recent_samples() -> None:
     assert len(w) == 100
     assert w.quantile(0.0) == 100.0 and w.quantile(1.0) == 199.0
     assert 148.0 <= w.quantile(0.5) <= 150.0
+
+
+def test_readmit_ends_the_ejection_and_keeps_the_streak_until_a_call_succeeds() -> None:
+    clock = Clock()
+    h = EndpointHealth(EjectionPolicy(base_ejection_s=1.0, max_ejection_s=30.0), clock)
+    assert h.failure() and h.ejected and h.ejection_s == 1.0
+    h.readmit()
+    assert not h.ejected and h.readmitted and h.streak == 1
+    assert h.failure() and h.ejection_s == 2.0  # failed again: backs off as if never re-admitted
+    clock.now += 2.01
+    h.success()
+    assert not h.readmitted and h.streak == 0
+    assert h.failure() and h.ejection_s == 1.0
