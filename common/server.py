@@ -44,6 +44,17 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
+def peer_channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """A long-lived channel to a mesh peer (router -> expert service, gateway -> router):
+    channel_options, and reconnection attempts at most a second apart.
+
+    gRPC's reconnect back-off grows 1.6-fold per failed attempt up to 120 s, so a peer restarted
+    after 25 s down was measured waiting 18 s for its channel to try again: long after a health
+    check (common/probing.py) would have re-admitted it, and every call meanwhile failed. An
+    attempt per second costs a dead peer one refused connection a second."""
+    return [*channel_options(max_message_bytes), ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
 @dataclass
 class GrpcServer:
     services: Sequence[Service]

@@ -15,7 +15,7 @@ from opentelemetry.context import Context
 
 from moe_mesh.common.errors import MoeMeshError
 from moe_mesh.common.finish_reason import from_wire
-from moe_mesh.common.server import channel_options
+from moe_mesh.common.server import peer_channel_options
 from moe_mesh.common.status import EXPERTS_UNAVAILABLE_KEY, error_from_rpc
 from moe_mesh.common.tls import MeshTls, open_channel
 from moe_mesh.gateway.balancer import RouterLostError
@@ -133,7 +133,9 @@ class RouterClient:
         tls: MeshTls | None = None,
     ) -> None:
         self.address = address
-        self.channel = open_channel(address, channel_options(max_message_bytes), interceptors, tls)
+        self.channel = open_channel(
+            address, peer_channel_options(max_message_bytes), interceptors, tls
+        )
         self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
         self.outstanding = 0
 

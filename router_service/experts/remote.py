@@ -15,7 +15,7 @@ from moe_mesh.common.errors import DeadlineExceededError, PreconditionError, Una
 from moe_mesh.common.fastpath.client import FastPathError
 from moe_mesh.common.moe import joined
 from moe_mesh.common.placement import format_experts
-from moe_mesh.common.server import channel_options
+from moe_mesh.common.server import peer_channel_options
 from moe_mesh.common.status import error_from_rpc
 from moe_mesh.common.tls import MeshTls, open_channel
 from moe_mesh.common.wire import decode, encode
@@ -68,7 +68,9 @@ class RemoteExperts:
         self.fast_path = FastPathLink.offered(list(fast_paths), fast_path, max_message_bytes)
         self._warming: asyncio.Task | None = None
         self._warm()
-        self.channel = open_channel(address, channel_options(max_message_bytes), interceptors, tls)
+        self.channel = open_channel(
+            address, peer_channel_options(max_message_bytes), interceptors, tls
+        )
         self.stub = expert_pb2_grpc.ExpertServiceStub(self.channel)
         self.outstanding = 0
         self.retired = False
