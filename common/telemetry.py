@@ -90,6 +90,8 @@ FAST_PATH_FALLBACKS = "moe.router.fast_path_fallbacks"  # router, calls re-sent 
 EJECTIONS = (
     "moe.router.ejections"  # router, expert replicas ejected after a failure or a lost hedge race
 )
+# router, health checks of ejected expert replicas, by moe.outcome (readmitted, passed, failed)
+EJECTION_CHECKS = "moe.router.ejection_checks"
 EXPERT_QUEUE_DURATION = (
     "moe.expert.queue.duration"  # expert service, s a group waited for its batch
 )

@@ -125,6 +125,7 @@ class RouterApp:
             await asyncio.gather(self._tiering, return_exceptions=True)
         await self.core.stop()
         self.core.engine.model.close()
+        await self.core.engine.model.dispatcher.close()  # its checks use the channels closed next
         if self.membership is not None:
             await self.membership.stop()
         await asyncio.gather(*(r.close() for r in self.parts.remotes))

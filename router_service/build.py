@@ -72,6 +72,7 @@ def build_model(
         hedge_min_delay_s=settings.hedge_min_delay_s,
         ejection=EjectionPolicy(base_ejection_s=settings.expert_ejection_s),
         retry_budget_ratio=settings.retry_budget_ratio,
+        probe_interval_s=settings.expert_probe_interval_s,
     )
     compute = ComputeThread()
     dispatcher = ExpertDispatcher(

@@ -176,6 +176,13 @@ class RouterSettings(TelemetrySettings, SecuritySettings):
         description="a replica that failed a call (or lost a hedge race) is "
         "skipped this long, doubling with each further failure (at most 30 s)",
     )
+    expert_probe_interval_s: float = Field(
+        0.5,
+        ge=0,
+        description="an ejected replica is checked this often (Describe, same model and weights) "
+        "and back in use once a check passes after it was seen down, e.g. restarted; "
+        "0: it waits out its ejection",
+    )
     retry_budget_ratio: float = Field(
         0.2,
         ge=0,

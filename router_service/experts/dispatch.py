@@ -11,7 +11,8 @@ A hung or dying replica must not stall the batch (DispatchPolicy): each remote c
 learned from its replica's latency; a call not answered by a latency quantile is hedged to another
 replica serving the same experts, and the first answer wins (expert math is deterministic, so the
 output does not change); a replica that fails, times out or loses a hedge race is ejected for a
-while (Envoy-style outlier ejection); failovers and hedges draw on a retry budget.
+while (Envoy-style outlier ejection), and checked meanwhile so that it is back as soon as it
+answers again (common/probing.py); failovers and hedges draw on a retry budget.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ from moe_mesh.common.moe import (
     route,
     shared_expert_output,
 )
+from moe_mesh.common.probing import Prober
 from moe_mesh.common.resilience import EjectionPolicy, EndpointHealth, LatencyWindow, RetryBudget
 from moe_mesh.common.telemetry import (
     DISPATCH_DURATION,
+    EJECTION_CHECKS,
     EJECTIONS,
     FAILOVERS,
     HEDGES,
@@ -62,7 +65,9 @@ class ExpertBackend(Protocol):
     Raises UnavailableError when the backend cannot be reached (the dispatcher then tries another
     replica) and DeadlineExceededError when `timeout_s` runs out. A local backend also offers
     `compute(layer, groups)`, the same without awaiting, which the dispatcher runs on the
-    router's compute thread.
+    router's compute thread. A remote one may offer `check(timeout_s)`, a cheap call that raises
+    unless the service is up and serves this router's model: while the backend is ejected the
+    dispatcher calls it, and re-admits the backend once it passes.
     """
 
     local: bool  # True: in this process, no network hop
@@ -133,6 +138,7 @@ class DispatchPolicy:
     hedge_initial_delay_s: float = 0.25  # before a replica has min_samples latencies
     ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
     retry_budget_ratio: float = 0.2
+    probe_interval_s: float = 0.5  # checks of an ejected replica; 0: none
 
 
 @dataclass
@@ -169,6 +175,7 @@ class ExpertDispatcher:
     ) -> None:
         self.spec = spec
         self.compute = compute  # where colocated experts run while remote calls are out
+        self.prober = Prober(policy.probe_interval_s, "expert replica")
         self.set_placement(placement)
         self.default_timeout_s = default_timeout_s
         self.region, self.region_penalty = region, region_penalty
@@ -219,12 +226,32 @@ class ExpertDispatcher:
             [lambda _: [Observation(self.ejections)]],
             description="expert replicas ejected for a while",
         )
+        telemetry.meter.create_observable_counter(
+            EJECTION_CHECKS,
+            [
+                lambda _: [
+                    Observation(self.prober.readmitted, {"moe.outcome": "readmitted"}),
+                    Observation(
+                        self.prober.passed - self.prober.readmitted, {"moe.outcome": "passed"}
+                    ),
+                    Observation(self.prober.failed, {"moe.outcome": "failed"}),
+                ]
+            ],
+            description="health checks of ejected expert replicas; readmitted: the check ended "
+            "the ejection, passed: it passed but the replica was ejected for being slow",
+        )
 
     def set_placement(self, placement: Placement) -> None:
         """Swap in a new placement table (one assignment: a layer call in flight keeps the old one)."""
         self.placement = {pair: list(replicas) for pair, replicas in placement.items()}
         # Whether some expert is served only remotely, so a step may wait on the network.
         self.remote = any(not r[0].local for r in self.placement.values() if r)
+        if self.prober.checking:  # a replica that left is not checked any more
+            self.prober.retain(b for replicas in self.placement.values() for b in replicas)
+
+    async def close(self) -> None:
+        """Stop checking ejected replicas (before their channels close)."""
+        await self.prober.close()
 
     def routed_counts(self) -> list[list[int]]:
         """Tokens routed per [layer][expert] since start (the compute thread adds to them)."""
@@ -420,7 +447,9 @@ class ExpertDispatcher:
                         if task is second:
                             self.hedges_won += 1
                             # Slow past its hedge delay and beaten: skip it for a while.
-                            self._failed(backend)
+                            self._failed(
+                                backend, f"lost a hedge race to {_name(other)}", down=False
+                            )
                         return task.result()
             raise first.exception()  # both failed: the first replica's error goes to failover
         finally:
@@ -460,9 +489,13 @@ class ExpertDispatcher:
             r = self._replicas[backend] = _Replica(self.policy.ejection)
         return r
 
-    def _failed(self, backend: ExpertBackend) -> None:
-        if self._replica(backend).health.failure():
+    def _failed(self, backend: ExpertBackend, cause: object, down: bool) -> None:
+        """Count a failed call of `backend`; `down`: it could not be reached (not merely slow)."""
+        health = self._replica(backend).health
+        if health.failure():
             self.ejections += 1
+            check = getattr(backend, "check", None)
+            self.prober.ejected(backend, _name(backend), health, check, cause, down)
 
     def _hedge_delay(self, backend: ExpertBackend) -> float:
         q = self._replica(backend).latency.quantile(self.policy.hedge_quantile)
@@ -508,12 +541,11 @@ class ExpertDispatcher:
         except DeadlineExceededError as e:
             if deadline is not None and time.monotonic() >= deadline:
                 raise  # the request's own deadline: nothing to retry
-            self._failed(backend)
-            raise ReplicaTimeout(
-                f"{getattr(backend, 'address', backend)} did not answer within {timeout:.3g}s"
-            ) from e
-        except UnavailableError:
-            self._failed(backend)
+            timed_out = ReplicaTimeout(f"{_name(backend)} did not answer within {timeout:.3g}s")
+            self._failed(backend, timed_out, down=False)
+            raise timed_out from e
+        except UnavailableError as e:
+            self._failed(backend, e, down=True)
             raise
         if not backend.local:
             replica = self._replica(backend)
@@ -608,6 +640,10 @@ class ExpertDispatcher:
     def _cost(self, backend: ExpertBackend) -> float:
         away = bool(self.region) and backend.region != self.region
         return backend.outstanding + (self.region_penalty if away else 0.0)
+
+
+def _name(backend: ExpertBackend) -> str:
+    return getattr(backend, "address", repr(backend))
 
 
 class LivePlacement:

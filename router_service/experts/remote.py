@@ -12,6 +12,7 @@ import grpc
 import torch
 
 from moe_mesh.common.errors import DeadlineExceededError, PreconditionError, UnavailableError
+from moe_mesh.common.fastpath import parse_worker_url, worker_url
 from moe_mesh.common.fastpath.client import FastPathError
 from moe_mesh.common.moe import joined
 from moe_mesh.common.placement import format_experts
@@ -87,6 +88,20 @@ class RemoteExperts:
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, self.address) from e
 
+    async def check(self, timeout_s: float) -> None:
+        """The dispatcher's health check of this replica while it is ejected: Describe answers
+        within `timeout_s` with this router's model and weights.
+
+        Describe rather than gRPC's health Check: it is what start-up asked, and a service restarted
+        on other weights at the same address must stay out (Check would pass it). It waits for the
+        channel to be ready, so it passes as soon as the channel reconnects to a restarted service.
+        The reply also says where the service's fast path listens now (see _follow_fast_path)."""
+        if self.retired:
+            raise UnavailableError(f"expert service {self.address} left the mesh")
+        info = await self.describe(timeout_s)
+        check_identity(self.address, info, self.identity)
+        self._follow_fast_path(list(info.fast_paths))
+
     def offer_fast_path(self, urls: Sequence[str]) -> None:
         """The service's advertised fast paths (Describe.fast_paths), learned after construction."""
         if self.fast_path is None and not self.retired:
@@ -94,6 +109,17 @@ class RemoteExperts:
                 list(urls), self.fast_path_config, self.max_message_bytes
             )
             self._warm()
+
+    def _follow_fast_path(self, urls: list[str]) -> None:
+        """Use the fast path the service advertises now. A restarted service listens on a new UCX
+        worker address: the link to the old one could only fail, each try costing a fallback (or, on
+        a connect that times out, enough delay to lose a hedge race and be ejected again)."""
+        link, target = self.fast_path, parse_worker_url(urls)
+        if link is not None and (target is None or worker_url(*target) != link.url):
+            log.info("expert service %s: its fast path is now %s", self.address, urls or "gone")
+            link.close()  # calls in flight on it fall back to gRPC
+            self.fast_path = None
+        self.offer_fast_path(urls)
 
     def _warm(self) -> None:
         """Connect the fast path now: a first call that said hello itself would be slow enough to
@@ -104,6 +130,8 @@ class RemoteExperts:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # built outside a loop: the first call connects
             return
+        if self._warming is not None:  # a link replaced while still connecting (_follow_fast_path)
+            self._warming.cancel()
         self._warming = loop.create_task(self.fast_path.warm(), name=f"warm {self.address}")
 
     @property
@@ -200,6 +228,16 @@ class RemoteExperts:
         await self.channel.close()
 
 
+def check_identity(address: str, info: expert_pb2.DescribeResponse, identity: Identity) -> None:
+    """PreconditionError naming the first of model id and weights checksum that differ."""
+    for field in ("model_id", "weights_checksum"):
+        if getattr(info, field) != getattr(identity, field):
+            raise PreconditionError(
+                f"expert service {address} serves {field} "
+                f"{getattr(info, field)!r}; this router has {getattr(identity, field)!r}"
+            )
+
+
 async def connect(
     addresses: Sequence[str],
     identity: Identity,
@@ -234,12 +272,7 @@ async def connect(
         ) from e
     placement: dict[tuple[int, int], list[RemoteExperts]] = {}
     for backend, info in zip(backends, replies):
-        for field in ("model_id", "weights_checksum"):
-            if getattr(info, field) != getattr(identity, field):
-                raise PreconditionError(
-                    f"expert service {backend.address} serves {field} "
-                    f"{getattr(info, field)!r}; this router has {getattr(identity, field)!r}"
-                )
+        check_identity(backend.address, info, identity)
         backend.region = info.region
         backend.offer_fast_path(list(info.fast_paths))
         pairs = [(k.layer, k.expert) for k in info.experts]

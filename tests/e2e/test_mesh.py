@@ -19,6 +19,8 @@ from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
 from moe_mesh.router_service.engine.engine import FinishReason
 from moe_mesh.router_service.engine.model import pack_step
 from tests.support.hf import greedy as hf_greedy
+from tests.support.polling import calls
+from tests.support.processes import ServiceProcess
 from tests.support.reference import ALL_REMOTE, GREEDY, PROMPTS, mesh_engine, monolithic, run_engine
 
 
@@ -149,3 +151,42 @@ async def test_a_hung_replica_is_hedged_around_and_tokens_do_not_change(
         assert tuple(map(tuple, tokens)) == monolithic(path)[:2]
         assert hung_s < undisturbed_s + 1.0, (hung_s, undisturbed_s)
         assert dispatcher.hedges_won >= 1 and dispatcher.ejections >= 1
+
+
+async def test_a_killed_replica_restarted_on_its_port_takes_calls_again_within_seconds(
+    checkpoint, tmp_path
+) -> None:
+    """Static endpoints, no registry: one of two replicas of every expert is killed, ejected by the
+    calls routed around it, and restarted on its port. Checks of the ejected replica notice it
+    answering, so calls reach it within seconds rather than when its ejection (30 s) ends."""
+    path = checkpoint("mixtral")
+    want = monolithic(path)[:2]
+    specs = ["*:0-7", "*:0-7"]
+    async with mesh_engine(path, specs, tmp_path, expert_ejection_s=30.0) as (engine, experts):
+        dispatcher, victim = engine.model.dispatcher, experts[1]
+        [backend] = {
+            b for bs in dispatcher.placement.values() for b in bs if b.address == victim.address
+        }
+        health = dispatcher._replica(backend).health
+        victim.proc.kill()
+        victim.proc.wait(5)
+        start = time.monotonic()
+        while not health.ejected:
+            assert time.monotonic() - start < 30, "the killed replica was not ejected"
+            assert tuple(map(tuple, await run_engine(engine, PROMPTS[:2]))) == want
+        port = victim.address.rsplit(":", 1)[1]
+        args = ["--checkpoint", str(path), "--experts", specs[1], "--compute-threads", "1"]
+        restarted = ServiceProcess(
+            "moe_mesh.expert_service", [*args, "--port", port], tmp_path, "expert1-restarted"
+        )
+        try:
+            assert restarted.wait_ready().address == victim.address
+            ready = time.monotonic()
+            while not await calls(restarted.address):
+                assert time.monotonic() - ready < 5, "the restarted replica takes no calls"
+                assert tuple(map(tuple, await run_engine(engine, PROMPTS[:2]))) == want
+            assert dispatcher.prober.readmitted >= 1
+            assert tuple(map(tuple, await run_engine(engine, PROMPTS[:2]))) == want
+            assert not health.ejected and health.streak == 0  # its calls succeed again
+        finally:
+            restarted.stop()

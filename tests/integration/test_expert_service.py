@@ -15,6 +15,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_mesh.common.checkpoint import Checkpoint
+from moe_mesh.common.errors import PreconditionError, UnavailableError
 from moe_mesh.common.placement import parse_experts
 from moe_mesh.common.wire import encode
 from moe_mesh.expert_service import batcher as batcher_module
@@ -22,6 +23,7 @@ from moe_mesh.expert_service.app import SERVICE_NAME, ExpertApp
 from moe_mesh.expert_service.core import ExpertHost
 from moe_mesh.expert_service.settings import ExpertSettings
 from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
+from moe_mesh.router_service.experts.remote import Identity, RemoteExperts
 from tests.support.experts import (
     HIDDEN,
     SPEC,
@@ -108,6 +110,23 @@ async def test_model_id_setting_overrides_the_directory_name(settings) -> None:
             assert (
                 await stub.Forward(forward_request(host, 0, [(1, torch.randn(2, HIDDEN))]))
             ).output.shape == [2, 64]
+
+
+async def test_a_routers_check_passes_for_its_model_and_weights_only(settings) -> None:
+    """RemoteExperts.check, which re-admits an ejected replica: a service restarted on other
+    weights at the same address stays out, and so does one that left the mesh."""
+    async with serving(settings(fast_path="off")) as (address, host):
+        backend = RemoteExperts(address, Identity(host.model_id, host.weights_checksum), 2**24)
+        try:
+            await backend.check(5.0)
+            backend.identity = Identity(host.model_id, "sha256:other")
+            with pytest.raises(PreconditionError, match=f"{address} serves weights_checksum"):
+                await backend.check(5.0)
+            backend.retire()
+            with pytest.raises(UnavailableError, match="left the mesh"):
+                await backend.check(5.0)
+        finally:
+            await backend.close()
 
 
 # -- bad inputs: one status each, then the service still serves ---------------------------------------

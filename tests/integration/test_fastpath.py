@@ -27,7 +27,7 @@ from moe_mesh.common.errors import (
     UnavailableError,
 )
 from moe_mesh.common.fastpath import frame as f
-from moe_mesh.common.fastpath import parse_worker_url, ucx
+from moe_mesh.common.fastpath import parse_worker_url, ucx, worker_url
 from moe_mesh.common.fastpath.client import FastPathError, FrameClient
 from moe_mesh.common.fastpath.server import FrameServer
 from moe_mesh.common.fastpath.ucx import UcxRuntime, close_endpoint, load_ucxx, read_frame
@@ -441,6 +441,28 @@ async def test_retire_aborts_ucx_calls_in_flight_without_falling_back(checkpoint
             with pytest.raises(UnavailableError, match="left the mesh"):
                 await call
             assert not backend.fast_path.fallbacks
+        finally:
+            await backend.close()
+
+
+async def test_a_check_adopts_the_fast_path_the_service_advertises_now(checkpoint) -> None:
+    """A restarted service listens on a new UCX worker address; the check that re-admits it
+    (RemoteExperts.check) replaces the link to the old one, which could only fail."""
+    async with expert(checkpoint) as app:
+        target = parse_worker_url(app.fast_paths)
+        before = worker_url(target.address, target.server + 1)  # where it listened before
+        backend = remote(app, timeout_s=0.2)
+        backend.fast_path.close()
+        backend.fast_path = None
+        backend.offer_fast_path([before])
+        stale = backend.fast_path
+        try:
+            await backend.check(5.0)
+            assert stale.client.closed and backend.fast_path.url == app.fast_paths[0]
+            assert (await backend.forward(1, groups(), 5.0)).transport == "ucx"
+            link = backend.fast_path
+            await backend.check(5.0)
+            assert backend.fast_path is link and not link.fallbacks  # the same place: kept
         finally:
             await backend.close()
 

@@ -79,6 +79,7 @@ async def mesh_engine(
         try:
             yield parts.engine, experts
         finally:
+            await parts.engine.model.dispatcher.close()
             for r in parts.remotes:
                 await r.close()
     finally:

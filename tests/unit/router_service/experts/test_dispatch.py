@@ -17,6 +17,7 @@ from moe_mesh.router_service.experts.dispatch import (
     DispatchPolicy,
     ExpertDispatcher,
 )
+from tests.support.polling import eventually
 
 
 class Recording(ColocatedExperts):
@@ -28,6 +29,13 @@ class Recording(ColocatedExperts):
         super().__init__(weights)
         self.fail, self.delay_s = fail, delay_s
         self.served: list[tuple[int, int]] = []
+        self.checks = 0
+
+    async def check(self, timeout_s):
+        """A health check: fails while the backend is down (RemoteExperts.check's stand-in)."""
+        self.checks += 1
+        if self.fail:
+            raise UnavailableError("recording backend is down")
 
     async def forward(self, layer, groups, timeout_s=None):
         if self.delay_s:
@@ -115,6 +123,53 @@ async def test_a_failing_replica_is_ejected_then_readmitted_after_its_ejection_t
     for _ in range(4):  # re-admitted: it takes calls again (ties rotate between the two)
         await dispatcher.moe(0, hidden(spec), layer)
     assert down.served
+
+
+async def test_an_ejected_replica_is_back_once_it_passes_a_check_not_when_its_ejection_ends(
+    model,
+) -> None:
+    spec, layer, weights = model
+    down, up = Recording(weights, fail=True), Recording(weights)
+    policy = DispatchPolicy(ejection=EjectionPolicy(base_ejection_s=30.0))
+    dispatcher = ExpertDispatcher(spec, {pair: [down, up] for pair in weights}, policy=policy)
+    try:
+        await dispatcher.moe(0, hidden(spec), layer)
+        assert dispatcher.ejections == 1
+        await eventually(lambda: down.checks >= 2, 3, "checks of the ejected replica")
+        await dispatcher.moe(0, hidden(spec), layer)
+        assert not down.served and dispatcher.ejections == 1  # checks failed: still out
+        down.fail = False  # restarted
+        start = time.monotonic()
+        while not down.served:  # back within about a check interval (0.5 s), not 30 s
+            assert time.monotonic() - start < 3.0, "still ejected"
+            await dispatcher.moe(0, hidden(spec), layer)
+            await asyncio.sleep(0.05)
+        assert dispatcher.failovers == 1
+    finally:
+        await dispatcher.close()
+
+
+async def test_a_slow_replica_that_answers_checks_still_waits_out_its_ejection(model) -> None:
+    spec, layer, weights = model
+    slow, fast = Recording(weights, delay_s=2.0), Recording(weights)
+    policy = DispatchPolicy(
+        hedge_initial_delay_s=0.05,
+        ejection=EjectionPolicy(base_ejection_s=30.0),
+        probe_interval_s=0.05,
+    )
+    dispatcher = ExpertDispatcher(spec, {pair: [slow, fast] for pair in weights}, policy=policy)
+    try:
+        while not dispatcher.ejections:
+            await dispatcher.moe(0, hidden(spec), layer)
+        await eventually(lambda: slow.checks >= 3, 3, "checks of the ejected replica")
+        # Checks pass (it is up) but say nothing of its speed: only an outage and a return would.
+        assert dispatcher._replica(slow).health.ejected and dispatcher.prober.readmitted == 0
+        # It leaves the placement: its checks stop.
+        dispatcher.set_placement({pair: [fast] for pair in weights})
+        await asyncio.sleep(0)
+        assert dispatcher.prober.checking == []
+    finally:
+        await dispatcher.close()
 
 
 async def test_failovers_stop_when_the_retry_budget_is_spent(model) -> None:
