@@ -230,6 +230,7 @@ class GatewayApp:
         if self._follow_task is not None:
             self._follow_task.cancel()
             await asyncio.gather(self._follow_task, return_exceptions=True)
+        await self.core.balancer.close()  # its checks use the channels closed next
         await asyncio.gather(*(r.close() for r in self.routers))
         self.telemetry.shutdown()
 

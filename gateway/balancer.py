@@ -1,6 +1,7 @@
 """Which router a gateway call goes to, and whether a failed call may be tried again elsewhere.
 
-Routers that fail are ejected for a while (Envoy-style outlier ejection, common/resilience.py);
+Routers that fail are ejected for a while (Envoy-style outlier ejection, common/resilience.py)
+and checked meanwhile, so that one restarted is back as soon as it answers (common/probing.py);
 among the admitted ones the call goes to the one with the fewest open streams, ties rotating. A
 dead router has no open streams, so without ejection it would attract every new request.
 """
@@ -9,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from functools import partial
 from typing import Protocol
 
 from moe_mesh.common.errors import UnavailableError
+from moe_mesh.common.probing import Prober
 from moe_mesh.common.resilience import (
     Clock,
     EjectionPolicy,
@@ -36,31 +39,28 @@ class Routable(Protocol):
 
 class Balancer:
     def __init__(
-        self, policy: EjectionPolicy, budget: RetryBudget, clock: Clock = time.monotonic
+        self,
+        policy: EjectionPolicy,
+        budget: RetryBudget,
+        clock: Clock = time.monotonic,
+        check: Callable[[Routable, float], Awaitable[object]] | None = None,
+        check_interval_s: float = 0.0,
     ) -> None:
+        """`check(router, timeout_s)` raises unless the router is back; an ejected router is
+        checked every `check_interval_s` (0: never, it waits out its ejection)."""
         self.policy, self.budget, self._clock = policy, budget, clock
         self._health: dict[str, EndpointHealth] = {}
         self._turn = 0
         self.failovers = 0  # calls continued on another router, for status and tests
         self.ejections = 0  # times a router was ejected, for metrics
+        self.check = check
+        self.prober = Prober(check_interval_s, "router")
 
     def health(self, router: Routable) -> EndpointHealth:
         h = self._health.get(router.address)
         if h is None:
             h = self._health[router.address] = EndpointHealth(self.policy, self._clock)
         return h
-
-    def failed(self, router: Routable, cause: Exception) -> None:
-        """Count a failed call of `router`; an ejection is logged, as the operator's first clue."""
-        health = self.health(router)
-        if health.failure():
-            self.ejections += 1
-            log.warning(
-                "router %s ejected for %.0f s after: %s",
-                router.address,
-                health.ejected_until - self._clock(),
-                cause,
-            )
 
     def pick(self, routers: Sequence[Routable], avoid: Collection[str] = ()) -> Routable:
         """The admitted router with the fewest open streams, preferring ones not in `avoid` (tried already)."""
@@ -77,6 +77,23 @@ class Balancer:
         return min(
             (candidates[(self._turn + i) % n] for i in range(n)), key=lambda r: r.outstanding
         )
+
+    def failed(self, router: Routable, cause: BaseException) -> None:
+        """A call to `router` failed as a lost router's do (UNAVAILABLE: unreachable, or refusing
+        calls); once that ejects it, it is logged and checked until it answers again."""
+        health = self.health(router)
+        if health.failure():
+            self.ejections += 1
+            check = None if self.check is None else partial(self.check, router)
+            self.prober.ejected(router.address, router.address, health, check, cause, down=True)
+
+    def retain(self, routers: Sequence[Routable]) -> None:
+        """The routers are these from now on: the others are not checked any more."""
+        self.prober.retain(r.address for r in routers)
+
+    async def close(self) -> None:
+        """Stop checking ejected routers (before their channels close)."""
+        await self.prober.close()
 
     def ejected(self) -> list[str]:
         return sorted(a for a, h in self._health.items() if h.ejected)

@@ -27,6 +27,7 @@ from moe_mesh.common.errors import (
     InvalidArgumentError,
     ModelNotFoundError,
     MoeMeshError,
+    PreconditionError,
     UnauthenticatedError,
     UnavailableError,
 )
@@ -180,6 +181,8 @@ class GatewayCore:
         self.balancer = Balancer(
             EjectionPolicy(consecutive_failures=1, base_ejection_s=settings.router_ejection_s),
             RetryBudget(ratio=settings.retry_budget_ratio),
+            check=self._check_router,
+            check_interval_s=settings.router_probe_interval_s,
         )
         self.draining = False  # set on shutdown: new requests are refused, admitted ones finish
         self._active: set[str] = set()  # request ids in flight, so a duplicate is refused
@@ -258,6 +261,16 @@ class GatewayCore:
     def set_routers(self, routers: Sequence[RouterBackend]) -> None:
         """The router replicas to balance over from now on (registry membership changed)."""
         self.routers = list(routers)
+        self.balancer.retain(self.routers)
+
+    async def _check_router(self, router: RouterBackend, timeout_s: float) -> None:
+        """The check of an ejected router: it serves, and serves this gateway's model (one restarted
+        on another checkpoint at the same address must stay out)."""
+        served = await router.check(timeout_s)
+        if served != self.model.id:
+            raise PreconditionError(
+                f"router {router.address} serves {served!r}, this gateway {self.model.id!r}"
+            )
 
     # -- validation ------------------------------------------------------------------------
 

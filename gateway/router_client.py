@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import context
 from opentelemetry.context import Context
 
-from moe_mesh.common.errors import MoeMeshError
+from moe_mesh.common.errors import MoeMeshError, UnavailableError
 from moe_mesh.common.finish_reason import from_wire
 from moe_mesh.common.server import peer_channel_options
 from moe_mesh.common.status import EXPERTS_UNAVAILABLE_KEY, error_from_rpc
@@ -123,6 +124,10 @@ class RouterBackend(Protocol):
 
     async def model(self, timeout_s: float) -> ModelInfo: ...
 
+    async def check(self, timeout_s: float) -> str:
+        """The model id it serves, once it says it is serving; raises otherwise."""
+        ...
+
 
 class RouterClient:
     def __init__(
@@ -137,6 +142,7 @@ class RouterClient:
             address, peer_channel_options(max_message_bytes), interceptors, tls
         )
         self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
         self.outstanding = 0
 
     async def generate(
@@ -195,6 +201,28 @@ class RouterClient:
         except grpc.aio.AioRpcError as e:
             raise self._error(e, "status") from e
         return ModelInfo(st.model_id, st.architecture, st.max_model_len, st.vocab_size)
+
+    async def check(self, timeout_s: float) -> str:
+        """The gateway's check of this router while it is ejected: gRPC health says SERVING, then
+        Status names the model it serves; both within `timeout_s`, waiting for the channel.
+
+        Health first: a router whose engine loop gave up says NOT_SERVING, yet answers Status.
+        Failures are not logged (_error's line): a dead router fails a check every interval."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        try:
+            reply = await self.health.Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True
+            )
+            if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+                raise UnavailableError(f"router {self.address} is {status}")
+            left = deadline - asyncio.get_running_loop().time()
+            st = await self.stub.Status(
+                router_pb2.RouterStatusRequest(), timeout=max(0.0, left), wait_for_ready=True
+            )
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e, self.address) from e
+        return st.model_id
 
     def _error(self, e: grpc.aio.AioRpcError, what: str) -> MoeMeshError:
         """Our error for a failed call. Its message may reach the public, so it leaves out this router's

@@ -126,6 +126,13 @@ class GatewaySettings(TelemetrySettings, SecuritySettings):
         description="a router that failed is skipped this long, doubling "
         "with each further failure (at most 30 s)",
     )
+    router_probe_interval_s: float = Field(
+        0.5,
+        ge=0,
+        description="an ejected router is checked this often (gRPC health SERVING, then Status "
+        "with this gateway's model) and back in use once a check passes, e.g. restarted; "
+        "0: it waits out its ejection",
+    )
     retry_budget_ratio: float = Field(
         0.2, ge=0, le=1, description="retries may add at most this share of requests"
     )

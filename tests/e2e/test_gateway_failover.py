@@ -22,7 +22,12 @@ import pytest
 
 from moe_mesh.gateway.app import GatewayApp
 from moe_mesh.gateway.settings import GatewaySettings
-from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
+from moe_mesh.protos.moe_mesh.v1 import (
+    inference_pb2,
+    inference_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
 from tests.support.processes import ServiceProcess, stop_all
 from tests.support.reference import PROMPTS
 
@@ -202,3 +207,46 @@ async def test_a_dead_router_gets_no_requests_and_none_fail(checkpoint, tmp_path
                 r = await h.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
             assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable", r.text
             assert not ADDRESS.search(r.text), r.text
+
+
+async def test_a_killed_router_restarted_on_its_port_gets_requests_again_within_seconds(
+    checkpoint, tmp_path
+) -> None:
+    """Static --routers: a killed router is ejected; restarted on its port, checks of it pass and
+    requests reach it within seconds rather than when its ejection (30 s here) ends."""
+    path = checkpoint("mixtral")
+    request = inference_pb2.GenerateRequest(
+        prompt_token_ids=PROMPTS[1], max_tokens=4, temperature=0.0
+    )
+    with routers(path, tmp_path) as procs:
+        async with (
+            gateway(path, [p.address for p in procs], router_ejection_s=30.0) as gw,
+            grpc.aio.insecure_channel(gw.grpc.address) as channel,
+        ):
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            want = await stub.Generate(request, timeout=30)
+            victim = procs[0]
+            kill(victim)
+            start = time.monotonic()
+            while gw.core.balancer.ejected() != [victim.address]:
+                assert time.monotonic() - start < 30, "the killed router was not ejected"
+                assert (await stub.Generate(request, timeout=30)).token_ids == want.token_ids
+            port = victim.address.rsplit(":", 1)[1]
+            restarted = ServiceProcess(
+                "moe_mesh.router_service",
+                ["--checkpoint", str(path), "--compute-threads", "1", "--port", port],
+                tmp_path,
+                "router0-restarted",
+            )
+            try:
+                assert restarted.wait_ready().address == victim.address
+                ready = time.monotonic()
+                async with grpc.aio.insecure_channel(restarted.address) as own:
+                    status = router_pb2_grpc.RouterServiceStub(own).Status
+                    while not (await status(router_pb2.RouterStatusRequest(), timeout=5)).steps:
+                        assert time.monotonic() - ready < 5, "the restarted router gets no request"
+                        reply = await stub.Generate(request, timeout=30)
+                        assert reply.token_ids == want.token_ids
+                assert gw.core.balancer.ejected() == [] and gw.core.balancer.prober.readmitted
+            finally:
+                restarted.stop()

@@ -55,6 +55,7 @@ class ScriptedRouter:
     ) -> None:
         self.address, self.outstanding, self.calls = address, 0, []
         self.dies_after, self.refuses, self.no_finish = dies_after, refuses, no_finish
+        self.model, self.checks = "m", 0
 
     async def generate(self, request, timeout_s, trace_context=None):
         self.calls.append(request)
@@ -72,5 +73,9 @@ class ScriptedRouter:
         finally:
             self.outstanding -= 1
 
-    async def status(self, timeout_s):  # pragma: no cover - not used by the core
-        raise NotImplementedError
+    async def check(self, timeout_s):
+        """The model it serves; a refusing router fails its checks too."""
+        self.checks += 1
+        if self.refuses:
+            raise RouterLostError("UNAVAILABLE: failed to connect to all addresses")
+        return self.model

@@ -167,6 +167,31 @@ async def test_a_refusing_router_is_ejected_and_requests_go_to_the_healthy_one(
     )
 
 
+async def test_an_ejected_router_is_back_once_it_passes_a_check_with_the_gateways_model(
+    checkpoint,
+) -> None:
+    dead, healthy = ScriptedRouter("a:1", refuses=True), ScriptedRouter("b:1")
+    gw = core(checkpoint("mixtral"), [dead, healthy], router_ejection_s=30.0)
+    gw.balancer._turn = -1  # the first pick is `dead`
+    request = TextRequest(prompt_token_ids=[1], max_tokens=3)
+    try:
+        assert (await collect(gw, request))[0] == [6, 7, 8]  # failed over
+        assert gw.balancer.ejected() == ["a:1"]
+        await eventually(lambda: dead.checks >= 2, 3, "checks of the ejected router")
+        dead.refuses, dead.model = False, "another-model"  # restarted on another checkpoint
+        await eventually(lambda: dead.checks >= 4, 3, "more checks")
+        assert gw.balancer.ejected() == ["a:1"]  # up, but not serving this gateway's model
+        dead.model = "m"
+        start, calls = time.monotonic(), len(dead.calls)
+        while len(dead.calls) == calls:  # back within about a check interval (0.5 s), not 30 s
+            assert time.monotonic() - start < 3.0, "still ejected"
+            assert (await collect(gw, request))[0] == [6, 7, 8]
+            await asyncio.sleep(0.05)
+        assert gw.balancer.ejected() == [] and gw.balancer.health(dead).streak == 0
+    finally:
+        await gw.balancer.close()
+
+
 async def test_retries_stop_at_the_budget_and_at_router_attempts(checkpoint) -> None:
     dead, healthy = ScriptedRouter("a:1", refuses=True), ScriptedRouter("b:1")
     gw = core(checkpoint("mixtral"), [dead, healthy])
