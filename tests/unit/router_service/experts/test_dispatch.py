@@ -12,11 +12,13 @@ import torch
 from moe_mesh.common.checkpoint import Checkpoint
 from moe_mesh.common.errors import DeadlineExceededError, ExpertUnavailableError, UnavailableError
 from moe_mesh.common.resilience import EjectionPolicy
+from moe_mesh.common.telemetry import Telemetry
 from moe_mesh.router_service.experts.dispatch import (
     ColocatedExperts,
     DispatchPolicy,
     ExpertDispatcher,
 )
+from tests.support.metrics import scrape, total
 from tests.support.polling import eventually
 
 
@@ -131,7 +133,10 @@ async def test_an_ejected_replica_is_back_once_it_passes_a_check_not_when_its_ej
     spec, layer, weights = model
     down, up = Recording(weights, fail=True), Recording(weights)
     policy = DispatchPolicy(ejection=EjectionPolicy(base_ejection_s=30.0))
-    dispatcher = ExpertDispatcher(spec, {pair: [down, up] for pair in weights}, policy=policy)
+    telemetry = Telemetry.create("router", metrics_port=0)
+    dispatcher = ExpertDispatcher(
+        spec, {pair: [down, up] for pair in weights}, telemetry=telemetry, policy=policy
+    )
     try:
         await dispatcher.moe(0, hidden(spec), layer)
         assert dispatcher.ejections == 1
@@ -145,8 +150,14 @@ async def test_an_ejected_replica_is_back_once_it_passes_a_check_not_when_its_ej
             await dispatcher.moe(0, hidden(spec), layer)
             await asyncio.sleep(0.05)
         assert dispatcher.failovers == 1
+        samples = scrape(telemetry)
+        assert total(samples, "moe_router_ejections_total") == 1
+        checks = "moe_router_ejection_checks_total"
+        assert total(samples, checks, moe_outcome="readmitted") == 1
+        assert total(samples, checks, moe_outcome="failed") == dispatcher.prober.failed >= 2
     finally:
         await dispatcher.close()
+        telemetry.shutdown()
 
 
 async def test_a_slow_replica_that_answers_checks_still_waits_out_its_ejection(model) -> None:
