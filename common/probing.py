@@ -76,7 +76,7 @@ class Prober:
         given a `check`, check it while the ejection lasts. `down`: the failure showed the endpoint
         unreachable, not merely slow."""
         log.warning(
-            "%s %s ejected for %gs (%d in a row): %s",
+            "%s %s ejected for %gs (ejection %d in a row): %s",
             self.what,
             name,
             health.ejection_s,

@@ -57,7 +57,7 @@ async def test_an_unreachable_endpoint_is_readmitted_by_its_first_passing_check(
     assert prober.readmitted == 1 and prober.checking == []  # re-admitted: no more checks
     assert endpoint.most_in_flight == 1 and set(endpoint.timeouts) == {INTERVAL_S}
     assert health.streak == 1 and health.readmitted  # until a real call succeeds
-    assert "replica 10.0.0.1:1 ejected for 30s (1 in a row): UNAVAILABLE" in caplog.text
+    assert "replica 10.0.0.1:1 ejected for 30s (ejection 1 in a row): UNAVAILABLE" in caplog.text
     assert "replica 10.0.0.1:1 re-admitted: it passed a health check" in caplog.text
 
 

@@ -1,5 +1,6 @@
 """RouterClient against a real gRPC server: a stream cut off by its channel closing (the gateway
-drops a router that left the registry) fails over like a lost router, not as a cancellation."""
+drops a router that left the registry) fails over like a lost router, not as a cancellation; the
+check of an ejected router."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ from contextlib import asynccontextmanager
 
 import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2_grpc
 
-from moe_mesh.common.errors import ExpertUnavailableError, UnavailableError
+from moe_mesh.common.errors import (
+    DeadlineExceededError,
+    ExpertUnavailableError,
+    UnavailableError,
+)
 from moe_mesh.common.status import abort_with
 from moe_mesh.gateway.balancer import RouterLostError
 from moe_mesh.gateway.router_client import GenerateParams, RouterClient, RouterRequest
@@ -78,4 +84,34 @@ async def test_a_router_whose_experts_are_unavailable_is_not_a_lost_router() -> 
         error = UnavailableError("the router is going away")  # this one fails over
         with pytest.raises(RouterLostError):
             await anext(client.generate(request, timeout_s=10))
+        await client.close()
+
+
+async def test_a_check_needs_serving_health_and_gives_the_model_it_serves() -> None:
+    """RouterClient.check, which re-admits an ejected router: a router whose engine loop gave up
+    says NOT_SERVING while it still answers Status, and must stay out."""
+
+    async def status(request: bytes, context) -> bytes:
+        return router_pb2.RouterStatus(model_id="m").SerializeToString()
+
+    server = grpc.aio.server()
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    handler = grpc.method_handlers_generic_handler(
+        "moe_mesh.v1.RouterService", {"Status": grpc.unary_unary_rpc_method_handler(status)}
+    )
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = RouterClient(f"127.0.0.1:{port}", 1 << 20)
+    try:
+        assert await client.check(5.0) == "m"
+        await health_servicer.enter_graceful_shutdown()
+        with pytest.raises(UnavailableError, match="NOT_SERVING"):
+            await client.check(5.0)
+        await server.stop(0)
+        with pytest.raises(DeadlineExceededError):  # gone: waits for the channel till its timeout
+            await client.check(0.2)
+    finally:
+        await server.stop(0)
         await client.close()
