@@ -8,7 +8,6 @@ dead router has no open streams, so without ejection it would attract every new 
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from functools import partial
@@ -23,8 +22,6 @@ from moe_mesh.common.resilience import (
     RetryBudget,
     pick_healthy,
 )
-
-log = logging.getLogger(__name__)
 
 
 class RouterLostError(UnavailableError):
