@@ -1,14 +1,20 @@
-"""Router stand-ins for gateway core tests (the RouterBackend protocol) and a core wired to them."""
+"""Router stand-ins for gateway tests: for the core (the RouterBackend protocol) and a core wired to
+them, and a gRPC server with a scripted RouterService for a gateway's RouterClient."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import grpc
 
 from moe_mesh.common.tokenizer import Tokenizer
 from moe_mesh.gateway.balancer import RouterLostError
 from moe_mesh.gateway.core import GatewayCore, ModelInfo
 from moe_mesh.gateway.router_client import Chunk
 from moe_mesh.gateway.settings import GatewaySettings
+from moe_mesh.protos.moe_mesh.v1 import router_pb2
 
 
 class FakeRouter:
@@ -79,3 +85,31 @@ class ScriptedRouter:
         if self.refuses:
             raise RouterLostError("UNAVAILABLE: failed to connect to all addresses")
         return self.model
+
+
+@asynccontextmanager
+async def router_serving(
+    generate, status: router_pb2.RouterStatus | None = None
+) -> AsyncIterator[str]:
+    """A gRPC server on loopback whose RouterService.Generate is `generate` (bytes in, bytes out)
+    and whose Status answers `status` (what a gateway asks a router at start-up); its address."""
+
+    async def answer_status(request: bytes, context) -> bytes:
+        assert status is not None, "this fake router answers no Status"
+        return status.SerializeToString()
+
+    server = grpc.aio.server()
+    handler = grpc.method_handlers_generic_handler(
+        "moe_mesh.v1.RouterService",
+        {
+            "Generate": grpc.unary_stream_rpc_method_handler(generate),
+            "Status": grpc.unary_unary_rpc_method_handler(answer_status),
+        },
+    )
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)

@@ -5,8 +5,6 @@ check of an ejected router."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import grpc
 import pytest
@@ -21,24 +19,7 @@ from moe_mesh.common.status import abort_with
 from moe_mesh.gateway.balancer import RouterLostError
 from moe_mesh.gateway.router_client import GenerateParams, RouterClient, RouterRequest
 from moe_mesh.protos.moe_mesh.v1 import router_pb2
-
-
-@asynccontextmanager
-async def router_serving(generate) -> AsyncIterator[str]:
-    """A gRPC server on loopback whose RouterService.Generate is `generate` (bytes in, bytes
-    out); its address."""
-    server = grpc.aio.server()
-    handler = grpc.method_handlers_generic_handler(
-        "moe_mesh.v1.RouterService",
-        {"Generate": grpc.unary_stream_rpc_method_handler(generate)},
-    )
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(0)
+from tests.support.fakes import router_serving
 
 
 async def test_a_stream_whose_channel_closes_under_it_is_a_lost_router() -> None:
