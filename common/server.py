@@ -2,8 +2,8 @@
 
 start: bind (loopback by default; TLS with `credentials`), health SERVING, reflection when asked,
        then `on_ready` hooks (registration).
-stop:  health NOT_SERVING, `on_stop` hooks (deregistration), stop accepting, let in-flight calls
-       finish for up to `grace_s`, then stop.
+stop:  health NOT_SERVING, `on_stop` hooks (deregistration, a gateway's HTTP drain), stop accepting,
+       let in-flight calls finish, then stop; all of it by one Deadline, `grace_s` after stop began.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,25 @@ from grpc_reflection.v1alpha import reflection
 from moe_mesh.common import runtime
 
 Hook = Callable[[], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """One moment on the monotonic clock that every stage of a stop shares: each waits only for what
+    the stages before it left. Waits that each took the whole grace period added up (a gateway took
+    2-3x grace_s), and an orchestrator's SIGKILL comes after its grace period however it was spent."""
+
+    at: float
+
+    @classmethod
+    def after(cls, seconds: float) -> Deadline:
+        return cls(time.monotonic() + seconds)
+
+    def remaining(self) -> float:
+        return max(0.0, self.at - time.monotonic())
+
+
+StopHook = Callable[[Deadline], Awaitable[None]]
 
 
 @dataclass
@@ -63,7 +83,7 @@ class GrpcServer:
     max_message_bytes: int = 64 * 1024 * 1024
     grace_s: float = 10.0
     on_ready: list[Hook] = field(default_factory=list)
-    on_stop: list[Hook] = field(default_factory=list)
+    on_stop: list[StopHook] = field(default_factory=list)  # given the stop's deadline
     interceptors: Sequence[grpc.aio.ServerInterceptor] = ()  # e.g. tracing
     credentials: grpc.ServerCredentials | None = None  # None: plaintext
     # Reflection lists every method to anyone who connects (a fuzzer found Forward through it):
@@ -110,14 +130,17 @@ class GrpcServer:
             await hook()
         return self.address
 
-    async def stop(self) -> None:
+    async def stop(self, deadline: Deadline | None = None) -> None:
+        """NOT_SERVING, the on_stop hooks, then in-flight calls may finish until `deadline` (default:
+        grace_s from now), when those left are cancelled."""
         if self._server is None:
             return
         server, self._server = self._server, None
+        deadline = deadline or Deadline.after(self.grace_s)
         await self.health.enter_graceful_shutdown()  # every service NOT_SERVING
         for hook in self.on_stop:
-            await hook()
-        await server.stop(self.grace_s)
+            await hook(deadline)
+        await server.stop(deadline.remaining())
 
 
 def bind_error(host: str, port: int, what: str) -> OSError:

@@ -8,7 +8,13 @@ from typing import Any
 from moe_mesh.common.fastpath.auth import HelloVerifier
 from moe_mesh.common.placement import format_experts
 from moe_mesh.common.registry import EXPERT_SERVICE, Instance, open_registry, registration_hooks
-from moe_mesh.common.server import GrpcServer, Service, advertised_host, wait_for_signal
+from moe_mesh.common.server import (
+    Deadline,
+    GrpcServer,
+    Service,
+    advertised_host,
+    wait_for_signal,
+)
 from moe_mesh.common.telemetry import Telemetry
 from moe_mesh.common.tls import MeshTls
 from moe_mesh.expert_service.core import ExpertHost
@@ -89,11 +95,11 @@ class ExpertApp:
         await wait_for_signal()
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """NOT_SERVING, deregister, drain gRPC calls, then the fast path, then the batcher."""
-        if grace_s is not None:
-            self.server.grace_s = grace_s
+        """NOT_SERVING, deregister, drain gRPC calls, the three within grace_s (default the setting)
+        from now, then the fast path, then the batcher."""
+        deadline = Deadline.after(self.settings.grace_s if grace_s is None else grace_s)
         try:
-            await self.server.stop()
+            await self.server.stop(deadline)
             await self.fast_path.stop()
             # Only now: draining calls of both transports still need the batcher.
             await self.host.close()

@@ -80,7 +80,9 @@ class ExpertSettings(TelemetrySettings, SecuritySettings):
         "", description="region reported to routers (which prefer same-region experts)"
     )
     grace_s: float = Field(
-        10.0, ge=0.0, description="on stop, how long in-flight calls may finish, in seconds"
+        10.0,
+        ge=0.0,
+        description="on stop, how long deregistering and in-flight calls may take together, in seconds",
     )
     fast_path: Literal["auto", "ucx", "off"] = Field(
         default_factory=mesh_fast_path,

@@ -13,7 +13,7 @@ import uvicorn
 from moe_mesh.common.errors import InvalidArgumentError, MoeMeshError, UnavailableError
 from moe_mesh.common.registry import ROUTER_SERVICE, Instance, Membership, Registry, open_registry
 from moe_mesh.common.registry.follow import Follower, follow
-from moe_mesh.common.server import GrpcServer, Service, listen_socket, wait_for_signal
+from moe_mesh.common.server import Deadline, GrpcServer, Service, listen_socket, wait_for_signal
 from moe_mesh.common.telemetry import Telemetry
 from moe_mesh.common.tls import MeshTls, public_server_credentials
 from moe_mesh.common.tokenizer import NoTokenizer, Tokenizer
@@ -66,8 +66,8 @@ class GatewayApp:
             reflection=settings.reflection,
         )
         self.grpc.on_ready.append(self._start_http)
-        self.grpc.on_stop.append(self._stop_http)
-        # Bounded drain: past grace_s, open streams are cancelled, which frees their router slots.
+        self.grpc.on_stop.append(self._drain)
+        # timeout_graceful_shutdown is set when stopping, to what the stop's deadline leaves.
         self.http = _EmbeddedUvicorn(
             uvicorn.Config(
                 create_app(core, telemetry.registry),
@@ -76,7 +76,6 @@ class GatewayApp:
                 log_level="warning",
                 lifespan="off",
                 loop="none",
-                timeout_graceful_shutdown=max(1, round(settings.grace_s)),
                 ssl_certfile=public[0] if public else None,
                 ssl_keyfile=public[1] if public else None,
             )
@@ -170,7 +169,7 @@ class GatewayApp:
                 app.core.set_routers(app.routers)
 
         app._follow_task = asyncio.create_task(follow(watch, apply), name="router-membership")
-        app.grpc.on_stop.append(registry.close)
+        app.grpc.on_stop.append(lambda _deadline: registry.close())
         return app
 
     @property
@@ -190,18 +189,27 @@ class GatewayApp:
                 )
             await asyncio.sleep(0.01)
 
-    async def _stop_http(self) -> None:
-        # Drain: /health/ready answers 503 and new requests get 503 / UNAVAILABLE, while admitted ones
-        # may finish for up to grace_s; only then does HTTP stop listening (gRPC stops after this hook).
+    async def _drain(self, deadline: Deadline) -> None:
+        """/health/ready answers 503 and new requests get 503 / UNAVAILABLE, while admitted ones (HTTP
+        and gRPC) may finish until `deadline`. Only then does HTTP stop listening (gRPC stops after
+        this hook)."""
         self.core.draining = True
         self.http.config.app.state.ready = False
-        loop = asyncio.get_running_loop()
-        until = loop.time() + self.settings.grace_s
-        while self.core.admission.in_flight + self.core.admission.queued and loop.time() < until:
-            await asyncio.sleep(0.05)
+        await self._idle_by(deadline)
         if self._http_task is not None:
+            # uvicorn closes idle connections at once and gives the others what is left (at least a
+            # moment: at 0 it would cancel them without looking, and log that it did).
+            self.http.config.timeout_graceful_shutdown = max(0.1, deadline.remaining())
             self.http.should_exit = True
             await self._http_task
+
+    async def _idle_by(self, deadline: Deadline) -> bool:
+        """Whether every admitted or queued request finished by `deadline`."""
+        while self.core.admission.in_flight + self.core.admission.queued:
+            if not deadline.remaining():
+                return False
+            await asyncio.sleep(min(0.05, deadline.remaining()))
+        return True
 
     async def start(self) -> str:
         return await self.grpc.start()
@@ -219,14 +227,12 @@ class GatewayApp:
         }
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Drain HTTP and gRPC (up to grace_s, default the setting), then close the routers."""
+        """Drain HTTP and gRPC, both within grace_s (default the setting) from now, then close the
+        routers."""
         if self._stopped:
             return
         self._stopped = True
-        if grace_s is not None:
-            self.settings = self.settings.model_copy(update={"grace_s": grace_s})
-            self.grpc.grace_s = grace_s
-        await self.grpc.stop()
+        await self.grpc.stop(Deadline.after(self.settings.grace_s if grace_s is None else grace_s))
         if self._follow_task is not None:
             self._follow_task.cancel()
             await asyncio.gather(self._follow_task, return_exceptions=True)

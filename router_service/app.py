@@ -7,7 +7,13 @@ import logging
 from typing import Any
 
 from moe_mesh.common.registry import ROUTER_SERVICE, Instance, open_registry, registration_hooks
-from moe_mesh.common.server import GrpcServer, Service, advertised_host, wait_for_signal
+from moe_mesh.common.server import (
+    Deadline,
+    GrpcServer,
+    Service,
+    advertised_host,
+    wait_for_signal,
+)
 from moe_mesh.common.telemetry import Telemetry
 from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 from moe_mesh.router_service.build import RouterParts, build_router, default_model_id
@@ -115,11 +121,11 @@ class RouterApp:
         return {"service": "router", "metrics": self.telemetry.metrics_address}
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """NOT_SERVING, deregister, drain streams (up to grace_s, default the setting), then the
-        engine loop, membership and expert channels."""
-        if grace_s is not None:
-            self.server.grace_s = grace_s
-        await self.server.stop()
+        """NOT_SERVING, deregister, drain streams, the three within grace_s (default the setting)
+        from now, then the engine loop, membership and expert channels."""
+        await self.server.stop(
+            Deadline.after(self.settings.grace_s if grace_s is None else grace_s)
+        )
         if self._tiering is not None:
             self._tiering.cancel()
             await asyncio.gather(self._tiering, return_exceptions=True)

@@ -217,7 +217,9 @@ class RouterSettings(TelemetrySettings, SecuritySettings):
         256 * 2**20, ge=2**20, description="gRPC message size limit, both directions"
     )
     grace_s: float = Field(
-        10.0, ge=0, description="how long in-flight requests may finish on shutdown"
+        10.0,
+        ge=0,
+        description="on shutdown, how long deregistering and in-flight requests may take together",
     )
     max_loop_deaths: int = Field(
         3,

@@ -14,9 +14,12 @@ import logging
 import re
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from moe_mesh.common.errors import InvalidArgumentError, MoeMeshError
+
+if TYPE_CHECKING:  # common.server imports grpc, which registry clients need not
+    from moe_mesh.common.server import Deadline
 
 EXPERT_SERVICE = "moe-mesh-expert"
 ROUTER_SERVICE = "moe-mesh-router"
@@ -148,7 +151,9 @@ def registration_hooks(
         state["instance"] = instance  # what stopping deregisters: nothing, if this failed
         state["task"] = asyncio.create_task(refresh(), name="registry-refresh")
 
-    async def deregister() -> None:
+    async def deregister(deadline: Deadline) -> None:
+        # Not bounded by the stop's deadline (a grace of 0 still deregisters): the registry client
+        # bounds its own calls, and the drain after this gets what is left.
         if "task" in state:
             state["task"].cancel()
             await asyncio.gather(state["task"], return_exceptions=True)
