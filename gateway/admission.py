@@ -15,7 +15,7 @@ import asyncio
 import heapq
 import itertools
 
-from moe_mesh.common.errors import ResourceExhaustedError
+from moe_mesh.common.errors import ResourceExhaustedError, UnavailableError
 
 
 class Admission:
@@ -60,6 +60,13 @@ class Admission:
             else:
                 self._grant()  # we no longer block those behind us
             raise
+
+    def refuse_waiting(self, reason: str) -> None:
+        """Every request waiting in line fails with UnavailableError(reason) (the gateway is
+        stopping); those holding places keep them."""
+        for *_, waiter in self._waiting:
+            if not waiter.done():
+                waiter.set_exception(UnavailableError(reason))
 
     def release(self, places: int = 1) -> None:
         self.in_flight -= places

@@ -50,6 +50,7 @@ from moe_mesh.common.tokenizer import NoTokenizer, TextStream, Tokenizer
 from moe_mesh.gateway.admission import Admission
 from moe_mesh.gateway.auth import ApiKeys, Caller
 from moe_mesh.gateway.balancer import Balancer, RouterLostError
+from moe_mesh.gateway.cutoff import Cutoff
 from moe_mesh.gateway.router_client import (
     GenerateParams,
     Logprobs,
@@ -134,7 +135,8 @@ class Completion:
 
 
 class Generation:
-    """An admitted request. Iterate it for Deltas; leaving `async with` (or `aclose`) early cancels it."""
+    """An admitted request. Iterate it (from one task) for Deltas; leaving `async with` (or `aclose`)
+    early cancels it."""
 
     def __init__(self, request_id: str, deltas: AsyncIterator[Delta], release) -> None:
         self.request_id = request_id
@@ -186,6 +188,8 @@ class GatewayCore:
         )
         self.draining = False  # set on shutdown: new requests are refused, admitted ones finish
         self._active: set[str] = set()  # request ids in flight, so a duplicate is refused
+        self._cutoffs: set[Cutoff] = set()  # of the admitted generations
+        self._cut_reason: str | None = None  # set by cut_off(): later admissions are cut at once
         self.tracer = telemetry.tracer
         self._duration = telemetry.latency(
             REQUEST_DURATION, "request from admission to its last token"
@@ -399,6 +403,16 @@ class GatewayCore:
             r.logprobs,
         )
 
+    def cut_off(self, reason: str) -> None:
+        """End every admitted request now with UnavailableError(reason), which each API reports
+        in-band (an SSE error event, gRPC UNAVAILABLE), and refuse those waiting for admission with
+        it; so does every request admitted from now on. For requests that outlast a shutdown's grace
+        period: their clients learn they may retry elsewhere instead of seeing a dropped stream."""
+        self._cut_reason = reason
+        self.admission.refuse_waiting(reason)
+        for cutoff in list(self._cutoffs):
+            cutoff.cut(UnavailableError(reason))  # one each: count_failure marks the instance
+
     # -- generation ------------------------------------------------------------------------
 
     async def start(self, r: TextRequest, timeout_s: float | None = None) -> Generation:
@@ -457,15 +471,21 @@ class GatewayCore:
     ) -> Generation:
         """An admitted request's stream; closing it gives its place back, once."""
         released = False
+        cutoff = Cutoff()
+        self._cutoffs.add(cutoff)
+        if self._cut_reason is not None:
+            cutoff.cut(UnavailableError(self._cut_reason))
 
         async def release() -> None:
             nonlocal released
             if not released:
                 released = True
                 self._active.discard(request.request_id)
+                self._cutoffs.discard(cutoff)
                 self.admission.release()
 
-        gen = Generation(request.request_id, self._stream(request, stop, deadline, began), release)
+        stream = self._stream(request, stop, deadline, began, cutoff)
+        gen = Generation(request.request_id, stream, release)
         gen.prompt_token_ids = request.prompt_token_ids
         return gen
 
@@ -510,13 +530,34 @@ class GatewayCore:
         return span if span.is_recording() else None
 
     async def _stream(
-        self, request: RouterRequest, stop: Sequence[str], deadline: float, began: float
+        self,
+        request: RouterRequest,
+        stop: Sequence[str],
+        deadline: float,
+        began: float,
+        cutoff: Cutoff,
     ) -> AsyncIterator[Delta]:
         span = self._request_span(request)
         first: float | None = None
         status = "OK"
+        deltas = self._deltas(request, stop, deadline, span)
+        cutoff.task = asyncio.current_task()  # every API iterates a generation from one task
         try:
-            async for delta in self._deltas(request, stop, deadline, span):
+            while True:
+                # cut_off() ends this with its UnavailableError, counted and traced as any other.
+                if cutoff.error is not None:
+                    raise cutoff.error
+                cutoff.waiting = True
+                try:
+                    delta = await deltas.__anext__()
+                except StopAsyncIteration:
+                    break
+                except asyncio.CancelledError:
+                    if cutoff.caused_it():
+                        raise cutoff.error from None
+                    raise
+                finally:
+                    cutoff.waiting = False
                 if first is None and delta.token_ids:
                     first = time.monotonic()
                     self._ttft.record(first - began)

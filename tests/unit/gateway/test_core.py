@@ -256,3 +256,45 @@ async def test_duplicate_request_ids_in_flight_and_draining_are_refused(checkpoi
     gw.draining = True
     with pytest.raises(UnavailableError, match="shutting down"):
         await gw.start(TextRequest(prompt_token_ids=[1], max_tokens=2))
+
+
+async def test_cut_off_ends_admitted_requests_with_unavailable_and_refuses_queued_ones(
+    checkpoint,
+) -> None:
+    gate = asyncio.Event()  # never opens: streams that would not end by themselves
+    router = FakeRouter("a:1", gate)
+    gw = core(checkpoint("mixtral"), [router], max_in_flight=1, max_queued=2)
+    request = TextRequest(prompt_token_ids=[1], max_tokens=2)
+    waiting = asyncio.create_task(collect(gw, request))  # inside its router call
+    queued = asyncio.create_task(collect(gw, request))
+    await eventually(lambda: router.outstanding == 1 and gw.admission.queued == 1, 5, "both")
+    gw.cut_off("going away")
+    for task in (waiting, queued):
+        with pytest.raises(UnavailableError, match="going away"):
+            await asyncio.wait_for(task, 2)
+    assert gw.admission.in_flight == gw.admission.queued == router.outstanding == 0
+    # One admitted afterwards (it passed the draining check just before) is cut at once.
+    with pytest.raises(UnavailableError, match="going away"):
+        await asyncio.wait_for(collect(gw, request), 2)
+    assert gw.admission.in_flight == 0
+
+
+async def test_cut_off_reaches_a_stream_between_deltas_and_leaves_other_cancellations(
+    checkpoint,
+) -> None:
+    gw = core(checkpoint("mixtral"), [FakeRouter("a:1")])
+    async with await gw.start(TextRequest(prompt_token_ids=[1], max_tokens=5)) as gen:
+        assert (await anext(aiter(gen))).token_ids == [5]
+        gw.cut_off("going away")  # its consumer was not waiting: the next step fails
+        with pytest.raises(UnavailableError, match="going away"):
+            await anext(aiter(gen))
+    gate = asyncio.Event()
+    gw = core(checkpoint("mixtral"), [FakeRouter("a:1", gate)])
+    reader = asyncio.create_task(collect(gw, TextRequest(prompt_token_ids=[1], max_tokens=2)))
+    await eventually(lambda: gw.admission.in_flight == 1, 5, "the request admitted")
+    await asyncio.sleep(0.01)  # inside its router call
+    reader.cancel()  # its client left just as the cut came: a cancellation still
+    gw.cut_off("going away")
+    with pytest.raises(asyncio.CancelledError):
+        await reader
+    assert gw.admission.in_flight == 0
