@@ -26,6 +26,9 @@ from moe_mesh.gateway.settings import GatewaySettings
 from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+# Past the grace period, how long the requests still running get to send their clients the error
+# that ends them.
+CUT_REPORT_S = 0.5
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -191,11 +194,18 @@ class GatewayApp:
 
     async def _drain(self, deadline: Deadline) -> None:
         """/health/ready answers 503 and new requests get 503 / UNAVAILABLE, while admitted ones (HTTP
-        and gRPC) may finish until `deadline`. Only then does HTTP stop listening (gRPC stops after
-        this hook)."""
+        and gRPC) may finish until `deadline`. Those still running then are cut off: each ends with
+        an UNAVAILABLE error its client can act on (an SSE error event, a gRPC status), given up to
+        CUT_REPORT_S to be sent. Only then does HTTP stop listening (gRPC stops after this hook)."""
         self.core.draining = True
         self.http.config.app.state.ready = False
-        await self._idle_by(deadline)
+        if not await self._idle_by(deadline):
+            self.core.cut_off(
+                "the gateway is shutting down and its grace period ran out before this request "
+                "finished; retry on another replica"
+            )
+            deadline = Deadline.after(CUT_REPORT_S)
+            await self._idle_by(deadline)
         if self._http_task is not None:
             # uvicorn closes idle connections at once and gives the others what is left (at least a
             # moment: at 0 it would cancel them without looking, and log that it did).
@@ -227,8 +237,8 @@ class GatewayApp:
         }
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Drain HTTP and gRPC, both within grace_s (default the setting) from now, then close the
-        routers."""
+        """Drain HTTP and gRPC, both within grace_s (default the setting) from now, cutting off what
+        is left then, and close the routers."""
         if self._stopped:
             return
         self._stopped = True

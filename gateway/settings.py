@@ -137,7 +137,10 @@ class GatewaySettings(TelemetrySettings, SecuritySettings):
         0.2, ge=0, le=1, description="retries may add at most this share of requests"
     )
     grace_s: float = Field(
-        10.0, ge=0, description="how long in-flight requests may finish on shutdown"
+        10.0,
+        ge=0,
+        description="on shutdown, how long in-flight requests may finish; those still running "
+        "then end with UNAVAILABLE",
     )
 
     @model_validator(mode="after")

@@ -1,0 +1,96 @@
+"""Stopping a real gateway (gRPC + HTTP) whose requests never end: one grace period in all, not one per
+stage, and every request cut off at its end hears why from its own API instead of a dropped stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from moe_mesh.gateway.app import GatewayApp
+from moe_mesh.gateway.settings import GatewaySettings
+from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2
+from tests.support.fakes import router_serving
+from tests.support.polling import eventually
+
+GRACE_S = 1.5
+# Past the grace period: the cut requests' errors, uvicorn closing its connections, gRPC stopping.
+OVERRUN_S = 1.5
+STATUS = router_pb2.RouterStatus(
+    model_id="m", architecture="mixtral", vocab_size=512, max_model_len=512
+)
+
+
+async def endless(request: bytes, context) -> AsyncIterator[bytes]:
+    """A router stream that never finishes: a token every 20 ms."""
+    for i in range(10**6):
+        await asyncio.sleep(0.02)
+        yield router_pb2.RouterGenerateResponse(
+            token_ids=[5], completion_tokens=i + 1
+        ).SerializeToString()
+
+
+async def test_stop_takes_one_grace_period_and_cut_requests_get_unavailable(checkpoint) -> None:
+    async with router_serving(endless, STATUS) as router:
+        settings = GatewaySettings(
+            checkpoint=checkpoint("mixtral"),
+            routers=[router],
+            grace_s=GRACE_S,
+            max_in_flight=2,
+            max_queued=4,
+        )
+        gateway = await GatewayApp.create(settings)
+        await gateway.start()
+        try:
+            await _stop_with_requests_in_flight(gateway)
+        finally:
+            await gateway.stop()  # a no-op once stopped
+
+
+async def _stop_with_requests_in_flight(gateway: GatewayApp) -> None:
+    base = f"http://{gateway.http_address}"
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    channel = grpc.aio.insecure_channel(gateway.grpc.address)
+    async with client, channel, httpx.AsyncClient(base_url=base, timeout=30) as h:
+        sse = await client.completions.create(
+            model="m", prompt=[1, 2, 3], max_tokens=400, stream=True
+        )
+        chunks = aiter(sse)
+        await anext(chunks)
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        call = stub.GenerateStream(
+            inference_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=400)
+        )
+        await anext(aiter(call))
+        # Both places are taken: this one waits in line through the whole grace period.
+        queued = asyncio.create_task(
+            h.post("/v1/completions", json={"prompt": [1], "max_tokens": 4})
+        )
+        await eventually(lambda: gateway.core.admission.queued == 1, 5, "a queued request")
+
+        t0 = time.monotonic()
+        stopping = asyncio.create_task(gateway.stop())
+        with pytest.raises(openai.APIError) as cut:
+            async for _ in chunks:  # still streaming while the gateway drains
+                pass
+        assert time.monotonic() - t0 >= GRACE_S - 0.1  # cut at the end of grace, not before
+        assert cut.value.body["code"] == "unavailable", cut.value.body
+        assert cut.value.body["type"] == "service_unavailable_error"
+        assert "shutting down" in cut.value.message and "retry" in cut.value.message
+        with pytest.raises(grpc.aio.AioRpcError) as rpc:
+            async for _ in call:
+                pass
+        assert rpc.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in rpc.value.details()
+        refused = await queued
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "unavailable"
+        await asyncio.wait_for(stopping, GRACE_S + OVERRUN_S)
+        took = time.monotonic() - t0
+    # Each stage used to wait the whole grace period again (HTTP drain, uvicorn, gRPC): ~3x.
+    assert took <= GRACE_S + OVERRUN_S, f"stop took {took:.2f}s with grace_s={GRACE_S}"
+    assert gateway.core.admission.in_flight == gateway.core.admission.queued == 0
