@@ -37,9 +37,6 @@ class FakeRouter:
         finally:
             self.outstanding -= 1
 
-    async def status(self, timeout_s):  # pragma: no cover - not used by the core
-        raise NotImplementedError
-
 
 def core(path, routers, **settings) -> GatewayCore:
     s = GatewaySettings(checkpoint=path, routers=[r.address for r in routers], **settings)
