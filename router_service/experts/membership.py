@@ -90,7 +90,7 @@ class ExpertMembership:
             format_experts(self._pairs[inst.id]),
         )
         fast_path = inst.meta.get("fast_path", "")
-        return RemoteExperts(
+        backend = RemoteExperts(
             inst.endpoint,
             self.identity,
             self.max_message_bytes,
@@ -100,6 +100,8 @@ class ExpertMembership:
             [fast_path] if fast_path else [],
             self.tls,
         )
+        backend.placed = frozenset(self._pairs[inst.id])
+        return backend
 
     @staticmethod
     def _leave(backend: RemoteExperts) -> None:

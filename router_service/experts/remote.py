@@ -11,7 +11,12 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from moe_mesh.common.errors import DeadlineExceededError, PreconditionError, UnavailableError
+from moe_mesh.common.errors import (
+    DeadlineExceededError,
+    NotFoundError,
+    PreconditionError,
+    UnavailableError,
+)
 from moe_mesh.common.fastpath import parse_worker_url, worker_url
 from moe_mesh.common.fastpath.client import FastPathError
 from moe_mesh.common.moe import joined
@@ -75,6 +80,9 @@ class RemoteExperts:
         self.stub = expert_pb2_grpc.ExpertServiceStub(self.channel)
         self.outstanding = 0
         self.retired = False
+        # The (layer, expert) pairs this router placed here: a check fails while the service
+        # serves fewer (one restarted at this address on other experts).
+        self.placed: frozenset[tuple[int, int]] = frozenset()
         self._calls: set[grpc.aio.UnaryUnaryCall] = set()
 
     def __repr__(self) -> str:
@@ -100,6 +108,10 @@ class RemoteExperts:
             raise UnavailableError(f"expert service {self.address} left the mesh")
         info = await self.describe(timeout_s)
         check_identity(self.address, info, self.identity)
+        if missing := self.placed - {(k.layer, k.expert) for k in info.experts}:
+            raise PreconditionError(
+                f"expert service {self.address} no longer serves {format_experts(sorted(missing))}"
+            )
         self._follow_fast_path(list(info.fast_paths))
 
     def offer_fast_path(self, urls: Sequence[str]) -> None:
@@ -171,6 +183,10 @@ class RemoteExperts:
                 if timeout_s is not None:  # the same call over gRPC, within what is left
                     timeout_s = max(0.0, timeout_s - (time.monotonic() - start))
             return ExpertOutputs(*await self._grpc(layer, expert_ids, counts, hidden, timeout_s))
+        except NotFoundError as e:
+            # Placed here but not served: the service was restarted on other experts. A replica
+            # failure, so the dispatcher ejects it and the call fails over.
+            raise UnavailableError(str(e)) from e
         finally:
             self.outstanding -= 1
 
@@ -276,6 +292,7 @@ async def connect(
         backend.region = info.region
         backend.offer_fast_path(list(info.fast_paths))
         pairs = [(k.layer, k.expert) for k in info.experts]
+        backend.placed = frozenset(pairs)
         for pair in pairs:
             placement.setdefault(pair, []).append(backend)
         log.info(

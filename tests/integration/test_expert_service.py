@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_mesh.common.checkpoint import Checkpoint
 from moe_mesh.common.errors import PreconditionError, UnavailableError
+from moe_mesh.common.fastpath.ucx import load_ucxx
 from moe_mesh.common.placement import parse_experts
 from moe_mesh.common.wire import encode
 from moe_mesh.expert_service import batcher as batcher_module
@@ -23,6 +24,7 @@ from moe_mesh.expert_service.app import SERVICE_NAME, ExpertApp
 from moe_mesh.expert_service.core import ExpertHost
 from moe_mesh.expert_service.settings import ExpertSettings
 from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
+from moe_mesh.router_service.experts.fastpath import FastPathConfig
 from moe_mesh.router_service.experts.remote import Identity, RemoteExperts
 from tests.support.experts import (
     HIDDEN,
@@ -125,6 +127,37 @@ async def test_a_routers_check_passes_for_its_model_and_weights_only(settings) -
             backend.retire()
             with pytest.raises(UnavailableError, match="left the mesh"):
                 await backend.check(5.0)
+        finally:
+            await backend.close()
+
+
+@pytest.mark.parametrize("fast_path", ["off", "ucx"])
+async def test_a_service_restarted_on_other_experts_fails_its_check_and_its_calls_fail_over(
+    settings, fast_path
+) -> None:
+    """Placed for experts it no longer serves (restarted at the same address on others), a replica
+    fails its check and its calls fail as a replica's do (UNAVAILABLE: ejected, tried elsewhere),
+    not with the NOT_FOUND that ended the request."""
+    if fast_path == "ucx" and load_ucxx() is None:
+        pytest.skip("ucxx cannot be imported here")
+    async with serving(settings(fast_path=fast_path)) as (address, host):
+        backend = RemoteExperts(
+            address,
+            Identity(host.model_id, host.weights_checksum),
+            2**24,
+            fast_path=FastPathConfig(mode=fast_path),
+        )
+        backend.offer_fast_path(list((await backend.describe(5.0)).fast_paths))
+        backend.placed = frozenset({(0, 1), (0, 5)})  # 5 is served elsewhere (SPEC)
+        transport = fast_path.replace("off", "grpc")
+        try:
+            await eventually(lambda: backend.transport == transport, what="the fast path up")
+            with pytest.raises(PreconditionError, match=f"{address} no longer serves 0:5"):
+                await backend.check(5.0)
+            with pytest.raises(UnavailableError, match=r"layer 0 expert\(s\) 5: not served here"):
+                await backend.forward(0, [(5, torch.randn(2, HIDDEN))], 5.0)
+            out = await backend.forward(0, [(1, torch.randn(2, HIDDEN))], 5.0)
+            assert out.transport == transport and out[0].shape == (2, HIDDEN)
         finally:
             await backend.close()
 
