@@ -122,6 +122,7 @@ def open_registry(kind: str, address: str | None = None) -> Registry | None:
 
 
 REFRESH_S = 10.0
+DEREGISTER_S = 1.0  # at least this long to deregister on stop, whatever grace is left
 
 
 def registration_hooks(
@@ -152,18 +153,20 @@ def registration_hooks(
         state["task"] = asyncio.create_task(refresh(), name="registry-refresh")
 
     async def deregister(deadline: Deadline) -> None:
-        # Not bounded by the stop's deadline (a grace of 0 still deregisters): the registry client
-        # bounds its own calls, and the drain after this gets what is left.
+        # Within the stop's deadline, but at least DEREGISTER_S, so a grace of 0 still deregisters
+        # from a registry that answers; one that does not (the client's own timeout is 10 s) must
+        # not hold the stop past what an orchestrator waits before SIGKILL.
         if "task" in state:
             state["task"].cancel()
             await asyncio.gather(state["task"], return_exceptions=True)
         try:
             if "instance" in state:
-                await registry.deregister(state["instance"].id)
-        except MoeMeshError as e:
+                async with asyncio.timeout(max(DEREGISTER_S, deadline.remaining())):
+                    await registry.deregister(state["instance"].id)
+        except (MoeMeshError, TimeoutError) as e:
             # The registry may be gone; shutting down must not depend on it (its health check
             # will mark this instance critical and it is deregistered after the critical timeout).
-            log.warning("could not deregister: %s", e)
+            log.warning("could not deregister: %s", str(e) or "the registry did not answer in time")
         finally:
             await registry.close()
 
