@@ -95,12 +95,13 @@ class ExpertApp:
         await wait_for_signal()
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """NOT_SERVING, deregister, drain gRPC calls, the three within grace_s (default the setting)
-        from now, then the fast path, then the batcher."""
+        """NOT_SERVING, deregister, drain gRPC calls (fast-path calls are still served meanwhile),
+        then the fast path's calls in flight, all within grace_s (default the setting) from now;
+        then the batcher."""
         deadline = Deadline.after(self.settings.grace_s if grace_s is None else grace_s)
         try:
             await self.server.stop(deadline)
-            await self.fast_path.stop()
+            await self.fast_path.stop(deadline.remaining())
             # Only now: draining calls of both transports still need the batcher.
             await self.host.close()
         finally:

@@ -96,6 +96,7 @@ class FastPath:
         log.info("fast path on UCX worker %s", url[:40] + "…")
         return [url]
 
-    async def stop(self) -> None:
+    async def stop(self, drain_s: float = 0.0) -> None:
+        """Calls in flight may answer for up to `drain_s` (FrameServer.stop)."""
         if self.server is not None:
-            await self.server.stop()
+            await self.server.stop(drain_s)

@@ -114,15 +114,21 @@ class FrameServer:
         self._hello = asyncio.create_task(self._accept())
         return self.address
 
-    async def stop(self) -> None:
+    async def stop(self, drain_s: float = 0.0) -> None:
+        """Stop reading hellos and requests, let the calls in flight answer for up to `drain_s`
+        (a router's fast path is as good a caller as its gRPC), then forget every client."""
         if self._runtime is None:
             return
         runtime, self._runtime = self._runtime, None
-        tasks = [self._hello] if self._hello else []
+        readers = [t for t in [self._hello, *(c.reader for c in self.clients.values())] if t]
+        for task in readers:
+            task.cancel()
+        calls = [t for c in self.clients.values() for t in c.calls]
+        if calls and drain_s > 0:
+            await asyncio.wait(calls, timeout=drain_s)
+        tasks = readers
         for client in list(self.clients.values()):
             tasks += self._forget(client)
-        for task in tasks:
-            task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         runtime.release()
 

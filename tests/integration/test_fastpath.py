@@ -10,6 +10,7 @@ import ipaddress
 import os
 import struct
 import sys
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -31,6 +32,7 @@ from moe_mesh.common.fastpath import parse_worker_url, ucx, worker_url
 from moe_mesh.common.fastpath.client import FastPathError, FrameClient
 from moe_mesh.common.fastpath.server import FrameServer
 from moe_mesh.common.fastpath.ucx import UcxRuntime, close_endpoint, load_ucxx, read_frame
+from moe_mesh.expert_service import batcher as batcher_module
 from moe_mesh.expert_service.app import ExpertApp
 from moe_mesh.expert_service.settings import ExpertSettings
 from moe_mesh.router_service.experts.fastpath import FastPathConfig
@@ -276,6 +278,39 @@ async def test_bad_frames_get_the_matching_error_and_the_service_stays_healthy(
 
 
 # -- fallback ---------------------------------------------------------------------------------------
+
+
+async def test_a_stopping_service_answers_the_fast_path_calls_in_flight(
+    checkpoint, monkeypatch
+) -> None:
+    """Stopping drains the fast path's calls within the grace period, as gRPC's: all of a router's
+    calls may go over UCX, and cutting them would leave it only a gRPC server already stopped."""
+    release = threading.Event()
+    compute = batcher_module._compute
+
+    def gated(parts, w):  # the call stays in flight until the service is stopping
+        release.wait(10)
+        return compute(parts, w)
+
+    monkeypatch.setattr(batcher_module, "_compute", gated)
+    settings = ExpertSettings(checkpoint=checkpoint("mixtral"), experts="0-1:0-3", grace_s=5.0)
+    app = await ExpertApp.create(settings)
+    await app.start()
+    backend = remote(app, timeout_s=5.0)  # not the 0.5 s after which a call goes over gRPC
+    try:
+        await eventually(lambda: backend.transport == "ucx", what="the fast path up")
+        call = asyncio.ensure_future(backend.forward(1, groups(), 10.0))
+        await eventually(lambda: app.host.batcher.stats.groups == 3, what="the call queued")
+        stop = asyncio.ensure_future(app.stop())
+        await asyncio.sleep(0.5)  # the gRPC drain is over (no gRPC call): the fast path's next
+        assert not call.done() and not stop.done()
+        release.set()
+        assert (await call).transport == "ucx"
+        await asyncio.wait_for(stop, 5.0)
+    finally:
+        release.set()
+        await backend.close()
+        await app.stop()
 
 
 async def test_without_the_fast_path_calls_fall_back_to_grpc_back_off_and_re_probe(
