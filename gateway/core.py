@@ -541,12 +541,14 @@ class GatewayCore:
         first: float | None = None
         status = "OK"
         deltas = self._deltas(request, stop, deadline, span)
-        cutoff.task = asyncio.current_task()  # every API iterates a generation from one task
         try:
             while True:
                 # cut_off() ends this with its UnavailableError, counted and traced as any other.
                 if cutoff.error is not None:
                     raise cutoff.error
+                # Each wait's own task: an HTTP stream's first delta may be awaited by its handler
+                # and the rest by its response's task (ASGI servers before spec 2.4).
+                cutoff.task = asyncio.current_task()
                 cutoff.waiting = True
                 try:
                     delta = await deltas.__anext__()

@@ -16,10 +16,10 @@ import asyncio
 
 
 class Cutoff:
-    """One generation's off switch, used as GatewayCore._stream does: it sets `task` once (the one
-    task that iterates the generation), raises `error` before each step once it is set, holds
-    `waiting` true only around the await for the next item, and in `except CancelledError` there
-    raises `error` instead when caused_it()."""
+    """One generation's off switch, used as GatewayCore._stream does: it raises `error` before
+    each step once it is set, sets `task` (the task about to wait) and holds `waiting` true only
+    around the await for the next item, and in `except CancelledError` there raises `error`
+    instead when caused_it()."""
 
     __slots__ = ("error", "task", "waiting", "_cancelled")
 

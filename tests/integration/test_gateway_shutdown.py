@@ -94,3 +94,39 @@ async def _stop_with_requests_in_flight(gateway: GatewayApp) -> None:
     # Each stage used to wait the whole grace period again (HTTP drain, uvicorn, gRPC): ~3x.
     assert took <= GRACE_S + OVERRUN_S, f"stop took {took:.2f}s with grace_s={GRACE_S}"
     assert gateway.core.admission.in_flight == gateway.core.admission.queued == 0
+
+
+async def one_then_silence(request: bytes, context) -> AsyncIterator[bytes]:
+    """A router that sends a token, then nothing (a long prefill elsewhere, a hung replica)."""
+    yield router_pb2.RouterGenerateResponse(token_ids=[5], completion_tokens=1).SerializeToString()
+    await asyncio.Event().wait()
+
+
+async def test_a_stream_waiting_on_a_silent_router_is_cut_at_the_end_of_grace(checkpoint) -> None:
+    """The wait for the router's next token is interrupted, not only the step after it: an HTTP
+    stream's first token is awaited by the request's handler, the rest by its response's task."""
+    async with router_serving(one_then_silence, STATUS) as router:
+        settings = GatewaySettings(
+            checkpoint=checkpoint("mixtral"), routers=[router], grace_s=GRACE_S
+        )
+        gateway = await GatewayApp.create(settings)
+        await gateway.start()
+        base = f"http://{gateway.http_address}/v1"
+        try:
+            async with openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0) as c:
+                chunks = aiter(
+                    await c.completions.create(
+                        model="m", prompt=[1, 2, 3], max_tokens=400, stream=True
+                    )
+                )
+                await anext(chunks)
+                t0 = time.monotonic()
+                stopping = asyncio.create_task(gateway.stop())
+                with pytest.raises(openai.APIError) as cut:
+                    async for _ in chunks:
+                        pass
+                assert cut.value.body["code"] == "unavailable", cut.value.body
+                await asyncio.wait_for(stopping, GRACE_S + OVERRUN_S)
+                assert time.monotonic() - t0 <= GRACE_S + OVERRUN_S
+        finally:
+            await gateway.stop()
