@@ -120,13 +120,13 @@ class FrameServer:
         if self._runtime is None:
             return
         runtime, self._runtime = self._runtime, None
-        readers = [t for t in [self._hello, *(c.reader for c in self.clients.values())] if t]
-        for task in readers:
+        hello = [self._hello] if self._hello else []
+        for task in hello + [c.reader for c in self.clients.values() if c.reader]:
             task.cancel()
         calls = [t for c in self.clients.values() for t in c.calls]
         if calls and drain_s > 0:
             await asyncio.wait(calls, timeout=drain_s)
-        tasks = readers
+        tasks = hello  # _forget gives each client's reader and calls (cancelled)
         for client in list(self.clients.values()):
             tasks += self._forget(client)
         await asyncio.gather(*tasks, return_exceptions=True)
