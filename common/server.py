@@ -130,13 +130,17 @@ class GrpcServer:
             await hook()
         return self.address
 
+    def deadline(self, grace_s: float | None = None) -> Deadline:
+        """A stop's deadline: `grace_s` (default the server's) from now."""
+        return Deadline.after(self.grace_s if grace_s is None else grace_s)
+
     async def stop(self, deadline: Deadline | None = None) -> None:
         """NOT_SERVING, the on_stop hooks, then in-flight calls may finish until `deadline` (default:
         grace_s from now), when those left are cancelled."""
         if self._server is None:
             return
         server, self._server = self._server, None
-        deadline = deadline or Deadline.after(self.grace_s)
+        deadline = deadline or self.deadline()
         await self.health.enter_graceful_shutdown()  # every service NOT_SERVING
         for hook in self.on_stop:
             await hook(deadline)

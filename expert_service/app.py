@@ -9,7 +9,6 @@ from moe_mesh.common.fastpath.auth import HelloVerifier
 from moe_mesh.common.placement import format_experts
 from moe_mesh.common.registry import EXPERT_SERVICE, Instance, open_registry, registration_hooks
 from moe_mesh.common.server import (
-    Deadline,
     GrpcServer,
     Service,
     advertised_host,
@@ -98,7 +97,7 @@ class ExpertApp:
         """NOT_SERVING, deregister, drain gRPC calls (fast-path calls are still served meanwhile),
         then the fast path's calls in flight, all within grace_s (default the setting) from now;
         then the batcher."""
-        deadline = Deadline.after(self.settings.grace_s if grace_s is None else grace_s)
+        deadline = self.server.deadline(grace_s)
         try:
             await self.server.stop(deadline)
             await self.fast_path.stop(deadline.remaining())

@@ -242,7 +242,7 @@ class GatewayApp:
         if self._stopped:
             return
         self._stopped = True
-        await self.grpc.stop(Deadline.after(self.settings.grace_s if grace_s is None else grace_s))
+        await self.grpc.stop(self.grpc.deadline(grace_s))
         if self._follow_task is not None:
             self._follow_task.cancel()
             await asyncio.gather(self._follow_task, return_exceptions=True)

@@ -8,7 +8,6 @@ from typing import Any
 
 from moe_mesh.common.registry import ROUTER_SERVICE, Instance, open_registry, registration_hooks
 from moe_mesh.common.server import (
-    Deadline,
     GrpcServer,
     Service,
     advertised_host,
@@ -123,9 +122,7 @@ class RouterApp:
     async def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING, deregister, drain streams, the three within grace_s (default the setting)
         from now, then the engine loop, membership and expert channels."""
-        await self.server.stop(
-            Deadline.after(self.settings.grace_s if grace_s is None else grace_s)
-        )
+        await self.server.stop(self.server.deadline(grace_s))
         if self._tiering is not None:
             self._tiering.cancel()
             await asyncio.gather(self._tiering, return_exceptions=True)
