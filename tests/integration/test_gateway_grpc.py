@@ -102,11 +102,10 @@ async def test_burst_beyond_the_queue_is_refused_at_once_and_accepted_requests_c
         async def one(i: int):
             start = time.monotonic()
             try:
-                return await stub.Generate(
-                    greedy(i % len(PROMPTS), max_tokens=8)
-                ), time.monotonic() - start
+                reply = await stub.Generate(greedy(i % len(PROMPTS), max_tokens=8))
             except grpc.aio.AioRpcError as e:
-                return e, time.monotonic() - start
+                reply = e
+            return reply, time.monotonic() - start
 
         results = await asyncio.gather(*(one(i) for i in range(10 * capacity)))
         accepted = [
@@ -117,10 +116,13 @@ async def test_burst_beyond_the_queue_is_refused_at_once_and_accepted_requests_c
         refused = [(r, t) for r, t in results if isinstance(r, grpc.aio.AioRpcError)]
         assert len(accepted) >= capacity and len(refused) >= 10 * capacity - capacity - 2
         assert len(accepted) + len(refused) == 10 * capacity
-        for e, elapsed in refused:
+        # Refused at once, not after waiting for a place: sooner than any accepted request took. (A
+        # comparison, not a time: a loaded CI host took 0.8 s to refuse, and longer to answer.)
+        quickest = min(t for r, t in results if isinstance(r, inference_pb2.GenerateResponse))
+        for e, took in refused:
             assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry after" in e.details()
             assert dict(e.trailing_metadata())[RETRY_AFTER_KEY] == "1"
-            assert elapsed < 0.5  # refused at once, not after waiting
+            assert took < quickest
         for i, reply in accepted:
             assert tuple(reply.token_ids) == monolithic(path)[i % len(PROMPTS)][:8]
         assert mesh.gateway.core.admission.in_flight == 0

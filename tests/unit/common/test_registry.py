@@ -40,5 +40,5 @@ async def test_a_registry_that_never_answers_holds_a_stop_for_deregister_s_at_mo
     with caplog.at_level(logging.WARNING):
         await deregister(Deadline.after(0))  # grace 0: still given DEREGISTER_S to try
     took = time.monotonic() - began
-    assert DEREGISTER_S <= took < DEREGISTER_S + 0.5 and registry.closed
+    assert DEREGISTER_S <= took < DEREGISTER_S + 2 and registry.closed  # not the client's 10 s
     assert "could not deregister: the registry did not answer in time" in caplog.text

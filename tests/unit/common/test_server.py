@@ -52,7 +52,7 @@ async def test_stop_hooks_and_the_drain_share_one_grace_period() -> None:
             await asyncio.wait_for(_drain(call), 2)
         assert cut.value.code() == grpc.StatusCode.UNAVAILABLE  # gRPC's GOAWAY, on the client
     # The drain got what the hook left (0.5 s), not grace_s again: 1.5 s, not 2.5.
-    assert 1.4 <= took <= 1.5 + 0.4, took
+    assert 1.4 <= took < 2.3, took
     assert 0.3 <= left[0] <= 0.55
 
 
@@ -64,4 +64,4 @@ async def test_a_deadline_already_past_stops_at_once() -> None:
         await anext(aiter(call))
         t0 = time.monotonic()
         await server.stop(Deadline.after(0))  # the caller's deadline, not grace_s
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 3  # not grace_s (10)

@@ -233,7 +233,7 @@ async def test_waiting_for_admission_ends_at_the_deadline(checkpoint) -> None:
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceededError, match="waited past its deadline for admission"):
         await collect(gw, TextRequest(prompt_token_ids=[1], max_tokens=2), timeout_s=0.2)
-    assert time.monotonic() - t0 < 0.5  # at the deadline, not when the place frees up
+    assert time.monotonic() - t0 < 2.0  # at the deadline, not when the place frees up (never)
     assert gw.admission.queued == 0
     gate.set()
     await holder
