@@ -8,7 +8,8 @@
   every one is ejected (Envoy's panic mode: a fully ejected cluster still gets traffic).
 - `RetryBudget`: retries may add at most `ratio` of the recent requests (plus a small reserve per
   second), so a sick mesh is not hit with a multiple of its load.
-- `LatencyWindow`: the recent latencies of an endpoint, for hedging delays and per-call timeouts.
+- `LatencyWindow`: the recent latencies of an endpoint, for hedging delays and per-call timeouts;
+  `call_size` scales them to the size of the call at hand.
 
 Callers retry only calls that never reached the peer's application (or failed retryably), only
 within the request's deadline, and only when the budget allows.
@@ -140,6 +141,18 @@ class RetryBudget:
             return True
         self.refused += 1
         return False
+
+
+# Up to this many rows an expert call's time is mostly its fixed part (transport, wake-ups, reading
+# the weights), beyond it the rows' compute. Latencies are learned per this many rows and scaled by
+# `call_size`, so a call larger than those seen (a long prompt's prefill after decode steps) is
+# given proportionally longer, not timed out and hedged on the small calls' figures.
+CALL_ROWS = 32
+
+
+def call_size(rows: int) -> float:
+    """A call of `rows` rows in CALL_ROWS-row calls' worth of time (at least 1)."""
+    return max(rows, CALL_ROWS) / CALL_ROWS
 
 
 class LatencyWindow:

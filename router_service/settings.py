@@ -154,8 +154,8 @@ class RouterSettings(TelemetrySettings, SecuritySettings):
     expert_call_timeout_factor: float = Field(
         8.0,
         ge=1,
-        description="an expert call gives up after this multiple "
-        "of its replica's p99 latency (once measured), and goes elsewhere",
+        description="an expert call gives up after this multiple of its replica's p99 latency "
+        "(once measured, scaled to the call's rows), and goes elsewhere",
     )
     expert_call_timeout_min_s: float = Field(
         1.0, gt=0, description="the learned per-call timeout is at least this"
@@ -198,8 +198,8 @@ class RouterSettings(TelemetrySettings, SecuritySettings):
     fast_path_timeout_s: float = Field(
         0.5,
         gt=0,
-        description="one UCX attempt gives up after this (at most half the call's budget) and "
-        "the call goes over gRPC",
+        description="one UCX attempt gives up after this per 32 rows it carries (at most half the "
+        "call's budget) and the call goes over gRPC",
     )
     fast_path_backoff_s: float = Field(
         1.0,

@@ -44,7 +44,13 @@ from moe_mesh.common.moe import (
     shared_expert_output,
 )
 from moe_mesh.common.probing import Prober
-from moe_mesh.common.resilience import EjectionPolicy, EndpointHealth, LatencyWindow, RetryBudget
+from moe_mesh.common.resilience import (
+    EjectionPolicy,
+    EndpointHealth,
+    LatencyWindow,
+    RetryBudget,
+    call_size,
+)
 from moe_mesh.common.telemetry import (
     DISPATCH_DURATION,
     EJECTION_CHECKS,
@@ -155,7 +161,7 @@ class _Replica:
 
     def __init__(self, policy: EjectionPolicy) -> None:
         self.health = EndpointHealth(policy)
-        self.latency = LatencyWindow()
+        self.latency = LatencyWindow()  # per call_size: seconds / call_size(rows)
 
 
 class ExpertDispatcher:
@@ -431,7 +437,7 @@ class ExpertDispatcher:
         first = asyncio.ensure_future(self._call(backend, layer, groups, deadline))
         tasks = {first}
         try:
-            done, _ = await asyncio.wait(tasks, timeout=self._hedge_delay(backend))
+            done, _ = await asyncio.wait(tasks, timeout=self._hedge_delay(backend, _rows(groups)))
             if done:
                 return first.result()
             other = self._alternate(layer, [e for e, _ in groups], backend, excluded, idx)
@@ -497,18 +503,19 @@ class ExpertDispatcher:
             check = getattr(backend, "check", None)
             self.prober.ejected(backend, _name(backend), health, check, cause, down)
 
-    def _hedge_delay(self, backend: ExpertBackend) -> float:
+    def _hedge_delay(self, backend: ExpertBackend, rows: int) -> float:
         q = self._replica(backend).latency.quantile(self.policy.hedge_quantile)
-        return max(
-            self.policy.hedge_min_delay_s, q if q is not None else self.policy.hedge_initial_delay_s
-        )
+        q = q if q is not None else self.policy.hedge_initial_delay_s
+        return max(self.policy.hedge_min_delay_s, q * call_size(rows))
 
-    def _call_timeout(self, backend: ExpertBackend, deadline: float | None) -> float:
-        """min(the request's remaining time, a multiple of the replica's p99 latency once known)."""
+    def _call_timeout(self, backend: ExpertBackend, deadline: float | None, rows: int) -> float:
+        """min(the request's remaining time, a multiple of the replica's p99 latency for a call of
+        `rows` rows once known)."""
         limit = self.default_timeout_s
         if not backend.local:
             p99 = self._replica(backend).latency.quantile(0.99)
             if p99 is not None:
+                p99 *= call_size(rows)
                 limit = min(
                     limit,
                     max(self.policy.call_timeout_min_s, p99 * self.policy.call_timeout_factor),
@@ -534,7 +541,8 @@ class ExpertDispatcher:
         deadline: float | None,
     ) -> list[torch.Tensor]:
         """One backend call with its per-call timeout; its outcome feeds the replica's health and latency."""
-        timeout = self._call_timeout(backend, deadline)
+        rows = _rows(groups)
+        timeout = self._call_timeout(backend, deadline, rows)
         start = time.perf_counter()
         try:
             result = await self._traced_call(backend, layer, groups, timeout)
@@ -550,7 +558,7 @@ class ExpertDispatcher:
         if not backend.local:
             replica = self._replica(backend)
             replica.health.success()
-            replica.latency.add(time.perf_counter() - start)
+            replica.latency.add((time.perf_counter() - start) / call_size(rows))
         return result
 
     async def _traced_call(
@@ -644,6 +652,10 @@ class ExpertDispatcher:
 
 def _name(backend: ExpertBackend) -> str:
     return getattr(backend, "address", repr(backend))
+
+
+def _rows(groups: Sequence[tuple[int, torch.Tensor]]) -> int:
+    return sum(rows.shape[0] for _, rows in groups)
 
 
 class LivePlacement:

@@ -23,6 +23,7 @@ from moe_mesh.common.fastpath.auth import HelloSigner
 from moe_mesh.common.fastpath.client import FastPathError, FrameClient
 from moe_mesh.common.fastpath.frame import DTYPE_NAMES, RequestHeader
 from moe_mesh.common.fastpath.ucx import load_ucxx
+from moe_mesh.common.resilience import call_size
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 30.0
@@ -88,12 +89,11 @@ class FastPathLink:
         timeout_s: float | None,
     ) -> tuple[torch.Tensor, float]:
         """The output rows and the service's time; FastPathError when the call should go over gRPC."""
-        # Half the call's budget at most: a fallback must still have time to finish over gRPC.
-        budget = (
-            self.config.timeout_s
-            if timeout_s is None
-            else min(self.config.timeout_s, timeout_s / 2)
-        )
+        # timeout_s per CALL_ROWS rows, so a long prompt's prefill is not abandoned (computed twice);
+        # half the call's budget at most: a fallback must still have time to finish over gRPC.
+        budget = self.config.timeout_s * call_size(hidden.shape[0])
+        if timeout_s is not None:
+            budget = min(budget, timeout_s / 2)
         header = RequestHeader(
             model_id=model_id,
             weights_checksum=weights_checksum,

@@ -11,6 +11,7 @@ import os
 import struct
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -340,6 +341,32 @@ async def test_without_the_fast_path_calls_fall_back_to_grpc_back_off_and_re_pro
             await asyncio.sleep(max(0.0, link.off_until - link.clock()) + 0.05)
             assert (await backend.forward(1, groups(), 5.0)).transport == "ucx"
             assert (await backend.forward(1, groups(), 5.0)).transport == "ucx"
+        finally:
+            await backend.close()
+
+
+async def test_a_large_call_gets_a_fast_path_attempt_scaled_to_its_rows(
+    checkpoint, monkeypatch
+) -> None:
+    """A long prompt's prefill may take longer than --fast-path-timeout-s: abandoning it would
+    compute it twice (UCX, then gRPC) and put the replica on gRPC for a back-off."""
+    compute = batcher_module._compute
+    rows_computed: list[int] = []
+
+    def slow(parts, w):  # 2 ms a row
+        rows_computed.append(sum(p.shape[0] for p in parts))
+        time.sleep(0.002 * rows_computed[-1])
+        return compute(parts, w)
+
+    monkeypatch.setattr(batcher_module, "_compute", slow)
+    async with expert(checkpoint) as app:
+        backend = remote(app, timeout_s=0.1)
+        try:
+            big = [(e, rows.repeat(20, 1)) for e, rows in groups()]  # 260 rows, 0.17 s per expert
+            started = time.monotonic()
+            got = await backend.forward(1, big, 10.0)
+            assert got.transport == "ucx" and time.monotonic() - started > 0.3
+            assert not backend.fast_path.fallbacks and sum(rows_computed) == 260
         finally:
             await backend.close()
 

@@ -27,9 +27,11 @@ class Recording(ColocatedExperts):
 
     local = False
 
-    def __init__(self, weights, fail: bool = False, delay_s: float = 0.0) -> None:
+    def __init__(
+        self, weights, fail: bool = False, delay_s: float = 0.0, per_row_s: float = 0.0
+    ) -> None:
         super().__init__(weights)
-        self.fail, self.delay_s = fail, delay_s
+        self.fail, self.delay_s, self.per_row_s = fail, delay_s, per_row_s
         self.served: list[tuple[int, int]] = []
         self.checks = 0
 
@@ -40,9 +42,10 @@ class Recording(ColocatedExperts):
             raise UnavailableError("recording backend is down")
 
     async def forward(self, layer, groups, timeout_s=None):
-        if self.delay_s:
-            await asyncio.sleep(min(self.delay_s, timeout_s or self.delay_s))
-            if timeout_s is not None and self.delay_s > timeout_s:
+        delay_s = self.delay_s + self.per_row_s * sum(rows.shape[0] for _, rows in groups)
+        if delay_s:
+            await asyncio.sleep(min(delay_s, timeout_s or delay_s))
+            if timeout_s is not None and delay_s > timeout_s:
                 raise DeadlineExceededError("slow backend")
         if self.fail:
             raise UnavailableError("recording backend is down")
@@ -106,6 +109,18 @@ async def test_deadline_bounds_the_expert_call(model) -> None:
     assert time.monotonic() - start < 1.0
     with pytest.raises(DeadlineExceededError, match="deadline passed"):
         await dispatcher.moe(0, hidden(spec), layer, deadline=time.monotonic() - 1)
+
+
+async def test_a_call_larger_than_any_before_gets_a_timeout_scaled_to_its_rows(model) -> None:
+    """Latencies learned from small (decode) calls must not time out a long prompt's prefill."""
+    spec, layer, weights = model
+    backend = Recording(weights, delay_s=0.01, per_row_s=0.0005)
+    policy = DispatchPolicy(call_timeout_min_s=0.1)
+    dispatcher = ExpertDispatcher(spec, {pair: [backend] for pair in weights}, policy=policy)
+    for _ in range(20):  # a few rows a call, ~15 ms: the unscaled timeout would be 0.1 s
+        await dispatcher.moe(0, hidden(spec, 4), layer)
+    await dispatcher.moe(0, hidden(spec, 256), layer)  # 512 rows, ~0.27 s
+    assert dispatcher.ejections == 0 and dispatcher.failovers == 0
 
 
 async def test_a_failing_replica_is_ejected_then_readmitted_after_its_ejection_time(model) -> None:
