@@ -63,10 +63,6 @@ class Balancer:
         """The admitted router with the fewest open streams, preferring ones not in `avoid` (tried already)."""
         if not routers:
             raise UnavailableError("no router replica is available")
-        # Routers leave with membership changes: forget them.
-        if len(self._health) > 2 * len(routers):
-            keep = {r.address for r in routers}
-            self._health = {a: h for a, h in self._health.items() if a in keep}
         fresh = [r for r in routers if r.address not in avoid] or list(routers)
         candidates = pick_healthy(fresh, self.health)
         self._turn += 1
@@ -85,8 +81,10 @@ class Balancer:
             self.prober.ejected(router.address, router.address, health, check, cause, down=True)
 
     def retain(self, routers: Sequence[Routable]) -> None:
-        """The routers are these from now on: the others are not checked any more."""
-        self.prober.retain(r.address for r in routers)
+        """The routers are these from now on: the others are forgotten and not checked any more."""
+        keep = {r.address for r in routers}
+        self._health = {a: h for a, h in self._health.items() if a in keep}
+        self.prober.retain(keep)
 
     async def close(self) -> None:
         """Stop checking ejected routers (before their channels close)."""
