@@ -29,6 +29,8 @@ from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
 from moe_mesh.router_service.experts.fastpath import FastPathConfig, FastPathLink
 
 log = logging.getLogger(__name__)
+# Room in a message for what is not activations: ids, counts, names, trace context.
+MESSAGE_SLACK = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -49,10 +51,48 @@ class ExpertOutputs(list):
         self.service_s = service_s
 
 
+Piece = list[tuple[int, tuple[int, torch.Tensor]]]  # (index of the call's group, (expert, rows))
+
+
+def split_rows(groups: Sequence[tuple[int, torch.Tensor]], max_rows: int) -> list[Piece]:
+    """`groups` in order, in pieces of at most `max_rows` rows (at least 1), a group split across
+    pieces where it does not fit (expert FFNs are per row, so the rows' outputs do not change)."""
+    max_rows = max(1, max_rows)
+    pieces: list[Piece] = [[]]
+    room = max_rows
+    for i, (expert, rows) in enumerate(groups):
+        start, n = 0, rows.shape[0]
+        while True:
+            if room == 0 and start < n:
+                pieces.append([])
+                room = max_rows
+            take = min(room, n - start)
+            pieces[-1].append((i, (expert, rows[start : start + take])))
+            start, room = start + take, room - take
+            if start == n:
+                break
+    return pieces
+
+
+def joined_outputs(
+    n_groups: int, pieces: list[Piece], outputs: list[ExpertOutputs]
+) -> ExpertOutputs:
+    """The outputs of one call's `pieces` as the call's: one tensor per group, in order."""
+    parts: list[list[torch.Tensor]] = [[] for _ in range(n_groups)]
+    for piece, output in zip(pieces, outputs):
+        for (i, _), rows in zip(piece, output):
+            parts[i].append(rows)
+    return ExpertOutputs(
+        [p[0] if len(p) == 1 else torch.cat(p) for p in parts],
+        "ucx" if all(o.transport == "ucx" for o in outputs) else "grpc",
+        max(o.service_s for o in outputs),  # the pieces ran side by side
+    )
+
+
 class RemoteExperts:
     """One expert service: a long-lived channel and, when the service offers it, a UCX fast path;
     one batched call per (layer, call), over UCX when it can, else (or after a fast-path failure,
-    the same call) over gRPC."""
+    the same call) over gRPC; a call larger than a message goes in pieces, side by side."""
 
     local = False
 
@@ -156,39 +196,59 @@ class RemoteExperts:
     ) -> ExpertOutputs:
         if self.retired:
             raise UnavailableError(f"expert service {self.address} left the mesh")
-        counts = [rows.shape[0] for _, rows in groups]
-        expert_ids = [e for e, _ in groups]
-        hidden = joined([rows for _, rows in groups])  # one buffer already, in the usual case
         self.outstanding += 1
         try:
-            link = self.fast_path
-            if link is not None and link.usable():
-                start = time.monotonic()
-                try:
-                    output, service_s = await link.forward(
-                        self.identity.model_id,
-                        self.identity.weights_checksum,
-                        layer,
-                        expert_ids,
-                        counts,
-                        hidden,
-                        timeout_s,
-                    )
-                    return ExpertOutputs(output.split(counts), "ucx", service_s)
-                except FastPathError:
-                    if self.retired:  # retire() closed the fast path: not a reason to fall back
-                        raise UnavailableError(
-                            f"expert service {self.address} left the mesh during the call"
-                        ) from None
-                if timeout_s is not None:  # the same call over gRPC, within what is left
-                    timeout_s = max(0.0, timeout_s - (time.monotonic() - start))
-            return ExpertOutputs(*await self._grpc(layer, expert_ids, counts, hidden, timeout_s))
+            max_rows = self._rows_per_message(groups)
+            if sum(rows.shape[0] for _, rows in groups) <= max_rows:
+                return await self._forward(layer, groups, timeout_s)
+            # More than one message holds (a long prompt's prefill): a call per piece, all at once.
+            pieces = split_rows(groups, max_rows)
+            outputs = await asyncio.gather(
+                *(self._forward(layer, [g for _, g in p], timeout_s) for p in pieces)
+            )
+            return joined_outputs(len(groups), pieces, outputs)
         except NotFoundError as e:
             # Placed here but not served: the service was restarted on other experts. A replica
             # failure, so the dispatcher ejects it and the call fails over.
             raise UnavailableError(str(e)) from e
         finally:
             self.outstanding -= 1
+
+    def _rows_per_message(self, groups: Sequence[tuple[int, torch.Tensor]]) -> int:
+        if not groups:
+            return 0
+        rows = groups[0][1]
+        return (self.max_message_bytes - MESSAGE_SLACK) // (rows.shape[-1] * rows.element_size())
+
+    async def _forward(
+        self, layer: int, groups: Sequence[tuple[int, torch.Tensor]], timeout_s: float | None
+    ) -> ExpertOutputs:
+        """One message's call: over UCX when it can, else (or after a fast-path failure) gRPC."""
+        counts = [rows.shape[0] for _, rows in groups]
+        expert_ids = [e for e, _ in groups]
+        hidden = joined([rows for _, rows in groups])  # one buffer already, in the usual case
+        link = self.fast_path
+        if link is not None and link.usable():
+            start = time.monotonic()
+            try:
+                output, service_s = await link.forward(
+                    self.identity.model_id,
+                    self.identity.weights_checksum,
+                    layer,
+                    expert_ids,
+                    counts,
+                    hidden,
+                    timeout_s,
+                )
+                return ExpertOutputs(output.split(counts), "ucx", service_s)
+            except FastPathError:
+                if self.retired:  # retire() closed the fast path: not a reason to fall back
+                    raise UnavailableError(
+                        f"expert service {self.address} left the mesh during the call"
+                    ) from None
+            if timeout_s is not None:  # the same call over gRPC, within what is left
+                timeout_s = max(0.0, timeout_s - (time.monotonic() - start))
+        return ExpertOutputs(*await self._grpc(layer, expert_ids, counts, hidden, timeout_s))
 
     async def _grpc(
         self,

@@ -27,6 +27,7 @@ from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
 from moe_mesh.router_service.experts.fastpath import FastPathConfig
 from moe_mesh.router_service.experts.remote import Identity, RemoteExperts
 from tests.support.experts import (
+    ARCH,
     HIDDEN,
     SPEC,
     Groups,
@@ -158,6 +159,42 @@ async def test_a_service_restarted_on_other_experts_fails_its_check_and_its_call
                 await backend.forward(0, [(5, torch.randn(2, HIDDEN))], 5.0)
             out = await backend.forward(0, [(1, torch.randn(2, HIDDEN))], 5.0)
             assert out.transport == transport and out[0].shape == (2, HIDDEN)
+        finally:
+            await backend.close()
+
+
+@pytest.mark.parametrize("fast_path", ["off", "ucx"])
+async def test_a_call_larger_than_a_message_goes_in_pieces_under_the_limit(
+    settings, checkpoint, fast_path
+) -> None:
+    """A long prompt's prefill may carry more rows than one message may hold (--max-message-bytes):
+    it goes as several calls, not as one the transport refuses (a replica failure, ejected)."""
+    if fast_path == "ucx" and load_ucxx() is None:
+        pytest.skip("ucxx cannot be imported here")
+    limit = 256 * 1024  # (limit - MESSAGE_SLACK) / (HIDDEN * 4 bytes) = 768 rows a message
+    async with serving(settings(fast_path=fast_path)) as (address, host):
+        backend = RemoteExperts(
+            address,
+            Identity(host.model_id, host.weights_checksum),
+            limit,
+            fast_path=FastPathConfig(mode=fast_path),
+        )
+        backend.offer_fast_path(list((await backend.describe(5.0)).fast_paths))
+        transport = fast_path.replace("off", "grpc")
+        torch.manual_seed(0)
+        groups = [
+            (3, torch.randn(500, HIDDEN)),
+            (0, torch.randn(1200, HIDDEN)),
+            (2, torch.randn(9, HIDDEN)),
+        ]
+        try:
+            await eventually(lambda: backend.transport == transport, what="the fast path up")
+            out = await backend.forward(1, groups, 10.0)
+            assert out.transport == transport and [o.shape[0] for o in out] == [500, 1200, 9]
+            assert_close(
+                list(out), reference(checkpoint(ARCH), 1, groups, torch.float32), atol=1e-5
+            )
+            assert host.forward_calls == 3  # 1709 rows in 768-row pieces
         finally:
             await backend.close()
 
