@@ -146,8 +146,9 @@ class RetryBudget:
 # Up to this many rows an expert call's time is mostly its fixed part (transport, wake-ups, reading
 # the weights), beyond it the rows' compute. Latencies are learned per this many rows and scaled by
 # `call_size`, so a call larger than those seen (a long prompt's prefill after decode steps) is
-# given proportionally longer, not timed out and hedged on the small calls' figures.
-CALL_ROWS = 32
+# given proportionally longer, not timed out and hedged on the small calls' figures. Small, so that
+# the scaling errs long: a row of a larger call costs at most what one of this many does.
+CALL_ROWS = 8
 
 
 def call_size(rows: int) -> float:

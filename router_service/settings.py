@@ -198,7 +198,7 @@ class RouterSettings(TelemetrySettings, SecuritySettings):
     fast_path_timeout_s: float = Field(
         0.5,
         gt=0,
-        description="one UCX attempt gives up after this per 32 rows it carries (at most half the "
+        description="one UCX attempt gives up after this per 8 rows it carries (at most half the "
         "call's budget) and the call goes over gRPC",
     )
     fast_path_backoff_s: float = Field(
