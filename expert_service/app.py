@@ -45,7 +45,9 @@ class ExpertApp:
                 Service(
                     SERVICE_NAME,
                     expert_pb2_grpc.add_ExpertServiceServicer_to_server,
-                    ExpertServicer(host, telemetry, lambda: self.fast_paths),
+                    ExpertServicer(
+                        host, telemetry, lambda: self.fast_paths, settings.max_message_bytes
+                    ),
                 )
             ],
             host=settings.host,
@@ -134,6 +136,7 @@ class ExpertApp:
                 "region": self.settings.region,
                 "dtype": str(host.dtype).removeprefix("torch."),
                 "fast_path": self.fast_paths[0] if self.fast_paths else "",
+                "max_message_bytes": str(self.settings.max_message_bytes),
             },
             tls=self.tls,
         )

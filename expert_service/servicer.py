@@ -23,9 +23,11 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         host: ExpertHost,
         telemetry: Telemetry = OFF,
         fast_paths: Callable[[], list[str]] = list,
+        max_message_bytes: int = 0,
     ) -> None:
         self.host = host
         self.fast_paths = fast_paths  # known once the app started its fast path
+        self.max_message_bytes = max_message_bytes
         self.errors = telemetry.errors()
 
     async def Forward(
@@ -69,4 +71,5 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                 tokens=d.stats.tokens,
             ),
             fast_paths=self.fast_paths(),
+            max_message_bytes=self.max_message_bytes,
         )

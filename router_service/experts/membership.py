@@ -101,6 +101,8 @@ class ExpertMembership:
             self.tls,
         )
         backend.placed = frozenset(self._pairs[inst.id])
+        limit = inst.meta.get("max_message_bytes", "")
+        backend.learn_limit(int(limit) if limit.isdecimal() else 0)
         return backend
 
     @staticmethod

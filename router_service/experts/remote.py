@@ -109,7 +109,8 @@ class RemoteExperts:
     ) -> None:
         self.address, self.region = address, region
         self.identity = identity
-        self.max_message_bytes = max_message_bytes
+        self.max_message_bytes = max_message_bytes  # this router's
+        self.call_bytes = max_message_bytes  # a message to this service: under its limit too
         self.fast_path_config = fast_path
         self.fast_path = FastPathLink.offered(list(fast_paths), fast_path, max_message_bytes)
         self._warming: asyncio.Task | None = None
@@ -152,6 +153,7 @@ class RemoteExperts:
             raise PreconditionError(
                 f"expert service {self.address} no longer serves {format_experts(sorted(missing))}"
             )
+        self.learn_limit(info.max_message_bytes)
         self._follow_fast_path(list(info.fast_paths))
 
     def offer_fast_path(self, urls: Sequence[str]) -> None:
@@ -218,7 +220,11 @@ class RemoteExperts:
         if not groups:
             return 0
         rows = groups[0][1]
-        return (self.max_message_bytes - MESSAGE_SLACK) // (rows.shape[-1] * rows.element_size())
+        return (self.call_bytes - MESSAGE_SLACK) // (rows.shape[-1] * rows.element_size())
+
+    def learn_limit(self, service_bytes: int) -> None:
+        """The service's message size limit as it says it (0: not said): calls stay under it too."""
+        self.call_bytes = min(self.max_message_bytes, service_bytes or self.max_message_bytes)
 
     async def _forward(
         self, layer: int, groups: Sequence[tuple[int, torch.Tensor]], timeout_s: float | None
@@ -350,6 +356,7 @@ async def connect(
     for backend, info in zip(backends, replies):
         check_identity(backend.address, info, identity)
         backend.region = info.region
+        backend.learn_limit(info.max_message_bytes)
         backend.offer_fast_path(list(info.fast_paths))
         pairs = [(k.layer, k.expert) for k in info.experts]
         backend.placed = frozenset(pairs)

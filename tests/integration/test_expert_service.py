@@ -26,6 +26,7 @@ from moe_mesh.expert_service.settings import ExpertSettings
 from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
 from moe_mesh.router_service.experts.fastpath import FastPathConfig
 from moe_mesh.router_service.experts.remote import Identity, RemoteExperts
+from moe_mesh.router_service.experts.remote import connect as connect_experts
 from tests.support.experts import (
     ARCH,
     HIDDEN,
@@ -195,6 +196,23 @@ async def test_a_call_larger_than_a_message_goes_in_pieces_under_the_limit(
                 list(out), reference(checkpoint(ARCH), 1, groups, torch.float32), atol=1e-5
             )
             assert host.forward_calls == 3  # 1709 rows in 768-row pieces
+        finally:
+            await backend.close()
+
+
+async def test_calls_stay_under_the_message_limit_the_service_describes(
+    settings, checkpoint
+) -> None:
+    """A service taking smaller messages than the router sends: the router learns its limit."""
+    async with serving(settings(fast_path="off", max_message_bytes=4 * 2**20)) as (address, host):
+        identity = Identity(host.model_id, host.weights_checksum)
+        placement = await connect_experts([address], identity, 64 * 2**20, 5.0)
+        backend = next(iter(placement.values()))[0]
+        rows = torch.randn(20000, HIDDEN)  # 5.1 MB
+        try:
+            assert backend.call_bytes == 4 * 2**20
+            [out] = await backend.forward(1, [(0, rows)], 10.0)
+            assert out.shape == rows.shape and host.forward_calls == 2
         finally:
             await backend.close()
 

@@ -36,7 +36,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_id", "weights_checksum", "experts", "dtype", "hidden_size", "fast_paths", "region", "stats")
+    __slots__ = ("model_id", "weights_checksum", "experts", "dtype", "hidden_size", "fast_paths", "region", "stats", "max_message_bytes")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class DescribeResponse(_message.Message):
     FAST_PATHS_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     weights_checksum: str
     experts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.ExpertKey]
@@ -53,7 +54,8 @@ class DescribeResponse(_message.Message):
     fast_paths: _containers.RepeatedScalarFieldContainer[str]
     region: str
     stats: ExpertStats
-    def __init__(self, model_id: _Optional[str] = ..., weights_checksum: _Optional[str] = ..., experts: _Optional[_Iterable[_Union[_tensor_pb2.ExpertKey, _Mapping]]] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., hidden_size: _Optional[int] = ..., fast_paths: _Optional[_Iterable[str]] = ..., region: _Optional[str] = ..., stats: _Optional[_Union[ExpertStats, _Mapping]] = ...) -> None: ...
+    max_message_bytes: int
+    def __init__(self, model_id: _Optional[str] = ..., weights_checksum: _Optional[str] = ..., experts: _Optional[_Iterable[_Union[_tensor_pb2.ExpertKey, _Mapping]]] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., hidden_size: _Optional[int] = ..., fast_paths: _Optional[_Iterable[str]] = ..., region: _Optional[str] = ..., stats: _Optional[_Union[ExpertStats, _Mapping]] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class ExpertStats(_message.Message):
     __slots__ = ("forward_calls", "groups", "batches", "tokens")

@@ -33,6 +33,18 @@ async def test_services_of_another_model_or_other_weights_are_ignored(checkpoint
     await m.stop()
 
 
+async def test_calls_stay_under_the_message_limit_a_service_registers(checkpoint) -> None:
+    m, _, _ = membership_of(checkpoint("mixtral"))  # the router's limit: 64 MiB
+    said = [instance_of(m, "small", 1, max_message_bytes="8388608"), instance_of(m, "older", 2)]
+    m.apply(Membership((*said, instance_of(m, "garbled", 3, max_message_bytes="-1")), 1))
+    assert {name: b.call_bytes for name, b in m.backends.items()} == {
+        "small": 8 * 2**20,
+        "older": 64 * 2**20,  # registered before services said theirs
+        "garbled": 64 * 2**20,
+    }
+    await m.stop()
+
+
 async def test_start_times_out_naming_the_experts_no_service_covers(checkpoint) -> None:
     m, _, _ = membership_of(checkpoint("mixtral"))
     registry = MemoryRegistry()
