@@ -6,6 +6,12 @@ tag, so concurrent calls share the endpoint without interleaving. Any transport 
 connection (the next call says hello again, with a new id) and raises FastPathError naming its
 cause; the caller falls back to gRPC. Errors the service answers (wrong weights, unknown layer...)
 are raised as the same classes as over gRPC.
+
+A call its caller gives up on is not a transport failure: the calls sharing its connection go on,
+and its reply is read and dropped when it comes (unread, it would hold the service's send), for at
+most ABANDONED_REPLY_S before the connection is dropped. A call cancelled (a hedge race lost) keeps
+the connection; one timed out retires it (new calls say hello again, as to a restarted service),
+and it closes once its calls in flight are done.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ from moe_mesh.common.fastpath.ucx import (
     ucx_errors,
 )
 
+ABANDONED_REPLY_S = 30.0
+
 
 class FastPathError(Exception):
     """The fast path could not carry this call; `cause` is a short label for metrics:
@@ -72,6 +80,8 @@ class _Connection:
         # The control tag's frame, read once: a refusal of a frame of this connection
         # (cancelled when the connection is dropped).
         self.refusal: asyncio.Task | None = None
+        self.abandoned: set[asyncio.Task] = set()  # reading the replies of calls given up on
+        self.retired = self.closed = False
 
     def fail(self, error: BaseException) -> None:
         for future in self.pending.values():
@@ -94,6 +104,7 @@ class FrameClient:
         self.signer = signer  # under mutual TLS: proves this router's mesh certificate
         self._runtime: UcxRuntime | None = None  # acquired at the first connect
         self._conn: _Connection | None = None
+        self._retired: set[_Connection] = set()  # closing once their calls in flight are done
         self._connecting: asyncio.Lock | None = None
         self.closed = False
 
@@ -112,6 +123,11 @@ class FrameClient:
         conn = await self._connection(timeout_s)
         try:
             reply, output = await self._exchange(conn, header, payload, timeout_s)
+        except asyncio.CancelledError:
+            raise  # given up on: the connection stays (_exchange)
+        except FastPathError as e:
+            self._retire(conn) if e.cause == "timeout" else self._drop(conn)
+            raise
         except BaseException:
             self._drop(conn)
             raise
@@ -171,13 +187,17 @@ class FrameClient:
         tag = reply_tag(conn.id, call)
         # Posted before the request leaves: the reply is taken in the callback it arrives in.
         first = conn.pending[call] = first_message(runtime, tag, self.max_payload_bytes)
+        reading: asyncio.Future | None = None
         try:
             messages = encode_frame(header, payload, call=call)
             # Not awaited: the reply implies the request arrived; a failed send fails the reply.
             for sent in submit_frame(runtime, conn.ep, request_tag(conn.id), messages):
                 sent.add_done_callback(lambda s: _fail_with(first, s))
+            reading = asyncio.ensure_future(
+                read_frame(runtime, tag, self.max_payload_bytes, timeout_s, first)
+            )
             async with asyncio.timeout(timeout_s):
-                return await read_frame(runtime, tag, self.max_payload_bytes, timeout_s, first)
+                return await asyncio.shield(reading)
         except _Refused as e:  # the service could not read a frame of ours
             return e.header, None
         except TimeoutError:
@@ -191,8 +211,27 @@ class FrameClient:
         except ucx_errors() as e:
             raise FastPathError("closed", f"{self.address}: {type(e).__name__}: {e}") from None
         finally:
-            first.cancel()
-            conn.pending.pop(call, None)
+            if reading is not None and not reading.done():
+                self._abandon(conn, call, reading)
+            else:
+                first.cancel()
+                self._done(conn, call)
+
+    def _abandon(self, conn: _Connection, call: int, reading: asyncio.Future) -> None:
+        """Read and drop the reply of a call given up on; drop the connection if it does not come."""
+
+        async def drain() -> None:
+            try:
+                async with asyncio.timeout(ABANDONED_REPLY_S):
+                    await reading
+            except BaseException:  # no reply in time, or the connection failed meanwhile
+                self._drop(conn)
+            finally:
+                self._done(conn, call)
+
+        task = asyncio.ensure_future(drain())
+        conn.abandoned.add(task)
+        task.add_done_callback(conn.abandoned.discard)
 
     def _result(
         self, conn: _Connection, reply: Header, output: torch.Tensor | None
@@ -211,11 +250,28 @@ class FrameClient:
             raise FastPathError("protocol", f"{self.address}: expected a reply with a tensor")
         return output, reply.service_s
 
+    def _done(self, conn: _Connection, call: int) -> None:
+        conn.pending.pop(call, None)
+        if conn.retired and not conn.pending:
+            self._drop(conn)
+
+    def _retire(self, conn: _Connection) -> None:
+        """New calls take a new connection; this one closes when its calls in flight are done."""
+        if conn is self._conn:
+            self._conn = None
+        conn.retired = True
+        self._retired.add(conn)
+        if not conn.pending:
+            self._drop(conn)
+
     def _drop(self, conn: _Connection | None) -> None:
         """Forget a connection: its endpoint closes, its calls in flight fail."""
-        if conn is None or conn is not self._conn:
+        if conn is None or conn.closed:
             return
-        self._conn = None
+        if conn is self._conn:
+            self._conn = None
+        self._retired.discard(conn)
+        conn.closed = True
         conn.fail(FastPathError("closed", f"{self.address}: connection dropped"))
         if conn.refusal is not None:
             conn.refusal.cancel()
@@ -226,7 +282,8 @@ class FrameClient:
         if self.closed:
             return
         self.closed = True
-        self._drop(self._conn)
+        for conn in [self._conn, *self._retired]:
+            self._drop(conn)
         if self._runtime is not None:
             self._runtime = None
             UcxRuntime.release()

@@ -573,6 +573,46 @@ async def test_a_call_past_its_budget_is_answered_deadline_exceeded_and_the_next
         await server.stop()
 
 
+async def test_a_call_given_up_on_leaves_the_calls_sharing_its_connection_alone() -> None:
+    """A hedge race's loser is cancelled, a slow call times out: the other calls in flight on the
+    connection still finish over UCX (they fell back to gRPC, computed twice, and backed off)."""
+
+    async def handler(header, payload):
+        await asyncio.sleep(0.1 * header.layer)
+        return payload * header.layer
+
+    server = FrameServer(handler, MESSAGE_BYTES)
+    client = FrameClient(parse_worker_url(await server.start()), MESSAGE_BYTES)
+    x = torch.randn(1000, HIDDEN)  # a reply past UCX's eager size: rendezvous, held if unread
+    call = f.RequestHeader("m", "c", 1, [0], [1000], "float32", [1000, HIDDEN], x.nbytes)
+
+    async def answer(layer: int, timeout_s: float = 5.0) -> torch.Tensor:
+        return (await client.call(replace(call, layer=layer), x, timeout_s))[0]
+
+    try:
+        await answer(1)
+        conn = client._conn
+        # Cancelled: the connection stays, and the reply is read when it comes.
+        loser, other = asyncio.ensure_future(answer(3)), asyncio.ensure_future(answer(4))
+        await asyncio.sleep(0.05)
+        loser.cancel()
+        assert torch.equal(await other, x * 4) and loser.cancelled()
+        await eventually(lambda: not conn.abandoned, 5, "the reply given up on, read")
+        assert client._conn is conn and not conn.pending
+        assert torch.equal(await answer(1), x)  # its tag does not hold a stale reply
+        # Timed out: the calls in flight finish on it, new ones take a new connection.
+        other = asyncio.ensure_future(answer(4))
+        with pytest.raises(FastPathError, match="no reply within 0.1s") as late:
+            await answer(2, 0.1)
+        assert late.value.cause == "timeout" and client._conn is None
+        assert torch.equal(await answer(5), x * 5) and client._conn not in (None, conn)
+        assert torch.equal(await other, x * 4)
+        await eventually(lambda: conn.closed, 5, "the retired connection closed")
+    finally:
+        client.close()
+        await server.stop()
+
+
 async def test_a_handler_bug_is_answered_internal_and_the_next_call_served() -> None:
     async def handler(header, payload):
         if header.layer == 1:
