@@ -237,7 +237,7 @@ class GatewayCore:
         layers it passes on its way out, or a code name for what the HTTP server refuses itself."""
         if isinstance(error, str):
             code = error
-        elif getattr(error, "_moe_counted", False):
+        elif _counted(error):
             return
         else:
             error._moe_counted = True  # type: ignore[attr-defined]
@@ -714,3 +714,13 @@ class GatewayCore:
             params,
             request.priority,
         )
+
+
+def _counted(error: BaseException) -> bool:
+    """Counted already, or raised from one that was (a field renamed for the API, http_api.py)."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if getattr(cause, "_moe_counted", False):
+            return True
+        cause = cause.__cause__
+    return False

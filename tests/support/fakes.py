@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 
 import grpc
 
+from moe_mesh.common.telemetry import OFF, Telemetry
 from moe_mesh.common.tokenizer import Tokenizer
 from moe_mesh.gateway.balancer import RouterLostError
 from moe_mesh.gateway.core import GatewayCore, ModelInfo
@@ -38,9 +39,9 @@ class FakeRouter:
             self.outstanding -= 1
 
 
-def core(path, routers, **settings) -> GatewayCore:
+def core(path, routers, telemetry: Telemetry = OFF, **settings) -> GatewayCore:
     s = GatewaySettings(checkpoint=path, routers=[r.address for r in routers], **settings)
-    return GatewayCore(s, Tokenizer(path), routers, ModelInfo("m", "mixtral", 512, 512))
+    return GatewayCore(s, Tokenizer(path), routers, ModelInfo("m", "mixtral", 512, 512), telemetry)
 
 
 class ScriptedRouter:

@@ -12,13 +12,16 @@ import pytest
 from moe_mesh.common.errors import (
     AlreadyExistsError,
     DeadlineExceededError,
+    InvalidArgumentError,
     ResourceExhaustedError,
     UnavailableError,
 )
 from moe_mesh.common.resilience import RetryBudget
+from moe_mesh.common.telemetry import Telemetry
 from moe_mesh.gateway.admission import Admission
 from moe_mesh.gateway.core import GatewayCore, TextRequest
 from tests.support.fakes import FakeRouter, ScriptedRouter, core
+from tests.support.metrics import scrape, total
 from tests.support.polling import eventually
 
 
@@ -298,3 +301,22 @@ async def test_cut_off_reaches_a_stream_between_deltas_and_leaves_other_cancella
     with pytest.raises(asyncio.CancelledError):
         await reader
     assert gw.admission.in_flight == 0
+
+
+async def test_an_error_renamed_on_its_way_out_is_counted_once(checkpoint) -> None:
+    """The chat API renames max_tokens to max_completion_tokens in a new error raised from the
+    core's: one failed request, one count."""
+    telemetry = Telemetry.create("gateway", metrics_port=0)
+    try:
+        path = checkpoint("mixtral")
+        gw = core(path, [ScriptedRouter("a:1")], telemetry=telemetry)
+        with pytest.raises(InvalidArgumentError) as e:
+            await gw.start(TextRequest(prompt_token_ids=[1], max_tokens=10**6))
+        try:
+            raise InvalidArgumentError("max_completion_tokens", "too many") from e.value
+        except InvalidArgumentError as renamed:
+            gw.count_failure(renamed)
+        counted = scrape(telemetry)
+        assert total(counted, "moe_errors_total", rpc_grpc_status_code="INVALID_ARGUMENT") == 1
+    finally:
+        telemetry.shutdown()
