@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
+from moe_mesh.common.tokenizer import NoTokenizer, TextStream, Tokenizer
 from moe_mesh.gateway.core import Delta, GatewayCore, Generation, TextRequest
 from moe_mesh.gateway.router_client import Logprobs
 
@@ -75,23 +76,27 @@ class Choices:
 
 def completion_logprobs(
     logprobs: list[Logprobs] | None,
-    token_text: Callable[[int], str],
+    tokenizer: Tokenizer | NoTokenizer,
     token_ids: list[int],
     offset: int,
 ) -> dict | None:
     """The legacy completions shape: tokens, token_logprobs, top_logprobs (token -> logprob), and
-    text_offset (each token's start in the choice's text, from `offset`)."""
+    text_offset (each token's start in the choice's text, from `offset`).
+
+    Offsets come from decoding as the text was decoded, not from adding up the tokens' own texts:
+    a special token is not in the text, and the bytes of one character split over tokens are one
+    character there (each of its tokens alone decodes to U+FFFD)."""
     if logprobs is None:
         return None
-    tokens = [token_text(t) for t in token_ids]
+    decoded = TextStream(tokenizer)  # type: ignore[arg-type]  # NoTokenizer decodes to ""
     offsets = []
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
+    for t in token_ids:
+        offsets.append(offset + len(decoded.text))
+        decoded.push([t])
     return {
-        "tokens": tokens,
+        "tokens": [tokenizer.token_text(t) for t in token_ids],
         "token_logprobs": [lp for lp, _ in logprobs],
-        "top_logprobs": [{token_text(i): v for i, v in top} for _, top in logprobs],
+        "top_logprobs": [{tokenizer.token_text(i): v for i, v in top} for _, top in logprobs],
         "text_offset": offsets,
     }
 

@@ -760,7 +760,7 @@ def create_app(core: GatewayCore, metrics: Any = None) -> FastAPI:
             prefix = echo if first else ""
             start = offsets.get(index, 0)
             offsets[index] = start + len(prefix) + len(d.text)
-            lp = completion_logprobs(d.logprobs, core.tokenizer.token_text, d.token_ids, start)
+            lp = completion_logprobs(d.logprobs, core.tokenizer, d.token_ids, start)
             return {
                 "index": index,
                 "text": prefix + d.text,
