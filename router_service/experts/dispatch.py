@@ -437,11 +437,19 @@ class ExpertDispatcher:
         first = asyncio.ensure_future(self._call(backend, layer, groups, deadline))
         tasks = {first}
         try:
-            done, _ = await asyncio.wait(tasks, timeout=self._hedge_delay(backend, _rows(groups)))
-            if done:
-                return first.result()
-            other = self._alternate(layer, [e for e, _ in groups], backend, excluded, idx)
-            if other is None or not self.budget.try_retry():
+            delay = self._hedge_delay(backend, _rows(groups))
+            while True:
+                done, _ = await asyncio.wait(tasks, timeout=delay)
+                if done:
+                    return first.result()
+                other = self._alternate(layer, [e for e, _ in groups], backend, excluded, idx)
+                if other is None:
+                    return await first
+                # Only to a replica less busy than this one (this call included), as soon as there
+                # is one: one as busy would answer no sooner, and the duplicate would slow both.
+                if other.outstanding < backend.outstanding:
+                    break
+            if not self.budget.try_retry():
                 return await first
             self.hedges += 1
             second = asyncio.ensure_future(self._call(other, layer, groups, deadline))

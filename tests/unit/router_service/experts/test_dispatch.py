@@ -42,15 +42,19 @@ class Recording(ColocatedExperts):
             raise UnavailableError("recording backend is down")
 
     async def forward(self, layer, groups, timeout_s=None):
-        delay_s = self.delay_s + self.per_row_s * sum(rows.shape[0] for _, rows in groups)
-        if delay_s:
-            await asyncio.sleep(min(delay_s, timeout_s or delay_s))
-            if timeout_s is not None and delay_s > timeout_s:
-                raise DeadlineExceededError("slow backend")
-        if self.fail:
-            raise UnavailableError("recording backend is down")
-        self.served += [(layer, e) for e, _ in groups]
-        return await super().forward(layer, groups)
+        self.outstanding += 1  # as RemoteExperts counts its calls in flight
+        try:
+            delay_s = self.delay_s + self.per_row_s * sum(rows.shape[0] for _, rows in groups)
+            if delay_s:
+                await asyncio.sleep(min(delay_s, timeout_s or delay_s))
+                if timeout_s is not None and delay_s > timeout_s:
+                    raise DeadlineExceededError("slow backend")
+            if self.fail:
+                raise UnavailableError("recording backend is down")
+            self.served += [(layer, e) for e, _ in groups]
+            return await super().forward(layer, groups)
+        finally:
+            self.outstanding -= 1
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +232,17 @@ async def test_a_slow_replica_is_hedged_and_the_faster_answer_is_the_same(model)
         assert torch.equal(await dispatcher.moe(0, hidden(spec), layer), reference)
     assert time.monotonic() - start < 1.0
     assert dispatcher.hedges_won >= 1 and dispatcher.ejections >= 1 and not slow.served
+
+
+async def test_a_call_is_not_hedged_to_a_replica_as_busy(model) -> None:
+    """Both replicas busy with a call each: a hedge would answer no sooner and load both."""
+    spec, layer, weights = model
+    a, b = Recording(weights, delay_s=0.3), Recording(weights, delay_s=0.3)
+    dispatcher = ExpertDispatcher(
+        spec, {pair: [a, b] for pair in weights}, policy=DispatchPolicy(hedge_initial_delay_s=0.05)
+    )
+    await asyncio.gather(*(dispatcher.moe(0, hidden(spec, n), layer) for n in (8, 16)))
+    assert a.served and b.served and dispatcher.hedges == 0 and dispatcher.ejections == 0
 
 
 class Regional(ColocatedExperts):
