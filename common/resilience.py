@@ -9,7 +9,7 @@
 - `RetryBudget`: retries may add at most `ratio` of the recent requests (plus a small reserve per
   second), so a sick mesh is not hit with a multiple of its load.
 - `LatencyWindow`: the recent latencies of an endpoint, for hedging delays and per-call timeouts;
-  `call_size` scales them to the size of the call at hand.
+  `SizedLatency` keeps them by call size, scaled to the call at hand (`call_size`).
 
 Callers retry only calls that never reached the peer's application (or failed retryably), only
 within the request's deadline, and only when the budget allows.
@@ -179,6 +179,37 @@ class LatencyWindow:
         if len(self._sorted) < self.min_samples:
             return None
         return _quantile(self._sorted, q)
+
+
+class SizedLatency:
+    """An endpoint's latencies by call size: a LatencyWindow per size class (up to CALL_ROWS rows,
+    then four times as many each), of seconds per call_size. A call is estimated from its own
+    class, else from the nearest smaller one that knows enough (scaling up errs long), else the
+    nearest larger one. In one window, a run of large calls (their fixed cost spread over many
+    rows) would set the small calls' hedge delays far below what those take."""
+
+    def __init__(self) -> None:
+        self._classes: dict[int, LatencyWindow] = {}
+
+    @staticmethod
+    def _class(rows: int) -> int:
+        k, top = 0, CALL_ROWS
+        while rows > top:
+            k, top = k + 1, top * 4
+        return k
+
+    def add(self, seconds: float, rows: int) -> None:
+        window = self._classes.setdefault(self._class(rows), LatencyWindow())
+        window.add(seconds / call_size(rows))
+
+    def quantile(self, q: float, rows: int) -> float | None:
+        """The q-quantile (seconds) of a call of `rows` rows; None while no class knows enough."""
+        known = sorted(k for k, w in self._classes.items() if len(w) >= w.min_samples)
+        if not known:
+            return None
+        below = [k for k in known if k <= self._class(rows)]
+        window = self._classes[below[-1] if below else known[0]]
+        return window.quantile(q) * call_size(rows)  # type: ignore[operator]  # known: not None
 
 
 def _quantile(ordered: Sequence[float], q: float) -> float:

@@ -47,6 +47,7 @@ class Balancer:
         checked every `check_interval_s` (0: never, it waits out its ejection)."""
         self.policy, self.budget, self._clock = policy, budget, clock
         self._health: dict[str, EndpointHealth] = {}
+        self._members: set[str] | None = None  # since the first retain()
         self._turn = 0
         self.failovers = 0  # calls continued on another router, for status and tests
         self.ejections = 0  # times a router was ejected, for metrics
@@ -73,7 +74,10 @@ class Balancer:
 
     def failed(self, router: Routable, cause: BaseException) -> None:
         """A call to `router` failed as a lost router's do (UNAVAILABLE: unreachable, or refusing
-        calls); once that ejects it, it is logged and checked until it answers again."""
+        calls); once that ejects it, it is logged and checked until it answers again. One that left
+        the membership meanwhile is not: it is forgotten."""
+        if self._members is not None and router.address not in self._members:
+            return
         health = self.health(router)
         if health.failure():
             self.ejections += 1
@@ -82,9 +86,9 @@ class Balancer:
 
     def retain(self, routers: Sequence[Routable]) -> None:
         """The routers are these from now on: the others are forgotten and not checked any more."""
-        keep = {r.address for r in routers}
-        self._health = {a: h for a, h in self._health.items() if a in keep}
-        self.prober.retain(keep)
+        self._members = {r.address for r in routers}
+        self._health = {a: h for a, h in self._health.items() if a in self._members}
+        self.prober.retain(self._members)
 
     async def close(self) -> None:
         """Stop checking ejected routers (before their channels close)."""

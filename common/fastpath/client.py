@@ -17,6 +17,7 @@ and it closes once its calls in flight are done.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from typing import Any
 
@@ -51,7 +52,8 @@ from moe_mesh.common.fastpath.ucx import (
     ucx_errors,
 )
 
-ABANDONED_REPLY_S = 30.0
+log = logging.getLogger(__name__)
+ABANDONED_REPLY_S = 30.0  # at least; a call's own budget (RequestHeader.timeout_ms) when longer
 
 
 class FastPathError(Exception):
@@ -212,19 +214,30 @@ class FrameClient:
             raise FastPathError("closed", f"{self.address}: {type(e).__name__}: {e}") from None
         finally:
             if reading is not None and not reading.done():
-                self._abandon(conn, call, reading)
+                budget_s = (header.timeout_ms or 0) / 1e3
+                self._abandon(conn, call, reading, max(ABANDONED_REPLY_S, budget_s + 5))
             else:
                 first.cancel()
                 self._done(conn, call)
 
-    def _abandon(self, conn: _Connection, call: int, reading: asyncio.Future) -> None:
-        """Read and drop the reply of a call given up on; drop the connection if it does not come."""
+    def _abandon(
+        self, conn: _Connection, call: int, reading: asyncio.Future, within_s: float
+    ) -> None:
+        """Read and drop the reply of a call given up on; drop the connection if it does not come
+        `within_s` (the service answers every call by its budget, if only with an error)."""
 
         async def drain() -> None:
             try:
-                async with asyncio.timeout(ABANDONED_REPLY_S):
+                async with asyncio.timeout(within_s):
                     await reading
-            except BaseException:  # no reply in time, or the connection failed meanwhile
+            except BaseException as e:  # no reply in time, or the connection failed meanwhile
+                if not conn.closed:
+                    log.warning(
+                        "fast path %s: the reply of a call given up on did not come (%s); "
+                        "dropping the connection",
+                        self.address,
+                        type(e).__name__,
+                    )
                 self._drop(conn)
             finally:
                 self._done(conn, call)
@@ -257,6 +270,8 @@ class FrameClient:
 
     def _retire(self, conn: _Connection) -> None:
         """New calls take a new connection; this one closes when its calls in flight are done."""
+        if conn.closed:
+            return
         if conn is self._conn:
             self._conn = None
         conn.retired = True

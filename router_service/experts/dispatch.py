@@ -47,8 +47,8 @@ from moe_mesh.common.probing import Prober
 from moe_mesh.common.resilience import (
     EjectionPolicy,
     EndpointHealth,
-    LatencyWindow,
     RetryBudget,
+    SizedLatency,
     call_size,
 )
 from moe_mesh.common.telemetry import (
@@ -161,7 +161,7 @@ class _Replica:
 
     def __init__(self, policy: EjectionPolicy) -> None:
         self.health = EndpointHealth(policy)
-        self.latency = LatencyWindow()  # per call_size: seconds / call_size(rows)
+        self.latency = SizedLatency()
 
 
 class ExpertDispatcher:
@@ -449,6 +449,7 @@ class ExpertDispatcher:
                 # is one: one as busy would answer no sooner, and the duplicate would slow both.
                 if other.outstanding < backend.outstanding:
                     break
+                delay = max(self.policy.hedge_min_delay_s, 0.01)
             if not self.budget.try_retry():
                 return await first
             self.hedges += 1
@@ -512,18 +513,17 @@ class ExpertDispatcher:
             self.prober.ejected(backend, _name(backend), health, check, cause, down)
 
     def _hedge_delay(self, backend: ExpertBackend, rows: int) -> float:
-        q = self._replica(backend).latency.quantile(self.policy.hedge_quantile)
-        q = q if q is not None else self.policy.hedge_initial_delay_s
-        return max(self.policy.hedge_min_delay_s, q * call_size(rows))
+        q = self._replica(backend).latency.quantile(self.policy.hedge_quantile, rows)
+        q = q if q is not None else self.policy.hedge_initial_delay_s * call_size(rows)
+        return max(self.policy.hedge_min_delay_s, q)
 
     def _call_timeout(self, backend: ExpertBackend, deadline: float | None, rows: int) -> float:
         """min(the request's remaining time, a multiple of the replica's p99 latency for a call of
         `rows` rows once known)."""
         limit = self.default_timeout_s
         if not backend.local:
-            p99 = self._replica(backend).latency.quantile(0.99)
+            p99 = self._replica(backend).latency.quantile(0.99, rows)
             if p99 is not None:
-                p99 *= call_size(rows)
                 limit = min(
                     limit,
                     max(self.policy.call_timeout_min_s, p99 * self.policy.call_timeout_factor),
@@ -566,7 +566,7 @@ class ExpertDispatcher:
         if not backend.local:
             replica = self._replica(backend)
             replica.health.success()
-            replica.latency.add((time.perf_counter() - start) / call_size(rows))
+            replica.latency.add(time.perf_counter() - start, rows)
         return result
 
     async def _traced_call(

@@ -205,9 +205,16 @@ class RemoteExperts:
                 return await self._forward(layer, groups, timeout_s)
             # More than one message holds (a long prompt's prefill): a call per piece, all at once.
             pieces = split_rows(groups, max_rows)
-            outputs = await asyncio.gather(
-                *(self._forward(layer, [g for _, g in p], timeout_s) for p in pieces)
-            )
+            calls = [
+                asyncio.ensure_future(self._forward(layer, [g for _, g in p], timeout_s))
+                for p in pieces
+            ]
+            try:
+                outputs = await asyncio.gather(*calls)
+            except BaseException:  # the call fails over whole: its other pieces are not wanted
+                for call in calls:
+                    call.cancel()
+                raise
             return joined_outputs(len(groups), pieces, outputs)
         except NotFoundError as e:
             # Placed here but not served: the service was restarted on other experts. A replica
@@ -223,8 +230,10 @@ class RemoteExperts:
         return (self.call_bytes - MESSAGE_SLACK) // (rows.shape[-1] * rows.element_size())
 
     def learn_limit(self, service_bytes: int) -> None:
-        """The service's message size limit as it says it (0: not said): calls stay under it too."""
-        self.call_bytes = min(self.max_message_bytes, service_bytes or self.max_message_bytes)
+        """The service's message size limit as it says it (0: not said): calls stay under it too.
+        One below any service's setting (1 MiB) is not believed: it would send calls a row apiece."""
+        if service_bytes >= 2**20:
+            self.call_bytes = min(self.max_message_bytes, service_bytes)
 
     async def _forward(
         self, layer: int, groups: Sequence[tuple[int, torch.Tensor]], timeout_s: float | None

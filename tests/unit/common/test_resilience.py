@@ -7,6 +7,7 @@ from moe_mesh.common.resilience import (
     EndpointHealth,
     LatencyWindow,
     RetryBudget,
+    SizedLatency,
     pick_healthy,
 )
 
@@ -81,6 +82,20 @@ def test_latency_window_quantiles_over_the_recent_samples() -> None:
     assert len(w) == 100
     assert w.quantile(0.0) == 100.0 and w.quantile(1.0) == 199.0
     assert 148.0 <= w.quantile(0.5) <= 150.0
+
+
+def test_sized_latency_estimates_a_call_from_calls_of_its_size() -> None:
+    latency = SizedLatency()
+    assert latency.quantile(0.5, 4) is None
+    for _ in range(20):
+        latency.add(0.05, 4)  # decode calls: 50 ms, mostly fixed cost
+    assert latency.quantile(0.5, 4) == 0.05
+    assert latency.quantile(0.5, 800) == 0.05 * 100  # never seen: scaled up from the small ones
+    for _ in range(300):
+        latency.add(1.0, 2048)  # a long prefill's calls: 2 ms a row
+    # Each size from its own calls: the prefill's cheap rows do not shorten the decode calls'.
+    assert latency.quantile(0.5, 4) == 0.05 and latency.quantile(0.5, 2048) == 1.0
+    assert latency.quantile(0.5, 100) == 0.05 * 12.5  # the nearest smaller class, scaled up
 
 
 def test_readmit_ends_the_ejection_and_keeps_the_streak_until_a_call_succeeds() -> None:

@@ -35,6 +35,8 @@ async def test_a_departed_router_is_forgotten_and_no_longer_checked() -> None:
         balancer.retain([a])  # b left the membership
         await asyncio.sleep(0.05)
         assert balancer.ejected() == [] and balancer.prober.checking == []
+        balancer.failed(b, RouterLostError("its stream ended"))  # a call begun before it left
+        assert balancer.ejected() == [] and balancer.prober.checking == []
         # Back under the same address (restarted): a fresh start, not the old ejection.
         balancer.retain([a, b])
         assert balancer.pick([a, b]) is b
