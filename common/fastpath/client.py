@@ -8,10 +8,10 @@ cause; the caller falls back to gRPC. Errors the service answers (wrong weights,
 are raised as the same classes as over gRPC.
 
 A call its caller gives up on is not a transport failure: the calls sharing its connection go on,
-and its reply is read and dropped when it comes (unread, it would hold the service's send), for at
-most ABANDONED_REPLY_S before the connection is dropped. A call cancelled (a hedge race lost) keeps
-the connection; one timed out retires it (new calls say hello again, as to a restarted service),
-and it closes once its calls in flight are done.
+and its reply is read and dropped when it comes (unread, it would hold the service's send); if it
+does not come within the call's budget, the connection is dropped. A call cancelled (a hedge race
+lost) keeps the connection; one timed out retires it (new calls say hello again, as to a restarted
+service), and it closes once its calls in flight are done.
 """
 
 from __future__ import annotations
