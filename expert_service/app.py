@@ -8,12 +8,7 @@ from typing import Any
 from moe_mesh.common.fastpath.auth import HelloVerifier
 from moe_mesh.common.placement import format_experts
 from moe_mesh.common.registry import EXPERT_SERVICE, Instance, open_registry, registration_hooks
-from moe_mesh.common.server import (
-    GrpcServer,
-    Service,
-    advertised_host,
-    wait_for_signal,
-)
+from moe_mesh.common.server import GrpcServer, Service, advertised_host, wait_for_signal
 from moe_mesh.common.telemetry import Telemetry
 from moe_mesh.common.tls import MeshTls
 from moe_mesh.expert_service.core import ExpertHost

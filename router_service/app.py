@@ -7,12 +7,7 @@ import logging
 from typing import Any
 
 from moe_mesh.common.registry import ROUTER_SERVICE, Instance, open_registry, registration_hooks
-from moe_mesh.common.server import (
-    GrpcServer,
-    Service,
-    advertised_host,
-    wait_for_signal,
-)
+from moe_mesh.common.server import GrpcServer, Service, advertised_host, wait_for_signal
 from moe_mesh.common.telemetry import Telemetry
 from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 from moe_mesh.router_service.build import RouterParts, build_router, default_model_id
