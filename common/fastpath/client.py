@@ -83,7 +83,7 @@ class _Connection:
         # (cancelled when the connection is dropped).
         self.refusal: asyncio.Task | None = None
         self.abandoned: set[asyncio.Task] = set()  # reading the replies of calls given up on
-        self.retired = self.closed = False
+        self.closed = False
 
     def fail(self, error: BaseException) -> None:
         for future in self.pending.values():
@@ -265,7 +265,7 @@ class FrameClient:
 
     def _done(self, conn: _Connection, call: int) -> None:
         conn.pending.pop(call, None)
-        if conn.retired and not conn.pending:
+        if conn in self._retired and not conn.pending:
             self._drop(conn)
 
     def _retire(self, conn: _Connection) -> None:
@@ -274,7 +274,6 @@ class FrameClient:
             return
         if conn is self._conn:
             self._conn = None
-        conn.retired = True
         self._retired.add(conn)
         if not conn.pending:
             self._drop(conn)
