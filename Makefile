@@ -34,6 +34,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 	@$(BYTECODE)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
 

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_mesh.common import runtime
+from common import runtime
 
 runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
 
@@ -44,7 +44,7 @@ import grpc  # noqa: E402
 import httpx  # noqa: E402
 
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
-from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
+from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 
 NEW_TOKENS = 32
 PROMPTS = [[7], [11, 3, 250, 9, 31], list(range(40, 53)), [(i * 37) % 400 + 5 for i in range(29)]]

@@ -18,15 +18,15 @@ import sys
 import time
 from pathlib import Path
 
-from moe_mesh.common import runtime
+from common import runtime
 
 runtime.configure()  # before torch loads OpenMP
 import torch  # noqa: E402
 
 from bench import ensure_checkpoint, parser_with_checkpoint, write_result  # noqa: E402
-from moe_mesh.router_service.build import build_local_engine  # noqa: E402
-from moe_mesh.router_service.engine.sampling import SamplingParams  # noqa: E402
-from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
+from router_service.build import build_local_engine  # noqa: E402
+from router_service.engine.sampling import SamplingParams  # noqa: E402
+from router_service.settings import RouterSettings  # noqa: E402
 
 
 async def one_run(engine, args, gen: torch.Generator, run: int) -> dict:

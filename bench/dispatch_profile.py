@@ -18,16 +18,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from moe_mesh.common import runtime
+from common import runtime
 
 runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
 import torch  # noqa: E402
 import uvloop  # noqa: E402
 
 from bench import ensure_checkpoint  # noqa: E402
-from moe_mesh.router_service.build import build_local_engine, build_router  # noqa: E402
-from moe_mesh.router_service.experts.remote import RemoteExperts  # noqa: E402
-from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
+from router_service.build import build_local_engine, build_router  # noqa: E402
+from router_service.experts.remote import RemoteExperts  # noqa: E402
+from router_service.settings import RouterSettings  # noqa: E402
 from tests.support.metrics import scrape, total  # noqa: E402
 from tests.support.processes import start_experts  # noqa: E402
 

@@ -22,10 +22,10 @@ import grpc
 import torch
 import uvloop
 
-from moe_mesh.common.fastpath import parse_worker_url
-from moe_mesh.common.fastpath.client import FrameClient
-from moe_mesh.common.fastpath.frame import RequestHeader
-from moe_mesh.common.fastpath.server import FrameServer
+from common.fastpath import parse_worker_url
+from common.fastpath.client import FrameClient
+from common.fastpath.frame import RequestHeader
+from common.fastpath.server import FrameServer
 
 LIMIT = 64 << 20
 _ECHO = "/bench.Echo/Echo"

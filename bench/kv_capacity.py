@@ -26,26 +26,26 @@ import subprocess
 import sys
 from pathlib import Path
 
-from moe_mesh.common import runtime
+from common import runtime
 
 runtime.configure()  # before torch loads OpenMP
 import torch  # noqa: E402
 
 from bench import ensure_checkpoint, parser_with_checkpoint, write_result  # noqa: E402
-from moe_mesh.common.checkpoint import Checkpoint  # noqa: E402
-from moe_mesh.common.units import parse_size  # noqa: E402
+from common.checkpoint import Checkpoint  # noqa: E402
+from common.units import parse_size  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # Runs in a fresh process with either checkout on its path: only API both engines share.
 MEASURE = r"""
 import asyncio, json, sys, time
-from moe_mesh.common import runtime
+from common import runtime
 runtime.configure()
 import torch
-from moe_mesh.router_service.build import build_local_engine
-from moe_mesh.router_service.engine.sampling import SamplingParams
-from moe_mesh.router_service.settings import RouterSettings
+from router_service.build import build_local_engine
+from router_service.engine.sampling import SamplingParams
+from router_service.settings import RouterSettings
 
 args = json.loads(sys.argv[1])
 engine = build_local_engine(RouterSettings(**args["settings"]))

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from moe_mesh.common import runtime
+from common import runtime
 
 runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
 import torch  # noqa: E402
@@ -37,12 +37,12 @@ from bench.host import around  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from moe_mesh.common.checkpoint import Checkpoint  # noqa: E402
-from moe_mesh.common.moe import route  # noqa: E402
-from moe_mesh.router_service.build import build_local_engine, build_router  # noqa: E402
-from moe_mesh.router_service.engine.sampling import SamplingParams  # noqa: E402
-from moe_mesh.router_service.experts.dispatch import CallTimes  # noqa: E402
-from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
+from common.checkpoint import Checkpoint  # noqa: E402
+from common.moe import route  # noqa: E402
+from router_service.build import build_local_engine, build_router  # noqa: E402
+from router_service.engine.sampling import SamplingParams  # noqa: E402
+from router_service.experts.dispatch import CallTimes  # noqa: E402
+from router_service.settings import RouterSettings  # noqa: E402
 from tests.support.processes import start_experts  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / ".cache/bench-small-mixtral"

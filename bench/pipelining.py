@@ -19,15 +19,15 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from moe_mesh.common import runtime
+from common import runtime
 
 runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
 
 from bench.mesh_dispatch import DEFAULT_CHECKPOINT, ROOT, decode_rate, run, transports  # noqa: E402
-from moe_mesh.common.checkpoint import Checkpoint  # noqa: E402
-from moe_mesh.common.fastpath.ucx import load_ucxx  # noqa: E402
-from moe_mesh.router_service.build import build_local_engine, build_router  # noqa: E402
-from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
+from common.checkpoint import Checkpoint  # noqa: E402
+from common.fastpath.ucx import load_ucxx  # noqa: E402
+from router_service.build import build_local_engine, build_router  # noqa: E402
+from router_service.settings import RouterSettings  # noqa: E402
 from tests.support.processes import start_experts  # noqa: E402
 
 SETTINGS = ("1", "2", "3", "4", "auto")

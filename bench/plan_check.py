@@ -147,7 +147,7 @@ def base_plan(example: Path, profile: dict, out: Path) -> dict:
 def translate(plan: dict, prediction: dict, shape, cores: int) -> dict:
     """The plan as `moe-mesh up` flags, plus the `moe-mesh scale` calls that give the plan's exact
     groups when they are not up's contiguous index groups, and what is approximated."""
-    from moe_mesh.common.placement import parse_experts
+    from common.placement import parse_experts
     from moe_mesh.local.launcher import expert_groups
 
     router = plan.get("router", {})
@@ -207,7 +207,7 @@ def translate(plan: dict, prediction: dict, shape, cores: int) -> dict:
 
 
 def frozenset_spec(pairs: frozenset) -> str:
-    from moe_mesh.common.placement import format_experts
+    from common.placement import format_experts
 
     return format_experts(sorted(pairs))
 
@@ -246,7 +246,7 @@ def wait_placement(ready_file: Path, shape, want: list, timeout_s: float) -> dic
     """Until the router dispatches to exactly the plan's groups and replica counts."""
     from collections import Counter
 
-    from moe_mesh.common.placement import parse_experts
+    from common.placement import parse_experts
 
     want_count = Counter(dict(want))
     deadline = time.monotonic() + timeout_s
@@ -266,8 +266,8 @@ def wait_placement(ready_file: Path, shape, want: list, timeout_s: float) -> dic
 def breakdown(profile_path: Path, window_path: Path, prediction: dict, shape) -> dict:
     """The prediction taken apart per MoE layer (moe_mesh/planning/simulate.py), to set next to
     what the router measures."""
-    from moe_mesh.common.perfmodel import split
-    from moe_mesh.common.placement import parse_experts
+    from common.perfmodel import split
+    from common.placement import parse_experts
     from moe_mesh.planning.plan import read_record
     from moe_mesh.planning.profile_format import read_profile
     from moe_mesh.planning.search import costs, expert_shares, layer_shares, planning_load
@@ -545,7 +545,7 @@ def main() -> int:
     prediction = json.loads(paths["prediction"].read_text())
     plan = yaml.safe_load(paths["plan"].read_text())
 
-    from moe_mesh.common.placement import ModelShape
+    from common.placement import ModelShape
 
     shape = ModelShape(profile["num_layers"], profile["num_experts"], tuple(profile["moe_layers"]))
     up = translate(plan, prediction, shape, profile["cores"])

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from moe_mesh.common import runtime
+from common import runtime
 
 runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
 import torch  # noqa: E402
@@ -34,9 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from bench.host import around  # noqa: E402
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
-from moe_mesh.router_service.build import build_local_engine, build_router  # noqa: E402
-from moe_mesh.router_service.engine.sampling import SamplingParams  # noqa: E402
-from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
+from router_service.build import build_local_engine, build_router  # noqa: E402
+from router_service.engine.sampling import SamplingParams  # noqa: E402
+from router_service.settings import RouterSettings  # noqa: E402
 from tests.support.processes import start_experts  # noqa: E402
 
 

@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 
 from bench import ensure_checkpoint
+from common.tls import open_channel
 from moe_mesh.benchmark.setups import Setup, started
-from moe_mesh.common.tls import open_channel
 from moe_mesh.ops.client import mesh_tls
-from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
+from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
 
 KEY = "sk-bench-tls-0123456789"
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from moe_mesh.common import runtime
+from common import runtime
 
 runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
 
@@ -30,11 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 import grpc  # noqa: E402
 
-from moe_mesh.common.telemetry import Telemetry  # noqa: E402
+from common.telemetry import Telemetry  # noqa: E402
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
-from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc  # noqa: E402
-from moe_mesh.router_service.app import RouterApp  # noqa: E402
-from moe_mesh.router_service.settings import RouterSettings  # noqa: E402
+from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc  # noqa: E402
+from router_service.app import RouterApp  # noqa: E402
+from router_service.settings import RouterSettings  # noqa: E402
 from tests.support.processes import start_experts  # noqa: E402
 
 SAMPLING = {"off": None, "sample_1pct": 0.01, "sample_100pct": 1.0}

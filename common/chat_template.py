@@ -20,7 +20,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from moe_mesh.common.errors import CheckpointError, InvalidArgumentError
+from common.errors import CheckpointError, InvalidArgumentError
 
 _SPECIAL = (
     "bos_token",

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from moe_mesh.common.arch import ModelSpec, checkpoint_spec, family_module, tensor_names
-from moe_mesh.common.errors import CheckpointError
-from moe_mesh.common.linear import prepack
-from moe_mesh.common.safetensors_mmap import SafetensorsFile
-from moe_mesh.common.weights import AttentionWeights, DenseWeights, FFNWeights, LayerWeights
+from common.arch import ModelSpec, checkpoint_spec, family_module, tensor_names
+from common.errors import CheckpointError
+from common.linear import prepack
+from common.safetensors_mmap import SafetensorsFile
+from common.weights import AttentionWeights, DenseWeights, FFNWeights, LayerWeights
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -17,8 +17,8 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticUndefined
 
-from moe_mesh.common import errors
-from moe_mesh.common.errors import InvalidArgumentError
+from common import errors
+from common.errors import InvalidArgumentError
 
 
 def flag(name: str) -> str:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from moe_mesh.protos.moe_mesh.v1 import types_pb2
+from protos.moe_mesh.v1 import types_pb2
 
 TO_WIRE = {
     "stop": types_pb2.FINISH_REASON_STOP,

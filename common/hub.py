@@ -14,7 +14,7 @@ from typing import Annotated
 
 from pydantic import BeforeValidator
 
-from moe_mesh.common.errors import CheckpointError
+from common.errors import CheckpointError
 
 # org/name[@revision]: what the Hub accepts as a model id, and never an existing relative path.
 _MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")

@@ -4,7 +4,7 @@ engine's check against its KV-cache size."""
 
 from __future__ import annotations
 
-from moe_mesh.common.errors import CapacityError
+from common.errors import CapacityError
 
 
 def check_context_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:

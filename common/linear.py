@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from moe_mesh.common import bf16
+from common import bf16
 
 log = logging.getLogger(__name__)
 

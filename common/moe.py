@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moe_mesh.common import bf16
-from moe_mesh.common.arch import ModelSpec
-from moe_mesh.common.arch.spec import ExpertActivation
-from moe_mesh.common.linear import linear
-from moe_mesh.common.weights import FFNWeights
+from common import bf16
+from common.arch import ModelSpec
+from common.arch.spec import ExpertActivation
+from common.linear import linear
+from common.weights import FFNWeights
 
 
 @dataclass

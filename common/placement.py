@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_mesh.common.arch import ModelSpec
-from moe_mesh.common.errors import InvalidArgumentError
+from common.arch import ModelSpec
+from common.errors import InvalidArgumentError
 
 Pair = tuple[int, int]
 

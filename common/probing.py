@@ -28,7 +28,7 @@ import logging
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass
 
-from moe_mesh.common.resilience import EndpointHealth
+from common.resilience import EndpointHealth
 
 log = logging.getLogger(__name__)
 

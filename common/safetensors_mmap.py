@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from moe_mesh.common.errors import CheckpointError
+from common.errors import CheckpointError
 
 DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,

@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from moe_mesh.common import runtime
+from common import runtime
 
 Hook = Callable[[], Awaitable[None]]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from moe_mesh.common import errors
+from common import errors
 
 
 def status_code(error: errors.MoeMeshError) -> grpc.StatusCode:

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives import serialization
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings
 
-from moe_mesh.common.errors import InvalidArgumentError
+from common.errors import InvalidArgumentError
 
 TLS_FIELDS = ("tls_cert", "tls_key", "tls_ca")
 

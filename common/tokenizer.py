@@ -13,8 +13,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from moe_mesh.common.chat_template import ChatTemplate
-from moe_mesh.common.errors import CheckpointError, InvalidArgumentError
+from common.chat_template import ChatTemplate
+from common.errors import CheckpointError, InvalidArgumentError
 
 
 class Tokenizer:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_mesh.common.arch.spec import ExpertActivation
+from common.arch.spec import ExpertActivation
 
 
 @dataclass

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_mesh.common.errors import InvalidArgumentError
-from moe_mesh.protos.moe_mesh.v1 import tensor_pb2
+from common.errors import InvalidArgumentError
+from protos.moe_mesh.v1 import tensor_pb2
 
 TO_WIRE = {
     torch.float32: tensor_pb2.DTYPE_FLOAT32,

@@ -1,12 +1,12 @@
-"""`python -m moe_mesh.expert_service --checkpoint DIR --experts SPEC ...`: the same command as `moe-mesh serve-expert`."""
+"""`python -m expert_service --checkpoint DIR --experts SPEC ...`: the same command as `moe-mesh serve-expert`."""
 
 import sys
 
-from moe_mesh.common import runtime
+from common import runtime
 
 runtime.configure()  # before anything imports torch
 runtime.die_with_parent()
 
-from moe_mesh.expert_service.cli import main  # noqa: E402
+from expert_service.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe_mesh.common.fastpath.auth import HelloVerifier
-from moe_mesh.common.placement import format_experts
-from moe_mesh.common.registry import EXPERT_SERVICE, Instance, open_registry, registration_hooks
-from moe_mesh.common.server import GrpcServer, Service, advertised_host, wait_for_signal
-from moe_mesh.common.telemetry import Telemetry
-from moe_mesh.common.tls import MeshTls
-from moe_mesh.expert_service.core import ExpertHost
-from moe_mesh.expert_service.fastpath import FastPath
-from moe_mesh.expert_service.servicer import ExpertServicer
-from moe_mesh.expert_service.settings import ExpertSettings
-from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
+from common.fastpath.auth import HelloVerifier
+from common.placement import format_experts
+from common.registry import EXPERT_SERVICE, Instance, open_registry, registration_hooks
+from common.server import GrpcServer, Service, advertised_host, wait_for_signal
+from common.telemetry import Telemetry
+from common.tls import MeshTls
+from expert_service.core import ExpertHost
+from expert_service.fastpath import FastPath
+from expert_service.servicer import ExpertServicer
+from expert_service.settings import ExpertSettings
+from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
 
 SERVICE_NAME = expert_pb2.DESCRIPTOR.services_by_name[
     "ExpertService"

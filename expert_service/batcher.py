@@ -21,18 +21,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_mesh.common import runtime
-from moe_mesh.common.errors import NotFoundError, UnavailableError
-from moe_mesh.common.moe import expert_ffn
-from moe_mesh.common.placement import Pair
-from moe_mesh.common.telemetry import (
+from common import runtime
+from common.errors import NotFoundError, UnavailableError
+from common.moe import expert_ffn
+from common.placement import Pair
+from common.telemetry import (
     EXPERT_BATCH_TOKENS,
     EXPERT_COMPUTE_DURATION,
     EXPERT_QUEUE_DURATION,
     OFF,
     Telemetry,
 )
-from moe_mesh.common.weights import FFNWeights
+from common.weights import FFNWeights
 
 
 @dataclass

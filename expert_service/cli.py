@@ -1,4 +1,4 @@
-"""`moe-mesh serve-expert` (also `python -m moe_mesh.expert_service`): serve a set of experts until SIGTERM.
+"""`moe-mesh serve-expert` (also `python -m expert_service`): serve a set of experts until SIGTERM.
 
 Flags mirror ExpertSettings fields; a flag left out falls back to its MOE_EXPERT_* variable, then to
 the field's default, so deployments may configure by flags, environment or both.
@@ -10,10 +10,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from moe_mesh.common.arch import checkpoint_spec
-from moe_mesh.common.cli import add_settings_arguments, exit_code, settings_from_args
-from moe_mesh.common.errors import MoeMeshError
-from moe_mesh.expert_service.settings import ExpertSettings
+from common.arch import checkpoint_spec
+from common.cli import add_settings_arguments, exit_code, settings_from_args
+from common.errors import MoeMeshError
+from expert_service.settings import ExpertSettings
 
 PROG = "moe-mesh serve-expert"
 DESCRIPTION = (
@@ -43,7 +43,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The standalone parser `python -m moe_mesh.expert_service` uses: the same flags as `moe-mesh serve-expert`."""
+    """The standalone parser `python -m expert_service` uses: the same flags as `moe-mesh serve-expert`."""
     parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
     add_arguments(parser)
     parser.set_defaults(func=run_serve_expert)
@@ -79,8 +79,8 @@ def run_serve_expert(args: argparse.Namespace) -> int:
 
 async def serve(settings: ExpertSettings, ready_file: Path | None) -> None:
     """Load, serve until SIGTERM/SIGINT, drain in-flight calls, stop."""
-    from moe_mesh.common.server import serve_app
-    from moe_mesh.expert_service.app import ExpertApp
+    from common.server import serve_app
+    from expert_service.app import ExpertApp
 
     await serve_app(await ExpertApp.create(settings), ready_file)
 

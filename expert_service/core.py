@@ -14,15 +14,15 @@ from dataclasses import dataclass
 import torch
 from opentelemetry import trace
 
-from moe_mesh.common.arch import ModelSpec
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.common.errors import InvalidArgumentError, NotFoundError, PreconditionError
-from moe_mesh.common.placement import Pair, format_experts, parse_experts
-from moe_mesh.common.telemetry import OFF, Telemetry
-from moe_mesh.common.weights import FFNWeights
-from moe_mesh.common.wire import TO_WIRE, dtype_name
-from moe_mesh.expert_service.batcher import DynamicBatcher
-from moe_mesh.expert_service.settings import ExpertSettings
+from common.arch import ModelSpec
+from common.checkpoint import Checkpoint
+from common.errors import InvalidArgumentError, NotFoundError, PreconditionError
+from common.placement import Pair, format_experts, parse_experts
+from common.telemetry import OFF, Telemetry
+from common.weights import FFNWeights
+from common.wire import TO_WIRE, dtype_name
+from expert_service.batcher import DynamicBatcher
+from expert_service.settings import ExpertSettings
 
 
 @dataclass(frozen=True)

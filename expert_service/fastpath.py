@@ -13,14 +13,14 @@ import torch
 from opentelemetry import propagate, trace
 from opentelemetry.metrics import Observation
 
-from moe_mesh.common.errors import PreconditionError
-from moe_mesh.common.fastpath import LOOPBACK_HOSTS, ucx
-from moe_mesh.common.fastpath.auth import HelloVerifier
-from moe_mesh.common.fastpath.frame import DTYPES, RequestHeader
-from moe_mesh.common.fastpath.server import FrameServer
-from moe_mesh.common.fastpath.ucx import load_ucxx
-from moe_mesh.common.telemetry import FAST_PATH_REFUSED
-from moe_mesh.expert_service.core import ExpertHost
+from common.errors import PreconditionError
+from common.fastpath import LOOPBACK_HOSTS, ucx
+from common.fastpath.auth import HelloVerifier
+from common.fastpath.frame import DTYPES, RequestHeader
+from common.fastpath.server import FrameServer
+from common.fastpath.ucx import load_ucxx
+from common.telemetry import FAST_PATH_REFUSED
+from expert_service.core import ExpertHost
 
 log = logging.getLogger(__name__)
 

@@ -7,12 +7,12 @@ from collections.abc import Callable
 
 import grpc
 
-from moe_mesh.common import wire
-from moe_mesh.common.errors import MoeMeshError
-from moe_mesh.common.status import abort_with
-from moe_mesh.common.telemetry import OFF, Telemetry
-from moe_mesh.expert_service.core import ExpertHost
-from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
+from common import wire
+from common.errors import MoeMeshError
+from common.status import abort_with
+from common.telemetry import OFF, Telemetry
+from expert_service.core import ExpertHost
+from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
 
 
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):

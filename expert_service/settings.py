@@ -7,10 +7,10 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from moe_mesh.common.fastpath import mesh_fast_path
-from moe_mesh.common.hub import CheckpointPath
-from moe_mesh.common.telemetry import TelemetrySettings
-from moe_mesh.common.tls import SecuritySettings
+from common.fastpath import mesh_fast_path
+from common.hub import CheckpointPath
+from common.telemetry import TelemetrySettings
+from common.tls import SecuritySettings
 
 
 class ExpertSettings(TelemetrySettings, SecuritySettings):

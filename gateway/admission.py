@@ -15,7 +15,7 @@ import asyncio
 import heapq
 import itertools
 
-from moe_mesh.common.errors import ResourceExhaustedError, UnavailableError
+from common.errors import ResourceExhaustedError, UnavailableError
 
 
 class Admission:

@@ -10,20 +10,20 @@ from typing import Any
 import grpc
 import uvicorn
 
-from moe_mesh.common.errors import InvalidArgumentError, MoeMeshError, UnavailableError
-from moe_mesh.common.registry import ROUTER_SERVICE, Instance, Membership, Registry, open_registry
-from moe_mesh.common.registry.follow import Follower, follow
-from moe_mesh.common.server import Deadline, GrpcServer, Service, listen_socket, wait_for_signal
-from moe_mesh.common.telemetry import Telemetry
-from moe_mesh.common.tls import MeshTls, public_server_credentials
-from moe_mesh.common.tokenizer import NoTokenizer, Tokenizer
-from moe_mesh.gateway.auth import ApiKeys
-from moe_mesh.gateway.core import GatewayCore
-from moe_mesh.gateway.grpc_api import InferenceServicer
-from moe_mesh.gateway.http_api import create_app
-from moe_mesh.gateway.router_client import ModelInfo, RouterClient
-from moe_mesh.gateway.settings import GatewaySettings
-from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
+from common.errors import InvalidArgumentError, MoeMeshError, UnavailableError
+from common.registry import ROUTER_SERVICE, Instance, Membership, Registry, open_registry
+from common.registry.follow import Follower, follow
+from common.server import Deadline, GrpcServer, Service, listen_socket, wait_for_signal
+from common.telemetry import Telemetry
+from common.tls import MeshTls, public_server_credentials
+from common.tokenizer import NoTokenizer, Tokenizer
+from gateway.auth import ApiKeys
+from gateway.core import GatewayCore
+from gateway.grpc_api import InferenceServicer
+from gateway.http_api import create_app
+from gateway.router_client import ModelInfo, RouterClient
+from gateway.settings import GatewaySettings
+from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 # Past the grace period, how long the requests still running get to send their clients the error

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moe_mesh.common.errors import (
+from common.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
     UnauthenticatedError,

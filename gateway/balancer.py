@@ -13,9 +13,9 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from functools import partial
 from typing import Protocol
 
-from moe_mesh.common.errors import UnavailableError
-from moe_mesh.common.probing import Prober
-from moe_mesh.common.resilience import (
+from common.errors import UnavailableError
+from common.probing import Prober
+from common.resilience import (
     Clock,
     EjectionPolicy,
     EndpointHealth,

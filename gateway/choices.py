@@ -7,9 +7,9 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
-from moe_mesh.common.tokenizer import NoTokenizer, TextStream, Tokenizer
-from moe_mesh.gateway.core import Delta, GatewayCore, Generation, TextRequest
-from moe_mesh.gateway.router_client import Logprobs
+from common.tokenizer import NoTokenizer, TextStream, Tokenizer
+from gateway.core import Delta, GatewayCore, Generation, TextRequest
+from gateway.router_client import Logprobs
 
 
 def requests_for(r: TextRequest, n: int) -> list[TextRequest]:

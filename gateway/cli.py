@@ -1,4 +1,4 @@
-"""`moe-mesh serve-gateway` (also `python -m moe_mesh.gateway`): the public gRPC + OpenAI HTTP edge."""
+"""`moe-mesh serve-gateway` (also `python -m gateway`): the public gRPC + OpenAI HTTP edge."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import logging
 import sys
 from pathlib import Path
 
-from moe_mesh.common.cli import add_settings_arguments, exit_code, settings_from_args
-from moe_mesh.common.errors import MoeMeshError
+from common.cli import add_settings_arguments, exit_code, settings_from_args
+from common.errors import MoeMeshError
 
 FLAGS = {"routers": "--router"}  # repeatable: one router replica each
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """One flag per GatewaySettings field (common/cli.py), plus --ready-file."""
-    from moe_mesh.gateway.settings import GatewaySettings
+    from gateway.settings import GatewaySettings
 
     add_settings_arguments(p, GatewaySettings, flags=FLAGS)
     p.add_argument(
@@ -29,9 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    from moe_mesh.common.server import serve_app
-    from moe_mesh.gateway.app import GatewayApp
-    from moe_mesh.gateway.settings import GatewaySettings
+    from common.server import serve_app
+    from gateway.app import GatewayApp
+    from gateway.settings import GatewaySettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
     try:
@@ -63,6 +63,6 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_mesh.gateway", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))

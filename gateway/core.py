@@ -21,7 +21,7 @@ from opentelemetry import trace
 from opentelemetry.metrics import Observation
 from opentelemetry.trace import Span, StatusCode
 
-from moe_mesh.common.errors import (
+from common.errors import (
     AlreadyExistsError,
     DeadlineExceededError,
     InvalidArgumentError,
@@ -31,10 +31,10 @@ from moe_mesh.common.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from moe_mesh.common.limits import check_context_length
-from moe_mesh.common.resilience import EjectionPolicy, RetryBudget
-from moe_mesh.common.status import status_code
-from moe_mesh.common.telemetry import (
+from common.limits import check_context_length
+from common.resilience import EjectionPolicy, RetryBudget
+from common.status import status_code
+from common.telemetry import (
     GATEWAY_EJECTIONS,
     GATEWAY_FAILOVERS,
     GATEWAY_IN_FLIGHT,
@@ -46,19 +46,19 @@ from moe_mesh.common.telemetry import (
     TIME_TO_FIRST_TOKEN,
     Telemetry,
 )
-from moe_mesh.common.tokenizer import NoTokenizer, TextStream, Tokenizer
-from moe_mesh.gateway.admission import Admission
-from moe_mesh.gateway.auth import ApiKeys, Caller
-from moe_mesh.gateway.balancer import Balancer, RouterLostError
-from moe_mesh.gateway.cutoff import Cutoff
-from moe_mesh.gateway.router_client import (
+from common.tokenizer import NoTokenizer, TextStream, Tokenizer
+from gateway.admission import Admission
+from gateway.auth import ApiKeys, Caller
+from gateway.balancer import Balancer, RouterLostError
+from gateway.cutoff import Cutoff
+from gateway.router_client import (
     GenerateParams,
     Logprobs,
     ModelInfo,
     RouterBackend,
     RouterRequest,
 )
-from moe_mesh.gateway.settings import GatewaySettings
+from gateway.settings import GatewaySettings
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 

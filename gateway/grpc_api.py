@@ -7,13 +7,13 @@ from dataclasses import replace
 
 import grpc
 
-from moe_mesh.common.errors import MoeMeshError
-from moe_mesh.common.finish_reason import to_wire
-from moe_mesh.common.status import abort_with
-from moe_mesh.gateway.auth import Caller
-from moe_mesh.gateway.core import GatewayCore, TextRequest
-from moe_mesh.gateway.router_client import Logprobs
-from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
+from common.errors import MoeMeshError
+from common.finish_reason import to_wire
+from common.status import abort_with
+from gateway.auth import Caller
+from gateway.core import GatewayCore, TextRequest
+from gateway.router_client import Logprobs
+from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
 
 log = logging.getLogger(__name__)
 

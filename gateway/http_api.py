@@ -52,10 +52,10 @@ from pydantic import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from moe_mesh.common import errors
-from moe_mesh.gateway.auth import Caller
-from moe_mesh.gateway.choices import Choices, chat_logprobs, completion_logprobs, requests_for
-from moe_mesh.gateway.core import (
+from common import errors
+from gateway.auth import Caller
+from gateway.choices import Choices, chat_logprobs, completion_logprobs, requests_for
+from gateway.core import (
     MAX_LOGPROBS,
     Completion,
     Delta,
@@ -63,8 +63,8 @@ from moe_mesh.gateway.core import (
     TextRequest,
     check_unicode,
 )
-from moe_mesh.gateway.router_client import ModelInfo
-from moe_mesh.gateway.settings import GatewaySettings
+from gateway.router_client import ModelInfo
+from gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

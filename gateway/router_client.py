@@ -14,13 +14,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import context
 from opentelemetry.context import Context
 
-from moe_mesh.common.errors import MoeMeshError, UnavailableError
-from moe_mesh.common.finish_reason import from_wire
-from moe_mesh.common.server import peer_channel_options
-from moe_mesh.common.status import EXPERTS_UNAVAILABLE_KEY, error_from_rpc
-from moe_mesh.common.tls import MeshTls, open_channel
-from moe_mesh.gateway.balancer import RouterLostError
-from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
+from common.errors import MoeMeshError, UnavailableError
+from common.finish_reason import from_wire
+from common.server import peer_channel_options
+from common.status import EXPERTS_UNAVAILABLE_KEY, error_from_rpc
+from common.tls import MeshTls, open_channel
+from gateway.balancer import RouterLostError
+from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
 # host:port, [v6]:port and gRPC's "ipv4:" / "ipv6:" forms: a router's error details name routers and

@@ -8,9 +8,9 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from moe_mesh.common.hub import CheckpointPath
-from moe_mesh.common.telemetry import TelemetrySettings
-from moe_mesh.common.tls import SecuritySettings
+from common.hub import CheckpointPath
+from common.telemetry import TelemetrySettings
+from common.tls import SecuritySettings
 
 
 class GatewaySettings(TelemetrySettings, SecuritySettings):

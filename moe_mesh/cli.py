@@ -16,22 +16,22 @@ import importlib
 import importlib.metadata
 import sys
 
-from moe_mesh.common import runtime
+from common import runtime
 
 runtime.configure()  # the console script's entry: before anything imports torch or grpc
 
 import grpc  # noqa: E402
 
-from moe_mesh.common.cli import exit_code  # noqa: E402
-from moe_mesh.common.errors import MoeMeshError, UnavailableError  # noqa: E402
+from common.cli import exit_code  # noqa: E402
+from common.errors import MoeMeshError, UnavailableError  # noqa: E402
 
 # Each command -> the module and function that add it to the parser, in the order `--help` lists them.
 _COMMANDS = {
     "checkpoint": ("moe_mesh.dev.create_checkpoint", "add_subcommand"),
     "generate": ("moe_mesh.local.generate_cli", "add_subcommand"),
-    "serve-expert": ("moe_mesh.expert_service.cli", "add_subcommand"),
-    "serve-router": ("moe_mesh.router_service.cli", "add_subcommand"),
-    "serve-gateway": ("moe_mesh.gateway.cli", "add_subcommand"),
+    "serve-expert": ("expert_service.cli", "add_subcommand"),
+    "serve-router": ("router_service.cli", "add_subcommand"),
+    "serve-gateway": ("gateway.cli", "add_subcommand"),
     "up": ("moe_mesh.local.cli", "add_subcommands"),
     "scale": ("moe_mesh.local.cli", "add_subcommands"),
     "certs": ("moe_mesh.local.certs", "add_subcommand"),

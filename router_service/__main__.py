@@ -1,10 +1,10 @@
 import sys
 
-from moe_mesh.common import runtime
+from common import runtime
 
 runtime.configure()  # before anything imports torch
 runtime.die_with_parent()
 
-from moe_mesh.router_service.cli import main  # noqa: E402
+from router_service.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -6,14 +6,14 @@ import asyncio
 import logging
 from typing import Any
 
-from moe_mesh.common.registry import ROUTER_SERVICE, Instance, open_registry, registration_hooks
-from moe_mesh.common.server import GrpcServer, Service, advertised_host, wait_for_signal
-from moe_mesh.common.telemetry import Telemetry
-from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
-from moe_mesh.router_service.build import RouterParts, build_router, default_model_id
-from moe_mesh.router_service.core import RouterCore
-from moe_mesh.router_service.servicer import RouterServicer
-from moe_mesh.router_service.settings import RouterSettings
+from common.registry import ROUTER_SERVICE, Instance, open_registry, registration_hooks
+from common.server import GrpcServer, Service, advertised_host, wait_for_signal
+from common.telemetry import Telemetry
+from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
+from router_service.build import RouterParts, build_router, default_model_id
+from router_service.core import RouterCore
+from router_service.servicer import RouterServicer
+from router_service.settings import RouterSettings
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 log = logging.getLogger(__name__)

@@ -13,32 +13,32 @@ from pathlib import Path
 
 import torch
 
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.common.errors import InvalidArgumentError, PreconditionError
-from moe_mesh.common.fastpath import LOOPBACK_HOSTS, ucx
-from moe_mesh.common.fastpath.auth import HelloSigner
-from moe_mesh.common.placement import format_experts, parse_experts
-from moe_mesh.common.registry import Registry
-from moe_mesh.common.resilience import EjectionPolicy
-from moe_mesh.common.telemetry import FAST_PATH_FALLBACKS, OFF, Telemetry
-from moe_mesh.common.tls import MeshTls
-from moe_mesh.common.units import parse_size
-from moe_mesh.router_service.engine.compute import ComputeThread
-from moe_mesh.router_service.engine.engine import Engine
-from moe_mesh.router_service.engine.model import MoeModel
-from moe_mesh.router_service.experts.dispatch import (
+from common.checkpoint import Checkpoint
+from common.errors import InvalidArgumentError, PreconditionError
+from common.fastpath import LOOPBACK_HOSTS, ucx
+from common.fastpath.auth import HelloSigner
+from common.placement import format_experts, parse_experts
+from common.registry import Registry
+from common.resilience import EjectionPolicy
+from common.telemetry import FAST_PATH_FALLBACKS, OFF, Telemetry
+from common.tls import MeshTls
+from common.units import parse_size
+from router_service.engine.compute import ComputeThread
+from router_service.engine.engine import Engine
+from router_service.engine.model import MoeModel
+from router_service.experts.dispatch import (
     ColocatedExperts,
     DispatchPolicy,
     ExpertDispatcher,
     LivePlacement,
     Placement,
 )
-from moe_mesh.router_service.experts.fastpath import FastPathConfig
-from moe_mesh.router_service.experts.membership import ExpertMembership
-from moe_mesh.router_service.experts.remote import Identity, RemoteExperts, connect
-from moe_mesh.router_service.experts.tiering import Tierer, TieringConfig
-from moe_mesh.router_service.experts.utilization import UtilizationWindow
-from moe_mesh.router_service.settings import RouterSettings
+from router_service.experts.fastpath import FastPathConfig
+from router_service.experts.membership import ExpertMembership
+from router_service.experts.remote import Identity, RemoteExperts, connect
+from router_service.experts.tiering import Tierer, TieringConfig
+from router_service.experts.utilization import UtilizationWindow
+from router_service.settings import RouterSettings
 
 DEFAULT_MAX_MODEL_LEN = 4096
 

@@ -1,4 +1,4 @@
-"""`moe-mesh serve-router` (also `python -m moe_mesh.router_service`): one router process."""
+"""`moe-mesh serve-router` (also `python -m router_service`): one router process."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import logging
 import sys
 from pathlib import Path
 
-from moe_mesh.common.arch import checkpoint_spec
-from moe_mesh.common.cli import add_settings_arguments, exit_code, settings_from_args
-from moe_mesh.common.errors import MoeMeshError
+from common.arch import checkpoint_spec
+from common.cli import add_settings_arguments, exit_code, settings_from_args
+from common.errors import MoeMeshError
 
 FLAGS = {
     "expert_endpoints": "--expert",  # repeatable: one expert service each
@@ -20,7 +20,7 @@ FLAGS = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """One flag per RouterSettings field (common/cli.py), plus --ready-file."""
-    from moe_mesh.router_service.settings import RouterSettings
+    from router_service.settings import RouterSettings
 
     add_settings_arguments(p, RouterSettings, flags=FLAGS)
     p.add_argument(
@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_mesh.router_service.settings import RouterSettings
+    from router_service.settings import RouterSettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     try:
@@ -43,8 +43,8 @@ def run(args: argparse.Namespace) -> int:
         return exit_code(e)
     import uvloop  # the heavy imports (torch, grpc) wait until the flags are known to be valid
 
-    from moe_mesh.common.server import serve_app
-    from moe_mesh.router_service.app import RouterApp
+    from common.server import serve_app
+    from router_service.app import RouterApp
 
     if settings.compute_threads:
         import torch
@@ -73,6 +73,6 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_mesh.router_service", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m router_service", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -23,8 +23,8 @@ from opentelemetry.context import Context
 from opentelemetry.metrics import Observation
 from opentelemetry.trace import Span, StatusCode
 
-from moe_mesh.common.errors import InternalError, MoeMeshError, UnavailableError
-from moe_mesh.common.telemetry import (
+from common.errors import InternalError, MoeMeshError, UnavailableError
+from common.telemetry import (
     OFF,
     PREEMPTIONS,
     PREFIX_CACHE_HIT_TOKENS,
@@ -34,11 +34,11 @@ from moe_mesh.common.telemetry import (
     ROUTER_QUEUE_DEPTH,
     Telemetry,
 )
-from moe_mesh.router_service.engine.engine import Engine, FinishReason, StepOutput
-from moe_mesh.router_service.engine.pipeline import MicroBatchPlanner
-from moe_mesh.router_service.engine.sampling import SamplingParams
-from moe_mesh.router_service.engine.scheduler import Scheduler
-from moe_mesh.router_service.experts.tiering import Tierer
+from router_service.engine.engine import Engine, FinishReason, StepOutput
+from router_service.engine.pipeline import MicroBatchPlanner
+from router_service.engine.sampling import SamplingParams
+from router_service.engine.scheduler import Scheduler
+from router_service.experts.tiering import Tierer
 
 log = logging.getLogger(__name__)
 

@@ -7,14 +7,14 @@ import uuid
 
 import grpc
 
-from moe_mesh.common.errors import MoeMeshError
-from moe_mesh.common.finish_reason import to_wire
-from moe_mesh.common.placement import format_experts
-from moe_mesh.common.status import abort_with
-from moe_mesh.common.telemetry import OFF, Telemetry
-from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc, types_pb2
-from moe_mesh.router_service.core import RouterCore
-from moe_mesh.router_service.engine.sampling import SamplingParams
+from common.errors import MoeMeshError
+from common.finish_reason import to_wire
+from common.placement import format_experts
+from common.status import abort_with
+from common.telemetry import OFF, Telemetry
+from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc, types_pb2
+from router_service.core import RouterCore
+from router_service.engine.sampling import SamplingParams
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):

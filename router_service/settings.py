@@ -7,11 +7,11 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from moe_mesh.common.fastpath import mesh_fast_path
-from moe_mesh.common.hub import CheckpointPath
-from moe_mesh.common.telemetry import TelemetrySettings
-from moe_mesh.common.tls import SecuritySettings
-from moe_mesh.common.units import parse_size
+from common.fastpath import mesh_fast_path
+from common.hub import CheckpointPath
+from common.telemetry import TelemetrySettings
+from common.tls import SecuritySettings
+from common.units import parse_size
 
 
 class RouterSettings(TelemetrySettings, SecuritySettings):

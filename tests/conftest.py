@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from moe_mesh.common import runtime
+from common import runtime
 
 # The test process is a router too, next to the expert services it starts: before torch loads.
 runtime.configure(shares_cores=True)
-from moe_mesh.common.server import GrpcServer  # noqa: E402
+from common.server import GrpcServer  # noqa: E402
 from tests.support.factories import make_checkpoint  # noqa: E402
 from tests.support.net import bound_port  # noqa: E402
 

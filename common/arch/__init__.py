@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from moe_mesh.common.arch.spec import REQUIRED, ModelSpec, TensorNames
-from moe_mesh.common.errors import CheckpointError, UnsupportedModelError
+from common.arch.spec import REQUIRED, ModelSpec, TensorNames
+from common.errors import CheckpointError, UnsupportedModelError
 
 __all__ = ["ModelSpec", "TensorNames", "load_spec", "parse_spec", "family_module", "FAMILIES"]
 
@@ -34,7 +34,7 @@ FAMILIES = (
 
 
 def family_module(model_type: str) -> Any:
-    from moe_mesh.common.arch import (
+    from common.arch import (
         dbrx,
         deepseek_v3,
         glm4_moe,

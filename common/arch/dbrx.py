@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moe_mesh.common.arch.spec import (
+from common.arch.spec import (
     REQUIRED,
     ExpertActivation,
     ModelSpec,
@@ -17,11 +17,11 @@ from moe_mesh.common.arch.spec import (
     eos_ids,
     rope_spec,
 )
-from moe_mesh.common.errors import CheckpointError, UnsupportedModelError
-from moe_mesh.common.weights import AttentionWeights, FFNWeights, LayerWeights
+from common.errors import CheckpointError, UnsupportedModelError
+from common.weights import AttentionWeights, FFNWeights, LayerWeights
 
 if TYPE_CHECKING:
-    from moe_mesh.common.checkpoint import Checkpoint
+    from common.checkpoint import Checkpoint
 
 DENSE_NAMES = ("transformer.wte.weight", "transformer.norm_f.weight")
 # nn.LayerNorm's default: DBRX's config has no epsilon field.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_mesh.common.arch.spec import (
+from common.arch.spec import (
     MLASpec,
     ModelSpec,
     TensorNames,
@@ -16,8 +16,8 @@ from moe_mesh.common.arch.spec import (
     rope_spec,
     yarn_mscale,
 )
-from moe_mesh.common.errors import CheckpointError, UnsupportedModelError
-from moe_mesh.common.weights import LayerWeights, MLAWeights
+from common.errors import CheckpointError, UnsupportedModelError
+from common.weights import LayerWeights, MLAWeights
 
 # transformers' attribute_map: DeepseekV3Config stores the expert count as n_routed_experts.
 _ALIASES = {"num_local_experts": "n_routed_experts"}

@@ -9,10 +9,10 @@ loaded: they serve speculative decoding, not the model's own next-token logits.
 
 from __future__ import annotations
 
-from moe_mesh.common.arch.deepseek_v3 import group_routing, load_group_routed
-from moe_mesh.common.arch.spec import REQUIRED, ModelSpec, TensorNames, common_fields, rope_spec
-from moe_mesh.common.errors import CheckpointError, UnsupportedModelError
-from moe_mesh.common.weights import LayerWeights
+from common.arch.deepseek_v3 import group_routing, load_group_routed
+from common.arch.spec import REQUIRED, ModelSpec, TensorNames, common_fields, rope_spec
+from common.errors import CheckpointError, UnsupportedModelError
+from common.weights import LayerWeights
 
 
 def parse(config: dict, get) -> ModelSpec:

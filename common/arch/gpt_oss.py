@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from moe_mesh.common import mxfp4
-from moe_mesh.common.arch.spec import ExpertActivation, ModelSpec, TensorNames, common_fields
-from moe_mesh.common.errors import CheckpointError, UnsupportedModelError
-from moe_mesh.common.weights import FFNWeights, LayerWeights
+from common import mxfp4
+from common.arch.spec import ExpertActivation, ModelSpec, TensorNames, common_fields
+from common.errors import CheckpointError, UnsupportedModelError
+from common.weights import FFNWeights, LayerWeights
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 

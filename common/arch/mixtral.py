@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from moe_mesh.common.arch.spec import ModelSpec, TensorNames, common_fields
-from moe_mesh.common.errors import UnsupportedModelError
+from common.arch.spec import ModelSpec, TensorNames, common_fields
+from common.errors import UnsupportedModelError
 
 
 def parse(config: dict, get) -> ModelSpec:

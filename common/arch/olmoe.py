@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moe_mesh.common.arch.spec import ModelSpec, TensorNames, common_fields
+from common.arch.spec import ModelSpec, TensorNames, common_fields
 
 
 def parse(config: dict, get) -> ModelSpec:

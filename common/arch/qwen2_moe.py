@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from moe_mesh.common.arch.spec import ModelSpec, TensorNames, common_fields, qwen_moe_layers
-from moe_mesh.common.errors import UnsupportedModelError
+from common.arch.spec import ModelSpec, TensorNames, common_fields, qwen_moe_layers
+from common.errors import UnsupportedModelError
 
 
 def parse(config: dict, get) -> ModelSpec:

@@ -204,7 +204,7 @@ def rope_spec(config: dict, rotary_dim: int | None = None, interleaved: bool = F
     """The RoPE a config asks for: rope_parameters (transformers 5) or rope_scaling (older files).
 
     Raises UnsupportedModelError for a scaling type other than default and yarn."""
-    from moe_mesh.common.errors import UnsupportedModelError
+    from common.errors import UnsupportedModelError
 
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))

@@ -23,8 +23,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
-from moe_mesh.common.fastpath.frame import FrameError
-from moe_mesh.common.tls import MeshTls
+from common.fastpath.frame import FrameError
+from common.tls import MeshTls
 
 MAX_SKEW_S = 300.0  # hosts' clocks differ; NTP keeps them well within this
 _PROOF = struct.Struct("<QH")

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_mesh.common.fastpath import Target
-from moe_mesh.common.fastpath.auth import HelloSigner
-from moe_mesh.common.fastpath.frame import (
+from common.fastpath import Target
+from common.fastpath.auth import HelloSigner
+from common.fastpath.frame import (
     CLIENT_ID_BITS,
     MAX_CALL,
     ErrorHeader,
@@ -43,7 +43,7 @@ from moe_mesh.common.fastpath.frame import (
     reply_tag,
     request_tag,
 )
-from moe_mesh.common.fastpath.ucx import (
+from common.fastpath.ucx import (
     UcxRuntime,
     close_endpoint,
     first_message,

@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_mesh.common import errors
+from common import errors
 
 MAGIC = b"MMFP"
 HELLO_MAGIC = b"MMFH"

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from moe_mesh.common.errors import DeadlineExceededError, InternalError, MoeMeshError
-from moe_mesh.common.fastpath import worker_url
-from moe_mesh.common.fastpath.auth import HelloVerifier
-from moe_mesh.common.fastpath.frame import (
+from common.errors import DeadlineExceededError, InternalError, MoeMeshError
+from common.fastpath import worker_url
+from common.fastpath.auth import HelloVerifier
+from common.fastpath.frame import (
     DTYPE_NAMES,
     MAX_HELLO_BYTES,
     FrameError,
@@ -40,7 +40,7 @@ from moe_mesh.common.fastpath.frame import (
     reply_tag,
     request_tag,
 )
-from moe_mesh.common.fastpath.ucx import (
+from common.fastpath.ucx import (
     UcxRuntime,
     close_endpoint,
     read_frame,

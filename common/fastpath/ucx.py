@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_mesh.common.fastpath.frame import (
+from common.fastpath.frame import (
     FIRST_MESSAGE_BYTES,
     FrameError,
     Header,

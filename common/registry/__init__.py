@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from moe_mesh.common.errors import InvalidArgumentError, MoeMeshError
+from common.errors import InvalidArgumentError, MoeMeshError
 
 if TYPE_CHECKING:  # common.server imports grpc, which registry clients need not
-    from moe_mesh.common.server import Deadline
+    from common.server import Deadline
 
 EXPERT_SERVICE = "moe-mesh-expert"
 ROUTER_SERVICE = "moe-mesh-router"
@@ -112,7 +112,7 @@ def open_registry(kind: str, address: str | None = None) -> Registry | None:
     if kind == "none":
         return None
     if kind == "consul":
-        from moe_mesh.common.registry.consul import ConsulRegistry
+        from common.registry.consul import ConsulRegistry
 
         try:
             return ConsulRegistry(address)

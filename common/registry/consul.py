@@ -28,8 +28,8 @@ import consul.aio
 import consul.base
 import consul.exceptions
 
-from moe_mesh.common.errors import InvalidArgumentError, PreconditionError, UnavailableError
-from moe_mesh.common.registry import Instance, Membership
+from common.errors import InvalidArgumentError, PreconditionError, UnavailableError
+from common.registry import Instance, Membership
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Generic, TypeVar
 
-from moe_mesh.common.registry import Instance, Membership
+from common.registry import Instance, Membership
 
 C = TypeVar("C")
 

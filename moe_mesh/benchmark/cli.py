@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from common.errors import InvalidArgumentError
 from moe_mesh.benchmark import client, plot, setups
 from moe_mesh.benchmark.load import LoadPoint, run_point
 from moe_mesh.benchmark.stats import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, Slo, summarize
@@ -22,7 +23,6 @@ from moe_mesh.benchmark.workload import (
     BenchRequest,
     build_workload,
 )
-from moe_mesh.common.errors import InvalidArgumentError
 from moe_mesh.ops.ready import read_ready_file
 from moe_mesh.ops.tables import table
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from common.errors import PreconditionError, UnavailableError
+from common.tls import MeshTls
 from moe_mesh.benchmark.stats import RequestResult
 from moe_mesh.benchmark.workload import BenchRequest
-from moe_mesh.common.errors import PreconditionError, UnavailableError
-from moe_mesh.common.tls import MeshTls
 from moe_mesh.ops.client import api_key
 
 CONNECT_TIMEOUT_S = 10.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe_mesh.common.errors import InvalidArgumentError
+from common.errors import InvalidArgumentError
 
 
 def curves(report: dict) -> dict[str, list[tuple[float, float, str]]]:

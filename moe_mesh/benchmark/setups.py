@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_mesh.common.errors import InvalidArgumentError, UnavailableError
+from common.errors import InvalidArgumentError, UnavailableError
 
 READY_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 90.0  # `up` gives each of its three roles 20 s to drain

@@ -19,7 +19,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from moe_mesh.common.cli import flag
+from common.cli import flag
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
@@ -154,11 +154,11 @@ PROCESS_WIDE = [
 
 def _models() -> list[tuple[str, str, type[BaseModel], dict[str, str]]]:
     """(command, what it runs, settings model, the flags it renames)."""
-    from moe_mesh.expert_service.settings import ExpertSettings
-    from moe_mesh.gateway import cli as gateway_cli
-    from moe_mesh.gateway.settings import GatewaySettings
-    from moe_mesh.router_service import cli as router_cli
-    from moe_mesh.router_service.settings import RouterSettings
+    from expert_service.settings import ExpertSettings
+    from gateway import cli as gateway_cli
+    from gateway.settings import GatewaySettings
+    from router_service import cli as router_cli
+    from router_service.settings import RouterSettings
 
     return [
         ("moe-mesh serve-gateway", "the gateway", GatewaySettings, gateway_cli.FLAGS),

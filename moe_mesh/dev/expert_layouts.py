@@ -104,7 +104,7 @@ def quantize_mxfp4(out_dir: Path) -> None:
     and a ``quantization_config`` in config.json."""
     from safetensors.torch import load_file, save_file
 
-    from moe_mesh.common import mxfp4
+    from common import mxfp4
 
     index_path = out_dir / "model.safetensors.index.json"
     index = json.loads(index_path.read_text()) if index_path.exists() else None

@@ -32,8 +32,6 @@ def generate(out_dir: Path) -> list[Path]:
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed for {protos}")
     generated = sorted((out_dir / PROTO_DIR).glob("*_pb2*.py*"))
-    for path in generated:  # protoc names imports by file path; installed, they live in moe_mesh.*
-        path.write_text(path.read_text().replace("from protos.", "from moe_mesh.protos."))
     return generated
 
 

@@ -21,8 +21,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from moe_mesh.common.errors import InvalidArgumentError
-from moe_mesh.common.tls import MeshTls
+from common.errors import InvalidArgumentError
+from common.tls import MeshTls
 
 SERVICES = ("gateway", "router", "expert", "registry", "client")
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")

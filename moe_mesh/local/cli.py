@@ -8,12 +8,12 @@ import shlex
 import sys
 from pathlib import Path
 
-from moe_mesh.common.cli import add_settings_arguments, flag, settings_from_args
-from moe_mesh.common.errors import InvalidArgumentError
-from moe_mesh.common.hub import resolve_checkpoint
-from moe_mesh.gateway.settings import GatewaySettings
+from common.cli import add_settings_arguments, flag, settings_from_args
+from common.errors import InvalidArgumentError
+from common.hub import resolve_checkpoint
+from gateway.settings import GatewaySettings
 from moe_mesh.ops.ready import read_ready_file
-from moe_mesh.router_service.settings import RouterSettings
+from router_service.settings import RouterSettings
 
 # The gateway's public address (the other services take free loopback ports) and its limits.
 GATEWAY_FLAGS = (
@@ -61,7 +61,7 @@ def _check_flags(args: argparse.Namespace, router_args: list[str]) -> str | None
         return f"--grpc-port and --http-port are both {args.grpc_port}: the gateway needs two ports"
     if not (args.checkpoint / "config.json").is_file():
         return f"--checkpoint: {args.checkpoint} has no config.json (not a checkpoint directory)"
-    from moe_mesh.router_service import cli as router_cli
+    from router_service import cli as router_cli
 
     # Every router flag, --router-arg's included, through the router's own parser and settings.
     parser = _RouterFlags(add_help=False)
@@ -84,7 +84,7 @@ def _check_flags(args: argparse.Namespace, router_args: list[str]) -> str | None
 
 def _taken_port(args: argparse.Namespace) -> str | None:
     """A fixed gateway port something already listens on (the gateway binds it again later)."""
-    from moe_mesh.common.server import listen_socket
+    from common.server import listen_socket
 
     host = args.host or GatewaySettings.model_fields["host"].default
     for name, port in (("--grpc-port", args.grpc_port), ("--http-port", args.http_port)):

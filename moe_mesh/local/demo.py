@@ -20,7 +20,7 @@ PROMPTS = [
 
 async def _generate_all(gateway: str, max_tokens: int) -> list[dict]:
     from moe_mesh.ops.client import generate_remote
-    from moe_mesh.protos.moe_mesh.v1 import inference_pb2
+    from protos.moe_mesh.v1 import inference_pb2
 
     async def one(i: int, prompt: str, temperature: float) -> dict:
         request = inference_pb2.GenerateRequest(

@@ -134,16 +134,16 @@ def _run_generate(args: argparse.Namespace) -> int:
     if not args.checkpoint:
         print("moe-mesh generate: error: --local needs --checkpoint", file=sys.stderr)
         return 2
-    from moe_mesh.common.arch import checkpoint_spec
-    from moe_mesh.router_service.settings import RouterSettings
+    from common.arch import checkpoint_spec
+    from router_service.settings import RouterSettings
 
     settings = RouterSettings(checkpoint=args.checkpoint, dtype=args.dtype)
     checkpoint_spec(settings.checkpoint)  # before torch loads: a wrong path fails at once
 
-    from moe_mesh.common.tokenizer import Tokenizer
+    from common.tokenizer import Tokenizer
     from moe_mesh.local.generate import LocalRequest, generate_local
-    from moe_mesh.router_service.build import build_local_engine
-    from moe_mesh.router_service.engine.sampling import SamplingParams
+    from router_service.build import build_local_engine
+    from router_service.engine.sampling import SamplingParams
 
     engine = build_local_engine(settings)
     tokenizer = Tokenizer(settings.checkpoint)  # resolved: a Hugging Face model id works too
@@ -187,7 +187,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _run_generate_remote(args: argparse.Namespace) -> int:
     from moe_mesh.ops.client import generate_remote
-    from moe_mesh.protos.moe_mesh.v1 import inference_pb2
+    from protos.moe_mesh.v1 import inference_pb2
 
     request = inference_pb2.GenerateRequest(
         max_tokens=args.max_tokens,

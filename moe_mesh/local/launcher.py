@@ -30,10 +30,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moe_mesh.common import runtime
-from moe_mesh.common.arch import load_spec
-from moe_mesh.common.placement import format_experts, parse_experts
-from moe_mesh.common.server import write_ready_file
+from common import runtime
+from common.arch import load_spec
+from common.placement import format_experts, parse_experts
+from common.server import write_ready_file
 from moe_mesh.local import certs
 
 READY_TIMEOUT_S = 180.0
@@ -145,7 +145,7 @@ class Launcher:
             f"expert-{self._serial}",
             [
                 "-m",
-                "moe_mesh.expert_service",
+                "expert_service",
                 "--checkpoint",
                 str(self.checkpoint),
                 "--experts",
@@ -293,7 +293,7 @@ class Launcher:
                 f"router-{i}",
                 [
                     "-m",
-                    "moe_mesh.router_service",
+                    "router_service",
                     *ckpt,
                     *monolithic,
                     *self._tls_args("router"),
@@ -307,7 +307,7 @@ class Launcher:
         gateway = self._spawn(
             "gateway",
             "gateway",
-            ["-m", "moe_mesh.gateway", *ckpt, *self._tls_args("gateway"), *self.gateway_args],
+            ["-m", "gateway", *ckpt, *self._tls_args("gateway"), *self.gateway_args],
         )
         print("==> starting the gateway", flush=True)
         self._wait_ready([gateway])

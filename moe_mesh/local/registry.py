@@ -31,8 +31,8 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from moe_mesh.common.registry import meta_problem
-from moe_mesh.common.tls import MeshTls
+from common.registry import meta_problem
+from common.tls import MeshTls
 
 log = logging.getLogger(__name__)
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from moe_mesh.common.errors import InvalidArgumentError, MoeMeshError
-from moe_mesh.common.finish_reason import from_wire
-from moe_mesh.common.status import error_from_rpc
-from moe_mesh.common.tls import MeshTls, open_channel
+from common.errors import InvalidArgumentError, MoeMeshError
+from common.finish_reason import from_wire
+from common.status import error_from_rpc
+from common.tls import MeshTls, open_channel
 from moe_mesh.ops.placement import unserved
 from moe_mesh.ops.ready import read_ready_file
-from moe_mesh.protos.moe_mesh.v1 import (
+from protos.moe_mesh.v1 import (
     expert_pb2,
     expert_pb2_grpc,
     inference_pb2,

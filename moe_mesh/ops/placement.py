@@ -14,13 +14,13 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from moe_mesh.common.errors import (
+from common.errors import (
     InvalidArgumentError,
     MoeMeshError,
     PreconditionError,
     UnavailableError,
 )
-from moe_mesh.common.placement import ModelShape, Pair, format_experts, parse_experts
+from common.placement import ModelShape, Pair, format_experts, parse_experts
 from moe_mesh.ops import tables
 from moe_mesh.ops.ready import read_ready_file
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moe_mesh.common.errors import InvalidArgumentError
+from common.errors import InvalidArgumentError
 
 
 def read_ready_file(path: Path, *needs: str) -> dict:

@@ -22,8 +22,8 @@ from pathlib import Path
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from moe_mesh.common import telemetry as tm
-from moe_mesh.common.errors import InvalidArgumentError, MoeMeshError, UnavailableError
+from common import telemetry as tm
+from common.errors import InvalidArgumentError, MoeMeshError, UnavailableError
 from moe_mesh.ops import tables
 from moe_mesh.ops.placement import BLOCK, heatmap_png, shares
 from moe_mesh.ops.ready import read_ready_file

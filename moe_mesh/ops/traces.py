@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from moe_mesh.common.errors import MoeMeshError, NotFoundError
+from common.errors import MoeMeshError, NotFoundError
 from moe_mesh.ops.tables import table
 
 # Attributes worth a place on a span's line, with the short name shown there.

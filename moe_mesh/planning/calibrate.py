@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_mesh.common.arch import ModelSpec
-from moe_mesh.common.errors import InvalidArgumentError
-from moe_mesh.common.placement import ModelShape, Pair, parse_experts
+from common.arch import ModelSpec
+from common.errors import InvalidArgumentError
+from common.placement import ModelShape, Pair, parse_experts
 from moe_mesh.ops.placement import COLOCATED
 from moe_mesh.planning.deploy.plan import PlanError
 from moe_mesh.planning.inventory import Inventory

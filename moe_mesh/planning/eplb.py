@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from moe_mesh.common.placement import Pair
+from common.placement import Pair
 
 MAX_REPLICAS = (
     8  # beyond this a pair's replicas mostly idle: the router sends each token to one of them

@@ -19,7 +19,7 @@ from typing import Annotated
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from moe_mesh.common.units import parse_size
+from common.units import parse_size
 from moe_mesh.planning.deploy.plan import PlanError, invalid
 
 

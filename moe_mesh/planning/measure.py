@@ -20,21 +20,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moe_mesh.common.arch import ModelSpec
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.common.linear import linear
-from moe_mesh.common.moe import (
+from common.arch import ModelSpec
+from common.checkpoint import Checkpoint
+from common.linear import linear
+from common.moe import (
     combine,
     expert_ffn,
     group_by_expert,
     route,
     shared_expert_output,
 )
-from moe_mesh.common.weights import DenseWeights, FFNWeights, LayerWeights
-from moe_mesh.router_service.engine.kv_cache import KVCache
-from moe_mesh.router_service.engine.layers import AttentionBatch, Rope, attention, norm
-from moe_mesh.router_service.engine.model import pack_step
-from moe_mesh.router_service.settings import RouterSettings
+from common.weights import DenseWeights, FFNWeights, LayerWeights
+from router_service.engine.kv_cache import KVCache
+from router_service.engine.layers import AttentionBatch, Rope, attention, norm
+from router_service.engine.model import pack_step
+from router_service.settings import RouterSettings
 
 BLOCK_SIZE = RouterSettings.model_fields["kv_block_size"].default  # what a router runs with
 

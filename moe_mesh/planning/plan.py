@@ -18,9 +18,9 @@ from typing import Any
 
 import yaml
 
+from common.placement import Pair, format_experts
+from common.units import parse_size
 from moe_mesh.benchmark.workload import DEFAULT_SCALE, MEDIAN_INPUT_TOKENS, MEDIAN_OUTPUT_TOKENS
-from moe_mesh.common.placement import Pair, format_experts
-from moe_mesh.common.units import parse_size
 from moe_mesh.planning.deploy.plan import Plan, PlanError, load_plan, write_output
 from moe_mesh.planning.eplb import PlanOptions, Proposal, propose
 

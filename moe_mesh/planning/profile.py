@@ -93,7 +93,7 @@ class StartedExpert:
         cmd = [
             sys.executable,
             "-m",
-            "moe_mesh.expert_service",
+            "expert_service",
             "--checkpoint",
             str(args.checkpoint),
             "--experts",
@@ -136,11 +136,11 @@ async def measure_transports(
     per call when the service's `pid` is known (else `no_pid` says why not)."""
     import torch
 
-    from moe_mesh.common.fastpath import LOOPBACK_HOSTS
-    from moe_mesh.common.fastpath.auth import HelloSigner
+    from common.fastpath import LOOPBACK_HOSTS
+    from common.fastpath.auth import HelloSigner
     from moe_mesh.ops.client import client_tls
-    from moe_mesh.router_service.experts.fastpath import FastPathConfig
-    from moe_mesh.router_service.experts.remote import Identity, RemoteExperts
+    from router_service.experts.fastpath import FastPathConfig
+    from router_service.experts.remote import Identity, RemoteExperts
 
     # A mesh of `up --tls`: its ready file names the client certificate to call (and say hello) with.
     tls = client_tls(args.ready_file)
@@ -355,7 +355,7 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, int | None, str]]:
 def profile(args: argparse.Namespace) -> ProfileFile:
     import torch
 
-    from moe_mesh.common.checkpoint import Checkpoint
+    from common.checkpoint import Checkpoint
     from moe_mesh.planning.measure import LayerBench, read_bandwidth
 
     dtype = getattr(torch, args.dtype)

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from moe_mesh.common.perfmodel import Linear, Piecewise
+from common.perfmodel import Linear, Piecewise
 from moe_mesh.planning.deploy.plan import PlanError, invalid
 
 FORMAT = "moe-mesh-profile/3"

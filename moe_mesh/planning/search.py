@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from moe_mesh.common.placement import ModelShape, Pair, format_experts
+from common.placement import ModelShape, Pair, format_experts
 from moe_mesh.planning.deploy.plan import Plan, PlanError
 from moe_mesh.planning.eplb import GroupProposal, PlanOptions, propose
 from moe_mesh.planning.inventory import Inventory, NodeKind

@@ -55,7 +55,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from moe_mesh.common.perfmodel import Linear, split
+from common.perfmodel import Linear, split
 
 Cost = Callable[[float], float]  # seconds against a size: Linear, or Piecewise through points
 

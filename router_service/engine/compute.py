@@ -8,7 +8,7 @@ import contextvars
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from moe_mesh.common import runtime
+from common import runtime
 
 T = TypeVar("T")
 

@@ -24,18 +24,18 @@ from enum import Enum
 
 import torch
 
-from moe_mesh.common.errors import (
+from common.errors import (
     AlreadyExistsError,
     InternalError,
     InvalidArgumentError,
     MoeMeshError,
 )
-from moe_mesh.common.limits import check_context_length, check_kv_capacity
-from moe_mesh.router_service.engine.blocks import BlockPool
-from moe_mesh.router_service.engine.kv_cache import KVCache, num_blocks
-from moe_mesh.router_service.engine.model import MoeModel, PassCosts, pack_step
-from moe_mesh.router_service.engine.pipeline import MicroBatchPlanner
-from moe_mesh.router_service.engine.sampling import (
+from common.limits import check_context_length, check_kv_capacity
+from router_service.engine.blocks import BlockPool
+from router_service.engine.kv_cache import KVCache, num_blocks
+from router_service.engine.model import MoeModel, PassCosts, pack_step
+from router_service.engine.pipeline import MicroBatchPlanner
+from router_service.engine.sampling import (
     MAX_LOGPROBS,
     SamplingParams,
     TokenLogprobs,
@@ -44,8 +44,8 @@ from moe_mesh.router_service.engine.sampling import (
     sample,
     token_logprobs,
 )
-from moe_mesh.router_service.engine.scheduler import Chunk, Scheduler, Sequence
-from moe_mesh.router_service.settings import RouterSettings
+from router_service.engine.scheduler import Chunk, Scheduler, Sequence
+from router_service.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import os
 
 import torch
 
-from moe_mesh.common import bf16
-from moe_mesh.common.errors import InvalidArgumentError
-from moe_mesh.common.units import parse_size
+from common import bf16
+from common.errors import InvalidArgumentError
+from common.units import parse_size
 
 AUTO_SHARE = 0.3  # `auto`: this share of the memory available at start-up, at most what is useful
 # Contexts gathered at once for attention: small enough to stay in a server CPU's last-level cache

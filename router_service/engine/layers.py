@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from moe_mesh.common import bf16
-from moe_mesh.common.arch import ModelSpec
-from moe_mesh.common.arch.spec import RopeSpec, yarn_mscale
-from moe_mesh.common.linear import linear
-from moe_mesh.common.weights import AttentionWeights, MLAWeights
-from moe_mesh.router_service.engine.kv_cache import KVCache
+from common import bf16
+from common.arch import ModelSpec
+from common.arch.spec import RopeSpec, yarn_mscale
+from common.linear import linear
+from common.weights import AttentionWeights, MLAWeights
+from router_service.engine.kv_cache import KVCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -154,7 +154,7 @@ def attention(
 ) -> torch.Tensor:
     """Self-attention for all tokens of a step; writes their keys/values into the cache. x: [tokens, hidden]."""
     if spec.mla is not None:  # DeepSeek's latent attention: other projections, another cache entry
-        from moe_mesh.router_service.engine.mla import mla_attention
+        from router_service.engine.mla import mla_attention
 
         return mla_attention(x, w, spec, rope, batch, cache, layer)
     n, hd, heads, kv_heads = x.shape[0], spec.head_dim, spec.num_heads, spec.num_kv_heads

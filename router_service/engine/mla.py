@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe_mesh.common.arch import ModelSpec
-from moe_mesh.common.linear import linear
-from moe_mesh.common.weights import MLAWeights
-from moe_mesh.router_service.engine.kv_cache import KVCache
-from moe_mesh.router_service.engine.layers import AttentionBatch, Rope, rms_norm
+from common.arch import ModelSpec
+from common.linear import linear
+from common.weights import MLAWeights
+from router_service.engine.kv_cache import KVCache
+from router_service.engine.layers import AttentionBatch, Rope, rms_norm
 
 # The q_a and kv_a norms take RMSNorm's default eps in transformers (and DeepSeek's own code),
 # not the config's rms_norm_eps.

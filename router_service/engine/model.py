@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from moe_mesh.common.arch import ModelSpec
-from moe_mesh.common.linear import linear, serial_tokens
-from moe_mesh.common.moe import expert_ffn
-from moe_mesh.common.weights import DenseWeights
-from moe_mesh.router_service.engine.kv_cache import KVCache, block_bytes
-from moe_mesh.router_service.engine.layers import (
+from common.arch import ModelSpec
+from common.linear import linear, serial_tokens
+from common.moe import expert_ffn
+from common.weights import DenseWeights
+from router_service.engine.kv_cache import KVCache, block_bytes
+from router_service.engine.layers import (
     AttentionBatch,
     Prefill,
     Rope,
@@ -23,7 +23,7 @@ from moe_mesh.router_service.engine.layers import (
     attention,
     norm,
 )
-from moe_mesh.router_service.experts.dispatch import (
+from router_service.experts.dispatch import (
     CallTimes,
     Compute,
     ExpertDispatcher,

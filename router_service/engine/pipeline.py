@@ -25,8 +25,8 @@ from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from statistics import fmean, median
 
-from moe_mesh.common.perfmodel import LayerCosts, Linear, best_micro_batches, layer_time
-from moe_mesh.router_service.engine.model import PassCosts
+from common.perfmodel import LayerCosts, Linear, best_micro_batches, layer_time
+from router_service.engine.model import PassCosts
 
 MAX_AUTO = 4  # the paper's 3-4 in practice; beyond, fixed costs per micro-batch dominate
 TRIAL_STEPS = 4  # decode steps an m runs before its time counts

@@ -31,9 +31,9 @@ import torch
 from opentelemetry import trace
 from opentelemetry.metrics import Observation
 
-from moe_mesh.common.arch import ModelSpec
-from moe_mesh.common.errors import DeadlineExceededError, ExpertUnavailableError, UnavailableError
-from moe_mesh.common.moe import (
+from common.arch import ModelSpec
+from common.errors import DeadlineExceededError, ExpertUnavailableError, UnavailableError
+from common.moe import (
     ExpertGroup,
     Routing,
     combine,
@@ -43,15 +43,15 @@ from moe_mesh.common.moe import (
     route,
     shared_expert_output,
 )
-from moe_mesh.common.probing import Prober
-from moe_mesh.common.resilience import (
+from common.probing import Prober
+from common.resilience import (
     EjectionPolicy,
     EndpointHealth,
     RetryBudget,
     SizedLatency,
     call_size,
 )
-from moe_mesh.common.telemetry import (
+from common.telemetry import (
     DISPATCH_DURATION,
     EJECTION_CHECKS,
     EJECTIONS,
@@ -61,8 +61,8 @@ from moe_mesh.common.telemetry import (
     TOKENS_ROUTED,
     Telemetry,
 )
-from moe_mesh.common.weights import FFNWeights, LayerWeights
-from moe_mesh.router_service.experts.utilization import UtilizationWindow
+from common.weights import FFNWeights, LayerWeights
+from router_service.experts.utilization import UtilizationWindow
 
 
 class ExpertBackend(Protocol):

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import torch
 from opentelemetry import propagate, trace
 
-from moe_mesh.common.fastpath import Target, parse_worker_url, worker_url
-from moe_mesh.common.fastpath.auth import HelloSigner
-from moe_mesh.common.fastpath.client import FastPathError, FrameClient
-from moe_mesh.common.fastpath.frame import DTYPE_NAMES, RequestHeader
-from moe_mesh.common.fastpath.ucx import load_ucxx
-from moe_mesh.common.resilience import call_size
+from common.fastpath import Target, parse_worker_url, worker_url
+from common.fastpath.auth import HelloSigner
+from common.fastpath.client import FastPathError, FrameClient
+from common.fastpath.frame import DTYPE_NAMES, RequestHeader
+from common.fastpath.ucx import load_ucxx
+from common.resilience import call_size
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 30.0

@@ -16,15 +16,15 @@ from collections.abc import Sequence
 
 import grpc
 
-from moe_mesh.common.arch import ModelSpec
-from moe_mesh.common.errors import InvalidArgumentError, PreconditionError, UnavailableError
-from moe_mesh.common.placement import Pair, format_experts, parse_experts
-from moe_mesh.common.registry import EXPERT_SERVICE, Instance, Membership, Registry
-from moe_mesh.common.registry.follow import Follower, follow
-from moe_mesh.common.tls import MeshTls
-from moe_mesh.router_service.experts.dispatch import ExpertBackend, LivePlacement
-from moe_mesh.router_service.experts.fastpath import FastPathConfig
-from moe_mesh.router_service.experts.remote import Identity, RemoteExperts
+from common.arch import ModelSpec
+from common.errors import InvalidArgumentError, PreconditionError, UnavailableError
+from common.placement import Pair, format_experts, parse_experts
+from common.registry import EXPERT_SERVICE, Instance, Membership, Registry
+from common.registry.follow import Follower, follow
+from common.tls import MeshTls
+from router_service.experts.dispatch import ExpertBackend, LivePlacement
+from router_service.experts.fastpath import FastPathConfig
+from router_service.experts.remote import Identity, RemoteExperts
 
 log = logging.getLogger(__name__)
 CLOSE_AFTER_S = 30.0

@@ -11,22 +11,22 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from moe_mesh.common.errors import (
+from common.errors import (
     DeadlineExceededError,
     NotFoundError,
     PreconditionError,
     UnavailableError,
 )
-from moe_mesh.common.fastpath import parse_worker_url, worker_url
-from moe_mesh.common.fastpath.client import FastPathError
-from moe_mesh.common.moe import joined
-from moe_mesh.common.placement import format_experts
-from moe_mesh.common.server import peer_channel_options
-from moe_mesh.common.status import error_from_rpc
-from moe_mesh.common.tls import MeshTls, open_channel
-from moe_mesh.common.wire import decode, encode
-from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
-from moe_mesh.router_service.experts.fastpath import FastPathConfig, FastPathLink
+from common.fastpath import parse_worker_url, worker_url
+from common.fastpath.client import FastPathError
+from common.moe import joined
+from common.placement import format_experts
+from common.server import peer_channel_options
+from common.status import error_from_rpc
+from common.tls import MeshTls, open_channel
+from common.wire import decode, encode
+from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
+from router_service.experts.fastpath import FastPathConfig, FastPathLink
 
 log = logging.getLogger(__name__)
 # Room in a message for what is not activations: ids, counts, names, trace context.

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_mesh.common import runtime
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.common.placement import Pair, format_experts
-from moe_mesh.common.weights import FFNWeights
-from moe_mesh.router_service.experts.dispatch import ColocatedExperts, LivePlacement
-from moe_mesh.router_service.experts.utilization import UtilizationWindow
+from common import runtime
+from common.checkpoint import Checkpoint
+from common.placement import Pair, format_experts
+from common.weights import FFNWeights
+from router_service.experts.dispatch import ColocatedExperts, LivePlacement
+from router_service.experts.utilization import UtilizationWindow
 
 log = logging.getLogger(__name__)
 

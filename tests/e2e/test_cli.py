@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_mesh.common.server import GrpcServer
-from moe_mesh.common.tokenizer import Tokenizer
+from common.server import GrpcServer
+from common.tokenizer import Tokenizer
 from moe_mesh.planning import deploy
 from tests.support import REPO
 from tests.support.cli import moe_mesh
@@ -172,7 +172,7 @@ def test_placement_show_errors_exit_2_with_a_message(tmp_path) -> None:
 def test_placement_show_json_of_a_live_router(checkpoint, tmp_path) -> None:
     path = checkpoint("olmoe")
     router = ServiceProcess(
-        "moe_mesh.router_service", ["--checkpoint", str(path)], tmp_path, "router"
+        "router_service", ["--checkpoint", str(path)], tmp_path, "router"
     )  # all colocated
     try:
         router.wait_ready()

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from moe_mesh.common.wire import encode
-from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
+from common.wire import encode
+from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
 from tests.support.experts import ARCH, HIDDEN, assert_close, connect, decode_output, reference
 
 
@@ -37,7 +37,7 @@ async def test_subprocess_serves_then_drains_an_in_flight_call_on_sigterm(
             [
                 sys.executable,
                 "-m",
-                "moe_mesh.expert_service",
+                "expert_service",
                 "--checkpoint",
                 str(path),
                 "--experts",

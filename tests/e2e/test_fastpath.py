@@ -24,16 +24,16 @@ import grpc
 import pytest
 import torch
 
-from moe_mesh.common.fastpath import parse_worker_url
-from moe_mesh.common.fastpath.client import FrameClient
-from moe_mesh.common.fastpath.frame import RequestHeader
-from moe_mesh.common.fastpath.ucx import load_ucxx
-from moe_mesh.common.tls import MeshTls, open_channel
-from moe_mesh.expert_service.app import ExpertApp
-from moe_mesh.expert_service.settings import ExpertSettings
+from common.fastpath import parse_worker_url
+from common.fastpath.client import FrameClient
+from common.fastpath.frame import RequestHeader
+from common.fastpath.ucx import load_ucxx
+from common.tls import MeshTls, open_channel
+from expert_service.app import ExpertApp
+from expert_service.settings import ExpertSettings
 from moe_mesh.local import certs
 from moe_mesh.ops.traces import load_spans
-from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, router_pb2, router_pb2_grpc
+from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.support import hf
 from tests.support.metrics import scrape, total
 from tests.support.polling import eventually
@@ -52,7 +52,7 @@ def router_process(
 ) -> ServiceProcess:
     """Started, not yet ready (see ServiceProcess.wait_ready)."""
     return ServiceProcess(
-        "moe_mesh.router_service",
+        "router_service",
         ["--checkpoint", str(path), *sum((["--expert", a] for a in experts), []), *args],
         workdir,
         "router",
@@ -258,7 +258,7 @@ async def _then(coro, event: asyncio.Event) -> None:
 
 _ECHO_SERVER = """
 import asyncio, sys
-from moe_mesh.common.fastpath.server import FrameServer
+from common.fastpath.server import FrameServer
 
 async def main():
     async def echo(header, payload):

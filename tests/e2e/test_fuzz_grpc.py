@@ -15,10 +15,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moe_mesh.common.wire import encode
-from moe_mesh.expert_service.app import ExpertApp
-from moe_mesh.expert_service.settings import ExpertSettings
-from moe_mesh.protos.moe_mesh.v1 import (
+from common.wire import encode
+from expert_service.app import ExpertApp
+from expert_service.settings import ExpertSettings
+from protos.moe_mesh.v1 import (
     expert_pb2,
     expert_pb2_grpc,
     inference_pb2,

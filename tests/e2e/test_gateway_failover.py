@@ -20,9 +20,9 @@ import grpc
 import httpx
 import pytest
 
-from moe_mesh.gateway.app import GatewayApp
-from moe_mesh.gateway.settings import GatewaySettings
-from moe_mesh.protos.moe_mesh.v1 import (
+from gateway.app import GatewayApp
+from gateway.settings import GatewaySettings
+from protos.moe_mesh.v1 import (
     inference_pb2,
     inference_pb2_grpc,
     router_pb2,
@@ -39,7 +39,7 @@ def routers(path: Path, workdir: Path, n: int = 2) -> Iterator[list[ServiceProce
     """`n` router processes (every expert colocated), started together; each is stopped at the end."""
     procs = [
         ServiceProcess(
-            "moe_mesh.router_service",
+            "router_service",
             ["--checkpoint", str(path), "--compute-threads", "1"],
             workdir,
             f"router{i}",
@@ -233,7 +233,7 @@ async def test_a_killed_router_restarted_on_its_port_gets_requests_again_within_
                 assert (await stub.Generate(request, timeout=30)).token_ids == want.token_ids
             port = victim.address.rsplit(":", 1)[1]
             restarted = ServiceProcess(
-                "moe_mesh.router_service",
+                "router_service",
                 ["--checkpoint", str(path), "--compute-threads", "1", "--port", port],
                 tmp_path,
                 "router0-restarted",

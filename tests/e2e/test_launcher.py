@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from moe_mesh.common.placement import format_experts, parse_experts
+from common.placement import format_experts, parse_experts
 from moe_mesh.local.launcher import Launcher
 from tests.support.polling import wait_until
 

@@ -10,14 +10,14 @@ import grpc
 import pytest
 import torch
 
-from moe_mesh.common.errors import UnavailableError
-from moe_mesh.common.registry import Membership
-from moe_mesh.gateway.app import GatewayApp
-from moe_mesh.gateway.settings import GatewaySettings
+from common.errors import UnavailableError
+from common.registry import Membership
+from gateway.app import GatewayApp
+from gateway.settings import GatewaySettings
 from moe_mesh.local.registry import EmbeddedConsul
-from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
-from moe_mesh.router_service.app import RouterApp
-from moe_mesh.router_service.settings import RouterSettings
+from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
+from router_service.app import RouterApp
+from router_service.settings import RouterSettings
 from tests.support.membership import instance_of, membership_of
 from tests.support.polling import eventually, takes_calls
 from tests.support.processes import start_experts

@@ -12,7 +12,7 @@ import pytest
 MEASURE = r"""
 import dataclasses, json, sys
 import psutil, torch
-from moe_mesh.common.checkpoint import Checkpoint
+from common.checkpoint import Checkpoint
 
 def tensors(obj):
     if isinstance(obj, torch.Tensor):

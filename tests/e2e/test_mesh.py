@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from moe_mesh.common.errors import ExpertUnavailableError
-from moe_mesh.common.fastpath.ucx import load_ucxx
-from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
-from moe_mesh.router_service.engine.engine import FinishReason
-from moe_mesh.router_service.engine.model import pack_step
+from common.errors import ExpertUnavailableError
+from common.fastpath.ucx import load_ucxx
+from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
+from router_service.engine.engine import FinishReason
+from router_service.engine.model import pack_step
 from tests.support.hf import greedy as hf_greedy
 from tests.support.polling import calls
 from tests.support.processes import ServiceProcess
@@ -177,7 +177,7 @@ async def test_a_killed_replica_restarted_on_its_port_takes_calls_again_within_s
         port = victim.address.rsplit(":", 1)[1]
         args = ["--checkpoint", str(path), "--experts", specs[1], "--compute-threads", "1"]
         restarted = ServiceProcess(
-            "moe_mesh.expert_service", [*args, "--port", port], tmp_path, "expert1-restarted"
+            "expert_service", [*args, "--port", port], tmp_path, "expert1-restarted"
         )
         try:
             assert restarted.wait_ready().address == victim.address

@@ -12,10 +12,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
-from moe_mesh.router_service.build import build_local_engine
-from moe_mesh.router_service.engine.sampling import SamplingParams
-from moe_mesh.router_service.settings import RouterSettings
+from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
+from router_service.build import build_local_engine
+from router_service.engine.sampling import SamplingParams
+from router_service.settings import RouterSettings
 from tests.support import REPO
 from tests.support.meshes import local_mesh
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.router_service.build import build_model
-from moe_mesh.router_service.engine import kv_cache
-from moe_mesh.router_service.engine.engine import Engine, FinishReason
-from moe_mesh.router_service.engine.sampling import SamplingParams
-from moe_mesh.router_service.settings import RouterSettings
+from common.checkpoint import Checkpoint
+from router_service.build import build_model
+from router_service.engine import kv_cache
+from router_service.engine.engine import Engine, FinishReason
+from router_service.engine.sampling import SamplingParams
+from router_service.settings import RouterSettings
 from tests.support.hf import greedy_tokens, load
 from tests.support.reference import PROMPTS
 

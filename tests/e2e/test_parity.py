@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Mxfp4Config
 
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.router_service.build import build_local_engine, build_model
-from moe_mesh.router_service.engine.engine import FinishReason
-from moe_mesh.router_service.engine.model import pack_step
-from moe_mesh.router_service.engine.sampling import SamplingParams
-from moe_mesh.router_service.settings import RouterSettings
+from common.checkpoint import Checkpoint
+from router_service.build import build_local_engine, build_model
+from router_service.engine.engine import FinishReason
+from router_service.engine.model import pack_step
+from router_service.engine.sampling import SamplingParams
+from router_service.settings import RouterSettings
 from tests.support.hf import greedy_tokens
 
 PROMPTS = [[7], [11, 3, 250, 9, 31], list(range(40, 53)), [(i * 37) % 400 + 5 for i in range(29)]]

@@ -38,12 +38,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.router_service.build import build_local_engine, build_model
-from moe_mesh.router_service.engine import engine as engine_module
-from moe_mesh.router_service.engine.engine import Engine
-from moe_mesh.router_service.engine.sampling import SamplingParams
-from moe_mesh.router_service.settings import RouterSettings
+from common.checkpoint import Checkpoint
+from router_service.build import build_local_engine, build_model
+from router_service.engine import engine as engine_module
+from router_service.engine.engine import Engine
+from router_service.engine.sampling import SamplingParams
+from router_service.settings import RouterSettings
 from tests.support.hf import load, moe_blocks, router_logits
 from tests.support.reference import GREEDY, PROMPTS, mesh_engine, run_engine
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from moe_mesh.router_service.build import build_router
-from moe_mesh.router_service.engine.engine import FinishReason
-from moe_mesh.router_service.engine.sampling import SamplingParams
-from moe_mesh.router_service.settings import RouterSettings
+from router_service.build import build_router
+from router_service.engine.engine import FinishReason
+from router_service.engine.sampling import SamplingParams
+from router_service.settings import RouterSettings
 from tests.support.processes import start_experts, stop_all
 from tests.support.reference import ALL_REMOTE, PROMPTS, monolithic
 

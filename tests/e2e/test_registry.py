@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_mesh.common.registry.consul import ConsulRegistry
+from common.registry.consul import ConsulRegistry
 from tests.support.registries import SERVICE, STEP_S, ConsulAgent, ids, instance_of
 
 # A registry in its own process, so it can be frozen (SIGSTOP) the way a hung agent is: connections are

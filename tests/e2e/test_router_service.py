@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
+from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 from tests.support.processes import ServiceProcess, start_experts, stop_all
 from tests.support.reference import ALL_REMOTE, PROMPTS, monolithic
 from tests.support.routers import LENGTH, generate, request, wait_status
@@ -23,7 +23,7 @@ def mesh(checkpoint, tmp_path):
     # A learned per-call timeout would end calls to a paused expert by itself; at 60 s only the
     # request's deadline (what these tests check) bounds them.
     router = ServiceProcess(
-        "moe_mesh.router_service",
+        "router_service",
         [
             "--checkpoint",
             str(path),
@@ -123,7 +123,7 @@ def test_router_refuses_expert_service_of_another_checkpoint(checkpoint, tmp_pat
     experts = start_experts(checkpoint("olmoe", seed=7), ["*:*"], tmp_path, "--model-id", "m")
     try:
         router = ServiceProcess(
-            "moe_mesh.router_service",
+            "router_service",
             [
                 "--checkpoint",
                 str(checkpoint("olmoe")),

@@ -10,13 +10,13 @@ import sys
 import grpc
 import pytest
 
-from moe_mesh.common.registry import open_registry
+from common.registry import open_registry
 from moe_mesh.local.registry import EmbeddedConsul
-from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
-from moe_mesh.router_service.app import RouterApp
-from moe_mesh.router_service.build import build_router
-from moe_mesh.router_service.engine.sampling import SamplingParams
-from moe_mesh.router_service.settings import RouterSettings
+from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
+from router_service.app import RouterApp
+from router_service.build import build_router
+from router_service.engine.sampling import SamplingParams
+from router_service.settings import RouterSettings
 from tests.support.polling import calls, eventually
 from tests.support.processes import start_experts
 from tests.support.reference import ALL_REMOTE, PROMPTS, monolithic, run_engine

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import grpc
 
-from moe_mesh.common.arch import load_spec
-from moe_mesh.common.fastpath.ucx import load_ucxx
-from moe_mesh.common.finish_reason import from_wire
+from common.arch import load_spec
+from common.fastpath.ucx import load_ucxx
+from common.finish_reason import from_wire
 from moe_mesh.ops.traces import load_spans
 from moe_mesh.planning.calibrate import observed
-from moe_mesh.protos.moe_mesh.v1 import (
+from protos.moe_mesh.v1 import (
     expert_pb2,
     expert_pb2_grpc,
     inference_pb2,

@@ -19,9 +19,9 @@ import grpc
 import httpx
 import openai
 
-from moe_mesh.common.fastpath.ucx import load_ucxx
-from moe_mesh.common.tls import MeshTls, open_channel
-from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
+from common.fastpath.ucx import load_ucxx
+from common.tls import MeshTls, open_channel
+from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
 from tests.support import hf
 from tests.support.cli import moe_mesh
 from tests.support.reference import PROMPTS

@@ -13,9 +13,9 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from moe_mesh.common.chat_template import ChatTemplate
-from moe_mesh.common.errors import CheckpointError
-from moe_mesh.gateway.http_api import builtin_chat_prompt, create_app
+from common.chat_template import ChatTemplate
+from common.errors import CheckpointError
+from gateway.http_api import builtin_chat_prompt, create_app
 from tests.support.fakes import FakeRouter
 from tests.support.fakes import core as fake_core
 

@@ -14,19 +14,19 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.common.errors import PreconditionError, UnavailableError
-from moe_mesh.common.fastpath.ucx import load_ucxx
-from moe_mesh.common.placement import parse_experts
-from moe_mesh.common.wire import encode
-from moe_mesh.expert_service import batcher as batcher_module
-from moe_mesh.expert_service.app import SERVICE_NAME, ExpertApp
-from moe_mesh.expert_service.core import ExpertHost
-from moe_mesh.expert_service.settings import ExpertSettings
-from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
-from moe_mesh.router_service.experts.fastpath import FastPathConfig
-from moe_mesh.router_service.experts.remote import Identity, RemoteExperts
-from moe_mesh.router_service.experts.remote import connect as connect_experts
+from common.checkpoint import Checkpoint
+from common.errors import PreconditionError, UnavailableError
+from common.fastpath.ucx import load_ucxx
+from common.placement import parse_experts
+from common.wire import encode
+from expert_service import batcher as batcher_module
+from expert_service.app import SERVICE_NAME, ExpertApp
+from expert_service.core import ExpertHost
+from expert_service.settings import ExpertSettings
+from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
+from router_service.experts.fastpath import FastPathConfig
+from router_service.experts.remote import Identity, RemoteExperts
+from router_service.experts.remote import connect as connect_experts
 from tests.support.experts import (
     ARCH,
     HIDDEN,

@@ -21,23 +21,23 @@ import pytest
 import torch
 import uvloop
 
-from moe_mesh.common.errors import (
+from common.errors import (
     DeadlineExceededError,
     MoeMeshError,
     NotFoundError,
     PreconditionError,
     UnavailableError,
 )
-from moe_mesh.common.fastpath import frame as f
-from moe_mesh.common.fastpath import parse_worker_url, ucx, worker_url
-from moe_mesh.common.fastpath.client import FastPathError, FrameClient
-from moe_mesh.common.fastpath.server import FrameServer
-from moe_mesh.common.fastpath.ucx import UcxRuntime, close_endpoint, load_ucxx, read_frame
-from moe_mesh.expert_service import batcher as batcher_module
-from moe_mesh.expert_service.app import ExpertApp
-from moe_mesh.expert_service.settings import ExpertSettings
-from moe_mesh.router_service.experts.fastpath import FastPathConfig
-from moe_mesh.router_service.experts.remote import Identity, RemoteExperts
+from common.fastpath import frame as f
+from common.fastpath import parse_worker_url, ucx, worker_url
+from common.fastpath.client import FastPathError, FrameClient
+from common.fastpath.server import FrameServer
+from common.fastpath.ucx import UcxRuntime, close_endpoint, load_ucxx, read_frame
+from expert_service import batcher as batcher_module
+from expert_service.app import ExpertApp
+from expert_service.settings import ExpertSettings
+from router_service.experts.fastpath import FastPathConfig
+from router_service.experts.remote import Identity, RemoteExperts
 from tests.support.fastpath import speak_previous_frame_version
 from tests.support.polling import eventually
 

@@ -12,11 +12,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from moe_mesh.common.errors import CheckpointError
-from moe_mesh.common.status import RETRY_AFTER_KEY
-from moe_mesh.gateway.app import GatewayApp
-from moe_mesh.gateway.settings import GatewaySettings
-from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
+from common.errors import CheckpointError
+from common.status import RETRY_AFTER_KEY
+from gateway.app import GatewayApp
+from gateway.settings import GatewaySettings
+from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
 from tests.support.meshes import local_mesh
 from tests.support.net import free_port
 from tests.support.reference import PROMPTS, monolithic

@@ -15,9 +15,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from moe_mesh.common.tls import MeshTls, open_channel
+from common.tls import MeshTls, open_channel
 from moe_mesh.local import certs
-from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
+from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
 from tests.support.certs import tls_flags
 from tests.support.meshes import LocalMesh, local_mesh
 

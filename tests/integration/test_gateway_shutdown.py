@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 
-from moe_mesh.gateway.app import GatewayApp
-from moe_mesh.gateway.settings import GatewaySettings
-from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2
+from gateway.app import GatewayApp
+from gateway.settings import GatewaySettings
+from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2
 from tests.support.fakes import router_serving
 from tests.support.polling import eventually
 

@@ -15,12 +15,12 @@ import pytest
 import pytest_asyncio
 import torch
 
-from moe_mesh.common.tokenizer import TextStream, Tokenizer
-from moe_mesh.gateway.core import TextRequest
-from moe_mesh.gateway.http_api import create_app
-from moe_mesh.router_service.build import build_local_engine
-from moe_mesh.router_service.engine.sampling import SamplingParams
-from moe_mesh.router_service.settings import RouterSettings
+from common.tokenizer import TextStream, Tokenizer
+from gateway.core import TextRequest
+from gateway.http_api import create_app
+from router_service.build import build_local_engine
+from router_service.engine.sampling import SamplingParams
+from router_service.settings import RouterSettings
 from tests.support.fakes import FakeRouter, ScriptedRouter
 from tests.support.fakes import core as fake_core
 from tests.support.meshes import LocalMesh, local_mesh
@@ -862,11 +862,11 @@ async def test_ready_is_503_while_draining_and_admitted_streams_finish(path) -> 
 
 
 async def test_skip_tokenizer_init_serves_token_ids_and_refuses_text(path, tmp_path) -> None:
-    from moe_mesh.common.errors import CheckpointError
-    from moe_mesh.common.tokenizer import NoTokenizer
-    from moe_mesh.gateway.app import _tokenizer
-    from moe_mesh.gateway.core import GatewayCore, ModelInfo
-    from moe_mesh.gateway.settings import GatewaySettings
+    from common.errors import CheckpointError
+    from common.tokenizer import NoTokenizer
+    from gateway.app import _tokenizer
+    from gateway.core import GatewayCore, ModelInfo
+    from gateway.settings import GatewaySettings
 
     bare = tmp_path / "no-tokenizer"  # a checkpoint directory without tokenizer files
     bare.mkdir()

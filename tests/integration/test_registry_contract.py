@@ -22,10 +22,10 @@ import aiohttp
 import pytest
 from grpc_health.v1 import health_pb2
 
-from moe_mesh.common.errors import InvalidArgumentError, UnavailableError
-from moe_mesh.common.registry import Instance, Membership, Registry
-from moe_mesh.common.registry.consul import ConsulRegistry
-from moe_mesh.common.server import GrpcServer
+from common.errors import InvalidArgumentError, UnavailableError
+from common.registry import Instance, Membership, Registry
+from common.registry.consul import ConsulRegistry
+from common.server import GrpcServer
 from moe_mesh.local import certs
 from moe_mesh.local.registry import EmbeddedConsul, parse_duration
 from tests.support.memory_registry import MemoryRegistry

@@ -9,11 +9,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from moe_mesh.common.errors import UnavailableError
+from common.errors import UnavailableError
 from moe_mesh.ops.client import kv_line, router_status
-from moe_mesh.protos.moe_mesh.v1 import router_pb2_grpc
-from moe_mesh.router_service.app import SERVICE_NAME, RouterApp
-from moe_mesh.router_service.settings import RouterSettings
+from protos.moe_mesh.v1 import router_pb2_grpc
+from router_service.app import SERVICE_NAME, RouterApp
+from router_service.settings import RouterSettings
 from tests.support.reference import monolithic
 from tests.support.routers import LENGTH, generate, request, wait_status
 

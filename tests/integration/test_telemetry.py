@@ -9,15 +9,15 @@ import grpc
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.common.telemetry import Telemetry
-from moe_mesh.expert_service.app import ExpertApp
-from moe_mesh.expert_service.settings import ExpertSettings
-from moe_mesh.gateway.app import GatewayApp
-from moe_mesh.gateway.settings import GatewaySettings
-from moe_mesh.protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
-from moe_mesh.router_service.app import RouterApp
-from moe_mesh.router_service.settings import RouterSettings
+from common.checkpoint import Checkpoint
+from common.telemetry import Telemetry
+from expert_service.app import ExpertApp
+from expert_service.settings import ExpertSettings
+from gateway.app import GatewayApp
+from gateway.settings import GatewaySettings
+from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
+from router_service.app import RouterApp
+from router_service.settings import RouterSettings
 from tests.support.metrics import scrape, total
 
 PROMPT = [11, 3, 250, 9, 31]

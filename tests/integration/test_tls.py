@@ -16,20 +16,20 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from moe_mesh.common.fastpath import parse_worker_url
-from moe_mesh.common.fastpath.auth import HelloSigner
-from moe_mesh.common.fastpath.client import FastPathError, FrameClient
-from moe_mesh.common.fastpath.frame import RequestHeader
-from moe_mesh.common.fastpath.ucx import load_ucxx
-from moe_mesh.common.tls import MeshTls, open_channel
-from moe_mesh.expert_service.app import ExpertApp
-from moe_mesh.expert_service.settings import ExpertSettings
+from common.fastpath import parse_worker_url
+from common.fastpath.auth import HelloSigner
+from common.fastpath.client import FastPathError, FrameClient
+from common.fastpath.frame import RequestHeader
+from common.fastpath.ucx import load_ucxx
+from common.tls import MeshTls, open_channel
+from expert_service.app import ExpertApp
+from expert_service.settings import ExpertSettings
 from moe_mesh.local import certs
-from moe_mesh.protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
-from moe_mesh.router_service.app import RouterApp
-from moe_mesh.router_service.experts.fastpath import FastPathConfig
-from moe_mesh.router_service.experts.remote import Identity, RemoteExperts
-from moe_mesh.router_service.settings import RouterSettings
+from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
+from router_service.app import RouterApp
+from router_service.experts.fastpath import FastPathConfig
+from router_service.experts.remote import Identity, RemoteExperts
+from router_service.settings import RouterSettings
 from tests.support.certs import tls_flags
 from tests.support.metrics import scrape, total
 

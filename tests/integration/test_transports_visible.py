@@ -18,17 +18,17 @@ import pytest
 import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from moe_mesh.common.fastpath.server import FrameServer
-from moe_mesh.common.fastpath.ucx import load_ucxx
-from moe_mesh.common.telemetry import Telemetry
-from moe_mesh.expert_service.app import ExpertApp
-from moe_mesh.expert_service.settings import ExpertSettings
+from common.fastpath.server import FrameServer
+from common.fastpath.ucx import load_ucxx
+from common.telemetry import Telemetry
+from expert_service.app import ExpertApp
+from expert_service.settings import ExpertSettings
 from moe_mesh.ops.client import pipeline_line, replica_line, router_status
-from moe_mesh.protos.moe_mesh.v1 import router_pb2_grpc
-from moe_mesh.router_service.app import RouterApp
-from moe_mesh.router_service.build import fast_path_config
-from moe_mesh.router_service.experts.remote import Identity, RemoteExperts
-from moe_mesh.router_service.settings import RouterSettings
+from protos.moe_mesh.v1 import router_pb2_grpc
+from router_service.app import RouterApp
+from router_service.build import fast_path_config
+from router_service.experts.remote import Identity, RemoteExperts
+from router_service.settings import RouterSettings
 from tests.support.fastpath import speak_previous_frame_version
 from tests.support.metrics import scrape, total
 from tests.support.routers import generate, request

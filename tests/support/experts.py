@@ -9,13 +9,13 @@ from pathlib import Path
 import grpc
 import torch
 
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.common.moe import expert_ffn
-from moe_mesh.common.server import channel_options
-from moe_mesh.common.wire import decode, encode
-from moe_mesh.expert_service.core import ExpertHost
-from moe_mesh.expert_service.settings import ExpertSettings
-from moe_mesh.protos.moe_mesh.v1 import expert_pb2
+from common.checkpoint import Checkpoint
+from common.moe import expert_ffn
+from common.server import channel_options
+from common.wire import decode, encode
+from expert_service.core import ExpertHost
+from expert_service.settings import ExpertSettings
+from protos.moe_mesh.v1 import expert_pb2
 
 ARCH = "mixtral"
 SPEC = "0-1:0-3"  # layer 2 and experts 4-7 are served elsewhere

@@ -9,13 +9,13 @@ from contextlib import asynccontextmanager
 
 import grpc
 
-from moe_mesh.common.telemetry import OFF, Telemetry
-from moe_mesh.common.tokenizer import Tokenizer
-from moe_mesh.gateway.balancer import RouterLostError
-from moe_mesh.gateway.core import GatewayCore, ModelInfo
-from moe_mesh.gateway.router_client import Chunk
-from moe_mesh.gateway.settings import GatewaySettings
-from moe_mesh.protos.moe_mesh.v1 import router_pb2
+from common.telemetry import OFF, Telemetry
+from common.tokenizer import Tokenizer
+from gateway.balancer import RouterLostError
+from gateway.core import GatewayCore, ModelInfo
+from gateway.router_client import Chunk
+from gateway.settings import GatewaySettings
+from protos.moe_mesh.v1 import router_pb2
 
 
 class FakeRouter:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_mesh.common.fastpath import frame as f
-from moe_mesh.common.fastpath import server as server_module
+from common.fastpath import frame as f
+from common.fastpath import server as server_module
 
 
 def speak_previous_frame_version(monkeypatch: pytest.MonkeyPatch) -> int:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.common.registry import EXPERT_SERVICE, Instance
-from moe_mesh.router_service.build import default_model_id
-from moe_mesh.router_service.experts.dispatch import DispatchPolicy, ExpertDispatcher, LivePlacement
-from moe_mesh.router_service.experts.membership import ExpertMembership
-from moe_mesh.router_service.experts.remote import Identity
+from common.checkpoint import Checkpoint
+from common.registry import EXPERT_SERVICE, Instance
+from router_service.build import default_model_id
+from router_service.experts.dispatch import DispatchPolicy, ExpertDispatcher, LivePlacement
+from router_service.experts.membership import ExpertMembership
+from router_service.experts.remote import Identity
 
 
 def membership_of(path) -> tuple[ExpertMembership, ExpertDispatcher, Checkpoint]:

@@ -12,8 +12,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from moe_mesh.common.errors import InvalidArgumentError, UnavailableError
-from moe_mesh.common.registry import Instance, Membership, meta_problem
+from common.errors import InvalidArgumentError, UnavailableError
+from common.registry import Instance, Membership, meta_problem
 
 
 @dataclass

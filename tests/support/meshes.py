@@ -7,10 +7,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_mesh.gateway.app import GatewayApp
-from moe_mesh.gateway.settings import GatewaySettings
-from moe_mesh.router_service.app import RouterApp
-from moe_mesh.router_service.settings import RouterSettings
+from gateway.app import GatewayApp
+from gateway.settings import GatewaySettings
+from router_service.app import RouterApp
+from router_service.settings import RouterSettings
 
 
 @dataclass

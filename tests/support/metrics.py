@@ -6,7 +6,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from moe_mesh.common.telemetry import Telemetry
+from common.telemetry import Telemetry
 
 
 def scrape(telemetry: Telemetry | str) -> dict[str, float]:

@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from moe_mesh.protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
+from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
 
 
 async def calls(address: str) -> int:

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from moe_mesh.common import runtime
+from common import runtime
 
 
 class ServiceProcess:
@@ -96,7 +96,7 @@ def start_experts(
     # One torch thread each: several services share this host's cores (see bench/mesh_dispatch.py).
     procs = [
         ServiceProcess(
-            "moe_mesh.expert_service",
+            "expert_service",
             ["--checkpoint", str(checkpoint), "--experts", spec, "--compute-threads", "1", *extra],
             workdir,
             f"expert{i}",

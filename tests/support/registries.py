@@ -11,9 +11,9 @@ from pathlib import Path
 
 import aiohttp
 
-from moe_mesh.common.registry import Instance, Membership
-from moe_mesh.common.registry.consul import ConsulRegistry
-from moe_mesh.common.server import GrpcServer
+from common.registry import Instance, Membership
+from common.registry.consul import ConsulRegistry
+from common.server import GrpcServer
 from tests.support.net import free_port
 
 SERVICE = "contract-svc"

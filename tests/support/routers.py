@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from moe_mesh.protos.moe_mesh.v1 import router_pb2, types_pb2
+from protos.moe_mesh.v1 import router_pb2, types_pb2
 from tests.support.reference import PROMPTS
 
 LENGTH = types_pb2.FINISH_REASON_LENGTH

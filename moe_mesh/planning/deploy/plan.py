@@ -18,8 +18,8 @@ from pydantic import (
     model_validator,
 )
 
-from moe_mesh.common.errors import InvalidArgumentError, MoeMeshError
-from moe_mesh.common.placement import ModelShape, Pair, format_experts, parse_experts
+from common.errors import InvalidArgumentError, MoeMeshError
+from common.placement import ModelShape, Pair, format_experts, parse_experts
 
 _MAX_INDEX = 65535  # an expert spec index beyond this is a typo, not a model
 

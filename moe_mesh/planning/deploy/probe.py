@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from moe_mesh.common.tls import MeshTls
+    from common.tls import MeshTls
 
 
 def probe(
@@ -62,8 +62,8 @@ def add_probe_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_probe(args: argparse.Namespace) -> int:
-    from moe_mesh.common.cli import settings_from_args
-    from moe_mesh.common.tls import MeshTls, SecuritySettings
+    from common.cli import settings_from_args
+    from common.tls import MeshTls, SecuritySettings
 
     if args.tls_cert or args.tls_key:
         tls = MeshTls.from_settings(settings_from_args(SecuritySettings, args))

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from moe_mesh.protos.moe_mesh.v1 import expert_pb2 as protos_dot_moe__mesh_dot_v1_dot_expert__pb2
+from protos.moe_mesh.v1 import expert_pb2 as protos_dot_moe__mesh_dot_v1_dot_expert__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_mesh.common import bf16
-from moe_mesh.common.moe import Routing, group_by_expert
+from common import bf16
+from common.moe import Routing, group_by_expert
 
 pytestmark = pytest.mark.skipif(
     bf16.library() is None, reason="no C compiler or no AVX-512 here: the kernel cannot be built"

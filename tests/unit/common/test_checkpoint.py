@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.common.errors import CheckpointError, UnsupportedModelError
-from moe_mesh.common.safetensors_mmap import SafetensorsFile
+from common.checkpoint import Checkpoint
+from common.errors import CheckpointError, UnsupportedModelError
+from common.safetensors_mmap import SafetensorsFile
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_mesh.common import bf16
-from moe_mesh.common import linear as L
+from common import bf16
+from common import linear as L
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_mesh.common.moe import Routing, combine, gather_rows, group_by_expert, joined
+from common.moe import Routing, combine, gather_rows, group_by_expert, joined
 
 
 def outputs_of(x: torch.Tensor, groups) -> list[torch.Tensor]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from moe_mesh.common import mxfp4
+from common import mxfp4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,6 +1,6 @@
 import pytest
 
-from moe_mesh.common.perfmodel import (
+from common.perfmodel import (
     LayerCosts,
     Linear,
     Piecewise,

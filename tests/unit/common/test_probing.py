@@ -7,9 +7,9 @@ import asyncio
 import logging
 import time
 
-from moe_mesh.common.errors import UnavailableError
-from moe_mesh.common.probing import Prober
-from moe_mesh.common.resilience import EjectionPolicy, EndpointHealth
+from common.errors import UnavailableError
+from common.probing import Prober
+from common.resilience import EjectionPolicy, EndpointHealth
 from tests.support.polling import eventually
 
 INTERVAL_S = 0.02
@@ -45,7 +45,7 @@ def ejected(prober: Prober, endpoint: Endpoint, down: bool, health=None) -> Endp
 
 
 async def test_an_unreachable_endpoint_is_readmitted_by_its_first_passing_check(caplog) -> None:
-    caplog.set_level(logging.INFO, "moe_mesh.common.probing")
+    caplog.set_level(logging.INFO, "common.probing")
     prober, endpoint = Prober(INTERVAL_S, "replica"), Endpoint()
     health = ejected(prober, endpoint, down=True)
     await eventually(lambda: endpoint.checks >= 3, 2, "failing checks")

@@ -8,8 +8,8 @@ import logging
 import time
 from types import SimpleNamespace
 
-from moe_mesh.common.registry import DEREGISTER_S, registration_hooks
-from moe_mesh.common.server import Deadline
+from common.registry import DEREGISTER_S, registration_hooks
+from common.server import Deadline
 
 
 class HangingRegistry:

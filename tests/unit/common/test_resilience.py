@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moe_mesh.common.resilience import (
+from common.resilience import (
     EjectionPolicy,
     EndpointHealth,
     LatencyWindow,

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from moe_mesh.common import runtime
+from common import runtime
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def test_what_the_user_set_wins_here_and_in_children(
 
 RELEASE = """
 import os, torch
-from moe_mesh.common import runtime
+from common import runtime
 torch.set_num_threads(2)
 def threads(): return len(os.listdir('/proc/self/task'))
 x = torch.empty(4_000_000)

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from moe_mesh.common.server import Deadline, GrpcServer, Service
+from common.server import Deadline, GrpcServer, Service
 
 
 def endless_service() -> Service:

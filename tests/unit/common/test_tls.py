@@ -11,8 +11,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from pydantic import ValidationError
 
-from moe_mesh.common.errors import InvalidArgumentError
-from moe_mesh.common.tls import MeshTls, SecuritySettings, load_identity
+from common.errors import InvalidArgumentError
+from common.tls import MeshTls, SecuritySettings, load_identity
 from moe_mesh.local import certs
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_mesh.common.tokenizer import TextStream, Tokenizer
+from common.tokenizer import TextStream, Tokenizer
 
 TEXT = "héllo wörld — 你好 👋 done. The end is near; stop here please."
 

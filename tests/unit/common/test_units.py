@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_mesh.common.units import parse_size
+from common.units import parse_size
 
 
 @pytest.mark.parametrize(

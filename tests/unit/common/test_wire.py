@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_mesh.common.errors import InvalidArgumentError
-from moe_mesh.common.wire import decode, encode
-from moe_mesh.protos.moe_mesh.v1 import tensor_pb2
+from common.errors import InvalidArgumentError
+from common.wire import decode, encode
+from protos.moe_mesh.v1 import tensor_pb2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -5,7 +5,7 @@ from functools import partial
 
 import pytest
 
-from moe_mesh.expert_service.settings import ExpertSettings
+from expert_service.settings import ExpertSettings
 from tests.support.experts import expert_settings
 
 

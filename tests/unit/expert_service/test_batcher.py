@@ -8,12 +8,12 @@ import threading
 import pytest
 import torch
 
-from moe_mesh.common.errors import UnavailableError
-from moe_mesh.common.moe import expert_ffn
-from moe_mesh.common.weights import FFNWeights
-from moe_mesh.expert_service import batcher as batcher_module
-from moe_mesh.expert_service.batcher import DynamicBatcher
-from moe_mesh.expert_service.core import ExpertHost
+from common.errors import UnavailableError
+from common.moe import expert_ffn
+from common.weights import FFNWeights
+from expert_service import batcher as batcher_module
+from expert_service.batcher import DynamicBatcher
+from expert_service.core import ExpertHost
 from tests.support.experts import HIDDEN, assert_close
 from tests.support.polling import eventually
 

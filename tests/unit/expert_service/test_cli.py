@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_mesh.expert_service import cli
+from expert_service import cli
 from tests.support.experts import ARCH
 
 

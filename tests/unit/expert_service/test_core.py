@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_mesh.common.errors import InvalidArgumentError
-from moe_mesh.common.placement import parse_experts
-from moe_mesh.common.weights import FFNWeights
-from moe_mesh.expert_service.core import ExpertHost
+from common.errors import InvalidArgumentError
+from common.placement import parse_experts
+from common.weights import FFNWeights
+from expert_service.core import ExpertHost
 from tests.support.experts import SPEC
 
 

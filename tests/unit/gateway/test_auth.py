@@ -7,12 +7,12 @@ import os
 
 import pytest
 
-from moe_mesh.common.errors import (
+from common.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
     UnauthenticatedError,
 )
-from moe_mesh.gateway.auth import ApiKeys, parse_keys
+from gateway.auth import ApiKeys, parse_keys
 
 KEY_A, KEY_B = "sk-aaaaaaaaaaaa", "sk-bbbbbbbbbbbb"
 

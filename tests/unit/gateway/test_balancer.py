@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from moe_mesh.common.resilience import EjectionPolicy, RetryBudget
-from moe_mesh.gateway.balancer import Balancer, RouterLostError
+from common.resilience import EjectionPolicy, RetryBudget
+from gateway.balancer import Balancer, RouterLostError
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from moe_mesh.common.tokenizer import Tokenizer
-from moe_mesh.gateway.choices import completion_logprobs
+from common.tokenizer import Tokenizer
+from gateway.choices import completion_logprobs
 
 
 def test_offsets_point_into_the_text_past_special_tokens_and_split_characters(checkpoint) -> None:

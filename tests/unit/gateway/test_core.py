@@ -9,17 +9,17 @@ import time
 
 import pytest
 
-from moe_mesh.common.errors import (
+from common.errors import (
     AlreadyExistsError,
     DeadlineExceededError,
     InvalidArgumentError,
     ResourceExhaustedError,
     UnavailableError,
 )
-from moe_mesh.common.resilience import RetryBudget
-from moe_mesh.common.telemetry import Telemetry
-from moe_mesh.gateway.admission import Admission
-from moe_mesh.gateway.core import GatewayCore, TextRequest
+from common.resilience import RetryBudget
+from common.telemetry import Telemetry
+from gateway.admission import Admission
+from gateway.core import GatewayCore, TextRequest
 from tests.support.fakes import FakeRouter, ScriptedRouter, core
 from tests.support.metrics import scrape, total
 from tests.support.polling import eventually

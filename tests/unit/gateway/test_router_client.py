@@ -10,15 +10,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2_grpc
 
-from moe_mesh.common.errors import (
+from common.errors import (
     DeadlineExceededError,
     ExpertUnavailableError,
     UnavailableError,
 )
-from moe_mesh.common.status import abort_with
-from moe_mesh.gateway.balancer import RouterLostError
-from moe_mesh.gateway.router_client import GenerateParams, RouterClient, RouterRequest
-from moe_mesh.protos.moe_mesh.v1 import router_pb2
+from common.status import abort_with
+from gateway.balancer import RouterLostError
+from gateway.router_client import GenerateParams, RouterClient, RouterRequest
+from protos.moe_mesh.v1 import router_pb2
 from tests.support.fakes import router_serving
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moe_mesh.protos.moe_mesh.v1 import inference_pb2
+from protos.moe_mesh.v1 import inference_pb2
 
 
 def test_public_request_fields() -> None:

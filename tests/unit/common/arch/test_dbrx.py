@@ -13,11 +13,11 @@ from safetensors.torch import load_file, save_file
 from transformers import DbrxConfig
 from transformers.models.dbrx.modeling_dbrx import DbrxFFN
 
-from moe_mesh.common.arch import parse_spec
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.common.errors import CheckpointError, UnsupportedModelError
-from moe_mesh.common.moe import combine, expert_ffn, group_by_expert, route
-from moe_mesh.common.safetensors_mmap import SafetensorsFile
+from common.arch import parse_spec
+from common.checkpoint import Checkpoint
+from common.errors import CheckpointError, UnsupportedModelError
+from common.moe import combine, expert_ffn, group_by_expert, route
+from common.safetensors_mmap import SafetensorsFile
 from tests.support.hf import load
 
 # What published DBRX checkpoints carry (dbrx-instruct's config.json at reduced sizes): written

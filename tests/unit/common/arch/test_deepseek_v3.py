@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_mesh.common.arch import parse_spec
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.common.errors import CheckpointError, UnsupportedModelError
-from moe_mesh.common.moe import route
-from moe_mesh.common.safetensors_mmap import SafetensorsFile
-from moe_mesh.common.weights import MLAWeights
+from common.arch import parse_spec
+from common.checkpoint import Checkpoint
+from common.errors import CheckpointError, UnsupportedModelError
+from common.moe import route
+from common.safetensors_mmap import SafetensorsFile
+from common.weights import MLAWeights
 
 # DeepSeek-V3's published config.json (also R1's and V3.1's), without its FP8 quantization_config.
 V3_CONFIG = {

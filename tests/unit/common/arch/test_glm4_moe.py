@@ -18,13 +18,13 @@ from transformers.models.glm4_moe.modeling_glm4_moe import (
     apply_rotary_pos_emb,
 )
 
-from moe_mesh.common.arch import parse_spec
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.common.errors import CheckpointError, UnsupportedModelError
-from moe_mesh.common.moe import route
-from moe_mesh.common.safetensors_mmap import SafetensorsFile
+from common.arch import parse_spec
+from common.checkpoint import Checkpoint
+from common.errors import CheckpointError, UnsupportedModelError
+from common.moe import route
+from common.safetensors_mmap import SafetensorsFile
 from moe_mesh.planning.measure import LayerBench
-from moe_mesh.router_service.engine.layers import Rope
+from router_service.engine.layers import Rope
 
 # GLM-4.5's published config.json, abridged: the rotary factor at the top level, rope_scaling null.
 PUBLISHED = {

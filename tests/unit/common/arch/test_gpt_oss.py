@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from moe_mesh.common.arch import parse_spec
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.common.errors import CheckpointError, UnsupportedModelError
-from moe_mesh.common.moe import expert_ffn, route
-from moe_mesh.common.safetensors_mmap import SafetensorsFile
+from common.arch import parse_spec
+from common.checkpoint import Checkpoint
+from common.errors import CheckpointError, UnsupportedModelError
+from common.moe import expert_ffn, route
+from common.safetensors_mmap import SafetensorsFile
 from tests.support.hf import load
 
 EXPERTS = "model.layers.1.mlp.experts."

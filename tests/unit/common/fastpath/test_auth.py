@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from moe_mesh.common.fastpath import frame as f
-from moe_mesh.common.fastpath.auth import MAX_SKEW_S, HelloSigner, HelloVerifier
+from common.fastpath import frame as f
+from common.fastpath.auth import MAX_SKEW_S, HelloSigner, HelloVerifier
 from moe_mesh.local import certs
 
 SERVER, NUMBER, CLIENT, ADDRESS = b"server-worker-address", 3, 12345, b"client-worker-address"

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from moe_mesh.common import errors, status
-from moe_mesh.common.fastpath import MAX_ADVERTISED_CHARS, parse_worker_url, worker_url
-from moe_mesh.common.fastpath import frame as f
+from common import errors, status
+from common.fastpath import MAX_ADVERTISED_CHARS, parse_worker_url, worker_url
+from common.fastpath import frame as f
 
 LIMIT = 1 << 20
 

@@ -9,9 +9,9 @@ import socket
 import pytest
 from aiohttp import web
 
-from moe_mesh.common.errors import InvalidArgumentError
-from moe_mesh.common.registry import Instance, Membership, open_registry
-from moe_mesh.common.registry.consul import ConsulConfig
+from common.errors import InvalidArgumentError
+from common.registry import Instance, Membership, open_registry
+from common.registry.consul import ConsulConfig
 from tests.support.registries import SERVICE, STEP_S, consul_client, ids
 
 

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
+from common.errors import UnavailableError
 from moe_mesh.benchmark import client
 from moe_mesh.benchmark.workload import BenchRequest
-from moe_mesh.common.errors import UnavailableError
 
 
 async def test_errors_are_failed_results_with_the_servers_message(gateway) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from common.errors import InvalidArgumentError
 from moe_mesh.benchmark.setups import Setup, parse_setup
-from moe_mesh.common.errors import InvalidArgumentError
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,8 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from moe_mesh.common.errors import InvalidArgumentError
-from moe_mesh.common.tls import MeshTls
+from common.errors import InvalidArgumentError
+from common.tls import MeshTls
 from moe_mesh.local import certs
 from tests.support.cli import moe_mesh
 

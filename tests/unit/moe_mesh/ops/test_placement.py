@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from moe_mesh.common.errors import PreconditionError, UnavailableError
+from common.errors import PreconditionError, UnavailableError
 from moe_mesh.ops.placement import (
     COLOCATED,
     pairs_of,

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 from opentelemetry.metrics import Observation
 
-from moe_mesh.common import telemetry as tm
-from moe_mesh.common.errors import UnavailableError
-from moe_mesh.common.telemetry import COUNT_BUCKETS, SECONDS_BUCKETS, Telemetry
+from common import telemetry as tm
+from common.errors import UnavailableError
+from common.telemetry import COUNT_BUCKETS, SECONDS_BUCKETS, Telemetry
 from moe_mesh.ops import stats as stats_view
 from moe_mesh.ops.stats import (
     collect,

@@ -13,8 +13,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from moe_mesh.common.errors import NotFoundError
-from moe_mesh.common.telemetry import JsonLinesSpanExporter
+from common.errors import NotFoundError
+from common.telemetry import JsonLinesSpanExporter
 from moe_mesh.ops import traces as trace_view
 from moe_mesh.ops.traces import load_spans, render_trace
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_mesh.common.placement import ModelShape
+from common.placement import ModelShape
 from moe_mesh.planning import plan as plan_cli
 from moe_mesh.planning.calibrate import calibrate, observed
 from moe_mesh.planning.inventory import Inventory

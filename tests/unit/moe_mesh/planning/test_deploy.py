@@ -19,7 +19,7 @@ import yaml
 from grpc_health.v1 import health_pb2
 from hcl2.utils import SerializationOptions
 
-from moe_mesh.common.server import GrpcServer
+from common.server import GrpcServer
 from moe_mesh.planning import deploy
 from tests.support import REPO
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_mesh.common.checkpoint import Checkpoint
+from common.checkpoint import Checkpoint
 from moe_mesh.planning.measure import LayerBench, timed
 
 

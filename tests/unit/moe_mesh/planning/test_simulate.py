@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from moe_mesh.common.perfmodel import LayerCosts, Linear, layer_time
+from common.perfmodel import LayerCosts, Linear, layer_time
 from moe_mesh.planning.simulate import (
     Costs,
     Node,

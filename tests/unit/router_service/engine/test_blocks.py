@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_mesh.router_service.engine.blocks import BlockPool, block_key
+from router_service.engine.blocks import BlockPool, block_key
 
 
 def chain(*blocks: list[int]) -> list[bytes]:

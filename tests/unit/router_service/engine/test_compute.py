@@ -7,7 +7,7 @@ import asyncio
 
 import torch
 
-from moe_mesh.router_service.engine.compute import ComputeThread
+from router_service.engine.compute import ComputeThread
 
 
 def test_the_compute_thread_keeps_the_thread_count_it_was_made_with() -> None:

@@ -9,18 +9,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moe_mesh.common.errors import (
+from common.errors import (
     AlreadyExistsError,
     CapacityError,
     InternalError,
     InvalidArgumentError,
 )
-from moe_mesh.router_service.build import build_local_engine
-from moe_mesh.router_service.engine import engine as engine_module
-from moe_mesh.router_service.engine import model as model_module
-from moe_mesh.router_service.engine.engine import Engine, FinishReason
-from moe_mesh.router_service.engine.sampling import SamplingParams, sample
-from moe_mesh.router_service.settings import RouterSettings
+from router_service.build import build_local_engine
+from router_service.engine import engine as engine_module
+from router_service.engine import model as model_module
+from router_service.engine.engine import Engine, FinishReason
+from router_service.engine.sampling import SamplingParams, sample
+from router_service.settings import RouterSettings
 
 PROMPT = [11, 3, 250, 9, 31]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_mesh.common.errors import InvalidArgumentError
-from moe_mesh.router_service.engine import kv_cache
-from moe_mesh.router_service.engine.kv_cache import AUTO_SHARE, KVCache, block_bytes, num_blocks
+from common.errors import InvalidArgumentError
+from router_service.engine import kv_cache
+from router_service.engine.kv_cache import AUTO_SHARE, KVCache, block_bytes, num_blocks
 
 LAYERS, HEADS, DIM, BS = 2, 3, 4, 4
 

@@ -10,8 +10,8 @@ import torch
 from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-from moe_mesh.router_service.engine.layers import _attend, _mask
-from moe_mesh.router_service.engine.model import pack_step
+from router_service.engine.layers import _attend, _mask
+from router_service.engine.model import pack_step
 
 HEADS, KV_HEADS, HD = 4, 2, 16
 

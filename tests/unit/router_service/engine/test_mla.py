@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.router_service.build import build_model
-from moe_mesh.router_service.engine import kv_cache
-from moe_mesh.router_service.engine.layers import attention
-from moe_mesh.router_service.engine.model import pack_step
-from moe_mesh.router_service.settings import RouterSettings
+from common.checkpoint import Checkpoint
+from router_service.build import build_model
+from router_service.engine import kv_cache
+from router_service.engine.layers import attention
+from router_service.engine.model import pack_step
+from router_service.settings import RouterSettings
 
 BS = 4
 

@@ -7,18 +7,18 @@ import time
 
 import pytest
 
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.common.errors import InternalError
-from moe_mesh.common.perfmodel import split
-from moe_mesh.router_service.build import build_model
-from moe_mesh.router_service.engine.engine import Engine, _partition
-from moe_mesh.router_service.engine.model import PassCosts
-from moe_mesh.router_service.engine.pipeline import MEMORY, TRIAL_STEPS, MicroBatchPlanner
-from moe_mesh.router_service.engine.sampling import SamplingParams
-from moe_mesh.router_service.engine.scheduler import Chunk, Sequence
-from moe_mesh.router_service.experts.dispatch import CallTimes, ColocatedExperts
-from moe_mesh.router_service.experts.remote import ExpertOutputs
-from moe_mesh.router_service.settings import RouterSettings
+from common.checkpoint import Checkpoint
+from common.errors import InternalError
+from common.perfmodel import split
+from router_service.build import build_model
+from router_service.engine.engine import Engine, _partition
+from router_service.engine.model import PassCosts
+from router_service.engine.pipeline import MEMORY, TRIAL_STEPS, MicroBatchPlanner
+from router_service.engine.sampling import SamplingParams
+from router_service.engine.scheduler import Chunk, Sequence
+from router_service.experts.dispatch import CallTimes, ColocatedExperts
+from router_service.experts.remote import ExpertOutputs
+from router_service.settings import RouterSettings
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 SLEEP_S = 0.05

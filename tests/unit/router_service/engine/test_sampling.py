@@ -21,10 +21,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from moe_mesh.common.errors import InvalidArgumentError
-from moe_mesh.router_service.build import build_local_engine
-from moe_mesh.router_service.engine.engine import Engine, FinishReason
-from moe_mesh.router_service.engine.sampling import (
+from common.errors import InvalidArgumentError
+from router_service.build import build_local_engine
+from router_service.engine.engine import Engine, FinishReason
+from router_service.engine.sampling import (
     SamplingParams,
     filtered_logits,
     penalized_logits,
@@ -32,7 +32,7 @@ from moe_mesh.router_service.engine.sampling import (
     sample,
     token_logprobs,
 )
-from moe_mesh.router_service.settings import RouterSettings
+from router_service.settings import RouterSettings
 
 
 def reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

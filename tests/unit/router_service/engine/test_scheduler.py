@@ -8,12 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.common.errors import CapacityError, InvalidArgumentError
-from moe_mesh.router_service.build import build_local_engine, build_model
-from moe_mesh.router_service.engine.engine import Engine, FinishReason
-from moe_mesh.router_service.engine.sampling import SamplingParams
-from moe_mesh.router_service.settings import RouterSettings
+from common.checkpoint import Checkpoint
+from common.errors import CapacityError, InvalidArgumentError
+from router_service.build import build_local_engine, build_model
+from router_service.engine.engine import Engine, FinishReason
+from router_service.engine.sampling import SamplingParams
+from router_service.settings import RouterSettings
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=26, temperature=0.0, ignore_eos=True)

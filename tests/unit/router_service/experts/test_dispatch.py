@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from moe_mesh.common.checkpoint import Checkpoint
-from moe_mesh.common.errors import DeadlineExceededError, ExpertUnavailableError, UnavailableError
-from moe_mesh.common.resilience import EjectionPolicy
-from moe_mesh.common.telemetry import Telemetry
-from moe_mesh.router_service.experts.dispatch import (
+from common.checkpoint import Checkpoint
+from common.errors import DeadlineExceededError, ExpertUnavailableError, UnavailableError
+from common.resilience import EjectionPolicy
+from common.telemetry import Telemetry
+from router_service.experts.dispatch import (
     ColocatedExperts,
     DispatchPolicy,
     ExpertDispatcher,

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from moe_mesh.common.errors import PreconditionError, UnavailableError
-from moe_mesh.common.registry import Membership
+from common.errors import PreconditionError, UnavailableError
+from common.registry import Membership
 from tests.support.membership import instance_of, membership_of
 from tests.support.memory_registry import MemoryRegistry
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_mesh.router_service.experts.remote import ExpertOutputs, joined_outputs, split_rows
+from router_service.experts.remote import ExpertOutputs, joined_outputs, split_rows
 
 
 def test_pieces_hold_at_most_the_rows_and_join_back_in_order() -> None:

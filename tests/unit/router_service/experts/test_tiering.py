@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_mesh.router_service.experts.tiering import TieringConfig, choose_hot
+from router_service.experts.tiering import TieringConfig, choose_hot
 
 EB = 1000  # bytes of one expert in the policy tests
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moe_mesh.router_service.experts.utilization import UtilizationWindow
+from router_service.experts.utilization import UtilizationWindow
 
 
 class Clock:
