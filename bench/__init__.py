@@ -1,24 +1,56 @@
-"""Benchmarks, run from the checkout root as `python -m bench.<name>` (`make bench` runs them all);
-they share tests/support/ with the tests as `tests.support`. JSON goes to bench/results/."""
+"""Benchmarks, run from the checkout root as `python -m bench.<name>` (`make bench` runs them all).
+They use the product's own tooling (moe_mesh/local/processes.py, moe_mesh/benchmark/), never the
+tests'. Each declares its flags once, as a `ScriptSettings` model; JSON goes to bench/results/."""
 
 import argparse
+import sys
+import typing
 from pathlib import Path
 
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from common.cli import add_settings_arguments, flag, settings_from_args
+from common.errors import InvalidArgumentError
+
 DEFAULT_CHECKPOINT = Path(".cache/bench-small-mixtral")
+S = typing.TypeVar("S", bound="ScriptSettings")
 
 
-def parser_with_checkpoint(doc: str | None) -> argparse.ArgumentParser:
-    """A bench's argument parser, with --checkpoint (default: the `small` Mixtral bench checkpoint)."""
+class ScriptSettings(BaseSettings):
+    """What every benchmark takes: its checkpoint and where its JSON goes. A bench subclasses it,
+    setting `out`'s default and adding its own fields; each field is a flag (common/cli.py)."""
+
+    model_config = SettingsConfigDict(env_prefix="MOE_BENCH_", extra="forbid")
+
+    checkpoint: Path = Field(
+        DEFAULT_CHECKPOINT,
+        description="checkpoint to use; the default is created (small Mixtral) if missing",
+    )
+    out: Path = Field(Path("bench/results/bench.json"), description="the JSON result goes here")
+
+
+def parse_settings(
+    model: type[S], doc: str | None, argv: list[str] | None = None, skip: tuple[str, ...] = ()
+) -> S:
+    """`model` from the command line: one flag per field but `skip`'s, list fields taking several
+    values (`--sizes 1 2 4`); a bad value exits with status 2 and one line naming the flag."""
     parser = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--checkpoint",
-        type=Path,
-        default=DEFAULT_CHECKPOINT,
-        help="checkpoint to use; the default is created (small Mixtral) if missing",
-    )
-    return parser
+    lists = [n for n, f in model.model_fields.items() if typing.get_origin(f.annotation) is list]
+    add_settings_arguments(parser, model, skip=[*lists, *skip])
+    for name in lists:
+        field = model.model_fields[name]
+        parser.add_argument(
+            flag(name), dest=name, nargs="+", default=None,
+            help=f"{field.description} (default {' '.join(map(str, field.default))})",
+        )  # fmt: skip
+    try:
+        return typing.cast(S, settings_from_args(model, parser.parse_args(argv)))
+    except InvalidArgumentError as e:
+        parser.error(str(e))
+        sys.exit(2)  # parser.error exits; this line is for type checkers
 
 
 def ensure_checkpoint(path: Path) -> None:

@@ -16,18 +16,16 @@ Results go to bench/results/chaos.json.
 
     .venv/bin/python -m bench.chaos [--quick] [--fuzz-cases 10000] [--checkpoint DIR]
 
-(from the checkout root, where `bench` and `tests` import as packages)
+(from the checkout root, where `bench` imports as a package)
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,10 +38,15 @@ runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads 
 
 ROOT = Path(__file__).resolve().parent.parent
 
+import aiohttp  # noqa: E402
 import grpc  # noqa: E402
 import httpx  # noqa: E402
+from pydantic import Field  # noqa: E402
 
+from bench import ScriptSettings, parse_settings  # noqa: E402
+from moe_mesh.benchmark import client  # noqa: E402
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
+from moe_mesh.local.processes import RunningMesh, running_up  # noqa: E402
 from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 
 NEW_TOKENS = 32
@@ -78,52 +81,24 @@ def request_set(n: int) -> list[Request]:
     ]
 
 
-class Mesh:
-    """`moe-mesh up` in a subprocess; its ready file tells the addresses and pids."""
+class Settings(ScriptSettings):
+    checkpoint: Path = Field(
+        ROOT / ".cache" / "chaos-tiny-mixtral",
+        description="checkpoint to use; created (tiny Mixtral) if missing",
+    )
+    out: Path = Field(ROOT / "bench" / "results" / "chaos.json", description="the JSON report")
+    requests: int = Field(64, ge=1, description="requests per fault scenario")
+    concurrency: int = Field(8, ge=1, description="clients at once")
+    fuzz_cases: int = Field(10_000, ge=0, description="hostile HTTP bodies and gRPC messages")
+    quick: bool = Field(False, description="small counts: a smoke run in about a minute")
 
-    def __init__(self, checkpoint: Path, workdir: Path, name: str, *flags: str) -> None:
-        self.ready_file = workdir / f"{name}.json"
-        self.log = open(workdir / f"{name}.log", "w")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "moe_mesh",
-                "up",
-                "--checkpoint",
-                str(checkpoint),
-                "--ready-file",
-                str(self.ready_file),
-                "--run-dir",
-                str(workdir / name),
-                *flags,
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 180
-        while not self.ready_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"mesh {name} did not come up; see {self.log.name}")
-            time.sleep(0.1)
-        self.info = json.loads(self.ready_file.read_text())
-        self.pids = dict(self.info["pids"])
-        self.killed: set[int] = set()  # pids a scenario stopped on purpose
 
-    def kill(self, pid: int) -> None:
-        self.killed.add(pid)
-        os.kill(pid, signal.SIGKILL)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # the launcher stops every child it started
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+def mesh_up(checkpoint: Path, workdir: Path, name: str, *flags: str):
+    """`moe-mesh up` for a scenario (moe_mesh/local/processes.py): addresses and pids in `.info`."""
+    return running_up(
+        checkpoint, flags, ready_file=workdir / f"{name}.json", run_dir=workdir / name,
+        log_path=workdir / f"{name}.log", ready_timeout_s=180,
+    )  # fmt: skip
 
 
 def _finish_name(value: int) -> str:
@@ -166,8 +141,7 @@ async def stream_grpc(stub, r: Request, timeout_s: float) -> Result:
     return out
 
 
-async def stream_http(client: httpx.AsyncClient, r: Request, timeout_s: float) -> Result:
-    out = Result(r.key)
+async def stream_http(s: aiohttp.ClientSession, url: str, r: Request) -> Result:
     body = {
         "prompt": r.prompt,
         "max_tokens": NEW_TOKENS,
@@ -177,37 +151,20 @@ async def stream_http(client: httpx.AsyncClient, r: Request, timeout_s: float) -
     }
     if r.seed is not None:
         body["seed"] = r.seed
-    start = last = time.monotonic()
-    tokens: list[int] = []
-    try:
-        async with client.stream(
-            "POST", "/v1/completions", json=body, timeout=timeout_s
-        ) as response:
-            if response.status_code != 200:
-                out.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return out
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    out.error = f"stream error: {chunk['error']}"
-                    break
-                choice = chunk["choices"][0]
-                if choice.get("token_ids"):
-                    now = time.monotonic()
-                    out.max_gap_s = max(out.max_gap_s, now - last)
-                    last = now
-                    tokens += choice["token_ids"]
-                out.finish = choice.get("finish_reason") or out.finish
-    except httpx.HTTPError as e:
-        out.error = f"{type(e).__name__}: {e}"
-    out.tokens, out.latency_s = tuple(tokens), time.monotonic() - start
-    return out
+    start = time.monotonic()
+    streamed = await client.stream_tokens(s, url, body, clock=time.monotonic)
+    return Result(
+        r.key,
+        tuple(streamed.token_ids),
+        streamed.finish_reason,
+        streamed.max_gap_s,
+        streamed.error,
+        time.monotonic() - start,
+    )
 
 
 async def run_load(
-    mesh: Mesh, requests: list[Request], concurrency: int, fault=None
+    mesh: RunningMesh, requests: list[Request], concurrency: int, fault=None
 ) -> list[Result]:
     """Run `requests` `concurrency` at a time; `fault` (a coroutine function) starts once a few are done."""
     gate = asyncio.Semaphore(concurrency)
@@ -215,9 +172,10 @@ async def run_load(
     done = 0
     async with (
         grpc.aio.insecure_channel(mesh.info["gateway_grpc"]) as channel,
-        httpx.AsyncClient(base_url=f"http://{mesh.info['gateway_http']}") as client,
+        client.session(timeout_s=120) as session,
     ):
         stub = inference_pb2_grpc.InferenceStub(channel)
+        url = f"http://{mesh.info['gateway_http']}"
 
         async def one(r: Request) -> Result:
             nonlocal done
@@ -225,7 +183,7 @@ async def run_load(
                 result = await (
                     stream_grpc(stub, r, 120)
                     if r.transport == "grpc"
-                    else stream_http(client, r, 120)
+                    else stream_http(session, url, r)
                 )
             done += 1
             if done == concurrency:
@@ -275,8 +233,9 @@ def _q(values: list[float], q: float) -> float:
 
 
 async def fault_scenarios(
-    mesh: Mesh, n: int, concurrency: int, stop_s: float
+    mesh: RunningMesh, n: int, concurrency: int, stop_s: float, killed: set[int]
 ) -> tuple[list[dict], dict[int, tuple]]:
+    """The baseline, then each fault under the same load; pids killed on purpose go to `killed`."""
     requests = request_set(n)
     baseline = await run_load(mesh, requests, concurrency)
     bad = [r for r in baseline if r.error]
@@ -291,11 +250,15 @@ async def fault_scenarios(
         await asyncio.sleep(stop_s)
         os.kill(experts[0]["pid"], signal.SIGCONT)
 
+    def kill(pid: int) -> None:
+        killed.add(pid)
+        os.kill(pid, signal.SIGKILL)
+
     async def kill_expert() -> None:
-        mesh.kill(experts[1]["pid"])
+        kill(experts[1]["pid"])
 
     async def kill_router() -> None:
-        mesh.kill(mesh.pids["router-0"])
+        kill(mesh.pids["router-0"])
 
     for name, fault in (
         ("expert_sigstop", hang),
@@ -307,7 +270,7 @@ async def fault_scenarios(
     return rows, expected
 
 
-async def overload(mesh: Mesh, n: int, expected: dict[int, tuple]) -> dict:
+async def overload(mesh: RunningMesh, n: int, expected: dict[int, tuple]) -> dict:
     """n greedy requests at once against max_in_flight=2, max_queued=2: how fast the excess is refused."""
     greedy = [r for r in request_set(len(expected)) if r.seed is None]
     requests = [greedy[i % len(greedy)] for i in range(n)]
@@ -377,26 +340,10 @@ def hostile_value(rng: random.Random):
     )()
 
 
-FIELDS = [
-    "prompt",
-    "messages",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "n",
-    "stream",
-    "request_id",
-    "model",
-    "priority",
-    "ignore_eos",
-    "logprobs",
-    "return_token_ids",
-]
+FIELDS = (
+    "prompt messages max_tokens temperature top_p top_k min_p seed stop stop_token_ids n stream "
+    "request_id model priority ignore_eos logprobs return_token_ids"
+).split()
 
 
 def hostile_body(rng: random.Random) -> bytes:
@@ -428,7 +375,13 @@ def hostile_grpc(rng: random.Random) -> inference_pb2.GenerateRequest:
     return msg
 
 
-async def fuzz(mesh: Mesh, cases: int, expected: dict[int, tuple], concurrency: int = 16) -> dict:
+async def fuzz(
+    mesh: RunningMesh,
+    cases: int,
+    expected: dict[int, tuple],
+    killed: set[int],
+    concurrency: int = 16,
+) -> dict:
     rng = random.Random(0)
     counts = {"http": 0, "grpc": 0, "5xx": 0, "internal": 0, "hangs": 0}
     examples: list[str] = []
@@ -436,7 +389,7 @@ async def fuzz(mesh: Mesh, cases: int, expected: dict[int, tuple], concurrency: 
     paths = ["/v1/completions", "/v1/chat/completions"]
     async with (
         grpc.aio.insecure_channel(mesh.info["gateway_grpc"]) as channel,
-        httpx.AsyncClient(base_url=f"http://{mesh.info['gateway_http']}", timeout=20) as client,
+        httpx.AsyncClient(base_url=f"http://{mesh.info['gateway_http']}", timeout=20) as http,
     ):
         stub = inference_pb2_grpc.InferenceStub(channel)
 
@@ -459,7 +412,7 @@ async def fuzz(mesh: Mesh, cases: int, expected: dict[int, tuple], concurrency: 
                     return
                 counts["http"] += 1
                 try:
-                    r = await client.post(
+                    r = await http.post(
                         rng.choice(paths),
                         content=hostile_body(rng),
                         headers={"content-type": "application/json"},
@@ -473,9 +426,7 @@ async def fuzz(mesh: Mesh, cases: int, expected: dict[int, tuple], concurrency: 
         for start in range(0, cases, 1000):  # batches keep the pending-task count bounded
             await asyncio.gather(*(one(i) for i in range(start, min(cases, start + 1000))))
             print(f"    fuzz {min(cases, start + 1000)}/{cases}", flush=True)
-    crashes = [
-        name for name, pid in mesh.pids.items() if pid not in mesh.killed and not _alive(pid)
-    ]
+    crashes = [name for name, pid in mesh.pids.items() if pid not in killed and not _alive(pid)]
     check = await run_load(mesh, [r for r in request_set(8) if r.seed is None], 4)
     correct = all(not r.error and (r.tokens, r.finish) == expected[r.key] for r in check)
     row = {
@@ -498,61 +449,14 @@ async def fuzz(mesh: Mesh, cases: int, expected: dict[int, tuple], concurrency: 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--checkpoint", type=Path, default=ROOT / ".cache" / "chaos-tiny-mixtral")
-    parser.add_argument("--requests", type=int, default=64, help="requests per fault scenario")
-    parser.add_argument("--concurrency", type=int, default=8, help="clients at once")
-    parser.add_argument("--fuzz-cases", type=int, default=10_000)
-    parser.add_argument(
-        "--quick", action="store_true", help="small counts: a smoke run in about a minute"
-    )
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "chaos.json")
-    args = parser.parse_args()
+    args = parse_settings(Settings, __doc__)
     if args.quick:
         args.requests, args.fuzz_cases = 24, 1000
     if not (args.checkpoint / "config.json").exists():
         print(f"==> creating {args.checkpoint} (tiny preset)", flush=True)
         create_checkpoint(args.checkpoint, "mixtral", "tiny")
     with tempfile.TemporaryDirectory(prefix="moe-chaos-") as tmp:
-        work = Path(tmp)
-        print("==> mesh: 2 routers, 2 expert groups x 2 replicas", flush=True)
-        mesh = Mesh(
-            args.checkpoint,
-            work,
-            "mesh",
-            "--routers",
-            "2",
-            "--replicas",
-            "2",
-            "--expert-services",
-            "2",
-        )
-        try:
-            rows, expected = asyncio.run(
-                fault_scenarios(mesh, args.requests, args.concurrency, 4.0 if args.quick else 10.0)
-            )
-            print(f"==> fuzz ({args.fuzz_cases} cases)", flush=True)
-            rows.append(asyncio.run(fuzz(mesh, args.fuzz_cases, expected)))
-        finally:
-            mesh.stop()
-        print("==> overload: max_in_flight 2, max_queued 2", flush=True)
-        small = Mesh(
-            args.checkpoint,
-            work,
-            "small",
-            "--expert-services",
-            "2",
-            "--max-in-flight",
-            "2",
-            "--max-queued",
-            "2",
-        )
-        try:
-            rows.append(asyncio.run(overload(small, 40, expected)))
-        finally:
-            small.stop()
+        rows = scenarios(args, Path(tmp))
     report = {
         "bench": "chaos",
         "quick": args.quick,
@@ -569,6 +473,26 @@ def main() -> int:
             print(f"{'':<24}{e}")
     print(f"==> wrote {args.out}")
     return 0 if report["all_met"] else 1
+
+
+def scenarios(args: Settings, work: Path) -> list[dict]:
+    """The faults and the fuzz in one mesh, then the overload in a second, smaller one."""
+    print("==> mesh: 2 routers, 2 expert groups x 2 replicas", flush=True)
+    flags = ("--routers", "2", "--replicas", "2", "--expert-services", "2")
+    killed: set[int] = set()
+    with mesh_up(args.checkpoint, work, "mesh", *flags) as mesh:
+        rows, expected = asyncio.run(
+            fault_scenarios(
+                mesh, args.requests, args.concurrency, 4.0 if args.quick else 10.0, killed
+            )
+        )
+        print(f"==> fuzz ({args.fuzz_cases} cases)", flush=True)
+        rows.append(asyncio.run(fuzz(mesh, args.fuzz_cases, expected, killed)))
+    print("==> overload: max_in_flight 2, max_queued 2", flush=True)
+    flags = ("--expert-services", "2", "--max-in-flight", "2", "--max-queued", "2")
+    with mesh_up(args.checkpoint, work, "small", *flags) as small:
+        rows.append(asyncio.run(overload(small, 40, expected)))
+    return rows
 
 
 if __name__ == "__main__":

@@ -22,10 +22,11 @@ from common import runtime
 
 runtime.configure()  # before torch loads OpenMP
 import torch  # noqa: E402
+from pydantic import Field  # noqa: E402
 
-from bench import ensure_checkpoint, parser_with_checkpoint, write_result  # noqa: E402
+from bench import ScriptSettings, ensure_checkpoint, parse_settings, write_result  # noqa: E402
+from common.sampling import SamplingParams  # noqa: E402
 from router_service.build import build_local_engine  # noqa: E402
-from router_service.engine.sampling import SamplingParams  # noqa: E402
 from router_service.settings import RouterSettings  # noqa: E402
 
 
@@ -82,18 +83,20 @@ def settings(args, chunked: bool) -> RouterSettings:
     )
 
 
+class Settings(ScriptSettings):
+    out: Path = Field(Path("bench/results/chunked_prefill.json"), description="the JSON result")
+    dtype: str = Field("float32", description="compute dtype")
+    prompt_len: int = Field(2000, ge=1, description="tokens of the long prompt")
+    decoders: int = Field(16, ge=1, description="sequences decoding when it arrives")
+    decoder_prompt_len: int = Field(32, ge=1, description="their prompts' tokens")
+    warmup_tokens: int = Field(6, ge=0, description="decode tokens before")
+    max_prefill_tokens: int = Field(512, ge=1, description="the router's prefill chunk")
+    kv_cache_bytes: str = Field("1GiB", description="KV-cache bytes")
+    repeats: int = Field(3, ge=1, description="runs of each set-up")
+
+
 def main() -> int:
-    parser = parser_with_checkpoint(__doc__)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--prompt-len", type=int, default=2000)
-    parser.add_argument("--decoders", type=int, default=16)
-    parser.add_argument("--decoder-prompt-len", type=int, default=32)
-    parser.add_argument("--warmup-tokens", type=int, default=6, help="decode tokens before")
-    parser.add_argument("--max-prefill-tokens", type=int, default=512)
-    parser.add_argument("--kv-cache-bytes", default="1GiB")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/chunked_prefill.json"))
-    args = parser.parse_args()
+    args = parse_settings(Settings, __doc__)
 
     ensure_checkpoint(args.checkpoint)
     engines = {

@@ -10,7 +10,6 @@ layer is waiting on compute, not on the transport.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -23,13 +22,14 @@ from common import runtime
 runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
 import torch  # noqa: E402
 import uvloop  # noqa: E402
+from pydantic import Field  # noqa: E402
 
-from bench import ensure_checkpoint  # noqa: E402
+from bench import ScriptSettings, ensure_checkpoint, parse_settings  # noqa: E402
+from moe_mesh.benchmark.metrics import samples, total  # noqa: E402
+from moe_mesh.local.processes import start_experts  # noqa: E402
 from router_service.build import build_local_engine, build_router  # noqa: E402
 from router_service.experts.remote import RemoteExperts  # noqa: E402
 from router_service.settings import RouterSettings  # noqa: E402
-from tests.support.metrics import scrape, total  # noqa: E402
-from tests.support.processes import start_experts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPUTE = "moe_expert_compute_duration_seconds_sum"
@@ -37,14 +37,14 @@ COMPUTE = "moe_expert_compute_duration_seconds_sum"
 
 async def layer_ms(dispatcher, weights, x: torch.Tensor, repeats: int) -> float:
     for _ in range(5):  # warm channels, fast paths and page in weights
-        await dispatcher.moe(0, x, weights)
+        await dispatcher.moe_layer(0, x, weights)
     start = time.perf_counter()
     for _ in range(repeats):
-        await dispatcher.moe(0, x, weights)
+        await dispatcher.moe_layer(0, x, weights)
     return (time.perf_counter() - start) / repeats * 1e3
 
 
-async def profile(args: argparse.Namespace) -> list[dict]:
+async def profile(args: ScriptSettings) -> list[dict]:
     specs = [f"*:{2 * i}-{2 * i + 1}" for i in range(4)]
     experts = start_experts(
         args.checkpoint, specs, Path(tempfile.mkdtemp(prefix="moe-profile-")), "--metrics-port", "0"
@@ -85,12 +85,12 @@ async def profile(args: argparse.Namespace) -> list[dict]:
             }
             for t, parts in meshes.items():
                 model = parts.engine.model
-                before = [total(scrape(e.ready["metrics"]), COMPUTE) for e in experts]
+                before = [total(samples(e.ready["metrics"]), COMPUTE) for e in experts]
                 calls_ms.clear()
                 row[f"{t}_layer_ms"] = await layer_ms(
                     model.dispatcher, model.weights.layers[0], x, args.repeats
                 )
-                after = [total(scrape(e.ready["metrics"]), COMPUTE) for e in experts]
+                after = [total(samples(e.ready["metrics"]), COMPUTE) for e in experts]
                 row[f"{t}_call_p50_ms"] = statistics.median(calls_ms)
                 # Includes the 5 warm-up layers' compute: a slight overstatement.
                 row[f"{t}_service_ffn_ms_per_layer"] = [
@@ -116,15 +116,18 @@ async def profile(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+class Settings(ScriptSettings):
+    checkpoint: Path = Field(
+        ROOT / ".cache/bench-small-mixtral",
+        description="checkpoint; the small Mixtral is created if missing",
     )
-    parser.add_argument("--checkpoint", type=Path, default=ROOT / ".cache/bench-small-mixtral")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[32, 256])
-    parser.add_argument("--repeats", type=int, default=60)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/dispatch_profile.json")
-    args = parser.parse_args()
+    out: Path = Field(ROOT / "bench/results/dispatch_profile.json", description="the JSON result")
+    tokens: list[int] = Field([32, 256], description="tokens per MoE layer call")
+    repeats: int = Field(60, ge=1, description="calls timed per size")
+
+
+def main() -> int:
+    args = parse_settings(Settings, __doc__)
     ensure_checkpoint(args.checkpoint)
     rows = uvloop.run(profile(args))  # the router's loop (mesh_dispatch.run)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ larger than the last-level cache) and prints the engine's batch-1 rate × bytes 
     .venv/bin/python -m bench.engine_vs_transformers [--checkpoint DIR] [--batch-sizes 1,8,32]
         [--dtypes float32,bfloat16]
 
-(from the checkout root, where `bench` and `tests` import as packages)
+(from the checkout root, where `bench` imports as a package)
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ from common import runtime
 
 runtime.configure()  # before torch loads OpenMP
 import torch  # noqa: E402
+from pydantic import Field  # noqa: E402
 
-from bench import ensure_checkpoint, parser_with_checkpoint, write_result  # noqa: E402
+from bench import ScriptSettings, ensure_checkpoint, parse_settings, write_result  # noqa: E402
+from common.sampling import SamplingParams  # noqa: E402
 from moe_mesh.planning.measure import read_bandwidth  # noqa: E402
 from router_service.build import build_local_engine  # noqa: E402
-from router_service.engine.sampling import SamplingParams  # noqa: E402
 from router_service.settings import RouterSettings  # noqa: E402
 
 
@@ -94,17 +95,58 @@ def bytes_per_token(spec, itemsize: int) -> int:
     return params * itemsize
 
 
-def main() -> int:
-    parser = parser_with_checkpoint(__doc__)
-    parser.add_argument("--batch-sizes", default="1,8,32")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--out", type=Path, default=Path("bench/results/engine_vs_transformers.json")
+def measure(
+    engine, hf, dtype_name: str, b: int, gen, args: ScriptSettings, bandwidth: float
+) -> dict:
+    """Decode tokens/s of the engine and of transformers at batch `b`, medians of the repeats."""
+    spec = engine.model.spec
+    prompts = torch.randint(3, spec.vocab_size, (b, args.prompt_len), generator=gen).tolist()
+    ours, theirs, same = [], [], True
+    # One-time costs (kernel set-up for these shapes) must not land in a timed run.
+    engine_generate(engine, prompts, 2)
+    hf_generate(hf, engine, prompts, 2)
+    for _ in range(args.repeats):
+        rate, a = decode_rate(partial(engine_generate, engine), prompts, args.new_tokens)
+        ours.append(rate)
+        rate, h = decode_rate(partial(hf_generate, hf, engine), prompts, args.new_tokens)
+        theirs.append(rate)
+        same = same and a == h
+    row = {
+        "dtype": dtype_name,
+        "batch": b,
+        "engine_tokens_per_s": statistics.median(ours),
+        "transformers_tokens_per_s": statistics.median(theirs),
+        "greedy_outputs_identical": same,
+        "engine_serial_max_tokens": engine.model.serial_max_tokens,
+    }
+    row["ratio"] = row["engine_tokens_per_s"] / row["transformers_tokens_per_s"]
+    line = (
+        f"{dtype_name:>8} batch {b:>3}: engine {row['engine_tokens_per_s']:7.1f} tok/s   "
+        f"transformers {row['transformers_tokens_per_s']:7.1f} tok/s   "
+        f"ratio {row['ratio']:.2f}x   identical={same}"
     )
-    args = parser.parse_args()
+    if b == 1:
+        per_token = bytes_per_token(spec, getattr(torch, dtype_name).itemsize)
+        row["bytes_per_token"] = per_token
+        row["bandwidth_share"] = row["engine_tokens_per_s"] * per_token / bandwidth
+        line += f"   {row['bandwidth_share']:.0%} of memory bandwidth"
+    print(line, flush=True)
+    return row
+
+
+class Settings(ScriptSettings):
+    out: Path = Field(
+        Path("bench/results/engine_vs_transformers.json"), description="the JSON result"
+    )
+    batch_sizes: str = Field("1,8,32", description="comma-separated batch sizes")
+    dtypes: str = Field("float32,bfloat16", description="comma-separated dtypes")
+    new_tokens: int = Field(32, ge=1, description="tokens generated per sequence")
+    prompt_len: int = Field(16, ge=1, description="prompt tokens per sequence")
+    repeats: int = Field(3, ge=1, description="runs of each case")
+
+
+def main() -> int:
+    args = parse_settings(Settings, __doc__)
 
     ensure_checkpoint(args.checkpoint)
     from transformers import AutoModelForCausalLM
@@ -120,45 +162,12 @@ def main() -> int:
             RouterSettings(checkpoint=args.checkpoint, max_num_seqs=max(batches), dtype=dtype_name)
         )
         spec = engine.model.spec
-        per_token = bytes_per_token(spec, dtype.itemsize)
         # Measured at start-up (common.linear.serial_tokens): it moves with the host's speed.
         serial = engine.model.serial_max_tokens
         print(f"{dtype_name}: the engine decodes up to {serial} tokens on one thread", flush=True)
         gen = torch.Generator().manual_seed(0)
         for b in batches:
-            prompts = torch.randint(
-                3, spec.vocab_size, (b, args.prompt_len), generator=gen
-            ).tolist()
-            ours, theirs, same = [], [], True
-            # One-time costs (kernel set-up for these shapes) must not land in a timed run.
-            engine_generate(engine, prompts, 2)
-            hf_generate(hf, engine, prompts, 2)
-            for _ in range(args.repeats):
-                rate, a = decode_rate(partial(engine_generate, engine), prompts, args.new_tokens)
-                ours.append(rate)
-                rate, h = decode_rate(partial(hf_generate, hf, engine), prompts, args.new_tokens)
-                theirs.append(rate)
-                same = same and a == h
-            row = {
-                "dtype": dtype_name,
-                "batch": b,
-                "engine_tokens_per_s": statistics.median(ours),
-                "transformers_tokens_per_s": statistics.median(theirs),
-                "greedy_outputs_identical": same,
-                "engine_serial_max_tokens": serial,
-            }
-            row["ratio"] = row["engine_tokens_per_s"] / row["transformers_tokens_per_s"]
-            line = (
-                f"{dtype_name:>8} batch {b:>3}: engine {row['engine_tokens_per_s']:7.1f} tok/s   "
-                f"transformers {row['transformers_tokens_per_s']:7.1f} tok/s   "
-                f"ratio {row['ratio']:.2f}x   identical={same}"
-            )
-            if b == 1:
-                row["bytes_per_token"] = per_token
-                row["bandwidth_share"] = row["engine_tokens_per_s"] * per_token / bandwidth
-                line += f"   {row['bandwidth_share']:.0%} of memory bandwidth"
-            rows.append(row)
-            print(line, flush=True)
+            rows.append(measure(engine, hf, dtype_name, b, gen, args, bandwidth))
         engine.close()
 
     write_result(

@@ -17,11 +17,14 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path  # noqa: E402
 
 import grpc
 import torch
 import uvloop
+from pydantic import Field  # noqa: E402
 
+from bench import ScriptSettings, parse_settings  # noqa: E402
 from common.fastpath import parse_worker_url
 from common.fastpath.client import FrameClient
 from common.fastpath.frame import RequestHeader
@@ -117,11 +120,14 @@ async def main(args: argparse.Namespace) -> None:
         proc.wait(10)
 
 
+class Settings(ScriptSettings):
+    out: Path = Field(Path("bench/results/fastpath_echo.json"), description="unused: it prints")
+    serve: bool = Field(False, description="be the echo server")
+    sizes: list[int] = Field([8192, 131072, 1048576], description="message bytes")
+    calls: int = Field(300, ge=1, description="calls per size")
+    gap_ms: float = Field(0.0, ge=0, description="idle time between calls")
+
+
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--serve", action="store_true")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[8192, 131072, 1048576])
-    parser.add_argument("--calls", type=int, default=300)
-    parser.add_argument("--gap-ms", type=float, default=0.0, help="idle time between calls")
-    a = parser.parse_args()
+    a = parse_settings(Settings, __doc__)
     uvloop.run(serve() if a.serve else main(a))  # as the services and routers run

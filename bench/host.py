@@ -102,11 +102,17 @@ def _cpu_model() -> str:
 
 
 def main() -> int:
-    from bench import write_result
+    from pydantic import Field
 
+    from bench import ScriptSettings, parse_settings, write_result
+
+    class Settings(ScriptSettings):
+        out: Path = Field(ROOT / "bench/results/host.json", description="the JSON result")
+
+    args = parse_settings(Settings, __doc__, skip=("checkpoint",))  # it runs no model
     facts = host_facts()
     print(json.dumps(facts, indent=2))
-    write_result(ROOT / "bench/results/host.json", facts)
+    write_result(args.out, facts)
     return 0
 
 

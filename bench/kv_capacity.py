@@ -29,9 +29,12 @@ from pathlib import Path
 from common import runtime
 
 runtime.configure()  # before torch loads OpenMP
-import torch  # noqa: E402
+from typing import Literal  # noqa: E402
 
-from bench import ensure_checkpoint, parser_with_checkpoint, write_result  # noqa: E402
+import torch  # noqa: E402
+from pydantic import Field  # noqa: E402
+
+from bench import ScriptSettings, ensure_checkpoint, parse_settings, write_result  # noqa: E402
 from common.checkpoint import Checkpoint  # noqa: E402
 from common.units import parse_size  # noqa: E402
 
@@ -44,7 +47,7 @@ from common import runtime
 runtime.configure()
 import torch
 from router_service.build import build_local_engine
-from router_service.engine.sampling import SamplingParams
+from common.sampling import SamplingParams
 from router_service.settings import RouterSettings
 
 args = json.loads(sys.argv[1])
@@ -101,16 +104,18 @@ def slot_capacity(budget: int, token_bytes: int, length: int) -> int:
     return slots if slots * capacity * token_bytes <= budget else 0
 
 
+class Settings(ScriptSettings):
+    out: Path = Field(Path("bench/results/kv_capacity.json"), description="the JSON result")
+    budget: str = Field("400MiB", description="KV-cache bytes")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="compute dtype")
+    prompt_len: int = Field(968, ge=1, description="prompt tokens per request")
+    new_tokens: int = Field(32, ge=1, description="tokens generated per request")
+    requests: int = Field(48, ge=1, description="more than either cache holds")
+    slot_checkout: Path | None = Field(None, description="a checkout of the slot-cache engine")
+
+
 def main() -> int:
-    parser = parser_with_checkpoint(__doc__)
-    parser.add_argument("--budget", default="400MiB", help="KV-cache bytes")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--prompt-len", type=int, default=968)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--requests", type=int, default=48, help="more than either cache holds")
-    parser.add_argument("--slot-checkout", type=Path, help="a checkout of the slot-cache engine")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/kv_capacity.json"))
-    args = parser.parse_args()
+    args = parse_settings(Settings, __doc__)
 
     ensure_checkpoint(args.checkpoint)
     checkpoint = args.checkpoint.resolve()

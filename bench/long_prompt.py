@@ -14,17 +14,17 @@ chunks; and a router message limit of 1 MiB (a chunk's rows are 4 MiB).
 
 from __future__ import annotations
 
-import argparse
 import random
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+from pydantic import Field
 
-from bench import write_result
-from bench.chaos import Mesh
-from tests.support.metrics import scrape, total
+from bench import ScriptSettings, parse_settings, write_result
+from moe_mesh.benchmark.metrics import samples, total
+from moe_mesh.local.processes import RunningMesh, running_up
 
 CHECKPOINT = Path(".cache/bench-wide-mixtral")
 WIDE = {"intermediate_size": 8192, "num_hidden_layers": 2, "num_local_experts": 4}
@@ -41,20 +41,28 @@ COUNTERS = (
 )
 
 
-def counters(mesh: Mesh) -> dict[str, float]:
-    samples = [scrape(address) for address in mesh.info["metrics"]["routers"]]
-    return {name: sum(total(s, name) for s in samples) for name in COUNTERS}
+class Settings(ScriptSettings):
+    checkpoint: Path = Field(CHECKPOINT, description="the wide checkpoint; created if missing")
+    out: Path = Field(Path("bench/results/long_prompt.json"), description="the JSON result")
+    prompt_len: int = Field(2048, ge=1, description="tokens of the long prompt")
+    replicas: int = Field(1, ge=1, description="replicas of the expert service")
+    warmups: int = Field(6, ge=0, description="short requests before it")
 
 
-def run_case(args: argparse.Namespace, workdir: Path, name: str, flags: str) -> dict:
+def counters(mesh: RunningMesh) -> dict[str, float]:
+    scraped = [samples(address) for address in mesh.info["metrics"]["routers"]]
+    return {name: sum(total(s, name) for s in scraped) for name in COUNTERS}
+
+
+def run_case(args: Settings, workdir: Path, name: str, flags: str) -> dict:
     router = f"--max-model-len {args.prompt_len + 64} {flags}"
     slug = name.replace(" ", "-")
-    mesh = Mesh(
-        CHECKPOINT, workdir, slug, "--expert-services", "1",
-        "--replicas", str(args.replicas), "--router-arg", router,
-    )  # fmt: skip
+    up_flags = ("--expert-services", "1", "--replicas", str(args.replicas), "--router-arg", router)
     rng = random.Random(0)
-    try:
+    with running_up(
+        args.checkpoint, up_flags, ready_file=workdir / f"{slug}.json", run_dir=workdir / slug,
+        log_path=workdir / f"{slug}.log", ready_timeout_s=180,
+    ) as mesh:  # fmt: skip
         with httpx.Client(base_url=f"http://{mesh.info['gateway_http']}/v1", timeout=600) as h:
             model = h.get("/models").json()["data"][0]["id"]
 
@@ -70,8 +78,6 @@ def run_case(args: argparse.Namespace, workdir: Path, name: str, flags: str) -> 
             before = counters(mesh)
             reply, seconds = complete(args.prompt_len, 2)
             after = counters(mesh)
-    finally:
-        mesh.stop()
     result = {
         "router_flags": router,
         "status": reply.status_code,
@@ -85,18 +91,13 @@ def run_case(args: argparse.Namespace, workdir: Path, name: str, flags: str) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--prompt-len", type=int, default=2048)
-    parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--warmups", type=int, default=6, help="short requests before it")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/long_prompt.json"))
-    args = parser.parse_args()
-    if not (CHECKPOINT / "config.json").exists():
+    args = parse_settings(Settings, __doc__)
+    if not (args.checkpoint / "config.json").exists():
         from moe_mesh.dev.create_checkpoint import create_checkpoint
 
-        create_checkpoint(CHECKPOINT, "mixtral", "small", seed=0, overrides=WIDE, progress=True)
+        create_checkpoint(
+            args.checkpoint, "mixtral", "small", seed=0, overrides=WIDE, progress=True
+        )
     with tempfile.TemporaryDirectory(prefix="long-prompt-") as tmp:
         cases = {name: run_case(args, Path(tmp), name, flags) for name, flags in CASES.items()}
     write_result(args.out, {"prompt_len": args.prompt_len, "replicas": args.replicas, **cases})

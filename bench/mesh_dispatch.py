@@ -13,12 +13,11 @@ set-ups are timed in turn, repeat by repeat, so drift in this host's speed hits 
 
     .venv/bin/python -m bench.mesh_dispatch [--checkpoint DIR] [--services 4]
 
-(from the checkout root, where `bench` and `tests` import as packages)
+(from the checkout root, where `bench` imports as a package)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -31,19 +30,20 @@ from common import runtime
 runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
 import torch  # noqa: E402
 import uvloop  # noqa: E402
+from pydantic import Field  # noqa: E402
 
-from bench import ensure_checkpoint  # noqa: E402
+from bench import ScriptSettings, ensure_checkpoint, parse_settings  # noqa: E402
 from bench.host import around  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
 from common.checkpoint import Checkpoint  # noqa: E402
 from common.moe import route  # noqa: E402
+from common.sampling import SamplingParams  # noqa: E402
+from moe_mesh.local.processes import start_experts  # noqa: E402
 from router_service.build import build_local_engine, build_router  # noqa: E402
-from router_service.engine.sampling import SamplingParams  # noqa: E402
-from router_service.experts.dispatch import CallTimes  # noqa: E402
+from router_service.engine.pipeline import CallTimes  # noqa: E402
 from router_service.settings import RouterSettings  # noqa: E402
-from tests.support.processes import start_experts  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / ".cache/bench-small-mixtral"
 
@@ -56,14 +56,11 @@ def percentile(xs: list[float], q: float) -> float:
 async def time_layer(dispatcher, layer_weights, x: torch.Tensor) -> tuple[float, float]:
     """One call of MoE layer 0 (ms): its whole time, and the part of its remote calls' round trip
     that was not the slowest service's own time (transfer, framing, waking up; 0 colocated)."""
+    calls: list[CallTimes] = []
     start = time.perf_counter()
-    routed = dispatcher.route(0, x, layer_weights)
-    outputs = dispatcher.colocated_outputs(routed, x)
-    calls = CallTimes()
-    if outputs is None:
-        outputs = await dispatcher.gather(routed, x, None, calls)
-    dispatcher.finish(routed, outputs, x, layer_weights)
-    return (time.perf_counter() - start) * 1000, (calls.wall - calls.service) * 1000
+    await dispatcher.moe_layer(0, x, layer_weights, calls=calls)
+    beyond = sum(c.wall - c.service for c in calls)  # no entry when colocated
+    return (time.perf_counter() - start) * 1000, beyond * 1000
 
 
 async def time_layers(
@@ -118,7 +115,83 @@ def peak_rss_bytes(pid: int) -> int:
     return 0
 
 
-async def main_async(args: argparse.Namespace) -> dict:
+async def dispatch_row(engines: dict, layer0, spec, n: int, repeats: int) -> dict:
+    """One MoE layer's round trip at `n` tokens: colocated, over gRPC and over UCX."""
+    x = torch.randn(n, spec.hidden_size, generator=torch.Generator().manual_seed(n))
+    hit = route(x, layer0.router, spec, layer0.router_bias, layer0.router_correction).experts
+    row = {"tokens": n, "experts_hit": int(hit.unique().numel())}
+    for name, (ms, beyond) in (await time_layers(engines, x, repeats)).items():
+        row[f"{name}_p50_ms"] = statistics.median(ms)
+        row[f"{name}_p99_ms"] = percentile(ms, 0.99)
+        if name != "colocated":
+            row[f"{name}_beyond_service_p50_ms"] = statistics.median(beyond)
+    for t in ("grpc", "ucx"):
+        row[f"{t}_overhead_p50_ms"] = row[f"{t}_p50_ms"] - row["colocated_p50_ms"]
+    # Target: the fast path's overhead over colocated <= 1/3 of gRPC's (at 32 and 256 tokens).
+    # An overhead can be negative (four services computing experts side by side can beat one
+    # process): then the share is no figure, the inequality still is.
+    ucx, grpc = row["ucx_overhead_p50_ms"], row["grpc_overhead_p50_ms"]
+    share = row["ucx_overhead_share_of_grpc"] = ucx / grpc if grpc > 0 else None
+    within = row["ucx_overhead_within_a_third_of_grpc"] = ucx <= grpc / 3
+    # What the transport itself controls: the round trip beyond the services' own time.
+    row["ucx_beyond_service_share_of_grpc"] = (
+        row["ucx_beyond_service_p50_ms"] / row["grpc_beyond_service_p50_ms"]
+    )
+    print(
+        f"dispatch {n:>3} tokens: p50/p99 ms gRPC {row['grpc_p50_ms']:.2f}/{row['grpc_p99_ms']:.2f} | "
+        f"UCX {row['ucx_p50_ms']:.2f}/{row['ucx_p99_ms']:.2f} | "
+        f"colocated {row['colocated_p50_ms']:.2f}/{row['colocated_p99_ms']:.2f} | "
+        f"overhead over colocated gRPC {grpc:+.2f}, UCX {ucx:+.2f}"
+        f"{'' if share is None else f' ({share:.2f} of gRPC)'}, "
+        f"{'within' if within else 'over'} a third of gRPC's | beyond the "
+        f"services' own time: gRPC {row['grpc_beyond_service_p50_ms']:.2f}, UCX "
+        f"{row['ucx_beyond_service_p50_ms']:.2f} ({row['ucx_beyond_service_share_of_grpc']:.2f})",
+        flush=True,
+    )
+    return row
+
+
+async def decode_efficiency(engines: dict, spec, b: int, args: ScriptSettings) -> dict:
+    """Decode tokens/s at batch `b` of the monolithic engine and the two all-remote meshes."""
+    runs: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(args.decode_repeats):  # in turn, as the layer timings
+        for name, engine in engines.items():
+            runs[name].append(await decode_rate(engine, b, args.new_tokens, spec.vocab_size))
+    rates = {name: statistics.median(r) for name, r in runs.items()}
+    mono = rates["monolithic"]
+    print(
+        f"decode batch {b:>2}: monolithic {mono:.1f} tok/s; all-remote mesh over gRPC "
+        f"{rates['grpc']:.1f} tok/s ({rates['grpc'] / mono:.2f}), over UCX {rates['ucx']:.1f} tok/s "
+        f"({rates['ucx'] / mono:.2f})",
+        flush=True,
+    )
+    meshes = ("grpc", "ucx")
+    return {
+        "batch": b,
+        "monolithic_tokens_per_s": mono,
+        **{f"{t}_mesh_tokens_per_s": rates[t] for t in meshes},
+        **{f"{t}_mesh_efficiency": rates[t] / mono for t in meshes},
+    }
+
+
+def rss_row(proc, s: str, spec, per: int, floor_rss: int) -> dict:
+    """An expert service's peak RSS next to the weights it holds and the one-expert floor."""
+    expert_bytes = 3 * spec.hidden_size * spec.expert_intermediate_size * 4
+    held = per * len(spec.moe_layer_ids) * expert_bytes
+    peak = peak_rss_bytes(proc.proc.pid)
+    print(
+        f"expert service {s}: holds {held / 2**20:.0f} MiB of weights, peak RSS {peak / 2**20:.0f} MiB "
+        f"({(peak - floor_rss) / 2**20:.0f} MiB above the one-expert floor)"
+    )
+    return {
+        "experts": s,
+        "weights_mib": held / 2**20,
+        "peak_rss_mib": peak / 2**20,
+        "peak_rss_above_floor_mib": (peak - floor_rss) / 2**20,
+    }
+
+
+async def main_async(args: ScriptSettings) -> dict:
     ckpt = Checkpoint(args.checkpoint)
     spec = ckpt.spec
     per = spec.num_experts // args.services
@@ -143,73 +216,12 @@ async def main_async(args: argparse.Namespace) -> dict:
                 )
             )
         layer0 = local.model.weights.layers[0]
-        dispatch = []
-        for n in (1, 32, 256):
-            x = torch.randn(n, spec.hidden_size, generator=torch.Generator().manual_seed(n))
-            row = {
-                "tokens": n,
-                "experts_hit": int(
-                    route(x, layer0.router, spec, layer0.router_bias, layer0.router_correction)
-                    .experts.unique()
-                    .numel()
-                ),
-            }
-            engines = {"colocated": local, **{t: p.engine for t, p in meshes.items()}}
-            for name, (ms, beyond) in (await time_layers(engines, x, args.repeats)).items():
-                row[f"{name}_p50_ms"] = statistics.median(ms)
-                row[f"{name}_p99_ms"] = percentile(ms, 0.99)
-                if name != "colocated":
-                    row[f"{name}_beyond_service_p50_ms"] = statistics.median(beyond)
-            for t in meshes:
-                row[f"{t}_overhead_p50_ms"] = row[f"{t}_p50_ms"] - row["colocated_p50_ms"]
-            # Target: the fast path's overhead over colocated <= 1/3 of gRPC's (at 32 and 256 tokens).
-            # An overhead can be negative (four services computing experts side by side can beat one
-            # process): then the share is no figure, the inequality still is.
-            ucx, grpc = row["ucx_overhead_p50_ms"], row["grpc_overhead_p50_ms"]
-            share = row["ucx_overhead_share_of_grpc"] = ucx / grpc if grpc > 0 else None
-            within = row["ucx_overhead_within_a_third_of_grpc"] = ucx <= grpc / 3
-            # What the transport itself controls: the round trip beyond the services' own time.
-            row["ucx_beyond_service_share_of_grpc"] = (
-                row["ucx_beyond_service_p50_ms"] / row["grpc_beyond_service_p50_ms"]
-            )
-            dispatch.append(row)
-            print(
-                f"dispatch {n:>3} tokens: p50/p99 ms gRPC {row['grpc_p50_ms']:.2f}/{row['grpc_p99_ms']:.2f} | "
-                f"UCX {row['ucx_p50_ms']:.2f}/{row['ucx_p99_ms']:.2f} | "
-                f"colocated {row['colocated_p50_ms']:.2f}/{row['colocated_p99_ms']:.2f} | "
-                f"overhead over colocated gRPC {grpc:+.2f}, UCX {ucx:+.2f}"
-                f"{'' if share is None else f' ({share:.2f} of gRPC)'}, "
-                f"{'within' if within else 'over'} a third of gRPC's | beyond the "
-                f"services' own time: gRPC {row['grpc_beyond_service_p50_ms']:.2f}, UCX "
-                f"{row['ucx_beyond_service_p50_ms']:.2f} ({row['ucx_beyond_service_share_of_grpc']:.2f})",
-                flush=True,
-            )
-
-        efficiency = []
-        for b in (1, 32):
-            engines = {"monolithic": local, **{t: p.engine for t, p in meshes.items()}}
-            runs: dict[str, list[float]] = {name: [] for name in engines}
-            for _ in range(args.decode_repeats):  # in turn, as the layer timings
-                for name, engine in engines.items():
-                    runs[name].append(
-                        await decode_rate(engine, b, args.new_tokens, spec.vocab_size)
-                    )
-            rates = {name: statistics.median(r) for name, r in runs.items()}
-            mono = rates["monolithic"]
-            efficiency.append(
-                {
-                    "batch": b,
-                    "monolithic_tokens_per_s": mono,
-                    **{f"{t}_mesh_tokens_per_s": rates[t] for t in meshes},
-                    **{f"{t}_mesh_efficiency": rates[t] / mono for t in meshes},
-                }
-            )
-            print(
-                f"decode batch {b:>2}: monolithic {mono:.1f} tok/s; all-remote mesh over gRPC "
-                f"{rates['grpc']:.1f} tok/s ({rates['grpc'] / mono:.2f}), over UCX {rates['ucx']:.1f} tok/s "
-                f"({rates['ucx'] / mono:.2f})",
-                flush=True,
-            )
+        engines = {"colocated": local, **{t: p.engine for t, p in meshes.items()}}
+        dispatch = [
+            await dispatch_row(engines, layer0, spec, n, args.repeats) for n in (1, 32, 256)
+        ]
+        engines = {"monolithic": local, **{t: p.engine for t, p in meshes.items()}}
+        efficiency = [await decode_efficiency(engines, spec, b, args) for b in (1, 32)]
         carried = {t: transports(p.remotes) for t, p in meshes.items()}
         print(f"calls per transport: {carried}", flush=True)
         if carried["ucx"].get("ucx", 0) == 0 or carried["ucx"].get("fallbacks"):
@@ -218,25 +230,9 @@ async def main_async(args: argparse.Namespace) -> dict:
             for r in p.remotes:
                 await r.close()
 
-        expert_bytes = 3 * spec.hidden_size * spec.expert_intermediate_size * 4
         floor_rss = peak_rss_bytes(floor.proc.pid)
         print(f"one-expert service (process floor): peak RSS {floor_rss / 2**20:.0f} MiB")
-        rss = []
-        for proc, s in zip(experts, specs):
-            held = per * len(spec.moe_layer_ids) * expert_bytes
-            peak = peak_rss_bytes(proc.proc.pid)
-            rss.append(
-                {
-                    "experts": s,
-                    "weights_mib": held / 2**20,
-                    "peak_rss_mib": peak / 2**20,
-                    "peak_rss_above_floor_mib": (peak - floor_rss) / 2**20,
-                }
-            )
-            print(
-                f"expert service {s}: holds {held / 2**20:.0f} MiB of weights, peak RSS {peak / 2**20:.0f} MiB "
-                f"({(peak - floor_rss) / 2**20:.0f} MiB above the one-expert floor)"
-            )
+        rss = [rss_row(e, s, spec, per, floor_rss) for e, s in zip(experts, specs)]
     finally:
         for e in [*experts, floor]:
             e.stop()
@@ -249,23 +245,23 @@ async def main_async(args: argparse.Namespace) -> dict:
     }
 
 
+class Settings(ScriptSettings):
+    checkpoint: Path = Field(
+        DEFAULT_CHECKPOINT, description="checkpoint; the small Mixtral is created if missing"
+    )
+    out: Path = Field(ROOT / "bench/results/mesh_dispatch.json", description="the JSON result")
+    services: int = Field(4, ge=1, description="expert services")
+    expert_threads: int = Field(1, ge=1, description="torch threads per expert service")
+    repeats: int = Field(50, ge=1, description="layer calls timed per size")
+    decode_repeats: int = Field(3, ge=1, description="decode runs per batch")
+    new_tokens: int = Field(16, ge=1, description="tokens generated per decode run")
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
-    parser.add_argument("--services", type=int, default=4)
-    parser.add_argument(
-        "--expert-threads", type=int, default=1, help="torch threads per expert service"
-    )
-    parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--decode-repeats", type=int, default=3)
-    parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/mesh_dispatch.json")
-    return run(main_async, parser.parse_args())
+    return run(main_async, parse_settings(Settings, __doc__))
 
 
-def run(main_async, args: argparse.Namespace) -> int:
+def run(main_async, args: ScriptSettings) -> int:
     """The `small` checkpoint made if missing, `main_async(args)` run, its result written to
     args.out with the set-up it ran on (shared by the benches of expert services)."""
     ensure_checkpoint(args.checkpoint)

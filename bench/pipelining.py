@@ -12,13 +12,16 @@ per m are printed with each run.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import Literal  # noqa: E402
 
+from pydantic import Field  # noqa: E402
+
+from bench import ScriptSettings, parse_settings  # noqa: E402
 from common import runtime
 
 runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
@@ -26,14 +29,14 @@ runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads 
 from bench.mesh_dispatch import DEFAULT_CHECKPOINT, ROOT, decode_rate, run, transports  # noqa: E402
 from common.checkpoint import Checkpoint  # noqa: E402
 from common.fastpath.ucx import load_ucxx  # noqa: E402
+from moe_mesh.local.processes import start_experts  # noqa: E402
 from router_service.build import build_local_engine, build_router  # noqa: E402
 from router_service.settings import RouterSettings  # noqa: E402
-from tests.support.processes import start_experts  # noqa: E402
 
 SETTINGS = ("1", "2", "3", "4", "auto")
 
 
-async def main_async(args: argparse.Namespace) -> dict:
+async def main_async(args: ScriptSettings) -> dict:
     spec = Checkpoint(args.checkpoint).spec
     per = spec.num_experts // args.services
     specs = [f"*:{i * per}-{(i + 1) * per - 1}" for i in range(args.services)]
@@ -113,19 +116,23 @@ async def main_async(args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+class Settings(ScriptSettings):
+    checkpoint: Path = Field(
+        DEFAULT_CHECKPOINT, description="checkpoint; the small Mixtral is created if missing"
     )
-    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
-    parser.add_argument("--services", type=int, default=4)
-    parser.add_argument("--expert-threads", type=int, default=1)
-    parser.add_argument("--batches", type=int, nargs="+", default=[32, 64])
-    parser.add_argument("--micro-batches", nargs="+", default=list(SETTINGS), choices=SETTINGS)
-    parser.add_argument("--rounds", type=int, default=3, help="median of this many rounds")
-    parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/pipelining.json")
-    return run(main_async, parser.parse_args())
+    out: Path = Field(ROOT / "bench/results/pipelining.json", description="the JSON result")
+    services: int = Field(4, ge=1, description="expert services")
+    expert_threads: int = Field(1, ge=1, description="torch threads per expert service")
+    batches: list[int] = Field([32, 64], description="batch sizes")
+    micro_batches: list[Literal["1", "2", "3", "4", "auto"]] = Field(
+        list(SETTINGS), description="micro-batch settings compared"
+    )
+    rounds: int = Field(3, ge=1, description="median of this many rounds")
+    new_tokens: int = Field(16, ge=1, description="tokens generated per run")
+
+
+def main() -> int:
+    return run(main_async, parse_settings(Settings, __doc__))
 
 
 if __name__ == "__main__":

@@ -11,12 +11,11 @@ machine's speed hits them alike; medians and ratios to all-remote go to bench/re
 
     .venv/bin/python -m bench.tiering [--checkpoint DIR] [--skew 4] [--batches 1,16] [--rounds 3]
 
-(from the checkout root, where `bench` and `tests` import as packages)
+(from the checkout root, where `bench` imports as a package)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -24,6 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from pydantic import (
+    Field,  # noqa: E402
+    field_validator,  # noqa: E402
+)
+
+from bench import ScriptSettings, parse_settings  # noqa: E402
 from common import runtime
 
 runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
@@ -33,11 +38,11 @@ import uvloop  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 from bench.host import around  # noqa: E402
+from common.sampling import SamplingParams  # noqa: E402
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
+from moe_mesh.local.processes import start_experts  # noqa: E402
 from router_service.build import build_local_engine, build_router  # noqa: E402
-from router_service.engine.sampling import SamplingParams  # noqa: E402
 from router_service.settings import RouterSettings  # noqa: E402
-from tests.support.processes import start_experts  # noqa: E402
 
 
 async def decode(engine, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -64,7 +69,43 @@ async def decode(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     }
 
 
-async def main_async(args: argparse.Namespace) -> dict:
+async def rounds(engines: dict, tiered, prompts, args: ScriptSettings) -> dict:
+    """Each batch size's rounds, the three set-ups in turn on the same prompts."""
+    runs: dict[int, dict[str, list[dict]]] = {
+        b: {name: [] for name in engines} for b in args.batches
+    }
+    for b in args.batches:
+        for r in range(args.rounds):
+            batch = prompts(b)  # the same prompts for all three in a round
+            for name, engine in engines.items():
+                runs[b][name].append(await decode(engine, batch, args.new_tokens))
+                m = runs[b][name][-1]
+                print(
+                    f"batch {b:>2} round {r + 1} {name:<14} {m['tokens_per_s']:7.1f} tok/s  "
+                    f"{m['remote_calls_per_token']:6.2f} remote calls/token  "
+                    f"{m['in_process_share']:6.1%} in-process",
+                    flush=True,
+                )
+            await tiered.tierer.step()  # live policy between rounds, as the background loop would
+    return runs
+
+
+def summarize(runs: dict) -> dict:
+    """Medians per batch size and set-up, and each set-up's throughput over all-remote's."""
+    summary = {}
+    for b, by_name in runs.items():
+        summary[b] = {
+            name: {k: statistics.median(m[k] for m in ms) for k in ms[0]}
+            for name, ms in by_name.items()
+        }
+        for s in summary[b].values():
+            s["throughput_vs_all_remote"] = (
+                s["tokens_per_s"] / summary[b]["all_remote"]["tokens_per_s"]
+            )
+    return summary
+
+
+async def main_async(args: ScriptSettings) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="moe-bench-tiering-"))
     specs = ["*:0-1", "*:2-3", "*:4-5", "*:6-7"]
     experts = start_experts(args.checkpoint, specs, workdir, "--compute-threads", "1")
@@ -106,35 +147,8 @@ async def main_async(args: argparse.Namespace) -> dict:
             flush=True,
         )
 
-        runs: dict[int, dict[str, list[dict]]] = {
-            b: {name: [] for name in engines} for b in args.batches
-        }
-        for b in args.batches:
-            for r in range(args.rounds):
-                batch = prompts(b)  # the same prompts for all three in a round
-                for name, engine in engines.items():
-                    runs[b][name].append(await decode(engine, batch, args.new_tokens))
-                    m = runs[b][name][-1]
-                    print(
-                        f"batch {b:>2} round {r + 1} {name:<14} {m['tokens_per_s']:7.1f} tok/s  "
-                        f"{m['remote_calls_per_token']:6.2f} remote calls/token  "
-                        f"{m['in_process_share']:6.1%} in-process",
-                        flush=True,
-                    )
-                await (
-                    tiered.tierer.step()
-                )  # live policy between rounds, as the background loop would
-
-        summary = {}
-        for b, by_name in runs.items():
-            summary[b] = {
-                name: {k: statistics.median(m[k] for m in ms) for k in ms[0]}
-                for name, ms in by_name.items()
-            }
-            for s in summary[b].values():
-                s["throughput_vs_all_remote"] = (
-                    s["tokens_per_s"] / summary[b]["all_remote"]["tokens_per_s"]
-                )
+        runs = await rounds(engines, tiered, prompts, args)
+        summary = summarize(runs)
         for parts in (remote, tiered):
             for b in parts.remotes:
                 await b.close()
@@ -155,33 +169,27 @@ async def main_async(args: argparse.Namespace) -> dict:
             e.stop()
 
 
+class Settings(ScriptSettings):
+    checkpoint: Path | None = Field(
+        None,
+        description="a skewed checkpoint (default: .cache/bench-small-mixtral-skew{S}, created if missing)",
+    )
+    out: Path = Field(ROOT / "bench/results/tiering.json", description="the JSON result")
+    skew: float = Field(4.0, description="router skew of the created checkpoint")
+    batches: list[int] = Field(
+        [1, 16], description="numbers of concurrent sequences (1,16 or 1 16)"
+    )
+    new_tokens: int = Field(24, ge=1, description="tokens generated per sequence")
+    rounds: int = Field(3, ge=1, description="alternating rounds of the three set-ups")
+
+    @field_validator("batches", mode="before")
+    @classmethod
+    def _commas(cls, v):
+        return [x for t in v for x in str(t).split(",")] if isinstance(v, list) else v
+
+
 def main() -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--checkpoint",
-        type=Path,
-        default=None,
-        help="a skewed checkpoint (default: .cache/bench-small-mixtral-skew{S}, created if missing)",
-    )
-    p.add_argument(
-        "--skew", type=float, default=4.0, help="router skew of the created checkpoint (default 4)"
-    )
-    p.add_argument(
-        "--batches",
-        type=lambda t: [int(x) for x in t.split(",")],
-        default=[1, 16],
-        help="comma-separated numbers of concurrent sequences (default 1,16)",
-    )
-    p.add_argument(
-        "--new-tokens", type=int, default=24, help="tokens generated per sequence (default 24)"
-    )
-    p.add_argument(
-        "--rounds", type=int, default=3, help="alternating rounds of the three set-ups (default 3)"
-    )
-    p.add_argument("--out", type=Path, default=ROOT / "bench/results/tiering.json")
-    args = p.parse_args()
+    args = parse_settings(Settings, __doc__)
     if args.checkpoint is None:
         args.checkpoint = ROOT / f".cache/bench-small-mixtral-skew{args.skew:g}"
         if not (args.checkpoint / "config.json").exists():

@@ -12,7 +12,6 @@ streams with EOS ignored. The rate counts tokens after each stream's first (deco
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -22,8 +21,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal  # noqa: E402
 
-from bench import ensure_checkpoint
+from pydantic import Field  # noqa: E402
+
+from bench import ScriptSettings, ensure_checkpoint, parse_settings  # noqa: E402
 from common.tls import open_channel
 from moe_mesh.benchmark.setups import Setup, started
 from moe_mesh.ops.client import mesh_tls
@@ -68,7 +70,7 @@ async def decode_rate(mesh: dict, batch: int, new_tokens: int) -> float:
     return decoded / (max(s[1] for s in streams) - min(s[0] for s in streams))
 
 
-async def measure(meshes: dict[str, dict], args: argparse.Namespace) -> dict:
+async def measure(meshes: dict[str, dict], args: ScriptSettings) -> dict:
     runs: dict[int, dict[str, list[float]]] = {b: {n: [] for n in meshes} for b in args.batches}
     for r in range(args.rounds):
         for b in args.batches:
@@ -89,17 +91,18 @@ async def measure(meshes: dict[str, dict], args: argparse.Namespace) -> dict:
     return {"decode": rows}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+class Settings(ScriptSettings):
+    out: Path = Field(ROOT / "bench/results/tls_overhead.json", description="the JSON result")
+    batches: list[int] = Field([1, 32], description="concurrent requests")
+    transports: list[Literal["ucx", "grpc"]] = Field(
+        ["ucx", "grpc"], description="expert transports"
     )
-    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--transports", nargs="+", default=["ucx", "grpc"], choices=["ucx", "grpc"])
-    parser.add_argument("--rounds", type=int, default=3, help="median of this many rounds")
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/tls_overhead.json")
-    args = parser.parse_args()
+    rounds: int = Field(3, ge=1, description="median of this many rounds")
+    new_tokens: int = Field(32, ge=1, description="tokens generated per request")
+
+
+def main() -> int:
+    args = parse_settings(Settings, __doc__)
     ensure_checkpoint(args.checkpoint)
     workdir = Path(tempfile.mkdtemp(prefix="moe-bench-tls-"))
     (workdir / "keys").write_text(f"{KEY}\n")

@@ -8,12 +8,11 @@ bench/results/tracing.json.
 
     .venv/bin/python -m bench.tracing [--checkpoint DIR] [--concurrency 8] [--rounds 5]
 
-(from the checkout root, where `bench` and `tests` import as packages)
+(from the checkout root, where `bench` imports as a package)
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -22,6 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from pydantic import Field  # noqa: E402
+
+from bench import ScriptSettings, parse_settings  # noqa: E402
 from common import runtime
 
 runtime.configure(shares_cores=True)  # a mesh on this host: before torch loads OpenMP
@@ -32,10 +34,10 @@ import grpc  # noqa: E402
 
 from common.telemetry import Telemetry  # noqa: E402
 from moe_mesh.dev.create_checkpoint import create_checkpoint  # noqa: E402
+from moe_mesh.local.processes import start_experts  # noqa: E402
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 from router_service.app import RouterApp  # noqa: E402
 from router_service.settings import RouterSettings  # noqa: E402
-from tests.support.processes import start_experts  # noqa: E402
 
 SAMPLING = {"off": None, "sample_1pct": 0.01, "sample_100pct": 1.0}
 
@@ -62,7 +64,7 @@ async def load(address: str, concurrency: int, new_tokens: int, seed: int) -> fl
         return tokens / (time.perf_counter() - start)
 
 
-async def main_async(args: argparse.Namespace, workdir: Path) -> dict:
+async def main_async(args: ScriptSettings, workdir: Path) -> dict:
     experts = start_experts(
         args.checkpoint,
         ["*:0-1", "*:2-3", "*:4-5", "*:6-7"],
@@ -127,25 +129,18 @@ async def main_async(args: argparse.Namespace, workdir: Path) -> dict:
     }
 
 
+class Settings(ScriptSettings):
+    checkpoint: Path = Field(
+        ROOT / ".cache/bench-small-mixtral", description="checkpoint (created if missing)"
+    )
+    out: Path = Field(ROOT / "bench/results/tracing.json", description="the JSON result")
+    concurrency: int = Field(8, ge=1, description="requests in flight per round")
+    new_tokens: int = Field(24, ge=1, description="tokens generated per request")
+    rounds: int = Field(5, ge=1, description="alternating rounds")
+
+
 def main() -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--checkpoint",
-        type=Path,
-        default=ROOT / ".cache/bench-small-mixtral",
-        help="checkpoint (default .cache/bench-small-mixtral, created if missing)",
-    )
-    p.add_argument(
-        "--concurrency", type=int, default=8, help="requests in flight per round (default 8)"
-    )
-    p.add_argument(
-        "--new-tokens", type=int, default=24, help="tokens generated per request (default 24)"
-    )
-    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
-    p.add_argument("--out", type=Path, default=ROOT / "bench/results/tracing.json")
-    args = p.parse_args()
+    args = parse_settings(Settings, __doc__)
     if not (args.checkpoint / "config.json").exists():
         print(f"==> creating {args.checkpoint} (small preset)", flush=True)
         create_checkpoint(args.checkpoint, "mixtral", "small", progress=True)

@@ -4,20 +4,26 @@ engine's check against its KV-cache size."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from common.errors import CapacityError
 
 
-def check_context_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-    """CapacityError naming `prompt` or `max_tokens` when the sequence cannot fit `max_model_len`."""
+def check_context_length(
+    prompt_tokens: int, max_tokens: int, max_model_len: int, names: Mapping[str, str] | None = None
+) -> None:
+    """CapacityError naming `prompt` or `max_tokens` (or the API's `names` for them) when the
+    sequence cannot fit `max_model_len`."""
+    names = names or {}
     if prompt_tokens >= max_model_len:
         raise CapacityError(
-            "prompt",
+            names.get("prompt", "prompt"),
             f"{prompt_tokens} tokens do not fit the context length "
             f"max_model_len={max_model_len} (at least one token must be generated)",
         )
     if prompt_tokens + max_tokens > max_model_len:
         raise CapacityError(
-            "max_tokens",
+            names.get("max_tokens", "max_tokens"),
             f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
             f"the context length max_model_len={max_model_len}",
         )

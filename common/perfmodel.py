@@ -1,20 +1,6 @@
-"""The ping-pong pipeline model of MegaScale-Infer (brief §4), shared by the router's choice of
-micro-batches, `moe-mesh profile` and `moe-mesh plan --search`.
-
-For one MoE layer and a micro-batch of b sequences: Ta(b) is the router's dense compute (attention,
-norms, gating, colocated experts), Te(b) the expert side's compute, Tc(b) the one-way transfer of
-the micro-batch's activations. One micro-batch's round through a layer takes Ta + Tc + Te + Tc;
-with m micro-batches in flight each side serves all of them in turn, so a layer takes the longest
-of one round and either side's total busy time:
-
-    layer(B, m) = max(max_i round(b_i), sum_i Ta(b_i), sum_i Te(b_i))   b_i: B split m ways
-
-m = 1 is the plain sequential layer. More micro-batches hide transfers but pay each side's fixed
-cost (k2, k4: weight reads, kernel launches, per-call overhead) m times, which is why the paper's
-m = 3–4 is not always best on a CPU.
-
-Costs are `Linear` (fitted, what the router's `auto` micro-batches use) or `Piecewise` (through
-measured points, what `moe-mesh plan --search` reads from a profile).
+"""Timing model of MegaScale-Infer's ping-pong pipeline (one MoE layer's time from its router-side,
+expert-side and transfer costs over m micro-batches), shared by the router's choice of micro-batches,
+`moe-mesh profile` and `moe-mesh plan --search`. The model is docs/design/ping-pong-model.md.
 """
 
 from __future__ import annotations

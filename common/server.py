@@ -35,13 +35,14 @@ class Deadline:
     2-3x grace_s), and an orchestrator's SIGKILL comes after its grace period however it was spent."""
 
     at: float
+    clock: Callable[[], float] = field(default=time.monotonic, compare=False, repr=False)
 
     @classmethod
-    def after(cls, seconds: float) -> Deadline:
-        return cls(time.monotonic() + seconds)
+    def after(cls, seconds: float, clock: Callable[[], float] = time.monotonic) -> Deadline:
+        return cls(clock() + seconds, clock)
 
     def remaining(self) -> float:
-        return max(0.0, self.at - time.monotonic())
+        return max(0.0, self.at - self.clock())
 
 
 StopHook = Callable[[Deadline], Awaitable[None]]
@@ -89,6 +90,7 @@ class GrpcServer:
     # Reflection lists every method to anyone who connects (a fuzzer found Forward through it):
     # internal services leave it off unless an operator asks.
     reflection: bool = False
+    clock: Callable[[], float] = time.monotonic  # what a stop's deadline is measured on
 
     def __post_init__(self) -> None:
         self.health = health.aio.HealthServicer()
@@ -132,7 +134,7 @@ class GrpcServer:
 
     def deadline(self, grace_s: float | None = None) -> Deadline:
         """A stop's deadline: `grace_s` (default the server's) from now."""
-        return Deadline.after(self.grace_s if grace_s is None else grace_s)
+        return Deadline.after(self.grace_s if grace_s is None else grace_s, self.clock)
 
     async def stop(self, deadline: Deadline | None = None) -> None:
         """NOT_SERVING, the on_stop hooks, then in-flight calls may finish until `deadline` (default:

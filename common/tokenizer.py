@@ -56,6 +56,13 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
 
+# Why a gateway without a tokenizer refuses a text prompt.
+NO_TOKENIZER = (
+    "this server has no tokenizer (--skip-tokenizer-init): send token ids "
+    "(prompt_token_ids, or a list of integers as the prompt)"
+)
+
+
 class NoTokenizer:
     """Stands in for the tokenizer of a gateway serving token ids only (--skip-tokenizer-init):
     text cannot be encoded, and tokens decode to nothing."""
@@ -64,11 +71,7 @@ class NoTokenizer:
     chat_template = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        raise InvalidArgumentError(
-            "prompt",
-            "this server has no tokenizer (--skip-tokenizer-init): send token ids "
-            "(prompt_token_ids, or a list of integers as the prompt)",
-        )
+        raise InvalidArgumentError("prompt", NO_TOKENIZER)
 
     def decode(self, ids: Sequence[int]) -> str:
         return ""

@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 from common.tokenizer import NoTokenizer, TextStream, Tokenizer
-from gateway.core import Delta, GatewayCore, Generation, TextRequest
+from gateway.core import Completion, GatewayCore, TextRequest
 from gateway.router_client import Logprobs
+from gateway.stream import Delta, RequestStream
 
 
 def requests_for(r: TextRequest, n: int) -> list[TextRequest]:
@@ -20,7 +21,9 @@ def requests_for(r: TextRequest, n: int) -> list[TextRequest]:
     return [
         replace(
             r,
-            seed=None if r.seed is None else (r.seed + i) % 2**64,
+            params=replace(
+                r.params, seed=None if r.params.seed is None else (r.params.seed + i) % 2**64
+            ),
             request_id=f"{r.request_id}-{i}" if r.request_id and i else r.request_id,
         )
         for i in range(n)
@@ -28,33 +31,50 @@ def requests_for(r: TextRequest, n: int) -> list[TextRequest]:
 
 
 class Choices:
-    """n admitted generations; iterate `deltas()` for (choice index, Delta) as they come."""
+    """The n admitted streams of one response. `open()` them, iterate `deltas()` for (choice index,
+    Delta) as they come, and `aclose()` them however the response ends."""
 
-    def __init__(self, generations: list[Generation]) -> None:
-        self.generations = generations
-        self.request_id = generations[0].request_id
+    def __init__(self, streams: list[RequestStream]) -> None:
+        self.streams = streams
+        self.request_id = streams[0].request_id
+        self._merged = self._merge()
+        self._first: tuple[int, Delta] | None = None
 
     @classmethod
-    async def start(cls, core: GatewayCore, requests: list[TextRequest]) -> Choices:
-        """Admit every request together, or none (GatewayCore.start_all)."""
-        return cls(await core.start_all(requests))
+    async def open(cls, core: GatewayCore, requests: list[TextRequest]) -> Choices:
+        """Admit every request together, or none (GatewayCore.start_all), and wait for the first
+        delta: a failure before it raises here, so the client gets a status it can act on (the
+        openai client retries a 503) instead of a 200 carrying an error event."""
+        choices = cls(await core.start_all(requests))
+        try:
+            choices._first = await anext(choices._merged, None)
+        except BaseException:
+            await choices.aclose()
+            raise
+        return choices
 
     async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
-        if len(self.generations) == 1:  # the common case, without a queue and tasks per token
-            async for d in self.generations[0]:
+        if self._first is not None:
+            yield self._first
+            async for item in self._merged:
+                yield item
+
+    async def _merge(self) -> AsyncIterator[tuple[int, Delta]]:
+        if len(self.streams) == 1:  # the common case, without a queue and tasks per token
+            async for d in self.streams[0]:
                 yield 0, d
             return
         queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
 
-        async def pump(i: int, gen: Generation) -> None:
+        async def pump(i: int, stream: RequestStream) -> None:
             try:
-                async for d in gen:
+                async for d in stream:
                     await queue.put((i, d))
                 await queue.put((i, None))
             except Exception as e:  # handed to the consumer, which raises it
                 await queue.put((i, e))
 
-        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(self.generations)]
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
         try:
             running = len(tasks)
             while running:
@@ -71,7 +91,22 @@ class Choices:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(g.aclose() for g in self.generations), return_exceptions=True)
+        try:
+            await self._merged.aclose()
+        finally:
+            await asyncio.gather(*(s.aclose() for s in self.streams), return_exceptions=True)
+
+
+async def complete_all(core: GatewayCore, requests: list[TextRequest]) -> list[Completion]:
+    """Every request to its end; one failing cancels the others, and its error is the answer."""
+    if len(requests) == 1:
+        return [await core.complete(requests[0])]
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(core.complete(r)) for r in requests]
+    except ExceptionGroup as e:
+        raise e.exceptions[0] from None
+    return [t.result() for t in tasks]
 
 
 def completion_logprobs(

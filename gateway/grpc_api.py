@@ -9,6 +9,7 @@ import grpc
 
 from common.errors import MoeMeshError
 from common.finish_reason import to_wire
+from common.sampling import SamplingParams, from_proto
 from common.status import abort_with
 from gateway.auth import Caller
 from gateway.core import GatewayCore, TextRequest
@@ -19,26 +20,17 @@ log = logging.getLogger(__name__)
 
 
 def _request(msg: inference_pb2.GenerateRequest) -> TextRequest:
+    # Sampling fields by name; logprobs is a flag here, with the count in top_logprobs.
+    logprobs = msg.top_logprobs if msg.logprobs else None
     return TextRequest(
         model=msg.model,
         prompt=msg.prompt if msg.HasField("prompt") else None,
         prompt_token_ids=msg.prompt_token_ids or None,
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
-        temperature=msg.temperature if msg.HasField("temperature") else None,
-        top_p=msg.top_p if msg.HasField("top_p") else None,
-        top_k=msg.top_k if msg.HasField("top_k") else None,
-        min_p=msg.min_p if msg.HasField("min_p") else None,
-        seed=msg.seed if msg.HasField("seed") else None,
+        params=from_proto(msg, SamplingParams(max_tokens=None), logprobs=logprobs),
         stop=msg.stop,
-        stop_token_ids=msg.stop_token_ids,
         priority=msg.priority,
         request_id=msg.request_id,
-        ignore_eos=msg.ignore_eos,
-        min_tokens=msg.min_tokens,
-        presence_penalty=msg.presence_penalty if msg.HasField("presence_penalty") else None,
-        frequency_penalty=msg.frequency_penalty if msg.HasField("frequency_penalty") else None,
-        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else None,
-        logprobs=msg.top_logprobs if msg.logprobs else None,
+        names={"logprobs": "top_logprobs"},
     )
 
 
@@ -80,7 +72,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             c = await self.core.complete(self._admitted(request, context), context.time_remaining())
         except MoeMeshError as e:
             log.info("request %s failed: %s", request.request_id or "-", e)
-            self.core.count_failure(e)  # those refused before the core too (key, priority)
+            self.core.count_failure(e)  # here, where it becomes the answer: once per request
             await abort_with(context, e)
         log.info(
             "request %s finished: %s, %d tokens", c.request_id, c.finish_reason, c.completion_tokens

@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP API: a thin adapter that converts JSON to the core's types and back.
+"""OpenAI-compatible HTTP API: converts JSON to the core's types and back. The request bodies are
+in gateway/openai_schema.py, error bodies, exception handlers and middlewares in gateway/http_edge.py.
 
     POST /v1/completions        prompt: a string, token ids, or a list holding exactly one of those
     POST /v1/chat/completions   messages rendered by the checkpoint's chat template (`render_chat`)
@@ -8,141 +9,57 @@
     GET  /health/ready, /health 200 while `app.state.ready`, else 503
     GET  /metrics               the gateway's Prometheus metrics (also on --metrics-port if set)
 
-Both generation endpoints stream as Server-Sent Events with `"stream": true`. Besides OpenAI's
-fields they take vLLM-style extensions: `top_k`, `min_p`, `priority`, `stop_token_ids`,
-`ignore_eos`, `return_token_ids` (adds `token_ids` to every choice and, unless streaming,
-`prompt_token_ids` to the response), `chat_template_kwargs`, `add_generation_prompt` and `request_id` (a
-duplicate of one in flight is 409). Unknown fields are ignored, since OpenAI clients send some;
-known OpenAI features this server cannot honour (`logprobs`, `echo`, penalties, `tools`, ...) are
-refused rather than silently dropped. Values are validated by the core; every
-error uses OpenAI's `{"error": {message, type, param, code}}` shape, `param` naming the field.
-Under API keys (gateway/auth.py) a /v1/ request without `Authorization: Bearer <key>` of a known
-key is 401 before its body is read. Bodies over `max_body_bytes` are refused with 413 before they are read; list and string limits
-are part of the body schema, so an oversized list is refused before its items are validated.
+Both generation endpoints stream as Server-Sent Events with `"stream": true`. They take OpenAI's
+sampling fields, penalties (`presence_penalty`, `frequency_penalty`) and logprobs (`logprobs`, chat's
+`top_logprobs`), completions' `echo` (not with logprobs: prompt logprobs are not computed), and
+vLLM-style extensions: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `priority`,
+`stop_token_ids`, `ignore_eos`, `return_token_ids` (adds `token_ids` to every choice and, unless
+streaming, `prompt_token_ids` to the response), `chat_template_kwargs`, `add_generation_prompt` and
+`request_id` (a duplicate of one in flight is 409). Unknown fields are ignored, since OpenAI clients
+send some; OpenAI features this server cannot honour (`best_of`, `suffix`, `logit_bias`, `tools`,
+`functions`, `response_format`) are refused unless set to their no-op value. Values are validated by
+the core; every error uses OpenAI's `{"error": {message, type, param, code}}` shape, `param` naming
+the field.
 """
 
-# No `from __future__ import annotations`: the routes' body types are built per app (limits come
-# from the settings), and FastAPI resolves string annotations in module globals only.
+# No `from __future__ import annotations`: the generation routes' body types are built per app
+# (limits come from the settings), and FastAPI resolves string annotations in module globals only.
 
 import asyncio
 import json
 import logging
-import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import anyio
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
-    create_model,
-    model_validator,
-)
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from common import errors
-from gateway.auth import Caller
-from gateway.choices import Choices, chat_logprobs, completion_logprobs, requests_for
-from gateway.core import (
-    MAX_LOGPROBS,
-    Completion,
-    Delta,
-    GatewayCore,
-    TextRequest,
-    check_unicode,
+from gateway import http_edge
+from gateway.choices import (
+    Choices,
+    chat_logprobs,
+    complete_all,
+    completion_logprobs,
+    requests_for,
 )
+from gateway.core import GatewayCore, TextRequest, check_unicode
+from gateway.openai_sampling import sampling_params
+from gateway.openai_schema import Body, ChatBody, ChatMessage, CompletionBody, bounded_bodies
 from gateway.router_client import ModelInfo
-from gateway.settings import GatewaySettings
+from gateway.stream import Delta
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+B = TypeVar("B", bound=Body)
 
-# -- request bodies ------------------------------------------------------------------------------
-
-_StrList = Annotated[list[str], BeforeValidator(lambda v: [v] if isinstance(v, str) else v)]
-
-
-class _Json(BaseModel):
-    """Strict: JSON types must match exactly ("10" is not an int, true is not 1); unknown fields pass."""
-
-    model_config = ConfigDict(strict=True, extra="allow")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_absent(cls, data: Any) -> Any:
-        # OpenAI's API reads `"field": null` as an omitted field, and some clients send it.
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
-
-
-class StreamOptions(_Json):
-    include_usage: bool = False
-
-
-class _Body(_Json):
-    """Fields both endpoints share."""
-
-    model: str = ""
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    # The bounds below are the ranges of the wire types behind the core (the gRPC API gets them from
-    # its proto types); values inside them are validated by the core.
-    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
-    stop: _StrList = []
-    n: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    top_k: Annotated[int, Field(lt=2**31)] | None = None
-    min_p: float | None = None
-    priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] | None = None  # None: the key's (auth)
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    return_token_ids: bool = False
-    request_id: str = ""
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: Annotated[int, Field(ge=0, lt=2**31)] = 0
-
-
-class CompletionBody(_Body):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-
-
-class ContentPart(_Json):
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(_Json):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-
-
-class ChatBody(_Body):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    # vLLM's extensions: variables for the template (e.g. enable_thinking), and whether to end the
-    # prompt with the assistant's header.
-    chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-
+# -- requests ------------------------------------------------------------------------------------
 
 # OpenAI fields that would change the result; refused unless absent or set to their no-op value.
 _UNSUPPORTED = (
@@ -157,90 +74,25 @@ _NO_OP = {"best_of": 1, "response_format": {"type": "text"}}
 
 
 def _text_request(
-    body: _Body,
-    prompt: str | None,
-    ids: list[int] | None,
-    max_tokens: int | None,
-    logprobs: int | None,
+    body: Body, prompt: str | None, ids: list[int] | None, prompt_names: dict[str, str]
 ) -> TextRequest:
+    """The request `body` makes; its errors name this endpoint's fields (`prompt_names` for the
+    core's prompt fields, the sampling mapping's for the rest)."""
     for name in _UNSUPPORTED:
         value = (body.model_extra or {}).get(name)
         if value not in (None, False, "", [], {}) and value != _NO_OP.get(name, 0):
             raise errors.InvalidArgumentError(name, "is not supported by this server")
+    params, names = sampling_params(body)
     return TextRequest(
         model=body.model,
         prompt=prompt,
         prompt_token_ids=ids,
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        seed=body.seed,
+        params=params,
         stop=body.stop,
-        stop_token_ids=body.stop_token_ids,
         priority=body.priority or 0,  # _answer applies the API key's cap
-        ignore_eos=body.ignore_eos,
         request_id=body.request_id,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
-        min_tokens=body.min_tokens,
-        logprobs=logprobs,
+        names={**prompt_names, **names},
     )
-
-
-def _bounded_bodies(
-    s: GatewaySettings, max_model_len: int
-) -> tuple[type[CompletionBody], type[ChatBody]]:
-    """The request bodies with this gateway's limits in their schema (and so in its OpenAPI document)."""
-    ident = Annotated[str, Field(max_length=s.max_id_chars)]
-    stop = Annotated[
-        list[Annotated[str, Field(max_length=s.max_stop_chars)]],
-        BeforeValidator(lambda v: [v] if isinstance(v, str) else v),
-        Field(max_length=s.max_stop_strings),
-    ]
-    shared = {
-        "model": (ident, ""),
-        "request_id": (ident, ""),
-        "stop": (stop, []),
-        "stop_token_ids": (Annotated[list[int], Field(max_length=s.max_stop_strings)], []),
-    }
-    ids = Annotated[list[int], Field(max_length=max_model_len)]
-    # Picked by the value's shape, so a refusal names the one form that was sent (a plain union
-    # would list why the value is none of the four).
-    prompt = Annotated[
-        Annotated[str, Tag("str")]
-        | Annotated[ids, Tag("list[int]")]
-        | Annotated[list[str], Field(max_length=64), Tag("list[str]")]
-        | Annotated[list[ids], Field(max_length=64), Tag("list[list[int]]")],
-        Discriminator(
-            _prompt_form,
-            custom_error_type="prompt_form",
-            custom_error_message="must be a string, a list of token ids, or a list holding one "
-            "of those",
-        ),
-    ]
-    completion = create_model(
-        "CompletionBody", __base__=CompletionBody, prompt=(prompt, ...), **shared
-    )
-    chat = create_model(
-        "ChatBody",
-        __base__=ChatBody,
-        **shared,
-        messages=(Annotated[list[ChatMessage], Field(max_length=s.max_messages)], ...),
-    )
-    return completion, chat
-
-
-def _prompt_form(value: Any) -> str | None:
-    """Which form of `prompt` a value is meant as (its first element decides for a list)."""
-    if isinstance(value, str):
-        return "str"
-    if not isinstance(value, list):
-        return None
-    first = value[0] if value else 0
-    return {str: "list[str]", list: "list[list[int]]"}.get(type(first), "list[int]")
 
 
 def _completion_prompt(
@@ -303,74 +155,7 @@ def render_chat(core: GatewayCore, body: ChatBody) -> tuple[str, str]:
     return text, "checkpoint"
 
 
-@contextmanager
-def _fields_named(**names: str) -> Iterator[None]:
-    """Report the core's field names (e.g. prompt_token_ids) as this API's (prompt)."""
-    try:
-        yield
-    except errors.InvalidArgumentError as e:
-        if e.field not in names:
-            raise
-        raise errors.InvalidArgumentError(
-            names[e.field], str(e).removeprefix(f"{e.field}: ")
-        ) from e
-
-
-# -- responses -----------------------------------------------------------------------------------
-
-_ERRORS: list[tuple[type[errors.MoeMeshError], int, str, str]] = [
-    (errors.InvalidArgumentError, 400, "invalid_request_error", "invalid_argument"),
-    (errors.AlreadyExistsError, 409, "invalid_request_error", "already_exists"),
-    (errors.PreconditionError, 400, "invalid_request_error", "failed_precondition"),
-    (errors.ModelNotFoundError, 404, "invalid_request_error", "model_not_found"),
-    (errors.NotFoundError, 404, "not_found_error", "not_found"),
-    (errors.UnauthenticatedError, 401, "invalid_request_error", "invalid_api_key"),
-    (errors.ResourceExhaustedError, 429, "rate_limit_error", "resource_exhausted"),
-    (errors.UnavailableError, 503, "service_unavailable_error", "unavailable"),
-    (errors.DeadlineExceededError, 504, "timeout_error", "deadline_exceeded"),
-]
-
-
-def _error_body(e: Exception) -> tuple[int, dict]:
-    status, type_, code = next(
-        ((s, t, c) for cls, s, t, c in _ERRORS if isinstance(e, cls)),
-        (500, "server_error", "internal"),
-    )
-    param = (
-        e.field
-        if isinstance(
-            e,
-            (errors.InvalidArgumentError, errors.AlreadyExistsError, errors.ModelNotFoundError),
-        )
-        else None
-    )
-    # A bug's message says nothing a client can act on and may describe internals: it goes to the log.
-    message = str(e) if isinstance(e, errors.MoeMeshError) else "internal server error"
-    return status, {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def _error_response(e: Exception) -> JSONResponse:
-    status, body = _error_body(e)
-    headers = {}
-    if isinstance(e, errors.UnauthenticatedError):
-        headers["WWW-Authenticate"] = "Bearer"
-    if isinstance(e, errors.ResourceExhaustedError):
-        headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))  # HTTP wants whole seconds
-    return JSONResponse(body, status, headers)
-
-
-def _invalid_request(message: str, param: str | None) -> JSONResponse:
-    return JSONResponse(
-        {
-            "error": {
-                "message": message,
-                "type": "invalid_request_error",
-                "param": param,
-                "code": "invalid_argument",
-            }
-        },
-        400,
-    )
+# -- responses ---------------------------------------------------------------------------------
 
 
 def _usage(ds: list[Delta]) -> dict:
@@ -388,31 +173,31 @@ def _sse(obj: dict) -> bytes:
 
 
 class _EventStream(StreamingResponse):
-    """Server-Sent Events over an admitted generation, closed however the response ends."""
+    """Server-Sent Events over admitted choices, closed however the response ends."""
 
-    def __init__(self, generation: Choices, events: AsyncIterator[bytes]) -> None:
+    def __init__(self, choices: Choices, events: AsyncIterator[bytes]) -> None:
         super().__init__(
             events,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-        self.generation, self.events = generation, events
+        self.choices, self.events = choices, events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             # On disconnect Starlette cancels the body task but closes neither the iterator nor the
-            # generation, whose admission place would then stay taken until garbage collection.
+            # streams, whose admission place would then stay taken until garbage collection.
             # Close both here, shielded: this runs inside the cancelled scope.
             with anyio.CancelScope(shield=True):
                 await self.events.aclose()  # type: ignore[attr-defined]
-                await self.generation.aclose()
+                await self.choices.aclose()
 
 
 async def _events(
-    deltas: AsyncIterator[tuple[int, Delta]],
-    request_id: str,
+    core: GatewayCore,
+    choices: Choices,
     head: dict,
     include_usage: bool,
     choice: Callable[[Delta, int, bool], dict],
@@ -421,63 +206,41 @@ async def _events(
     last: dict[int, Delta] = {}
     usage = {"usage": None} if include_usage else {}
     try:
-        async for i, d in deltas:
+        async for i, d in choices.deltas():
             yield _sse({**head, "choices": [choice(d, i, i not in last)], **usage})
             last[i] = d
     except errors.MoeMeshError as e:  # the status line is long gone: report in-band, as OpenAI does
-        log.info("stream %s failed: %s", request_id, e)
-        yield _sse(_error_body(e)[1])
+        log.info("stream %s failed: %s", choices.request_id, e)
+        core.count_failure(e)
+        yield _sse(http_edge.error_body(e)[1])
     else:
         if include_usage and last:
             yield _sse({**head, "choices": [], "usage": _usage(list(last.values()))})
     yield b"data: [DONE]\n\n"
 
 
-async def _first_delta(request: Request, choices: Choices) -> AsyncIterator | None:
-    """`choices`' deltas once the first has come (None if the client left first). A generation that
-    fails before its first token raises here, so the client gets an HTTP status it can act on
-    (the openai client retries a 503) instead of a 200 carrying an error event."""
-    deltas = choices.deltas()
-    try:
-        first = await _unless_disconnected(request, anext(deltas, _END))
-    except BaseException:
-        await choices.aclose()
-        raise
-    if first is None:
-        await choices.aclose()
-        return None
-
-    async def chained() -> AsyncIterator[tuple[int, Delta]]:
-        if first is not _END:
-            yield first
-            async for item in deltas:
-                yield item
-
-    return chained()
-
-
-_END = object()
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
     """Await `work`, cancelling it (None) if the client goes away first.
 
     Starlette keeps running a handler whose client left; without this, an abandoned request would
-    keep its admission place and router slot until it finished.
+    keep its admission place and router slot until it finished. `work` runs as a task of its own
+    and is cancelled once, as asyncio cancels, so what it opened it closes to the end.
     """
-    with anyio.CancelScope() as scope:
+    job = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait((job, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not job.done():
+            job.cancel()
+            await asyncio.wait((job,))
+    return None if job.cancelled() else job.result()
 
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            scope.cancel()
 
-        watcher = asyncio.create_task(watch())
-        try:
-            return await work
-        finally:
-            watcher.cancel()
-    return None
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @dataclass
@@ -495,140 +258,9 @@ def _token_ids(on: bool, ids: list[int]) -> dict:
     return {"token_ids": ids} if on else {}
 
 
-class _Authenticate:
-    """ASGI middleware: under API keys, a /v1/ request without a good key gets 401 before its body
-    is read; an accepted one carries its caller in `request.state.caller`. Health and metrics
-    stay open, for probes and scrapers (vLLM's choice too)."""
-
-    def __init__(self, app: ASGIApp, core: GatewayCore) -> None:
-        self.app, self.core = app, core
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        try:
-            caller = (
-                self.core.authenticate(authorization)
-                if scope["path"].startswith("/v1/")
-                else Caller(None)
-            )
-        except errors.UnauthenticatedError as e:
-            log.info("%s %s refused: %s", scope["method"], scope["path"], e)
-            await _error_response(e)(scope, receive, send)
-            return
-        scope.setdefault("state", {})["caller"] = caller
-        await self.app(scope, receive, send)
-
-
-class _BodyLimit:
-    """ASGI middleware: a body over `limit` bytes gets 413 before it is read (by its Content-Length),
-    or, sent chunked, as soon as the bytes read pass the limit. Either way nothing parses it."""
-
-    def __init__(self, app: ASGIApp, limit: int, refused: Callable[[str], None]) -> None:
-        self.app, self.limit, self.refused = app, limit, refused
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.limit:
-            # No "Connection: close": uvicorn then discards the rest of the body as it arrives, unparsed,
-            # so the client finishes sending and reads this answer instead of a reset connection.
-            self.refused("RESOURCE_EXHAUSTED")
-            response = JSONResponse(self._error(int(length)), 413)
-            await response(scope, receive, send)
-            return
-        read = 0
-
-        async def bounded() -> Message:
-            nonlocal read
-            message = await receive()
-            read += len(message.get("body", b""))
-            # Raised inside the route's body read: FastAPI passes HTTP errors through.
-            if read > self.limit:
-                raise StarletteHTTPException(413, self._error(read)["error"]["message"])
-            return message
-
-        await self.app(scope, bounded, send)
-
-    def _error(self, size: int) -> dict:
-        return {
-            "error": {
-                "message": f"the request body ({size} bytes or more) exceeds the limit of {self.limit} "
-                "bytes (max_body_bytes)",
-                "type": "invalid_request_error",
-                "param": None,
-                "code": "request_too_large",
-            }
-        }
-
-
-# -- the app -------------------------------------------------------------------------------------
-
-
-async def _on_mesh_error(request: Request, e: errors.MoeMeshError) -> JSONResponse:
-    log.info("%s %s failed: %s", request.method, request.url.path, e)
-    request.app.state.core.count_failure(e)
-    return _error_response(e)
-
-
-async def _on_invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
-    request.app.state.core.count_failure("INVALID_ARGUMENT")
-    problems = e.errors()
-    first = problems[0] if problems else {}
-    if first.get("type") == "json_invalid":
-        return _invalid_request(
-            f"malformed JSON body: {first.get('ctx', {}).get('error', '')}", None
-        )
-    loc = tuple(first.get("loc", ()))
-    if loc[:1] != ("body",) or len(loc) < 2:
-        got = "an empty body" if first.get("type") == "missing" else first.get("msg", "").lower()
-        sent = request.headers.get("content-type") or "none"
-        return _invalid_request(
-            "the body must be a JSON object, sent as application/json "
-            f"(this request: {got}; content type {sent})",
-            None,
-        )
-    param = str(loc[1])
-    # Name every alternative of a union field (e.g. prompt.str, prompt.list[int]) in the message.
-    details = dict.fromkeys(
-        f"{'.'.join(map(str, p['loc'][1:]))}: {p['msg']}"
-        for p in problems
-        if len(p["loc"]) > 1 and str(p["loc"][1]) == param
-    )
-    return _invalid_request("; ".join(details), param)
-
-
-# HTTP statuses the server answers itself, as the gRPC codes moe_errors_total counts by
-_HTTP_CODES = {404: "NOT_FOUND", 405: "UNIMPLEMENTED", 413: "RESOURCE_EXHAUSTED"}
-
-
-async def _on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-    request.app.state.core.count_failure(_HTTP_CODES.get(e.status_code, "INVALID_ARGUMENT"))
-    code = {413: "request_too_large"}.get(e.status_code)
-    error = {"message": str(e.detail), "type": "invalid_request_error", "param": None, "code": code}
-    return JSONResponse({"error": error}, e.status_code, e.headers)
-
-
-async def _on_bug(request: Request, e: Exception) -> JSONResponse:
-    # Starlette re-raises it afterwards, so the server logs the traceback.
-    request.app.state.core.count_failure(e)
-    return _error_response(e)
-
-
-async def _answer(
-    core: GatewayCore,
-    request: Request,
-    body: _Body,
-    r: TextRequest,
-    shape: _Shape,
-    names: dict[str, str],
-) -> Response:
-    """Run `r` (n times for n choices) and answer in `shape`; the core's field names are reported as
-    this endpoint's `names`."""
+async def _answer(request: Request, body: Body, r: TextRequest, shape: _Shape) -> Response:
+    """Run `r` (n times for n choices) and answer in `shape`."""
+    core: GatewayCore = request.app.state.core
     # The key's rate and priority cap; n counts once.
     r = replace(r, priority=request.state.caller.admit(body.priority))
     n = 1 if body.n is None else body.n
@@ -637,24 +269,35 @@ async def _answer(
             "n", f"must be in [1, {core.settings.max_choices}], got {n}"
         )
     requests = requests_for(r, n)
-    with _fields_named(**names):
-        if body.stream:
-            # Validation, admission and a failure before the first token leave here, as an HTTP
-            # status, before any SSE byte.
-            choices = await _unless_disconnected(request, Choices.start(core, requests))
-            deltas = choices and await _first_delta(request, choices)
-            if deltas is None:
-                return Response(status_code=499)  # the client left while queued or prefilling
-            head = {
-                "id": shape.id_prefix + choices.request_id,
-                "object": shape.chunk_object,
-                "created": int(time.time()),
-                "model": core.served_names[0],
-            }
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            events = _events(deltas, choices.request_id, head, include_usage, shape.chunk)
-            return _EventStream(choices, events)
-        done = await _unless_disconnected(request, _complete_all(core, requests))
+    if body.stream:
+        return await _streamed(request, body, requests, shape)
+    return await _whole(request, body, requests, shape)
+
+
+async def _streamed(
+    request: Request, body: Body, requests: list[TextRequest], shape: _Shape
+) -> Response:
+    """Validation, admission and a failure before the first token are answered with an HTTP status,
+    before any SSE byte; a failure after it with an error event."""
+    core: GatewayCore = request.app.state.core
+    choices = await _until_disconnect(request, Choices.open(core, requests))
+    if choices is None:
+        return Response(status_code=499)  # the client left while queued or prefilling
+    head = {
+        "id": shape.id_prefix + choices.request_id,
+        "object": shape.chunk_object,
+        "created": int(time.time()),
+        "model": core.served_names[0],
+    }
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return _EventStream(choices, _events(core, choices, head, include_usage, shape.chunk))
+
+
+async def _whole(
+    request: Request, body: Body, requests: list[TextRequest], shape: _Shape
+) -> Response:
+    core: GatewayCore = request.app.state.core
+    done = await _until_disconnect(request, complete_all(core, requests))
     if done is None:
         return Response(status_code=499)
     wholes = [
@@ -682,139 +325,140 @@ async def _answer(
     )
 
 
-async def _complete_all(core: GatewayCore, requests: list[TextRequest]) -> list[Completion]:
-    """Every request to its end; one failing cancels the others, and its error is the answer."""
-    if len(requests) == 1:
-        return [await core.complete(requests[0])]
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(core.complete(r)) for r in requests]
-    except ExceptionGroup as e:
-        raise e.exceptions[0] from None
-    return [t.result() for t in tasks]
+# -- routes --------------------------------------------------------------------------------------
+
+routes = APIRouter()
+
+
+@routes.get("/health/live")
+async def live() -> dict:
+    return {"status": "live"}
+
+
+@routes.get("/health/ready")
+@routes.get("/health")  # vLLM's name for it, which load balancers and probes are set up with
+async def ready(request: Request) -> JSONResponse:
+    ok = bool(request.app.state.ready) and not request.app.state.core.draining
+    return JSONResponse({"status": "ready" if ok else "not ready"}, 200 if ok else 503)
+
+
+@routes.get("/metrics")
+async def prometheus(request: Request) -> Response:
+    if request.app.state.metrics is None:
+        raise StarletteHTTPException(404, "this gateway collects no metrics")
+    return Response(generate_latest(request.app.state.metrics), media_type=CONTENT_TYPE_LATEST)
+
+
+def _model_object(m: ModelInfo, created: int) -> dict:
+    return {
+        "id": m.id,
+        "object": "model",
+        "created": created,
+        "owned_by": "moe-mesh",
+        "architecture": m.architecture,
+        "max_model_len": m.max_model_len,
+        "vocab_size": m.vocab_size,
+    }
+
+
+@routes.get("/v1/models")
+async def models(request: Request) -> dict:
+    state = request.app.state
+    return {
+        "object": "list",
+        "data": [_model_object(m, state.started) for m in state.core.list_models()],
+    }
+
+
+@routes.get("/v1/models/{model:path}")  # a served name may hold slashes (a Hub id)
+async def model(model: str, request: Request) -> dict:
+    state = request.app.state
+    return _model_object(state.core.served_model(model), state.started)
+
+
+async def completions(body: CompletionBody, request: Request) -> Response:
+    core: GatewayCore = request.app.state.core
+    text, ids = _completion_prompt(body.prompt)
+    if body.echo and body.logprobs is not None:
+        raise errors.InvalidArgumentError(
+            "echo",
+            "echo with logprobs needs the prompt's logprobs, which this server does not compute",
+        )
+    r = _text_request(body, text, ids, {"prompt_token_ids": "prompt"})
+    echo = (text if text is not None else core.tokenizer.decode(ids or [])) if body.echo else ""
+    offsets: dict[int, int] = {}  # choice -> characters of its text so far
+
+    def choice(d: Delta, index: int, first: bool = True) -> dict:
+        prefix = echo if first else ""
+        start = offsets.get(index, 0)
+        offsets[index] = start + len(prefix) + len(d.text)
+        lp = completion_logprobs(d.logprobs, core.tokenizer, d.token_ids, start)
+        return {
+            "index": index,
+            "text": prefix + d.text,
+            "logprobs": lp,
+            "finish_reason": d.finish_reason,
+            **_token_ids(body.return_token_ids, d.token_ids),
+        }
+
+    shape = _Shape("cmpl-", "text_completion", "text_completion", choice, choice)
+    return await _answer(request, body, r, shape)
+
+
+async def chat_completions(body: ChatBody, request: Request) -> Response:
+    core: GatewayCore = request.app.state.core
+    prompt, template = render_chat(core, body)
+    r = _text_request(body, prompt, None, {"prompt": "messages", "prompt_token_ids": "messages"})
+    r.add_special_tokens = False  # the template wrote the special tokens it wants
+    r.fills_context = True
+
+    def message(d: Delta, index: int, first: bool, key: str) -> dict:
+        content = {"role": "assistant", "content": d.text} if first else {"content": d.text}
+        return {
+            "index": index,
+            key: content,
+            "logprobs": chat_logprobs(d.logprobs, core.tokenizer.token_text, d.token_ids),
+            "finish_reason": d.finish_reason,
+            **_token_ids(body.return_token_ids, d.token_ids),
+        }
+
+    shape = _Shape(
+        "chatcmpl-",
+        "chat.completion",
+        "chat.completion.chunk",
+        lambda d, index, first: message(d, index, first, "delta"),
+        lambda d, index: message(d, index, True, "message"),
+    )
+    response = await _answer(request, body, r, shape)
+    response.headers[CHAT_TEMPLATE_HEADER] = template
+    return response
+
+
+def _taking(
+    body_type: type[B], handler: Callable[[B, Request], Awaitable[Response]]
+) -> Callable[..., Awaitable[Response]]:
+    """`handler` as a route whose body FastAPI validates as `body_type` (with the app's limits)."""
+
+    async def route(body: body_type, request: Request) -> Response:  # type: ignore[valid-type]
+        return await handler(body, request)
+
+    return route
 
 
 def create_app(core: GatewayCore, metrics: Any = None) -> FastAPI:
     """The HTTP app over `core`. `app.state.ready` (True at creation) and `core.draining` drive
     /health/ready and /health; `metrics` (a prometheus_client registry) is served at /metrics."""
     app = FastAPI(title="moe-mesh gateway")
-    app.add_middleware(_BodyLimit, limit=core.settings.max_body_bytes, refused=core.count_failure)
-    app.add_middleware(_Authenticate, core=core)  # added last: runs first
-    app.add_exception_handler(errors.MoeMeshError, _on_mesh_error)
-    app.add_exception_handler(RequestValidationError, _on_invalid_body)
-    app.add_exception_handler(StarletteHTTPException, _on_http_error)
-    app.add_exception_handler(Exception, _on_bug)
-    app.state.ready = True
-    app.state.core = core  # for the exception handlers
-    started = int(time.time())
-    Completion, Chat = _bounded_bodies(core.settings, core.model.max_model_len)
-
-    @app.get("/health/live")
-    async def live() -> dict:
-        return {"status": "live"}
-
-    @app.get("/health/ready")
-    @app.get("/health")  # vLLM's name for it, which load balancers and probes are set up with
-    async def ready() -> JSONResponse:
-        ok = bool(app.state.ready) and not core.draining
-        return JSONResponse({"status": "ready" if ok else "not ready"}, 200 if ok else 503)
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        if metrics is None:
-            raise StarletteHTTPException(404, "this gateway collects no metrics")
-        return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
-
-    def model_object(m: ModelInfo) -> dict:
-        return {
-            "id": m.id,
-            "object": "model",
-            "created": started,
-            "owned_by": "moe-mesh",
-            "architecture": m.architecture,
-            "max_model_len": m.max_model_len,
-            "vocab_size": m.vocab_size,
-        }
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [model_object(m) for m in core.list_models()]}
-
-    @app.get("/v1/models/{model:path}")  # a served name may hold slashes (a Hub id)
-    async def model(model: str) -> dict:
-        return model_object(core.served_model(model))
-
-    @app.post("/v1/completions")
-    async def completions(body: Completion, request: Request) -> Response:
-        text, ids = _completion_prompt(body.prompt)
-        if body.echo and body.logprobs is not None:
-            raise errors.InvalidArgumentError(
-                "echo",
-                "echo with logprobs needs the prompt's logprobs, which this server does not compute",
-            )
-        r = _text_request(body, text, ids, body.max_tokens, body.logprobs)
-        echo = (text if text is not None else core.tokenizer.decode(ids or [])) if body.echo else ""
-        offsets: dict[int, int] = {}  # choice -> characters of its text so far
-
-        def choice(d: Delta, index: int, first: bool = True) -> dict:
-            prefix = echo if first else ""
-            start = offsets.get(index, 0)
-            offsets[index] = start + len(prefix) + len(d.text)
-            lp = completion_logprobs(d.logprobs, core.tokenizer, d.token_ids, start)
-            return {
-                "index": index,
-                "text": prefix + d.text,
-                "logprobs": lp,
-                "finish_reason": d.finish_reason,
-                **_token_ids(body.return_token_ids, d.token_ids),
-            }
-
-        shape = _Shape("cmpl-", "text_completion", "text_completion", choice, choice)
-        return await _answer(core, request, body, r, shape, {"prompt_token_ids": "prompt"})
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: Chat, request: Request) -> Response:
-        max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-        prompt, template = render_chat(core, body)
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        if body.top_logprobs is not None and not body.logprobs:
-            raise errors.InvalidArgumentError("top_logprobs", "needs logprobs: true")
-        r = _text_request(body, prompt, None, getattr(body, max_field), top)
-        r.add_special_tokens = False  # the template wrote the special tokens it wants
-        r.fills_context = True
-
-        def logprobs(d: Delta) -> dict | None:
-            return chat_logprobs(d.logprobs, core.tokenizer.token_text, d.token_ids)
-
-        def chunk(d: Delta, index: int, first: bool) -> dict:
-            delta = {"role": "assistant", "content": d.text} if first else {"content": d.text}
-            return {
-                "index": index,
-                "delta": delta,
-                "logprobs": logprobs(d),
-                "finish_reason": d.finish_reason,
-                **_token_ids(body.return_token_ids, d.token_ids),
-            }
-
-        def whole(d: Delta, index: int) -> dict:
-            return {
-                "index": index,
-                "message": {"role": "assistant", "content": d.text},
-                "logprobs": logprobs(d),
-                "finish_reason": d.finish_reason,
-                **_token_ids(body.return_token_ids, d.token_ids),
-            }
-
-        shape = _Shape("chatcmpl-", "chat.completion", "chat.completion.chunk", chunk, whole)
-        response = await _answer(
-            core,
-            request,
-            body,
-            r,
-            shape,
-            {"prompt": "messages", "prompt_token_ids": "messages", "max_tokens": max_field},
+    http_edge.install(app, core)
+    app.state.ready, app.state.core, app.state.metrics = True, core, metrics
+    app.state.started = int(time.time())
+    app.include_router(routes)
+    completion, chat = bounded_bodies(core.settings, core.model.max_model_len)
+    for path, body_type, handler in (
+        ("/v1/completions", completion, completions),
+        ("/v1/chat/completions", chat, chat_completions),
+    ):
+        app.add_api_route(
+            path, _taking(body_type, handler), methods=["POST"], name=handler.__name__
         )
-        response.headers[CHAT_TEMPLATE_HEADER] = template
-        return response
-
     return app

@@ -14,8 +14,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import context
 from opentelemetry.context import Context
 
+from common import sampling
 from common.errors import MoeMeshError, UnavailableError
 from common.finish_reason import from_wire
+from common.sampling import SamplingParams
 from common.server import peer_channel_options
 from common.status import EXPERTS_UNAVAILABLE_KEY, error_from_rpc
 from common.tls import MeshTls, open_channel
@@ -44,23 +46,6 @@ class ModelInfo:
     vocab_size: int
 
 
-@dataclass(frozen=True)
-class GenerateParams:
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop_token_ids: Sequence[int] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    logprobs: int | None = None  # alternatives per token; None: no logprobs
-
-
 # A produced token's logprob and its (token id, logprob) alternatives, most likely first.
 Logprobs = tuple[float, tuple[tuple[int, float], ...]]
 
@@ -71,34 +56,15 @@ class RouterRequest:
 
     request_id: str
     prompt_token_ids: Sequence[int]
-    params: GenerateParams
+    params: SamplingParams
     priority: int = 0
 
 
 def to_proto(r: RouterRequest) -> router_pb2.RouterGenerateRequest:
-    p = r.params
-    params = router_pb2.SamplingParams(
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        stop_token_ids=p.stop_token_ids,
-        ignore_eos=p.ignore_eos,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        min_tokens=p.min_tokens,
-    )
-    if p.seed is not None:
-        params.seed = p.seed
-    if p.repetition_penalty != 1.0:
-        params.repetition_penalty = p.repetition_penalty
-    if p.logprobs is not None:
-        params.logprobs = p.logprobs
     return router_pb2.RouterGenerateRequest(
         request_id=r.request_id,
         prompt_token_ids=r.prompt_token_ids,
-        params=params,
+        params=sampling.to_proto(r.params, router_pb2.SamplingParams()),
         priority=r.priority,
     )
 

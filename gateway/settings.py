@@ -48,7 +48,7 @@ class GatewaySettings(TelemetrySettings, SecuritySettings):
     api_key_file: Path | None = Field(
         None,
         description="API keys, one per line with optional name=, rpm= and max_priority= "
-        "(README, Security); re-read when it changes. Keys may also come from "
+        "(docs/operating/security.md); re-read when it changes. Keys may also come from "
         "MOE_GATEWAY_API_KEY (comma-separated). With neither, the API is open",
     )
     public_tls_cert: Path | None = Field(

@@ -95,7 +95,7 @@ def version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes, the same for every command (README, "Exit codes"): 0 done; 1 the mesh or the
+    """Exit codes, the same for every command (docs/reference/exit-codes.md): 0 done; 1 the mesh or the
     machine failed (a service died or could not start, a port is taken, a peer is unreachable, a
     request failed); 2 the command was wrong (a bad flag or value, a missing file, input refused);
     130 interrupted (Ctrl-C); 141 stdout closed (`| head`)."""
@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
-        from moe_mesh.local.launcher import EXIT_BROKEN_PIPE, silence_stdout
+        from moe_mesh.local.launcher import EXIT_BROKEN_PIPE
+        from moe_mesh.local.terminal import silence_stdout
 
         silence_stdout()
         return EXIT_BROKEN_PIPE

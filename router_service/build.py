@@ -26,16 +26,12 @@ from common.units import parse_size
 from router_service.engine.compute import ComputeThread
 from router_service.engine.engine import Engine
 from router_service.engine.model import MoeModel
-from router_service.experts.dispatch import (
-    ColocatedExperts,
-    DispatchPolicy,
-    ExpertDispatcher,
-    LivePlacement,
-    Placement,
-)
+from router_service.experts.backends import ColocatedExperts, LivePlacement, Placement
+from router_service.experts.dispatch import ExpertDispatcher
 from router_service.experts.fastpath import FastPathConfig
 from router_service.experts.membership import ExpertMembership
 from router_service.experts.remote import Identity, RemoteExperts, connect
+from router_service.experts.replicas import DispatchPolicy
 from router_service.experts.tiering import Tierer, TieringConfig
 from router_service.experts.utilization import UtilizationWindow
 from router_service.settings import RouterSettings

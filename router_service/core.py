@@ -24,6 +24,7 @@ from opentelemetry.metrics import Observation
 from opentelemetry.trace import Span, StatusCode
 
 from common.errors import InternalError, MoeMeshError, UnavailableError
+from common.sampling import SamplingParams
 from common.telemetry import (
     OFF,
     PREEMPTIONS,
@@ -36,7 +37,6 @@ from common.telemetry import (
 )
 from router_service.engine.engine import Engine, FinishReason, StepOutput
 from router_service.engine.pipeline import MicroBatchPlanner
-from router_service.engine.sampling import SamplingParams
 from router_service.engine.scheduler import Scheduler
 from router_service.experts.tiering import Tierer
 
@@ -166,6 +166,7 @@ class RouterCore:
         on_unhealthy: Unhealthy | None = None,
         max_loop_deaths: int = 3,
         loop_death_window_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,  # what loop deaths are timed on
     ) -> None:
         self.engine = engine
         self.model_id = model_id
@@ -187,6 +188,7 @@ class RouterCore:
         self.steps = 0
         self.on_unhealthy = on_unhealthy
         self.max_loop_deaths, self.loop_death_window_s = max_loop_deaths, loop_death_window_s
+        self.clock = clock
         self.loop_deaths = 0
         self.down: str | None = None  # why the loop gave up, once it has
 
@@ -370,7 +372,7 @@ class RouterCore:
             except Exception as e:
                 log.exception("the engine loop died")
                 self.loop_deaths += 1
-                now = time.monotonic()
+                now = self.clock()
                 deaths.append(now)
                 while deaths and deaths[0] < now - self.loop_death_window_s:
                     deaths.popleft()

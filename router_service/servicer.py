@@ -10,11 +10,11 @@ import grpc
 from common.errors import MoeMeshError
 from common.finish_reason import to_wire
 from common.placement import format_experts
+from common.sampling import from_proto
 from common.status import abort_with
 from common.telemetry import OFF, Telemetry
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc, types_pb2
 from router_service.core import RouterCore
-from router_service.engine.sampling import SamplingParams
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
@@ -25,22 +25,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def Generate(
         self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext
     ):
-        p = request.params
-        params = SamplingParams(
-            max_tokens=p.max_tokens,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            min_p=p.min_p,
-            seed=p.seed if p.HasField("seed") else None,
-            stop_token_ids=tuple(p.stop_token_ids),
-            ignore_eos=p.ignore_eos,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
-            min_tokens=p.min_tokens,
-            logprobs=p.logprobs if p.HasField("logprobs") else None,
-        )
+        params = from_proto(request.params)  # the engine checks it (SamplingParams.validate)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         try:

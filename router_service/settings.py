@@ -150,7 +150,7 @@ class RouterSettings(TelemetrySettings, SecuritySettings):
         gt=0,
         description="upper bound of one expert call when the request has no earlier deadline",
     )
-    # A hung or dying replica must not stall the batch: see router_service/experts/dispatch.py, DispatchPolicy.
+    # A hung or dying replica must not stall the batch: see router_service/experts/replicas.py, DispatchPolicy.
     expert_call_timeout_factor: float = Field(
         8.0,
         ge=1,

@@ -1,4 +1,4 @@
-"""The test suite, laid out like the code (see the README's directory table):
+"""The test suite, laid out like the code (see docs/development/layout.md):
 
 unit/         one package at a time, in process; `unit/<package>/` mirrors the package's folder
 integration/  several components in one process: real gRPC and HTTP servers on port 0

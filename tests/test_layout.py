@@ -177,10 +177,13 @@ def test_the_rules_see_a_violation(tmp_path, monkeypatch) -> None:
         test_unit_tests_mirror_the_code()
 
 
-def _readme_table() -> dict[str, str]:
-    """directory -> its row of the README's directory table."""
+LAYOUT_PAGE = ROOT / "docs" / "development" / "layout.md"
+
+
+def _layout_table() -> dict[str, str]:
+    """directory -> its row of the directory table on the docs' layout page."""
     rows = {}
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in LAYOUT_PAGE.read_text().splitlines():
         if line.startswith("| `") and "/` |" in line:
             directory, _, text = line[3:].partition("` |")
             rows[directory.rstrip("/")] = text
@@ -197,23 +200,23 @@ def _documented_folders() -> list[str]:
     return sorted(packages | {"tests", "tests/support", "tests/integration", "tests/e2e", "bench"})
 
 
-def test_the_readme_directory_table_names_every_module_and_only_real_ones() -> None:
-    rows = _readme_table()
+def test_the_layout_page_names_every_module_and_only_real_ones() -> None:
+    rows = _layout_table()
     for package in _documented_folders():
-        assert package in rows, f"README directory table has no row for {package}/"
+        assert package in rows, f"docs/development/layout.md has no row for {package}/"
         modules = {p.name for p in (ROOT / package).glob("*.py") if not p.name.startswith("__")}
         named = set(re.findall(r"`([a-z0-9_]+\.py)`", rows[package]))
         assert modules - named == set(), (
-            f"{package}/: not in the README table: {sorted(modules - named)}"
+            f"{package}/: not in docs/development/layout.md: {sorted(modules - named)}"
         )
         assert named - modules == set(), (
-            f"{package}/: the README table names missing files: {sorted(named - modules)}"
+            f"{package}/: docs/development/layout.md names missing files: {sorted(named - modules)}"
         )
     # tests/unit/ mirrors the code, so its row names folders, not files.
-    assert "tests/unit" in rows, "README directory table has no row for tests/unit/"
+    assert "tests/unit" in rows, "docs/development/layout.md has no row for tests/unit/"
     named = set(re.findall(r"`([a-z0-9_/]+)/`", rows["tests/unit"]))
     assert named == _unit_test_folders(), (
-        f"tests/unit/: the README names {sorted(named)}, the tree has {sorted(_unit_test_folders())}"
+        f"tests/unit/: the layout page names {sorted(named)}, the tree has {sorted(_unit_test_folders())}"
     )
 
 

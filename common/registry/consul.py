@@ -269,7 +269,7 @@ class ConsulRegistry:
             instance.endpoint,
             go_duration(check_interval_s),
             # Under mutual TLS the agent presents its own certificate: Consul's
-            # enable_agent_tls_for_checks, with a certificate of the mesh CA (README, Security).
+            # enable_agent_tls_for_checks, with a certificate of the mesh CA (docs/operating/security.md).
             use_tls=instance.tls or None,
             timeout=go_duration(min(check_interval_s, 5.0)),
             deregister=go_duration(deregister_critical_after_s),

@@ -11,12 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+from common.cli import add_settings_arguments, settings_from_args
 from common.errors import InvalidArgumentError
 from moe_mesh.benchmark import client, plot, setups
 from moe_mesh.benchmark.load import LoadPoint, run_point
-from moe_mesh.benchmark.stats import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, Slo, summarize
+from moe_mesh.benchmark.settings import BenchSettings
+from moe_mesh.benchmark.stats import Slo, summarize
 from moe_mesh.benchmark.workload import (
-    DEFAULT_SCALE,
     MEDIAN_INPUT_TOKENS,
     MEDIAN_OUTPUT_TOKENS,
     SIGMA,
@@ -56,17 +57,6 @@ def _setup(text: str) -> setups.Setup:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--setup: ")) from None
 
 
-def _positive(kind: type) -> object:
-    def parse(text: str) -> int | float:
-        v = kind(text)
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-        return v
-
-    parse.__name__ = kind.__name__  # argparse names the type in its messages
-    return parse
-
-
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """Register `bench` on the moe-mesh CLI; `args.func(args)` returns the exit code."""
     p = subparsers.add_parser(
@@ -91,8 +81,6 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
         help="start `moe-mesh up FLAGS` on --checkpoint, benchmark it, stop it (repeatable; one after "
         "another), e.g. 'monolithic=--expert-services 0' or 'grpc=--router-arg=--fast-path=off'",
     )
-    p.add_argument("--checkpoint", type=Path, help="checkpoint directory for --setup")
-    p.add_argument("--name", default="mesh", help="the set-up's name for --url / --ready-file")
     load = p.add_mutually_exclusive_group()
     load.add_argument(
         "--concurrency",
@@ -105,58 +93,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
         type=_rates,
         help="open loop: Poisson arrivals per second ('inf': all at once); a list sweeps",
     )
-    p.add_argument(
-        "--num-requests", type=_positive(int), default=64, help="requests per load level (64)"
-    )
-    p.add_argument(
-        "--max-duration-s",
-        type=_positive(float),
-        default=300.0,
-        help="bound of each load level: requests unfinished by then fail (300)",
-    )
-    p.add_argument(
-        "--scale",
-        type=_positive(float),
-        default=DEFAULT_SCALE,
-        help=f"multiplies the trace-shaped lengths (median input {MEDIAN_INPUT_TOKENS}, output "
-        f"{MEDIAN_OUTPUT_TOKENS}, lognormal sigma {SIGMA}) (default {DEFAULT_SCALE})",
-    )
-    p.add_argument("--input-len", type=_positive(int), help="every prompt this long (tokens)")
-    p.add_argument("--output-len", type=_positive(int), help="every output this long (tokens)")
-    p.add_argument(
-        "--max-model-len",
-        type=_positive(int),
-        help="clip prompt + output to this (default: the gateway's, from /v1/models)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="workload and arrivals seed (0)")
-    p.add_argument(
-        "--slo-ttft-ms",
-        type=_positive(float),
-        default=DEFAULT_SLO_TTFT_MS,
-        help=f"goodput SLO on time to first token (default {DEFAULT_SLO_TTFT_MS:g})",
-    )
-    p.add_argument(
-        "--slo-tpot-ms",
-        type=_positive(float),
-        default=DEFAULT_SLO_TPOT_MS,
-        help=f"goodput SLO on time per output token (default {DEFAULT_SLO_TPOT_MS:g})",
-    )
-    p.add_argument(
-        "--warmup-requests",
-        type=int,
-        default=1,
-        help="requests sent before each set-up's first load level, not measured (1)",
-    )
-    p.add_argument("--out", type=Path, help="JSON report (default .cache/bench-<time>/bench.json)")
-    p.add_argument("--png", type=Path, help="throughput-vs-TPOT picture (default next to --out)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument(
-        "--tls-ca",
-        type=Path,
-        default=None,
-        help="check an https gateway against this CA (a ready file of `up --tls` names its own); "
-        "an API key goes in MOE_MESH_API_KEY",
-    )
+    add_settings_arguments(p, BenchSettings)
     p.set_defaults(func=run_bench)
 
 
@@ -264,6 +201,8 @@ def render(report: dict) -> str:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    settings = settings_from_args(BenchSettings, args)
+    args = argparse.Namespace(**{**vars(args), **settings.model_dump()})
     if args.setup and args.checkpoint is None:
         raise InvalidArgumentError("--checkpoint", "required with --setup")
     if args.setup and len({s.name for s in args.setup}) < len(args.setup):

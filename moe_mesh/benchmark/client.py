@@ -1,6 +1,7 @@
-"""The benchmark's HTTP client: the served model from `/v1/models`, and one streamed completion timed.
+"""The one timed streaming HTTP client of the benchmarks (`moe-mesh bench` and bench/): the served model from
+`/v1/models`, and streamed completions, each chunk's tokens timed.
 
-Requests go to the OpenAI-compatible `/v1/completions` with the prompt as token ids, `ignore_eos`
+`moe-mesh bench`'s requests go to the OpenAI-compatible `/v1/completions` with the prompt as token ids, `ignore_eos`
 (the output is exactly `max_tokens` long), greedy sampling, `stream: true` with `return_token_ids`
 (each chunk's tokens are counted, not guessed from text) and a final usage chunk.
 """
@@ -10,7 +11,8 @@ from __future__ import annotations
 import json
 import ssl
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -72,6 +74,67 @@ async def fetch_model(s: aiohttp.ClientSession, url: str) -> ModelInfo:
         ) from None
 
 
+@dataclass
+class Streamed:
+    """What one streamed completion sent, and when: seconds from the request's start to its first
+    token, the gaps between later chunks with tokens, and to its last token."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage_tokens: int | None = None  # completion_tokens of the final usage chunk
+    ttft_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    latency_s: float = 0.0
+    error: str | None = None
+
+    @property
+    def max_gap_s(self) -> float:
+        """The longest wait for tokens, the first included: how long the stream stalled."""
+        return max([self.ttft_s, *self.itl_s]) if self.token_ids else 0.0
+
+
+async def stream_tokens(
+    s: aiohttp.ClientSession, url: str, body: dict, clock: Callable[[], float] = time.perf_counter
+) -> Streamed:
+    """POST `body` (a streamed /v1/completions request with `return_token_ids`) and time its
+    chunks; failures are a result with `error` set, never raised."""
+    out = Streamed()
+    start = last = clock()
+    try:
+        async with s.post(f"{url}/v1/completions", json=body) as r:
+            if r.status != 200:
+                out.error = f"HTTP {r.status}: {_message(await r.text())}"
+                return out
+            async for line in r.content:
+                data = line.strip().removeprefix(b"data:").strip()
+                if not data or not line.startswith(b"data:"):
+                    continue
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    out.error = _message(data.decode())
+                    return out
+                if chunk.get("usage"):
+                    out.usage_tokens = chunk["usage"]["completion_tokens"]
+                tokens = [t for c in chunk.get("choices", ()) for t in c.get("token_ids") or ()]
+                if tokens:
+                    now = clock()
+                    if out.token_ids:
+                        out.itl_s.append(now - last)
+                    else:
+                        out.ttft_s = now - start
+                    last = now
+                    out.token_ids += tokens
+                for c in chunk.get("choices", ()):
+                    out.finish_reason = c.get("finish_reason") or out.finish_reason
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        out.error = f"{type(e).__name__}: {e}"
+        return out
+    out.latency_s = last - start
+    return out
+
+
 async def stream_completion(
     s: aiohttp.ClientSession, url: str, model: str, req: BenchRequest, t0: float
 ) -> RequestResult:
@@ -88,39 +151,18 @@ async def stream_completion(
         "return_token_ids": True,
     }
     result = RequestResult(ok=False, prompt_tokens=req.input_len)
-    start = time.perf_counter()
-    result.start_s = start - t0
-    last, tokens, usage = start, 0, None
-    try:
-        async with s.post(f"{url}/v1/completions", json=body) as r:
-            if r.status != 200:
-                result.error = f"HTTP {r.status}: {_message(await r.text())}"
-                return result
-            async for line in r.content:
-                data = line.strip().removeprefix(b"data:").strip()
-                if not data or not line.startswith(b"data:"):
-                    continue
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = _message(data.decode())
-                    return result
-                if chunk.get("usage"):
-                    usage = chunk["usage"]["completion_tokens"]
-                n = sum(len(c.get("token_ids") or ()) for c in chunk.get("choices", ()))
-                if n:
-                    now = time.perf_counter()
-                    if tokens:
-                        result.itl_s.append(now - last)
-                    else:
-                        result.ttft_s = now - start
-                    last, tokens = now, tokens + n
-    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-        result.error = f"{type(e).__name__}: {e}"
+    result.start_s = time.perf_counter() - t0
+    streamed = await stream_tokens(s, url, body)
+    if streamed.error is not None:
+        result.error = streamed.error
         return result
-    result.latency_s = last - start
-    result.output_tokens = usage if usage is not None else tokens
+    tokens = len(streamed.token_ids)
+    result.ttft_s, result.itl_s, result.latency_s = (
+        streamed.ttft_s,
+        streamed.itl_s,
+        streamed.latency_s,
+    )
+    result.output_tokens = streamed.usage_tokens if streamed.usage_tokens is not None else tokens
     result.ok = tokens > 0
     if not result.ok:
         result.error = "the stream ended without a token"

@@ -12,10 +12,14 @@ import argparse
 import json
 import os
 import sys
+import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from common.cli import add_settings_arguments, settings_from_args
 from moe_mesh.dev.bpe import CHAT_TEMPLATE, EOS_TOKEN, PAD_TOKEN, tokenizer_json
 from moe_mesh.dev.expert_layouts import fuse_experts, quantize_mxfp4
 from moe_mesh.dev.families import (
@@ -54,21 +58,56 @@ def create_checkpoint(
     e.g. DBRX's ``ffn_config={"moe_top_k": 4}``).
 
     ``router_skew`` biases every router towards a few per-layer "hot" experts (a different, seeded set per
-    layer): the expert of popularity rank r gets a gate-logit bias of ``router_skew * (1/(r+1) - mean)`` in
-    units of the gate logits' per-token spread, measured on random tokens. Residual dimension 0 then becomes
-    a constant routing channel that attention and MLPs neither read nor write. Share of routed slots taken by
-    a layer's two hottest experts (8 experts, top-2, random tokens; uniform is 25%): skew 0 ~28-33%,
-    1 ~38%, 2 ~50%, 3 ~60%, 4 ~68%, 6 ~78%.
+    layer), in units of the gate logits' per-token spread: 0 is uniform, 2-4 gives realistic hot experts
+    (docs/design/checkpoints.md has the bias and the shares it gives).
     ``expert_layout="fused"`` stores experts as transformers v5 3-D tensors
     (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) instead of one tensor per
-    expert (not for dbrx, whose own layout is fused). ``max_shard_size`` is passed to ``save_pretrained`` (e.g. "200MB"); ``progress`` prints stage
-    messages and progress bars on stderr.
+    expert (not for dbrx, whose own layout is fused). ``max_shard_size`` is passed to ``save_pretrained``
+    (e.g. "200MB"); ``progress`` prints stage messages and progress bars on stderr.
     gpt-oss stores its experts fused (``[E, H, 2I]`` with gate and up columns alternating, ``[E, I, H]``)
     whatever the layout; ``quantize="mxfp4"`` writes them as published gpt-oss checkpoints do.
 
     Raises ValueError for unknown arch/preset/layout or an out_dir that cannot be created, and
     FileExistsError if out_dir exists and is not empty.
     """
+    out_dir = Path(out_dir)
+    _check_arguments(out_dir, arch, preset, expert_layout, quantize)
+    # Here, not at module level: `moe-mesh probe` and friends must start fast.
+    from tokenizers import Tokenizer
+
+    def stage(msg: str) -> None:
+        if progress:
+            print(f"[checkpoint] {msg}", file=sys.stderr, flush=True)
+
+    p = {**PRESET_SIZES[preset], **FAMILY_PRESETS.get((arch, preset), {})}
+    stage(f"training byte-level BPE tokenizer (target vocab {p['vocab']})")
+    tokenizer = Tokenizer.from_str(tokenizer_json(p["vocab"]))
+    config = _config(arch, p, tokenizer.get_vocab_size(), overrides, quantize)
+    stage(f"initialising {CLASSES[arch][1]} ({preset}, seed {seed})")
+    model = _random_model(arch, config, seed, router_skew)
+    n_params = sum(t.numel() for t in model.parameters())
+    stage(
+        f"writing {n_params / 1e6:.1f}M parameters ({n_params * 4 / 2**20:.0f} MiB float32) to {out_dir}"
+    )
+    _save_model(model, out_dir, max_shard_size, progress)
+    if arch == "qwen3_moe":
+        _rename_qwen3_expert_count(out_dir / "config.json")
+    if expert_layout == "fused":
+        stage("rewriting experts as fused 3-D tensors")
+        fuse_experts(out_dir, progress)
+    if quantize == "mxfp4":
+        stage("quantizing experts to MXFP4")
+        quantize_mxfp4(out_dir)
+    stage("saving tokenizer")
+    _save_tokenizer(tokenizer, out_dir, config.max_position_embeddings)
+    stage("done")
+    return out_dir
+
+
+def _check_arguments(
+    out_dir: Path, arch: str, preset: str, expert_layout: str, quantize: str | None
+) -> None:
+    """Every argument problem, before seconds go into building a model."""
     for what, value, valid in (
         ("arch", arch, ARCHS),
         ("preset", preset, PRESETS),
@@ -82,7 +121,6 @@ def create_checkpoint(
         raise ValueError(f"quantize={quantize!r}: only gpt_oss has one, {', '.join(QUANTIZATIONS)}")
     if arch == "gpt_oss" and expert_layout != "per_expert":
         raise ValueError("gpt_oss experts are fused already: expert_layout applies to the others")
-    out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"output directory {out_dir} already exists and is not empty")
     # Now, not after the model is built: the nearest existing ancestor must take a directory.
@@ -92,23 +130,20 @@ def create_checkpoint(
             f"cannot create output directory {out_dir}: {ancestor} is not a writable directory"
         )
 
-    import torch  # here, not at module level: `moe-mesh probe` and friends must start fast
-    import transformers
-    from tokenizers import Tokenizer
-    from transformers.utils import logging as hf_logging
 
-    def stage(msg: str) -> None:
-        if progress:
-            print(f"[checkpoint] {msg}", file=sys.stderr, flush=True)
+def _config(
+    arch: str,
+    preset: dict[str, Any],
+    vocab_size: int,
+    overrides: Mapping[str, Any] | None,
+    quantize: str | None,
+) -> Any:
+    """The transformers config of the family's preset with `overrides` merged in."""
+    import transformers  # here, not at module level: `moe-mesh probe` and friends must start fast
 
-    p = {**PRESET_SIZES[preset], **FAMILY_PRESETS.get((arch, preset), {})}
-    stage(f"training byte-level BPE tokenizer (target vocab {p['vocab']})")
-    tokenizer = Tokenizer.from_str(tokenizer_json(p["vocab"]))
-    config_cls, model_cls = (getattr(transformers, name) for name in CLASSES[arch])
-    alias = getattr(
-        config_cls, "attribute_map", {}
-    )  # lets an override of an alias replace the preset's field
-    merged = config_kwargs(arch, p, tokenizer.get_vocab_size())
+    config_cls = getattr(transformers, CLASSES[arch][0])
+    alias = getattr(config_cls, "attribute_map", {})  # an override of an alias replaces the field
+    merged = config_kwargs(arch, preset, vocab_size)
     # A nested sub-config (DBRX's attn_config, ffn_config) is merged, not replaced.
     for key, value in (overrides or {}).items():
         both = isinstance(value, dict) and isinstance(merged.get(key), dict)
@@ -119,17 +154,26 @@ def create_checkpoint(
             f"MXFP4 needs hidden_size and intermediate_size in multiples of 32, not "
             f"{config.hidden_size} and {config.intermediate_size}"
         )
+    return config
 
-    stage(f"initialising {model_cls.__name__} ({preset}, seed {seed})")
+
+def _random_model(arch: str, config: Any, seed: int, router_skew: float) -> Any:
+    import torch  # here, not at module level: `moe-mesh probe` and friends must start fast
+    import transformers
+
     torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32).eval()
+    model = getattr(transformers, CLASSES[arch][1])(config).to(torch.float32).eval()
     init_parameters(model, seed)
     if router_skew:
         apply_router_skew(model, router_skew, seed)
-    n_params = sum(t.numel() for t in model.parameters())
-    stage(
-        f"writing {n_params / 1e6:.1f}M parameters ({n_params * 4 / 2**20:.0f} MiB float32) to {out_dir}"
-    )
+    return model
+
+
+def _save_model(
+    model: Any, out_dir: Path, max_shard_size: str | int | None, progress: bool
+) -> None:
+    """save_pretrained, with transformers' progress bars only when `progress`."""
+    from transformers.utils import logging as hf_logging  # here: see _random_model
 
     bars_were_on = hf_logging.is_progress_bar_enabled()
     if not progress:
@@ -141,22 +185,19 @@ def create_checkpoint(
     finally:
         if bars_were_on and not progress:
             hf_logging.enable_progress_bar()
-    if arch == "qwen3_moe":
-        # transformers 5.23 serialises Qwen3-MoE's expert count under its alias num_local_experts; published
-        # Qwen3-MoE checkpoints (and parsers written against them) use num_experts, which transformers also reads.
-        cfg_path = out_dir / "config.json"
-        cfg = json.loads(cfg_path.read_text())
-        if "num_local_experts" in cfg:
-            cfg["num_experts"] = cfg.pop("num_local_experts")
-            cfg_path.write_text(json.dumps(dict(sorted(cfg.items())), indent=2) + "\n")
-    if expert_layout == "fused":
-        stage("rewriting experts as fused 3-D tensors")
-        fuse_experts(out_dir, progress)
-    if quantize == "mxfp4":
-        stage("quantizing experts to MXFP4")
-        quantize_mxfp4(out_dir)
 
-    stage("saving tokenizer")
+
+def _rename_qwen3_expert_count(cfg_path: Path) -> None:
+    """transformers 5.23 serialises Qwen3-MoE's expert count under its alias num_local_experts;
+    published Qwen3-MoE checkpoints (and parsers written against them) use num_experts, which
+    transformers also reads."""
+    cfg = json.loads(cfg_path.read_text())
+    if "num_local_experts" in cfg:
+        cfg["num_experts"] = cfg.pop("num_local_experts")
+        cfg_path.write_text(json.dumps(dict(sorted(cfg.items())), indent=2) + "\n")
+
+
+def _save_tokenizer(tokenizer: Any, out_dir: Path, max_positions: int) -> None:
     tokenizer.save(str(out_dir / "tokenizer.json"), pretty=True)
     # Written by hand rather than by transformers 5.x, whose "TokenizersBackend" class name 4.x cannot load.
     tok_config = {
@@ -165,44 +206,84 @@ def create_checkpoint(
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
         "unk_token": None,
-        "model_max_length": config.max_position_embeddings,
+        "model_max_length": max_positions,
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
-    stage("done")
-    return out_dir
 
 
 def _parse_override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+        raise ValueError(f"expected KEY=VALUE, got {text!r}")
     try:
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
 
 
+class CreateSettings(BaseModel):
+    """`moe-mesh checkpoint create`'s flags: create_checkpoint's arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    arch: Literal[ARCHS] = Field(description="model family")  # type: ignore[valid-type]
+    preset: Literal[PRESETS] = Field(  # type: ignore[valid-type]
+        "tiny", description="tiny: unit tests; small: benchmarks (~1 GB)"
+    )
+    out: Path = Field(description="output directory (must not exist or be empty)")
+    seed: int = Field(0, description="seed of the random weights")
+    router_skew: float = Field(
+        0.0,
+        description="hot-expert bias in gate-logit std units: 0 uniform, 2-4 realistic hot experts",
+    )
+    expert_layout: Literal[EXPERT_LAYOUTS] = Field(  # type: ignore[valid-type]
+        "per_expert", description="one tensor per expert, or transformers v5's fused 3-D tensors"
+    )
+    max_shard_size: int | str | None = Field(None, description='e.g. "200MB" or a byte count')
+    quantize: Literal[QUANTIZATIONS] | None = Field(  # type: ignore[valid-type]
+        None, description="gpt_oss: store the experts in MXFP4, as published gpt-oss checkpoints do"
+    )
+    override: list[tuple[str, Any]] | None = Field(
+        None,
+        description="config field override, repeatable (e.g. num_experts_per_tok=1)",
+        json_schema_extra={"metavar": "KEY=JSON"},
+    )
+
+    @field_validator("max_shard_size", mode="before")
+    @classmethod
+    def _byte_count(cls, value: Any) -> Any:
+        return int(value) if isinstance(value, str) and value.isdigit() else value
+
+    @field_validator("override", mode="before")
+    @classmethod
+    def _pairs(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        return [_parse_override(v) if isinstance(v, str) else v for v in value]
+
+
 def _cmd_create(args: argparse.Namespace) -> int:
+    s = typing.cast(CreateSettings, settings_from_args(CreateSettings, args))
     try:
         out = create_checkpoint(
-            Path(args.out),
-            args.arch,
-            args.preset,
-            seed=args.seed,
-            router_skew=args.router_skew,
-            overrides=dict(args.override or []),
-            expert_layout=args.expert_layout,
-            max_shard_size=args.max_shard_size,
-            progress=args.preset != "tiny",
-            quantize=args.quantize,
+            s.out,
+            s.arch,
+            s.preset,
+            seed=s.seed,
+            router_skew=s.router_skew,
+            overrides=dict(s.override or []),
+            expert_layout=s.expert_layout,
+            max_shard_size=s.max_shard_size,
+            progress=s.preset != "tiny",
+            quantize=s.quantize,
         )
     except (FileExistsError, ValueError) as exc:
         print(f"moe-mesh checkpoint create: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # the disk, not the command: full, or a path the checks above let by
-        print(f"moe-mesh checkpoint create: error: writing {args.out}: {exc}", file=sys.stderr)
+        print(f"moe-mesh checkpoint create: error: writing {s.out}: {exc}", file=sys.stderr)
         return 1
     print(out)
     return 0
@@ -221,41 +302,5 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
         help="write a random-initialised HuggingFace-layout MoE checkpoint",
         description="Write a random-initialised HuggingFace-layout MoE checkpoint.",
     )
-    create.add_argument("--arch", required=True, choices=ARCHS)
-    create.add_argument(
-        "--preset",
-        default="tiny",
-        choices=PRESETS,
-        help="tiny: unit tests; small: benchmarks (~1 GB)",
-    )
-    create.add_argument(
-        "--out", required=True, help="output directory (must not exist or be empty)"
-    )
-    create.add_argument("--seed", type=int, default=0)
-    create.add_argument(
-        "--router-skew",
-        type=float,
-        default=0.0,
-        help="hot-expert bias in gate-logit std units: 0 uniform, 2-4 realistic hot experts",
-    )
-    create.add_argument("--expert-layout", default="per_expert", choices=EXPERT_LAYOUTS)
-    create.add_argument(
-        "--max-shard-size",
-        type=lambda s: int(s) if s.isdigit() else s,
-        default=None,
-        help='e.g. "200MB" or a byte count',
-    )
-    create.add_argument(
-        "--quantize",
-        choices=QUANTIZATIONS,
-        default=None,
-        help="gpt_oss: store the experts in MXFP4, as published gpt-oss checkpoints do",
-    )
-    create.add_argument(
-        "--override",
-        type=_parse_override,
-        action="append",
-        metavar="KEY=JSON",
-        help="config field override, repeatable (e.g. num_experts_per_tok=1)",
-    )
+    add_settings_arguments(create, CreateSettings)
     create.set_defaults(func=_cmd_create)

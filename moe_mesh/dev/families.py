@@ -89,43 +89,10 @@ def config_kwargs(arch: str, p: Mapping[str, Any], vocab: int) -> dict[str, Any]
         )
     elif arch == "olmoe":
         kw.update(num_experts=p["experts"], intermediate_size=p["expert_width"])
-    elif arch == "deepseek_v3":  # latent attention: heads expand their keys/values from one latent
-        kw.update(
-            num_key_value_heads=p["heads"],
-            kv_lora_rank=p["hidden"] // 2,
-            q_lora_rank=3 * p["hidden"] // 4,
-            qk_nope_head_dim=p["head_dim"],
-            qk_rope_head_dim=p["head_dim"] // 2,
-            v_head_dim=p["head_dim"],
-            n_routed_experts=p["experts"],
-            n_group=4,
-            topk_group=2,
-            moe_intermediate_size=p["expert_width"],
-            n_shared_experts=1,
-            first_k_dense_replace=0,
-            intermediate_size=p["dense_width"],
-            num_mtp_layers=0,  # no multi-token-prediction layer is written
-        )
+    elif arch == "deepseek_v3":
+        kw.update(_deepseek_v3_kwargs(p))
     elif arch == "gpt_oss":
-        # YaRN as published gpt-oss has it (there factor 32 over 4096 original positions), with
-        # a factor that matches the preset's max_position_embeddings (else transformers warns).
-        # The window: 128 in the small preset (as published), 16 in the tiny one, which most
-        # test sequences outgrow.
-        kw.update(
-            head_dim=p["head_dim"],
-            num_local_experts=p["experts"],
-            intermediate_size=p["expert_width"],
-            sliding_window=p["max_pos"] // 32,
-            rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=150000.0,
-                factor=8.0,
-                original_max_position_embeddings=p["max_pos"] // 8,
-                beta_fast=32.0,
-                beta_slow=1.0,
-                truncate=False,
-            ),
-        )
+        kw.update(_gpt_oss_kwargs(p))
     elif arch == "glm4_moe":  # as GLM-4.5: q/k norm, q/k/v bias, half rotary, first layer dense
         kw.update(
             head_dim=p["head_dim"],
@@ -149,6 +116,48 @@ def config_kwargs(arch: str, p: Mapping[str, Any], vocab: int) -> dict[str, Any]
         else:  # not a declared Qwen3MoeConfig field, but the attention reads it and published configs set it
             kw.update(head_dim=p["head_dim"])
     return kw
+
+
+def _deepseek_v3_kwargs(p: Mapping[str, Any]) -> dict[str, Any]:
+    """Latent attention: heads expand their keys/values from one latent."""
+    return dict(
+        num_key_value_heads=p["heads"],
+        kv_lora_rank=p["hidden"] // 2,
+        q_lora_rank=3 * p["hidden"] // 4,
+        qk_nope_head_dim=p["head_dim"],
+        qk_rope_head_dim=p["head_dim"] // 2,
+        v_head_dim=p["head_dim"],
+        n_routed_experts=p["experts"],
+        n_group=4,
+        topk_group=2,
+        moe_intermediate_size=p["expert_width"],
+        n_shared_experts=1,
+        first_k_dense_replace=0,
+        intermediate_size=p["dense_width"],
+        num_mtp_layers=0,  # no multi-token-prediction layer is written
+    )
+
+
+def _gpt_oss_kwargs(p: Mapping[str, Any]) -> dict[str, Any]:
+    # YaRN as published gpt-oss has it (there factor 32 over 4096 original positions), with
+    # a factor that matches the preset's max_position_embeddings (else transformers warns).
+    # The window: 128 in the small preset (as published), 16 in the tiny one, which most
+    # test sequences outgrow.
+    return dict(
+        head_dim=p["head_dim"],
+        num_local_experts=p["experts"],
+        intermediate_size=p["expert_width"],
+        sliding_window=p["max_pos"] // 32,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=8.0,
+            original_max_position_embeddings=p["max_pos"] // 8,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+        ),
+    )
 
 
 def _dbrx_kwargs(p: Mapping[str, Any], vocab: int) -> dict[str, Any]:

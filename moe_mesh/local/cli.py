@@ -12,6 +12,7 @@ from common.cli import add_settings_arguments, flag, settings_from_args
 from common.errors import InvalidArgumentError
 from common.hub import resolve_checkpoint
 from gateway.settings import GatewaySettings
+from moe_mesh.local.settings import ScaleSettings, UpSettings
 from moe_mesh.ops.ready import read_ready_file
 from router_service.settings import RouterSettings
 
@@ -46,17 +47,8 @@ class _RouterFlags(argparse.ArgumentParser):
 
 def _check_flags(args: argparse.Namespace, router_args: list[str]) -> str | None:
     """The first problem with the flags, before any process starts (a child would find it late)."""
-    for name, value, low in (
-        ("--routers", args.routers, 1),
-        ("--replicas", args.replicas, 1),
-        ("--expert-services", args.expert_services, 0),
-    ):
-        if value < low:
-            return f"{name} must be >= {low}, got {value}"
     if args.certs_dir is not None and not args.tls:
         return "--certs-dir needs --tls"
-    if args.trace_sample is not None and not 0 <= args.trace_sample <= 1:
-        return f"--trace-sample must be in [0, 1], got {args.trace_sample}"
     if args.grpc_port and args.grpc_port == args.http_port:
         return f"--grpc-port and --http-port are both {args.grpc_port}: the gateway needs two ports"
     if not (args.checkpoint / "config.json").is_file():
@@ -108,74 +100,31 @@ def _add_up(subparsers: argparse._SubParsersAction) -> None:
         description="Start expert services, router(s) and the gateway as separate "
         "processes on loopback; Ctrl-C or SIGTERM stops them all.",
     )
-    p.add_argument(
-        "--checkpoint",
-        required=True,
-        type=Path,
-        help="HuggingFace-layout checkpoint directory, or a Hugging Face model id (org/name[@rev])",
-    )
-    p.add_argument(
-        "--expert-services",
-        type=int,
-        default=4,
-        help="expert groups, each its own service (default 4); 0 runs no expert service and "
-        "colocates every expert in the routers (the monolithic mesh)",
-    )
-    p.add_argument(
-        "--replicas", type=int, default=1, help="replicas of every expert group (default 1)"
-    )
-    p.add_argument("--routers", type=int, default=1, help="router replicas (default 1)")
-    p.add_argument(
-        "--ready-file",
-        type=Path,
-        default=None,
-        help="write the endpoints (gateway_grpc, gateway_http, routers, experts) as JSON here",
-    )
-    p.add_argument(
-        "--run-dir",
-        type=Path,
-        default=None,
-        help="where child logs go (default .cache/mesh-<time>)",
-    )
+    add_settings_arguments(p, UpSettings)
     # Passed through to the gateway and routers: declared once, by their settings models.
     add_settings_arguments(p, GatewaySettings, only=GATEWAY_FLAGS)
     add_settings_arguments(p, RouterSettings, only=ROUTER_FLAGS)
-    p.add_argument(
-        "--router-arg",
-        action="append",
-        default=[],
-        metavar="FLAGS",
-        help="more `serve-router` flags for every router, split like a shell does, e.g. "
-        "--router-arg='--fast-path off' (repeatable)",
-    )
-    p.add_argument(
-        "--tls",
-        action="store_true",
-        help="mutual TLS on every connection of the mesh (and TLS on the gateway's public "
-        "endpoints), with a CA and certificates `moe-mesh certs` writes into --certs-dir",
-    )
-    p.add_argument(
-        "--certs-dir",
-        type=Path,
-        default=None,
-        help="with --tls: the certificates to use, created there when missing "
-        "(default RUN_DIR/certs)",
-    )
-    p.add_argument(
-        "--trace-sample",
-        type=float,
-        default=None,
-        metavar="RATIO",
-        help="trace this share of requests (0-1) into RUN_DIR/<service>.spans.jsonl, for `moe-mesh "
-        "trace show` (default: no traces; OTLP export follows the OTEL_* variables)",
-    )
     p.set_defaults(func=_run_up)
+
+
+def _settings(model: type, args: argparse.Namespace, required: list[str], command: str):
+    """`args` with `model`'s fields validated and defaulted; None (an error printed) if invalid."""
+    try:
+        settings = settings_from_args(model, args, required=required)
+    except InvalidArgumentError as e:
+        print(f"moe-mesh {command}: error: {e}", file=sys.stderr)
+        return None
+    return argparse.Namespace(**{**vars(args), **settings.model_dump()})
 
 
 def _run_up(args: argparse.Namespace) -> int:
     import time as _time
 
     from moe_mesh.local.launcher import run_up
+
+    args = _settings(UpSettings, args, ["checkpoint"], "up")
+    if args is None:
+        return 2
 
     gateway_args = _pass_through(args, GATEWAY_FLAGS)
     router_args = _pass_through(args, ROUTER_FLAGS) + [
@@ -215,18 +164,16 @@ def _add_scale(subparsers: argparse._SubParsersAction) -> None:
         description="Run exactly --replicas expert-service processes serving --experts "
         "in a mesh started by `moe-mesh up` (0 removes them).",
     )
-    p.add_argument(
-        "--ready-file", type=Path, required=True, help="the file `moe-mesh up --ready-file` wrote"
-    )
-    p.add_argument("--experts", required=True, help="expert spec of the group, e.g. '*:0-1'")
-    p.add_argument(
-        "--replicas", type=int, required=True, help="processes that should serve it (>= 0)"
-    )
+    add_settings_arguments(p, ScaleSettings)
     p.set_defaults(func=_run_scale)
 
 
 def _run_scale(args: argparse.Namespace) -> int:
     import socket
+
+    args = _settings(ScaleSettings, args, ["ready_file", "experts", "replicas"], "scale")
+    if args is None:
+        return 2
 
     host, _, port = read_ready_file(args.ready_file, "control")["control"].rpartition(":")
     with socket.create_connection((host, int(port)), timeout=300) as conn:

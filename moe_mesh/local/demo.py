@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from moe_mesh.dev.create_checkpoint import create_checkpoint
-    from moe_mesh.local.launcher import Launcher, say
+    from moe_mesh.local.launcher import Launcher
+    from moe_mesh.local.terminal import say
     from moe_mesh.ops import stats as stats_view
     from moe_mesh.ops.client import mesh_status, print_status
 
@@ -138,7 +139,8 @@ def _show_trace(files: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from moe_mesh.local.launcher import EXIT_BROKEN_PIPE, silence_stdout
+    from moe_mesh.local.launcher import EXIT_BROKEN_PIPE
+    from moe_mesh.local.terminal import silence_stdout
 
     try:
         sys.exit(main())

@@ -6,9 +6,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from common.sampling import SamplingParams
 from common.tokenizer import TextStream, Tokenizer
 from router_service.engine.engine import Engine, FinishReason
-from router_service.engine.sampling import SamplingParams
 
 
 @dataclass

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
+import types
+import typing
 from pathlib import Path
 
+from common.cli import add_settings_arguments, flag, settings_from_args
+from moe_mesh.local.settings import GenerateSettings
 from moe_mesh.ops.ready import read_ready_file
 
 
@@ -29,6 +34,62 @@ def _token_ids(text: str) -> list[int]:
         ) from None
 
 
+# What the sampling flags' help adds to a field's limit (common/sampling.py); a new field needs none.
+SAMPLING_HELP = {
+    "max_tokens": "tokens to generate at most",
+    "temperature": "0 is greedy",
+    "top_p": "nucleus sampling mass; 1 disables",
+    "top_k": "sample among the k most likely tokens; 0 disables",
+    "min_p": "keep tokens at least this share of the most likely one's probability; 0 disables",
+    "seed": "per-request sampling seed",
+    "stop_token_ids": "comma-separated stop token ids",
+    "ignore_eos": "keep generating past the end-of-sequence token",
+    "min_tokens": "EOS and stop tokens cannot end generation sooner",
+    "presence_penalty": "OpenAI's; 0 disables",
+    "frequency_penalty": "OpenAI's; 0 disables",
+    "repetition_penalty": "over prompt and output tokens; 1 disables",
+    "logprobs": "with --json: each token's logprob and its N most likely alternatives",
+}
+FLAGS = {"json_output": "--json"}
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per SamplingParams field, typed, defaulted and bounded as the field is."""
+    from common.sampling import SamplingParams
+
+    hints = typing.get_type_hints(SamplingParams)
+    for f in dataclasses.fields(SamplingParams):
+        kind = hints[f.name]
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        limit = f.metadata.get("range")
+        help_text = ", ".join(
+            x
+            for x in (SAMPLING_HELP.get(f.name), f"must be {limit}" if limit else None)
+            if x is not None
+        )
+        kwargs: dict = {
+            "dest": f.name,
+            "default": f.default,
+            "help": f"{help_text} (default {f.default})",
+        }
+        if kind is bool:
+            kwargs["action"] = "store_true"
+        elif typing.get_origin(kind) is tuple:
+            kwargs["type"] = _token_ids
+        else:
+            kwargs["type"] = kind
+        p.add_argument(flag(f.name), **kwargs)
+
+
+def sampling_from_args(args: argparse.Namespace):
+    """The SamplingParams the flags give (checked where the request is served, not here)."""
+    from common.sampling import SamplingParams
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)}
+    return SamplingParams(**{**values, "stop_token_ids": tuple(values["stop_token_ids"])})
+
+
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "generate",
@@ -48,83 +109,22 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     where.add_argument(
         "--local", action="store_true", help="run the engine in this process (needs --checkpoint)"
     )
-    p.add_argument("--checkpoint", help="HuggingFace-layout checkpoint directory (with --local)")
-    p.add_argument(
-        "--tls-ca",
-        type=Path,
-        metavar="FILE",
-        help="the gateway speaks TLS: check its certificate against this CA (a ready file of "
-        "`up --tls` names it itself). An API key goes in MOE_MESH_API_KEY",
-    )
-    p.add_argument(
-        "--priority", type=int, default=0, help="higher is served first (with --gateway)"
-    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument(
         "--prompt-token-ids", type=_token_ids, help="comma-separated prompt token ids, e.g. 1,2,3"
     )
-    p.add_argument(
-        "--max-tokens", type=int, default=16, help="tokens to generate at most (default 16)"
-    )
-    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default 1.0)")
-    p.add_argument(
-        "--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1.0)"
-    )
-    p.add_argument(
-        "--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 disables"
-    )
-    p.add_argument(
-        "--min-p",
-        type=float,
-        default=0.0,
-        help="keep tokens at least this share of the most likely one's probability, in [0, 1]; "
-        "0 disables (default)",
-    )
-    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument(
-        "--stop-token-ids", type=_token_ids, default=[], help="comma-separated stop token ids"
-    )
-    p.add_argument(
-        "--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token"
-    )
-    p.add_argument(
-        "--min-tokens", type=int, default=0, help="EOS and stop tokens cannot end generation sooner"
-    )
-    p.add_argument(
-        "--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default 0: off)"
-    )
-    p.add_argument(
-        "--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default 0: off)"
-    )
-    p.add_argument(
-        "--repetition-penalty",
-        type=float,
-        default=1.0,
-        help="over prompt and output tokens, > 0 (default 1: off)",
-    )
-    p.add_argument(
-        "--logprobs",
-        type=int,
-        default=None,
-        metavar="N",
-        help="with --json: each token's logprob and its N (0-20) most likely alternatives",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["float32", "bfloat16", "float16", "auto"],
-        help="compute dtype (default auto: the checkpoint's)",
-    )
-    p.add_argument(
-        "--json", action="store_true", help="print one JSON object instead of streaming text"
-    )
+    add_settings_arguments(p, GenerateSettings, flags=FLAGS)
+    add_sampling_arguments(p)
     p.set_defaults(func=_run_generate)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     from moe_mesh.ops.client import client_tls
+
+    settings = settings_from_args(GenerateSettings, args, flags=FLAGS)
+    args = argparse.Namespace(**{**vars(args), **settings.model_dump()})
+    args.json = args.json_output
 
     if args.ready_file:
         args.gateway = gateway_of(args.ready_file)
@@ -143,26 +143,11 @@ def _run_generate(args: argparse.Namespace) -> int:
     from common.tokenizer import Tokenizer
     from moe_mesh.local.generate import LocalRequest, generate_local
     from router_service.build import build_local_engine
-    from router_service.engine.sampling import SamplingParams
 
     engine = build_local_engine(settings)
     tokenizer = Tokenizer(settings.checkpoint)  # resolved: a Hugging Face model id works too
     ids = args.prompt_token_ids if args.prompt is None else tokenizer.encode(args.prompt)
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        stop_token_ids=tuple(args.stop_token_ids),
-        ignore_eos=args.ignore_eos,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
-        min_tokens=args.min_tokens,
-        logprobs=args.logprobs,
-    )
+    params = sampling_from_args(args)
     request = LocalRequest("cli-0", ids, params, tuple(args.stop))
 
     def stream(_: str, delta: str) -> None:
@@ -186,32 +171,22 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _run_generate_remote(args: argparse.Namespace) -> int:
+    from common.sampling import to_proto
     from moe_mesh.ops.client import generate_remote
     from protos.moe_mesh.v1 import inference_pb2
 
-    request = inference_pb2.GenerateRequest(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        stop=args.stop,
-        stop_token_ids=args.stop_token_ids,
-        priority=args.priority,
-        ignore_eos=args.ignore_eos,
-        min_tokens=args.min_tokens,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
-        logprobs=args.logprobs is not None,
-        top_logprobs=args.logprobs or 0,
+    params = sampling_from_args(args)
+    # the wire's logprobs is a flag, with the count in top_logprobs (protos/.../inference.proto)
+    request = to_proto(
+        dataclasses.replace(params, logprobs=None),
+        inference_pb2.GenerateRequest(stop=args.stop, priority=args.priority),
     )
+    request.logprobs = params.logprobs is not None
+    request.top_logprobs = params.logprobs or 0
     if args.prompt is not None:
         request.prompt = args.prompt
     else:
         request.prompt_token_ids.extend(args.prompt_token_ids)
-    if args.seed is not None:
-        request.seed = args.seed
     result = asyncio.run(generate_remote(args.gateway, request, not args.json, args.tls))
     if args.json:
         print(json.dumps(result))

@@ -20,9 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import select
 import signal
-import stat
 import subprocess
 import sys
 import threading
@@ -35,6 +33,8 @@ from common.arch import load_spec
 from common.placement import format_experts, parse_experts
 from common.server import write_ready_file
 from moe_mesh.local import certs
+from moe_mesh.local.processes import tail
+from moe_mesh.local.terminal import say, silence_stdout, stdout_closed
 
 READY_TIMEOUT_S = 180.0
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
@@ -250,7 +250,7 @@ class Launcher:
                 elif c.proc.poll() is not None:
                     raise RuntimeError(
                         f"{c.describe()} exited with code {c.proc.returncode} while starting:\n"
-                        f"{_tail(c.log_path)}"
+                        f"{tail(c.log_path, 15)}"
                     )
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(
@@ -379,7 +379,7 @@ class Launcher:
             for c in died:
                 reported.add(c.name)
                 print(
-                    f"!!> {c.role} {c.describe()} exited with code {c.proc.returncode}:\n{_tail(c.log_path)}",
+                    f"!!> {c.role} {c.describe()} exited with code {c.proc.returncode}:\n{tail(c.log_path, 15)}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -431,43 +431,6 @@ class Launcher:
 
 class Interrupted(Exception):
     """Ctrl-C or SIGTERM arrived while the mesh was starting."""
-
-
-def say(*args: object) -> bool:
-    """print to stdout, flushed; False once its reader has gone (stdout then goes to /dev/null, so
-    nothing later, the interpreter's exit included, trips over the closed pipe)."""
-    try:
-        print(*args, flush=True)
-        return True
-    except BrokenPipeError:
-        silence_stdout()
-        return False
-
-
-def silence_stdout() -> None:
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-
-
-def stdout_closed() -> bool:
-    """True when stdout is a pipe whose reader has gone, found without writing to it: a launcher that
-    prints nothing while it watches must still notice `moe-mesh up | head -1` ending."""
-    try:
-        if not stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode):
-            return False
-        poller = select.poll()
-        poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
-    except (OSError, ValueError):
-        return False
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join("    " + line for line in path.read_text().splitlines()[-lines:])
-    except OSError:
-        return "    (no log)"
 
 
 def run_up(

@@ -8,16 +8,19 @@ import json
 import os
 import sys
 import time
+import typing
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import BaseModel, ConfigDict, Field
 
+from common.cli import add_settings_arguments, settings_from_args
 from common.errors import InvalidArgumentError, MoeMeshError
 from common.finish_reason import from_wire
 from common.status import error_from_rpc
 from common.tls import MeshTls, open_channel
-from moe_mesh.ops.placement import unserved
+from moe_mesh.ops.coverage import unserved
 from moe_mesh.ops.ready import read_ready_file
 from protos.moe_mesh.v1 import (
     expert_pb2,
@@ -337,23 +340,36 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     _add_status(subparsers)
 
 
+class StatusSettings(BaseModel):
+    """`moe-mesh status`'s flags."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ready_file: Path = Field(
+        description="the file `moe-mesh up --ready-file` wrote",
+        json_schema_extra={"metavar": "FILE"},
+    )
+    as_json: bool = Field(False, description="print JSON instead of tables")
+
+
+STATUS_FLAGS = {"as_json": "--json"}
+
+
 def _add_status(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "status",
         help="health, experts and load of a running mesh",
         description="Query every service of a mesh started by `moe-mesh up`.",
     )
-    p.add_argument(
-        "--ready-file", type=Path, required=True, help="the file `moe-mesh up --ready-file` wrote"
-    )
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_settings_arguments(p, StatusSettings, flags=STATUS_FLAGS)
     p.set_defaults(func=_run_status)
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    mesh = read_ready_file(args.ready_file, "gateway_grpc", "gateway_http", "routers", "experts")
+    s = typing.cast(StatusSettings, settings_from_args(StatusSettings, args, flags=STATUS_FLAGS))
+    mesh = read_ready_file(s.ready_file, "gateway_grpc", "gateway_http", "routers", "experts")
     status = asyncio.run(mesh_status(mesh))
-    if args.json:
+    if s.as_json:
         print(json.dumps(status))
     else:
         print_status(status)

@@ -11,20 +11,25 @@ import argparse
 import asyncio
 import json
 import sys
+import typing
 from collections.abc import Iterable
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.cli import add_settings_arguments, settings_from_args
 from common.errors import (
     InvalidArgumentError,
     MoeMeshError,
     PreconditionError,
     UnavailableError,
 )
-from common.placement import ModelShape, Pair, format_experts, parse_experts
+from common.placement import Pair, format_experts
 from moe_mesh.ops import tables
+from moe_mesh.ops.client import client_tls, router_status
+from moe_mesh.ops.coverage import COLOCATED, pairs_of
 from moe_mesh.ops.ready import read_ready_file
 
-COLOCATED = "colocated"  # the placement backend name of experts computed in the router process
 BLOCK = 16  # experts per heatmap block: 16 cells of 5 characters keep a block under 100 columns
 LEGEND = "H colocated (hot tier)   P pinned hot   r pinned remote   blank: on an expert service"
 
@@ -100,30 +105,6 @@ def placement_record(router_rows: list[dict]) -> dict:
         for a, (region, pairs) in sorted(services.items())
     ]
     return record
-
-
-def pairs_of(spec: str, record: dict) -> set[Pair]:
-    """The (layer, expert) pairs of an expert spec in the model of `record` (or its shape keys); '' names none."""
-    if not spec.strip():
-        return set()
-    shape = ModelShape(record["num_layers"], record["num_experts"], tuple(record["moe_layers"]))
-    return set(parse_experts(spec, shape))
-
-
-def unserved(router: dict) -> str:
-    """The experts no replica in a `router_status` row's placement serves, as an expert spec (''
-    when none): a request routed to one of them fails, however healthy every service left is."""
-    try:
-        served = set().union(*(pairs_of(spec, router) for spec in router["placement"].values()))
-    except InvalidArgumentError:  # a router whose shape this client cannot read: no claim
-        return ""
-    missing = [
-        (layer, e)
-        for layer in router["moe_layers"]
-        for e in range(router["num_experts"])
-        if (layer, e) not in served
-    ]
-    return format_experts(missing) if missing else ""
 
 
 def shares(row: list[float]) -> list[int]:
@@ -282,6 +263,37 @@ def heatmap_png(
     fig.savefig(path, format="png", dpi=100)
 
 
+class ShowSettings(BaseModel):
+    """`moe-mesh placement show`'s flags: which routers to ask, and how to show the answer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ready_file: Path | None = Field(
+        None,
+        description="the file `moe-mesh up --ready-file` wrote; its routers are asked",
+        json_schema_extra={"metavar": "FILE"},
+    )
+    routers: list[tables.HostPort] | None = Field(
+        None,
+        description="a router's gRPC address (repeatable)",
+        json_schema_extra={"metavar": "HOST:PORT"},
+    )
+    as_json: bool = Field(
+        False,
+        description="print the record as JSON instead of tables (the window file `moe-mesh plan` "
+        "reads)",
+    )
+    png: Path | None = Field(
+        None,
+        description="also draw the utilization heatmap into this PNG file",
+        json_schema_extra={"metavar": "FILE"},
+    )
+
+
+WHERE = ("ready_file", "routers")  # one or the other
+FLAGS = {"routers": "--router", "as_json": "--json"}
+
+
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """Register `placement show` on the moe-mesh CLI; `args.func(args)` returns the exit code."""
     p = subparsers.add_parser(
@@ -298,31 +310,8 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "serves, and each expert's share of its layer's tokens.",
     )
     where = s.add_mutually_exclusive_group(required=True)
-    where.add_argument(
-        "--ready-file",
-        type=Path,
-        metavar="FILE",
-        help="the file `moe-mesh up --ready-file` wrote; its routers are asked",
-    )
-    where.add_argument(
-        "--router",
-        dest="routers",
-        action="append",
-        type=tables.address,
-        metavar="HOST:PORT",
-        help="a router's gRPC address (repeatable)",
-    )
-    s.add_argument(
-        "--json",
-        action="store_true",
-        help="print the record as JSON instead of tables (the window file `moe-mesh plan` reads)",
-    )
-    s.add_argument(
-        "--png",
-        type=Path,
-        metavar="FILE",
-        help="also draw the utilization heatmap into this PNG file",
-    )
+    add_settings_arguments(where, ShowSettings, only=WHERE, flags=FLAGS)
+    add_settings_arguments(s, ShowSettings, skip=WHERE, flags=FLAGS)
     s.set_defaults(func=run_show)
 
 
@@ -331,20 +320,21 @@ def _ready_routers(path: Path) -> list[str]:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from moe_mesh.ops.client import client_tls, router_status
-
-    tls = client_tls(args.ready_file)
+    s = typing.cast(ShowSettings, settings_from_args(ShowSettings, args, flags=FLAGS))
+    tls = client_tls(s.ready_file)
 
     async def ask(addresses: list[str]) -> list[dict]:
         return list(await asyncio.gather(*(router_status(a, tls) for a in addresses)))
 
     try:
-        record = placement_record(asyncio.run(ask(args.routers or _ready_routers(args.ready_file))))
-        if args.png:
-            write_png(record, args.png)
-            print(f"wrote {args.png}", file=sys.stderr)
+        # The group requires --router or --ready-file.
+        routers = s.routers or _ready_routers(typing.cast(Path, s.ready_file))
+        record = placement_record(asyncio.run(ask(routers)))
+        if s.png:
+            write_png(record, s.png)
+            print(f"wrote {s.png}", file=sys.stderr)
     except MoeMeshError as e:
         print(f"moe-mesh placement show: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(record) if args.json else render(record))
+    print(json.dumps(record) if s.as_json else render(record))
     return 0

@@ -15,14 +15,17 @@ import argparse
 import json
 import math
 import sys
+import typing
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel, ConfigDict, Field
 
 from common import telemetry as tm
+from common.cli import add_settings_arguments, settings_from_args
 from common.errors import InvalidArgumentError, MoeMeshError, UnavailableError
 from moe_mesh.ops import tables
 from moe_mesh.ops.placement import BLOCK, heatmap_png, shares
@@ -364,6 +367,33 @@ def _ready_endpoints(path: Path) -> list[tuple[str | None, str]]:
         ) from None
 
 
+class StatsSettings(BaseModel):
+    """`moe-mesh stats`'s flags: where the metrics are, and how to show them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ready_file: Path | None = Field(
+        None,
+        description="the file `moe-mesh up --ready-file` wrote; its metrics endpoints are read",
+        json_schema_extra={"metavar": "FILE"},
+    )
+    metrics: list[tables.HostPort] | None = Field(
+        None,
+        description="a service's Prometheus endpoint (repeatable); its role is read from its metrics",
+        json_schema_extra={"metavar": "HOST:PORT"},
+    )
+    as_json: bool = Field(False, description="print the summary as JSON instead of tables")
+    png: Path | None = Field(
+        None,
+        description="also draw the utilization heatmap into this PNG file",
+        json_schema_extra={"metavar": "FILE"},
+    )
+
+
+WHERE = ("ready_file", "metrics")  # one or the other
+FLAGS = {"as_json": "--json"}
+
+
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """Register `stats` on the moe-mesh CLI; `args.func(args)` returns the exit code."""
     p = subparsers.add_parser(
@@ -374,42 +404,25 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "routed to each expert.",
     )
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument(
-        "--ready-file",
-        type=Path,
-        metavar="FILE",
-        help="the file `moe-mesh up --ready-file` wrote; its metrics endpoints are read",
-    )
-    where.add_argument(
-        "--metrics",
-        action="append",
-        type=tables.address,
-        metavar="HOST:PORT",
-        help="a service's Prometheus endpoint (repeatable); its role is read from its metrics",
-    )
-    p.add_argument(
-        "--json", action="store_true", help="print the summary as JSON instead of tables"
-    )
-    p.add_argument(
-        "--png",
-        type=Path,
-        metavar="FILE",
-        help="also draw the utilization heatmap into this PNG file",
-    )
+    add_settings_arguments(where, StatsSettings, only=WHERE, flags=FLAGS)
+    add_settings_arguments(p, StatsSettings, skip=WHERE, flags=FLAGS)
     p.set_defaults(func=run_stats)
 
 
 def run_stats(args: argparse.Namespace) -> int:
+    s = typing.cast(StatsSettings, settings_from_args(StatsSettings, args, flags=FLAGS))
     try:
         endpoints = (
-            [(None, a) for a in args.metrics] if args.metrics else _ready_endpoints(args.ready_file)
+            [(None, a) for a in s.metrics]
+            if s.metrics
+            else _ready_endpoints(typing.cast(Path, s.ready_file))  # the group requires one
         )
         summary = collect(endpoints)
-        if args.png:
-            write_png(summary, args.png)
-            print(f"wrote {args.png}", file=sys.stderr)
+        if s.png:
+            write_png(summary, s.png)
+            print(f"wrote {s.png}", file=sys.stderr)
     except MoeMeshError as e:
         print(f"moe-mesh stats: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(summary) if args.json else render(summary))
+    print(json.dumps(summary) if s.as_json else render(summary))
     return 0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -14,8 +16,11 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def address(text: str) -> str:
-    """argparse type for HOST:PORT."""
+    """`text` when it is HOST:PORT, else ValueError."""
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
     return text
+
+
+HostPort = Annotated[str, AfterValidator(address)]  # a settings field holding HOST:PORT

@@ -10,13 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import typing
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
+from pydantic import BaseModel, ConfigDict, Field
 
+from common.cli import add_settings_arguments, settings_from_args
 from common.errors import MoeMeshError, NotFoundError
 from moe_mesh.ops.tables import table
 
@@ -269,6 +272,41 @@ def render_list(spans: list[dict], everything: bool = False) -> str:
     )
 
 
+class ShowSettings(BaseModel):
+    """`moe-mesh trace show`'s arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    files: list[Path] = Field(
+        description="JSON-lines span files, one per service process (give all of a trace's "
+        "services)",
+        json_schema_extra={"metavar": "FILE"},
+    )
+    trace_id: str | None = Field(
+        None,
+        description="the trace to show, 32 hex digits with or without 0x; unset: the latest "
+        "complete trace holding a gateway request",
+        json_schema_extra={"metavar": "ID"},
+    )
+    list_traces: bool = Field(
+        False, description="list the traces in the files instead of showing one"
+    )
+    all_spans: bool = Field(
+        False,
+        description="with --list, also the health checks and Status/Describe calls (left out by "
+        "default)",
+    )
+    max_depth: int | None = Field(
+        None,
+        ge=0,
+        description="show spans down to this depth only, the root being 0; unset: all",
+        json_schema_extra={"metavar": "N"},
+    )
+
+
+FLAGS = {"files": "files", "list_traces": "--list", "all_spans": "--all"}
+
+
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """Register `trace show` on the moe-mesh CLI; `args.func(args)` returns the exit code."""
     p = subparsers.add_parser(
@@ -284,47 +322,18 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "span tree: duration, offset from the trace's start and the key attributes "
         "of every span. Without --trace-id, the latest complete trace holding a gateway request.",
     )
-    s.add_argument(
-        "files",
-        nargs="+",
-        type=Path,
-        metavar="FILE",
-        help="JSON-lines span files, one per service process (give all of a trace's services)",
-    )
-    s.add_argument(
-        "--trace-id", metavar="ID", help="the trace to show, 32 hex digits with or without 0x"
-    )
-    s.add_argument(
-        "--list", action="store_true", help="list the traces in the files instead of showing one"
-    )
-    s.add_argument(
-        "--all",
-        action="store_true",
-        help="with --list, also the health checks and Status/Describe calls (left out by default)",
-    )
-    s.add_argument(
-        "--max-depth",
-        type=_depth,
-        default=None,
-        metavar="N",
-        help="show spans down to this depth only, the root being 0 (default: all)",
-    )
+    add_settings_arguments(s, ShowSettings, flags=FLAGS)
     s.set_defaults(func=run_show)
 
 
-def _depth(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"expected a depth >= 0, got {text!r}")
-    return int(text)
-
-
 def run_show(args: argparse.Namespace) -> int:
+    s = typing.cast(ShowSettings, settings_from_args(ShowSettings, args, flags=FLAGS))
     try:
-        spans = load_spans(args.files)
+        spans = load_spans(s.files)
         print(
-            render_list(spans, args.all)
-            if args.list
-            else render_trace(spans, args.trace_id, args.max_depth)
+            render_list(spans, s.all_spans)
+            if s.list_traces
+            else render_trace(spans, s.trace_id, s.max_depth)
         )
     except MoeMeshError as e:
         print(f"moe-mesh trace show: error: {e}", file=sys.stderr)

@@ -25,7 +25,7 @@ from typing import Any
 from common.arch import ModelSpec
 from common.errors import InvalidArgumentError
 from common.placement import ModelShape, Pair, parse_experts
-from moe_mesh.ops.placement import COLOCATED
+from moe_mesh.ops.coverage import COLOCATED
 from moe_mesh.planning.deploy.plan import PlanError
 from moe_mesh.planning.inventory import Inventory
 from moe_mesh.planning.profile_format import ProfileFile

@@ -45,17 +45,23 @@ class Timing:
     cpu_s: float  # process CPU seconds per repeat (every thread)
 
 
-def timed(fn: Callable[[], object], repeats: int, warmup: int = 2) -> Timing:
+def timed(
+    fn: Callable[[], object],
+    repeats: int,
+    warmup: int = 2,
+    clock: Callable[[], float] = time.perf_counter,
+    cpu_clock: Callable[[], float] = time.process_time,
+) -> Timing:
     """Run fn warmup + repeats times; the warm-up pages weights in and sizes torch's buffers."""
     for _ in range(warmup):
         fn()
     walls = []
-    cpu = time.process_time()
+    cpu = cpu_clock()
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        walls.append(time.perf_counter() - start)
-    return Timing(statistics.median(walls), (time.process_time() - cpu) / repeats)
+        walls.append(clock() - start)
+    return Timing(statistics.median(walls), (cpu_clock() - cpu) / repeats)
 
 
 def process_cpu_s(pid: int) -> float | None:

@@ -9,130 +9,42 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from collections.abc import Callable
+import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from common.placement import Pair, format_experts
+from common.cli import add_settings_arguments, settings_from_args
+from common.placement import ModelShape, format_experts
 from common.units import parse_size
 from moe_mesh.benchmark.workload import DEFAULT_SCALE, MEDIAN_INPUT_TOKENS, MEDIAN_OUTPUT_TOKENS
+from moe_mesh.planning.calibrate import Calibration, calibrate, observed
 from moe_mesh.planning.deploy.plan import Plan, PlanError, load_plan, write_output
 from moe_mesh.planning.eplb import PlanOptions, Proposal, propose
+from moe_mesh.planning.inventory import load_inventory
+from moe_mesh.planning.profile_format import ProfileFile, read_profile
+from moe_mesh.planning.record import Record, read_record
+from moe_mesh.planning.search import (
+    Candidate,
+    Limits,
+    all_transports,
+    check_match,
+    planning_load,
+    prediction,
+    search,
+    table,
+)
+from moe_mesh.planning.search import planned as search_planned
+from moe_mesh.planning.simulate import Workload
 
 PROG = "moe-mesh plan"
 # `plan --search`'s request lengths without --input-len / --output-len: what `moe-mesh bench`
 # sends by default (57 and 16 tokens, medians).
 DEFAULT_INPUT_LEN = round(MEDIAN_INPUT_TOKENS * DEFAULT_SCALE)
 DEFAULT_OUTPUT_LEN = round(MEDIAN_OUTPUT_TOKENS * DEFAULT_SCALE)
-
-
-@dataclass(frozen=True)
-class Record:
-    """The parts of a utilization record the planner reads."""
-
-    model_id: str
-    num_layers: int
-    num_experts: int
-    moe_layers: tuple[int, ...]
-    window_s: float
-    expert_bytes: int
-    load: dict[Pair, float]  # MoE pairs only
-
-
-def read_record(path: Path) -> Record:
-    """Read and check a utilization record; every problem is a PlanError 'FILE: key: message'."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise PlanError(f"{path}: cannot read the utilization record ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise PlanError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise PlanError(
-            f"{path}: expected a JSON object as `moe-mesh placement show --json` writes"
-        )
-
-    def field(key: str, kind: type, low: float | None = None) -> Any:
-        if key not in raw:
-            raise PlanError(f"{path}: {key}: missing (`moe-mesh placement show --json` writes it)")
-        return _checked(path, key, raw[key], kind, low)
-
-    model_id = field("model_id", str)
-    num_layers, num_experts = field("num_layers", int, 1), field("num_experts", int, 1)
-    window_s, expert_bytes = field("window_s", float, 0), field("expert_bytes", int, 1)
-    moe_layers = field("moe_layers", list)
-    for i, layer in enumerate(moe_layers):
-        _checked(path, f"moe_layers[{i}]", layer, int, 0)
-        if layer >= num_layers or moe_layers.count(layer) > 1:
-            raise PlanError(
-                f"{path}: moe_layers[{i}]: layer {layer} is repeated or not below num_layers "
-                f"{num_layers}"
-            )
-    if not moe_layers:
-        raise PlanError(f"{path}: moe_layers: empty; the model has no routed experts to place")
-    rows = field("utilization", list)
-    if len(rows) != num_layers:
-        raise PlanError(
-            f"{path}: utilization: expected {num_layers} rows of {num_experts} experts, got "
-            f"{len(rows)} rows"
-        )
-    for layer, row in enumerate(rows):
-        if not isinstance(row, list) or len(row) != num_experts:
-            got = f"{len(row)} experts" if isinstance(row, list) else repr(row)
-            raise PlanError(
-                f"{path}: utilization[{layer}]: expected a row of {num_experts} experts, got {got}"
-            )
-    # Rows of dense layers are ignored whatever they hold: the router records nothing there.
-    load = {
-        (layer, e): _checked(path, f"utilization[{layer}][{e}]", rows[layer][e], float, 0)
-        for layer in sorted(moe_layers)
-        for e in range(num_experts)
-    }
-    return Record(
-        model_id, num_layers, num_experts, tuple(sorted(moe_layers)), window_s, expert_bytes, load
-    )
-
-
-def _checked(path: Path, key: str, value: Any, kind: type, low: float | None = None) -> Any:
-    ok = isinstance(value, kind) and not isinstance(value, bool)
-    if kind is float:
-        ok = (
-            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        )
-    what = {str: "a string", int: "an integer", float: "a number", list: "a list"}[kind]
-    if not ok or (low is not None and value < low):
-        bound = f" >= {low:g}" if low is not None else ""
-        raise PlanError(f"{path}: {key}: expected {what}{bound}, got {value!r}")
-    return float(value) if kind is float else value
-
-
-def _size(text: str) -> str:
-    """--budget: checked now, resolved once the record says how many bytes 100% is."""
-    try:
-        parse_size(text, 0)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
-def _at_least(low: int, kind: type = int) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not value >= low:  # `not >=` also rejects nan
-            raise argparse.ArgumentTypeError(
-                f"expected {'an integer' if kind is int else 'a number'} >= {low}, got {text!r}"
-            )
-        return value
-
-    return parse
 
 
 def planned(base: Plan, record: Record, proposal: Proposal, budget_bytes: int) -> Plan:
@@ -190,217 +102,310 @@ def summary(record: Record, proposal: Proposal, budget_bytes: int) -> str:
     return "\n".join(lines)
 
 
+def _metavar(name: str) -> dict[str, str]:
+    return {"metavar": name}
+
+
+class PlanSettings(BaseModel):
+    """`moe-mesh plan`'s flags: the EPLB proposal's, then those of `--search`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    utilization: Path = Field(
+        description="utilization record (JSON)", json_schema_extra=_metavar("FILE")
+    )
+    base: Path = Field(
+        description="plan (YAML) to start from; new expert groups copy the settings of its first "
+        "group",
+        json_schema_extra=_metavar("PLAN"),
+    )
+    out: Path | None = Field(
+        None,
+        description="write the proposed plan here instead of stdout",
+        json_schema_extra=_metavar("FILE"),
+    )
+    budget: str = Field(
+        "25%",
+        description="router colocation budget: bytes (1048576, 512MiB, 2GiB) or a percentage of "
+        "all routed experts' bytes",
+        json_schema_extra=_metavar("BYTES|PCT"),
+    )
+    groups: int = Field(
+        4,
+        ge=1,
+        description="expert-service groups for the experts with a single replica",
+        json_schema_extra=_metavar("N"),
+    )
+    extra_replicas: int | None = Field(
+        None,
+        ge=0,
+        description="remote replicas to hand out beyond one per expert, hottest first "
+        "(unset: MoE experts // 8)",
+        json_schema_extra=_metavar("N"),
+    )
+    hot_factor: float = Field(
+        1.5,
+        ge=0,
+        description="an expert may be colocated when its load is at least this times its layer's "
+        "mean",
+        json_schema_extra=_metavar("X"),
+    )
+    # --search
+    search: bool = Field(False, description="search deployments instead of proposing EPLB groups")
+    profile: Path | None = Field(
+        None, description="what `moe-mesh profile` wrote (JSON)", json_schema_extra=_metavar("FILE")
+    )
+    inventory: Path | None = Field(
+        None,
+        description="node kinds (YAML; deploy/inventory.example.yaml)",
+        json_schema_extra=_metavar("FILE"),
+    )
+    tpot_slo_ms: float | None = Field(
+        None,
+        ge=0,
+        description="time per output token at most (unset: no limit)",
+        json_schema_extra=_metavar("MS"),
+    )
+    prediction_out: Path | None = Field(
+        None,
+        description="write the best candidate's prediction (JSON) here",
+        json_schema_extra=_metavar("FILE"),
+    )
+    top: int = Field(5, ge=1, description="candidates to print", json_schema_extra=_metavar("N"))
+    max_num_seqs: int | None = Field(
+        None,
+        ge=1,
+        description="largest batch size B tried (unset: the base plan's router.max_num_seqs, "
+        "else 32)",
+        json_schema_extra=_metavar("N"),
+    )
+    input_len: int | None = Field(
+        None,
+        ge=0,
+        description="prompt tokens per request: each step carries B x input/output of them (unset: "
+        f"{DEFAULT_INPUT_LEN}, `moe-mesh bench`'s default median; 0: pure decode)",
+        json_schema_extra=_metavar("N"),
+    )
+    output_len: int | None = Field(
+        None,
+        ge=1,
+        description=f"output tokens per request (unset: {DEFAULT_OUTPUT_LEN}, `moe-mesh bench`'s "
+        "default median)",
+        json_schema_extra=_metavar("N"),
+    )
+    max_services: int = Field(
+        8, ge=1, description="expert groups tried: 1..N", json_schema_extra=_metavar("N")
+    )
+    max_replicas: int = Field(
+        2, ge=1, description="replicas per group tried: 1..N", json_schema_extra=_metavar("N")
+    )
+    calibrate_bench: Path | None = Field(
+        None,
+        description="calibrate the model on a measured run (moe_mesh/planning/calibrate.py): the "
+        "JSON of `moe-mesh bench --concurrency B` (one point) against the mesh the utilization "
+        "record came from; with --calibrate-status",
+        json_schema_extra=_metavar("FILE"),
+    )
+    calibrate_status: Path | None = Field(
+        None,
+        description="`moe-mesh status --json` of that mesh after the run (its expert groups, m, "
+        "transport)",
+        json_schema_extra=_metavar("FILE"),
+    )
+
+    @field_validator("budget")
+    @classmethod
+    def _a_size(cls, text: str) -> str:
+        """Checked now, resolved once the record says how many bytes 100% is."""
+        parse_size(text, 0)
+        return text
+
+
+EPLB_FLAGS = ["utilization", "base", "out", "budget", "groups", "extra_replicas", "hot_factor"]
+
+
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """Register `plan` on the moe-mesh CLI; `args.func(args)` returns the exit code."""
     p = subparsers.add_parser(
         "plan",
         help="propose a deploy plan from a recorded utilization window (EPLB)",
-        description="Propose expert groups, redundant replicas and the router's colocation budget from the "
-        "utilization record `moe-mesh placement show --json` wrote, on top of a base plan. "
-        "Prints a summary to stderr and the plan (YAML) to --out or stdout.",
+        description="Propose expert groups, redundant replicas and the router's colocation budget "
+        "from the utilization record `moe-mesh placement show --json` wrote, on top of a base "
+        "plan. Prints a summary to stderr and the plan (YAML) to --out or stdout.",
     )
-    p.add_argument(
-        "--utilization", type=Path, required=True, metavar="FILE", help="utilization record (JSON)"
-    )
-    p.add_argument(
-        "--base",
-        type=Path,
-        required=True,
-        metavar="PLAN",
-        help="plan (YAML) to start from; new expert groups copy the settings of its first group",
-    )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="write the proposed plan here (default stdout)",
-    )
-    p.add_argument(
-        "--budget",
-        type=_size,
-        default="25%",
-        metavar="BYTES|PCT",
-        help="router colocation budget: bytes (1048576, 512MiB, 2GiB) or a percentage of all "
-        "routed experts' bytes (default 25%%)",
-    )
-    p.add_argument(
-        "--groups",
-        type=_at_least(1),
-        default=4,
-        metavar="N",
-        help="expert-service groups for the experts with a single replica (default 4)",
-    )
-    p.add_argument(
-        "--extra-replicas",
-        type=_at_least(0),
-        default=None,
-        metavar="N",
-        help="remote replicas to hand out beyond one per expert, hottest first "
-        "(default: MoE experts // 8)",
-    )
-    p.add_argument(
-        "--hot-factor",
-        type=_at_least(0, float),
-        default=1.5,
-        metavar="X",
-        help="an expert may be colocated when its load is at least this times its layer's mean "
-        "(default 1.5)",
-    )
+    add_settings_arguments(p, PlanSettings, only=EPLB_FLAGS)
     search = p.add_argument_group(
         "--search",
         "MegaScale-Infer's plan search (moe_mesh/planning/search.py): predict every candidate from "
         "a profile and rank those meeting the TPOT SLO by tokens/s per cost",
     )
-    search.add_argument(
-        "--search", action="store_true", help="search deployments instead of proposing EPLB groups"
-    )
-    search.add_argument(
-        "--profile", type=Path, metavar="FILE", help="what `moe-mesh profile` wrote (JSON)"
-    )
-    search.add_argument(
-        "--inventory",
-        type=Path,
-        metavar="FILE",
-        help="node kinds (YAML; deploy/inventory.example.yaml)",
-    )
-    search.add_argument(
-        "--tpot-slo-ms",
-        type=_at_least(0, float),
-        default=None,
-        metavar="MS",
-        help="time per output token at most (default: no limit)",
-    )
-    search.add_argument(
-        "--prediction-out",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="write the best candidate's prediction (JSON) here",
-    )
-    search.add_argument(
-        "--top", type=_at_least(1), default=5, metavar="N", help="candidates to print (5)"
-    )
-    search.add_argument(
-        "--max-num-seqs",
-        type=_at_least(1),
-        default=None,
-        metavar="N",
-        help="largest batch size B tried (default: the base plan's router.max_num_seqs, else 32)",
-    )
-    search.add_argument(
-        "--input-len",
-        type=_at_least(0),
-        default=None,
-        metavar="N",
-        help="prompt tokens per request: each step carries B x input/output of them "
-        f"(default {DEFAULT_INPUT_LEN}, `moe-mesh bench`'s default median; 0: pure decode)",
-    )
-    search.add_argument(
-        "--output-len",
-        type=_at_least(1),
-        default=None,
-        metavar="N",
-        help=f"output tokens per request (default {DEFAULT_OUTPUT_LEN}, `moe-mesh bench`'s "
-        "default median)",
-    )
-    search.add_argument(
-        "--max-services",
-        type=_at_least(1),
-        default=8,
-        metavar="N",
-        help="expert groups tried: 1..N (8)",
-    )
-    search.add_argument(
-        "--max-replicas",
-        type=_at_least(1),
-        default=2,
-        metavar="N",
-        help="replicas per group tried: 1..N (2)",
-    )
-    search.add_argument(
-        "--calibrate-bench",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="calibrate the model on a measured run (moe_mesh/planning/calibrate.py): the JSON of "
-        "`moe-mesh bench --concurrency B` (one point) against the mesh the utilization record "
-        "came from; with --calibrate-status",
-    )
-    search.add_argument(
-        "--calibrate-status",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="`moe-mesh status --json` of that mesh after the run (its expert groups, m, "
-        "transport)",
-    )
+    add_settings_arguments(search, PlanSettings, skip=EPLB_FLAGS)  # type: ignore[arg-type]
     p.set_defaults(func=run_plan)
 
 
-def run_plan(args: argparse.Namespace) -> int:
-    searching = ("--profile", args.profile), ("--inventory", args.inventory)
-    calibrating = [args.calibrate_bench is None, args.calibrate_status is None]
-    if args.search and calibrating.count(True) == 1:
-        print(
-            f"{PROG}: error: --calibrate-bench and --calibrate-status go together", file=sys.stderr
-        )
-        return 2
-    if args.search:
+def _misused_flags(s: PlanSettings) -> str | None:
+    """What is wrong with the combination of flags given, if anything."""
+    searching = ("--profile", s.profile), ("--inventory", s.inventory)
+    if s.search:
+        if (s.calibrate_bench is None) != (s.calibrate_status is None):
+            return "--calibrate-bench and --calibrate-status go together"
         missing = [flag for flag, value in searching if value is None]
-        if missing:
-            print(f"{PROG}: error: --search needs {' and '.join(missing)}", file=sys.stderr)
-            return 2
-        from moe_mesh.planning.search import run_search
-
-        return run_search(args)
-    given = [flag for flag, value in searching if value is not None]
-    given += [
+        return f"--search needs {' and '.join(missing)}" if missing else None
+    given = [
         flag
         for flag, value in (
-            ("--input-len", args.input_len),
-            ("--output-len", args.output_len),
-            ("--calibrate-bench", args.calibrate_bench),
-            ("--calibrate-status", args.calibrate_status),
+            *searching,
+            ("--input-len", s.input_len),
+            ("--output-len", s.output_len),
+            ("--calibrate-bench", s.calibrate_bench),
+            ("--calibrate-status", s.calibrate_status),
         )
         if value is not None
     ]
-    if given or args.tpot_slo_ms is not None or args.prediction_out is not None:
-        print(
-            f"{PROG}: error: {', '.join(given) or 'these flags'} only go with --search",
-            file=sys.stderr,
-        )
+    if given or s.tpot_slo_ms is not None or s.prediction_out is not None:
+        return f"{', '.join(given) or 'these flags'} only go with --search"
+    return None
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    settings = typing.cast(PlanSettings, settings_from_args(PlanSettings, args))
+    problem = _misused_flags(settings)
+    if problem:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 2
     try:
-        record, base = read_record(args.utilization), load_plan(args.base)
-        if record.model_id != base.model.model_id:
-            raise PlanError(
-                f"{args.utilization}: model_id: the record is of {record.model_id!r} but "
-                f"{args.base} serves {base.model.model_id!r}"
-            )
-        budget_bytes = parse_size(args.budget, len(record.load) * record.expert_bytes)
-        options = PlanOptions(budget_bytes, args.groups, args.extra_replicas, args.hot_factor)
-        proposal = propose(record.load, record.expert_bytes, options)
-        plan = planned(base, record, proposal, budget_bytes)
+        return run_search(settings) if settings.search else run_eplb(settings)
     except PlanError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+
+
+def run_eplb(s: PlanSettings) -> int:
+    """Propose EPLB groups from the record on top of the base plan; write it, summarize to stderr."""
+    record, base = read_record(s.utilization), load_plan(s.base)
+    if record.model_id != base.model.model_id:
+        raise PlanError(
+            f"{s.utilization}: model_id: the record is of {record.model_id!r} but "
+            f"{s.base} serves {base.model.model_id!r}"
+        )
+    budget_bytes = parse_size(s.budget, len(record.load) * record.expert_bytes)
+    options = PlanOptions(budget_bytes, s.groups, s.extra_replicas, s.hot_factor)
+    proposal = propose(record.load, record.expert_bytes, options)
+    plan = planned(base, record, proposal, budget_bytes)
     header = (
-        f"# Proposed by `moe-mesh plan` from {args.utilization} ({record.window_s:g} s window) on top of "
-        f"{args.base}.\n# Review, then: moe-mesh deploy render --plan THIS_FILE --target compose|nomad|kubernetes "
-        f"--out DIR\n"
-    )
-    text = header + yaml.safe_dump(
-        plan.model_dump(mode="json", exclude_defaults=True), sort_keys=False
+        f"# Proposed by `moe-mesh plan` from {s.utilization} ({record.window_s:g} s window) on top "
+        f"of {s.base}.\n# Review, then: moe-mesh deploy render --plan THIS_FILE --target "
+        "compose|nomad|kubernetes --out DIR\n"
     )
     print(summary(record, proposal, budget_bytes), file=sys.stderr)
+    write_output(header + _yaml(plan), s.out)
+    if s.out is not None:
+        print(f"wrote {s.out}", file=sys.stderr)
+    return 0
+
+
+def _yaml(plan: Plan) -> str:
+    return yaml.safe_dump(plan.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
+
+
+@dataclass(frozen=True)
+class Searched:
+    """What `--search` found, and what it was found for."""
+
+    profile: ProfileFile
+    workload: Workload
+    slo_s: float | None
+    calibration: Calibration | None
+    found: list[Candidate]  # best first
+    plan: Plan  # the base plan with the best candidate
+
+
+def searched(s: PlanSettings) -> Searched:
+    """Read the inputs, calibrate when asked, search; every problem is a PlanError."""
+    assert s.profile is not None and s.inventory is not None  # _misused_flags checked
+    profile, record = read_profile(s.profile), read_record(s.utilization)
+    inventory, base = load_inventory(s.inventory), load_plan(s.base)
+    check_match(profile, record, s.profile, s.utilization)
+    if base.model.model_id != profile.model_id:
+        raise PlanError(
+            f"{s.base}: model.model_id: {base.model.model_id!r}, but the profile "
+            f"{s.profile} is of {profile.model_id!r}"
+        )
+    slo = None if s.tpot_slo_ms is None else s.tpot_slo_ms / 1e3
+    limits = Limits(
+        s.max_num_seqs or base.router.max_num_seqs or 32, s.max_services, s.max_replicas, slo
+    )
+    workload = Workload(
+        DEFAULT_INPUT_LEN if s.input_len is None else s.input_len,
+        DEFAULT_OUTPUT_LEN if s.output_len is None else s.output_len,
+    )
+    calibration = None
+    if s.calibrate_bench is not None and s.calibrate_status is not None:
+        shape = ModelShape(profile.num_layers, profile.num_experts, tuple(profile.moe_layers))
+        seen = observed(s.calibrate_bench, s.calibrate_status, shape)
+        load = planning_load(profile, record.load)
+        calibration = calibrate(profile, all_transports(profile), load, inventory, seen)
+    scale = calibration.factor if calibration else 1.0
+    found = search(profile, record.load, inventory, limits, workload, scale)
+    if not found:
+        raise PlanError(
+            f"no candidate meets --tpot-slo-ms {s.tpot_slo_ms:g} with {s.inventory}"
+            if slo is not None
+            else f"no candidate fits the memory of the nodes in {s.inventory}"
+        )
+    plan = search_planned(base, profile, found[0], len(inventory.kinds) > 1)
+    return Searched(profile, workload, slo, calibration, found, plan)
+
+
+def run_search(s: PlanSettings) -> int:
+    """`moe-mesh plan --search`: print the best candidates, write the best as a plan and its prediction."""
+    r = searched(s)
+    best = r.found[0]
+    if r.calibration is not None:
+        o = r.calibration.observed
+        print(
+            f"calibrated on {s.calibrate_bench}: {sum(o.replicas)} service(s), B={o.batch}, "
+            f"m={o.m}, {o.transport}: measured TPOT {o.tpot_s * 1e3:.1f} ms, the model "
+            f"{r.calibration.predicted_tpot_s * 1e3:.1f} ms; every step x {r.calibration.factor:.3f}",
+            file=sys.stderr,
+        )
+    print(
+        f"{len(r.found)} candidates meet the SLO; the best {min(s.top, len(r.found))}:",
+        file=sys.stderr,
+    )
+    print(table(r.found[: s.top]), file=sys.stderr)
+    predicted = {
+        "profile": str(s.profile),
+        "utilization": str(s.utilization),
+        "model_id": r.profile.model_id,
+        **prediction(best, r.slo_s, r.workload),
+        "calibration": r.calibration.record() if r.calibration else None,
+    }
+    calibrated = f", calibrated x{r.calibration.factor:.3f}" if r.calibration else ""
+    header = (
+        f"# Proposed by `moe-mesh plan --search` from {s.profile} and {s.utilization}: "
+        f"B={best.batch}, m={best.m}, {best.transport}, predicted {best.tokens_per_s:.1f} tokens/s, "
+        f"TPOT {best.step.seconds * 1e3:.2f} ms{calibrated}, requests of {r.workload.input_len} "
+        f"prompt and {r.workload.output_len} output tokens.\n"
+        f"# Review, then: moe-mesh deploy render --plan THIS_FILE --target compose|nomad|kubernetes --out DIR\n"
+    )
     try:
-        write_output(text, args.out)
-    except PlanError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    if args.out is not None:
-        print(f"wrote {args.out}", file=sys.stderr)
+        if s.prediction_out is not None:
+            s.prediction_out.write_text(json.dumps(predicted, indent=1) + "\n")
+        if s.out is None:
+            sys.stdout.write(header + _yaml(r.plan))
+        else:
+            s.out.write_text(header + _yaml(r.plan))
+    except OSError as e:
+        raise PlanError(f"{e.filename}: {e.strerror}") from None
+    keys = (
+        "batch_size",
+        "micro_batches",
+        "transport",
+        "predicted_tokens_per_s",
+        "predicted_tpot_ms",
+    )
+    print(json.dumps({k: predicted[k] for k in keys}), file=sys.stderr)
     return 0
 
 

@@ -1,5 +1,6 @@
 """The file `moe-mesh profile` writes and `moe-mesh plan --search` reads: ProfileFile, checked by
-`read_profile` (every problem a PlanError naming the file and the field).
+`read_profile` (every problem a PlanError naming the file and the field); and ProfileSettings, what
+a profile is measured with (the command's flags).
 
 Format 2 adds each transport's per-call CPU at both ends (`service_call_cpu`, `router_call_cpu`);
 format 3 the machine's memory read bandwidth (`memory_bandwidth`). Older files still read: the
@@ -8,10 +9,11 @@ planner then charges each end one Tc per call, and bounds nothing by bandwidth."
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from common.perfmodel import Linear, Piecewise
 from moe_mesh.planning.deploy.plan import PlanError, invalid
@@ -147,3 +149,86 @@ def read_profile(path: Path) -> ProfileFile:
     if not any(t.fit is not None for t in profile.transports.values()):
         raise PlanError(f"{path}: transports: no transport was measured")
     return profile
+
+
+def _sizes(text: Any) -> Any:
+    """'1,4,16' -> (1, 4, 16): sorted, each once."""
+    if not isinstance(text, str):
+        return text
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"expected integers >= 1 separated by ',', got {text!r}")
+    return tuple(sizes)
+
+
+class ProfileSettings(BaseModel):
+    """What `moe-mesh profile` measures, and how (its flags)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: Path = Field(
+        description="HuggingFace-layout checkpoint directory", json_schema_extra={"metavar": "DIR"}
+    )
+    out: Path | None = Field(
+        None,
+        description="write the profile here instead of stdout",
+        json_schema_extra={"metavar": "FILE"},
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="compute dtype of router and experts (the services' default)"
+    )
+    model_id: str | None = Field(
+        None, description="model id; unset: the checkpoint directory's name"
+    )
+    context: int = Field(128, ge=1, description="KV-cache tokens per sequence")
+    sizes: tuple[int, ...] = Field(
+        (1, 2, 4, 8, 16, 32, 64),
+        description="micro-batch sizes for Ta and Te",
+        json_schema_extra={"metavar": "B,B,..."},
+    )
+    transfer_tokens: tuple[int, ...] = Field(
+        (1, 8, 32, 128, 512),
+        description="tokens per Forward call for Tc",
+        json_schema_extra={"metavar": "N,N,..."},
+    )
+    repeats: int = Field(20, ge=1, description="timed runs per point")
+    cpu_window_s: float = Field(
+        1.0,
+        ge=0,
+        le=600,
+        description="back-to-back calls per transfer size for the per-call CPU of both ends, at "
+        "least this long (/proc counts CPU in 10 ms ticks)",
+    )
+    router_threads: int = Field(
+        default_factory=lambda: os.cpu_count() or 1,
+        ge=1,
+        description="torch threads for the router side; unset: every core, as the router",
+    )
+    expert_threads: int = Field(
+        1,
+        ge=1,
+        description="torch threads for the expert side (as `moe-mesh up` gives its services)",
+    )
+    share_tokens: int = Field(
+        4096, ge=1, description="random tokens routed to estimate each expert's load share"
+    )
+    experts: list[str] | None = Field(
+        None,
+        description="time transfers against this running expert service (the first one); unset: "
+        "start one on loopback",
+        json_schema_extra={"metavar": "HOST:PORT", "nargs": "+"},
+    )
+    ready_file: Path | None = Field(
+        None,
+        description="a running `moe-mesh up` mesh's ready file",
+        json_schema_extra={"metavar": "FILE"},
+    )
+    connect_timeout_s: float = Field(30.0, gt=0, description="", json_schema_extra={"hidden": True})
+
+    @field_validator("sizes", "transfer_tokens", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        return _sizes(value)

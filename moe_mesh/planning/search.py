@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from common.placement import ModelShape, Pair, format_experts
+from common.placement import Pair, format_experts
 from moe_mesh.planning.deploy.plan import Plan, PlanError
 from moe_mesh.planning.eplb import GroupProposal, PlanOptions, propose
 from moe_mesh.planning.inventory import Inventory, NodeKind
 from moe_mesh.planning.profile_format import Measured, ProfileFile
+from moe_mesh.planning.record import Record
 from moe_mesh.planning.simulate import DECODE_ONLY, Costs, Node, Side, Step, Workload, simulate
 
 MAX_M = 4
@@ -321,7 +323,9 @@ def prediction(best: Candidate, tpot_slo_s: float | None, workload: Workload = D
     }
 
 
-def check_match(profile: ProfileFile, record, profile_path, record_path) -> None:
+def check_match(
+    profile: ProfileFile, record: Record, profile_path: Path, record_path: Path
+) -> None:
     """The profile and the utilization record must describe the same model."""
     for field, mine, theirs in (
         ("model_id", profile.model_id, record.model_id),
@@ -333,110 +337,3 @@ def check_match(profile: ProfileFile, record, profile_path, record_path) -> None
                 f"{record_path}: {field}: the record has {theirs!r} but the profile "
                 f"{profile_path} has {mine!r}"
             )
-
-
-def run_search(args) -> int:
-    """`moe-mesh plan --search`: print the best candidates, write the best as a plan and its prediction."""
-    import json
-    import sys
-
-    import yaml
-
-    from moe_mesh.planning.calibrate import calibrate, observed
-    from moe_mesh.planning.deploy.plan import load_plan
-    from moe_mesh.planning.inventory import load_inventory
-    from moe_mesh.planning.plan import DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN, PROG, read_record
-    from moe_mesh.planning.profile_format import read_profile
-
-    try:
-        profile, record = read_profile(args.profile), read_record(args.utilization)
-        inventory, base = load_inventory(args.inventory), load_plan(args.base)
-        check_match(profile, record, args.profile, args.utilization)
-        if base.model.model_id != profile.model_id:
-            raise PlanError(
-                f"{args.base}: model.model_id: {base.model.model_id!r}, but the profile "
-                f"{args.profile} is of {profile.model_id!r}"
-            )
-        slo = None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1e3
-        max_seqs = args.max_num_seqs or base.router.max_num_seqs or 32
-        limits = Limits(max_seqs, args.max_services, args.max_replicas, slo)
-        workload = Workload(
-            DEFAULT_INPUT_LEN if args.input_len is None else args.input_len,
-            DEFAULT_OUTPUT_LEN if args.output_len is None else args.output_len,
-        )
-        calibration = None
-        if args.calibrate_bench is not None:
-            shape = ModelShape(profile.num_layers, profile.num_experts, tuple(profile.moe_layers))
-            seen = observed(args.calibrate_bench, args.calibrate_status, shape)
-            load = planning_load(profile, record.load)
-            calibration = calibrate(profile, all_transports(profile), load, inventory, seen)
-        scale = calibration.factor if calibration else 1.0
-        found = search(profile, record.load, inventory, limits, workload, scale)
-        if not found:
-            raise PlanError(
-                f"no candidate meets --tpot-slo-ms {args.tpot_slo_ms:g} with {args.inventory}"
-                if slo is not None
-                else f"no candidate fits the memory of the nodes in {args.inventory}"
-            )
-        best = found[0]
-        plan = planned(base, profile, best, len(inventory.kinds) > 1)
-    except PlanError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    if calibration is not None:
-        o = calibration.observed
-        print(
-            f"calibrated on {args.calibrate_bench}: {sum(o.replicas)} service(s), B={o.batch}, "
-            f"m={o.m}, {o.transport}: measured TPOT {o.tpot_s * 1e3:.1f} ms, the model "
-            f"{calibration.predicted_tpot_s * 1e3:.1f} ms; every step x {calibration.factor:.3f}",
-            file=sys.stderr,
-        )
-    print(
-        f"{len(found)} candidates meet the SLO; the best {min(args.top, len(found))}:",
-        file=sys.stderr,
-    )
-    print(table(found[: args.top]), file=sys.stderr)
-    predicted = {
-        "profile": str(args.profile),
-        "utilization": str(args.utilization),
-        "model_id": profile.model_id,
-        **prediction(best, slo, workload),
-        "calibration": calibration.record() if calibration else None,
-    }
-    calibrated = f", calibrated x{calibration.factor:.3f}" if calibration else ""
-    header = (
-        f"# Proposed by `moe-mesh plan --search` from {args.profile} and {args.utilization}: "
-        f"B={best.batch}, m={best.m}, {best.transport}, predicted {best.tokens_per_s:.1f} tokens/s, "
-        f"TPOT {best.step.seconds * 1e3:.2f} ms{calibrated}, requests of {workload.input_len} "
-        f"prompt and {workload.output_len} output tokens.\n"
-        f"# Review, then: moe-mesh deploy render --plan THIS_FILE --target compose|nomad|kubernetes --out DIR\n"
-    )
-    text = header + yaml.safe_dump(
-        plan.model_dump(mode="json", exclude_defaults=True), sort_keys=False
-    )
-    try:
-        if args.prediction_out is not None:
-            args.prediction_out.write_text(json.dumps(predicted, indent=1) + "\n")
-        if args.out is None:
-            sys.stdout.write(text)
-        else:
-            args.out.write_text(text)
-    except OSError as e:
-        print(f"{PROG}: error: {e.filename}: {e.strerror}", file=sys.stderr)
-        return 2
-    print(
-        json.dumps(
-            {
-                k: predicted[k]
-                for k in (
-                    "batch_size",
-                    "micro_batches",
-                    "transport",
-                    "predicted_tokens_per_s",
-                    "predicted_tpot_ms",
-                )
-            }
-        ),
-        file=sys.stderr,
-    )
-    return 0

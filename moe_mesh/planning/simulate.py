@@ -1,53 +1,6 @@
-"""Predict one decode step of a deployment from profiled costs (the model of common/perfmodel.py,
-extended to several expert services, replicas and shared nodes).
-
-Per MoE layer, B sequences split into m micro-batches b_i (perfmodel.split). Expert group g takes
-share s_g of the layer's routed tokens; its r replicas take turns (the router sends a micro-batch's
-call to one replica). A call of micro-batch i to group g carries x_gi = s_g·b_i·top_k·bytes per
-token each way for k_gi experts (expected: Σ_e 1 − (1 − top_k·p_e)^b_i over g's experts, p_e
-an expert's share of the layer's slots) and costs, besides its FFN, CPU at both ends measured per
-call by `moe-mesh profile`: Sc(x, k) in the service (receive, decode, batcher, one batch and
-one hand-off to the compute thread, encode, send) and Rc(x, k) in the router (encode,
-send, receive, decode), each linear in x plus a cost per expert beyond the first. Then
-
-    round_i  = Ta(b_i) + max( max_g s_g·Te(b_i) + 2·max_g Tc(x_gi),
-                              max_n max(E_ni / cores_n, W_ni / bandwidth_n)
-                                + max_g (2·Tc(x_gi) − Sc(x_gi))⁺ )
-    E_ni     = Σ_{g on n} (replicas of g on n / r_g)·(s_g·Te_cpu(b_i) + Sc(x_gi))
-    W_ni     = Σ_{g on n} (replicas of g on n / r_g)·k_gi·expert_bytes
-    busy_a   = Σ_i (Ta(b_i) + Σ_g Rc(x_gi))
-    busy_g   = Σ_i (s_g·Te(b_i) + Sc(x_gi)) / r_g
-    layer    = max(max_i round_i, busy_a, max_g busy_g)
-
-The calls of a round are in flight at once. The first term is the slowest call alone: its FFN and
-two one-way transfers Tc (half the measured round trip beyond the FFN, so it holds both ends'
-per-call work for one idle call). The second is the services of a node computing their calls at
-once on its cores (more services than cores take turns: 7 services on a 2-core node do not answer
-as if each had a core of its own), FFN and per-call CPU alike, and reading the weights of the
-k_gi experts each call computes through the node's one memory bus (W_ni bytes at the profile's
-measured read bandwidth: on the `small` preset a decode round reads every expert of the layer,
-and four services computing at once took as long as that, not a quarter of the FFN time each);
-then the part of a round trip that is not the service's work (the wire, the router's side). The router's event loop encodes, sends,
-receives and decodes every call itself: Rc per call in busy_a. With Tc = Sc = Rc = 0, one group
-and one replica this is perfmodel.layer_time. Unlike the paper's RDMA, a transfer here is work for both ends'
-CPUs, so many small expert services cost the router (Rc per call) and their node (Sc per call). A
-profile without per-call CPU (format 1, or a service whose pid it did not know) charges each end
-one Tc per call instead. A step is the MoE layers plus, per micro-batch, the dense (non-MoE)
-layers and the embedding + LM head.
-
-With a workload (Workload), every step also carries P = B·input_len/output_len prompt tokens,
-spread over the micro-batches as the engine balances them by tokens: b_i above become the
-micro-batch's tokens b_i·(1 + P/B) wherever a cost goes by tokens (Ta, Te, the calls' bytes and
-experts, the dense layers); the LM head stays at b_i sequences. Tokens/s = B / step.
-
-Costs are seconds through the profile's measured points (common/perfmodel.Piecewise), not one
-straight line through them all, which undershoots costs that bend between the sizes measured.
-
-Processes on one node share its cores: every process gets cores // processes threads (as `moe-mesh
-up` hands them out); a side runs on t threads in max(measured wall, measured CPU / t) (never
-faster than measured: nothing beyond the measurement is extrapolated); and the step is at least the
-CPU seconds all processes of a node spend per step (Ta, Te, head, dense and every call's Sc and Rc)
-divided by its cores.
+"""Predict one decode step of a deployment from profiled costs, for `moe-mesh plan --search`: the
+ping-pong model of common/perfmodel.py extended to several expert services, replicas and shared
+nodes. The derivation is docs/design/simulation.md.
 """
 
 from __future__ import annotations
@@ -185,55 +138,20 @@ def simulate(
     router_cpu = 0.0
     group_cpu = [0.0] * len(replicas)
     for li, layer in enumerate(shares):
-        ta = [costs.ta.time(b, rt) for b in tokens]
-        te = [[s * costs.te.time(b, t) for b in tokens] for s, t in zip(layer, group_threads)]
-        # Bytes of each group's call per micro-batch (None: no tokens, no call).
-        x = [
-            [s * b * costs.top_k * costs.bytes_per_token if s > 0 else None for b in tokens]
-            for s in layer
-        ]
-        tc = [[costs.tc(v) if v is not None else 0.0 for v in row] for row in x]
-        k = [
-            [
-                experts_per_call(expert_shares[li][g], b, costs.top_k) if expert_shares else 1.0
-                for b in tokens
-            ]
-            for g in range(len(layer))
-        ]
-        sc = [
-            [costs.service_cpu(v, n) if v is not None else 0.0 for v, n in zip(row, ks)]
-            for row, ks in zip(x, k)
-        ]
-        rc = [
-            [costs.router_cpu(v, n) if v is not None else 0.0 for v, n in zip(row, ks)]
-            for row, ks in zip(x, k)
-        ]
-        # The calls of one round run at once: the services on a node share its cores (a group's
-        # calls spread over its replicas), FFN and per-call work alike, and read their experts'
-        # weights through the node's one memory bus.
-        shared = []
-        for i, b in enumerate(tokens):
-            busiest = 0.0
-            for n in nodes:
-                held = [(g, n.replicas.count(g) / replicas[g]) for g in set(n.replicas)]
-                t = sum(w * (layer[g] * costs.te.cpu(b) + sc[g][i]) for g, w in held) / n.cores
-                if costs.bandwidth:
-                    read = sum(w * k[g][i] for g, w in held if x[g][i] is not None)
-                    t = max(t, read * costs.expert_bytes / costs.bandwidth)
-                busiest = max(busiest, t)
-            wire = max(max(0.0, 2 * tc[g][i] - sc[g][i]) for g in range(len(layer)))
-            shared.append(busiest + wire)
-        rounds = [
-            ta[i] + max(max(row[i] for row in te) + 2 * max(row[i] for row in tc), shared[i])
-            for i in range(len(parts))
-        ]
-        # The router's event loop encodes, sends, receives and decodes every call itself.
-        busy_a = sum(ta) + sum(map(sum, rc))
-        busy_e = max((sum(t) + sum(c)) / r for t, c, r in zip(te, sc, replicas))
-        pipeline += max(max(rounds), busy_a, busy_e)
-        router_cpu += sum(costs.ta.cpu(b) for b in tokens) + sum(map(sum, rc))
-        for g, s in enumerate(layer):
-            group_cpu[g] += sum(s * costs.te.cpu(b) for b in tokens) + sum(sc[g])
+        moe = _moe_layer(
+            costs,
+            layer,
+            expert_shares[li] if expert_shares else None,
+            replicas,
+            nodes,
+            tokens,
+            rt,
+            group_threads,
+        )
+        pipeline += moe.seconds
+        router_cpu += moe.router_cpu
+        for g, cpu in enumerate(moe.group_cpu):
+            group_cpu[g] += cpu
     for b, t in zip(parts, tokens):
         pipeline += costs.head.time(b, rt)
         router_cpu += costs.head.cpu(b)
@@ -247,3 +165,99 @@ def simulate(
         if cpu / n.cores > step:
             step, bound = cpu / n.cores, f"cpu of {n.kind} node {i}"
     return Step(step, pipeline, bound)
+
+
+@dataclass(frozen=True)
+class _MoeLayer:
+    seconds: float  # the layer in the ping-pong pipeline
+    router_cpu: float  # CPU seconds the router spends on it
+    group_cpu: list[float]  # CPU seconds each expert group spends on it, over its replicas
+
+
+def _moe_layer(
+    costs: Costs,
+    layer: Sequence[float],
+    expert_shares: Sequence[Sequence[float]] | None,
+    replicas: Sequence[int],
+    nodes: Sequence[Node],
+    tokens: list[float],
+    rt: int,
+    group_threads: list[int],
+) -> _MoeLayer:
+    """One MoE layer whose groups take `layer`'s shares of its tokens, in micro-batches of `tokens`."""
+    ta = [costs.ta.time(b, rt) for b in tokens]
+    te = [[s * costs.te.time(b, t) for b in tokens] for s, t in zip(layer, group_threads)]
+    # Bytes of each group's call per micro-batch (None: no tokens, no call).
+    x = [
+        [s * b * costs.top_k * costs.bytes_per_token if s > 0 else None for b in tokens]
+        for s in layer
+    ]
+    tc = [[costs.tc(v) if v is not None else 0.0 for v in row] for row in x]
+    k = [
+        [
+            experts_per_call(expert_shares[g], b, costs.top_k) if expert_shares else 1.0
+            for b in tokens
+        ]
+        for g in range(len(layer))
+    ]
+    sc = [
+        [costs.service_cpu(v, n) if v is not None else 0.0 for v, n in zip(row, ks)]
+        for row, ks in zip(x, k)
+    ]
+    rc = [
+        [costs.router_cpu(v, n) if v is not None else 0.0 for v, n in zip(row, ks)]
+        for row, ks in zip(x, k)
+    ]
+    shared = [
+        _shared_round(
+            costs,
+            layer,
+            replicas,
+            nodes,
+            b,
+            [row[i] for row in x],
+            [row[i] for row in k],
+            [row[i] for row in sc],
+            [row[i] for row in tc],
+        )
+        for i, b in enumerate(tokens)
+    ]
+    rounds = [
+        ta[i] + max(max(row[i] for row in te) + 2 * max(row[i] for row in tc), shared[i])
+        for i in range(len(tokens))
+    ]
+    # The router's event loop encodes, sends, receives and decodes every call itself.
+    busy_a = sum(ta) + sum(map(sum, rc))
+    busy_e = max((sum(t) + sum(c)) / r for t, c, r in zip(te, sc, replicas))
+    return _MoeLayer(
+        max(max(rounds), busy_a, busy_e),
+        sum(costs.ta.cpu(b) for b in tokens) + sum(map(sum, rc)),
+        [sum(s * costs.te.cpu(b) for b in tokens) + sum(sc[g]) for g, s in enumerate(layer)],
+    )
+
+
+def _shared_round(
+    costs: Costs,
+    layer: Sequence[float],
+    replicas: Sequence[int],
+    nodes: Sequence[Node],
+    b: float,
+    x: list[float | None],
+    k: list[float],
+    sc: list[float],
+    tc: list[float],
+) -> float:
+    """A round of micro-batch tokens `b` on the busiest node: the calls of one round run at once,
+    so the services on a node share its cores (a group's calls spread over its replicas), FFN
+    and per-call work alike, and read their experts' weights through the node's one memory bus;
+    then the part of a round trip that is not the service's work. x, k, sc, tc: per group."""
+    busiest = 0.0
+    for n in nodes:
+        held = [(g, n.replicas.count(g) / replicas[g]) for g in set(n.replicas)]
+        t = sum(w * (layer[g] * costs.te.cpu(b) + sc[g]) for g, w in held) / n.cores
+        if costs.bandwidth:
+            read = sum(w * k[g] for g, w in held if x[g] is not None)
+            t = max(t, read * costs.expert_bytes / costs.bandwidth)
+        busiest = max(busiest, t)
+    wire = max(max(0.0, 2 * tc[g] - sc[g]) for g in range(len(layer)))
+    return busiest + wire

@@ -15,7 +15,7 @@ T = TypeVar("T")
 
 class ComputeThread:
     """One thread, not a pool: torch already spreads each kernel over the cores, and one queue
-    runs micro-batches' segments in the order they become ready.
+    runs micro-batches' stretches in the order they become ready.
 
     A call carries the caller's context (the current span), so spans opened while computing
     hang under the request that asked for them."""
@@ -33,6 +33,6 @@ class ComputeThread:
         self._pool.submit(runtime.release_openmp_threads).result()
 
     def close(self) -> None:
-        """Drop queued work and wait for a segment still running (milliseconds), so nothing
+        """Drop queued work and wait for a stretch still running (milliseconds), so nothing
         computes or opens spans after the service shut its telemetry down."""
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import random
 import time
 from dataclasses import dataclass
@@ -31,13 +30,12 @@ from common.errors import (
     MoeMeshError,
 )
 from common.limits import check_context_length, check_kv_capacity
+from common.sampling import SamplingParams
 from router_service.engine.blocks import BlockPool
 from router_service.engine.kv_cache import KVCache, num_blocks
-from router_service.engine.model import MoeModel, PassCosts, pack_step
-from router_service.engine.pipeline import MicroBatchPlanner
+from router_service.engine.model import MoeModel, pack_step
+from router_service.engine.pipeline import MicroBatchPlanner, PassCosts
 from router_service.engine.sampling import (
-    MAX_LOGPROBS,
-    SamplingParams,
     TokenLogprobs,
     penalized_logits,
     position_seed,
@@ -140,50 +138,23 @@ class Engine:
         self.scheduler.add(seq)
 
     def _validate(self, request_id: str, prompt: list[int], p: SamplingParams) -> None:
-        vocab, limit = self.model.spec.vocab_size, self.model.max_model_len
+        """What any router client may send wrong: the params' limits (SamplingParams.validate) and
+        what depends on this router (vocabulary, context length, KV-cache size)."""
+        vocab = self.model.spec.vocab_size
         if request_id in self._by_id:
             raise AlreadyExistsError(
                 "request_id", f"{request_id!r} is already in flight on this router"
             )
         if not prompt:
             raise InvalidArgumentError("prompt_token_ids", "must not be empty")
-        bad = next(
-            (t for t in itertools.chain(prompt, p.stop_token_ids) if not 0 <= t < vocab), None
-        )
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
-            field_name = "prompt_token_ids" if bad in prompt else "stop_token_ids"
             raise InvalidArgumentError(
-                field_name, f"token id {bad} is outside the vocabulary [0, {vocab})"
+                "prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})"
             )
-        if p.max_tokens < 1:
-            raise InvalidArgumentError("max_tokens", f"must be >= 1, got {p.max_tokens}")
-        check_context_length(len(prompt), p.max_tokens, limit)
+        p.validate(vocab_size=vocab)
+        check_context_length(len(prompt), p.max_tokens, self.model.max_model_len)
         check_kv_capacity(len(prompt), p.max_tokens, self.scheduler.capacity_tokens)
-        if not (math.isfinite(p.temperature) and p.temperature >= 0):
-            raise InvalidArgumentError(
-                "temperature", f"must be a finite number >= 0, got {p.temperature}"
-            )
-        if not 0 < p.top_p <= 1:
-            raise InvalidArgumentError("top_p", f"must be in (0, 1], got {p.top_p}")
-        if p.top_k < 0:
-            raise InvalidArgumentError("top_k", f"must be >= 0, got {p.top_k}")
-        if not 0 <= p.min_p <= 1:
-            raise InvalidArgumentError("min_p", f"must be in [0, 1], got {p.min_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(p, name) <= 2:
-                raise InvalidArgumentError(name, f"must be in [-2, 2], got {getattr(p, name)}")
-        if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
-            raise InvalidArgumentError(
-                "repetition_penalty", f"must be a finite number > 0, got {p.repetition_penalty}"
-            )
-        if not 0 <= p.min_tokens <= p.max_tokens:
-            raise InvalidArgumentError(
-                "min_tokens", f"must be in [0, max_tokens={p.max_tokens}], got {p.min_tokens}"
-            )
-        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
-            raise InvalidArgumentError(
-                "top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {p.logprobs}"
-            )
 
     def close(self) -> None:
         """Stop the model's compute thread (after the last step)."""

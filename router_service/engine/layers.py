@@ -179,21 +179,7 @@ def attention(
         # q and k rotate together: one pass of the rope ops instead of two.
         qk, v = rope.rotate(qkv[:, : heads + kv_heads], batch.rope), qkv[:, heads + kv_heads :]
     else:
-        q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
-        if spec.qk_norm == "full":
-            q, k = (
-                rms_norm(q, w.q_norm, spec.rms_norm_eps),
-                rms_norm(k, w.k_norm, spec.rms_norm_eps),
-            )
-        if spec.clip_qkv is not None:
-            q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
-        q, k, v = q.view(n, -1, hd), k.view(n, -1, hd), v.view(n, -1, hd)  # [tokens, heads, hd]
-        if spec.qk_norm == "per_head":
-            q, k = (
-                rms_norm(q, w.q_norm, spec.rms_norm_eps),
-                rms_norm(k, w.k_norm, spec.rms_norm_eps),
-            )
-        qk = rope.rotate(torch.cat([q, k], dim=1), batch.rope)  # [tokens, heads + kv_heads, hd]
+        qk, v = _normed_qk(qkv, w, spec, rope, batch)
     q, k = qk[:, :heads], qk[:, heads:]
     cache.write(layer, batch.slots, k, v)
 
@@ -224,6 +210,29 @@ def attention(
     if batch.decode_tables.numel():
         out[row:] = _decode_attention(q[row:], batch, cache, layer, window, w.sinks)
     return linear(out.reshape(n, -1), w.o, w.o_bias)
+
+
+def _normed_qk(
+    qkv: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rope: Rope, batch: AttentionBatch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k normed and clipped as the family does, then rotated together, and v:
+    [tokens, heads + kv_heads, hd] and [tokens, kv_heads, hd]."""
+    n, hd, heads, kv_heads = qkv.shape[0], spec.head_dim, spec.num_heads, spec.num_kv_heads
+    q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    if spec.qk_norm == "full":
+        q, k = (
+            rms_norm(q, w.q_norm, spec.rms_norm_eps),
+            rms_norm(k, w.k_norm, spec.rms_norm_eps),
+        )
+    if spec.clip_qkv is not None:
+        q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
+    q, k, v = q.view(n, -1, hd), k.view(n, -1, hd), v.view(n, -1, hd)  # [tokens, heads, hd]
+    if spec.qk_norm == "per_head":
+        q, k = (
+            rms_norm(q, w.q_norm, spec.rms_norm_eps),
+            rms_norm(k, w.k_norm, spec.rms_norm_eps),
+        )
+    return rope.rotate(torch.cat([q, k], dim=1), batch.rope), v
 
 
 def _mask(batch: AttentionBatch, run: int, window: int | None, sink: bool) -> torch.Tensor:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,13 +24,8 @@ from router_service.engine.layers import (
     attention,
     norm,
 )
-from router_service.experts.dispatch import (
-    CallTimes,
-    Compute,
-    ExpertDispatcher,
-    Routed,
-    inline,
-)
+from router_service.engine.pipeline import CallTimes, Compute, PassCosts, inline, run_stretches
+from router_service.experts.dispatch import ExpertDispatcher
 
 
 @dataclass
@@ -92,39 +88,14 @@ def pack_step(
     )
 
 
-@dataclass
-class PassCosts:
-    """What one forward pass cost, for the micro-batch planner: router compute and, per MoE layer
-    that called remote experts, the calls' times."""
-
-    compute_s: float = 0.0
-    remote: list[CallTimes] = field(default_factory=list)
-    moe_layers: int = 1
-
-
-@dataclass
-class _Pass:
-    """A forward pass between two compute segments: where it stands and what it waits for."""
-
-    batch: StepBatch
-    cache: KVCache
-    all_logits: bool
-    costs: PassCosts
-    x: torch.Tensor | None = None  # the residual stream
-    layer: int = 0  # the next layer to run, or the MoE layer waiting for its experts
-    waiting: Routed | None = None  # that layer's routing
-    h: torch.Tensor | None = None  # ... and its expert input
-    outputs: list[torch.Tensor] | None = None  # ... and, once they answered, the experts' outputs
-    logits: torch.Tensor | None = None
-
-
 class MoeModel:
     """Forward passes over packed steps (prefill runs + decode tokens) with a paged KV cache.
 
-    Torch work runs through `compute` (the router's compute thread) in segments that end where a
-    MoE layer needs remote experts: the event loop then carries the calls while other micro-batches
-    compute. Layers whose experts are all colocated run inside the segment, so a monolithic
-    router computes a whole pass in one segment.
+    A pass is one coroutine whose MoE layers are one await each (ExpertDispatcher.moe_layer). It
+    runs on `compute` (the router's compute thread) a stretch at a time (run_stretches): a layer
+    whose experts are all colocated computes inside the stretch, one that needs remote experts
+    ends it while the event loop carries the calls and other micro-batches compute. A monolithic
+    router computes a whole pass in one stretch.
     """
 
     def __init__(
@@ -171,60 +142,50 @@ class MoeModel:
         costs: PassCosts | None = None,
     ) -> torch.Tensor:
         """Float32 logits of each sequence's last token [sequences, vocab] (every token's with all_logits)."""
-        p = _Pass(batch, cache, all_logits, costs or PassCosts())
-        p.costs.moe_layers = max(1, len(self.spec.moe_layer_ids))
-        while not await self.compute(self._advance, p):
-            times = CallTimes()
-            p.outputs = await self.dispatcher.gather(p.waiting, p.h, batch.deadline, times)
-            p.costs.remote.append(times)
-        return p.logits
+        costs = costs or PassCosts()
+        costs.moe_layers = max(1, len(self.spec.moe_layer_ids))
+        tokens = batch.token_ids.numel()
+        return await run_stretches(
+            self.compute,
+            self._pass(batch, cache, all_logits, costs.remote),
+            lambda: self._stretch(tokens, costs),
+        )
 
-    def _advance(self, p: _Pass) -> bool:
-        """Run layers until one needs remote experts (False) or the pass is done (True)."""
+    async def _pass(
+        self, batch: StepBatch, cache: KVCache, all_logits: bool, calls: list[CallTimes]
+    ) -> torch.Tensor:
+        s, w = self.spec, self.weights
+        # h is the residual stream x normed for what reads it next: each residual addition and
+        # the norm after it are one step (add_norm: one kernel call in bfloat16).
+        x = F.embedding(batch.token_ids, w.embed)  # [tokens, hidden]
+        h = norm(x, self._norm_after(-1), s)
+        for i, layer in enumerate(w.layers):
+            attended = attention(h, layer.attention, s, self.rope, batch.attention, cache, i)
+            x, h = add_norm(x, attended, layer.post_attention_norm, s)
+            if layer.dense_mlp is not None:
+                delta = expert_ffn(h, layer.dense_mlp)  # [tokens, hidden]
+            else:
+                delta = await self.dispatcher.moe_layer(i, h, layer, batch.deadline, calls)
+            x, h = add_norm(x, delta, self._norm_after(i), s)
+        rows = h if all_logits else h[batch.logits_rows]
+        return linear(rows, w.lm_head).float()  # [rows, vocab]
+
+    @contextmanager
+    def _stretch(self, tokens: int, costs: PassCosts) -> Iterator[None]:
+        """One stretch of a pass of `tokens` tokens on the compute thread, timed into `costs`."""
         began = time.perf_counter()
         threads = torch.get_num_threads()
         # A pass this small is bound by memory bandwidth: where one core reads most of it, waking
         # the other threads for each of its hundreds of ops costs more than they add.
-        serial = threads > 1 and p.batch.token_ids.numel() <= self.serial_max_tokens
+        serial = threads > 1 and tokens <= self.serial_max_tokens
         if serial:
             torch.set_num_threads(1)
         try:
-            return self._run_layers(p)
+            yield
         finally:
             if serial:
                 torch.set_num_threads(threads)
-            p.costs.compute_s += time.perf_counter() - began
-
-    def _run_layers(self, p: _Pass) -> bool:
-        s, w, d = self.spec, self.weights, self.dispatcher
-        # h is the residual stream x normed for what reads it next: each residual addition and
-        # the norm after it are one step (add_norm: one kernel call in bfloat16).
-        if p.waiting is not None:  # its experts answered: finish that layer
-            delta = d.finish(p.waiting, p.outputs, p.h, w.layers[p.layer])
-            x, h = add_norm(p.x, delta, self._norm_after(p.layer), s)
-            p.waiting = p.h = p.outputs = None
-            p.layer += 1
-        else:
-            x = F.embedding(p.batch.token_ids, w.embed)  # [tokens, hidden]
-            h = norm(x, self._norm_after(-1), s)
-        while p.layer < len(w.layers):
-            i, layer = p.layer, w.layers[p.layer]
-            attended = attention(h, layer.attention, s, self.rope, p.batch.attention, p.cache, i)
-            x, h = add_norm(x, attended, layer.post_attention_norm, s)
-            if layer.dense_mlp is not None:
-                delta = expert_ffn(h, layer.dense_mlp)
-            else:
-                routed = d.route(i, h, layer)
-                delta = d.colocated_outputs(routed, h, p.batch.deadline)
-                if delta is None:
-                    p.x, p.h, p.waiting = x, h, routed
-                    return False
-                delta = d.finish(routed, delta, h, layer)
-            x, h = add_norm(x, delta, self._norm_after(i), s)
-            p.layer += 1
-        rows = h if p.all_logits else h[p.batch.logits_rows]
-        p.logits = linear(rows, w.lm_head).float()  # [rows, vocab]
-        return True
+            costs.compute_s += time.perf_counter() - began
 
     def _norm_after(self, layer: int) -> torch.Tensor:
         """The weight of the norm that reads layer `layer`'s output (-1: the embeddings)."""

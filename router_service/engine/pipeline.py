@@ -1,32 +1,26 @@
-"""How many micro-batches a step is split into (MegaScale-Infer's ping-pong, brief §4).
+"""How a step's micro-batches overlap (MegaScale-Infer's ping-pong): while one micro-batch waits
+for its remote experts, another computes on the router's compute thread.
 
-While one micro-batch waits for its remote experts, another computes on the router's compute
-thread. `auto` lets the pipeline model propose and measured steps decide, per batch-size class
-(powers of two):
-
-- m = 1 and m = 2 are each run for a few decode steps, in turns (a burst of noise on shared cores
-  then slows both, not one); two sizes of micro-batch are what the model needs to fit Ta(b),
-  Te(b) and Tc(b) (common.perfmodel) from the passes — the router's compute per MoE layer, the
-  services' own time per call, the rest of each round trip;
-- a larger m is tried when the model predicts a layer shorter than the best measured m's by more
-  than HYSTERESIS;
-- the step uses the m with the shortest measured time per sequence; measurements expire after
-  MEMORY steps, so the choice follows the mesh as it changes and one made in a burst of noise is
-  taken again.
-
-A model fitted to noisy timings on shared cores can be wrong where memory-bound experts pay their
-weight reads once per micro-batch; a measured step cannot. Everything colocated needs no overlap:
-m = 1.
+- `run_stretches` runs a forward pass, written as one coroutine, a stretch at a time on the compute
+  thread; what the pass awaits through `on_loop` (a MoE layer's expert calls) runs on the event
+  loop meanwhile, so other micro-batches' stretches compute while it is on the wire.
+- `MicroBatchPlanner` picks how many micro-batches a step is split into.
 """
 
 from __future__ import annotations
 
+import contextvars
+import inspect
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from contextlib import AbstractContextManager, nullcontext, suppress
+from dataclasses import dataclass, field
 from statistics import fmean, median
+from typing import Any, TypeVar
 
 from common.perfmodel import LayerCosts, Linear, best_micro_batches, layer_time
-from router_service.engine.model import PassCosts
+
+T = TypeVar("T")
 
 MAX_AUTO = 4  # the paper's 3-4 in practice; beyond, fixed costs per micro-batch dominate
 TRIAL_STEPS = 4  # decode steps an m runs before its time counts
@@ -35,9 +29,112 @@ TRIAL_STEPS = 4  # decode steps an m runs before its time counts
 MEMORY = 128
 HYSTERESIS = 0.1  # a proposal must predict a layer this much shorter than the best measured
 
+# Runs torch work where the router computes: its compute thread (engine/compute.py), or inline.
+Compute = Callable[..., Awaitable[Any]]
+
+
+async def inline(fn: Callable[..., T], *args: Any) -> T:
+    return fn(*args)
+
+
+@dataclass
+class CallTimes:
+    """What one MoE layer's remote calls cost, for the micro-batch planner (seconds)."""
+
+    wall: float = 0.0  # first call out to last answer in
+    service: float = 0.0  # the slowest answering service's own time (queue + compute)
+
+
+@dataclass
+class PassCosts:
+    """What one forward pass cost, for the micro-batch planner: router compute and, per MoE layer
+    that called remote experts, the calls' times."""
+
+    compute_s: float = 0.0
+    remote: list[CallTimes] = field(default_factory=list)
+    moe_layers: int = 1
+
+
+# True while a stretch of a pass runs under run_stretches: on_loop then hands its work over.
+_IN_STRETCH = contextvars.ContextVar("in_stretch", default=False)
+
+
+class _OnLoop:
+    """`fn(*args)`, to be awaited on the event loop (see on_loop)."""
+
+    def __init__(self, fn: Callable[..., Awaitable[Any]], args: tuple) -> None:
+        self.fn, self.args = fn, args
+
+    def __await__(self):
+        if not _IN_STRETCH.get():  # already on the event loop: nothing to hand over
+            return (yield from self.fn(*self.args).__await__())
+        # Suspends the pass: run_stretches awaits fn(*args) on the loop and resumes it with the result.
+        return (yield self)
+
+
+def on_loop(fn: Callable[..., Awaitable[T]], *args: Any) -> Awaitable[T]:
+    """Await `fn(*args)` on the event loop: from a pass under run_stretches, its stretch ends here
+    and the next one starts with the result; anywhere else, it is simply awaited."""
+    return _OnLoop(fn, args)
+
+
+def _stretch(
+    coro: Coroutine[Any, Any, T],
+    value: Any,
+    error: BaseException | None,
+    around: Callable[[], AbstractContextManager],
+) -> tuple[bool, Any]:
+    """Run `coro` up to its next on_loop, or its end: (False, _OnLoop) or (True, its result)."""
+    token = _IN_STRETCH.set(True)
+    try:
+        with around():
+            try:
+                step = coro.send(value) if error is None else coro.throw(error)
+            except StopIteration as stop:
+                return True, stop.value
+    finally:
+        _IN_STRETCH.reset(token)
+    if not isinstance(step, _OnLoop):
+        coro.close()
+        raise RuntimeError(f"a pass may await the event loop only through on_loop, not {step!r}")
+    return False, step
+
+
+async def run_stretches(
+    compute: Compute,
+    coro: Coroutine[Any, Any, T],
+    around: Callable[[], AbstractContextManager] = nullcontext,
+) -> T:
+    """`coro`'s result, its code run on `compute` one stretch at a time, each stretch in `around()`;
+    what it awaits through on_loop runs on the event loop between two stretches, while `compute`
+    runs other passes' stretches."""
+    value: Any = None
+    error: BaseException | None = None
+    try:
+        while True:
+            done, step = await compute(_stretch, coro, value, error, around)
+            if done:
+                return step
+            try:
+                value, error = await step.fn(*step.args), None
+            except Exception as e:  # raised where the pass awaited it
+                value, error = None, e
+    finally:
+        # Cancelled between two stretches (or before the first): end the pass here. A stretch
+        # still running on the compute thread cannot be stopped; its pass is closed when collected.
+        if inspect.getcoroutinestate(coro) in (inspect.CORO_CREATED, inspect.CORO_SUSPENDED):
+            with suppress(ValueError):  # the compute thread took it up meanwhile
+                coro.close()
+
 
 class MicroBatchPlanner:
-    """Chooses each step's micro-batches and learns from the steps and passes that ran."""
+    """Chooses each step's micro-batches and learns from the steps and passes that ran.
+
+    `auto` runs m = 1 and m = 2 in turns, tries a larger m when the pipeline model (fitted to
+    the passes' costs) predicts a layer shorter than the best measured by HYSTERESIS, and uses
+    the m with the shortest measured time per sequence; measurements expire after MEMORY steps.
+    docs/architecture/micro-batches.md explains why.
+    """
 
     def __init__(self, setting: str = "auto", window: int = 64) -> None:
         """`setting`: "auto" or a fixed count."""

@@ -14,44 +14,13 @@ generated so far (gateway failover) therefore continues with exactly the tokens 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing logits by a tiny
-# temperature overflows to inf and softmax to NaN.
-GREEDY_BELOW = 1e-5
+from common.sampling import SamplingParams
+
 _MASK64 = (1 << 64) - 1
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 (or anything below GREEDY_BELOW) is greedy
-    top_p: float = 1.0  # 1 disables nucleus filtering
-    top_k: int = 0  # 0 disables top-k filtering
-    min_p: float = 0.0  # 0 disables; keeps tokens with probability >= min_p x the most likely's
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-    # OpenAI's penalties over the tokens generated so far, in [-2, 2]; 0 disables.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    # HF/vLLM's over prompt and generated tokens, > 0; 1 disables.
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0  # EOS and stop_token_ids cannot end generation before this many tokens
-    logprobs: int | None = None  # return each token's logprob and this many top alternatives
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW or self.top_k == 1
-
-    @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1
-
-
-MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 @dataclass(frozen=True)
@@ -147,7 +116,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.greedy:
         return _argmax(logits)
     probs = torch.softmax(filtered_logits(logits, params), dim=-1)
-    # NaN logits, or an inf left by a temperature just above GREEDY_BELOW: multinomial would raise.
+    # NaN logits, or an inf left by a temperature just above GREEDY_BELOW (common/sampling.py):
+    # multinomial would raise.
     if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
         return _argmax(logits)
     return int(torch.multinomial(probs, 1, generator=generator))

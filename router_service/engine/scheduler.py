@@ -18,8 +18,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from common.sampling import SamplingParams
 from router_service.engine.blocks import BlockPool, block_key
-from router_service.engine.sampling import SamplingParams
 
 
 @dataclass(eq=False)

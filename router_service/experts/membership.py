@@ -22,7 +22,7 @@ from common.placement import Pair, format_experts, parse_experts
 from common.registry import EXPERT_SERVICE, Instance, Membership, Registry
 from common.registry.follow import Follower, follow
 from common.tls import MeshTls
-from router_service.experts.dispatch import ExpertBackend, LivePlacement
+from router_service.experts.backends import ExpertBackend, LivePlacement
 from router_service.experts.fastpath import FastPathConfig
 from router_service.experts.remote import Identity, RemoteExperts
 

@@ -25,7 +25,7 @@ from common import runtime
 from common.checkpoint import Checkpoint
 from common.placement import Pair, format_experts
 from common.weights import FFNWeights
-from router_service.experts.dispatch import ColocatedExperts, LivePlacement
+from router_service.experts.backends import ColocatedExperts, LivePlacement
 from router_service.experts.utilization import UtilizationWindow
 
 log = logging.getLogger(__name__)

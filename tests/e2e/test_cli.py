@@ -14,12 +14,12 @@ import pytest
 
 from common.server import GrpcServer
 from common.tokenizer import Tokenizer
+from moe_mesh.local.processes import ServiceProcess
 from moe_mesh.planning import deploy
 from tests.support import REPO
 from tests.support.cli import moe_mesh
 from tests.support.net import bound_port
 from tests.support.plans import EXAMPLE_PLAN, MIB, skewed, write_record
-from tests.support.processes import ServiceProcess
 
 
 def test_generate_local_json_with_token_ids(checkpoint) -> None:
@@ -86,7 +86,7 @@ def test_generate_local_streams_text_for_a_prompt(checkpoint) -> None:
         (["--max-tokens", "100000"], "max_tokens: prompt (2 tokens) + max_tokens (100000) exceeds"),
         (["--top-p", "0"], "top_p: must be in (0, 1]"),
         (["--min-p", "2"], "min_p: must be in [0, 1], got 2.0"),
-        (["--temperature", "-1"], "temperature: must be a finite number >= 0"),
+        (["--temperature", "-1"], "temperature: must be >= 0, got -1.0"),
     ],
 )
 def test_generate_bad_input_exits_2_naming_the_field(checkpoint, args, message) -> None:

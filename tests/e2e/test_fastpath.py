@@ -32,12 +32,12 @@ from common.tls import MeshTls, open_channel
 from expert_service.app import ExpertApp
 from expert_service.settings import ExpertSettings
 from moe_mesh.local import certs
+from moe_mesh.local.processes import ServiceProcess, start_experts, stop_all
 from moe_mesh.ops.traces import load_spans
 from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.support import hf
 from tests.support.metrics import scrape, total
 from tests.support.polling import eventually
-from tests.support.processes import ServiceProcess, start_experts, stop_all
 from tests.support.reference import ALL_REMOTE, PROMPTS
 from tests.support.routers import generate, request
 

@@ -22,13 +22,13 @@ import pytest
 
 from gateway.app import GatewayApp
 from gateway.settings import GatewaySettings
+from moe_mesh.local.processes import ServiceProcess, stop_all
 from protos.moe_mesh.v1 import (
     inference_pb2,
     inference_pb2_grpc,
     router_pb2,
     router_pb2_grpc,
 )
-from tests.support.processes import ServiceProcess, stop_all
 from tests.support.reference import PROMPTS
 
 ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+:\d+|localhost:\d+|\[[0-9a-f:]+\]:\d+")

@@ -14,13 +14,13 @@ from common.errors import UnavailableError
 from common.registry import Membership
 from gateway.app import GatewayApp
 from gateway.settings import GatewaySettings
+from moe_mesh.local.processes import start_experts
 from moe_mesh.local.registry import EmbeddedConsul
 from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
 from router_service.app import RouterApp
 from router_service.settings import RouterSettings
 from tests.support.membership import instance_of, membership_of
 from tests.support.polling import eventually, takes_calls
-from tests.support.processes import start_experts
 from tests.support.reference import ALL_REMOTE, PROMPTS, monolithic
 
 
@@ -185,9 +185,9 @@ async def test_calls_in_flight_to_a_departing_replica_fail_over_at_once(
         m.apply(Membership((a, b), 1))
         layer = ckpt.load_dense().layers[0]
         x = torch.randn(8, ckpt.spec.hidden_size)
-        reference = await dispatcher.moe(0, x, layer)
+        reference = await dispatcher.moe_layer(0, x, layer)
         experts[0].signal(signal.SIGSTOP)  # a hangs: calls to it stay in flight
-        calls = [asyncio.ensure_future(dispatcher.moe(0, x, layer)) for _ in range(4)]
+        calls = [asyncio.ensure_future(dispatcher.moe_layer(0, x, layer)) for _ in range(4)]
         direct = asyncio.ensure_future(m.backends["a"].forward(0, [(0, x)], timeout_s=30))
         # Waiting for something not to happen needs a window: calls to the paused `a` stay open.
         await asyncio.sleep(0.3)

@@ -15,12 +15,12 @@ from transformers import AutoModelForCausalLM
 
 from common.errors import ExpertUnavailableError
 from common.fastpath.ucx import load_ucxx
+from moe_mesh.local.processes import ServiceProcess
 from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
 from router_service.engine.engine import FinishReason
 from router_service.engine.model import pack_step
 from tests.support.hf import greedy as hf_greedy
 from tests.support.polling import calls
-from tests.support.processes import ServiceProcess
 from tests.support.reference import ALL_REMOTE, GREEDY, PROMPTS, mesh_engine, monolithic, run_engine
 
 
@@ -167,7 +167,7 @@ async def test_a_killed_replica_restarted_on_its_port_takes_calls_again_within_s
         [backend] = {
             b for bs in dispatcher.placement.values() for b in bs if b.address == victim.address
         }
-        health = dispatcher._replica(backend).health
+        health = dispatcher.replicas.replica(backend).health
         victim.proc.kill()
         victim.proc.wait(5)
         start = time.monotonic()

@@ -12,9 +12,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from common.sampling import SamplingParams
 from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc, types_pb2
 from router_service.build import build_local_engine
-from router_service.engine.sampling import SamplingParams
 from router_service.settings import RouterSettings
 from tests.support import REPO
 from tests.support.meshes import local_mesh

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from common.checkpoint import Checkpoint
+from common.sampling import SamplingParams
 from router_service.build import build_model
 from router_service.engine import kv_cache
 from router_service.engine.engine import Engine, FinishReason
-from router_service.engine.sampling import SamplingParams
 from router_service.settings import RouterSettings
 from tests.support.hf import greedy_tokens, load
 from tests.support.reference import PROMPTS

@@ -11,10 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, Mxfp4Config
 
 from common.checkpoint import Checkpoint
+from common.sampling import SamplingParams
 from router_service.build import build_local_engine, build_model
 from router_service.engine.engine import FinishReason
 from router_service.engine.model import pack_step
-from router_service.engine.sampling import SamplingParams
 from router_service.settings import RouterSettings
 from tests.support.hf import greedy_tokens
 

@@ -39,10 +39,10 @@ import pytest
 import torch
 
 from common.checkpoint import Checkpoint
+from common.sampling import SamplingParams
 from router_service.build import build_local_engine, build_model
 from router_service.engine import engine as engine_module
 from router_service.engine.engine import Engine
-from router_service.engine.sampling import SamplingParams
 from router_service.settings import RouterSettings
 from tests.support.hf import load, moe_blocks, router_logits
 from tests.support.reference import GREEDY, PROMPTS, mesh_engine, run_engine
@@ -284,7 +284,8 @@ def test_moe_blocks_round_like_transformers(checkpoint, family, dtype_name) -> N
     assert len(blocks) == len(PROMPTS) * len(moe_layers)
     try:
         ours = [
-            asyncio.run(model.dispatcher.moe(i, x, model.weights.layers[i])) for i, x, _ in blocks
+            asyncio.run(model.dispatcher.moe_layer(i, x, model.weights.layers[i]))
+            for i, x, _ in blocks
         ]
     finally:
         model.close()

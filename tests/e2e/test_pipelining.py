@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from common.sampling import SamplingParams
+from moe_mesh.local.processes import start_experts, stop_all
 from router_service.build import build_router
 from router_service.engine.engine import FinishReason
-from router_service.engine.sampling import SamplingParams
 from router_service.settings import RouterSettings
-from tests.support.processes import start_experts, stop_all
 from tests.support.reference import ALL_REMOTE, PROMPTS, monolithic
 
 # The four families the issue names, then the two whose attention keeps its own KV cache (MLA)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 
+from moe_mesh.local.processes import ServiceProcess, start_experts, stop_all
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
-from tests.support.processes import ServiceProcess, start_experts, stop_all
 from tests.support.reference import ALL_REMOTE, PROMPTS, monolithic
 from tests.support.routers import LENGTH, generate, request, wait_status
 
@@ -74,12 +73,11 @@ async def test_streamed_generation_matches_monolithic_and_errors_map_to_status(m
         # (the expert call carries the deadline), while the expert is still paused.
         experts[0].signal(signal.SIGSTOP)
         try:
-            start = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await generate(stub, request(1), timeout=2.0)
             assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert time.monotonic() - start < 4.0
-            await wait_status(stub, lambda st: st.running == 0 and st.waiting == 0, timeout_s=2.0)
+            # The expert stays paused: only the deadline reaching its call frees the router.
+            await wait_status(stub, lambda st: st.running == 0 and st.waiting == 0, timeout_s=30)
         finally:
             experts[0].signal(signal.SIGCONT)
         assert await generate(stub, request(1)) == (monolithic(path)[1], LENGTH)

@@ -11,14 +11,14 @@ import grpc
 import pytest
 
 from common.registry import open_registry
+from common.sampling import SamplingParams
+from moe_mesh.local.processes import start_experts
 from moe_mesh.local.registry import EmbeddedConsul
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 from router_service.app import RouterApp
 from router_service.build import build_router
-from router_service.engine.sampling import SamplingParams
 from router_service.settings import RouterSettings
 from tests.support.polling import calls, eventually
-from tests.support.processes import start_experts
 from tests.support.reference import ALL_REMOTE, PROMPTS, monolithic, run_engine
 
 

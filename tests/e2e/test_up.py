@@ -6,8 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import grpc
 from common.arch import load_spec
 from common.fastpath.ucx import load_ucxx
 from common.finish_reason import from_wire
+from moe_mesh.local.processes import running_up
 from moe_mesh.ops.traces import load_spans
 from moe_mesh.planning.calibrate import observed
 from protos.moe_mesh.v1 import (
@@ -71,37 +70,12 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(
     ready = tmp_path / "mesh.json"
     grpc_port, http_port = free_port(), free_port()
     ports = ["--grpc-port", str(grpc_port), "--http-port", str(http_port)]
-    log = open(tmp_path / "up.log", "w")
-    up = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "moe_mesh",
-            "up",
-            "--checkpoint",
-            str(path),
-            "--expert-services",
-            "2",
-            "--replicas",
-            "2",
-            "--ready-file",
-            str(ready),
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--trace-sample",
-            "1.0",
-            *ports,
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            assert up.poll() is None, (tmp_path / "up.log").read_text()
-            assert time.monotonic() < deadline, "mesh not up in 120 s"
-            time.sleep(0.1)
-        mesh = json.loads(ready.read_text())
+    flags = ["--expert-services", "2", "--replicas", "2", "--trace-sample", "1.0", *ports]
+    with running_up(
+        path, flags, ready_file=ready, run_dir=tmp_path / "run", log_path=tmp_path / "up.log",
+        ready_timeout_s=120, stop_timeout_s=60,
+    ) as running:  # fmt: skip
+        up, mesh = running.proc, running.info
         assert {"gateway_grpc", "gateway_http", "routers", "experts"} <= set(mesh) and len(
             mesh["experts"]
         ) == 4
@@ -249,12 +223,3 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(
         )
         assert shown.returncode == 0, shown.stderr
         assert "services expert, gateway, router" in shown.stdout.splitlines()[0], shown.stdout
-    finally:
-        if up.poll() is None:  # a failed assertion: SIGTERM so the launcher stops its children too
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait()
-        log.close()

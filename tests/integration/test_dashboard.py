@@ -13,9 +13,9 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.dashboard import Dashboard
 from prometheus_client.parser import text_string_to_metric_families
 
+from moe_mesh.local.processes import start_experts
 from tests.support import REPO
 from tests.support.meshes import local_mesh
-from tests.support.processes import start_experts
 
 DASHBOARD = REPO / "deploy" / "grafana" / "moe-mesh.json"
 METRIC = re.compile(r"\b((?:moe|gen_ai)_[a-z0-9_]+)\b")

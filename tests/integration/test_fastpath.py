@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -22,7 +21,6 @@ import torch
 import uvloop
 
 from common.errors import (
-    DeadlineExceededError,
     MoeMeshError,
     NotFoundError,
     PreconditionError,
@@ -30,15 +28,12 @@ from common.errors import (
 )
 from common.fastpath import frame as f
 from common.fastpath import parse_worker_url, ucx, worker_url
-from common.fastpath.client import FastPathError, FrameClient
-from common.fastpath.server import FrameServer
 from common.fastpath.ucx import UcxRuntime, close_endpoint, load_ucxx, read_frame
 from expert_service import batcher as batcher_module
 from expert_service.app import ExpertApp
 from expert_service.settings import ExpertSettings
 from router_service.experts.fastpath import FastPathConfig
 from router_service.experts.remote import Identity, RemoteExperts
-from tests.support.fastpath import speak_previous_frame_version
 from tests.support.polling import eventually
 
 pytestmark = pytest.mark.skipif(
@@ -371,24 +366,6 @@ async def test_a_large_call_gets_a_fast_path_attempt_scaled_to_its_rows(
             await backend.close()
 
 
-async def test_an_old_frame_version_peer_makes_the_router_fall_back_cleanly(monkeypatch) -> None:
-    """A service speaking the previous frame version: it refuses our frame, in its own version."""
-
-    old_version = speak_previous_frame_version(monkeypatch)
-    old = FrameServer(lambda header, payload: None, MESSAGE_BYTES)
-    client = FrameClient(parse_worker_url(await old.start()), MESSAGE_BYTES)
-    try:
-        header = f.RequestHeader("m", "c", 0, [0], [2], "float32", [2, 4], 32)
-        with pytest.raises(FastPathError) as info:
-            await client.call(header, torch.randn(2, 4), 2.0)
-        assert info.value.cause == "version" and f"version {old_version} is not supported" in str(
-            info.value
-        )
-    finally:
-        client.close()
-        await old.stop()
-
-
 async def test_garbage_on_the_hello_tag_is_dropped_and_the_service_stays_healthy(
     checkpoint,
 ) -> None:
@@ -447,7 +424,7 @@ def _loopback(address: str) -> bool:
 
 
 def test_the_expert_service_process_listens_on_loopback_only(checkpoint, tmp_path) -> None:
-    from tests.support.processes import start_experts
+    from moe_mesh.local.processes import start_experts
 
     (proc,) = start_experts(checkpoint("mixtral"), ["0-1:0-3"], tmp_path, "--fast-path", "ucx")
     try:
@@ -544,98 +521,6 @@ async def test_a_router_says_hello_before_its_first_call(checkpoint) -> None:
             assert len(app.fast_path.server.clients) == 1  # the same connection carried it
         finally:
             await backend.close()
-
-
-async def test_a_call_past_its_budget_is_answered_deadline_exceeded_and_the_next_one_served() -> (
-    None
-):
-    calls = []
-
-    async def handler(header, payload):
-        calls.append(header.layer)
-        if header.layer == 1:
-            await asyncio.sleep(5)  # cancelled at the caller's budget
-        return payload
-
-    server = FrameServer(handler, MESSAGE_BYTES)
-    client = FrameClient(parse_worker_url(await server.start()), MESSAGE_BYTES)
-    try:
-        x = torch.randn(2, 4)
-        slow = f.RequestHeader("m", "c", 1, [0], [2], "float32", [2, 4], 32, timeout_ms=50.0)
-        began = asyncio.get_running_loop().time()
-        with pytest.raises(DeadlineExceededError, match="50 ms budget"):
-            await client.call(slow, x, 5.0)
-        assert asyncio.get_running_loop().time() - began < 2.0
-        out, _ = await client.call(replace(slow, layer=2), x, 5.0)
-        assert torch.equal(out, x) and calls == [1, 2]
-    finally:
-        client.close()
-        await server.stop()
-
-
-async def test_a_call_given_up_on_leaves_the_calls_sharing_its_connection_alone() -> None:
-    """A hedge race's loser is cancelled, a slow call times out: the other calls in flight on the
-    connection still finish over UCX (they fell back to gRPC, computed twice, and backed off)."""
-
-    async def handler(header, payload):
-        await asyncio.sleep(0.1 * header.layer)
-        return payload * header.layer
-
-    server = FrameServer(handler, MESSAGE_BYTES)
-    client = FrameClient(parse_worker_url(await server.start()), MESSAGE_BYTES)
-    x = torch.randn(1000, HIDDEN)  # a reply past UCX's eager size: rendezvous, held if unread
-    call = f.RequestHeader("m", "c", 1, [0], [1000], "float32", [1000, HIDDEN], x.nbytes)
-
-    async def answer(layer: int, timeout_s: float = 5.0) -> torch.Tensor:
-        return (await client.call(replace(call, layer=layer), x, timeout_s))[0]
-
-    try:
-        await answer(1)
-        conn = client._conn
-        # Cancelled: the connection stays, and the reply is read when it comes.
-        loser, other = asyncio.ensure_future(answer(3)), asyncio.ensure_future(answer(4))
-        await asyncio.sleep(0.05)
-        loser.cancel()
-        assert torch.equal(await other, x * 4) and loser.cancelled()
-        await eventually(lambda: not conn.abandoned, 5, "the reply given up on, read")
-        assert client._conn is conn and not conn.pending
-        assert torch.equal(await answer(1), x)  # its tag does not hold a stale reply
-        # Timed out: the calls in flight finish on it, new ones take a new connection.
-        other = asyncio.ensure_future(answer(4))
-        with pytest.raises(FastPathError, match="no reply within 0.1s") as late:
-            await answer(2, 0.1)
-        assert late.value.cause == "timeout" and client._conn is None
-        assert torch.equal(await answer(5), x * 5) and client._conn not in (None, conn)
-        assert torch.equal(await other, x * 4)
-        await eventually(lambda: conn.closed, 5, "the retired connection closed")
-    finally:
-        client.close()
-        await server.stop()
-
-
-async def test_a_handler_bug_is_answered_internal_and_the_next_call_served() -> None:
-    async def handler(header, payload):
-        if header.layer == 1:
-            return payload.double()  # no frame carries float64: the caller must still hear back
-        if header.layer == 2:
-            raise RuntimeError("a bug in the core")
-        return payload
-
-    server = FrameServer(handler, MESSAGE_BYTES)
-    client = FrameClient(parse_worker_url(await server.start()), MESSAGE_BYTES)
-    try:
-        x = torch.randn(2, 4)
-        call = f.RequestHeader("m", "c", 1, [0], [2], "float32", [2, 4], 32)
-        # INTERNAL from a peer is raised as over gRPC: unavailable, so the router fails over.
-        with pytest.raises(UnavailableError, match="INTERNAL: .*float64"):
-            await client.call(call, x, 5.0)
-        with pytest.raises(UnavailableError, match="INTERNAL: .*a bug in the core"):
-            await client.call(replace(call, layer=2), x, 5.0)
-        out, _ = await client.call(replace(call, layer=3), x, 5.0)
-        assert torch.equal(out, x) and server.errors == 2
-    finally:
-        client.close()
-        await server.stop()
 
 
 async def test_while_a_message_is_part_way_the_runtime_progresses_every_busy_tick(

@@ -22,7 +22,7 @@ from tests.support.certs import tls_flags
 from tests.support.meshes import LocalMesh, local_mesh
 
 KEY, LIMITED, NEW_KEY = "sk-test-0123456789", "sk-limited-0123456789", "sk-rotated-0123456789"
-BATCH = "sk-batch-0123456789"  # README's example of a key for batch work
+BATCH = "sk-batch-0123456789"  # the example key for batch work in docs/operating/security.md
 
 
 @pytest.fixture

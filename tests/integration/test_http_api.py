@@ -15,11 +15,13 @@ import pytest
 import pytest_asyncio
 import torch
 
+from common.sampling import SamplingParams
 from common.tokenizer import TextStream, Tokenizer
+from gateway.balancer import RouterLostError
 from gateway.core import TextRequest
 from gateway.http_api import create_app
+from gateway.router_client import Chunk
 from router_service.build import build_local_engine
-from router_service.engine.sampling import SamplingParams
 from router_service.settings import RouterSettings
 from tests.support.fakes import FakeRouter, ScriptedRouter
 from tests.support.fakes import core as fake_core
@@ -39,13 +41,17 @@ GREEDY = {
 }
 
 
-@cache
 def greedy(path: Path, prompt: tuple[int, ...], max_tokens: int = N) -> list[int]:
-    """The in-process engine's greedy tokens (on a worker thread: the test already runs an event loop)."""
+    """The in-process engine's greedy tokens, past EOS."""
+    return reference(path, prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+@cache
+def reference(path: Path, prompt: tuple[int, ...], **params) -> list[int]:
+    """The in-process engine's tokens for SamplingParams(**params) (on a worker thread: the test
+    already runs an event loop)."""
     engine = build_local_engine(RouterSettings(checkpoint=path))
-    engine.add_request(
-        "ref", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    )
+    engine.add_request("ref", list(prompt), SamplingParams(**params))
 
     async def run() -> list[int]:
         out: list[int] = []
@@ -84,13 +90,20 @@ def client(mesh: LocalMesh) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=mesh.http_base_url + "/v1", api_key="unused", max_retries=0)
 
 
-async def wait_idle(mesh: LocalMesh, within_s: float) -> float:
-    """Seconds until the router runs nothing and the gateway holds no admission place; fails after within_s."""
-    t0 = time.monotonic()
-    while mesh.router.core.status().running or mesh.gateway.core.admission.in_flight:
-        assert time.monotonic() - t0 < within_s, "the request still holds its slot"
-        await asyncio.sleep(0.01)
-    return time.monotonic() - t0
+async def wait_idle(mesh: LocalMesh) -> None:
+    """Until the router runs nothing and the gateway holds no admission place (a guard of 30 s)."""
+
+    def idle() -> bool:
+        return not (mesh.router.core.status().running or mesh.gateway.core.admission.in_flight)
+
+    await eventually(idle, 30, "the request to give back its slot")
+
+
+async def steps_to_idle(mesh: LocalMesh, since: int) -> int:
+    """Engine steps from `since` (a status' count) until idle: with one request running, fewer
+    than its max_tokens when leaving it aborted it instead of letting it run to its end."""
+    await wait_idle(mesh)
+    return mesh.router.core.status().steps - since
 
 
 async def test_completions_give_the_engines_greedy_tokens(mesh, path) -> None:
@@ -282,7 +295,7 @@ async def test_logprobs_are_transformers_log_softmax_at_the_same_positions(mesh,
         assert torch.allclose(got, want, atol=1e-4), (got, want)
 
 
-async def test_n_choices_with_a_seed_are_reproducible(mesh) -> None:
+async def test_n_choices_with_a_seed_are_reproducible(mesh, path) -> None:
     async with client(mesh) as c:
 
         async def three() -> list[list[int]]:
@@ -302,6 +315,10 @@ async def test_n_choices_with_a_seed_are_reproducible(mesh) -> None:
         first = await three()
         assert first == await three()
         assert len({tuple(t) for t in first}) > 1, "three seeds drew the same tokens"
+        # Choice i is the request with seed 7 + i, as the engine draws it alone.
+        for i, tokens in enumerate(first):
+            sampled = {"temperature": 1.0, "ignore_eos": True}
+            assert tokens == reference(path, tuple(IDS), max_tokens=8, seed=7 + i, **sampled), i
         # Streamed, the choices interleave by index and add up to the same tokens.
         stream = await c.completions.create(
             model="",
@@ -317,7 +334,7 @@ async def test_n_choices_with_a_seed_are_reproducible(mesh) -> None:
         async for chunk in stream:
             streamed[chunk.choices[0].index] += chunk.choices[0].token_ids
         assert [streamed[i] for i in range(3)] == first
-    await wait_idle(mesh, 5.0)
+    await wait_idle(mesh)
 
 
 async def test_echo_and_penalties_over_http(mesh, path) -> None:
@@ -330,20 +347,30 @@ async def test_echo_and_penalties_over_http(mesh, path) -> None:
             echo=True,
             extra_body={"ignore_eos": True},
         )
-        assert r.choices[0].text.startswith(TEXT) and len(r.choices[0].text) > len(TEXT)
+        ref = greedy(path, tuple(Tokenizer(path).encode(TEXT)), 4)
+        assert r.choices[0].text == TEXT + detokenized(path, ref)
         plain = await c.completions.create(model="", prompt=IDS, **GREEDY)
-        penalized = await c.completions.create(
-            model="", prompt=IDS, presence_penalty=2.0, frequency_penalty=2.0, **GREEDY
+        assert plain.choices[0].token_ids == greedy(path, tuple(IDS))
+        penalties = {"presence_penalty": 2.0, "frequency_penalty": 2.0}
+        penalized = await c.completions.create(model="", prompt=IDS, **penalties, **GREEDY)
+        want = reference(
+            path, tuple(IDS), max_tokens=N, temperature=0.0, ignore_eos=True, **penalties
         )
-        assert penalized.choices[0].token_ids != plain.choices[0].token_ids
+        assert penalized.choices[0].token_ids == want != plain.choices[0].token_ids
+        # The first greedy token ends the output once min_tokens are out, and not before.
+        stop = plain.choices[0].token_ids[0]
         held = await c.completions.create(
             model="",
             prompt=IDS,
             max_tokens=N,
             temperature=0,
-            extra_body={"min_tokens": 5, "stop_token_ids": [plain.choices[0].token_ids[0]]},
+            extra_body={"min_tokens": 5, "stop_token_ids": [stop], "return_token_ids": True},
         )
-        assert held.usage.completion_tokens >= 5
+        want = reference(
+            path, tuple(IDS), max_tokens=N, temperature=0.0, min_tokens=5, stop_token_ids=(stop,)
+        )
+        assert held.choices[0].token_ids == want and held.usage.completion_tokens == len(want)
+        assert len(want) >= 5 and stop not in want[:5]
 
 
 async def test_an_unknown_model_is_404_model_not_found(mesh) -> None:
@@ -578,7 +605,7 @@ async def test_a_request_id_in_flight_cannot_be_reused_until_it_ends(mesh) -> No
                 and error["param"] == "request_id"
                 and "twice" in error["message"]
             )
-        await wait_idle(mesh, 1.0)
+        await wait_idle(mesh)
         again = await h.post("/v1/completions", json=completion(request_id="twice"))
         assert again.status_code == 200 and again.json()["id"] == "cmpl-twice"
 
@@ -636,11 +663,14 @@ async def test_overload_gets_429_with_retry_after_and_accepted_requests_complete
             r.choices[0].token_ids == ref and r.choices[0].finish_reason == "length"
             for r in accepted
         )
+        # Refused at once, not after waiting for a place: sooner than any accepted request took.
+        quickest = min(dt for dt, r in results if not isinstance(r, openai.RateLimitError))
         for dt, e in rejected:
-            assert e.status_code == 429 and e.response.headers["retry-after"] == "1" and dt < 1.0
+            assert e.status_code == 429 and e.response.headers["retry-after"] == "1"
+            assert dt < quickest
             assert e.body["code"] == "resource_exhausted"
         assert m.gateway.core.admission.rejected == len(rejected)
-        await wait_idle(m, 1.0)
+        await wait_idle(m)
         r = await c.completions.create(model="", prompt=IDS, **GREEDY)
         assert r.choices[0].token_ids == ref[:N]
 
@@ -667,11 +697,12 @@ async def test_streamed_choices_are_admitted_together_so_concurrent_ones_never_d
         with pytest.raises(openai.BadRequestError) as e:
             await streamed(3)
         assert e.value.body["param"] == "n" and "max_in_flight=2" in e.value.body["message"]
-        await wait_idle(m, 5.0)
+        await wait_idle(m)
         assert m.gateway.core.admission.in_flight == 0
 
 
 async def test_client_leaving_a_stream_frees_the_router_slot(mesh) -> None:
+    since = mesh.router.core.status().steps
     async with client(mesh) as c:
         stream = await c.completions.create(
             model="", prompt=IDS, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
@@ -681,22 +712,20 @@ async def test_client_leaving_a_stream_frees_the_router_slot(mesh) -> None:
         assert all(ch.choices[0].finish_reason is None for ch in got)
         assert mesh.router.core.status().running == 1
         await stream.close()
-        await wait_idle(mesh, 1.0)
+        assert await steps_to_idle(mesh, since) < 400  # each step one token of this request
 
 
 async def test_client_leaving_a_non_streaming_request_frees_the_router_slot(mesh) -> None:
+    since = mesh.router.core.status().steps
     async with httpx.AsyncClient(base_url=mesh.http_base_url) as h:
         task = asyncio.create_task(
             h.post("/v1/completions", json=completion(max_tokens=500, ignore_eos=True))
         )
-        t0 = time.monotonic()
-        while not mesh.router.core.status().running:
-            assert time.monotonic() - t0 < 5.0
-            await asyncio.sleep(0.01)
+        await eventually(lambda: mesh.router.core.status().running, 30, "the request to run")
         task.cancel()  # closes the connection mid-request
         with pytest.raises(asyncio.CancelledError):
             await task
-    await wait_idle(mesh, 1.0)
+    assert await steps_to_idle(mesh, since) < 500
 
 
 async def test_sse_wire_format(mesh) -> None:
@@ -752,7 +781,7 @@ async def test_deadline_is_504_before_streaming_and_an_error_event_after(path) -
                 ):
                     pass
             assert e.value.code == "deadline_exceeded"
-        await wait_idle(m, 1.0)
+        await wait_idle(m)
         assert (await h.get("/health/live")).status_code == 200
         assert (await h.post("/v1/completions", json=completion())).status_code == 200
 
@@ -788,7 +817,9 @@ async def test_a_client_leaving_while_queued_is_499_and_frees_its_place(path) ->
     gate = asyncio.Event()
     gw = fake_core(path, [FakeRouter("a:1", gate)], max_in_flight=1, max_queued=2)
     app = create_app(gw)
-    holder = asyncio.create_task(gw.complete(TextRequest(prompt_token_ids=[1], max_tokens=2)))
+    holder = asyncio.create_task(
+        gw.complete(TextRequest(prompt_token_ids=[1], params=SamplingParams(max_tokens=2)))
+    )
     left = asyncio.Event()
     body = json.dumps(completion()).encode()
     received = []
@@ -823,10 +854,8 @@ async def test_a_client_leaving_while_queued_is_499_and_frees_its_place(path) ->
         "server": ("127.0.0.1", 2),
     }
     call = asyncio.create_task(app(scope, receive, send))
-    t0 = time.monotonic()
-    while not gw.admission.queued:
-        assert time.monotonic() - t0 < 2 and not call.done()
-        await asyncio.sleep(0.005)
+    await eventually(lambda: gw.admission.queued or call.done(), 30, "the request to queue")
+    assert not call.done()
     left.set()
     await asyncio.wait_for(call, 2)
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
@@ -891,3 +920,67 @@ async def test_skip_tokenizer_init_serves_token_ids_and_refuses_text(path, tmp_p
             r = await h.post(f"/v1/{endpoint}", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
             assert "tokenizer" in r.json()["error"]["message"]
+
+
+async def test_a_queued_high_priority_request_is_served_before_an_earlier_low_one(path) -> None:
+    gate = asyncio.Event()
+    router = FakeRouter("a:1", gate)
+    gw = fake_core(path, [router], max_in_flight=1, max_queued=4)
+    transport = httpx.ASGITransport(app=create_app(gw))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as h:
+
+        async def post(request_id: str, priority: int | None = None) -> None:
+            body = completion(request_id=request_id, priority=priority)
+            r = await h.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+
+        calls = [asyncio.create_task(post("holder"))]
+        await eventually(lambda: router.served == ["holder"], what="the holder to run")
+        calls.append(asyncio.create_task(post("low", -5)))
+        await eventually(lambda: gw.admission.queued == 1, what="the low one to queue")
+        calls.append(asyncio.create_task(post("high", 5)))
+        await eventually(lambda: gw.admission.queued == 2, what="the high one to queue")
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(*calls), 10)
+    assert router.served == ["holder", "high", "low"]
+
+
+class StopsAfterMinTokens(ScriptedRouter):
+    """A model that would stop at once: each call streams its `min_tokens` tokens, then an end of
+    sequence (finish "stop"). Token at absolute position p is 5 + p, as in ScriptedRouter. The first
+    call to any router of `deaths` (shared) dies after `dies_after` tokens, as a killed router."""
+
+    def __init__(self, address: str, deaths: list[int], dies_after: int) -> None:
+        super().__init__(address, dies_after=dies_after)
+        self.deaths = deaths
+
+    async def generate(self, request, timeout_s, trace_context=None):
+        self.calls.append(request)
+        start, n = len(request.prompt_token_ids), request.params.min_tokens + 1
+        for i in range(n):
+            if self.deaths and i == self.dies_after:
+                self.deaths.pop()
+                raise RouterLostError("UNAVAILABLE: Stream removed")
+            yield Chunk([5 + start + i], "stop" if i == n - 1 else None, start, i + 1)
+            await asyncio.sleep(0)
+
+
+async def test_after_a_failover_min_tokens_counts_the_tokens_already_sent(path) -> None:
+    """min_tokens=6 and the router dies after 3: the next one owes 3 more, not 6, so the client
+    gets the same 6 tokens and stop as from an undisturbed run."""
+    body = completion(prompt=IDS, max_tokens=20, min_tokens=6, return_token_ids=True)
+    results = []
+    for deaths in ([], [1]):
+        planned = len(deaths)
+        routers = [StopsAfterMinTokens(a, deaths, dies_after=3) for a in ("a:1", "b:1")]
+        transport = httpx.ASGITransport(app=create_app(fake_core(path, routers)))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as h:
+            r = await h.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert sum(len(router.calls) for router in routers) == 1 + planned
+        assert not deaths  # the planned death happened
+        choice = r.json()["choices"][0]
+        results.append((choice["token_ids"], choice["finish_reason"], r.json()["usage"]))
+    undisturbed = [5 + len(IDS) + i for i in range(7)]
+    assert results[0][:2] == (undisturbed, "stop")
+    assert results[1] == results[0]

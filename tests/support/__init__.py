@@ -1,5 +1,6 @@
-"""What tests and benchmarks share: checkpoint factories, in-process and multi-process meshes, the
-reference prompts and outputs, fakes, and polling helpers. No test module imports another."""
+"""What tests share: checkpoint factories, in-process and multi-process meshes, the reference prompts
+and outputs, fakes, and polling helpers. No test module imports another; benchmarks import none of
+this (what they share with tests is product code: moe_mesh/local/processes.py, moe_mesh/benchmark/)."""
 
 from pathlib import Path
 

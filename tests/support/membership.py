@@ -5,9 +5,11 @@ from __future__ import annotations
 from common.checkpoint import Checkpoint
 from common.registry import EXPERT_SERVICE, Instance
 from router_service.build import default_model_id
-from router_service.experts.dispatch import DispatchPolicy, ExpertDispatcher, LivePlacement
+from router_service.experts.backends import LivePlacement
+from router_service.experts.dispatch import ExpertDispatcher
 from router_service.experts.membership import ExpertMembership
 from router_service.experts.remote import Identity
+from router_service.experts.replicas import DispatchPolicy
 
 
 def membership_of(path) -> tuple[ExpertMembership, ExpertDispatcher, Checkpoint]:

@@ -10,11 +10,11 @@ from contextlib import asynccontextmanager
 from functools import cache
 from pathlib import Path
 
+from common.sampling import SamplingParams
+from moe_mesh.local.processes import start_experts, stop_all
 from router_service.build import build_local_engine, build_router
 from router_service.engine.engine import Engine, FinishReason
-from router_service.engine.sampling import SamplingParams
 from router_service.settings import RouterSettings
-from tests.support.processes import start_experts, stop_all
 
 PROMPTS = [[7], [11, 3, 250, 9, 31], list(range(40, 53)), [(i * 37) % 400 + 5 for i in range(29)]]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

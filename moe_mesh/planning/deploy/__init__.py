@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+import typing
 from pathlib import Path
+from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.cli import add_settings_arguments, settings_from_args
 from moe_mesh.planning.deploy.compose import (
     DOCKERFILE,
     EXPERT_SERVICE_PREFIX,
@@ -77,7 +82,8 @@ __all__ = [
     "write_rendered",
 ]
 
-TARGETS = ("compose", "nomad", "kubernetes")
+Target = Literal["compose", "nomad", "kubernetes"]
+TARGETS: tuple[str, ...] = typing.get_args(Target)
 
 
 def render(plan: Plan, target: str) -> dict[str, str]:
@@ -128,6 +134,25 @@ def drifted(files: dict[str, str], out: Path, target: str) -> list[str]:
 # ---------------------------------------------------------------------------------------------- CLI
 
 
+class RenderSettings(BaseModel):
+    """`moe-mesh deploy render`'s flags."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    plan: Path = Field(description="plan file (YAML)")
+    target: Target = Field(
+        description="compose: docker-compose.yml + Dockerfile + .env.example + prometheus.yml; "
+        "nomad: one job per expert group + one for router and gateway + prometheus.yml; "
+        "kubernetes: a Deployment, Service and PodDisruptionBudget per component + the "
+        "Prometheus ConfigMap"
+    )
+    out: Path = Field(description="directory to write into (created if missing)")
+    check: bool = Field(
+        False,
+        description="write nothing; exit 1 when the files in --out differ from a fresh render",
+    )
+
+
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """Register `deploy render` on the moe-mesh CLI; `args.func(args)` returns the exit code."""
     p = subparsers.add_parser(
@@ -143,41 +168,24 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "Every service "
         "discovers the others through Consul; output is deterministic.",
     )
-    r.add_argument("--plan", type=Path, required=True, help="plan file (YAML)")
-    r.add_argument(
-        "--target",
-        choices=TARGETS,
-        required=True,
-        help="compose: docker-compose.yml + Dockerfile + .env.example + prometheus.yml; nomad: one "
-        "job per expert group + one for router and gateway + prometheus.yml; kubernetes: a "
-        "Deployment, Service and PodDisruptionBudget per component + the Prometheus ConfigMap",
-    )
-    r.add_argument(
-        "--out", type=Path, required=True, help="directory to write into (created if missing)"
-    )
-    r.add_argument(
-        "--check",
-        action="store_true",
-        help="write nothing; exit 1 when the files in --out differ from a fresh render",
-    )
+    add_settings_arguments(r, RenderSettings)
     r.set_defaults(func=run_render)
 
 
 def run_render(args: argparse.Namespace) -> int:
     prog = "moe-mesh deploy render"
+    s = typing.cast(RenderSettings, settings_from_args(RenderSettings, args))
     try:
-        files = render(load_plan(args.plan), args.target)
+        files = render(load_plan(s.plan), s.target)
     except PlanError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    if args.check:
-        bad = drifted(files, args.out, args.target)
+    if s.check:
+        bad = drifted(files, s.out, s.target)
         for name in bad:
-            print(
-                f"{prog}: {args.out / name} differs from the render of {args.plan}", file=sys.stderr
-            )
+            print(f"{prog}: {s.out / name} differs from the render of {s.plan}", file=sys.stderr)
         return 1 if bad else 0
-    for path in write_rendered(files, args.out, args.target):
+    for path in write_rendered(files, s.out, s.target):
         print(path)
     return 0
 

@@ -318,7 +318,7 @@ def _token_or_secrets(plan: Plan) -> str:
             "(CA, and a certificate per kind of service)"
         )
     if plan.security.api_keys:
-        made.append("#   secrets/api-keys   one key per line (README, Security)")
+        made.append("#   secrets/api-keys   one key per line (docs/operating/security.md)")
     return "\n".join(
         [
             "# Secrets are files under ./secrets (docker-compose mounts each where its service",

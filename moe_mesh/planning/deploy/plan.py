@@ -250,7 +250,7 @@ class KubernetesPlan(_Strict):
 
 class SecurityPlan(_Strict):
     """What the renders protect; every secret is a file mounted from the target's secret store
-    (README, Security; deploy/secrets.py)."""
+    (docs/operating/security.md; deploy/secrets.py)."""
 
     tls: bool = Field(
         False,

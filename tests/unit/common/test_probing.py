@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from common.errors import UnavailableError
 from common.probing import Prober
@@ -51,9 +50,8 @@ async def test_an_unreachable_endpoint_is_readmitted_by_its_first_passing_check(
     await eventually(lambda: endpoint.checks >= 3, 2, "failing checks")
     assert health.ejected and prober.failed >= 2
     endpoint.up = True  # restarted
-    start = time.monotonic()
     await eventually(lambda: not health.ejected, 2, "re-admission")
-    assert time.monotonic() - start < 10 * INTERVAL_S
+    assert prober.passed == 1  # the first check that passed re-admitted it
     assert prober.readmitted == 1 and prober.checking == []  # re-admitted: no more checks
     assert endpoint.most_in_flight == 1 and set(endpoint.timeouts) == {INTERVAL_S}
     assert health.streak == 1 and health.readmitted  # until a real call succeeds

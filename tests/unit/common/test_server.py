@@ -1,9 +1,9 @@
-"""GrpcServer.stop against a real server on loopback: its stages share one deadline."""
+"""GrpcServer.stop against a real server on loopback: its stages share one deadline, on the
+server's clock (a fake one here)."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -33,11 +33,14 @@ async def _drain(call) -> None:
 
 
 async def test_stop_hooks_and_the_drain_share_one_grace_period() -> None:
-    server = GrpcServer([endless_service()], grace_s=1.5)
+    """The hook spends 99.8 of the 100 s grace period (on a fake clock): the drain gets the 0.2 s
+    left, not grace_s again (which would outlast the 30 s guard)."""
+    now = [1000.0]
+    server = GrpcServer([endless_service()], grace_s=100, clock=lambda: now[0])
     left: list[float] = []
 
     async def slow_deregistration(deadline: Deadline) -> None:
-        await asyncio.sleep(1.0)
+        now[0] += 99.8
         left.append(deadline.remaining())
 
     server.on_stop.append(slow_deregistration)
@@ -45,23 +48,31 @@ async def test_stop_hooks_and_the_drain_share_one_grace_period() -> None:
     async with grpc.aio.insecure_channel(address) as channel:
         call = channel.unary_stream("/test.Endless/Stream")(b"")
         await anext(aiter(call))
-        t0 = time.monotonic()
-        await server.stop()
-        took = time.monotonic() - t0
+        await asyncio.wait_for(server.stop(), 30)
         with pytest.raises(grpc.aio.AioRpcError) as cut:  # cancelled at the deadline
-            await asyncio.wait_for(_drain(call), 2)
+            await asyncio.wait_for(_drain(call), 30)
         assert cut.value.code() == grpc.StatusCode.UNAVAILABLE  # gRPC's GOAWAY, on the client
-    # The drain got what the hook left (0.5 s), not grace_s again: 1.5 s, not 2.5.
-    assert 1.4 <= took < 2.3, took
-    assert 0.3 <= left[0] <= 0.55
+    assert left == [pytest.approx(0.2)]
 
 
 async def test_a_deadline_already_past_stops_at_once() -> None:
-    server = GrpcServer([endless_service()], grace_s=10)
+    server = GrpcServer([endless_service()], grace_s=3600)
     address = await server.start()
     async with grpc.aio.insecure_channel(address) as channel:
         call = channel.unary_stream("/test.Endless/Stream")(b"")
         await anext(aiter(call))
-        t0 = time.monotonic()
-        await server.stop(Deadline.after(0))  # the caller's deadline, not grace_s
-        assert time.monotonic() - t0 < 3  # not grace_s (10)
+        # The caller's deadline, not grace_s (an hour, far past the guard).
+        await asyncio.wait_for(server.stop(Deadline.after(0)), 30)
+        with pytest.raises(grpc.aio.AioRpcError) as cut:
+            await asyncio.wait_for(_drain(call), 30)
+        assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_deadline_counts_down_on_its_clock() -> None:
+    now = [5.0]
+    deadline = Deadline.after(2.0, clock=lambda: now[0])
+    assert (deadline.at, deadline.remaining()) == (7.0, 2.0)
+    now[0] = 6.5
+    assert deadline.remaining() == 0.5
+    now[0] = 9.0
+    assert deadline.remaining() == 0.0  # never negative

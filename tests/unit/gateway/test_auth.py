@@ -3,6 +3,7 @@ priority cap), and re-read when the file changes (a broken file keeps the keys i
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import pytest
@@ -78,6 +79,29 @@ def test_a_request_asking_no_priority_runs_at_its_keys_cap_when_that_is_below_0(
     with pytest.raises(InvalidArgumentError, match="at most -10 for this API key, got 0"):
         batch.admit(0)  # asked for explicitly
     assert ApiKeys().authenticate(None).admit(None) == 0
+
+
+def test_a_key_may_ask_for_exactly_its_cap_and_not_one_more(tmp_path) -> None:
+    path = tmp_path / "keys"
+    for cap in (-10, 0, 3):
+        path.write_text(f"{KEY_A} max_priority={cap}\n")
+        caller = ApiKeys(path).authenticate(f"Bearer {KEY_A}")
+        assert caller.admit(cap) == cap
+        with pytest.raises(InvalidArgumentError, match=f"at most {cap} for this API key"):
+            caller.admit(cap + 1)
+
+
+# Found by search: its SHA-256 digest starts with the same 3 bytes as KEY_A's (0986be...).
+NEAR_A = "sk-near-20027543"
+
+
+def test_a_key_whose_digest_matches_only_in_its_first_bytes_is_refused() -> None:
+    near, real = (hashlib.sha256(k.encode()).digest() for k in (NEAR_A, KEY_A))
+    assert near[:3] == real[:3] and near != real  # the premise of this test
+    keys = ApiKeys(env_keys=KEY_A)
+    with pytest.raises(UnauthenticatedError, match="incorrect API key"):
+        keys.authenticate(f"Bearer {NEAR_A}")
+    assert keys.authenticate(f"Bearer {KEY_A}").name == "key1"
 
 
 def test_a_key_file_change_takes_effect_and_a_broken_one_keeps_the_keys(tmp_path) -> None:

@@ -15,9 +15,10 @@ from common.errors import (
     ExpertUnavailableError,
     UnavailableError,
 )
+from common.sampling import SamplingParams
 from common.status import abort_with
 from gateway.balancer import RouterLostError
-from gateway.router_client import GenerateParams, RouterClient, RouterRequest
+from gateway.router_client import RouterClient, RouterRequest
 from protos.moe_mesh.v1 import router_pb2
 from tests.support.fakes import router_serving
 
@@ -30,7 +31,7 @@ async def test_a_stream_whose_channel_closes_under_it_is_a_lost_router() -> None
 
     async with router_serving(generate) as address:
         client = RouterClient(address, 1 << 20)
-        request = RouterRequest("r1", [1, 2], GenerateParams(max_tokens=100))
+        request = RouterRequest("r1", [1, 2], SamplingParams(max_tokens=100))
         got = []
         with pytest.raises(RouterLostError, match="left mid-stream"):
             async for chunk in client.generate(request, timeout_s=30):
@@ -55,7 +56,7 @@ async def test_a_router_whose_experts_are_unavailable_is_not_a_lost_router() -> 
         await abort_with(context, error)
         yield b""  # never reached: makes this an async generator, as a streaming handler is
 
-    request = RouterRequest("r1", [1, 2], GenerateParams(max_tokens=4))
+    request = RouterRequest("r1", [1, 2], SamplingParams(max_tokens=4))
     async with router_serving(generate) as address:
         client = RouterClient(address, 1 << 20)
         error = ExpertUnavailableError(1, [2, 3])  # the gateway keeps this router

@@ -73,7 +73,7 @@ def test_every_command_refuses_a_broken_ready_file_in_one_line_with_exit_2(
     ("argv", "said"),
     [
         (["status", "--ready-file", "x", "--jsn"], "unrecognized arguments: --jsn; --jsn: did you mean --json?"),
-        (["up", "--checkpont", "x"], "the following arguments are required: --checkpoint; --checkpont: did you mean --checkpoint?"),
+        (["up", "--checkpont", "x"], "unrecognized arguments: --checkpont x; --checkpont: did you mean --checkpoint?"),
         (["status", "--ready-file", "x", "--bogus"], "unrecognized arguments: --bogus\n"),
     ],
 )  # fmt: skip

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import re
 
-from moe_mesh.dev import configdoc
+from moe_mesh.cli import build_parser
+from moe_mesh.dev import clidoc, configdoc
 from tests.support import REPO
 
 CODE = ("common", "router_service", "expert_service", "gateway", "moe_mesh")
@@ -42,3 +43,18 @@ def test_every_setting_has_its_variable_and_flag_on_the_page() -> None:
         for name in model.model_fields:
             assert f"`{prefix}{name.upper()}`" in page
             assert f"`{renamed.get(name, '--' + name.replace('_', '-'))}`" in page
+
+
+def test_markdown_is_escaped_outside_code_spans_only() -> None:
+    assert configdoc.escape("logs in .cache/mesh-<time>") == "logs in .cache/mesh-&lt;time\\>"
+    assert configdoc.escape("experts '*:*' or a|b") == "experts '\\*:\\*' or a\\|b"
+    assert configdoc.escape("`*:*` and RUN_DIR") == "`*:*` and RUN\\_DIR"
+    assert configdoc.escape("two\nlines") == "two lines"
+
+
+def test_every_flag_on_the_page_is_one_its_command_takes() -> None:
+    parsers = {f"moe-mesh {' '.join(w)}": p for w, _, p in clidoc.commands(build_parser())}
+    for command, _, model, renamed in configdoc._models():
+        takes = {o for a in parsers[command]._actions for o in a.option_strings}
+        named = {renamed.get(name, "--" + name.replace("_", "-")) for name in model.model_fields}
+        assert named <= takes, f"{command}: the page names {sorted(named - takes)}"

@@ -1,5 +1,5 @@
 """`moe-mesh placement show`: the mesh-wide utilization record, its table and picture, and the command;
-the experts a router's placement lost (what `moe-mesh status` flags)."""
+the placement of each router in it."""
 
 from __future__ import annotations
 
@@ -9,13 +9,11 @@ import re
 import pytest
 
 from common.errors import PreconditionError, UnavailableError
+from moe_mesh.ops.coverage import pairs_of
 from moe_mesh.ops.placement import (
-    COLOCATED,
-    pairs_of,
     placement_record,
     render,
     shares,
-    unserved,
     write_png,
 )
 
@@ -226,13 +224,3 @@ def test_write_png_draws_layers_by_experts(rows, tmp_path) -> None:
     with Image.open(path) as image:
         width, height = image.size
     assert height > width
-
-
-def test_experts_no_replica_serves_are_named_as_a_spec() -> None:
-    def lost(placement: dict[str, str]) -> str:
-        return unserved(router_row("r:1", [], placement))
-
-    assert lost({"a:1": "*:0-3", "b:1": "*:4-7"}) == ""
-    assert lost({"a:1": "*:0-3"}) == "1-2:4-7"  # layer 0 is dense: nothing to lose there
-    assert lost({COLOCATED: "1:0-7", "a:1": "2:0-7"}) == ""
-    assert lost({}) == "1-2:0-7"

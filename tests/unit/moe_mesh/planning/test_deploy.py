@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import hcl2
@@ -606,11 +605,9 @@ async def test_probe_not_serving_or_unknown_service_exits_1(health_server: GrpcS
 
 
 async def test_probe_closed_port_exits_1_quickly(closed_port) -> None:
-    start = time.monotonic()
-    code = await asyncio.to_thread(
-        deploy.main, ["probe", f"127.0.0.1:{closed_port}", "--timeout-s", "2"]
-    )
-    assert code == 1 and time.monotonic() - start < 3.0
+    """Refused at once, not after its timeout (an hour: past the guard)."""
+    probe = ["probe", f"127.0.0.1:{closed_port}", "--timeout-s", "3600"]
+    assert await asyncio.wait_for(asyncio.to_thread(deploy.main, probe), 60) == 1
 
 
 @pytest.mark.parametrize("micro_batches", [3, "auto"])

@@ -1,5 +1,5 @@
 """The compute timings `moe-mesh profile` takes, on a tiny checkpoint: the router's and experts'
-own code runs, times are positive, load shares are shares."""
+own code is what is timed, timings are medians per run, load shares are shares."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from common.checkpoint import Checkpoint
+from moe_mesh.planning import measure
 from moe_mesh.planning.measure import LayerBench, timed
 
 
@@ -15,16 +16,41 @@ def bench(checkpoint) -> LayerBench:
     return LayerBench(Checkpoint(checkpoint("qwen2_moe"), dtype=torch.float32))
 
 
-def test_timings_are_positive_for_every_side(bench: LayerBench) -> None:
+@pytest.fixture
+def runs(monkeypatch) -> list[tuple[object, list[int]]]:
+    """What each timed function computes: its result, run once more after its timing, and the
+    rows of every expert FFN that run called."""
+    out: list[tuple[object, list[int]]] = []
+    real_timed, real_ffn = measure.timed, measure.expert_ffn
+    rows: list[int] = []
+
+    def ffn(x, w):
+        rows.append(len(x))
+        return real_ffn(x, w)
+
+    def spy(fn, repeats, *args, **kwargs):
+        timing = real_timed(fn, repeats, *args, **kwargs)
+        rows.clear()
+        out.append((fn(), list(rows)))
+        return timing
+
+    monkeypatch.setattr(measure, "timed", spy)
+    monkeypatch.setattr(measure, "expert_ffn", ffn)
+    return out
+
+
+def test_every_side_times_its_own_code(bench: LayerBench, runs) -> None:
+    s = bench.spec
     for b in (1, 5):
-        for t in (
-            bench.router_layer(b, context=16, repeats=2),
-            bench.expert_layer(b, repeats=2),
-            bench.head(b, repeats=2),
-        ):
-            assert t.wall_s > 0 and t.cpu_s > 0
-    pair = (bench.layer_id, 0)
-    assert bench.expert_call(pair, bench.hidden(3), repeats=2).wall_s > 0
+        bench.router_layer(b, context=16, repeats=2)
+        bench.expert_layer(b, repeats=2)
+        bench.head(b, repeats=2)
+        (layer, _), (_, expert_rows), (logits, _) = runs[-3:]
+        assert layer.shape == (b, s.hidden_size) and bool(layer.isfinite().all())
+        assert sum(expert_rows) == b * s.top_k  # every token's k experts, each once
+        assert logits.shape == (b, s.vocab_size) and logits.dtype == torch.float32
+    bench.expert_call((bench.layer_id, 0), bench.hidden(3), repeats=2)
+    assert runs[-1][1] == [3]  # that expert, on those rows
 
 
 def test_dense_layers_are_timed_only_when_the_model_has_them(bench: LayerBench) -> None:
@@ -40,21 +66,29 @@ def test_load_shares_sum_to_one_per_moe_layer(bench: LayerBench) -> None:
 
 
 def test_timed_reports_median_wall_and_cpu_per_run() -> None:
-    calls = []
-    t = timed(lambda: calls.append(1), repeats=5, warmup=2)
-    assert len(calls) == 7 and 0 <= t.wall_s < 0.01 and t.cpu_s >= 0
+    """On fake clocks: run i (after two warm-ups) takes i + 1 s of wall time and 2 s of CPU."""
+    calls: list[int] = []
+    wall, cpu = [0.0], [0.0]
+
+    def run() -> None:
+        calls.append(1)
+        wall[0] += len(calls) - 2
+        cpu[0] += 2.0
+
+    t = timed(run, repeats=5, warmup=2, clock=lambda: wall[0], cpu_clock=lambda: cpu[0])
+    assert len(calls) == 7 and (t.wall_s, t.cpu_s) == (3.0, 2.0)  # median of 1..5
 
 
-def test_a_latent_attention_model_with_dense_layers_is_timed(checkpoint) -> None:
+def test_a_latent_attention_model_with_dense_layers_is_timed(checkpoint, runs) -> None:
     path = checkpoint("deepseek_v3", overrides={"first_k_dense_replace": 1})
     bench = LayerBench(Checkpoint(path, dtype=torch.float32))
     assert bench.layer_id == 1
-    for t in (
-        bench.router_layer(3, context=16, repeats=1),
-        bench.dense_layer(3, context=16, repeats=1),
-        bench.expert_layer(3, repeats=1),
-    ):
-        assert t.wall_s > 0
+    bench.router_layer(3, context=16, repeats=1)
+    bench.dense_layer(3, context=16, repeats=1)
+    bench.expert_layer(3, repeats=1)
+    (moe, _), (dense, _), (_, expert_rows) = runs
+    assert moe.shape == dense.shape == (3, bench.spec.hidden_size)
+    assert sum(expert_rows) == 3 * bench.spec.top_k
     shares = bench.load_shares(64)
     assert sorted(shares) == [1, 2] and sum(shares[1]) == pytest.approx(1.0)
 
@@ -62,11 +96,12 @@ def test_a_latent_attention_model_with_dense_layers_is_timed(checkpoint) -> None
 @pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN kernels"
 )
-def test_expert_timings_use_the_layout_expert_services_hold(checkpoint) -> None:
+def test_expert_timings_use_the_layout_expert_services_hold(checkpoint, runs) -> None:
     path = checkpoint("qwen2_moe")
     service = Checkpoint(path, dtype=torch.float32, prepack=True, batch_invariant=True)
     bench = LayerBench(Checkpoint(path, dtype=torch.float32), experts=service)
     served = service.load_experts([(bench.layer_id, 0)])[(bench.layer_id, 0)]
     assert bench.experts[0].gate_up.is_mkldnn == served.gate_up.is_mkldnn == True  # noqa: E712
     assert not bench.layer.attention.qkv.is_mkldnn  # the router's side stays as it was opened
-    assert bench.experts_call(bench.layer_id, [(0, bench.hidden(2))], repeats=1).wall_s > 0
+    bench.experts_call(bench.layer_id, [(0, bench.hidden(2)), (1, bench.hidden(1))], repeats=1)
+    assert runs[-1][1] == [2, 1]  # one Forward call's groups, one after another

@@ -206,9 +206,22 @@ def test_dense_layers_get_no_groups(tmp_path: Path, capsys: pytest.CaptureFixtur
         (["--budget", "25 percent"], "argument --budget: '25 percent' is not a size"),
         (["--budget", "101%"], "argument --budget: '101%': a percentage is at most 100%"),
         (["--budget=-1MiB"], "argument --budget: '-1MiB' is not a size"),
-        (["--groups", "0"], "argument --groups: expected an integer >= 1, got '0'"),
-        (["--extra-replicas=-2"], "argument --extra-replicas: expected an integer >= 0"),
-        (["--hot-factor", "nan"], "argument --hot-factor: expected a number >= 0"),
+        (
+            ["--groups", "0"],
+            "argument --groups: Input should be greater than or equal to 1, got '0'",
+        ),
+        (
+            ["--groups", "two"],
+            "argument --groups: Input should be a valid integer, unable to parse",
+        ),
+        (
+            ["--extra-replicas=-2"],
+            "argument --extra-replicas: Input should be greater than or equal to 0, got '-2'",
+        ),
+        (
+            ["--hot-factor", "nan"],
+            "argument --hot-factor: Input should be greater than or equal to 0, got 'nan'",
+        ),
     ],
 )
 def test_bad_flags_exit_2(

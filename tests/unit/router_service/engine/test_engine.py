@@ -15,11 +15,12 @@ from common.errors import (
     InternalError,
     InvalidArgumentError,
 )
+from common.sampling import SamplingParams
 from router_service.build import build_local_engine
 from router_service.engine import engine as engine_module
 from router_service.engine import model as model_module
 from router_service.engine.engine import Engine, FinishReason
-from router_service.engine.sampling import SamplingParams, sample
+from router_service.engine.sampling import sample
 from router_service.settings import RouterSettings
 
 PROMPT = [11, 3, 250, 9, 31]

@@ -1,22 +1,34 @@
-"""Micro-batches: how a step is split, how many `auto` picks, and proof that they overlap."""
+"""Micro-batches: a pass run a stretch at a time, how a step is split, how many `auto` picks, and
+proof that they overlap."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
 from common.checkpoint import Checkpoint
 from common.errors import InternalError
 from common.perfmodel import split
+from common.sampling import SamplingParams
 from router_service.build import build_model
+from router_service.engine.compute import ComputeThread
 from router_service.engine.engine import Engine, _partition
-from router_service.engine.model import PassCosts
-from router_service.engine.pipeline import MEMORY, TRIAL_STEPS, MicroBatchPlanner
-from router_service.engine.sampling import SamplingParams
+from router_service.engine.pipeline import (
+    MEMORY,
+    TRIAL_STEPS,
+    CallTimes,
+    MicroBatchPlanner,
+    PassCosts,
+    inline,
+    on_loop,
+    run_stretches,
+)
 from router_service.engine.scheduler import Chunk, Sequence
-from router_service.experts.dispatch import CallTimes, ColocatedExperts
+from router_service.experts.backends import ColocatedExperts
 from router_service.experts.remote import ExpertOutputs
 from router_service.settings import RouterSettings
 
@@ -224,3 +236,86 @@ def test_a_bug_in_one_micro_batch_ends_only_its_requests(checkpoint) -> None:
     assert all(isinstance(by_request[r].error, InternalError) for r in ("0", "1"))
     assert [len(by_request[r].new_token_ids) for r in ("2", "3")] == [1, 1]
     assert sorted(o.request_id for o in after) == ["2", "3"]  # they keep decoding
+
+
+async def on_the_loop(value: int) -> tuple[int, int]:
+    await asyncio.sleep(0)  # a real await: only the event loop can run it
+    return value, threading.get_ident()
+
+
+async def a_pass(trace: list[tuple[str, int]]) -> int:
+    """Two stretches around an on_loop await, recording the thread each part ran on."""
+    trace.append(("stretch", threading.get_ident()))
+    value, loop_thread = await on_loop(on_the_loop, 41)
+    trace.append(("loop", loop_thread))
+    trace.append(("stretch", threading.get_ident()))
+    return value + 1
+
+
+def test_a_pass_runs_its_stretches_on_the_compute_thread_and_on_loop_work_on_the_loop() -> None:
+    compute = ComputeThread()
+    trace: list[tuple[str, int]] = []
+    entered: list[str] = []
+
+    @contextmanager
+    def around():
+        entered.append("stretch")
+        yield
+
+    async def main() -> tuple[int, int]:
+        return await run_stretches(compute, a_pass(trace), around), threading.get_ident()
+
+    try:
+        result, loop_thread = asyncio.run(main())
+    finally:
+        compute.close()
+    assert result == 42 and entered == ["stretch", "stretch"]
+    (_, first), (_, on_loop_thread), (_, second) = trace
+    assert first == second != loop_thread and on_loop_thread == loop_thread
+
+
+async def test_outside_run_stretches_on_loop_is_a_plain_await() -> None:
+    trace: list[tuple[str, int]] = []
+    assert await a_pass(trace) == 42
+    assert {thread for _, thread in trace} == {threading.get_ident()}
+
+
+async def test_an_error_on_the_loop_is_raised_where_the_pass_awaited_it() -> None:
+    async def failing() -> None:
+        raise ValueError("no experts")
+
+    async def catching() -> str:
+        try:
+            await on_loop(failing)
+        except ValueError as e:
+            return f"caught {e}"
+        return "not raised"
+
+    assert await run_stretches(inline, catching()) == "caught no experts"
+
+
+async def test_a_pass_may_not_await_the_loop_except_through_on_loop() -> None:
+    async def sneaky() -> None:
+        await asyncio.sleep(0.01)
+
+    with pytest.raises(RuntimeError, match="only through on_loop"):
+        await run_stretches(inline, sneaky())
+
+
+async def test_a_pass_cancelled_while_its_work_is_on_the_loop_is_closed() -> None:
+    gate = asyncio.Event()
+    closed: list[bool] = []
+
+    async def waiting() -> None:
+        try:
+            await on_loop(gate.wait)
+        finally:
+            closed.append(True)
+
+    task = asyncio.create_task(run_stretches(inline, waiting()))
+    await asyncio.sleep(0)  # the task runs up to the gate
+    assert not task.done() and closed == []
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert closed == [True]

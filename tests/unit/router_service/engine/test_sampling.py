@@ -22,10 +22,10 @@ from transformers.generation.logits_process import (
 )
 
 from common.errors import InvalidArgumentError
+from common.sampling import SamplingParams
 from router_service.build import build_local_engine
 from router_service.engine.engine import Engine, FinishReason
 from router_service.engine.sampling import (
-    SamplingParams,
     filtered_logits,
     penalized_logits,
     position_seed,
@@ -332,7 +332,7 @@ def test_logprobs_come_with_every_token_only_when_asked(engine) -> None:
         (replace(GREEDY, repetition_penalty=0.0), "repetition_penalty"),
         (replace(GREEDY, repetition_penalty=float("nan")), "repetition_penalty"),
         (replace(GREEDY, min_tokens=13), "min_tokens"),
-        (replace(GREEDY, logprobs=21), "top_logprobs"),
+        (replace(GREEDY, logprobs=21), "logprobs"),
     ],
 )
 def test_bad_values_name_the_field(engine, params, field) -> None:

@@ -10,9 +10,9 @@ import pytest
 
 from common.checkpoint import Checkpoint
 from common.errors import CapacityError, InvalidArgumentError
+from common.sampling import SamplingParams
 from router_service.build import build_local_engine, build_model
 from router_service.engine.engine import Engine, FinishReason
-from router_service.engine.sampling import SamplingParams
 from router_service.settings import RouterSettings
 
 BS = 4

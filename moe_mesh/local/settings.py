@@ -1,0 +1,92 @@
+"""`moe-mesh up` and `moe-mesh scale` settings: pydantic models whose fields are the commands' own
+flags (common/cli.py). The gateway's and routers' flags `up` passes through are declared by their
+services' settings models (moe_mesh/local/cli.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class UpSettings(BaseSettings):
+    """A whole mesh on this machine: how many of each service, where its files go."""
+
+    model_config = SettingsConfigDict(env_prefix="MOE_MESH_UP_", extra="forbid")
+
+    checkpoint: Path | None = Field(
+        None,
+        description="HuggingFace-layout checkpoint directory, or a Hugging Face model id "
+        "(org/name[@rev])",
+    )
+    expert_services: int = Field(
+        4,
+        ge=0,
+        description="expert groups, each its own service; 0 runs no expert service and "
+        "colocates every expert in the routers (the monolithic mesh)",
+    )
+    replicas: int = Field(1, ge=1, description="replicas of every expert group")
+    routers: int = Field(1, ge=1, description="router replicas")
+    ready_file: Path | None = Field(
+        None,
+        description="write the endpoints (gateway_grpc, gateway_http, routers, experts) as JSON here",
+    )
+    run_dir: Path | None = Field(
+        None, description="where child logs go; default .cache/mesh-<time>"
+    )
+    router_arg: list[str] = Field(
+        [],
+        description="more `serve-router` flags for every router, split like a shell does, e.g. "
+        "--router-arg='--fast-path off' (repeatable)",
+    )
+    tls: bool = Field(
+        False,
+        description="mutual TLS on every connection of the mesh (and TLS on the gateway's public "
+        "endpoints), with a CA and certificates `moe-mesh certs` writes into --certs-dir",
+    )
+    certs_dir: Path | None = Field(
+        None,
+        description="with --tls: the certificates to use, created there when missing; "
+        "default RUN_DIR/certs",
+    )
+    trace_sample: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="trace this share of requests (0-1) into RUN_DIR/<service>.spans.jsonl, for "
+        "`moe-mesh trace show`; default: no traces (OTLP export follows the OTEL_* variables)",
+    )
+
+
+class ScaleSettings(BaseSettings):
+    """One expert group's replica count in a running local mesh."""
+
+    model_config = SettingsConfigDict(env_prefix="MOE_MESH_SCALE_", extra="forbid")
+
+    ready_file: Path | None = Field(None, description="the file `moe-mesh up --ready-file` wrote")
+    experts: str | None = Field(None, description="expert spec of the group, e.g. '*:0-1'")
+    replicas: int | None = Field(None, ge=0, description="processes that should serve it (>= 0)")
+
+
+class GenerateSettings(BaseSettings):
+    """`moe-mesh generate`'s own flags; the sampling flags come from common.sampling's
+    SamplingParams (moe_mesh/local/generate_cli.py), the prompt and the target are alternatives."""
+
+    model_config = SettingsConfigDict(env_prefix="MOE_MESH_GENERATE_", extra="forbid")
+
+    checkpoint: str | None = Field(
+        None, description="HuggingFace-layout checkpoint directory (with --local)"
+    )
+    tls_ca: Path | None = Field(
+        None,
+        description="the gateway speaks TLS: check its certificate against this CA (a ready file "
+        "of `up --tls` names it itself). An API key goes in MOE_MESH_API_KEY",
+    )
+    priority: int = Field(0, description="higher is served first (with --gateway)")
+    stop: list[str] = Field([], description="stop string (repeatable)")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "auto", description="compute dtype (with --local); auto: the checkpoint's"
+    )
+    json_output: bool = Field(False, description="print one JSON object instead of streaming text")
