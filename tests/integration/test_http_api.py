@@ -26,6 +26,7 @@ from router_service.settings import RouterSettings
 from tests.support.fakes import FakeRouter, ScriptedRouter
 from tests.support.fakes import core as fake_core
 from tests.support.meshes import LocalMesh, local_mesh
+from tests.support.net import asgi_post_scope
 from tests.support.polling import eventually
 
 # One mesh serves most tests of this module, so they share its event loop.
@@ -836,23 +837,7 @@ async def test_a_client_leaving_while_queued_is_499_and_frees_its_place(path) ->
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/completions",
-        "raw_path": b"/v1/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 2),
-    }
+    scope = asgi_post_scope("/v1/completions", body)
     call = asyncio.create_task(app(scope, receive, send))
     await eventually(lambda: gw.admission.queued or call.done(), 30, "the request to queue")
     assert not call.done()

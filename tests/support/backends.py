@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
+
 from common.errors import DeadlineExceededError, UnavailableError
 from router_service.experts.backends import ColocatedExperts
 from router_service.experts.remote import ExpertOutputs
+
+
+def hidden(spec, n: int = 24) -> torch.Tensor:
+    """n rows of hidden states, the same for the same n."""
+    return torch.randn(n, spec.hidden_size, generator=torch.Generator().manual_seed(n))
 
 
 class FakeClock:

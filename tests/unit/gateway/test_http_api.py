@@ -17,6 +17,7 @@ from common.telemetry import Telemetry
 from gateway.core import GatewayCore
 from gateway.http_api import CHAT_TEMPLATE_HEADER, create_app
 from tests.support.fakes import FakeRouter, ScriptedRouter, core
+from tests.support.net import asgi_post_scope
 from tests.support.polling import eventually
 
 
@@ -213,20 +214,7 @@ async def test_a_client_leaving_while_waiting_frees_its_place_and_router_call(
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/completions",
-        "raw_path": b"/v1/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))],
-        "client": ("127.0.0.1", 1),
-        "server": ("gateway", 80),
-    }
+    scope = asgi_post_scope("/v1/completions", body)
     await asyncio.wait_for(create_app(gw)(scope, receive, send), 5)
     assert sent[1]["status"] == 499
     assert gw.admission.in_flight == 0 and router.outstanding == 0

@@ -6,22 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.checkpoint import Checkpoint
 from common.errors import DeadlineExceededError, ExpertUnavailableError
 from router_service.engine.pipeline import CallTimes
 from router_service.experts.backends import ColocatedExperts
 from router_service.experts.dispatch import ExpertDispatcher
-from tests.support.backends import FakeClock, Recording
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    ckpt = Checkpoint(checkpoint("mixtral"))
-    return ckpt.spec, ckpt.load_dense().layers[0], ckpt.load_experts(ckpt.all_expert_pairs())
-
-
-def hidden(spec, n: int = 24) -> torch.Tensor:
-    return torch.randn(n, spec.hidden_size, generator=torch.Generator().manual_seed(n))
+from tests.support.backends import FakeClock, Recording, hidden
 
 
 async def colocated_output(spec, layer, weights, x: torch.Tensor) -> torch.Tensor:

@@ -9,24 +9,13 @@ import asyncio
 import pytest
 import torch
 
-from common.checkpoint import Checkpoint
 from common.errors import ExpertUnavailableError
 from common.resilience import EjectionPolicy
 from router_service.experts.backends import ColocatedExperts
 from router_service.experts.dispatch import ExpertDispatcher
 from router_service.experts.replicas import DispatchPolicy
-from tests.support.backends import FakeClock, Recording
+from tests.support.backends import FakeClock, Recording, hidden
 from tests.support.polling import eventually
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    ckpt = Checkpoint(checkpoint("mixtral"))
-    return ckpt.spec, ckpt.load_dense().layers[0], ckpt.load_experts(ckpt.all_expert_pairs())
-
-
-def hidden(spec, n: int = 24) -> torch.Tensor:
-    return torch.randn(n, spec.hidden_size, generator=torch.Generator().manual_seed(n))
 
 
 async def test_a_call_larger_than_any_before_gets_a_timeout_scaled_to_its_rows(model) -> None:
