@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import gc
+import logging
 import os
+import sys
+import typing
 from concurrent.futures import ThreadPoolExecutor
 
 # About 0.1-0.3 ms of spinning: longer than the gap between two ops of a step, far shorter
@@ -68,6 +72,29 @@ def release_openmp_threads(serial: bool = False) -> None:
         import torch
 
         torch.set_num_threads(1)  # this thread's OpenMP and MKL; threads started later too
+
+
+def freeze_heap() -> None:
+    """Exempt everything alive now (imports, the loaded model) from the garbage collector. A
+    service calls it once loaded: a full collection of a process that imported torch walks
+    ~220k objects, 0.2 s of the event loop's time each (AMD EPYC, 2 cores), paid again at
+    every later full collection although none of those objects will ever be garbage."""
+    gc.collect()
+    gc.freeze()
+
+
+def exit_now(code: int | None) -> typing.NoReturn:
+    """Exit with `code` (as sys.exit would) without the interpreter's teardown: after importing
+    torch it collects and frees module by module for 1.0-1.4 s of a core (AMD EPYC, 2 cores),
+    which every stop and every command waited for. Whoever calls this has done its own cleanup
+    (servers stopped, spans flushed, files closed); only logging and stdio are flushed here."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a reader that went away (`| head`)
+            pass
+    os._exit(code if isinstance(code, int) else 0)
 
 
 def compute_thread(name: str) -> ThreadPoolExecutor:

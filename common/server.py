@@ -224,7 +224,9 @@ async def serve_app(app: App, ready_file: Path | None = None) -> None:
 
     create() loaded the model on this thread; from here a compute thread does the parallel torch
     work, so this one's OpenMP workers end (runtime.release_openmp_threads; nothing to end in a
-    process without torch)."""
+    process without torch). What create() built lives as long as the process: runtime.freeze_heap
+    keeps the collector from walking it again."""
+    runtime.freeze_heap()
     runtime.release_openmp_threads(serial=True)
     try:
         address = await app.start()

@@ -1,7 +1,5 @@
 """`python -m expert_service --checkpoint DIR --experts SPEC ...`: the same command as `moe-mesh serve-expert`."""
 
-import sys
-
 from common import runtime
 
 runtime.configure()  # before anything imports torch
@@ -9,4 +7,4 @@ runtime.die_with_parent()
 
 from expert_service.cli import main  # noqa: E402
 
-sys.exit(main())
+runtime.exit_now(main())

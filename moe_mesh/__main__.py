@@ -1,5 +1,3 @@
-import sys
+from moe_mesh.cli import run
 
-from moe_mesh.cli import main
-
-sys.exit(main())
+run()

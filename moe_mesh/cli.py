@@ -15,6 +15,7 @@ import difflib
 import importlib
 import importlib.metadata
 import sys
+import typing
 
 from common import runtime
 
@@ -92,6 +93,12 @@ def version() -> str:
         return importlib.metadata.version("moe-mesh")
     except importlib.metadata.PackageNotFoundError:  # a source checkout that was never installed
         return "unknown (not installed)"
+
+
+def run() -> typing.NoReturn:
+    """The `moe-mesh` command: main(), then exit without the interpreter's teardown
+    (runtime.exit_now: a second or more after a command that imported torch)."""
+    runtime.exit_now(main())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,3 @@
-import sys
-
 from common import runtime
 
 runtime.configure()  # before anything imports torch
@@ -7,4 +5,4 @@ runtime.die_with_parent()
 
 from router_service.cli import main  # noqa: E402
 
-sys.exit(main())
+runtime.exit_now(main())

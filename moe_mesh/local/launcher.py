@@ -286,31 +286,20 @@ class Launcher:
             f"({len(groups)} groups x {self.replicas} replicas)",
             flush=True,
         )
-        self._wait_ready(experts)
-        routers = [
-            self._spawn(
-                "router",
-                f"router-{i}",
-                [
-                    "-m",
-                    "router_service",
-                    *ckpt,
-                    *monolithic,
-                    *self._tls_args("router"),
-                    *self.router_args,
-                ],
-            )
-            for i in range(self.routers)
-        ]
+        # All at once: routers load their dense weights while the experts load theirs, each
+        # waiting in the registry for what it needs (for as long as `up` waits for all of them).
+        wait = ["--connect-timeout-s", f"{self.ready_timeout_s:g}"]
+        tls = self._tls_args("router")
+        argv = ["-m", "router_service", *ckpt, *monolithic, *wait, *tls, *self.router_args]
+        routers = [self._spawn("router", f"router-{i}", argv) for i in range(self.routers)]
         print(f"==> starting {len(routers)} router(s)", flush=True)
-        self._wait_ready(routers)
         gateway = self._spawn(
             "gateway",
             "gateway",
-            ["-m", "gateway", *ckpt, *self._tls_args("gateway"), *self.gateway_args],
+            ["-m", "gateway", *ckpt, *wait, *self._tls_args("gateway"), *self.gateway_args],
         )
         print("==> starting the gateway", flush=True)
-        self._wait_ready([gateway])
+        self._wait_ready([*experts, *routers, gateway])
         self.endpoints = {
             "gateway_grpc": gateway.info["address"],
             "gateway_http": gateway.info["http_address"],

@@ -140,6 +140,7 @@ class ServiceProcess:
         self.name = name
         self.ready_file = workdir / f"{name}.ready.json"
         self.log_path = workdir / f"{name}.log"
+        self.ready_file.unlink(missing_ok=True)  # a previous run's would read as ready at once
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args, "--ready-file", str(self.ready_file)],
@@ -203,8 +204,11 @@ def start_experts(
     workdir: Path,
     *extra: str,
     env: dict[str, str] | None = None,
+    ready_timeout_s: float = 60.0,
 ) -> list[ServiceProcess]:
-    """One expert-service process per spec, started together, returned once all are ready."""
+    """One expert-service process per spec, started together, returned once all are ready (each
+    within `ready_timeout_s` of the last: services loading GBs of experts on shared cores take
+    longer)."""
     # One torch thread each: several services share this host's cores (see bench/mesh_dispatch.py).
     procs = [
         ServiceProcess(
@@ -217,7 +221,7 @@ def start_experts(
         for i, spec in enumerate(specs)
     ]
     try:
-        return [p.wait_ready() for p in procs]
+        return [p.wait_ready(ready_timeout_s) for p in procs]
     except Exception:
         stop_all(procs)
         raise

@@ -1,5 +1,6 @@
 """OpenMP wait defaults: a lone process spins briefly, processes sharing cores sleep at once,
-whatever the user set wins, and a thread that loaded can hand its cores over."""
+whatever the user set wins, and a thread that loaded can hand its cores over. A loaded service's
+heap is frozen; exit_now keeps what was written and the exit code."""
 
 from __future__ import annotations
 
@@ -71,3 +72,50 @@ def test_a_thread_releases_its_openmp_workers_and_stays_serial() -> None:
     assert with_team == alone + 1
     assert released == alone and after == alone
     assert threads == 1
+
+
+def _child(code: str) -> subprocess.CompletedProcess:
+    """`code` in a child: the test process's collector and exit are left alone."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_freeze_heap_exempts_what_is_alive_and_collects_garbage_first() -> None:
+    done = _child(
+        "import gc\nfrom common import runtime\n"
+        "a = []; a.append(a); del a\n"  # a cycle: garbage only a collection frees
+        "kept = [[i] for i in range(1000)]\n"
+        "runtime.freeze_heap()\n"
+        "print(gc.get_freeze_count(), gc.collect())"
+    )
+    frozen, found = map(int, done.stdout.split())
+    assert frozen > 1000 and found == 0, done.stderr
+
+
+@pytest.mark.parametrize("code", [0, 3, None])
+def test_exit_now_flushes_stdio_and_logging_and_keeps_the_code(code, tmp_path) -> None:
+    log = tmp_path / "service.log"
+    done = _child(
+        "import logging, sys\nfrom common import runtime\n"
+        f"logging.basicConfig(filename={str(log)!r})\n"
+        "logging.getLogger('x').warning('logged')\n"
+        "sys.stdout.write('unflushed out'); sys.stderr.write('unflushed err')\n"
+        f"runtime.exit_now({code})\n"
+        "print('not reached')"
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (
+        code or 0,
+        "unflushed out",
+        "unflushed err",
+    )
+    assert "logged" in log.read_text()
+
+
+def test_exit_now_with_its_reader_gone_still_exits_with_the_code() -> None:
+    done = _child(
+        "import os, sys\nfrom common import runtime\n"
+        "r, w = os.pipe(); os.close(r)\n"
+        "sys.stdout = os.fdopen(w, 'w')\n"  # buffered, its reader gone: flushing it fails
+        "sys.stdout.write('x')\n"
+        "runtime.exit_now(5)"
+    )
+    assert done.returncode == 5 and "Error" not in done.stderr, done.stderr

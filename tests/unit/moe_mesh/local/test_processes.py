@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from common.errors import UnavailableError
-from moe_mesh.local.processes import UpExited, running_up
+from moe_mesh.local.processes import ServiceProcess, UpExited, running_up
 
 
 def _script(body: str) -> tuple[str, ...]:
@@ -97,3 +97,12 @@ def test_a_stale_ready_file_is_not_taken_for_a_new_one(tmp_path) -> None:
             log_path=tmp_path / "up.log", command=up,
         ):  # fmt: skip
             pytest.fail("took the old ready file")
+
+
+def test_a_service_process_does_not_take_a_previous_runs_ready_file(tmp_path) -> None:
+    (tmp_path / "svc.ready.json").write_text(json.dumps({"address": "127.0.0.1:1"}))
+    # A stand-in service (`python -m json.tool`): it fails at once and never writes a ready file.
+    service = ServiceProcess("json.tool", ["--no-such-flag"], tmp_path, "svc")
+    with pytest.raises(RuntimeError, match="svc exited with 2"):
+        service.wait_ready(timeout_s=30)
+    service.stop()
