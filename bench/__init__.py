@@ -55,11 +55,10 @@ def parse_settings(
 
 def ensure_checkpoint(path: Path) -> None:
     """Create the `small` Mixtral at `path` (seed 0, with progress) unless a checkpoint is there."""
-    if not (path / "config.json").exists():
-        # Here, not at the top: each bench configures OpenMP before torch loads.
-        from moe_mesh.dev.create_checkpoint import create_checkpoint
+    # Here, not at the top: each bench configures OpenMP before torch loads.
+    from bench.geometry import checkpoint_for
 
-        create_checkpoint(path, "mixtral", "small", seed=0, progress=True)
+    checkpoint_for("small", path)
 
 
 def write_result(path, result: dict) -> None:

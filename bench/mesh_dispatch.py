@@ -1,17 +1,25 @@
-"""Mesh costs on the `small` preset (float32), all in one run:
+"""Mesh costs at a model geometry (`--geometry`, bench/geometry.py: the `small` preset in float32 by
+default, or a bfloat16 slice of Qwen3-30B-A3B or Mixtral-8x7B at their real layer shapes, created
+under .cache/ on first use; every process computes in the checkpoint's dtype), all in one run:
 
 1. per-layer dispatch round trip (route, scatter to the expert services, gather, combine) p50/p99
-   at 1, 32 and 256 tokens over gRPC and over the UCX fast path, next to the same layer with every
-   expert colocated; the fast path's overhead over colocated against a third of gRPC's; and the part
-   of the remote round trip beyond the slowest service's own time (what a transport controls);
+   at 1, 32 and 256 tokens (`--dispatch-tokens`) over gRPC and over the UCX fast path, next to the
+   same layer with every expert colocated; the fast path's overhead over colocated against a third
+   of gRPC's; and the part of the remote round trip beyond the slowest service's own time (what a
+   transport controls);
 2. decode tokens/s of the all-remote mesh (gRPC only, then UCX) vs the monolithic engine at batch 1
-   and 32 ("mesh efficiency");
+   and 32 (`--decode-batches`; "mesh efficiency");
 3. peak RSS of each expert-service process vs the bytes of expert weights it holds.
 
 Both remote routers talk to the same expert-service processes; one has its fast path off. The
 set-ups are timed in turn, repeat by repeat, so drift in this host's speed hits them alike.
 
-    .venv/bin/python -m bench.mesh_dispatch [--checkpoint DIR] [--services 4]
+Each dispatch row also gives the weight bytes the layer reads (gate and the experts its tokens hit)
+and each decode row the weight bytes read per token (bench.geometry.bytes_per_token), with every
+set-up's share of the read bandwidth measured in the same run, before the services start.
+
+    .venv/bin/python -m bench.mesh_dispatch [--geometry small] [--checkpoint DIR] [--services 4]
+        [--dispatch-tokens 1 32 256] [--decode-batches 1 32]
 
 (from the checkout root, where `bench` imports as a package)
 """
@@ -24,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 from common import runtime
 
@@ -33,6 +42,7 @@ import uvloop  # noqa: E402
 from pydantic import Field  # noqa: E402
 
 from bench import ScriptSettings, ensure_checkpoint, parse_settings  # noqa: E402
+from bench.geometry import NAMES, bytes_per_token, checkpoint_for  # noqa: E402
 from bench.host import around  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +51,7 @@ from common.checkpoint import Checkpoint  # noqa: E402
 from common.moe import route  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from moe_mesh.local.processes import start_experts  # noqa: E402
+from moe_mesh.planning.measure import read_bandwidth  # noqa: E402
 from router_service.build import build_local_engine, build_router  # noqa: E402
 from router_service.engine.pipeline import CallTimes  # noqa: E402
 from router_service.settings import RouterSettings  # noqa: E402
@@ -115,14 +126,22 @@ def peak_rss_bytes(pid: int) -> int:
     return 0
 
 
-async def dispatch_row(engines: dict, layer0, spec, n: int, repeats: int) -> dict:
+async def dispatch_row(
+    engines: dict, layer0, spec, n: int, repeats: int, itemsize: int, bandwidth: float
+) -> dict:
     """One MoE layer's round trip at `n` tokens: colocated, over gRPC and over UCX."""
     x = torch.randn(n, spec.hidden_size, generator=torch.Generator().manual_seed(n))
+    x = x.to(getattr(torch, spec.torch_dtype, torch.float32))  # the compute dtype (auto)
     hit = route(x, layer0.router, spec, layer0.router_bias, layer0.router_correction).experts
     row = {"tokens": n, "experts_hit": int(hit.unique().numel())}
+    # The layer's weight reads: its gate and each expert its tokens hit, once.
+    reads = row["weight_bytes_read"] = (
+        spec.num_experts * spec.hidden_size + row["experts_hit"] * spec.expert_params
+    ) * itemsize
     for name, (ms, beyond) in (await time_layers(engines, x, repeats)).items():
         row[f"{name}_p50_ms"] = statistics.median(ms)
         row[f"{name}_p99_ms"] = percentile(ms, 0.99)
+        row[f"{name}_bandwidth_share"] = reads / (row[f"{name}_p50_ms"] / 1000) / bandwidth
         if name != "colocated":
             row[f"{name}_beyond_service_p50_ms"] = statistics.median(beyond)
     for t in ("grpc", "ucx"):
@@ -145,24 +164,33 @@ async def dispatch_row(engines: dict, layer0, spec, n: int, repeats: int) -> dic
         f"{'' if share is None else f' ({share:.2f} of gRPC)'}, "
         f"{'within' if within else 'over'} a third of gRPC's | beyond the "
         f"services' own time: gRPC {row['grpc_beyond_service_p50_ms']:.2f}, UCX "
-        f"{row['ucx_beyond_service_p50_ms']:.2f} ({row['ucx_beyond_service_share_of_grpc']:.2f})",
+        f"{row['ucx_beyond_service_p50_ms']:.2f} ({row['ucx_beyond_service_share_of_grpc']:.2f}) | "
+        f"reads {reads / 1e6:.1f} MB: colocated {row['colocated_bandwidth_share']:.0%}, gRPC "
+        f"{row['grpc_bandwidth_share']:.0%}, UCX {row['ucx_bandwidth_share']:.0%} of read bandwidth",
         flush=True,
     )
     return row
 
 
-async def decode_efficiency(engines: dict, spec, b: int, args: ScriptSettings) -> dict:
-    """Decode tokens/s at batch `b` of the monolithic engine and the two all-remote meshes."""
+async def decode_efficiency(
+    engines: dict, spec, b: int, args: ScriptSettings, itemsize: int, bandwidth: float
+) -> dict:
+    """Decode tokens/s at batch `b` of the monolithic engine and the two all-remote meshes, and
+    each one's share of the read bandwidth (bytes_per_token at batch `b`)."""
     runs: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(args.decode_repeats):  # in turn, as the layer timings
         for name, engine in engines.items():
             runs[name].append(await decode_rate(engine, b, args.new_tokens, spec.vocab_size))
     rates = {name: statistics.median(r) for name, r in runs.items()}
     mono = rates["monolithic"]
+    per_token = bytes_per_token(spec, itemsize, b)
+    share = {name: rate * per_token / bandwidth for name, rate in rates.items()}
     print(
         f"decode batch {b:>2}: monolithic {mono:.1f} tok/s; all-remote mesh over gRPC "
         f"{rates['grpc']:.1f} tok/s ({rates['grpc'] / mono:.2f}), over UCX {rates['ucx']:.1f} tok/s "
-        f"({rates['ucx'] / mono:.2f})",
+        f"({rates['ucx'] / mono:.2f}) | {per_token / 1e6:.1f} MB/token: monolithic "
+        f"{share['monolithic']:.0%}, gRPC {share['grpc']:.0%}, UCX {share['ucx']:.0%} of read "
+        "bandwidth",
         flush=True,
     )
     meshes = ("grpc", "ucx")
@@ -171,12 +199,15 @@ async def decode_efficiency(engines: dict, spec, b: int, args: ScriptSettings) -
         "monolithic_tokens_per_s": mono,
         **{f"{t}_mesh_tokens_per_s": rates[t] for t in meshes},
         **{f"{t}_mesh_efficiency": rates[t] / mono for t in meshes},
+        "bytes_per_token": per_token,
+        "monolithic_bandwidth_share": share["monolithic"],
+        **{f"{t}_mesh_bandwidth_share": share[t] for t in meshes},
     }
 
 
-def rss_row(proc, s: str, spec, per: int, floor_rss: int) -> dict:
+def rss_row(proc, s: str, spec, per: int, floor_rss: int, itemsize: int) -> dict:
     """An expert service's peak RSS next to the weights it holds and the one-expert floor."""
-    expert_bytes = 3 * spec.hidden_size * spec.expert_intermediate_size * 4
+    expert_bytes = spec.expert_params * itemsize
     held = per * len(spec.moe_layer_ids) * expert_bytes
     peak = peak_rss_bytes(proc.proc.pid)
     print(
@@ -194,23 +225,36 @@ def rss_row(proc, s: str, spec, per: int, floor_rss: int) -> dict:
 async def main_async(args: ScriptSettings) -> dict:
     ckpt = Checkpoint(args.checkpoint)
     spec = ckpt.spec
+    # Every process computes in the checkpoint's dtype (their `--dtype auto`).
+    itemsize = getattr(torch, spec.torch_dtype, torch.float32).itemsize
+    bandwidth = read_bandwidth(repeats=20)  # best of 20, before the services start
+    print(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
     per = spec.num_experts // args.services
     specs = [f"*:{i * per}-{(i + 1) * per - 1}" for i in range(args.services)]
     workdir = Path(tempfile.mkdtemp(prefix="moe-bench-"))
     # Several services share this host's cores: one torch thread each, or their OpenMP pools spin against
     # each other (measured: 32-token dispatch p50 109 ms with default threads vs 19 ms with one).
+    # Services loading GBs of experts on shared cores take a while: the Qwen3 slice's 4.7 GB over
+    # four services took 54 s to be ready here (2 cores, load average 5.5).
+    gib = spec.expert_params * itemsize * len(spec.moe_layer_ids) * spec.num_experts / 2**30
     experts = start_experts(
-        args.checkpoint, specs + ["0:0"], workdir, "--compute-threads", str(args.expert_threads)
+        args.checkpoint,
+        specs + ["0:0"],
+        workdir,
+        "--compute-threads",
+        str(args.expert_threads),
+        ready_timeout_s=60 + 40 * gib,
     )
     floor = experts.pop()  # one expert: the process's own footprint (Python, torch, gRPC)
     try:
-        local = build_local_engine(RouterSettings(checkpoint=args.checkpoint, max_num_seqs=64))
+        seqs = max(64, *args.decode_batches)
+        local = build_local_engine(RouterSettings(checkpoint=args.checkpoint, max_num_seqs=seqs))
         meshes = {}
         for transport, fast_path in (("grpc", "off"), ("ucx", "ucx")):
             meshes[transport] = await build_router(
                 RouterSettings(
                     checkpoint=args.checkpoint,
-                    max_num_seqs=64,
+                    max_num_seqs=seqs,
                     expert_endpoints=[e.address for e in experts],
                     fast_path=fast_path,
                 )
@@ -218,10 +262,14 @@ async def main_async(args: ScriptSettings) -> dict:
         layer0 = local.model.weights.layers[0]
         engines = {"colocated": local, **{t: p.engine for t, p in meshes.items()}}
         dispatch = [
-            await dispatch_row(engines, layer0, spec, n, args.repeats) for n in (1, 32, 256)
+            await dispatch_row(engines, layer0, spec, n, args.repeats, itemsize, bandwidth)
+            for n in args.dispatch_tokens
         ]
         engines = {"monolithic": local, **{t: p.engine for t, p in meshes.items()}}
-        efficiency = [await decode_efficiency(engines, spec, b, args) for b in (1, 32)]
+        efficiency = [
+            await decode_efficiency(engines, spec, b, args, itemsize, bandwidth)
+            for b in args.decode_batches
+        ]
         carried = {t: transports(p.remotes) for t, p in meshes.items()}
         print(f"calls per transport: {carried}", flush=True)
         if carried["ucx"].get("ucx", 0) == 0 or carried["ucx"].get("fallbacks"):
@@ -232,11 +280,14 @@ async def main_async(args: ScriptSettings) -> dict:
 
         floor_rss = peak_rss_bytes(floor.proc.pid)
         print(f"one-expert service (process floor): peak RSS {floor_rss / 2**20:.0f} MiB")
-        rss = [rss_row(e, s, spec, per, floor_rss) for e, s in zip(experts, specs)]
+        rss = [rss_row(e, s, spec, per, floor_rss, itemsize) for e, s in zip(experts, specs)]
     finally:
         for e in [*experts, floor]:
             e.stop()
     return {
+        "geometry": args.geometry,
+        "compute_dtype": spec.torch_dtype,
+        "memory_read_bandwidth_bytes_per_s": bandwidth,
         "dispatch_round_trip": dispatch,
         "calls_per_transport": carried,
         "decode": efficiency,
@@ -246,19 +297,26 @@ async def main_async(args: ScriptSettings) -> dict:
 
 
 class Settings(ScriptSettings):
-    checkpoint: Path = Field(
-        DEFAULT_CHECKPOINT, description="checkpoint; the small Mixtral is created if missing"
+    checkpoint: Path | None = Field(
+        None,
+        description="checkpoint to use (created at --geometry if missing); default: the "
+        "geometry's under .cache/",
     )
+    geometry: Literal[NAMES] = Field("small", description="model geometry (bench/geometry.py)")  # type: ignore[valid-type]
     out: Path = Field(ROOT / "bench/results/mesh_dispatch.json", description="the JSON result")
     services: int = Field(4, ge=1, description="expert services")
     expert_threads: int = Field(1, ge=1, description="torch threads per expert service")
     repeats: int = Field(50, ge=1, description="layer calls timed per size")
     decode_repeats: int = Field(3, ge=1, description="decode runs per batch")
-    new_tokens: int = Field(16, ge=1, description="tokens generated per decode run")
+    new_tokens: int = Field(16, ge=2, description="tokens generated per decode run")
+    dispatch_tokens: list[int] = Field([1, 32, 256], description="tokens per timed MoE layer call")
+    decode_batches: list[int] = Field([1, 32], description="decode batch sizes")
 
 
 def main() -> int:
-    return run(main_async, parse_settings(Settings, __doc__))
+    args = parse_settings(Settings, __doc__)
+    args.checkpoint = checkpoint_for(args.geometry, args.checkpoint)
+    return run(main_async, args)
 
 
 def run(main_async, args: ScriptSettings) -> int:

@@ -1,11 +1,15 @@
-"""moe-mesh's own bfloat16 linear layer (bf16_kernel.c) for CPUs without bfloat16 instructions.
+"""moe-mesh's own bfloat16 kernels (bf16_kernel.c) for CPUs without bfloat16 instructions.
 
 Without avx512_bf16 or AMX, oneDNN converts bfloat16 weights on the way to float32 arithmetic at
 a cost: on this project's 2-core Xeon its prepacked products of 4-32 rows read weights at
-1.4-7 GB/s, slower than float32 on twice the bytes. The kernel widens bfloat16 to float32 in registers
-(a bfloat16 is a float32's upper half) from a layout made for it (`Panels`), and measured 2.2-4×
-oneDNN's speed at 4-32 rows and 1.1-1.45× at one row on 1-16 MiB weights (common.linear measures
-it against the others at start-up and uses it only where it wins).
+1.4-7 GB/s, slower than float32 on twice the bytes; on an AVX2-only host (AMD EPYC, 2 cores)
+oneDNN has no bfloat16 layout and torch's F.linear read 11.6 GB/s at one row, 0.55-4.2 at 4-32
+rows (2 threads, 256 MiB of weights; the host read 21.4 GB/s). The kernel widens bfloat16 to
+float32 in registers (a bfloat16 is a float32's upper half) from a layout made for it
+(`Panels`): on the Xeon (AVX-512) 2.2-4× oneDNN's speed at 4-32 rows and 1.1-1.45× at one row
+on 1-16 MiB weights; on the EPYC (AVX2) 15.9 GB/s at one row (1.4× torch, 74% of the read
+bandwidth) and 2.9-6.4× torch at 4-32 rows, 0.26× torch's time in common.linear's start-up
+measurement, which uses it only where it wins. EPYC figures from a host shared with other jobs.
 
 Where weights are panels, a gated expert FFN (`silu_ffn`) is one call too, and so is RMSNorm
 with the residual addition before it (`rms_norm`). In bfloat16 and float32 so are a layer's
@@ -17,9 +21,12 @@ more than its arithmetic. Each rounds where torch's op-by-op recipe rounds, exce
 SDPA's own exp and summation order are not reproduced, so its outputs may differ from SDPA's in
 the last bit.
 
-The C source is compiled on first use with the host's compiler (`$CC`, else `cc`) into
-$MOE_MESH_CACHE_DIR (default ~/.cache/moe-mesh), once per source version; where there is no
-compiler or no AVX-512 the kernel is not used, and that is logged.
+What runs where (`level`, `kernel`): the vector kernels (linear, silu_ffn, rms_norm, combine,
+decode attention) on AVX-512F/BW or on AVX2+FMA, with the same bits on both; rope, kv_write and
+group (plain C) on any x86-64. The C source is compiled on first use with the host's compiler
+(`$CC`, else `cc`) into $MOE_MESH_CACHE_DIR (default ~/.cache/moe-mesh), once per source
+version; a kernel that cannot run here (no compiler, or neither instruction set) returns None
+and torch computes its op, and that is logged.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import logging
 import os
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,20 +51,23 @@ COLUMNS = 64  # output columns per kernel call: a weight's row count must be a m
 
 
 _C_TYPES = {"i": ctypes.c_int, "l": ctypes.c_long, "f": ctypes.c_float, "p": ctypes.c_void_p}
-# Each kernel's arguments, a letter each (int, long, float, pointer), and whether it returns an
-# int (a failure flag); as declared in bf16_kernel.c.
+# Each kernel's arguments, a letter each (int, long, float, pointer), whether it returns an int
+# (a failure flag), and the CPU level it needs (moe_bf16_supported: 2 AVX-512F/BW, 1 AVX2+FMA,
+# 0 any: plain C); as declared in bf16_kernel.c.
 _SIGNATURES = {
-    "moe_bf16_pack": ("ppll", False),
-    "moe_bf16_linear": ("ppppllli", True),
-    "moe_bf16_silu_ffn": ("ppppllli", True),
-    "moe_rope_f32": ("plppplll", False),
-    "moe_rope_bf16": ("plppplll", False),
-    "moe_bf16_rms_norm": ("pppppllfi", False),
-    "moe_combine": ("ppplipilllipi", True),
-    "moe_group": ("pllippp", True),
-    "moe_kv_write": ("iplplplllllpp", False),
-    "moe_decode_attention": ("iplppplplllllllfpi", True),
-    "moe_decode_step_attention": ("iplppppppplpllllllfpi", True),
+    "moe_bf16_supported": ("", True, 0),
+    "moe_bf16_limit": ("i", False, 0),
+    "moe_bf16_pack": ("ppll", False, 0),
+    "moe_bf16_linear": ("ppppllli", True, 1),
+    "moe_bf16_silu_ffn": ("ppppllli", True, 1),
+    "moe_rope_f32": ("plppplll", False, 0),
+    "moe_rope_bf16": ("plppplll", False, 0),
+    "moe_bf16_rms_norm": ("pppppllfi", False, 1),
+    "moe_combine": ("ppplipilllipi", True, 1),
+    "moe_group": ("pllippp", True, 0),
+    "moe_kv_write": ("iplplplllllpp", False, 0),
+    "moe_decode_attention": ("iplppplplllllllfpi", True, 1),
+    "moe_decode_step_attention": ("iplppppppplpllllllfpi", True, 1),
 }
 
 
@@ -68,7 +79,8 @@ def cache_dir() -> Path:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built kernel, or None where it cannot run here (no compiler, no AVX-512)."""
+    """The built kernels, or None where they cannot be built here (no compiler); `kernel` says
+    which of them this CPU runs."""
     compiler = os.environ.get("CC", "cc")
     tag = hashlib.sha256(_SOURCE.read_bytes() + " ".join([compiler, *_FLAGS]).encode())
     path = cache_dir() / f"bf16-{tag.hexdigest()[:16]}.so"
@@ -79,14 +91,32 @@ def library() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as e:
         log.info("bfloat16 kernel unavailable: %s", e)
         return None
-    if not lib.moe_bf16_supported():
-        log.info("bfloat16 kernel unavailable: this CPU lacks AVX-512F/BW")
-        return None
-    for name, (arguments, returns_int) in _SIGNATURES.items():
+    for name, (arguments, returns_int, _) in _SIGNATURES.items():
         function = getattr(lib, name)
         function.argtypes = [_C_TYPES[a] for a in arguments]
         function.restype = ctypes.c_int if returns_int else None
+    lib.level = lib.moe_bf16_supported()
+    log.info("bfloat16 kernels: %s", _LEVELS[lib.level])
     return lib
+
+
+_LEVELS = ("plain C only (no AVX2+FMA)", "AVX2+FMA", "AVX-512")
+
+
+def level() -> int:
+    """The instruction set the vector kernels use here: 2 AVX-512F/BW, 1 AVX2+FMA, 0 none (or no
+    compiler)."""
+    lib = library()
+    return 0 if lib is None else lib.level
+
+
+def kernel(name: str) -> Callable[..., int | None] | None:
+    """The C function `name` where this host runs it (built, and the CPU level it needs), else
+    None: its caller leaves the work to torch."""
+    lib = library()
+    if lib is None or lib.level < _SIGNATURES[name][2]:
+        return None
+    return getattr(lib, name)
 
 
 def _build(compiler: str, path: Path) -> None:
@@ -118,7 +148,7 @@ def fits(weight: torch.Tensor) -> bool:
         and weight.device.type == "cpu"
         and weight.dim() == 2
         and weight.shape[0] % COLUMNS == 0
-        and library() is not None
+        and kernel("moe_bf16_linear") is not None
     )
 
 
@@ -130,10 +160,10 @@ def rms_norm(
     caches cold after the weights streamed through). With `delta`, of x + delta, the residual
     addition before the norm, in the same call. Returns (x + delta or x, the norm); None where the
     kernel cannot take them."""
-    lib = library()
+    run = kernel("moe_bf16_rms_norm")
     h = x.shape[-1]
     if (
-        lib is None
+        run is None
         or x.dtype != torch.bfloat16
         or weight.dtype != torch.bfloat16
         or x.device.type != "cpu"
@@ -146,17 +176,7 @@ def rms_norm(
     d = None if delta is None else delta.contiguous()
     total = rows if d is None else torch.empty_like(rows)
     y = torch.empty_like(rows)
-    lib.moe_bf16_rms_norm(
-        rows.data_ptr(),
-        None if d is None else d.data_ptr(),
-        total.data_ptr(),
-        w.data_ptr(),
-        y.data_ptr(),
-        rows.numel() // h,
-        h,
-        eps,
-        torch.get_num_threads(),
-    )
+    _call(run, rows, d, total, w, y, rows.numel() // h, h, eps, torch.get_num_threads())
     return total, y
 
 
@@ -167,15 +187,15 @@ def group(
     tokens, counts) as moe.group_by_expert computes them with a stable argsort (the flat choices
     sorted by expert, their tokens, and the choices per expert); None without the kernel or for
     an expert id out of range."""
-    lib = library()
-    if lib is None or experts.dtype != torch.int64 or experts.dim() != 2:
+    run = kernel("moe_group")
+    if run is None or experts.dtype != torch.int64 or experts.dim() != 2:
         return None
     flat = experts.contiguous()
     n, k = flat.shape
     order = torch.empty(n * k, dtype=torch.int64)
     tokens = torch.empty(n * k, dtype=torch.int64)
     counts = torch.empty(num_experts, dtype=torch.int64)
-    if lib.moe_group(
+    if run(
         flat.data_ptr(), n, k, num_experts, order.data_ptr(), tokens.data_ptr(), counts.data_ptr()
     ):
         return None
@@ -194,12 +214,12 @@ def combine(
     into y [n, h] of `dtype`. outputs[g] [rows, h] holds the rows of slots[g] (int64 t*k + j
     each, or one int for a one-row group). Rounded as moe.combine's torch ops round; None where
     the kernel cannot take them (it checks that the slots cover every choice once)."""
-    lib = library()
+    run = kernel("moe_combine")
     n = weights.numel() // k if k else 0
     h = outputs[0].shape[-1] if outputs else 0
     rows_dtype = outputs[0].dtype if outputs else None
     if (
-        lib is None
+        run is None
         or not n
         or len(slots) != len(outputs)
         or h % 16
@@ -219,7 +239,7 @@ def combine(
     g = len(rows)
     w = weights.contiguous()
     y = torch.empty(n, h, dtype=dtype)
-    failed = lib.moe_combine(
+    failed = run(
         (ctypes.c_void_p * g)(*(r.data_ptr() for r in rows)),
         (ctypes.c_void_p * g)(*(t.data_ptr() for t in held)),
         (ctypes.c_long * g)(*(t.numel() for t in held)),
@@ -245,18 +265,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     """x [tokens, heads, d] rotated by cos, sin [tokens, 1, d]: x * cos + rotate_half(x) * sin in
     one call instead of six torch calls, rounded as those ops round (float32 or bfloat16, so the
     same bits); None where the kernel cannot take them."""
-    lib = library()
-    kernel = _ROPE.get(x.dtype)
-    if lib is None or kernel is None or x.dim() != 3 or x.device.type != "cpu" or not x.numel():
+    run = kernel(_ROPE[x.dtype]) if x.dtype in _ROPE else None
+    if run is None or x.dim() != 3 or x.device.type != "cpu" or not x.numel():
         return None
     n, heads, d = x.shape
     if not _rows_of_heads(x) or d % 2 or {cos.dtype, sin.dtype} != {x.dtype}:
         return None
     c, s = cos.reshape(n, d).contiguous(), sin.reshape(n, d).contiguous()  # held for the call
     out = torch.empty(n, heads, d, dtype=x.dtype)
-    getattr(lib, kernel)(
-        x.data_ptr(), x.stride(0), c.data_ptr(), s.data_ptr(), out.data_ptr(), n, heads, d
-    )
+    run(x.data_ptr(), x.stride(0), c.data_ptr(), s.data_ptr(), out.data_ptr(), n, heads, d)
     return out
 
 
@@ -268,7 +285,7 @@ def silu_ffn(x: torch.Tensor, gate_up: object, down: object) -> torch.Tensor | N
     inter, hidden = down.shape[1], down.shape[0]
     rows = _rows(x, hidden)  # held here while the kernel reads it
     y = torch.empty(rows.shape[0], hidden, dtype=torch.bfloat16)
-    if rows.shape[0] and library().moe_bf16_silu_ffn(  # releases the GIL, like a torch op
+    if rows.shape[0] and kernel("moe_bf16_silu_ffn")(  # releases the GIL, like a torch op
         rows.data_ptr(),
         gate_up.data.data_ptr(),
         down.data.data_ptr(),
@@ -290,8 +307,8 @@ class Panels:
     is_mkldnn = False
 
     def __init__(self, weight: torch.Tensor) -> None:
+        assert fits(weight)
         lib = library()
-        assert lib is not None and fits(weight)
         self.shape = weight.shape
         self._linear = lib.moe_bf16_linear
         self.data = torch.empty(weight.numel(), dtype=torch.bfloat16)
@@ -319,6 +336,11 @@ class Panels:
         return y.view(*x.shape[:-1], n)
 
 
+def _call(run: Callable[..., int | None], *args: object) -> int | None:
+    """Kernel function `run` on args, a tensor passed as its data pointer."""
+    return run(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
+
+
 def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
     """x [..., width] as contiguous rows [m, width] for a kernel over bfloat16 weights."""
     if x.dtype != torch.bfloat16:
@@ -331,11 +353,13 @@ def _rows_of_heads(t: torch.Tensor) -> bool:
     return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
 
-def _takes_cache(dtype: torch.dtype, cache_k: torch.Tensor, cache_v: torch.Tensor) -> bool:
-    """Whether the KV kernels take a layer's cache [kv_heads, blocks, block_size, dim] whose
-    tensors hold `dtype`: float32 or bfloat16, contiguous, and the kernel built here."""
+def _takes_cache(
+    name: str, dtype: torch.dtype, cache_k: torch.Tensor, cache_v: torch.Tensor
+) -> bool:
+    """Whether KV kernel `name` takes a layer's cache [kv_heads, blocks, block_size, dim] whose
+    tensors hold `dtype`: float32 or bfloat16, contiguous, and the kernel runs here."""
     return (
-        library() is not None
+        kernel(name) is not None
         and dtype in _FLOATS
         and {cache_k.dtype, cache_v.dtype} == {dtype}
         and cache_k.is_contiguous()
@@ -355,7 +379,7 @@ def kv_write(
     theirs); False where the kernel cannot take them."""
     dtype = k.dtype
     if (
-        not _takes_cache(dtype, cache_k, cache_v)
+        not _takes_cache("moe_kv_write", dtype, cache_k, cache_v)
         or v.dtype != dtype
         or not (_rows_of_heads(k) and _rows_of_heads(v))
         or slots.dtype != torch.int64
@@ -363,21 +387,9 @@ def kv_write(
         return False
     heads, blocks, block_size = cache_k.shape[:3]
     s = slots.contiguous()
-    library().moe_kv_write(
-        dtype == torch.bfloat16,
-        k.data_ptr(),
-        k.stride(0),
-        v.data_ptr(),
-        v.stride(0),
-        s.data_ptr(),
-        s.numel(),
-        heads,
-        k.shape[2],
-        v.shape[2],
-        blocks * block_size,
-        cache_k.data_ptr(),
-        cache_v.data_ptr(),
-    )
+    new = (dtype == torch.bfloat16, k, k.stride(0), v, v.stride(0), s, s.numel())
+    geometry = (heads, k.shape[2], v.shape[2], blocks * block_size)
+    _call(kernel("moe_kv_write"), *new, *geometry, cache_k, cache_v)
     return True
 
 
@@ -398,7 +410,7 @@ def decode_attention(
     vd = cache_v.shape[3]
     d, heads = q.shape[:2]
     if (
-        not _takes_cache(dtype, cache_k, cache_v)
+        not _takes_cache("moe_decode_attention", dtype, cache_k, cache_v)
         or not _rows_of_heads(q)
         or q.shape[2] != hd
         or heads % kv_heads
@@ -408,26 +420,10 @@ def decode_attention(
         return None
     t, n = tables.contiguous(), lengths.contiguous()  # held here while the kernel reads them
     out = torch.empty(d, heads, vd, dtype=dtype)
-    if d and library().moe_decode_attention(
-        dtype == torch.bfloat16,
-        q.data_ptr(),
-        q.stride(0),
-        cache_k.data_ptr(),
-        cache_v.data_ptr(),
-        t.data_ptr(),
-        t.shape[1],
-        n.data_ptr(),
-        d,
-        kv_heads,
-        heads // kv_heads,
-        hd,
-        vd,
-        blocks,
-        block_size,
-        scale,
-        out.data_ptr(),
-        torch.get_num_threads(),
-    ):
+    inputs = (dtype == torch.bfloat16, q, q.stride(0), cache_k, cache_v, t, t.shape[1], n)
+    geometry = (d, kv_heads, heads // kv_heads, hd, vd, blocks, block_size)
+    run = kernel("moe_decode_attention")
+    if d and _call(run, *inputs, *geometry, scale, out, torch.get_num_threads()):
         raise MemoryError("decode attention: no memory for a context's scores")
     return out
 
@@ -449,7 +445,7 @@ def decode_step_attention(
     dtype, d = qkv.dtype, qkv.shape[0]
     kv_heads, blocks, block_size, hd = cache_k.shape
     if (
-        not _takes_cache(dtype, cache_k, cache_v)
+        not _takes_cache("moe_decode_step_attention", dtype, cache_k, cache_v)
         or {cos_sin[0].dtype, cos_sin[1].dtype} != {dtype}
         or qkv.dim() != 2
         or qkv.stride(1) != 1
@@ -465,28 +461,9 @@ def decode_step_attention(
     t, n, s = tables.contiguous(), lengths.contiguous(), slots.contiguous()
     qk = torch.empty(d, heads + kv_heads, hd, dtype=dtype)
     out = torch.empty(d, heads, hd, dtype=dtype)
-    if library().moe_decode_step_attention(
-        dtype == torch.bfloat16,
-        qkv.data_ptr(),
-        qkv.stride(0),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        qk.data_ptr(),
-        s.data_ptr(),
-        cache_k.data_ptr(),
-        cache_v.data_ptr(),
-        t.data_ptr(),
-        t.shape[1],
-        n.data_ptr(),
-        d,
-        heads,
-        kv_heads,
-        hd,
-        blocks,
-        block_size,
-        scale,
-        out.data_ptr(),
-        torch.get_num_threads(),
-    ):
+    inputs = (dtype == torch.bfloat16, qkv, qkv.stride(0), cos, sin, qk, s, cache_k, cache_v)
+    geometry = (d, heads, kv_heads, hd, blocks, block_size)
+    run = kernel("moe_decode_step_attention")
+    if _call(run, *inputs, t, t.shape[1], n, *geometry, scale, out, torch.get_num_threads()):
         raise MemoryError("decode attention: no memory for a context's scores")
     return out

@@ -1,15 +1,24 @@
 /* bfloat16 linear layers, gated FFNs and RMSNorm for CPUs without native bfloat16 arithmetic
-   (AVX-512F/BW is enough); a layer's expert grouping and combine, RoPE, the KV-cache write and
-   decode attention over the paged cache in bfloat16 and float32.
+   (AVX-512F/BW or AVX2+FMA is enough); a layer's expert grouping and combine, RoPE, the KV-cache
+   write and decode attention over the paged cache in bfloat16 and float32.
 
    y[M][N] = x[M][K] . W^T, all bfloat16, with W [N][K] held in panels of 32 output columns:
-   P[panel][k][32]. A bfloat16 is a float32's upper half, so unpacking a 64-byte row of a
-   panel with zeros (unpacklo/unpackhi) yields its columns as float32 with no arithmetic; pack()
-   permutes each row so that the two halves come out as columns 0-15 and 16-31.
+   P[panel][k][32]. A bfloat16 is a float32's upper half, so unpacking a row of a panel with
+   zeros (unpacklo/unpackhi) yields its columns as float32 with no arithmetic; pack() permutes
+   each row so that with 64-byte registers the two halves come out as columns 0-15 and 16-31, and
+   with 32-byte ones each unpack of a half-row as 8 consecutive columns: one layout for both.
 
    Every output element sums x[m][k] * W[n][k] over k in order, one float32 accumulator each:
    a row's result does not depend on the other rows of the batch (expert services merge callers),
-   and is as accurate as a float32-accumulating GEMM rounded to bfloat16 once at the end. */
+   and is as accurate as a float32-accumulating GEMM rounded to bfloat16 once at the end.
+
+   The vector kernels are written once, over 16 float32 lanes (`vec`), and compiled twice: this
+   file includes itself once for AVX-512 (a vec is one register) and once for AVX2+FMA (two), and
+   each entry point picks by the CPU it runs on (moe_bf16_supported). A lane's arithmetic and the
+   order of every sum are the same in both, so both give the same bits; only the linear kernels'
+   register blocking differs (32 registers or 16). */
+
+#ifndef ISA /* the part that does not depend on the instruction set, read once */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -17,7 +26,6 @@
 #include <string.h>
 
 #define PANEL 32
-#define ROWS 6 /* x rows per pass: 6 x 4 accumulators + 4 weight vectors fit the 32 registers */
 /* Panel rows prefetched ahead (2 KiB): the hardware prefetcher alone left one- and two-row
    products at 20 GB/s on 256 MiB of weights, this at 25 (prefetches past the end never fault) */
 #define AHEAD 32
@@ -27,10 +35,20 @@ static int column(int p) { /* word p of a panel row -> the column stored there *
     return q < 4 ? lane * 4 + q : 16 + lane * 4 + (q - 4);
 }
 
+/* What this CPU runs: 2 AVX-512F/BW, 1 AVX2+FMA, 0 neither (only the scalar kernels: pack,
+   group, rope, kv_write). */
 int moe_bf16_supported(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return 2;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
+
+static int level_cap = 2;
+/* Run no higher than `level` (tests: the AVX2 kernels on an AVX-512 host too) */
+void moe_bf16_limit(int level) { level_cap = level; }
+
+static int avx512(void) { return level_cap >= 2 && moe_bf16_supported() >= 2; }
+#define PICK(name) (avx512() ? name##_avx512 : name##_avx2)
 
 /* w [N][K] -> out [N / 32][K][32]; N a multiple of 32 */
 void moe_bf16_pack(const uint16_t *w, uint16_t *out, long n, long k) {
@@ -40,58 +58,26 @@ void moe_bf16_pack(const uint16_t *w, uint16_t *out, long n, long k) {
                 out[(panel * k + i) * PANEL + p] = w[(panel * PANEL + column(p)) * k + i];
 }
 
-/* 16 float32 -> 16 bfloat16, rounded to nearest even (NaN stays a quiet NaN), as torch rounds */
-__attribute__((target("avx512f,avx512bw"))) static inline __m256i to_bf16(__m512 v) {
-    __m512i bits = _mm512_castps_si512(v);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    r = _mm512_srli_epi32(r, 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(r);
+static inline float bf16_value(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
-/* rows x[0..R) (float32) against two panels (64 columns) into y (bfloat16, row stride ldy),
-   + bias when given */
-#define KERNEL(R)                                                                               \
-    __attribute__((target("avx512f,avx512bw"))) static void kernel_##R(                         \
-        const float *x, const uint16_t *p0, const uint16_t *p1, uint16_t *y, long ldy, long k,  \
-        const float *bias) {                                                                    \
-        __m512 acc[R][4];                                                                       \
-        for (int r = 0; r < R; r++)                                                             \
-            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();                        \
-        const __m512i zero = _mm512_setzero_si512();                                            \
-        for (long i = 0; i < k; i++) {                                                          \
-            _mm_prefetch((const char *)(p0 + (i + AHEAD) * PANEL), _MM_HINT_T0);                \
-            _mm_prefetch((const char *)(p1 + (i + AHEAD) * PANEL), _MM_HINT_T0);                \
-            __m512i a = _mm512_loadu_si512(p0 + i * PANEL);                                     \
-            __m512i b = _mm512_loadu_si512(p1 + i * PANEL);                                     \
-            __m512 w[4] = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, a)),                 \
-                           _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, a)),                 \
-                           _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, b)),                 \
-                           _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, b))};                \
-            for (int r = 0; r < R; r++) {                                                       \
-                __m512 xr = _mm512_set1_ps(x[r * k + i]);                                       \
-                for (int j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(xr, w[j], acc[r][j]);   \
-            }                                                                                   \
-        }                                                                                       \
-        for (int r = 0; r < R; r++)                                                             \
-            for (int j = 0; j < 4; j++) {                                                       \
-                __m512 v = acc[r][j];                                                           \
-                if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j * 16));                 \
-                _mm256_storeu_si256((__m256i *)(y + r * ldy + j * 16), to_bf16(v));             \
-            }                                                                                   \
-    }
-KERNEL(1)
-KERNEL(2)
-KERNEL(3)
-KERNEL(4)
-KERNEL(5)
-KERNEL(6)
+static inline float bf16_round(float f) { /* to the nearest bfloat16, ties to even, as torch */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (f != f) return bf16_value(0x7FC0);
+    return bf16_value((uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16));
+}
 
-typedef void (*kernel)(const float *, const uint16_t *, const uint16_t *, uint16_t *, long, long,
-                       const float *);
-static const kernel kernels[ROWS + 1] = {0, kernel_1, kernel_2, kernel_3,
-                                         kernel_4, kernel_5, kernel_6};
+#define ISA 512
+#include "bf16_kernel.c" /* itself, once per instruction set */
+#undef ISA
+#define ISA 256
+#include "bf16_kernel.c" /* itself, once per instruction set */
+#undef ISA
 
 /* x [m][k] bfloat16, packed from moe_bf16_pack, bias [n] float32 or NULL, y [m][n] bfloat16;
    n a multiple of 64. Columns are split over `threads` OpenMP threads. x is widened to float32
@@ -102,25 +88,13 @@ int moe_bf16_linear(const uint16_t *x, const uint16_t *packed, const float *bias
     if (!wide) return -1;
     for (long i = 0; i < m * k; i++) wide[i] = (uint32_t)x[i] << 16;
     const float *xf = (const float *)wide;
+    void (*block)(const float *, const uint16_t *, uint16_t *, long, long, long, const float *) =
+        PICK(columns);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long c = 0; c < n / 64; c++) {
-        const uint16_t *p0 = packed + 2 * c * k * PANEL, *p1 = p0 + k * PANEL;
-        for (long r = 0; r < m; r += ROWS) {
-            long rows = m - r < ROWS ? m - r : ROWS;
-            kernels[rows](xf + r * k, p0, p1, y + r * n + c * 64, n, k, bias ? bias + c * 64 : 0);
-        }
-    }
+    for (long c = 0; c < n / 64; c++)
+        block(xf, packed + 2 * c * k * PANEL, y + c * 64, n, m, k, bias ? bias + c * 64 : 0);
     free(wide);
     return 0;
-}
-
-/* 16 bfloat16 -> 16 float32 */
-__attribute__((target("avx512f,avx512bw"))) static inline __m512 widen(__m256i v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-__attribute__((target("avx512f,avx512bw"))) static inline __m512 load(const uint16_t *p) {
-    return widen(_mm256_loadu_si256((const __m256i *)p));
 }
 
 /* RMSNorm of rows x [m][h] by weight [h] into y, all bfloat16, h a multiple of 16, computed as
@@ -128,41 +102,9 @@ __attribute__((target("avx512f,avx512bw"))) static inline __m512 load(const uint
    by the weight and rounded again. One call instead of the eight torch ops of that recipe.
    With `delta`, the row normalised is x + delta (rounded, as torch's add rounds), written to
    `sum`: a residual addition and the norm after it in one call. */
-__attribute__((target("avx512f,avx512bw"))) void moe_bf16_rms_norm(const uint16_t *x,
-                                                                     const uint16_t *delta,
-                                                                     uint16_t *sum,
-                                                                     const uint16_t *w,
-                                                                     uint16_t *y, long m, long h,
-                                                                     float eps, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (m >= 64)
-    for (long r = 0; r < m; r++) {
-        const uint16_t *xr = x + r * h;
-        uint16_t *yr = y + r * h;
-        if (delta) {
-            for (long i = 0; i < h; i += 16)
-                _mm256_storeu_si256((__m256i *)(sum + r * h + i),
-                                    to_bf16(_mm512_add_ps(load(xr + i), load(delta + r * h + i))));
-            xr = sum + r * h;
-        }
-        __m512 squares = _mm512_setzero_ps();
-        for (long i = 0; i < h; i += 16) {
-            __m512 v = load(xr + i);
-            squares = _mm512_add_ps(squares, _mm512_mul_ps(v, v));
-        }
-        float mean = _mm512_reduce_add_ps(squares) / (float)h;
-        __m512 scale = _mm512_set1_ps(1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(mean + eps))));
-        for (long i = 0; i < h; i += 16) {
-            __m512 normed = widen(to_bf16(_mm512_mul_ps(load(xr + i), scale)));
-            _mm256_storeu_si256((__m256i *)(yr + i), to_bf16(_mm512_mul_ps(load(w + i), normed)));
-        }
-    }
-}
-
-static inline float bf16_value(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+void moe_bf16_rms_norm(const uint16_t *x, const uint16_t *delta, uint16_t *sum, const uint16_t *w,
+                       uint16_t *y, long m, long h, float eps, int threads) {
+    PICK(rms_norm)(x, delta, sum, w, y, m, h, eps, threads);
 }
 
 /* A layer's tokens grouped by routed expert (a stable counting sort): experts [n][k] (int64, each
@@ -192,22 +134,15 @@ int moe_group(const int64_t *experts, long n, long k, long num_experts, int64_t 
     return 0;
 }
 
-/* 16 lanes of a float32 (bf 0) or bfloat16 (bf 1) row from element i */
-__attribute__((target("avx512f,avx512bw"))) static inline __m512 load_any(const void *p, long i,
-                                                                          int bf) {
-    return bf ? load((const uint16_t *)p + i) : _mm512_loadu_ps((const float *)p + i);
-}
-
 /* A layer's expert combine: y[t] = sum over j < k of weights[t*k + j] * (the output row of choice
    j of token t), choices in order, as torch computes it from the expert outputs (groups[g]:
    rows [sizes[g]][h], float32 or bfloat16, row r holding slot slots[g][r] = t*k + j): each
    product in the product's dtype (bfloat16 only when rows and weights both are), summed in
    float32 from 0, then y (float32 or bfloat16) rounded once. h a multiple of 16. -1 when the
    slots are not every one of n*k exactly once (nothing is written), or without memory. */
-__attribute__((target("avx512f,avx512bw"))) int moe_combine(
-    const void *const *groups, const long *const *slots, const long *sizes, long count,
-    int rows_bf16, const void *weights, int weights_bf16, long n, long k, long h, int y_bf16,
-    void *y, int threads) {
+int moe_combine(const void *const *groups, const long *const *slots, const long *sizes, long count,
+                int rows_bf16, const void *weights, int weights_bf16, long n, long k, long h,
+                int y_bf16, void *y, int threads) {
     long total = n * k;
     const void **row = calloc(total ? total : 1, sizeof *row);
     if (!row) return -1;
@@ -222,57 +157,10 @@ __attribute__((target("avx512f,avx512bw"))) int moe_combine(
             row[s] = (const char *)groups[g] + r * h * (rows_bf16 ? 2 : 4);
             seen++;
         }
-    if (seen != total) {
-        free(row);
-        return -1;
-    }
-    int round_products = rows_bf16 && weights_bf16;
-#pragma omp parallel for schedule(static) num_threads(threads) if (total * h >= 1 << 16)
-    for (long t = 0; t < n; t++) {
-        for (long i = 0; i < h; i += 16) {
-            __m512 acc = _mm512_setzero_ps();
-            for (long j = 0; j < k; j++) {
-                long s = t * k + j;
-                float w = weights_bf16 ? bf16_value(((const uint16_t *)weights)[s])
-                                       : ((const float *)weights)[s];
-                __m512 p = _mm512_mul_ps(load_any(row[s], i, rows_bf16), _mm512_set1_ps(w));
-                if (round_products) p = widen(to_bf16(p));
-                acc = _mm512_add_ps(acc, p);
-            }
-            if (y_bf16)
-                _mm256_storeu_si256((__m256i *)((uint16_t *)y + t * h + i), to_bf16(acc));
-            else
-                _mm512_storeu_ps((float *)y + t * h + i, acc);
-        }
-    }
+    if (seen == total)
+        PICK(combine)(row, rows_bf16, weights, weights_bf16, n, k, h, y_bf16, y, threads);
     free(row);
-    return 0;
-}
-
-/* exp of float32 lanes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p its degree-7 Taylor
-   polynomial (truncation error 5e-9: a few float32 roundings, far inside a bfloat16 one) */
-__attribute__((target("avx512f,avx512bw"))) static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(89.0f)), _mm512_set1_ps(-104.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    static const float c[8] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24,
-                               1.0f / 6,    0.5f,       1.0f,       1.0f};
-    __m512 p = _mm512_set1_ps(c[0]);
-    for (int i = 1; i < 8; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[i]));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* out[i] = silu(g[i]) * u[i] for one row g|u [2][n], n a multiple of 16 */
-__attribute__((target("avx512f,avx512bw"))) static void silu_mul(const uint16_t *gu, uint16_t *out,
-                                                                  long n) {
-    for (long i = 0; i < n; i += 16) {
-        __m512 g = load(gu + i);
-        __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        __m512 act = widen(to_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e))));
-        _mm256_storeu_si256((__m256i *)(out + i), to_bf16(_mm512_mul_ps(act, load(gu + n + i))));
-    }
+    return seen == total ? 0 : -1;
 }
 
 /* An expert's FFN on rows x [m][hidden]: down(silu(gate) * up) with gate|up = gate_up(x), both
@@ -287,19 +175,13 @@ int moe_bf16_silu_ffn(const uint16_t *x, const uint16_t *gate_up, const uint16_t
     uint16_t *gated = h + m * 2 * inter;
     int failed = moe_bf16_linear(x, gate_up, 0, h, m, 2 * inter, hidden, threads);
     if (!failed) {
+        void (*silu_mul)(const uint16_t *, uint16_t *, long) = PICK(silu_mul);
 #pragma omp parallel for schedule(static) num_threads(threads) if (m * inter >= 1 << 16)
         for (long r = 0; r < m; r++) silu_mul(h + r * 2 * inter, gated + r * inter, inter);
         failed = moe_bf16_linear(gated, down, 0, y, m, hidden, inter, threads);
     }
     free(h);
     return failed;
-}
-
-static inline float bf16_round(float f) { /* to the nearest bfloat16, ties to even, as torch */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if (f != f) return bf16_value(0x7FC0);
-    return bf16_value((uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16));
 }
 
 /* RoPE of x [n][heads][d] (tokens ldx elements apart, heads d apart) by cos, sin [n][d] into
@@ -342,87 +224,19 @@ void moe_rope_bf16(const uint16_t *x, long ldx, const uint16_t *cos, const uint1
    q [d][kv_heads][g][hd] (the g query heads sharing a KV head; sequences ldq apart), the layer's
    cache k [kv_heads][num_blocks][bs][hd] and v [...][vd], block tables [d][width], context
    lengths [d] (each >= 1); out [d][kv_heads][g][vd]. `bf`: q, the cache and out are bfloat16,
-   else float32.
+   else float32; hd and vd multiples of 16.
 
    Computed as torch's CPU flash-attention kernel computes a context of up to 512 keys: scores in
    float32 times `scale`, softmax against the row's maximum, in bfloat16 the probabilities
    rounded to bfloat16 before they weight the values, the weighted sum divided by the sum of the
    unrounded exponentials. Torch's exp there is a 20-bit approximation and its dot products and
    sums run in another order, so results may differ from SDPA's in the last bit. */
-__attribute__((target("avx512f,avx512bw"))) int moe_decode_attention(
-    int bf, const void *q, long ldq, const void *kc, const void *vc, const int64_t *tables,
-    long width, const int64_t *lengths, long d, long kv_heads, long g, long hd, long vd,
-    long num_blocks, long bs, float scale, void *out, int threads) {
-    long most = 0;
-    for (long s = 0; s < d; s++) most = lengths[s] > most ? lengths[s] : most;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (d * kv_heads >= 4)
-    {
-        /* the g query rows of a KV head together: each key and value is read once for all */
-        float *scores = malloc(sizeof(float) * g * (most + 1)); /* g rows of n scores + their sum */
-        float *acc = malloc(sizeof(float) * g * vd);
-        if (!scores || !acc) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (long job = 0; job < d * kv_heads; job++) {
-            if (!scores || !acc) continue;
-            long s = job / kv_heads, h = job % kv_heads, n = lengths[s];
-            const int64_t *table = tables + s * width;
-            long row = s * ldq + h * g * hd; /* this head's first query row */
-            for (long j = 0; j < n; j++) {
-                long slot = (h * num_blocks + table[j / bs]) * bs + j % bs;
-                for (long r = 0; r < g; r++) {
-                    __m512 dot = _mm512_setzero_ps();
-                    for (long i = 0; i < hd; i += 16)
-                        dot = _mm512_fmadd_ps(load_any(q, row + r * hd + i, bf),
-                                              load_any(kc, slot * hd + i, bf), dot);
-                    scores[r * (n + 1) + j] = _mm512_reduce_add_ps(dot) * scale;
-                }
-            }
-            for (long r = 0; r < g; r++) { /* softmax numerators, 16 at a time; the sum last */
-                float *sc = scores + r * (n + 1), top = -__builtin_inff();
-                for (long j = 0; j < n; j++) top = sc[j] > top ? sc[j] : top;
-                __m512 sum = _mm512_setzero_ps();
-                for (long j = 0; j < n; j += 16) {
-                    __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-                    __m512 x = _mm512_maskz_loadu_ps(live, sc + j);
-                    __m512 e = exp_ps(_mm512_sub_ps(x, _mm512_set1_ps(top)));
-                    e = _mm512_maskz_mov_ps(live, e);
-                    sum = _mm512_add_ps(sum, e);
-                    if (bf) e = widen(to_bf16(e));
-                    _mm512_mask_storeu_ps(sc + j, live, e);
-                }
-                sc[n] = _mm512_reduce_add_ps(sum);
-            }
-            for (long i = 0; i < g * vd; i++) acc[i] = 0.0f;
-            for (long j = 0; j < n; j++) {
-                long slot = (h * num_blocks + table[j / bs]) * bs + j % bs;
-                for (long i = 0; i < vd; i += 16) {
-                    __m512 v = load_any(vc, slot * vd + i, bf);
-                    for (long r = 0; r < g; r++)
-                        _mm512_storeu_ps(acc + r * vd + i,
-                                         _mm512_fmadd_ps(_mm512_set1_ps(scores[r * (n + 1) + j]), v,
-                                                         _mm512_loadu_ps(acc + r * vd + i)));
-                }
-            }
-            for (long r = 0; r < g; r++) {
-                __m512 sum = _mm512_set1_ps(scores[r * (n + 1) + n]);
-                long at = (job * g + r) * vd;
-                for (long i = 0; i < vd; i += 16) {
-                    __m512 o = _mm512_div_ps(_mm512_loadu_ps(acc + r * vd + i), sum);
-                    if (bf)
-                        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at + i), to_bf16(o));
-                    else
-                        _mm512_storeu_ps((float *)out + at + i, o);
-                }
-            }
-        }
-        free(scores);
-        free(acc);
-    }
-    return failed;
+int moe_decode_attention(int bf, const void *q, long ldq, const void *kc, const void *vc,
+                         const int64_t *tables, long width, const int64_t *lengths, long d,
+                         long kv_heads, long g, long hd, long vd, long num_blocks, long bs,
+                         float scale, void *out, int threads) {
+    return PICK(decode_attention)(bf, q, ldq, kc, vc, tables, width, lengths, d, kv_heads, g, hd,
+                                  vd, num_blocks, bs, scale, out, threads);
 }
 
 /* Store n tokens' new keys k [n][kv_heads][hd] and values v [...][vd] (tokens ldk and ldv
@@ -462,3 +276,441 @@ int moe_decode_step_attention(int bf, const void *qkv, long ldqkv, const void *c
     return moe_decode_attention(bf, qk, rotated * hd, kc, vc, tables, width, lengths, d, kv_heads,
                                 heads / kv_heads, hd, hd, num_blocks, bs, scale, out, threads);
 }
+
+#else /* ISA is 512 or 256: the vector kernels, for that instruction set */
+
+/* Both passes define these helpers: each gets its pass's suffix (FN) */
+#define vec FN(vec)
+#define vset FN(vset)
+#define vloadf FN(vloadf)
+#define vstoref FN(vstoref)
+#define vwiden FN(vwiden)
+#define vbf16 FN(vbf16)
+#define vhalves FN(vhalves)
+#define vfirst FN(vfirst)
+#define vround FN(vround)
+#define vscale FN(vscale)
+#define vadd FN(vadd)
+#define vsub FN(vsub)
+#define vmul FN(vmul)
+#define vdiv FN(vdiv)
+#define vmin FN(vmin)
+#define vmax FN(vmax)
+#define vfma FN(vfma)
+#define vfnma FN(vfnma)
+#define vload FN(vload)
+#define vstore_bf16 FN(vstore_bf16)
+#define vsum FN(vsum)
+#define load_any FN(load_any)
+#define vexp FN(vexp)
+
+#if ISA == 512 /* a vec is one 64-byte register */
+#define FN(name) name##_avx512
+#define TARGET __attribute__((target("avx512f,avx512bw")))
+typedef __m512 vec;
+#define LIFT2(name, op) \
+    TARGET static inline vec name(vec a, vec b) { return _mm512_##op##_ps(a, b); }
+#define LIFT3(name, op) \
+    TARGET static inline vec name(vec a, vec b, vec c) { return _mm512_##op##_ps(a, b, c); }
+
+TARGET static inline vec vset(float f) { return _mm512_set1_ps(f); }
+TARGET static inline vec vloadf(const float *p) { return _mm512_loadu_ps(p); }
+TARGET static inline void vstoref(float *p, vec v) { _mm512_storeu_ps(p, v); }
+
+TARGET static inline vec vwiden(__m256i v) { /* 16 bfloat16 -> 16 float32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* 16 float32 -> 16 bfloat16, rounded to nearest even (NaN stays a quiet NaN), as torch rounds */
+TARGET static inline __m256i vbf16(vec v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    r = _mm512_srli_epi32(r, 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+TARGET static inline __m256 vhalves(vec v) { /* lanes 0-7 + lanes 8-15 */
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+TARGET static inline vec vfirst(vec v, long count) { /* lanes from `count` on zeroed */
+    return _mm512_maskz_mov_ps((__mmask16)((1u << count) - 1), v);
+}
+
+TARGET static inline vec vround(vec v) { /* to the nearest integer, ties to even */
+    return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+TARGET static inline vec vscale(vec p, vec n) { return _mm512_scalef_ps(p, n); } /* p * 2^n */
+
+#else /* a vec is two 32-byte registers, lanes 0-7 and 8-15 */
+#define FN(name) name##_avx2
+#define TARGET __attribute__((target("avx2,fma")))
+typedef struct {
+    __m256 lo, hi;
+} vec;
+#define LIFT2(name, op)                                                                       \
+    TARGET static inline vec name(vec a, vec b) {                                             \
+        return (vec){_mm256_##op##_ps(a.lo, b.lo), _mm256_##op##_ps(a.hi, b.hi)};             \
+    }
+#define LIFT3(name, op)                                                                       \
+    TARGET static inline vec name(vec a, vec b, vec c) {                                      \
+        return (vec){_mm256_##op##_ps(a.lo, b.lo, c.lo), _mm256_##op##_ps(a.hi, b.hi, c.hi)}; \
+    }
+
+TARGET static inline vec vset(float f) { return (vec){_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+TARGET static inline vec vloadf(const float *p) {
+    return (vec){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+}
+TARGET static inline void vstoref(float *p, vec v) {
+    _mm256_storeu_ps(p, v.lo);
+    _mm256_storeu_ps(p + 8, v.hi);
+}
+
+TARGET static inline __m256 widen8(__m128i v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+TARGET static inline vec vwiden(__m256i v) {
+    return (vec){widen8(_mm256_castsi256_si128(v)), widen8(_mm256_extracti128_si256(v, 1))};
+}
+
+TARGET static inline __m256i round8(__m256 v) { /* 8 bfloat16 in the low halves of 8 words */
+    __m256i bits = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    r = _mm256_srli_epi32(r, 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+TARGET static inline __m256i vbf16(vec v) { /* packus interleaves 128-bit lanes: put back */
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(round8(v.lo), round8(v.hi)), 0xD8);
+}
+
+TARGET static inline __m256 vhalves(vec v) { return _mm256_add_ps(v.lo, v.hi); }
+
+TARGET static inline vec vfirst(vec v, long count) {
+    __m256 n = _mm256_set1_ps((float)count);
+    __m256 lo = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), n, _CMP_LT_OQ);
+    __m256 hi = _mm256_cmp_ps(_mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), n, _CMP_LT_OQ);
+    return (vec){_mm256_and_ps(v.lo, lo), _mm256_and_ps(v.hi, hi)};
+}
+
+TARGET static inline vec vround(vec v) {
+    return (vec){_mm256_round_ps(v.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                 _mm256_round_ps(v.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+
+/* p * 2^n for integral n in [-150, 128], rounded once as scalef rounds: p * 2^(n>>1) is exact
+   (p near 1), then * 2^(n - (n>>1)) rounds into subnormals or overflows as the product does */
+TARGET static inline __m256 scale8(__m256 p, __m256 n) {
+    __m256i e = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(e, 1);
+    __m256i bias = _mm256_set1_epi32(127);
+    __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+    __m256i rest = _mm256_add_epi32(_mm256_sub_epi32(e, half), bias);
+    return _mm256_mul_ps(_mm256_mul_ps(p, a), _mm256_castsi256_ps(_mm256_slli_epi32(rest, 23)));
+}
+
+TARGET static inline vec vscale(vec p, vec n) {
+    return (vec){scale8(p.lo, n.lo), scale8(p.hi, n.hi)};
+}
+#endif
+
+LIFT2(vadd, add)
+LIFT2(vsub, sub)
+LIFT2(vmul, mul)
+LIFT2(vdiv, div)
+LIFT2(vmin, min)
+LIFT2(vmax, max)
+LIFT3(vfma, fmadd)   /* a * b + c, rounded once */
+LIFT3(vfnma, fnmadd) /* c - a * b, rounded once */
+#undef LIFT2
+#undef LIFT3
+
+TARGET static inline vec vload(const uint16_t *p) {
+    return vwiden(_mm256_loadu_si256((const __m256i *)p));
+}
+
+TARGET static inline void vstore_bf16(uint16_t *p, vec v) {
+    _mm256_storeu_si256((__m256i *)p, vbf16(v));
+}
+
+/* the sum of the 16 lanes, in the tree GCC's _mm512_reduce_add_ps adds them in */
+TARGET static inline float vsum(vec v) {
+    __m256 t = vhalves(v);
+    __m128 s = _mm_add_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(s) + _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
+}
+
+/* 16 lanes of a float32 (bf 0) or bfloat16 (bf 1) row from element i */
+TARGET static inline vec load_any(const void *p, long i, int bf) {
+    return bf ? vload((const uint16_t *)p + i) : vloadf((const float *)p + i);
+}
+
+/* ===== the kernels, written once over vec ===== */
+
+#if ISA == 512
+#define ROWS 6 /* x rows per pass: 6 x 4 accumulators + 4 weight vectors fit the 32 registers */
+/* rows x[0..R) (float32) against two panels (64 columns) into y (bfloat16, row stride ldy),
+   + bias when given */
+#define KERNEL(R)                                                                              \
+    TARGET static void kernel_##R(const float *x, const uint16_t *p0, const uint16_t *p1,      \
+                                  uint16_t *y, long ldy, long k, const float *bias) {          \
+        __m512 acc[R][4];                                                                      \
+        for (int r = 0; r < R; r++)                                                            \
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();                       \
+        const __m512i zero = _mm512_setzero_si512();                                           \
+        for (long i = 0; i < k; i++) {                                                         \
+            _mm_prefetch((const char *)(p0 + (i + AHEAD) * PANEL), _MM_HINT_T0);               \
+            _mm_prefetch((const char *)(p1 + (i + AHEAD) * PANEL), _MM_HINT_T0);               \
+            __m512i a = _mm512_loadu_si512(p0 + i * PANEL);                                    \
+            __m512i b = _mm512_loadu_si512(p1 + i * PANEL);                                    \
+            __m512 w[4] = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, a)),                \
+                           _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, a)),                \
+                           _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, b)),                \
+                           _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, b))};               \
+            for (int r = 0; r < R; r++) {                                                      \
+                __m512 xr = _mm512_set1_ps(x[r * k + i]);                                      \
+                for (int j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(xr, w[j], acc[r][j]);  \
+            }                                                                                  \
+        }                                                                                      \
+        for (int r = 0; r < R; r++)                                                            \
+            for (int j = 0; j < 4; j++) {                                                      \
+                __m512 v = acc[r][j];                                                          \
+                if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j * 16));                \
+                vstore_bf16(y + r * ldy + j * 16, v);                                          \
+            }                                                                                  \
+    }
+KERNEL(1)
+KERNEL(2)
+KERNEL(3)
+KERNEL(4)
+KERNEL(5)
+KERNEL(6)
+
+/* one 64-column block (the two panels from p) of m rows x [m][k] into y */
+TARGET static void FN(columns)(const float *x, const uint16_t *p, uint16_t *y, long ldy, long m,
+                               long k, const float *bias) {
+    typedef void (*kernel)(const float *, const uint16_t *, const uint16_t *, uint16_t *, long,
+                           long, const float *);
+    static const kernel kernels[ROWS + 1] = {0,        kernel_1, kernel_2, kernel_3,
+                                             kernel_4, kernel_5, kernel_6};
+    for (long r = 0; r < m; r += ROWS) {
+        long rows = m - r < ROWS ? m - r : ROWS;
+        kernels[rows](x + r * k, p, p + k * PANEL, y + r * ldy, ldy, k, bias);
+    }
+}
+#undef ROWS
+#undef KERNEL
+
+#else
+/* rows x[0..R) (float32) against P panels from p (k * 32 apart) into y (bfloat16, row stride
+   ldy), + bias when given. 16 registers: 8 accumulators (2 rows or 2 panels), the 4 weight
+   vectors, the rows' x and zero (with 3 rows GCC kept two accumulators on the stack) */
+#define KERNEL(R, P)                                                                           \
+    TARGET static void kernel_##R##_##P(const float *x, const uint16_t *p, uint16_t *y,        \
+                                        long ldy, long k, const float *bias) {                 \
+        __m256 acc[R][4 * P];                                                                  \
+        for (int r = 0; r < R; r++)                                                            \
+            for (int j = 0; j < 4 * P; j++) acc[r][j] = _mm256_setzero_ps();                   \
+        const __m256i zero = _mm256_setzero_si256();                                           \
+        for (long i = 0; i < k; i++)                                                           \
+            for (int q = 0; q < P; q++) {                                                      \
+                const uint16_t *at = p + (q * k + i) * PANEL;                                  \
+                _mm_prefetch((const char *)(at + AHEAD * PANEL), _MM_HINT_T0);                 \
+                __m256i lo = _mm256_loadu_si256((const __m256i *)at);                          \
+                __m256i hi = _mm256_loadu_si256((const __m256i *)at + 1);                      \
+                __m256 w[4] = {/* columns 0-7, 8-15, 16-23, 24-31 */                           \
+                               _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, lo)),           \
+                               _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, hi)),           \
+                               _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, lo)),           \
+                               _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, hi))};          \
+                for (int r = 0; r < R; r++) {                                                  \
+                    __m256 xr = _mm256_set1_ps(x[r * k + i]);                                  \
+                    for (int j = 0; j < 4; j++)                                                \
+                        acc[r][q * 4 + j] = _mm256_fmadd_ps(xr, w[j], acc[r][q * 4 + j]);      \
+                }                                                                              \
+            }                                                                                  \
+        for (int r = 0; r < R; r++)                                                            \
+            for (int j = 0; j < 2 * P; j++) { /* 16 columns at a time */                       \
+                vec v = {acc[r][2 * j], acc[r][2 * j + 1]};                                    \
+                if (bias) v = vadd(v, vloadf(bias + j * 16));                                  \
+                vstore_bf16(y + r * ldy + j * 16, v);                                          \
+            }                                                                                  \
+    }
+KERNEL(1, 2)
+KERNEL(2, 1)
+
+/* one 64-column block (the two panels from p) of m rows x [m][k] into y */
+TARGET static void FN(columns)(const float *x, const uint16_t *p, uint16_t *y, long ldy, long m,
+                               long k, const float *bias) {
+    for (int q = 0; q < 2; q++) /* a panel at a time, so that it stays cached for every pair */
+        for (long r = 0; r + 1 < m; r += 2)
+            kernel_2_1(x + r * k, p + q * k * PANEL, y + r * ldy + q * 32, ldy, k,
+                       bias ? bias + q * 32 : 0);
+    if (m % 2) /* the last row against both panels: 8 independent sums hide the FMA latency */
+        kernel_1_2(x + (m - 1) * k, p, y + (m - 1) * ldy, ldy, k, bias);
+}
+#undef KERNEL
+#endif
+
+TARGET static void FN(rms_norm)(const uint16_t *x, const uint16_t *delta, uint16_t *sum,
+                                const uint16_t *w, uint16_t *y, long m, long h, float eps,
+                                int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (m >= 64)
+    for (long r = 0; r < m; r++) {
+        const uint16_t *xr = x + r * h;
+        uint16_t *yr = y + r * h;
+        if (delta) {
+            for (long i = 0; i < h; i += 16)
+                vstore_bf16(sum + r * h + i, vadd(vload(xr + i), vload(delta + r * h + i)));
+            xr = sum + r * h;
+        }
+        vec squares = vset(0.0f);
+        for (long i = 0; i < h; i += 16) {
+            vec v = vload(xr + i);
+            squares = vadd(squares, vmul(v, v));
+        }
+        float mean = vsum(squares) / (float)h;
+        vec scale = vset(1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(mean + eps))));
+        for (long i = 0; i < h; i += 16) {
+            vec normed = vwiden(vbf16(vmul(vload(xr + i), scale)));
+            vstore_bf16(yr + i, vmul(vload(w + i), normed));
+        }
+    }
+}
+
+/* moe_combine's arithmetic, the row of each choice found: row[t * k + j] */
+TARGET static void FN(combine)(const void **row, int rows_bf16, const void *weights,
+                               int weights_bf16, long n, long k, long h, int y_bf16, void *y,
+                               int threads) {
+    int round_products = rows_bf16 && weights_bf16;
+#pragma omp parallel for schedule(static) num_threads(threads) if (n * k * h >= 1 << 16)
+    for (long t = 0; t < n; t++) {
+        for (long i = 0; i < h; i += 16) {
+            vec acc = vset(0.0f);
+            for (long j = 0; j < k; j++) {
+                long s = t * k + j;
+                float w = weights_bf16 ? bf16_value(((const uint16_t *)weights)[s])
+                                       : ((const float *)weights)[s];
+                vec p = vmul(load_any(row[s], i, rows_bf16), vset(w));
+                if (round_products) p = vwiden(vbf16(p));
+                acc = vadd(acc, p);
+            }
+            if (y_bf16)
+                vstore_bf16((uint16_t *)y + t * h + i, acc);
+            else
+                vstoref((float *)y + t * h + i, acc);
+        }
+    }
+}
+
+/* exp of float32 lanes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p its degree-7 Taylor
+   polynomial (truncation error 5e-9: a few float32 roundings, far inside a bfloat16 one) */
+TARGET static inline vec vexp(vec x) {
+    x = vmax(vmin(x, vset(89.0f)), vset(-104.0f));
+    vec n = vround(vmul(x, vset(1.44269504f)));
+    vec r = vfnma(n, vset(0.693359375f), x);
+    r = vfnma(n, vset(-2.12194440e-4f), r);
+    static const float c[8] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24,
+                               1.0f / 6,    0.5f,       1.0f,       1.0f};
+    vec p = vset(c[0]);
+    for (int i = 1; i < 8; i++) p = vfma(p, r, vset(c[i]));
+    return vscale(p, n);
+}
+
+/* out[i] = silu(g[i]) * u[i] for one row g|u [2][n], n a multiple of 16 */
+TARGET static void FN(silu_mul)(const uint16_t *gu, uint16_t *out, long n) {
+    for (long i = 0; i < n; i += 16) {
+        vec g = vload(gu + i);
+        vec e = vexp(vsub(vset(0.0f), g));
+        vec act = vwiden(vbf16(vdiv(g, vadd(vset(1.0f), e))));
+        vstore_bf16(out + i, vmul(act, vload(gu + n + i)));
+    }
+}
+
+/* moe_decode_attention's work, for this instruction set */
+TARGET static int FN(decode_attention)(int bf, const void *q, long ldq, const void *kc,
+                                       const void *vc, const int64_t *tables, long width,
+                                       const int64_t *lengths, long d, long kv_heads, long g,
+                                       long hd, long vd, long num_blocks, long bs, float scale,
+                                       void *out, int threads) {
+    long most = 0;
+    for (long s = 0; s < d; s++) most = lengths[s] > most ? lengths[s] : most;
+    long stride = (most + 15) / 16 * 16; /* a row of scores: whole vectors */
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (d * kv_heads >= 4)
+    {
+        /* the g query rows of a KV head together: each key and value is read once for all */
+        float *scores = malloc(sizeof(float) * g * (stride + 1)); /* g rows, then their g sums */
+        float *acc = malloc(sizeof(float) * g * vd);
+        if (!scores || !acc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (long job = 0; job < d * kv_heads; job++) {
+            if (!scores || !acc) continue;
+            long s = job / kv_heads, h = job % kv_heads, n = lengths[s];
+            const int64_t *table = tables + s * width;
+            long row = s * ldq + h * g * hd; /* this head's first query row */
+            float *sums = scores + g * stride;
+            for (long j = 0; j < n; j++) {
+                long slot = (h * num_blocks + table[j / bs]) * bs + j % bs;
+                for (long r = 0; r < g; r++) {
+                    vec dot = vset(0.0f);
+                    for (long i = 0; i < hd; i += 16)
+                        dot = vfma(load_any(q, row + r * hd + i, bf),
+                                   load_any(kc, slot * hd + i, bf), dot);
+                    scores[r * stride + j] = vsum(dot) * scale;
+                }
+            }
+            for (long r = 0; r < g; r++) { /* softmax numerators, 16 at a time; the sum apart */
+                float *sc = scores + r * stride, top = -__builtin_inff();
+                for (long j = 0; j < n; j++) top = sc[j] > top ? sc[j] : top;
+                vec sum = vset(0.0f);
+                for (long j = 0; j < n; j += 16) {
+                    vec e = vexp(vsub(vloadf(sc + j), vset(top)));
+                    if (n - j < 16) e = vfirst(e, n - j); /* past the context: nothing */
+                    sum = vadd(sum, e);
+                    if (bf) e = vwiden(vbf16(e));
+                    vstoref(sc + j, e);
+                }
+                sums[r] = vsum(sum);
+            }
+            for (long i = 0; i < g * vd; i++) acc[i] = 0.0f;
+            for (long j = 0; j < n; j++) {
+                long slot = (h * num_blocks + table[j / bs]) * bs + j % bs;
+                for (long i = 0; i < vd; i += 16) {
+                    vec v = load_any(vc, slot * vd + i, bf);
+                    for (long r = 0; r < g; r++)
+                        vstoref(acc + r * vd + i,
+                                vfma(vset(scores[r * stride + j]), v, vloadf(acc + r * vd + i)));
+                }
+            }
+            for (long r = 0; r < g; r++) {
+                vec sum = vset(sums[r]);
+                long at = (job * g + r) * vd;
+                for (long i = 0; i < vd; i += 16) {
+                    vec o = vdiv(vloadf(acc + r * vd + i), sum);
+                    if (bf)
+                        vstore_bf16((uint16_t *)out + at + i, o);
+                    else
+                        vstoref((float *)out + at + i, o);
+                }
+            }
+        }
+        free(scores);
+        free(acc);
+    }
+    return failed;
+}
+
+#undef FN
+#undef TARGET
+#endif

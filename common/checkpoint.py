@@ -8,6 +8,13 @@ checkpoints) or fused as 3-D tensors (transformers v5: gate_up_proj [E, 2I, H], 
 With `prepack=True` (what the services use) every matrix a linear layer reads is converted once
 into oneDNN's layout where this host measured it faster, or wherever oneDNN has the dtype with
 `batch_invariant=True` (expert services; common/linear.py): a copy, no longer a view of the file.
+
+Memory: a weight used as stored stays a view of the file, so processes on one host share its pages
+(an expert's gate and up too: one view when the file stores them back to back, two views apart
+when it does not and the dtype is not float32, whose fused product is transformers'). A weight
+converted, joined or repacked into a copy has its file pages released as it is copied (`copied`,
+16 MiB at a time) or once repacked (SafetensorsFile.release), so a load peaks near what it keeps,
+not that plus the pages it read.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from common.safetensors_mmap import SafetensorsFile
 from common.weights import AttentionWeights, DenseWeights, FFNWeights, LayerWeights
 
 INDEX_FILE = "model.safetensors.index.json"
+# Copies of file tensors go block by block, each block's pages released once copied (`copied`).
+COPY_BLOCK_BYTES = 16 << 20
 
 
 class Checkpoint:
@@ -107,6 +116,39 @@ class Checkpoint:
         when given (sliced before any dtype conversion: one expert of a fused tensor). In `dtype`
         when given, else the checkpoint's: floats convert (a correction bias stays float32 in a
         bfloat16 model); packed integer codes (MXFP4) must be stored in it."""
+        file, t = self._view(name, shape)
+        if rows is not None:
+            t = t[rows]
+        want = dtype or self.dtype
+        if want is not None and t.dtype != want:
+            if not (t.dtype.is_floating_point and want.is_floating_point):  # packed codes
+                raise CheckpointError(
+                    f"wrong dtype {t.dtype}, expected {want}", file=str(file.path), tensor=name
+                )
+            t = self.copied([t], want) if t.dim() else t.to(want)
+        return t
+
+    def copied(self, parts: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`parts` stacked along their first dimension into one new tensor, in `dtype` (theirs by
+        default), copied block by block with each block's file pages released once copied: the
+        pages read and the copy never both hold a whole matrix (Mixtral-8x7B's gate and up are
+        470 MB of float32). Parts that are not views of the files are just copied."""
+        first = parts[0]
+        rows = sum(part.shape[0] for part in parts)
+        out = torch.empty((rows, *first.shape[1:]), dtype=dtype or first.dtype)
+        flat, at = out.view(-1), 0
+        for part in parts:
+            src = part.reshape(-1)  # a view: what the files give is contiguous
+            step = max(1, COPY_BLOCK_BYTES // src.element_size())
+            for start in range(0, src.numel(), step):
+                block = src[start : start + step]
+                flat[at : at + block.numel()].copy_(block)  # rounds as .to(dtype) does
+                self.release(block)
+                at += block.numel()
+        return out
+
+    def _view(self, name: str, shape: tuple[int, ...]) -> tuple[SafetensorsFile, torch.Tensor]:
+        """The file holding `name`, and `name` as stored there (a view), checked against `shape`."""
         if name not in self._where:
             raise CheckpointError("missing tensor", file=str(self.path), tensor=name)
         file = self._file(self._where[name])
@@ -121,20 +163,25 @@ class Checkpoint:
                 file=str(file.path),
                 tensor=name,
             )
-        if rows is not None:
-            t = t[rows]
-        want = dtype or self.dtype
-        if want is not None and t.dtype != want:
-            if not (t.dtype.is_floating_point and want.is_floating_point):  # packed codes
-                raise CheckpointError(
-                    f"wrong dtype {t.dtype}, expected {want}", file=str(file.path), tensor=name
-                )
-            t = t.to(want)
-        return t
+        return file, t
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """A weight a linear layer reads: prepacked when this checkpoint was opened to serve."""
-        return prepack(weight, self._batch_invariant) if self._prepack else weight
+        """A weight a linear layer reads: prepacked when this checkpoint was opened to serve (and
+        then the file pages it was packed from released)."""
+        if not self._prepack:
+            return weight
+        packed = prepack(weight, self._batch_invariant)
+        if packed is not weight:
+            self.release(weight)
+        return packed
+
+    def release(self, *views: torch.Tensor) -> None:
+        """Drop this process's file pages under `views`, copied into what is kept and read no
+        more; a tensor that is not a view of this checkpoint's files is left alone."""
+        for view in views:
+            for file in self._files.values():
+                if file.release(view):
+                    break
 
     def optional(self, name: str, shape: tuple[int, ...], present: bool) -> torch.Tensor | None:
         return self.tensor(name, shape) if present else None
@@ -204,7 +251,7 @@ class Checkpoint:
         qkv = [self.tensor(f"{p}{n}_proj.weight", (*o, s.hidden_size)) for n, o in shapes.items()]
         biases = [self.tensor(f"{p}{n}_proj.bias", o) for n, o in shapes.items() if s.qkv_bias]
         return AttentionWeights(
-            qkv=self.pack(torch.cat(qkv)),
+            qkv=self.pack(self.copied(qkv)),  # [(heads + 2 * kv_heads) * head_dim, hidden]
             o=self.pack(self.tensor(p + "o_proj.weight", (s.hidden_size, q_out))),
             qkv_bias=torch.cat(biases) if biases else None,
             o_bias=self.optional(p + "o_proj.bias", (s.hidden_size,), s.o_bias),
@@ -213,16 +260,47 @@ class Checkpoint:
         )
 
     def ffn(self, p: str, gate: str, up: str, down: str, inter: int) -> FFNWeights:
+        """A gated FFN stored as three matrices under prefix p. Gate and up become one [2I, H]
+        matrix: a view when the file stores them back to back in the compute dtype, else a copy,
+        kept only when it is repacked or float32; otherwise the two views are kept apart."""
         h = self.spec.hidden_size
-        parts = (
-            self.tensor(f"{p}{gate}.weight", (inter, h)),
-            self.tensor(f"{p}{up}.weight", (inter, h)),
-        )
-        return FFNWeights(
-            gate_up=self.pack(torch.cat(parts)),
-            down=self.pack(self.tensor(f"{p}{down}.weight", (h, inter))),
-            activation=self.spec.activation,
-        )
+        down_w = self.pack(self.tensor(f"{p}{down}.weight", (h, inter)))
+        names = (f"{p}{gate}.weight", f"{p}{up}.weight")
+        if (joined := self._joined(names, (inter, h))) is not None:
+            gate_up = self.pack(joined)  # [2 * inter, hidden]
+            return FFNWeights(gate_up=gate_up, down=down_w, activation=self.spec.activation)
+        parts = [self.tensor(n, (inter, h)) for n in names]
+        # float32 keeps one product over [gate; up]: transformers' own, to the last bit.
+        if parts[0].dtype == torch.float32 or not self._stored(parts):
+            fused = self.copied(parts)  # [2 * inter, hidden], the pages read released
+            gate_up = self.pack(fused)
+            return FFNWeights(gate_up=gate_up, down=down_w, activation=self.spec.activation)
+        fused = torch.cat(parts)  # [2 * inter, hidden]: the views may be what stays
+        gate_up = self.pack(fused)
+        if gate_up is fused:  # the layout is the file's: the views serve as they are
+            del fused, gate_up
+            return FFNWeights(
+                gate_up=parts[0], up=parts[1], down=down_w, activation=self.spec.activation
+            )
+        self.release(*parts)
+        return FFNWeights(gate_up=gate_up, down=down_w, activation=self.spec.activation)
+
+    def _joined(self, names: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor | None:
+        """`names` (each checked against `shape`) as one view of their file when it stores them
+        back to back in the compute dtype; None where joining them takes a copy."""
+        files = {self._where.get(n) for n in names}
+        if len(files) != 1 or None in files:
+            return None  # missing (tensor() says so) or in different files
+        file, first = self._view(names[0], shape)
+        for name in names[1:]:
+            self._view(name, shape)
+        if self.dtype is not None and first.dtype != self.dtype:
+            return None
+        return file.joined(names)
+
+    def _stored(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether every tensor is a view of one of this checkpoint's mapped files."""
+        return all(any(f.contains(t) for f in self._files.values()) for t in tensors)
 
     def moe_prefix(self, layer: int) -> str:
         for prefix in self.names.moe_prefixes:
@@ -264,10 +342,10 @@ class Checkpoint:
     def _fused_expert(self, base: str, expert: int) -> FFNWeights:
         s = self.spec
         e, i, h = s.num_experts, s.expert_intermediate_size, s.hidden_size
-        gate_up = self.tensor(base + "gate_up_proj", (e, 2 * i, h))[
-            expert
-        ]  # [2I, H], gate rows first
-        down = self.tensor(base + "down_proj", (e, h, i))[expert]  # [H, I]
+        # One expert's rows, sliced before any dtype conversion: not the whole [E, ...] tensor.
+        one = slice(expert, expert + 1)
+        gate_up = self.tensor(base + "gate_up_proj", (e, 2 * i, h), one)[0]  # [2I, H], gate first
+        down = self.tensor(base + "down_proj", (e, h, i), one)[0]  # [H, I]
         return FFNWeights(gate_up=self.pack(gate_up), down=self.pack(down), activation=s.activation)
 
     def fingerprint(self) -> str:

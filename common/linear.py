@@ -15,7 +15,9 @@ same Xeon family (2 cores each):
 So a process measures both on first use, on 64 MiB of weights (0.1-0.5 s), and follows what it
 found: `prepack` holds weights in the faster layout, and the router asks `serial_tokens` for its
 default --serial-max-tokens. bfloat16 weights have a third candidate, moe-mesh's own kernel
-(common.bf16), timed against the better of the other two. Not cached across processes: a
+(common.bf16, on AVX-512 or AVX2+FMA), timed against the better of the other two; on an
+AVX2-only host (AMD EPYC) oneDNN has no bfloat16 layout, so against torch's F.linear alone,
+which it must beat like any other candidate to be used. Not cached across processes: a
 measurement disturbed by a busy neighbour must not outlive the process that took it.
 MOE_MESH_PREPACK overrides the measured layout: `on` oneDNN's, `off` plain tensors, `panels`
 moe-mesh's own bfloat16 kernel wherever it runs.
@@ -105,7 +107,7 @@ def panels(dtype: torch.dtype) -> bool:
     """Whether `dtype` weights are held for moe-mesh's own kernel (bf16.Panels) in this process:
     bfloat16 only, where it runs, and only where it beats the better of plain and oneDNN."""
     forced = _prepack_setting()
-    if dtype != torch.bfloat16 or forced in ("off", "on") or bf16.library() is None:
+    if dtype != torch.bfloat16 or forced in ("off", "on") or bf16.kernel("moe_bf16_linear") is None:
         return False
     if forced == "panels":
         return True

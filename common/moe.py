@@ -159,6 +159,10 @@ def expert_ffn(x: torch.Tensor, w: FFNWeights) -> torch.Tensor:
 
     Biases (gpt-oss) are added to the rounded products, as transformers adds them: a bias fused
     into the GEMM rounds once, and differs from it in the last bit of most bfloat16 outputs."""
+    if w.up is not None:  # gate and up apart, as the checkpoint stores them (FFNWeights)
+        gate, up = linear(x, w.gate_up), linear(x, w.up)  # [n, inter] each
+        y = linear(gated(gate, up, w.activation), w.down)  # [n, hidden]
+        return y if w.down_bias is None else y + w.down_bias
     if w.activation.kind == "silu" and w.gate_up_bias is None and w.down_bias is None:
         if (y := bf16.silu_ffn(x, w.gate_up, w.down)) is not None:  # one call, bfloat16 panels
             return y

@@ -13,14 +13,18 @@ from common.arch.spec import ExpertActivation
 class FFNWeights:
     """A SwiGLU FFN: down(silu(gate(x)) * up(x)). Used for routed experts, shared experts and dense MLPs.
 
-    Gate and up are one matrix, so both projections are one GEMM (one pass over x, one kernel call).
+    Gate and up are one matrix, so both projections are one GEMM (one pass over x, one kernel call);
+    or, with `up` set, two views of a checkpoint that stores them apart, used as stored so that
+    processes mapping the file share its pages (joining them would take a copy per process).
     """
 
-    gate_up: torch.Tensor  # [2 * inter, hidden], gate rows first; plain or prepacked
+    # [2 * inter, hidden], gate rows first; plain or prepacked. With `up`: the gate's [inter, hidden]
+    gate_up: torch.Tensor
     down: torch.Tensor  # [hidden, inter]
-    gate_up_bias: torch.Tensor | None = None  # [2 * inter] (gpt-oss)
+    gate_up_bias: torch.Tensor | None = None  # [2 * inter] (gpt-oss); never with `up`
     down_bias: torch.Tensor | None = None  # [hidden]
     activation: ExpertActivation = ExpertActivation()
+    up: torch.Tensor | None = None  # [inter, hidden], plain: the up projection apart from the gate
 
     @classmethod
     def from_parts(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> FFNWeights:
@@ -28,7 +32,7 @@ class FFNWeights:
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.gate_up, self.down, self.gate_up_bias, self.down_bias)
+        tensors = (self.gate_up, self.up, self.down, self.gate_up_bias, self.down_bias)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 

@@ -35,6 +35,7 @@ ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss",
 PRESETS = ("tiny", "small")
 EXPERT_LAYOUTS = ("per_expert", "fused")
 QUANTIZATIONS = ("mxfp4",)  # gpt-oss's published expert format
+DTYPES = ("float32", "bfloat16")
 
 
 def create_checkpoint(
@@ -49,6 +50,7 @@ def create_checkpoint(
     max_shard_size: str | int | None = None,
     progress: bool = False,
     quantize: str | None = None,
+    dtype: str = "float32",
 ) -> Path:
     """Write a random-initialised HuggingFace-layout checkpoint (config.json, safetensors, tokenizer); return out_dir.
 
@@ -66,12 +68,14 @@ def create_checkpoint(
     (e.g. "200MB"); ``progress`` prints stage messages and progress bars on stderr.
     gpt-oss stores its experts fused (``[E, H, 2I]`` with gate and up columns alternating, ``[E, I, H]``)
     whatever the layout; ``quantize="mxfp4"`` writes them as published gpt-oss checkpoints do.
+    ``dtype="bfloat16"`` stores the weights in bfloat16: drawn in float32, cast before saving
+    (saving holds copies of the weights: a 2.5 G-parameter float32 model peaked at 16.5 GB RSS).
 
     Raises ValueError for unknown arch/preset/layout or an out_dir that cannot be created, and
     FileExistsError if out_dir exists and is not empty.
     """
     out_dir = Path(out_dir)
-    _check_arguments(out_dir, arch, preset, expert_layout, quantize)
+    _check_arguments(out_dir, arch, preset, expert_layout, quantize, dtype)
     # Here, not at module level: `moe-mesh probe` and friends must start fast.
     from tokenizers import Tokenizer
 
@@ -84,11 +88,10 @@ def create_checkpoint(
     tokenizer = Tokenizer.from_str(tokenizer_json(p["vocab"]))
     config = _config(arch, p, tokenizer.get_vocab_size(), overrides, quantize)
     stage(f"initialising {CLASSES[arch][1]} ({preset}, seed {seed})")
-    model = _random_model(arch, config, seed, router_skew)
+    model = _random_model(arch, config, seed, router_skew, dtype)
     n_params = sum(t.numel() for t in model.parameters())
-    stage(
-        f"writing {n_params / 1e6:.1f}M parameters ({n_params * 4 / 2**20:.0f} MiB float32) to {out_dir}"
-    )
+    size = n_params * next(model.parameters()).element_size()
+    stage(f"writing {n_params / 1e6:.1f}M parameters ({size / 2**20:.0f} MiB {dtype}) to {out_dir}")
     _save_model(model, out_dir, max_shard_size, progress)
     if arch == "qwen3_moe":
         _rename_qwen3_expert_count(out_dir / "config.json")
@@ -105,13 +108,14 @@ def create_checkpoint(
 
 
 def _check_arguments(
-    out_dir: Path, arch: str, preset: str, expert_layout: str, quantize: str | None
+    out_dir: Path, arch: str, preset: str, expert_layout: str, quantize: str | None, dtype: str
 ) -> None:
     """Every argument problem, before seconds go into building a model."""
     for what, value, valid in (
         ("arch", arch, ARCHS),
         ("preset", preset, PRESETS),
         ("expert_layout", expert_layout, EXPERT_LAYOUTS),
+        ("dtype", dtype, DTYPES),
     ):
         if value not in valid:
             raise ValueError(f"unknown {what} {value!r}; expected one of: {', '.join(valid)}")
@@ -157,7 +161,7 @@ def _config(
     return config
 
 
-def _random_model(arch: str, config: Any, seed: int, router_skew: float) -> Any:
+def _random_model(arch: str, config: Any, seed: int, router_skew: float, dtype: str) -> Any:
     import torch  # here, not at module level: `moe-mesh probe` and friends must start fast
     import transformers
 
@@ -166,7 +170,7 @@ def _random_model(arch: str, config: Any, seed: int, router_skew: float) -> Any:
     init_parameters(model, seed)
     if router_skew:
         apply_router_skew(model, router_skew, seed)
-    return model
+    return model.to(getattr(torch, dtype))  # parameter by parameter: one float32 copy at most
 
 
 def _save_model(
@@ -245,6 +249,9 @@ class CreateSettings(BaseModel):
     quantize: Literal[QUANTIZATIONS] | None = Field(  # type: ignore[valid-type]
         None, description="gpt_oss: store the experts in MXFP4, as published gpt-oss checkpoints do"
     )
+    dtype: Literal[DTYPES] = Field(  # type: ignore[valid-type]
+        "float32", description="dtype of the stored weights (drawn in float32, then cast)"
+    )
     override: list[tuple[str, Any]] | None = Field(
         None,
         description="config field override, repeatable (e.g. num_experts_per_tok=1)",
@@ -278,6 +285,7 @@ def _cmd_create(args: argparse.Namespace) -> int:
             max_shard_size=s.max_shard_size,
             progress=s.preset != "tiny",
             quantize=s.quantize,
+            dtype=s.dtype,
         )
     except (FileExistsError, ValueError) as exc:
         print(f"moe-mesh checkpoint create: error: {exc}", file=sys.stderr)

@@ -1,5 +1,8 @@
 """Selective loading really saves memory: resident memory of dense-only and one-expert loads of the
-`small` preset against a full load, each measured in a fresh process after touching every loaded byte."""
+`small` preset against a full load, each measured in a fresh process after touching every loaded byte.
+And an expert service holds one copy of its weights: its peak is its weights plus the import floor
+plus a bounded margin, and replicas share the weights they use as stored (bench/memory.py measures).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from moe_mesh.local.processes import start_experts, stop_all
 
 MEASURE = r"""
 import dataclasses, json, sys
@@ -65,3 +71,37 @@ def test_subset_loads_use_a_fraction_of_a_full_load(checkpoint) -> None:
     assert dense["rss_bytes"] < 0.3 * full["rss_bytes"]
     assert one["rss_bytes"] < 0.05 * full["rss_bytes"]
     assert one["rss_bytes"] < dense["rss_bytes"]
+
+
+# 2 layers of 8 experts, each 3 × 1024 × 1024 float32 (12 MiB): 192 MiB, far above the noise.
+WIDE = {"hidden_size": 1024, "moe_intermediate_size": 1024, "num_hidden_layers": 2}
+WIDE_WEIGHTS_MIB = 2 * 8 * 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prepack", ["auto", "off"])
+def test_expert_services_hold_one_copy_of_their_weights(checkpoint, tmp_path, prepack) -> None:
+    """Two replicas of every expert, their weights touched by a call: each peaks within the
+    margin over weights + import floor; used as stored (prepack off; Qwen stores gate and up back
+    to back), their checkpoint pages count once between them."""
+    from bench.memory import MARGIN_MIB, import_floor, memory, touch
+
+    path = checkpoint("qwen3_moe", overrides=WIDE)
+    floor = import_floor("off")
+    env = {} if prepack == "auto" else {"MOE_MESH_PREPACK": prepack}
+    procs = start_experts(path, ["*:*", "*:*"], tmp_path, "--fast-path", "off", env=env)
+    try:
+        assert [touch(p.address) for p in procs] == [("float32", 16)] * 2
+        rows = [memory(p.proc.pid, path) for p in procs]
+    finally:
+        stop_all(procs)
+    print(f"\nimport floor {floor['rss_mib']:.0f} MiB; replicas (prepack {prepack}): {rows}")
+    for row in rows:
+        assert row["peak_rss_mib"] <= WIDE_WEIGHTS_MIB + floor["rss_mib"] + MARGIN_MIB, row
+    shared = sum(row["pss_checkpoint_mib"] for row in rows)
+    if prepack == "off" or not torch.backends.mkldnn.is_available():
+        assert 0.9 * WIDE_WEIGHTS_MIB <= shared <= 1.05 * WIDE_WEIGHTS_MIB
+        for row in rows:  # no private copy beside the shared pages
+            assert row["pss_anon_mib"] < floor["anon_mib"] + 0.5 * WIDE_WEIGHTS_MIB, row
+    else:  # repacked copies: the file pages they were made from are gone
+        assert shared < 0.1 * WIDE_WEIGHTS_MIB

@@ -1,7 +1,11 @@
 """moe-mesh's bfloat16 kernel: F.linear's products to within one rounding, rows independent of
-their batch-mates, any input width, and a clean refusal where it cannot be built."""
+their batch-mates, any input width, and a clean refusal where it cannot be built. The tests of
+the vector kernels run once per instruction set this CPU has (`isa`: AVX2+FMA, and AVX-512
+where present), and the two must give the same bits."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +15,19 @@ from common import bf16
 from common.moe import Routing, group_by_expert
 
 pytestmark = pytest.mark.skipif(
-    bf16.library() is None, reason="no C compiler or no AVX-512 here: the kernel cannot be built"
+    bf16.level() < 1, reason="no C compiler or no AVX2+FMA here: the kernels cannot run"
 )
+ISAS = {1: "avx2", 2: "avx512"}
+
+
+@pytest.fixture(params=[n for n in ISAS if n <= bf16.level()], ids=lambda n: ISAS[n])
+def isa(request):
+    """The vector kernels of one instruction set this CPU runs (an AVX-512 host runs both)."""
+    bf16.library().moe_bf16_limit(request.param)
+    try:
+        yield request.param
+    finally:
+        bf16.library().moe_bf16_limit(2)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -24,7 +39,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> to
 @pytest.mark.parametrize(("out", "width"), [(64, 1), (64, 17), (192, 96), (128, 1024)])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_products_are_float32_accumulations_rounded_once(out, width, rows, with_bias) -> None:
+def test_products_are_float32_accumulations_rounded_once(out, width, rows, with_bias, isa) -> None:
     gen = torch.Generator().manual_seed(rows * out + width)
     w = torch.randn(out, width, generator=gen).bfloat16()
     x = torch.randn(rows, width, generator=gen).bfloat16()
@@ -37,7 +52,7 @@ def test_products_are_float32_accumulations_rounded_once(out, width, rows, with_
     assert (got == want).float().mean() > 0.9
 
 
-def test_a_row_gets_the_same_bits_whatever_its_batch_mates() -> None:
+def test_a_row_gets_the_same_bits_whatever_its_batch_mates(isa) -> None:
     gen = torch.Generator().manual_seed(0)
     w = bf16.Panels(torch.randn(256, 512, generator=gen).bfloat16())
     x = torch.randn(40, 512, generator=gen).bfloat16()
@@ -96,7 +111,7 @@ def test_a_build_goes_to_the_cache_once(monkeypatch, tmp_path) -> None:
         bf16.library.cache_clear()
 
 
-def test_outputs_round_to_nearest_even_as_torch_rounds() -> None:
+def test_outputs_round_to_nearest_even_as_torch_rounds(isa) -> None:
     """Each output is the exact float32 sum of two inputs (weights of one and zero), so only the
     final rounding to bfloat16 can differ from torch's; ties and overflow included."""
     k = 64
@@ -117,7 +132,7 @@ def test_outputs_round_to_nearest_even_as_torch_rounds() -> None:
 
 
 @pytest.mark.parametrize("shape", [(1, 1024), (7, 64), (3, 5, 128), (70, 256)])
-def test_rms_norm_rounds_as_transformers_recipe_does(shape) -> None:
+def test_rms_norm_rounds_as_transformers_recipe_does(shape, isa) -> None:
     gen = torch.Generator().manual_seed(len(shape))
     x = (torch.randn(*shape, generator=gen) * 4).bfloat16()
     w = torch.randn(shape[-1], generator=gen).bfloat16()
@@ -164,7 +179,7 @@ def torch_combine(outputs, groups, weights, n, k, dtype) -> torch.Tensor:
 @pytest.mark.parametrize("k", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_combine_gives_the_bits_of_torchs_multiply_and_sum(n, k, dtype, weight_dtype) -> None:
+def test_combine_gives_the_bits_of_torchs_multiply_and_sum(n, k, dtype, weight_dtype, isa) -> None:
     gen = torch.Generator().manual_seed(n * 100 + k)
     groups = routed(n, k, gen)
     outputs = [
@@ -226,7 +241,7 @@ def op_by_op(x: torch.Tensor, gate_up: bf16.Panels, down: bf16.Panels) -> torch.
 @pytest.mark.parametrize(
     ("rows", "hidden", "inter"), [(1, 1024, 1024), (7, 256, 512), (40, 128, 64)]
 )
-def test_silu_ffn_rounds_where_the_op_by_op_recipe_rounds(rows, hidden, inter) -> None:
+def test_silu_ffn_rounds_where_the_op_by_op_recipe_rounds(rows, hidden, inter, isa) -> None:
     gate_up, down = (bf16.Panels(w) for w in ffn_pair(hidden, inter, rows))
     x = (torch.randn(rows, hidden, generator=torch.Generator().manual_seed(9)) * 2).bfloat16()
     x[0, :4] = torch.tensor([60.0, -60.0, 1e-3, -1e-3])  # gates far into silu's tails
@@ -238,7 +253,7 @@ def test_silu_ffn_rounds_where_the_op_by_op_recipe_rounds(rows, hidden, inter) -
     assert bf16.silu_ffn(x[:0], gate_up, down).shape == (0, hidden)
 
 
-def test_silu_of_extreme_gates_is_torchs() -> None:
+def test_silu_of_extreme_gates_is_torchs(isa) -> None:
     # gate = x[i], up = x[63] = 1, down = identity: the output is silu(x) itself.
     n = 64
     gate = torch.eye(n)
@@ -302,7 +317,7 @@ def test_kv_write_stores_what_index_copy_stores(dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("kv_heads", "group", "dim"), [(2, 4, 64), (4, 1, 32), (1, 3, 128)])
 def test_decode_attention_in_place_is_sdpa_over_the_gathered_context(
-    dtype, kv_heads, group, dim
+    dtype, kv_heads, group, dim, isa
 ) -> None:
     k_cache, v_cache = paged(dtype, kv_heads, dim)
     gen = torch.Generator().manual_seed(kv_heads)
@@ -355,7 +370,7 @@ def test_attention_kernels_leave_what_they_cannot_take_to_torch() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_decode_steps_attention_in_one_call_is_its_three_kernels_in_turn(dtype) -> None:
+def test_a_decode_steps_attention_in_one_call_is_its_three_kernels_in_turn(dtype, isa) -> None:
     heads, kv_heads, dim = 4, 2, 32
     gen = torch.Generator().manual_seed(5)
     qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
@@ -374,3 +389,63 @@ def test_a_decode_steps_attention_in_one_call_is_its_three_kernels_in_turn(dtype
     apart = bf16.decode_attention(qk[:, :heads], *apart_cache, tables, lengths, 0.3)
     assert torch.equal(fused, apart)
     assert all(torch.equal(a, b) for a, b in zip(fused_cache, apart_cache))
+
+
+def test_the_level_is_what_the_cpu_flags_say() -> None:
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    flags = next((set(li.split(":", 1)[1].split()) for li in lines if li.startswith("flags")), None)
+    if flags is None:
+        pytest.skip("no /proc/cpuinfo flags here")
+    assert bf16.level() == (
+        2 if {"avx512f", "avx512bw"} <= flags else int({"avx2", "fma"} <= flags)
+    )
+
+
+def test_a_cpu_without_the_vector_kernels_runs_only_the_plain_ones(monkeypatch) -> None:
+    x, w, slots = torch.randn(2, 64).bfloat16(), torch.randn(64).bfloat16(), [torch.tensor([0, 1])]
+    caches = paged(torch.float32, 2, 32)
+    attention = (torch.randn(1, 2, 32), *caches, torch.zeros(1, 1, dtype=torch.int64))
+    attention += (torch.tensor([1]), 0.2)
+    runs = (
+        lambda: bf16.rms_norm(x, w, 1e-5),
+        lambda: bf16.combine([x], slots, torch.ones(2), 1, torch.bfloat16),
+        lambda: bf16.decode_attention(*attention),
+    )
+    assert all(run() is not None for run in runs) and bf16.fits(torch.randn(64, 32).bfloat16())
+    monkeypatch.setattr(bf16.library(), "level", 0)  # neither AVX2+FMA nor AVX-512
+    assert all(run() is None for run in runs) and not bf16.fits(torch.randn(64, 32).bfloat16())
+    assert bf16.group(torch.tensor([[1, 0]]), 2) is not None  # plain C: any x86-64
+    assert bf16.rope(torch.randn(1, 2, 8), *torch.randn(2, 1, 1, 8)) is not None
+    assert bf16.kv_write(*torch.randn(2, 1, 2, 32), torch.tensor([3]), *caches)
+
+
+def outputs_of_every_vector_kernel() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 256, generator=gen).bfloat16()
+    gate_up, down = (bf16.Panels(w) for w in ffn_pair(256, 128, 3))
+    norm = bf16.rms_norm(x, torch.randn(256, generator=gen).bfloat16(), 1e-5, x.flip(0))
+    groups = routed(9, 4, gen)
+    rows = [torch.randn(g.size, 256, generator=gen).bfloat16() for g in groups]
+    k_cache, v_cache = paged(torch.bfloat16, 2, 64)
+    tables = torch.stack([torch.randperm(64, generator=gen)[:38] for _ in range(3)])
+    q = torch.randn(3, 6, 64, generator=gen).bfloat16()
+    return [
+        gate_up(x, torch.randn(256, generator=gen)),
+        bf16.silu_ffn(x, gate_up, down),
+        *norm,
+        bf16.combine(rows, [g.slots for g in groups], torch.rand(36), 4, torch.bfloat16),
+        bf16.decode_attention(q, k_cache, v_cache, tables, torch.tensor([1, 37, 150]), 0.125),
+    ]
+
+
+def test_avx2_and_avx512_give_the_same_bits() -> None:
+    if bf16.level() < 2:
+        pytest.skip("this CPU has no AVX-512: only the AVX2 kernels run here")
+    lib = bf16.library()
+    try:
+        lib.moe_bf16_limit(1)
+        avx2 = outputs_of_every_vector_kernel()
+    finally:
+        lib.moe_bf16_limit(2)
+    for a, b in zip(avx2, outputs_of_every_vector_kernel(), strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import pytest
 import torch
 
 from common.errors import InvalidArgumentError
 from common.placement import parse_experts
 from common.weights import FFNWeights
-from expert_service.core import ExpertHost
+from expert_service.core import ExpertHost, large_frees_returned
 from tests.support.experts import SPEC
 
 
@@ -35,3 +38,24 @@ async def test_large_finite_activations_pass_and_any_nan_or_inf_is_counted(setti
         with pytest.raises(InvalidArgumentError, match="holds 2 non-finite value"):
             await forward(hidden)
     await host.close()
+
+
+def _anon_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc and /proc")
+def test_a_temporary_freed_while_loading_leaves_the_process() -> None:
+    """What loading frees (gate and up joined, then repacked) must not stay resident."""
+    with large_frees_returned():
+        pinned = torch.ones(1 << 18)  # 1 MiB kept: below the temporary, as a packed weight is
+        before = _anon_mib()
+        temporary = torch.ones(4 << 20)  # 16 MiB, every page touched
+        during = _anon_mib()
+        del temporary
+        after = _anon_mib()
+    assert during - before >= 15 and after - before < 2, (before, during, after)
+    assert pinned.sum() == 1 << 18

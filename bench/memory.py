@@ -1,0 +1,214 @@
+"""Resident memory of expert services against the weights they hold, in one run:
+
+1. the import floor: a child process that imports what a service imports (torch, gRPC, the
+   service's modules, ucxx unless the fast path is off) and holds no weights, its RSS;
+2. one expert service per `--specs` (default one expert, then every expert), and two replicas of
+   one group (`--replica-spec`), all started together and waited for; each is then sent one
+   Forward call per layer it serves, over every expert it holds, so every weight is touched;
+3. for each: weight bytes, peak RSS (VmHWM), RSS, PSS (/proc/PID/smaps_rollup) and the PSS of
+   its mappings of the checkpoint's files, and the peak's margin over weights + floor (target:
+   at most 100 MiB). For the replicas: how many copies of their weights their PSS holds (target 1:
+   the checkpoint's page-cache pages, which PSS splits between the processes mapping them).
+
+    .venv/bin/python -m bench.memory [--checkpoint DIR] [--dtype auto] [--prepack auto]
+
+(from the checkout root). `--prepack off` (MOE_MESH_PREPACK for the services) keeps every weight
+in the file's layout; by default float32 weights are repacked into oneDNN's layout wherever oneDNN
+has the dtype, which an expert service needs for batch-invariant products (common/linear.py):
+then each process holds its own copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from common import runtime
+
+runtime.configure(shares_cores=True)  # several services on this host: before torch loads OpenMP
+import grpc  # noqa: E402
+import torch  # noqa: E402
+from pydantic import Field  # noqa: E402
+
+from bench import ScriptSettings, ensure_checkpoint, parse_settings, write_result  # noqa: E402
+from common.arch import checkpoint_spec  # noqa: E402
+from common.placement import parse_experts  # noqa: E402
+from common.server import channel_options  # noqa: E402
+from common.wire import FROM_WIRE, encode  # noqa: E402
+from moe_mesh.local.processes import ServiceProcess, start_experts, stop_all  # noqa: E402
+from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MIB = 2**20
+MARGIN_MIB = 100  # the target: peak RSS <= weights + import floor + this
+
+# What `python -m expert_service` imports before it loads weights (expert_service/cli.py), and
+# ucxx as its fast path does (common/fastpath/ucx.py): the floor every service pays.
+FLOOR = r"""
+import json, sys
+from common import runtime
+runtime.configure(shares_cores=True)
+import uvloop, torch
+from common.server import serve_app
+from expert_service.app import ExpertApp
+if sys.argv[1] != "off":
+    from common.fastpath.ucx import load_ucxx
+    load_ucxx(loopback=True)
+print(json.dumps({"modules": len(sys.modules), "status": open("/proc/self/status").read()}))
+"""
+
+
+def status_kib(text: str) -> dict[str, int]:
+    """The kB fields of a /proc status or smaps_rollup text, e.g. {"VmHWM": 301234, "Pss": ...}."""
+    out = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if len(parts) == 2 and parts[1] == "kB":
+            out[key.strip()] = int(parts[0])
+    return out
+
+
+def checkpoint_pss_kib(pid: int, checkpoint: Path) -> int:
+    """PSS of the process's mappings of the checkpoint's files: its weights used as stored."""
+    root, total, inside = str(checkpoint.resolve()), 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        first = line.split(maxsplit=1)[0]
+        if "-" in first and not first.endswith(":"):  # a mapping's header line
+            inside = line.rstrip().endswith(".safetensors") and root in line
+        elif inside and first == "Pss:":
+            total += int(line.split()[1])
+    return total
+
+
+def memory(pid: int, checkpoint: Path) -> dict[str, float]:
+    """Peak RSS, RSS, PSS (anonymous and of the checkpoint's pages) of a process, in MiB."""
+    status = status_kib(Path(f"/proc/{pid}/status").read_text())
+    rollup = status_kib(Path(f"/proc/{pid}/smaps_rollup").read_text())
+    return {
+        "peak_rss_mib": status["VmHWM"] / 1024,
+        "rss_mib": status["VmRSS"] / 1024,
+        "pss_mib": rollup["Pss"] / 1024,
+        "pss_anon_mib": rollup.get("Pss_Anon", 0) / 1024,
+        "pss_checkpoint_mib": checkpoint_pss_kib(pid, checkpoint) / 1024,
+    }
+
+
+def import_floor(fast_path: str) -> dict:
+    """RSS of a fresh process that imported what a service imports (FLOOR), and its module count."""
+    env = runtime.shared_cores_env(dict(os.environ))
+    out = subprocess.run(
+        [sys.executable, "-c", FLOOR, fast_path],
+        check=True, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+    )  # fmt: skip
+    reply = json.loads(out.stdout.strip().splitlines()[-1])
+    status = status_kib(reply["status"])
+    return {
+        "rss_mib": status["VmRSS"] / 1024,
+        "peak_rss_mib": status["VmHWM"] / 1024,
+        "anon_mib": status.get("RssAnon", 0) / 1024,
+        "modules": reply["modules"],
+    }
+
+
+def touch(address: str) -> tuple[str, int]:
+    """One Forward call per layer the service serves, one token for each of its experts there, so
+    every weight it holds is read; its dtype and how many experts it holds."""
+    with grpc.insecure_channel(address, options=channel_options(256 * MIB)) as channel:
+        stub = expert_pb2_grpc.ExpertServiceStub(channel)
+        d = stub.Describe(expert_pb2.DescribeRequest(), timeout=30)
+        dtype = FROM_WIRE[d.dtype]
+        layers: dict[int, list[int]] = {}
+        for key in d.experts:
+            layers.setdefault(key.layer, []).append(key.expert)
+        for layer, experts in sorted(layers.items()):
+            hidden = torch.randn(len(experts), d.hidden_size).to(dtype)  # [experts, hidden]
+            stub.Forward(
+                expert_pb2.ExpertForwardRequest(
+                    model_id=d.model_id, weights_checksum=d.weights_checksum, layer=layer,
+                    expert_ids=experts, token_counts=[1] * len(experts), hidden=encode(hidden),
+                ),
+                timeout=120,
+            )  # fmt: skip
+    return str(dtype).removeprefix("torch."), len(d.experts)
+
+
+def row(proc: ServiceProcess, spec: str, args: Settings, floor: dict) -> dict:
+    """One service's memory next to its weights and the floor, after a call touched every weight."""
+    dtype, count = touch(proc.address)
+    model = checkpoint_spec(args.checkpoint)
+    per_expert = 3 * model.hidden_size * model.expert_intermediate_size  # gate, up, down
+    weights = count * per_expert * getattr(torch, dtype).itemsize / MIB
+    m = memory(proc.proc.pid, args.checkpoint)
+    margin = m["peak_rss_mib"] - weights - floor["rss_mib"]
+    print(
+        f"{spec:>10} {dtype}: weights {weights:6.0f} MiB, peak RSS {m['peak_rss_mib']:6.0f}, "
+        f"RSS {m['rss_mib']:6.0f}, PSS {m['pss_mib']:6.0f} (checkpoint pages "
+        f"{m['pss_checkpoint_mib']:.0f}), peak - weights - floor {margin:+.0f} MiB",
+        flush=True,
+    )
+    return {"experts": spec, "dtype": dtype, "weights_mib": weights, **m, "margin_mib": margin}
+
+
+def replicas(rows: list[dict], floor: dict) -> dict:
+    """How many copies of the group's weights two replicas' PSS holds: their checkpoint pages
+    plus their anonymous memory above the floor's, over one copy's bytes."""
+    weights = rows[0]["weights_mib"]
+    held = sum(r["pss_checkpoint_mib"] + r["pss_anon_mib"] - floor["anon_mib"] for r in rows)
+    copies = held / weights
+    print(f"two replicas of {rows[0]['experts']}: {copies:.2f} copies of the weights in their PSS")
+    return {"experts": rows[0]["experts"], "weight_copies_in_pss": copies, "rows": rows}
+
+
+def main_run(args: Settings) -> dict:
+    floor = import_floor(args.fast_path)
+    print(f"import floor: RSS {floor['rss_mib']:.0f} MiB ({floor['modules']} modules)", flush=True)
+    model = checkpoint_spec(args.checkpoint)
+    for spec in [*args.specs, args.replica_spec]:
+        parse_experts(spec, model)  # a bad spec fails here, not in a service's log
+    specs = [*args.specs, args.replica_spec, args.replica_spec]
+    extra = ["--dtype", args.dtype, "--fast-path", args.fast_path]
+    env = {} if args.prepack == "auto" else {"MOE_MESH_PREPACK": args.prepack}
+    procs = start_experts(
+        args.checkpoint, specs, Path(tempfile.mkdtemp(prefix="moe-memory-")), *extra, env=env
+    )
+    try:
+        rows = [row(p, s, args, floor) for p, s in zip(procs, specs)]
+    finally:
+        stop_all(procs)
+    return {
+        "import_floor": floor,
+        "services": rows[: len(args.specs)],
+        "replicas": replicas(rows[len(args.specs) :], floor),
+        "margin_target_mib": MARGIN_MIB,
+        "prepack": args.prepack,
+    }
+
+
+class Settings(ScriptSettings):
+    out: Path = Field(ROOT / "bench/results/memory.json", description="the JSON result")
+    specs: list[str] = Field(["0:0", "*:*"], description="one service per expert spec")
+    replica_spec: str = Field("*:0-1", description="the group two replicas serve")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the services' --dtype"
+    )
+    prepack: Literal["auto", "on", "off", "panels"] = Field(
+        "auto", description="MOE_MESH_PREPACK for the services (common/linear.py)"
+    )
+    fast_path: Literal["auto", "off"] = Field("auto", description="the services' --fast-path")
+
+
+def main() -> int:
+    args = parse_settings(Settings, __doc__)
+    ensure_checkpoint(args.checkpoint)
+    write_result(args.out, {**main_run(args), "checkpoint": str(args.checkpoint)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

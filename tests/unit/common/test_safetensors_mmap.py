@@ -1,0 +1,189 @@
+"""One copy of the weights: what a load keeps as views of the file (shared by every process
+mapping it), what it copies, and that the file pages behind each copy leave the process."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from common.checkpoint import Checkpoint
+from common.moe import expert_ffn
+from common.safetensors_mmap import SafetensorsFile
+from common.weights import FFNWeights
+
+MIB = 2**20
+
+
+def _save(path: Path, tensors: dict[str, torch.Tensor]) -> SafetensorsFile:
+    save_file(tensors, path)
+    return SafetensorsFile(path)
+
+
+def _mapping_rss_kib(path: Path) -> int:
+    """Resident kB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split(maxsplit=1)[0]
+        if "-" in first and not first.endswith(":"):
+            inside = line.rstrip().endswith(str(path))
+        elif inside and first == "Rss:":
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.fixture
+def released(monkeypatch) -> list[torch.Tensor]:
+    """Every view a load asks its files to release."""
+    views: list[torch.Tensor] = []
+    original = SafetensorsFile.release
+
+    def spy(self, view):
+        done = original(self, view)
+        if done:
+            views.append(view)
+        return done
+
+    monkeypatch.setattr(SafetensorsFile, "release", spy)
+    return views
+
+
+def test_tensors_stored_back_to_back_join_into_one_view(tmp_path) -> None:
+    gate, up = torch.randn(4, 8), torch.randn(4, 8)
+    f = _save(tmp_path / "a.safetensors", {"a.gate": gate, "a.up": up, "b": torch.randn(3, 8)})
+    joined = f.joined(["a.gate", "a.up"])
+    assert joined is not None and joined.shape == (8, 8)
+    assert torch.equal(joined, torch.cat([gate, up]))
+    assert joined.data_ptr() == f.get("a.gate").data_ptr()  # a view: no copy
+    assert f.contains(joined) and not f.contains(torch.cat([gate, up]))
+
+
+@pytest.mark.parametrize(
+    "tensors",
+    [
+        {"a": torch.randn(4, 8), "b": torch.randn(4, 8), "c": torch.randn(4, 8)},  # b between
+        {"a": torch.randn(4, 8), "c": torch.randn(4, 8, dtype=torch.float64)},  # dtypes differ
+        {"a": torch.randn(4, 8), "c": torch.randn(4, 6)},  # row lengths differ
+    ],
+)
+def test_tensors_apart_do_not_join(tmp_path, tensors) -> None:
+    f = _save(tmp_path / "a.safetensors", tensors)
+    assert f.joined(["a", "c"]) is None
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/smaps")
+def test_release_drops_the_pages_and_a_later_read_sees_the_file(tmp_path) -> None:
+    big = torch.randn(4 * MIB // 4)  # 4 MiB of float32
+    path = tmp_path / "big.safetensors"
+    f = _save(path, {"big": big, "small": torch.ones(3)})
+    view = f.get("big")
+    assert float(view.sum()) == pytest.approx(float(big.sum()))  # every page read
+    assert _mapping_rss_kib(path) >= 4 * 1024 - 8
+    assert f.release(view)
+    assert _mapping_rss_kib(path) < 64  # only the partial pages at its ends may stay
+    assert torch.equal(view, big)  # read back from the file, unchanged
+
+
+def test_release_leaves_what_is_not_a_view_of_the_file(tmp_path) -> None:
+    f = _save(tmp_path / "a.safetensors", {"a": torch.randn(4, 8)})
+    assert not f.release(torch.randn(4, 8))  # before mapping, and after:
+    assert not f.release(f.get("a").t().contiguous())
+
+
+def _bfloat16_copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(dst / "model.safetensors").items()}
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_gate_and_up_stored_apart_stay_two_views_of_the_file(checkpoint, tmp_path) -> None:
+    """Mixtral stores w1 (gate), w2 (down), w3 (up): joining gate and up would copy them."""
+    path = _bfloat16_copy(checkpoint("mixtral"), tmp_path / "bf16")
+    ckpt = Checkpoint(path)
+    w = ckpt.load_experts([(0, 1)])[(0, 1)]
+    [file] = ckpt._files.values()
+    assert w.up is not None
+    assert all(file.contains(t) for t in (w.gate_up, w.up, w.down))
+    p = "model.layers.0.block_sparse_moe.experts.1."
+    assert torch.equal(w.gate_up, file.get(p + "w1.weight"))
+    assert torch.equal(w.up, file.get(p + "w3.weight"))
+    assert w.nbytes == 3 * w.down.numel() * 2
+    x = torch.randn(5, w.down.shape[0], dtype=torch.bfloat16)
+    fused = FFNWeights(gate_up=torch.cat([w.gate_up, w.up]), down=w.down)
+    assert torch.equal(expert_ffn(x, w), expert_ffn(x, fused))
+
+
+def test_float32_gate_and_up_stored_apart_are_one_copy_and_their_pages_released(
+    checkpoint, released
+) -> None:
+    """float32 keeps transformers' one product over [gate; up], so Mixtral's are joined (a copy)."""
+    ckpt = Checkpoint(checkpoint("mixtral"))
+    w = ckpt.load_experts([(1, 2)])[(1, 2)]
+    [file] = ckpt._files.values()
+    assert w.up is None and not file.contains(w.gate_up) and file.contains(w.down)
+    p = "model.layers.1.block_sparse_moe.experts.2."
+    assert torch.equal(w.gate_up, torch.cat([file.get(p + "w1.weight"), file.get(p + "w3.weight")]))
+    assert [v.data_ptr() for v in released] == [
+        file.get(p + n).data_ptr() for n in ("w1.weight", "w3.weight")
+    ]
+
+
+def test_gate_and_up_stored_back_to_back_are_one_view(checkpoint, released) -> None:
+    """Qwen stores down_proj, gate_proj, up_proj: gate and up are already one [2I, H] matrix."""
+    ckpt = Checkpoint(checkpoint("qwen3_moe"))
+    w = ckpt.load_experts([(0, 3)])[(0, 3)]
+    [file] = ckpt._files.values()
+    p = "model.layers.0.mlp.experts.3."
+    assert w.up is None and file.contains(w.gate_up) and file.contains(w.down)
+    assert w.gate_up.data_ptr() == file.get(p + "gate_proj.weight").data_ptr()
+    assert torch.equal(w.gate_up[w.gate_up.shape[0] // 2 :], file.get(p + "up_proj.weight"))
+    assert not released
+
+
+def test_converted_weights_release_their_pages(checkpoint, released) -> None:
+    ckpt = Checkpoint(checkpoint("qwen3_moe"), dtype=torch.bfloat16)
+    w = ckpt.load_experts([(0, 3)])[(0, 3)]
+    assert w.gate_up.dtype == torch.bfloat16 and w.up is None
+    inter, hidden = ckpt.spec.expert_intermediate_size, ckpt.spec.hidden_size
+    assert sorted(v.numel() for v in released) == [inter * hidden] * 3  # down, gate, up
+
+
+def test_a_fused_expert_converts_its_own_rows_only(checkpoint, released) -> None:
+    """A [E, 2I, H] tensor: the one expert's rows are sliced before conversion, not all E."""
+    ckpt = Checkpoint(checkpoint("mixtral", expert_layout="fused"), dtype=torch.bfloat16)
+    w = ckpt.load_experts([(0, 5)])[(0, 5)]
+    inter, hidden = ckpt.spec.expert_intermediate_size, ckpt.spec.hidden_size
+    assert sorted(v.numel() for v in released) == [inter * hidden, 2 * inter * hidden]
+    reference = Checkpoint(checkpoint("mixtral")).load_experts([(0, 5)])[(0, 5)]
+    assert torch.equal(w.gate_up, reference.gate_up.to(torch.bfloat16))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's layout needs mkldnn")
+def test_prepacked_weights_release_the_pages_they_were_packed_from(checkpoint, released) -> None:
+    ckpt = Checkpoint(checkpoint("qwen3_moe"), prepack=True, batch_invariant=True)
+    w = ckpt.load_experts([(1, 0)])[(1, 0)]
+    if not w.down.is_mkldnn:
+        pytest.skip("oneDNN has no float32 layout here")
+    assert len(released) == 2  # down, and gate and up's one view
+
+
+def test_copies_go_block_by_block_releasing_each_block(checkpoint, released, monkeypatch) -> None:
+    """A copy never holds a whole matrix of read pages beside it: blocks of COPY_BLOCK_BYTES."""
+    monkeypatch.setattr("common.checkpoint.COPY_BLOCK_BYTES", 1000)
+    ckpt = Checkpoint(checkpoint("mixtral"))
+    p = "model.layers.2.block_sparse_moe.experts.0."
+    inter, hidden = ckpt.spec.expert_intermediate_size, ckpt.spec.hidden_size
+    parts = [ckpt.tensor(p + n, (inter, hidden)) for n in ("w1.weight", "w3.weight")]
+    expected = torch.cat(parts)  # before: a released block reads back from the file anyway
+    for dtype in (None, torch.bfloat16):
+        released.clear()
+        out = ckpt.copied(parts, dtype)
+        assert torch.equal(out, expected.to(dtype or torch.float32))
+        per_part = -(-inter * hidden // 250)  # 250 float32 per block
+        assert len(released) == 2 * per_part
+        assert sum(v.numel() for v in released) == 2 * inter * hidden
