@@ -27,6 +27,7 @@ set-up's share of the read bandwidth measured in the same run, before the servic
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -229,11 +230,18 @@ async def main_async(args: ScriptSettings) -> dict:
     itemsize = getattr(torch, spec.torch_dtype, torch.float32).itemsize
     bandwidth = read_bandwidth(repeats=20)  # best of 20, before the services start
     print(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+    print(
+        f"cores: {len(os.sched_getaffinity(0))}; {args.services} expert services with "
+        f"{args.expert_threads} torch threads each, the router with {torch.get_num_threads()}",
+        flush=True,
+    )
     per = spec.num_experts // args.services
     specs = [f"*:{i * per}-{(i + 1) * per - 1}" for i in range(args.services)]
     workdir = Path(tempfile.mkdtemp(prefix="moe-bench-"))
-    # Several services share this host's cores: one torch thread each, or their OpenMP pools spin against
-    # each other (measured: 32-token dispatch p50 109 ms with default threads vs 19 ms with one).
+    # Each service computes with every core this process may use (--expert-threads, default),
+    # its OpenMP threads sleeping when idle (shared_cores_env): at the Mixtral slice, one token's
+    # two experts often land on one service, and one thread there made a layer 1.6x colocated's
+    # (66.9 vs 41.2 ms) against 1.14x with two (38.7 vs 33.8; AMD EPYC, 2 cores, 2 services).
     # Services loading GBs of experts on shared cores take a while: the Qwen3 slice's 4.7 GB over
     # four services took 54 s to be ready here (2 cores, load average 5.5).
     gib = spec.expert_params * itemsize * len(spec.moe_layer_ids) * spec.num_experts / 2**30
@@ -305,7 +313,11 @@ class Settings(ScriptSettings):
     geometry: Literal[NAMES] = Field("small", description="model geometry (bench/geometry.py)")  # type: ignore[valid-type]
     out: Path = Field(ROOT / "bench/results/mesh_dispatch.json", description="the JSON result")
     services: int = Field(4, ge=1, description="expert services")
-    expert_threads: int = Field(1, ge=1, description="torch threads per expert service")
+    expert_threads: int = Field(
+        len(os.sched_getaffinity(0)),
+        ge=1,
+        description="torch threads per expert service (default: the cores this process may use)",
+    )
     repeats: int = Field(50, ge=1, description="layer calls timed per size")
     decode_repeats: int = Field(3, ge=1, description="decode runs per batch")
     new_tokens: int = Field(16, ge=2, description="tokens generated per decode run")
