@@ -45,8 +45,8 @@ runtime.configure()  # before torch loads OpenMP
 import torch  # noqa: E402
 from pydantic import Field  # noqa: E402
 
-from bench import ScriptSettings, parse_settings, write_result  # noqa: E402
-from bench.geometry import NAMES, bytes_per_token, checkpoint_for, model_params  # noqa: E402
+from bench import parse_settings, write_result  # noqa: E402
+from bench.geometry import GeometrySettings, bytes_per_token, checkpoint_for, model_params  # noqa: E402
 from common.arch import ModelSpec, checkpoint_spec  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from moe_mesh.planning.measure import read_bandwidth  # noqa: E402
@@ -234,13 +234,7 @@ def both_fit(spec: ModelSpec, dtype_name: str) -> tuple[bool, int, int]:
     return need < (free := mem_available()), need, free
 
 
-class Settings(ScriptSettings):
-    checkpoint: Path | None = Field(
-        None,
-        description="checkpoint to use (created at --geometry if missing); default: the "
-        "geometry's under .cache/",
-    )
-    geometry: Literal[NAMES] = Field("small", description="model geometry (bench/geometry.py)")  # type: ignore[valid-type]
+class Settings(GeometrySettings):
     out: Path = Field(
         Path("bench/results/engine_vs_transformers.json"), description="the JSON result"
     )

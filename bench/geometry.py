@@ -18,8 +18,11 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import Field
+
+from bench import ScriptSettings
 from common.arch import ModelSpec, checkpoint_spec, parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +88,17 @@ GEOMETRIES: dict[str, Geometry] = {
     )
 }
 NAMES = tuple(GEOMETRIES)
+
+
+class GeometrySettings(ScriptSettings):
+    """What a bench at a `--geometry` takes: the geometry, and a checkpoint that overrides it."""
+
+    checkpoint: Path | None = Field(
+        None,
+        description="checkpoint to use (created at --geometry if missing); default: the "
+        "geometry's under .cache/",
+    )
+    geometry: Literal[NAMES] = Field("small", description="model geometry (bench/geometry.py)")  # type: ignore[valid-type]
 
 
 def geometry_spec(g: Geometry) -> ModelSpec:

@@ -33,7 +33,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Literal
 
 from common import runtime
 
@@ -43,7 +42,7 @@ import uvloop  # noqa: E402
 from pydantic import Field  # noqa: E402
 
 from bench import ScriptSettings, ensure_checkpoint, parse_settings  # noqa: E402
-from bench.geometry import NAMES, bytes_per_token, checkpoint_for  # noqa: E402
+from bench.geometry import GeometrySettings, bytes_per_token, checkpoint_for  # noqa: E402
 from bench.host import around  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -304,13 +303,7 @@ async def main_async(args: ScriptSettings) -> dict:
     }
 
 
-class Settings(ScriptSettings):
-    checkpoint: Path | None = Field(
-        None,
-        description="checkpoint to use (created at --geometry if missing); default: the "
-        "geometry's under .cache/",
-    )
-    geometry: Literal[NAMES] = Field("small", description="model geometry (bench/geometry.py)")  # type: ignore[valid-type]
+class Settings(GeometrySettings):
     out: Path = Field(ROOT / "bench/results/mesh_dispatch.json", description="the JSON result")
     services: int = Field(4, ge=1, description="expert services")
     expert_threads: int = Field(
