@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(PY) -m bench.engine_vs_transformers
 	$(PY) -m bench.mesh_dispatch
 	$(PY) -m bench.memory
+	$(PY) -m bench.vs_llamacpp
 	$(PY) -m bench.dispatch_profile
 	$(PY) -m bench.tiering
 	$(PY) -m bench.tracing

@@ -6,16 +6,19 @@
    one group (`--replica-spec`), all started together and waited for; each is then sent one
    Forward call per layer it serves, over every expert it holds, so every weight is touched;
 3. for each: weight bytes, peak RSS (VmHWM), RSS, PSS (/proc/PID/smaps_rollup) and the PSS of
-   its mappings of the checkpoint's files, and the peak's margin over weights + floor (target:
+   its mappings of the checkpoint's files and packed-weight cache files, and the peak's margin over weights + floor (target:
    at most 100 MiB). For the replicas: how many copies of their weights their PSS holds (target 1:
-   the checkpoint's page-cache pages, which PSS splits between the processes mapping them).
+   the page-cache pages of the checkpoint's files and of the packed-weight cache files, which
+   PSS splits between the processes mapping them).
 
     .venv/bin/python -m bench.memory [--checkpoint DIR] [--dtype auto] [--prepack auto]
 
 (from the checkout root). `--prepack off` (MOE_MESH_PREPACK for the services) keeps every weight
 in the file's layout; by default float32 weights are repacked into oneDNN's layout wherever oneDNN
 has the dtype, which an expert service needs for batch-invariant products (common/linear.py):
-then each process holds its own copy.
+then each process holds its own copy. bfloat16 weights held in moe-mesh's panels are packed once
+into cache files that every service maps (common/packcache.py; MOE_MESH_PACK_CACHE=off: a copy
+each).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch  # noqa: E402
 from pydantic import Field  # noqa: E402
 
 from bench import ScriptSettings, ensure_checkpoint, parse_settings, write_result  # noqa: E402
+from common import packcache  # noqa: E402
 from common.arch import checkpoint_spec  # noqa: E402
 from common.placement import parse_experts  # noqa: E402
 from common.server import channel_options  # noqa: E402
@@ -75,12 +79,17 @@ def status_kib(text: str) -> dict[str, int]:
 
 
 def checkpoint_pss_kib(pid: int, checkpoint: Path) -> int:
-    """PSS of the process's mappings of the checkpoint's files: its weights used as stored."""
-    root, total, inside = str(checkpoint.resolve()), 0, False
+    """PSS of the process's mappings of the checkpoint's files and of its packed-weight cache
+    files (common/packcache.py): its weights used as stored or as packed once for the host."""
+    roots, total, inside = (
+        (str(checkpoint.resolve()), str(packcache.directory(checkpoint))),
+        0,
+        False,
+    )
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         first = line.split(maxsplit=1)[0]
         if "-" in first and not first.endswith(":"):  # a mapping's header line
-            inside = line.rstrip().endswith(".safetensors") and root in line
+            inside = line.rstrip().endswith(".safetensors") and any(r in line for r in roots)
         elif inside and first == "Pss:":
             total += int(line.split()[1])
     return total
@@ -148,7 +157,7 @@ def row(proc: ServiceProcess, spec: str, args: Settings, floor: dict) -> dict:
     margin = m["peak_rss_mib"] - weights - floor["rss_mib"]
     print(
         f"{spec:>10} {dtype}: weights {weights:6.0f} MiB, peak RSS {m['peak_rss_mib']:6.0f}, "
-        f"RSS {m['rss_mib']:6.0f}, PSS {m['pss_mib']:6.0f} (checkpoint pages "
+        f"RSS {m['rss_mib']:6.0f}, PSS {m['pss_mib']:6.0f} (mapped weight pages "
         f"{m['pss_checkpoint_mib']:.0f}), peak - weights - floor {margin:+.0f} MiB",
         flush=True,
     )
@@ -163,6 +172,20 @@ def replicas(rows: list[dict], floor: dict) -> dict:
     copies = held / weights
     print(f"two replicas of {rows[0]['experts']}: {copies:.2f} copies of the weights in their PSS")
     return {"experts": rows[0]["experts"], "weight_copies_in_pss": copies, "rows": rows}
+
+
+def everyone(rows: list[dict], specs: list[str], args: Settings, floor: dict) -> dict:
+    """Copies of the distinct weights that every service started holds between them (their
+    specs overlap: one copy a host is 1.0, one a process the sum of their weights over this)."""
+    model = checkpoint_spec(args.checkpoint)
+    pairs = set().union(*(parse_experts(spec, model) for spec in specs))
+    itemsize = getattr(torch, rows[0]["dtype"]).itemsize
+    distinct = len(pairs) * 3 * model.hidden_size * model.expert_intermediate_size * itemsize / MIB
+    held = sum(r["pss_checkpoint_mib"] + r["pss_anon_mib"] - floor["anon_mib"] for r in rows)
+    print(
+        f"all {len(rows)} services: {held / distinct:.2f} copies of their distinct weights in PSS"
+    )
+    return {"distinct_weights_mib": distinct, "weight_copies_in_pss": held / distinct}
 
 
 def main_run(args: Settings) -> dict:
@@ -185,6 +208,7 @@ def main_run(args: Settings) -> dict:
         "import_floor": floor,
         "services": rows[: len(args.specs)],
         "replicas": replicas(rows[len(args.specs) :], floor),
+        "all_services": everyone(rows, specs, args, floor),
         "margin_target_mib": MARGIN_MIB,
         "prepack": args.prepack,
     }

@@ -11,15 +11,11 @@ on 1-16 MiB weights; on the EPYC (AVX2) 15.9 GB/s at one row (1.4× torch, 74% o
 bandwidth) and 2.9-6.4× torch at 4-32 rows, 0.26× torch's time in common.linear's start-up
 measurement, which uses it only where it wins. EPYC figures from a host shared with other jobs.
 
-Where weights are panels, a gated expert FFN (`silu_ffn`) is one call too, and so is RMSNorm
-with the residual addition before it (`rms_norm`). In bfloat16 and float32 so are a layer's
-expert combine (`combine`), RoPE (`rope`), the KV-cache write (`kv_write`) and decode attention
-read in place from the paged cache (`decode_attention`); grouping a layer's tokens by expert
-(`group`) is one call too. A decode step at batch 1 runs a few hundred small ops, and here
-each torch call costs tens of microseconds once the weights have streamed through the caches,
-more than its arithmetic. Each rounds where torch's op-by-op recipe rounds, except attention:
-SDPA's own exp and summation order are not reproduced, so its outputs may differ from SDPA's in
-the last bit.
+Where weights are panels, a gated expert FFN (`silu_ffn`) is one call too, every routed expert
+of a layer together is one (`silu_ffns`), and so is RMSNorm with the residual addition before it
+(`rms_norm`). In bfloat16 and float32 so are a layer's expert combine (`combine`) and its
+grouping of tokens by expert (`group`); common/attention_kernels.py has RoPE, the KV-cache write
+and decode attention. Each rounds where torch's op-by-op recipe rounds.
 
 What runs where (`level`, `kernel`): the vector kernels (linear, silu_ffn, rms_norm, combine,
 decode attention) on AVX-512F/BW or on AVX2+FMA, with the same bits on both; rope, kv_write and
@@ -38,7 +34,7 @@ import logging
 import os
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -48,6 +44,10 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("bf16_kernel.c")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 COLUMNS = 64  # output columns per kernel call: a weight's row count must be a multiple
+PANEL = 32  # rows of a weight packed together (moe_bf16_pack)
+# What moe_bf16_pack writes: a packed-weight cache file (common.packcache) built for another
+# layout is stale. Change it with moe_bf16_pack.
+LAYOUT = "panels of 32 columns, v1"
 
 
 _C_TYPES = {"i": ctypes.c_int, "l": ctypes.c_long, "f": ctypes.c_float, "p": ctypes.c_void_p}
@@ -60,6 +60,7 @@ _SIGNATURES = {
     "moe_bf16_pack": ("ppll", False, 0),
     "moe_bf16_linear": ("ppppllli", True, 1),
     "moe_bf16_silu_ffn": ("ppppllli", True, 1),
+    "moe_bf16_silu_ffns": ("pppppllli", True, 1),
     "moe_rope_f32": ("plppplll", False, 0),
     "moe_rope_bf16": ("plppplll", False, 0),
     "moe_bf16_rms_norm": ("pppppllfi", False, 1),
@@ -176,7 +177,7 @@ def rms_norm(
     d = None if delta is None else delta.contiguous()
     total = rows if d is None else torch.empty_like(rows)
     y = torch.empty_like(rows)
-    _call(run, rows, d, total, w, y, rows.numel() // h, h, eps, torch.get_num_threads())
+    call(run, rows, d, total, w, y, rows.numel() // h, h, eps, torch.get_num_threads())
     return total, y
 
 
@@ -202,6 +203,9 @@ def group(
     return order, tokens, counts.tolist()
 
 
+FLOATS = (torch.float32, torch.bfloat16)  # what combine and the attention kernels take
+
+
 def combine(
     outputs: list[torch.Tensor],
     slots: list[torch.Tensor | int],
@@ -224,25 +228,29 @@ def combine(
         or len(slots) != len(outputs)
         or h % 16
         or not 0 < k <= 16  # torch sums a few choices in order (tested up to 16)
-        or rows_dtype not in _FLOATS
+        or rows_dtype not in FLOATS
         or dtype != rows_dtype
-        or weights.dtype not in _FLOATS
+        or weights.dtype not in FLOATS
         or weights.numel() != n * k
         or any(o.dtype != rows_dtype or o.dim() != 2 or o.shape[1] != h for o in outputs)
     ):
         return None
-    rows = [o.contiguous() for o in outputs]  # held here while the kernel reads them
-    lone = iter(torch.tensor([s for s in slots if isinstance(s, int)], dtype=torch.int64))
-    held = [next(lone).reshape(1) if isinstance(s, int) else s.contiguous() for s in slots]
-    if any(t.dtype != torch.int64 or t.numel() != r.shape[0] for t, r in zip(held, rows)):
-        return None
+    rows = [o if o.is_contiguous() else o.contiguous() for o in outputs]  # held for the call
+    held: list[torch.Tensor | ctypes.Array] = []  # each group's slots, held for the call
+    for s, r in zip(slots, rows):
+        if isinstance(s, int):  # a lone token's choice: no tensor (a torch call costs ~20 us)
+            held.append((ctypes.c_long * 1)(s))
+        elif s.dtype != torch.int64 or s.numel() != r.shape[0]:
+            return None
+        else:
+            held.append(s.contiguous())
     g = len(rows)
     w = weights.contiguous()
     y = torch.empty(n, h, dtype=dtype)
     failed = run(
         (ctypes.c_void_p * g)(*(r.data_ptr() for r in rows)),
-        (ctypes.c_void_p * g)(*(t.data_ptr() for t in held)),
-        (ctypes.c_long * g)(*(t.numel() for t in held)),
+        (ctypes.c_void_p * g)(*(_address(t) for t in held)),
+        (ctypes.c_long * g)(*(r.shape[0] for r in rows)),
         g,
         rows_dtype == torch.bfloat16,
         w.data_ptr(),
@@ -255,26 +263,6 @@ def combine(
         torch.get_num_threads(),
     )
     return None if failed else y
-
-
-_ROPE = {torch.float32: "moe_rope_f32", torch.bfloat16: "moe_rope_bf16"}
-_FLOATS = tuple(_ROPE)  # what the attention kernels take
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """x [tokens, heads, d] rotated by cos, sin [tokens, 1, d]: x * cos + rotate_half(x) * sin in
-    one call instead of six torch calls, rounded as those ops round (float32 or bfloat16, so the
-    same bits); None where the kernel cannot take them."""
-    run = kernel(_ROPE[x.dtype]) if x.dtype in _ROPE else None
-    if run is None or x.dim() != 3 or x.device.type != "cpu" or not x.numel():
-        return None
-    n, heads, d = x.shape
-    if not _rows_of_heads(x) or d % 2 or {cos.dtype, sin.dtype} != {x.dtype}:
-        return None
-    c, s = cos.reshape(n, d).contiguous(), sin.reshape(n, d).contiguous()  # held for the call
-    out = torch.empty(n, heads, d, dtype=x.dtype)
-    run(x.data_ptr(), x.stride(0), c.data_ptr(), s.data_ptr(), out.data_ptr(), n, heads, d)
-    return out
 
 
 def silu_ffn(x: torch.Tensor, gate_up: object, down: object) -> torch.Tensor | None:
@@ -299,6 +287,56 @@ def silu_ffn(x: torch.Tensor, gate_up: object, down: object) -> torch.Tensor | N
     return y.view(*x.shape[:-1], hidden)
 
 
+def pack(weight: torch.Tensor, out: torch.Tensor) -> None:
+    """`weight` [rows, in] (bfloat16, rows a multiple of PANEL) into `out`, flat, in the panels'
+    layout. Rows pack independently: a weight's row blocks packed one after another into
+    consecutive parts of one `out` are that weight packed (common.checkpoint packs a large one
+    so, its source pages released block by block)."""
+    rows, k = weight.shape
+    assert weight.dtype == out.dtype == torch.bfloat16 and rows % PANEL == 0
+    assert out.is_contiguous() and out.numel() == weight.numel()
+    source = weight.contiguous()  # held here: a temporary would be freed before the call
+    library().moe_bf16_pack(source.data_ptr(), out.data_ptr(), rows, k)
+
+
+def silu_ffns(batches: Sequence[tuple[torch.Tensor, object, object]]) -> list[torch.Tensor] | None:
+    """silu_ffn of every (x, gate_up, down) of one layer's experts in one kernel call (the
+    threads share every expert's blocks); the same bits as one call each. None unless every
+    weight is Panels of the first expert's shapes (then the caller computes each)."""
+    run = kernel("moe_bf16_silu_ffns")
+    if run is None or not batches:
+        return None
+    first_down = batches[0][2]
+    if not isinstance(first_down, Panels):
+        return None
+    hidden, inter = first_down.shape
+    for _, gate_up, down in batches:
+        if not (isinstance(gate_up, Panels) and isinstance(down, Panels)):
+            return None
+        if gate_up.shape != (2 * inter, hidden) or down.shape != (hidden, inter):
+            return None
+    rows = [_rows(x, hidden) for x, _, _ in batches]  # held here while the kernel reads them
+    ys = [torch.empty(r.shape[0], hidden, dtype=torch.bfloat16) for r in rows]
+    count = len(rows)
+
+    def pointers(tensors: Sequence[torch.Tensor]) -> ctypes.Array:
+        return (ctypes.c_void_p * count)(*(t.data_ptr() for t in tensors))
+
+    if run(
+        pointers(rows),
+        pointers([b[1].data for b in batches]),
+        pointers([b[2].data for b in batches]),
+        pointers(ys),
+        (ctypes.c_long * count)(*(r.shape[0] for r in rows)),
+        count,
+        inter,
+        hidden,
+        torch.get_num_threads(),
+    ):
+        raise MemoryError(f"bfloat16 kernel: no memory for {sum(len(r) for r in rows)} rows")
+    return [y.view(*x.shape[:-1], hidden) for y, (x, _, _) in zip(ys, batches)]
+
+
 class Panels:
     """A bfloat16 weight [out, in] in the kernel's layout; `panels(x, bias)` is F.linear's result."""
 
@@ -312,8 +350,20 @@ class Panels:
         self.shape = weight.shape
         self._linear = lib.moe_bf16_linear
         self.data = torch.empty(weight.numel(), dtype=torch.bfloat16)
-        source = weight.contiguous()  # held here: a temporary would be freed before the call
-        lib.moe_bf16_pack(source.data_ptr(), self.data.data_ptr(), *weight.shape)
+        pack(weight, self.data)
+
+    @classmethod
+    def of(cls, packed: torch.Tensor, shape: tuple[int, int]) -> Panels:
+        """Panels over `packed`: the `data` of an earlier Panels of a [out, in] = `shape` weight
+        (mapped from a common.packcache file), used as it is."""
+        if packed.dtype != torch.bfloat16 or packed.shape != (shape[0] * shape[1],):
+            raise ValueError(
+                f"packed {packed.dtype} {list(packed.shape)} is not a {list(shape)} weight's"
+            )
+        panels = cls.__new__(cls)
+        panels.shape, panels.data = torch.Size(shape), packed
+        panels._linear = library().moe_bf16_linear
+        return panels
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         n, k = self.shape
@@ -336,7 +386,7 @@ class Panels:
         return y.view(*x.shape[:-1], n)
 
 
-def _call(run: Callable[..., int | None], *args: object) -> int | None:
+def call(run: Callable[..., int | None], *args: object) -> int | None:
     """Kernel function `run` on args, a tensor passed as its data pointer."""
     return run(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
 
@@ -345,125 +395,10 @@ def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
     """x [..., width] as contiguous rows [m, width] for a kernel over bfloat16 weights."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"expected bfloat16 input for a bfloat16 weight, got {x.dtype}")
+    if x.dim() == 2 and x.shape[1] == width and x.is_contiguous():  # mostly: no torch call
+        return x
     return x.reshape(-1, width).contiguous()
 
 
-def _rows_of_heads(t: torch.Tensor) -> bool:
-    """Whether t [tokens, heads, dim] has contiguous heads (tokens may be further apart)."""
-    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
-
-
-def _takes_cache(
-    name: str, dtype: torch.dtype, cache_k: torch.Tensor, cache_v: torch.Tensor
-) -> bool:
-    """Whether KV kernel `name` takes a layer's cache [kv_heads, blocks, block_size, dim] whose
-    tensors hold `dtype`: float32 or bfloat16, contiguous, and the kernel runs here."""
-    return (
-        kernel(name) is not None
-        and dtype in _FLOATS
-        and {cache_k.dtype, cache_v.dtype} == {dtype}
-        and cache_k.is_contiguous()
-        and cache_v.is_contiguous()
-    )
-
-
-def kv_write(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slots: torch.Tensor,
-    cache_k: torch.Tensor,
-    cache_v: torch.Tensor,
-) -> bool:
-    """Store keys/values [tokens, kv_heads, dim] at `slots` of one layer's cache [kv_heads,
-    blocks, block_size, dim] in one call (index_copy_ over transposed views takes two plus
-    theirs); False where the kernel cannot take them."""
-    dtype = k.dtype
-    if (
-        not _takes_cache("moe_kv_write", dtype, cache_k, cache_v)
-        or v.dtype != dtype
-        or not (_rows_of_heads(k) and _rows_of_heads(v))
-        or slots.dtype != torch.int64
-    ):
-        return False
-    heads, blocks, block_size = cache_k.shape[:3]
-    s = slots.contiguous()
-    new = (dtype == torch.bfloat16, k, k.stride(0), v, v.stride(0), s, s.numel())
-    geometry = (heads, k.shape[2], v.shape[2], blocks * block_size)
-    _call(kernel("moe_kv_write"), *new, *geometry, cache_k, cache_v)
-    return True
-
-
-def decode_attention(
-    q: torch.Tensor,
-    cache_k: torch.Tensor,
-    cache_v: torch.Tensor,
-    tables: torch.Tensor,
-    lengths: torch.Tensor,
-    scale: float,
-) -> torch.Tensor | None:
-    """Attention of one new token per sequence, q [decodes, heads, dim] (heads contiguous, the g
-    sharing a KV head adjacent), over its first lengths[s] cached tokens, read through its block
-    table from one layer's cache [kv_heads, blocks, block_size, dim]: [decodes, heads, v_dim].
-    One call instead of gathering the contexts and calling SDPA; None where it cannot."""
-    dtype = q.dtype
-    kv_heads, blocks, block_size, hd = cache_k.shape
-    vd = cache_v.shape[3]
-    d, heads = q.shape[:2]
-    if (
-        not _takes_cache("moe_decode_attention", dtype, cache_k, cache_v)
-        or not _rows_of_heads(q)
-        or q.shape[2] != hd
-        or heads % kv_heads
-        or hd % 16
-        or vd % 16
-    ):
-        return None
-    t, n = tables.contiguous(), lengths.contiguous()  # held here while the kernel reads them
-    out = torch.empty(d, heads, vd, dtype=dtype)
-    inputs = (dtype == torch.bfloat16, q, q.stride(0), cache_k, cache_v, t, t.shape[1], n)
-    geometry = (d, kv_heads, heads // kv_heads, hd, vd, blocks, block_size)
-    run = kernel("moe_decode_attention")
-    if d and _call(run, *inputs, *geometry, scale, out, torch.get_num_threads()):
-        raise MemoryError("decode attention: no memory for a context's scores")
-    return out
-
-
-def decode_step_attention(
-    qkv: torch.Tensor,
-    cos_sin: tuple[torch.Tensor, torch.Tensor],
-    slots: torch.Tensor,
-    cache_k: torch.Tensor,
-    cache_v: torch.Tensor,
-    tables: torch.Tensor,
-    lengths: torch.Tensor,
-    heads: int,
-    scale: float,
-) -> torch.Tensor | None:
-    """A step of decodes only, from the qkv product [decodes, (heads + 2 * kv_heads) * dim] to
-    attention's output [decodes, heads, dim], in one call: `rope` of q and k by cos, sin
-    [decodes, 1, dim], `kv_write` at `slots`, then `decode_attention`. None where it cannot."""
-    dtype, d = qkv.dtype, qkv.shape[0]
-    kv_heads, blocks, block_size, hd = cache_k.shape
-    if (
-        not _takes_cache("moe_decode_step_attention", dtype, cache_k, cache_v)
-        or {cos_sin[0].dtype, cos_sin[1].dtype} != {dtype}
-        or qkv.dim() != 2
-        or qkv.stride(1) != 1
-        or qkv.shape[1] != (heads + 2 * kv_heads) * hd
-        or cache_v.shape[3] != hd
-        or heads % kv_heads
-        or hd % 16
-        or slots.dtype != torch.int64
-        or not d
-    ):
-        return None
-    cos, sin = (c.reshape(d, hd).contiguous() for c in cos_sin)  # held for the call
-    t, n, s = tables.contiguous(), lengths.contiguous(), slots.contiguous()
-    qk = torch.empty(d, heads + kv_heads, hd, dtype=dtype)
-    out = torch.empty(d, heads, hd, dtype=dtype)
-    inputs = (dtype == torch.bfloat16, qkv, qkv.stride(0), cos, sin, qk, s, cache_k, cache_v)
-    geometry = (d, heads, kv_heads, hd, blocks, block_size)
-    run = kernel("moe_decode_step_attention")
-    if _call(run, *inputs, t, t.shape[1], n, *geometry, scale, out, torch.get_num_threads()):
-        raise MemoryError("decode attention: no memory for a context's scores")
-    return out
+def _address(held: torch.Tensor | ctypes.Array) -> int:
+    return held.data_ptr() if isinstance(held, torch.Tensor) else ctypes.addressof(held)

@@ -50,7 +50,8 @@ void moe_bf16_limit(int level) { level_cap = level; }
 static int avx512(void) { return level_cap >= 2 && moe_bf16_supported() >= 2; }
 #define PICK(name) (avx512() ? name##_avx512 : name##_avx2)
 
-/* w [N][K] -> out [N / 32][K][32]; N a multiple of 32 */
+/* w [N][K] -> out [N / 32][K][32]; N a multiple of 32. common/bf16.py names this layout (LAYOUT):
+   a change here changes that name, or packed-weight cache files of the old layout look valid. */
 void moe_bf16_pack(const uint16_t *w, uint16_t *out, long n, long k) {
     for (long panel = 0; panel < n / PANEL; panel++)
         for (long i = 0; i < k; i++)
@@ -182,6 +183,63 @@ int moe_bf16_silu_ffn(const uint16_t *x, const uint16_t *gate_up, const uint16_t
     }
     free(h);
     return failed;
+}
+
+/* moe_bf16_silu_ffn for `count` experts of one layer in one call (SGLang's CPU fused_experts, the
+   combine left to moe_combine): expert g's rows x[g] [m[g]][hidden] through its weights gate_up[g]
+   and down[g] into y[g]. One thread team for the whole layer: each phase's work is every
+   expert's 64-column blocks together, so the threads share it however few rows each expert
+   has, instead of splitting each small product in turn. The arithmetic of every row is
+   moe_bf16_silu_ffn's, to the bit. -1 when there is no memory for the intermediates. */
+int moe_bf16_silu_ffns(const uint16_t *const *x, const uint16_t *const *gate_up,
+                       const uint16_t *const *down, uint16_t *const *y, const long *m, long count,
+                       long inter, long hidden, int threads) {
+    long *start = malloc(sizeof(long) * (count + 1)); /* expert g's rows: [start[g], start[g+1]) */
+    if (!start) return -1;
+    start[0] = 0;
+    for (long g = 0; g < count; g++) start[g + 1] = start[g] + m[g];
+    long rows = start[count];
+    float *xf = malloc(sizeof(float) * rows * hidden);     /* the inputs, widened */
+    uint16_t *h = malloc(sizeof(uint16_t) * rows * 3 * inter); /* gate|up, then gated */
+    float *gf = malloc(sizeof(float) * rows * inter);      /* the gated product, widened */
+    if (!xf || !h || !gf) {
+        free(start), free(xf), free(h), free(gf);
+        return -1;
+    }
+    uint16_t *gated = h + rows * 2 * inter;
+    void (*block)(const float *, const uint16_t *, uint16_t *, long, long, long, const float *) =
+        PICK(columns);
+    void (*silu_mul)(const uint16_t *, uint16_t *, long) = PICK(silu_mul);
+    long up_blocks = 2 * inter / 64, down_blocks = hidden / 64;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (long g = 0; g < count; g++)
+            for (long i = 0; i < m[g] * hidden; i++)
+                ((uint32_t *)xf)[start[g] * hidden + i] = (uint32_t)x[g][i] << 16;
+#pragma omp for schedule(static)
+        for (long b = 0; b < count * up_blocks; b++) {
+            long g = b / up_blocks, c = b % up_blocks;
+            if (m[g])
+                block(xf + start[g] * hidden, gate_up[g] + 2 * c * hidden * PANEL,
+                      h + start[g] * 2 * inter + c * 64, 2 * inter, m[g], hidden, 0);
+        }
+#pragma omp for schedule(static)
+        for (long r = 0; r < rows; r++) {
+            silu_mul(h + r * 2 * inter, gated + r * inter, inter);
+            for (long i = 0; i < inter; i++)
+                ((uint32_t *)gf)[r * inter + i] = (uint32_t)gated[r * inter + i] << 16;
+        }
+#pragma omp for schedule(static)
+        for (long b = 0; b < count * down_blocks; b++) {
+            long g = b / down_blocks, c = b % down_blocks;
+            if (m[g])
+                block(gf + start[g] * inter, down[g] + 2 * c * inter * PANEL, y[g] + c * 64, hidden,
+                      m[g], inter, 0);
+        }
+    }
+    free(start), free(xf), free(h), free(gf);
+    return 0;
 }
 
 /* RoPE of x [n][heads][d] (tokens ldx elements apart, heads d apart) by cos, sin [n][d] into

@@ -14,11 +14,13 @@ Memory: a weight used as stored stays a view of the file, so processes on one ho
 when it does not and the dtype is not float32, whose fused product is transformers'). A weight
 converted, joined or repacked into a copy has its file pages released as it is copied (`copied`,
 16 MiB at a time) or once repacked (SafetensorsFile.release), so a load peaks near what it keeps,
-not that plus the pages it read.
+not that plus the pages it read. Experts held in moe-mesh's bfloat16 panels are packed once per
+host into files that every process maps (`_cached`, common/packcache.py): one copy a host.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable
@@ -26,9 +28,10 @@ from pathlib import Path
 
 import torch
 
+from common import bf16, packcache
 from common.arch import ModelSpec, checkpoint_spec, family_module, tensor_names
 from common.errors import CheckpointError
-from common.linear import prepack
+from common.linear import in_panels, prepack
 from common.safetensors_mmap import SafetensorsFile
 from common.weights import AttentionWeights, DenseWeights, FFNWeights, LayerWeights
 
@@ -327,6 +330,8 @@ class Checkpoint:
             base = f"model.layers.{layer}.{self.moe_prefix(layer)}experts."
             if load_expert is not None:
                 out[(layer, expert)] = load_expert(self, layer, expert)
+            elif (cached := self._cached(layer, expert, base)) is not None:
+                out[(layer, expert)] = cached
             elif self.has(base + "gate_up_proj"):
                 out[(layer, expert)] = self._fused_expert(base, expert)
             else:
@@ -338,6 +343,65 @@ class Checkpoint:
                     s.expert_intermediate_size,
                 )
         return out
+
+    def _cached(self, layer: int, expert: int, base: str) -> FFNWeights | None:
+        """The expert from this host's packed-weight cache file, where this process holds experts
+        in moe-mesh's panels (common.packcache: one copy a host, not one a process); packed
+        into the file straight from the checkpoint's pages, block by block, where there is none
+        valid. None where experts are held otherwise."""
+        s = self.spec
+        i, h = s.expert_intermediate_size, s.hidden_size
+        if not (self._prepack and packcache.enabled()):
+            return None
+        if self.has(base + "gate_up_proj"):  # fused: [E, 2I, H] and [E, H, I]
+            gate_up = [self._view(base + "gate_up_proj", (s.num_experts, 2 * i, h))[1][expert]]
+            down = self._view(base + "down_proj", (s.num_experts, h, i))[1][expert]
+        else:
+            p, n = f"{base}{expert}.", self.names
+            gate_up = [
+                self._view(f"{p}{name}.weight", (i, h))[1] for name in (n.expert_gate, n.expert_up)
+            ]
+            down = self._view(f"{p}{n.expert_down}.weight", (h, i))[1]
+        dtype = self.dtype or down.dtype
+        shapes = ((2 * i, h), (h, i))
+        if not (down.dtype.is_floating_point and all(in_panels(dtype, x) for x in shapes)):
+            return None
+
+        def fill(out: dict[str, torch.Tensor]) -> None:
+            self._pack_rows(gate_up, out["gate_up"])
+            self._pack_rows([down], out["down"])
+
+        sizes = {"gate_up": 2 * i * h, "down": h * i}
+        tensors = self._packs.get(f"layer{layer}-expert{expert}", sizes, fill)
+        return FFNWeights(
+            gate_up=bf16.Panels.of(tensors["gate_up"], (2 * i, h)),
+            down=bf16.Panels.of(tensors["down"], (h, i)),
+            activation=s.activation,
+        )
+
+    def _pack_rows(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
+        """`parts` (file views) stacked and packed into `out`, COPY_BLOCK_BYTES of them at a time
+        (converted to bfloat16 as `tensor` converts), each block's pages released once packed."""
+        at = 0
+        for part in parts:
+            rows = COPY_BLOCK_BYTES // (part.shape[1] * part.element_size())
+            step = max(bf16.PANEL, rows // bf16.PANEL * bf16.PANEL)
+            for start in range(0, part.shape[0], step):
+                block = part[start : start + step]
+                bf16.pack(block.to(torch.bfloat16), out[at : at + block.numel()])
+                self.release(block)
+                at += block.numel()
+
+    @functools.cached_property
+    def _packs(self) -> packcache.PackCache:
+        """This checkpoint's packed-weight files, keyed by its content (fingerprint, and each
+        file's size and modification time) and the panel layout: not the dtype it was opened in,
+        as panels are bfloat16 whatever the checkpoint stores, converted alike."""
+        files = sorted(set(self._where.values()))
+        stats = [(f, (st := (self.path / f).stat()).st_size, st.st_mtime_ns) for f in files]
+        content = [self.fingerprint(), stats, bf16.LAYOUT]
+        key = hashlib.sha256(json.dumps(content).encode()).hexdigest()[:32]
+        return packcache.PackCache(self.path, key)
 
     def _fused_expert(self, base: str, expert: int) -> FFNWeights:
         s = self.spec

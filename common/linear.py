@@ -85,12 +85,8 @@ def packed(dtype: torch.dtype) -> bool:
         log.info("float32 weights plain: prepacked products differ from torch's in the last bits")
         return False
     began = time.perf_counter()
-    plain = _weights(dtype)
-    layout = [_pack(w) for w in plain]
-    ratio = _time_ratio(
-        lambda rows: _seconds(layout, rows, _packed_linear),
-        lambda rows: _seconds(plain, rows, F.linear),
-    )
+    layout = _times(_weights(dtype, _pack), _packed_linear)
+    ratio = _time_ratio(layout.__getitem__, _times(_weights(dtype), F.linear).__getitem__)
     faster = ratio < _MARGIN
     log.info(
         "%s weights %s: prepacked took %.2f× plain's time (measured in %.2f s)",
@@ -112,17 +108,12 @@ def panels(dtype: torch.dtype) -> bool:
     if forced == "panels":
         return True
     began = time.perf_counter()
-    plain = _weights(dtype)
-    ours = [bf16.Panels(w) for w in plain]
-    layout = [_pack(w) for w in plain] if _can_pack(dtype) else None
-
-    def best_other(rows: int) -> float:
-        other = _seconds(plain, rows, F.linear)
-        if layout is not None:
-            other = min(other, _seconds(layout, rows, _packed_linear))
-        return other
-
-    ratio = _time_ratio(lambda rows: _seconds(ours, rows, linear), best_other)
+    ours = _times(_weights(dtype, bf16.Panels), linear)
+    other = _times(_weights(dtype), F.linear)
+    if _can_pack(dtype):
+        layout = _times(_weights(dtype, _pack), _packed_linear)
+        other = {rows: min(other[rows], layout[rows]) for rows in _ROWS}
+    ratio = _time_ratio(ours.__getitem__, other.__getitem__)
     faster = ratio < _MARGIN
     log.info(
         "%s weights %s: moe-mesh's kernel took %.2f× the time of the best other layout "
@@ -135,6 +126,11 @@ def panels(dtype: torch.dtype) -> bool:
     return faster
 
 
+def in_panels(dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether `prepack` holds a `dtype` weight of `shape` [out, in] as bf16.Panels here."""
+    return panels(dtype) and len(shape) == 2 and shape[0] % bf16.COLUMNS == 0
+
+
 @functools.cache
 def serial_tokens(dtype: torch.dtype) -> int:
     """The largest decode pass (tokens, up to SERIAL_TOKENS) of `dtype` weights that runs on one
@@ -143,7 +139,7 @@ def serial_tokens(dtype: torch.dtype) -> int:
     threads = torch.get_num_threads()
     if threads == 1:
         return SERIAL_TOKENS
-    weights = [prepack(w) for w in _weights(dtype)]
+    weights = _weights(dtype, prepack)
     serial, gains = 0, []
     for rows in _SERIAL_ROWS:
         every = _seconds(weights, rows, linear, repeats=5)
@@ -225,9 +221,20 @@ def _time_ratio(candidate: Callable[[int], float], baseline: Callable[[int], flo
     return ratio ** (1 / len(_ROWS))
 
 
-def _weights(dtype: torch.dtype) -> list[torch.Tensor]:
+def _weights(dtype: torch.dtype, layout: Callable[[torch.Tensor], object] | None = None) -> list:
+    """_WORKING_SET bytes of `dtype` weights, each in `layout` (plain without), made one at a
+    time: a measurement holds one layout's working set at once, not two (an expert service's
+    peak memory: 128 MiB over its floor with two)."""
     count = max(2, _WORKING_SET // (_SHAPE[0] * _SHAPE[1] * dtype.itemsize))
-    return [torch.full(_SHAPE, 0.01, dtype=dtype) for _ in range(count)]
+    plain = (torch.full(_SHAPE, 0.01, dtype=dtype) for _ in range(count))
+    return list(plain) if layout is None else [layout(w) for w in plain]
+
+
+def _times(weights: list, product: Callable) -> dict[int, float]:
+    """_seconds of `weights` at each of _ROWS; `weights` is then let go."""
+    times = {rows: _seconds(weights, rows, product) for rows in _ROWS}
+    weights.clear()
+    return times
 
 
 def _seconds(weights: list[torch.Tensor], rows: int, product: Callable, repeats: int = 3) -> float:

@@ -4,12 +4,13 @@ The hand-off is explicit so a network can sit in the middle:
 
     routing = route(x, router_weight, spec)          # router: top-k experts and weights per token
     groups = group_by_expert(routing)                # router: token rows per expert, ascending expert id
-    outputs = [expert_ffn(x[g.tokens], w_e) ...]     # anywhere: colocated or on an expert service
+    outputs = experts_ffn([(x[g.tokens], w_e) ...])  # anywhere: colocated or on an expert service
     y = combine(groups, outputs, routing, ...)       # router: Σ w·expert(x)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -163,7 +164,7 @@ def expert_ffn(x: torch.Tensor, w: FFNWeights) -> torch.Tensor:
         gate, up = linear(x, w.gate_up), linear(x, w.up)  # [n, inter] each
         y = linear(gated(gate, up, w.activation), w.down)  # [n, hidden]
         return y if w.down_bias is None else y + w.down_bias
-    if w.activation.kind == "silu" and w.gate_up_bias is None and w.down_bias is None:
+    if _plain_silu(w):
         if (y := bf16.silu_ffn(x, w.gate_up, w.down)) is not None:  # one call, bfloat16 panels
             return y
     h = linear(x, w.gate_up)  # [n, 2 * inter]
@@ -172,6 +173,26 @@ def expert_ffn(x: torch.Tensor, w: FFNWeights) -> torch.Tensor:
     gate, up = h.chunk(2, dim=-1)  # [n, inter] each
     y = linear(gated(gate, up, w.activation), w.down)  # [n, hidden]
     return y if w.down_bias is None else y + w.down_bias
+
+
+def experts_ffn(batches: Sequence[tuple[torch.Tensor, FFNWeights]]) -> list[torch.Tensor]:
+    """expert_ffn(x, w) for each (x, w) of one layer: in one kernel call where every expert is a
+    plain SiLU FFN in bfloat16 panels (bf16.silu_ffns: the threads share all the experts' work,
+    as SGLang's fused_experts does), else one call each. The same bits either way."""
+    if all(fusable(w) for _, w in batches):
+        fused = bf16.silu_ffns([(x, w.gate_up, w.down) for x, w in batches])
+        if fused is not None:
+            return fused
+    return [expert_ffn(x, w) for x, w in batches]
+
+
+def fusable(w: FFNWeights) -> bool:
+    """Whether experts_ffn computes `w` together with its layer's other experts."""
+    return w.up is None and _plain_silu(w) and isinstance(w.gate_up, bf16.Panels)
+
+
+def _plain_silu(w: FFNWeights) -> bool:
+    return w.activation.kind == "silu" and w.gate_up_bias is None and w.down_bias is None
 
 
 def gated(gate: torch.Tensor, up: torch.Tensor, act: ExpertActivation) -> torch.Tensor:

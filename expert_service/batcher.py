@@ -23,7 +23,7 @@ import torch
 
 from common import runtime
 from common.errors import NotFoundError, UnavailableError
-from common.moe import expert_ffn
+from common.moe import expert_ffn, experts_ffn, fusable
 from common.placement import Pair
 from common.telemetry import (
     EXPERT_BATCH_TOKENS,
@@ -74,14 +74,33 @@ _Batch = list[tuple[_Group, int, int]]  # (group, start row, stop row)
 def _compute(parts: list[torch.Tensor], w: FFNWeights) -> torch.Tensor:
     """One batch's FFN; runs on the compute thread (grad mode is per thread, hence no_grad here)."""
     with torch.no_grad():
-        x = parts[0] if len(parts) == 1 else torch.cat(parts)  # [tokens, hidden]
-        return expert_ffn(x, w)  # [tokens, hidden]
+        return expert_ffn(_joined(parts), w)  # [tokens, hidden]
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)  # [tokens, hidden]
 
 
 def _compute_job(
     batches: list[tuple[list[torch.Tensor], FFNWeights]],
 ) -> list[tuple[torch.Tensor | Exception, float]]:
-    """Every batch of one job, in order, on the compute thread: (output or its error, seconds) each."""
+    """Every batch of one job, in order, on the compute thread: (output or its error, seconds) each.
+
+    Several batches in one call where their experts allow it (moe.experts_ffn: the threads share
+    every expert's work), each then timed at its rows' share of the call; otherwise, or if that
+    call fails, batch by batch, so that an error fails only the batch it belongs to."""
+    if len(batches) > 1 and all(fusable(w) for _, w in batches):
+        with torch.no_grad():
+            xs = [_joined(parts) for parts, _ in batches]
+            began = time.perf_counter()
+            try:
+                outs = experts_ffn([(x, w) for x, (_, w) in zip(xs, batches)])
+            except Exception:  # found again below, and failing its own batch only
+                outs = None
+        if outs is not None:
+            seconds = time.perf_counter() - began
+            rows = sum(x.shape[0] for x in xs) or 1
+            return [(out, seconds * x.shape[0] / rows) for out, x in zip(outs, xs)]
     results: list[tuple[torch.Tensor | Exception, float]] = []
     for parts, w in batches:
         began = time.perf_counter()

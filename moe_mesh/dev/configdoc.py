@@ -45,7 +45,16 @@ PROCESS_WIDE = [
     (
         "MOE_MESH_CACHE_DIR",
         "router, expert service",
-        "where the bfloat16 kernel is built on first use (default `~/.cache/moe-mesh`)",
+        "where the bfloat16 kernel is built on first use and experts in its layout are packed "
+        "(`packed/`, a directory per checkpoint path; default `~/.cache/moe-mesh`)",
+    ),
+    (
+        "MOE_MESH_PACK_CACHE",
+        "router, expert service",
+        "`on` (default): experts held in moe-mesh's bfloat16 layout are packed once into files "
+        "under `$MOE_MESH_CACHE_DIR/packed/` that every process maps, one copy a host; a stale "
+        "or corrupt file is logged and rebuilt, an unwritable directory leaves the weights in "
+        "process memory (with a warning); `off`: each process packs its own copy",
     ),
     (
         "CC",

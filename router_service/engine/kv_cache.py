@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from common import bf16
+from common import attention_kernels
 from common.errors import InvalidArgumentError
 from common.units import parse_size
 
@@ -64,7 +64,7 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store keys/values [tokens, kv_heads, head_dim] at their slots [tokens]."""
-        if bf16.kv_write(k, v, slots, self.k[layer], self.v[layer]):
+        if attention_kernels.kv_write(k, v, slots, self.k[layer], self.v[layer]):
             return
         rows = (self.kv_heads, self.num_blocks * self.block_size)
         self.k[layer].view(*rows, self.head_dim).index_copy_(1, slots, k.transpose(0, 1))

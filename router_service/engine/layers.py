@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from common import bf16
+from common import attention_kernels, bf16
 from common.arch import ModelSpec
 from common.arch.spec import RopeSpec, yarn_mscale
 from common.linear import linear
@@ -76,7 +76,7 @@ class Rope:
             cos, sin = cos[..., :half], sin[..., :half]
             x1, x2 = x[..., 0::2], x[..., 1::2]
             return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        if (y := bf16.rope(x, cos, sin)) is not None:  # one call, the same bits
+        if (y := attention_kernels.rope(x, cos, sin)) is not None:  # one call, the same bits
             return y
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
@@ -169,7 +169,7 @@ def attention(
         # decodes alone: rope, cache write and attention in one kernel call where it can
         k, v, scale = cache.k[layer], cache.v[layer], hd**-0.5
         tables, lengths = batch.decode_tables, batch.decode_lengths
-        fused = bf16.decode_step_attention(
+        fused = attention_kernels.decode_step_attention(
             qkv, batch.rope, batch.slots, k, v, tables, lengths, heads, scale
         )
         if fused is not None:
@@ -297,7 +297,9 @@ def _decode_attention(
     d, kv_heads = tables.shape[0], cache.kv_heads
     if window is None and sinks is None:  # read in place from the cache, in one call
         k, v, scale = cache.k[layer], cache.v[layer], q.shape[-1] ** -0.5
-        if (out := bf16.decode_attention(q, k, v, tables, batch.decode_lengths, scale)) is not None:
+        if (
+            out := attention_kernels.decode_attention(q, k, v, tables, batch.decode_lengths, scale)
+        ) is not None:
             return out
     # The g query heads that share a kv head go in as g query rows of that head: plain SDPA, no
     # GQA expansion (6× faster in bfloat16 at 32 sequences, the same bits).

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from common.moe import expert_ffn
+from common.moe import experts_ffn
 from common.weights import FFNWeights
 
 
@@ -46,7 +46,7 @@ class ColocatedExperts:
         return f"ColocatedExperts({len(self.weights)} experts)"
 
     def compute(self, layer: int, groups: Sequence[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
-        return [expert_ffn(rows, self.weights[(layer, expert)]) for expert, rows in groups]
+        return experts_ffn([(rows, self.weights[(layer, expert)]) for expert, rows in groups])
 
     async def forward(
         self, layer: int, groups: Sequence[tuple[int, torch.Tensor]], timeout_s: float | None = None

@@ -11,23 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common import bf16
+from common import attention_kernels, bf16
 from common.moe import Routing, group_by_expert
+from tests.support.kernels import paged
 
 pytestmark = pytest.mark.skipif(
     bf16.level() < 1, reason="no C compiler or no AVX2+FMA here: the kernels cannot run"
 )
-ISAS = {1: "avx2", 2: "avx512"}
-
-
-@pytest.fixture(params=[n for n in ISAS if n <= bf16.level()], ids=lambda n: ISAS[n])
-def isa(request):
-    """The vector kernels of one instruction set this CPU runs (an AVX-512 host runs both)."""
-    bf16.library().moe_bf16_limit(request.param)
-    try:
-        yield request.param
-    finally:
-        bf16.library().moe_bf16_limit(2)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -253,6 +243,29 @@ def test_silu_ffn_rounds_where_the_op_by_op_recipe_rounds(rows, hidden, inter, i
     assert bf16.silu_ffn(x[:0], gate_up, down).shape == (0, hidden)
 
 
+@pytest.mark.parametrize(("hidden", "inter"), [(128, 64), (256, 96)])
+def test_a_layers_experts_in_one_call_are_one_call_each_to_the_bit(hidden, inter, isa) -> None:
+    sizes = [1, 0, 7, 3, 13]  # an expert with no rows too
+    weights = [[bf16.Panels(w) for w in ffn_pair(hidden, inter, seed)] for seed in range(5)]
+    gen = torch.Generator().manual_seed(3)
+    xs = [(torch.randn(n, hidden, generator=gen) * 2).bfloat16() for n in sizes]
+    got = bf16.silu_ffns([(x, gu, d) for x, (gu, d) in zip(xs, weights)])
+    assert [y.shape for y in got] == [(n, hidden) for n in sizes]
+    for y, x, (gate_up, down) in zip(got, xs, weights):
+        assert torch.equal(y, bf16.silu_ffn(x, gate_up, down))
+
+
+def test_experts_in_one_call_need_panels_of_one_shape() -> None:
+    a, b = (bf16.Panels(w) for w in ffn_pair(128, 64, 0))
+    c, d = (bf16.Panels(w) for w in ffn_pair(128, 96, 1))
+    x = torch.randn(2, 128).bfloat16()
+    assert bf16.silu_ffns([]) is None
+    assert bf16.silu_ffns([(x, a, b), (x, c, d)]) is None  # another intermediate size
+    assert bf16.silu_ffns([(x, a, b), (x, a, b.data)]) is None  # a weight not in panels
+    with pytest.raises(TypeError, match="bfloat16 input"):
+        bf16.silu_ffns([(x.float(), a, b)])
+
+
 def test_silu_of_extreme_gates_is_torchs(isa) -> None:
     # gate = x[i], up = x[63] = 1, down = identity: the output is silu(x) itself.
     n = 64
@@ -273,124 +286,6 @@ def test_silu_of_extreme_gates_is_torchs(isa) -> None:
     assert torch.equal(got, F.silu(x[0, : len(values)]))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("tokens", "heads", "d"), [(1, 20, 64), (7, 6, 128), (33, 3, 16)])
-def test_rope_gives_the_bits_of_torchs_three_ops(dtype, tokens, heads, d) -> None:
-    gen = torch.Generator().manual_seed(d)
-    qkv = (torch.randn(tokens, heads + 4, d, generator=gen) * 3).to(dtype)
-    qkv[0, 0, :3] = torch.tensor([float("inf"), float("nan"), -0.0])
-    x = qkv[:, :heads]  # q and k of a fused projection: a view, tokens heads + 4 rows apart
-    angle = torch.randn(tokens, 1, d, generator=gen) * 100
-    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
-    half = d // 2
-    want = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-    torch.testing.assert_close(bf16.rope(x, cos, sin), want, rtol=0, atol=0, equal_nan=True)
-
-
-def test_rope_leaves_what_it_cannot_take_to_torch() -> None:
-    x, cs = torch.randn(2, 3, 8), torch.randn(2, 1, 8)
-    assert bf16.rope(x.half(), cs.half(), cs.half()) is None  # float16
-    assert bf16.rope(x, cs.bfloat16(), cs.bfloat16()) is None  # cos/sin of another dtype
-    assert bf16.rope(x[..., :7], cs[..., :7], cs[..., :7]) is None  # odd width, strided
-    assert bf16.rope(x[:0], cs[:0], cs[:0]) is None  # no tokens
-
-
-def paged(dtype: torch.dtype, kv_heads: int, dim: int, block_size: int = 4, blocks: int = 64):
-    """A layer's cache, random: k and v [kv_heads, blocks, block_size, dim]."""
-    gen = torch.Generator().manual_seed(dim)
-    shape = (kv_heads, blocks, block_size, dim)
-    return tuple(torch.randn(*shape, generator=gen).to(dtype) for _ in range(2))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kv_write_stores_what_index_copy_stores(dtype) -> None:
-    k_cache, v_cache = paged(dtype, 2, 32)
-    want_k, want_v = k_cache.clone(), v_cache.clone()
-    qkv = torch.randn(3, 8, 32).to(dtype)  # [tokens, q heads 4 | k heads 2 | v heads 2, dim]
-    k, v, slots = qkv[:, 4:6], qkv[:, 6:], torch.tensor([5, 200, 17])  # tokens 256 apart
-    assert bf16.kv_write(k, v, slots, k_cache, v_cache)
-    for cache, new in ((want_k, k), (want_v, v)):
-        cache.view(2, -1, 32).index_copy_(1, slots, new.transpose(0, 1))
-    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("kv_heads", "group", "dim"), [(2, 4, 64), (4, 1, 32), (1, 3, 128)])
-def test_decode_attention_in_place_is_sdpa_over_the_gathered_context(
-    dtype, kv_heads, group, dim, isa
-) -> None:
-    k_cache, v_cache = paged(dtype, kv_heads, dim)
-    gen = torch.Generator().manual_seed(kv_heads)
-    lengths = torch.tensor([1, 37, 150])
-    tables = torch.stack([torch.randperm(64, generator=gen)[:38] for _ in range(3)])  # shuffled
-    q = torch.randn(3, kv_heads * group, dim, generator=gen).to(dtype)
-    got = bf16.decode_attention(q, k_cache, v_cache, tables, lengths, dim**-0.5)
-
-    def context(cache: torch.Tensor) -> torch.Tensor:  # [seqs, kv_heads, tokens, dim]
-        return cache[:, tables].flatten(2, 3).transpose(0, 1)
-
-    mask = (torch.arange(38 * 4) < lengths[:, None])[:, None, None, :]
-    q4 = q.unflatten(1, (kv_heads, group))
-    sdpa, exact = (
-        F.scaled_dot_product_attention(
-            q4.to(t), context(k_cache).to(t), context(v_cache).to(t), attn_mask=mask
-        ).flatten(1, 2)  # [seqs, heads, dim]
-        for t in (dtype, torch.float64)
-    )
-    scale = exact.abs().amax(-1, keepdim=True)  # errors relative to each row's largest output
-    ours, theirs = ((t.double() - exact) / scale for t in (got, sdpa))
-    assert got.shape == (3, kv_heads * group, dim) and got.dtype == dtype
-    if dtype == torch.float32:
-        assert ours.abs().max() < 1e-5
-    else:  # as close as SDPA's own bfloat16 result: both round probabilities and output
-        assert ours.abs().max() <= theirs.abs().max() * 2
-        assert ours.abs().mean() <= theirs.abs().mean() * 1.1
-
-
-def test_attention_kernels_leave_what_they_cannot_take_to_torch() -> None:
-    k_cache, v_cache = paged(torch.float32, 2, 24)  # a head dimension not a multiple of 16
-    q = torch.randn(1, 2, 24)
-    tables, lengths = torch.zeros(1, 1, dtype=torch.int64), torch.tensor([1])
-    assert bf16.decode_attention(q, k_cache, v_cache, tables, lengths, 0.2) is None
-    k_cache, v_cache = paged(torch.float32, 2, 32)
-    assert (
-        bf16.decode_attention(
-            q.new_zeros(1, 2, 32).bfloat16(), k_cache, v_cache, tables, lengths, 0.2
-        )
-        is None
-    )
-    assert (
-        bf16.decode_attention(torch.randn(1, 3, 32), k_cache, v_cache, tables, lengths, 0.2) is None
-    )
-    k = torch.randn(1, 2, 32)
-    assert not bf16.kv_write(k.double(), k.double(), lengths, k_cache, v_cache)
-    assert not bf16.kv_write(
-        k.transpose(1, 2).contiguous().transpose(1, 2), k, lengths, k_cache, v_cache
-    )
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_decode_steps_attention_in_one_call_is_its_three_kernels_in_turn(dtype, isa) -> None:
-    heads, kv_heads, dim = 4, 2, 32
-    gen = torch.Generator().manual_seed(5)
-    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
-    cos, sin = (torch.randn(3, 1, dim, generator=gen).to(dtype) for _ in range(2))
-    lengths = torch.tensor([3, 9, 17])
-    tables = torch.stack([torch.randperm(64, generator=gen)[:5] for _ in range(3)])
-    slots = tables.gather(1, ((lengths - 1) // 4)[:, None])[:, 0] * 4 + (lengths - 1) % 4
-    fused_cache, apart_cache = paged(dtype, kv_heads, dim), paged(dtype, kv_heads, dim)
-    fused = bf16.decode_step_attention(
-        qkv, (cos, sin), slots, *fused_cache, tables, lengths, 4, 0.3
-    )
-
-    rows = qkv.view(3, heads + 2 * kv_heads, dim)
-    qk = bf16.rope(rows[:, : heads + kv_heads], cos, sin)
-    assert bf16.kv_write(qk[:, heads:], rows[:, heads + kv_heads :], slots, *apart_cache)
-    apart = bf16.decode_attention(qk[:, :heads], *apart_cache, tables, lengths, 0.3)
-    assert torch.equal(fused, apart)
-    assert all(torch.equal(a, b) for a, b in zip(fused_cache, apart_cache))
-
-
 def test_the_level_is_what_the_cpu_flags_say() -> None:
     lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
     flags = next((set(li.split(":", 1)[1].split()) for li in lines if li.startswith("flags")), None)
@@ -409,14 +304,14 @@ def test_a_cpu_without_the_vector_kernels_runs_only_the_plain_ones(monkeypatch) 
     runs = (
         lambda: bf16.rms_norm(x, w, 1e-5),
         lambda: bf16.combine([x], slots, torch.ones(2), 1, torch.bfloat16),
-        lambda: bf16.decode_attention(*attention),
+        lambda: attention_kernels.decode_attention(*attention),
     )
     assert all(run() is not None for run in runs) and bf16.fits(torch.randn(64, 32).bfloat16())
     monkeypatch.setattr(bf16.library(), "level", 0)  # neither AVX2+FMA nor AVX-512
     assert all(run() is None for run in runs) and not bf16.fits(torch.randn(64, 32).bfloat16())
     assert bf16.group(torch.tensor([[1, 0]]), 2) is not None  # plain C: any x86-64
-    assert bf16.rope(torch.randn(1, 2, 8), *torch.randn(2, 1, 1, 8)) is not None
-    assert bf16.kv_write(*torch.randn(2, 1, 2, 32), torch.tensor([3]), *caches)
+    assert attention_kernels.rope(torch.randn(1, 2, 8), *torch.randn(2, 1, 1, 8)) is not None
+    assert attention_kernels.kv_write(*torch.randn(2, 1, 2, 32), torch.tensor([3]), *caches)
 
 
 def outputs_of_every_vector_kernel() -> list[torch.Tensor]:
@@ -434,7 +329,9 @@ def outputs_of_every_vector_kernel() -> list[torch.Tensor]:
         bf16.silu_ffn(x, gate_up, down),
         *norm,
         bf16.combine(rows, [g.slots for g in groups], torch.rand(36), 4, torch.bfloat16),
-        bf16.decode_attention(q, k_cache, v_cache, tables, torch.tensor([1, 37, 150]), 0.125),
+        attention_kernels.decode_attention(
+            q, k_cache, v_cache, tables, torch.tensor([1, 37, 150]), 0.125
+        ),
     ]
 
 

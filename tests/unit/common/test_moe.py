@@ -7,8 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common import bf16
 from common.arch import FAMILIES, parse_spec
-from common.moe import Routing, combine, gather_rows, group_by_expert, joined, route
+from common.moe import (
+    Routing,
+    combine,
+    expert_ffn,
+    experts_ffn,
+    gather_rows,
+    group_by_expert,
+    joined,
+    route,
+)
+from common.weights import FFNWeights
 from tests.support.hf import moe_blocks
 
 
@@ -123,3 +134,19 @@ def test_gating_chooses_the_experts_and_weights_of_transformers_router(
         torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=0, msg=f"{arch} layer {layer}")
         if spec.norm_topk_prob and spec.router != "sigmoid_group":  # they sum to 1
             torch.testing.assert_close(got_w.sum(-1), torch.ones(len(x)))
+
+
+@pytest.mark.parametrize("layout", ["panels", "plain"])
+def test_a_layers_experts_together_are_each_expert_alone(layout) -> None:
+    if layout == "panels" and bf16.kernel("moe_bf16_silu_ffns") is None:
+        pytest.skip("no C compiler or no AVX2: no bfloat16 panels")
+    gen = torch.Generator().manual_seed(0)
+
+    def weight(*shape: int):
+        w = (torch.randn(*shape, generator=gen) / shape[1] ** 0.5).bfloat16()
+        return bf16.Panels(w) if layout == "panels" else w
+
+    experts = [FFNWeights(gate_up=weight(128, 64), down=weight(64, 64)) for _ in range(3)]
+    xs = [torch.randn(n, 64, generator=gen).bfloat16() for n in (1, 5, 2)]
+    together = experts_ffn(list(zip(xs, experts)))
+    assert all(torch.equal(a, expert_ffn(x, w)) for a, x, w in zip(together, xs, experts))

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from common import bf16
 from common.errors import UnavailableError
 from common.moe import expert_ffn
 from common.weights import FFNWeights
@@ -174,3 +175,26 @@ async def test_closing_the_batcher_fails_queued_groups_instead_of_hanging(settin
         await queued
     with pytest.raises(UnavailableError):
         await batcher.submit(0, 1, torch.randn(2, HIDDEN))
+
+
+@pytest.mark.skipif(bf16.kernel("moe_bf16_silu_ffns") is None, reason="no C compiler or no AVX2")
+async def test_a_job_of_experts_in_panels_is_one_call_for_all_of_them(monkeypatch) -> None:
+    gen = torch.Generator().manual_seed(0)
+
+    def panels(*shape: int) -> bf16.Panels:
+        return bf16.Panels((torch.randn(*shape, generator=gen) / shape[1] ** 0.5).bfloat16())
+
+    weights = {(0, e): FFNWeights(gate_up=panels(128, 64), down=panels(64, 64)) for e in range(3)}
+    calls: list[int] = []
+    together = batcher_module.experts_ffn
+    monkeypatch.setattr(
+        batcher_module, "experts_ffn", lambda pairs: calls.append(len(pairs)) or together(pairs)
+    )
+    batcher = DynamicBatcher(weights)
+    groups = [
+        (e, torch.randn(n, 64, generator=gen).bfloat16()) for e, n in ((0, 2), (1, 1), (2, 3))
+    ]
+    out = await asyncio.wait_for(batcher.submit_all(0, groups), 5)
+    assert calls == [3] and batcher.stats.batches == 3  # three batches, one kernel call
+    assert all(torch.equal(o, expert_ffn(x, weights[(0, e)])) for o, (e, x) in zip(out, groups))
+    await batcher.close()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import platform
-from pathlib import Path
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import torch
 from common.errors import InvalidArgumentError
 from common.placement import parse_experts
 from common.weights import FFNWeights
-from expert_service.core import ExpertHost, large_frees_returned
+from expert_service.core import ExpertHost
 from tests.support.experts import SPEC
 
 
@@ -40,22 +42,36 @@ async def test_large_finite_activations_pass_and_any_nan_or_inf_is_counted(setti
     await host.close()
 
 
-def _anon_mib() -> float:
+# In a fresh process: one that freed a large block earlier (another test) may serve the
+# temporary from that resident hole, and the measurement would see nothing come or go.
+FREED_WHILE_LOADING = r"""
+import json
+from pathlib import Path
+import torch
+from expert_service.core import large_frees_returned
+
+def anon_mib():
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) / 1024
-    raise AssertionError("no RssAnon in /proc/self/status")
+
+with large_frees_returned():
+    pinned = torch.ones(1 << 18)  # 1 MiB kept: below the temporary, as a packed weight is
+    before = anon_mib()
+    temporary = torch.ones(4 << 20)  # 16 MiB, every page touched
+    during = anon_mib()
+    del temporary
+    after = anon_mib()
+print(json.dumps([before, during, after, float(pinned.sum())]))
+"""
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc and /proc")
 def test_a_temporary_freed_while_loading_leaves_the_process() -> None:
     """What loading frees (gate and up joined, then repacked) must not stay resident."""
-    with large_frees_returned():
-        pinned = torch.ones(1 << 18)  # 1 MiB kept: below the temporary, as a packed weight is
-        before = _anon_mib()
-        temporary = torch.ones(4 << 20)  # 16 MiB, every page touched
-        during = _anon_mib()
-        del temporary
-        after = _anon_mib()
+    out = subprocess.run(
+        [sys.executable, "-c", FREED_WHILE_LOADING], check=True, capture_output=True, text=True
+    )
+    before, during, after, kept = json.loads(out.stdout.strip().splitlines()[-1])
     assert during - before >= 15 and after - before < 2, (before, during, after)
-    assert pinned.sum() == 1 << 18
+    assert kept == 1 << 18
