@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from common.bf16 import FLOATS, call, kernel
+from common.bf16 import FLOATS, call, dense, kernel
 
 _ROPE = {torch.float32: "moe_rope_f32", torch.bfloat16: "moe_rope_bf16"}
 
@@ -28,7 +28,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
         return None
     if cos.numel() != n * d or sin.numel() != n * d:
         return None
-    c, s = _dense(cos), _dense(sin)  # held for the call: [n, 1, d] is [n, d] in memory
+    c, s = dense(cos), dense(sin)  # held for the call: [n, 1, d] is [n, d] in memory
     out = torch.empty(n, heads, d, dtype=x.dtype)
     run(x.data_ptr(), x.stride(0), c.data_ptr(), s.data_ptr(), out.data_ptr(), n, heads, d)
     return out
@@ -72,7 +72,7 @@ def kv_write(
     ):
         return False
     heads, blocks, block_size = cache_k.shape[:3]
-    s = _dense(slots)
+    s = dense(slots)
     new = (dtype == torch.bfloat16, k, k.stride(0), v, v.stride(0), s, s.numel())
     geometry = (heads, k.shape[2], v.shape[2], blocks * block_size)
     call(kernel("moe_kv_write"), *new, *geometry, cache_k, cache_v)
@@ -104,7 +104,7 @@ def decode_attention(
         or vd % 16
     ):
         return None
-    t, n = _dense(tables), _dense(lengths)  # held here while the kernel reads them
+    t, n = dense(tables), dense(lengths)  # held here while the kernel reads them
     out = torch.empty(d, heads, vd, dtype=dtype)
     inputs = (dtype == torch.bfloat16, q, q.stride(0), cache_k, cache_v, t, t.shape[1], n)
     geometry = (d, kv_heads, heads // kv_heads, hd, vd, blocks, block_size)
@@ -144,8 +144,8 @@ def decode_step_attention(
         or not d
     ):
         return None
-    cos, sin = (_dense(c) for c in cos_sin)  # held for the call: [d, 1, hd] is [d, hd]
-    t, n, s = _dense(tables), _dense(lengths), _dense(slots)
+    cos, sin = (dense(c) for c in cos_sin)  # held for the call: [d, 1, hd] is [d, hd]
+    t, n, s = dense(tables), dense(lengths), dense(slots)
     qk = torch.empty(d, heads + kv_heads, hd, dtype=dtype)
     out = torch.empty(d, heads, hd, dtype=dtype)
     inputs = (dtype == torch.bfloat16, qkv, qkv.stride(0), cos, sin, qk, s, cache_k, cache_v)
@@ -154,9 +154,3 @@ def decode_step_attention(
     if call(run, *inputs, t, t.shape[1], n, *geometry, scale, out, torch.get_num_threads()):
         raise MemoryError("decode attention: no memory for a context's scores")
     return out
-
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """`t` with its elements in order in memory, as the kernels read them: itself where they
-    already are (mostly; a torch call costs tens of microseconds once the caches are cold)."""
-    return t if t.is_contiguous() else t.contiguous()

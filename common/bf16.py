@@ -173,8 +173,8 @@ def rms_norm(
         or (delta is not None and (delta.dtype, delta.shape) != (x.dtype, x.shape))
     ):
         return None
-    rows, w = x.contiguous(), weight.contiguous()  # held here while the kernel reads them
-    d = None if delta is None else delta.contiguous()
+    rows, w = dense(x), dense(weight)  # held here while the kernel reads them
+    d = None if delta is None else dense(delta)
     total = rows if d is None else torch.empty_like(rows)
     y = torch.empty_like(rows)
     call(run, rows, d, total, w, y, rows.numel() // h, h, eps, torch.get_num_threads())
@@ -235,7 +235,7 @@ def combine(
         or any(o.dtype != rows_dtype or o.dim() != 2 or o.shape[1] != h for o in outputs)
     ):
         return None
-    rows = [o if o.is_contiguous() else o.contiguous() for o in outputs]  # held for the call
+    rows = [dense(o) for o in outputs]  # held here while the kernel reads them
     held: list[torch.Tensor | ctypes.Array] = []  # each group's slots, held for the call
     for s, r in zip(slots, rows):
         if isinstance(s, int):  # a lone token's choice: no tensor (a torch call costs ~20 us)
@@ -243,9 +243,9 @@ def combine(
         elif s.dtype != torch.int64 or s.numel() != r.shape[0]:
             return None
         else:
-            held.append(s.contiguous())
+            held.append(dense(s))
     g = len(rows)
-    w = weights.contiguous()
+    w = dense(weights)
     y = torch.empty(n, h, dtype=dtype)
     failed = run(
         (ctypes.c_void_p * g)(*(r.data_ptr() for r in rows)),
@@ -284,7 +284,7 @@ def silu_ffn(x: torch.Tensor, gate_up: object, down: object) -> torch.Tensor | N
         torch.get_num_threads(),
     ):
         raise MemoryError(f"bfloat16 kernel: no memory for {rows.shape[0]} rows' intermediates")
-    return y.view(*x.shape[:-1], hidden)
+    return y if rows is x else y.view(*x.shape[:-1], hidden)
 
 
 def pack(weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -334,7 +334,9 @@ def silu_ffns(batches: Sequence[tuple[torch.Tensor, object, object]]) -> list[to
         torch.get_num_threads(),
     ):
         raise MemoryError(f"bfloat16 kernel: no memory for {sum(len(r) for r in rows)} rows")
-    return [y.view(*x.shape[:-1], hidden) for y, (x, _, _) in zip(ys, batches)]
+    return [
+        y if r is x else y.view(*x.shape[:-1], hidden) for y, r, (x, _, _) in zip(ys, rows, batches)
+    ]
 
 
 class Panels:
@@ -383,7 +385,7 @@ class Panels:
             )
             if failed:
                 raise MemoryError(f"bfloat16 kernel: no memory to widen {rows.shape[0]}x{k} inputs")
-        return y.view(*x.shape[:-1], n)
+        return y if rows is x else y.view(*x.shape[:-1], n)
 
 
 def call(run: Callable[..., int | None], *args: object) -> int | None:
@@ -395,9 +397,15 @@ def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
     """x [..., width] as contiguous rows [m, width] for a kernel over bfloat16 weights."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"expected bfloat16 input for a bfloat16 weight, got {x.dtype}")
-    if x.dim() == 2 and x.shape[1] == width and x.is_contiguous():  # mostly: no torch call
-        return x
+    if x.dim() == 2 and x.shape[1] == width:
+        return dense(x)
     return x.reshape(-1, width).contiguous()
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """`t` with its elements in order in memory, as the kernels read them: itself where they
+    already are (mostly: a torch call costs tens of microseconds once the caches are cold)."""
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _address(held: torch.Tensor | ctypes.Array) -> int:
