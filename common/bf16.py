@@ -59,7 +59,6 @@ _SIGNATURES = {
     "moe_bf16_limit": ("i", False, 0),
     "moe_bf16_pack": ("ppll", False, 0),
     "moe_bf16_linear": ("ppppllli", True, 1),
-    "moe_bf16_silu_ffn": ("ppppllli", True, 1),
     "moe_bf16_silu_ffns": ("pppppllli", True, 1),
     "moe_rope_f32": ("plppplll", False, 0),
     "moe_rope_bf16": ("plppplll", False, 0),
@@ -268,23 +267,8 @@ def combine(
 def silu_ffn(x: torch.Tensor, gate_up: object, down: object) -> torch.Tensor | None:
     """down(silu(gate) * up) of x [..., hidden] with gate|up = gate_up(x), in one kernel call
     instead of seven torch calls; None unless both weights are Panels (then torch computes it)."""
-    if not (isinstance(gate_up, Panels) and isinstance(down, Panels)):
-        return None
-    inter, hidden = down.shape[1], down.shape[0]
-    rows = _rows(x, hidden)  # held here while the kernel reads it
-    y = torch.empty(rows.shape[0], hidden, dtype=torch.bfloat16)
-    if rows.shape[0] and kernel("moe_bf16_silu_ffn")(  # releases the GIL, like a torch op
-        rows.data_ptr(),
-        gate_up.data.data_ptr(),
-        down.data.data_ptr(),
-        y.data_ptr(),
-        rows.shape[0],
-        inter,
-        hidden,
-        torch.get_num_threads(),
-    ):
-        raise MemoryError(f"bfloat16 kernel: no memory for {rows.shape[0]} rows' intermediates")
-    return y if rows is x else y.view(*x.shape[:-1], hidden)
+    y = silu_ffns([(x, gate_up, down)])
+    return None if y is None else y[0]
 
 
 def pack(weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -300,29 +284,26 @@ def pack(weight: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def silu_ffns(batches: Sequence[tuple[torch.Tensor, object, object]]) -> list[torch.Tensor] | None:
-    """silu_ffn of every (x, gate_up, down) of one layer's experts in one kernel call (the
-    threads share every expert's blocks); the same bits as one call each. None unless every
-    weight is Panels of the first expert's shapes (then the caller computes each)."""
+    """down(silu(gate) * up) of x for every (x, gate_up, down) of one layer's experts in one
+    kernel call (the threads share every expert's blocks); a row's bits do not depend on the
+    other rows or experts. None unless every weight is Panels of the first expert's shapes (then
+    the caller computes each)."""
     run = kernel("moe_bf16_silu_ffns")
     if run is None or not batches:
         return None
-    first_down = batches[0][2]
-    if not isinstance(first_down, Panels):
+    if not all(isinstance(w, Panels) for _, gate_up, down in batches for w in (gate_up, down)):
         return None
-    hidden, inter = first_down.shape
-    for _, gate_up, down in batches:
-        if not (isinstance(gate_up, Panels) and isinstance(down, Panels)):
-            return None
-        if gate_up.shape != (2 * inter, hidden) or down.shape != (hidden, inter):
-            return None
+    hidden, inter = batches[0][2].shape
     rows = [_rows(x, hidden) for x, _, _ in batches]  # held here while the kernel reads them
+    if any(gu.shape != (2 * inter, hidden) or d.shape != (hidden, inter) for _, gu, d in batches):
+        return None
     ys = [torch.empty(r.shape[0], hidden, dtype=torch.bfloat16) for r in rows]
-    count = len(rows)
+    count, total = len(rows), sum(r.shape[0] for r in rows)
 
     def pointers(tensors: Sequence[torch.Tensor]) -> ctypes.Array:
         return (ctypes.c_void_p * count)(*(t.data_ptr() for t in tensors))
 
-    if run(
+    if total and run(  # no rows: nothing to compute, no intermediates to allocate
         pointers(rows),
         pointers([b[1].data for b in batches]),
         pointers([b[2].data for b in batches]),
@@ -333,7 +314,7 @@ def silu_ffns(batches: Sequence[tuple[torch.Tensor, object, object]]) -> list[to
         hidden,
         torch.get_num_threads(),
     ):
-        raise MemoryError(f"bfloat16 kernel: no memory for {sum(len(r) for r in rows)} rows")
+        raise MemoryError(f"bfloat16 kernel: no memory for {total} rows' intermediates")
     return [
         y if r is x else y.view(*x.shape[:-1], hidden) for y, r, (x, _, _) in zip(ys, rows, batches)
     ]

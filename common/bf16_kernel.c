@@ -164,33 +164,15 @@ int moe_combine(const void *const *groups, const long *const *slots, const long 
     return seen == total ? 0 : -1;
 }
 
-/* An expert's FFN on rows x [m][hidden]: down(silu(gate) * up) with gate|up = gate_up(x), both
-   weights packed. Every intermediate is rounded to bfloat16 where torch's ops round it (the
-   product, silu, the gated product), so rows are what the op-by-op recipe gives to within a
-   rounding, and independent of their batch-mates. -1 when there is no memory for the
-   intermediates. */
-int moe_bf16_silu_ffn(const uint16_t *x, const uint16_t *gate_up, const uint16_t *down,
-                      uint16_t *y, long m, long inter, long hidden, int threads) {
-    uint16_t *h = malloc(sizeof(uint16_t) * m * 3 * inter); /* gate|up, then the gated product */
-    if (!h) return -1;
-    uint16_t *gated = h + m * 2 * inter;
-    int failed = moe_bf16_linear(x, gate_up, 0, h, m, 2 * inter, hidden, threads);
-    if (!failed) {
-        void (*silu_mul)(const uint16_t *, uint16_t *, long) = PICK(silu_mul);
-#pragma omp parallel for schedule(static) num_threads(threads) if (m * inter >= 1 << 16)
-        for (long r = 0; r < m; r++) silu_mul(h + r * 2 * inter, gated + r * inter, inter);
-        failed = moe_bf16_linear(gated, down, 0, y, m, hidden, inter, threads);
-    }
-    free(h);
-    return failed;
-}
-
-/* moe_bf16_silu_ffn for `count` experts of one layer in one call (SGLang's CPU fused_experts, the
-   combine left to moe_combine): expert g's rows x[g] [m[g]][hidden] through its weights gate_up[g]
-   and down[g] into y[g]. One thread team for the whole layer: each phase's work is every
-   expert's 64-column blocks together, so the threads share it however few rows each expert
-   has, instead of splitting each small product in turn. The arithmetic of every row is
-   moe_bf16_silu_ffn's, to the bit. -1 when there is no memory for the intermediates. */
+/* Experts' FFNs, down(silu(gate) * up) with gate|up = gate_up(x), both weights packed, for
+   `count` experts of one layer in one call (SGLang's CPU fused_experts, the combine left to
+   moe_combine): expert g's rows x[g] [m[g]][hidden] through its weights gate_up[g] and down[g]
+   into y[g]. Every intermediate is rounded to bfloat16 where torch's ops round it (the product,
+   silu, the gated product), so rows are what the op-by-op recipe gives to within a rounding,
+   and independent of their batch-mates and of the other experts. One thread team for the whole
+   layer: each phase's work is every expert's 64-column blocks together, so the threads share
+   it however few rows each expert has, instead of splitting each small product in turn. -1
+   when there is no memory for the intermediates. */
 int moe_bf16_silu_ffns(const uint16_t *const *x, const uint16_t *const *gate_up,
                        const uint16_t *const *down, uint16_t *const *y, const long *m, long count,
                        long inter, long hidden, int threads) {

@@ -172,7 +172,9 @@ def prepack(weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor
     its callers' rows into one batch, so its answers must not depend on their batch-mates."""
     if weight.device.type != "cpu" or weight.is_mkldnn:
         return weight
-    if panels(weight.dtype) and bf16.fits(weight):  # batch-invariant too: a sum per output in order
+    if in_panels(
+        weight.dtype, tuple(weight.shape)
+    ):  # batch-invariant too: a sum per output in order
         return bf16.Panels(weight)
     if batch_invariant:
         wanted = _prepack_setting() != "off" and _can_pack(weight.dtype)
