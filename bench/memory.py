@@ -42,6 +42,7 @@ from bench import ScriptSettings, ensure_checkpoint, parse_settings, write_resul
 from common import packcache  # noqa: E402
 from common.arch import checkpoint_spec  # noqa: E402
 from common.placement import parse_experts  # noqa: E402
+from common.quant import Quantization  # noqa: E402
 from common.server import channel_options  # noqa: E402
 from common.wire import FROM_WIRE, encode  # noqa: E402
 from moe_mesh.local.processes import ServiceProcess, start_experts, stop_all  # noqa: E402
@@ -50,6 +51,7 @@ from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
 MARGIN_MIB = 100  # the target: peak RSS <= weights + import floor + this
+QUANTIZED_MARGIN_MIB = 150  # with int4 experts (issue 41): weights are their int4 bytes and scales
 
 # What `python -m expert_service` imports before it loads weights (expert_service/cli.py), and
 # ucxx as its fast path does (common/fastpath/ucx.py): the floor every service pays.
@@ -150,9 +152,7 @@ def touch(address: str) -> tuple[str, int]:
 def row(proc: ServiceProcess, spec: str, args: Settings, floor: dict) -> dict:
     """One service's memory next to its weights and the floor, after a call touched every weight."""
     dtype, count = touch(proc.address)
-    model = checkpoint_spec(args.checkpoint)
-    per_expert = 3 * model.hidden_size * model.expert_intermediate_size  # gate, up, down
-    weights = count * per_expert * getattr(torch, dtype).itemsize / MIB
+    weights = count * expert_bytes(args, dtype) / MIB
     m = memory(proc.proc.pid, args.checkpoint)
     margin = m["peak_rss_mib"] - weights - floor["rss_mib"]
     print(
@@ -162,6 +162,16 @@ def row(proc: ServiceProcess, spec: str, args: Settings, floor: dict) -> dict:
         flush=True,
     )
     return {"experts": spec, "dtype": dtype, "weights_mib": weights, **m, "margin_mib": margin}
+
+
+def expert_bytes(args: Settings, dtype: str) -> int:
+    """One expert's weights as a service holds them: gate, up and down at the dtype, or
+    quantized (data and scales)."""
+    model = checkpoint_spec(args.checkpoint)
+    h, i = model.hidden_size, model.expert_intermediate_size
+    if (q := Quantization.parse(args.quantize, args.quantize_group_size)) is None:
+        return 3 * h * i * getattr(torch, dtype).itemsize
+    return sum(n * t.itemsize for s in ((2 * i, h), (h, i)) for n, t in q.layout(s).values())
 
 
 def replicas(rows: list[dict], floor: dict) -> dict:
@@ -179,8 +189,7 @@ def everyone(rows: list[dict], specs: list[str], args: Settings, floor: dict) ->
     specs overlap: one copy a host is 1.0, one a process the sum of their weights over this)."""
     model = checkpoint_spec(args.checkpoint)
     pairs = set().union(*(parse_experts(spec, model) for spec in specs))
-    itemsize = getattr(torch, rows[0]["dtype"]).itemsize
-    distinct = len(pairs) * 3 * model.hidden_size * model.expert_intermediate_size * itemsize / MIB
+    distinct = len(pairs) * expert_bytes(args, rows[0]["dtype"]) / MIB
     held = sum(r["pss_checkpoint_mib"] + r["pss_anon_mib"] - floor["anon_mib"] for r in rows)
     print(
         f"all {len(rows)} services: {held / distinct:.2f} copies of their distinct weights in PSS"
@@ -195,7 +204,8 @@ def main_run(args: Settings) -> dict:
     for spec in [*args.specs, args.replica_spec]:
         parse_experts(spec, model)  # a bad spec fails here, not in a service's log
     specs = [*args.specs, args.replica_spec, args.replica_spec]
-    extra = ["--dtype", args.dtype, "--fast-path", args.fast_path]
+    extra = ["--dtype", args.dtype, "--fast-path", args.fast_path, "--quantize", args.quantize]
+    extra += ["--quantize-group-size", str(args.quantize_group_size)]
     env = {} if args.prepack == "auto" else {"MOE_MESH_PREPACK": args.prepack}
     procs = start_experts(
         args.checkpoint, specs, Path(tempfile.mkdtemp(prefix="moe-memory-")), *extra, env=env
@@ -209,7 +219,8 @@ def main_run(args: Settings) -> dict:
         "services": rows[: len(args.specs)],
         "replicas": replicas(rows[len(args.specs) :], floor),
         "all_services": everyone(rows, specs, args, floor),
-        "margin_target_mib": MARGIN_MIB,
+        "margin_target_mib": MARGIN_MIB if args.quantize == "none" else QUANTIZED_MARGIN_MIB,
+        "quantize": args.quantize,
         "prepack": args.prepack,
     }
 
@@ -225,6 +236,10 @@ class Settings(ScriptSettings):
         "auto", description="MOE_MESH_PREPACK for the services (common/linear.py)"
     )
     fast_path: Literal["auto", "off"] = Field("auto", description="the services' --fast-path")
+    quantize: Literal["none", "int8", "int4"] = Field(
+        "none", description="the services' --quantize (with --dtype bfloat16)"
+    )
+    quantize_group_size: Literal[32, 64, 128] = Field(64, description="--quantize-group-size")
 
 
 def main() -> int:

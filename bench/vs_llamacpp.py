@@ -1,5 +1,6 @@
-"""Decode throughput of the moe-mesh engine (bfloat16) against llama.cpp on the same checkpoint,
-with the same threads, back to back in one run.
+"""Decode throughput of the moe-mesh engine against llama.cpp on the same checkpoint, with the
+same threads, back to back in one run: bfloat16 against bfloat16, and our int8 and int4 experts
+against llama.cpp's q8_0 and q4_0 ones.
 
 llama.cpp runs in this process through llama-cpp-python's low-level API (an optional extra:
 `pip install -e '.[peers]'`, which builds it from source). Without it the bench prints that it
@@ -8,7 +9,10 @@ is skipped and why, writes that to its JSON and exits 0.
 The checkpoint (`--geometry`, as bench/engine_vs_transformers.py) is converted to GGUF by
 bench/gguf_export.py and cached beside it: bfloat16 weights, the routed experts in each
 `--experts` type (bf16; q8_0 and q4_0 for the quantized-experts work), norms and router float32.
-The engine computes in bfloat16 from the same checkpoint.
+The engine computes in bfloat16 from the same checkpoint, its experts as each type asks: bf16 in
+bfloat16, q8_0 in int8 (`--quantize int8`: per-channel scales, 1 byte a weight against q8_0's
+1.06), q4_0 in int4 with groups of 32 (`--quantize int4 --quantize-group-size 32`: 0.5625 bytes a
+weight, as q4_0's blocks of 32). Dense weights stay bfloat16 on both sides.
 
 Both sides decode greedily from the same random prompts (engine_vs_transformers' seeds): batch B
 is B sequences decoded together (llama.cpp: one llama_batch of B tokens per step, B sequence ids,
@@ -22,7 +26,7 @@ for every pass, as llama.cpp does. Before each side
 runs, the other's OpenMP workers are ended (runtime.release_openmp_threads): both link the one
 libgomp torch loaded.
 
-Each row gives each side's tokens/s, the ratio (engine / llama.cpp), whether the greedy tokens
+Each row gives each side's tokens/s, the ratio (engine / llama.cpp), how far the greedy tokens
 agree, the weight bytes a token reads (bench.geometry.bytes_per_token; quantized experts at their
 block size) and each side's share of the read bandwidth measured in the same run. The JSON also
 records the CPU model and its vector flags (AVX2, AVX-512, AVX-512 bf16, AMX) and llama.cpp's
@@ -55,6 +59,7 @@ from bench import parse_settings, write_result  # noqa: E402
 from bench.engine_vs_transformers import decode_rate, engine_generate  # noqa: E402
 from bench.geometry import GeometrySettings, bytes_per_token, checkpoint_for, expected_experts  # noqa: E402
 from common.arch import ModelSpec, checkpoint_spec  # noqa: E402
+from common.quant import Quantization  # noqa: E402
 from router_service.build import build_local_engine  # noqa: E402
 from router_service.settings import RouterSettings  # noqa: E402
 
@@ -66,6 +71,8 @@ FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf
 FLAGS += ("amx_tile", "amx_bf16", "amx_int8")
 # GGUF bytes per expert weight (ggml's blocks of 32: a float16 scale and the codes)
 EXPERT_BYTES = {"bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+# The engine's experts against each: --quantize and --quantize-group-size
+OURS = {"bf16": ("none", 64), "q8_0": ("int8", 64), "q4_0": ("int4", 32)}
 
 
 class Settings(GeometrySettings):
@@ -172,36 +179,46 @@ class LlamaCpp:
         self.lib.llama_model_free(self.model)
 
 
-def llama_generate(peer: LlamaCpp, engine, prompts: list[list[int]], n: int):
-    engine.model.compute.release_openmp_threads()  # the engine's team, on its compute thread
+def llama_generate(peer: LlamaCpp, engines: dict, prompts: list[list[int]], n: int):
+    for engine in engines.values():  # the engines' teams, on their compute threads
+        engine.model.compute.release_openmp_threads()
     return peer.generate(prompts, n)
 
 
-def measure(engine, peers: dict[str, LlamaCpp], prompts: dict, args, spec, bandwidth) -> list:
+def engine_generate_alone(engines: dict, kind: str, prompts: list[list[int]], n: int):
+    for other, engine in engines.items():  # idle OpenMP teams spin on the cores
+        if other != kind:
+            engine.model.compute.release_openmp_threads()
+    return engine_generate(engines[kind], prompts, n)
+
+
+def measure(
+    engines: dict, peers: dict[str, LlamaCpp], prompts: dict, args, spec, bandwidth
+) -> list:
     """Per batch: warm both sides, then each repeat the engine and llama.cpp in each type."""
     rows = []
     for b, p in prompts.items():
-        ours_run = partial(engine_generate, engine)
-        theirs_runs = {}
+        ours_runs, theirs_runs = {}, {}
         for kind, peer in peers.items():
             peer.open(b, args.prompt_len, args.prompt_len + args.new_tokens)
-            theirs_runs[kind] = partial(llama_generate, peer, engine)
-        ours_run(p, 2)  # one-time costs (kernel set-up for these shapes) outside the timing
-        for run in theirs_runs.values():
-            run(p, 2)
-        ours: list[float] = []
+            ours_runs[kind] = partial(engine_generate_alone, engines, kind)
+            theirs_runs[kind] = partial(llama_generate, peer, engines)
+        for kind in peers:  # one-time costs (kernel set-up for these shapes) outside the timing
+            ours_runs[kind](p, 2)
+            theirs_runs[kind](p, 2)
+        ours: dict[str, list[float]] = {k: [] for k in peers}
         theirs: dict[str, list[float]] = {k: [] for k in peers}
         same: dict[str, float] = {}
         for _ in range(args.repeats):
-            rate, ours_tokens = decode_rate(ours_run, p, args.new_tokens)
-            ours.append(rate)
-            for kind, run in theirs_runs.items():
-                rate, tokens = decode_rate(run, p, args.new_tokens)
+            for kind in peers:
+                rate, ours_tokens = decode_rate(ours_runs[kind], p, args.new_tokens)
+                ours[kind].append(rate)
+                rate, tokens = decode_rate(theirs_runs[kind], p, args.new_tokens)
                 theirs[kind].append(rate)
                 same[kind] = agreement(ours_tokens, tokens)
-        serial = engine.model.serial_max_tokens
         for kind in peers:
-            figures = (statistics.median(ours), statistics.median(theirs[kind]), same[kind])
+            serial = engines[kind].model.serial_max_tokens
+            figures = (statistics.median(ours[kind]), statistics.median(theirs[kind]), same[kind])
             rows.append(make_row(kind, b, figures, serial, spec, bandwidth))
     for peer in peers.values():
         peer.close_context()
@@ -219,11 +236,12 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
 
 def make_row(kind: str, b: int, figures: tuple, serial: int, spec, bandwidth: float) -> dict:
     ours, theirs, same = figures
-    ours_bytes = bytes_per_token(spec, 2, b)
+    ours_bytes = engine_bytes_per_token(spec, kind, b)
     theirs_bytes = peer_bytes_per_token(spec, kind, b)
     row = {
         "batch": b,
         "llama_cpp_experts": kind,
+        "engine_experts": engine_precision(kind),
         "engine_tokens_per_s": ours,
         "llama_cpp_tokens_per_s": theirs,
         "ratio": ours / theirs,
@@ -235,7 +253,8 @@ def make_row(kind: str, b: int, figures: tuple, serial: int, spec, bandwidth: fl
         "llama_cpp_bandwidth_share": theirs * theirs_bytes / bandwidth,
     }
     print(
-        f"batch {b:>3}: engine bf16 {ours:7.1f} tok/s   llama.cpp (experts {kind}) {theirs:7.1f}"
+        f"batch {b:>3}: engine ({engine_precision(kind)}) {ours:7.1f} tok/s   llama.cpp "
+        f"(experts {kind}) {theirs:7.1f}"
         f" tok/s   ratio {row['ratio']:.2f}x   greedy agreement {same:.0%}   bandwidth: engine "
         f"{row['engine_bandwidth_share']:.0%} ({ours_bytes / 1e6:.1f} MB/token), llama.cpp "
         f"{row['llama_cpp_bandwidth_share']:.0%} ({theirs_bytes / 1e6:.1f} MB/token)",
@@ -250,6 +269,27 @@ def peer_bytes_per_token(spec: ModelSpec, kind: str, batch: int) -> int:
     expert_params = sum(spec.moe_layers) * experts * spec.expert_params / batch
     extra = expert_params * (EXPERT_BYTES[kind] - 2.0)
     return round(bytes_per_token(spec, 2, batch) + extra)
+
+
+def engine_precision(kind: str) -> str:
+    """What the engine's experts are held in against llama.cpp's `kind`."""
+    scheme, group = OURS[kind]
+    return "bfloat16" if scheme == "none" else Quantization(scheme, group).name
+
+
+def engine_bytes_per_token(spec: ModelSpec, kind: str, batch: int) -> int:
+    """bytes_per_token in bfloat16 with the experts at the engine's quantized size."""
+    scheme, group = OURS[kind]
+    if scheme == "none":
+        return bytes_per_token(spec, 2, batch)
+    h, i = spec.hidden_size, spec.expert_intermediate_size
+    layout = [Quantization(scheme, group).layout(s) for s in ((2 * i, h), (h, i))]
+    held = sum(n * t.itemsize for parts in layout for n, t in parts.values())
+    experts = expected_experts(spec.num_experts, spec.top_k, batch)
+    expert_params = sum(spec.moe_layers) * experts * spec.expert_params / batch
+    return round(
+        bytes_per_token(spec, 2, batch) + expert_params * (held / spec.expert_params - 2.0)
+    )
 
 
 def host_cpu() -> dict:
@@ -307,14 +347,15 @@ def run(args, lib, kinds: list[str]) -> dict:
         b: torch.randint(3, spec.vocab_size, (b, args.prompt_len), generator=gen).tolist()
         for b in batches
     }
-    engine = load_engine(checkpoint, max(batches), args.serial_max_tokens)
+    engines = {k: load_engine(checkpoint, max(batches), args.serial_max_tokens, k) for k in kinds}
     peers = {k: LlamaCpp(lib, path, threads) for k, path in paths.items()}
     try:
-        rows = measure(engine, peers, prompts, args, spec, bandwidth)
+        rows = measure(engines, peers, prompts, args, spec, bandwidth)
     finally:
         for peer in peers.values():
             peer.close()
-        engine.close()
+        for engine in engines.values():
+            engine.close()
     return {
         "benchmark": "vs_llamacpp_decode",
         "geometry": args.geometry,
@@ -330,13 +371,16 @@ def run(args, lib, kinds: list[str]) -> dict:
     }
 
 
-def load_engine(checkpoint: Path, max_batch: int, serial_max_tokens: int | None):
+def load_engine(checkpoint: Path, max_batch: int, serial_max_tokens: int | None, kind: str):
+    scheme, group = OURS[kind]
     engine = build_local_engine(
         RouterSettings(
             checkpoint=checkpoint,
             max_num_seqs=max_batch,
             dtype="bfloat16",
             serial_max_tokens=serial_max_tokens,
+            quantize=scheme,
+            quantize_group_size=group,
         )
     )
     serial = engine.model.serial_max_tokens

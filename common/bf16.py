@@ -41,7 +41,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("bf16_kernel.c")
+_SOURCES = [Path(__file__).with_name(n) for n in ("bf16_kernel.c", "quant_kernel.c")]
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 COLUMNS = 64  # output columns per kernel call: a weight's row count must be a multiple
 PANEL = 32  # rows of a weight packed together (moe_bf16_pack)
@@ -58,8 +58,9 @@ _SIGNATURES = {
     "moe_bf16_supported": ("", True, 0),
     "moe_bf16_limit": ("i", False, 0),
     "moe_bf16_pack": ("ppll", False, 0),
-    "moe_bf16_linear": ("ppppllli", True, 1),
-    "moe_bf16_silu_ffns": ("pppppllli", True, 1),
+    "moe_linear": ("ilpppppllli", True, 1),
+    "moe_silu_ffns": ("ilpppppppllli", True, 1),
+    "moe_quantize": ("ilpillppi", False, 0),
     "moe_rope_f32": ("plppplll", False, 0),
     "moe_rope_bf16": ("plppplll", False, 0),
     "moe_bf16_rms_norm": ("pppppllfi", False, 1),
@@ -82,7 +83,8 @@ def library() -> ctypes.CDLL | None:
     """The built kernels, or None where they cannot be built here (no compiler); `kernel` says
     which of them this CPU runs."""
     compiler = os.environ.get("CC", "cc")
-    tag = hashlib.sha256(_SOURCE.read_bytes() + " ".join([compiler, *_FLAGS]).encode())
+    sources = b"".join(s.read_bytes() for s in _SOURCES)  # quant_kernel.c is included
+    tag = hashlib.sha256(sources + " ".join([compiler, *_FLAGS]).encode())
     path = cache_dir() / f"bf16-{tag.hexdigest()[:16]}.so"
     try:
         if not path.exists():
@@ -125,7 +127,7 @@ def _build(compiler: str, path: Path) -> None:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *_FLAGS, "-o", tmp, str(_SOURCE)],
+            [compiler, *_FLAGS, "-o", tmp, str(_SOURCES[0])],
             capture_output=True,
             text=True,
             timeout=120,
@@ -148,7 +150,7 @@ def fits(weight: torch.Tensor) -> bool:
         and weight.device.type == "cpu"
         and weight.dim() == 2
         and weight.shape[0] % COLUMNS == 0
-        and kernel("moe_bf16_linear") is not None
+        and kernel("moe_linear") is not None
     )
 
 
@@ -286,27 +288,37 @@ def pack(weight: torch.Tensor, out: torch.Tensor) -> None:
 def silu_ffns(batches: Sequence[tuple[torch.Tensor, object, object]]) -> list[torch.Tensor] | None:
     """down(silu(gate) * up) of x for every (x, gate_up, down) of one layer's experts in one
     kernel call (the threads share every expert's blocks); a row's bits do not depend on the
-    other rows or experts. None unless every weight is Panels of the first expert's shapes (then
-    the caller computes each)."""
-    run = kernel("moe_bf16_silu_ffns")
+    other rows or experts. None unless every weight is Panels (bfloat16, or common.quant's int8
+    or int4) of the first expert's shapes and format (then the caller computes each)."""
+    run = kernel("moe_silu_ffns")
     if run is None or not batches:
         return None
-    if not all(isinstance(w, Panels) for _, gate_up, down in batches for w in (gate_up, down)):
+    weights = [w for _, gate_up, down in batches for w in (gate_up, down)]
+    if not all(isinstance(w, Panels) for w in weights):
         return None
-    hidden, inter = batches[0][2].shape
+    first = batches[0][2]
+    if any((w.format, w.group) != (first.format, first.group) for w in weights):
+        return None
+    hidden, inter = first.shape
     rows = [_rows(x, hidden) for x, _, _ in batches]  # held here while the kernel reads them
     if any(gu.shape != (2 * inter, hidden) or d.shape != (hidden, inter) for _, gu, d in batches):
         return None
     ys = [torch.empty(r.shape[0], hidden, dtype=torch.bfloat16) for r in rows]
     count, total = len(rows), sum(r.shape[0] for r in rows)
 
-    def pointers(tensors: Sequence[torch.Tensor]) -> ctypes.Array:
+    def pointers(tensors: Sequence[torch.Tensor | None]) -> ctypes.Array | None:
+        if tensors[0] is None:  # bfloat16 panels: no scales
+            return None
         return (ctypes.c_void_p * count)(*(t.data_ptr() for t in tensors))
 
     if total and run(  # no rows: nothing to compute, no intermediates to allocate
+        first.format,
+        first.group,
         pointers(rows),
         pointers([b[1].data for b in batches]),
+        pointers([b[1].scales for b in batches]),
         pointers([b[2].data for b in batches]),
+        pointers([b[2].scales for b in batches]),
         pointers(ys),
         (ctypes.c_long * count)(*(r.shape[0] for r in rows)),
         count,
@@ -321,17 +333,17 @@ def silu_ffns(batches: Sequence[tuple[torch.Tensor, object, object]]) -> list[to
 
 
 class Panels:
-    """A bfloat16 weight [out, in] in the kernel's layout; `panels(x, bias)` is F.linear's result."""
+    """A bfloat16 weight [out, in] in the kernel's layout; `panels(x, bias)` is F.linear's result.
+    common.quant.QuantPanels holds int8 and int4 weights the same way (`format`, `scales`)."""
 
-    dtype = torch.bfloat16
+    dtype = torch.bfloat16  # what it takes and returns
     device = torch.device("cpu")
     is_mkldnn = False
+    format, group, scales = 0, 0, None  # bf16_kernel.c's FORMAT_BF16: no scales
 
     def __init__(self, weight: torch.Tensor) -> None:
         assert fits(weight)
-        lib = library()
         self.shape = weight.shape
-        self._linear = lib.moe_bf16_linear
         self.data = torch.empty(weight.numel(), dtype=torch.bfloat16)
         pack(weight, self.data)
 
@@ -345,8 +357,11 @@ class Panels:
             )
         panels = cls.__new__(cls)
         panels.shape, panels.data = torch.Size(shape), packed
-        panels._linear = library().moe_bf16_linear
         return panels
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales) if t is not None)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         n, k = self.shape
@@ -354,9 +369,12 @@ class Panels:
         y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
         if rows.shape[0]:
             b = None if bias is None else bias.float().contiguous()
-            failed = self._linear(  # releases the GIL, like a torch op
+            failed = library().moe_linear(  # releases the GIL, like a torch op
+                self.format,
+                self.group,
                 rows.data_ptr(),
                 self.data.data_ptr(),
+                None if self.scales is None else self.scales.data_ptr(),
                 None if b is None else b.data_ptr(),
                 y.data_ptr(),
                 rows.shape[0],

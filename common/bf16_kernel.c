@@ -1,6 +1,7 @@
 /* bfloat16 linear layers, gated FFNs and RMSNorm for CPUs without native bfloat16 arithmetic
-   (AVX-512F/BW or AVX2+FMA is enough); a layer's expert grouping and combine, RoPE, the KV-cache
-   write and decode attention over the paged cache in bfloat16 and float32.
+   (AVX-512F/BW or AVX2+FMA is enough), the products over bfloat16 weights or int8 and int4 ones
+   (quant_kernel.c); a layer's expert grouping and combine, RoPE, the KV-cache write and decode
+   attention over the paged cache in bfloat16 and float32.
 
    y[M][N] = x[M][K] . W^T, all bfloat16, with W [N][K] held in panels of 32 output columns:
    P[panel][k][32]. A bfloat16 is a float32's upper half, so unpacking a row of a panel with
@@ -73,6 +74,10 @@ static inline float bf16_round(float f) { /* to the nearest bfloat16, ties to ev
     return bf16_value((uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16));
 }
 
+/* Weight formats (common/quant.py): bfloat16 panels (moe_bf16_pack), int8, int4 or FP8 panels
+   with their scales (quant_kernel.c) */
+enum { FORMAT_BF16, FORMAT_INT8, FORMAT_INT4, FORMAT_FP8 };
+
 #define ISA 512
 #include "bf16_kernel.c" /* itself, once per instruction set */
 #undef ISA
@@ -80,20 +85,43 @@ static inline float bf16_round(float f) { /* to the nearest bfloat16, ties to ev
 #include "bf16_kernel.c" /* itself, once per instruction set */
 #undef ISA
 
-/* x [m][k] bfloat16, packed from moe_bf16_pack, bias [n] float32 or NULL, y [m][n] bfloat16;
-   n a multiple of 64. Columns are split over `threads` OpenMP threads. x is widened to float32
-   once, here (every column block reads it); -1 when there is no memory for that. */
-int moe_bf16_linear(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y,
-                    long m, long n, long k, int threads) {
+typedef void (*block_fn)(const float *x, const void *w, const void *scales, uint16_t *y, long ldy,
+                         long m, long k, long group, const float *bias);
+
+static block_fn pick_block(int format) {
+    return format == FORMAT_INT8   ? int8_block
+           : format == FORMAT_INT4 ? int4_block
+           : format == FORMAT_FP8  ? fp8_block
+                                   : PICK(bf16_block);
+}
+
+static long block_bytes(int format, long k) { /* a 64-column block's weights */
+    return format == FORMAT_BF16 ? 128 * k : format == FORMAT_INT4 ? 32 * k : 64 * k;
+}
+
+static long block_scale_bytes(int format, long k, long group) { /* and its scales */
+    return format == FORMAT_INT8   ? 64 * 4
+           : format == FORMAT_INT4 ? 64 * (k / group) * 2
+           : format == FORMAT_FP8  ? 2 * (k / group) * 4
+                                   : 0;
+}
+
+/* x [m][k] bfloat16, w a weight [n][k] in `format` (scales with it, NULL for bfloat16), bias [n]
+   float32 or NULL, y [m][n] bfloat16; n a multiple of 64. Columns are split over `threads` OpenMP
+   threads. x is widened to float32 once, here (every column block reads it); -1 when there is
+   no memory for that. */
+int moe_linear(int format, long group, const uint16_t *x, const void *w, const void *scales,
+               const float *bias, uint16_t *y, long m, long n, long k, int threads) {
     uint32_t *wide = malloc(sizeof(float) * m * k);
     if (!wide) return -1;
     for (long i = 0; i < m * k; i++) wide[i] = (uint32_t)x[i] << 16;
     const float *xf = (const float *)wide;
-    void (*block)(const float *, const uint16_t *, uint16_t *, long, long, long, const float *) =
-        PICK(columns);
+    block_fn block = pick_block(format);
+    long wb = block_bytes(format, k), sb = block_scale_bytes(format, k, group);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long c = 0; c < n / 64; c++)
-        block(xf, packed + 2 * c * k * PANEL, y + c * 64, n, m, k, bias ? bias + c * 64 : 0);
+        block(xf, (const char *)w + c * wb, scales ? (const char *)scales + c * sb : 0, y + c * 64,
+              n, m, k, group, bias ? bias + c * 64 : 0);
     free(wide);
     return 0;
 }
@@ -164,8 +192,8 @@ int moe_combine(const void *const *groups, const long *const *slots, const long 
     return seen == total ? 0 : -1;
 }
 
-/* Experts' FFNs, down(silu(gate) * up) with gate|up = gate_up(x), both weights packed, for
-   `count` experts of one layer in one call (SGLang's CPU fused_experts, the combine left to
+/* Experts' FFNs, down(silu(gate) * up) with gate|up = gate_up(x), both weights in `format` (as
+   moe_linear takes them; the scale arrays NULL for bfloat16), for `count` experts of one layer in one call (SGLang's CPU fused_experts, the combine left to
    moe_combine): expert g's rows x[g] [m[g]][hidden] through its weights gate_up[g] and down[g]
    into y[g]. Every intermediate is rounded to bfloat16 where torch's ops round it (the product,
    silu, the gated product), so rows are what the op-by-op recipe gives to within a rounding,
@@ -173,9 +201,10 @@ int moe_combine(const void *const *groups, const long *const *slots, const long 
    layer: each phase's work is every expert's 64-column blocks together, so the threads share
    it however few rows each expert has, instead of splitting each small product in turn. -1
    when there is no memory for the intermediates. */
-int moe_bf16_silu_ffns(const uint16_t *const *x, const uint16_t *const *gate_up,
-                       const uint16_t *const *down, uint16_t *const *y, const long *m, long count,
-                       long inter, long hidden, int threads) {
+int moe_silu_ffns(int format, long group, const uint16_t *const *x, const void *const *gate_up,
+                  const void *const *gate_up_scales, const void *const *down,
+                  const void *const *down_scales, uint16_t *const *y, const long *m, long count,
+                  long inter, long hidden, int threads) {
     long *start = malloc(sizeof(long) * (count + 1)); /* expert g's rows: [start[g], start[g+1]) */
     if (!start) return -1;
     start[0] = 0;
@@ -189,8 +218,10 @@ int moe_bf16_silu_ffns(const uint16_t *const *x, const uint16_t *const *gate_up,
         return -1;
     }
     uint16_t *gated = h + rows * 2 * inter;
-    void (*block)(const float *, const uint16_t *, uint16_t *, long, long, long, const float *) =
-        PICK(columns);
+    block_fn block = pick_block(format);
+    long up_bytes = block_bytes(format, hidden), up_scales = block_scale_bytes(format, hidden, group);
+    long down_bytes = block_bytes(format, inter);
+    long down_scales_bytes = block_scale_bytes(format, inter, group);
     void (*silu_mul)(const uint16_t *, uint16_t *, long) = PICK(silu_mul);
     long up_blocks = 2 * inter / 64, down_blocks = hidden / 64;
 #pragma omp parallel num_threads(threads)
@@ -203,8 +234,9 @@ int moe_bf16_silu_ffns(const uint16_t *const *x, const uint16_t *const *gate_up,
         for (long b = 0; b < count * up_blocks; b++) {
             long g = b / up_blocks, c = b % up_blocks;
             if (m[g])
-                block(xf + start[g] * hidden, gate_up[g] + 2 * c * hidden * PANEL,
-                      h + start[g] * 2 * inter + c * 64, 2 * inter, m[g], hidden, 0);
+                block(xf + start[g] * hidden, (const char *)gate_up[g] + c * up_bytes,
+                      gate_up_scales ? (const char *)gate_up_scales[g] + c * up_scales : 0,
+                      h + start[g] * 2 * inter + c * 64, 2 * inter, m[g], hidden, group, 0);
         }
 #pragma omp for schedule(static)
         for (long r = 0; r < rows; r++) {
@@ -216,8 +248,9 @@ int moe_bf16_silu_ffns(const uint16_t *const *x, const uint16_t *const *gate_up,
         for (long b = 0; b < count * down_blocks; b++) {
             long g = b / down_blocks, c = b % down_blocks;
             if (m[g])
-                block(gf + start[g] * inter, down[g] + 2 * c * inter * PANEL, y[g] + c * 64, hidden,
-                      m[g], inter, 0);
+                block(gf + start[g] * inter, (const char *)down[g] + c * down_bytes,
+                      down_scales ? (const char *)down_scales[g] + c * down_scales_bytes : 0,
+                      y[g] + c * 64, hidden, m[g], inter, group, 0);
         }
     }
     free(start), free(xf), free(h), free(gf);
@@ -597,6 +630,17 @@ TARGET static void FN(columns)(const float *x, const uint16_t *p, uint16_t *y, l
         kernel_1_2(x + (m - 1) * k, p, y + (m - 1) * ldy, ldy, k, bias);
 }
 #undef KERNEL
+#endif
+
+/* columns() as a block_fn: bfloat16 panels have no scales or groups */
+TARGET static void FN(bf16_block)(const float *x, const void *p, const void *scales, uint16_t *y,
+                                  long ldy, long m, long k, long group, const float *bias) {
+    (void)scales, (void)group;
+    FN(columns)(x, p, y, ldy, m, k, bias);
+}
+
+#if ISA == 256
+#include "quant_kernel.c" /* int8 and int4 weights: AVX2 code, which AVX-512 hosts run too */
 #endif
 
 TARGET static void FN(rms_norm)(const uint16_t *x, const uint16_t *delta, uint16_t *sum,

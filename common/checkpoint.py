@@ -14,8 +14,10 @@ Memory: a weight used as stored stays a view of the file, so processes on one ho
 when it does not and the dtype is not float32, whose fused product is transformers'). A weight
 converted, joined or repacked into a copy has its file pages released as it is copied (`copied`,
 16 MiB at a time) or once repacked (SafetensorsFile.release), so a load peaks near what it keeps,
-not that plus the pages it read. Experts held in moe-mesh's bfloat16 panels are packed once per
-host into files that every process maps (`_cached`, common/packcache.py): one copy a host.
+not that plus the pages it read. Experts held in the kernels' panels (bfloat16, int8 or int4 with
+`quantize`, an FP8 checkpoint's own) are packed once per host into files that every process maps
+(common/packed_experts.py): one copy a host. Other FP8 weights are dequantized at load
+(common/fp8.py), and with `quantize_dense` the dense layers are quantized too.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from pathlib import Path
 
 import torch
 
-from common import bf16, packcache
+from common import fp8
 from common.arch import ModelSpec, checkpoint_spec, family_module, tensor_names
-from common.errors import CheckpointError
-from common.linear import in_panels, prepack
+from common.errors import CheckpointError, UnsupportedModelError
+from common.linear import prepack
+from common.packed_experts import PackedExperts
+from common.quant import Quantization, QuantPanels
 from common.safetensors_mmap import SafetensorsFile
 from common.weights import AttentionWeights, DenseWeights, FFNWeights, LayerWeights
 
@@ -49,14 +53,20 @@ class Checkpoint:
         dtype: torch.dtype | None = None,
         prepack: bool = False,
         batch_invariant: bool = False,
+        quantize: Quantization | None = None,
+        quantize_dense: bool = False,
     ) -> None:
         self.path = Path(path)
-        self._prepack, self._batch_invariant = prepack, batch_invariant
+        self.prepacked, self._batch_invariant = prepack, batch_invariant
+        # Routed experts (load_experts) and, with quantize_dense, the dense layers `pack` packs.
+        self.quantize = quantize
+        self._quantize_dense = quantize_dense and quantize is not None
         self.spec: ModelSpec = checkpoint_spec(self.path)
         self.names = tensor_names(self.spec)
         # A family module may take over parts of loading (common/arch/__init__.py lists the hooks).
         self.family = family_module(self.spec.family)
-        self.dtype = dtype  # None keeps the stored dtype (zero-copy)
+        # None keeps the stored dtype (zero-copy); an FP8 checkpoint computes in bfloat16
+        self.dtype = torch.bfloat16 if dtype is None and self.spec.fp8_block else dtype
         self._files: dict[str, SafetensorsFile] = {}
         self._where = self._index()
 
@@ -119,7 +129,9 @@ class Checkpoint:
         when given (sliced before any dtype conversion: one expert of a fused tensor). In `dtype`
         when given, else the checkpoint's: floats convert (a correction bias stays float32 in a
         bfloat16 model); packed integer codes (MXFP4) must be stored in it."""
-        file, t = self._view(name, shape)
+        file, t = self.view(name, shape)
+        if t.dtype == fp8.FP8:
+            return self._dequantized(name, t, rows, dtype or self.dtype)
         if rows is not None:
             t = t[rows]
         want = dtype or self.dtype
@@ -130,6 +142,34 @@ class Checkpoint:
                 )
             t = self.copied([t], want) if t.dim() else t.to(want)
         return t
+
+    def _dequantized(
+        self, name: str, t: torch.Tensor, rows: slice | None, dtype: torch.dtype | None
+    ) -> torch.Tensor:
+        """An FP8 weight times its block scales, in `dtype` (bfloat16 by default: what FP8
+        checkpoints are published to compute in), its file pages released."""
+        if rows is not None or t.dim() != 2:
+            raise CheckpointError("FP8 weights are read as 2-D [out, in] matrices", tensor=name)
+        y = fp8.dequantize(
+            t, self.fp8_scales(name, tuple(t.shape)), self.spec.fp8_block, dtype or torch.bfloat16
+        )
+        self.release(t)
+        return y
+
+    def fp8_scales(self, name: str, shape: tuple[int, int]) -> torch.Tensor:
+        """The weight_scale_inv of FP8 weight `name` [out, in], checked."""
+        block, scale = self.spec.fp8_block, fp8.scale_name(name)
+        if block is None:
+            raise CheckpointError(
+                "an FP8 tensor, but config.json has no quantization_config with quant_method "
+                "'fp8' and its weight_block_size",
+                tensor=name,
+            )
+        if scale not in self._where:
+            raise CheckpointError("missing the scales of an FP8 weight", tensor=scale)
+        scales = self._file(self._where[scale]).get(scale)
+        fp8.check_scales(scales, shape, block, name)
+        return scales
 
     def copied(self, parts: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
         """`parts` stacked along their first dimension into one new tensor, in `dtype` (theirs by
@@ -150,7 +190,7 @@ class Checkpoint:
                 at += block.numel()
         return out
 
-    def _view(self, name: str, shape: tuple[int, ...]) -> tuple[SafetensorsFile, torch.Tensor]:
+    def view(self, name: str, shape: tuple[int, ...]) -> tuple[SafetensorsFile, torch.Tensor]:
         """The file holding `name`, and `name` as stored there (a view), checked against `shape`."""
         if name not in self._where:
             raise CheckpointError("missing tensor", file=str(self.path), tensor=name)
@@ -171,8 +211,18 @@ class Checkpoint:
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """A weight a linear layer reads: prepacked when this checkpoint was opened to serve (and
         then the file pages it was packed from released)."""
-        if not self._prepack:
+        if not self.prepacked:
             return weight
+        q = self.quantize if self._quantize_dense else None
+        if q is not None and q.fits(tuple(weight.shape)):
+            if (self.dtype or weight.dtype) != torch.bfloat16:
+                raise CheckpointError(
+                    f"{q.name} weights compute with bfloat16 activations, but this checkpoint "
+                    f"is served in {self.dtype or weight.dtype}: set dtype bfloat16"
+                )
+            packed = QuantPanels(weight, q)
+            self.release(weight)
+            return packed
         packed = prepack(weight, self._batch_invariant)
         if packed is not weight:
             self.release(weight)
@@ -294,9 +344,9 @@ class Checkpoint:
         files = {self._where.get(n) for n in names}
         if len(files) != 1 or None in files:
             return None  # missing (tensor() says so) or in different files
-        file, first = self._view(names[0], shape)
+        file, first = self.view(names[0], shape)
         for name in names[1:]:
-            self._view(name, shape)
+            self.view(name, shape)
         if self.dtype is not None and first.dtype != self.dtype:
             return None
         return file.joined(names)
@@ -329,8 +379,15 @@ class Checkpoint:
                 )
             base = f"model.layers.{layer}.{self.moe_prefix(layer)}experts."
             if load_expert is not None:
+                if self.quantize is not None:
+                    raise UnsupportedModelError(
+                        f"{self.quantize.name} experts are not offered for {s.family}: its "
+                        "experts load through their own format (common/arch)"
+                    )
                 out[(layer, expert)] = load_expert(self, layer, expert)
-            elif (cached := self._cached(layer, expert, base)) is not None:
+            elif (
+                cached := self._packed.expert(expert, base, f"layer{layer}-expert{expert}")
+            ) is not None:
                 out[(layer, expert)] = cached
             elif self.has(base + "gate_up_proj"):
                 out[(layer, expert)] = self._fused_expert(base, expert)
@@ -344,65 +401,6 @@ class Checkpoint:
                 )
         return out
 
-    def _cached(self, layer: int, expert: int, base: str) -> FFNWeights | None:
-        """The expert from this host's packed-weight cache file, where this process holds experts
-        in moe-mesh's panels (common.packcache: one copy a host, not one a process); packed
-        into the file straight from the checkpoint's pages, block by block, where there is none
-        valid. None where experts are held otherwise."""
-        s = self.spec
-        i, h = s.expert_intermediate_size, s.hidden_size
-        if not (self._prepack and packcache.enabled()):
-            return None
-        if self.has(base + "gate_up_proj"):  # fused: [E, 2I, H] and [E, H, I]
-            gate_up = [self._view(base + "gate_up_proj", (s.num_experts, 2 * i, h))[1][expert]]
-            down = self._view(base + "down_proj", (s.num_experts, h, i))[1][expert]
-        else:
-            p, n = f"{base}{expert}.", self.names
-            gate_up = [
-                self._view(f"{p}{name}.weight", (i, h))[1] for name in (n.expert_gate, n.expert_up)
-            ]
-            down = self._view(f"{p}{n.expert_down}.weight", (h, i))[1]
-        dtype = self.dtype or down.dtype
-        shapes = ((2 * i, h), (h, i))
-        if not (down.dtype.is_floating_point and all(in_panels(dtype, x) for x in shapes)):
-            return None
-
-        def fill(out: dict[str, torch.Tensor]) -> None:
-            self._pack_rows(gate_up, out["gate_up"])
-            self._pack_rows([down], out["down"])
-
-        sizes = {"gate_up": 2 * i * h, "down": h * i}
-        tensors = self._packs.get(f"layer{layer}-expert{expert}", sizes, fill)
-        return FFNWeights(
-            gate_up=bf16.Panels.of(tensors["gate_up"], (2 * i, h)),
-            down=bf16.Panels.of(tensors["down"], (h, i)),
-            activation=s.activation,
-        )
-
-    def _pack_rows(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
-        """`parts` (file views) stacked and packed into `out`, COPY_BLOCK_BYTES of them at a time
-        (converted to bfloat16 as `tensor` converts), each block's pages released once packed."""
-        at = 0
-        for part in parts:
-            rows = COPY_BLOCK_BYTES // (part.shape[1] * part.element_size())
-            step = max(bf16.PANEL, rows // bf16.PANEL * bf16.PANEL)
-            for start in range(0, part.shape[0], step):
-                block = part[start : start + step]
-                bf16.pack(block.to(torch.bfloat16), out[at : at + block.numel()])
-                self.release(block)
-                at += block.numel()
-
-    @functools.cached_property
-    def _packs(self) -> packcache.PackCache:
-        """This checkpoint's packed-weight files, keyed by its content (fingerprint, and each
-        file's size and modification time) and the panel layout: not the dtype it was opened in,
-        as panels are bfloat16 whatever the checkpoint stores, converted alike."""
-        files = sorted(set(self._where.values()))
-        stats = [(f, (st := (self.path / f).stat()).st_size, st.st_mtime_ns) for f in files]
-        content = [self.fingerprint(), stats, bf16.LAYOUT]
-        key = hashlib.sha256(json.dumps(content).encode()).hexdigest()[:32]
-        return packcache.PackCache(self.path, key)
-
     def _fused_expert(self, base: str, expert: int) -> FFNWeights:
         s = self.spec
         e, i, h = s.num_experts, s.expert_intermediate_size, s.hidden_size
@@ -412,6 +410,14 @@ class Checkpoint:
         down = self.tensor(base + "down_proj", (e, h, i), one)[0]  # [H, I]
         return FFNWeights(gate_up=self.pack(gate_up), down=self.pack(down), activation=s.activation)
 
+    @functools.cached_property
+    def _packed(self) -> PackedExperts:
+        return PackedExperts(self)
+
+    def files(self) -> list[str]:
+        """The safetensors files holding this checkpoint's tensors, sorted."""
+        return sorted(set(self._where.values()))
+
     def fingerprint(self) -> str:
         """A cheap weights checksum: config.json, every file's header, and 64 KiB sampled across every file.
 
@@ -419,7 +425,7 @@ class Checkpoint:
         constant amount per file, so it costs milliseconds even for very large checkpoints.
         """
         digest = hashlib.sha256((self.path / "config.json").read_bytes())
-        for name in sorted(set(self._where.values())):
+        for name in self.files():
             path = self.path / name
             size = path.stat().st_size
             with open(path, "rb") as f:

@@ -103,7 +103,7 @@ def panels(dtype: torch.dtype) -> bool:
     """Whether `dtype` weights are held for moe-mesh's own kernel (bf16.Panels) in this process:
     bfloat16 only, where it runs, and only where it beats the better of plain and oneDNN."""
     forced = _prepack_setting()
-    if dtype != torch.bfloat16 or forced in ("off", "on") or bf16.kernel("moe_bf16_linear") is None:
+    if dtype != torch.bfloat16 or forced in ("off", "on") or bf16.kernel("moe_linear") is None:
         return False
     if forced == "panels":
         return True

@@ -41,6 +41,7 @@ from common.safetensors_mmap import DTYPES, SafetensorsFile
 log = logging.getLogger(__name__)
 
 FORMAT = "moe-mesh packed weights 1"
+Sizes = dict[str, tuple[int, torch.dtype]]  # an entry's tensors: elements and dtype each
 _CODES = {dtype: code for code, dtype in DTYPES.items()}  # torch dtype -> safetensors'
 
 
@@ -60,16 +61,12 @@ class PackCache:
         self._files: list[SafetensorsFile] = []  # mapped: their tensors are views of them
 
     def get(
-        self,
-        name: str,
-        sizes: dict[str, int],
-        fill: Callable[[dict[str, torch.Tensor]], None],
-        dtype: torch.dtype = torch.bfloat16,
+        self, name: str, sizes: Sizes, fill: Callable[[dict[str, torch.Tensor]], None]
     ) -> dict[str, torch.Tensor]:
-        """Entry `name`: flat `dtype` tensors of `sizes` elements, as views of its file. Where no
-        valid file exists, `fill` writes them into a new one in place (it packs straight into the
-        file's pages: a build holds no second copy). On a cache that cannot be written, `fill`
-        fills tensors of this process's own."""
+        """Entry `name`: flat tensors of `sizes` (elements and dtype each), as views of its file.
+        Where no valid file exists, `fill` writes them into a new one in place (it packs straight
+        into the file's pages: a build holds no second copy). On a cache that cannot be written,
+        `fill` fills tensors of this process's own."""
         path = self.directory / f"{name}.safetensors"
         if (found := self._load(path)) is not None:
             return found
@@ -78,16 +75,16 @@ class PackCache:
                 self._start()
             turn = self._turn()
         except OSError as e:
-            return self._in_memory(path, e, sizes, fill, dtype)
+            return self._in_memory(path, e, sizes, fill)
         with turn:
             if (found := self._load(path, quiet=True)) is not None:  # built while we waited
                 return found
             for left in self.directory.glob("*.tmp"):  # a builder that died: none holds the turn
                 left.unlink(missing_ok=True)
             try:
-                self._write(path, sizes, fill, dtype)
+                self._write(path, sizes, fill)
             except OSError as e:
-                return self._in_memory(path, e, sizes, fill, dtype)
+                return self._in_memory(path, e, sizes, fill)
         if (found := self._load(path)) is None:
             raise CheckpointError(
                 "packed-weight cache file unreadable once written", file=str(path)
@@ -96,12 +93,10 @@ class PackCache:
 
     @staticmethod
     def _in_memory(
-        path: Path, error: OSError, sizes: dict[str, int], fill: Callable, dtype: torch.dtype
+        path: Path, error: OSError, sizes: Sizes, fill: Callable
     ) -> dict[str, torch.Tensor]:
         log.warning("packed-weight cache %s unusable (%s): weights kept in memory", path, error)
-        tensors = {n: torch.empty(count, dtype=dtype) for n, count in sizes.items()}
-        fill(tensors)
-        return tensors
+        return in_memory(sizes, fill)
 
     def _load(self, path: Path, quiet: bool = False) -> dict[str, torch.Tensor] | None:
         """The file's tensors when its key and every checksum hold; None (logged unless `quiet`
@@ -136,11 +131,11 @@ class PackCache:
                 return f"corrupt (tensor {name!r} does not match its CRC-32)"
         return None
 
-    def _write(self, path: Path, sizes: dict[str, int], fill: Callable, dtype: torch.dtype) -> None:
+    def _write(self, path: Path, sizes: Sizes, fill: Callable) -> None:
         """A safetensors file of `sizes` tensors filled in place by `fill`, its checksums written
         into the header afterwards (reserved at their final width), renamed into place whole."""
         entries, at = {}, 0
-        for n, count in sizes.items():
+        for n, (count, dtype) in sizes.items():
             nbytes = count * dtype.itemsize
             entries[n] = {
                 "dtype": _CODES[dtype],
@@ -164,7 +159,10 @@ class PackCache:
                 with mmap.mmap(f.fileno(), start + at) as mapped:
                     views = {
                         n: torch.frombuffer(
-                            mapped, dtype=dtype, count=sizes[n], offset=start + e["data_offsets"][0]
+                            mapped,
+                            dtype=sizes[n][1],
+                            count=sizes[n][0],
+                            offset=start + e["data_offsets"][0],
                         )
                         for n, e in entries.items()
                     }
@@ -205,6 +203,15 @@ class PackCache:
                 os.close(fd)  # releases the lock
 
         return held()
+
+
+def in_memory(
+    sizes: Sizes, fill: Callable[[dict[str, torch.Tensor]], None]
+) -> dict[str, torch.Tensor]:
+    """An entry's tensors filled in this process's own memory: without a cache."""
+    tensors = {n: torch.empty(count, dtype=dtype) for n, (count, dtype) in sizes.items()}
+    fill(tensors)
+    return tensors
 
 
 def checksum(t: torch.Tensor) -> int:

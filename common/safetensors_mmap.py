@@ -33,6 +33,7 @@ DTYPES: dict[str, torch.dtype] = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,  # FP8 checkpoints (DeepSeek-V3, Qwen3 FP8), block-scaled
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 

@@ -97,6 +97,7 @@ EXPERT_QUEUE_DURATION = (
 )
 EXPERT_COMPUTE_DURATION = "moe.expert.compute.duration"  # expert service, s of one batched FFN
 EXPERT_BATCH_TOKENS = "moe.expert.batch.tokens"  # expert service, token rows per FFN execution
+EXPERT_WEIGHT_BYTES = "moe.expert.weight_bytes"  # expert service, experts' bytes, by moe.precision
 # expert service, fast-path hellos dropped for a missing or bad proof of a mesh certificate
 FAST_PATH_REFUSED = "moe.expert.fast_path.hellos_refused"
 ERRORS = "moe.errors"  # every service, failed RPCs by rpc.grpc.status_code

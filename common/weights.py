@@ -33,7 +33,12 @@ class FFNWeights:
     @property
     def nbytes(self) -> int:
         tensors = (self.gate_up, self.up, self.down, self.gate_up_bias, self.down_bias)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(_nbytes(t) for t in tensors if t is not None)
+
+
+def _nbytes(t: object) -> int:
+    """A weight's bytes as held: a tensor's, or what a packed weight (common.bf16.Panels) says."""
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes
 
 
 @dataclass

@@ -130,6 +130,7 @@ class ExpertApp:
                 "experts": format_experts(host.experts),
                 "region": self.settings.region,
                 "dtype": str(host.dtype).removeprefix("torch."),
+                "precision": host.describe().precision,
                 "fast_path": self.fast_paths[0] if self.fast_paths else "",
                 "max_message_bytes": str(self.settings.max_message_bytes),
             },

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 
 import torch
 from opentelemetry import trace
+from opentelemetry.metrics import Observation
 
 from common.arch import ModelSpec
 from common.checkpoint import Checkpoint
 from common.errors import InvalidArgumentError, NotFoundError, PreconditionError
 from common.placement import Pair, format_experts, parse_experts
-from common.telemetry import OFF, Telemetry
+from common.quant import precision
+from common.telemetry import EXPERT_WEIGHT_BYTES, OFF, Telemetry
 from common.weights import FFNWeights
 from common.wire import TO_WIRE, dtype_name
 from expert_service.batcher import DynamicBatcher
@@ -48,6 +50,7 @@ class ExpertDescription:
     hidden_size: int
     region: str
     stats: ExpertStats
+    precision: str  # the experts' weights: the dtype, or 'int8' / 'int4-g64'
 
 
 def _dtype_label(dtype: torch.dtype) -> str:
@@ -100,6 +103,14 @@ class ExpertHost:
             self.weights, settings.max_batch_tokens, settings.max_queue_delay_us, telemetry
         )
         self.telemetry = telemetry
+        held = [
+            Observation(sum(w.nbytes for w in weights.values()), {"moe.precision": self.precision})
+        ]
+        telemetry.meter.create_observable_gauge(
+            EXPERT_WEIGHT_BYTES,
+            [lambda _: held],
+            description="bytes of the experts' weights held, by moe.precision (int4-g64, ...)",
+        )
         self.forward_calls = 0
         self._served: dict[int, set[int]] = {}
         for layer, expert in self.experts:
@@ -114,6 +125,7 @@ class ExpertHost:
             dtype=None if settings.dtype == "auto" else getattr(torch, settings.dtype),
             prepack=True,
             batch_invariant=True,  # the batcher merges callers: rows must not see batch-mates
+            quantize=settings.quantization,
         )
         experts = parse_experts(settings.experts, checkpoint.spec)
         with large_frees_returned():
@@ -143,7 +155,13 @@ class ExpertHost:
                 batches=s.batches,
                 tokens=s.tokens,
             ),
+            precision=self.precision,
         )
+
+    @property
+    def precision(self) -> str:
+        """What the experts are held in: the dtype, or 'int8' / 'int4-g64'."""
+        return precision(self.dtype, self.settings.quantization)
 
     async def forward(
         self,

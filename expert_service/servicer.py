@@ -64,6 +64,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             dtype=wire.TO_WIRE[d.dtype],
             hidden_size=d.hidden_size,
             region=d.region,
+            precision=d.precision,
             stats=expert_pb2.ExpertStats(
                 forward_calls=d.stats.forward_calls,
                 groups=d.stats.groups,

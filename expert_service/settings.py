@@ -9,11 +9,12 @@ from pydantic_settings import SettingsConfigDict
 
 from common.fastpath import mesh_fast_path
 from common.hub import CheckpointPath
+from common.quant_settings import QuantizationSettings
 from common.telemetry import TelemetrySettings
 from common.tls import SecuritySettings
 
 
-class ExpertSettings(TelemetrySettings, SecuritySettings):
+class ExpertSettings(QuantizationSettings, TelemetrySettings, SecuritySettings):
     """What one expert service serves, where it listens, and its batching and size limits."""
 
     model_config = SettingsConfigDict(env_prefix="MOE_EXPERT_", extra="forbid")

@@ -96,7 +96,13 @@ def _open(settings: RouterSettings) -> Checkpoint:
     """The configured checkpoint at the compute dtype."""
     if settings.checkpoint is None:
         raise ValueError("settings.checkpoint is required")
-    return Checkpoint(settings.checkpoint, dtype=compute_dtype(settings.dtype), prepack=True)
+    return Checkpoint(
+        settings.checkpoint,
+        dtype=compute_dtype(settings.dtype),
+        prepack=True,
+        quantize=settings.quantization,  # the experts this process holds
+        quantize_dense=settings.quantize_dense,
+    )
 
 
 def _identity(settings: RouterSettings, checkpoint: Checkpoint) -> Identity:

@@ -62,6 +62,7 @@ class RouterStatus:
     failovers: int
     placement: dict[str, list[tuple[int, int]]]  # "colocated" or address -> pairs it serves
     regions: dict[str, str]  # the same keys -> region
+    precisions: dict[str, str]  # the same keys -> what the experts are held in ('' unknown)
     registry_stale: bool  # running on the last known membership: the registry is unreachable
     utilization: list[list[float]]  # [layers][experts] tokens routed in the window
     window_s: float
@@ -240,12 +241,14 @@ class RouterCore:
         d = self.engine.model.dispatcher
         placement: dict[str, list[tuple[int, int]]] = {}
         regions: dict[str, str] = {}
+        precisions: dict[str, str] = {}
         backends: dict[str, object] = {}
         for pair, replicas in sorted(d.placement.items()):
             for backend in replicas:
                 key = "colocated" if backend.local else backend.address
                 placement.setdefault(key, []).append(pair)
                 regions[key] = d.region if backend.local else backend.region
+                precisions[key] = getattr(backend, "precision", "")
                 backends.setdefault(key, backend)
         t = self.tierer
         tiering = TieringStatus(
@@ -273,6 +276,7 @@ class RouterCore:
             d.failovers,
             placement,
             regions,
+            precisions,
             bool(self.membership is not None and self.membership.stale),
             d.window.counts().tolist(),
             d.window.window_s,

@@ -71,7 +71,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             failovers=st.failovers,
             placement=[
                 router_pb2.ExpertPlacement(
-                    backend=b, experts=format_experts(pairs), region=st.regions[b]
+                    backend=b,
+                    experts=format_experts(pairs),
+                    region=st.regions[b],
+                    precision=st.precisions.get(b, ""),
                 )
                 for b, pairs in st.placement.items()
             ],

@@ -9,12 +9,13 @@ from pydantic_settings import SettingsConfigDict
 
 from common.fastpath import mesh_fast_path
 from common.hub import CheckpointPath
+from common.quant_settings import QuantizationSettings
 from common.telemetry import TelemetrySettings
 from common.tls import SecuritySettings
 from common.units import parse_size
 
 
-class RouterSettings(TelemetrySettings, SecuritySettings):
+class RouterSettings(QuantizationSettings, TelemetrySettings, SecuritySettings):
     """Everything one router process needs: model, batching limits, expert placement, serving."""
 
     model_config = SettingsConfigDict(env_prefix="MOE_ROUTER_", extra="forbid")
@@ -27,6 +28,11 @@ class RouterSettings(TelemetrySettings, SecuritySettings):
     )
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "auto", description="compute dtype; auto keeps the checkpoint's dtype"
+    )
+    quantize_dense: bool = Field(
+        False,
+        description="with --quantize: hold attention, dense and shared MLPs and the LM head in "
+        "that format too (not the gate, norms or embeddings); fewer bytes a token, more error",
     )
     # continuous batching
     max_num_seqs: int = Field(

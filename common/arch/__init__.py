@@ -12,6 +12,7 @@ common/checkpoint.py:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,7 @@ def parse_spec(config: dict[str, Any], source: str = "config.json") -> ModelSpec
         )
     try:
         spec = family_module(model_type).parse(config, get)
+        spec = dataclasses.replace(spec, fp8_block=_fp8_block(model_type, config))
     except CheckpointError as e:
         if e.file is None:
             raise type(e)(str(e), file=source) from e
@@ -83,6 +85,48 @@ def parse_spec(config: dict[str, Any], source: str = "config.json") -> ModelSpec
             f"num_experts_per_tok={spec.top_k} exceeds the {spec.num_experts} experts", file=source
         )
     return spec
+
+
+# quantization_config.quant_method -> the families whose checkpoints are read in that format (not
+# FP8 for the two whose experts load through a hook of their own: common/arch/dbrx.py, gpt_oss.py)
+QUANT_METHODS = {
+    "fp8": tuple(f for f in FAMILIES if f not in ("dbrx", "gpt_oss")),
+    "mxfp4": ("gpt_oss",),
+}
+
+
+def _fp8_block(model_type: str, config: dict[str, Any]) -> tuple[int, int] | None:
+    """An FP8 checkpoint's weight_block_size (DeepSeek-V3's layout: e4m3 weights, a float32
+    weight_scale_inv per block); None for one that is not FP8. UnsupportedModelError naming the
+    field for a format this mesh does not read."""
+    q = config.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if model_type not in QUANT_METHODS.get(method, ()):
+        supported = [m for m, families in QUANT_METHODS.items() if model_type in families]
+        raise UnsupportedModelError(
+            f"quantization_config.quant_method={method!r} is not supported for {model_type}; "
+            f"supported: {', '.join(supported)}"
+        )
+    if method != "fp8":
+        return None
+    if q.get("fmt", "e4m3") != "e4m3" or q.get("activation_scheme", "dynamic") != "dynamic":
+        raise UnsupportedModelError(
+            f"quantization_config: fmt={q.get('fmt')!r}, activation_scheme="
+            f"{q.get('activation_scheme')!r}; supported: e4m3 weights, dynamic activations"
+        )
+    block = q.get("weight_block_size")
+    if not (
+        isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) and b > 0 and b % 32 == 0 for b in block)
+    ):
+        raise UnsupportedModelError(
+            f"quantization_config.weight_block_size={block!r}: expected two multiples of 32, "
+            "e.g. [128, 128] (per-tensor or per-channel FP8 scales are not read)"
+        )
+    return block[0], block[1]
 
 
 def checkpoint_spec(checkpoint_dir: Path) -> ModelSpec:

@@ -16,7 +16,7 @@ from common.arch.spec import (
     rope_spec,
     yarn_mscale,
 )
-from common.errors import CheckpointError, UnsupportedModelError
+from common.errors import CheckpointError
 from common.weights import LayerWeights, MLAWeights
 
 # transformers' attribute_map: DeepseekV3Config stores the expert count as n_routed_experts.
@@ -24,12 +24,6 @@ _ALIASES = {"num_local_experts": "n_routed_experts"}
 
 
 def parse(config: dict, get) -> ModelSpec:
-    quantization = config.get("quantization_config")
-    if quantization:  # DeepSeek publishes FP8 weights with per-block scales we do not apply
-        raise UnsupportedModelError(
-            f"quantization_config (quant_method={quantization.get('quant_method')!r}) is not "
-            "supported; convert the checkpoint to bfloat16 first"
-        )
     fields = common_fields(config, lambda key, *default: get(_ALIASES.get(key, key), *default))
     mla = MLASpec(
         q_lora_rank=config.get("q_lora_rank"),

@@ -8,7 +8,7 @@ import torch
 
 from common import mxfp4
 from common.arch.spec import ExpertActivation, ModelSpec, TensorNames, common_fields
-from common.errors import CheckpointError, UnsupportedModelError
+from common.errors import CheckpointError
 from common.weights import FFNWeights, LayerWeights
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -17,11 +17,6 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 def parse(config: dict, get) -> ModelSpec:
     fields = common_fields(config, get)
     n = fields["num_layers"]
-    quant = (config.get("quantization_config") or {}).get("quant_method")
-    if quant not in (None, "mxfp4"):
-        raise UnsupportedModelError(
-            f"quantization_config.quant_method={quant!r} is not supported; supported: mxfp4"
-        )
     # transformers' default when the file has none: even layers slide, odd ones see everything.
     layer_types = tuple(get("layer_types", None) or (LAYER_TYPES[i % 2] for i in range(n)))
     if len(layer_types) != n or not set(layer_types) <= set(LAYER_TYPES):

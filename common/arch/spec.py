@@ -111,6 +111,9 @@ class ModelSpec:
     # per layer "full_attention" | "sliding_attention"; () all full
     layer_types: tuple[str, ...] = ()
     attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    # FP8 checkpoints (quantization_config.quant_method "fp8"): e4m3 weights with a float32
+    # weight_scale_inv per block of (rows, inputs) = weight_block_size; None: none
+    fp8_block: tuple[int, int] | None = None
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"

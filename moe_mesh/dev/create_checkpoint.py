@@ -1,9 +1,10 @@
-"""Random-initialised MoE checkpoints in HuggingFace layout, for tests and CPU benchmarks.
+"""Random-initialised (optionally briefly trained) MoE checkpoints in HuggingFace layout, for tests
+and CPU benchmarks.
 
 Models are built with transformers' own classes so the files are exactly what transformers writes (plus an
 optional rewrite to the fused v5 expert layout or MXFP4: expert_layouts.py), from each family's preset
 (families.py), and the tokenizer is a byte-level BPE trained on a small built-in corpus so that any
-UTF-8 text round-trips (bpe.py).
+UTF-8 text round-trips (bpe.py). `train_steps` trains the model on text before it is saved (training.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from moe_mesh.dev.families import (
     config_kwargs,
     init_parameters,
 )
+from moe_mesh.dev.training import read_text, settings_for, split_corpus, train, write_outputs
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "dbrx", "glm4_moe")
 PRESETS = ("tiny", "small")
@@ -51,6 +53,8 @@ def create_checkpoint(
     progress: bool = False,
     quantize: str | None = None,
     dtype: str = "float32",
+    train_steps: int = 0,
+    train_text: Path | None = None,
 ) -> Path:
     """Write a random-initialised HuggingFace-layout checkpoint (config.json, safetensors, tokenizer); return out_dir.
 
@@ -70,13 +74,18 @@ def create_checkpoint(
     whatever the layout; ``quantize="mxfp4"`` writes them as published gpt-oss checkpoints do.
     ``dtype="bfloat16"`` stores the weights in bfloat16: drawn in float32, cast before saving
     (saving holds copies of the weights: a 2.5 G-parameter float32 model peaked at 16.5 GB RSS).
+    ``train_steps > 0`` trains the float32 model on ``train_text`` (default: the project's docs) before the
+    cast, quantization and layout rewrite, and writes the text's held-out tail to ``heldout.txt`` and the
+    losses to ``training.json`` (training.py); router skew is applied before training, which then has no
+    router losses (they would train it away).
 
     Raises ValueError for unknown arch/preset/layout or an out_dir that cannot be created, and
     FileExistsError if out_dir exists and is not empty.
     """
     out_dir = Path(out_dir)
-    _check_arguments(out_dir, arch, preset, expert_layout, quantize, dtype)
+    _check_arguments(out_dir, arch, preset, expert_layout, quantize, dtype, train_steps, train_text)
     # Here, not at module level: `moe-mesh probe` and friends must start fast.
+    import torch
     from tokenizers import Tokenizer
 
     def stage(msg: str) -> None:
@@ -86,13 +95,19 @@ def create_checkpoint(
     p = {**PRESET_SIZES[preset], **FAMILY_PRESETS.get((arch, preset), {})}
     stage(f"training byte-level BPE tokenizer (target vocab {p['vocab']})")
     tokenizer = Tokenizer.from_str(tokenizer_json(p["vocab"]))
+    settings = settings_for(train_steps, router_skew)
+    corpus = split_corpus(*read_text(train_text), tokenizer, settings) if train_steps else None
     config = _config(arch, p, tokenizer.get_vocab_size(), overrides, quantize)
     stage(f"initialising {CLASSES[arch][1]} ({preset}, seed {seed})")
-    model = _random_model(arch, config, seed, router_skew, dtype)
+    model = _random_model(arch, config, seed, router_skew)
+    log = None if corpus is None else train(model, corpus, settings, seed, stage)
+    model.to(getattr(torch, dtype))  # parameter by parameter: one float32 copy at most
     n_params = sum(t.numel() for t in model.parameters())
     size = n_params * next(model.parameters()).element_size()
     stage(f"writing {n_params / 1e6:.1f}M parameters ({size / 2**20:.0f} MiB {dtype}) to {out_dir}")
     _save_model(model, out_dir, max_shard_size, progress)
+    if corpus is not None and log is not None:
+        write_outputs(out_dir, corpus, log)
     if arch == "qwen3_moe":
         _rename_qwen3_expert_count(out_dir / "config.json")
     if expert_layout == "fused":
@@ -108,9 +123,19 @@ def create_checkpoint(
 
 
 def _check_arguments(
-    out_dir: Path, arch: str, preset: str, expert_layout: str, quantize: str | None, dtype: str
+    out_dir: Path,
+    arch: str,
+    preset: str,
+    expert_layout: str,
+    quantize: str | None,
+    dtype: str,
+    train_steps: int,
+    train_text: Path | None,
 ) -> None:
-    """Every argument problem, before seconds go into building a model."""
+    """Every argument problem, before seconds go into building a model (the training text is read,
+    and checked, before the model is built too)."""
+    if train_steps < 0 or (train_text is not None and not train_steps):
+        raise ValueError(f"train_steps must be > 0 to train on train_text, not {train_steps}")
     for what, value, valid in (
         ("arch", arch, ARCHS),
         ("preset", preset, PRESETS),
@@ -161,7 +186,8 @@ def _config(
     return config
 
 
-def _random_model(arch: str, config: Any, seed: int, router_skew: float, dtype: str) -> Any:
+def _random_model(arch: str, config: Any, seed: int, router_skew: float) -> Any:
+    """The family's model with seeded float32 weights (and router skew), in eval mode."""
     import torch  # here, not at module level: `moe-mesh probe` and friends must start fast
     import transformers
 
@@ -170,7 +196,7 @@ def _random_model(arch: str, config: Any, seed: int, router_skew: float, dtype: 
     init_parameters(model, seed)
     if router_skew:
         apply_router_skew(model, router_skew, seed)
-    return model.to(getattr(torch, dtype))  # parameter by parameter: one float32 copy at most
+    return model
 
 
 def _save_model(
@@ -250,7 +276,14 @@ class CreateSettings(BaseModel):
         None, description="gpt_oss: store the experts in MXFP4, as published gpt-oss checkpoints do"
     )
     dtype: Literal[DTYPES] = Field(  # type: ignore[valid-type]
-        "float32", description="dtype of the stored weights (drawn in float32, then cast)"
+        "float32",
+        description="dtype of the stored weights (drawn and trained in float32, then cast)",
+    )
+    train_steps: int = Field(
+        0, ge=0, description="train the model this many steps before saving (0: random weights)"
+    )
+    train_text: Path | None = Field(
+        None, description="UTF-8 text to train on (default: the project's docs/**/*.md)"
     )
     override: list[tuple[str, Any]] | None = Field(
         None,
@@ -283,9 +316,11 @@ def _cmd_create(args: argparse.Namespace) -> int:
             overrides=dict(s.override or []),
             expert_layout=s.expert_layout,
             max_shard_size=s.max_shard_size,
-            progress=s.preset != "tiny",
+            progress=s.preset != "tiny" or s.train_steps > 0,
             quantize=s.quantize,
             dtype=s.dtype,
+            train_steps=s.train_steps,
+            train_text=s.train_text,
         )
     except (FileExistsError, ValueError) as exc:
         print(f"moe-mesh checkpoint create: error: {exc}", file=sys.stderr)

@@ -136,3 +136,61 @@ def quantize_mxfp4(out_dir: Path) -> None:
         "quant_method": "mxfp4",
     }
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def quantize_fp8(out_dir: Path, block: tuple[int, int] = (128, 128)) -> None:
+    """Rewrite a checkpoint's linear layers as DeepSeek-V3 publishes them: each `W.weight` of a
+    decoder layer (not the routers' gates, norms, embeddings or LM head) as float8_e4m3fn with
+    `W.weight_scale_inv`, float32 per block of `block` = (rows, inputs), the block's largest
+    magnitude over 448 (e4m3's largest value), and `quantization_config` in config.json."""
+    from safetensors.torch import load_file, save_file
+
+    index_path = out_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
+    for fname in files:
+        tensors = load_file(out_dir / fname)
+        for name in [n for n in tensors if _fp8_quantized(n, tensors[n])]:
+            weight, scale = _fp8_blocks(tensors.pop(name).float(), block)
+            tensors[name], tensors[name + "_scale_inv"] = weight, scale
+            if index:
+                index["weight_map"][name + "_scale_inv"] = index["weight_map"][name]
+        save_file(tensors, out_dir / (fname + ".tmp"), metadata={"format": "pt"})
+        os.replace(out_dir / (fname + ".tmp"), out_dir / fname)
+    if index:
+        index["weight_map"] = dict(sorted(index["weight_map"].items()))
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    cfg_path = out_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"] = {  # what deepseek-ai/DeepSeek-V3's config.json says
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(block),
+    }
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def _fp8_quantized(name: str, tensor) -> bool:
+    routers = (".gate.weight", "shared_expert_gate.weight", ".router.weight")
+    return (
+        name.startswith("model.layers.")
+        and name.endswith(".weight")
+        and tensor.dim() == 2
+        and not name.endswith(routers)
+    )
+
+
+def _fp8_blocks(w, block: tuple[int, int]):
+    """(e4m3 weight, float32 scales [ceil(out / br), ceil(in / bk)]): DeepSeek's reference rule."""
+    import torch
+
+    (out, k), (br, bk) = w.shape, block
+    rows, cols = -(-out // br), -(-k // bk)
+    padded = torch.zeros(rows * br, cols * bk)
+    padded[:out, :k] = w
+    blocks = padded.view(rows, br, cols, bk)
+    scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (blocks / safe[:, None, :, None]).to(torch.float8_e4m3fn)
+    return q.view(rows * br, cols * bk)[:out, :k].contiguous(), scale

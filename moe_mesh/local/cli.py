@@ -53,6 +53,13 @@ def _check_flags(args: argparse.Namespace, router_args: list[str]) -> str | None
         return f"--grpc-port and --http-port are both {args.grpc_port}: the gateway needs two ports"
     if not (args.checkpoint / "config.json").is_file():
         return f"--checkpoint: {args.checkpoint} has no config.json (not a checkpoint directory)"
+    config = json.loads((args.checkpoint / "config.json").read_text())
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    if args.quantize != "none" and dtype != "bfloat16":
+        return (
+            f"--quantize {args.quantize}: quantized experts compute with bfloat16 activations, "
+            f"and a local mesh computes in the checkpoint's dtype, {dtype}"
+        )
     from router_service import cli as router_cli
 
     # Every router flag, --router-arg's included, through the router's own parser and settings.
@@ -130,6 +137,9 @@ def _run_up(args: argparse.Namespace) -> int:
     router_args = _pass_through(args, ROUTER_FLAGS) + [
         word for text in args.router_arg for word in shlex.split(text)
     ]
+    expert_args = _pass_through(args, ("quantize", "quantize_group_size"))
+    if not args.expert_services:  # the routers hold every expert
+        router_args, expert_args = expert_args + router_args, []
     # Absolute: the ready file names files under it (certificates, logs, spans) that client
     # commands read from wherever they run.
     run_dir = (
@@ -154,6 +164,7 @@ def _run_up(args: argparse.Namespace) -> int:
         router_args,
         args.trace_sample,
         (args.certs_dir or run_dir / "certs").absolute() if args.tls else None,
+        expert_args,
     )
 
 

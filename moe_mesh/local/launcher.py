@@ -78,8 +78,10 @@ class Launcher:
         ready_timeout_s: float = READY_TIMEOUT_S,
         stop_timeout_s: float = STOP_TIMEOUT_S,
         tls_dir: Path | None = None,
+        expert_args: list[str] | None = None,
     ) -> None:
         self.tls_dir = tls_dir  # mutual TLS everywhere, with the certificates there
+        self.expert_args = expert_args or []  # more serve-expert flags for every expert service
         self.checkpoint, self.run_dir, self.trace_sample = checkpoint, run_dir, trace_sample
         self.expert_services, self.replicas, self.routers = expert_services, replicas, routers
         self.gateway_args, self.router_args = gateway_args, router_args
@@ -155,6 +157,7 @@ class Launcher:
                 "--registry",
                 "consul",
                 *self._tls_args("expert"),
+                *self.expert_args,
             ],
         )
 
@@ -433,6 +436,7 @@ def run_up(
     router_args: list[str],
     trace_sample: float | None = None,
     tls_dir: Path | None = None,
+    expert_args: list[str] | None = None,
 ) -> int:
     launcher = Launcher(
         checkpoint,
@@ -445,6 +449,7 @@ def run_up(
         trace_sample,
         ready_file,
         tls_dir=tls_dir,
+        expert_args=expert_args,
     )
     stop: list = [False]
 

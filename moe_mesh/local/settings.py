@@ -10,9 +10,14 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.quant_settings import QuantizationSettings
 
-class UpSettings(BaseSettings):
-    """A whole mesh on this machine: how many of each service, where its files go."""
+
+class UpSettings(QuantizationSettings):
+    """A whole mesh on this machine: how many of each service, where its files go. --quantize
+    sets the precision of the expert services' experts (with --expert-services 0, of the
+    routers', which then hold every expert); routers keep their hot colocated experts in the
+    checkpoint's dtype unless --router-arg='--quantize ...' says otherwise."""
 
     model_config = SettingsConfigDict(env_prefix="MOE_MESH_UP_", extra="forbid")
 

@@ -177,6 +177,7 @@ async def router_status(address: str, tls: MeshTls | None = None) -> dict:
         tokens_colocated=st.tokens_colocated,
         placement={p.backend: p.experts for p in st.placement},
         regions={p.backend: p.region for p in st.placement},
+        precisions={p.backend: p.precision for p in st.placement},
         replicas=[
             {
                 "backend": r.backend,
@@ -230,6 +231,7 @@ async def mesh_status(mesh: dict) -> dict:
                 )
                 row.update(
                     experts=e["experts"],
+                    precision=d.precision,
                     forward_calls=d.stats.forward_calls,
                     batches=d.stats.batches,
                     groups=d.stats.groups,
@@ -268,7 +270,7 @@ def print_status(st: dict) -> None:
                 f"  !! served by no replica: experts {r['unserved']} (requests routed there fail)"
             )
     for e in st["experts"]:
-        stats = f"experts {e.get('experts', '?')}  calls {e.get('forward_calls', '?')} batches {e.get('batches', '?')}"
+        stats = f"experts {e.get('experts', '?')} ({e.get('precision') or '?'})  calls {e.get('forward_calls', '?')} batches {e.get('batches', '?')}"
         print(f"expert   {e['address']:<22} {e['health']:<12} {e.get('error', stats)}")
     for r in st["routers"]:
         if "tokens_routed" in r:

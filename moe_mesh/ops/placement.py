@@ -84,6 +84,7 @@ def placement_record(router_rows: list[dict]) -> dict:
             "address": r["address"],
             "region": r["region"],
             "colocated": r["placement"].get(COLOCATED, ""),
+            "precision": r["precisions"].get(COLOCATED, ""),
             "colocated_bytes": r["colocated_bytes"],
             "budget_bytes": r["budget_bytes"],
             "promotions": r["promotions"],
@@ -93,16 +94,23 @@ def placement_record(router_rows: list[dict]) -> dict:
         }
         for r in rows
     ]
-    services: dict[str, tuple[str, set[Pair]]] = {}
+    services: dict[str, tuple[str, str, set[Pair]]] = {}
     for row, backends in zip(rows, placed):
         for backend, pairs in backends.items():
             if backend != COLOCATED:
                 # Routers may see a service's membership at different moments: keep every pair any saw.
-                region, seen = services.get(backend, ("", set()))
-                services[backend] = (region or row["regions"].get(backend, ""), seen | pairs)
+                region, precision, seen = services.get(backend, ("", "", set()))
+                region = region or row["regions"].get(backend, "")
+                precision = precision or row["precisions"].get(backend, "")
+                services[backend] = (region, precision, seen | pairs)
     record["services"] = [
-        {"address": a, "region": region, "experts": format_experts(sorted(pairs))}
-        for a, (region, pairs) in sorted(services.items())
+        {
+            "address": a,
+            "region": region,
+            "precision": precision,
+            "experts": format_experts(sorted(pairs)),
+        }
+        for a, (region, precision, pairs) in sorted(services.items())
     ]
     return record
 
@@ -144,11 +152,15 @@ def render(record: dict) -> str:
             + (f"{r['budget_bytes'] / mib:.1f}" if r["budget_bytes"] else "off"),
             f"+{r['promotions']} -{r['demotions']}",
             r["colocated"] or "-",
+            r["precision"] or "-",
             f"{r['pinned_hot'] or '-'} / {r['pinned_remote'] or '-'}",
         ]
         for r in record["routers"]
     ]
-    services = [[s["address"], s["region"] or "-", s["experts"]] for s in record["services"]]
+    services = [
+        [s["address"], s["region"] or "-", s["precision"] or "-", s["experts"]]
+        for s in record["services"]
+    ]
     return "\n\n".join(
         [
             tables.table(
@@ -158,11 +170,12 @@ def render(record: dict) -> str:
                     "colocated MiB / budget",
                     "moves",
                     "colocated",
+                    "precision",
                     "pinned hot / remote",
                 ],
                 routers,
             ),
-            tables.table(["expert service", "region", "experts"], services)
+            tables.table(["expert service", "region", "precision", "experts"], services)
             if services
             else "no expert services",
             _heatmap(record),

@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from common.moe import experts_ffn
+from common.quant import precision
 from common.weights import FFNWeights
 
 
@@ -41,6 +42,14 @@ class ColocatedExperts:
 
     def __init__(self, weights: Mapping[tuple[int, int], FFNWeights]) -> None:
         self.weights = dict(weights)
+
+    @property
+    def precision(self) -> str:
+        """What the weights are held in: 'bfloat16', 'int4-g64', ... ('' with none)."""
+        down = next((w.down for w in self.weights.values()), None)
+        if down is None:
+            return ""
+        return precision(down.dtype, getattr(down, "quantization", None))
 
     def __repr__(self) -> str:
         return f"ColocatedExperts({len(self.weights)} experts)"

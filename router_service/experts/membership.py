@@ -101,6 +101,7 @@ class ExpertMembership:
             self.tls,
         )
         backend.placed = frozenset(self._pairs[inst.id])
+        backend.precision = inst.meta.get("precision", "")
         limit = inst.meta.get("max_message_bytes", "")
         backend.learn_limit(int(limit) if limit.isdecimal() else 0)
         return backend

@@ -108,6 +108,7 @@ class RemoteExperts:
         tls: MeshTls | None = None,
     ) -> None:
         self.address, self.region = address, region
+        self.precision = ""  # what the service holds its experts in, once it said (Describe)
         self.identity = identity
         self.max_message_bytes = max_message_bytes  # this router's
         self.call_bytes = max_message_bytes  # a message to this service: under its limit too
@@ -364,7 +365,7 @@ async def connect(
     placement: dict[tuple[int, int], list[RemoteExperts]] = {}
     for backend, info in zip(backends, replies):
         check_identity(backend.address, info, identity)
-        backend.region = info.region
+        backend.region, backend.precision = info.region, info.precision
         backend.learn_limit(info.max_message_bytes)
         backend.offer_fast_path(list(info.fast_paths))
         pairs = [(k.layer, k.expert) for k in info.experts]

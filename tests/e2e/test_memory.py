@@ -90,7 +90,7 @@ def test_expert_services_hold_one_copy_of_their_weights(
     panels, packed once into cache files both map (common/packcache.py)."""
     from bench.memory import MARGIN_MIB, import_floor, memory, touch
 
-    if prepack == "panels" and bf16.kernel("moe_bf16_linear") is None:
+    if prepack == "panels" and bf16.kernel("moe_linear") is None:
         pytest.skip("no C compiler or no AVX2: no bfloat16 panels")
     path = checkpoint("qwen3_moe", overrides=WIDE)
     floor = import_floor("off")

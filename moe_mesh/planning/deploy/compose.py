@@ -133,6 +133,8 @@ def expert_command(plan: Plan, g: ExpertGroup, port: str, extra: list[str]) -> l
         cmd += ["--region", g.region]
     if g.compute_threads:
         cmd += ["--compute-threads", str(g.compute_threads)]
+    if g.quantize != "none":
+        cmd += ["--quantize", g.quantize, "--quantize-group-size", str(g.quantize_group_size)]
     return cmd + g.args
 
 

@@ -193,6 +193,12 @@ class ExpertGroup(_Strict):
     compute_threads: int | None = Field(
         None, ge=1, le=1024, description="serve-expert --compute-threads"
     )
+    quantize: Literal["none", "int8", "int4"] = Field(
+        "none", description="serve-expert --quantize: the group's precision (a cold group in int4)"
+    )
+    quantize_group_size: Literal[32, 64, 128] = Field(
+        64, description="serve-expert --quantize-group-size (with quantize int4)"
+    )
     resources: Resources = Resources(cpu_mhz=2000, memory_mb=4096)
     args: list[str] = Field(default_factory=list, description="extra serve-expert flags")
 

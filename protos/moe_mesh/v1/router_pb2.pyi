@@ -68,14 +68,16 @@ class RouterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExpertPlacement(_message.Message):
-    __slots__ = ("backend", "experts", "region")
+    __slots__ = ("backend", "experts", "region", "precision")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     backend: str
     experts: str
     region: str
-    def __init__(self, backend: _Optional[str] = ..., experts: _Optional[str] = ..., region: _Optional[str] = ...) -> None: ...
+    precision: str
+    def __init__(self, backend: _Optional[str] = ..., experts: _Optional[str] = ..., region: _Optional[str] = ..., precision: _Optional[str] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
     __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "running", "waiting", "steps", "num_layers", "num_experts", "tokens_routed", "failovers", "placement", "registry_stale", "utilization", "utilization_window_s", "region", "expert_bytes", "colocated_bytes", "colocate_budget_bytes", "promotions", "demotions", "pinned_hot", "pinned_remote", "moe_layers", "remote_calls", "tokens_colocated", "hedges", "ejections", "replicas", "micro_batches_setting", "micro_batches", "ta_ms", "te_ms", "tc_ms", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "preemptions")

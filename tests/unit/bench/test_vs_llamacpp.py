@@ -119,7 +119,9 @@ def test_a_run_writes_a_row_per_batch_and_expert_type(llama_cpp, checkpoint, tmp
     assert result["llama_cpp"]["version"] == llama_cpp.__version__
     assert result["llama_cpp"]["system_info"]  # the instructions its build uses
     assert all(row["engine_serial_max_tokens"] >= 0 for row in rows.values())
-    assert "batch   3: engine bf16" in capsys.readouterr().out
+    assert rows[(3, "q8_0")]["engine_experts"] == "int8"  # our int8 experts against q8_0
+    assert rows[(3, "q8_0")]["engine_bytes_per_token"] < rows[(3, "bf16")]["engine_bytes_per_token"]
+    assert "batch   3: engine (int8)" in capsys.readouterr().out
 
 
 def test_sequences_of_a_batch_decode_as_they_do_alone(llama_cpp, checkpoint, tmp_path) -> None:

@@ -153,7 +153,7 @@ def test_batch_invariant_weights_give_a_row_the_same_bits_whatever_its_batch_mat
     assert not L.prepack(w, batch_invariant=True).is_mkldnn
 
 
-@pytest.mark.skipif(bf16.kernel("moe_bf16_linear") is None, reason="no C compiler or no AVX2")
+@pytest.mark.skipif(bf16.kernel("moe_linear") is None, reason="no C compiler or no AVX2")
 @pytest.mark.parametrize(("share", "chosen"), [(0.5, True), (0.95, False)])
 def test_bfloat16_weights_take_the_kernel_only_when_it_beats_the_best_other_layout(
     fresh, monkeypatch, share, chosen
@@ -173,7 +173,7 @@ def test_bfloat16_weights_take_the_kernel_only_when_it_beats_the_best_other_layo
     assert not L.panels(torch.float32)  # float32 keeps torch's bits
 
 
-@pytest.mark.skipif(bf16.kernel("moe_bf16_linear") is None, reason="no C compiler or no AVX2")
+@pytest.mark.skipif(bf16.kernel("moe_linear") is None, reason="no C compiler or no AVX2")
 def test_moe_mesh_prepack_panels_and_off_decide_the_bfloat16_layout_without_measuring(
     fresh, monkeypatch
 ):

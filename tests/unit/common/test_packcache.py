@@ -9,14 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common import bf16, packcache
-from common import checkpoint as checkpoint_module
+from common import bf16, packcache, packed_experts
 from common import linear as L
 from common.checkpoint import Checkpoint
 from common.moe import expert_ffn
 
 pytestmark = pytest.mark.skipif(
-    bf16.kernel("moe_bf16_linear") is None, reason="no C compiler or no AVX2: no bfloat16 panels"
+    bf16.kernel("moe_linear") is None, reason="no C compiler or no AVX2: no bfloat16 panels"
 )
 PAIRS = [(0, 1), (2, 5)]
 
@@ -90,7 +89,7 @@ def test_packed_block_by_block_is_the_weight_packed_whole(
     monkeypatch.setenv("MOE_MESH_PACK_CACHE", "off")
     whole = experts()
     monkeypatch.delenv("MOE_MESH_PACK_CACHE")
-    monkeypatch.setattr(checkpoint_module, "COPY_BLOCK_BYTES", 32 * 64 * 4)  # 32 or 64 rows a block
+    monkeypatch.setattr(packed_experts, "COPY_BLOCK_BYTES", 32 * 64 * 4)  # 32 or 64 rows a block
     blocks = experts()
     assert len(files(panels)) == 2
     for a, b in zip(whole.values(), blocks.values()):

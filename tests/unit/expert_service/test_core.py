@@ -12,9 +12,12 @@ import torch
 
 from common.errors import InvalidArgumentError
 from common.placement import parse_experts
+from common.telemetry import Telemetry
 from common.weights import FFNWeights
 from expert_service.core import ExpertHost
+from expert_service.settings import ExpertSettings
 from tests.support.experts import SPEC
+from tests.support.metrics import scrape
 
 
 def test_host_loads_only_its_experts(settings) -> None:
@@ -22,6 +25,26 @@ def test_host_loads_only_its_experts(settings) -> None:
         host = ExpertHost.load(settings(experts=spec))
         assert sorted(host.weights) == parse_experts(spec, host.spec)
         assert all(isinstance(w, FFNWeights) for w in host.weights.values())
+
+
+def test_the_weights_held_are_a_metric_named_by_their_precision(
+    checkpoint, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setenv("MOE_MESH_CACHE_DIR", str(tmp_path))
+    telemetry = Telemetry.create("expert", metrics_port=0)
+    try:
+        host = ExpertHost.load(
+            ExpertSettings(
+                checkpoint=checkpoint("mixtral", dtype="bfloat16"), experts=SPEC, quantize="int8"
+            ),
+            telemetry,
+        )
+        assert host.describe().precision == "int8"
+        held = sum(w.nbytes for w in host.weights.values())
+        samples = scrape(telemetry)
+        assert samples["moe_expert_weight_bytes{moe_precision=int8}"] == held
+    finally:
+        telemetry.shutdown()
 
 
 async def test_large_finite_activations_pass_and_any_nan_or_inf_is_counted(settings) -> None:

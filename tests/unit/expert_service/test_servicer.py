@@ -44,6 +44,7 @@ class ScriptedHost:
             hidden_size=64,
             region="eu",
             stats=stats,
+            precision="int4-g64",
         )
 
 
@@ -115,11 +116,12 @@ async def test_describe_carries_the_hosts_description_and_the_apps_fast_paths(
         d = await stub.Describe(expert_pb2.DescribeRequest())
         paths.append("ucx-worker://b")  # read at each call: known once the app has started it
         later = await stub.Describe(expert_pb2.DescribeRequest())
-    assert (d.model_id, d.weights_checksum, d.hidden_size, d.region) == (
+    assert (d.model_id, d.weights_checksum, d.hidden_size, d.region, d.precision) == (
         "m",
         "sha256:abc",
         64,
         "eu",
+        "int4-g64",
     )
     assert [(k.layer, k.expert) for k in d.experts] == [(0, 1), (1, 3)]
     assert d.dtype == wire.TO_WIRE[torch.bfloat16] and d.max_message_bytes == 1 << 20

@@ -155,6 +155,7 @@ def status() -> RouterStatus:
         failovers=1,
         placement={"colocated": [(0, 0), (0, 1)], "10.0.0.1:5": [(1, 2)]},
         regions={"colocated": "eu", "10.0.0.1:5": "us"},
+        precisions={"colocated": "bfloat16", "10.0.0.1:5": "int8"},
         registry_stale=True,
         utilization=[[0.5, 0, 0], [0, 0, 1.5]],
         window_s=30.0,
@@ -185,9 +186,9 @@ async def test_status_flattens_the_cores_status_into_the_proto(monkeypatch) -> N
     assert (st.running, st.waiting, st.steps, st.num_layers, st.num_experts) == (1, 2, 9, 2, 3)
     assert list(st.tokens_routed) == [1, 2, 3, 4, 5, 6]  # [layers][experts], row by row
     assert list(st.utilization) == [0.5, 0, 0, 0, 0, 1.5] and st.utilization_window_s == 30
-    assert [(p.backend, p.experts, p.region) for p in st.placement] == [
-        ("colocated", "0:0-1", "eu"),
-        ("10.0.0.1:5", "1:2", "us"),
+    assert [(p.backend, p.experts, p.region, p.precision) for p in st.placement] == [
+        ("colocated", "0:0-1", "eu", "bfloat16"),
+        ("10.0.0.1:5", "1:2", "us", "int8"),
     ]
     assert st.registry_stale and list(st.moe_layers) == [0, 1]
     assert (st.expert_bytes, st.colocated_bytes, st.colocate_budget_bytes) == (100, 40, 60)

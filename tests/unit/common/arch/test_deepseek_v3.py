@@ -99,10 +99,34 @@ def test_optional_fields_take_transformers_defaults() -> None:
     assert s.attention_scale == 192**-0.5
 
 
-def test_fp8_checkpoints_are_refused_by_their_quantization_config() -> None:
-    config = {**V3_CONFIG, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}
-    with pytest.raises(UnsupportedModelError, match="quantization_config.*'fp8'.*config.json"):
-        parse_spec(config)
+# What DeepSeek-V3's published config.json says of its FP8 weights.
+FP8 = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
+
+
+def test_fp8_checkpoints_are_read_as_published_and_other_formats_refused() -> None:
+    assert parse_spec({**V3_CONFIG, "quantization_config": FP8}).fp8_block == (128, 128)
+    assert parse_spec(V3_CONFIG).fp8_block is None
+    for edit, message in [
+        (
+            {"quant_method": "awq"},
+            r"quant_method='awq' is not supported for deepseek_v3; supported: fp8",
+        ),
+        ({"activation_scheme": "static"}, "activation_scheme='static'; supported: e4m3 weights"),
+        ({"fmt": "e5m2"}, "fmt='e5m2'"),
+        (
+            {"weight_block_size": [128, 100]},
+            r"weight_block_size=\[128, 100\]: expected two multiples",
+        ),
+        ({"weight_block_size": None}, "weight_block_size=None"),
+    ]:
+        config = {**V3_CONFIG, "quantization_config": {**FP8, **edit}}
+        with pytest.raises(UnsupportedModelError, match=f"{message}.*config.json"):
+            parse_spec(config)
 
 
 @pytest.mark.parametrize(

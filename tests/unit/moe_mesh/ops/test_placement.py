@@ -49,6 +49,7 @@ def router_row(
         pinned_remote="",
         placement=placement,
         regions={b: ("us" if b.endswith(":7002") else "eu") for b in placement},
+        precisions={"colocated": "bfloat16", "10.0.0.9:7001": "int4-g64", "10.0.0.9:7002": ""},
     )
     return row | fields
 
@@ -109,13 +110,14 @@ def test_record_sums_utilization_over_routers_and_lists_each_service_once(rows) 
         == rows[0]["tokens_routed"][1][2] + rows[1]["tokens_routed"][1][2]
     )
     assert record["services"] == [
-        {"address": "10.0.0.9:7001", "region": "eu", "experts": "1-2:0-3"},
-        {"address": "10.0.0.9:7002", "region": "us", "experts": "1-2:4-7"},
+        {"address": "10.0.0.9:7001", "region": "eu", "precision": "int4-g64", "experts": "1-2:0-3"},
+        {"address": "10.0.0.9:7002", "region": "us", "precision": "", "experts": "1-2:4-7"},
     ]
     assert record["routers"][1] == {
         "address": "10.0.0.2:6000",
         "region": "us",
         "colocated": "2:5",
+        "precision": "bfloat16",
         "colocated_bytes": 2 << 20,
         "budget_bytes": 8 << 20,
         "promotions": 3,

@@ -63,7 +63,14 @@ def a_plan(tmp_path: Path) -> deploy.Plan:
             "port": 7001,
             "constraints": [{"attribute": "${meta.gpu}", "operator": "!=", "value": "none"}],
         },
-        {"name": "b", "experts": "0-3:2-5; 4-7:2-5", "replicas": 1, "datacenters": ["dc9"]},
+        {
+            "name": "b",
+            "experts": "0-3:2-5; 4-7:2-5",
+            "replicas": 1,
+            "datacenters": ["dc9"],
+            "quantize": "int4",  # a cold group
+            "quantize_group_size": 32,
+        },
         {
             "name": "c-tail",
             "experts": "*:6,7",
@@ -322,7 +329,10 @@ def test_compose_services_follow_the_plan(tmp_path: Path) -> None:
         assert ("--region" in s["command"]) == bool(g.region)
         if g.region:
             assert _after(s["command"], "--region") == g.region
+        assert ("--quantize" in s["command"]) == (g.quantize != "none")
         assert set(s["depends_on"]) == {"consul"}
+    b = services["expert-b"]["command"]
+    assert (_after(b, "--quantize"), _after(b, "--quantize-group-size")) == ("int4", "32")
     assert (
         services["expert-c-tail"]["command"][-3] == "--model-id-note=$$HOME"
     )  # '$' escaped for compose

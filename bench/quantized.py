@@ -1,0 +1,169 @@
+"""Decode throughput of int8 and int4 experts against bfloat16 ones, same engine, same run.
+
+The engine (router_service.build.build_local_engine, every expert in the process) loads the
+checkpoint once per precision: bfloat16, and experts quantized by --quantize int8 / int4 (dense
+weights stay bfloat16). All stay loaded and each repeat runs them in turn, so noise hits each
+alike; greedy decode from the same prompts at each batch size, the median of the repeats kept.
+Decode tokens/s = batch * (new_tokens - 1) / (time to generate new_tokens - time to generate 1).
+
+Each row gives the weight bytes a token reads (bench.geometry: attention, gate, the experts its
+step uses, LM head), with the experts at their quantized size (data and scales), and tokens/s
+times that over the read bandwidth measured in the same run.
+
+    .venv/bin/python -m bench.quantized [--geometry small|qwen3-30b-a3b-slice] [--batch-sizes 1,8,32]
+        [--precisions bfloat16,int8,int4] [--group-size 64]
+"""
+
+from __future__ import annotations
+
+import statistics
+from functools import partial
+from pathlib import Path
+
+from common import runtime
+
+runtime.configure()  # before torch loads OpenMP
+import torch  # noqa: E402
+from pydantic import Field  # noqa: E402
+
+from bench import parse_settings, write_result  # noqa: E402
+from bench.engine_vs_transformers import decode_rate, engine_generate  # noqa: E402
+from bench.geometry import (  # noqa: E402
+    GeometrySettings,
+    bytes_per_token,
+    checkpoint_for,
+    expected_experts,
+)
+from bench.host import host_facts  # noqa: E402
+from common.arch import ModelSpec, checkpoint_spec  # noqa: E402
+from common.quant import Quantization  # noqa: E402
+from moe_mesh.planning.measure import read_bandwidth  # noqa: E402
+from router_service.build import build_local_engine  # noqa: E402
+from router_service.settings import RouterSettings  # noqa: E402
+
+
+class Settings(GeometrySettings):
+    out: Path | None = Field(
+        None, description="the JSON result; default bench/results/quantized-GEOMETRY.json"
+    )
+    batch_sizes: str = Field("1,8,32", description="comma-separated batch sizes")
+    precisions: str = Field(
+        "bfloat16,int8,int4,int8-all,int4-all",
+        description="bfloat16; int8, int4 (experts); int8-all, int4-all (and the dense layers)",
+    )
+    group_size: int = Field(64, description="inputs per int4 scale")
+    threads: int = Field(0, ge=0, description="threads to compute with; 0: torch's default")
+    new_tokens: int = Field(32, ge=2, description="tokens generated per sequence")
+    prompt_len: int = Field(16, ge=1, description="prompt tokens per sequence")
+    repeats: int = Field(3, ge=1, description="runs of each case")
+
+
+def quantization(precision: str, group_size: int) -> Quantization | None:
+    scheme = precision.removesuffix("-all")
+    return None if scheme == "bfloat16" else Quantization(scheme, group_size)  # type: ignore[arg-type]
+
+
+def token_bytes(spec: ModelSpec, q: Quantization | None, batch: int, dense: bool) -> int:
+    """Weight bytes a decoded token reads: bfloat16, its experts at q's size (data and scales),
+    and with `dense` every other weight at that size a weight too (the gate and norms, a few
+    kilobytes, counted alike)."""
+    bf16 = bytes_per_token(spec, 2, batch)
+    if q is None:
+        return bf16
+    h, i = spec.hidden_size, spec.expert_intermediate_size
+    shapes = ((2 * i, h), (h, i))
+    held = sum(n * t.itemsize for shape in shapes for n, t in q.layout(shape).values())
+    if dense:
+        return round(bf16 * held / (2 * spec.expert_params))
+    moe_layers = sum(spec.moe_layers)
+    experts = expected_experts(spec.num_experts, spec.top_k, batch) * moe_layers / batch
+    return round(bf16 - experts * spec.expert_params * 2 + experts * held)
+
+
+def main() -> int:
+    args = parse_settings(Settings, __doc__)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    checkpoint = checkpoint_for(args.geometry, args.checkpoint)
+    out = args.out or Path(f"bench/results/quantized-{args.geometry}.json")
+    spec = checkpoint_spec(checkpoint)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    precisions = args.precisions.split(",")
+    host = host_facts()
+    print(f"host: {host}", flush=True)
+    engines = {}
+    for p in precisions:
+        q = quantization(p, args.group_size)
+        print(f"loading {p} ...", flush=True)
+        engines[p] = build_local_engine(
+            RouterSettings(
+                checkpoint=checkpoint,
+                dtype="bfloat16",
+                max_num_seqs=max(batches),
+                quantize="none" if q is None else q.scheme,
+                quantize_group_size=args.group_size,
+                quantize_dense=p.endswith("-all"),
+            )
+        )
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for b in batches:
+        prompts = torch.randint(0, spec.vocab_size, (b, args.prompt_len), generator=gen).tolist()
+        rates: dict[str, list[float]] = {p: [] for p in precisions}
+        tokens: dict[str, list] = {}
+        for p in precisions:  # one-time costs out of the timed runs
+            _release_others(engines, p)
+            engine_generate(engines[p], prompts, 2)
+        for _ in range(args.repeats):
+            for p in precisions:
+                _release_others(engines, p)
+                rate, tokens[p] = decode_rate(
+                    partial(engine_generate, engines[p]), prompts, args.new_tokens
+                )
+                rates[p].append(rate)
+        base = statistics.median(rates[precisions[0]])
+        for p in precisions:
+            q = quantization(p, args.group_size)
+            rate = statistics.median(rates[p])
+            per_token = token_bytes(spec, q, b, p.endswith("-all"))
+            row = {
+                "precision": p if q is None else q.name + ("-all" if p.endswith("-all") else ""),
+                "batch": b,
+                "tokens_per_s": rate,
+                "vs_first": rate / base,
+                "bytes_per_token": per_token,
+                "bandwidth_share": rate * per_token / bandwidth,
+                "greedy_same_as_first": tokens[p] == tokens[precisions[0]],
+            }
+            rows.append(row)
+            print(
+                f"batch {b:>3} {row['precision']:>9}: {rate:7.1f} tok/s  {row['vs_first']:.2f}x "
+                f"{precisions[0]}  {per_token / 1e6:.1f} MB/token  {row['bandwidth_share']:.0%} of "
+                f"read bandwidth  same greedy tokens: {row['greedy_same_as_first']}",
+                flush=True,
+            )
+    for engine in engines.values():
+        engine.close()
+    result = {
+        "geometry": args.geometry,
+        "checkpoint": str(checkpoint),
+        "read_bandwidth_gb_per_s": bandwidth / 1e9,
+        "host": host,
+        "rows": rows,
+    }
+    write_result(out, result)
+    return 0
+
+
+def _release_others(engines: dict, running: str) -> None:
+    """Idle OpenMP teams of the other engines spin on these cores: end them first."""
+    runtime.release_openmp_threads()
+    for p, engine in engines.items():
+        if p != running:
+            engine.model.compute.release_openmp_threads()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

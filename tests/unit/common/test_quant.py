@@ -1,0 +1,139 @@
+"""int8 and int4 experts: the format's reference arithmetic, row independence, one fused call,
+the packed-weight cache, and clear errors for what cannot be quantized."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common import bf16
+from common.checkpoint import Checkpoint
+from common.errors import CheckpointError, UnsupportedModelError
+from common.moe import experts_ffn
+from common.quant import Quantization, QuantPanels, dequantize, quantize, unpack
+
+pytestmark = pytest.mark.skipif(
+    bf16.kernel("moe_silu_ffns") is None, reason="no C compiler or no AVX2: no quantized kernels"
+)
+FORMATS = [Quantization("int8"), *(Quantization("int4", g) for g in (32, 64, 128))]
+
+
+def weight(out: int, k: int, seed: int = 0) -> torch.Tensor:
+    w = torch.randn(out, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    w[1, :] = 0  # an all-zero row: scale 0, values 0
+    w[2, 7] = 0.9  # an outlier: one value sets its group's (or row's) scale
+    return w
+
+
+def reference(x: torch.Tensor, p: QuantPanels) -> torch.Tensor:
+    """x times the dequantized weight, in float64: what the format means."""
+    values, scales = unpack(p.data, p.scales, tuple(p.shape), p.quantization)
+    return x.double() @ dequantize(values, scales, p.quantization).T
+
+
+@pytest.mark.parametrize("q", FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_quantizer_follows_the_formats_rule(q, dtype):
+    w = weight(128, 256).to(dtype)
+    p = QuantPanels(w, q)
+    values, scales = unpack(p.data, p.scales, (128, 256), q)
+    expected_values, expected_scales = quantize(w, q)
+    assert torch.equal(values, expected_values) and torch.equal(scales, expected_scales)
+    lo, hi = (-127, 127) if q.scheme == "int8" else (-8, 7)
+    assert values.min() >= lo and values.max() <= hi and values[1].abs().sum() == 0
+    error = (dequantize(values, scales, q) - w.double()).abs().max()
+    assert error <= scales.double().abs().max() / 2 + 1e-6  # within half a step of the grid
+
+
+@pytest.mark.parametrize("q", FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+def test_a_product_is_the_formats_reference_arithmetic_to_float_accuracy(q, rows):
+    p = QuantPanels(weight(192, 512), q)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1)).bfloat16()
+    y, ref = p(x), reference(x, p)
+    # float32 sums of exact products, then one rounding to bfloat16 (half an ulp: 2^-9 relative)
+    assert ((y.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-5).all()
+
+
+@pytest.mark.parametrize("q", FORMATS, ids=lambda q: q.name)
+def test_a_rows_bits_do_not_depend_on_its_batch_mates(q):
+    p = QuantPanels(weight(128, 256), q)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    whole = p(x)
+    for start, stop in [(0, 1), (1, 3), (3, 6), (6, 7)]:
+        assert torch.equal(p(x[start:stop]), whole[start:stop])
+
+
+@pytest.mark.parametrize(
+    "q", [Quantization("int8"), Quantization("int4", 32)], ids=lambda q: q.name
+)
+def test_a_layers_experts_in_one_call_equal_each_alone_and_the_reference(
+    q, checkpoint, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("MOE_MESH_CACHE_DIR", str(tmp_path / "cache"))
+    path = checkpoint("mixtral", dtype="bfloat16")
+    ckpt = Checkpoint(path, prepack=True, batch_invariant=True, quantize=q)
+    experts = ckpt.load_experts([(0, e) for e in range(4)])
+    assert all(isinstance(w.gate_up, QuantPanels) for w in experts.values())
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    batches = [(x[e : e + 1 + e], w) for (_, e), w in experts.items()]
+    together = experts_ffn(batches)
+    for (rows, w), y in zip(batches, together):
+        assert torch.equal(experts_ffn([(rows, w)])[0], y)
+        gate_up = reference(rows, w.gate_up).float().bfloat16()
+        gate, up = gate_up.chunk(2, dim=-1)
+        expected = reference(F.silu(gate) * up, w.down)
+        assert ((y.double() - expected).abs() <= expected.abs() * 2**-7 + 1e-3).all()
+
+
+def test_quantized_experts_are_packed_once_and_mapped_after(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_MESH_CACHE_DIR", str(tmp_path / "cache"))
+    path = shutil.copytree(checkpoint("mixtral", dtype="bfloat16"), tmp_path / "ckpt")
+    q = Quantization("int4", 32)
+    first = Checkpoint(path, prepack=True, quantize=q).load_experts([(1, 2)])[(1, 2)]
+    (file,) = (tmp_path / "cache" / "packed").glob("*/layer1-expert2-int4-g32.safetensors")
+    built = file.stat().st_mtime_ns
+    again = Checkpoint(path, prepack=True, quantize=q).load_experts([(1, 2)])[(1, 2)]
+    assert file.stat().st_mtime_ns == built  # mapped, not packed again
+    assert torch.equal(first.down.data, again.down.data)
+    assert torch.equal(first.gate_up.scales, again.gate_up.scales)
+    # int4 at group 32: half a byte a weight and a bfloat16 scale a group
+    assert again.nbytes == 3 * 64 * 96 // 2 + 3 * 64 * 96 // 32 * 2
+
+
+def test_what_cannot_be_quantized_is_refused_naming_the_tensor_and_the_field(checkpoint):
+    path = checkpoint("mixtral", dtype="bfloat16")
+    with pytest.raises(CheckpointError, match=r"quantize_group_size 64 does not divide .* 96.*w2"):
+        Checkpoint(path, quantize=Quantization("int4", 64)).load_experts([(0, 0)])
+    with pytest.raises(CheckpointError, match=r"served in torch.float32: set dtype bfloat16"):
+        Checkpoint(checkpoint("mixtral"), quantize=Quantization("int8")).load_experts([(0, 0)])
+    with pytest.raises(UnsupportedModelError, match="not offered for gpt_oss"):
+        gpt = checkpoint("gpt_oss", dtype="bfloat16")
+        Checkpoint(gpt, quantize=Quantization("int8")).load_experts([(0, 0)])
+    with pytest.raises(ValueError, match="quantize_group_size: 48 is not one of"):
+        Quantization("int4", 48)
+    with pytest.raises(ValueError, match="'int3' is not one of"):
+        Quantization("int3")  # type: ignore[arg-type]
+
+
+def test_dense_layers_quantize_too_when_asked_but_never_the_gates(
+    checkpoint, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("MOE_MESH_CACHE_DIR", str(tmp_path / "cache"))
+    path = checkpoint("mixtral", dtype="bfloat16")
+    q = Quantization("int8")
+    dense = Checkpoint(path, prepack=True, quantize=q, quantize_dense=True).load_dense()
+    layer = dense.layers[0]
+    assert isinstance(layer.attention.qkv, QuantPanels) and isinstance(
+        layer.attention.o, QuantPanels
+    )
+    assert isinstance(dense.lm_head, QuantPanels) and dense.lm_head.quantization == q
+    assert isinstance(layer.router, torch.Tensor)  # routing decisions stay in bfloat16
+    plain = Checkpoint(path, prepack=True, quantize=q).load_dense()
+    assert not isinstance(plain.layers[0].attention.o, QuantPanels)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    ref = reference(x, layer.attention.o)
+    assert ((layer.attention.o(x).double() - ref).abs() <= ref.abs() * 2**-8 + 1e-5).all()
