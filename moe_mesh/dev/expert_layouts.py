@@ -7,6 +7,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -102,31 +103,19 @@ def quantize_mxfp4(out_dir: Path) -> None:
     """Rewrite gpt-oss's float experts as published: ``*_blocks`` / ``*_scales`` in MXFP4 with rows
     of [E, 2I, H] and [E, H, I] (transformers keeps [E, H, 2I] and [E, I, H]), biases as they are,
     and a ``quantization_config`` in config.json."""
-    from safetensors.torch import load_file, save_file
-
     from common import mxfp4
 
-    index_path = out_dir / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text()) if index_path.exists() else None
-    files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
-    for fname in files:
-        tensors = load_file(out_dir / fname)
+    def rewrite(tensors: dict) -> dict[str, list[str]]:
+        held = {}
         for name in [
             n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))
         ]:
             blocks, scales = mxfp4.quantize(tensors.pop(name).transpose(1, 2))
             tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
-            if index:
-                shard = index["weight_map"].pop(name)
-                index["weight_map"].update({name + "_blocks": shard, name + "_scales": shard})
-        save_file(tensors, out_dir / (fname + ".tmp"), metadata={"format": "pt"})
-        os.replace(out_dir / (fname + ".tmp"), out_dir / fname)
-    if index:
-        index["weight_map"] = dict(sorted(index["weight_map"].items()))
-        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    cfg_path = out_dir / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["quantization_config"] = {  # what openai/gpt-oss-20b's config.json says
+            held[name] = [name + "_blocks", name + "_scales"]
+        return held
+
+    config = {  # what openai/gpt-oss-20b's config.json says
         "modules_to_not_convert": [
             "model.layers.*.self_attn",
             "model.layers.*.mlp.router",
@@ -135,7 +124,7 @@ def quantize_mxfp4(out_dir: Path) -> None:
         ],
         "quant_method": "mxfp4",
     }
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    _rewrite_tensors(out_dir, rewrite, config)
 
 
 def quantize_fp8(out_dir: Path, block: tuple[int, int] = (128, 128)) -> None:
@@ -143,6 +132,30 @@ def quantize_fp8(out_dir: Path, block: tuple[int, int] = (128, 128)) -> None:
     decoder layer (not the routers' gates, norms, embeddings or LM head) as float8_e4m3fn with
     `W.weight_scale_inv`, float32 per block of `block` = (rows, inputs), the block's largest
     magnitude over 448 (e4m3's largest value), and `quantization_config` in config.json."""
+
+    def rewrite(tensors: dict) -> dict[str, list[str]]:
+        held = {}
+        for name in [n for n in tensors if _fp8_quantized(n, tensors[n])]:
+            weight, scale = _fp8_blocks(tensors.pop(name).float(), block)
+            tensors[name], tensors[name + "_scale_inv"] = weight, scale
+            held[name] = [name, name + "_scale_inv"]
+        return held
+
+    config = {  # what deepseek-ai/DeepSeek-V3's config.json says
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(block),
+    }
+    _rewrite_tensors(out_dir, rewrite, config)
+
+
+def _rewrite_tensors(
+    out_dir: Path, rewrite: Callable[[dict], dict[str, list[str]]], quantization_config: dict
+) -> None:
+    """Each safetensors file of `out_dir` through `rewrite` (which edits its tensors in place and
+    returns, for each tensor it replaced, the names that hold it now), the index following, and
+    `quantization_config` written into config.json."""
     from safetensors.torch import load_file, save_file
 
     index_path = out_dir / "model.safetensors.index.json"
@@ -150,11 +163,10 @@ def quantize_fp8(out_dir: Path, block: tuple[int, int] = (128, 128)) -> None:
     files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
     for fname in files:
         tensors = load_file(out_dir / fname)
-        for name in [n for n in tensors if _fp8_quantized(n, tensors[n])]:
-            weight, scale = _fp8_blocks(tensors.pop(name).float(), block)
-            tensors[name], tensors[name + "_scale_inv"] = weight, scale
+        for name, names in rewrite(tensors).items():
             if index:
-                index["weight_map"][name + "_scale_inv"] = index["weight_map"][name]
+                shard = index["weight_map"].pop(name)
+                index["weight_map"].update(dict.fromkeys(names, shard))
         save_file(tensors, out_dir / (fname + ".tmp"), metadata={"format": "pt"})
         os.replace(out_dir / (fname + ".tmp"), out_dir / fname)
     if index:
@@ -162,12 +174,7 @@ def quantize_fp8(out_dir: Path, block: tuple[int, int] = (128, 128)) -> None:
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     cfg_path = out_dir / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["quantization_config"] = {  # what deepseek-ai/DeepSeek-V3's config.json says
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "quant_method": "fp8",
-        "weight_block_size": list(block),
-    }
+    cfg["quantization_config"] = quantization_config
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
