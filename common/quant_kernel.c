@@ -29,7 +29,9 @@ TARGET static void many_rows(int format, const float *x, const void *p, const vo
 /* R rows of x [R][k] against P int8 panels from p (k * 32 bytes apart) into y */
 #define Q8KERNEL(R, P)                                                                          \
     TARGET static void q8_##R##_##P(const float *x, const int8_t *p, const float *s,            \
-                                    uint16_t *y, long ldy, long k, const float *bias) {          \
+                                    uint16_t *y, long ldy, long k, long group,                  \
+                                    const float *bias) {                                        \
+        (void)group; /* one scale a row */                                                      \
         __m256 acc[R][4 * P];                                                                   \
         for (int r = 0; r < R; r++)                                                             \
             for (int j = 0; j < 4 * P; j++) acc[r][j] = _mm256_setzero_ps();                    \
@@ -57,19 +59,21 @@ TARGET static void many_rows(int format, const float *x, const void *p, const vo
 Q8KERNEL(1, 2)
 Q8KERNEL(2, 1)
 
-/* one 64-column block (two int8 panels from p, their 64 scales from s) of m rows into y */
-TARGET static void int8_block(const float *x, const void *p, const void *s, uint16_t *y, long ldy,
-                              long m, long k, long group, const float *bias) {
-    if (m >= MANY_ROWS) return many_rows(FORMAT_INT8, x, p, s, y, ldy, m, k, group, bias);
-    const int8_t *w = p;
-    const float *scales = s;
-    for (int q = 0; q < 2; q++)
-        for (long r = 0; r + 1 < m; r += 2)
-            q8_2_1(x + r * k, w + q * k * PANEL, scales + q * 32, y + r * ldy + q * 32, ldy, k,
-                   bias ? bias + q * 32 : 0);
-    if (m % 2)
-        q8_1_2(x + (m - 1) * k, w, scales, y + (m - 1) * ldy, ldy, k, bias);
-}
+/* One 64-column block of m rows into y: many_rows from MANY_ROWS rows on, else the second panel's
+   rows in pairs after the first's (TWO_ONE, a panel PANEL_BYTES and its scales SCALE_BYTES after
+   the first), and a last odd row against both panels at once (ONE_TWO) */
+#define BLOCK(NAME, FORMAT, TWO_ONE, ONE_TWO, PANEL_BYTES, SCALE_BYTES)                           \
+    TARGET static void NAME(const float *x, const void *p, const void *s, uint16_t *y, long ldy,  \
+                            long m, long k, long group, const float *bias) {                     \
+        if (m >= MANY_ROWS) return many_rows(FORMAT, x, p, s, y, ldy, m, k, group, bias);         \
+        for (int q = 0; q < 2; q++)                                                               \
+            for (long r = 0; r + 1 < m; r += 2)                                                   \
+                TWO_ONE(x + r * k, (const void *)((const char *)p + q * (PANEL_BYTES)),           \
+                        (const void *)((const char *)s + q * (SCALE_BYTES)), y + r * ldy + q * 32, \
+                        ldy, k, group, bias ? bias + q * 32 : 0);                                 \
+        if (m % 2) ONE_TWO(x + (m - 1) * k, p, s, y + (m - 1) * ldy, ldy, k, group, bias);        \
+    }
+BLOCK(int8_block, FORMAT_INT8, q8_2_1, q8_1_2, k * PANEL, PANEL * sizeof(float))
 
 /* input i + N of every column of panel q (words w) times x, into acc. The nibble is masked in
    place, u * 2^(4N), and converted to float exactly; x is scaled by 2^(-4N) (exact too) to
@@ -152,20 +156,7 @@ Q4KERNEL(2, 1)
 #undef Q4STEP
 #undef NIB
 
-/* one 64-column block (two int4 panels from p, their scales from s) of m rows into y */
-TARGET static void int4_block(const float *x, const void *p, const void *s, uint16_t *y, long ldy,
-                              long m, long k, long group, const float *bias) {
-    if (m >= MANY_ROWS) return many_rows(FORMAT_INT4, x, p, s, y, ldy, m, k, group, bias);
-    const uint32_t *w = p;
-    const uint16_t *scales = s;
-    long panel_scales = (k / group) * PANEL;
-    for (int q = 0; q < 2; q++)
-        for (long r = 0; r + 1 < m; r += 2)
-            q4_2_1(x + r * k, w + q * k * 4, scales + q * panel_scales, y + r * ldy + q * 32, ldy,
-                   k, group, bias ? bias + q * 32 : 0);
-    if (m % 2)
-        q4_1_2(x + (m - 1) * k, w, scales, y + (m - 1) * ldy, ldy, k, group, bias);
-}
+BLOCK(int4_block, FORMAT_INT4, q4_2_1, q4_1_2, k * PANEL / 2, k / group * PANEL * sizeof(uint16_t))
 
 /* FP8 e4m3 as published (DeepSeek-V3's layout): panels of 32 columns, P[panel][k][32] bytes in
    column order (as int8), scales s[panel][k / group][1] float32, the weight_scale_inv of the block
@@ -228,19 +219,8 @@ F8TARGET static inline __m256 f8_widen(__m128i halves) { /* 8 bytes, each the to
 F8KERNEL(1, 2)
 F8KERNEL(2, 1)
 
-/* one 64-column block (two FP8 panels from p, their scales from s) of m rows into y */
-TARGET static void fp8_block(const float *x, const void *p, const void *s, uint16_t *y, long ldy,
-                             long m, long k, long group, const float *bias) {
-    if (m >= MANY_ROWS) return many_rows(FORMAT_FP8, x, p, s, y, ldy, m, k, group, bias);
-    const uint8_t *w = p;
-    const float *scales = s;
-    for (int q = 0; q < 2; q++)
-        for (long r = 0; r + 1 < m; r += 2)
-            f8_2_1(x + r * k, w + q * k * PANEL, scales + q * (k / group), y + r * ldy + q * 32,
-                   ldy, k, group, bias ? bias + q * 32 : 0);
-    if (m % 2)
-        f8_1_2(x + (m - 1) * k, w, scales, y + (m - 1) * ldy, ldy, k, group, bias);
-}
+BLOCK(fp8_block, FORMAT_FP8, f8_2_1, f8_1_2, k * PANEL, k / group * sizeof(float))
+#undef BLOCK
 
 /* Inputs [i0, i0 + n) of a 64-column block (two panels from p) as float32 into w [n][64], each
    weight as the row kernels multiply it: int8 q; int4 u * 2^(4 (i % 8)), x being scaled to match;
