@@ -69,6 +69,7 @@ class Result:
     max_gap_s: float = 0.0
     error: str | None = None
     latency_s: float = 0.0
+    ttft_s: float = 0.0  # to the first token
 
 
 def request_set(n: int) -> list[Request]:
@@ -130,6 +131,7 @@ async def stream_grpc(stub, r: Request, timeout_s: float) -> Result:
         async for m in stub.GenerateStream(msg, timeout=timeout_s):
             now = time.monotonic()
             if m.token_ids:
+                out.ttft_s = out.ttft_s or now - start
                 out.max_gap_s = max(out.max_gap_s, now - last)
                 last = now
                 tokens += m.token_ids
@@ -154,13 +156,9 @@ async def stream_http(s: aiohttp.ClientSession, url: str, r: Request) -> Result:
     start = time.monotonic()
     streamed = await client.stream_tokens(s, url, body, clock=time.monotonic)
     return Result(
-        r.key,
-        tuple(streamed.token_ids),
-        streamed.finish_reason,
-        streamed.max_gap_s,
-        streamed.error,
-        time.monotonic() - start,
-    )
+        r.key, tuple(streamed.token_ids), streamed.finish_reason, streamed.max_gap_s,
+        streamed.error, time.monotonic() - start, streamed.ttft_s,
+    )  # fmt: skip
 
 
 async def run_load(

@@ -101,6 +101,13 @@ EXPERT_WEIGHT_BYTES = "moe.expert.weight_bytes"  # expert service, experts' byte
 # expert service, fast-path hellos dropped for a missing or bad proof of a mesh certificate
 FAST_PATH_REFUSED = "moe.expert.fast_path.hellos_refused"
 ERRORS = "moe.errors"  # every service, failed RPCs by rpc.grpc.status_code
+# `moe-mesh autoscale`, by moe.group: replicas set, replicas the load asks for, load per replica and
+# its target (in the group's metric's unit), decisions by moe.action (up, down, hold, failed)
+AUTOSCALER_REPLICAS = "moe.autoscaler.replicas"
+AUTOSCALER_RAW = "moe.autoscaler.recommended_replicas"
+AUTOSCALER_LOAD = "moe.autoscaler.load"
+AUTOSCALER_TARGET = "moe.autoscaler.target"
+AUTOSCALER_DECISIONS = "moe.autoscaler.decisions"
 
 
 class TelemetrySettings(BaseSettings):

@@ -12,6 +12,7 @@ from common.server import GrpcServer, Service, advertised_host, wait_for_signal
 from common.telemetry import Telemetry
 from common.tls import MeshTls
 from expert_service.core import ExpertHost
+from expert_service.drain import quiet_hook
 from expert_service.fastpath import FastPath
 from expert_service.servicer import ExpertServicer
 from expert_service.settings import ExpertSettings
@@ -57,6 +58,10 @@ class ExpertApp:
         registration_hooks(
             self.server, open_registry(settings.registry, settings.registry_address), self._instance
         )
+        if settings.registry != "none":  # routers that follow a registry stop choosing it
+            self.server.on_stop.append(
+                quiet_hook(lambda: host.forward_calls, settings.drain_quiet_s)
+            )
 
     @classmethod
     async def create(
@@ -91,9 +96,10 @@ class ExpertApp:
         await wait_for_signal()
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """NOT_SERVING, deregister, drain gRPC calls (fast-path calls are still served meanwhile),
-        then the fast path's calls in flight, all within grace_s (default the setting) from now;
-        then the batcher."""
+        """NOT_SERVING, deregister, accept calls of both transports until none has arrived for
+        drain_quiet_s (expert_service/drain.py), then drain gRPC calls (fast-path calls are still
+        served meanwhile), then the fast path's calls in flight, all within grace_s (default the
+        setting) from now; then the batcher."""
         deadline = self.server.deadline(grace_s)
         try:
             await self.server.stop(deadline)

@@ -83,7 +83,16 @@ class ExpertSettings(QuantizationSettings, TelemetrySettings, SecuritySettings):
     grace_s: float = Field(
         10.0,
         ge=0.0,
-        description="on stop, how long deregistering and in-flight calls may take together, in seconds",
+        description="on stop, how long deregistering, the quiet period (drain_quiet_s) and "
+        "in-flight calls may take together, in seconds",
+    )
+    drain_quiet_s: float = Field(
+        0.5,
+        ge=0.0,
+        le=60.0,
+        description="on stop, after deregistering (registry 'consul'): keep accepting calls until "
+        "none has arrived for this long, in seconds, so routers stop choosing this replica before "
+        "it refuses calls; at most half of grace_s; 0 refuses new calls at once",
     )
     fast_path: Literal["auto", "ucx", "off"] = Field(
         default_factory=mesh_fast_path,

@@ -2,6 +2,7 @@
 
 serving        serve-expert, serve-router, serve-gateway   (the three services)
 running local  up, scale, generate, certs                   (moe_mesh.local)
+autoscaling    autoscale                                    (moe_mesh.autoscale)
 operating      status, placement show, stats, trace show    (moe_mesh.ops)
 benchmarking   bench                                        (moe_mesh.benchmark)
 planning       profile, plan, deploy render, probe          (moe_mesh.planning)
@@ -35,6 +36,7 @@ _COMMANDS = {
     "serve-gateway": ("gateway.cli", "add_subcommand"),
     "up": ("moe_mesh.local.cli", "add_subcommands"),
     "scale": ("moe_mesh.local.cli", "add_subcommands"),
+    "autoscale": ("moe_mesh.autoscale.cli", "add_subcommand"),
     "certs": ("moe_mesh.local.certs", "add_subcommand"),
     "status": ("moe_mesh.ops.client", "add_subcommand"),
     "deploy": ("moe_mesh.planning.deploy", "add_subcommand"),

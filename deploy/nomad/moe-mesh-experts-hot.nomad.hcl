@@ -17,6 +17,40 @@ job "moe-mesh-experts-hot" {
   group "experts" {
     count = 2
 
+    scaling {
+      enabled = true
+      min     = 1
+      max     = 4
+
+      policy {
+        evaluation_interval  = "15s"
+        cooldown             = "15s"
+        cooldown_on_scale_up = "15s"
+
+        check "token_rows_up" {
+          source = "prometheus"
+          query  = "clamp_min((sum(rate(moe_expert_batch_tokens_sum{job=\"experts-hot\"}[1m])) or vector(0)) / count(up{job=\"experts-hot\"} == 1), 2000)"
+          group  = "token_rows"
+
+          strategy "target-value" {
+            target    = 2000
+            threshold = 0.1
+          }
+        }
+
+        check "token_rows_down" {
+          source = "prometheus"
+          query  = "(clamp_max(max_over_time(((sum(rate(moe_expert_batch_tokens_sum{job=\"experts-hot\"}[1m])) or vector(0)) / count(up{job=\"experts-hot\"} == 1))[300s:15s]), 2000) unless on() (histogram_quantile(0.99, sum by (le) (rate(gen_ai_server_time_per_output_token_seconds_bucket{job=\"gateway\"}[1m]))) > 0.2)) or on() vector(2000)"
+          group  = "token_rows"
+
+          strategy "target-value" {
+            target    = 2000
+            threshold = 0.1
+          }
+        }
+      }
+    }
+
     constraint {
       attribute = "${node.class}"
       operator  = "="

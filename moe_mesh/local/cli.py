@@ -38,11 +38,47 @@ def _pass_through(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]
     return out
 
 
-class _RouterFlags(argparse.ArgumentParser):
-    """The router's parser, reporting a bad flag as one line instead of its whole usage."""
+class _Flags(argparse.ArgumentParser):
+    """A parser of flags `up` passes on, reporting a bad one as one line naming the flag that
+    carried it (--router-arg, --autoscale-arg) instead of the whole usage."""
+
+    def __init__(self, carrier: str) -> None:
+        super().__init__(add_help=False)
+        self.carrier = carrier
 
     def error(self, message: str):  # type: ignore[override]
-        raise InvalidArgumentError("--router-arg", message)
+        raise InvalidArgumentError(self.carrier, message)
+
+
+def _autoscale_policy(args: argparse.Namespace):
+    """--autoscale-arg's policy for every group (moe_mesh/autoscale/policy.py), starting from
+    --replicas: InvalidArgumentError naming what is wrong."""
+    from moe_mesh.autoscale.policy import Autoscale
+
+    parser = _Flags("--autoscale-arg")
+    add_settings_arguments(parser, Autoscale)
+    given = parser.parse_args(_words("--autoscale-arg", args.autoscale_arg))
+    try:
+        policy = settings_from_args(Autoscale, given)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError("--autoscale-arg", str(e)) from None
+    if problem := policy.problem():
+        raise InvalidArgumentError("--autoscale-arg", problem)
+    if not policy.min_replicas <= args.replicas <= policy.max_replicas:
+        raise InvalidArgumentError(
+            "--replicas",
+            f"{args.replicas} is outside the autoscaler's [{policy.min_replicas}, "
+            f"{policy.max_replicas}] (--autoscale-arg='--min-replicas N --max-replicas M')",
+        )
+    return policy
+
+
+def _words(flag: str, texts: list[str]) -> list[str]:
+    """Each of `flag`'s values split as a shell splits it (an unclosed quote names the flag)."""
+    try:
+        return [word for text in texts for word in shlex.split(text)]
+    except ValueError as e:
+        raise InvalidArgumentError(flag, f"{e} in {texts!r}") from None
 
 
 def _check_flags(args: argparse.Namespace, router_args: list[str]) -> str | None:
@@ -63,7 +99,7 @@ def _check_flags(args: argparse.Namespace, router_args: list[str]) -> str | None
     from router_service import cli as router_cli
 
     # Every router flag, --router-arg's included, through the router's own parser and settings.
-    parser = _RouterFlags(add_help=False)
+    parser = _Flags("--router-arg")
     router_cli.add_arguments(parser)
     gateway = argparse.Namespace(
         checkpoint=args.checkpoint, **{n: getattr(args, n) for n in GATEWAY_FLAGS}
@@ -134,9 +170,11 @@ def _run_up(args: argparse.Namespace) -> int:
         return 2
 
     gateway_args = _pass_through(args, GATEWAY_FLAGS)
-    router_args = _pass_through(args, ROUTER_FLAGS) + [
-        word for text in args.router_arg for word in shlex.split(text)
-    ]
+    try:
+        router_args = _pass_through(args, ROUTER_FLAGS) + _words("--router-arg", args.router_arg)
+    except InvalidArgumentError as e:
+        print(f"moe-mesh up: error: {e}", file=sys.stderr)
+        return 2
     expert_args = _pass_through(args, ("quantize", "quantize_group_size"))
     if not args.expert_services:  # the routers hold every expert
         router_args, expert_args = expert_args + router_args, []
@@ -147,6 +185,14 @@ def _run_up(args: argparse.Namespace) -> int:
     ).absolute()
     args.checkpoint = resolve_checkpoint(args.checkpoint)  # an HF model id: its cached snapshot
     problem = _check_flags(args, router_args)
+    if not problem and args.autoscale_arg and not args.autoscale:
+        problem = "--autoscale-arg needs --autoscale"
+    if not problem and args.expert_services == 0 and args.autoscale:
+        problem = "--autoscale scales expert services, and --expert-services 0 runs none"
+    try:
+        autoscale = _autoscale_policy(args) if args.autoscale and not problem else None
+    except InvalidArgumentError as e:
+        problem = str(e)
     if problem:
         print(f"moe-mesh up: error: {problem}", file=sys.stderr)
         return 2
@@ -165,6 +211,7 @@ def _run_up(args: argparse.Namespace) -> int:
         args.trace_sample,
         (args.certs_dir or run_dir / "certs").absolute() if args.tls else None,
         expert_args,
+        autoscale,
     )
 
 

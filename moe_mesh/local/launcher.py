@@ -32,6 +32,7 @@ from common import runtime
 from common.arch import load_spec
 from common.placement import format_experts, parse_experts
 from common.server import write_ready_file
+from moe_mesh.autoscale.policy import Autoscale
 from moe_mesh.local import certs
 from moe_mesh.local.processes import tail
 from moe_mesh.local.terminal import say, silence_stdout, stdout_closed
@@ -85,13 +86,11 @@ class Launcher:
         self.checkpoint, self.run_dir, self.trace_sample = checkpoint, run_dir, trace_sample
         self.expert_services, self.replicas, self.routers = expert_services, replicas, routers
         self.gateway_args, self.router_args = gateway_args, router_args
-        self.ready_file, self.ready_timeout_s, self.stop_timeout_s = (
-            ready_file,
-            ready_timeout_s,
-            stop_timeout_s,
-        )
+        self.ready_file, self.ready_timeout_s = ready_file, ready_timeout_s
+        self.stop_timeout_s = stop_timeout_s
         self.children: list[Child] = []
         self.endpoints: dict = {}
+        self.extra: dict = {}  # more for the ready file (the autoscaler's log and metrics)
         self.spec = load_spec(checkpoint)
         self._lock = threading.Lock()  # children change from the control endpoint's thread too
         # One scale at a time: two interleaved ones would each count the replicas before the other's
@@ -314,6 +313,7 @@ class Launcher:
             "registry": self.registry_address,
             "control": self.control_address,
             "run_dir": str(self.run_dir),
+            **self.extra,
         }
         if self.tls_dir is not None:  # what clients of this mesh (status, generate) present
             f = certs.files(self.tls_dir, "client")
@@ -437,20 +437,12 @@ def run_up(
     trace_sample: float | None = None,
     tls_dir: Path | None = None,
     expert_args: list[str] | None = None,
+    autoscale: Autoscale | None = None,
 ) -> int:
     launcher = Launcher(
-        checkpoint,
-        run_dir,
-        expert_services,
-        replicas,
-        routers,
-        gateway_args,
-        router_args,
-        trace_sample,
-        ready_file,
-        tls_dir=tls_dir,
-        expert_args=expert_args,
-    )
+        checkpoint, run_dir, expert_services, replicas, routers, gateway_args, router_args,
+        trace_sample, ready_file, tls_dir=tls_dir, expert_args=expert_args,
+    )  # fmt: skip
     stop: list = [False]
 
     def on_signal(signum, frame) -> None:
@@ -458,9 +450,16 @@ def run_up(
         launcher.stopping.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    code = 1
+    code, autoscaler = 1, None
     try:
+        if autoscale is not None:  # every group between its bounds, once the mesh serves
+            from moe_mesh.autoscale.embedded import Embedded
+
+            autoscaler = Embedded(launcher, autoscale, run_dir, say)
+            launcher.extra["autoscaler"] = autoscaler.endpoints
         endpoints = launcher.start()
+        if autoscaler is not None:
+            autoscaler.start()
         lines = [
             f"==> mesh up (logs in {run_dir})",
             f"    gateway gRPC   {endpoints['gateway_grpc']}",
@@ -472,6 +471,7 @@ def run_up(
                 f"    expert service {e['address']}  experts {e['experts']}"
                 for e in endpoints["experts"]
             ),
+            *([f"    autoscaler     decisions in {autoscaler.log_path}"] if autoscaler else []),
             "==> serving; Ctrl-C to stop",
         ]
         if not all(say(line) for line in lines):
@@ -484,6 +484,8 @@ def run_up(
     finally:
         # Stop first: a print to a closed stdout must not skip it.
         say("==> stopping the mesh")
+        if autoscaler is not None:
+            autoscaler.stop()
         launcher.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -56,6 +56,17 @@ class UpSettings(QuantizationSettings):
         description="with --tls: the certificates to use, created there when missing; "
         "default RUN_DIR/certs",
     )
+    autoscale: bool = Field(
+        False,
+        description="scale every expert group on its measured load, within the bounds "
+        "--autoscale-arg gives (default 1 to 4 replicas; `moe-mesh autoscale`'s loop inside `up`, "
+        "decisions in RUN_DIR/autoscale.jsonl); --replicas is the starting count",
+    )
+    autoscale_arg: list[str] = Field(
+        [],
+        description="more `moe-mesh autoscale` policy flags, split like a shell does, e.g. "
+        "--autoscale-arg='--metric token_rows --target 600 --max-replicas 3' (repeatable)",
+    )
     trace_sample: float | None = Field(
         None,
         ge=0,

@@ -2,9 +2,10 @@
 that leave (or fail their health check) stop, without a restart.
 
 Each membership change rebuilds the remote part of the placement table, which is swapped into
-the dispatcher between layer calls. Calls in flight to a departed service are cancelled and fail
-over to another replica at once; its channel is closed after a grace period. While the registry is unreachable, the
-last known membership keeps serving and `stale` says so.
+the dispatcher between layer calls. Calls in flight to a departed service may still answer for
+LEAVE_DRAIN_S (a replica scaled down answers them), then those left are cancelled and fail over
+to another replica; its channel is closed after a grace period. While the registry is
+unreachable, the last known membership keeps serving and `stale` says so.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from router_service.experts.remote import Identity, RemoteExperts
 
 log = logging.getLogger(__name__)
 CLOSE_AFTER_S = 30.0
+# How long a departed service's calls in flight may still answer before they fail over. A replica
+# scaled down answers its calls in milliseconds; a hung one's calls are hedged well before this.
+LEAVE_DRAIN_S = 1.0
 
 
 class ExpertMembership:
@@ -45,6 +49,7 @@ class ExpertMembership:
         self.fast_path, self.tls = fast_path, tls
         self.max_message_bytes, self.interceptors = max_message_bytes, interceptors
         self._follower: Follower[RemoteExperts] = Follower(self._connect, self._leave)
+        self._leaving: set[asyncio.Task] = set()  # departed backends draining (held: not collected)
         self.backends = self._follower.clients  # instance id -> backend
         self._pairs: dict[str, list[Pair]] = {}  # instance id -> what it serves
         self.stale = False
@@ -106,10 +111,11 @@ class ExpertMembership:
         backend.learn_limit(int(limit) if limit.isdecimal() else 0)
         return backend
 
-    @staticmethod
-    def _leave(backend: RemoteExperts) -> None:
+    def _leave(self, backend: RemoteExperts) -> None:
         log.info("expert service %s left", backend.address)
-        backend.retire()  # calls in flight fail over now instead of waiting on a leaving (or hung) service
+        task = asyncio.ensure_future(backend.leave(LEAVE_DRAIN_S))
+        self._leaving.add(task)
+        task.add_done_callback(self._leaving.discard)
         asyncio.get_running_loop().call_later(
             CLOSE_AFTER_S, lambda: asyncio.ensure_future(backend.close())
         )
@@ -169,6 +175,9 @@ class ExpertMembership:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        for task in list(self._leaving):
+            task.cancel()
+        await asyncio.gather(*self._leaving, return_exceptions=True)
         if self._registry is not None:
             await self._registry.close()
         await asyncio.gather(*(b.close() for b in self.backends.values()))

@@ -121,6 +121,8 @@ class RemoteExperts:
         )
         self.stub = expert_pb2_grpc.ExpertServiceStub(self.channel)
         self.outstanding = 0
+        self._idle = asyncio.Event()  # set while no call is outstanding (leave() waits on it)
+        self._idle.set()
         self.retired = False
         # The (layer, expert) pairs this router placed here: a check fails while the service
         # serves fewer (one restarted at this address on other experts).
@@ -200,6 +202,7 @@ class RemoteExperts:
         if self.retired:
             raise UnavailableError(f"expert service {self.address} left the mesh")
         self.outstanding += 1
+        self._idle.clear()
         try:
             max_rows = self._rows_per_message(groups)
             if sum(rows.shape[0] for _, rows in groups) <= max_rows:
@@ -223,6 +226,8 @@ class RemoteExperts:
             raise UnavailableError(str(e)) from e
         finally:
             self.outstanding -= 1
+            if not self.outstanding:
+                self._idle.set()
 
     def _rows_per_message(self, groups: Sequence[tuple[int, torch.Tensor]]) -> int:
         if not groups:
@@ -301,6 +306,19 @@ class RemoteExperts:
         finally:
             self._calls.discard(call)
         return list(decode(reply.output, "output").split(counts)), "grpc", reply.service_seconds
+
+    async def leave(self, drain_s: float) -> None:
+        """The service left the mesh; the placement no longer lists it, so no new call chooses it.
+        Its calls in flight may still answer for up to `drain_s`, then retire() cancels the rest.
+
+        A replica scaled down deregisters first and answers what is in flight (expert_service/
+        drain.py): cancelling those calls at once made each one a failover, and a cancelled call
+        ejected the replica. A hung replica's calls are hedged meanwhile, and cancelled at `drain_s`."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), drain_s)
+        except TimeoutError:
+            pass
+        self.retire()
 
     def retire(self) -> None:
         """The service left the mesh: cancel the calls in flight to it (callers fail over at once) and

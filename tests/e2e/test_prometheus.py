@@ -4,45 +4,15 @@ when it runs as root)."""
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-import time
-import urllib.parse
-import urllib.request
-
 import httpx
 import pytest
 
-from moe_mesh.planning.deploy.prometheus import prometheus_yml, static_job
+from moe_mesh.planning.deploy.prometheus import static_job
 from tests.support.meshes import local_mesh
 from tests.support.metrics import scrape
-from tests.support.net import free_port
+from tests.support.prometheus import MISSING, PROMETHEUS, promql, running, until
 
-PROMETHEUS = shutil.which("prometheus")
-pytestmark = pytest.mark.skipif(
-    PROMETHEUS is None, reason="no `prometheus` binary (Debian package prometheus)"
-)
-
-
-def promql(base: str, query: str) -> float | None:
-    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": query})
-    reply = json.loads(urllib.request.urlopen(url, timeout=5).read())
-    result = reply["data"]["result"]
-    return float(result[0]["value"][1]) if result else None
-
-
-def until(what: str, check, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-        except OSError:  # Prometheus not listening yet
-            value = None
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"{what} not within {timeout_s:g}s")
+pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason=MISSING)
 
 
 async def test_promql_over_a_scraped_mesh_equals_the_services_own_counters(
@@ -52,24 +22,8 @@ async def test_promql_over_a_scraped_mesh_equals_the_services_own_counters(
     async with local_mesh(path, router={"metrics_port": 0}, metrics_port=0) as mesh:
         router = mesh.router.telemetry.metrics_address
         gateway = mesh.gateway.telemetry.metrics_address
-        config = tmp_path / "prometheus.yml"
         jobs = [static_job("router", [router]), static_job("gateway", [gateway])]
-        config.write_text(prometheus_yml(jobs, interval="1s"))
-        port = free_port()
-        with open(tmp_path / "prometheus.log", "w") as log:
-            server = subprocess.Popen(
-                [
-                    PROMETHEUS,
-                    f"--config.file={config}",
-                    f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                    f"--web.listen-address=127.0.0.1:{port}",
-                    "--log.level=warn",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-            )
-        base = f"http://127.0.0.1:{port}"
-        try:
+        with running(jobs, tmp_path) as base:
             until("both targets up", lambda: promql(base, "sum(up)") == 2)
             async with httpx.AsyncClient(base_url=mesh.http_base_url) as h:
                 for i in range(3):
@@ -96,6 +50,3 @@ async def test_promql_over_a_scraped_mesh_equals_the_services_own_counters(
             assert promql(base, "count(moe_router_tokens_routed_total)") == sum(
                 1 for k in own if k.startswith("moe_router_tokens_routed_total{")
             )
-        finally:
-            server.terminate()
-            server.wait(10)

@@ -1,4 +1,5 @@
-"""Utilization records as `moe-mesh placement show --json` writes them, for `moe-mesh plan` tests."""
+"""Utilization records as `moe-mesh placement show --json` writes them, for `moe-mesh plan` tests;
+the example deploy plan and variants of its `autoscale:` blocks, for the renderers' tests."""
 
 from __future__ import annotations
 
@@ -123,3 +124,46 @@ def search_args(tmp_path: Path, *extra: str) -> list[str]:
         str(EXAMPLE_PLAN),
         *extra,
     ]
+
+
+def example_raw() -> dict:
+    """deploy/plan.example.yaml as the mapping it holds (its hot group autoscales on token rows)."""
+    return yaml.safe_load(EXAMPLE_PLAN.read_text())
+
+
+def plan_of(raw: dict, tmp_path: Path):
+    """`raw` loaded as `moe-mesh deploy render` loads a plan file."""
+    from moe_mesh.planning import deploy
+
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return deploy.load_plan(path)
+
+
+# Unlike the example's: busy, both windows, other steps, a tolerance of its own, no TPOT guard.
+BUSY = {
+    "min_replicas": 2,
+    "max_replicas": 6,
+    "metric": "busy",
+    "tolerance": 0.05,
+    "scale_up_window_s": 30,
+    "scale_down_window_s": 120,
+    "max_step_up": 2,
+    "max_step_down": 1,
+    "step_period_s": 60,
+    "interval_s": 10,
+}
+
+
+def busy_plan(tmp_path: Path):
+    """The example with its cold group autoscaled on busy time too (3 replicas to start)."""
+    raw = example_raw()
+    raw["expert_groups"][1].update(replicas=3, autoscale=BUSY)
+    return plan_of(raw, tmp_path)
+
+
+def static_plan(tmp_path: Path):
+    """The example with no group autoscaled."""
+    raw = example_raw()
+    raw["expert_groups"][0].pop("autoscale")
+    return plan_of(raw, tmp_path)

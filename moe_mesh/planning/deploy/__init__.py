@@ -7,6 +7,13 @@ replicas and the expert groups (an expert spec each, see common/placement.py). `
   nomad:   one job per expert group, and one job with the router and gateway groups;
   kubernetes: a Deployment, headless Service and PodDisruptionBudget per component (kubernetes.py).
 Each also gets a Prometheus scrape configuration (prometheus.py).
+A group with `autoscale` bounds is scaled on its measured load by the orchestrator's own autoscaler:
+  kubernetes: an autoscaling/v2 HorizontalPodAutoscaler on the group's Deployment (which then has
+           no `replicas`), fed by the Prometheus Adapter, whose rules are rendered too;
+  nomad:   a `scaling` block in the group's job for the Nomad Autoscaler, whose agent configuration
+           (nomad-autoscaler.hcl) is rendered too;
+  compose: nothing to render: `moe-mesh autoscale` drives `docker compose up --scale`.
+The queries are moe_mesh/autoscale/queries.py's, the behaviour the plan's (autoscale/policy.py).
 Every service runs with `--registry consul`: routers find expert services and gateways find routers
 there, so the rendered files list no addresses. Output is deterministic (sorted keys, fixed order),
 so committed examples can be compared byte for byte with a fresh render.
@@ -32,7 +39,7 @@ from moe_mesh.planning.deploy.compose import (
     render_compose,
 )
 from moe_mesh.planning.deploy.kubernetes import render_kubernetes
-from moe_mesh.planning.deploy.nomad import Block, Interp, render_nomad
+from moe_mesh.planning.deploy.nomad import AUTOSCALER_CONFIG, Block, Interp, render_nomad
 from moe_mesh.planning.deploy.plan import (
     ComposePlan,
     Constraint,
@@ -105,11 +112,17 @@ def _rendered_by_us(path: Path) -> bool:
         return False
 
 
+def _ours(out: Path) -> list[Path]:
+    """The nomad files a render may write: job files, and the autoscaler's configuration."""
+    return sorted([*out.glob("*.nomad.hcl"), *out.glob(AUTOSCALER_CONFIG)])
+
+
 def write_rendered(files: dict[str, str], out: Path, target: str) -> list[Path]:
-    """Write the files; for nomad also remove job files an earlier render wrote for groups now gone."""
+    """Write the files; for nomad also remove job files an earlier render wrote for groups now gone
+    (and the autoscaler's configuration once no group autoscales)."""
     out.mkdir(parents=True, exist_ok=True)
     if target == "nomad":
-        for stale in sorted(out.glob("*.nomad.hcl")):
+        for stale in _ours(out):
             if stale.name not in files and _rendered_by_us(stale):
                 stale.unlink()
     written = []
@@ -127,7 +140,7 @@ def drifted(files: dict[str, str], out: Path, target: str) -> list[str]:
         if not (out / name).is_file() or (out / name).read_text() != text
     ]
     if target == "nomad":
-        bad += [p.name for p in sorted(out.glob("*.nomad.hcl")) if p.name not in files]
+        bad += [p.name for p in _ours(out) if p.name not in files]
     return bad
 
 
@@ -142,8 +155,10 @@ class RenderSettings(BaseModel):
     plan: Path = Field(description="plan file (YAML)")
     target: Target = Field(
         description="compose: docker-compose.yml + Dockerfile + .env.example + prometheus.yml; "
-        "nomad: one job per expert group + one for router and gateway + prometheus.yml; "
-        "kubernetes: a Deployment, Service and PodDisruptionBudget per component + the "
+        "nomad: one job per expert group + one for router and gateway + prometheus.yml "
+        "(+ nomad-autoscaler.hcl when a group autoscales); "
+        "kubernetes: a Deployment, Service and PodDisruptionBudget per component (+ a "
+        "HorizontalPodAutoscaler per autoscaled group and the Prometheus Adapter's rules) + the "
         "Prometheus ConfigMap"
     )
     out: Path = Field(description="directory to write into (created if missing)")

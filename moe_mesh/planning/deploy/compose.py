@@ -194,9 +194,8 @@ def render_compose(plan: Plan) -> dict[str, str]:
         "consul": {
             "image": "${CONSUL_IMAGE:-" + _dollar(plan.compose.consul_image) + "}",
             "command": ["agent", "-dev", "-client", "0.0.0.0"],
-            "ports": [
-                "127.0.0.1:8500:8500"
-            ],  # UI and API for the operator, on the Docker host's loopback only
+            # UI and API for the operator, on the Docker host's loopback only
+            "ports": ["127.0.0.1:8500:8500"],
             "healthcheck": {
                 "test": ["CMD", "consul", "members"],
                 "interval": "2s",
@@ -255,7 +254,8 @@ def render_compose(plan: Plan) -> dict[str, str]:
     document: dict[str, Any] = {"services": services}
     if secrets.secure(plan):
         document["secrets"] = _compose_secrets(plan, [*groups, "router", "gateway"])
-    compose = head + yaml.safe_dump(document, sort_keys=True, default_flow_style=False, width=1000)
+    dumped = yaml.safe_dump(document, sort_keys=True, default_flow_style=False, width=1000)
+    compose = head + _autoscale_note(plan) + dumped
     # Docker's DNS answers a service name with every replica's address.
     scrape = [dns_job(name, name) for name in [*groups, "router", "gateway"]]
     return {
@@ -264,6 +264,21 @@ def render_compose(plan: Plan) -> dict[str, str]:
         ".env.example": _env_example(plan),
         "prometheus.yml": head + prometheus_yml(scrape),
     }
+
+
+def _autoscale_note(plan: Plan) -> str:
+    """Compose has no autoscaler of its own: groups with `autoscale` are scaled by the local
+    controller, which runs `docker compose up --scale` on the load Prometheus measures."""
+    groups = [f"{EXPERT_SERVICE_PREFIX}{g.name}" for g in plan.expert_groups if g.autoscale]
+    if not groups:
+        return ""
+    text = (
+        f"Autoscaled groups ({', '.join(groups)}; `deploy.replicas` is their starting count): "
+        "run `moe-mesh autoscale --compose-file docker-compose.yml --prometheus "
+        "http://127.0.0.1:9090 --plan <this plan>` beside the project "
+        "(docs/operating/autoscaling.md)."
+    )
+    return "#\n" + "".join(f"# {line}\n" for line in wrap(text))
 
 
 def wrap(text: str, width: int = 100) -> list[str]:

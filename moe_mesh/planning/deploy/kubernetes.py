@@ -16,10 +16,13 @@ projected read-only volume, and probes with `moe-mesh probe` (the kubelet's gRPC
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import yaml
 
+from moe_mesh.autoscale import queries
+from moe_mesh.autoscale.policy import Autoscale
 from moe_mesh.planning.deploy import secrets
 from moe_mesh.planning.deploy.compose import (
     HEADER,
@@ -29,13 +32,14 @@ from moe_mesh.planning.deploy.compose import (
     router_command,
     wrap,
 )
-from moe_mesh.planning.deploy.plan import Plan, Resources
+from moe_mesh.planning.deploy.plan import Plan, PlanError, Resources
 from moe_mesh.planning.deploy.prometheus import (
     METRICS_PORT,
     kubernetes_pods_job,
     prometheus_yml,
 )
 
+DEFAULT_HPA_TOLERANCE = 0.1  # kube-controller-manager's --horizontal-pod-autoscaler-tolerance
 MODEL_VOLUME = "model"
 SECRETS_VOLUME, SECRETS_DIR = "secrets", "/run/secrets/moe-mesh"
 
@@ -115,7 +119,7 @@ def _container(
 def _deployment(
     plan: Plan,
     component: str,
-    replicas: int,
+    replicas: int | None,
     args: list[str],
     ports: dict[str, int],
     resources: Resources,
@@ -131,12 +135,14 @@ def _deployment(
     if secret_names(plan, component):
         volumes.append(_secrets_volume(plan, component))
         pod["securityContext"] = {"fsGroup": 10001}  # the image's user reads the 0440 files
+    # None: a HorizontalPodAutoscaler owns the count, which `kubectl apply` would otherwise reset.
+    count = {} if replicas is None else {"replicas": replicas}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _meta(plan, component, component),
         "spec": {
-            "replicas": replicas,
+            **count,
             "selector": {"matchLabels": labels},
             "template": {
                 "metadata": {
@@ -212,7 +218,7 @@ def _budget(plan: Plan, component: str) -> dict[str, Any]:
 def _component(
     plan: Plan,
     component: str,
-    replicas: int,
+    replicas: int | None,
     args: list[str],
     ports: dict[str, int],
     resources: Resources,
@@ -234,9 +240,12 @@ def manifests(plan: Plan) -> dict[str, list[dict[str, Any]]]:
     for g in plan.expert_groups:
         name = f"expert-{g.name}"
         args = expert_command(plan, g, str(g.port), ADVERTISE)
+        replicas = g.replicas if g.autoscale is None else None
         files[f"{name}.yaml"] = _component(
-            plan, name, g.replicas, args, {"grpc": g.port}, g.resources
+            plan, name, replicas, args, {"grpc": g.port}, g.resources
         )
+        if g.autoscale is not None:
+            files[f"{name}.yaml"].append(hpa(plan, name, g.autoscale))
     r, gw = plan.router, plan.gateway
     files["router.yaml"] = _component(
         plan,
@@ -265,16 +274,100 @@ def manifests(plan: Plan) -> dict[str, list[dict[str, Any]]]:
             },
         }
     ]
+    metrics = sorted({g.autoscale.metric for g in plan.expert_groups if g.autoscale})
+    if metrics:
+        files["prometheus-adapter.yaml"] = [adapter_rules(plan, metrics)]
     files["namespace.yaml"] = [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": plan.kubernetes.namespace}}
     ]
     return files
 
 
+def _quantity(x: float) -> str:
+    """A Kubernetes quantity as the API server writes it back: 2000 -> '2000', 0.6 -> '600m'."""
+    return str(int(x)) if float(x).is_integer() else f"{max(1, round(x * 1000))}m"
+
+
+def _seconds(deployment: str, policy: Autoscale, field: str, most: int) -> int:
+    """A policy duration as the HPA's whole seconds, refused past the HPA's bound."""
+    value = math.ceil(getattr(policy, field))
+    if value > most:
+        raise PlanError(
+            f"{deployment}: autoscale.{field} {value} s: the HorizontalPodAutoscaler takes at "
+            f"most {most} s"
+        )
+    return value
+
+
+def hpa(plan: Plan, deployment: str, policy: Autoscale) -> dict[str, Any]:
+    """An autoscaling/v2 HorizontalPodAutoscaler holding the group's load per pod at the target,
+    read from the Prometheus Adapter (adapter_rules), with the policy's windows and step limits as
+    its `behavior`. Tolerance: the cluster's (kube-controller-manager
+    --horizontal-pod-autoscaler-tolerance, 0.1) unless the policy's differs; the per-HPA field
+    is KEP-4951's (Kubernetes 1.33+, feature gate HPAConfigurableTolerance; dropped where off)."""
+    period = _seconds(deployment, policy, "step_period_s", 1800)
+
+    def rules(window: str, step: int) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "stabilizationWindowSeconds": _seconds(deployment, policy, window, 3600),
+            "selectPolicy": "Max",
+            "policies": [{"type": "Pods", "value": step, "periodSeconds": period}],
+        }
+        if policy.tolerance != DEFAULT_HPA_TOLERANCE:
+            out["tolerance"] = _quantity(policy.tolerance)
+        return out
+
+    metric = {"name": queries.ADAPTER_METRIC[policy.metric]}
+    target = {"type": "AverageValue", "averageValue": _quantity(policy.level)}
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _meta(plan, deployment, deployment),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment},
+            "minReplicas": policy.min_replicas,
+            "maxReplicas": policy.max_replicas,
+            "metrics": [{"type": "Pods", "pods": {"metric": metric, "target": target}}],
+            "behavior": {
+                "scaleUp": rules("scale_up_window_s", policy.max_step_up),
+                "scaleDown": rules("scale_down_window_s", policy.max_step_down),
+            },
+        },
+    }
+
+
+def adapter_rules(plan: Plan, metrics: list[str]) -> dict[str, Any]:
+    """The Prometheus Adapter's configuration (its Helm chart's `rules.existing` ConfigMap, key
+    config.yaml): a custom metric per pod for each policy metric the plan's groups use."""
+    config = {"rules": [queries.adapter_rule(m) for m in metrics]}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": f"{plan.name}-prometheus-adapter",
+            "namespace": plan.kubernetes.prometheus_adapter_namespace,
+            "labels": _labels(plan, "prometheus-adapter"),
+        },
+        "data": {"config.yaml": yaml.safe_dump(config, sort_keys=False, width=1000)},
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the configuration files ConfigMaps hold) as literal blocks, readable."""
+
+
+_Dumper.add_representer(
+    str,
+    lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None),
+)
+
+
 def render_kubernetes(plan: Plan) -> dict[str, str]:
     head = "".join(f"# {line}\n" for line in wrap(HEADER.format(target="kubernetes")))
     return {
         name: head
-        + yaml.safe_dump_all(objects, sort_keys=False, default_flow_style=False, width=1000)
+        + yaml.dump_all(
+            objects, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000
+        )
         for name, objects in sorted(manifests(plan).items())
     }

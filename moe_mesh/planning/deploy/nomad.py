@@ -1,10 +1,13 @@
-"""The nomad target: one HCL job file per expert group and one for routers and gateways."""
+"""The nomad target: one HCL job file per expert group and one for routers and gateways; a group
+with `autoscale` gets a `scaling` block, and the Nomad Autoscaler its agent configuration."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from moe_mesh.autoscale import queries
+from moe_mesh.autoscale.queries import number
 from moe_mesh.planning.deploy import secrets
 from moe_mesh.planning.deploy.compose import (
     HEADER,
@@ -38,10 +41,12 @@ def _hcl_str(s: str) -> str:
 def _hcl_value(v: Any, indent: str) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
+    if isinstance(v, int | float):
+        return number(v)
     if isinstance(v, str):
         return _hcl_str(v)
+    if isinstance(v, dict):  # an object (the autoscaler's plugin `config = {...}`)
+        return "{\n" + "\n".join(_hcl_body(list(v.items()), indent + "  ")) + f"\n{indent}}}"
     items = [_hcl_value(x, indent + "  ") for x in v]
     inline = "[" + ", ".join(items) + "]"
     if len(inline) <= 60:
@@ -170,6 +175,8 @@ def _group(
     return Block("group", (name,), body)
 
 
+# The Nomad Autoscaler agent's configuration, rendered when a group autoscales.
+AUTOSCALER_CONFIG = "nomad-autoscaler.hcl"
 SECRETS = "${NOMAD_SECRETS_DIR}"  # the task's private directory, where templates render secrets
 
 
@@ -314,7 +321,53 @@ def _expert_job(plan: Plan, g: ExpertGroup) -> Block:
         _task(plan, "serve-expert", args, g.resources, f"expert-{g.name}", job),
         f"{job}-metrics",
     )
+    if g.autoscale is not None:
+        group.body.insert(1, _scaling(g))
     return _job(plan, job, g.region, g.datacenters, [group])
+
+
+def _scaling(g: ExpertGroup) -> Block:
+    """The group's policy for the Nomad Autoscaler, through its Prometheus APM: HPA's algorithm as
+    two checks of one check group. Within a group the autoscaler ignores `none` votes and prefers
+    up over down, so the scale-up check (clamped at the target: it never asks for fewer) wins when
+    the load is over the target for the scale-up window, else the scale-down check (clamped the
+    other way, held by the TPOT guard) may remove replicas once the scale-down window is under."""
+    a = g.autoscale
+    assert a is not None
+    job = f"experts-{g.name}"  # the rendered Prometheus job (render_nomad)
+
+    def check(name: str, query: str) -> Block:
+        # target-value takes only these: no step limits (max_step_up/down are HPA's and ours)
+        limits = [("target", a.level), ("threshold", a.tolerance)]
+        body = [("source", "prometheus"), ("query", query), ("group", a.metric)]
+        return Block("check", (name,), [*body, Block("strategy", ("target-value",), limits)])
+
+    policy = [
+        ("evaluation_interval", f"{number(a.interval_s)}s"),
+        # A step period per change, either way (policy.py's cool-down).
+        ("cooldown", f"{number(a.step_period_s)}s"),
+        ("cooldown_on_scale_up", f"{number(a.step_period_s)}s"),
+        check(f"{a.metric}_up", queries.scale_up_query(a, job)),
+        check(f"{a.metric}_down", queries.scale_down_query(a, job, "gateway")),
+    ]
+    limits = [("enabled", True), ("min", a.min_replicas), ("max", a.max_replicas)]
+    return Block("scaling", body=[*limits, Block("policy", body=policy)])
+
+
+def autoscaler_config(plan: Plan) -> str:
+    """nomad-autoscaler.hcl: the agent that applies every group's `scaling` policy, reading
+    Prometheus (the rendered prometheus.yml's jobs) and changing counts through Nomad's API."""
+    blocks = [
+        Block("nomad", body=[("address", plan.nomad.nomad_addr)]),
+        Block(
+            "apm",
+            ("prometheus",),
+            [("driver", "prometheus"), ("config", {"address": plan.nomad.prometheus_addr})],
+        ),
+        Block("strategy", ("target-value",), [("driver", "target-value")]),
+    ]
+    head = "".join(f"# {line}\n" for line in wrap(HEADER.format(target="nomad")))
+    return head + "\n\n".join("\n".join(_hcl_block(b)) for b in blocks) + "\n"
 
 
 def _frontend_job(plan: Plan) -> Block:
@@ -387,4 +440,6 @@ def render_nomad(plan: Plan) -> dict[str, str]:
     ]
     head = "".join(f"# {line}\n" for line in wrap(HEADER.format(target="nomad")))
     files["prometheus.yml"] = head + prometheus_yml(scrape)
+    if any(g.autoscale is not None for g in plan.expert_groups):
+        files[AUTOSCALER_CONFIG] = autoscaler_config(plan)
     return dict(sorted(files.items()))

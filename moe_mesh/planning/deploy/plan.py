@@ -20,6 +20,7 @@ from pydantic import (
 
 from common.errors import InvalidArgumentError, MoeMeshError
 from common.placement import ModelShape, Pair, format_experts, parse_experts
+from moe_mesh.autoscale.policy import Autoscale
 
 _MAX_INDEX = 65535  # an expert spec index beyond this is a typo, not a model
 
@@ -201,12 +202,30 @@ class ExpertGroup(_Strict):
     )
     resources: Resources = Resources(cpu_mhz=2000, memory_mb=4096)
     args: list[str] = Field(default_factory=list, description="extra serve-expert flags")
+    autoscale: Autoscale | None = Field(
+        None,
+        description="scale the group between bounds on its measured load (moe_mesh/autoscale): "
+        "rendered as a HorizontalPodAutoscaler, a Nomad scaling policy, or run by "
+        "`moe-mesh autoscale`; `replicas` is then the starting count",
+    )
 
     @field_validator("experts")
     @classmethod
     def _spec_syntax(cls, v: str) -> str:
         expert_pairs(v)
         return v
+
+    @model_validator(mode="after")
+    def _starts_within_bounds(self) -> ExpertGroup:
+        a = self.autoscale
+        if a is not None and (problem := a.problem()):
+            raise ValueError(f"autoscale.{problem}")
+        if a is not None and not a.min_replicas <= self.replicas <= a.max_replicas:
+            raise ValueError(
+                f"replicas {self.replicas} is outside autoscale's [{a.min_replicas}, "
+                f"{a.max_replicas}]"
+            )
+        return self
 
 
 class ComposePlan(_Strict):
@@ -233,6 +252,17 @@ class NomadPlan(_Strict):
     otlp_endpoint: str = Field(
         "", description="OTLP collector for traces (OTEL_EXPORTER_OTLP_ENDPOINT); empty: none"
     )
+    nomad_addr: str = Field(
+        "http://127.0.0.1:4646",
+        min_length=1,
+        description="Nomad's HTTP API as the Nomad Autoscaler reaches it (nomad-autoscaler.hcl)",
+    )
+    prometheus_addr: str = Field(
+        "http://127.0.0.1:9090",
+        min_length=1,
+        description="the Prometheus that scrapes the mesh (prometheus.yml), as the Nomad "
+        "Autoscaler reaches it: the groups' `autoscale` checks query it",
+    )
 
 
 class KubernetesPlan(_Strict):
@@ -251,6 +281,11 @@ class KubernetesPlan(_Strict):
     )
     otlp_endpoint: str = Field(
         "", description="OTLP collector for traces (OTEL_EXPORTER_OTLP_ENDPOINT); empty: none"
+    )
+    prometheus_adapter_namespace: Name = Field(
+        "monitoring",
+        description="namespace of the Prometheus Adapter's Helm release: the rules it serves the "
+        "groups' HorizontalPodAutoscalers from are rendered there (prometheus-adapter.yaml)",
     )
 
 

@@ -33,7 +33,8 @@ def consul_job(name: str, service: str, consul: str) -> dict[str, Any]:
 
 
 def kubernetes_pods_job(namespace: str) -> dict[str, Any]:
-    """Pods annotated prometheus.io/scrape=true in `namespace`, at their prometheus.io/port."""
+    """Pods annotated prometheus.io/scrape=true in `namespace`, at their prometheus.io/port, each
+    series labelled with its component, namespace and pod."""
     return {
         "job_name": "moe-mesh",
         "kubernetes_sd_configs": [{"role": "pod", "namespaces": {"names": [namespace]}}],
@@ -53,6 +54,8 @@ def kubernetes_pods_job(namespace: str) -> dict[str, Any]:
                 "target_label": "__address__",
             },
             {"source_labels": ["__meta_kubernetes_pod_label_app"], "target_label": "component"},
+            # The Prometheus Adapter maps these two labels to the pods an HPA averages over.
+            {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
             {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
         ],
     }

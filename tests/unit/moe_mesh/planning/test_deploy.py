@@ -357,7 +357,7 @@ def _jobs(plan: deploy.Plan) -> dict[str, dict]:
     """Job name -> job body, each file parsed by python-hcl2 on its own."""
     jobs = {}
     for name, text in deploy.render(plan, "nomad").items():
-        if name == "prometheus.yml":
+        if not name.endswith(".nomad.hcl"):  # prometheus.yml, nomad-autoscaler.hcl
             continue
         [job] = hcl2.loads(text, serialization_options=HCL_OPTIONS)["job"]
         [(job_name, body)] = job.items()
@@ -552,6 +552,7 @@ def test_render_writes_checks_and_removes_stale_jobs(
         "moe-mesh-experts-cold.nomad.hcl",
         "moe-mesh-experts-hot.nomad.hcl",
         "moe-mesh-frontend.nomad.hcl",
+        "nomad-autoscaler.hcl",  # the example's hot group autoscales
         "prometheus.yml",
     ]
 
