@@ -14,7 +14,7 @@ TEST_WORKERS ?= 2
 $(STAMP): pyproject.toml constraints.txt tests/node/package.json tests/node/package-lock.json
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo '==> installing moe-mesh and its dependencies into $(VENV) (a few minutes the first time)' >&2
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,fastpath]'
 	@# Only the Node.js interop test needs npm; without it that test is skipped, and the demo runs anyway.
 	@if command -v npm >/dev/null; then npm ci --prefix tests/node --no-audit --no-fund; \
 	else echo 'npm not found: tests/e2e/test_node_client.py will be skipped' >&2; fi

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import torch
 
 from common import fp8
 from common.arch import ModelSpec, checkpoint_spec, family_module, tensor_names
+from common.arch.shapes import check_checkpoint, read_index
 from common.errors import CheckpointError, UnsupportedModelError
 from common.linear import prepack
 from common.packed_experts import PackedExperts
@@ -62,6 +62,9 @@ class Checkpoint:
         self.quantize = quantize
         self._quantize_dense = quantize_dense and quantize is not None
         self.spec: ModelSpec = checkpoint_spec(self.path)
+        # Every shape the config implies, from the headers alone: a broken checkpoint is refused
+        # before any weight loads, naming the tensor and the config field (common/arch/shapes.py).
+        check_checkpoint(self.path, self.spec)
         self.names = tensor_names(self.spec)
         # A family module may take over parts of loading (common/arch/__init__.py lists the hooks).
         self.family = family_module(self.spec.family)
@@ -76,25 +79,7 @@ class Checkpoint:
         """Tensor name -> file name; from the index json when sharded, else from the file headers."""
         index = self.path / INDEX_FILE
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"invalid index ({e!r})", file=str(index)) from e
-            if not isinstance(weight_map, dict):
-                raise CheckpointError("invalid index: weight_map is not an object", file=str(index))
-            for name, shard in weight_map.items():
-                # Shards live beside the index: a path elsewhere is a broken (or hostile) index.
-                if (
-                    not isinstance(shard, str)
-                    or Path(shard).name != shard
-                    or shard in ("", ".", "..")
-                ):
-                    raise CheckpointError(
-                        f"invalid index: tensor {name!r} maps to {shard!r}, expected a file "
-                        "name in the checkpoint directory",
-                        file=str(index),
-                    )
-            return dict(weight_map)
+            return read_index(index)
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise CheckpointError("no *.safetensors files", file=str(self.path))

@@ -1,7 +1,8 @@
 """The one gRPC server lifecycle every service uses.
 
 start: bind (loopback by default; TLS with `credentials`), health SERVING, reflection when asked,
-       then `on_ready` hooks (registration).
+       then `on_ready` hooks (registration). With `health_port`, a second, plaintext listener serves
+       the same health service and nothing else: Kubernetes' native gRPC probe cannot speak TLS.
 stop:  health NOT_SERVING, `on_stop` hooks (deregistration, a gateway's HTTP drain), stop accepting,
        let in-flight calls finish, then stop; all of it by one Deadline, `grace_s` after stop began.
 """
@@ -26,6 +27,11 @@ from grpc_reflection.v1alpha import reflection
 from common import runtime
 
 Hook = Callable[[], Awaitable[None]]
+# A health service name that is SERVING from start until stop (or a fault the process cannot
+# recover from, e.g. a router whose engine loop gave up): what a liveness probe asks about. Readiness
+# (the overall "" service) can go NOT_SERVING in a sound process, e.g. a gateway missing experts,
+# and a liveness probe on it would restart that process in a loop.
+LIVENESS = "moe_mesh.liveness"
 
 
 @dataclass(frozen=True)
@@ -90,12 +96,19 @@ class GrpcServer:
     # Reflection lists every method to anyone who connects (a fuzzer found Forward through it):
     # internal services leave it off unless an operator asks.
     reflection: bool = False
+    # A plaintext port serving only grpc.health.v1 (the same statuses): for probes without TLS.
+    health_port: int | None = None
     clock: Callable[[], float] = time.monotonic  # what a stop's deadline is measured on
+    # Whether "" and the services start SERVING (a gateway missing experts starts NOT_SERVING):
+    # set before the port opens, so no probe sees a status the service does not mean.
+    ready: Callable[[], bool] = lambda: True
 
     def __post_init__(self) -> None:
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
         self.bound_port = 0
+        self.bound_health_port = 0
 
     @property
     def address(self) -> str:
@@ -124,13 +137,28 @@ class GrpcServer:
             )
         except RuntimeError:  # grpc raises RuntimeError("Failed to bind ...") and says no more
             raise bind_error(self.host, self.port, "gRPC") from None
+        if self.health_port is not None:  # bound first: a port in use fails before any serving
+            await self._start_health_listener(self.health_port)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        status = serving if self.ready() else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *names]:
+            await self.health.set(name, status)
+        await self.health.set(LIVENESS, serving)
         await server.start()
         self._server = server
-        for name in ["", *names]:
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         for hook in self.on_ready:
             await hook()
         return self.address
+
+    async def _start_health_listener(self, port: int) -> None:
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        try:
+            self.bound_health_port = server.add_insecure_port(f"{self.host}:{port}")
+        except RuntimeError:
+            raise bind_error(self.host, port, "the gRPC health port") from None
+        await server.start()
+        self._health_server = server
 
     def deadline(self, grace_s: float | None = None) -> Deadline:
         """A stop's deadline: `grace_s` (default the server's) from now."""
@@ -147,6 +175,9 @@ class GrpcServer:
         for hook in self.on_stop:
             await hook(deadline)
         await server.stop(deadline.remaining())
+        if self._health_server is not None:
+            await self._health_server.stop(0)
+            self._health_server = None
 
 
 def bind_error(host: str, port: int, what: str) -> OSError:

@@ -15,6 +15,9 @@ RETRY_AFTER_KEY = "retry-after-s"
 # Trailer of an UNAVAILABLE that is about the expert replicas behind the service that sent it, not
 # that service: a gateway keeps the router and does not retry the request on another one.
 EXPERTS_UNAVAILABLE_KEY = "moe-experts-unavailable"
+# A router's named health service: SERVING while its every MoE layer's every expert has a replica
+# (colocated or remote) and the router itself serves. Gateways watch it for their readiness.
+EXPERTS_HEALTH = "moe-mesh.experts"
 
 
 async def abort_with(

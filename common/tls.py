@@ -52,6 +52,14 @@ class SecuritySettings(BaseSettings):
         description="name peers' certificates must carry instead of the dialed host (when "
         "certificates name services rather than addresses)",
     )
+    health_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="also serve the gRPC health service (and nothing else) in plaintext on this "
+        "port, with the statuses of the main port: for probes that cannot speak TLS, such as "
+        "Kubernetes' native gRPC probe; unset: none",
+    )
 
     @model_validator(mode="after")
     def _all_or_none(self) -> SecuritySettings:

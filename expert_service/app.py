@@ -53,6 +53,7 @@ class ExpertApp:
             interceptors=telemetry.server_interceptors(),
             credentials=tls.server_credentials() if tls else None,
             reflection=settings.reflection,
+            health_port=settings.health_port,
         )
         self.tls = tls is not None
         registration_hooks(
@@ -70,6 +71,7 @@ class ExpertApp:
         """Load the configured experts. Telemetry comes from the settings unless given (tests pass one
         with an in-memory exporter); it is shut down by stop()."""
         tls = MeshTls.from_settings(settings)  # before loading weights: a bad file fails fast
+        open_registry(settings.registry, settings.registry_address)  # so does a bad address
         telemetry = telemetry or Telemetry.from_settings("expert", settings, settings.host)
         try:
             host = ExpertHost.load(settings, telemetry)

@@ -82,8 +82,7 @@ class FastPath:
         if load_ucxx(loopback) is None:
             if self.mode == "ucx":
                 raise PreconditionError(f"--fast-path ucx: {ucx.unavailable}")
-            log.info("fast path off: %s", ucx.unavailable)
-            self.server = None
+            self.server = None  # load_ucxx has said why, once
             return []
         try:
             url = await self.server.start()

@@ -64,13 +64,16 @@ class ExpertSettings(QuantizationSettings, TelemetrySettings, SecuritySettings):
         "torch's default (all cores). Set it when several services share a "
         "host: oversubscribed OpenMP threads spin and slow everyone down",
     )
-    registry: Literal["none", "consul"] = Field(
+    registry: Literal["none", "consul", "kubernetes"] = Field(
         "none",
         description="where to register: 'consul' (an agent, "
-        "or the embedded registry of `moe-mesh up`) or 'none'",
+        "or the embedded registry of `moe-mesh up`), 'kubernetes' (its readiness probe puts "
+        "this Pod in its Service's EndpointSlices: nothing to register) or 'none'",
     )
     registry_address: str | None = Field(
-        None, description="Consul HTTP address; default CONSUL_HTTP_ADDR"
+        None,
+        description="Consul HTTP address (default CONSUL_HTTP_ADDR), or with 'kubernetes' the "
+        "API server's URL (default in-cluster)",
     )
     advertise_host: str | None = Field(
         None,
@@ -90,13 +93,13 @@ class ExpertSettings(QuantizationSettings, TelemetrySettings, SecuritySettings):
         0.5,
         ge=0.0,
         le=60.0,
-        description="on stop, after deregistering (registry 'consul'): keep accepting calls until "
+        description="on stop, after deregistering (a registry): keep accepting calls until "
         "none has arrived for this long, in seconds, so routers stop choosing this replica before "
         "it refuses calls; at most half of grace_s; 0 refuses new calls at once",
     )
     fast_path: Literal["auto", "ucx", "off"] = Field(
         default_factory=mesh_fast_path,
         validate_default=True,
-        description="activations over UCX next to gRPC: 'auto' when ucxx imports, 'ucx' "
-        "(required), 'off'; unset: MOE_MESH_FAST_PATH, else auto",
+        description="activations over UCX next to gRPC: 'auto' when ucxx imports (the fastpath "
+        "extra), 'ucx' (required), 'off'; unset: MOE_MESH_FAST_PATH, else auto",
     )

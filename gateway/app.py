@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import uvicorn
+from grpc_health.v1 import health_pb2
 
 from common.errors import InvalidArgumentError, MoeMeshError, UnavailableError
 from common.registry import ROUTER_SERVICE, Instance, Membership, Registry, open_registry
@@ -19,12 +21,16 @@ from common.tls import MeshTls, public_server_credentials
 from common.tokenizer import NoTokenizer, Tokenizer
 from gateway.auth import ApiKeys
 from gateway.core import GatewayCore
+from gateway.exposure import exposure_warning
 from gateway.grpc_api import InferenceServicer
 from gateway.http_api import create_app
+from gateway.readiness import Readiness
 from gateway.router_client import ModelInfo, RouterClient
 from gateway.settings import GatewaySettings
 from protos.moe_mesh.v1 import inference_pb2, inference_pb2_grpc
 
+log = logging.getLogger(__name__)
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 # Past the grace period, how long the requests still running get to send their clients the error
 # that ends them.
@@ -67,7 +73,12 @@ class GatewayApp:
             interceptors=telemetry.server_interceptors(),
             credentials=public_credentials,
             reflection=settings.reflection,
+            health_port=settings.health_port,
+            ready=lambda: self.readiness.ready,
         )
+        self.readiness = Readiness(self._report_ready)
+        # Before HTTP starts: its /health/ready says what the gRPC health service already does.
+        self.grpc.on_ready.append(lambda: self._report_ready(self.readiness.ready))
         self.grpc.on_ready.append(self._start_http)
         self.grpc.on_stop.append(self._drain)
         # timeout_graceful_shutdown is set when stopping, to what the stop's deadline leaves.
@@ -85,6 +96,7 @@ class GatewayApp:
         )
         self._http_task: asyncio.Task | None = None
         self._follow_task: asyncio.Task | None = None
+        self._registry: Registry | None = None  # closed by stop(), once its watch has stopped
         self._stopped = False
 
     @classmethod
@@ -108,15 +120,18 @@ class GatewayApp:
         tls = MeshTls.from_settings(settings)
         public = settings.public_tls_files()
         credentials = public_server_credentials(*public) if public else None
+        if warning := exposure_warning(settings.host, public is not None, keys.enabled):
+            log.warning(warning)
         tokenizer = _tokenizer(settings)
-        registry = open_registry(settings.registry, settings.registry_address)
+        registry = open_registry(settings.registry, settings.registry_address, tls)
         if registry is not None:
             return await cls._create_following(
                 settings, registry, telemetry, keys, tls, credentials, tokenizer
             )
         if not settings.routers:
             raise InvalidArgumentError(
-                "routers", "give at least one router address, or registry='consul'"
+                "routers",
+                "give at least one router address, or a registry ('consul', 'kubernetes')",
             )
         routers = [
             RouterClient(a, settings.max_message_bytes, telemetry.client_interceptors(), tls)
@@ -157,7 +172,13 @@ class GatewayApp:
 
         routers: Follower[RouterClient] = Follower(connect, leave)
         watch = registry.watch(ROUTER_SERVICE)
-        first = await asyncio.wait_for(_first_nonempty(watch), settings.connect_timeout_s)
+        try:
+            first = await asyncio.wait_for(_first_nonempty(watch), settings.connect_timeout_s)
+        except TimeoutError:
+            why = getattr(registry, "problem", None) or "none registered and passing"
+            raise UnavailableError(
+                f"no router in the registry after {settings.connect_timeout_s:g}s: {why}"
+            ) from None
         routers.reconcile({i.id: i for i in first.instances})
         model = await next(iter(routers.clients.values())).model(settings.connect_timeout_s)
         clients = list(routers.clients.values())
@@ -170,9 +191,10 @@ class GatewayApp:
             ):
                 app.routers = list(routers.clients.values())
                 app.core.set_routers(app.routers)
+                app.readiness.follow(app.routers)
 
         app._follow_task = asyncio.create_task(follow(watch, apply), name="router-membership")
-        app.grpc.on_stop.append(lambda _deadline: registry.close())
+        app._registry = registry
         return app
 
     @property
@@ -222,7 +244,21 @@ class GatewayApp:
         return True
 
     async def start(self) -> str:
+        """Serve, once every router has said whether it serves every expert (or
+        connect_timeout_s passed): the readiness announced is already the truth."""
+        self.readiness.follow(self.routers)
+        if not await self.readiness.heard(self.settings.connect_timeout_s):
+            log.warning("starting not ready: %s", self.readiness.why())
         return await self.grpc.start()
+
+    async def _report_ready(self, ready: bool) -> None:
+        """HTTP /health/ready and the gRPC health service ("" and Inference) say `ready` together.
+        Requests are not refused meanwhile: a router waits a while for a missing expert's replica
+        (missing_expert_wait_s) before it fails the calls that need it."""
+        self.http.config.app.state.ready = ready and not self.core.draining
+        status = health_pb2.HealthCheckResponse.SERVING if ready else NOT_SERVING
+        for name in ("", SERVICE_NAME):  # ignored once the server is shutting down
+            await self.grpc.health.set(name, status)
 
     async def wait(self) -> None:
         """Until SIGTERM / SIGINT."""
@@ -243,9 +279,12 @@ class GatewayApp:
             return
         self._stopped = True
         await self.grpc.stop(self.grpc.deadline(grace_s))
+        await self.readiness.close()
         if self._follow_task is not None:
             self._follow_task.cancel()
             await asyncio.gather(self._follow_task, return_exceptions=True)
+        if self._registry is not None:  # after its watch stopped: nothing reopens a session
+            await self._registry.close()
         await self.core.balancer.close()  # its checks use the channels closed next
         await asyncio.gather(*(r.close() for r in self.routers))
         self.telemetry.shutdown()

@@ -94,10 +94,10 @@ class Caller:
     def name(self) -> str:
         return self.key.name if self.key else ""
 
-    def admit(self, priority: int | None) -> int:
+    def admit(self, priority: int | None, requests: int = 1) -> int:
         """The priority a request runs at: what it asks for, at most its key's cap (above it is
-        refused), or when it asks for none 0 or the cap if that is lower; takes one request from
-        the key's rate (ResourceExhaustedError when it is spent)."""
+        refused), or when it asks for none 0 or the cap if that is lower; takes `requests` (one
+        per prompt of a list) from the key's rate (ResourceExhaustedError when it is spent)."""
         cap = self.key.max_priority if self.key is not None else None
         if priority is None:
             priority = 0 if cap is None else min(0, cap)
@@ -106,7 +106,7 @@ class Caller:
                 "priority", f"at most {cap} for this API key, got {priority}"
             )
         if self.key is not None and self.keys is not None:
-            self.keys.take(self.key)
+            self.keys.take(self.key, requests)
         return priority
 
 
@@ -160,20 +160,28 @@ class ApiKeys:
             raise UnauthenticatedError("incorrect API key")
         return Caller(found, self)
 
-    def take(self, key: ApiKey) -> None:
-        """One request of `key`'s rate; ResourceExhaustedError with a retry hint when over."""
+    def take(self, key: ApiKey, requests: int = 1) -> None:
+        """`requests` of `key`'s rate, all or none; ResourceExhaustedError with a retry hint when
+        over, InvalidArgumentError (naming `prompt`, the only way to ask for several) when more
+        than a minute's worth, which no wait would grant."""
         if key.rpm is None:
             return
+        if requests > key.rpm:
+            raise InvalidArgumentError(
+                "prompt",
+                f"{requests} prompts exceed the rate of API key {key.name!r} "
+                f"({key.rpm:g} requests per minute); send fewer at once",
+            )
         now, per_s = self.clock(), key.rpm / 60
         bucket = self._buckets.setdefault(key.name, _Bucket(key.rpm, now))
         bucket.tokens = min(key.rpm, bucket.tokens + (now - bucket.at) * per_s)
         bucket.at = now
-        if bucket.tokens < 1:
+        if bucket.tokens < requests:
             raise ResourceExhaustedError(
                 f"rate limit of API key {key.name!r} ({key.rpm:g} requests per minute) reached",
-                (1 - bucket.tokens) / per_s,
+                (requests - bucket.tokens) / per_s,
             )
-        bucket.tokens -= 1
+        bucket.tokens -= requests
 
     def _reload(self) -> None:
         if self.file is None:

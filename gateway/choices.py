@@ -4,7 +4,7 @@ response, and per-token logprobs in the completions (legacy) and chat shapes."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
 from common.tokenizer import NoTokenizer, TextStream, Tokenizer
@@ -13,19 +13,24 @@ from gateway.router_client import Logprobs
 from gateway.stream import Delta, RequestStream
 
 
-def requests_for(r: TextRequest, n: int) -> list[TextRequest]:
-    """The n requests behind n choices. With a seed, choice i draws from seed + i, so the same request
-    gives the same n choices every time; request ids get a suffix, since each must be unique."""
-    if n == 1:
-        return [r]
+def requests_for(prompts: list[TextRequest], n: int) -> list[TextRequest]:
+    """The requests behind the choices of `prompts`, n each, in OpenAI's order: choice p * n + i is
+    prompt p's i-th. With a seed, choice i of every prompt draws from seed + i, so a prompt gives
+    the same choices in a list as alone, and every time; request ids get the choice's index as a
+    suffix (but the first), since each must be unique."""
+    if n == 1 and len(prompts) == 1:
+        return prompts
     return [
         replace(
             r,
             params=replace(
                 r.params, seed=None if r.params.seed is None else (r.params.seed + i) % 2**64
             ),
-            request_id=f"{r.request_id}-{i}" if r.request_id and i else r.request_id,
+            request_id=f"{r.request_id}-{p * n + i}"
+            if r.request_id and p * n + i
+            else r.request_id,
         )
+        for p, r in enumerate(prompts)
         for i in range(n)
     ]
 
@@ -116,7 +121,8 @@ def completion_logprobs(
     offset: int,
 ) -> dict | None:
     """The legacy completions shape: tokens, token_logprobs, top_logprobs (token -> logprob), and
-    text_offset (each token's start in the choice's text, from `offset`).
+    text_offset (each token's start in the choice's text, from `offset`). As OpenAI's, each
+    top_logprobs holds the sampled token too, so up to logprobs + 1 entries.
 
     Offsets come from decoding as the text was decoded, not from adding up the tokens' own texts:
     a special token is not in the text, and the bytes of one character split over tokens are one
@@ -131,15 +137,28 @@ def completion_logprobs(
     return {
         "tokens": [tokenizer.token_text(t) for t in token_ids],
         "token_logprobs": [lp for lp, _ in logprobs],
-        "top_logprobs": [{tokenizer.token_text(i): v for i, v in top} for _, top in logprobs],
+        "top_logprobs": [
+            {tokenizer.token_text(i): v for i, v in with_sampled(t, lp, top)}
+            for t, (lp, top) in zip(token_ids, logprobs)
+        ],
         "text_offset": offsets,
     }
+
+
+def with_sampled(
+    token_id: int, logprob: float, top: Sequence[tuple[int, float]]
+) -> list[tuple[int, float]]:
+    """`top` (the most likely tokens, best first), with the sampled token last unless among them."""
+    sampled = [] if any(i == token_id for i, _ in top) else [(token_id, logprob)]
+    return [*top, *sampled]
 
 
 def chat_logprobs(
     logprobs: list[Logprobs] | None, token_text: Callable[[int], str], token_ids: list[int]
 ) -> dict | None:
-    """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}. Unlike the
+    legacy shape, top_logprobs holds exactly the top_logprobs most likely tokens, as OpenAI's chat
+    does: the sampled token's logprob is the entry's own."""
     if logprobs is None:
         return None
 

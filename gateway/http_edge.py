@@ -76,12 +76,15 @@ def _invalid_request(message: str, param: str | None) -> JSONResponse:
 
 
 class Authenticate:
-    """ASGI middleware: under API keys, a /v1/ request without a good key gets 401 before its body
-    is read; an accepted one carries its caller in `request.state.caller`. Health and metrics
-    stay open, for probes and scrapers (vLLM's choice too)."""
+    """ASGI middleware: under API keys, a /v1/ request, or one for a path of `guarded` (the OpenAPI
+    document and its pages, which describe the API), without a good key gets 401 before its body is
+    read; an accepted one carries its caller in `request.state.caller`. Health and metrics stay
+    open, for probes and scrapers (vLLM's choice too)."""
 
-    def __init__(self, app: ASGIApp, core: GatewayCore) -> None:
-        self.app, self.core = app, core
+    def __init__(
+        self, app: ASGIApp, core: GatewayCore, guarded: frozenset[str] = frozenset()
+    ) -> None:
+        self.app, self.core, self.guarded = app, core, guarded
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -91,7 +94,7 @@ class Authenticate:
         try:
             caller = (
                 self.core.authenticate(authorization)
-                if scope["path"].startswith("/v1/")
+                if scope["path"].startswith("/v1/") or scope["path"] in self.guarded
                 else Caller(None)
             )
         except errors.UnauthenticatedError as e:
@@ -170,6 +173,11 @@ async def _on_invalid_body(request: Request, e: RequestValidationError) -> JSONR
             f"(this request: {got}; content type {sent})",
             None,
         )
+    unknown = [
+        str(p["loc"][1]) for p in problems if p["type"] == "extra_forbidden" and len(p["loc"]) == 2
+    ]
+    if first.get("type") == "extra_forbidden" and unknown:
+        return _invalid_request(_unknown_fields(unknown), unknown[0])
     param = str(loc[1])
     # Name every alternative of a union field (e.g. prompt.str, prompt.list[int]) in the message.
     details = dict.fromkeys(
@@ -178,6 +186,14 @@ async def _on_invalid_body(request: Request, e: RequestValidationError) -> JSONR
         if len(p["loc"]) > 1 and str(p["loc"][1]) == param
     )
     return _invalid_request("; ".join(details), param)
+
+
+def _unknown_fields(names: list[str]) -> str:
+    listed = ", ".join(repr(n) for n in names)
+    return (
+        f"unknown field{'s' if len(names) > 1 else ''} {listed}: neither OpenAI's API nor this "
+        "server defines it (the gateway's --allow-unknown-fields would accept and ignore it)"
+    )
 
 
 # HTTP statuses the server answers itself, as the gRPC codes moe_errors_total counts by
@@ -200,7 +216,10 @@ async def _on_bug(request: Request, e: Exception) -> JSONResponse:
 def install(app: FastAPI, core: GatewayCore) -> None:
     """The middlewares and exception handlers of an app over `core`."""
     app.add_middleware(BodyLimit, limit=core.settings.max_body_bytes, refused=core.count_failure)
-    app.add_middleware(Authenticate, core=core)  # added last: runs first
+    # The OpenAPI document and its pages: FastAPI's paths, None when turned off.
+    docs = (app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url)
+    guarded = frozenset(path for path in docs if path)
+    app.add_middleware(Authenticate, core=core, guarded=guarded)  # added last: runs first
     app.add_exception_handler(errors.MoeMeshError, _on_mesh_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _on_invalid_body)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _on_http_error)  # type: ignore[arg-type]

@@ -36,13 +36,16 @@ class GatewaySettings(TelemetrySettings, SecuritySettings):
     routers: list[str] = Field(
         default_factory=list, description="host:port of router replicas (with registry='none')"
     )
-    registry: Literal["none", "consul"] = Field(
+    registry: Literal["none", "consul", "kubernetes"] = Field(
         "none",
         description="'consul': follow router replicas live "
-        "through Consul or `moe-mesh up`'s embedded registry",
+        "through Consul or `moe-mesh up`'s embedded registry; 'kubernetes': through the "
+        "EndpointSlices of the routers' headless Service",
     )
     registry_address: str | None = Field(
-        None, description="Consul HTTP address; default CONSUL_HTTP_ADDR"
+        None,
+        description="Consul HTTP address (default CONSUL_HTTP_ADDR), or with 'kubernetes' the "
+        "API server's URL (default in-cluster)",
     )
     host: str = Field("127.0.0.1", description="address both APIs bind")
     api_key_file: Path | None = Field(
@@ -101,7 +104,23 @@ class GatewaySettings(TelemetrySettings, SecuritySettings):
         "gRPC message (else RESOURCE_EXHAUSTED)",
     )
     max_choices: int = Field(16, ge=1, description="largest `n` (choices per request)")
+    max_prompts: int = Field(
+        64,
+        ge=1,
+        description="prompts in one /v1/completions request at most (OpenAI's list of prompts); "
+        "each runs as its own request, n times, and counts against admission and the key's rate",
+    )
     max_messages: int = Field(2048, ge=1, description="chat messages per request at most")
+    allow_unknown_fields: bool = Field(
+        False,
+        description="accept and ignore request fields neither OpenAI nor this gateway defines, "
+        "instead of a 400 naming them (docs/reference/apis.md lists the fields)",
+    )
+    disable_fastapi_docs: bool = Field(
+        False,
+        description="serve no /openapi.json, /docs or /redoc (vLLM's flag); when served, they "
+        "need the API key while keys are on",
+    )
     max_stop_strings: int = Field(32, ge=0, description="stop strings per request at most")
     max_stop_chars: int = Field(256, ge=1, description="characters per stop string at most")
     max_id_chars: int = Field(256, ge=1, description="characters of request_id and model at most")

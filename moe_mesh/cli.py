@@ -43,6 +43,7 @@ _COMMANDS = {
     "probe": ("moe_mesh.planning.deploy", "add_probe_subcommand"),
     "plan": ("moe_mesh.planning.plan", "add_subcommand"),
     "profile": ("moe_mesh.planning.profile", "add_subcommand"),
+    "sizing": ("moe_mesh.planning.sizing", "add_subcommand"),
     "placement": ("moe_mesh.ops.placement", "add_subcommand"),
     "trace": ("moe_mesh.ops.traces", "add_subcommand"),
     "stats": ("moe_mesh.ops.stats", "add_subcommand"),
@@ -118,12 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except MoeMeshError as e:
-        hint = (
-            "; is the mesh up, and is the address (or --ready-file) the one `moe-mesh up` printed?"
-            if isinstance(e, UnavailableError) and "?" not in str(e)  # none asked yet
-            else ""
-        )
-        print(f"moe-mesh {args.command}: error: {e}{hint}", file=sys.stderr)
+        from moe_mesh.ops.hints import hint  # the fix that applies: CA, API key, scale, address
+
+        print(f"moe-mesh {args.command}: error: {e}{hint(e)}", file=sys.stderr)
         return exit_code(e)
     except grpc.RpcError as e:  # a command's call to a service: one line, not gRPC's debug text
         print(f"moe-mesh {args.command}: error: {_rpc_problem(e)}", file=sys.stderr)
@@ -139,14 +137,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _rpc_problem(e: grpc.RpcError) -> str:
+    from moe_mesh.ops.hints import hint
+
     code = e.code() if hasattr(e, "code") else None
     details = (e.details() if hasattr(e, "details") else None) or str(e)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return (
-            f"cannot reach the service ({code.name}: {details.splitlines()[0]}); is the mesh up, "
-            "and is the address (or --ready-file) the one `moe-mesh up` printed?"
-        )
-    return f"{code.name if code else 'RPC failed'}: {details.splitlines()[0]}"
+        problem = f"cannot reach the service ({code.name}: {details.splitlines()[0]})"
+        return problem + hint(UnavailableError(problem))
+    problem = f"{code.name if code else 'RPC failed'}: {details.splitlines()[0]}"
+    return problem + hint(RuntimeError(problem))
 
 
 if __name__ == "__main__":

@@ -6,9 +6,13 @@ import asyncio
 import logging
 from typing import Any
 
+from grpc_health.v1 import health_pb2
+
 from common.registry import ROUTER_SERVICE, Instance, open_registry, registration_hooks
 from common.server import GrpcServer, Service, advertised_host, wait_for_signal
+from common.status import EXPERTS_HEALTH
 from common.telemetry import Telemetry
+from common.tls import MeshTls
 from protos.moe_mesh.v1 import router_pb2, router_pb2_grpc
 from router_service.build import RouterParts, build_router, default_model_id
 from router_service.core import RouterCore
@@ -57,6 +61,7 @@ class RouterApp:
             interceptors=telemetry.server_interceptors(),
             credentials=parts.tls.server_credentials() if parts.tls else None,
             reflection=settings.reflection,
+            health_port=settings.health_port,
         )
 
         def instance() -> Instance:
@@ -74,6 +79,33 @@ class RouterApp:
         registration_hooks(
             self.server, open_registry(settings.registry, settings.registry_address), instance
         )
+        self._every_expert = [
+            (layer, e)
+            for layer in parts.engine.model.spec.moe_layer_ids
+            for e in range(parts.engine.model.spec.num_experts)
+        ]
+        self._reports: set[asyncio.Task] = set()  # coverage reports under way (held: not collected)
+        parts.tierer.placement.listeners.append(self._coverage_changed)
+
+    def missing_experts(self) -> list[tuple[int, int]]:
+        """The (layer, expert) pairs no replica serves now (colocated or remote)."""
+        return self.parts.tierer.placement.missing(self._every_expert)
+
+    async def _report_coverage(self) -> None:
+        """EXPERTS_HEALTH as the placement is when this runs (not when it was asked for), so reports
+        that overtake each other still leave the latest truth. Ignored once the server stops."""
+        status = health_pb2.HealthCheckResponse
+        serving = status.NOT_SERVING if self.missing_experts() else status.SERVING
+        await self.server.health.set(EXPERTS_HEALTH, serving)
+
+    def _coverage_changed(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # changed outside the event loop: start() reports it
+            return
+        task = loop.create_task(self._report_coverage())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
     async def _not_serving(self, reason: str) -> None:
         """The engine loop gave up: every health service NOT_SERVING (for good), so registries and
@@ -89,7 +121,9 @@ class RouterApp:
         model_id = settings.model_id or default_model_id(settings.checkpoint)
         telemetry = telemetry or Telemetry.from_settings("router", settings, settings.host)
         try:
-            registry = open_registry(settings.registry, settings.registry_address)
+            # The mesh identity too: Kubernetes discovery describes expert services with it.
+            tls = MeshTls.from_settings(settings) if settings.registry == "kubernetes" else None
+            registry = open_registry(settings.registry, settings.registry_address, tls)
             parts = await build_router(settings, registry, telemetry)
         except BaseException:
             telemetry.shutdown()
@@ -105,6 +139,8 @@ class RouterApp:
     async def start(self) -> str:
         # The core first: it keeps stepping while the server drains in-flight streams on stop.
         self.start_core()
+        # Before the server answers: a gateway's first look at this router already tells the truth.
+        await self._report_coverage()
         return await self.server.start()
 
     async def wait(self) -> None:

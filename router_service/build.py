@@ -69,6 +69,7 @@ def build_model(
         ejection=EjectionPolicy(base_ejection_s=settings.expert_ejection_s),
         retry_budget_ratio=settings.retry_budget_ratio,
         probe_interval_s=settings.expert_probe_interval_s,
+        missing_expert_wait_s=settings.missing_expert_wait_s,
     )
     compute = ComputeThread()
     dispatcher = ExpertDispatcher(

@@ -98,14 +98,17 @@ class RouterSettings(QuantizationSettings, TelemetrySettings, SecuritySettings):
         description="host:port of expert services; what "
         "each serves is learned from its Describe RPC",
     )
-    registry: Literal["none", "consul"] = Field(
+    registry: Literal["none", "consul", "kubernetes"] = Field(
         "none",
         description="'consul': discover expert services live "
         "(and register this router) through Consul or `moe-mesh up`'s "
-        "embedded registry; 'none': use expert_endpoints",
+        "embedded registry; 'kubernetes': through the EndpointSlices of their headless "
+        "Services (Kubernetes registers); 'none': use expert_endpoints",
     )
     registry_address: str | None = Field(
-        None, description="Consul HTTP address; default CONSUL_HTTP_ADDR"
+        None,
+        description="Consul HTTP address (default CONSUL_HTTP_ADDR), or with 'kubernetes' the "
+        "API server's URL (default in-cluster)",
     )
     advertise_host: str | None = Field(None, description="address registered for gateways to dial")
     colocate: str = Field(
@@ -189,6 +192,13 @@ class RouterSettings(QuantizationSettings, TelemetrySettings, SecuritySettings):
         "and back in use once a check passes after it was seen down, e.g. restarted; "
         "0: it waits out its ejection",
     )
+    missing_expert_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description="a layer call that needs an expert no replica serves (its group scaled to 0, "
+        "its only replica restarting) waits this long for one to register before it fails, "
+        "within the request's deadline; the gateway reports not-ready meanwhile; 0: fail at once",
+    )
     retry_budget_ratio: float = Field(
         0.2,
         ge=0,
@@ -199,7 +209,8 @@ class RouterSettings(QuantizationSettings, TelemetrySettings, SecuritySettings):
         default_factory=mesh_fast_path,
         validate_default=True,
         description="send activations over UCX to expert services that offer it: 'auto' when "
-        "ucxx imports, 'ucx' (required), 'off' (gRPC only); unset: MOE_MESH_FAST_PATH, else auto",
+        "ucxx imports (the fastpath extra), 'ucx' (required), 'off' (gRPC only); unset: "
+        "MOE_MESH_FAST_PATH, else auto",
     )
     fast_path_timeout_s: float = Field(
         0.5,

@@ -68,6 +68,7 @@ MAX_SEGMENT_BYTES = 65535
 _SEGMENT_VARS = ("UCX_MM_SEG_SIZE", "UCX_SYSV_SEG_SIZE", "UCX_POSIX_SEG_SIZE", "UCX_XPMEM_SEG_SIZE")
 _UNITS = {u + b: 1 << 10 * i for i, u in enumerate(("", "k", "m", "g", "t")) for b in ("", "b")}
 unavailable = ""  # why load_ucxx last returned None
+EXTRA = "pip install 'moe-mesh[fastpath]'"  # what brings ucxx (pyproject.toml's `fastpath` extra)
 
 
 def oversized_segments(env: Mapping[str, str]) -> str | None:
@@ -108,13 +109,39 @@ def load_ucxx(loopback: bool = False) -> ModuleType | None:
     if loopback:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
     try:
+        _load_libucx()
         import ucxx
+    except ModuleNotFoundError as e:
+        why = f"{e.name or 'ucxx'} is not installed (it comes with the fastpath extra: {EXTRA})"
+        return _unavailable(why)
     except Exception as e:  # ImportError, or OSError from a missing libucx
-        unavailable = f"ucxx cannot be imported ({e})"
-        log.info("UCX fast path unavailable: %s", unavailable)
-        return None
+        return _unavailable(f"ucxx cannot be imported ({e})")
     unavailable = ""
     return ucxx
+
+
+def _load_libucx() -> None:
+    """Load UCX's libraries from the libucx wheel, when it is installed, before ucxx. ucxx's loader
+    does so only when librmm imports too, and ucxx needs no RMM (nor cuda-bindings, cuda-core or
+    nvidia-ml-py) over shared memory and TCP: installed without them (`pip install --no-deps
+    ucxx-cu12 libucxx-cu12 libucx-cu12`), ucxx would otherwise fail to find libucp.so."""
+    try:
+        import libucx
+    except ImportError:
+        return  # UCX from the system (or none): ucxx's import says which
+    libucx.load_library()
+
+
+def _unavailable(why: str) -> None:
+    """Say once per reason that the fast path is unavailable (in auto mode activations go over
+    gRPC; `ucx` refuses to start), and why (`unavailable`). A warning: expert services log nothing
+    below it; `--fast-path off` tries nothing and says nothing."""
+    global unavailable
+    if why != unavailable:
+        log.warning(
+            "UCX fast path unavailable (--fast-path auto: activations go over gRPC): %s", why
+        )
+    unavailable = why
 
 
 def ucx_errors() -> tuple[type[BaseException], ...]:

@@ -3,8 +3,9 @@
 Expert services register themselves (with their experts, model id, weights checksum and region in
 `meta`) and deregister on shutdown; routers watch expert services and gateways watch routers.
 Implementations: `consul.ConsulRegistry` (a real Consul agent, or the embedded Consul-compatible
-server `moe_mesh.local.registry.EmbeddedConsul` that `moe-mesh up` runs) and, for tests,
-`tests/support/memory_registry.py` (in-process).
+server `moe_mesh.local.registry.EmbeddedConsul` that `moe-mesh up` runs),
+`kubernetes.KubernetesRegistry` (EndpointSlices of headless Services; Kubernetes registers) and,
+for tests, `tests/support/memory_registry.py` (in-process).
 """
 
 from __future__ import annotations
@@ -106,11 +107,20 @@ class Registry(Protocol):
     async def close(self) -> None: ...
 
 
-def open_registry(kind: str, address: str | None = None) -> Registry | None:
-    """The registry a service was configured with: None for "none", else a Consul client
-    (a real agent or `moe-mesh up`'s embedded one; address defaults to CONSUL_HTTP_ADDR)."""
+REGISTRIES = ("none", "consul", "kubernetes")
+
+
+def open_registry(kind: str, address: str | None = None, tls=None) -> Registry | None:
+    """The registry a service was configured with: None for "none"; a Consul client (a real agent
+    or `moe-mesh up`'s embedded one; address defaults to CONSUL_HTTP_ADDR); or Kubernetes'
+    EndpointSlices (address: the API server, default in-cluster), whose endpoints are described
+    over gRPC with `tls` (the mesh's common.tls.MeshTls, None for plaintext)."""
     if kind == "none":
         return None
+    if kind == "kubernetes":
+        from common.registry.kubernetes import open_kubernetes
+
+        return open_kubernetes(address, tls)
     if kind == "consul":
         from common.registry.consul import ConsulRegistry
 
@@ -118,7 +128,7 @@ def open_registry(kind: str, address: str | None = None) -> Registry | None:
             return ConsulRegistry(address)
         except ValueError as e:  # a malformed address, an unreadable token file
             raise InvalidArgumentError("registry", str(e)) from None
-    raise ValueError(f"unknown registry {kind!r}; expected 'none' or 'consul'")
+    raise ValueError(f"unknown registry {kind!r}; expected one of {', '.join(REGISTRIES)}")
 
 
 REFRESH_S = 10.0

@@ -98,7 +98,6 @@ def controller_for(s: AutoscaleSettings, log, telemetry: tm.Telemetry = tm.OFF) 
         )
     if problem := s.policy().problem():
         raise InvalidArgumentError("--target", problem.removeprefix("target: "))
-    window = 4 * s.interval_s  # a rate over several samples: one scrape's noise moves nothing
     if s.ready_file is not None:
         if s.plan or s.prometheus:  # a local mesh's groups are its expert specs, not the plan's
             raise InvalidArgumentError("--plan", "--plan and --prometheus go with --compose-file")
@@ -107,7 +106,7 @@ def controller_for(s: AutoscaleSettings, log, telemetry: tm.Telemetry = tm.OFF) 
         groups = {e["experts"]: s.policy() for e in mesh["experts"]}
         if not groups:
             raise InvalidArgumentError("--ready-file", f"{path} names no expert service to scale")
-        signals = LocalSignals(lambda: read_ready_file(path, "experts"), window)
+        signals = LocalSignals(lambda: read_ready_file(path, "experts"), s.policy().rate_window_s)
         return Controller(groups, signals, LocalMesh(path), log, telemetry)
     if s.plan is None or s.prometheus is None:
         raise InvalidArgumentError("--compose-file", "needs --plan and --prometheus")
@@ -123,7 +122,7 @@ def controller_for(s: AutoscaleSettings, log, telemetry: tm.Telemetry = tm.OFF) 
     if not policies:
         raise InvalidArgumentError("--plan", f"{s.plan} gives no expert group an autoscale block")
     jobs = {service: service for service in policies}  # compose's Prometheus job per service
-    window = 4 * min(p.interval_s for p in policies.values())
+    window = min(p.rate_window_s for p in policies.values())
     signals = PrometheusSignals(s.prometheus, window, jobs, gateway_job="gateway")
     return Controller(
         typing.cast(dict, policies),

@@ -63,7 +63,7 @@ class Embedded:
                 self.say(line)
 
         groups = {e["experts"]: policy for e in launcher.endpoints.get("experts", [])}
-        signals = LocalSignals(lambda: dict(launcher.endpoints), 4 * policy.interval_s)
+        signals = LocalSignals(lambda: dict(launcher.endpoints), policy.rate_window_s)
         controller = Controller(groups, signals, _Through(launcher), log, self.telemetry)
         self._thread = threading.Thread(
             target=controller.run, args=(self._stop,), name="autoscaler", daemon=True

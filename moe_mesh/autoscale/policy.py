@@ -105,6 +105,11 @@ class Autoscale(BaseModel):
         return None
 
     @property
+    def rate_window_s(self) -> float:
+        """The window load rates are taken over: several samples, so one scrape's noise moves nothing."""
+        return 4 * self.interval_s
+
+    @property
     def level(self) -> float:
         """The target, with busy's default filled in."""
         return DEFAULT_BUSY_TARGET if self.target is None else self.target

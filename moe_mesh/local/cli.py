@@ -12,6 +12,7 @@ from common.cli import add_settings_arguments, flag, settings_from_args
 from common.errors import InvalidArgumentError
 from common.hub import resolve_checkpoint
 from gateway.settings import GatewaySettings
+from moe_mesh.local.checks import checkpoint_problem, exposure
 from moe_mesh.local.settings import ScaleSettings, UpSettings
 from moe_mesh.ops.ready import read_ready_file
 from router_service.settings import RouterSettings
@@ -25,6 +26,9 @@ GATEWAY_FLAGS = (
     "max_in_flight",
     "max_queued",
     "api_key_file",
+    "max_prompts",
+    "allow_unknown_fields",
+    "disable_fastapi_docs",
 )
 ROUTER_FLAGS = ("max_num_seqs", "colocate_budget")
 
@@ -33,6 +37,9 @@ def _pass_through(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]
     out = []
     for name in names:
         value = getattr(args, name)
+        if isinstance(value, bool):  # BooleanOptionalAction: --x / --no-x, no value
+            out.append(flag(name) if value else "--no-" + flag(name)[2:])
+            continue
         for v in value if isinstance(value, list) else [] if value is None else [value]:
             out += [flag(name), str(v)]
     return out
@@ -89,6 +96,8 @@ def _check_flags(args: argparse.Namespace, router_args: list[str]) -> str | None
         return f"--grpc-port and --http-port are both {args.grpc_port}: the gateway needs two ports"
     if not (args.checkpoint / "config.json").is_file():
         return f"--checkpoint: {args.checkpoint} has no config.json (not a checkpoint directory)"
+    if problem := checkpoint_problem(args.checkpoint):
+        return problem
     config = json.loads((args.checkpoint / "config.json").read_text())
     dtype = config.get("torch_dtype") or config.get("dtype")
     if args.quantize != "none" and dtype != "bfloat16":
@@ -199,6 +208,8 @@ def _run_up(args: argparse.Namespace) -> int:
     if problem := _taken_port(args):  # found now rather than after every other service started
         print(f"moe-mesh up: error: {problem}", file=sys.stderr)
         return 1
+    if warning := exposure(args.host, args.tls, args.api_key_file):
+        print(f"moe-mesh up: warning: {warning}", file=sys.stderr)
     return run_up(
         args.checkpoint,
         args.expert_services,
@@ -220,7 +231,8 @@ def _add_scale(subparsers: argparse._SubParsersAction) -> None:
         "scale",
         help="add or remove expert-service processes of a running local mesh",
         description="Run exactly --replicas expert-service processes serving --experts "
-        "in a mesh started by `moe-mesh up` (0 removes them).",
+        "in a mesh started by `moe-mesh up` (0 removes them; refused, exit 2, while the "
+        "replicas it would stop are the only copy of some expert, unless --force).",
     )
     add_settings_arguments(p, ScaleSettings)
     p.set_defaults(func=_run_scale)
@@ -236,7 +248,12 @@ def _run_scale(args: argparse.Namespace) -> int:
     host, _, port = read_ready_file(args.ready_file, "control")["control"].rpartition(":")
     with socket.create_connection((host, int(port)), timeout=300) as conn:
         conn.sendall(
-            (json.dumps({"experts": args.experts, "replicas": args.replicas}) + "\n").encode()
+            (
+                json.dumps(
+                    {"experts": args.experts, "replicas": args.replicas, "force": args.force}
+                )
+                + "\n"
+            ).encode()
         )
         reply = json.loads(conn.makefile().readline())
     if "error" in reply:

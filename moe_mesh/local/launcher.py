@@ -33,7 +33,7 @@ from common.arch import load_spec
 from common.placement import format_experts, parse_experts
 from common.server import write_ready_file
 from moe_mesh.autoscale.policy import Autoscale
-from moe_mesh.local import certs
+from moe_mesh.local import certs, scaling
 from moe_mesh.local.processes import tail
 from moe_mesh.local.terminal import say, silence_stdout, stdout_closed
 
@@ -122,22 +122,11 @@ class Launcher:
             tls=certs.mesh_tls(self.tls_dir, "registry") if self.tls_dir else None
         )
         registry = await self._registry.start()
-        self._control_server = control = await asyncio.start_server(self._control, "127.0.0.1", 0)
+        self._control_server = control = await asyncio.start_server(
+            lambda r, w: scaling.control(r, w, self.scale), "127.0.0.1", 0
+        )
         host, port = control.sockets[0].getsockname()[:2]
         return registry, f"{host}:{port}"
-
-    async def _control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One JSON line in ({"experts": SPEC, "replicas": N}), one JSON line out."""
-        try:
-            request = json.loads(await reader.readline())
-            reply = await asyncio.to_thread(
-                self.scale, request["experts"], int(request["replicas"])
-            )
-        except Exception as e:  # a bad request must not take the launcher down
-            reply = {"error": str(e)}
-        writer.write((json.dumps(reply) + "\n").encode())
-        await writer.drain()
-        writer.close()
 
     def _expert_child(self, spec: str) -> Child:
         self._serial += 1
@@ -163,21 +152,23 @@ class Launcher:
     def _tls_args(self, service: str) -> list[str]:
         return certs.flags(self.tls_dir, service) if self.tls_dir else []
 
-    def scale(self, experts: str, replicas: int) -> dict:
-        """Run exactly `replicas` expert-service processes serving `experts` (0 removes them all)."""
+    def scale(self, experts: str, replicas: int, force: bool = False) -> dict:
+        """Run exactly `replicas` expert-service processes serving `experts` (0 removes them all).
+        A scale-down that leaves some expert with no replica raises scaling.OnlyCopyError unless
+        `force`; the replicas stopped drain their calls either way."""
         if replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {replicas}")
         want = format_experts(parse_experts(experts, self.spec))
         with self._scale_lock:
             with self._lock:
-                serving = [
-                    c
-                    for c in self.children
-                    if c.role == "expert"
-                    and c.proc.poll() is None
-                    and c.info.get("experts") == want
-                    and not c.retired
-                ]
+                live = [c for c in self.children if c.proc.poll() is None and not c.retired]
+            serving = [c for c in live if c.role == "expert" and c.info.get("experts") == want]
+            if replicas < len(serving) and not force:
+                kept = [e for c in live if c.role == "expert" and (e := c.info.get("experts"))]
+                kept = [k for k in kept if k != want] + [want] * replicas
+                routers = [c.info["address"] for c in live if c.role == "router" and c.info]
+                colocated = self._on_loop(scaling.colocated_specs(routers, self.endpoints))
+                scaling.check_copies(self.spec, want, kept, colocated)
             added = [self._expert_child(experts) for _ in range(replicas - len(serving))]
             try:
                 self._wait_ready(added)
@@ -219,7 +210,7 @@ class Launcher:
         )
         # Every child serves metrics (for `moe-mesh stats`); with tracing, each writes its own span file.
         telemetry = ["--metrics-port", "0"]
-        if self.trace_sample is not None:
+        if self.trace_sample:
             telemetry += [
                 "--trace-file",
                 str(self.run_dir / f"{name}.spans.jsonl"),
@@ -307,7 +298,7 @@ class Launcher:
             "gateway_http": gateway.info["http_address"],
             "metrics": {"gateway": gateway.info.get("metrics")},  # publish() adds the rest
             "trace_files": [str(self.run_dir / f"{c.name}.spans.jsonl") for c in self.children]
-            if self.trace_sample is not None
+            if self.trace_sample
             else [],
             "checkpoint": str(self.checkpoint),
             "registry": self.registry_address,

@@ -12,6 +12,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.quant_settings import QuantizationSettings
 
+# common/telemetry.py's DEFAULT_SAMPLE_RATIO (a test holds them equal), not imported: the settings
+# of a command stay free of OpenTelemetry's imports.
+TRACE_SAMPLE = 0.01
+
 
 class UpSettings(QuantizationSettings):
     """A whole mesh on this machine: how many of each service, where its files go. --quantize
@@ -67,12 +71,16 @@ class UpSettings(QuantizationSettings):
         description="more `moe-mesh autoscale` policy flags, split like a shell does, e.g. "
         "--autoscale-arg='--metric token_rows --target 600 --max-replicas 3' (repeatable)",
     )
-    trace_sample: float | None = Field(
-        None,
+    trace_sample: float = Field(
+        TRACE_SAMPLE,
         ge=0,
         le=1,
         description="trace this share of requests (0-1) into RUN_DIR/<service>.spans.jsonl, for "
-        "`moe-mesh trace show`; default: no traces (OTLP export follows the OTEL_* variables)",
+        "`moe-mesh trace show --ready-file`; 0: no span files. The default, as the services', is "
+        "1%: a traced request writes spans per decode step, layer and expert call (a 32-token "
+        "reply of the 3-layer tiny checkpoint: 431 spans, 327 kB), so tracing every request "
+        "would grow the files with the load; 1 traces every request (OTLP export follows the "
+        "OTEL_* variables)",
     )
 
 
@@ -84,6 +92,12 @@ class ScaleSettings(BaseSettings):
     ready_file: Path | None = Field(None, description="the file `moe-mesh up --ready-file` wrote")
     experts: str | None = Field(None, description="expert spec of the group, e.g. '*:0-1'")
     replicas: int | None = Field(None, ge=0, description="processes that should serve it (>= 0)")
+    force: bool = Field(
+        False,
+        description="scale down even when the replicas stopped are the only copy of some expert "
+        "(refused otherwise, exit 2); streams that need it pause until a replica returns, up to "
+        "the routers' --missing-expert-wait-s, and the gateway reports not-ready meanwhile",
+    )
 
 
 class GenerateSettings(BaseSettings):

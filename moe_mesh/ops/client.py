@@ -21,6 +21,7 @@ from common.finish_reason import from_wire
 from common.status import error_from_rpc
 from common.tls import MeshTls, open_channel
 from moe_mesh.ops.coverage import unserved
+from moe_mesh.ops.hints import API_KEY_ENV
 from moe_mesh.ops.ready import read_ready_file
 from protos.moe_mesh.v1 import (
     expert_pb2,
@@ -30,8 +31,6 @@ from protos.moe_mesh.v1 import (
     router_pb2,
     router_pb2_grpc,
 )
-
-API_KEY_ENV = "MOE_MESH_API_KEY"  # the API key clients of a gateway send (generate, bench)
 
 
 def mesh_tls(mesh: dict) -> MeshTls | None:
@@ -267,7 +266,9 @@ def print_status(st: dict) -> None:
             print(replica_line(rep))
         if r.get("unserved"):
             print(
-                f"  !! served by no replica: experts {r['unserved']} (requests routed there fail)"
+                f"  !! served by no replica: experts {r['unserved']} (the gateway is not ready; "
+                "requests that need them wait for a replica, up to the router's "
+                "--missing-expert-wait-s, then fail)"
             )
     for e in st["experts"]:
         stats = f"experts {e.get('experts', '?')} ({e.get('precision') or '?'})  calls {e.get('forward_calls', '?')} batches {e.get('batches', '?')}"

@@ -20,7 +20,8 @@ import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.cli import add_settings_arguments, settings_from_args
-from common.errors import MoeMeshError, NotFoundError
+from common.errors import InvalidArgumentError, MoeMeshError, NotFoundError
+from moe_mesh.ops.ready import read_ready_file
 from moe_mesh.ops.tables import table
 
 # Attributes worth a place on a span's line, with the short name shown there.
@@ -131,7 +132,10 @@ def pick(by_trace: dict[str, list[dict]], trace_id: str | None = None) -> str:
     """The trace asked for, else the latest complete trace holding a gateway request, else the latest
     complete one that is not a control call (health, Status, Describe), else the latest of all."""
     if not by_trace:
-        raise NotFoundError("no spans in the files")
+        raise NotFoundError(
+            "no spans in the files (`moe-mesh up` traces 1% of requests unless told otherwise: "
+            "`up --trace-sample 1` traces every one)"
+        )
     if trace_id is not None:
         if _bare(trace_id) not in by_trace:
             raise NotFoundError(
@@ -244,7 +248,10 @@ def render_list(spans: list[dict], everything: bool = False) -> str:
     """One line per trace in start order: id, root, start, duration, spans, services. Control calls
     (health, Status, Describe) only with `everything`; a last line counts those left out."""
     if not spans:
-        raise NotFoundError("no spans in the files")
+        raise NotFoundError(
+            "no spans in the files (`moe-mesh up` traces 1% of requests unless told otherwise: "
+            "`up --trace-sample 1` traces every one)"
+        )
     rows, hidden = [], 0
     for trace_id, trace in traces(spans).items():
         if not everything and is_control(trace):
@@ -278,8 +285,15 @@ class ShowSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     files: list[Path] = Field(
+        [],
         description="JSON-lines span files, one per service process (give all of a trace's "
-        "services)",
+        "services); with --ready-file, more besides the mesh's",
+        json_schema_extra={"metavar": "FILE"},
+    )
+    ready_file: Path | None = Field(
+        None,
+        description="the file `moe-mesh up --ready-file` wrote: read the span files of every "
+        "service of that mesh (its trace_files)",
         json_schema_extra={"metavar": "FILE"},
     )
     trace_id: str | None = Field(
@@ -326,10 +340,31 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     s.set_defaults(func=run_show)
 
 
+def span_files(files: list[Path], ready_file: Path | None) -> list[Path]:
+    """The files given, and those of the mesh `ready_file` describes; InvalidArgumentError when
+    there are none (a mesh started with --trace-sample 0 writes no spans)."""
+    if ready_file is not None:
+        mesh = read_ready_file(ready_file, "trace_files")
+        if not mesh["trace_files"] and not files:
+            raise InvalidArgumentError(
+                "--ready-file",
+                f"the mesh of {ready_file} writes no spans (started with --trace-sample 0); "
+                "restart it with `moe-mesh up --trace-sample R`",
+            )
+        # A service that has died or not yet started has no file: the others' spans still show.
+        files = [*files, *(Path(f) for f in mesh["trace_files"] if Path(f).exists())]
+    if not files:
+        raise InvalidArgumentError(
+            "--ready-file", "give the ready file of `moe-mesh up` or span files (FILE ...)"
+        )
+    return files
+
+
 def run_show(args: argparse.Namespace) -> int:
     s = typing.cast(ShowSettings, settings_from_args(ShowSettings, args, flags=FLAGS))
     try:
-        spans = load_spans(s.files)
+        files = span_files(s.files, s.ready_file)
+        spans = load_spans(files)
         print(
             render_list(spans, s.all_spans)
             if s.list_traces

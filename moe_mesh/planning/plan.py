@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import typing
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from common.cli import add_settings_arguments, settings_from_args
 from common.placement import ModelShape, format_experts
 from common.units import parse_size
 from moe_mesh.benchmark.workload import DEFAULT_SCALE, MEDIAN_INPUT_TOKENS, MEDIAN_OUTPUT_TOKENS
+from moe_mesh.planning import resources
 from moe_mesh.planning.calibrate import Calibration, calibrate, observed
 from moe_mesh.planning.deploy.plan import Plan, PlanError, load_plan, write_output
 from moe_mesh.planning.eplb import PlanOptions, Proposal, propose
@@ -47,26 +49,47 @@ DEFAULT_INPUT_LEN = round(MEDIAN_INPUT_TOKENS * DEFAULT_SCALE)
 DEFAULT_OUTPUT_LEN = round(MEDIAN_OUTPUT_TOKENS * DEFAULT_SCALE)
 
 
-def planned(base: Plan, record: Record, proposal: Proposal, budget_bytes: int) -> Plan:
-    """`base` with the proposal's expert groups, the router's budget and the record's model sizes."""
+def planned(
+    base: Plan, record: Record, proposal: Proposal, budget_bytes: int, cpu_mhz: int
+) -> Plan:
+    """`base` with the proposal's expert groups, the router's budget and the record's model sizes.
+    Each group keeps where and how the base's first group runs (region, constraints, port, args,
+    precision, autoscale), not its size: memory from the bytes it holds, CPU its share of `cpu_mhz`
+    by the load its replicas compute (moe_mesh/planning/resources.py)."""
     raw = base.model_dump(mode="json", exclude_defaults=True)
-    template = base.expert_groups[0].model_dump(mode="json", exclude_defaults=True)
+    template = base.expert_groups[0].model_dump(
+        mode="json", exclude_defaults=True, exclude={"resources", "compute_threads", "replicas"}
+    )
+    cpus = resources.split_cpu(cpu_mhz, proposal.groups)
     raw["expert_groups"] = [
         {
             **template,
             "name": g.name,
             "experts": format_experts(list(g.pairs)),
-            "replicas": g.replicas,
+            "replicas": _within_autoscale(template, g.replicas),
+            "compute_threads": max(1, cpu // resources.MHZ_PER_CORE),
+            "resources": {
+                "cpu_mhz": cpu,
+                "memory_mb": resources.memory_mb(len(g.pairs), record.expert_bytes),
+            },
         }
-        for g in proposal.groups
+        for g, cpu in zip(proposal.groups, cpus)
     ]
     raw.setdefault("router", {})["colocate_budget"] = str(budget_bytes)
     raw["model"].update(
+        model_id=record.model_id,
         num_layers=record.num_layers,
         num_experts=record.num_experts,
         moe_layers=list(record.moe_layers),
     )
     return Plan.model_validate(raw)
+
+
+def _within_autoscale(template: dict, replicas: int) -> int:
+    """The proposal's replicas, inside the bounds of the autoscale block the groups copy."""
+    bounds = template.get("autoscale") or {}
+    low, high = bounds.get("min_replicas", 1), bounds.get("max_replicas", replicas)
+    return min(max(replicas, low), high)
 
 
 def _human(n: float) -> str:
@@ -111,12 +134,17 @@ class PlanSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    utilization: Path = Field(
-        description="utilization record (JSON)", json_schema_extra=_metavar("FILE")
+    utilization: Path | None = Field(
+        None,
+        description="utilization record (JSON); required, except with --search (without one: "
+        "the profile's load shares, e.g. for a model not served yet)",
+        json_schema_extra=_metavar("FILE"),
     )
-    base: Path = Field(
-        description="plan (YAML) to start from; new expert groups copy the settings of its first "
-        "group",
+    base: Path | None = Field(
+        None,
+        description="plan (YAML) to start from; new expert groups copy where and how its first "
+        "group runs, and share out the CPU its groups ask for (unset: the model from the record, "
+        "the rest the plan's defaults, one core per expert-service replica)",
         json_schema_extra=_metavar("PLAN"),
     )
     out: Path | None = Field(
@@ -247,10 +275,14 @@ def _misused_flags(s: PlanSettings) -> str | None:
     """What is wrong with the combination of flags given, if anything."""
     searching = ("--profile", s.profile), ("--inventory", s.inventory)
     if s.search:
+        if s.calibrate_bench is not None and s.utilization is None:
+            return "--calibrate-bench needs the --utilization of the mesh it measured"
         if (s.calibrate_bench is None) != (s.calibrate_status is None):
             return "--calibrate-bench and --calibrate-status go together"
         missing = [flag for flag, value in searching if value is None]
         return f"--search needs {' and '.join(missing)}" if missing else None
+    if s.utilization is None:
+        return "--utilization is required (it is optional only with --search)"
     given = [
         flag
         for flag, value in (
@@ -280,24 +312,39 @@ def run_plan(args: argparse.Namespace) -> int:
         return 2
 
 
+def _base(s: PlanSettings, record: Record) -> Plan:
+    """The plan to start from: --base, of the record's model, or one derived from the record."""
+    if s.base is None:
+        return resources.base_from_record(record)
+    base = load_plan(s.base)
+    if record.model_id != base.model.model_id:
+        source = f"the record {s.utilization}" if s.utilization else f"the profile {s.profile}"
+        raise PlanError(
+            f"{s.base}: model.model_id: {base.model.model_id!r}, but {source} is of "
+            f"{record.model_id!r}: set model.model_id (and "
+            f"model.checkpoint) in {s.base} to the served model's, or leave out --base to "
+            "derive the model from the record"
+        )
+    return base
+
+
 def run_eplb(s: PlanSettings) -> int:
     """Propose EPLB groups from the record on top of the base plan; write it, summarize to stderr."""
-    record, base = read_record(s.utilization), load_plan(s.base)
-    if record.model_id != base.model.model_id:
-        raise PlanError(
-            f"{s.utilization}: model_id: the record is of {record.model_id!r} but "
-            f"{s.base} serves {base.model.model_id!r}"
-        )
+    assert s.utilization is not None  # _misused_flags checked
+    record = read_record(s.utilization)
+    base = _base(s, record)
     budget_bytes = parse_size(s.budget, len(record.load) * record.expert_bytes)
     options = PlanOptions(budget_bytes, s.groups, s.extra_replicas, s.hot_factor)
     proposal = propose(record.load, record.expert_bytes, options)
-    plan = planned(base, record, proposal, budget_bytes)
+    cpu = resources.expert_cpu_mhz(None if s.base is None else base, proposal.groups)
+    plan = planned(base, record, proposal, budget_bytes, cpu)
     header = (
         f"# Proposed by `moe-mesh plan` from {s.utilization} ({record.window_s:g} s window) on top "
-        f"of {s.base}.\n# Review, then: moe-mesh deploy render --plan THIS_FILE --target "
-        "compose|nomad|kubernetes --out DIR\n"
+        f"of {s.base or 'the defaults'}.\n# Review, then: moe-mesh deploy render --plan THIS_FILE "
+        "--target compose|nomad|kubernetes --out DIR\n"
     )
     print(summary(record, proposal, budget_bytes), file=sys.stderr)
+    print(resources.total(plan).text(), file=sys.stderr)
     write_output(header + _yaml(plan), s.out)
     if s.out is not None:
         print(f"wrote {s.out}", file=sys.stderr)
@@ -323,14 +370,21 @@ class Searched:
 def searched(s: PlanSettings) -> Searched:
     """Read the inputs, calibrate when asked, search; every problem is a PlanError."""
     assert s.profile is not None and s.inventory is not None  # _misused_flags checked
-    profile, record = read_profile(s.profile), read_record(s.utilization)
-    inventory, base = load_inventory(s.inventory), load_plan(s.base)
-    check_match(profile, record, s.profile, s.utilization)
-    if base.model.model_id != profile.model_id:
-        raise PlanError(
-            f"{s.base}: model.model_id: {base.model.model_id!r}, but the profile "
-            f"{s.profile} is of {profile.model_id!r}"
+    profile, inventory = read_profile(s.profile), load_inventory(s.inventory)
+    if s.utilization is None:  # no window: every layer takes the profile's shares (planning_load)
+        record = Record(
+            profile.model_id,
+            profile.num_layers,
+            profile.num_experts,
+            tuple(profile.moe_layers),
+            0.0,
+            profile.expert_bytes,
+            {},
         )
+    else:
+        record = read_record(s.utilization)
+        check_match(profile, record, s.profile, s.utilization)
+    base = _base(s, record)
     slo = None if s.tpot_slo_ms is None else s.tpot_slo_ms / 1e3
     limits = Limits(
         s.max_num_seqs or base.router.max_num_seqs or 32, s.max_services, s.max_replicas, slo
@@ -374,16 +428,20 @@ def run_search(s: PlanSettings) -> int:
         file=sys.stderr,
     )
     print(table(r.found[: s.top]), file=sys.stderr)
+    kinds = Counter(n.kind for n in best.nodes)
+    nodes = f"{len(best.nodes)} node(s): " + ", ".join(f"{k} x{n}" for k, n in kinds.items())
+    print(resources.total(r.plan).text(nodes), file=sys.stderr)
     predicted = {
         "profile": str(s.profile),
-        "utilization": str(s.utilization),
+        "utilization": None if s.utilization is None else str(s.utilization),
         "model_id": r.profile.model_id,
         **prediction(best, r.slo_s, r.workload),
         "calibration": r.calibration.record() if r.calibration else None,
     }
     calibrated = f", calibrated x{r.calibration.factor:.3f}" if r.calibration else ""
     header = (
-        f"# Proposed by `moe-mesh plan --search` from {s.profile} and {s.utilization}: "
+        f"# Proposed by `moe-mesh plan --search` from {s.profile} and "
+        f"{s.utilization or 'its load shares'}: "
         f"B={best.batch}, m={best.m}, {best.transport}, predicted {best.tokens_per_s:.1f} tokens/s, "
         f"TPOT {best.step.seconds * 1e3:.2f} ms{calibrated}, requests of {r.workload.input_len} "
         f"prompt and {r.workload.output_len} output tokens.\n"

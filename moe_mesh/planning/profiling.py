@@ -155,8 +155,7 @@ def profile(settings: ProfileSettings) -> ProfileFile:
                 started.stop()
     item = bench.dtype.itemsize
     dense_bytes = sum(
-        t.numel() * t.element_size()
-        for t in (bench.dense.embed, bench.dense.lm_head, bench.dense.final_norm)
+        _nbytes(t) for t in (bench.dense.embed, bench.dense.lm_head, bench.dense.final_norm)
     )
     return ProfileFile(
         checkpoint=str(Path(settings.checkpoint).resolve()),
@@ -186,7 +185,14 @@ def _layer_bytes(dense) -> int:
         for part in (layer, layer.attention, layer.dense_mlp, layer.shared_expert):
             if part is None:
                 continue
-            for t in vars(part).values():
-                if hasattr(t, "element_size"):
-                    total += t.numel() * t.element_size()
+            total += sum(_nbytes(t) for t in vars(part).values())
     return total
+
+
+def _nbytes(t: object) -> int:
+    """A weight's bytes: a tensor's, or a packed one's (common/bf16.py Panels, in bfloat16); 0 for
+    anything else a weights object holds."""
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    nbytes = getattr(t, "nbytes", None)
+    return int(nbytes) if isinstance(nbytes, int) else 0

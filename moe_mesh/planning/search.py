@@ -19,6 +19,7 @@ from moe_mesh.planning.eplb import GroupProposal, PlanOptions, propose
 from moe_mesh.planning.inventory import Inventory, NodeKind
 from moe_mesh.planning.profile_format import Measured, ProfileFile
 from moe_mesh.planning.record import Record
+from moe_mesh.planning.resources import MHZ_PER_CORE, MIN_MHZ, memory_mb
 from moe_mesh.planning.simulate import DECODE_ONLY, Costs, Node, Side, Step, Workload, simulate
 
 MAX_M = 4
@@ -216,15 +217,28 @@ def _node_text(n: Node) -> str:
     return f"{n.kind}[{'+'.join(what)}]"
 
 
-# A replica's memory beyond its weights: Python, torch, gRPC and UCX (an expert service of the tiny
-# preset holds ~400 MiB resident)
-PROCESS_MIB = 512
-
-
 def cpu_share_mhz(node: Node) -> int:
-    """Each process's share of its node (1000 MHz a core, as deploy render counts): what the
-    prediction assumed, so the plan can be scheduled on the nodes it was predicted for."""
-    return max(100, node.cores * 1000 // (int(node.router) + len(node.replicas)))
+    """Each process's equal share of its node (1000 MHz a core, as deploy render counts): what
+    the prediction assumed of the router's threads."""
+    return max(MIN_MHZ, node.cores * MHZ_PER_CORE // (int(node.router) + len(node.replicas)))
+
+
+def group_cpu_mhz(best: Candidate) -> list[int]:
+    """Each group's CPU per replica (MHz): on every node, the cores its router does not take go to
+    its expert processes by the load each computes (its group's predicted share over the group's
+    replicas), rounded down to 100 MHz; a group on several nodes gets the least of them, so it
+    can be scheduled on any of the nodes it was predicted on."""
+    per_replica = [g.load_share / best.replicas for g in best.groups]
+    if sum(per_replica) <= 0:
+        per_replica = [1.0] * len(best.groups)
+    out = [0] * len(best.groups)
+    for n in best.nodes:
+        free = n.cores * MHZ_PER_CORE - (cpu_share_mhz(n) if n.router else 0)
+        weight = sum(per_replica[g] for g in n.replicas) or 1.0
+        for g in set(n.replicas):
+            mhz = max(MIN_MHZ, int(free * per_replica[g] / weight) // 100 * 100)
+            out[g] = min(out[g], mhz) if out[g] else mhz
+    return out
 
 
 def planned(base: Plan, profile: ProfileFile, best: Candidate, multi_kind: bool) -> Plan:
@@ -236,9 +250,9 @@ def planned(base: Plan, profile: ProfileFile, best: Candidate, multi_kind: bool)
         mode="json", exclude_defaults=True, include={"region", "datacenters", "port", "args"}
     )
     groups = []
+    cpus = group_cpu_mhz(best)
     for g, group in enumerate(best.groups):
         hosts = [n for n in best.nodes if g in n.replicas]
-        weights_mib = -(-len(group.pairs) * profile.expert_bytes // 2**20)
         entry = {
             **template,
             "name": group.name,
@@ -246,8 +260,8 @@ def planned(base: Plan, profile: ProfileFile, best: Candidate, multi_kind: bool)
             "replicas": best.replicas,
             "compute_threads": min(n.threads for n in hosts),
             "resources": {
-                "cpu_mhz": min(cpu_share_mhz(n) for n in hosts),
-                "memory_mb": weights_mib + PROCESS_MIB,
+                "cpu_mhz": cpus[g],
+                "memory_mb": memory_mb(len(group.pairs), profile.expert_bytes),
             },
         }
         if multi_kind:  # the node class each group was predicted on

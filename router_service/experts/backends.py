@@ -3,7 +3,7 @@ the placement table (which backends serve each (layer, expert) pair) kept live a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -90,6 +90,9 @@ class LivePlacement:
         self.dispatcher = dispatcher
         self.colocated = colocated or ColocatedExperts({})
         self.remote: dict[tuple[int, int], list[ExpertBackend]] = {}
+        # Called after each new table (on the thread that changed it): the router's health follows
+        # which experts have a replica.
+        self.listeners: list[Callable[[], None]] = []
         self._publish()
 
     def set_remote(self, remote: Mapping[tuple[int, int], Sequence[ExpertBackend]]) -> None:
@@ -108,6 +111,8 @@ class LivePlacement:
             table.setdefault(pair, []).extend(replicas)
         self.table = table
         self.dispatcher.set_placement(table)
+        for listener in self.listeners:
+            listener()
 
     def missing(self, pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """The pairs of `pairs` that no backend serves."""

@@ -157,9 +157,14 @@ class ExpertMembership:
             if remaining <= 0:
                 await self.stop()
                 if not self.answered:
+                    why = getattr(registry, "problem", None)  # Kubernetes': RBAC, token, address
                     raise UnavailableError(
-                        f"the registry did not answer in {timeout_s:g}s: is its agent running "
-                        "where --registry-address (or CONSUL_HTTP_ADDR) says?"
+                        f"the registry did not answer in {timeout_s:g}s: "
+                        + (
+                            why
+                            or "is its agent running where --registry-address (or "
+                            "CONSUL_HTTP_ADDR) says?"
+                        )
                     )
                 raise PreconditionError(
                     f"after {timeout_s:g}s no registered expert service serves "

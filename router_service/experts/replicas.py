@@ -9,14 +9,16 @@ latency quantile is hedged to another replica serving the same experts, and the 
 wins (expert math is deterministic, so the output does not change); a replica that fails, times
 out or loses a hedge race is ejected for a while (Envoy-style outlier ejection), and checked
 meanwhile so that it is back as soon as it answers again (common/probing.py); an unavailable
-replica's groups fail over to another; failovers and hedges draw on a retry budget. Ejections,
-the budget, latencies and deadlines read one injected clock.
+replica's groups fail over to another; failovers and hedges draw on a retry budget. An expert
+that no replica serves at all (its group scaled to 0) is waited for, up to missing_expert_wait_s,
+instead of failed at once. Ejections, the budget, latencies and deadlines read one injected clock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -39,6 +41,7 @@ from router_service.engine.pipeline import CallTimes, Compute, inline
 from router_service.experts.backends import ExpertBackend, Placement, backend_name
 from router_service.experts.metrics import DispatchTelemetry
 
+log = logging.getLogger(__name__)
 Groups = list[tuple[int, torch.Tensor]]  # [(expert, rows [n, hidden])]
 
 
@@ -54,6 +57,9 @@ class DispatchPolicy:
     ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
     retry_budget_ratio: float = 0.2
     probe_interval_s: float = 0.5  # checks of an ejected replica; 0: none
+    # How long a call waits for an expert that no replica serves at all to get one (a group scaled
+    # to 0 and back, a replica restarting) before it fails; 0: it fails at once.
+    missing_expert_wait_s: float = 0.0
 
 
 class ReplicaTimeout(UnavailableError):
@@ -94,18 +100,22 @@ class Replicas:
         self.hedges = 0  # calls also sent to a second replica
         self.hedges_won = 0  # ... where the second replica answered first
         self.ejections = 0
+        self.waiting_for_experts = 0  # calls now waiting in _until_placed
         self._lock = threading.Lock()  # tokens_colocated: bumped from the loop and compute thread
         # Backends come and go with membership: what is learned about one lives as long as it does.
         self._replicas: weakref.WeakKeyDictionary[ExpertBackend, Replica] = (
             weakref.WeakKeyDictionary()
         )
         self._turn = itertools.count()  # rotates ties between equally loaded replicas
+        self._placed = asyncio.Event()  # set, and replaced, by each new placement table
 
     def set_placement(self, placement: Placement) -> None:
         """Swap in a new placement table (one assignment: a layer call in flight keeps the old one)."""
         self.placement = {pair: list(replicas) for pair, replicas in placement.items()}
         if self.prober.checking:  # a replica that left is not checked any more
             self.prober.retain(b for replicas in self.placement.values() for b in replicas)
+        placed, self._placed = self._placed, asyncio.Event()
+        placed.set()  # calls waiting for a missing expert look again
 
     def replica(self, backend: ExpertBackend) -> Replica:
         r = self._replicas.get(backend)
@@ -155,6 +165,7 @@ class Replicas:
         self.budget.request()
         start = self.clock()
         while pending:
+            await self._until_placed(layer, [groups[i][0] for i in pending], deadline)
             plan = self._assign(layer, [e for e, _ in groups], pending, excluded, errors)
             self.check_deadline(deadline)
             # Remote calls first: they are on the wire while colocated experts compute.
@@ -196,6 +207,37 @@ class Replicas:
         if times is not None:
             times.wall = self.clock() - start
         return outputs  # type: ignore[return-value]
+
+    async def _until_placed(self, layer: int, experts: list[int], deadline: float | None) -> None:
+        """Wait while some of `experts` has no replica placed at all, for up to
+        missing_expert_wait_s and within `deadline`; then _assign fails those still missing.
+
+        A group scaled to 0 under a running stream: the stream pauses instead of failing, and
+        resumes once a replica registers (the gateway reports not-ready meanwhile). An expert whose
+        replicas are placed but failing does not wait here: it fails over, or fails, at once."""
+        wait_s = self.policy.missing_expert_wait_s
+        if not wait_s or all(self.placement.get((layer, e)) for e in experts):
+            return
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + wait_s
+        while missing := [e for e in experts if not self.placement.get((layer, e))]:
+            left = min(give_up - loop.time(), self.check_deadline(deadline))
+            if left <= 0:
+                return
+            if not self.waiting_for_experts:
+                log.warning(
+                    "layer %d expert(s) %s have no replica: waiting up to %gs for one",
+                    layer,
+                    ",".join(map(str, missing)),
+                    wait_s,
+                )
+            self.waiting_for_experts += 1
+            try:
+                await asyncio.wait_for(self._placed.wait(), left)
+            except TimeoutError:
+                pass
+            finally:
+                self.waiting_for_experts -= 1
 
     def _assign(
         self,

@@ -42,7 +42,8 @@ from tests.support.reference import ALL_REMOTE, PROMPTS
 from tests.support.routers import generate, request
 
 pytestmark = pytest.mark.skipif(
-    load_ucxx(loopback=True) is None, reason="ucxx cannot be imported (pip install ucxx-cu12)"
+    load_ucxx(loopback=True) is None,
+    reason="ucxx cannot be imported (the fastpath extra: pip install 'moe-mesh[fastpath]')",
 )
 FALLBACKS = "moe_router_fast_path_fallbacks_total"
 

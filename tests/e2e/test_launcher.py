@@ -11,6 +11,7 @@ import pytest
 
 from common.placement import format_experts, parse_experts
 from moe_mesh.local.launcher import Launcher
+from moe_mesh.local.scaling import OnlyCopyError
 from tests.support.polling import wait_until
 
 SLEEPER = ["-c", "import time; time.sleep(60)"]
@@ -109,7 +110,7 @@ def _serving(mesh: Launcher, group: str) -> list[dict]:
     return [e for e in json.loads(mesh.ready_file.read_text())["experts"] if e["experts"] == want]
 
 
-def test_scale_is_serialized_idempotent_followed_by_the_ready_file_and_reaches_zero(
+def test_scale_is_serialized_idempotent_followed_by_the_ready_file_and_reaches_zero_forced(
     launcher,
 ) -> None:
     mesh = launcher()
@@ -137,7 +138,12 @@ def test_scale_is_serialized_idempotent_followed_by_the_ready_file_and_reaches_z
     assert (again["added"], again["removed"]) == ([], [])
     assert _serving(mesh, group) == [kept]
 
-    gone = mesh.scale(group, 0)
+    # The group is the only copy of its experts (no router colocates them here): refused, naming
+    # them, until forced.
+    with pytest.raises(OnlyCopyError, match=r"experts 0-2:0-1 would have no replica left") as e:
+        mesh.scale(group, 0)
+    assert e.value.missing == "0-2:0-1" and _serving(mesh, group) == [kept]
+    gone = mesh.scale(group, 0, force=True)
     assert gone["removed"] == [kept["address"]] and _serving(mesh, group) == []
     assert all(c.proc.poll() is not None for c in mesh.children)
 

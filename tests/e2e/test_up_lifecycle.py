@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,3 +151,23 @@ def test_a_taken_gateway_port_is_refused_before_anything_starts(checkpoint, tmp_
     assert r.returncode == 1, (r.returncode, r.stderr)  # the exit-code table's row for a taken port
     assert f"127.0.0.1:{port}" in r.stderr and "in use" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not list(run.glob("*.log")), r.stderr
+
+
+def test_a_broken_shape_checkpoint_exits_2_before_anything_starts(checkpoint, tmp_path) -> None:
+    """A config.json that contradicts its weights is found in the headers: no service starts."""
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint("mixtral"), broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
+    run = tmp_path / "run"
+    start = time.monotonic()
+    r = moe_mesh("up", "--checkpoint", broken, "--run-dir", run, "--ready-file", run / "m.json")
+    took = time.monotonic() - start
+    assert r.returncode == 2, (r.returncode, r.stderr)  # the exit-code table's broken checkpoint
+    err = r.stderr
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    assert "tensor 'model.embed_tokens.weight'" in err and "hidden_size=32" in err, err
+    assert "wrong shape [512, 64], config implies [512, 32]" in err, err
+    assert not run.exists(), "the launcher ran: its run directory was made"
+    # The interpreter, its imports and the headers (8 s on a loaded 2-core host), no service load
+    assert took < 30, took

@@ -1,6 +1,6 @@
 """The gateway's edge under API keys and TLS, with the real `openai` client, raw httpx and a gRPC
-client: no key or a wrong one is 401 / UNAUTHENTICATED in OpenAI's error shape, a good one is
-served, a key file change takes effect without a restart, per-key limits apply, and the router
+client: no key or a wrong one is 401 / UNAUTHENTICATED in OpenAI's error shape (the OpenAPI
+document and its pages too), a good one is served, a key file change takes effect without a restart, per-key limits apply, and the router
 behind it is reached over mutual TLS."""
 
 from __future__ import annotations
@@ -96,6 +96,14 @@ async def test_no_key_or_a_wrong_key_is_401_and_a_good_key_is_served_over_https(
             model="", messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
         assert chat.choices[0].message.content is not None
+    # The API's description is behind the key too; probes are not.
+    async with http(mesh) as raw:
+        for path in ("/openapi.json", "/docs", "/redoc"):
+            r = await raw.get(path)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+    async with http(mesh, KEY) as raw:
+        assert "/v1/completions" in (await raw.get("/openapi.json")).json()["paths"]
+        assert (await raw.get("/docs")).status_code == 200
     # Plain HTTP to the TLS port is not served.
     async with httpx.AsyncClient(base_url=f"http://{mesh.gateway.http_address}") as plain:
         with pytest.raises(httpx.HTTPError):

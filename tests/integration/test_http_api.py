@@ -177,6 +177,81 @@ async def test_completions_give_the_engines_greedy_tokens(mesh, path) -> None:
         assert a == b and len(a) == N
 
 
+async def test_a_list_of_prompts_gives_a_choice_each_in_order_as_each_alone(mesh, path) -> None:
+    """OpenAI's order, choice p * n + i for prompt p's i-th; each as the prompt alone gives it,
+    sampled with a seed, whole and streamed; usage counts every prompt once."""
+    sampled = {"temperature": 1.0, "seed": 11, "max_tokens": 6, "n": 2}
+    extra = {"extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    async with client(mesh) as c:
+        for prompts in ([TEXT, "Once upon a time"], [IDS, [7, 8, 9]]):
+            alone = [
+                await c.completions.create(model="", prompt=q, **sampled, **extra) for q in prompts
+            ]
+            want = [choice.token_ids for r in alone for choice in r.choices]
+            assert want[0] != want[2]  # the two prompts are told apart
+            batch = await c.completions.create(model="", prompt=prompts, **sampled, **extra)
+            assert [ch.index for ch in batch.choices] == [0, 1, 2, 3]
+            assert [ch.token_ids for ch in batch.choices] == want
+            assert [ch.text for ch in batch.choices] == [ch.text for r in alone for ch in r.choices]
+            assert batch.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in alone)
+            assert batch.usage.completion_tokens == 4 * 6
+            stream = await c.completions.create(
+                model="",
+                prompt=prompts,
+                stream=True,
+                stream_options={"include_usage": True},
+                **sampled,
+                **extra,
+            )
+            streamed: dict[int, list[int]] = {}
+            async for chunk in stream:
+                for ch in chunk.choices:
+                    streamed.setdefault(ch.index, []).extend(ch.token_ids)
+                usage = chunk.usage
+            assert [streamed[i] for i in range(4)] == want
+            assert usage.prompt_tokens == batch.usage.prompt_tokens
+    assert mesh.gateway.core.admission.in_flight == 0
+
+
+async def test_a_field_nobody_defines_is_a_400_naming_it(mesh) -> None:
+    async with client(mesh) as c:
+        for call in (
+            c.completions.create(model="", prompt=IDS, max_tokens=2, extra_body={"top_a": 0.1}),
+            c.chat.completions.create(
+                model="",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=2,
+                extra_body={"top_a": 0.1},
+            ),
+        ):
+            with pytest.raises(openai.BadRequestError) as e:
+                await call
+            assert e.value.body["param"] == "top_a" and "'top_a'" in e.value.body["message"]
+        # OpenAI's own fields that cannot change the tokens are accepted.
+        r = await c.completions.create(model="", prompt=IDS, max_tokens=2, user="someone")
+        assert r.usage.completion_tokens == 2
+
+
+async def test_logprobs_1_returns_the_sampled_token_among_top_logprobs(mesh) -> None:
+    """As OpenAI's completions: up to logprobs + 1 entries, the sampled token always among them
+    (a hot temperature samples tokens that are not the most likely)."""
+    async with client(mesh) as c:
+        r = await c.completions.create(
+            model="",
+            prompt=IDS,
+            max_tokens=16,
+            temperature=3.0,
+            seed=5,
+            logprobs=1,
+            extra_body={"ignore_eos": True},
+        )
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.top_logprobs) == 16
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert token in top and top[token] == pytest.approx(logprob) and 1 <= len(top) <= 2
+    assert any(len(top) == 2 for top in lp.top_logprobs)  # some sampled token was not the top
+
+
 def hf_chat_ids(path: Path, messages: list[dict], **kwargs) -> list[int]:
     """transformers' apply_chat_template on the checkpoint's own tokenizer and template."""
     from transformers import AutoTokenizer
@@ -439,8 +514,13 @@ BAD = [  # (endpoint, JSON body or raw bytes, the field the error must name)
     ("completions", completion(prompt=[5] * 600), "prompt"),
     ("completions", completion(prompt=[5, 512]), "prompt"),
     ("completions", completion(prompt=[-1]), "prompt"),
-    ("completions", completion(prompt=["a", "b"]), "prompt"),
-    ("completions", completion(prompt=[[1], [2]]), "prompt"),
+    ("completions", completion(prompt=[[1], []]), "prompt"),
+    ("completions", completion(prompt=[[1], [512]]), "prompt"),
+    ("completions", completion(prompt=[[1]] * 65), "prompt"),  # max_prompts
+    ("completions", completion(prompt=["a"] * 40, n=2), "prompt"),  # 80 > max_in_flight
+    ("completions", completion(prompt=["a", 5]), "prompt"),
+    ("completions", completion(nucleus=0.9), "nucleus"),  # no such field
+    ("chat/completions", chat(guided_json={}), "guided_json"),
     ("completions", completion(prompt=5), "prompt"),
     ("completions", {"model": "", "max_tokens": 2}, "prompt"),
     ("completions", completion(max_tokens=0), "max_tokens"),
@@ -539,7 +619,7 @@ async def test_a_bad_prompt_is_explained_in_the_form_it_was_sent(mesh) -> None:
     message = long.json()["error"]["message"]
     assert "at most 512 items" in message and "string" not in message and "64" not in message
     assert odd.json()["error"]["message"] == (
-        "prompt: must be a string, a list of token ids, or a list holding one of those"
+        "prompt: must be a string, a list of token ids, or a list of either"
     )
 
 

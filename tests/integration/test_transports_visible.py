@@ -34,7 +34,8 @@ from tests.support.metrics import scrape, total
 from tests.support.routers import generate, request
 
 pytestmark = pytest.mark.skipif(
-    load_ucxx(loopback=True) is None, reason="ucxx cannot be imported (pip install ucxx-cu12)"
+    load_ucxx(loopback=True) is None,
+    reason="ucxx cannot be imported (the fastpath extra: pip install 'moe-mesh[fastpath]')",
 )
 DISPATCHES = "moe_router_dispatch_duration_seconds_count"
 FALLBACKS = "moe_router_fast_path_fallbacks_total"

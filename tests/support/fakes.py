@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.status import EXPERTS_HEALTH
 from common.telemetry import OFF, Telemetry
 from common.tokenizer import Tokenizer
 from gateway.balancer import RouterLostError
@@ -90,7 +92,8 @@ async def router_serving(
     generate, status: router_pb2.RouterStatus | None = None
 ) -> AsyncIterator[str]:
     """A gRPC server on loopback whose RouterService.Generate is `generate` (bytes in, bytes out)
-    and whose Status answers `status` (what a gateway asks a router at start-up); its address."""
+    and whose Status answers `status` (what a gateway asks a router at start-up), with a health
+    service saying it serves every expert (what a gateway's readiness watches); its address."""
 
     async def answer_status(request: bytes, context) -> bytes:
         assert status is not None, "this fake router answers no Status"
@@ -105,6 +108,9 @@ async def router_serving(
         },
     )
     server.add_generic_rpc_handlers((handler,))
+    health_servicer = health.aio.HealthServicer()
+    await health_servicer.set(EXPERTS_HEALTH, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:

@@ -167,3 +167,17 @@ def static_plan(tmp_path: Path):
     raw = example_raw()
     raw["expert_groups"][0].pop("autoscale")
     return plan_of(raw, tmp_path)
+
+
+K8S_VERSION = "1.37.0"  # the API schemas kubernetes-validate checks renders against, offline
+
+
+def k8s_objects(plan) -> dict[tuple[str, str], dict]:
+    """(kind, name) -> object, from every file `deploy render --target kubernetes` writes."""
+    from moe_mesh.planning import deploy
+
+    out = {}
+    for text in deploy.render(plan, "kubernetes").values():
+        for obj in yaml.safe_load_all(text):
+            out[obj["kind"], obj["metadata"]["name"]] = obj
+    return out

@@ -3,9 +3,11 @@
 A plan (YAML, see deploy/plan.example.yaml) names the image, the checkpoint, the gateway and router
 replicas and the expert groups (an expert spec each, see common/placement.py). `render` turns it into
   compose: one docker-compose.yml (a Consul dev agent, gateway, router, one service per expert group,
-           `deploy.replicas` each), a Dockerfile and a .env.example;
+           `deploy.replicas` each) and a .env.example (the image: deploy/compose/Dockerfile);
   nomad:   one job per expert group, and one job with the router and gateway groups;
-  kubernetes: a Deployment, headless Service and PodDisruptionBudget per component (kubernetes.py).
+  kubernetes: a Deployment, Service and PodDisruptionBudget per component, the model volume and the
+           Job that fills it, discovery's RBAC, the gateway's Ingress (kubernetes.py).
+`--image REGISTRY/NAME:TAG` replaces the plan's `image` in every target's files.
 Each also gets a Prometheus scrape configuration (prometheus.py).
 A group with `autoscale` bounds is scaled on its measured load by the orchestrator's own autoscaler:
   kubernetes: an autoscaling/v2 HorizontalPodAutoscaler on the group's Deployment (which then has
@@ -14,8 +16,9 @@ A group with `autoscale` bounds is scaled on its measured load by the orchestrat
            (nomad-autoscaler.hcl) is rendered too;
   compose: nothing to render: `moe-mesh autoscale` drives `docker compose up --scale`.
 The queries are moe_mesh/autoscale/queries.py's, the behaviour the plan's (autoscale/policy.py).
-Every service runs with `--registry consul`: routers find expert services and gateways find routers
-there, so the rendered files list no addresses. Output is deterministic (sorted keys, fixed order),
+Every service runs with `--registry consul` (kubernetes: `--registry kubernetes` unless the plan's
+`kubernetes.discovery` is consul): routers find expert services and gateways find routers there, so
+the rendered files list no addresses. Output is deterministic (sorted keys, fixed order),
 so committed examples can be compared byte for byte with a fresh render.
 
 Imports neither torch nor grpc at import time: `probe` runs as a container health check every few seconds.
@@ -33,12 +36,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.cli import add_settings_arguments, settings_from_args
 from moe_mesh.planning.deploy.compose import (
-    DOCKERFILE,
     EXPERT_SERVICE_PREFIX,
     HEADER,
     render_compose,
 )
 from moe_mesh.planning.deploy.kubernetes import render_kubernetes
+from moe_mesh.planning.deploy.kubernetes_plan import Expose
 from moe_mesh.planning.deploy.nomad import AUTOSCALER_CONFIG, Block, Interp, render_nomad
 from moe_mesh.planning.deploy.plan import (
     ComposePlan,
@@ -57,7 +60,6 @@ from moe_mesh.planning.deploy.plan import (
 from moe_mesh.planning.deploy.probe import add_probe_subcommand, probe, run_probe
 
 __all__ = [
-    "DOCKERFILE",
     "EXPERT_SERVICE_PREFIX",
     "HEADER",
     "TARGETS",
@@ -93,8 +95,17 @@ Target = Literal["compose", "nomad", "kubernetes"]
 TARGETS: tuple[str, ...] = typing.get_args(Target)
 
 
-def render(plan: Plan, target: str) -> dict[str, str]:
-    """File name -> content for `target` ('compose', 'nomad' or 'kubernetes')."""
+def render(
+    plan: Plan, target: str, image: str | None = None, expose: Expose | None = None
+) -> dict[str, str]:
+    """File name -> content for `target` ('compose', 'nomad' or 'kubernetes'); `image` (e.g.
+    registry.example.com/moe-mesh:0.1.0) instead of the plan's, `expose` instead of the plan's
+    `kubernetes.expose`."""
+    if image is not None:
+        plan = plan.model_copy(update={"image": image})
+    if expose is not None:
+        k8s = plan.kubernetes.model_copy(update={"expose": expose})
+        plan = plan.model_copy(update={"kubernetes": k8s})
     if target == "compose":
         return render_compose(plan)
     if target == "nomad":
@@ -154,14 +165,27 @@ class RenderSettings(BaseModel):
 
     plan: Path = Field(description="plan file (YAML)")
     target: Target = Field(
-        description="compose: docker-compose.yml + Dockerfile + .env.example + prometheus.yml; "
+        description="compose: docker-compose.yml + .env.example + prometheus.yml; "
         "nomad: one job per expert group + one for router and gateway + prometheus.yml "
         "(+ nomad-autoscaler.hcl when a group autoscales); "
         "kubernetes: a Deployment, Service and PodDisruptionBudget per component (+ a "
         "HorizontalPodAutoscaler per autoscaled group and the Prometheus Adapter's rules) + the "
+        "model volume and its fill Job + discovery's RBAC + the gateway's Ingress + the "
         "Prometheus ConfigMap"
     )
     out: Path = Field(description="directory to write into (created if missing)")
+    image: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$",
+        description="the moe-mesh image every service runs, REGISTRY/NAME:TAG (or "
+        "NAME@sha256:DIGEST), e.g. after pushing it to the cluster's registry; default: the "
+        "plan's `image`",
+    )
+    expose: Expose | None = Field(
+        None,
+        description="kubernetes: how clients reach the gateway, instead of the plan's "
+        "`kubernetes.expose`: none (ClusterIP), ingress, loadbalancer (Service type LoadBalancer)",
+    )
     check: bool = Field(
         False,
         description="write nothing; exit 1 when the files in --out differ from a fresh render",
@@ -180,8 +204,8 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "render",
         help="render a plan for a target",
         description="Render a plan into docker-compose files, Nomad jobs or Kubernetes manifests. "
-        "Every service "
-        "discovers the others through Consul; output is deterministic.",
+        "Every service discovers the others through Consul (Kubernetes: through the API's "
+        "EndpointSlices, unless the plan says consul); output is deterministic.",
     )
     add_settings_arguments(r, RenderSettings)
     r.set_defaults(func=run_render)
@@ -190,8 +214,11 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
 def run_render(args: argparse.Namespace) -> int:
     prog = "moe-mesh deploy render"
     s = typing.cast(RenderSettings, settings_from_args(RenderSettings, args))
+    if s.expose is not None and s.target != "kubernetes":
+        print(f"{prog}: error: --expose: only --target kubernetes has it", file=sys.stderr)
+        return 2
     try:
-        files = render(load_plan(s.plan), s.target)
+        files = render(load_plan(s.plan), s.target, s.image, s.expose)
     except PlanError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

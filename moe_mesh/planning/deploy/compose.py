@@ -1,4 +1,8 @@
-"""The compose target: docker-compose.yml, Dockerfile and .env.example rendered from a plan."""
+"""The compose target: docker-compose.yml and .env.example rendered from a plan.
+
+The image they run is built from the repository's deploy/compose/Dockerfile, which is a source file
+of its own (linted, and the same for every plan), not part of a render.
+"""
 
 from __future__ import annotations
 
@@ -188,7 +192,7 @@ def gateway_command(plan: Plan, extra: Sequence[str] = ()) -> list[str]:
 
 
 def render_compose(plan: Plan) -> dict[str, str]:
-    """docker-compose.yml, Dockerfile and .env.example."""
+    """docker-compose.yml, .env.example and prometheus.yml (the image: deploy/compose/Dockerfile)."""
     groups = [f"{EXPERT_SERVICE_PREFIX}{g.name}" for g in plan.expert_groups]
     services: dict[str, Any] = {
         "consul": {
@@ -260,7 +264,6 @@ def render_compose(plan: Plan) -> dict[str, str]:
     scrape = [dns_job(name, name) for name in [*groups, "router", "gateway"]]
     return {
         "docker-compose.yml": compose,
-        "Dockerfile": DOCKERFILE,
         ".env.example": _env_example(plan),
         "prometheus.yml": head + prometheus_yml(scrape),
     }
@@ -290,39 +293,6 @@ def wrap(text: str, width: int = 100) -> list[str]:
         else:
             line = f"{line} {word}" if line else word
     return lines + [line]
-
-
-DOCKERFILE = """\
-# The moe-mesh image every compose service and Nomad task runs. Build from the repository root:
-#   docker build -f deploy/compose/Dockerfile -t moe-mesh:0.1.0 .
-# Dependencies install pinned by constraints.txt. Which torch wheel the image gets is a deployment
-# choice: PyPI's Linux torch wheel bundles CUDA (several GB); for a CPU-only image, pass PyTorch's
-# CPU wheel index as a build argument: --build-arg TORCH_INDEX_URL=<index url>.
-FROM python:3.11-slim
-
-ARG TORCH_INDEX_URL=""
-ENV PYTHONDONTWRITEBYTECODE=1 \\
-    PYTHONUNBUFFERED=1 \\
-    PIP_NO_CACHE_DIR=1 \\
-    PIP_DISABLE_PIP_VERSION_CHECK=1
-
-WORKDIR /opt/moe-mesh
-COPY pyproject.toml constraints.txt README.md ./
-COPY common ./common
-COPY protos ./protos
-COPY expert_service ./expert_service
-COPY router_service ./router_service
-COPY gateway ./gateway
-COPY moe_mesh ./moe_mesh
-RUN pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} -c constraints.txt . \\
-    && rm -rf /root/.cache
-
-# The checkpoint is mounted read-only (compose: $MODEL_DIR; Nomad: a host volume).
-RUN useradd --system --uid 10001 --no-create-home moe
-USER 10001
-ENTRYPOINT ["moe-mesh"]
-CMD ["--help"]
-"""
 
 
 def _token_or_secrets(plan: Plan) -> str:

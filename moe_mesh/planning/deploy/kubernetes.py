@@ -1,28 +1,29 @@
 """The kubernetes target: manifests for one namespace, one Deployment per expert group.
 
-Discovery stays Consul's, as in the other targets: every pod registers itself with the address it
-advertises (its pod IP), so routers find expert services and gateways find routers without listing
-addresses; `kubernetes.consul_http_addr` names the cluster's Consul (e.g. the Consul Helm chart's
-server service), and an optional Secret supplies CONSUL_HTTP_TOKEN. Each component gets:
-  a Deployment (replicas, the plan's resources as requests and limits, gRPC readiness and liveness
-  probes on the standard health service, a read-only checkpoint volume from a PersistentVolumeClaim,
-  pods annotated for Prometheus), a headless Service (stable DNS for every replica's pod IP), and a
-  PodDisruptionBudget (a voluntary eviction never takes down more than one replica at a time).
-The gateway's Service is a ClusterIP one with its public gRPC and HTTP ports. A ConfigMap holds the
+Each component (an expert group, the routers, the gateways) gets a Deployment (replicas, the plan's
+resources as requests and limits, the kubelet's gRPC startup, readiness and liveness probes, the
+checkpoint mounted read-only, pods annotated for Prometheus), a Service and a PodDisruptionBudget
+(a voluntary eviction never takes down more than one replica at a time); the objects around them
+(probes, model volume, discovery's RBAC, Ingress) are kubernetes_objects.py's, the autoscaling ones
+kubernetes_hpa.py's. Discovery (`kubernetes.discovery`):
+  kubernetes: routers and expert groups have headless Services labelled for discovery; services
+    run with `--registry kubernetes` and list and watch those Services' EndpointSlices (ready pods
+    only, so readiness is registration) as the ServiceAccount `moe-mesh` (rbac.yaml); no Consul.
+  consul: every pod registers itself with the address it advertises (its pod IP) in the cluster's
+    Consul (`kubernetes.consul_http_addr`); an optional Secret supplies CONSUL_HTTP_TOKEN.
+The gateway's Service is a ClusterIP one with its public gRPC and HTTP ports, of type LoadBalancer
+with `expose: loadbalancer`, or behind an Ingress with `expose: ingress`. A ConfigMap holds the
 Prometheus scrape configuration (pod discovery by annotation). Under `security`, each pod mounts its
 certificate, key, CA and (gateway) API keys from Secrets the operator creates (secret_names), in one
-projected read-only volume, and probes with `moe-mesh probe` (the kubelet's gRPC probe has no TLS).
+projected read-only volume.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import yaml
 
-from moe_mesh.autoscale import queries
-from moe_mesh.autoscale.policy import Autoscale
 from moe_mesh.planning.deploy import secrets
 from moe_mesh.planning.deploy.compose import (
     HEADER,
@@ -32,6 +33,21 @@ from moe_mesh.planning.deploy.compose import (
     router_command,
     wrap,
 )
+from moe_mesh.planning.deploy.kubernetes_hpa import adapter_rules, hpa
+from moe_mesh.planning.deploy.kubernetes_objects import (
+    MODEL_VOLUME,
+    SERVICE_ACCOUNT,
+    discovery_labels,
+    health_port,
+    ingress,
+    labels,
+    meta,
+    model_objects,
+    model_volume,
+    probes,
+    rbac,
+    wait_for_model,
+)
 from moe_mesh.planning.deploy.plan import Plan, PlanError, Resources
 from moe_mesh.planning.deploy.prometheus import (
     METRICS_PORT,
@@ -39,21 +55,47 @@ from moe_mesh.planning.deploy.prometheus import (
     prometheus_yml,
 )
 
-DEFAULT_HPA_TOLERANCE = 0.1  # kube-controller-manager's --horizontal-pod-autoscaler-tolerance
-MODEL_VOLUME = "model"
 SECRETS_VOLUME, SECRETS_DIR = "secrets", "/run/secrets/moe-mesh"
 
 
-def _labels(plan: Plan, component: str) -> dict[str, str]:
-    return {"app.kubernetes.io/part-of": plan.name, "app": component}
+def _env(plan: Plan, component: str) -> list[dict[str, Any]]:
+    def field(path: str) -> dict[str, Any]:
+        return {"fieldRef": {"fieldPath": path}}
+
+    k = plan.kubernetes
+    env: list[dict[str, Any]] = [{"name": "POD_IP", "valueFrom": field("status.podIP")}]
+    if k.discovery == "kubernetes":
+        env.append({"name": "MOE_MESH_K8S_NAMESPACE", "valueFrom": field("metadata.namespace")})
+    else:
+        token = {"name": k.consul_token_secret, "key": "token", "optional": True}
+        env += [
+            {"name": "CONSUL_HTTP_ADDR", "value": k.consul_http_addr},
+            {"name": "CONSUL_HTTP_TOKEN", "valueFrom": {"secretKeyRef": token}},
+        ]
+    return env + [
+        {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": k.otlp_endpoint},
+        {"name": "OTEL_TRACES_SAMPLER_ARG", "value": "0.01"},
+        {
+            "name": "OTEL_RESOURCE_ATTRIBUTES",
+            "value": f"service.namespace={plan.name},moe_mesh.component={component}",
+        },
+    ]
 
 
-def _meta(plan: Plan, name: str, component: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "namespace": plan.kubernetes.namespace,
-        "labels": _labels(plan, component),
-    }
+def _args(plan: Plan, component: str, args: list[str]) -> list[str]:
+    """The service's flags: discovery's registry instead of the shared commands' Consul, the secret
+    files, the plaintext health port under TLS, metrics."""
+    args = list(args)
+    i = args.index("--registry")
+    args[i + 1] = plan.kubernetes.discovery
+    if plan.security.tls:
+        args += ["--health-port", str(plan.kubernetes.health_port)]
+    return [
+        *args,
+        *secrets.flags(plan, component, SECRETS_DIR),
+        "--metrics-port",
+        str(METRICS_PORT),
+    ]
 
 
 def _container(
@@ -61,56 +103,24 @@ def _container(
 ) -> dict[str, Any]:
     size = {"cpu": cpus(resources), "memory": f"{resources.memory_mb}Mi"}
     grpc_port = next(iter(ports.values()))
-    # The kubelet's gRPC probe speaks plaintext only: under TLS the probe is `moe-mesh probe`.
-    check = (
-        {"exec": {"command": secrets.probe(plan, str(grpc_port), SECRETS_DIR)}}
-        if plan.security.tls
-        else {"grpc": {"port": grpc_port}}
-    )
-    probe = {**check, "periodSeconds": 10, "timeoutSeconds": 3}
     mounts = [{"name": MODEL_VOLUME, "mountPath": plan.model.checkpoint, "readOnly": True}]
     if secret_names(plan, component):
         mounts.append({"name": SECRETS_VOLUME, "mountPath": SECRETS_DIR, "readOnly": True})
-    env: list[dict[str, Any]] = [
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "CONSUL_HTTP_ADDR", "value": plan.kubernetes.consul_http_addr},
-        {
-            "name": "CONSUL_HTTP_TOKEN",
-            "valueFrom": {
-                "secretKeyRef": {
-                    "name": plan.kubernetes.consul_token_secret,
-                    "key": "token",
-                    "optional": True,
-                }
-            },
-        },
-        {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": plan.kubernetes.otlp_endpoint},
-        {"name": "OTEL_TRACES_SAMPLER_ARG", "value": "0.01"},
-        {
-            "name": "OTEL_RESOURCE_ATTRIBUTES",
-            "value": f"service.namespace={plan.name},moe_mesh.component={component}",
-        },
-    ]
+    named = dict(ports)
+    if plan.security.tls:
+        named["health"] = health_port(plan, grpc_port)
     return {
         "name": component,
         "image": plan.image,
-        # $(POD_IP) is Kubernetes' own expansion of the variable above.
-        "args": [
-            *args,
-            *secrets.flags(plan, component, SECRETS_DIR),
-            "--metrics-port",
-            str(METRICS_PORT),
-        ],
-        "env": env,
+        # $(POD_IP) is Kubernetes' own expansion of the variable in _env.
+        "args": _args(plan, component, args),
+        "env": _env(plan, component),
         "ports": [
-            *({"name": n, "containerPort": p} for n, p in ports.items()),
+            *({"name": n, "containerPort": p} for n, p in named.items()),
             {"name": "metrics", "containerPort": METRICS_PORT},
         ],
         "resources": {"requests": size, "limits": size},
-        # Loading weights takes a while: liveness waits for the first readiness.
-        "startupProbe": {**probe, "failureThreshold": 60},
-        "readinessProbe": probe,
-        "livenessProbe": {**probe, "failureThreshold": 3},
+        **probes(plan, grpc_port),
         "volumeMounts": mounts,
         "securityContext": {"runAsNonRoot": True, "runAsUser": 10001},
     }
@@ -124,29 +134,27 @@ def _deployment(
     ports: dict[str, int],
     resources: Resources,
 ) -> dict[str, Any]:
-    labels = _labels(plan, component)
-    volumes: list[dict[str, Any]] = [
-        {
-            "name": MODEL_VOLUME,
-            "persistentVolumeClaim": {"claimName": plan.kubernetes.model_claim, "readOnly": True},
-        }
-    ]
+    volumes: list[dict[str, Any]] = [model_volume(plan)]
     pod: dict[str, Any] = {}
     if secret_names(plan, component):
         volumes.append(_secrets_volume(plan, component))
         pod["securityContext"] = {"fsGroup": 10001}  # the image's user reads the 0440 files
+    if plan.kubernetes.discovery == "kubernetes":
+        pod["serviceAccountName"] = SERVICE_ACCOUNT  # discovery lists EndpointSlices
+    if init := wait_for_model(plan):
+        pod["initContainers"] = init
     # None: a HorizontalPodAutoscaler owns the count, which `kubectl apply` would otherwise reset.
     count = {} if replicas is None else {"replicas": replicas}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(plan, component, component),
+        "metadata": meta(plan, component, component),
         "spec": {
             **count,
-            "selector": {"matchLabels": labels},
+            "selector": {"matchLabels": labels(plan, component)},
             "template": {
                 "metadata": {
-                    "labels": labels,
+                    "labels": labels(plan, component),
                     "annotations": {
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(METRICS_PORT),
@@ -190,28 +198,29 @@ def _secrets_volume(plan: Plan, component: str) -> dict[str, Any]:
 
 def _service(plan: Plan, component: str, ports: dict[str, int], headless: bool) -> dict[str, Any]:
     spec: dict[str, Any] = {
-        "selector": _labels(plan, component),
+        "selector": labels(plan, component),
         "ports": [
             {"name": n, "port": p, "targetPort": n}
             for n, p in [*ports.items(), ("metrics", METRICS_PORT)]
         ],
     }
     if headless:
-        spec["clusterIP"] = "None"  # DNS answers with every ready replica's pod IP
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(plan, component, component),
-        "spec": spec,
-    }
+        # DNS, and discovery's EndpointSlices, list every ready replica's pod IP (ready only).
+        spec["clusterIP"] = "None"
+        spec["publishNotReadyAddresses"] = False
+    elif plan.kubernetes.expose == "loadbalancer":
+        spec["type"] = "LoadBalancer"
+    metadata = meta(plan, component, component)
+    metadata["labels"] |= discovery_labels(plan, component)
+    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata, "spec": spec}
 
 
 def _budget(plan: Plan, component: str) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _meta(plan, component, component),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _labels(plan, component)}},
+        "metadata": meta(plan, component, component),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels(plan, component)}},
     }
 
 
@@ -234,8 +243,27 @@ def _component(
 ADVERTISE = ["--advertise-host", "$(POD_IP)"]
 
 
+def _check_ports(plan: Plan) -> None:
+    """The plaintext health port must not be one a container already listens on."""
+    if not plan.security.tls:
+        return
+    taken = {
+        "metrics": METRICS_PORT,
+        "router.port": plan.router.port,
+        "gateway.grpc_port": plan.gateway.grpc_port,
+        "gateway.http_port": plan.gateway.http_port,
+        **{f"expert_groups.{g.name}.port": g.port for g in plan.expert_groups},
+    }
+    for field, port in taken.items():
+        if port == plan.kubernetes.health_port:
+            raise PlanError(
+                f"kubernetes.health_port {port} is also {field}: choose another health port"
+            )
+
+
 def manifests(plan: Plan) -> dict[str, list[dict[str, Any]]]:
     """File name -> the objects it holds."""
+    _check_ports(plan)
     files: dict[str, list[dict[str, Any]]] = {}
     for g in plan.expert_groups:
         name = f"expert-{g.name}"
@@ -264,11 +292,17 @@ def manifests(plan: Plan) -> dict[str, list[dict[str, Any]]]:
         gw.resources,
         headless=False,
     )
+    if plan.kubernetes.expose == "ingress":
+        files["gateway.yaml"].append(ingress(plan))
+    if plan.kubernetes.discovery == "kubernetes":
+        files["rbac.yaml"] = rbac(plan)
+    if model := model_objects(plan):
+        files["model.yaml"] = model
     files["prometheus.yaml"] = [
         {
             "apiVersion": "v1",
             "kind": "ConfigMap",
-            "metadata": _meta(plan, f"{plan.name}-prometheus", "prometheus"),
+            "metadata": meta(plan, f"{plan.name}-prometheus", "prometheus"),
             "data": {
                 "prometheus.yml": prometheus_yml([kubernetes_pods_job(plan.kubernetes.namespace)])
             },
@@ -283,77 +317,13 @@ def manifests(plan: Plan) -> dict[str, list[dict[str, Any]]]:
     return files
 
 
-def _quantity(x: float) -> str:
-    """A Kubernetes quantity as the API server writes it back: 2000 -> '2000', 0.6 -> '600m'."""
-    return str(int(x)) if float(x).is_integer() else f"{max(1, round(x * 1000))}m"
-
-
-def _seconds(deployment: str, policy: Autoscale, field: str, most: int) -> int:
-    """A policy duration as the HPA's whole seconds, refused past the HPA's bound."""
-    value = math.ceil(getattr(policy, field))
-    if value > most:
-        raise PlanError(
-            f"{deployment}: autoscale.{field} {value} s: the HorizontalPodAutoscaler takes at "
-            f"most {most} s"
-        )
-    return value
-
-
-def hpa(plan: Plan, deployment: str, policy: Autoscale) -> dict[str, Any]:
-    """An autoscaling/v2 HorizontalPodAutoscaler holding the group's load per pod at the target,
-    read from the Prometheus Adapter (adapter_rules), with the policy's windows and step limits as
-    its `behavior`. Tolerance: the cluster's (kube-controller-manager
-    --horizontal-pod-autoscaler-tolerance, 0.1) unless the policy's differs; the per-HPA field
-    is KEP-4951's (Kubernetes 1.33+, feature gate HPAConfigurableTolerance; dropped where off)."""
-    period = _seconds(deployment, policy, "step_period_s", 1800)
-
-    def rules(window: str, step: int) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "stabilizationWindowSeconds": _seconds(deployment, policy, window, 3600),
-            "selectPolicy": "Max",
-            "policies": [{"type": "Pods", "value": step, "periodSeconds": period}],
-        }
-        if policy.tolerance != DEFAULT_HPA_TOLERANCE:
-            out["tolerance"] = _quantity(policy.tolerance)
-        return out
-
-    metric = {"name": queries.ADAPTER_METRIC[policy.metric]}
-    target = {"type": "AverageValue", "averageValue": _quantity(policy.level)}
-    return {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": _meta(plan, deployment, deployment),
-        "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment},
-            "minReplicas": policy.min_replicas,
-            "maxReplicas": policy.max_replicas,
-            "metrics": [{"type": "Pods", "pods": {"metric": metric, "target": target}}],
-            "behavior": {
-                "scaleUp": rules("scale_up_window_s", policy.max_step_up),
-                "scaleDown": rules("scale_down_window_s", policy.max_step_down),
-            },
-        },
-    }
-
-
-def adapter_rules(plan: Plan, metrics: list[str]) -> dict[str, Any]:
-    """The Prometheus Adapter's configuration (its Helm chart's `rules.existing` ConfigMap, key
-    config.yaml): a custom metric per pod for each policy metric the plan's groups use."""
-    config = {"rules": [queries.adapter_rule(m) for m in metrics]}
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {
-            "name": f"{plan.name}-prometheus-adapter",
-            "namespace": plan.kubernetes.prometheus_adapter_namespace,
-            "labels": _labels(plan, "prometheus-adapter"),
-        },
-        "data": {"config.yaml": yaml.safe_dump(config, sort_keys=False, width=1000)},
-    }
-
-
 class _Dumper(yaml.SafeDumper):
-    """Multi-line strings (the configuration files ConfigMaps hold) as literal blocks, readable."""
+    """Multi-line strings (the configuration files ConfigMaps hold) as literal blocks, readable;
+    a dict used twice (requests and limits, two probes' checks) written out twice, never as an
+    anchor and alias that readers of a manifest would have to resolve."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
 
 
 _Dumper.add_representer(

@@ -21,6 +21,7 @@ from pydantic import (
 from common.errors import InvalidArgumentError, MoeMeshError
 from common.placement import ModelShape, Pair, format_experts, parse_experts
 from moe_mesh.autoscale.policy import Autoscale
+from moe_mesh.planning.deploy.kubernetes_plan import KubernetesPlan
 
 _MAX_INDEX = 65535  # an expert spec index beyond this is a typo, not a model
 
@@ -262,30 +263,6 @@ class NomadPlan(_Strict):
         min_length=1,
         description="the Prometheus that scrapes the mesh (prometheus.yml), as the Nomad "
         "Autoscaler reaches it: the groups' `autoscale` checks query it",
-    )
-
-
-class KubernetesPlan(_Strict):
-    namespace: Name = Field("moe-mesh", description="namespace of every object")
-    model_claim: Name = Field(
-        "moe-mesh-model",
-        description="PersistentVolumeClaim holding the checkpoint (mounted read-only, ReadOnlyMany)",
-    )
-    consul_http_addr: str = Field(
-        "consul-server.consul.svc:8500",
-        min_length=1,
-        description="the cluster's Consul HTTP API (the Consul Helm chart's server service)",
-    )
-    consul_token_secret: Name = Field(
-        "moe-mesh-consul", description="Secret whose `token` key is CONSUL_HTTP_TOKEN, if present"
-    )
-    otlp_endpoint: str = Field(
-        "", description="OTLP collector for traces (OTEL_EXPORTER_OTLP_ENDPOINT); empty: none"
-    )
-    prometheus_adapter_namespace: Name = Field(
-        "monitoring",
-        description="namespace of the Prometheus Adapter's Helm release: the rules it serves the "
-        "groups' HorizontalPodAutoscalers from are rendered there (prometheus-adapter.yaml)",
     )
 
 

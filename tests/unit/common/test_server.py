@@ -1,5 +1,5 @@
-"""GrpcServer.stop against a real server on loopback: its stages share one deadline, on the
-server's clock (a fake one here)."""
+"""GrpcServer against a real server on loopback: a stop's stages share one deadline, on the
+server's clock (a fake one here); the plaintext health port."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import asyncio
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.server import Deadline, GrpcServer, Service
+from common.server import LIVENESS, Deadline, GrpcServer, Service
+from moe_mesh.local import certs
 
 
 def endless_service() -> Service:
@@ -76,3 +78,37 @@ def test_a_deadline_counts_down_on_its_clock() -> None:
     assert deadline.remaining() == 0.5
     now[0] = 9.0
     assert deadline.remaining() == 0.0  # never negative
+
+
+async def test_the_health_port_serves_the_same_statuses_in_plaintext_and_nothing_else(
+    tmp_path,
+) -> None:
+    """Under mutual TLS a plaintext client reaches only the health port, which tells it what the
+    main port's health service says (Kubernetes' gRPC probe has no TLS)."""
+    certs.create(tmp_path, ["expert"])
+    tls = certs.mesh_tls(tmp_path, "expert")
+    server = GrpcServer(
+        [endless_service()], grace_s=0.1, credentials=tls.server_credentials(), health_port=0
+    )
+    await server.start()
+    try:
+        assert server.bound_health_port not in (0, server.bound_port)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.bound_health_port}") as ch:
+            check = health_pb2_grpc.HealthStub(ch).Check
+            for name in ("", "test.Endless", LIVENESS):
+                reply = await check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            await server.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            reply = await check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # the service itself is not there
+                await ch.unary_stream("/test.Endless/Stream")(b"").read()
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        async with grpc.aio.insecure_channel(server.address) as ch:  # the main port wants TLS
+            with pytest.raises(grpc.aio.AioRpcError):
+                await health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(), timeout=2
+                )
+    finally:
+        await server.stop()
+    assert server._health_server is None

@@ -70,6 +70,22 @@ def test_rate_limit_and_priority_cap_per_key(tmp_path) -> None:
         b.admit(7)
 
 
+def test_each_prompt_of_a_list_counts_against_the_keys_rate_all_or_none(tmp_path) -> None:
+    now = [100.0]
+    path = tmp_path / "keys"
+    path.write_text(f"{KEY_A} name=a rpm=3\n")
+    a = ApiKeys(path, clock=lambda: now[0]).authenticate(f"Bearer {KEY_A}")
+    with pytest.raises(InvalidArgumentError, match="prompt: 4 prompts exceed the rate"):
+        a.admit(None, 4)  # more than a minute's worth: no wait would grant it
+    a.admit(None, 2)
+    with pytest.raises(ResourceExhaustedError) as info:
+        a.admit(None, 2)  # one left: none is taken
+    assert info.value.retry_after_s == pytest.approx(20)
+    a.admit(None, 1)
+    now[0] += 40
+    a.admit(None, 2)
+
+
 def test_a_request_asking_no_priority_runs_at_its_keys_cap_when_that_is_below_0(tmp_path) -> None:
     path = tmp_path / "keys"
     path.write_text(f"{KEY_A} name=batch max_priority=-10\n{KEY_B} name=b max_priority=5\n")

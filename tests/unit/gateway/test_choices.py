@@ -4,13 +4,20 @@ and the completions API's logprobs: each token's offset is where it starts in th
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
 from common.errors import InvalidArgumentError, UnavailableError
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
-from gateway.choices import Choices, complete_all, completion_logprobs, requests_for
+from gateway.choices import (
+    Choices,
+    complete_all,
+    completion_logprobs,
+    requests_for,
+    with_sampled,
+)
 from gateway.core import TextRequest
 from tests.support.fakes import FakeRouter, ScriptedRouter, core
 
@@ -39,12 +46,32 @@ def request(max_tokens: int, **kwargs) -> TextRequest:
 
 def test_choice_i_draws_from_seed_plus_i_under_its_own_request_id() -> None:
     base = TextRequest(prompt_token_ids=[1], params=SamplingParams(seed=2**64 - 1), request_id="r")
-    assert [(r.params.seed, r.request_id) for r in requests_for(base, 3)] == [
+    assert [(r.params.seed, r.request_id) for r in requests_for([base], 3)] == [
         (2**64 - 1, "r"),
         (0, "r-1"),
         (1, "r-2"),
     ]
-    assert requests_for(base, 1) == [base]
+    assert requests_for([base], 1) == [base]
+
+
+def test_choice_p_n_plus_i_is_prompt_ps_ith_drawing_as_it_would_alone() -> None:
+    """OpenAI's order for a list of prompts; each prompt's seeds are those it gets alone."""
+    a = TextRequest(prompt_token_ids=[1], params=SamplingParams(seed=5), request_id="r")
+    b = replace(a, prompt_token_ids=[2])
+    got = [(r.prompt_token_ids, r.params.seed, r.request_id) for r in requests_for([a, b], 2)]
+    assert got == [([1], 5, "r"), ([1], 6, "r-1"), ([2], 5, "r-2"), ([2], 6, "r-3")]
+    unnamed = [r.request_id for r in requests_for([replace(a, request_id=""), b], 1)]
+    assert unnamed == ["", "r-1"]
+
+
+def test_the_legacy_top_logprobs_hold_the_sampled_token_as_openais_do(checkpoint) -> None:
+    """Up to logprobs + 1 entries: the sampled token is added when it is not among the top."""
+    tokenizer = Tokenizer(checkpoint("mixtral"))
+    top = ((7, -0.1), (8, -2.0))
+    lp = completion_logprobs([(-3.0, top), (-0.1, top)], tokenizer, [9, 7], 0)
+    assert [list(t.values()) for t in lp["top_logprobs"]] == [[-0.1, -2.0, -3.0], [-0.1, -2.0]]
+    assert list(lp["top_logprobs"][0])[-1] == tokenizer.token_text(9)
+    assert with_sampled(9, -3.0, ()) == [(9, -3.0)]
 
 
 async def test_open_waits_for_the_first_delta_then_merges_every_choice(checkpoint) -> None:

@@ -112,6 +112,57 @@ async def test_n_streamed_choices_each_end_with_their_finish_reason(checkpoint) 
     assert gw.admission.in_flight == 0
 
 
+async def test_a_list_of_prompts_gives_choice_p_n_plus_i_and_usage_over_all(checkpoint) -> None:
+    """Prompts of 2 and 4 ids (the scripted router's tokens depend on the length), n=2 each."""
+    gw = core(checkpoint("mixtral"), [ScriptedRouter("a:1")])
+    sent = {"prompt": [[1, 2], [1, 2, 3, 4]], "max_tokens": 2, "n": 2, "return_token_ids": True}
+    expected = {0: [7, 8], 1: [7, 8], 2: [9, 10], 3: [9, 10]}
+    async with serving(gw) as client:
+        whole = (await client.post("/v1/completions", json=sent)).json()
+        streamed = await client.post(
+            "/v1/completions",
+            json={**sent, "stream": True, "stream_options": {"include_usage": True}},
+        )
+    got = {c["index"]: c["token_ids"] for c in whole["choices"]}
+    assert list(got) == [0, 1, 2, 3] and got == expected
+    assert [c["prompt_token_ids"] for c in whole["choices"]] == [[1, 2]] * 2 + [[1, 2, 3, 4]] * 2
+    assert "prompt_token_ids" not in whole  # which prompt: each choice says
+    usage = {"prompt_tokens": 6, "completion_tokens": 8, "total_tokens": 14}
+    assert whole["usage"] == usage
+    *chunks, last, done = events(streamed.text)
+    tokens: dict[int, list[int]] = {}
+    for chunk in chunks:
+        [choice] = chunk["choices"]
+        tokens.setdefault(choice["index"], []).extend(choice["token_ids"])
+    assert tokens == expected and last["usage"] == usage and done == "[DONE]"
+    assert gw.admission.in_flight == 0
+
+
+async def test_an_unknown_field_is_refused_naming_each_unless_allowed(checkpoint) -> None:
+    sent = {"prompt": "x", "max_tokens": 1, "best_of": 1, "beam_width": 2, "guided_json": {}}
+    async with serving(core(checkpoint("mixtral"), [ScriptedRouter("a:1")])) as client:
+        refused = await client.post("/v1/completions", json=sent)
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["param"] == "beam_width" and error["message"].startswith(
+        "unknown fields 'beam_width', 'guided_json': "
+    )
+    assert "--allow-unknown-fields" in error["message"]
+    lenient = core(checkpoint("mixtral"), [ScriptedRouter("a:1")], allow_unknown_fields=True)
+    async with serving(lenient) as client:
+        assert (await client.post("/v1/completions", json=sent)).status_code == 200
+
+
+async def test_the_openapi_document_and_its_pages_can_be_turned_off(checkpoint) -> None:
+    routers = [ScriptedRouter("a:1")]
+    async with serving(core(checkpoint("mixtral"), routers)) as client:
+        assert (await client.get("/openapi.json")).status_code == 200
+        assert (await client.get("/docs")).status_code == 200
+    async with serving(core(checkpoint("mixtral"), routers, disable_fastapi_docs=True)) as client:
+        for path in ("/openapi.json", "/docs", "/redoc"):
+            assert (await client.get(path)).status_code == 404, path
+
+
 @pytest.mark.parametrize(
     ("path", "sent", "status", "param", "code"),
     [
@@ -126,6 +177,16 @@ async def test_n_streamed_choices_each_end_with_their_finish_reason(checkpoint) 
         ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
         ("/v1/completions", {"prompt": [10**6]}, 400, "prompt", None),
         ("/v1/completions", {"prompt": "x", "tools": [{"type": "x"}]}, 400, "tools", None),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}]},
+            400,
+            "tools",
+            None,
+        ),
+        ("/v1/completions", {"prompt": "x", "beam_width": 2}, 400, "beam_width", None),
+        ("/v1/completions", {"prompt": [[1]] * 65}, 400, "prompt", None),  # max_prompts
+        ("/v1/completions", {"prompt": [[1]] * 20, "n": 4}, 400, "prompt", None),  # > max_in_flight
         ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", None),
         ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", None),
         ("/v1/completions", {"prompt": "x", "model": "other"}, 404, "model", "model_not_found"),

@@ -118,6 +118,19 @@ async def test_a_bad_key_is_refused_before_the_body_and_counted_once() -> None:
     assert core.counted == ["UnauthenticatedError"]
 
 
+async def test_the_openapi_document_and_its_pages_need_the_key_when_keys_are_on() -> None:
+    async with client(app_over(Core(keys="sk-good-key"))) as c:
+        for path in ("/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect"):
+            r = await c.get(path)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        good = {"Authorization": "Bearer sk-good-key"}
+        assert (await c.get("/openapi.json", headers=good)).status_code == 200
+        assert (await c.get("/docs", headers=good)).status_code == 200
+        assert (await c.get("/health")).status_code == 200  # probes stay open
+    async with client(app_over(Core())) as c:  # keys off: open
+        assert (await c.get("/openapi.json")).status_code == 200
+
+
 async def test_an_oversized_body_is_413_by_length_or_as_it_arrives() -> None:
     core = Core()
     async with client(app_over(core)) as h:

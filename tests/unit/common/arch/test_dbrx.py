@@ -181,8 +181,8 @@ def test_broken_checkpoint_names_file_and_tensor(broken, name, replacement, mess
     _rewrite(
         broken, lambda t: t.pop(name) if replacement is None else t.update({name: replacement})
     )
-    ckpt = Checkpoint(broken)
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(CheckpointError) as e:  # a wrong shape already when opened: the headers
+        ckpt = Checkpoint(broken)
         ckpt.load_dense()
         ckpt.load_experts(ckpt.all_expert_pairs())
     assert message in str(e.value) and repr(name) in str(e.value) and str(broken) in str(e.value)

@@ -253,8 +253,10 @@ def test_mxfp4_rows_must_be_whole_blocks(checkpoint, tmp_path) -> None:
     config = _config(path)
     config["intermediate_size"] = 80  # down_proj rows of 80 weights: 2.5 blocks
     (path / "config.json").write_text(json.dumps(config))
-    gate_up = [
-        "model.layers.0.mlp.experts.gate_up_proj" + n for n in ("_bias", "_blocks", "_scales")
+    gate_up = [  # every layer's: the header check (common/arch/shapes.py) sees them all
+        f"model.layers.{i}.mlp.experts.gate_up_proj{n}"
+        for i in range(config["num_hidden_layers"])
+        for n in ("_bias", "_blocks", "_scales")
     ]
     # 2 * 80 rows: the gate and up projections agree with the config, the down one cannot.
     _rewrite(path, lambda t: t.update({n: t[n][:, :160].clone() for n in gate_up}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 
@@ -280,7 +281,9 @@ def test_unreadable_or_empty_files_exit_2(files, tmp_path, capsys) -> None:
     (tmp_path / "empty.jsonl").write_text("\n")
     for flags in ([], ["--list"]):
         assert show(tmp_path / "empty.jsonl", *flags) == 2
-        assert capsys.readouterr().err == "moe-mesh trace show: error: no spans in the files\n"
+        err = capsys.readouterr().err
+        assert err.startswith("moe-mesh trace show: error: no spans in the files (")
+        assert "--trace-sample 1" in err  # the fix: sample every request
 
 
 def test_registered_on_the_moe_mesh_cli(files, capsys) -> None:
@@ -310,3 +313,26 @@ def test_the_default_trace_holds_a_gateway_request_and_control_calls_are_not_lis
     assert "(2 health/Status/Describe calls not shown; --all)" in listed
     everything = trace_view.render_list(spans, everything=True)
     assert "Health/Check" in everything and "ExpertService/Describe" in everything
+
+
+def test_the_ready_file_names_the_span_files(files, tmp_path, capsys) -> None:
+    """`--ready-file` as every other command takes it; a file not written yet is left out."""
+    ready = tmp_path / "mesh.json"
+    gone = tmp_path / "never-started.spans.jsonl"
+    ready.write_text(json.dumps({"trace_files": [*map(str, files.values()), str(gone)]}))
+    assert show("--ready-file", ready) == 0
+    by_ready = capsys.readouterr().out
+    assert show(*files.values()) == 0
+    assert by_ready == capsys.readouterr().out and "services expert, gateway, router" in by_ready
+
+
+def test_a_ready_file_without_spans_or_nothing_at_all_exit_2(tmp_path, capsys) -> None:
+    ready = tmp_path / "mesh.json"
+    ready.write_text(json.dumps({"trace_files": []}))
+    assert show("--ready-file", ready) == 2
+    assert "--ready-file: the mesh of" in capsys.readouterr().err
+    ready.write_text(json.dumps({"gateway_grpc": "127.0.0.1:1"}))
+    assert show("--ready-file", ready) == 2
+    assert "not a ready file of `moe-mesh up` (no trace_files)" in capsys.readouterr().err
+    assert show() == 2
+    assert "give the ready file" in capsys.readouterr().err

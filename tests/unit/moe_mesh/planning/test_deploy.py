@@ -557,12 +557,11 @@ def test_render_writes_checks_and_removes_stale_jobs(
     ]
 
 
-def test_compose_render_writes_dockerfile_and_env_example(tmp_path: Path) -> None:
+def test_compose_render_writes_the_env_example_and_no_dockerfile(tmp_path: Path) -> None:
+    """The image's Dockerfile is a source file of the repository (deploy/compose/Dockerfile), the
+    same for every plan: a render leaves it alone."""
     files = deploy.render(deploy.load_plan(EXAMPLE_PLAN), "compose")
-    assert sorted(files) == [".env.example", "Dockerfile", "docker-compose.yml", "prometheus.yml"]
-    assert "FROM python:3.11-slim" in files["Dockerfile"]
-    assert "pip install" in files["Dockerfile"] and "-c constraints.txt ." in files["Dockerfile"]
-    assert "download.pytorch.org" not in files["Dockerfile"]
+    assert sorted(files) == [".env.example", "docker-compose.yml", "prometheus.yml"]
     env = dict(
         line.split("=", 1)
         for line in files[".env.example"].splitlines()
@@ -720,16 +719,18 @@ def test_kubernetes_manifests_follow_the_plan(tmp_path) -> None:
         assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9400"
         [c] = pod["spec"]["containers"]
         assert _after(c["args"], "--experts") == g.experts
-        assert _after(c["args"], "--advertise-host") == "$(POD_IP)"  # registers its pod IP
-        assert c["readinessProbe"]["grpc"]["port"] == g.port  # the gRPC health service
+        assert _after(c["args"], "--advertise-host") == "$(POD_IP)"
+        assert _after(c["args"], "--registry") == "kubernetes"  # the plan's default discovery
+        assert c["readinessProbe"]["grpc"] == {"port": g.port}  # the gRPC health service
         size = {"cpu": f"{g.resources.cpu_mhz / 1000:g}", "memory": f"{g.resources.memory_mb}Mi"}
         assert c["resources"] == {"requests": size, "limits": size}
         env = {e["name"]: e for e in c["env"]}
-        assert env["CONSUL_HTTP_ADDR"]["value"] == plan.kubernetes.consul_http_addr
-        assert env["CONSUL_HTTP_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
+        assert "CONSUL_HTTP_ADDR" not in env
+        ns = env["MOE_MESH_K8S_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"]
+        assert ns == "metadata.namespace"
         assert objects["Service", f"expert-{g.name}"]["spec"]["clusterIP"] == "None"
         volume = pod["spec"]["volumes"][0]["persistentVolumeClaim"]
-        assert volume == {"claimName": plan.kubernetes.model_claim, "readOnly": True}
+        assert volume == {"claimName": plan.kubernetes.model_volume.claim, "readOnly": True}
     gateway = objects["Service", "gateway"]["spec"]
     assert {p["name"]: p["port"] for p in gateway["ports"]} == {
         "grpc": plan.gateway.grpc_port,
@@ -790,7 +791,7 @@ def test_secured_compose_mounts_every_key_and_certificate_as_a_secret_file() -> 
     assert declared["tls-ca"] == {"file": "./secrets/ca.pem"}
 
 
-def test_secured_kubernetes_pods_project_their_secrets_and_probe_with_tls() -> None:
+def test_secured_kubernetes_pods_project_their_secrets_and_probe_a_plaintext_health_port() -> None:
     plan = deploy.load_plan(EXAMPLE_PLAN)
     objects = _objects(plan)
     for name in [f"expert-{g.name}" for g in plan.expert_groups] + ["router", "gateway"]:
@@ -815,8 +816,11 @@ def test_secured_kubernetes_pods_project_their_secrets_and_probe_with_tls() -> N
         assert mount["readOnly"] and _secret_flags(c["args"], name, mount["mountPath"]) <= set(
             files
         )
-        probe = c["readinessProbe"]["exec"]["command"]
-        assert probe[:2] == ["moe-mesh", "probe"] and "--tls-cert" in probe
+        # The kubelet's gRPC probe has no TLS: it asks the health-only plaintext port.
+        port = plan.kubernetes.health_port
+        assert _after(c["args"], "--health-port") == str(port)
+        assert c["readinessProbe"]["grpc"] == {"port": port}
+        assert {"name": "health", "containerPort": port} in c["ports"]
         assert not any("BEGIN" in str(e.get("value", "")) for e in c["env"])
 
 

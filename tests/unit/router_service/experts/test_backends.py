@@ -37,3 +37,15 @@ def test_live_placement_publishes_colocated_first_then_remote_replicas() -> None
     assert live.missing([(0, 2), (0, 3), (1, 0)]) == [(0, 3), (1, 0)]
     live.set_colocated(ColocatedExperts({}))
     assert sink.tables[-1] == {(0, 1): [a, b], (0, 2): [b]} and len(sink.tables) == 3
+
+
+def test_live_placement_tells_its_listeners_after_each_new_table() -> None:
+    """What the router's EXPERTS_HEALTH follows: each listener sees the new table already there."""
+    sink, a = Sink(), object()
+    live = LivePlacement(sink, ColocatedExperts({(0, 0): None}))
+    seen: list[list] = []
+    live.listeners.append(lambda: seen.append(live.missing([(0, 0), (0, 1)])))
+    live.set_remote({(0, 1): [a]})
+    live.set_colocated(ColocatedExperts({}))
+    live.set_remote({})
+    assert seen == [[], [(0, 0)], [(0, 0), (0, 1)]]

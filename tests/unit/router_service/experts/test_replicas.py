@@ -169,3 +169,50 @@ async def test_a_call_is_not_hedged_to_a_replica_as_busy(model) -> None:
     )
     await asyncio.gather(*(dispatcher.moe_layer(0, hidden(spec, n), layer) for n in (8, 16)))
     assert a.served and b.served and dispatcher.hedges == 0 and dispatcher.ejections == 0
+
+
+async def test_a_call_to_an_expert_with_no_replica_waits_for_one_to_be_placed(model) -> None:
+    """A group scaled to 0 under a running stream: the layer call pauses, and completes with the
+    same output once a replica is placed again (not UNAVAILABLE at once)."""
+    spec, layer, weights = model
+    experts = Recording(weights)
+    x = hidden(spec)
+    want = await ExpertDispatcher(spec, {p: [experts] for p in weights}).moe_layer(0, x, layer)
+    without = {p: [experts] for p in weights if p[1] >= 2}  # experts 0 and 1: no replica
+    policy = DispatchPolicy(missing_expert_wait_s=30)
+    dispatcher = ExpertDispatcher(spec, without, policy=policy)
+    call = asyncio.ensure_future(dispatcher.moe_layer(0, x, layer))
+    await eventually(lambda: dispatcher.replicas.waiting_for_experts == 1, 5, "the call waits")
+    dispatcher.set_placement({**without, (1, 0): [experts]})  # another layer's: still missing
+    await asyncio.sleep(0.05)
+    assert not call.done() and dispatcher.replicas.waiting_for_experts == 1
+    dispatcher.set_placement({p: [experts] for p in weights})
+    assert torch.equal(await asyncio.wait_for(call, 5), want)
+    assert dispatcher.failovers == 0 and dispatcher.replicas.waiting_for_experts == 0
+
+
+async def test_a_missing_expert_fails_once_its_wait_is_over(model) -> None:
+    spec, layer, weights = model
+    without = {p: [Recording(weights)] for p in weights if p[1] >= 2}
+    for wait_s, at_least_s in ((0.0, 0.0), (0.2, 0.2)):  # 0: the old behaviour, at once
+        policy = DispatchPolicy(missing_expert_wait_s=wait_s)
+        dispatcher = ExpertDispatcher(spec, without, policy=policy)
+        began = asyncio.get_running_loop().time()
+        with pytest.raises(ExpertUnavailableError, match="no replica placed"):
+            await dispatcher.moe_layer(0, hidden(spec), layer)
+        took = asyncio.get_running_loop().time() - began
+        assert at_least_s <= took < at_least_s + 2, (wait_s, took)
+
+
+async def test_a_failing_replica_with_no_other_copy_fails_at_once_not_after_a_wait(
+    model,
+) -> None:
+    """Waiting is for experts that no replica serves; a placed replica that fails keeps its
+    semantics (fail over, or fail), however long missing_expert_wait_s is."""
+    spec, layer, weights = model
+    policy = DispatchPolicy(missing_expert_wait_s=30, probe_interval_s=0)
+    dispatcher = ExpertDispatcher(
+        spec, {p: [Recording(weights, fail=True)] for p in weights}, policy=policy
+    )
+    with pytest.raises(ExpertUnavailableError):
+        await asyncio.wait_for(dispatcher.moe_layer(0, hidden(spec), layer), 5)

@@ -1,29 +1,179 @@
-"""The kubernetes target's autoscaling: a HorizontalPodAutoscaler per group with `autoscale` that
-validates offline against the API schemas and carries the policy, a Deployment that leaves the
-count to it, the Prometheus Adapter's rules for each metric used (and the scrape labels they
-need), and nothing of it for a plan without `autoscale`."""
+"""The kubernetes target as operators deploy it: the example plan's manifests validate offline
+(strict) with the kubelet's gRPC probes, the model volume and its fill Job, the gateway's Ingress
+and discovery through EndpointSlices without Consul; `discovery: consul` keeps the Consul render.
+Its autoscaling: a HorizontalPodAutoscaler per group with `autoscale` that carries the policy, a
+Deployment that leaves the count to it, the Prometheus Adapter's rules for each metric used (and
+the scrape labels they need), and nothing of it for a plan without `autoscale`."""
 
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import pytest
 import yaml
 
+from common.server import LIVENESS
 from moe_mesh.autoscale.policy import SERIES
 from moe_mesh.planning import deploy
-from tests.support.plans import EXAMPLE_PLAN, busy_plan, example_raw, plan_of, static_plan
+from moe_mesh.planning.deploy import kubernetes_objects
+from tests.support.plans import (
+    EXAMPLE_PLAN,
+    K8S_VERSION,
+    busy_plan,
+    example_raw,
+    k8s_objects,
+    plan_of,
+    static_plan,
+)
 
-K8S_VERSION = "1.37.0"  # kubernetes-validate carries the API schemas of each release offline
+COMPONENTS = ["expert-hot", "expert-cold", "router", "gateway"]
 
 
-def k8s_objects(plan: deploy.Plan) -> dict[tuple[str, str], dict]:
-    out = {}
-    for text in deploy.render(plan, "kubernetes").values():
-        for obj in yaml.safe_load_all(text):
-            out[obj["kind"], obj["metadata"]["name"]] = obj
-    return out
+def containers(objects: dict, name: str) -> tuple[dict, dict]:
+    pod = objects["Deployment", name]["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    return pod, c
+
+
+def test_the_example_validates_with_grpc_probes_model_volume_ingress_and_no_consul() -> None:
+    import kubernetes_validate
+
+    plan = deploy.load_plan(EXAMPLE_PLAN)
+    objects = k8s_objects(plan)
+    for obj in objects.values():
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    kinds = {k for k, _ in objects}
+    assert {"PersistentVolumeClaim", "Job", "Ingress", "ServiceAccount", "Role"} <= kinds
+    port = plan.kubernetes.health_port  # the example is under TLS: the plaintext health port
+    for name in COMPONENTS:
+        pod, c = containers(objects, name)
+        # The kubelet's own gRPC probes: readiness on the overall service, liveness and startup
+        # on the one that stays SERVING while the process is sound.
+        assert c["readinessProbe"]["grpc"] == {"port": port}
+        assert c["livenessProbe"]["grpc"] == {"port": port, "service": LIVENESS}
+        assert c["startupProbe"]["grpc"] == {"port": port, "service": LIVENESS}
+        assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 600
+        assert not any("exec" in c[p] for p in ("readinessProbe", "livenessProbe", "startupProbe"))
+        # The checkpoint: the claim, read-only, behind the wait for the fill Job's marker.
+        assert {
+            "name": "model",
+            "persistentVolumeClaim": {"claimName": "moe-mesh-model", "readOnly": True},
+        } in pod["volumes"]
+        [wait] = pod["initContainers"]
+        assert (
+            wait["command"][-1] == plan.model.checkpoint
+            and ".moe-mesh-filled" in wait["command"][2]
+        )
+        # Discovery without Consul: the API's EndpointSlices, as the ServiceAccount.
+        assert c["args"][c["args"].index("--registry") + 1] == "kubernetes"
+        env = {e["name"]: e for e in c["env"]}
+        assert not [k for k in env if k.startswith("CONSUL")]
+        assert env["MOE_MESH_K8S_NAMESPACE"]["valueFrom"] == {
+            "fieldRef": {"fieldPath": "metadata.namespace"}
+        }
+        assert pod["serviceAccountName"] == "moe-mesh"
+    for name, kind in [("expert-hot", "expert"), ("expert-cold", "expert"), ("router", "router")]:
+        svc = objects["Service", name]
+        assert svc["metadata"]["labels"]["moe-mesh.io/service"] == f"moe-mesh-{kind}"
+        assert svc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "moe-mesh"
+        assert (
+            svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is False
+        )
+        assert {
+            "name": "grpc",
+            "port": svc["spec"]["ports"][0]["port"],
+            "targetPort": "grpc",
+        } in svc["spec"]["ports"]
+    assert "moe-mesh.io/service" not in objects["Service", "gateway"]["metadata"]["labels"]
+    [rule] = objects["Role", "moe-mesh"]["rules"]
+    assert rule == {
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["get", "list", "watch"],
+    }
+    binding = objects["RoleBinding", "moe-mesh"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "moe-mesh", "namespace": "moe-mesh"}
+    ]
+    claim = objects["PersistentVolumeClaim", "moe-mesh-model"]["spec"]
+    assert claim == {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": "2Gi"}},
+    }
+    [fill] = objects["Job", "moe-mesh-model-fill"]["spec"]["template"]["spec"]["containers"]
+    assert (
+        fill["image"] == "moe-mesh-model:mixtral-small"
+        and "cp -R /checkpoint/. /fill/" in fill["command"][2]
+    )
+    ingress = objects["Ingress", "gateway"]["spec"]
+    assert ingress["ingressClassName"] == "nginx"
+    [rule] = ingress["rules"]
+    assert rule["host"] == "moe-mesh.localhost"
+    assert rule["http"]["paths"][0]["backend"] == {
+        "service": {"name": "gateway", "port": {"name": "http"}}
+    }
+    # The schemas are really checked: a gRPC probe without its port is refused.
+    broken = copy.deepcopy(objects["Deployment", "router"])
+    del broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
+
+
+def test_the_example_validates_on_the_oldest_release_it_documents() -> None:
+    """Kubernetes 1.27: the first release with the kubelet's gRPC probes on by default (GA)."""
+    import kubernetes_validate
+
+    for obj in k8s_objects(deploy.load_plan(EXAMPLE_PLAN)).values():
+        kubernetes_validate.validate(obj, "1.27.0", strict=True)
+
+
+def test_liveness_is_the_name_the_servers_keep_serving() -> None:
+    assert kubernetes_objects.LIVENESS == LIVENESS  # the deploy package does not import grpc
+
+
+def test_discovery_consul_keeps_the_consul_render(tmp_path: Path) -> None:
+    import kubernetes_validate
+
+    raw = example_raw()
+    raw["kubernetes"]["discovery"] = "consul"
+    plan = plan_of(raw, tmp_path)
+    files = deploy.render(plan, "kubernetes")
+    assert "rbac.yaml" not in files
+    objects = k8s_objects(plan)
+    for obj in objects.values():
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    for name in COMPONENTS:
+        pod, c = containers(objects, name)
+        assert c["args"][c["args"].index("--registry") + 1] == "consul"
+        env = {e["name"]: e for e in c["env"]}
+        assert env["CONSUL_HTTP_ADDR"]["value"] == plan.kubernetes.consul_http_addr
+        assert env["CONSUL_HTTP_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
+        assert "MOE_MESH_K8S_NAMESPACE" not in env and "serviceAccountName" not in pod
+        assert "moe-mesh.io/service" not in objects["Service", name]["metadata"]["labels"]
+
+
+def test_without_tls_the_probes_ask_the_service_port_itself(tmp_path: Path) -> None:
+    raw = example_raw()
+    raw.pop("security")
+    plan = plan_of(raw, tmp_path)
+    objects = k8s_objects(plan)
+    _, c = containers(objects, "gateway")
+    assert c["readinessProbe"]["grpc"] == {"port": plan.gateway.grpc_port}
+    assert "--health-port" not in c["args"] and "health" not in {p["name"] for p in c["ports"]}
+    _, c = containers(objects, "expert-cold")
+    assert c["livenessProbe"]["grpc"] == {"port": 50061, "service": LIVENESS}
+
+
+def test_the_startup_budget_and_a_health_port_in_use(tmp_path: Path) -> None:
+    raw = example_raw()
+    raw["kubernetes"]["startup_timeout_s"] = 1805
+    _, c = containers(k8s_objects(plan_of(raw, tmp_path)), "router")
+    assert c["startupProbe"]["failureThreshold"] == math.ceil(1805 / 10)
+    raw["kubernetes"]["health_port"] = 50051
+    with pytest.raises(deploy.PlanError, match=r"health_port 50051 is also router\.port"):
+        deploy.render(plan_of(raw, tmp_path), "kubernetes")
 
 
 @pytest.mark.parametrize("which", ["example", "busy"])
