@@ -11,9 +11,7 @@ not those copies plus every page they were made from.
 
 from __future__ import annotations
 
-import json
 import mmap
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +19,7 @@ from pathlib import Path
 import torch
 
 from common.errors import CheckpointError
+from common.safetensors_header import read_header
 
 DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
@@ -35,7 +34,6 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,  # FP8 checkpoints (DeepSeek-V3, Qwen3 FP8), block-scaled
 }
-MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -130,31 +128,7 @@ class SafetensorsFile:
 
 
 def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(
-                    "corrupt safetensors header: file shorter than 8 bytes", file=str(path)
-                )
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > min(MAX_HEADER_BYTES, size - 8):
-                raise CheckpointError(
-                    f"corrupt safetensors header: header length {header_len} exceeds the file "
-                    f"size {size}",
-                    file=str(path),
-                )
-            header = json.loads(f.read(header_len))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(
-            f"corrupt safetensors header: not valid JSON ({e})", file=str(path)
-        ) from e
-    except OSError as e:
-        raise CheckpointError(f"cannot read safetensors file: {e}", file=str(path)) from e
-    if not isinstance(header, dict):
-        raise CheckpointError("corrupt safetensors header: not a JSON object", file=str(path))
-    data_start = 8 + header_len
+    header, data_start, size = read_header(path)
     metadata = header.pop("__metadata__", None) or {}
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():

@@ -22,9 +22,9 @@ from typing import Any
 from common.arch import load_spec
 from common.arch.spec import ModelSpec
 from common.errors import CheckpointError
+from common.safetensors_header import read_header
 
 INDEX_FILE = "model.safetensors.index.json"
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # as common/safetensors_mmap.py
 # name -> (shape, file name) as the headers give them
 Shapes = Mapping[str, tuple[tuple[int, ...], str]]
 
@@ -356,36 +356,16 @@ def read_index(index: Path) -> dict[str, str]:
 
 
 def _header(path: Path) -> dict[str, tuple[int, ...]]:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(
-                "corrupt safetensors header: file shorter than 8 bytes", file=str(path)
-            )
-        n = int.from_bytes(head, "little")
-        if n > min(MAX_HEADER_BYTES, size - 8):
-            raise CheckpointError(
-                f"corrupt safetensors header: header length {n} exceeds the file ({size} bytes)",
-                file=str(path),
-            )
-        try:
-            header = json.loads(f.read(n))
-            entries = {k: v for k, v in header.items() if k != "__metadata__"}
-            shapes = {k: tuple(int(d) for d in v["shape"]) for k, v in entries.items()}
-            end = max((int(v["data_offsets"][1]) for v in entries.values()), default=0)
-        except (
-            ValueError,
-            UnicodeDecodeError,
-            KeyError,
-            TypeError,
-            IndexError,
-            AttributeError,
-        ) as e:
-            raise CheckpointError(f"corrupt safetensors header: {e!r}", file=str(path)) from e
-    if 8 + n + end > size:
+    header, data_start, size = read_header(path)
+    try:
+        entries = {k: v for k, v in header.items() if k != "__metadata__"}
+        shapes = {k: tuple(int(d) for d in v["shape"]) for k, v in entries.items()}
+        end = max((int(v["data_offsets"][1]) for v in entries.values()), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise CheckpointError(f"corrupt safetensors header: {e!r}", file=str(path)) from e
+    if data_start + end > size:
         raise CheckpointError(
-            f"corrupt safetensors header: its tensors end at byte {8 + n + end}, the file has "
+            f"corrupt safetensors header: its tensors end at byte {data_start + end}, the file has "
             f"{size} (truncated: an interrupted download or copy?)",
             file=str(path),
         )
