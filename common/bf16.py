@@ -41,7 +41,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("bf16_kernel.c", "quant_kernel.c")]
+# bf16_kernel.c includes the others
+_SOURCES = [
+    Path(__file__).with_name(n) for n in ("bf16_kernel.c", "quant_kernel.c", "decode_kernel.c")
+]
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 COLUMNS = 64  # output columns per kernel call: a weight's row count must be a multiple
 PANEL = 32  # rows of a weight packed together (moe_bf16_pack)
@@ -69,6 +72,8 @@ _SIGNATURES = {
     "moe_kv_write": ("iplplplllllpp", False, 0),
     "moe_decode_attention": ("iplppplplllllllfpi", True, 1),
     "moe_decode_step_attention": ("iplppppppplpllllllfpi", True, 1),
+    "moe_route": ("pplllliipp", True, 1),
+    "moe_decode_step": ("ppppppi", True, 1),
 }
 
 
@@ -83,7 +88,7 @@ def library() -> ctypes.CDLL | None:
     """The built kernels, or None where they cannot be built here (no compiler); `kernel` says
     which of them this CPU runs."""
     compiler = os.environ.get("CC", "cc")
-    sources = b"".join(s.read_bytes() for s in _SOURCES)  # quant_kernel.c is included
+    sources = b"".join(s.read_bytes() for s in _SOURCES)
     tag = hashlib.sha256(sources + " ".join([compiler, *_FLAGS]).encode())
     path = cache_dir() / f"bf16-{tag.hexdigest()[:16]}.so"
     try:
@@ -127,7 +132,7 @@ def _build(compiler: str, path: Path) -> None:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *_FLAGS, "-o", tmp, str(_SOURCES[0])],
+            [compiler, *_FLAGS, "-o", tmp, str(_SOURCES[0]), "-lm"],
             capture_output=True,
             text=True,
             timeout=120,
@@ -202,6 +207,35 @@ def group(
     ):
         return None
     return order, tokens, counts.tolist()
+
+
+def route(
+    x: torch.Tensor, weight: torch.Tensor, k: int, renorm: bool, weights_bf16: bool
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The softmax router of bfloat16 tokens x [n, hidden] over a plain weight [experts, hidden]
+    in one call: (experts [n, k] int64, weights [n, k] float32 or bfloat16), the k most probable
+    per token, renormalised with `renorm` (moe.route's rule). The fused decode step routes with
+    the same C function, so both give the same bits. None where the kernel cannot take them."""
+    run = kernel("moe_route")
+    n, hidden = x.shape if x.dim() == 2 else (0, 0)
+    if (
+        run is None
+        or not n
+        or x.dtype != torch.bfloat16
+        or not isinstance(weight, torch.Tensor)
+        or weight.dtype != torch.bfloat16
+        or weight.dim() != 2
+        or weight.shape[1] != hidden
+        or hidden % 16
+        or not 0 < k <= weight.shape[0]
+    ):
+        return None
+    rows, w = dense(x), dense(weight)  # held here while the kernel reads them
+    chosen = torch.empty(n, k, dtype=torch.int64)
+    weights = torch.empty(n, k, dtype=torch.bfloat16 if weights_bf16 else torch.float32)
+    if call(run, rows, w, n, hidden, weight.shape[0], k, renorm, weights_bf16, weights, chosen):
+        raise MemoryError(f"router: no memory for {weight.shape[0]} logits")
+    return chosen, weights
 
 
 FLOATS = (torch.float32, torch.bfloat16)  # what combine and the attention kernels take

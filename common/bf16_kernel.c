@@ -22,6 +22,7 @@
 #ifndef ISA /* the part that does not depend on the instruction set, read once */
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -349,6 +350,8 @@ int moe_decode_step_attention(int bf, const void *qkv, long ldqkv, const void *c
     return moe_decode_attention(bf, qk, rotated * hd, kc, vc, tables, width, lengths, d, kv_heads,
                                 heads / kv_heads, hd, hd, num_blocks, bs, scale, out, threads);
 }
+
+#include "decode_kernel.c" /* a whole decode step in one call */
 
 #else /* ISA is 512 or 256: the vector kernels, for that instruction set */
 
@@ -716,6 +719,14 @@ TARGET static void FN(silu_mul)(const uint16_t *gu, uint16_t *out, long n) {
         vec act = vwiden(vbf16(vdiv(g, vadd(vset(1.0f), e))));
         vstore_bf16(out + i, vmul(act, vload(gu + n + i)));
     }
+}
+
+/* the dot product of bfloat16 rows a, b [n] (n a multiple of 16): 16 float32 lanes of fused
+   products in order, then summed as vsum sums them (the router's logits, decode_kernel.c) */
+TARGET static float FN(dot)(const uint16_t *a, const uint16_t *b, long n) {
+    vec acc = vset(0.0f);
+    for (long i = 0; i < n; i += 16) acc = vfma(vload(a + i), vload(b + i), acc);
+    return vsum(acc);
 }
 
 /* moe_decode_attention's work, for this instruction set */

@@ -56,6 +56,12 @@ def route(
     """Top-k experts and their weights per token, by the family's rule (spec.router)."""
     if spec.router == "sigmoid_group":
         return _route_sigmoid_group(x, router_weight, spec, correction)
+    if spec.router == "softmax" and bias is None:  # bfloat16: one call, the fused step's bits
+        fused = bf16.route(
+            x, router_weight, spec.top_k, spec.norm_topk_prob, not spec.combine_in_fp32
+        )
+        if fused is not None:
+            return Routing(experts=fused[0], weights=fused[1])
     logits = linear(x, router_weight, bias)  # [tokens, experts]
     if spec.router == "topk_softmax":  # gpt-oss: softmax over the k best logits only
         top_logits, top_e = torch.topk(logits, spec.top_k, dim=-1)

@@ -57,6 +57,13 @@ PROCESS_WIDE = [
         "process memory (with a warning); `off`: each process packs its own copy",
     ),
     (
+        "MOE_MESH_FUSED_DECODE",
+        "router",
+        "`on` (default): a decode step of one sequence whose experts are all colocated runs as "
+        "one kernel call where the model allows it (bfloat16 panels, the plain softmax router; "
+        "the same bits as op by op); `off`: always op by op",
+    ),
+    (
         "CC",
         "router, expert service",
         "the C compiler that builds the bfloat16 kernel (default `cc`); none: the kernel is skipped",

@@ -3,6 +3,7 @@ sliding windows and attention sinks where the family has them)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -135,12 +136,19 @@ class AttentionBatch:
     slots: torch.Tensor  # [tokens] int64: cache slot of each token, block * block_size + offset
     prefills: list[Prefill]
     decode_tables: torch.Tensor  # [decodes, blocks] int64: block tables, padded with block 0
-    decode_mask: torch.Tensor  # [decodes, 1, 1, blocks * block_size] bool: the context to attend
     decode_lengths: torch.Tensor  # [decodes] int64: each one's context, its new token included
     num_prefill_tokens: int
+    block_size: int
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of `positions`, filled once
     # Masks of sliding windows and sinks (gpt-oss), made by the first layer that needs each: _mask.
     masks: dict[tuple[int, int | None, bool], torch.Tensor] = field(default_factory=dict)
+
+    @functools.cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """[decodes, 1, 1, blocks * block_size] bool: the context each decode attends. Made by
+        the first layer that reads it: the attention kernels read the lengths instead."""
+        context = torch.arange(self.decode_tables.shape[1] * self.block_size)
+        return (context[None, :] < self.decode_lengths[:, None])[:, None, None, :]
 
 
 def attention(

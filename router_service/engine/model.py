@@ -15,6 +15,8 @@ from common.arch import ModelSpec
 from common.linear import linear, serial_tokens
 from common.moe import expert_ffn
 from common.weights import DenseWeights
+from router_service.engine import fused
+from router_service.engine.fused import FusedDecode
 from router_service.engine.kv_cache import KVCache, block_bytes
 from router_service.engine.layers import (
     AttentionBatch,
@@ -57,26 +59,24 @@ def pack_step(
         runs.append(Prefill(start=start, length=n, blocks=blocks, mask=mask))
     num_prefill = len(tokens)
     tokens += [d[1] for d in decodes]
-    lengths = torch.tensor([d[2] for d in decodes], dtype=torch.int64)
-    width = -(-int(lengths.max()) // block_size) if decodes else 0
-    tables = torch.tensor(
-        [list(t[:width]) + [0] * (width - len(t[:width])) for t, _, _ in decodes],
-        dtype=torch.int64,
-    ).view(len(decodes), width)  # [decodes, blocks]
-    pos = lengths - 1
-    positions.append(pos)
-    slots.append(
-        tables.gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size
-    )
-    context = torch.arange(width * block_size)
+    # The decodes' indices in Python ints, a tensor each at the end: a decode step is mostly
+    # these, and a torch op costs tens of microseconds once the weights streamed through.
+    ends = [d[2] for d in decodes]
+    width = -(-max(ends) // block_size) if decodes else 0
+    padded = [list(t[:width]) + [0] * (width - len(t[:width])) for t, _, _ in decodes]
+    at = [(n - 1, row[(n - 1) // block_size]) for n, row in zip(ends, padded)]
+    positions.append(torch.tensor([p for p, _ in at], dtype=torch.int64))
+    slots.append(torch.tensor([b * block_size + p % block_size for p, b in at], dtype=torch.int64))
+    tables = torch.tensor(padded, dtype=torch.int64).view(len(decodes), width)  # [decodes, blocks]
+    lengths = torch.tensor(ends, dtype=torch.int64)
     attn = AttentionBatch(
-        positions=torch.cat(positions),
-        slots=torch.cat(slots),
+        positions=positions[0] if len(positions) == 1 else torch.cat(positions),
+        slots=slots[0] if len(slots) == 1 else torch.cat(slots),
         prefills=runs,
         decode_tables=tables,
-        decode_mask=(context[None, :] < lengths[:, None])[:, None, None, :],
         decode_lengths=lengths,
         num_prefill_tokens=num_prefill,
+        block_size=block_size,
     )
     rows = [end - 1 for end in itertools.accumulate(r.length for r in runs)] + list(
         range(num_prefill, len(tokens))
@@ -115,6 +115,12 @@ class MoeModel:
             serial_max_tokens = serial_tokens(self.dtype)
         self.serial_max_tokens = serial_max_tokens
         self.rope = Rope(spec, max_model_len, self.dtype)
+        # A one-sequence decode step as one kernel call, where the model allows (engine/fused.py).
+        self.fused = (
+            FusedDecode(spec, weights)
+            if fused.enabled() and not fused.unfit(spec, weights)
+            else None
+        )
 
     def close(self) -> None:
         """Stop the compute thread, if it has one."""
@@ -154,6 +160,8 @@ class MoeModel:
     async def _pass(
         self, batch: StepBatch, cache: KVCache, all_logits: bool, calls: list[CallTimes]
     ) -> torch.Tensor:
+        if (logits := self._in_one_call(batch, cache, all_logits)) is not None:
+            return logits
         s, w = self.spec, self.weights
         # h is the residual stream x normed for what reads it next: each residual addition and
         # the norm after it are one step (add_norm: one kernel call in bfloat16).
@@ -169,6 +177,23 @@ class MoeModel:
             x, h = add_norm(x, delta, self._norm_after(i), s)
         rows = h if all_logits else h[batch.logits_rows]
         return linear(rows, w.lm_head).float()  # [rows, vocab]
+
+    def _in_one_call(
+        self, batch: StepBatch, cache: KVCache, all_logits: bool
+    ) -> torch.Tensor | None:
+        """The pass as one kernel call (engine/fused.py) where it is one decode token, every
+        expert is colocated in one backend and the kernel takes the weights; else None."""
+        one = self.fused
+        if one is None or all_logits or batch.attention.prefills or batch.token_ids.numel() != 1:
+            return None
+        experts = self.dispatcher.all_colocated()
+        if experts is None or not one.bind_experts(experts) or not one.bind_cache(cache):
+            return None
+        self.dispatcher.replicas.check_deadline(batch.deadline)
+        began = time.perf_counter()
+        logits = one.step(int(batch.token_ids[0]), batch.attention, self.rope)
+        self.dispatcher.computed_together(one.chosen.tolist(), time.perf_counter() - began)
+        return logits
 
     @contextmanager
     def _stretch(self, tokens: int, costs: PassCosts) -> Iterator[None]:

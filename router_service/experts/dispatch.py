@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -24,9 +25,9 @@ from common.moe import (
 )
 from common.resilience import Clock
 from common.telemetry import OFF, Telemetry
-from common.weights import LayerWeights
+from common.weights import FFNWeights, LayerWeights
 from router_service.engine.pipeline import CallTimes, Compute, inline, on_loop
-from router_service.experts.backends import ExpertBackend, Placement
+from router_service.experts.backends import ColocatedExperts, ExpertBackend, Placement
 from router_service.experts.metrics import DispatchTelemetry
 from router_service.experts.replicas import DispatchPolicy, Replicas
 from router_service.experts.utilization import UtilizationWindow
@@ -60,6 +61,8 @@ class ExpertDispatcher:
             clock,
         )
         self.prober, self.budget = self.replicas.prober, self.replicas.budget
+        self._sole_for: object = None  # the placement _sole was found in
+        self._sole: ColocatedExperts | None = None
         self.set_placement(placement)
         self.window = window or UtilizationWindow(spec.num_layers, spec.num_experts)
         # [layer][expert]: Python ints, bumped once per MoE layer call (see UtilizationWindow)
@@ -109,7 +112,7 @@ class ExpertDispatcher:
         experts appends what its calls cost to `calls`."""
         routing = route(x, w.router, self.spec, w.router_bias, w.router_correction)
         groups = group_by_expert(routing, self.spec.num_experts)
-        self._count(layer, groups)
+        self._count(layer, [(g.expert, g.size) for g in groups])
         local = self.replicas.colocated(layer, [g.expert for g in groups])
         if not groups:
             outputs: list[torch.Tensor] = []
@@ -125,8 +128,35 @@ class ExpertDispatcher:
             y = y + shared_expert_output(x, w.shared_expert, w.shared_expert_gate)
         return y
 
-    def _count(self, layer: int, groups: list[ExpertGroup]) -> None:
-        routed = [(g.expert, g.size) for g in groups]
+    def all_colocated(self) -> Mapping[tuple[int, int], FFNWeights] | None:
+        """Every routed expert's weights, where one colocated backend is the first choice for all
+        of them and this thread computes for no traced request: a one-sequence decode step can
+        then compute every layer in one call (engine/fused.py), with no call to make or span."""
+        placement = self.replicas.placement
+        if placement is not self._sole_for:  # once per placement: a layer per MoE layer
+            self._sole_for, self._sole = placement, self._sole_backend()
+        if self._sole is None or self.telemetry.tracing():
+            return None
+        return self._sole.weights
+
+    def _sole_backend(self) -> ColocatedExperts | None:
+        experts, sole = range(self.spec.num_experts), None
+        for layer in self.spec.moe_layer_ids:
+            local = self.replicas.colocated(layer, experts)
+            if not isinstance(local, ColocatedExperts) or sole not in (None, local):
+                return None
+            sole = local
+        return sole
+
+    def computed_together(self, chosen: list[list[int]], seconds: float) -> None:
+        """Count a decode step computed in one call (all_colocated): the experts each layer
+        routed its token to, as its layers would have counted them, and one colocated call."""
+        for layer, experts in zip(self.spec.moe_layer_ids, chosen):
+            self._count(layer, [(e, 1) for e in experts])
+        self.replicas.computed_here(sum(len(c) for c in chosen))
+        self.telemetry.colocated_call(seconds)
+
+    def _count(self, layer: int, routed: list[tuple[int, int]]) -> None:
         with self._lock:
             row = self.tokens_routed[layer]
             for expert, n in routed:

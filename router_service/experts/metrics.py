@@ -102,13 +102,19 @@ class DispatchTelemetry:
     def _counter(self, name: str, description: str, read: Callable[[], list[Observation]]) -> None:
         self.meter.create_observable_counter(name, [lambda _: read()], description=description)
 
-    def _tracing(self) -> bool:
+    def tracing(self) -> bool:
+        """Whether this thread computes for a traced request (its layers then get spans)."""
         return self.tracer is not None and trace.get_current_span().is_recording()
+
+    def colocated_call(self, seconds: float) -> None:
+        """Record one colocated expert call of `seconds` made outside `call` (a decode step in
+        one call: its every layer's experts are that one call)."""
+        self._call_s.record(seconds, {"moe.transport": "colocated"})
 
     @contextmanager
     def layer_span(self, layer: int, tokens: int, groups: Sequence[ExpertGroup]) -> Iterator[None]:
         """A `moe.dispatch` span over one MoE layer's expert work, in a traced request."""
-        if not self._tracing():
+        if not self.tracing():
             yield
             return
         attributes = {
@@ -131,7 +137,7 @@ class DispatchTelemetry:
         call = Call("colocated" if backend.local else "grpc")
         start = time.perf_counter()
         try:
-            if not self._tracing():
+            if not self.tracing():
                 yield call
                 return
             attributes = {

@@ -144,6 +144,12 @@ class Replicas:
             self.tokens_colocated += _rows(groups)
         return outputs
 
+    def computed_here(self, rows: int) -> None:
+        """Count `rows` (token, expert) rows computed in this process outside compute_here (a
+        decode step in one call: engine/fused.py)."""
+        with self._lock:
+            self.tokens_colocated += rows
+
     def check_deadline(self, deadline: float | None) -> float:
         """Seconds left until `deadline` (inf without one); DeadlineExceededError once it passed."""
         if deadline is None:

@@ -184,6 +184,41 @@ def test_combine_gives_the_bits_of_torchs_multiply_and_sum(n, k, dtype, weight_d
     assert got.dtype == dtype and torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.parametrize(("experts", "k"), [(8, 2), (128, 8)])
+@pytest.mark.parametrize("renorm", [False, True])
+@pytest.mark.parametrize("weights_bf16", [False, True])
+def test_route_chooses_and_weighs_as_torchs_softmax_top_k(experts, k, renorm, weights_bf16, isa):
+    gen = torch.Generator().manual_seed(experts + k)
+    x = torch.randn(5, 256, generator=gen).bfloat16()
+    w = torch.randn(experts, 256, generator=gen).bfloat16()
+    chosen, weights = bf16.route(x, w, k, renorm, weights_bf16)
+    probs = torch.softmax(reference(x, w, None).float(), dim=-1)
+    top_w, top_e = torch.topk(probs, k, dim=-1)
+    if renorm:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    # The logits are sums in another order than torch's: one may round to the neighbouring
+    # bfloat16, which moves a weight by under 1% and can reorder near-equal experts only.
+    same = (chosen.sort(dim=1).values == top_e.sort(dim=1).values).all(dim=1)
+    assert same.sum() >= 4
+    by_expert = [
+        t.gather(1, e.argsort(dim=1))[same] for t, e in ((weights.float(), chosen), (top_w, top_e))
+    ]
+    assert torch.allclose(*by_expert, rtol=0.02, atol=1e-6)
+    assert weights.dtype == (torch.bfloat16 if weights_bf16 else torch.float32)
+    assert chosen.dtype == torch.int64 and chosen.shape == weights.shape == (5, k)
+
+
+def test_route_leaves_what_it_cannot_take_to_torch() -> None:
+    x, w = torch.randn(2, 64).bfloat16(), torch.randn(8, 64).bfloat16()
+    assert bf16.route(x.float(), w, 2, True, False) is None
+    assert bf16.route(x, w.float(), 2, True, False) is None
+    assert bf16.route(x, w, 9, True, False) is None  # more choices than experts
+    assert (
+        bf16.route(torch.randn(2, 40).bfloat16(), torch.randn(8, 40).bfloat16(), 2, True, False)
+        is None
+    )
+
+
 @pytest.mark.parametrize("n, k, num_experts", [(0, 2, 8), (1, 2, 8), (37, 2, 8), (64, 8, 256)])
 def test_group_sorts_choices_by_expert_as_a_stable_argsort(n, k, num_experts) -> None:
     experts = torch.randint(0, num_experts, (n, k), generator=torch.Generator().manual_seed(n))

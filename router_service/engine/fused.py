@@ -1,0 +1,239 @@
+"""A decode step of one sequence as one kernel call (common/decode_kernel.c).
+
+At batch 1 a step reads every weight it uses once; op by op it is also a few hundred torch and
+ctypes calls, each waking the thread team, about a third of a step on 2 cores. Where the model
+and its placement allow, the whole step (embedding, every layer's attention, routing, experts and
+combine, the LM head) is one call on one thread team, with the op-by-op path's bits.
+
+It takes: bfloat16 in moe-mesh's panels (bf16.Panels for the attention products, any
+moe.fusable expert: bfloat16, int8, int4, FP8), RMSNorm, RoPE over whole heads, q/k norms none
+or per head, the plain softmax router, no shared experts, dense layers, sliding windows, sinks
+or biases, and every routed expert colocated in one backend (engine/model.py checks the
+placement each step). Anything else runs op by op. `MOE_MESH_FUSED_DECODE=off` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Mapping
+
+import torch
+
+from common import bf16
+from common.arch import ModelSpec
+from common.linear import linear
+from common.moe import fusable
+from common.weights import DenseWeights, FFNWeights
+from router_service.engine.kv_cache import KVCache
+from router_service.engine.layers import AttentionBatch, Rope
+
+_L, _I, _F, _P = ctypes.c_long, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+_SIZES = "layers hidden heads kv_heads head_dim experts top_k inter vocab num_blocks block_size"
+_FLAGS = "format dense_format head_format renorm weights_bf16 qk_norm"
+_POINTERS = "qkv o post_norm next_norm q_norm k_norm router cache_k cache_v gate_up gate_up_scales"
+
+
+class _Model(ctypes.Structure):  # decode_kernel.c's moe_model, field for field
+    _fields_ = [
+        *((n, _L) for n in (*_SIZES.split(), "group", "dense_group", "head_group")),
+        *((n, _I) for n in _FLAGS.split()),
+        ("eps", _F),
+        ("scale", _F),
+        *((n, _P) for n in _POINTERS.split()),
+        *((n, _P) for n in ("down", "down_scales", "first_norm", "lm_head")),
+        *((n, _P) for n in ("qkv_scales", "o_scales", "head_scales")),
+    ]
+
+
+class _Token(ctypes.Structure):  # decode_kernel.c's moe_token
+    _fields_ = [
+        *((n, _P) for n in ("embedding", "cos", "sin", "table")),
+        *((n, _L) for n in ("width", "length", "slot")),
+    ]
+
+
+def enabled() -> bool:
+    """MOE_MESH_FUSED_DECODE: `on` (default) runs a one-sequence decode step as one kernel call
+    where the model allows; `off` always op by op."""
+    return os.environ.get("MOE_MESH_FUSED_DECODE", "on").lower() not in ("off", "0", "false", "no")
+
+
+def unfit(spec: ModelSpec, w: DenseWeights) -> str | None:
+    """Why a decode step of this model cannot be one call (None: it can)."""
+    if bf16.kernel("moe_decode_step") is None:
+        return "the kernels do not run here"
+    if spec.mla is not None or spec.norm != "rms" or spec.router != "softmax":
+        return "latent attention, LayerNorm or another router"
+    if spec.qk_norm not in ("none", "per_head") or spec.clip_qkv is not None:
+        return "q/k normed over all heads or clipped"
+    if spec.rope.interleaved or (spec.rope.rotary_dim or spec.head_dim) != spec.head_dim:
+        return "RoPE over part of a head or interleaved"
+    if any(spec.is_sliding(i) for i in range(spec.num_layers)) or spec.head_dim % 16:
+        return "sliding windows, or heads not a multiple of 16"
+    if w.embed.dtype != torch.bfloat16 or spec.hidden_size % 16:
+        return "not bfloat16"
+    norms = [
+        w.embed,
+        w.final_norm,
+        *(n for x in w.layers for n in (x.input_norm, x.post_attention_norm)),
+    ]
+    if not all(t.is_contiguous() for t in norms):
+        return "embeddings or norms not contiguous"
+    for layer in w.layers:
+        a = layer.attention
+        if layer.router is None or layer.shared_expert is not None or layer.dense_mlp is not None:
+            return "a dense layer or shared experts"
+        if layer.router_bias is not None or layer.router_correction is not None:
+            return "a router bias"
+        first = w.layers[0].attention.qkv
+        if any(not _panels(t) or _kind(t) != _kind(first) for t in (a.qkv, a.o)):
+            return "attention weights not in panels of one format"
+        if any(t is not None for t in (a.qkv_bias, a.o_bias, a.sinks)):
+            return "attention biases or sinks"
+    return None
+
+
+def _panels(weight: object) -> bool:
+    """In panels (bfloat16, or common.quant's int8 or int4) that the step's products read."""
+    return isinstance(weight, bf16.Panels) and weight.format in (0, 1, 2)
+
+
+def _kind(weight: bf16.Panels) -> tuple[int, int]:
+    return weight.format, weight.group
+
+
+def _array(pointers: list[int]) -> ctypes.Array:
+    return (_P * len(pointers))(*pointers)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedDecode:
+    """One model's step in one call: its dense part bound once, the KV cache and the experts'
+    weights bound when they change (a new cache, a new placement)."""
+
+    def __init__(self, spec: ModelSpec, w: DenseWeights) -> None:
+        self.spec, self.weights = spec, w
+        s, layers = spec, w.layers
+        m = self.model = _Model()
+        m.layers, m.hidden = len(layers), s.hidden_size
+        m.heads, m.kv_heads = s.num_heads, s.num_kv_heads
+        m.head_dim, m.experts, m.top_k = s.head_dim, s.num_experts, s.top_k
+        m.vocab = w.lm_head.shape[0]
+        m.renorm, m.weights_bf16 = s.norm_topk_prob, not s.combine_in_fp32
+        m.qk_norm, m.eps, m.scale = s.qk_norm == "per_head", s.rms_norm_eps, s.head_dim**-0.5
+        norms_after = [layer.input_norm for layer in layers[1:]] + [w.final_norm]
+        attention = [layer.attention for layer in layers]
+        m.dense_format, m.dense_group = _kind(attention[0].qkv)
+        self._routers = [layer.router.contiguous() for layer in layers]  # held: pointed at
+        arrays = {
+            "qkv": [a.qkv.data for a in attention],
+            "o": [a.o.data for a in attention],
+            "post_norm": [layer.post_attention_norm for layer in layers],
+            "next_norm": norms_after,
+            "router": self._routers,
+        }
+        if m.dense_format:  # int8 or int4 (--quantize-dense)
+            arrays["qkv_scales"] = [a.qkv.scales for a in attention]
+            arrays["o_scales"] = [a.o.scales for a in attention]
+        if m.qk_norm:
+            arrays["q_norm"] = [a.q_norm for a in attention]
+            arrays["k_norm"] = [a.k_norm for a in attention]
+        # Pointer arrays the structure points into, held as long as it is.
+        self._held = {name: _array([t.data_ptr() for t in ts]) for name, ts in arrays.items()}
+        for name, array in self._held.items():
+            setattr(m, name, ctypes.addressof(array))
+        m.first_norm = layers[0].input_norm.data_ptr()
+        head = w.lm_head
+        self.fused_head = _panels(head)  # else an LM head torch computes, after the call
+        if self.fused_head:
+            m.lm_head, m.head_scales = head.data.data_ptr(), _ptr(head.scales)
+            m.head_format, m.head_group = _kind(head)
+        self.token = _Token()
+        self.x = torch.empty(s.hidden_size, dtype=torch.bfloat16)
+        self.h = torch.empty(s.hidden_size, dtype=torch.bfloat16)
+        self.logits = torch.empty(m.vocab, dtype=torch.bfloat16)
+        self.chosen = torch.empty(m.layers, s.top_k, dtype=torch.int64)
+        self._cache: KVCache | None = None
+        self._experts: Mapping | None = None
+
+    def bind_cache(self, cache: KVCache) -> bool:
+        """Point the step at `cache`; False where the kernel cannot read it."""
+        if cache is self._cache:
+            return True
+        k, v = cache.k, cache.v
+        if {k.dtype, v.dtype} != {torch.bfloat16} or not (k.is_contiguous() and v.is_contiguous()):
+            return False
+        if cache.v_dim != cache.head_dim or cache.head_dim != self.spec.head_dim:
+            return False
+        m = self.model
+        m.num_blocks, m.block_size = cache.num_blocks, cache.block_size
+        self._held["cache_k"] = _array([k[i].data_ptr() for i in range(m.layers)])
+        self._held["cache_v"] = _array([v[i].data_ptr() for i in range(m.layers)])
+        m.cache_k = ctypes.addressof(self._held["cache_k"])
+        m.cache_v = ctypes.addressof(self._held["cache_v"])
+        self._cache = cache
+        return True
+
+    def bind_experts(self, experts: Mapping[tuple[int, int], FFNWeights]) -> bool:
+        """Point the step at these experts' weights (every layer's every expert); False where
+        the kernel cannot take them all (then the step runs op by op)."""
+        if experts is self._experts:
+            return True
+        m, s = self.model, self.spec
+        keys = [(layer, e) for layer in range(m.layers) for e in range(s.num_experts)]
+        ffns = [experts.get(key) for key in keys]
+        if any(f is None or not fusable(f) for f in ffns):
+            return False
+        first = ffns[0]
+        inter = first.down.shape[1]
+        for f in ffns:
+            if (f.gate_up.format, f.gate_up.group) != (first.gate_up.format, first.gate_up.group):
+                return False
+            if (f.down.format, f.down.group) != (f.gate_up.format, f.gate_up.group):
+                return False
+            if f.gate_up.shape != (2 * inter, m.hidden) or f.down.shape != (m.hidden, inter):
+                return False
+        m.format, m.group, m.inter = first.gate_up.format, first.gate_up.group, inter
+        quantized = first.gate_up.scales is not None
+        for name, part in (("gate_up", "gate_up"), ("down", "down")):
+            self._held[name] = _array([getattr(f, part).data.data_ptr() for f in ffns])
+            setattr(m, name, ctypes.addressof(self._held[name]))
+            scales = None
+            if quantized:
+                pointers = [getattr(f, part).scales.data_ptr() for f in ffns]
+                self._held[name + "_scales"] = _array(pointers)
+                scales = ctypes.addressof(self._held[name + "_scales"])
+            setattr(m, name + "_scales", scales)
+        self._experts = experts
+        return True
+
+    def step(self, token: int, batch: AttentionBatch, rope: Rope) -> torch.Tensor:
+        """Float32 logits [1, vocab] of the step's one decode token; the experts each layer
+        routed it to are in `chosen` [layers, top_k] until the next step."""
+        t, hd = self.token, self.spec.head_dim
+        position, length = int(batch.positions[0]), int(batch.decode_lengths[0])
+        t.embedding = self.weights.embed.data_ptr() + token * self.model.hidden * 2
+        t.cos = rope.cos.data_ptr() + position * hd * 2
+        t.sin = rope.sin.data_ptr() + position * hd * 2
+        tables = bf16.dense(batch.decode_tables)
+        t.table, t.width = tables.data_ptr(), tables.shape[1]
+        t.length, t.slot = length, int(batch.slots[0])
+        run = bf16.kernel("moe_decode_step")
+        failed = run(
+            ctypes.byref(self.model),
+            ctypes.byref(t),
+            self.x.data_ptr(),
+            self.h.data_ptr(),
+            self.logits.data_ptr(),
+            self.chosen.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("decode step: no memory for its intermediates")
+        if self.fused_head:
+            return self.logits.float()[None]
+        return linear(self.h[None], self.weights.lm_head).float()

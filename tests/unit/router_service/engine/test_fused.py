@@ -1,0 +1,123 @@
+"""A one-sequence decode step as one kernel call (engine/fused.py): the op-by-op path's bits and
+routing counts in bfloat16 and with int8 and int4 experts (and dense layers), only where every expert is colocated
+and the step is one decode token, and never for a model the kernel does not take."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from common import bf16
+from common import linear as L
+from router_service import build
+from router_service.engine import fused
+from router_service.engine.model import MoeModel, pack_step
+from router_service.settings import RouterSettings
+from tests.support.backends import Recording
+
+BLOCK = 4
+PROMPT = [5, 9, 11, 3, 7, 2]
+
+
+@pytest.fixture
+def panels(monkeypatch):
+    """Weights in moe-mesh's panels, as a host where they are measured fastest holds them."""
+    if bf16.kernel("moe_decode_step") is None:
+        pytest.skip("no C compiler or no AVX2 here: no bfloat16 panels")
+    monkeypatch.setenv("MOE_MESH_PREPACK", "panels")
+    L.panels.cache_clear()
+    yield
+    L.panels.cache_clear()
+
+
+def model(path, one_call: bool = True, placement=None, **settings) -> MoeModel:
+    s = RouterSettings(checkpoint=path, dtype="bfloat16", max_model_len=64, **settings)
+    m = build.build_model(build._open(s), s, placement)
+    if not one_call:
+        m.fused = None
+    return m
+
+
+def decode(m: MoeModel, steps: int, sequences: int = 1) -> tuple[list[torch.Tensor], int]:
+    """Greedy logits of `steps` decode steps after the prompt's prefill, and how many of those
+    steps ran as one call."""
+    calls = 0
+    if m.fused is not None:
+        step = m.fused.step
+
+        def counted(*args):
+            nonlocal calls
+            calls += 1
+            return step(*args)
+
+        m.fused.step = counted
+
+    async def run() -> list[torch.Tensor]:
+        cache, out = m.new_cache(64, BLOCK), []
+        tables = [list(range(s * 16, s * 16 + 16)) for s in range(sequences)]
+        prefills = [(t, 0, PROMPT) for t in tables]
+        logits = await m.forward(pack_step(prefills, [], BLOCK), cache)
+        for n in range(len(PROMPT) + 1, len(PROMPT) + 1 + steps):
+            tokens = logits.argmax(dim=-1).tolist()
+            decodes = [(t, token, n) for t, token in zip(tables, tokens)]
+            logits = await m.forward(pack_step([], decodes, BLOCK), cache)
+            out.append(logits)
+        return out
+
+    try:
+        return asyncio.run(run()), calls
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize(
+    "arch, quantize, dense",
+    [
+        ("mixtral", "none", False),
+        ("qwen3_moe", "none", False),
+        ("mixtral", "int8", False),
+        ("qwen3_moe", "int4", False),
+        ("mixtral", "int4", True),
+        ("qwen3_moe", "int8", True),
+    ],
+)
+def test_a_decode_step_in_one_call_gives_the_op_by_op_bits(
+    panels, checkpoint, arch, quantize, dense
+):
+    path = checkpoint(arch)
+    extra = dict(quantize=quantize, quantize_group_size=32, quantize_dense=dense)
+    one, op_by_op = model(path, **extra), model(path, one_call=False, **extra)
+    assert one.fused is not None, fused.unfit(one.spec, one.weights)
+    got, calls = decode(one, 6)
+    want, _ = decode(op_by_op, 6)
+    assert calls == 6
+    assert all(torch.equal(g, w) for g, w in zip(got, want)) and len(got) == 6
+    assert got[0].dtype == torch.float32 and got[0].shape == (1, one.spec.vocab_size)
+    a, b = one.dispatcher, op_by_op.dispatcher
+    assert a.routed_counts() == b.routed_counts()
+    assert a.tokens_colocated == b.tokens_colocated > 0
+
+
+def test_two_sequences_or_a_remote_expert_run_op_by_op_with_the_same_bits(panels, checkpoint):
+    path = checkpoint("mixtral")
+    here = model(path)
+    weights = {p: w for p, w in here.dispatcher.placement.items()}
+    experts = build._open(RouterSettings(checkpoint=path, dtype="bfloat16")).load_experts([(0, 3)])
+    remote = {**weights, (0, 3): [Recording(experts)]}  # one expert elsewhere
+    got, calls = decode(model(path, placement=remote), 3)
+    want, _ = decode(here, 3)
+    assert calls == 0 and all(torch.equal(g, w) for g, w in zip(got, want))
+    _, calls = decode(model(path), 3, sequences=2)
+    assert calls == 0
+
+
+def test_models_the_kernel_does_not_take_run_op_by_op(panels, checkpoint, monkeypatch):
+    shared = model(checkpoint("qwen2_moe"))
+    assert shared.fused is None
+    assert fused.unfit(shared.spec, shared.weights) == "a dense layer or shared experts"
+    s = RouterSettings(checkpoint=checkpoint("mixtral"), dtype="float32", max_model_len=64)
+    assert build.build_model(build._open(s), s).fused is None  # float32: token-exact with torch
+    monkeypatch.setenv("MOE_MESH_FUSED_DECODE", "off")
+    assert model(checkpoint("mixtral")).fused is None
