@@ -72,7 +72,7 @@ _SIGNATURES = {
     "moe_kv_write": ("iplplplllllpp", False, 0),
     "moe_decode_attention": ("iplppplplllllllfpi", True, 1),
     "moe_decode_step_attention": ("iplppppppplpllllllfpi", True, 1),
-    "moe_route": ("pplllliipp", True, 1),
+    "moe_route": ("pplllliippi", True, 1),
     "moe_decode_step": ("ppppppi", True, 1),
 }
 
@@ -223,6 +223,7 @@ def route(
         or not n
         or x.dtype != torch.bfloat16
         or not isinstance(weight, torch.Tensor)
+        or weight.is_mkldnn
         or weight.dtype != torch.bfloat16
         or weight.dim() != 2
         or weight.shape[1] != hidden
@@ -233,7 +234,8 @@ def route(
     rows, w = dense(x), dense(weight)  # held here while the kernel reads them
     chosen = torch.empty(n, k, dtype=torch.int64)
     weights = torch.empty(n, k, dtype=torch.bfloat16 if weights_bf16 else torch.float32)
-    if call(run, rows, w, n, hidden, weight.shape[0], k, renorm, weights_bf16, weights, chosen):
+    shape = (n, hidden, weight.shape[0], k, renorm, weights_bf16)
+    if call(run, rows, w, *shape, weights, chosen, torch.get_num_threads()):
         raise MemoryError(f"router: no memory for {weight.shape[0]} logits")
     return chosen, weights
 

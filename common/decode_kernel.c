@@ -75,21 +75,30 @@ static float router_logit(const uint16_t *x, const uint16_t *w, long hidden) {
 }
 
 /* The router of n tokens x [n][hidden] over weight [experts][hidden] (bfloat16, hidden a
-   multiple of 16): route_token of each token's logits into weights [n][k] and chosen [n][k].
-   The op-by-op path's routing, so that both give the same experts and weights. -1 without
-   memory. */
+   multiple of 16): route_token of each token's logits into weights [n][k] and chosen [n][k],
+   the tokens split over `threads`. The op-by-op path's routing, so that both give the same
+   experts and weights. -1 without memory. */
 int moe_route(const uint16_t *x, const uint16_t *w, long n, long hidden, long experts, long k,
-              int renorm, int weights_bf16, void *weights, int64_t *chosen) {
-    float *logits = malloc(sizeof(float) * 2 * experts);
-    if (!logits) return -1;
-    for (long t = 0; t < n; t++) {
-        for (long e = 0; e < experts; e++)
-            logits[e] = router_logit(x + t * hidden, w + e * hidden, hidden);
-        route_token(logits, logits + experts, experts, k, renorm, weights_bf16,
-                    (char *)weights + t * k * (weights_bf16 ? 2 : 4), chosen + t * k);
+              int renorm, int weights_bf16, void *weights, int64_t *chosen, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (n * experts * hidden >= 1 << 20)
+    {
+        float *logits = malloc(sizeof(float) * 2 * experts);
+        if (!logits) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (long t = 0; t < n; t++) {
+            if (!logits) continue;
+            for (long e = 0; e < experts; e++)
+                logits[e] = router_logit(x + t * hidden, w + e * hidden, hidden);
+            route_token(logits, logits + experts, experts, k, renorm, weights_bf16,
+                        (char *)weights + t * k * (weights_bf16 ? 2 : 4), chosen + t * k);
+        }
+        free(logits);
     }
-    free(logits);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* 64-column block c of the one-row product xf . W^T into y (n columns), W [n][k] in `format` */

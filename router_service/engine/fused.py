@@ -71,15 +71,14 @@ def unfit(spec: ModelSpec, w: DenseWeights) -> str | None:
         return "RoPE over part of a head or interleaved"
     if any(spec.is_sliding(i) for i in range(spec.num_layers)) or spec.head_dim % 16:
         return "sliding windows, or heads not a multiple of 16"
-    if w.embed.dtype != torch.bfloat16 or spec.hidden_size % 16:
-        return "not bfloat16"
-    norms = [
-        w.embed,
-        w.final_norm,
-        *(n for x in w.layers for n in (x.input_norm, x.post_attention_norm)),
-    ]
-    if not all(t.is_contiguous() for t in norms):
-        return "embeddings or norms not contiguous"
+    if not 0 < spec.top_k <= min(16, spec.num_experts) or spec.hidden_size % 16:
+        return "more than 16 experts a token"  # combine sums up to 16 choices as torch does
+    read = [w.embed, w.final_norm]  # what the kernel reads as bfloat16 rows, as they are
+    for x in w.layers:
+        read += [x.input_norm, x.post_attention_norm, x.router]
+        read += [x.attention.q_norm, x.attention.k_norm] if spec.qk_norm == "per_head" else []
+    if not all(_plain_bf16(t) for t in read):
+        return "embeddings, norms or routers not plain bfloat16"
     for layer in w.layers:
         a = layer.attention
         if layer.router is None or layer.shared_expert is not None or layer.dense_mlp is not None:
@@ -92,6 +91,15 @@ def unfit(spec: ModelSpec, w: DenseWeights) -> str | None:
         if any(t is not None for t in (a.qkv_bias, a.o_bias, a.sinks)):
             return "attention biases or sinks"
     return None
+
+
+def _plain_bf16(t: object) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and t.dtype == torch.bfloat16
+        and not t.is_mkldnn
+        and t.is_contiguous()
+    )
 
 
 def _panels(weight: object) -> bool:
@@ -158,7 +166,8 @@ class FusedDecode:
         self.logits = torch.empty(m.vocab, dtype=torch.bfloat16)
         self.chosen = torch.empty(m.layers, s.top_k, dtype=torch.int64)
         self._cache: KVCache | None = None
-        self._experts: Mapping | None = None
+        self._experts: Mapping | None = None  # bound
+        self._refused: Mapping | None = None  # the current ones, which the kernel cannot take
 
     def bind_cache(self, cache: KVCache) -> bool:
         """Point the step at `cache`; False where the kernel cannot read it."""
@@ -183,10 +192,14 @@ class FusedDecode:
         the kernel cannot take them all (then the step runs op by op)."""
         if experts is self._experts:
             return True
+        if experts is self._refused:  # checked once per placement, not once per step
+            return False
+        self.unbind_experts()
+        self._refused = experts
         m, s = self.model, self.spec
         keys = [(layer, e) for layer in range(m.layers) for e in range(s.num_experts)]
         ffns = [experts.get(key) for key in keys]
-        if any(f is None or not fusable(f) for f in ffns):
+        if any(f is None or not fusable(f) or not _panels(f.down) for f in ffns):
             return False
         first = ffns[0]
         inter = first.down.shape[1]
@@ -208,14 +221,26 @@ class FusedDecode:
                 self._held[name + "_scales"] = _array(pointers)
                 scales = ctypes.addressof(self._held[name + "_scales"])
             setattr(m, name + "_scales", scales)
-        self._experts = experts
+        self._experts, self._refused = experts, None
         return True
+
+    def unbind_experts(self) -> None:
+        """Hold no expert's weights (they moved away): bind_experts again before a step."""
+        if self._experts is None and self._refused is None:
+            return
+        self._experts = self._refused = None
+        for name in ("gate_up", "down", "gate_up_scales", "down_scales"):
+            self._held.pop(name, None)
+            setattr(self.model, name, None)
 
     def step(self, token: int, batch: AttentionBatch, rope: Rope) -> torch.Tensor:
         """Float32 logits [1, vocab] of the step's one decode token; the experts each layer
         routed it to are in `chosen` [layers, top_k] until the next step."""
         t, hd = self.token, self.spec.head_dim
         position, length = int(batch.positions[0]), int(batch.decode_lengths[0])
+        # Read in place, unchecked by the kernel: what indexing them in torch would refuse.
+        if not (0 <= token < self.weights.embed.shape[0] and 0 <= position < rope.cos.shape[0]):
+            raise IndexError(f"token {token} or position {position} out of range")
         t.embedding = self.weights.embed.data_ptr() + token * self.model.hidden * 2
         t.cos = rope.cos.data_ptr() + position * hd * 2
         t.sin = rope.sin.data_ptr() + position * hd * 2

@@ -151,10 +151,13 @@ class MoeModel:
         costs = costs or PassCosts()
         costs.moe_layers = max(1, len(self.spec.moe_layer_ids))
         tokens = batch.token_ids.numel()
+        # A step in one call (_in_one_call) wakes the threads once, not once per op: it gains
+        # from all of them however few its tokens (on 2 cores, 1.4x at one token).
+        one_call = self.fused is not None and tokens == 1 and not batch.attention.prefills
         return await run_stretches(
             self.compute,
             self._pass(batch, cache, all_logits, costs.remote),
-            lambda: self._stretch(tokens, costs),
+            lambda: self._stretch(tokens, costs, serial_ok=not one_call),
         )
 
     async def _pass(
@@ -184,25 +187,29 @@ class MoeModel:
         """The pass as one kernel call (engine/fused.py) where it is one decode token, every
         expert is colocated in one backend and the kernel takes the weights; else None."""
         one = self.fused
-        if one is None or all_logits or batch.attention.prefills or batch.token_ids.numel() != 1:
+        if one is None:
             return None
         experts = self.dispatcher.all_colocated()
-        if experts is None or not one.bind_experts(experts) or not one.bind_cache(cache):
+        if experts is None:  # let go of experts a re-tiering moved away
+            one.unbind_experts()
+            return None
+        if all_logits or batch.attention.prefills or batch.token_ids.numel() != 1:
+            return None
+        if self.dispatcher.traced() or not (one.bind_experts(experts) and one.bind_cache(cache)):
             return None
         self.dispatcher.replicas.check_deadline(batch.deadline)
-        began = time.perf_counter()
         logits = one.step(int(batch.token_ids[0]), batch.attention, self.rope)
-        self.dispatcher.computed_together(one.chosen.tolist(), time.perf_counter() - began)
+        self.dispatcher.computed_together(one.chosen.tolist())
         return logits
 
     @contextmanager
-    def _stretch(self, tokens: int, costs: PassCosts) -> Iterator[None]:
+    def _stretch(self, tokens: int, costs: PassCosts, serial_ok: bool = True) -> Iterator[None]:
         """One stretch of a pass of `tokens` tokens on the compute thread, timed into `costs`."""
         began = time.perf_counter()
         threads = torch.get_num_threads()
         # A pass this small is bound by memory bandwidth: where one core reads most of it, waking
         # the other threads for each of its hundreds of ops costs more than they add.
-        serial = threads > 1 and tokens <= self.serial_max_tokens
+        serial = serial_ok and threads > 1 and tokens <= self.serial_max_tokens
         if serial:
             torch.set_num_threads(1)
         try:

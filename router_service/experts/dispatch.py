@@ -61,8 +61,6 @@ class ExpertDispatcher:
             clock,
         )
         self.prober, self.budget = self.replicas.prober, self.replicas.budget
-        self._sole_for: object = None  # the placement _sole was found in
-        self._sole: ColocatedExperts | None = None
         self.set_placement(placement)
         self.window = window or UtilizationWindow(spec.num_layers, spec.num_experts)
         # [layer][expert]: Python ints, bumped once per MoE layer call (see UtilizationWindow)
@@ -86,6 +84,10 @@ class ExpertDispatcher:
     def set_placement(self, placement: Placement) -> None:
         """Swap in a new placement table (one assignment: a layer call in flight keeps the old one)."""
         self.replicas.set_placement(placement)
+        # all_colocated's answer for this table, found on first use; nothing of the old table
+        # held meanwhile (a demoted expert's weights are freed once its calls are done).
+        self._sole: ColocatedExperts | None = None
+        self._sole_known = False
         # Whether some expert is served only remotely, so a step may wait on the network.
         self.remote = any(not r[0].local for r in self.replicas.placement.values() if r)
 
@@ -130,14 +132,15 @@ class ExpertDispatcher:
 
     def all_colocated(self) -> Mapping[tuple[int, int], FFNWeights] | None:
         """Every routed expert's weights, where one colocated backend is the first choice for all
-        of them and this thread computes for no traced request: a one-sequence decode step can
-        then compute every layer in one call (engine/fused.py), with no call to make or span."""
-        placement = self.replicas.placement
-        if placement is not self._sole_for:  # once per placement: a layer per MoE layer
-            self._sole_for, self._sole = placement, self._sole_backend()
-        if self._sole is None or self.telemetry.tracing():
-            return None
-        return self._sole.weights
+        of them: a one-sequence decode step can then compute every layer in one call
+        (engine/fused.py), with no call to make. Found once per placement table."""
+        if not self._sole_known:
+            self._sole, self._sole_known = self._sole_backend(), True
+        return None if self._sole is None else self._sole.weights
+
+    def traced(self) -> bool:
+        """Whether this thread computes for a traced request (its layers then get spans)."""
+        return self.telemetry.tracing()
 
     def _sole_backend(self) -> ColocatedExperts | None:
         experts, sole = range(self.spec.num_experts), None
@@ -148,13 +151,13 @@ class ExpertDispatcher:
             sole = local
         return sole
 
-    def computed_together(self, chosen: list[list[int]], seconds: float) -> None:
+    def computed_together(self, chosen: list[list[int]]) -> None:
         """Count a decode step computed in one call (all_colocated): the experts each layer
-        routed its token to, as its layers would have counted them, and one colocated call."""
+        routed its token to, as its layers would have counted them. It made no expert call, so
+        the call durations record none."""
         for layer, experts in zip(self.spec.moe_layer_ids, chosen):
             self._count(layer, [(e, 1) for e in experts])
         self.replicas.computed_here(sum(len(c) for c in chosen))
-        self.telemetry.colocated_call(seconds)
 
     def _count(self, layer: int, routed: list[tuple[int, int]]) -> None:
         with self._lock:

@@ -106,11 +106,6 @@ class DispatchTelemetry:
         """Whether this thread computes for a traced request (its layers then get spans)."""
         return self.tracer is not None and trace.get_current_span().is_recording()
 
-    def colocated_call(self, seconds: float) -> None:
-        """Record one colocated expert call of `seconds` made outside `call` (a decode step in
-        one call: its every layer's experts are that one call)."""
-        self._call_s.record(seconds, {"moe.transport": "colocated"})
-
     @contextmanager
     def layer_span(self, layer: int, tokens: int, groups: Sequence[ExpertGroup]) -> Iterator[None]:
         """A `moe.dispatch` span over one MoE layer's expert work, in a traced request."""

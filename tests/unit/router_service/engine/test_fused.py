@@ -121,3 +121,16 @@ def test_models_the_kernel_does_not_take_run_op_by_op(panels, checkpoint, monkey
     assert build.build_model(build._open(s), s).fused is None  # float32: token-exact with torch
     monkeypatch.setenv("MOE_MESH_FUSED_DECODE", "off")
     assert model(checkpoint("mixtral")).fused is None
+
+
+def test_experts_a_new_placement_moves_away_are_let_go(panels, checkpoint):
+    path = checkpoint("mixtral")
+    m = model(path)
+    experts = m.dispatcher.all_colocated()
+    assert m.fused.bind_experts(experts) and m.fused.model.gate_up
+    remote = build._open(RouterSettings(checkpoint=path, dtype="bfloat16")).load_experts([(0, 3)])
+    m.dispatcher.set_placement({**m.dispatcher.placement, (0, 3): [Recording(remote)]})
+    assert m.dispatcher.all_colocated() is None
+    _, calls = decode(m, 1)
+    # Nothing of the old table held: a demoted expert's weights can be freed.
+    assert calls == 0 and m.fused._experts is None and not m.fused.model.gate_up
