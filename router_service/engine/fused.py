@@ -5,11 +5,11 @@ ctypes calls, each waking the thread team, about a third of a step on 2 cores. W
 and its placement allow, the whole step (embedding, every layer's attention, routing, experts and
 combine, the LM head) is one call on one thread team, with the op-by-op path's bits.
 
-It takes: bfloat16 in moe-mesh's panels (bf16.Panels for the attention products, any
-moe.fusable expert: bfloat16, int8, int4, FP8), RMSNorm, RoPE over whole heads, q/k norms none
-or per head, the plain softmax router, no shared experts, dense layers, sliding windows, sinks
-or biases, and every routed expert colocated in one backend (engine/model.py checks the
-placement each step). Anything else runs op by op. `MOE_MESH_FUSED_DECODE=off` turns it off.
+It takes: weights in moe-mesh's panels (bfloat16, or int8 and int4 from --quantize and
+--quantize-dense; FP8 experts run op by op), RMSNorm, RoPE over whole heads, q/k norms none or
+per head, the plain softmax router, no shared experts, dense layers, sliding windows, sinks or
+biases, and every routed expert colocated in one backend (engine/model.py checks the placement
+each pass). Anything else runs op by op. `MOE_MESH_FUSED_DECODE=off` turns it off.
 """
 
 from __future__ import annotations
@@ -79,13 +79,13 @@ def unfit(spec: ModelSpec, w: DenseWeights) -> str | None:
         read += [x.attention.q_norm, x.attention.k_norm] if spec.qk_norm == "per_head" else []
     if not all(_plain_bf16(t) for t in read):
         return "embeddings, norms or routers not plain bfloat16"
+    first = w.layers[0].attention.qkv
     for layer in w.layers:
         a = layer.attention
         if layer.router is None or layer.shared_expert is not None or layer.dense_mlp is not None:
             return "a dense layer or shared experts"
         if layer.router_bias is not None or layer.router_correction is not None:
             return "a router bias"
-        first = w.layers[0].attention.qkv
         if any(not _panels(t) or _kind(t) != _kind(first) for t in (a.qkv, a.o)):
             return "attention weights not in panels of one format"
         if any(t is not None for t in (a.qkv_bias, a.o_bias, a.sinks)):

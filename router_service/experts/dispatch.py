@@ -86,8 +86,8 @@ class ExpertDispatcher:
         self.replicas.set_placement(placement)
         # all_colocated's answer for this table, found on first use; nothing of the old table
         # held meanwhile (a demoted expert's weights are freed once its calls are done).
+        self._sole_for: Placement | None = None
         self._sole: ColocatedExperts | None = None
-        self._sole_known = False
         # Whether some expert is served only remotely, so a step may wait on the network.
         self.remote = any(not r[0].local for r in self.replicas.placement.values() if r)
 
@@ -133,22 +133,26 @@ class ExpertDispatcher:
     def all_colocated(self) -> Mapping[tuple[int, int], FFNWeights] | None:
         """Every routed expert's weights, where one colocated backend is the first choice for all
         of them: a one-sequence decode step can then compute every layer in one call
-        (engine/fused.py), with no call to make. Found once per placement table."""
-        if not self._sole_known:
-            self._sole, self._sole_known = self._sole_backend(), True
+        (engine/fused.py), with no call to make. Found once per placement table (on the
+        compute thread, while the loop may swap the table: the answer names the table it is for)."""
+        placement = self.replicas.placement
+        if self._sole_for is not placement:
+            self._sole_for, self._sole = placement, self._sole_backend(placement)
         return None if self._sole is None else self._sole.weights
 
     def traced(self) -> bool:
         """Whether this thread computes for a traced request (its layers then get spans)."""
         return self.telemetry.tracing()
 
-    def _sole_backend(self) -> ColocatedExperts | None:
-        experts, sole = range(self.spec.num_experts), None
+    def _sole_backend(self, placement: Placement) -> ColocatedExperts | None:
+        sole = None
         for layer in self.spec.moe_layer_ids:
-            local = self.replicas.colocated(layer, experts)
-            if not isinstance(local, ColocatedExperts) or sole not in (None, local):
-                return None
-            sole = local
+            for expert in range(self.spec.num_experts):
+                first = (placement.get((layer, expert)) or (None,))[0]
+                here = isinstance(first, ColocatedExperts) and first.local
+                if not here or sole not in (None, first):
+                    return None
+                sole = first
         return sole
 
     def computed_together(self, chosen: list[list[int]]) -> None:
