@@ -75,6 +75,11 @@ static inline float bf16_round(float f) { /* to the nearest bfloat16, ties to ev
     return bf16_value((uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16));
 }
 
+/* bfloat16 x [n] widened to float32 out: a bfloat16 is a float32's upper half */
+static void widen(const uint16_t *x, float *out, long n) {
+    for (long i = 0; i < n; i++) ((uint32_t *)out)[i] = (uint32_t)x[i] << 16;
+}
+
 /* Weight formats (common/quant.py): bfloat16 panels (moe_bf16_pack), int8, int4 or FP8 panels
    with their scales (quant_kernel.c) */
 enum { FORMAT_BF16, FORMAT_INT8, FORMAT_INT4, FORMAT_FP8 };
@@ -113,17 +118,16 @@ static long block_scale_bytes(int format, long k, long group) { /* and its scale
    no memory for that. */
 int moe_linear(int format, long group, const uint16_t *x, const void *w, const void *scales,
                const float *bias, uint16_t *y, long m, long n, long k, int threads) {
-    uint32_t *wide = malloc(sizeof(float) * m * k);
-    if (!wide) return -1;
-    for (long i = 0; i < m * k; i++) wide[i] = (uint32_t)x[i] << 16;
-    const float *xf = (const float *)wide;
+    float *xf = malloc(sizeof(float) * m * k);
+    if (!xf) return -1;
+    widen(x, xf, m * k);
     block_fn block = pick_block(format);
     long wb = block_bytes(format, k), sb = block_scale_bytes(format, k, group);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long c = 0; c < n / 64; c++)
         block(xf, (const char *)w + c * wb, scales ? (const char *)scales + c * sb : 0, y + c * 64,
               n, m, k, group, bias ? bias + c * 64 : 0);
-    free(wide);
+    free(xf);
     return 0;
 }
 
@@ -228,9 +232,7 @@ int moe_silu_ffns(int format, long group, const uint16_t *const *x, const void *
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-        for (long g = 0; g < count; g++)
-            for (long i = 0; i < m[g] * hidden; i++)
-                ((uint32_t *)xf)[start[g] * hidden + i] = (uint32_t)x[g][i] << 16;
+        for (long g = 0; g < count; g++) widen(x[g], xf + start[g] * hidden, m[g] * hidden);
 #pragma omp for schedule(static)
         for (long b = 0; b < count * up_blocks; b++) {
             long g = b / up_blocks, c = b % up_blocks;
@@ -242,8 +244,7 @@ int moe_silu_ffns(int format, long group, const uint16_t *const *x, const void *
 #pragma omp for schedule(static)
         for (long r = 0; r < rows; r++) {
             silu_mul(h + r * 2 * inter, gated + r * inter, inter);
-            for (long i = 0; i < inter; i++)
-                ((uint32_t *)gf)[r * inter + i] = (uint32_t)gated[r * inter + i] << 16;
+            widen(gated + r * inter, gf + r * inter, inter);
         }
 #pragma omp for schedule(static)
         for (long b = 0; b < count * down_blocks; b++) {

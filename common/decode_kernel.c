@@ -111,10 +111,6 @@ static void product(int format, long group, const float *xf, const void *w, cons
 
 static const void *at(const void *const *array, long i) { return array ? array[i] : 0; }
 
-static void widen(const uint16_t *x, float *out, long n) {
-    for (long i = 0; i < n; i++) ((uint32_t *)out)[i] = (uint32_t)x[i] << 16;
-}
-
 /* The step's attention after the qkv product, moe_decode_step_attention's work: with Qwen3's
    per-head q/k norm first where the model has it, RoPE of q and k and the cache write (`prepare`,
    on one thread), then each KV head's attention (`attend`, one job each) into out [heads][hd]. */

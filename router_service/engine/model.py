@@ -153,11 +153,11 @@ class MoeModel:
         tokens = batch.token_ids.numel()
         # A step in one call (_in_one_call) wakes the threads once, not once per op: it gains
         # from all of them however few its tokens (on 2 cores, 1.4x at one token).
-        one_call = self.fused is not None and tokens == 1 and not batch.attention.prefills
+        serial_ok = not self._one_decode(batch)
         return await run_stretches(
             self.compute,
             self._pass(batch, cache, all_logits, costs.remote),
-            lambda: self._stretch(tokens, costs, serial_ok=not one_call),
+            lambda: self._stretch(tokens, costs, serial_ok),
         )
 
     async def _pass(
@@ -193,7 +193,7 @@ class MoeModel:
         if experts is None:  # let go of experts a re-tiering moved away
             one.unbind_experts()
             return None
-        if all_logits or batch.attention.prefills or batch.token_ids.numel() != 1:
+        if all_logits or not self._one_decode(batch):
             return None
         if self.dispatcher.traced() or not (one.bind_experts(experts) and one.bind_cache(cache)):
             return None
@@ -201,6 +201,12 @@ class MoeModel:
         logits = one.step(int(batch.token_ids[0]), batch.attention, self.rope)
         self.dispatcher.computed_together(one.chosen.tolist())
         return logits
+
+    def _one_decode(self, batch: StepBatch) -> bool:
+        """Whether `batch` is one decode token of a model whose step can be one call."""
+        return (
+            self.fused is not None and batch.token_ids.numel() == 1 and not batch.attention.prefills
+        )
 
     @contextmanager
     def _stretch(self, tokens: int, costs: PassCosts, serial_ok: bool = True) -> Iterator[None]:

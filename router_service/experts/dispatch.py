@@ -145,14 +145,12 @@ class ExpertDispatcher:
         return self.telemetry.tracing()
 
     def _sole_backend(self, placement: Placement) -> ColocatedExperts | None:
-        sole = None
+        experts, sole = range(self.spec.num_experts), None
         for layer in self.spec.moe_layer_ids:
-            for expert in range(self.spec.num_experts):
-                first = (placement.get((layer, expert)) or (None,))[0]
-                here = isinstance(first, ColocatedExperts) and first.local
-                if not here or sole not in (None, first):
-                    return None
-                sole = first
+            local = self.replicas.colocated(layer, experts, placement)
+            if not isinstance(local, ColocatedExperts) or sole not in (None, local):
+                return None
+            sole = local
         return sole
 
     def computed_together(self, chosen: list[list[int]]) -> None:

@@ -123,10 +123,14 @@ class Replicas:
             r = self._replicas[backend] = Replica(self.policy.ejection, self.clock)
         return r
 
-    def colocated(self, layer: int, experts: Sequence[int]) -> ExpertBackend | None:
+    def colocated(
+        self, layer: int, experts: Sequence[int], placement: Placement | None = None
+    ) -> ExpertBackend | None:
         """The colocated backend that is the first choice for every one of `experts`, if one is:
-        the layer then needs no network, nothing to await, and draws nothing on the retry budget."""
-        placement, local = self.placement, None  # one table for the whole layer
+        the layer then needs no network, nothing to await, and draws nothing on the retry budget.
+        Asked of `placement` where given, else of the current table."""
+        placement = self.placement if placement is None else placement  # one table for the layer
+        local = None
         for expert in experts:
             first = (placement.get((layer, expert)) or (None,))[0]
             if not getattr(first, "local", False) or local not in (None, first):
