@@ -9,7 +9,7 @@ CHECKPOINT ?=
 # one pytest process keeps 2 cores 1.1 busy on average, and two finish the suite in 0.62 of the time.
 TEST_WORKERS ?= 2
 
-.PHONY: setup demo test protos bench clean
+.PHONY: setup demo test protos bench clean gpu-wheels
 
 $(STAMP): pyproject.toml constraints.txt tests/node/package.json tests/node/package-lock.json
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,11 @@ bench: $(STAMP)
 	$(PY) -m bench.tiering
 	$(PY) -m bench.tracing
 	$(PY) -m bench.chaos
+
+# The Python 3.12 wheels a lent GPU machine lacks, into .gpu-wheels/ (ignored: a device run carries
+# it); README.md's development section says how bench/gpu_check.py runs there. UCX=1 tries UCX too.
+gpu-wheels: $(STAMP)
+	$(PY) -m bench.gpu_wheels $(if $(UCX),--ucx)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache bench/results

@@ -46,6 +46,7 @@ def _takes_cache(
     tensors hold `dtype`: float32 or bfloat16, contiguous, and the kernel runs here."""
     return (
         kernel(name) is not None
+        and cache_k.device.type == "cpu"
         and dtype in FLOATS
         and {cache_k.dtype, cache_v.dtype} == {dtype}
         and cache_k.is_contiguous()

@@ -195,7 +195,12 @@ def group(
     sorted by expert, their tokens, and the choices per expert); None without the kernel or for
     an expert id out of range."""
     run = kernel("moe_group")
-    if run is None or experts.dtype != torch.int64 or experts.dim() != 2:
+    if (
+        run is None
+        or experts.dtype != torch.int64
+        or experts.dim() != 2
+        or experts.device.type != "cpu"
+    ):
         return None
     flat = experts.contiguous()
     n, k = flat.shape
@@ -222,6 +227,7 @@ def route(
         run is None
         or not n
         or x.dtype != torch.bfloat16
+        or x.device.type != "cpu"
         or not isinstance(weight, torch.Tensor)
         or weight.is_mkldnn
         or weight.dtype != torch.bfloat16
@@ -268,6 +274,7 @@ def combine(
         or rows_dtype not in FLOATS
         or dtype != rows_dtype
         or weights.dtype not in FLOATS
+        or weights.device.type != "cpu"
         or weights.numel() != n * k
         or any(o.dtype != rows_dtype or o.dim() != 2 or o.shape[1] != h for o in outputs)
     ):

@@ -32,12 +32,12 @@ import torch
 from common import fp8
 from common.arch import ModelSpec, checkpoint_spec, family_module, tensor_names
 from common.arch.shapes import check_checkpoint, read_index
-from common.errors import CheckpointError, UnsupportedModelError
+from common.errors import CheckpointError, InvalidArgumentError, UnsupportedModelError
 from common.linear import prepack
 from common.packed_experts import PackedExperts
 from common.quant import Quantization, QuantPanels
 from common.safetensors_mmap import SafetensorsFile
-from common.weights import AttentionWeights, DenseWeights, FFNWeights, LayerWeights
+from common.weights import AttentionWeights, DenseWeights, FFNWeights, LayerWeights, to_device
 
 INDEX_FILE = "model.safetensors.index.json"
 # Copies of file tensors go block by block, each block's pages released once copied (`copied`).
@@ -55,9 +55,20 @@ class Checkpoint:
         batch_invariant: bool = False,
         quantize: Quantization | None = None,
         quantize_dense: bool = False,
+        device: torch.device | None = None,
     ) -> None:
         self.path = Path(path)
-        self.prepacked, self._batch_invariant = prepack, batch_invariant
+        # On a GPU the weights are moved there as loaded (to_device); the CPU layouts (oneDNN's,
+        # the kernels' panels, the packed-expert cache files) are CPU-only, so none is made.
+        self.device = torch.device("cpu") if device is None else device
+        on_cpu = self.device.type == "cpu"
+        if not on_cpu and quantize is not None:
+            raise InvalidArgumentError(
+                "quantize",
+                f"{quantize.name} experts compute on CPUs only; on {self.device} serve the "
+                "checkpoint in bfloat16, float16 or float32 (--quantize none)",
+            )
+        self.prepacked, self._batch_invariant = prepack and on_cpu, batch_invariant
         # Routed experts (load_experts) and, with quantize_dense, the dense layers `pack` packs.
         self.quantize = quantize
         self._quantize_dense = quantize_dense and quantize is not None
@@ -241,12 +252,13 @@ class Checkpoint:
             else self.pack(self.tensor("lm_head.weight", (s.vocab_size, s.hidden_size)))
         )
         load_layer = getattr(self.family, "load_layer", Checkpoint.layer)
-        return DenseWeights(
+        dense = DenseWeights(
             embed=embed,
             final_norm=self.tensor(norm_name, (s.hidden_size,)),
             lm_head=lm_head,
             layers=[load_layer(self, i) for i in range(s.num_layers)],
         )
+        return dense if self.device.type == "cpu" else to_device(dense, self.device)
 
     def layer(self, i: int) -> LayerWeights:
         """Layer i in the Llama-like layout the first four families share."""
@@ -371,8 +383,10 @@ class Checkpoint:
                     )
                 out[(layer, expert)] = load_expert(self, layer, expert)
             elif (
-                cached := self._packed.expert(expert, base, f"layer{layer}-expert{expert}")
-            ) is not None:
+                self.device.type == "cpu"
+                and (cached := self._packed.expert(expert, base, f"layer{layer}-expert{expert}"))
+                is not None
+            ):
                 out[(layer, expert)] = cached
             elif self.has(base + "gate_up_proj"):
                 out[(layer, expert)] = self._fused_expert(base, expert)
@@ -384,7 +398,7 @@ class Checkpoint:
                     n.expert_down,
                     s.expert_intermediate_size,
                 )
-        return out
+        return out if self.device.type == "cpu" else to_device(out, self.device)
 
     def _fused_expert(self, base: str, expert: int) -> FFNWeights:
         s = self.spec

@@ -221,7 +221,7 @@ def combine(
 ) -> torch.Tensor:
     """Σ_k w_k · expert_k(x) per token, summed over the token's choices in routing order."""
     if not groups:
-        return torch.zeros(num_tokens, like.shape[-1], dtype=like.dtype)  # [tokens, hidden]
+        return torch.zeros(num_tokens, like.shape[-1], dtype=like.dtype, device=like.device)
     k = routing.experts.shape[1]
     if not routing.add_in_order:  # the torch ops below, in one call
         slots = [g.slots for g in groups]

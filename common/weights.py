@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -90,3 +92,29 @@ class DenseWeights:
     final_norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
+
+
+W = TypeVar("W")
+
+
+def to_device(weights: W, device: torch.device, _moved: dict[int, torch.Tensor] | None = None) -> W:
+    """`weights` (a container above, a list or dict of them) with every tensor on `device`.
+    A tensor held twice (a tied LM head is the embedding) is moved once and stays shared."""
+    moved = {} if _moved is None else _moved
+    if isinstance(weights, torch.Tensor):
+        if id(weights) not in moved:
+            moved[id(weights)] = weights.to(device)
+        return moved[id(weights)]  # type: ignore[return-value]
+    if isinstance(weights, list):
+        return [to_device(w, device, moved) for w in weights]  # type: ignore[return-value]
+    if isinstance(weights, dict):
+        return {k: to_device(w, device, moved) for k, w in weights.items()}  # type: ignore[return-value]
+    if dataclasses.is_dataclass(weights):
+        changes = {
+            f.name: to_device(getattr(weights, f.name), device, moved)
+            for f in dataclasses.fields(weights)
+            if isinstance(getattr(weights, f.name), (torch.Tensor, list, dict))
+            or dataclasses.is_dataclass(getattr(weights, f.name))
+        }
+        return dataclasses.replace(weights, **changes)  # type: ignore[type-var]
+    return weights

@@ -117,6 +117,7 @@ class ExpertApp:
             "model_id": self.host.model_id,
             "weights_checksum": self.host.weights_checksum,
             "experts": format_experts(self.host.experts),
+            "device": str(self.host.device),
             "metrics": self.telemetry.metrics_address,
             "fast_paths": self.fast_paths,
         }
@@ -139,6 +140,7 @@ class ExpertApp:
                 "region": self.settings.region,
                 "dtype": str(host.dtype).removeprefix("torch."),
                 "precision": host.describe().precision,
+                "device": str(host.device),
                 "fast_path": self.fast_paths[0] if self.fast_paths else "",
                 "max_message_bytes": str(self.settings.max_message_bytes),
             },

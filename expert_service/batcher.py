@@ -25,6 +25,7 @@ from common import runtime
 from common.errors import NotFoundError, UnavailableError
 from common.moe import expert_ffn, experts_ffn, fusable
 from common.placement import Pair
+from common.staging import Stager
 from common.telemetry import (
     EXPERT_BATCH_TOKENS,
     EXPERT_COMPUTE_DURATION,
@@ -33,6 +34,8 @@ from common.telemetry import (
     Telemetry,
 )
 from common.weights import FFNWeights
+
+HOST = Stager(torch.device("cpu"))  # the identity: rows and outputs stay in host memory
 
 
 @dataclass
@@ -72,29 +75,36 @@ _Batch = list[tuple[_Group, int, int]]  # (group, start row, stop row)
 
 
 def _compute(parts: list[torch.Tensor], w: FFNWeights) -> torch.Tensor:
-    """One batch's FFN; runs on the compute thread (grad mode is per thread, hence no_grad here)."""
+    """One batch's FFN; runs on the compute thread (grad mode is per thread, hence no_grad here).
+    `parts`: the batch's rows, as one tensor once staged (several still join)."""
     with torch.no_grad():
-        return expert_ffn(_joined(parts), w)  # [tokens, hidden]
-
-
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)  # [tokens, hidden]
+        return expert_ffn(parts[0] if len(parts) == 1 else torch.cat(parts), w)  # [tokens, hidden]
 
 
 def _compute_job(
-    batches: list[tuple[list[torch.Tensor], FFNWeights]],
+    batches: list[tuple[list[torch.Tensor], FFNWeights]], stager: Stager = HOST
 ) -> list[tuple[torch.Tensor | Exception, float]]:
     """Every batch of one job, in order, on the compute thread: (output or its error, seconds) each.
 
-    Several batches in one call where their experts allow it (moe.experts_ffn: the threads share
-    every expert's work), each then timed at its rows' share of the call; otherwise, or if that
-    call fails, batch by batch, so that an error fails only the batch it belongs to."""
-    if len(batches) > 1 and all(fusable(w) for _, w in batches):
+    The rows go to the compute device in one copy and the outputs come back in host memory
+    (common/staging.py; nothing moves on the CPU). Several batches in one call where their
+    experts allow it (moe.experts_ffn: the threads share every expert's work), each then timed at
+    its rows' share of the call; otherwise, or if that call fails, batch by batch, so that an
+    error fails only the batch it belongs to. On a GPU the seconds are those of enqueueing."""
+    xs = stager.to_device([parts for parts, _ in batches])  # each [tokens, hidden]
+    results = _ffn_all(xs, [w for _, w in batches])
+    host = iter(stager.to_host([out for out, _ in results if not isinstance(out, Exception)]))
+    return [(out if isinstance(out, Exception) else next(host), s) for out, s in results]
+
+
+def _ffn_all(
+    xs: list[torch.Tensor], ws: list[FFNWeights]
+) -> list[tuple[torch.Tensor | Exception, float]]:
+    if len(xs) > 1 and all(fusable(w) for w in ws):
         with torch.no_grad():
-            xs = [_joined(parts) for parts, _ in batches]
             began = time.perf_counter()
             try:
-                outs = experts_ffn([(x, w) for x, (_, w) in zip(xs, batches)])
+                outs = experts_ffn(list(zip(xs, ws)))
             except Exception:  # found again below, and failing its own batch only
                 outs = None
         if outs is not None:
@@ -102,10 +112,10 @@ def _compute_job(
             rows = sum(x.shape[0] for x in xs) or 1
             return [(out, seconds * x.shape[0] / rows) for out, x in zip(outs, xs)]
     results: list[tuple[torch.Tensor | Exception, float]] = []
-    for parts, w in batches:
+    for x, w in zip(xs, ws):
         began = time.perf_counter()
         try:
-            out: torch.Tensor | Exception = _compute(parts, w)
+            out: torch.Tensor | Exception = _compute([x], w)
         except Exception as e:  # fails this batch only
             out = e
         results.append((out, time.perf_counter() - began))
@@ -116,7 +126,9 @@ class DynamicBatcher:
     """Merges concurrent `submit` calls per (layer, expert) into batched `expert_ffn` executions.
 
     One compute thread: on a CPU host torch already uses every core inside one op, and a single
-    thread keeps batches of different experts from competing for them.
+    thread keeps batches of different experts from competing for them. On a GPU the same thread
+    enqueues each job on one stream; `stager` moves a job's rows to the device and its outputs
+    back to host memory (common/staging.py; the default keeps them on the host).
     """
 
     def __init__(
@@ -125,6 +137,7 @@ class DynamicBatcher:
         max_batch_tokens: int = 4096,
         max_queue_delay_us: int = 0,
         telemetry: Telemetry = OFF,
+        stager: Stager = HOST,
     ) -> None:
         if max_batch_tokens < 1 or max_queue_delay_us < 0:
             raise ValueError("max_batch_tokens must be >= 1 and max_queue_delay_us >= 0")
@@ -141,6 +154,7 @@ class DynamicBatcher:
             EXPERT_BATCH_TOKENS, "token rows per batched expert FFN"
         )
         self._weights = dict(weights)
+        self._stager = stager  # used on the compute thread only, one job at a time
         self._queues: dict[Pair, _Queue] = {}
         self._active: dict[Pair, _Queue] = {}  # the queues holding groups, in arrival order
         self._arrived = asyncio.Event()
@@ -275,7 +289,7 @@ class DynamicBatcher:
                     self._queue_s.record(began - g.enqueued_s)
         work = [([g.rows[a:b] for g, a, b in batch], self._weights[key]) for key, batch in job]
         try:
-            results = await loop.run_in_executor(self._executor, _compute_job, work)
+            results = await loop.run_in_executor(self._executor, _compute_job, work, self._stager)
         # Fail every group of this job; their queued remainders are dropped later.
         except Exception as e:
             self._fail((g for _, batch in job for g, _, _ in batch), e)

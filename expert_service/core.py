@@ -19,9 +19,11 @@ from opentelemetry.metrics import Observation
 
 from common.arch import ModelSpec
 from common.checkpoint import Checkpoint
+from common.device import resolve
 from common.errors import InvalidArgumentError, NotFoundError, PreconditionError
 from common.placement import Pair, format_experts, parse_experts
 from common.quant import precision
+from common.staging import Stager
 from common.telemetry import EXPERT_WEIGHT_BYTES, OFF, Telemetry
 from common.weights import FFNWeights
 from common.wire import TO_WIRE, dtype_name
@@ -51,6 +53,7 @@ class ExpertDescription:
     region: str
     stats: ExpertStats
     precision: str  # the experts' weights: the dtype, or 'int8' / 'int4-g64'
+    device: str = "cpu"  # where they compute: 'cpu', 'cuda:0', ...
 
 
 def _dtype_label(dtype: torch.dtype) -> str:
@@ -81,6 +84,9 @@ def large_frees_returned() -> Iterator[None]:
             mallopt(_M_MMAP_THRESHOLD, _SERVING_THRESHOLD)
 
 
+CPU = torch.device("cpu")
+
+
 class ExpertHost:
     """Holds the FFN weights of the configured (layer, expert) pairs, and nothing else of the model."""
 
@@ -93,14 +99,19 @@ class ExpertHost:
         model_id: str,
         weights_checksum: str,
         telemetry: Telemetry = OFF,
+        device: torch.device = CPU,
     ) -> None:
-        self.settings = settings
+        self.settings, self.device = settings, device
         # What the weights hold: the configured dtype, or the checkpoint's own with "auto".
         self.dtype: torch.dtype = next(iter(weights.values())).down.dtype
         self.spec, self.experts, self.weights = spec, experts, weights
         self.model_id, self.weights_checksum = model_id, weights_checksum
         self.batcher = DynamicBatcher(
-            self.weights, settings.max_batch_tokens, settings.max_queue_delay_us, telemetry
+            self.weights,
+            settings.max_batch_tokens,
+            settings.max_queue_delay_us,
+            telemetry,
+            Stager(device),  # activations arrive and leave in host memory (the wire's)
         )
         self.telemetry = telemetry
         held = [
@@ -118,14 +129,16 @@ class ExpertHost:
 
     @classmethod
     def load(cls, settings: ExpertSettings, telemetry: Telemetry = OFF) -> ExpertHost:
-        """Read the configured pairs from the checkpoint; CheckpointError / InvalidArgumentError name
-        what is wrong."""
+        """Read the configured pairs from the checkpoint onto the configured device;
+        CheckpointError / InvalidArgumentError name what is wrong (`device` a GPU not here)."""
+        device = resolve(settings.device)  # before any weight is read
         checkpoint = Checkpoint(
             settings.checkpoint,
             dtype=None if settings.dtype == "auto" else getattr(torch, settings.dtype),
-            prepack=True,
+            prepack=True,  # on the CPU only: a CPU layout
             batch_invariant=True,  # the batcher merges callers: rows must not see batch-mates
             quantize=settings.quantization,
+            device=device,
         )
         experts = parse_experts(settings.experts, checkpoint.spec)
         with large_frees_returned():
@@ -138,6 +151,7 @@ class ExpertHost:
             settings.model_id or checkpoint.path.resolve().name,
             checkpoint.fingerprint(),
             telemetry,
+            device,
         )
 
     def describe(self) -> ExpertDescription:
@@ -156,6 +170,7 @@ class ExpertHost:
                 tokens=s.tokens,
             ),
             precision=self.precision,
+            device=str(self.device),
         )
 
     @property

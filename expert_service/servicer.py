@@ -65,6 +65,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             hidden_size=d.hidden_size,
             region=d.region,
             precision=d.precision,
+            device=d.device,
             stats=expert_pb2.ExpertStats(
                 forward_calls=d.stats.forward_calls,
                 groups=d.stats.groups,

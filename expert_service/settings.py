@@ -7,6 +7,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from common.device import HELP as DEVICE_HELP
+from common.device import DeviceName
 from common.fastpath import mesh_fast_path
 from common.hub import CheckpointPath
 from common.quant_settings import QuantizationSettings
@@ -37,6 +39,7 @@ class ExpertSettings(QuantizationSettings, TelemetrySettings, SecuritySettings):
         description="compute dtype; auto keeps the checkpoint's; requests must send activations "
         "of this dtype",
     )
+    device: DeviceName = Field("auto", description=DEVICE_HELP)
     max_batch_tokens: int = Field(
         4096, ge=1, description="token rows per expert FFN execution at most"
     )

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from common import device
 from common.checkpoint import Checkpoint
 from common.errors import InvalidArgumentError, PreconditionError
 from common.fastpath import LOOPBACK_HOSTS, ucx
@@ -90,6 +91,7 @@ def build_model(
         max_len,
         compute,
         serial_max_tokens=settings.serial_max_tokens,
+        max_num_seqs=settings.max_num_seqs,
     )
 
 
@@ -97,12 +99,15 @@ def _open(settings: RouterSettings) -> Checkpoint:
     """The configured checkpoint at the compute dtype."""
     if settings.checkpoint is None:
         raise ValueError("settings.checkpoint is required")
+    quantized_auto = settings.quantization is not None and settings.device == "auto"
     return Checkpoint(
         settings.checkpoint,
         dtype=compute_dtype(settings.dtype),
         prepack=True,
         quantize=settings.quantization,  # the experts this process holds
         quantize_dense=settings.quantize_dense,
+        # Quantized experts compute on CPUs only: `auto` is then the CPU, a GPU named an error.
+        device=device.resolve("cpu" if quantized_auto else settings.device),
     )
 
 

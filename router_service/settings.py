@@ -7,6 +7,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from common.device import HELP as DEVICE_HELP
+from common.device import DeviceName
 from common.fastpath import mesh_fast_path
 from common.hub import CheckpointPath
 from common.quant_settings import QuantizationSettings
@@ -29,6 +31,7 @@ class RouterSettings(QuantizationSettings, TelemetrySettings, SecuritySettings):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "auto", description="compute dtype; auto keeps the checkpoint's dtype"
     )
+    device: DeviceName = Field("auto", description=DEVICE_HELP)
     quantize_dense: bool = Field(
         False,
         description="with --quantize: hold attention, dense and shared MLPs and the LM head in "

@@ -64,6 +64,12 @@ PROCESS_WIDE = [
         "the same bits as op by op); `off`: always op by op",
     ),
     (
+        "MOE_MESH_CUDA_GRAPHS",
+        "router",
+        "`on` (default): on a GPU holding every expert, decode steps replay CUDA graphs captured "
+        "once per batch size and context width; `off`: every step launched eagerly",
+    ),
+    (
         "CC",
         "router, expert service",
         "the C compiler that builds the bfloat16 kernel (default `cc`); none: the kernel is skipped",

@@ -1,15 +1,18 @@
 """What `moe-mesh up` checks before it starts a process. Of the checkpoint: every check that reads
 no tensor data (common/arch/shapes.py), so that a broken checkpoint is a usage error (exit 2)
 reported before any process starts (the check itself takes milliseconds), not a service that dies
-while loading after the others started. Of the gateway's address: a warning on the terminal when
-it is open to other machines without TLS or API keys (the gateway logs it too, into its log)."""
+while loading after the others started. Of a device: a GPU asked for where torch sees none (torch
+is imported only then: `up` on the CPU stays quick to start). Of the gateway's address: a warning
+on the terminal when it is open to other machines without TLS or API keys (the gateway logs it
+too, into its log)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from common.errors import CheckpointError
+from common.device import is_cuda
+from common.errors import CheckpointError, InvalidArgumentError
 
 
 def checkpoint_problem(checkpoint: Path) -> str | None:
@@ -21,6 +24,20 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
         check_checkpoint(checkpoint)
     except CheckpointError as e:
         return f"--checkpoint: {e}"
+    return None
+
+
+def device_problem(flag: str, device: str) -> str | None:
+    """A GPU that `flag` names and torch cannot see here, as one line naming `flag`; None for
+    cpu and auto (the CPU where there is no GPU) without importing torch."""
+    if not is_cuda(device):
+        return None
+    from common.device import resolve
+
+    try:
+        resolve(device, flag)
+    except InvalidArgumentError as e:
+        return str(e)
     return None
 
 

@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 from common.cli import add_settings_arguments, flag, settings_from_args
+from common.device import is_cuda
 from common.errors import InvalidArgumentError
 from common.hub import resolve_checkpoint
 from gateway.settings import GatewaySettings
-from moe_mesh.local.checks import checkpoint_problem, exposure
+from moe_mesh.local.checks import checkpoint_problem, device_problem, exposure
 from moe_mesh.local.settings import ScaleSettings, UpSettings
 from moe_mesh.ops.ready import read_ready_file
 from router_service.settings import RouterSettings
@@ -120,10 +121,39 @@ def _check_flags(args: argparse.Namespace, router_args: list[str]) -> str | None
         if unknown:
             return f"--router-arg: unknown router flag(s) {' '.join(unknown)}"
         settings_from_args(GatewaySettings, gateway)
-        settings_from_args(RouterSettings, router, flags=router_cli.FLAGS)
+        router_device = settings_from_args(RouterSettings, router, flags=router_cli.FLAGS).device
     except InvalidArgumentError as e:
         return str(e)
+    return _devices_problem(args, router_device)
+
+
+def _devices_problem(args: argparse.Namespace, router_device: str) -> str | None:
+    """A GPU asked for (by --device, --expert-device or a --router-arg) that torch cannot see
+    here, or quantized experts asked for on one (they compute on CPUs only)."""
+    holder, experts = (
+        ("--expert-device" if args.expert_device else "--device", _expert_device(args))
+        if args.expert_services
+        else ("--device" if router_device == args.device else "--router-arg", router_device)
+    )
+    if args.quantize != "none" and is_cuda(experts):
+        return (
+            f"--quantize {args.quantize}: quantized experts compute on CPUs only, and {holder} "
+            f"puts them on {experts}"
+        )
+    named = [("--device", args.device), ("--router-arg", router_device)]
+    if args.expert_services and args.expert_device:
+        named.append(("--expert-device", args.expert_device))
+    for flag_name, device in named:
+        if problem := device_problem(flag_name, device):
+            return problem
     return None
+
+
+def _expert_device(args: argparse.Namespace) -> str:
+    """The expert services' --device: --expert-device, else --device; auto is the CPU for
+    quantized experts, which compute there only."""
+    device = args.expert_device or args.device
+    return "cpu" if device == "auto" and args.quantize != "none" else device
 
 
 def _taken_port(args: argparse.Namespace) -> str | None:
@@ -180,13 +210,19 @@ def _run_up(args: argparse.Namespace) -> int:
 
     gateway_args = _pass_through(args, GATEWAY_FLAGS)
     try:
-        router_args = _pass_through(args, ROUTER_FLAGS) + _words("--router-arg", args.router_arg)
+        # --device before --router-arg's words: a --device among them is the later, and wins.
+        router_args = [
+            *_pass_through(args, ROUTER_FLAGS),
+            *_pass_through(args, ("device",)),
+            *_words("--router-arg", args.router_arg),
+        ]
     except InvalidArgumentError as e:
         print(f"moe-mesh up: error: {e}", file=sys.stderr)
         return 2
-    expert_args = _pass_through(args, ("quantize", "quantize_group_size"))
+    quantize = _pass_through(args, ("quantize", "quantize_group_size"))
+    expert_args = [*quantize, "--device", _expert_device(args)]
     if not args.expert_services:  # the routers hold every expert
-        router_args, expert_args = expert_args + router_args, []
+        router_args, expert_args = quantize + router_args, []
     # Absolute: the ready file names files under it (certificates, logs, spans) that client
     # commands read from wherever they run.
     run_dir = (
@@ -196,6 +232,8 @@ def _run_up(args: argparse.Namespace) -> int:
     problem = _check_flags(args, router_args)
     if not problem and args.autoscale_arg and not args.autoscale:
         problem = "--autoscale-arg needs --autoscale"
+    if not problem and args.expert_services == 0 and args.expert_device:
+        problem = "--expert-device places expert services, and --expert-services 0 runs none"
     if not problem and args.expert_services == 0 and args.autoscale:
         problem = "--autoscale scales expert services, and --expert-services 0 runs none"
     try:

@@ -137,7 +137,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from common.arch import checkpoint_spec
     from router_service.settings import RouterSettings
 
-    settings = RouterSettings(checkpoint=args.checkpoint, dtype=args.dtype)
+    settings = RouterSettings(checkpoint=args.checkpoint, dtype=args.dtype, device=args.device)
     checkpoint_spec(settings.checkpoint)  # before torch loads: a wrong path fails at once
 
     from common.tokenizer import Tokenizer

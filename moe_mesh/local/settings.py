@@ -10,6 +10,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.device import CHOICES as DEVICES
+from common.device import DeviceName
 from common.quant_settings import QuantizationSettings
 
 # common/telemetry.py's DEFAULT_SAMPLE_RATIO (a test holds them equal), not imported: the settings
@@ -29,6 +31,19 @@ class UpSettings(QuantizationSettings):
         None,
         description="HuggingFace-layout checkpoint directory, or a Hugging Face model id "
         "(org/name[@rev])",
+    )
+    device: DeviceName = Field(
+        "auto",
+        description=f"where the routers and expert services compute ({DEVICES}): their "
+        "--device; a GPU torch cannot see here is refused before any process starts. auto: a GPU "
+        "where torch sees one, else the CPU",
+    )
+    expert_device: DeviceName | None = Field(
+        None,
+        description="the expert services' --device where it differs from --device: "
+        "--device cuda --expert-device cpu puts the routers on the GPU and the experts on the "
+        "CPU (a heterogeneous mesh), --device cpu --expert-device cuda the reverse; unset: "
+        "--device, where auto is the CPU with --quantize (quantized experts compute there only)",
     )
     expert_services: int = Field(
         4,
@@ -118,5 +133,10 @@ class GenerateSettings(BaseSettings):
     stop: list[str] = Field([], description="stop string (repeatable)")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "auto", description="compute dtype (with --local); auto: the checkpoint's"
+    )
+    device: DeviceName = Field(
+        "auto",
+        description=f"where to compute (with --local): {DEVICES}; auto: a GPU where torch sees "
+        "one, else the CPU",
     )
     json_output: bool = Field(False, description="print one JSON object instead of streaming text")

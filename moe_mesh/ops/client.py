@@ -231,6 +231,7 @@ async def mesh_status(mesh: dict) -> dict:
                 row.update(
                     experts=e["experts"],
                     precision=d.precision,
+                    device=d.device,
                     forward_calls=d.stats.forward_calls,
                     batches=d.stats.batches,
                     groups=d.stats.groups,
@@ -271,7 +272,8 @@ def print_status(st: dict) -> None:
                 "--missing-expert-wait-s, then fail)"
             )
     for e in st["experts"]:
-        stats = f"experts {e.get('experts', '?')} ({e.get('precision') or '?'})  calls {e.get('forward_calls', '?')} batches {e.get('batches', '?')}"
+        where = f" on {e['device']}" if e.get("device") not in (None, "", "cpu") else ""
+        stats = f"experts {e.get('experts', '?')} ({e.get('precision') or '?'}{where})  calls {e.get('forward_calls', '?')} batches {e.get('batches', '?')}"
         print(f"expert   {e['address']:<22} {e['health']:<12} {e.get('error', stats)}")
     for r in st["routers"]:
         if "tokens_routed" in r:

@@ -54,8 +54,9 @@ def planned(
 ) -> Plan:
     """`base` with the proposal's expert groups, the router's budget and the record's model sizes.
     Each group keeps where and how the base's first group runs (region, constraints, port, args,
-    precision, autoscale), not its size: memory from the bytes it holds, CPU its share of `cpu_mhz`
-    by the load its replicas compute (moe_mesh/planning/resources.py)."""
+    precision, autoscale; the device of the base's group of its name if any), not its size:
+    memory from the bytes it holds, CPU its share of `cpu_mhz` by the load its replicas compute
+    (moe_mesh/planning/resources.py)."""
     raw = base.model_dump(mode="json", exclude_defaults=True)
     template = base.expert_groups[0].model_dump(
         mode="json", exclude_defaults=True, exclude={"resources", "compute_threads", "replicas"}
@@ -67,6 +68,7 @@ def planned(
             "name": g.name,
             "experts": format_experts(list(g.pairs)),
             "replicas": _within_autoscale(template, g.replicas),
+            "device": resources.group_device(base, g.name),
             "compute_threads": max(1, cpu // resources.MHZ_PER_CORE),
             "resources": {
                 "cpu_mhz": cpu,

@@ -1,6 +1,6 @@
 """What the plans `moe-mesh plan` writes ask for: each expert group's CPU and memory from its own
-share of the load and the bytes it holds, the plan to start from when no `--base` is given, and
-the total a plan requests.
+share of the load and the bytes it holds, its device from the base plan, the plan to start from
+when no `--base` is given, and the total a plan requests.
 
 A group's memory is its experts' weights plus a process's own (PROCESS_MIB); its CPU is its share
 of the CPU the expert services get in all, in proportion to the routed tokens each replica
@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common.device import is_cuda
 from moe_mesh.planning.deploy.plan import Plan
 from moe_mesh.planning.eplb import GroupProposal
 from moe_mesh.planning.record import Record
@@ -54,6 +55,15 @@ def expert_cpu_mhz(base: Plan | None, groups: Sequence[GroupProposal]) -> int:
     return sum(g.resources.cpu_mhz * g.replicas for g in base.expert_groups)
 
 
+def group_device(base: Plan, name: str) -> str:
+    """Where a proposed group `name` computes: as the base's group of that name (a plan derived
+    again from a derived one keeps each group on its device), else as the base's first group,
+    like the groups' other where-and-how fields. The costs predicted are the profile's, whichever
+    device that is: no GPU model is built here."""
+    same = [g.device for g in base.expert_groups if g.name == name]
+    return same[0] if same else base.expert_groups[0].device
+
+
 def base_from_record(record: Record) -> Plan:
     """The plan to start from without `--base`: everything from the record (the model id the mesh
     served, its geometry), the rest the Plan model's defaults. The checkpoint is expected at
@@ -80,12 +90,14 @@ class Total:
     cores: float
     memory_mb: int
     processes: int
+    gpus: int = 0
 
     def text(self, nodes: str = "") -> str:
         where = f" on {nodes}" if nodes else ""
+        gpus = f", {self.gpus} GPU{'s' if self.gpus != 1 else ''}" if self.gpus else ""
         return (
-            f"the plan asks for {self.cores:g} cores and {self.memory_mb / 1024:.1f} GiB of memory "
-            f"in all ({self.processes} processes: gateway, routers, expert services){where}"
+            f"the plan asks for {self.cores:g} cores{gpus} and {self.memory_mb / 1024:.1f} GiB of "
+            f"memory in all ({self.processes} processes: gateway, routers, expert services){where}"
         )
 
 
@@ -95,8 +107,11 @@ def total(plan: Plan) -> Total:
         (plan.router.resources, plan.router.replicas),
         *((g.resources, g.replicas) for g in plan.expert_groups),
     ]
+    on_gpus = [(plan.router.device, plan.router.replicas)]
+    on_gpus += [(g.device, g.replicas) for g in plan.expert_groups]
     return Total(
         cores=sum(r.cpu_mhz * n for r, n in parts) / MHZ_PER_CORE,
         memory_mb=sum(r.memory_mb * n for r, n in parts),
         processes=sum(n for _, n in parts),
+        gpus=sum(n for device, n in on_gpus if is_cuda(device)),  # one a replica
     )

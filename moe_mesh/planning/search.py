@@ -19,7 +19,7 @@ from moe_mesh.planning.eplb import GroupProposal, PlanOptions, propose
 from moe_mesh.planning.inventory import Inventory, NodeKind
 from moe_mesh.planning.profile_format import Measured, ProfileFile
 from moe_mesh.planning.record import Record
-from moe_mesh.planning.resources import MHZ_PER_CORE, MIN_MHZ, memory_mb
+from moe_mesh.planning.resources import MHZ_PER_CORE, MIN_MHZ, group_device, memory_mb
 from moe_mesh.planning.simulate import DECODE_ONLY, Costs, Node, Side, Step, Workload, simulate
 
 MAX_M = 4
@@ -243,8 +243,9 @@ def group_cpu_mhz(best: Candidate) -> list[int]:
 
 def planned(base: Plan, profile: ProfileFile, best: Candidate, multi_kind: bool) -> Plan:
     """`base` with the candidate's expert groups, replicas, threads, resources and router settings.
-    Each group keeps what `base`'s first group says of where and how to run (region, port, args),
-    not its size or placement."""
+    Each group keeps what `base`'s first group says of where and how to run (region, port, args;
+    the device of the base's group of its name if any), not its size or placement; the router
+    keeps its device."""
     raw = base.model_dump(mode="json", exclude_defaults=True)
     template = base.expert_groups[0].model_dump(
         mode="json", exclude_defaults=True, include={"region", "datacenters", "port", "args"}
@@ -258,6 +259,7 @@ def planned(base: Plan, profile: ProfileFile, best: Candidate, multi_kind: bool)
             "name": group.name,
             "experts": format_experts(list(group.pairs)),
             "replicas": best.replicas,
+            "device": group_device(base, group.name),
             "compute_threads": min(n.threads for n in hosts),
             "resources": {
                 "cpu_mhz": cpus[g],

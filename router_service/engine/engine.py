@@ -23,6 +23,7 @@ from enum import Enum
 
 import torch
 
+from common.device import free_bytes
 from common.errors import (
     AlreadyExistsError,
     InternalError,
@@ -32,7 +33,7 @@ from common.errors import (
 from common.limits import check_context_length, check_kv_capacity
 from common.sampling import SamplingParams
 from router_service.engine.blocks import BlockPool
-from router_service.engine.kv_cache import KVCache, num_blocks
+from router_service.engine.kv_cache import AUTO_SHARE, GPU_AUTO_SHARE, KVCache, num_blocks
 from router_service.engine.model import MoeModel, pack_step
 from router_service.engine.pipeline import MicroBatchPlanner, PassCosts
 from router_service.engine.sampling import (
@@ -77,17 +78,20 @@ class Engine:
         self.model, self.settings = model, settings
         if cache is None:
             bs = settings.kv_block_size
+            on_gpu = (free := free_bytes(model.device)) is not None
             blocks = num_blocks(
                 settings.kv_cache_bytes,
                 model.block_bytes(bs),
                 bs,
                 model.max_model_len,
                 settings.max_num_seqs,
+                available=free,  # a GPU's free memory; the host's without one
+                auto_share=GPU_AUTO_SHARE if on_gpu else AUTO_SHARE,
             )
             cache = model.new_cache(blocks, bs)
         self.cache = cache
         self.scheduler = Scheduler(
-            BlockPool(cache.num_blocks, settings.enable_prefix_caching),
+            BlockPool(cache.pool_blocks, settings.enable_prefix_caching),
             cache.block_size,
             settings.max_num_seqs,
             settings.max_prefill_tokens,

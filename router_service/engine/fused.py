@@ -61,8 +61,8 @@ def enabled() -> bool:
 
 def unfit(spec: ModelSpec, w: DenseWeights) -> str | None:
     """Why a decode step of this model cannot be one call (None: it can)."""
-    if bf16.kernel("moe_decode_step") is None:
-        return "the kernels do not run here"
+    if bf16.kernel("moe_decode_step") is None or w.embed.device.type != "cpu":
+        return "the kernels do not run here, or the weights are on a GPU"
     if spec.mla is not None or spec.norm != "rms" or spec.router != "softmax":
         return "latent attention, LayerNorm or another router"
     if spec.qk_norm not in ("none", "per_head") or spec.clip_qkv is not None:

@@ -18,10 +18,15 @@ from common.errors import InvalidArgumentError
 from common.units import parse_size
 
 AUTO_SHARE = 0.3  # `auto`: this share of the memory available at start-up, at most what is useful
+# On a GPU the cache is most of what the device is for: `auto` takes this share of its memory
+# free once the weights are loaded, the rest left to activations and captured decode graphs.
+GPU_AUTO_SHARE = 0.8
 # Contexts gathered at once for attention: small enough to stay in a server CPU's last-level cache
 # (32 MiB here) until SDPA reads them. Decode attention over 1,000-4,000 tokens, float32, then
 # takes 1.1-1.7x the slot cache's time (whose contexts were views) instead of about 2x.
 GATHER_BYTES = 8 * 2**20
+# On a GPU a gather is bounded by memory, not by a cache: whole batches at once, mostly.
+GPU_GATHER_BYTES = 512 * 2**20
 
 
 class KVCache:
@@ -47,16 +52,24 @@ class KVCache:
         num_blocks: int,
         block_size: int = 16,
         v_dim: int | None = None,
+        device: torch.device | None = None,
+        scratch: bool = False,
     ) -> None:
         self.num_layers, self.kv_heads, self.dtype = num_layers, kv_heads, dtype
+        self.device = torch.device("cpu") if device is None else device
         self.head_dim, self.v_dim = head_dim, head_dim if v_dim is None else v_dim
-        self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_layers, kv_heads, num_blocks, block_size)
-        self.k = torch.zeros(*shape, self.head_dim, dtype=dtype)
-        self.v = torch.zeros(*shape, self.v_dim, dtype=dtype)
-        self._work = torch.empty(0, dtype=dtype)  # gather's output, grown on demand
+        # `scratch`: one more block, owned by no sequence, where the padded rows of a replayed
+        # decode graph (engine/graphs.py) write. The block pool hands out `pool_blocks`.
+        self.pool_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks = num_blocks + scratch
+        self.scratch_slot = num_blocks * block_size if scratch else None
+        shape = (num_layers, kv_heads, self.num_blocks, block_size)
+        self.k = torch.zeros(*shape, self.head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(*shape, self.v_dim, dtype=dtype, device=device)
+        self._work = torch.empty(0, dtype=dtype, device=device)  # gather's output, grown on demand
         self._tables: torch.Tensor | None = None  # the latest tables gathered ...
-        self._rows = torch.empty(0, dtype=torch.int64)  # ... as rows of [heads * blocks, bs * hd]
+        # ... as rows of [heads * blocks, bs * hd]
+        self._rows = torch.empty(0, dtype=torch.int64, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -76,7 +89,8 @@ class KVCache:
         rather than from memory (long contexts then cost about what contiguous ones did)."""
         dims = self.head_dim + self.v_dim
         per_seq = self.kv_heads * blocks * self.block_size * dims * self.dtype.itemsize
-        return max(1, GATHER_BYTES // per_seq)
+        budget = GATHER_BYTES if self.device.type == "cpu" else GPU_GATHER_BYTES
+        return max(1, budget // per_seq)
 
     def gather(
         self, layer: int, tables: torch.Tensor, seqs: slice = slice(None)
@@ -85,7 +99,7 @@ class KVCache:
         blocks * block_size, head_dim / v_dim]. Views of a workspace: valid until the next gather
         (attention calls run one at a time, on the compute thread)."""
         if tables is not self._tables:  # every layer of a step gathers the same tables
-            heads = torch.arange(self.kv_heads)[:, None, None] * self.num_blocks
+            heads = torch.arange(self.kv_heads, device=self.device)[:, None, None] * self.num_blocks
             self._tables, self._rows = tables, heads + tables  # [kv_heads, seqs, blocks]
         chosen = self._rows[:, seqs]
         s, n = chosen.shape[1:]
@@ -94,7 +108,9 @@ class KVCache:
         k_size, v_size = rows.numel() * k_row, rows.numel() * v_row
         if self._work.numel() < k_size + v_size:
             need = k_size + v_size
-            self._work = torch.empty(max(need, self._work.numel() * 3 // 2), dtype=self.dtype)
+            self._work = torch.empty(
+                max(need, self._work.numel() * 3 // 2), dtype=self.dtype, device=self.device
+            )
         # One row per (head, block): index_select over rows of whole blocks copies at memcpy
         # speed; selecting along the block dimension of [heads, blocks, ...] is 3x slower.
         blocks = self.kv_heads * self.num_blocks
@@ -141,17 +157,18 @@ def num_blocks(
     max_model_len: int,
     max_num_seqs: int,
     available: int | None = None,
+    auto_share: float = AUTO_SHARE,
 ) -> int:
     """How many blocks of `block` bytes the `kv_cache_bytes` setting buys.
 
-    'auto': AUTO_SHARE of the available memory, at most what max_num_seqs sequences of
+    'auto': `auto_share` of the available memory, at most what max_num_seqs sequences of
     max_model_len tokens can use (more would only hold prefix cache), at least one such sequence.
     A size ('4GiB') or a share of the available memory ('30%') is taken as given, and must hold
     one sequence of max_model_len tokens: InvalidArgumentError naming kv_cache_bytes otherwise.
     """
     per_seq = math.ceil(max_model_len / block_size)
     if setting.strip().lower() == "auto":
-        share = int(AUTO_SHARE * (available_memory() if available is None else available))
+        share = int(auto_share * (available_memory() if available is None else available))
         return max(per_seq, min(share // block, per_seq * max_num_seqs))
     whole = None
     if setting.strip().endswith("%"):

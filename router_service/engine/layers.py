@@ -52,7 +52,9 @@ class Rope:
     interleaved pairs, whose output transformers lays out as halves (so do we: q and k alike).
     """
 
-    def __init__(self, spec: ModelSpec, max_len: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device | None = None
+    ) -> None:
         r = spec.rope
         head = spec.mla.qk_rope_head_dim if spec.mla is not None else spec.head_dim
         dim = self.dim = r.rotary_dim or head
@@ -60,7 +62,8 @@ class Rope:
         inv_freq, scale = _inv_freq(spec.rope_theta, dim, r)
         freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq  # [len, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [len, dim]
-        self.cos, self.sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+        self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)
+        self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [tokens, 1, dim] of these positions: once per step, used by every layer."""
@@ -143,11 +146,33 @@ class AttentionBatch:
     # Masks of sliding windows and sinks (gpt-oss), made by the first layer that needs each: _mask.
     masks: dict[tuple[int, int | None, bool], torch.Tensor] = field(default_factory=dict)
 
+    def to(self, device: torch.device) -> AttentionBatch:
+        """This layout with its index tensors on `device` (where a GPU model computes)."""
+        runs = [
+            Prefill(
+                p.start,
+                p.length,
+                p.blocks.to(device),
+                None if p.mask is None else p.mask.to(device),
+            )
+            for p in self.prefills
+        ]
+        return AttentionBatch(
+            positions=self.positions.to(device),
+            slots=self.slots.to(device),
+            prefills=runs,
+            decode_tables=self.decode_tables.to(device),
+            decode_lengths=self.decode_lengths.to(device),
+            num_prefill_tokens=self.num_prefill_tokens,
+            block_size=self.block_size,
+        )
+
     @functools.cached_property
     def decode_mask(self) -> torch.Tensor:
         """[decodes, 1, 1, blocks * block_size] bool: the context each decode attends. Made by
         the first layer that reads it: the attention kernels read the lengths instead."""
-        context = torch.arange(self.decode_tables.shape[1] * self.block_size)
+        width = self.decode_tables.shape[1] * self.block_size
+        context = torch.arange(width, device=self.decode_lengths.device)
         return (context[None, :] < self.decode_lengths[:, None])[:, None, None, :]
 
 
@@ -250,15 +275,16 @@ def _mask(batch: AttentionBatch, run: int, window: int | None, sink: bool) -> to
     key = (run, window, sink)
     if key in batch.masks:
         return batch.masks[key]
+    device = batch.positions.device
     if run < 0:  # [decodes, 1, 1, blocks * block_size]
         allowed = batch.decode_mask
         query = batch.positions[batch.num_prefill_tokens :, None, None, None]
     else:  # [length, start + length]
         p = batch.prefills[run]
-        query = torch.arange(p.start, p.start + p.length)[:, None]
-        allowed = torch.arange(p.start + p.length) <= query
+        query = torch.arange(p.start, p.start + p.length, device=device)[:, None]
+        allowed = torch.arange(p.start + p.length, device=device) <= query
     if window is not None:
-        allowed = allowed & (torch.arange(allowed.shape[-1]) > query - window)
+        allowed = allowed & (torch.arange(allowed.shape[-1], device=device) > query - window)
     if sink:
         allowed = F.pad(allowed, (0, 1), value=True)
     batch.masks[key] = allowed

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -14,9 +15,11 @@ import torch.nn.functional as F
 from common.arch import ModelSpec
 from common.linear import linear, serial_tokens
 from common.moe import expert_ffn
-from common.weights import DenseWeights
+from common.weights import DenseWeights, LayerWeights
 from router_service.engine import fused
 from router_service.engine.fused import FusedDecode
+from router_service.engine.gpu import GpuPasses
+from router_service.engine.graphs import GraphBackend
 from router_service.engine.kv_cache import KVCache, block_bytes
 from router_service.engine.layers import (
     AttentionBatch,
@@ -106,15 +109,34 @@ class MoeModel:
         max_model_len: int,
         compute: Compute = inline,
         serial_max_tokens: int | None = 0,
+        max_num_seqs: int = 256,
+        gpu: bool | GraphBackend | None = None,
     ) -> None:
+        """`gpu`: whether passes go to GpuPasses first (default: where the weights are on a
+        GPU; a GraphBackend replays decode steps with it, for tests)."""
         self.spec, self.weights, self.dispatcher = spec, weights, dispatcher
         self.max_model_len = max_model_len
         self.compute = compute
-        self.dtype = weights.embed.dtype
+        self.dtype, self.device = weights.embed.dtype, weights.embed.device
         if serial_max_tokens is None:  # what this host runs fastest
             serial_max_tokens = serial_tokens(self.dtype)
         self.serial_max_tokens = serial_max_tokens
-        self.rope = Rope(spec, max_model_len, self.dtype)
+        self.rope = Rope(spec, max_model_len, self.dtype, self.device)
+        if gpu is None:
+            gpu = self.device.type == "cuda"
+        self.gpu = (
+            GpuPasses(
+                spec,
+                weights,
+                dispatcher,
+                self._layers,
+                max_num_seqs,
+                max_model_len,
+                None if gpu is True else gpu,
+            )
+            if gpu is not False
+            else None
+        )
         # A one-sequence decode step as one kernel call, where the model allows (engine/fused.py).
         self.fused = (
             FusedDecode(spec, weights)
@@ -132,7 +154,15 @@ class MoeModel:
         """A paged cache of `num_blocks` blocks of `block_size` tokens for this model."""
         heads, k_dim, v_dim = self.spec.kv_dims
         return KVCache(
-            self.spec.num_layers, heads, k_dim, self.dtype, num_blocks, block_size, v_dim
+            self.spec.num_layers,
+            heads,
+            k_dim,
+            self.dtype,
+            num_blocks,
+            block_size,
+            v_dim,
+            self.device,
+            scratch=self.gpu is not None,  # where decode graphs' padded rows write
         )
 
     def block_bytes(self, block_size: int) -> int:
@@ -165,21 +195,43 @@ class MoeModel:
     ) -> torch.Tensor:
         if (logits := self._in_one_call(batch, cache, all_logits)) is not None:
             return logits
+        if self.gpu is None:
+            rows = None if all_logits else batch.logits_rows
+            moe = functools.partial(self.dispatcher.moe_layer, deadline=batch.deadline, calls=calls)
+            return await self._layers(batch.token_ids, batch.attention, rows, cache, moe)
+        # On a GPU: the layout's indices there; the logits back in host memory, for sampling.
+        tokens, layout = batch.token_ids.to(self.device), batch.attention.to(self.device)
+        rows = None if all_logits else batch.logits_rows.to(self.device)
+        self.dispatcher.replicas.check_deadline(batch.deadline)
+        logits = self.gpu.run(tokens, layout, rows, cache)
+        if logits is None:
+            moe = functools.partial(self.dispatcher.moe_layer, deadline=batch.deadline, calls=calls)
+            logits = await self._layers(tokens, layout, rows, cache, moe)
+        return logits.cpu()
+
+    async def _layers(
+        self,
+        tokens: torch.Tensor,
+        layout: AttentionBatch,
+        rows: torch.Tensor | None,
+        cache: KVCache,
+        moe: Callable[[int, torch.Tensor, LayerWeights], Awaitable[torch.Tensor]],
+    ) -> torch.Tensor:
+        """Float32 logits of `rows` (every token's with None): the pass, its MoE layers `moe`."""
         s, w = self.spec, self.weights
         # h is the residual stream x normed for what reads it next: each residual addition and
         # the norm after it are one step (add_norm: one kernel call in bfloat16).
-        x = F.embedding(batch.token_ids, w.embed)  # [tokens, hidden]
+        x = F.embedding(tokens, w.embed)  # [tokens, hidden]
         h = norm(x, self._norm_after(-1), s)
         for i, layer in enumerate(w.layers):
-            attended = attention(h, layer.attention, s, self.rope, batch.attention, cache, i)
+            attended = attention(h, layer.attention, s, self.rope, layout, cache, i)
             x, h = add_norm(x, attended, layer.post_attention_norm, s)
             if layer.dense_mlp is not None:
                 delta = expert_ffn(h, layer.dense_mlp)  # [tokens, hidden]
             else:
-                delta = await self.dispatcher.moe_layer(i, h, layer, batch.deadline, calls)
+                delta = await moe(i, h, layer)
             x, h = add_norm(x, delta, self._norm_after(i), s)
-        rows = h if all_logits else h[batch.logits_rows]
-        return linear(rows, w.lm_head).float()  # [rows, vocab]
+        return linear(h if rows is None else h[rows], w.lm_head).float()  # [rows, vocab]
 
     def _in_one_call(
         self, batch: StepBatch, cache: KVCache, all_logits: bool

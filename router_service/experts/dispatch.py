@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping
 
 import torch
@@ -123,8 +124,12 @@ class ExpertDispatcher:
             rows = list(zip((g.expert for g in groups), gather_rows(x, groups)))
             with self.telemetry.layer_span(layer, x.shape[0], groups):
                 outputs = self.replicas.compute_here(local, layer, rows)
-        else:
+        elif x.device.type == "cpu":
             outputs = await on_loop(self._scatter_gather, layer, x, groups, deadline, calls)
+        else:  # the wire carries host memory: rows staged there, results back to the device
+            staged = [ExpertGroup(g.expert, _host(g.tokens), _host(g.slots)) for g in groups]
+            outputs = await on_loop(self._scatter_gather, layer, x.cpu(), staged, deadline, calls)
+            outputs = [o.to(x.device, non_blocking=True) for o in outputs]
         y = combine(groups, outputs, routing, x.shape[0], like=x)
         if w.shared_expert is not None:
             y = y + shared_expert_output(x, w.shared_expert, w.shared_expert_gate)
@@ -154,11 +159,12 @@ class ExpertDispatcher:
         return sole
 
     def computed_together(self, chosen: list[list[int]]) -> None:
-        """Count a decode step computed in one call (all_colocated): the experts each layer
-        routed its token to, as its layers would have counted them. It made no expert call, so
-        the call durations record none."""
+        """Count a pass computed without the dispatcher (all_colocated: one call, or a GPU's
+        grouped products): the experts each MoE layer routed its tokens to, every choice once,
+        as its layers would have counted them. It made no expert call, so the call durations
+        record none."""
         for layer, experts in zip(self.spec.moe_layer_ids, chosen):
-            self._count(layer, [(e, 1) for e in experts])
+            self._count(layer, sorted(Counter(experts).items()))
         self.replicas.computed_here(sum(len(c) for c in chosen))
 
     def _count(self, layer: int, routed: list[tuple[int, int]]) -> None:
@@ -184,3 +190,8 @@ class ExpertDispatcher:
         if calls is not None:
             calls.append(times)
         return outputs
+
+
+def _host(index: torch.Tensor | slice | int) -> torch.Tensor | slice | int:
+    """An ExpertGroup's index (a tensor, a slice or an int) in host memory."""
+    return index.cpu() if isinstance(index, torch.Tensor) else index

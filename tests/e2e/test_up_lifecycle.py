@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from tests.support.cli import moe_mesh
 from tests.support.net import bound_port
@@ -132,6 +133,9 @@ def test_ctrl_c_during_start_up_is_a_clean_130(checkpoint, tmp_path) -> None:
         (["--router-arg=--micro-batches banana"], "--micro-batches"),
         (["--http-port", "70000"], "--http-port"),
         (["--grpc-port", "45123", "--http-port", "45123"], "both 45123"),
+        (["--device", "gpu"], "--device: "),
+        (["--router-arg=--device tpu"], "device must be auto, cpu, cuda or cuda:N"),
+        (["--expert-services", "0", "--expert-device", "cpu"], "--expert-device places"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_starts(checkpoint, tmp_path, flags, words) -> None:
@@ -139,6 +143,25 @@ def test_bad_flags_are_refused_before_anything_starts(checkpoint, tmp_path, flag
     r = moe_mesh("up", "--checkpoint", checkpoint("mixtral"), "--run-dir", run, *flags)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert words in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not list(run.glob("*.log")), "a service was started"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: cuda would start")
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--device", "cuda"], "--device: 'cuda' asked, but torch sees no CUDA device"),
+        (["--device", "cpu", "--router-arg=--device=cuda"], "--router-arg: 'cuda' asked"),
+        (["--expert-device", "cuda:1"], "--expert-device: 'cuda:1' asked"),
+    ],
+)
+def test_a_gpu_torch_cannot_see_is_refused_before_anything_starts(
+    checkpoint, tmp_path, flags, words
+) -> None:
+    run = tmp_path / "run"
+    r = moe_mesh("up", "--checkpoint", checkpoint("mixtral"), "--run-dir", run, *flags)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert words in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert not list(run.glob("*.log")), "a service was started"
 
 

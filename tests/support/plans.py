@@ -1,5 +1,6 @@
 """Utilization records as `moe-mesh placement show --json` writes them, for `moe-mesh plan` tests;
-the example deploy plan and variants of its `autoscale:` blocks, for the renderers' tests."""
+the example deploy plan and variants of its `autoscale:` blocks and devices, for the
+renderers' tests."""
 
 from __future__ import annotations
 
@@ -181,3 +182,12 @@ def k8s_objects(plan) -> dict[tuple[str, str], dict]:
         for obj in yaml.safe_load_all(text):
             out[obj["kind"], obj["metadata"]["name"]] = obj
     return out
+
+
+def gpu_raw() -> dict:
+    """The example with its router on cuda:1 (compose reserves GPU 1) and its hot group on cuda
+    (any one GPU); the cold group and the gateway stay on the CPU."""
+    raw = example_raw()
+    raw["router"]["device"] = "cuda:1"
+    raw["expert_groups"][0]["device"] = "cuda"
+    return raw

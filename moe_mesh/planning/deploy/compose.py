@@ -11,8 +11,9 @@ from typing import Any
 
 import yaml
 
+from common.device import is_cuda
 from moe_mesh.planning.deploy import secrets
-from moe_mesh.planning.deploy.plan import ExpertGroup, Plan, Resources
+from moe_mesh.planning.deploy.plan import ExpertGroup, Plan, Resources, gpu_index
 from moe_mesh.planning.deploy.prometheus import METRICS_PORT, dns_job, prometheus_yml
 
 HEADER = (
@@ -53,6 +54,29 @@ def cpus(r: Resources) -> str:
     return f"{r.cpu_mhz / 1000:g}"
 
 
+def uses_gpus(plan: Plan) -> bool:
+    return is_cuda(plan.router.device) or any(is_cuda(g.device) for g in plan.expert_groups)
+
+
+def device_flags(plan: Plan, device: str) -> list[str]:
+    """A service's --device. On CUDA `cuda`, for cuda:N too: a container sees only the GPU reserved
+    for it, as its device 0 (the reservation names N). On the CPU `cpu` where the plan reserves
+    GPUs: its image is then the cuda build, whose NVIDIA_VISIBLE_DEVICES=all shows a container
+    every GPU of a node whose default runtime is NVIDIA's, and the services' default (auto) would
+    take one nobody reserved. None in a plan without GPUs, which renders as before the field."""
+    if is_cuda(device):
+        return ["--device", "cuda"]
+    return ["--device", "cpu"] if uses_gpus(plan) else []
+
+
+def gpu_devices(device: str) -> list[dict[str, Any]]:
+    """compose's `deploy.resources.reservations.devices` for one replica on `device`: any one
+    NVIDIA GPU for cuda, GPU N of the Docker host for cuda:N (every replica shares it)."""
+    index = gpu_index(device)
+    which: dict[str, Any] = {"count": 1} if index is None else {"device_ids": [str(index)]}
+    return [{"driver": "nvidia", **which, "capabilities": ["gpu"]}]
+
+
 def _compose_service(
     plan: Plan,
     name: str,
@@ -62,8 +86,11 @@ def _compose_service(
     depends_on: Iterable[str],
     start_period: str,
     resources: Resources,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     size = {"cpus": cpus(resources), "memory": f"{resources.memory_mb}M"}
+    # The same dict on the CPU: the file writes it once (an anchor), as it always has.
+    reserved = {**size, "devices": gpu_devices(device)} if is_cuda(device) else size
     command = [*command, *secrets.flags(plan, name, SECRETS_DIR)]
     # Under `security` the Consul token is a secret file too, not a value in .env.
     token = (
@@ -86,7 +113,7 @@ def _compose_service(
             f"{_dollar(plan.model.checkpoint)}:ro"
         ],
         "expose": [str(port), str(METRICS_PORT)],
-        "deploy": {"replicas": replicas, "resources": {"limits": size, "reservations": size}},
+        "deploy": {"replicas": replicas, "resources": {"limits": size, "reservations": reserved}},
         "healthcheck": _compose_healthcheck(plan, port, start_period),
         "depends_on": {name: {"condition": "service_healthy"} for name in ["consul", *depends_on]},
         "restart": "unless-stopped",
@@ -139,7 +166,7 @@ def expert_command(plan: Plan, g: ExpertGroup, port: str, extra: list[str]) -> l
         cmd += ["--compute-threads", str(g.compute_threads)]
     if g.quantize != "none":
         cmd += ["--quantize", g.quantize, "--quantize-group-size", str(g.quantize_group_size)]
-    return cmd + g.args
+    return cmd + device_flags(plan, g.device) + g.args
 
 
 def router_command(plan: Plan, port: str, extra: list[str]) -> list[str]:
@@ -169,7 +196,7 @@ def router_settings(plan: Plan) -> list[str]:
         out += ["--max-num-seqs", str(r.max_num_seqs)]
     if r.micro_batches is not None:
         out += ["--micro-batches", str(r.micro_batches)]
-    return out
+    return out + device_flags(plan, r.device)
 
 
 def gateway_command(plan: Plan, extra: Sequence[str] = ()) -> list[str]:
@@ -219,6 +246,7 @@ def render_compose(plan: Plan) -> dict[str, str]:
             [],
             "60s",
             g.resources,
+            g.device,
         )
     r = plan.router
     services["router"] = _compose_service(
@@ -230,6 +258,7 @@ def render_compose(plan: Plan) -> dict[str, str]:
         groups,
         "120s",
         r.resources,
+        r.device,
     )
     gw = plan.gateway
     gateway = _compose_service(

@@ -1,11 +1,11 @@
 """The kubernetes target: manifests for one namespace, one Deployment per expert group.
 
 Each component (an expert group, the routers, the gateways) gets a Deployment (replicas, the plan's
-resources as requests and limits, the kubelet's gRPC startup, readiness and liveness probes, the
-checkpoint mounted read-only, pods annotated for Prometheus), a Service and a PodDisruptionBudget
-(a voluntary eviction never takes down more than one replica at a time); the objects around them
-(probes, model volume, discovery's RBAC, Ingress) are kubernetes_objects.py's, the autoscaling ones
-kubernetes_hpa.py's. Discovery (`kubernetes.discovery`):
+resources as requests and limits, one `nvidia.com/gpu` on CUDA, the kubelet's gRPC startup,
+readiness and liveness probes, the checkpoint mounted read-only, pods annotated for Prometheus), a
+Service and a PodDisruptionBudget (a voluntary eviction never takes down more than one replica at a
+time); the objects around them (probes, model volume, discovery's RBAC, Ingress) are
+kubernetes_objects.py's, the autoscaling ones kubernetes_hpa.py's. Discovery (`kubernetes.discovery`):
   kubernetes: routers and expert groups have headless Services labelled for discovery; services
     run with `--registry kubernetes` and list and watch those Services' EndpointSlices (ready pods
     only, so readiness is registration) as the ServiceAccount `moe-mesh` (rbac.yaml); no Consul.
@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from common.device import is_cuda
 from moe_mesh.planning.deploy import secrets
 from moe_mesh.planning.deploy.compose import (
     HEADER,
@@ -56,6 +57,7 @@ from moe_mesh.planning.deploy.prometheus import (
 )
 
 SECRETS_VOLUME, SECRETS_DIR = "secrets", "/run/secrets/moe-mesh"
+GPU = "nvidia.com/gpu"  # NVIDIA's device plugin's extended resource
 
 
 def _env(plan: Plan, component: str) -> list[dict[str, Any]]:
@@ -98,10 +100,22 @@ def _args(plan: Plan, component: str, args: list[str]) -> list[str]:
     ]
 
 
+def _size(resources: Resources, device: str) -> dict[str, Any]:
+    """Requests and limits (equal, as an extended resource's must be): on CUDA one GPU, which the
+    scheduler picks (cuda:N's index means nothing to it) and the pod sees as its device 0."""
+    size: dict[str, Any] = {"cpu": cpus(resources), "memory": f"{resources.memory_mb}Mi"}
+    return {**size, GPU: 1} if is_cuda(device) else size
+
+
 def _container(
-    plan: Plan, component: str, args: list[str], ports: dict[str, int], resources: Resources
+    plan: Plan,
+    component: str,
+    args: list[str],
+    ports: dict[str, int],
+    resources: Resources,
+    device: str,
 ) -> dict[str, Any]:
-    size = {"cpu": cpus(resources), "memory": f"{resources.memory_mb}Mi"}
+    size = _size(resources, device)
     grpc_port = next(iter(ports.values()))
     mounts = [{"name": MODEL_VOLUME, "mountPath": plan.model.checkpoint, "readOnly": True}]
     if secret_names(plan, component):
@@ -133,6 +147,7 @@ def _deployment(
     args: list[str],
     ports: dict[str, int],
     resources: Resources,
+    device: str,
 ) -> dict[str, Any]:
     volumes: list[dict[str, Any]] = [model_volume(plan)]
     pod: dict[str, Any] = {}
@@ -163,7 +178,7 @@ def _deployment(
                 "spec": {
                     # Services drain in-flight calls for up to 10 s after SIGTERM.
                     "terminationGracePeriodSeconds": 20,
-                    "containers": [_container(plan, component, args, ports, resources)],
+                    "containers": [_container(plan, component, args, ports, resources, device)],
                     "volumes": volumes,
                     **pod,
                 },
@@ -232,9 +247,10 @@ def _component(
     ports: dict[str, int],
     resources: Resources,
     headless: bool = True,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     return [
-        _deployment(plan, component, replicas, args, ports, resources),
+        _deployment(plan, component, replicas, args, ports, resources, device),
         _service(plan, component, ports, headless),
         _budget(plan, component),
     ]
@@ -270,7 +286,7 @@ def manifests(plan: Plan) -> dict[str, list[dict[str, Any]]]:
         args = expert_command(plan, g, str(g.port), ADVERTISE)
         replicas = g.replicas if g.autoscale is None else None
         files[f"{name}.yaml"] = _component(
-            plan, name, replicas, args, {"grpc": g.port}, g.resources
+            plan, name, replicas, args, {"grpc": g.port}, g.resources, device=g.device
         )
         if g.autoscale is not None:
             files[f"{name}.yaml"].append(hpa(plan, name, g.autoscale))
@@ -282,6 +298,7 @@ def manifests(plan: Plan) -> dict[str, list[dict[str, Any]]]:
         router_command(plan, str(r.port), ADVERTISE),
         {"grpc": r.port},
         r.resources,
+        device=r.device,
     )
     files["gateway.yaml"] = _component(
         plan,

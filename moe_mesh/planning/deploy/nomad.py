@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.device import is_cuda
 from moe_mesh.autoscale import queries
 from moe_mesh.autoscale.queries import number
 from moe_mesh.planning.deploy import secrets
@@ -243,8 +244,24 @@ def _ready_check(plan: Plan) -> Block:
     return check
 
 
+def _resources(resources: Resources, device: str) -> Block:
+    """The task's CPU and memory, and on CUDA one NVIDIA GPU from the client's device plugin. Nomad
+    picks which (cuda:N's index means nothing to it); the task sees that one as its device 0,
+    which `--device cuda` (compose.device_flags) uses."""
+    body: list = [("cpu", resources.cpu_mhz), ("memory", resources.memory_mb)]
+    if is_cuda(device):
+        body.append(Block("device", ("nvidia/gpu",), [("count", 1)]))
+    return Block("resources", body=body)
+
+
 def _task(
-    plan: Plan, name: str, args: list[str], resources: Resources, component: str, job: str
+    plan: Plan,
+    name: str,
+    args: list[str],
+    resources: Resources,
+    component: str,
+    job: str,
+    device: str = "cpu",
 ) -> Block:
     args = [
         *args,
@@ -274,7 +291,7 @@ def _task(
             ),
         ],
     )
-    res = Block("resources", body=[("cpu", resources.cpu_mhz), ("memory", resources.memory_mb)])
+    res = _resources(resources, device)
     return Block(
         "task",
         (name,),
@@ -318,7 +335,7 @@ def _expert_job(plan: Plan, g: ExpertGroup) -> Block:
         g.constraints,
         [Block("port", ("grpc",))],
         [service],
-        _task(plan, "serve-expert", args, g.resources, f"expert-{g.name}", job),
+        _task(plan, "serve-expert", args, g.resources, f"expert-{g.name}", job, g.device),
         f"{job}-metrics",
     )
     if g.autoscale is not None:
@@ -395,6 +412,7 @@ def _frontend_job(plan: Plan) -> Block:
             r.resources,
             "router",
             job,
+            r.device,
         ),
         f"{plan.name}-routers-metrics",
     )

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -18,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from common import device
 from common.errors import InvalidArgumentError, MoeMeshError
 from common.placement import ModelShape, Pair, format_experts, parse_experts
 from moe_mesh.autoscale.policy import Autoscale
@@ -35,6 +37,44 @@ Name = Annotated[
 Port = Annotated[int, Field(ge=1, le=65535)]
 Region = Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]*$", max_length=64)]
 Datacenters = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+PLAN_DEVICES = "cpu, cuda or cuda:N"
+
+
+def _plan_device(text: str) -> str:
+    """A device a scheduler can reserve: the services' own names (common/device.py) but `auto`,
+    which would leave the scheduler not knowing whether the group needs a GPU."""
+    try:
+        value = device.check(text)
+    except ValueError:
+        raise ValueError(f"must be {PLAN_DEVICES}, got {text!r}") from None
+    if value == "auto":
+        raise ValueError(
+            f"auto is not allowed in a plan: a scheduler must know whether to reserve a GPU for "
+            f"these services; say {PLAN_DEVICES}"
+        )
+    return value
+
+
+PlanDevice = Annotated[str, AfterValidator(_plan_device)]
+
+
+def _device_field(services: str) -> Any:
+    return Field(
+        "cpu",
+        description=f"where the {services} compute: cpu, cuda or cuda:N (auto is refused: a "
+        "scheduler must know whether to reserve a GPU). On CUDA each replica runs with "
+        "`--device cuda` and reserves one NVIDIA GPU (compose: `deploy.resources.reservations."
+        'devices`, GPU N for cuda:N; Nomad: `device "nvidia/gpu"`; Kubernetes: the '
+        "`nvidia.com/gpu` limit), which it sees as its only device; on the CPU in a plan that "
+        "reserves GPUs, `--device cpu`",
+    )
+
+
+def _no_device_flag(args: list[str], field: str) -> list[str]:
+    # The renderers reserve a GPU from the field: a flag would run on one nobody reserved.
+    if _has_flag(args, "--device"):
+        raise ValueError(f"set {field} instead of --device in args")
+    return args
 
 
 class PlanError(MoeMeshError):
@@ -152,6 +192,7 @@ class RouterPlan(_Strict):
         description="serve-router --micro-batches: 'auto' or 1..8 micro-batches per decode step "
         "(MegaScale-Infer's ping-pong); `moe-mesh plan --search` sets it; unset: the router's default",
     )
+    device: PlanDevice = _device_field("routers")
     args: list[str] = Field(default_factory=list, description="extra serve-router flags")
 
     @field_validator("args")
@@ -162,7 +203,7 @@ class RouterPlan(_Strict):
             raise ValueError(
                 "set router.colocate_budget instead of --colocate-budget in router.args"
             )
-        return args
+        return _no_device_flag(args, "router.device")
 
     @model_validator(mode="after")
     def _batching_set_once(self) -> RouterPlan:
@@ -178,6 +219,11 @@ class RouterPlan(_Strict):
 
 def _has_flag(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(f"{flag}=") for a in args)
+
+
+def gpu_index(name: str) -> int | None:
+    """N for a plan's cuda:N; None for cuda (any GPU) and cpu."""
+    return int(name.split(":")[1]) if ":" in name else None
 
 
 class ExpertGroup(_Strict):
@@ -201,6 +247,7 @@ class ExpertGroup(_Strict):
     quantize_group_size: Literal[32, 64, 128] = Field(
         64, description="serve-expert --quantize-group-size (with quantize int4)"
     )
+    device: PlanDevice = _device_field("group's expert services")
     resources: Resources = Resources(cpu_mhz=2000, memory_mb=4096)
     args: list[str] = Field(default_factory=list, description="extra serve-expert flags")
     autoscale: Autoscale | None = Field(
@@ -215,6 +262,11 @@ class ExpertGroup(_Strict):
     def _spec_syntax(cls, v: str) -> str:
         expert_pairs(v)
         return v
+
+    @field_validator("args")
+    @classmethod
+    def _device_is_a_field(cls, args: list[str]) -> list[str]:
+        return _no_device_flag(args, "the group's device")
 
     @model_validator(mode="after")
     def _starts_within_bounds(self) -> ExpertGroup:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.moe_mesh.v1 import tensor_pb2 as protos_dot_moe__mesh_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/moe_mesh/v1/expert.proto\x12\x0bmoe_mesh.v1\x1a\x1fprotos/moe_mesh/v1/tensor.proto\"\xa0\x01\n\x14\x45xpertForwardRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x18\n\x10weights_checksum\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x12\n\nexpert_ids\x18\x04 \x03(\r\x12\x14\n\x0ctoken_counts\x18\x05 \x03(\r\x12#\n\x06hidden\x18\x06 \x01(\x0b\x32\x13.moe_mesh.v1.Tensor\"U\n\x15\x45xpertForwardResponse\x12#\n\x06output\x18\x01 \x01(\x0b\x32\x13.moe_mesh.v1.Tensor\x12\x17\n\x0fservice_seconds\x18\x02 \x01(\x01\"\x11\n\x0f\x44\x65scribeRequest\"\x9a\x02\n\x10\x44\x65scribeResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x18\n\x10weights_checksum\x18\x02 \x01(\t\x12\'\n\x07\x65xperts\x18\x03 \x03(\x0b\x32\x16.moe_mesh.v1.ExpertKey\x12!\n\x05\x64type\x18\x04 \x01(\x0e\x32\x12.moe_mesh.v1.DType\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x12\n\nfast_paths\x18\x06 \x03(\t\x12\x0e\n\x06region\x18\x07 \x01(\t\x12\'\n\x05stats\x18\x08 \x01(\x0b\x32\x18.moe_mesh.v1.ExpertStats\x12\x19\n\x11max_message_bytes\x18\t \x01(\x04\x12\x11\n\tprecision\x18\n \x01(\t\"U\n\x0b\x45xpertStats\x12\x15\n\rforward_calls\x18\x01 \x01(\x04\x12\x0e\n\x06groups\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\x32\xaa\x01\n\rExpertService\x12P\n\x07\x46orward\x12!.moe_mesh.v1.ExpertForwardRequest\x1a\".moe_mesh.v1.ExpertForwardResponse\x12G\n\x08\x44\x65scribe\x12\x1c.moe_mesh.v1.DescribeRequest\x1a\x1d.moe_mesh.v1.DescribeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/moe_mesh/v1/expert.proto\x12\x0bmoe_mesh.v1\x1a\x1fprotos/moe_mesh/v1/tensor.proto\"\xa0\x01\n\x14\x45xpertForwardRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x18\n\x10weights_checksum\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x12\n\nexpert_ids\x18\x04 \x03(\r\x12\x14\n\x0ctoken_counts\x18\x05 \x03(\r\x12#\n\x06hidden\x18\x06 \x01(\x0b\x32\x13.moe_mesh.v1.Tensor\"U\n\x15\x45xpertForwardResponse\x12#\n\x06output\x18\x01 \x01(\x0b\x32\x13.moe_mesh.v1.Tensor\x12\x17\n\x0fservice_seconds\x18\x02 \x01(\x01\"\x11\n\x0f\x44\x65scribeRequest\"\xaa\x02\n\x10\x44\x65scribeResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x18\n\x10weights_checksum\x18\x02 \x01(\t\x12\'\n\x07\x65xperts\x18\x03 \x03(\x0b\x32\x16.moe_mesh.v1.ExpertKey\x12!\n\x05\x64type\x18\x04 \x01(\x0e\x32\x12.moe_mesh.v1.DType\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x12\n\nfast_paths\x18\x06 \x03(\t\x12\x0e\n\x06region\x18\x07 \x01(\t\x12\'\n\x05stats\x18\x08 \x01(\x0b\x32\x18.moe_mesh.v1.ExpertStats\x12\x19\n\x11max_message_bytes\x18\t \x01(\x04\x12\x11\n\tprecision\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\"U\n\x0b\x45xpertStats\x12\x15\n\rforward_calls\x18\x01 \x01(\x04\x12\x0e\n\x06groups\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\x32\xaa\x01\n\rExpertService\x12P\n\x07\x46orward\x12!.moe_mesh.v1.ExpertForwardRequest\x1a\".moe_mesh.v1.ExpertForwardResponse\x12G\n\x08\x44\x65scribe\x12\x1c.moe_mesh.v1.DescribeRequest\x1a\x1d.moe_mesh.v1.DescribeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,9 +39,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=331
   _globals['_DESCRIBEREQUEST']._serialized_end=348
   _globals['_DESCRIBERESPONSE']._serialized_start=351
-  _globals['_DESCRIBERESPONSE']._serialized_end=633
-  _globals['_EXPERTSTATS']._serialized_start=635
-  _globals['_EXPERTSTATS']._serialized_end=720
-  _globals['_EXPERTSERVICE']._serialized_start=723
-  _globals['_EXPERTSERVICE']._serialized_end=893
+  _globals['_DESCRIBERESPONSE']._serialized_end=649
+  _globals['_EXPERTSTATS']._serialized_start=651
+  _globals['_EXPERTSTATS']._serialized_end=736
+  _globals['_EXPERTSERVICE']._serialized_start=739
+  _globals['_EXPERTSERVICE']._serialized_end=909
 # @@protoc_insertion_point(module_scope)

@@ -36,7 +36,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_id", "weights_checksum", "experts", "dtype", "hidden_size", "fast_paths", "region", "stats", "max_message_bytes", "precision")
+    __slots__ = ("model_id", "weights_checksum", "experts", "dtype", "hidden_size", "fast_paths", "region", "stats", "max_message_bytes", "precision", "device")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class DescribeResponse(_message.Message):
     STATS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     weights_checksum: str
     experts: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.ExpertKey]
@@ -57,7 +58,8 @@ class DescribeResponse(_message.Message):
     stats: ExpertStats
     max_message_bytes: int
     precision: str
-    def __init__(self, model_id: _Optional[str] = ..., weights_checksum: _Optional[str] = ..., experts: _Optional[_Iterable[_Union[_tensor_pb2.ExpertKey, _Mapping]]] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., hidden_size: _Optional[int] = ..., fast_paths: _Optional[_Iterable[str]] = ..., region: _Optional[str] = ..., stats: _Optional[_Union[ExpertStats, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., precision: _Optional[str] = ...) -> None: ...
+    device: str
+    def __init__(self, model_id: _Optional[str] = ..., weights_checksum: _Optional[str] = ..., experts: _Optional[_Iterable[_Union[_tensor_pb2.ExpertKey, _Mapping]]] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., hidden_size: _Optional[int] = ..., fast_paths: _Optional[_Iterable[str]] = ..., region: _Optional[str] = ..., stats: _Optional[_Union[ExpertStats, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class ExpertStats(_message.Message):
     __slots__ = ("forward_calls", "groups", "batches", "tokens")

@@ -11,8 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.checkpoint import Checkpoint
-from common.errors import CheckpointError, UnsupportedModelError
+from common.errors import CheckpointError, InvalidArgumentError, UnsupportedModelError
+from common.quant import Quantization
 from common.safetensors_mmap import SafetensorsFile
+from common.weights import to_device
 
 
 @pytest.fixture
@@ -214,3 +216,21 @@ def test_the_spec_knows_an_experts_size_without_loading_it(checkpoint, arch) -> 
     ckpt = Checkpoint(checkpoint(arch), dtype=torch.bfloat16)
     [weights] = ckpt.load_experts(ckpt.all_expert_pairs()[:1]).values()
     assert ckpt.spec.expert_params * torch.bfloat16.itemsize == weights.nbytes
+
+
+def test_quantized_experts_on_a_gpu_are_refused_before_any_weight_loads(checkpoint) -> None:
+    with pytest.raises(InvalidArgumentError, match="^quantize: int8 experts compute on CPUs only"):
+        Checkpoint(
+            checkpoint("mixtral"), quantize=Quantization.parse("int8"), device=torch.device("cuda")
+        )
+
+
+def test_weights_on_a_device_keep_a_tied_head_shared(checkpoint) -> None:
+    dense = Checkpoint(checkpoint("mixtral")).load_dense()
+    dense.lm_head = dense.embed  # as a tied checkpoint holds them
+    moved = to_device(dense, torch.device("meta"))
+    assert moved.embed.device.type == "meta" and moved.lm_head is moved.embed
+    assert all(
+        t.device.type == "meta" for t in (moved.layers[0].attention.qkv, moved.layers[0].router)
+    )
+    assert dense.embed.device.type == "cpu"  # the original untouched

@@ -11,10 +11,12 @@ import torch
 from common import bf16
 from common.errors import UnavailableError
 from common.moe import expert_ffn
+from common.staging import Stager
 from common.weights import FFNWeights
 from expert_service import batcher as batcher_module
 from expert_service.batcher import DynamicBatcher
 from expert_service.core import ExpertHost
+from tests.support.devices import FakeDevice
 from tests.support.experts import HIDDEN, assert_close
 from tests.support.polling import eventually
 
@@ -198,3 +200,29 @@ async def test_a_job_of_experts_in_panels_is_one_call_for_all_of_them(monkeypatc
     assert calls == [3] and batcher.stats.batches == 3  # three batches, one kernel call
     assert all(torch.equal(o, expert_ffn(x, weights[(0, e)])) for o, (e, x) in zip(out, groups))
     await batcher.close()
+
+
+async def test_a_job_on_a_device_is_staged_in_once_and_back_to_host_memory_once(settings) -> None:
+    """On a GPU (here the fake one of tests/support/devices.py) the rows of every batch of a job
+    go to the device in one copy, and the outputs come back, after one synchronize."""
+    host = ExpertHost.load(settings())
+    device = FakeDevice()
+    batcher = DynamicBatcher(
+        host.weights, max_queue_delay_us=50_000, stager=Stager(torch.device("cuda"), device)
+    )
+    rows = [torch.randn(n, HIDDEN) for n in (2, 3, 4)]
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            batcher.submit(0, 1, rows[0]),
+            batcher.submit(0, 1, rows[1]),
+            batcher.submit(0, 2, rows[2]),
+        ),
+        5,
+    )
+    weights = [host.weights[(0, 1)], host.weights[(0, 1)], host.weights[(0, 2)]]
+    assert_close(results, [expert_ffn(r, w) for r, w in zip(rows, weights)])
+    # one job: both batches in, each batch's output out, one synchronize before any is read
+    assert [e[0] for e in device.log] == ["h2d", "d2h", "d2h", "sync"]
+    assert device.log[0][1:] == ((9 * HIDDEN * 4,), torch.uint8)  # 9 rows of float32, one copy
+    await batcher.close()
+    await host.close()

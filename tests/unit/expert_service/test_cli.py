@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from expert_service import cli
 from tests.support.experts import ARCH
@@ -36,3 +37,17 @@ def test_cli_broken_checkpoint_exits_2_naming_the_file(tmp_path, capsys) -> None
         and "config.json" in err
         and err.count("\n") == 1
     ), err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: cuda would serve")
+def test_cli_device_cuda_without_a_gpu_exits_2_naming_device(checkpoint, capsys) -> None:
+    assert cli.main(["--checkpoint", str(checkpoint(ARCH)), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-mesh serve-expert: error: device: 'cuda' asked, but torch sees no")
+    assert err.count("\n") == 1, err
+
+
+def test_cli_device_not_a_device_exits_2_naming_the_choices(checkpoint, capsys) -> None:
+    assert cli.main(["--checkpoint", str(checkpoint(ARCH)), "--device", "gpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--device: " in err and "auto, cpu, cuda or cuda:N" in err and err.count("\n") == 1, err

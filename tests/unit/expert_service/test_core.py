@@ -16,7 +16,7 @@ from common.telemetry import Telemetry
 from common.weights import FFNWeights
 from expert_service.core import ExpertHost
 from expert_service.settings import ExpertSettings
-from tests.support.experts import SPEC
+from tests.support.experts import SPEC, assert_close, reference
 from tests.support.metrics import scrape
 
 
@@ -98,3 +98,44 @@ def test_a_temporary_freed_while_loading_leaves_the_process() -> None:
     before, during, after, kept = json.loads(out.stdout.strip().splitlines()[-1])
     assert during - before >= 15 and after - before < 2, (before, during, after)
     assert kept == 1 << 18
+
+
+async def test_device_cpu_serves_as_before(settings) -> None:
+    auto, cpu = ExpertHost.load(settings()), ExpertHost.load(settings(device="cpu"))
+    assert cpu.device == torch.device("cpu") and cpu.describe().device == "cpu"
+    assert cpu.batcher._stager.identity  # nothing staged: the wire's tensors are computed on
+    rows = torch.randn(3, cpu.spec.hidden_size)
+    outs = [await h.forward(h.model_id, h.weights_checksum, 0, [1], [3], rows) for h in (auto, cpu)]
+    if auto.device.type == "cpu":  # auto is the CPU where torch sees no GPU
+        assert torch.equal(outs[0], outs[1])
+    assert_close([outs[1]], reference(cpu.settings.checkpoint, 0, [(1, rows)]))
+    await auto.close()
+    await cpu.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: cuda would load")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_a_gpu_asked_for_where_torch_sees_none_is_refused_before_loading(settings, device) -> None:
+    with pytest.raises(
+        InvalidArgumentError, match=rf"^device: '{device}' asked, but torch sees no"
+    ):
+        ExpertHost.load(settings(device=device))
+
+
+def test_a_gpu_index_beyond_the_hosts_is_refused(settings) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"^device: 'cuda:99' asked, but"):
+        ExpertHost.load(settings(device="cuda:99"))
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device: experts loaded onto a GPU"
+)
+async def test_on_a_gpu_experts_compute_there_and_answer_in_host_memory(settings) -> None:
+    host = ExpertHost.load(settings(device="cuda"))
+    assert all(w.down.is_cuda for w in host.weights.values())
+    assert host.describe().device == "cuda:0"
+    rows = torch.randn(4, host.spec.hidden_size)
+    out = await host.forward(host.model_id, host.weights_checksum, 0, [1], [4], rows)
+    assert out.device.type == "cpu"
+    assert_close([out], reference(host.settings.checkpoint, 0, [(1, rows)]), atol=1e-4)
+    await host.close()

@@ -45,6 +45,7 @@ class ScriptedHost:
             region="eu",
             stats=stats,
             precision="int4-g64",
+            device="cuda:1",
         )
 
 
@@ -124,6 +125,7 @@ async def test_describe_carries_the_hosts_description_and_the_apps_fast_paths(
         "int4-g64",
     )
     assert [(k.layer, k.expert) for k in d.experts] == [(0, 1), (1, 3)]
+    assert d.device == "cuda:1"
     assert d.dtype == wire.TO_WIRE[torch.bfloat16] and d.max_message_bytes == 1 << 20
     s = d.stats
     assert (s.forward_calls, s.groups, s.batches, s.tokens) == (5, 9, 4, 40)

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
-from moe_mesh.local.checks import checkpoint_problem, exposure
+import pytest
+import torch
+
+from moe_mesh.local.checks import checkpoint_problem, device_problem, exposure
 
 
 def test_a_correct_checkpoint_has_no_problem(checkpoint) -> None:
@@ -30,3 +35,26 @@ def test_the_gateway_exposure_follows_up_s_flags(monkeypatch, tmp_path) -> None:
     assert "API keys" in exposure("0.0.0.0", tls=True, api_key_file=None)
     monkeypatch.setenv("MOE_GATEWAY_API_KEY", "k")
     assert exposure("0.0.0.0", tls=True, api_key_file=None) is None
+
+
+def test_cpu_and_auto_pass_without_importing_torch() -> None:
+    """`up` on the CPU stays quick to start: torch is imported only where a GPU is named."""
+    code = (
+        "import sys\n"
+        "from moe_mesh.local.checks import device_problem\n"
+        "assert device_problem('--device', 'cpu') is None\n"
+        "assert device_problem('--device', 'auto') is None\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: cuda is there")
+@pytest.mark.parametrize(("flag", "device"), [("--device", "cuda"), ("--expert-device", "cuda:1")])
+def test_a_gpu_torch_cannot_see_is_one_line_naming_the_flag(flag, device) -> None:
+    problem = device_problem(flag, device)
+    assert problem is not None and problem.startswith(
+        f"{flag}: '{device}' asked, but torch sees no"
+    )
+    assert "\n" not in problem

@@ -1,6 +1,6 @@
 """What `moe-mesh plan` asks for (moe_mesh/planning/resources.py): groups sized by their own load and
 bytes, a plan derived from the record without --base, a base of another model refused with the fix,
-and the total printed."""
+the total printed, and devices carried from the base (the router's, and each group's by name)."""
 
 from __future__ import annotations
 
@@ -135,3 +135,54 @@ def test_search_without_a_record_takes_the_profiles_shares(
     capsys.readouterr()
     assert plan_cli.main(["plan", "--out", str(tmp_path / "x.yaml")]) == 2
     assert "--utilization is required" in capsys.readouterr().err
+
+
+def _base_on_gpus(tmp_path: Path, model_id: str = "mixtral-small") -> Path:
+    base = yaml.safe_load(EXAMPLE_PLAN.read_text())
+    base["model"]["model_id"] = model_id
+    base["router"]["device"] = "cuda:1"
+    base["expert_groups"][0]["device"] = "cuda"  # cold stays on the CPU
+    path = tmp_path / "base.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return path
+
+
+def test_a_derived_plan_keeps_the_base_devices(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    record = write_record(tmp_path, skewed(), model_id="ckpt")
+    out = tmp_path / "plan.yaml"
+    argv = ["plan", "--utilization", str(record), "--out", str(out)]
+    assert plan_cli.main([*argv, "--base", str(_base_on_gpus(tmp_path, "ckpt"))]) == 0
+    plan = deploy.load_plan(out)
+    assert plan.router.device == "cuda:1"
+    # New group names: each runs where the base's first group ran, like its region and args.
+    assert {g.device for g in plan.expert_groups} == {"cuda"}
+    gpus = plan.router.replicas + sum(g.replicas for g in plan.expert_groups)
+    assert resources.total(plan).gpus == gpus
+    assert f" cores, {gpus} GPUs and " in capsys.readouterr().err
+    # Planned again from that plan: a group of the same name keeps its own device.
+    raw = yaml.safe_load(out.read_text())
+    raw["expert_groups"][-1]["device"] = "cpu"
+    (tmp_path / "again.yaml").write_text(yaml.safe_dump(raw))
+    assert plan_cli.main([*argv, "--base", str(tmp_path / "again.yaml")]) == 0
+    again = deploy.load_plan(out)
+    assert [g.name for g in again.expert_groups] == [g.name for g in plan.expert_groups]
+    assert [g.device for g in again.expert_groups][-1] == "cpu"
+    assert {g.device for g in again.expert_groups[:-1]} == {"cuda"}
+
+
+def test_search_keeps_the_base_devices(tmp_path: Path) -> None:
+    out = tmp_path / "plan.yaml"
+    argv = search_args(tmp_path, "--out", str(out))
+    argv[argv.index(str(EXAMPLE_PLAN))] = str(_base_on_gpus(tmp_path))
+    assert plan_cli.main(argv) == 0
+    plan = deploy.load_plan(out)
+    assert plan.router.device == "cuda:1"
+    assert {g.device for g in plan.expert_groups} == {"cuda"}
+    assert "nvidia.com/gpu" in deploy.render(plan, "kubernetes")["router.yaml"]
+
+
+def test_a_cpu_plan_totals_no_gpus() -> None:
+    total = resources.total(deploy.load_plan(EXAMPLE_PLAN))
+    assert total.gpus == 0 and "GPU" not in total.text()

@@ -29,6 +29,16 @@ def test_shapes_and_bytes_are_fixed_up_front() -> None:
     assert c.k.count_nonzero() == 0  # zero-filled: padding read under a mask is finite
 
 
+def test_a_scratch_block_is_one_more_block_the_pool_never_hands_out() -> None:
+    c = KVCache(LAYERS, HEADS, DIM, torch.float32, 6, BS, scratch=True)
+    assert c.pool_blocks == 6 and c.num_blocks == 7 and c.k.shape[2] == 7
+    assert c.scratch_slot == 6 * BS  # the extra block's first slot
+    c.write(0, torch.tensor([c.scratch_slot]), rows(1), rows(1))
+    assert c.k[0, :, :6].count_nonzero() == 0  # nothing a sequence owns was written
+    plain = cache(blocks=6)
+    assert plain.pool_blocks == plain.num_blocks == 6 and plain.scratch_slot is None
+
+
 def test_write_stores_each_token_at_its_block_and_offset_in_its_layer_only() -> None:
     c = cache()
     k, v = rows(3), rows(3, start=1000)

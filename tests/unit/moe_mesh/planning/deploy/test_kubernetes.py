@@ -3,7 +3,10 @@
 and discovery through EndpointSlices without Consul; `discovery: consul` keeps the Consul render.
 Its autoscaling: a HorizontalPodAutoscaler per group with `autoscale` that carries the policy, a
 Deployment that leaves the count to it, the Prometheus Adapter's rules for each metric used (and
-the scrape labels they need), and nothing of it for a plan without `autoscale`."""
+the scrape labels they need), and nothing of it for a plan without `autoscale`. Its devices: the
+router's and each CUDA group's container requests and limits one `nvidia.com/gpu` and runs with
+`--device cuda`, and the manifests still validate; a CPU component asks for no GPU (and runs with
+`--device cpu` where the plan uses GPUs)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from tests.support.plans import (
     K8S_VERSION,
     busy_plan,
     example_raw,
+    gpu_raw,
     k8s_objects,
     plan_of,
     static_plan,
@@ -271,3 +275,35 @@ def test_a_plan_without_autoscale_renders_no_hpa_and_keeps_the_count(tmp_path: P
     assert not [k for k in objects if k[0] == "HorizontalPodAutoscaler"]
     assert "prometheus-adapter.yaml" not in deploy.render(plan, "kubernetes")
     assert objects["Deployment", "expert-hot"]["spec"]["replicas"] == 2
+
+
+def test_cuda_components_request_an_nvidia_gpu_and_validate(tmp_path: Path) -> None:
+    import kubernetes_validate
+
+    objects = k8s_objects(plan_of(gpu_raw(), tmp_path))
+    for obj in objects.values():
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    for name in ("router", "expert-hot"):  # cuda:1 and cuda: the scheduler picks the GPU
+        _, c = containers(objects, name)
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert c["resources"]["requests"] == c["resources"]["limits"]  # an extended resource's
+        assert c["args"][c["args"].index("--device") + 1] == "cuda"  # the pod's only GPU
+    for name in ("expert-cold", "gateway"):
+        _, c = containers(objects, name)
+        assert set(c["resources"]["limits"]) == {"cpu", "memory"}
+        assert set(c["resources"]["requests"]) == {"cpu", "memory"}
+    _, c = containers(objects, "expert-cold")
+    assert c["args"][c["args"].index("--device") + 1] == "cpu"
+    # The schema checks the resources: a GPU count that is no quantity is refused.
+    broken = copy.deepcopy(objects["Deployment", "router"])
+    broken["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] = {
+        "nvidia.com/gpu": ["1"]
+    }
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
+
+
+def test_a_cpu_plan_requests_no_gpu() -> None:
+    files = deploy.render(deploy.load_plan(EXAMPLE_PLAN), "kubernetes")
+    assert not [name for name, text in files.items() if "nvidia.com/gpu" in text]
+    assert not [name for name, text in files.items() if "--device" in text]

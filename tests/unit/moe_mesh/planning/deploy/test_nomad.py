@@ -1,6 +1,8 @@
 """The nomad target's autoscaling: a `scaling` block per group with `autoscale` that python-hcl2
 parses and that carries the policy (bounds, interval, cool-down, the two target-value checks and
-their queries), the Nomad Autoscaler's agent configuration, and none of it without `autoscale`."""
+their queries), the Nomad Autoscaler's agent configuration, and none of it without `autoscale`.
+Its devices: a task on CUDA asks for one `nvidia/gpu` device and runs with `--device cuda`; a task
+on the CPU asks for none (and runs with `--device cpu` where the plan uses GPUs)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,14 @@ from hcl2.utils import SerializationOptions
 
 from moe_mesh.autoscale.policy import SERIES
 from moe_mesh.planning import deploy
-from tests.support.plans import EXAMPLE_PLAN, busy_plan, example_raw, plan_of, static_plan
+from tests.support.plans import (
+    EXAMPLE_PLAN,
+    busy_plan,
+    example_raw,
+    gpu_raw,
+    plan_of,
+    static_plan,
+)
 
 HCL_OPTIONS = SerializationOptions(
     explicit_blocks=False, strip_string_quotes=True, with_comments=False
@@ -95,3 +104,46 @@ def test_a_render_without_autoscale_removes_the_autoscaler_config(tmp_path: Path
     deploy.write_rendered(files, out, "nomad")
     assert not (out / "nomad-autoscaler.hcl").exists()
     assert deploy.drifted(files, out, "nomad") == []
+
+
+def nomad_tasks(plan: deploy.Plan) -> dict[str, dict]:
+    """Task name (serve-expert of group G as G) -> its body, from every job, parsed by python-hcl2."""
+    out = {}
+    for name, text in deploy.render(plan, "nomad").items():
+        if not name.endswith(".nomad.hcl"):
+            continue
+        [job] = hcl2.loads(text, serialization_options=HCL_OPTIONS)["job"]
+        [(_, body)] = job.items()
+        for group in body["group"]:
+            [(_, group_body)] = group.items()
+            [task] = group_body["task"]
+            [(task_name, task_body)] = task.items()
+            group_name = name.removeprefix(f"{plan.name}-experts-").removesuffix(".nomad.hcl")
+            out[group_name if task_name == "serve-expert" else task_name] = task_body
+    return out
+
+
+def _device_flag(task: dict) -> list[str]:
+    args = task["config"][0]["args"]
+    return [args[i + 1] for i, word in enumerate(args) if word == "--device"]
+
+
+def test_cuda_tasks_ask_for_an_nvidia_gpu_and_cpu_tasks_do_not(tmp_path: Path) -> None:
+    plan = plan_of(gpu_raw(), tmp_path)
+    tasks = nomad_tasks(plan)
+    assert set(tasks) == {"hot", "cold", "serve-router", "serve-gateway"}
+    for name in ("hot", "serve-router"):  # cuda and cuda:1: Nomad picks the GPU either way
+        [resources] = tasks[name]["resources"]
+        assert resources["device"] == [{"nvidia/gpu": {"count": 1}}]
+        assert _device_flag(tasks[name]) == ["cuda"]  # the task's only GPU, its device 0
+    assert tasks["hot"]["resources"][0]["cpu"] == plan.expert_groups[0].resources.cpu_mhz
+    for name in ("cold", "serve-gateway"):
+        [resources] = tasks[name]["resources"]
+        assert "device" not in resources
+    assert _device_flag(tasks["cold"]) == ["cpu"] and _device_flag(tasks["serve-gateway"]) == []
+
+
+def test_a_cpu_plan_asks_for_no_device() -> None:
+    tasks = nomad_tasks(deploy.load_plan(EXAMPLE_PLAN))
+    assert len(tasks) == 4
+    assert all("device" not in t["resources"][0] and not _device_flag(t) for t in tasks.values())

@@ -1,4 +1,6 @@
-"""Plan files' `autoscale:` blocks: bad bounds and values are refused at load, with the field named."""
+"""Plan files' `autoscale:` blocks and devices: bad bounds and values, and devices a scheduler
+cannot reserve (auto, unknown names, a --device flag in args), are refused at load, with the field
+named."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from moe_mesh.planning import deploy
-from tests.support.plans import example_raw, plan_of
+from moe_mesh.planning.deploy.plan import gpu_index
+from tests.support.plans import EXAMPLE_PLAN, example_raw, plan_of
 
 
 def _autoscale(**fields):
@@ -46,3 +49,51 @@ def test_bad_bounds_are_refused_at_plan_load_with_the_field_named(
     with pytest.raises(deploy.PlanError) as e:
         plan_of(raw, tmp_path)
     assert message in str(e.value)
+
+
+def _device(where: str, value: str):
+    def mutate(raw: dict) -> None:
+        (raw["router"] if where == "router" else raw["expert_groups"][1])["device"] = value
+
+    return mutate
+
+
+def _args(where: str, *args: str):
+    def mutate(raw: dict) -> None:
+        (raw["router"] if where == "router" else raw["expert_groups"][1])["args"] = list(args)
+
+    return mutate
+
+
+REFUSED_DEVICES = [
+    (_device("router", "auto"), "router.device: auto is not allowed in a plan: a scheduler must"),
+    (_device("group", "auto"), "expert_groups[1].device: auto is not allowed in a plan"),
+    (_device("router", "gpu"), "router.device: must be cpu, cuda or cuda:N, got 'gpu'"),
+    (_device("group", "gpu"), "expert_groups[1].device: must be cpu, cuda or cuda:N, got 'gpu'"),
+    (_device("group", "cuda:x"), "expert_groups[1].device: must be cpu, cuda or cuda:N"),
+    # A flag would run on a GPU nobody reserved: the renderers reserve from the field.
+    (_args("router", "--device", "cuda"), "router.args: set router.device instead of --device"),
+    (_args("group", "--device=cuda"), "expert_groups[1].args: set the group's device instead"),
+]
+
+
+@pytest.mark.parametrize("mutate, message", REFUSED_DEVICES, ids=[m for _, m in REFUSED_DEVICES])
+def test_a_device_a_scheduler_cannot_reserve_is_refused_naming_the_field(
+    tmp_path: Path, mutate, message: str
+) -> None:
+    raw = example_raw()
+    mutate(raw)
+    with pytest.raises(deploy.PlanError) as e:
+        plan_of(raw, tmp_path)
+    assert message in str(e.value)
+
+
+def test_devices_default_to_the_cpu_and_keep_a_cuda_index(tmp_path: Path) -> None:
+    plan = deploy.load_plan(EXAMPLE_PLAN)
+    assert plan.router.device == "cpu" and {g.device for g in plan.expert_groups} == {"cpu"}
+    raw = example_raw()
+    raw["router"]["device"] = "CUDA:1"  # the services' spelling rules: case-insensitive
+    raw["expert_groups"][0]["device"] = "cuda"
+    plan = plan_of(raw, tmp_path)
+    assert (plan.router.device, plan.expert_groups[0].device) == ("cuda:1", "cuda")
+    assert (gpu_index(plan.router.device), gpu_index("cuda"), gpu_index("cpu")) == (1, None, None)

@@ -1,0 +1,210 @@
+"""A GPU's passes (engine/gpu.py, device_pass.py, graphs.py), run on the CPU where no GPU is:
+grouped-product MoE layers give the dispatcher path's tokens and routing counts; decode steps
+replay from graphs captured once per bucket, over a pass that makes no host synchronisation and
+no tensor off the model's device; padded rows change no real row. The same pass on a real GPU
+is bench/gpu_check.py's, and the CUDA test at the end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from common import bf16
+from common import linear as L
+from router_service import build
+from router_service.engine import gpu, graphs
+from router_service.engine.model import MoeModel, pack_step
+from router_service.settings import RouterSettings
+
+BLOCK = 4
+PROMPTS = [[5, 9, 11, 3, 7, 2], [8, 1, 4], [2, 2, 6, 10, 12]]
+
+
+class NoHostSync(TorchFunctionMode):
+    """Refuses what makes a host wait for a GPU: a tensor's values read into Python."""
+
+    SYNCS = frozenset(
+        {
+            torch.Tensor.tolist,
+            torch.Tensor.item,
+            torch.Tensor.__bool__,
+            torch.Tensor.__int__,
+            torch.Tensor.__float__,
+            torch.Tensor.__index__,
+            torch.Tensor.nonzero,
+            torch.nonzero,
+            torch.Tensor.unique,
+            torch.unique,
+            torch.bincount,
+            torch.Tensor.bincount,
+        }
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.SYNCS:
+            raise AssertionError(f"a captured pass read a tensor on the host: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+class CpuGraphs:
+    """A GraphBackend on the CPU with a CUDA graph's contract: capture runs the pass once over
+    the static inputs (here with no host read and no tensor made on the default device, which
+    is the meta device meanwhile), and each replay leaves the pass's new outputs in the
+    captured output tensors."""
+
+    def __init__(self) -> None:
+        self.captures: list[tuple[int, ...]] = []
+
+    def capture(self, run):
+        torch.set_default_device("meta")
+        try:
+            with NoHostSync():
+                outputs = run()
+        finally:
+            torch.set_default_device(None)
+        self.captures.append(tuple(outputs[1].shape))
+        return (run, outputs), outputs
+
+    def replay(self, graph) -> None:
+        run, outputs = graph
+        for kept, new in zip(outputs, run()):
+            kept.copy_(new)
+
+
+@pytest.fixture(autouse=True)
+def as_on_a_gpu(monkeypatch):
+    """Weights as a GPU holds them, plain tensors, and no CPU kernel: torch's ops alone."""
+    monkeypatch.setenv("MOE_MESH_PREPACK", "off")
+    monkeypatch.setattr(bf16, "library", lambda: None)
+    L.panels.cache_clear()
+    L.packed.cache_clear()
+    yield
+    L.panels.cache_clear()
+    L.packed.cache_clear()
+
+
+def off_the_default_device(run):
+    """`run`, making every tensor it makes without a device on the meta device: one made so
+    meets the model's tensors in some op, which then fails (on a GPU it would be on the CPU)."""
+
+    def wrapped(*args):
+        torch.set_default_device("meta")
+        try:
+            return run(*args)
+        finally:
+            torch.set_default_device(None)
+
+    return wrapped
+
+
+def model(path, dtype: str, backend=None, device_pass: bool = True) -> MoeModel:
+    s = RouterSettings(checkpoint=path, dtype=dtype, max_model_len=64, max_num_seqs=4)
+    m = build.build_model(build._open(s), s)
+    m.fused = None  # the CPU's one-call step would take a lone sequence's decode
+    if device_pass:
+        m.gpu = gpu.GpuPasses(
+            m.spec, m.weights, m.dispatcher, m._layers, 4, m.max_model_len, backend
+        )
+    return m
+
+
+def generate(m: MoeModel, steps: int, prompts=PROMPTS) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy tokens of each prompt, all decoding together, and the routed counts."""
+
+    async def run() -> list[list[int]]:
+        cache = m.new_cache(64, BLOCK)
+        tables = [list(range(s * 16, s * 16 + 16)) for s in range(len(prompts))]
+        logits = await m.forward(
+            pack_step([(t, 0, p) for t, p in zip(tables, prompts)], [], BLOCK), cache
+        )
+        out = [[t] for t in logits.argmax(dim=-1).tolist()]
+        for step in range(steps):
+            decodes = [(t, o[-1], len(p) + step + 1) for t, p, o in zip(tables, prompts, out)]
+            logits = await m.forward(pack_step([], decodes, BLOCK), cache)
+            for o, t in zip(out, logits.argmax(dim=-1).tolist()):
+                o.append(t)
+        return out
+
+    try:
+        return asyncio.run(run()), m.dispatcher.routed_counts()
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_grouped_products_give_the_dispatcher_paths_tokens(checkpoint, arch):
+    path = checkpoint(arch)
+    want, want_counts = generate(model(path, "float32", device_pass=False), 6)
+    m = model(path, "float32")
+    m.gpu._eager = off_the_default_device(m.gpu._eager)  # prefills too
+    got, counts = generate(m, 6)
+    assert m.gpu.stacks is not None  # every layer took the grouped products
+    assert got == want
+    assert counts == want_counts
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_decode_steps_replay_captured_graphs(checkpoint, arch):
+    path = checkpoint(arch)
+    want, want_counts = generate(model(path, "bfloat16"), 8)  # the same pass, eager
+    graphs = CpuGraphs()
+    m = model(path, "bfloat16", graphs)
+    got, counts = generate(m, 8)
+    # three sequences in a bucket of 4: the padded row changed no real row's tokens, nor the
+    # routed counts (its choices are cut off before they are counted)
+    assert got == want and counts == want_counts
+    # their tables (at most 4 blocks) in width 4: one capture, replayed for every decode step
+    s = m.spec
+    assert graphs.captures == [(len(s.moe_layer_ids), 4, s.top_k)]  # chosen: [layers, bucket, k]
+    assert list(m.gpu.graphs.graphs) == [(4, 4)] and m.gpu.graphs.replays == 8
+
+
+def test_a_capture_that_fails_leaves_every_step_eager(checkpoint):
+    class Refusing(CpuGraphs):
+        def capture(self, run):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    path = checkpoint("mixtral")
+    m = model(path, "bfloat16", Refusing())
+    got, _ = generate(m, 3)
+    assert got == generate(model(path, "bfloat16"), 3)[0]
+    assert "not permitted" in m.gpu.graphs.failed and m.gpu.graphs.replays == 0
+
+
+def test_buckets_cover_sizes_and_widths_up_to_the_limits():
+    g = graphs.DecodeGraphs(None, CpuGraphs(), 48, 100, 16, 0, torch.device("cpu"))
+    assert g.sizes == [1, 2, 4, 8, 16, 24, 32, 48]
+    assert g.widths == [4, 16, 64, 100]
+    assert g.bucket(3, 1) == (4, 4)
+    assert g.bucket(17, 17) == (24, 64)
+    assert g.bucket(48, 100) == (48, 100)
+    assert g.bucket(49, 1) is None and g.bucket(1, 101) is None
+
+
+def test_a_pass_with_remote_experts_takes_the_dispatchers_path(checkpoint):
+    path = checkpoint("mixtral")
+    m = model(path, "float32", CpuGraphs())
+    m.dispatcher.all_colocated = lambda: None  # as when some expert is only remote
+    layers = m._layers
+
+    async def dispatched(*args):  # the dispatcher's path makes no tensor off the device either
+        return off_the_default_device(lambda: gpu.run_sync(layers(*args)))()
+
+    m._layers = dispatched
+    tokens, _ = generate(m, 2)
+    assert m.gpu.stacks is None and m.gpu.graphs is None
+    assert tokens == generate(model(path, "float32", device_pass=False), 2)[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: none here")
+def test_cuda_graphs_give_the_eager_passes_tokens(checkpoint, monkeypatch):
+    path = checkpoint("mixtral")
+    s = RouterSettings(checkpoint=path, dtype="bfloat16", max_model_len=64, device="cuda")
+    graphed = build.build_model(build._open(s), s)
+    monkeypatch.setenv("MOE_MESH_CUDA_GRAPHS", "off")
+    eager = build.build_model(build._open(s), s)
+    assert generate(graphed, 6)[0] == generate(eager, 6)[0]
+    assert graphed.gpu.graphs.replays == 6 and eager.gpu.graphs is None
