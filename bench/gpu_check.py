@@ -307,11 +307,22 @@ def check(args: Settings, parts: list[Part]) -> dict:
             print(f"part {part.key}: {part.title} (at most {bound:.0f} s)", flush=True)
             result = run_part(args, part, bound, log)
             report["parts"][part.key] = result
+            save(args, RESULT, report)  # a lease cut short keeps what is done
             print(
                 f"part {part.key}: {result['status']} in {result['seconds']} s: {result.get('summary', '')}",
                 flush=True,
             )
     return report
+
+
+def save(args: Settings, path: Path, report: dict) -> None:
+    """The report at `path`, and with the log in --out when given."""
+    write_result(path, report)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, args.out / path.name)
+        if (log := args.work_dir / "gpu_check.log").exists():
+            shutil.copy(log, args.out / "gpu_check.log")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,13 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.dry_run:
         print(plumbing(report))
-    path = RESULT.with_name("gpu_check_dry_run.json") if args.dry_run else RESULT
-    write_result(path, report)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, args.out / path.name)
-        if (log := args.work_dir / "gpu_check.log").exists():
-            shutil.copy(log, args.out / "gpu_check.log")
+    save(args, RESULT.with_name("gpu_check_dry_run.json") if args.dry_run else RESULT, report)
     if not args.dry_run:
         print(table(report["parts"]))
     return 0

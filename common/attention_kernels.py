@@ -45,8 +45,8 @@ def _takes_cache(
     """Whether KV kernel `name` takes a layer's cache [kv_heads, blocks, block_size, dim] whose
     tensors hold `dtype`: float32 or bfloat16, contiguous, and the kernel runs here."""
     return (
-        kernel(name) is not None
-        and cache_k.device.type == "cpu"
+        cache_k.device.type == "cpu"  # first: on a GPU the C library is not even built
+        and kernel(name) is not None
         and dtype in FLOATS
         and {cache_k.dtype, cache_v.dtype} == {dtype}
         and cache_k.is_contiguous()

@@ -131,7 +131,9 @@ class ExpertHost:
     def load(cls, settings: ExpertSettings, telemetry: Telemetry = OFF) -> ExpertHost:
         """Read the configured pairs from the checkpoint onto the configured device;
         CheckpointError / InvalidArgumentError name what is wrong (`device` a GPU not here)."""
-        device = resolve(settings.device)  # before any weight is read
+        # before any weight is read; quantized experts compute on CPUs only, `auto` then the CPU
+        auto_cpu = settings.quantization is not None and settings.device == "auto"
+        device = resolve("cpu" if auto_cpu else settings.device)
         checkpoint = Checkpoint(
             settings.checkpoint,
             dtype=None if settings.dtype == "auto" else getattr(torch, settings.dtype),

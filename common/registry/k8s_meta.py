@@ -55,6 +55,7 @@ def expert_meta(d) -> dict[str, str]:
         "region": d.region,
         "dtype": dtype,
         "precision": d.precision,
+        "device": d.device or "cpu",  # a service older than the field computes on the CPU
         "fast_path": d.fast_paths[0] if d.fast_paths else "",
         "max_message_bytes": str(d.max_message_bytes),
     }

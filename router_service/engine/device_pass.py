@@ -43,9 +43,15 @@ class StackedExperts:
 
 @functools.cache
 def grouped_products(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch's grouped product runs here for `dtype` (CUDA: bfloat16 on recent GPUs),
-    empty groups included, with the bits of one product per group."""
+    """Whether torch's grouped product runs here for `dtype`, empty groups included, with the
+    values of one product per group, and on a GPU without reading the group ends back: torch
+    runs it on the device for bfloat16 on Hopper and Blackwell (compute capability 9 and 10);
+    elsewhere its fallback copies the ends to the host, which a CUDA graph cannot capture."""
     if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cuda" and (
+        dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] not in (9, 10)
+    ):
         return False
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(24, 32, generator=gen).to(device, dtype)
@@ -64,19 +70,17 @@ def stack(
 ) -> dict[int, StackedExperts] | None:
     """Every MoE layer's experts stacked, the mapping's weights then made views of the stacks
     (so the GPU holds them once); None where some expert is missing or held apart (quantized)."""
+    pairs = [(layer, e) for layer in spec.moe_layer_ids for e in range(spec.num_experts)]
+    if any(not isinstance(getattr(experts.get(p), "down", None), torch.Tensor) for p in pairs):
+        return None
     stacks: dict[int, StackedExperts] = {}
-    for layer in spec.moe_layer_ids:
-        ws = [experts.get((layer, e)) for e in range(spec.num_experts)]
-        if any(w is None or not isinstance(w.down, torch.Tensor) for w in ws):
-            return None
-        stacks[layer] = _stacked(ws)  # type: ignore[arg-type]
-    for layer, s in stacks.items():
+    for layer in spec.moe_layer_ids:  # a layer at a time: its originals go as its stack comes
+        s = stacks[layer] = _stacked([experts[(layer, e)] for e in range(spec.num_experts)])
         for e in range(spec.num_experts):
-            bias = (None if s.gate_up_bias is None else s.gate_up_bias[e],)
             experts[(layer, e)] = FFNWeights(  # type: ignore[index]
                 gate_up=s.gate_up[e],
                 down=s.down[e],
-                gate_up_bias=bias[0],
+                gate_up_bias=None if s.gate_up_bias is None else s.gate_up_bias[e],
                 down_bias=None if s.down_bias is None else s.down_bias[e],
                 activation=s.activation,
             )
@@ -127,7 +131,14 @@ def moe_layer(
     weights = routing.weights.reshape(-1)
     placed = torch.empty_like(y, dtype=weights.dtype)
     placed[order] = y.to(weights.dtype) * weights[order, None]  # back at (token, choice)
-    out = placed.view(tokens, k, -1).sum(dim=1).to(x.dtype)
+    choices = placed.view(tokens, k, -1)
+    if routing.add_in_order:  # DBRX: added one by one in the hidden dtype, as combine does
+        out = choices[:, 0]
+        for j in range(1, k):
+            out = out + choices[:, j]
+        out = out.to(x.dtype)
+    else:
+        out = choices.sum(dim=1).to(x.dtype)
     if w.shared_expert is not None:
         out = out + shared_expert_output(x, w.shared_expert, w.shared_expert_gate)
     return out, routing.experts

@@ -61,7 +61,7 @@ def enabled() -> bool:
 
 def unfit(spec: ModelSpec, w: DenseWeights) -> str | None:
     """Why a decode step of this model cannot be one call (None: it can)."""
-    if bf16.kernel("moe_decode_step") is None or w.embed.device.type != "cpu":
+    if w.embed.device.type != "cpu" or bf16.kernel("moe_decode_step") is None:
         return "the kernels do not run here, or the weights are on a GPU"
     if spec.mla is not None or spec.norm != "rms" or spec.router != "softmax":
         return "latent attention, LayerNorm or another router"

@@ -83,8 +83,8 @@ class GpuPasses:
         """Float32 logits of `rows` (every token's with None), or None where the pass is not
         all here (the caller's path then)."""
         experts = self.dispatcher.all_colocated()
-        if experts is None:
-            self.stacks = self._stacked_for = None  # let go of the stacks' old placement
+        if experts is None:  # let go of the stacks of the old placement, and their graphs
+            self.stacks = self._stacked_for = self.graphs = self._cache = None
             return None
         if self.dispatcher.traced() or not self._bind(experts):
             return None
@@ -98,11 +98,18 @@ class GpuPasses:
         self.dispatcher.computed_together(chosen.flatten(1).tolist())
         return logits
 
+    def prepare(self) -> None:
+        """Stack the experts now, before the KV cache takes its share of the device's memory:
+        stacking copies a layer's experts before their originals are let go."""
+        if (experts := self.dispatcher.all_colocated()) is not None:
+            self._bind(experts)
+
     def _bind(self, experts: Mapping[tuple[int, int], FFNWeights]) -> bool:
         if experts is not self._stacked_for:
             self._stacked_for = experts
+            # Graphs captured over the old stacks would read their freed memory.
+            self.stacks, self.graphs, self._cache = None, None, None
             dtype = self.weights.embed.dtype
-            self.stacks = None
             if device_pass.grouped_products(self.device, dtype):
                 self.stacks = device_pass.stack(experts, self.spec)
             else:
@@ -138,8 +145,12 @@ class GpuPasses:
             if cache.scratch_slot is not None:
                 blocks = -(-self.max_model_len // cache.block_size)
 
-                def forget_tables() -> None:  # gather's rows must come from the static tables
+                def forget_tables() -> None:
+                    # What gather keeps between calls is made anew in each run, so the capture
+                    # allocates it in the graphs' pool: rows from the static tables, and a
+                    # workspace no eager step can free while a graph still writes to it.
                     cache._tables = None
+                    cache._work = cache._work.new_empty(0)
 
                 self.graphs = DecodeGraphs(
                     lambda t, a, r: self._eager(t, a, r, cache),

@@ -61,10 +61,17 @@ class CudaGraphs:
             with torch.cuda.stream(side):
                 for _ in range(2):
                     run()
-            torch.cuda.current_stream().wait_stream(side)
+            before = torch.cuda.current_stream()
+            before.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                outputs = run()
+            try:
+                # thread_local: the event loop's thread may touch CUDA meanwhile (staging rows)
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    outputs = run()
+            except Exception:
+                # A capture that fails to end leaves this thread on the capture stream.
+                torch.cuda.set_stream(before)
+                raise
         return graph, outputs
 
     def replay(self, graph: object) -> None:

@@ -118,8 +118,8 @@ class MoeModel:
         self.max_model_len = max_model_len
         self.compute = compute
         self.dtype, self.device = weights.embed.dtype, weights.embed.device
-        if serial_max_tokens is None:  # what this host runs fastest
-            serial_max_tokens = serial_tokens(self.dtype)
+        if serial_max_tokens is None:  # what this host's CPU runs fastest (none on a GPU)
+            serial_max_tokens = serial_tokens(self.dtype) if self.device.type == "cpu" else 0
         self.serial_max_tokens = serial_max_tokens
         self.rope = Rope(spec, max_model_len, self.dtype, self.device)
         if gpu is None:
@@ -137,6 +137,8 @@ class MoeModel:
             if gpu is not False
             else None
         )
+        if self.gpu is not None:
+            self.gpu.prepare()  # before the KV cache is sized from what memory is left
         # A one-sequence decode step as one kernel call, where the model allows (engine/fused.py).
         self.fused = (
             FusedDecode(spec, weights)

@@ -55,7 +55,14 @@ class ColocatedExperts:
         return f"ColocatedExperts({len(self.weights)} experts)"
 
     def compute(self, layer: int, groups: Sequence[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
-        return experts_ffn([(rows, self.weights[(layer, expert)]) for expert, rows in groups])
+        batches = [(rows, self.weights[(layer, expert)]) for expert, rows in groups]
+        device = getattr(batches[0][1].down, "device", None) if batches else None
+        if device is None or device == batches[0][0].device:
+            return experts_ffn(batches)
+        # A GPU router's rows staged in host memory for a layer that also calls remote experts:
+        # these experts' share goes to their device and back.
+        outs = experts_ffn([(rows.to(device), w) for rows, w in batches])
+        return [out.to(rows.device) for out, (rows, _) in zip(outs, batches)]
 
     async def forward(
         self, layer: int, groups: Sequence[tuple[int, torch.Tensor]], timeout_s: float | None = None

@@ -18,6 +18,7 @@ import torch
 from common.arch import ModelSpec
 from common.moe import (
     ExpertGroup,
+    Routing,
     combine,
     gather_rows,
     group_by_expert,
@@ -126,11 +127,19 @@ class ExpertDispatcher:
                 outputs = self.replicas.compute_here(local, layer, rows)
         elif x.device.type == "cpu":
             outputs = await on_loop(self._scatter_gather, layer, x, groups, deadline, calls)
-        else:  # the wire carries host memory: rows staged there, results back to the device
-            staged = [ExpertGroup(g.expert, _host(g.tokens), _host(g.slots)) for g in groups]
-            outputs = await on_loop(self._scatter_gather, layer, x.cpu(), staged, deadline, calls)
-            outputs = [o.to(x.device, non_blocking=True) for o in outputs]
+        else:  # the wire carries host memory: the layer staged there, its result sent back
+            host = Routing(routing.experts.cpu(), routing.weights.cpu(), routing.add_in_order)
+            staged = group_by_expert(host, self.spec.num_experts)  # the same groups, in order
+            rows = x.cpu()
+            outputs = await on_loop(self._scatter_gather, layer, rows, staged, deadline, calls)
+            y = combine(staged, outputs, host, x.shape[0], like=rows).to(x.device)
+            return self._shared(x, w, y)
         y = combine(groups, outputs, routing, x.shape[0], like=x)
+        return self._shared(x, w, y)
+
+    @staticmethod
+    def _shared(x: torch.Tensor, w: LayerWeights, y: torch.Tensor) -> torch.Tensor:
+        """The routed output `y` plus the layer's shared expert, where it has one."""
         if w.shared_expert is not None:
             y = y + shared_expert_output(x, w.shared_expert, w.shared_expert_gate)
         return y
@@ -190,8 +199,3 @@ class ExpertDispatcher:
         if calls is not None:
             calls.append(times)
         return outputs
-
-
-def _host(index: torch.Tensor | slice | int) -> torch.Tensor | slice | int:
-    """An ExpertGroup's index (a tensor, a slice or an int) in host memory."""
-    return index.cpu() if isinstance(index, torch.Tensor) else index

@@ -17,6 +17,7 @@ from common import linear as L
 from router_service import build
 from router_service.engine import gpu, graphs
 from router_service.engine.model import MoeModel, pack_step
+from router_service.experts.backends import ColocatedExperts
 from router_service.settings import RouterSettings
 
 BLOCK = 4
@@ -111,7 +112,9 @@ def model(path, dtype: str, backend=None, device_pass: bool = True) -> MoeModel:
     return m
 
 
-def generate(m: MoeModel, steps: int, prompts=PROMPTS) -> tuple[list[list[int]], list[list[int]]]:
+def generate(
+    m: MoeModel, steps: int, prompts=PROMPTS, close: bool = True
+) -> tuple[list[list[int]], list[list[int]]]:
     """Greedy tokens of each prompt, all decoding together, and the routed counts."""
 
     async def run() -> list[list[int]]:
@@ -131,10 +134,11 @@ def generate(m: MoeModel, steps: int, prompts=PROMPTS) -> tuple[list[list[int]],
     try:
         return asyncio.run(run()), m.dispatcher.routed_counts()
     finally:
-        m.close()
+        if close:
+            m.close()
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "dbrx"])
 def test_grouped_products_give_the_dispatcher_paths_tokens(checkpoint, arch):
     path = checkpoint(arch)
     want, want_counts = generate(model(path, "float32", device_pass=False), 6)
@@ -160,6 +164,46 @@ def test_decode_steps_replay_captured_graphs(checkpoint, arch):
     s = m.spec
     assert graphs.captures == [(len(s.moe_layer_ids), 4, s.top_k)]  # chosen: [layers, bucket, k]
     assert list(m.gpu.graphs.graphs) == [(4, 4)] and m.gpu.graphs.replays == 8
+
+
+def test_each_capture_gathers_into_a_workspace_of_its_own(checkpoint):
+    """A workspace grown by an eager step or a warm-up and then replaced would leave a graph
+    writing to freed memory: every captured run starts with none, so it allocates its own."""
+    graphs, seen = CpuGraphs(), []
+    capture = graphs.capture
+
+    def watched(run):
+        seen.append("capture")
+        return capture(run)
+
+    graphs.capture = watched
+    m = model(checkpoint("mixtral"), "bfloat16", graphs)
+    eager = m.gpu._eager
+
+    def recording(tokens, attention, rows, cache):
+        if seen and seen[-1] == "capture":
+            seen[-1] = (cache._work.numel(), cache._tables)
+        return eager(tokens, attention, rows, cache)
+
+    m.gpu._eager = recording
+    generate(m, 2)
+    assert seen == [(0, None)]
+
+
+def test_a_new_placement_drops_the_graphs_of_the_old_stacks(checkpoint):
+    path = checkpoint("mixtral")
+    graphs = CpuGraphs()
+    m = model(path, "bfloat16", graphs)
+    first, _ = generate(m, 2, close=False)
+    old = m.gpu.graphs
+    experts = build._open(RouterSettings(checkpoint=path, dtype="bfloat16")).load_experts(
+        m.dispatcher.placement
+    )
+    moved = ColocatedExperts(experts)  # as a re-tiering hands over a new backend
+    m.dispatcher.set_placement({p: [moved] for p in experts})
+    again, _ = generate(m, 2)
+    assert again == first
+    assert m.gpu.graphs is not old and len(graphs.captures) == 2
 
 
 def test_a_capture_that_fails_leaves_every_step_eager(checkpoint):
