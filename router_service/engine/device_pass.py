@@ -66,16 +66,25 @@ def grouped_products(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def stack(
-    experts: Mapping[tuple[int, int], FFNWeights], spec: ModelSpec
+    experts: Mapping[tuple[int, int], FFNWeights],
+    spec: ModelSpec,
+    previous: Mapping[int, StackedExperts] | None = None,
 ) -> dict[int, StackedExperts] | None:
     """Every MoE layer's experts stacked, the mapping's weights then made views of the stacks
-    (so the GPU holds them once); None where some expert is missing or held apart (quantized)."""
+    (so the GPU holds them once); None where some expert is missing or held apart (quantized).
+    A layer whose experts are still the views of its `previous` stack (a re-tiering kept them)
+    keeps that stack: stacking it again would hold both while the new one is made."""
     pairs = [(layer, e) for layer in spec.moe_layer_ids for e in range(spec.num_experts)]
     if any(not isinstance(getattr(experts.get(p), "down", None), torch.Tensor) for p in pairs):
         return None
     stacks: dict[int, StackedExperts] = {}
     for layer in spec.moe_layer_ids:  # a layer at a time: its originals go as its stack comes
-        s = stacks[layer] = _stacked([experts[(layer, e)] for e in range(spec.num_experts)])
+        ws = [experts[(layer, e)] for e in range(spec.num_experts)]
+        kept = (previous or {}).get(layer)
+        if kept is not None and all(_views_of(kept, e, w) for e, w in enumerate(ws)):
+            stacks[layer] = kept
+            continue
+        s = stacks[layer] = _stacked(ws)
         for e in range(spec.num_experts):
             experts[(layer, e)] = FFNWeights(  # type: ignore[index]
                 gate_up=s.gate_up[e],
@@ -85,6 +94,15 @@ def stack(
                 activation=s.activation,
             )
     return stacks
+
+
+def _views_of(s: StackedExperts, e: int, w: FFNWeights) -> bool:
+    """Whether expert `e`'s weights `w` are the views `stack` made of `s`."""
+    return (
+        w.up is None
+        and w.gate_up.data_ptr() == s.gate_up[e].data_ptr()
+        and w.down.data_ptr() == s.down[e].data_ptr()
+    )
 
 
 def _stacked(ws: list[FFNWeights]) -> StackedExperts:

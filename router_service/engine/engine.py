@@ -277,6 +277,14 @@ class Engine:
 
     def _next_token(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
         """Sample and append one token; a sampling failure ends this sequence only."""
+        p = seq.params
+        if logits.device.type != "cpu" and not (
+            p.greedy and not p.penalized and p.logprobs is None and len(seq.output) >= p.min_tokens
+        ):
+            # A GPU's logits row comes to host memory only where sampling reads more than its
+            # argmax: a plain greedy row is argmaxed where it is ([sequences, vocab] float32 is
+            # ~78 MB a step at 128 sequences and Qwen3's vocabulary).
+            logits = logits.cpu()
         try:
             gen = None
             # The token's absolute position picks its randomness: see sampling.py.

@@ -103,15 +103,17 @@ class GpuPasses:
         stacking copies a layer's experts before their originals are let go."""
         if (experts := self.dispatcher.all_colocated()) is not None:
             self._bind(experts)
+        if self.device.type == "cuda":  # the originals' memory back to the device, for the cache
+            torch.cuda.empty_cache()
 
     def _bind(self, experts: Mapping[tuple[int, int], FFNWeights]) -> bool:
         if experts is not self._stacked_for:
             self._stacked_for = experts
             # Graphs captured over the old stacks would read their freed memory.
-            self.stacks, self.graphs, self._cache = None, None, None
+            old, self.stacks, self.graphs, self._cache = self.stacks, None, None, None
             dtype = self.weights.embed.dtype
             if device_pass.grouped_products(self.device, dtype):
-                self.stacks = device_pass.stack(experts, self.spec)
+                self.stacks = device_pass.stack(experts, self.spec, old)
             else:
                 log.info(
                     "no grouped product for %s on %s: MoE layers expert by expert",

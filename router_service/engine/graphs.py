@@ -18,6 +18,7 @@ returns outputs that each replay refreshes in place).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,8 +60,15 @@ class CudaGraphs:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for _ in range(2):
+                run()
+                # The second run refuses to wait on the device: an op that would fail the
+                # capture fails here, before any capture began.
+                mode = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
                     run()
+                finally:
+                    torch.cuda.set_sync_debug_mode(mode)
             before = torch.cuda.current_stream()
             before.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
@@ -69,7 +77,12 @@ class CudaGraphs:
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                     outputs = run()
             except Exception:
-                # A capture that fails to end leaves this thread on the capture stream.
+                # A capture that fails to end leaves the allocator sending this thread's
+                # allocations to the pool, and the thread on the capture stream: undo both.
+                end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+                if end is not None:
+                    with contextlib.suppress(RuntimeError):
+                        end(self.device.index, self.pool)
                 torch.cuda.set_stream(before)
                 raise
         return graph, outputs
@@ -147,7 +160,9 @@ class DecodeGraphs:
         self.backend.replay(captured.graph)
         self.replays += 1
         logits, chosen = captured.outputs
-        return logits[:n], chosen[:, :n]
+        # A copy: the next replay (another micro-batch's, or another bucket's sharing the pool)
+        # overwrites the graph's outputs before the engine samples these.
+        return logits[:n].clone(), chosen[:, :n]
 
     def _load(self, c: _Captured, tokens: torch.Tensor, a: AttentionBatch) -> None:
         n, blocks = a.decode_tables.shape

@@ -179,7 +179,8 @@ class MoeModel:
         all_logits: bool = False,
         costs: PassCosts | None = None,
     ) -> torch.Tensor:
-        """Float32 logits of each sequence's last token [sequences, vocab] (every token's with all_logits)."""
+        """Float32 logits of each sequence's last token [sequences, vocab] (every token's with
+        all_logits), on the model's device."""
         costs = costs or PassCosts()
         costs.moe_layers = max(1, len(self.spec.moe_layer_ids))
         tokens = batch.token_ids.numel()
@@ -201,7 +202,7 @@ class MoeModel:
             rows = None if all_logits else batch.logits_rows
             moe = functools.partial(self.dispatcher.moe_layer, deadline=batch.deadline, calls=calls)
             return await self._layers(batch.token_ids, batch.attention, rows, cache, moe)
-        # On a GPU: the layout's indices there; the logits back in host memory, for sampling.
+        # On a GPU: the layout's indices go there once a step.
         tokens, layout = batch.token_ids.to(self.device), batch.attention.to(self.device)
         rows = None if all_logits else batch.logits_rows.to(self.device)
         self.dispatcher.replicas.check_deadline(batch.deadline)
@@ -209,7 +210,7 @@ class MoeModel:
         if logits is None:
             moe = functools.partial(self.dispatcher.moe_layer, deadline=batch.deadline, calls=calls)
             logits = await self._layers(tokens, layout, rows, cache, moe)
-        return logits.cpu()
+        return logits  # on the GPU: the engine reads back what sampling needs of it
 
     async def _layers(
         self,

@@ -125,7 +125,7 @@ class ExpertDispatcher:
             rows = list(zip((g.expert for g in groups), gather_rows(x, groups)))
             with self.telemetry.layer_span(layer, x.shape[0], groups):
                 outputs = self.replicas.compute_here(local, layer, rows)
-        elif x.device.type == "cpu":
+        elif not staged_on_host(x):
             outputs = await on_loop(self._scatter_gather, layer, x, groups, deadline, calls)
         else:  # the wire carries host memory: the layer staged there, its result sent back
             host = Routing(routing.experts.cpu(), routing.weights.cpu(), routing.add_in_order)
@@ -199,3 +199,8 @@ class ExpertDispatcher:
         if calls is not None:
             calls.append(times)
         return outputs
+
+
+def staged_on_host(x: torch.Tensor) -> bool:
+    """Whether a layer with remote experts stages `x` in host memory for the wire (a GPU's)."""
+    return x.device.type != "cpu"

@@ -206,6 +206,42 @@ def test_a_new_placement_drops_the_graphs_of_the_old_stacks(checkpoint):
     assert m.gpu.graphs is not old and len(graphs.captures) == 2
 
 
+def test_a_new_placement_of_the_same_experts_keeps_their_stacks(checkpoint):
+    m = model(checkpoint("mixtral"), "bfloat16", CpuGraphs())
+    generate(m, 1, close=False)
+    stacks = m.gpu.stacks
+    kept = ColocatedExperts(dict(m.dispatcher.all_colocated()))  # the same views, a new table
+    m.dispatcher.set_placement({p: [kept] for p in kept.weights})
+    generate(m, 1)
+    assert m.gpu.stacks is not stacks  # bound anew (and its graphs captured anew) ...
+    assert all(m.gpu.stacks[i] is stacks[i] for i in stacks)  # ... over the same memory
+
+
+def test_two_micro_batches_logits_outlive_the_next_replay(checkpoint):
+    """The engine samples after every micro-batch's pass: a replay's logits must not be the
+    graph's output buffer, which the next replay overwrites."""
+    m = model(checkpoint("mixtral"), "bfloat16", CpuGraphs())
+
+    async def run():
+        cache = m.new_cache(64, BLOCK)
+        tables = [list(range(s * 16, s * 16 + 16)) for s in range(2)]
+        await m.forward(
+            pack_step([(t, 0, PROMPTS[i]) for i, t in enumerate(tables)], [], BLOCK), cache
+        )
+        one = [(tables[0], 7, len(PROMPTS[0]) + 1)]
+        other = [(tables[1], 9, len(PROMPTS[1]) + 1)]
+        a = await m.forward(pack_step([], one, BLOCK), cache)
+        kept = a.clone()
+        await m.forward(pack_step([], other, BLOCK), cache)  # the same bucket, replayed
+        return a, kept
+
+    try:
+        a, kept = asyncio.run(run())
+    finally:
+        m.close()
+    assert m.gpu.graphs.replays == 2 and torch.equal(a, kept)
+
+
 def test_a_capture_that_fails_leaves_every_step_eager(checkpoint):
     class Refusing(CpuGraphs):
         def capture(self, run):

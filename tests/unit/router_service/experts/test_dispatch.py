@@ -8,6 +8,7 @@ import torch
 
 from common.errors import DeadlineExceededError, ExpertUnavailableError
 from router_service.engine.pipeline import CallTimes
+from router_service.experts import dispatch
 from router_service.experts.backends import ColocatedExperts
 from router_service.experts.dispatch import ExpertDispatcher
 from tests.support.backends import FakeClock, Recording, hidden
@@ -68,6 +69,23 @@ async def test_a_layer_split_between_here_and_a_replica_gives_the_same_output(mo
     counts = dispatcher.routed_counts()[0]
     assert dispatcher.tokens_colocated == sum(counts[0::2])
     assert len(calls) == 1 and calls[0].service == 0.01 and calls[0].wall >= 0
+
+
+async def test_a_gpu_routers_layer_staged_in_host_memory_gives_the_same_output(
+    model, monkeypatch
+) -> None:
+    """What a router on a GPU does with a layer that calls remote experts (its rows, routing
+    and combine in host memory), taken here on the CPU: the same bits and calls."""
+    spec, layer, weights = model
+    here = ColocatedExperts({p: w for p, w in weights.items() if p[1] % 2 == 0})
+    there = Recording({p: w for p, w in weights.items() if p[1] % 2 == 1})
+    placement = {p: [here] for p in here.weights} | {p: [there] for p in there.weights}
+    x = hidden(spec)
+    want = await ExpertDispatcher(spec, placement).moe_layer(0, x, layer)
+    monkeypatch.setattr(dispatch, "staged_on_host", lambda _: True)
+    dispatcher = ExpertDispatcher(spec, placement)
+    assert torch.equal(await dispatcher.moe_layer(0, x, layer), want)
+    assert {e % 2 for _, e in there.served} == {1} and dispatcher.remote_calls == 1
 
 
 async def test_unavailable_replica_fails_over_and_last_replica_names_the_expert(model) -> None:
