@@ -198,9 +198,9 @@ class MoeModel:
     ) -> torch.Tensor:
         if (logits := self._in_one_call(batch, cache, all_logits)) is not None:
             return logits
+        moe = functools.partial(self.dispatcher.moe_layer, deadline=batch.deadline, calls=calls)
         if self.gpu is None:
             rows = None if all_logits else batch.logits_rows
-            moe = functools.partial(self.dispatcher.moe_layer, deadline=batch.deadline, calls=calls)
             return await self._layers(batch.token_ids, batch.attention, rows, cache, moe)
         # On a GPU: the layout's indices go there once a step.
         tokens, layout = batch.token_ids.to(self.device), batch.attention.to(self.device)
@@ -208,7 +208,6 @@ class MoeModel:
         self.dispatcher.replicas.check_deadline(batch.deadline)
         logits = self.gpu.run(tokens, layout, rows, cache)
         if logits is None:
-            moe = functools.partial(self.dispatcher.moe_layer, deadline=batch.deadline, calls=calls)
             logits = await self._layers(tokens, layout, rows, cache, moe)
         return logits  # on the GPU: the engine reads back what sampling needs of it
 
