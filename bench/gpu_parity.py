@@ -33,17 +33,8 @@ from bench.gpu_support import (
     load_hf,
     tiny_checkpoint,
 )
+from common.arch import FAMILIES
 
-FAMILIES = (
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "olmoe",
-    "deepseek_v3",
-    "gpt_oss",
-    "dbrx",
-    "glm4_moe",
-)
 NOT_BOUND_IN_BF16 = {"gpt_oss": "transformers' eager gpt-oss attention rounds scores to 16 bits"}
 LOOSE = 0.25  # test_parity_dtypes.py's: the share of the logits' scale no step may differ by
 MIN_TIGHT = 0.5  # ... and the share of steps that must be within the depth floor

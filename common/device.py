@@ -36,6 +36,12 @@ def check(text: str) -> str:
 DeviceName = Annotated[str, AfterValidator(check)]
 
 
+def for_experts(text: str, quantized: bool) -> str:
+    """The device quantized or plain experts compute on: quantized ones run on CPUs only, so
+    `auto` is then the CPU (a GPU named stays named, for the error that refuses it)."""
+    return "cpu" if quantized and text == "auto" else text
+
+
 def is_cuda(text: str) -> bool:
     """Whether a checked device name asks for a GPU by name (`auto` does not: it may be none)."""
     return text.startswith("cuda")

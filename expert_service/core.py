@@ -19,7 +19,7 @@ from opentelemetry.metrics import Observation
 
 from common.arch import ModelSpec
 from common.checkpoint import Checkpoint
-from common.device import resolve
+from common.device import for_experts, resolve
 from common.errors import InvalidArgumentError, NotFoundError, PreconditionError
 from common.placement import Pair, format_experts, parse_experts
 from common.quant import precision
@@ -131,9 +131,8 @@ class ExpertHost:
     def load(cls, settings: ExpertSettings, telemetry: Telemetry = OFF) -> ExpertHost:
         """Read the configured pairs from the checkpoint onto the configured device;
         CheckpointError / InvalidArgumentError name what is wrong (`device` a GPU not here)."""
-        # before any weight is read; quantized experts compute on CPUs only, `auto` then the CPU
-        auto_cpu = settings.quantization is not None and settings.device == "auto"
-        device = resolve("cpu" if auto_cpu else settings.device)
+        quantized = settings.quantization is not None
+        device = resolve(for_experts(settings.device, quantized))  # before any weight is read
         checkpoint = Checkpoint(
             settings.checkpoint,
             dtype=None if settings.dtype == "auto" else getattr(torch, settings.dtype),

@@ -99,15 +99,15 @@ def _open(settings: RouterSettings) -> Checkpoint:
     """The configured checkpoint at the compute dtype."""
     if settings.checkpoint is None:
         raise ValueError("settings.checkpoint is required")
-    quantized_auto = settings.quantization is not None and settings.device == "auto"
     return Checkpoint(
         settings.checkpoint,
         dtype=compute_dtype(settings.dtype),
         prepack=True,
         quantize=settings.quantization,  # the experts this process holds
         quantize_dense=settings.quantize_dense,
-        # Quantized experts compute on CPUs only: `auto` is then the CPU, a GPU named an error.
-        device=device.resolve("cpu" if quantized_auto else settings.device),
+        device=device.resolve(
+            device.for_experts(settings.device, settings.quantization is not None)
+        ),
     )
 
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from common.cli import add_settings_arguments, flag, settings_from_args
-from common.device import is_cuda
+from common.device import for_experts, is_cuda
 from common.errors import InvalidArgumentError
 from common.hub import resolve_checkpoint
 from gateway.settings import GatewaySettings
@@ -152,8 +152,7 @@ def _devices_problem(args: argparse.Namespace, router_device: str) -> str | None
 def _expert_device(args: argparse.Namespace) -> str:
     """The expert services' --device: --expert-device, else --device; auto is the CPU for
     quantized experts, which compute there only."""
-    device = args.expert_device or args.device
-    return "cpu" if device == "auto" and args.quantize != "none" else device
+    return for_experts(args.expert_device or args.device, args.quantize != "none")
 
 
 def _taken_port(args: argparse.Namespace) -> str | None:

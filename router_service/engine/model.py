@@ -19,7 +19,6 @@ from common.weights import DenseWeights, LayerWeights
 from router_service.engine import fused
 from router_service.engine.fused import FusedDecode
 from router_service.engine.gpu import GpuPasses
-from router_service.engine.graphs import GraphBackend
 from router_service.engine.kv_cache import KVCache, block_bytes
 from router_service.engine.layers import (
     AttentionBatch,
@@ -110,10 +109,7 @@ class MoeModel:
         compute: Compute = inline,
         serial_max_tokens: int | None = 0,
         max_num_seqs: int = 256,
-        gpu: bool | GraphBackend | None = None,
     ) -> None:
-        """`gpu`: whether passes go to GpuPasses first (default: where the weights are on a
-        GPU; a GraphBackend replays decode steps with it, for tests)."""
         self.spec, self.weights, self.dispatcher = spec, weights, dispatcher
         self.max_model_len = max_model_len
         self.compute = compute
@@ -122,22 +118,12 @@ class MoeModel:
             serial_max_tokens = serial_tokens(self.dtype) if self.device.type == "cpu" else 0
         self.serial_max_tokens = serial_max_tokens
         self.rope = Rope(spec, max_model_len, self.dtype, self.device)
-        if gpu is None:
-            gpu = self.device.type == "cuda"
-        self.gpu = (
-            GpuPasses(
-                spec,
-                weights,
-                dispatcher,
-                self._layers,
-                max_num_seqs,
-                max_model_len,
-                None if gpu is True else gpu,
+        # On a GPU, passes go to GpuPasses first (tests set one on the CPU).
+        self.gpu: GpuPasses | None = None
+        if self.device.type == "cuda":
+            self.gpu = GpuPasses(
+                spec, weights, dispatcher, self._layers, max_num_seqs, max_model_len
             )
-            if gpu is not False
-            else None
-        )
-        if self.gpu is not None:
             self.gpu.prepare()  # before the KV cache is sized from what memory is left
         # A one-sequence decode step as one kernel call, where the model allows (engine/fused.py).
         self.fused = (

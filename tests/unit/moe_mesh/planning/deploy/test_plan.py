@@ -40,45 +40,44 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("mutate, message", BAD, ids=[m for _, m in BAD])
-def test_bad_bounds_are_refused_at_plan_load_with_the_field_named(
-    tmp_path: Path, mutate, message: str
-) -> None:
-    raw = example_raw()
-    mutate(raw)
-    with pytest.raises(deploy.PlanError) as e:
-        plan_of(raw, tmp_path)
-    assert message in str(e.value)
+def _set(where: str, field: str, value):
+    """A mutation setting `field` of the router or of expert group 1 to `value`."""
 
-
-def _device(where: str, value: str):
     def mutate(raw: dict) -> None:
-        (raw["router"] if where == "router" else raw["expert_groups"][1])["device"] = value
-
-    return mutate
-
-
-def _args(where: str, *args: str):
-    def mutate(raw: dict) -> None:
-        (raw["router"] if where == "router" else raw["expert_groups"][1])["args"] = list(args)
+        (raw["router"] if where == "router" else raw["expert_groups"][1])[field] = value
 
     return mutate
 
 
 REFUSED_DEVICES = [
-    (_device("router", "auto"), "router.device: auto is not allowed in a plan: a scheduler must"),
-    (_device("group", "auto"), "expert_groups[1].device: auto is not allowed in a plan"),
-    (_device("router", "gpu"), "router.device: must be cpu, cuda or cuda:N, got 'gpu'"),
-    (_device("group", "gpu"), "expert_groups[1].device: must be cpu, cuda or cuda:N, got 'gpu'"),
-    (_device("group", "cuda:x"), "expert_groups[1].device: must be cpu, cuda or cuda:N"),
+    (
+        _set("router", "device", "auto"),
+        "router.device: auto is not allowed in a plan: a scheduler must",
+    ),
+    (_set("group", "device", "auto"), "expert_groups[1].device: auto is not allowed in a plan"),
+    (_set("router", "device", "gpu"), "router.device: must be cpu, cuda or cuda:N, got 'gpu'"),
+    (
+        _set("group", "device", "gpu"),
+        "expert_groups[1].device: must be cpu, cuda or cuda:N, got 'gpu'",
+    ),
+    (_set("group", "device", "cuda:x"), "expert_groups[1].device: must be cpu, cuda or cuda:N"),
     # A flag would run on a GPU nobody reserved: the renderers reserve from the field.
-    (_args("router", "--device", "cuda"), "router.args: set router.device instead of --device"),
-    (_args("group", "--device=cuda"), "expert_groups[1].args: set the group's device instead"),
+    (
+        _set("router", "args", ["--device", "cuda"]),
+        "router.args: set router.device instead of --device",
+    ),
+    (
+        _set("group", "args", ["--device=cuda"]),
+        "expert_groups[1].args: set the group's device instead",
+    ),
 ]
 
 
-@pytest.mark.parametrize("mutate, message", REFUSED_DEVICES, ids=[m for _, m in REFUSED_DEVICES])
-def test_a_device_a_scheduler_cannot_reserve_is_refused_naming_the_field(
+# Bad bounds, and a device a scheduler cannot reserve.
+@pytest.mark.parametrize(
+    "mutate, message", BAD + REFUSED_DEVICES, ids=[m for _, m in BAD + REFUSED_DEVICES]
+)
+def test_bad_bounds_and_devices_are_refused_at_plan_load_with_the_field_named(
     tmp_path: Path, mutate, message: str
 ) -> None:
     raw = example_raw()
