@@ -74,10 +74,11 @@ class _Queue:
 _Batch = list[tuple[_Group, int, int]]  # (group, start row, stop row)
 
 
-def _compute(x: torch.Tensor, w: FFNWeights) -> torch.Tensor:
-    """One batch's FFN; runs on the compute thread (grad mode is per thread, hence no_grad here)."""
+def _compute(parts: list[torch.Tensor], w: FFNWeights) -> torch.Tensor:
+    """One batch's FFN; runs on the compute thread (grad mode is per thread, hence no_grad here).
+    `parts`: the batch's rows, as one tensor once staged (several still join)."""
     with torch.no_grad():
-        return expert_ffn(x, w)  # [tokens, hidden]
+        return expert_ffn(parts[0] if len(parts) == 1 else torch.cat(parts), w)  # [tokens, hidden]
 
 
 def _compute_job(
@@ -114,7 +115,7 @@ def _ffn_all(
     for x, w in zip(xs, ws):
         began = time.perf_counter()
         try:
-            out: torch.Tensor | Exception = _compute(x, w)
+            out: torch.Tensor | Exception = _compute([x], w)
         except Exception as e:  # fails this batch only
             out = e
         results.append((out, time.perf_counter() - began))
