@@ -75,18 +75,24 @@ Q8KERNEL(2, 1)
     }
 BLOCK(int8_block, FORMAT_INT8, q8_2_1, q8_1_2, k * PANEL, PANEL * sizeof(float))
 
-/* input i + N of every column of panel q (words w) times x, into acc. The nibble is masked in
-   place, u * 2^(4N), and converted to float exactly; x is scaled by 2^(-4N) (exact too) to
-   match, so each product is x * u, as rounded as a plain one. The top nibble is shifted down
-   instead (in place it would read as a negative int32). A macro, so that masks are constants. */
+/* input i + N of every column of the P panels (words from at[q]) times x, into acc. The nibble is
+   masked in place, u * 2^(4N), and converted to float exactly; x is scaled by 2^(-4N) (exact too)
+   to match, so each product is x * u, as rounded as a plain one. The top nibble is shifted down
+   instead (in place it would read as a negative int32). Input by input over all R * 4P
+   accumulators, the words read again from L1 for each input: held in registers across the eight
+   inputs, as a panel at a time held them, they left the accumulators no room and GCC spilled them
+   (one-row products 22% slower on AVX2). A macro, so that masks are constants. */
 #define Q4STEP(N, BITS, SCALE)                                                               \
+    __asm__("" ::: "memory"); /* the words are read again, not kept in registers */           \
     for (int r = 0; r < rows; r++) xr[r] = _mm256_set1_ps(x[r * k + i + N] * (SCALE));       \
-    for (int j = 0; j < 4; j++) {                                                            \
-        __m256 f = _mm256_cvtepi32_ps(BITS);                                                 \
-        for (int r = 0; r < rows; r++)                                                       \
-            acc[r][q * 4 + j] = _mm256_fmadd_ps(xr[r], f, acc[r][q * 4 + j]);                \
-    }
-#define NIB(N) _mm256_and_si256(w[j], _mm256_set1_epi32(15 << (4 * N)))
+    for (int q = 0; q < panels; q++)                                                         \
+        for (int j = 0; j < 4; j++) {                                                        \
+            __m256i word = _mm256_loadu_si256(at[q] + j);                                    \
+            __m256 f = _mm256_cvtepi32_ps(BITS);                                             \
+            for (int r = 0; r < rows; r++)                                                   \
+                acc[r][q * 4 + j] = _mm256_fmadd_ps(xr[r], f, acc[r][q * 4 + j]);            \
+        }
+#define NIB(N) _mm256_and_si256(word, _mm256_set1_epi32(15 << (4 * N)))
 
 /* The sum of x[0..n), n a multiple of 8, in eight lanes then across them: an int4 group's sum of
    inputs, the same in every kernel (a scalar chain of 64 additions cost as much as the group's
@@ -105,7 +111,7 @@ TARGET static inline float group_sum(const float *x, long n) {
     TARGET static void q4_##R##_##P(const float *x, const uint32_t *p, const uint16_t *s,       \
                                     uint16_t *y, long ldy, long k, long group,                  \
                                     const float *bias) {                                        \
-        const int rows = R; /* what Q4STEP reads */                                             \
+        const int rows = R, panels = P; /* what Q4STEP reads */                                \
         long groups = k / group;                                                                \
         __m256 total[R][4 * P];                                                                 \
         for (int r = 0; r < R; r++)                                                             \
@@ -114,23 +120,22 @@ TARGET static inline float group_sum(const float *x, long n) {
             __m256 acc[R][4 * P];                                                               \
             for (int r = 0; r < R; r++)                                                         \
                 for (int j = 0; j < 4 * P; j++) acc[r][j] = _mm256_setzero_ps();                \
-            for (long i = g * group; i < (g + 1) * group; i += 8)                               \
+            for (long i = g * group; i < (g + 1) * group; i += 8) {                             \
+                const __m256i *at[P]; /* 32 words per 8 inputs */                               \
                 for (int q = 0; q < P; q++) {                                                   \
-                    const uint32_t *at = p + (q * k + i) * 4; /* 32 words per 8 inputs */       \
-                    _mm_prefetch((const char *)at + Q8_AHEAD, _MM_HINT_T0);                     \
-                    __m256i w[4];                                                               \
-                    for (int j = 0; j < 4; j++)                                                 \
-                        w[j] = _mm256_loadu_si256((const __m256i *)at + j);                     \
-                    __m256 xr[R];                                                               \
-                    Q4STEP(0, NIB(0), 0x1p-0f)                                                         \
-                    Q4STEP(1, NIB(1), 0x1p-4f)                                                         \
-                    Q4STEP(2, NIB(2), 0x1p-8f)                                                         \
-                    Q4STEP(3, NIB(3), 0x1p-12f)                                                         \
-                    Q4STEP(4, NIB(4), 0x1p-16f)                                                         \
-                    Q4STEP(5, NIB(5), 0x1p-20f)                                                         \
-                    Q4STEP(6, NIB(6), 0x1p-24f)                                                         \
-                    Q4STEP(7, _mm256_srli_epi32(w[j], 28), 1.0f)                                \
+                    at[q] = (const __m256i *)(p + (q * k + i) * 4);                             \
+                    _mm_prefetch((const char *)at[q] + Q8_AHEAD, _MM_HINT_T0);                  \
                 }                                                                               \
+                __m256 xr[R];                                                                   \
+                Q4STEP(0, NIB(0), 0x1p-0f)                                                      \
+                Q4STEP(1, NIB(1), 0x1p-4f)                                                      \
+                Q4STEP(2, NIB(2), 0x1p-8f)                                                      \
+                Q4STEP(3, NIB(3), 0x1p-12f)                                                     \
+                Q4STEP(4, NIB(4), 0x1p-16f)                                                     \
+                Q4STEP(5, NIB(5), 0x1p-20f)                                                     \
+                Q4STEP(6, NIB(6), 0x1p-24f)                                                     \
+                Q4STEP(7, _mm256_srli_epi32(word, 28), 1.0f)                                    \
+            }                                                                                   \
             for (int r = 0; r < R; r++) {                                                       \
                 float sum = group_sum(x + r * k + g * group, group);                            \
                 __m256 shift = _mm256_set1_ps(8.0f * sum); /* u = q + 8 */                      \

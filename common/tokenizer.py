@@ -107,6 +107,16 @@ class TextStream:
             self._prefix, self._read = self._read, len(self.ids)
         return self._release(final=False)
 
+    def take(self, ids: Sequence[int]) -> tuple[str, int]:
+        """`push` token by token: the text, and how many of `ids` are the stream's, which is all
+        of them unless a stop string ended it at one (the tokens after it are not)."""
+        text = ""
+        for n, token in enumerate(ids):
+            text += self.push([token])
+            if self.stopped:
+                return text, n + 1
+        return text, len(ids)
+
     def finish(self) -> str:
         """The text still held back, at the end of generation."""
         return self._release(final=True)

@@ -284,23 +284,21 @@ class RequestStream:
             await chunks.aclose()  # type: ignore[attr-defined]
 
     def _delta(self, chunk: Chunk, completion_tokens: int) -> Delta:
-        """The client's view of a router message: its text, ended early by a stop string."""
-        text = self._text.push(chunk.token_ids)
+        """The client's view of a router message: its text, ended early by a stop string. A
+        message may carry several tokens (a router's decode bursts): a stop string ends it at
+        the token that completed it, and the tokens after that one are not the client's."""
+        text, taken = self._text.take(chunk.token_ids)
+        ids, logprobs = list(chunk.token_ids[:taken]), chunk.logprobs
+        completion_tokens -= len(chunk.token_ids) - taken
+        if logprobs is not None:
+            logprobs = logprobs[:taken]
         finish = chunk.finish_reason
         if self._text.stopped:
             finish = "stop"
         elif finish is not None:
             text += self._text.finish()
         prompt_tokens = len(self._request.prompt_token_ids)
-        return Delta(
-            self.request_id,
-            chunk.token_ids,
-            text,
-            finish,
-            prompt_tokens,
-            completion_tokens,
-            chunk.logprobs,
-        )
+        return Delta(self.request_id, ids, text, finish, prompt_tokens, completion_tokens, logprobs)
 
     def _fail_over(self, router: RouterBackend, attempt: int, error: RouterLostError) -> None:
         """Eject `router`; return to try another, or raise UnavailableError when no retry is left."""

@@ -79,6 +79,16 @@ class RouterSettings(QuantizationSettings, TelemetrySettings, SecuritySettings):
         "the router's compute and remote experts; 'auto' picks 1-4 from measured compute and "
         "transfer times (1 when every expert is colocated)",
     )
+    decode_burst: int = Field(
+        8,
+        ge=1,
+        le=64,
+        description="decode steps one engine step runs back to back for a sequence that runs "
+        "alone, decodes greedily without logprobs or penalties and takes the one-call step "
+        "(bfloat16, int8 or int4 on a CPU, every expert colocated): its tokens stream in bursts of "
+        "up to this many; a request arriving, a cancellation or the deadline ends a burst at the "
+        "next token. 1: one step per engine step",
+    )
     serial_max_tokens: int | None = Field(
         None,
         ge=0,

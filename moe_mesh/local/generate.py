@@ -75,12 +75,14 @@ async def generate_local(
                 continue
             if not res.token_ids and out.new_token_ids:
                 res.time_to_first_token_s = time.perf_counter() - start
-            res.token_ids += out.new_token_ids
+            text, taken = stream.take(out.new_token_ids)  # a burst's tokens end at a stop string
+            res.token_ids += out.new_token_ids[:taken]
             if out.logprobs is not None:
                 res.logprobs = (res.logprobs or []) + [
-                    {"logprob": t.logprob, "top": [list(a) for a in t.top]} for t in out.logprobs
+                    {"logprob": t.logprob, "top": [list(a) for a in t.top]}
+                    for t in out.logprobs[:taken]
                 ]
-            emit(out.request_id, stream.push(out.new_token_ids))
+            emit(out.request_id, text)
             if stream.stopped:
                 engine.abort(out.request_id)
                 res.finish_reason = FinishReason.STOP.value

@@ -33,6 +33,7 @@ from common.errors import (
 from common.limits import check_context_length, check_kv_capacity
 from common.sampling import SamplingParams
 from router_service.engine.blocks import BlockPool
+from router_service.engine.burst import Burst
 from router_service.engine.kv_cache import AUTO_SHARE, GPU_AUTO_SHARE, KVCache, num_blocks
 from router_service.engine.model import MoeModel, pack_step
 from router_service.engine.pipeline import MicroBatchPlanner, PassCosts
@@ -206,7 +207,7 @@ class Engine:
 
     async def _step(self, outputs: list[StepOutput]) -> None:
         chunks = self.scheduler.schedule()
-        if not chunks:
+        if not chunks or await self._burst(chunks, outputs):
             return
         prefills = [c for c in chunks if not c.decode]
         decodes = [c for c in chunks if c.decode]
@@ -252,6 +253,73 @@ class Engine:
         self._reap_cancelled()
         outputs += self._pending
         self._pending = []
+
+    async def _burst(self, chunks: list[Chunk], outputs: list[StepOutput]) -> bool:
+        """A lone greedy sequence's next tokens in one burst of decode steps (burst.py); False
+        where this step is a plain one."""
+        steps = self._burst_steps(chunks)
+        seq, start = chunks[0].seq, chunks[0].start
+        if steps > 1:
+            steps = min(steps, self.scheduler.reserve(seq, start + steps) - start)
+        if steps < 2:
+            return False
+        p = seq.params
+        burst = Burst(
+            seq.token_ids(start, start + 1)[0],
+            start,
+            steps,
+            list(seq.blocks),
+            frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids),
+            lambda: self.scheduler.has_waiting or seq.aborted,
+            seq.deadline,
+        )
+        self._stepping = True
+        try:
+            tokens = await self.model.decode_burst(burst, self.cache)
+        finally:
+            self._stepping = False
+        if tokens is None:
+            return False
+        self.scheduler.computed([Chunk(seq, start, len(tokens))])
+        if not seq.aborted:
+            out = self._appended(seq, tokens)
+            outputs.append(out)
+            if out.finish_reason is not None:
+                self._release([seq])
+        self._reap_cancelled()
+        outputs += self._pending
+        self._pending = []
+        return True
+
+    def _appended(self, seq: Sequence, tokens: list[int]) -> StepOutput:
+        """A burst's `tokens` appended to `seq`, up to the first that ends it."""
+        new: list[int] = []
+        reason = None
+        for token in tokens:
+            seq.output.append(token)
+            new.append(token)
+            if (reason := self._finish_reason(seq, token)) is not None:
+                break
+        return StepOutput(seq.request_id, new, reason, len(seq.prompt), len(seq.output))
+
+    def _burst_steps(self, chunks: list[Chunk]) -> int:
+        """How many decode steps this step may run at once: decode_burst for one sequence that
+        runs alone, with nobody waiting, and decodes greedily with nothing sampling reads more
+        of its logits for; else 1."""
+        n = self.settings.decode_burst
+        if n < 2 or len(chunks) != 1 or not chunks[0].decode or len(self.running) != 1:
+            return 1
+        seq = chunks[0].seq
+        p = seq.params
+        plain = p.greedy and not p.penalized and p.logprobs is None
+        if not plain or len(seq.output) < p.min_tokens or self.scheduler.has_waiting:
+            return 1
+        if not self.model.may_burst():
+            return 1
+        left = self.model.max_model_len - seq.num_tokens
+        if p.max_tokens is not None:
+            left = min(left, p.max_tokens - len(seq.output))
+        return min(n, left)
 
     async def _forward(self, prefills: list[Chunk], decodes: list[Chunk]) -> torch.Tensor:
         """One micro-batch's logits [chunks, vocab], prefills first."""

@@ -236,17 +236,24 @@ class FusedDecode:
     def step(self, token: int, batch: AttentionBatch, rope: Rope) -> torch.Tensor:
         """Float32 logits [1, vocab] of the step's one decode token; the experts each layer
         routed it to are in `chosen` [layers, top_k] until the next step."""
-        t, hd = self.token, self.spec.head_dim
         position, length = int(batch.positions[0]), int(batch.decode_lengths[0])
+        table = bf16.dense(batch.decode_tables)
+        return self.at(token, position, table, length, int(batch.slots[0]), rope)
+
+    def at(
+        self, token: int, position: int, table: torch.Tensor, length: int, slot: int, rope: Rope
+    ) -> torch.Tensor:
+        """`step` of `token` at `position`, its block table `table` [1, width] int64 (dense),
+        its context `length` tokens, its keys and values written to cache slot `slot`."""
+        t, hd = self.token, self.spec.head_dim
         # Read in place, unchecked by the kernel: what indexing them in torch would refuse.
         if not (0 <= token < self.weights.embed.shape[0] and 0 <= position < rope.cos.shape[0]):
             raise IndexError(f"token {token} or position {position} out of range")
         t.embedding = self.weights.embed.data_ptr() + token * self.model.hidden * 2
         t.cos = rope.cos.data_ptr() + position * hd * 2
         t.sin = rope.sin.data_ptr() + position * hd * 2
-        tables = bf16.dense(batch.decode_tables)
-        t.table, t.width = tables.data_ptr(), tables.shape[1]
-        t.length, t.slot = length, int(batch.slots[0])
+        t.table, t.width = table.data_ptr(), table.shape[1]
+        t.length, t.slot = length, slot
         run = bf16.kernel("moe_decode_step")
         failed = run(
             ctypes.byref(self.model),

@@ -17,6 +17,8 @@ from common.linear import linear, serial_tokens
 from common.moe import expert_ffn
 from common.weights import DenseWeights, LayerWeights
 from router_service.engine import fused
+from router_service.engine.burst import Burst
+from router_service.engine.burst import run as burst_run
 from router_service.engine.fused import FusedDecode
 from router_service.engine.gpu import GpuPasses
 from router_service.engine.kv_cache import KVCache, block_bytes
@@ -226,6 +228,17 @@ class MoeModel:
     ) -> torch.Tensor | None:
         """The pass as one kernel call (engine/fused.py) where it is one decode token, every
         expert is colocated in one backend and the kernel takes the weights; else None."""
+        one = self._one_call(cache, wanted=not all_logits and self._one_decode(batch))
+        if one is None:
+            return None
+        self.dispatcher.replicas.check_deadline(batch.deadline)
+        logits = one.step(int(batch.token_ids[0]), batch.attention, self.rope)
+        self.dispatcher.computed_together(one.chosen.tolist())
+        return logits
+
+    def _one_call(self, cache: KVCache, wanted: bool = True) -> FusedDecode | None:
+        """The one-call step bound to the current experts and `cache`, where it can run now
+        and is `wanted`; asked on every pass, so that it lets go of experts moved away."""
         one = self.fused
         if one is None:
             return None
@@ -233,14 +246,30 @@ class MoeModel:
         if experts is None:  # let go of experts a re-tiering moved away
             one.unbind_experts()
             return None
-        if all_logits or not self._one_decode(batch):
+        if (
+            not wanted
+            or self.dispatcher.traced()
+            or not (one.bind_experts(experts) and one.bind_cache(cache))
+        ):
             return None
-        if self.dispatcher.traced() or not (one.bind_experts(experts) and one.bind_cache(cache)):
+        return one
+
+    def may_burst(self) -> bool:
+        """Whether decode bursts (burst.py) may run: a one-call step and no traced request."""
+        return self.fused is not None and not self.dispatcher.traced()
+
+    async def decode_burst(self, burst: Burst, cache: KVCache) -> list[int] | None:
+        """`burst`'s tokens, each step one kernel call, on the compute thread; None where the
+        step cannot be one call now (then the engine takes a plain step)."""
+        return await self.compute(self._burst, burst, cache)
+
+    def _burst(self, burst: Burst, cache: KVCache) -> list[int] | None:
+        if (one := self._one_call(cache)) is None:
             return None
-        self.dispatcher.replicas.check_deadline(batch.deadline)
-        logits = one.step(int(batch.token_ids[0]), batch.attention, self.rope)
-        self.dispatcher.computed_together(one.chosen.tolist())
-        return logits
+        self.dispatcher.replicas.check_deadline(burst.deadline)
+        tokens, chosen = burst_run(one, self.rope, cache.block_size, burst)
+        self.dispatcher.computed_together(chosen)
+        return tokens
 
     def _one_decode(self, batch: StepBatch) -> bool:
         """Whether `batch` is one decode token of a model whose step can be one call."""

@@ -87,7 +87,7 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """
     if params.greedy:
         keep = torch.full_like(logits, float("-inf"), dtype=torch.float32)
-        top = _argmax(logits)
+        top = greedy(logits)
         keep[top] = logits[top].float()
         return keep
     scaled = logits.float() / params.temperature  # [vocab]
@@ -114,14 +114,15 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from logits [vocab]; never raises on non-finite or degenerate distributions."""
     if params.greedy:
-        return _argmax(logits)
+        return greedy(logits)
     probs = torch.softmax(filtered_logits(logits, params), dim=-1)
     # NaN logits, or an inf left by a temperature just above GREEDY_BELOW (common/sampling.py):
     # multinomial would raise.
     if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
-        return _argmax(logits)
+        return greedy(logits)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def _argmax(logits: torch.Tensor) -> int:
+def greedy(logits: torch.Tensor) -> int:
+    """The most probable token (the first of equals); NaN never wins."""
     return int(torch.argmax(torch.nan_to_num(logits.float(), nan=float("-inf"))))

@@ -105,6 +105,12 @@ class Scheduler:
     def num_waiting(self) -> int:
         return sum(1 for _, s in self._waiting if not s.aborted)
 
+    @property
+    def has_waiting(self) -> bool:
+        """Whether any sequence waits (cancelled ones too): cheap, and safe to ask from the
+        compute thread while the event loop queues requests."""
+        return bool(self._waiting)
+
     def add(self, seq: Sequence) -> None:
         heapq.heappush(self._waiting, (_order(seq), seq))
 
@@ -143,6 +149,14 @@ class Scheduler:
         if need > 0:
             seq.blocks += self.pool.allocate(need)
         return True
+
+    def reserve(self, seq: Sequence, tokens: int) -> int:
+        """Blocks for up to `tokens` tokens of `seq` from the free ones, preempting nothing;
+        returns how many tokens its blocks now hold. Blocks it does not fill stay its own."""
+        need = min(-(-tokens // self.block_size) - len(seq.blocks), self.pool.num_free)
+        if need > 0:
+            seq.blocks += self.pool.allocate(need)
+        return len(seq.blocks) * self.block_size
 
     def _admit(self, chunks: list[Chunk], budget: int) -> None:
         admitted = False

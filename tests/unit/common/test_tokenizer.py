@@ -45,3 +45,19 @@ def test_partial_stop_prefix_is_released_when_it_does_not_complete(tokenizer: To
     stream = TextStream(tokenizer, stop=["wörlds"])
     out = "".join(stream.push([t]) for t in tokenizer.encode(TEXT)) + stream.finish()
     assert out == TEXT and not stream.stopped
+
+
+def test_take_pushes_a_burst_token_by_token_and_ends_it_at_a_stop_string(
+    tokenizer: Tokenizer,
+) -> None:
+    ids = tokenizer.encode(TEXT)
+    stream = TextStream(tokenizer, stop=["end is"])
+    text, taken = stream.take(ids)
+    # The stop string is complete at the token `taken` names, not before and not after.
+    assert stream.stopped and text == TEXT[: TEXT.index("end is")]
+    assert "end is" in tokenizer.decode(ids[:taken]) and "end is" not in tokenizer.decode(
+        ids[: taken - 1]
+    )
+    whole = TextStream(tokenizer)
+    text, taken = whole.take(ids)
+    assert taken == len(ids) and text + whole.finish() == TEXT

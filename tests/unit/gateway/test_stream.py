@@ -122,6 +122,24 @@ async def test_a_stop_string_ends_the_stream_and_the_router_call() -> None:
     assert s.sent == [8, 9, 10, 11] and router.outstanding == 0
 
 
+async def test_a_stop_string_inside_a_burst_ends_the_tokens_and_usage_at_its_token() -> None:
+    class Bursts(ScriptedRouter):  # a router's decode bursts: three tokens a message
+        async def generate(self, request, timeout_s, trace_context=None):
+            held = []
+            async for chunk in super().generate(request, timeout_s, trace_context):
+                held.append(chunk)
+                if len(held) == 3 or chunk.finish_reason is not None:
+                    ids = [t for c in held for t in c.token_ids]
+                    yield replace(chunk, token_ids=ids)
+                    held = []
+
+    deltas = await drain(stream(streaming([Bursts("a:1")]), stop=["kl"], max_tokens=20))
+    # Tokens 8, 9, 10 are "ijk"; the next burst, 11, 12, 13 ("lmn"), completes "kl" at 11.
+    assert [d.token_ids for d in deltas] == [[8, 9, 10], [11]]
+    assert "".join(d.text for d in deltas) == "ij"
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].completion_tokens == 4
+
+
 async def test_failover_continues_from_the_tokens_sent_with_min_tokens_lowered() -> None:
     dying, healthy = ScriptedRouter("a:1", dies_after=2), ScriptedRouter("b:1")
     shared = streaming([dying, healthy])

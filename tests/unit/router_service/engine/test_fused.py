@@ -9,8 +9,6 @@ import asyncio
 import pytest
 import torch
 
-from common import bf16
-from common import linear as L
 from router_service import build
 from router_service.engine import fused
 from router_service.engine.model import MoeModel, pack_step
@@ -19,17 +17,6 @@ from tests.support.backends import Recording
 
 BLOCK = 4
 PROMPT = [5, 9, 11, 3, 7, 2]
-
-
-@pytest.fixture
-def panels(monkeypatch):
-    """Weights in moe-mesh's panels, as a host where they are measured fastest holds them."""
-    if bf16.kernel("moe_decode_step") is None:
-        pytest.skip("no C compiler or no AVX2 here: no bfloat16 panels")
-    monkeypatch.setenv("MOE_MESH_PREPACK", "panels")
-    L.panels.cache_clear()
-    yield
-    L.panels.cache_clear()
 
 
 def model(path, one_call: bool = True, placement=None, **settings) -> MoeModel:

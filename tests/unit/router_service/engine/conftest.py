@@ -1,0 +1,19 @@
+"""Fixtures of the engine's tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from common import bf16
+from common import linear as L
+
+
+@pytest.fixture
+def panels(monkeypatch):
+    """Weights in moe-mesh's panels, as a host where they are measured fastest holds them."""
+    if bf16.kernel("moe_decode_step") is None:
+        pytest.skip("no C compiler or no AVX2 here: no bfloat16 panels")
+    monkeypatch.setenv("MOE_MESH_PREPACK", "panels")
+    L.panels.cache_clear()
+    yield
+    L.panels.cache_clear()

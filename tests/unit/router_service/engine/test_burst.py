@@ -1,0 +1,130 @@
+"""Decode bursts (engine/burst.py): a lone greedy sequence's steps back to back give the tokens
+and routing counts of single steps, end at an ending token, at max_tokens, at a waiting request
+and at a cancellation, and never run where sampling or another sequence needs single steps."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from common.sampling import SamplingParams
+from router_service.build import build_local_engine
+from router_service.engine.engine import Engine, FinishReason
+from router_service.settings import RouterSettings
+
+PROMPT = [5, 9, 11, 3, 7, 2]
+
+
+def greedy(n: int, **params) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **params)
+
+
+def engine(checkpoint, burst: int, arch: str = "mixtral") -> Engine:
+    return build_local_engine(
+        RouterSettings(
+            checkpoint=checkpoint(arch),
+            dtype="bfloat16",
+            max_model_len=64,
+            kv_block_size=4,
+            decode_burst=burst,
+        )
+    )
+
+
+def run(e: Engine, requests: dict[str, SamplingParams]) -> tuple[dict, list[dict]]:
+    """Each request's tokens and finish reason, and each step's new tokens per request."""
+    for rid, params in requests.items():
+        e.add_request(rid, PROMPT, params)
+    out: dict[str, tuple[list[int], FinishReason | None]] = {}
+    steps: list[dict[str, int]] = []
+
+    async def drive() -> None:
+        while e.has_unfinished():
+            step = {}
+            for o in await e.step():
+                ids, _ = out.get(o.request_id, ([], None))
+                out[o.request_id] = (ids + o.new_token_ids, o.finish_reason)
+                step[o.request_id] = len(o.new_token_ids)
+            steps.append(step)
+
+    try:
+        asyncio.run(drive())
+    finally:
+        e.close()
+    return out, steps
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_a_burst_gives_the_tokens_and_routing_counts_of_single_steps(panels, checkpoint, arch):
+    single, bursts = engine(checkpoint, 1, arch), engine(checkpoint, 8, arch)
+    want, one_each = run(single, {"r": greedy(21)})
+    got, steps = run(bursts, {"r": greedy(21)})
+    assert got == want and len(want["r"][0]) == 21
+    assert [s["r"] for s in one_each] == [1] * 21
+    assert [s["r"] for s in steps] == [1, 8, 8, 4]  # the prefill's token, then bursts
+    a, b = bursts.model.dispatcher, single.model.dispatcher
+    assert a.routed_counts() == b.routed_counts() and a.tokens_colocated == b.tokens_colocated
+
+
+def test_a_burst_ends_at_a_stop_token_and_at_max_tokens(panels, checkpoint):
+    ((tokens, _),) = run(engine(checkpoint, 1), {"r": greedy(12)})[0].values()
+    stop = tokens[5]
+    first = tokens.index(stop)
+    out, steps = run(engine(checkpoint, 8), {"r": greedy(12, stop_token_ids=(stop,))})
+    assert out["r"] == (tokens[: first + 1], FinishReason.STOP)
+    out, steps = run(engine(checkpoint, 8), {"r": greedy(3)})
+    assert out["r"] == (tokens[:3], FinishReason.LENGTH) and [s["r"] for s in steps] == [1, 2]
+
+
+@pytest.mark.parametrize("interrupt", ["a request arrives", "the sequence is cancelled"])
+def test_a_burst_ends_at_the_next_token_when(panels, checkpoint, interrupt):
+    e = engine(checkpoint, 8)
+    entered, go = threading.Event(), threading.Event()
+    at = e.model.fused.at
+
+    def gated(*args):  # the first step of the burst waits until the interruption happened
+        entered.set()
+        assert go.wait(10)
+        return at(*args)
+
+    async def drive() -> list:
+        e.add_request("r", PROMPT, greedy(30))
+        await e.step()  # the prefill
+        e.model.fused.at = gated
+        step = asyncio.create_task(e.step())
+        assert await asyncio.to_thread(entered.wait, 10)
+        if interrupt == "a request arrives":
+            e.add_request("late", PROMPT, greedy(2))
+        else:
+            e.abort("r")
+        go.set()
+        return await step
+
+    try:
+        outputs = asyncio.run(drive())
+    finally:
+        e.close()
+    [out] = [o for o in outputs if o.request_id == "r"]
+    if interrupt == "a request arrives":
+        assert len(out.new_token_ids) == 1 and out.finish_reason is None
+    else:
+        assert out.new_token_ids == [] and out.finish_reason is FinishReason.CANCELLED
+
+
+@pytest.mark.parametrize(
+    "requests",
+    [
+        {"r": SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)},
+        {"r": greedy(6, logprobs=2)},
+        {"r": greedy(6, repetition_penalty=1.2)},
+        {"r": greedy(6), "s": greedy(6)},
+    ],
+    ids=["sampled", "logprobs", "penalized", "two sequences"],
+)
+def test_no_burst_where_sampling_or_another_sequence_needs_single_steps(
+    panels, checkpoint, requests
+):
+    _, steps = run(engine(checkpoint, 8), requests)
+    assert all(n == 1 for step in steps for n in step.values())
