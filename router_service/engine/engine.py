@@ -276,13 +276,17 @@ class Engine:
         self._stepping = True
         try:
             tokens = await self.model.decode_burst(burst, self.cache)
+        except MoeMeshError as e:  # e.g. its deadline passed: as a failed micro-batch ends
+            outputs += self._fail([seq], e)
+            return True
         finally:
             self._stepping = False
         if tokens is None:
             return False
-        self.scheduler.computed([Chunk(seq, start, len(tokens))])
         if not seq.aborted:
             out = self._appended(seq, tokens)
+            # After the tokens are the sequence's: the prefix cache keys its full blocks by them.
+            self.scheduler.computed([Chunk(seq, start, len(out.new_token_ids))])
             outputs.append(out)
             if out.finish_reason is not None:
                 self._release([seq])

@@ -224,6 +224,10 @@ class FusedDecode:
         self._experts, self._refused = experts, None
         return True
 
+    def refuses(self, experts: Mapping[tuple[int, int], FFNWeights]) -> bool:
+        """Whether bind_experts found that it cannot take these experts."""
+        return experts is self._refused
+
     def unbind_experts(self) -> None:
         """Hold no expert's weights (they moved away): bind_experts again before a step."""
         if self._experts is None and self._refused is None:

@@ -255,8 +255,13 @@ class MoeModel:
         return one
 
     def may_burst(self) -> bool:
-        """Whether decode bursts (burst.py) may run: a one-call step and no traced request."""
-        return self.fused is not None and not self.dispatcher.traced()
+        """Whether decode bursts (burst.py) may run: a one-call step over every expert, which
+        its kernel takes, and no traced request."""
+        one = self.fused
+        if one is None or self.dispatcher.traced():
+            return False
+        experts = self.dispatcher.all_colocated()
+        return experts is not None and not one.refuses(experts)
 
     async def decode_burst(self, burst: Burst, cache: KVCache) -> list[int] | None:
         """`burst`'s tokens, each step one kernel call, on the compute thread; None where the

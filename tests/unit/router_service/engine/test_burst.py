@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
+from common.errors import DeadlineExceededError
 from common.sampling import SamplingParams
+from router_service import build
 from router_service.build import build_local_engine
 from router_service.engine.engine import Engine, FinishReason
 from router_service.settings import RouterSettings
+from tests.support.backends import Recording
 
 PROMPT = [5, 9, 11, 3, 7, 2]
 
@@ -33,10 +37,12 @@ def engine(checkpoint, burst: int, arch: str = "mixtral") -> Engine:
     )
 
 
-def run(e: Engine, requests: dict[str, SamplingParams]) -> tuple[dict, list[dict]]:
+def run(
+    e: Engine, requests: dict[str, SamplingParams], prompt: list[int] = PROMPT, close: bool = True
+) -> tuple[dict, list[dict]]:
     """Each request's tokens and finish reason, and each step's new tokens per request."""
     for rid, params in requests.items():
-        e.add_request(rid, PROMPT, params)
+        e.add_request(rid, prompt, params)
     out: dict[str, tuple[list[int], FinishReason | None]] = {}
     steps: list[dict[str, int]] = []
 
@@ -52,7 +58,8 @@ def run(e: Engine, requests: dict[str, SamplingParams]) -> tuple[dict, list[dict
     try:
         asyncio.run(drive())
     finally:
-        e.close()
+        if close:
+            e.close()
     return out, steps
 
 
@@ -128,3 +135,54 @@ def test_no_burst_where_sampling_or_another_sequence_needs_single_steps(
 ):
     _, steps = run(engine(checkpoint, 8), requests)
     assert all(n == 1 for step in steps for n in step.values())
+
+
+def test_a_bursts_blocks_are_found_in_the_prefix_cache_as_single_steps_leave_them(
+    panels, checkpoint
+):
+    hits = {}
+    for burst in (1, 8):
+        e = engine(checkpoint, burst)
+        try:
+            out, _ = run(e, {"a": greedy(20)}, close=False)
+            before = e.scheduler.prefix_hit_tokens
+            run(e, {"next turn": greedy(2)}, PROMPT + out["a"][0] + [1, 2, 3], close=False)
+            hits[burst] = e.scheduler.prefix_hit_tokens - before
+        finally:
+            e.close()
+    # 6 + 20 tokens, of which the cache holds the 25 computed: 6 full blocks of 4.
+    assert hits[8] == hits[1] == 24
+
+
+def test_a_burst_past_its_deadline_ends_its_request_as_a_failed_step_does(
+    panels, checkpoint, caplog
+):
+    e = engine(checkpoint, 8)
+
+    async def drive() -> list:
+        e.add_request("r", PROMPT, greedy(30), deadline=time.monotonic() + 0.5)
+        await e.step()  # the prefill
+        await asyncio.sleep(0.6)
+        return await e.step()
+
+    try:
+        [out] = asyncio.run(drive())
+    finally:
+        e.close()
+    assert out.finish_reason is FinishReason.ERROR and isinstance(out.error, DeadlineExceededError)
+    assert not e.has_unfinished() and e.scheduler.pool.num_free == e.scheduler.pool.num_blocks
+    assert "engine step failed" not in caplog.text  # an expected end, not a bug's traceback
+
+
+def test_no_burst_and_no_blocks_reserved_while_an_expert_is_remote(panels, checkpoint):
+    s = RouterSettings(
+        checkpoint=checkpoint("mixtral"), dtype="bfloat16", max_model_len=64, kv_block_size=4
+    )
+    here = build.build_model(build._open(s), s)
+    remote = build._open(s).load_experts([(0, 3)])
+    placement = {**here.dispatcher.placement, (0, 3): [Recording(remote)]}
+    here.close()
+    e = Engine(build.build_model(build._open(s), s, placement), s)
+    assert not e.model.may_burst()
+    _, steps = run(e, {"r": greedy(9)})
+    assert [st["r"] for st in steps] == [1] * 9
