@@ -1,12 +1,14 @@
-/* A decode step of one sequence through every layer in one call, for bf16_kernel.c, which
-   includes this file once the kernels of both instruction sets are defined.
+/* A decode step of one token of each of n sequences through every layer in one call, for
+   bf16_kernel.c, which includes this file once the kernels of both instruction sets are defined.
 
-   At batch 1 a step reads each weight once, so its time is the weights' bytes over the memory
-   bandwidth plus whatever runs between the products. Op by op, that is a few hundred torch and
-   ctypes calls, each waking the thread team anew: on 2 cores about a third of a step. Here one
-   OpenMP team runs the whole step, its phases separated by barriers: the products split their
-   64-column blocks over the threads, the small serial work between them (norms, RoPE, attention
-   of one query, routing, combine) runs on one thread while the others wait at the barrier.
+   At small batches a step reads each weight it uses about once, so its time is the weights'
+   bytes over the memory bandwidth plus whatever runs between the products. Op by op, that is a
+   few hundred torch and ctypes calls, each waking the thread team anew: on 2 cores about a third
+   of a step at batch 1, and a second sequence cost more than it added. Here one OpenMP team runs
+   the whole step, its phases separated by barriers: the products split their 64-column blocks
+   (of every routed expert at once) over the threads, RoPE and the cache write split the tokens,
+   attention their KV heads, and the small serial work (norms, routing, grouping, combine) runs
+   on one thread while the others wait at the barrier.
 
    Every phase calls the function the op-by-op path calls (moe_linear's block, moe_silu_ffns'
    phases, rms_norm, combine, rope, kv_write, decode attention, route_token), in the same order on
@@ -31,10 +33,13 @@ typedef struct { /* a model the step runs; ctypes mirrors it (router_service/eng
     const void *const *qkv_scales, *const *o_scales, *head_scales; /* NULL for bfloat16 */
 } moe_model;
 
-typedef struct { /* the step's token */
-    const uint16_t *embedding, *cos, *sin; /* its row of the embeddings; RoPE at its position */
-    const int64_t *table;                  /* its block table [width] */
-    long width, length, slot;              /* its context, itself included; its cache slot */
+typedef struct { /* the step's tokens, one of each of `count` sequences */
+    long count;
+    const uint16_t *const *embedding, *const *cos, *const *sin; /* [count]: its embedding row; RoPE
+                                                                   at its position */
+    const int64_t *tables;          /* [count][width]: the block tables */
+    long width;
+    const int64_t *lengths, *slots; /* [count]: its context, itself included; its cache slot */
 } moe_token;
 
 /* One token's routing from its logits [experts] (bfloat16 values): softmax in float32, the k
@@ -101,20 +106,22 @@ int moe_route(const uint16_t *x, const uint16_t *w, long n, long hidden, long ex
     return failed ? -1 : 0;
 }
 
-/* 64-column block c of the one-row product xf . W^T into y (n columns), W [n][k] in `format` */
+/* 64-column block c of the product of n rows xf [n][k] by W^T into y [n][ldy], W [.][k] in
+   `format` */
 static void product(int format, long group, const float *xf, const void *w, const void *scales,
-                    uint16_t *y, long n, long k, long c) {
+                    uint16_t *y, long ldy, long k, long c, long n) {
     const char *s = scales ? (const char *)scales + c * block_scale_bytes(format, k, group) : 0;
-    pick_block(format)(xf, (const char *)w + c * block_bytes(format, k), s, y + c * 64, n, 1, k,
+    pick_block(format)(xf, (const char *)w + c * block_bytes(format, k), s, y + c * 64, ldy, n, k,
                        group, 0);
 }
 
 static const void *at(const void *const *array, long i) { return array ? array[i] : 0; }
 
-/* The step's attention after the qkv product, moe_decode_step_attention's work: with Qwen3's
-   per-head q/k norm first where the model has it, RoPE of q and k and the cache write (`prepare`,
-   on one thread), then each KV head's attention (`attend`, one job each) into out [heads][hd]. */
-static void prepare(const moe_model *m, const moe_token *t, long l, const uint16_t *qkv,
+/* The step's attention after the qkv product, moe_decode_step_attention's work: for token i,
+   with Qwen3's per-head q/k norm first where the model has it, RoPE of q and k and the cache
+   write (`prepare`, one token a job), then each KV head's attention (`attend`, one job per token
+   and KV head) into out [heads][hd]. qkv, normed and qk are the token's rows. */
+static void prepare(const moe_model *m, const moe_token *t, long i, long l, const uint16_t *qkv,
                     uint16_t *normed, uint16_t *qk) {
     long hd = m->head_dim, rotated = m->heads + m->kv_heads, ld = (rotated + m->kv_heads) * hd;
     const uint16_t *source = qkv;
@@ -124,125 +131,170 @@ static void prepare(const moe_model *m, const moe_token *t, long l, const uint16
                        m->kv_heads, hd, m->eps, 1);
         source = normed;
     }
-    moe_rope_bf16(source, rotated * hd, t->cos, t->sin, qk, 1, rotated, hd);
-    int64_t slot = t->slot;
-    moe_kv_write(1, qk + m->heads * hd, rotated * hd, qkv + rotated * hd, ld, &slot, 1,
+    moe_rope_bf16(source, rotated * hd, t->cos[i], t->sin[i], qk, 1, rotated, hd);
+    moe_kv_write(1, qk + m->heads * hd, rotated * hd, qkv + rotated * hd, ld, t->slots + i, 1,
                  m->kv_heads, hd, hd, m->num_blocks * m->block_size, m->cache_k[l],
                  m->cache_v[l]);
 }
 
-/* KV head h's g query heads over the context (decode attention of one sequence and one KV
-   head: the cache's head h as a cache of one), into out and widened into xf */
-static int attend(const moe_model *m, const moe_token *t, long l, long h, const uint16_t *qk,
-                  uint16_t *out, float *xf) {
+/* Token i's KV head h: its g query heads over the token's context (decode attention of one
+   sequence and one KV head: the cache's head h as a cache of one), into out and widened into xf
+   (the token's rows) */
+static int attend(const moe_model *m, const moe_token *t, long i, long l, long h,
+                  const uint16_t *qk, uint16_t *out, float *xf) {
     long hd = m->head_dim, g = m->heads / m->kv_heads;
     long per_head = m->num_blocks * m->block_size * hd;
-    int64_t length = t->length;
     int failed = PICK(decode_attention)(1, qk + h * g * hd, (m->heads + m->kv_heads) * hd,
                                         (const uint16_t *)m->cache_k[l] + h * per_head,
-                                        (const uint16_t *)m->cache_v[l] + h * per_head, t->table,
-                                        t->width, &length, 1, 1, g, hd, hd, m->num_blocks,
-                                        m->block_size, m->scale, out + h * g * hd, 1);
+                                        (const uint16_t *)m->cache_v[l] + h * per_head,
+                                        t->tables + i * t->width, t->width, t->lengths + i, 1, 1,
+                                        g, hd, hd, m->num_blocks, m->block_size, m->scale,
+                                        out + h * g * hd, 1);
     widen(out + h * g * hd, xf + h * g * hd, g * hd);
     return failed;
 }
 
-/* The step of token t: x [hidden] ends as the residual stream, h [hidden] as it normed by the
-   final norm, logits [vocab] (with lm_head) as the LM head's bfloat16 product, chosen
-   [layers][top_k] as each layer's experts in routing order. -1 without memory. */
+/* The layer's routed choices [n][k] grouped by expert (moe_group's counting sort, ties in choice
+   order): order [n*k] the choices t*k + j so sorted, at [n*k] each choice's place in it, and the
+   groups (expert, first place, rows) that have rows, returned as their number; each token's
+   widened row copied to the places of its choices in xe [n*k][hidden] */
+static long group_rows(const int64_t *routed, long n, long k, long experts, const float *xf,
+                       long hidden, int64_t *order, int64_t *at, long *groups, float *xe) {
+    long count = 0, place = 0;
+    for (long e = 0; e < experts; e++) {
+        long first = place;
+        for (long s = 0; s < n * k; s++)
+            if (routed[s] == e) {
+                order[place] = s, at[s] = place;
+                memcpy(xe + place * hidden, xf + (s / k) * hidden, sizeof(float) * hidden);
+                place++;
+            }
+        if (place > first) {
+            groups[3 * count] = e, groups[3 * count + 1] = first;
+            groups[3 * count + 2] = place - first, count++;
+        }
+    }
+    return count;
+}
+
+/* The step of the tokens t: x [n][hidden] ends as the residual stream, h [n][hidden] as it normed
+   by the final norm, logits [n][vocab] (with lm_head) as the LM head's bfloat16 product, chosen
+   [layers][n][top_k] as each layer's experts in routing order. -1 without memory. */
 int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_t *h,
                     uint16_t *logits, int64_t *chosen, int threads) {
-    long hidden = m->hidden, hd = m->head_dim, k = m->top_k, inter = m->inter;
+    long n = t->count, hidden = m->hidden, hd = m->head_dim, k = m->top_k, inter = m->inter;
     long qkv_cols = (m->heads + 2 * m->kv_heads) * hd, attended = m->heads * hd;
-    long widest = hidden > attended ? hidden : attended;
-    /* the float32 inputs; qkv; normed and rotated q|k; attention; a product's output; logits and
-       probabilities; weights; gate|up, gated and widened per choice; the experts' outputs */
-    size_t floats = widest + 2 * m->experts + k + k * inter;
-    size_t halves = qkv_cols + 2 * (m->heads + m->kv_heads) * hd + attended + hidden +
-                    k * 3 * inter + k * hidden;
-    char *work = malloc(sizeof(float) * floats + sizeof(uint16_t) * halves);
+    long widest = hidden > attended ? hidden : attended, rotated = (m->heads + m->kv_heads) * hd;
+    long slots = n * k;
+    /* per token: the float32 inputs; logits and probabilities; weights. Per choice: the expert's
+       input, gate|up widened after gating, the outputs; the grouping. Halves per token: qkv,
+       normed and rotated q|k, attention, a product's output; per choice: gate|up, gated, output */
+    size_t floats = n * (widest + 2 * m->experts + k) + slots * (hidden + inter);
+    size_t halves = n * (qkv_cols + 2 * rotated + attended + hidden) + slots * (3 * inter + hidden);
+    size_t words = 2 * slots + 3 * slots; /* order, at (int64); groups (long) */
+    char *work = malloc(sizeof(float) * floats + sizeof(uint16_t) * halves + 8 * words);
     if (!work) return -1;
-    float *xf = (float *)work, *logit = xf + widest, *probs = logit + m->experts;
-    float *weights = probs + m->experts, *gf = weights + k;
-    uint16_t *qkv = (uint16_t *)(gf + k * inter), *normed = qkv + qkv_cols;
-    long rotated = (m->heads + m->kv_heads) * hd;
-    uint16_t *qk = normed + rotated, *out = qk + rotated;
-    uint16_t *delta = out + attended, *gu = delta + hidden, *gated = gu + k * 2 * inter;
-    uint16_t *ys = gated + k * inter;
+    int64_t *order = (int64_t *)work, *place = order + slots;
+    long *groups = (long *)(place + slots);
+    float *xf = (float *)(groups + 3 * slots), *logit = xf + n * widest;
+    float *probs = logit + n * m->experts, *weights = probs + n * m->experts;
+    float *xe = weights + n * k, *gf = xe + slots * hidden;
+    uint16_t *qkv = (uint16_t *)(gf + slots * inter), *normed = qkv + n * qkv_cols;
+    uint16_t *qk = normed + n * rotated, *out = qk + n * rotated, *delta = out + n * attended;
+    uint16_t *gu = delta + n * hidden, *gated = gu + slots * 2 * inter, *ys = gated + slots * inter;
     void (*norm)(const uint16_t *, const uint16_t *, uint16_t *, const uint16_t *, uint16_t *,
                  long, long, float, int) = PICK(rms_norm);
-    long up_blocks = 2 * inter / 64, down_blocks = hidden / 64;
-    int f = m->format, df = m->dense_format;
-    long g = m->group, dg = m->dense_group;
-    int failed = 0;
+    long up_blocks = 2 * inter / 64, down_blocks = hidden / 64, used = 0;
+    block_fn block = pick_block(m->format);
+    long g = m->group, up_bytes = block_bytes(m->format, hidden);
+    long up_scales = block_scale_bytes(m->format, hidden, g);
+    long down_bytes = block_bytes(m->format, inter);
+    long down_scales = block_scale_bytes(m->format, inter, g);
+    int df = m->dense_format, failed = 0;
+    long dg = m->dense_group;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp single
         {
-            memcpy(x, t->embedding, sizeof(uint16_t) * hidden);
-            norm(x, 0, 0, m->first_norm, h, 1, hidden, m->eps, 1);
-            widen(h, xf, hidden);
+            for (long i = 0; i < n; i++)
+                memcpy(x + i * hidden, t->embedding[i], sizeof(uint16_t) * hidden);
+            norm(x, 0, 0, m->first_norm, h, n, hidden, m->eps, 1);
+            widen(h, xf, n * hidden);
         }
         for (long l = 0; l < m->layers; l++) {
-            int64_t *routed = chosen + l * k;
+            int64_t *routed = chosen + l * slots;
             long first = l * m->experts; /* the layer's experts' weights and scales */
             const void *const *up = m->gate_up + first, *const *dn = m->down + first;
 #pragma omp for schedule(static)
             for (long c = 0; c < qkv_cols / 64; c++)
-                product(df, dg, xf, m->qkv[l], at(m->qkv_scales, l), qkv, qkv_cols, hidden, c);
-#pragma omp single
-            prepare(m, t, l, qkv, normed, qk);
+                product(df, dg, xf, m->qkv[l], at(m->qkv_scales, l), qkv, qkv_cols, hidden, c, n);
 #pragma omp for schedule(static)
-            for (long kv = 0; kv < m->kv_heads; kv++)
-                if (attend(m, t, l, kv, qk, out, xf)) {
+            for (long i = 0; i < n; i++)
+                prepare(m, t, i, l, qkv + i * qkv_cols, normed + i * rotated, qk + i * rotated);
+#pragma omp for schedule(static)
+            for (long job = 0; job < n * m->kv_heads; job++) {
+                long i = job / m->kv_heads;
+                if (attend(m, t, i, l, job % m->kv_heads, qk + i * rotated, out + i * attended,
+                           xf + i * attended)) {
 #pragma omp atomic write
                     failed = 1;
                 }
+            }
 #pragma omp for schedule(static)
             for (long c = 0; c < hidden / 64; c++)
-                product(df, dg, xf, m->o[l], at(m->o_scales, l), delta, hidden, attended, c);
+                product(df, dg, xf, m->o[l], at(m->o_scales, l), delta, hidden, attended, c, n);
 #pragma omp single
-            norm(x, delta, x, m->post_norm[l], h, 1, hidden, m->eps, 1);
+            norm(x, delta, x, m->post_norm[l], h, n, hidden, m->eps, 1);
 #pragma omp for schedule(static)
-            for (long e = 0; e < m->experts; e++)
-                logit[e] = router_logit(h, m->router[l] + e * hidden, hidden);
-#pragma omp single
-            {
-                route_token(logit, probs, m->experts, k, m->renorm, m->weights_bf16, weights,
-                            routed);
-                widen(h, xf, hidden);
-            }
-#pragma omp for schedule(static)
-            for (long b = 0; b < k * up_blocks; b++) {
-                long j = b / up_blocks, c = b % up_blocks, e = routed[j];
-                product(f, g, xf, up[e], at(m->gate_up_scales, first + e), gu + j * 2 * inter,
-                        2 * inter, hidden, c);
-            }
-#pragma omp for schedule(static)
-            for (long j = 0; j < k; j++) {
-                PICK(silu_mul)(gu + j * 2 * inter, gated + j * inter, inter);
-                widen(gated + j * inter, gf + j * inter, inter);
-            }
-#pragma omp for schedule(static)
-            for (long b = 0; b < k * down_blocks; b++) {
-                long j = b / down_blocks, c = b % down_blocks, e = routed[j];
-                product(f, g, gf + j * inter, dn[e], at(m->down_scales, first + e),
-                        ys + j * hidden, hidden, inter, c);
+            for (long job = 0; job < n * m->experts; job++) {
+                long i = job / m->experts, e = job % m->experts;
+                logit[job] = router_logit(h + i * hidden, m->router[l] + e * hidden, hidden);
             }
 #pragma omp single
             {
-                const void *rows[k];
-                for (long j = 0; j < k; j++) rows[j] = ys + j * hidden;
-                PICK(combine)(rows, 1, weights, m->weights_bf16, 1, k, hidden, 1, delta, 1);
-                norm(x, delta, x, m->next_norm[l], h, 1, hidden, m->eps, 1);
-                widen(h, xf, hidden);
+                for (long i = 0; i < n; i++)
+                    route_token(logit + i * m->experts, probs + i * m->experts, m->experts, k,
+                                m->renorm, m->weights_bf16,
+                                (char *)weights + i * k * (m->weights_bf16 ? 2 : 4),
+                                routed + i * k);
+                widen(h, xf, n * hidden);
+                used = group_rows(routed, n, k, m->experts, xf, hidden, order, place, groups, xe);
+            }
+#pragma omp for schedule(static)
+            for (long b = 0; b < used * up_blocks; b++) {
+                long *grp = groups + 3 * (b / up_blocks), c = b % up_blocks, e = grp[0];
+                block(xe + grp[1] * hidden, (const char *)up[e] + c * up_bytes,
+                      m->gate_up_scales ? (const char *)m->gate_up_scales[first + e] + c * up_scales
+                                        : 0,
+                      gu + grp[1] * 2 * inter + c * 64, 2 * inter, grp[2], hidden, g, 0);
+            }
+#pragma omp for schedule(static)
+            for (long r = 0; r < slots; r++) {
+                PICK(silu_mul)(gu + r * 2 * inter, gated + r * inter, inter);
+                widen(gated + r * inter, gf + r * inter, inter);
+            }
+#pragma omp for schedule(static)
+            for (long b = 0; b < used * down_blocks; b++) {
+                long *grp = groups + 3 * (b / down_blocks), c = b % down_blocks, e = grp[0];
+                block(gf + grp[1] * inter, (const char *)dn[e] + c * down_bytes,
+                      m->down_scales ? (const char *)m->down_scales[first + e] + c * down_scales
+                                     : 0,
+                      ys + grp[1] * hidden + c * 64, hidden, grp[2], inter, g, 0);
+            }
+#pragma omp single
+            {
+                const void *rows[slots];
+                for (long s = 0; s < slots; s++) rows[s] = ys + place[s] * hidden;
+                PICK(combine)(rows, 1, weights, m->weights_bf16, n, k, hidden, 1, delta, 1);
+                norm(x, delta, x, m->next_norm[l], h, n, hidden, m->eps, 1);
+                widen(h, xf, n * hidden);
             }
         }
         if (m->lm_head) {
 #pragma omp for schedule(static)
             for (long c = 0; c < m->vocab / 64; c++)
                 product(m->head_format, m->head_group, xf, m->lm_head, m->head_scales, logits,
-                        m->vocab, hidden, c);
+                        m->vocab, hidden, c, n);
         }
     }
     free(work);

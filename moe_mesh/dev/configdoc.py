@@ -59,9 +59,10 @@ PROCESS_WIDE = [
     (
         "MOE_MESH_FUSED_DECODE",
         "router",
-        "`on` (default): a decode step of one sequence whose experts are all colocated runs as "
-        "one kernel call where the model allows it (bfloat16 panels, the plain softmax router; "
-        "the same bits as op by op); `off`: always op by op",
+        "`on` (default): a step of decode tokens only (any number of sequences) whose experts "
+        "are all colocated runs as one kernel call where the model allows it (bfloat16 panels, "
+        "int8 or int4, the plain softmax router; the same bits as op by op); `off`: always op by "
+        "op",
     ),
     (
         "MOE_MESH_CUDA_GRAPHS",

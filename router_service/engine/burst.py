@@ -51,7 +51,7 @@ def run(
         slot = burst.table[position // block_size] * block_size + position % block_size
         token = greedy(one.at(token, position, table, position + 1, slot, rope)[0])
         tokens.append(token)
-        for layer, experts in zip(chosen, one.chosen.tolist()):
+        for layer, experts in zip(chosen, one.routed()):
             layer += experts
         if token in burst.ending:
             break

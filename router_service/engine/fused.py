@@ -1,9 +1,10 @@
-"""A decode step of one sequence as one kernel call (common/decode_kernel.c).
+"""A decode step of the running sequences as one kernel call (common/decode_kernel.c).
 
-At batch 1 a step reads every weight it uses once; op by op it is also a few hundred torch and
-ctypes calls, each waking the thread team, about a third of a step on 2 cores. Where the model
-and its placement allow, the whole step (embedding, every layer's attention, routing, experts and
-combine, the LM head) is one call on one thread team, with the op-by-op path's bits.
+At small batches a step reads every weight it uses about once; op by op it is also a few hundred
+torch and ctypes calls, each waking the thread team, about a third of a step at batch 1 on 2
+cores. Where the model and its placement allow, a step of decode tokens only (one a sequence,
+any number of sequences) is one call on one thread team: embedding, every layer's attention,
+routing, the experts grouped by token and combine, the LM head, with the op-by-op path's bits.
 
 It takes: weights in moe-mesh's panels (bfloat16, or int8 and int4 from --quantize and
 --quantize-dense; FP8 experts run op by op), RMSNorm, RoPE over whole heads, q/k norms none or
@@ -15,6 +16,7 @@ each pass). Anything else runs op by op. `MOE_MESH_FUSED_DECODE=off` turns it of
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from collections.abc import Mapping
 
@@ -48,14 +50,16 @@ class _Model(ctypes.Structure):  # decode_kernel.c's moe_model, field for field
 
 class _Token(ctypes.Structure):  # decode_kernel.c's moe_token
     _fields_ = [
-        *((n, _P) for n in ("embedding", "cos", "sin", "table")),
-        *((n, _L) for n in ("width", "length", "slot")),
+        ("count", _L),
+        *((n, _P) for n in ("embedding", "cos", "sin", "tables")),
+        ("width", _L),
+        *((n, _P) for n in ("lengths", "slots")),
     ]
 
 
 def enabled() -> bool:
-    """MOE_MESH_FUSED_DECODE: `on` (default) runs a one-sequence decode step as one kernel call
-    where the model allows; `off` always op by op."""
+    """MOE_MESH_FUSED_DECODE: `on` (default) runs a decode step as one kernel call where the
+    model allows; `off` always op by op."""
     return os.environ.get("MOE_MESH_FUSED_DECODE", "on").lower() not in ("off", "0", "false", "no")
 
 
@@ -161,10 +165,7 @@ class FusedDecode:
             m.lm_head, m.head_scales = head.data.data_ptr(), _ptr(head.scales)
             m.head_format, m.head_group = _kind(head)
         self.token = _Token()
-        self.x = torch.empty(s.hidden_size, dtype=torch.bfloat16)
-        self.h = torch.empty(s.hidden_size, dtype=torch.bfloat16)
-        self.logits = torch.empty(m.vocab, dtype=torch.bfloat16)
-        self.chosen = torch.empty(m.layers, s.top_k, dtype=torch.int64)
+        self.chosen = torch.empty(m.layers, 1, s.top_k, dtype=torch.int64)
         self._cache: KVCache | None = None
         self._experts: Mapping | None = None  # bound
         self._refused: Mapping | None = None  # the current ones, which the kernel cannot take
@@ -237,39 +238,69 @@ class FusedDecode:
             self._held.pop(name, None)
             setattr(self.model, name, None)
 
-    def step(self, token: int, batch: AttentionBatch, rope: Rope) -> torch.Tensor:
-        """Float32 logits [1, vocab] of the step's one decode token; the experts each layer
-        routed it to are in `chosen` [layers, top_k] until the next step."""
-        position, length = int(batch.positions[0]), int(batch.decode_lengths[0])
-        table = bf16.dense(batch.decode_tables)
-        return self.at(token, position, table, length, int(batch.slots[0]), rope)
+    def step(self, tokens: list[int], batch: AttentionBatch, rope: Rope) -> torch.Tensor:
+        """Float32 logits [sequences, vocab] of the step's decode tokens, one a sequence; the
+        experts each layer routed them to are in `chosen` [layers, sequences, top_k] until the
+        next step."""
+        tables = bf16.dense(batch.decode_tables)
+        return self._run(tokens, batch.positions, tables, batch.decode_lengths, batch.slots, rope)
+
+    def routed(self) -> list[list[int]]:
+        """The last step's experts, per layer those of every token in routing order."""
+        return self.chosen.view(self.model.layers, -1).tolist()
 
     def at(
         self, token: int, position: int, table: torch.Tensor, length: int, slot: int, rope: Rope
     ) -> torch.Tensor:
-        """`step` of `token` at `position`, its block table `table` [1, width] int64 (dense),
-        its context `length` tokens, its keys and values written to cache slot `slot`."""
-        t, hd = self.token, self.spec.head_dim
+        """`step` of one sequence's `token` at `position`, its block table `table` [1, width]
+        int64 (dense), its context `length` tokens, its keys and values written to `slot`."""
+        as_tensor = functools.partial(torch.tensor, dtype=torch.int64)
+        return self._run(
+            [token], as_tensor([position]), table, as_tensor([length]), as_tensor([slot]), rope
+        )
+
+    def _run(
+        self,
+        tokens: list[int],
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        lengths: torch.Tensor,
+        slots: torch.Tensor,
+        rope: Rope,
+    ) -> torch.Tensor:
+        n, hd, hidden = len(tokens), self.spec.head_dim, self.model.hidden
+        where = positions.tolist()
         # Read in place, unchecked by the kernel: what indexing them in torch would refuse.
-        if not (0 <= token < self.weights.embed.shape[0] and 0 <= position < rope.cos.shape[0]):
-            raise IndexError(f"token {token} or position {position} out of range")
-        t.embedding = self.weights.embed.data_ptr() + token * self.model.hidden * 2
-        t.cos = rope.cos.data_ptr() + position * hd * 2
-        t.sin = rope.sin.data_ptr() + position * hd * 2
-        t.table, t.width = table.data_ptr(), table.shape[1]
-        t.length, t.slot = length, slot
+        vocab, reach = self.weights.embed.shape[0], rope.cos.shape[0]
+        if not all(0 <= a < vocab for a in tokens) or not all(0 <= p < reach for p in where):
+            raise IndexError(f"a token of {tokens} or a position of {where} out of range")
+        embed, cos, sin = (t.data_ptr() for t in (self.weights.embed, rope.cos, rope.sin))
+        t = self.token
+        t.count, t.width = n, tables.shape[1]
+        held = {  # pointer arrays and index tensors the structure points into, held for the call
+            "embedding": _array([embed + a * hidden * 2 for a in tokens]),
+            "cos": _array([cos + p * hd * 2 for p in where]),
+            "sin": _array([sin + p * hd * 2 for p in where]),
+        }
+        for name, array in held.items():
+            setattr(t, name, ctypes.addressof(array))
+        lengths, slots = lengths.contiguous(), slots.contiguous()
+        t.tables, t.lengths, t.slots = tables.data_ptr(), lengths.data_ptr(), slots.data_ptr()
+        x, h = (torch.empty(n, hidden, dtype=torch.bfloat16) for _ in range(2))
+        logits = torch.empty(n, self.model.vocab, dtype=torch.bfloat16)
+        self.chosen = torch.empty(self.model.layers, n, self.spec.top_k, dtype=torch.int64)
         run = bf16.kernel("moe_decode_step")
         failed = run(
             ctypes.byref(self.model),
             ctypes.byref(t),
-            self.x.data_ptr(),
-            self.h.data_ptr(),
-            self.logits.data_ptr(),
+            x.data_ptr(),
+            h.data_ptr(),
+            logits.data_ptr(),
             self.chosen.data_ptr(),
             torch.get_num_threads(),
         )
         if failed:
             raise MemoryError("decode step: no memory for its intermediates")
         if self.fused_head:
-            return self.logits.float()[None]
-        return linear(self.h[None], self.weights.lm_head).float()
+            return logits.float()
+        return linear(h, self.weights.lm_head).float()

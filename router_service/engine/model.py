@@ -127,7 +127,7 @@ class MoeModel:
                 spec, weights, dispatcher, self._layers, max_num_seqs, max_model_len
             )
             self.gpu.prepare()  # before the KV cache is sized from what memory is left
-        # A one-sequence decode step as one kernel call, where the model allows (engine/fused.py).
+        # A decode step as one kernel call, where the model allows (engine/fused.py).
         self.fused = (
             FusedDecode(spec, weights)
             if fused.enabled() and not fused.unfit(spec, weights)
@@ -226,14 +226,14 @@ class MoeModel:
     def _in_one_call(
         self, batch: StepBatch, cache: KVCache, all_logits: bool
     ) -> torch.Tensor | None:
-        """The pass as one kernel call (engine/fused.py) where it is one decode token, every
+        """The pass as one kernel call (engine/fused.py) where it is decode tokens only, every
         expert is colocated in one backend and the kernel takes the weights; else None."""
         one = self._one_call(cache, wanted=not all_logits and self._one_decode(batch))
         if one is None:
             return None
         self.dispatcher.replicas.check_deadline(batch.deadline)
-        logits = one.step(int(batch.token_ids[0]), batch.attention, self.rope)
-        self.dispatcher.computed_together(one.chosen.tolist())
+        logits = one.step(batch.token_ids.tolist(), batch.attention, self.rope)
+        self.dispatcher.computed_together(one.routed())
         return logits
 
     def _one_call(self, cache: KVCache, wanted: bool = True) -> FusedDecode | None:
@@ -277,10 +277,9 @@ class MoeModel:
         return tokens
 
     def _one_decode(self, batch: StepBatch) -> bool:
-        """Whether `batch` is one decode token of a model whose step can be one call."""
-        return (
-            self.fused is not None and batch.token_ids.numel() == 1 and not batch.attention.prefills
-        )
+        """Whether `batch` is decode tokens only (one a sequence) of a model whose step can be
+        one call."""
+        return self.fused is not None and not batch.attention.prefills
 
     @contextmanager
     def _stretch(self, tokens: int, costs: PassCosts, serial_ok: bool = True) -> Iterator[None]:

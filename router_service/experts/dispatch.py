@@ -146,7 +146,7 @@ class ExpertDispatcher:
 
     def all_colocated(self) -> Mapping[tuple[int, int], FFNWeights] | None:
         """Every routed expert's weights, where one colocated backend is the first choice for all
-        of them: a one-sequence decode step can then compute every layer in one call
+        of them: a decode step can then compute every layer in one call
         (engine/fused.py), with no call to make. Found once per placement table (on the
         compute thread, while the loop may swap the table: the answer names the table it is for)."""
         placement = self.replicas.placement

@@ -1,4 +1,4 @@
-"""A one-sequence decode step as one kernel call (engine/fused.py): the op-by-op path's bits and
+"""A decode step as one kernel call (engine/fused.py): the op-by-op path's bits and
 routing counts in bfloat16 and with int8 and int4 experts (and dense layers), only where every expert is colocated
 and the step is one decode token, and never for a model the kernel does not take."""
 
@@ -27,8 +27,13 @@ def model(path, one_call: bool = True, placement=None, **settings) -> MoeModel:
     return m
 
 
+def prompts(sequences: int) -> list[list[int]]:
+    """A prompt each, of different tokens and lengths: their tokens route differently."""
+    return [[(t + 7 * s) % 50 + 1 for t in PROMPT][: len(PROMPT) - s % 3] for s in range(sequences)]
+
+
 def decode(m: MoeModel, steps: int, sequences: int = 1) -> tuple[list[torch.Tensor], int]:
-    """Greedy logits of `steps` decode steps after the prompt's prefill, and how many of those
+    """Greedy logits of `steps` decode steps after the prompts' prefill, and how many of those
     steps ran as one call."""
     calls = 0
     if m.fused is not None:
@@ -42,13 +47,13 @@ def decode(m: MoeModel, steps: int, sequences: int = 1) -> tuple[list[torch.Tens
         m.fused.step = counted
 
     async def run() -> list[torch.Tensor]:
-        cache, out = m.new_cache(64, BLOCK), []
+        cache, out = m.new_cache(16 * sequences, BLOCK), []
         tables = [list(range(s * 16, s * 16 + 16)) for s in range(sequences)]
-        prefills = [(t, 0, PROMPT) for t in tables]
+        prefills = [(t, 0, p) for t, p in zip(tables, prompts(sequences))]
         logits = await m.forward(pack_step(prefills, [], BLOCK), cache)
-        for n in range(len(PROMPT) + 1, len(PROMPT) + 1 + steps):
+        for i in range(steps):
             tokens = logits.argmax(dim=-1).tolist()
-            decodes = [(t, token, n) for t, token in zip(tables, tokens)]
+            decodes = [(t, a, len(p[2]) + 1 + i) for t, a, p in zip(tables, tokens, prefills)]
             logits = await m.forward(pack_step([], decodes, BLOCK), cache)
             out.append(logits)
         return out
@@ -60,34 +65,38 @@ def decode(m: MoeModel, steps: int, sequences: int = 1) -> tuple[list[torch.Tens
 
 
 @pytest.mark.parametrize(
-    "arch, quantize, dense",
+    "arch, quantize, dense, sequences",
     [
-        ("mixtral", "none", False),
-        ("qwen3_moe", "none", False),
-        ("mixtral", "int8", False),
-        ("qwen3_moe", "int4", False),
-        ("mixtral", "int4", True),
-        ("qwen3_moe", "int8", True),
+        ("mixtral", "none", False, 1),
+        ("qwen3_moe", "none", False, 1),
+        ("mixtral", "int8", False, 1),
+        ("qwen3_moe", "int4", False, 1),
+        ("mixtral", "int4", True, 1),
+        ("qwen3_moe", "int8", True, 1),
+        ("mixtral", "none", False, 3),
+        ("qwen3_moe", "none", False, 5),
+        ("mixtral", "int4", True, 4),
     ],
 )
 def test_a_decode_step_in_one_call_gives_the_op_by_op_bits(
-    panels, checkpoint, arch, quantize, dense
+    panels, checkpoint, arch, quantize, dense, sequences
 ):
     path = checkpoint(arch)
     extra = dict(quantize=quantize, quantize_group_size=32, quantize_dense=dense)
     one, op_by_op = model(path, **extra), model(path, one_call=False, **extra)
     assert one.fused is not None, fused.unfit(one.spec, one.weights)
-    got, calls = decode(one, 6)
-    want, _ = decode(op_by_op, 6)
+    got, calls = decode(one, 6, sequences)
+    want, _ = decode(op_by_op, 6, sequences)
     assert calls == 6
     assert all(torch.equal(g, w) for g, w in zip(got, want)) and len(got) == 6
-    assert got[0].dtype == torch.float32 and got[0].shape == (1, one.spec.vocab_size)
+    assert got[0].dtype == torch.float32 and got[0].shape == (sequences, one.spec.vocab_size)
+    assert sequences == 1 or not torch.equal(got[0][0], got[0][1])  # each its own sequence
     a, b = one.dispatcher, op_by_op.dispatcher
     assert a.routed_counts() == b.routed_counts()
     assert a.tokens_colocated == b.tokens_colocated > 0
 
 
-def test_two_sequences_or_a_remote_expert_run_op_by_op_with_the_same_bits(panels, checkpoint):
+def test_a_remote_expert_runs_op_by_op_with_the_same_bits(panels, checkpoint):
     path = checkpoint("mixtral")
     here = model(path)
     weights = {p: w for p, w in here.dispatcher.placement.items()}
@@ -96,8 +105,6 @@ def test_two_sequences_or_a_remote_expert_run_op_by_op_with_the_same_bits(panels
     got, calls = decode(model(path, placement=remote), 3)
     want, _ = decode(here, 3)
     assert calls == 0 and all(torch.equal(g, w) for g, w in zip(got, want))
-    _, calls = decode(model(path), 3, sequences=2)
-    assert calls == 0
 
 
 def test_models_the_kernel_does_not_take_run_op_by_op(panels, checkpoint, monkeypatch):
