@@ -173,8 +173,9 @@ class MoeModel:
         costs.moe_layers = max(1, len(self.spec.moe_layer_ids))
         tokens = batch.token_ids.numel()
         # A step in one call (_in_one_call) wakes the threads once, not once per op: it gains
-        # from all of them however few its tokens (on 2 cores, 1.4x at one token).
-        serial_ok = not self._one_decode(batch)
+        # from all of them however few its tokens (on 2 cores, 1.4x at one token). Whether it
+        # will be one call is settled on the compute thread; no remote expert is the cheap sign.
+        serial_ok = not (self._one_decode(batch) and not self.dispatcher.remote)
         return await run_stretches(
             self.compute,
             self._pass(batch, cache, all_logits, costs.remote),
