@@ -154,26 +154,24 @@ static int attend(const moe_model *m, const moe_token *t, long i, long l, long h
     return failed;
 }
 
-/* The layer's routed choices [n][k] grouped by expert (moe_group's counting sort, ties in choice
-   order): order [n*k] the choices t*k + j so sorted, at [n*k] each choice's place in it, and the
-   groups (expert, first place, rows) that have rows, returned as their number; each token's
-   widened row copied to the places of its choices in xe [n*k][hidden] */
-static long group_rows(const int64_t *routed, long n, long k, long experts, const float *xf,
-                       long hidden, int64_t *order, int64_t *at, long *groups, float *xe) {
-    long count = 0, place = 0;
-    for (long e = 0; e < experts; e++) {
-        long first = place;
-        for (long s = 0; s < n * k; s++)
-            if (routed[s] == e) {
-                order[place] = s, at[s] = place;
-                memcpy(xe + place * hidden, xf + (s / k) * hidden, sizeof(float) * hidden);
-                place++;
-            }
-        if (place > first) {
-            groups[3 * count] = e, groups[3 * count + 1] = first;
-            groups[3 * count + 2] = place - first, count++;
+/* The layer's routed choices [n][k] grouped by expert (moe_group's stable counting sort: ties in
+   choice order): order [n*k] the choices t*k + j so sorted, at [n*k] each choice's place in it,
+   and the groups (expert, first place, rows) that have rows, returned as their number; next is
+   scratch [experts] */
+static long group_choices(const int64_t *routed, long slots, long experts, int64_t *next,
+                          int64_t *order, int64_t *at, long *groups) {
+    long count = 0;
+    memset(next, 0, sizeof(int64_t) * experts);
+    for (long s = 0; s < slots; s++) next[routed[s]]++;
+    for (long e = 0, first = 0; e < experts; e++) {
+        long rows = next[e];
+        if (rows) {
+            groups[3 * count] = e, groups[3 * count + 1] = first, groups[3 * count + 2] = rows;
+            count++;
         }
+        next[e] = first, first += rows;
     }
+    for (long s = 0; s < slots; s++) order[next[routed[s]]] = s, at[s] = next[routed[s]]++;
     return count;
 }
 
@@ -191,12 +189,15 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
        normed and rotated q|k, attention, a product's output; per choice: gate|up, gated, output */
     size_t floats = n * (widest + 2 * m->experts + k) + slots * (hidden + inter);
     size_t halves = n * (qkv_cols + 2 * rotated + attended + hidden) + slots * (3 * inter + hidden);
-    size_t words = 2 * slots + 3 * slots; /* order, at (int64); groups (long) */
+    /* order, at and the combine's rows per choice, the groups, the sort's counters: 8 bytes */
+    size_t words = 3 * slots + 3 * slots + m->experts;
     char *work = malloc(sizeof(float) * floats + sizeof(uint16_t) * halves + 8 * words);
     if (!work) return -1;
     int64_t *order = (int64_t *)work, *place = order + slots;
-    long *groups = (long *)(place + slots);
-    float *xf = (float *)(groups + 3 * slots), *logit = xf + n * widest;
+    const void **rows = (const void **)(place + slots);
+    long *groups = (long *)(rows + slots);
+    int64_t *next = (int64_t *)(groups + 3 * slots);
+    float *xf = (float *)(next + m->experts), *logit = xf + n * widest;
     float *probs = logit + n * m->experts, *weights = probs + n * m->experts;
     float *xe = weights + n * k, *gf = xe + slots * hidden;
     uint16_t *qkv = (uint16_t *)(gf + slots * inter), *normed = qkv + n * qkv_cols;
@@ -257,9 +258,11 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                                 m->renorm, m->weights_bf16,
                                 (char *)weights + i * k * (m->weights_bf16 ? 2 : 4),
                                 routed + i * k);
-                widen(h, xf, n * hidden);
-                used = group_rows(routed, n, k, m->experts, xf, hidden, order, place, groups, xe);
+                used = group_choices(routed, slots, m->experts, next, order, place, groups);
             }
+#pragma omp for schedule(static)
+            for (long p = 0; p < slots; p++) /* each choice's input: its token's row, widened */
+                widen(h + order[p] / k * hidden, xe + p * hidden, hidden);
 #pragma omp for schedule(static)
             for (long b = 0; b < used * up_blocks; b++) {
                 long *grp = groups + 3 * (b / up_blocks), c = b % up_blocks, e = grp[0];
@@ -283,7 +286,6 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
             }
 #pragma omp single
             {
-                const void *rows[slots];
                 for (long s = 0; s < slots; s++) rows[s] = ys + place[s] * hidden;
                 PICK(combine)(rows, 1, weights, m->weights_bf16, n, k, hidden, 1, delta, 1);
                 norm(x, delta, x, m->next_norm[l], h, n, hidden, m->eps, 1);

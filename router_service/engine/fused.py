@@ -4,7 +4,7 @@ At small batches a step reads every weight it uses about once; op by op it is al
 torch and ctypes calls, each waking the thread team, about a third of a step at batch 1 on 2
 cores. Where the model and its placement allow, a step of decode tokens only (one a sequence,
 any number of sequences) is one call on one thread team: embedding, every layer's attention,
-routing, the experts grouped by token and combine, the LM head, with the op-by-op path's bits.
+routing, each routed expert over its tokens, combine, the LM head, with the op-by-op path's bits.
 
 It takes: weights in moe-mesh's panels (bfloat16, or int8 and int4 from --quantize and
 --quantize-dense; FP8 experts run op by op), RMSNorm, RoPE over whole heads, q/k norms none or
@@ -55,6 +55,11 @@ class _Token(ctypes.Structure):  # decode_kernel.c's moe_token
         ("width", _L),
         *((n, _P) for n in ("lengths", "slots")),
     ]
+
+
+# Sequences a step in one call takes at most: its serial phases (norms, routing, grouping,
+# combine) grow with them while the op-by-op path splits them over the threads.
+MAX_TOKENS = 64
 
 
 def enabled() -> bool:
@@ -238,12 +243,15 @@ class FusedDecode:
             self._held.pop(name, None)
             setattr(self.model, name, None)
 
-    def step(self, tokens: list[int], batch: AttentionBatch, rope: Rope) -> torch.Tensor:
-        """Float32 logits [sequences, vocab] of the step's decode tokens, one a sequence; the
-        experts each layer routed them to are in `chosen` [layers, sequences, top_k] until the
-        next step."""
+    def step(
+        self, tokens: list[int], batch: AttentionBatch, rope: Rope, threads: int | None = None
+    ) -> torch.Tensor:
+        """Float32 logits [sequences, vocab] of the step's decode tokens, one a sequence, on
+        `threads` (default torch's); the experts each layer routed them to are in `chosen`
+        [layers, sequences, top_k] until the next step."""
         tables = bf16.dense(batch.decode_tables)
-        return self._run(tokens, batch.positions, tables, batch.decode_lengths, batch.slots, rope)
+        b = batch
+        return self._run(tokens, b.positions, tables, b.decode_lengths, b.slots, rope, threads)
 
     def routed(self) -> list[list[int]]:
         """The last step's experts, per layer those of every token in routing order."""
@@ -267,6 +275,7 @@ class FusedDecode:
         lengths: torch.Tensor,
         slots: torch.Tensor,
         rope: Rope,
+        threads: int | None = None,
     ) -> torch.Tensor:
         n, hd, hidden = len(tokens), self.spec.head_dim, self.model.hidden
         where = positions.tolist()
@@ -297,7 +306,7 @@ class FusedDecode:
             h.data_ptr(),
             logits.data_ptr(),
             self.chosen.data_ptr(),
-            torch.get_num_threads(),
+            threads or torch.get_num_threads(),
         )
         if failed:
             raise MemoryError("decode step: no memory for its intermediates")

@@ -119,6 +119,9 @@ class MoeModel:
         if serial_max_tokens is None:  # what this host's CPU runs fastest (none on a GPU)
             serial_max_tokens = serial_tokens(self.dtype) if self.device.type == "cpu" else 0
         self.serial_max_tokens = serial_max_tokens
+        self._team = (
+            torch.get_num_threads()
+        )  # the threads a stretch found, before serial_max_tokens
         self.rope = Rope(spec, max_model_len, self.dtype, self.device)
         # On a GPU, passes go to GpuPasses first (tests set one on the CPU).
         self.gpu: GpuPasses | None = None
@@ -172,14 +175,10 @@ class MoeModel:
         costs = costs or PassCosts()
         costs.moe_layers = max(1, len(self.spec.moe_layer_ids))
         tokens = batch.token_ids.numel()
-        # A step in one call (_in_one_call) wakes the threads once, not once per op: it gains
-        # from all of them however few its tokens (on 2 cores, 1.4x at one token). Whether it
-        # will be one call is settled on the compute thread; no remote expert is the cheap sign.
-        serial_ok = not (self._one_decode(batch) and not self.dispatcher.remote)
         return await run_stretches(
             self.compute,
             self._pass(batch, cache, all_logits, costs.remote),
-            lambda: self._stretch(tokens, costs, serial_ok),
+            lambda: self._stretch(tokens, costs),
         )
 
     async def _pass(
@@ -233,7 +232,9 @@ class MoeModel:
         if one is None:
             return None
         self.dispatcher.replicas.check_deadline(batch.deadline)
-        logits = one.step(batch.token_ids.tolist(), batch.attention, self.rope)
+        # One call wakes the threads once, not once per op: it gains from all of them however
+        # few its tokens (on 2 cores, 1.4x at one token), where _stretch chose one for op by op.
+        logits = one.step(batch.token_ids.tolist(), batch.attention, self.rope, self._team)
         self.dispatcher.computed_together(one.routed())
         return logits
 
@@ -278,18 +279,22 @@ class MoeModel:
         return tokens
 
     def _one_decode(self, batch: StepBatch) -> bool:
-        """Whether `batch` is decode tokens only (one a sequence) of a model whose step can be
-        one call."""
-        return self.fused is not None and not batch.attention.prefills
+        """Whether `batch` is decode tokens only (one a sequence, at most fused.MAX_TOKENS) of a
+        model whose step can be one call."""
+        return (
+            self.fused is not None
+            and not batch.attention.prefills
+            and batch.token_ids.numel() <= fused.MAX_TOKENS
+        )
 
     @contextmanager
-    def _stretch(self, tokens: int, costs: PassCosts, serial_ok: bool = True) -> Iterator[None]:
+    def _stretch(self, tokens: int, costs: PassCosts) -> Iterator[None]:
         """One stretch of a pass of `tokens` tokens on the compute thread, timed into `costs`."""
         began = time.perf_counter()
-        threads = torch.get_num_threads()
+        threads = self._team = torch.get_num_threads()
         # A pass this small is bound by memory bandwidth: where one core reads most of it, waking
         # the other threads for each of its hundreds of ops costs more than they add.
-        serial = serial_ok and threads > 1 and tokens <= self.serial_max_tokens
+        serial = threads > 1 and tokens <= self.serial_max_tokens
         if serial:
             torch.set_num_threads(1)
         try:

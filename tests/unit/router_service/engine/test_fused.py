@@ -1,6 +1,6 @@
 """A decode step as one kernel call (engine/fused.py): the op-by-op path's bits and
 routing counts in bfloat16 and with int8 and int4 experts (and dense layers), only where every expert is colocated
-and the step is one decode token, and never for a model the kernel does not take."""
+and the step is decode tokens only, and never for a model the kernel does not take."""
 
 from __future__ import annotations
 
@@ -128,3 +128,35 @@ def test_experts_a_new_placement_moves_away_are_let_go(panels, checkpoint):
     _, calls = decode(m, 1)
     # Nothing of the old table held: a demoted expert's weights can be freed.
     assert calls == 0 and m.fused._experts is None and not m.fused.model.gate_up
+
+
+def test_a_decode_pass_that_cannot_be_one_call_keeps_the_serial_choice(panels, checkpoint):
+    m, seen, calls = model(checkpoint("mixtral")), [], []
+    m.serial_max_tokens = 32  # decode passes of up to 32 tokens compute on one thread
+    layers, step = m._layers, m.fused.step
+
+    async def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return await layers(*args, **kwargs)
+
+    def one_call(*args):
+        calls.append(args[-1])
+        return step(*args)
+
+    m._layers, m.fused.step = spy, one_call
+    threads = torch.get_num_threads()
+
+    async def run():
+        cache = m.new_cache(64, BLOCK)
+        tables = [list(range(i * 16, i * 16 + 16)) for i in range(4)]
+        await m.forward(pack_step([(t, 0, [5, 9, 11]) for t in tables], [], BLOCK), cache)
+        decodes = [(t, 1, 4) for t in tables]
+        await m.forward(pack_step([], decodes, BLOCK), cache)  # one call, every thread
+        m.dispatcher.traced = lambda: True  # a traced request: op by op, on one thread
+        await m.forward(pack_step([], [(t, 1, 5) for t in tables], BLOCK), cache)
+
+    try:
+        asyncio.run(run())
+    finally:
+        m.close()
+    assert calls == [threads] and seen[1:] == [1]
