@@ -84,7 +84,7 @@ class RouterSettings(QuantizationSettings, TelemetrySettings, SecuritySettings):
         ge=1,
         le=64,
         description="decode steps one engine step runs back to back for a sequence that runs "
-        "alone, decodes greedily without logprobs or penalties and takes the one-call step "
+        "alone, asks for no logprobs or penalties and takes the one-call step "
         "(bfloat16, int8 or int4 on a CPU, every expert colocated): its tokens stream in bursts of "
         "up to this many; a request arriving, a cancellation or the deadline ends a burst at the "
         "next token. 1: one step per engine step",

@@ -2,13 +2,16 @@
 
 At batch 1 on a CPU a decode step is one kernel call (fused.py) and around it about 1.5 ms of
 Python in the engine (scheduling, packing, the compute thread's hand-off, sampling, routing
-counts): 10-15% of a step of the `small` model on 2 cores. When one greedy sequence runs alone,
-its next input is the argmax of this step's logits, so the compute thread can feed it straight
-back: a burst runs up to `decode_burst` steps back to back and returns their tokens together.
+counts): 10-15% of a step of the `small` model on 2 cores. When one sequence runs alone and
+sampling reads nothing but its logits, its next input is drawn from this step's logits (the
+argmax, or by its seeded generator for that position), so the compute thread can feed it
+straight back: a burst runs up to `decode_burst` steps back to back and returns their tokens
+together.
 
 A burst ends early at an ending token, at the deadline, and as soon as a request waits or the
 sequence is cancelled, so nobody waits longer than one step for it. Its tokens are those single
-steps give: the same kernel on the same inputs, and sampling's greedy argmax.
+steps give: the same kernel on the same inputs, and the same sampling (its randomness is seeded
+by position, engine/sampling.py).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import torch
 
 from router_service.engine.fused import FusedDecode
 from router_service.engine.layers import Rope
-from router_service.engine.sampling import greedy
 
 
 @dataclass
@@ -30,6 +32,7 @@ class Burst:
     start: int  # its position
     steps: int  # at most this many steps
     table: list[int]  # the block table; it covers positions up to start + steps - 1
+    choose: Callable[[torch.Tensor, int], int]  # the token from logits [vocab], at a position
     ending: frozenset[int]  # tokens that end the sequence
     stop: Callable[[], bool]  # True once a request waits or the sequence is cancelled
     deadline: float | None = None  # time.monotonic()
@@ -49,7 +52,9 @@ def run(
             break
         position = burst.start + i
         slot = burst.table[position // block_size] * block_size + position % block_size
-        token = greedy(one.at(token, position, table, position + 1, slot, rope)[0])
+        token = burst.choose(
+            one.at(token, position, table, position + 1, slot, rope)[0], position + 1
+        )
         tokens.append(token)
         for layer, experts in zip(chosen, one.routed()):
             layer += experts

@@ -18,6 +18,7 @@ import itertools
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -255,7 +256,7 @@ class Engine:
         self._pending = []
 
     async def _burst(self, chunks: list[Chunk], outputs: list[StepOutput]) -> bool:
-        """A lone greedy sequence's next tokens in one burst of decode steps (burst.py); False
+        """A lone sequence's next tokens in one burst of decode steps (burst.py); False
         where this step is a plain one."""
         steps = self._burst_steps(chunks)
         seq, start = chunks[0].seq, chunks[0].start
@@ -269,6 +270,7 @@ class Engine:
             start,
             steps,
             list(seq.blocks),
+            self._chooser(seq),
             frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids),
             lambda: self.scheduler.has_waiting or seq.aborted,
             seq.deadline,
@@ -295,6 +297,16 @@ class Engine:
         self._pending = []
         return True
 
+    def _chooser(self, seq: Sequence) -> Callable[[torch.Tensor, int], int]:
+        """How a burst picks `seq`'s token at a position from its logits: as _next_token does."""
+        p = seq.params
+        if seq.seed is None:
+            return lambda logits, _: sample(logits, p, None)
+        generator = torch.Generator()  # the burst's own: it runs on the compute thread
+        return lambda logits, at: sample(
+            logits, p, generator.manual_seed(position_seed(seq.seed, at))
+        )
+
     def _appended(self, seq: Sequence, tokens: list[int]) -> StepOutput:
         """A burst's `tokens` appended to `seq`, up to the first that ends it."""
         new: list[int] = []
@@ -308,14 +320,14 @@ class Engine:
 
     def _burst_steps(self, chunks: list[Chunk]) -> int:
         """How many decode steps this step may run at once: decode_burst for one sequence that
-        runs alone, with nobody waiting, and decodes greedily with nothing sampling reads more
-        of its logits for; else 1."""
+        runs alone, with nobody waiting, and whose sampling reads nothing but its logits (no
+        penalties, logprobs or unmet min_tokens); else 1."""
         n = self.settings.decode_burst
         if n < 2 or len(chunks) != 1 or not chunks[0].decode or len(self.running) != 1:
             return 1
         seq = chunks[0].seq
         p = seq.params
-        plain = p.greedy and not p.penalized and p.logprobs is None
+        plain = not p.penalized and p.logprobs is None
         if not plain or len(seq.output) < p.min_tokens or self.scheduler.has_waiting:
             return 1
         if not self.model.may_burst():

@@ -1,6 +1,7 @@
-"""Decode bursts (engine/burst.py): a lone greedy sequence's steps back to back give the tokens
-and routing counts of single steps, end at an ending token, at max_tokens, at a waiting request
-and at a cancellation, and never run where sampling or another sequence needs single steps."""
+"""Decode bursts (engine/burst.py): a lone sequence's steps back to back give the tokens and
+routing counts of single steps (greedy and sampled), end at an ending token, at max_tokens, at a
+waiting request and at a cancellation, and never run where sampling or another sequence needs
+single steps."""
 
 from __future__ import annotations
 
@@ -75,6 +76,15 @@ def test_a_burst_gives_the_tokens_and_routing_counts_of_single_steps(panels, che
     assert a.routed_counts() == b.routed_counts() and a.tokens_colocated == b.tokens_colocated
 
 
+def test_a_sampled_sequence_bursts_with_the_tokens_of_single_steps(panels, checkpoint):
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
+    want, _ = run(engine(checkpoint, 1), {"r": params})
+    got, steps = run(engine(checkpoint, 8), {"r": params})
+    greedily, _ = run(engine(checkpoint, 8), {"r": greedy(20)})
+    assert got == want and [s["r"] for s in steps] == [1, 8, 8, 3]
+    assert got["r"][0] != greedily["r"][0]  # it really sampled
+
+
 def test_a_burst_ends_at_a_stop_token_and_at_max_tokens(panels, checkpoint):
     ((tokens, _),) = run(engine(checkpoint, 1), {"r": greedy(12)})[0].values()
     stop = tokens[5]
@@ -123,12 +133,12 @@ def test_a_burst_ends_at_the_next_token_when(panels, checkpoint, interrupt):
 @pytest.mark.parametrize(
     "requests",
     [
-        {"r": SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)},
         {"r": greedy(6, logprobs=2)},
         {"r": greedy(6, repetition_penalty=1.2)},
+        {"r": greedy(6, min_tokens=6)},
         {"r": greedy(6), "s": greedy(6)},
     ],
-    ids=["sampled", "logprobs", "penalized", "two sequences"],
+    ids=["logprobs", "penalized", "min_tokens", "two sequences"],
 )
 def test_no_burst_where_sampling_or_another_sequence_needs_single_steps(
     panels, checkpoint, requests
