@@ -59,7 +59,7 @@ PROCESS_WIDE = [
     (
         "MOE_MESH_FUSED_DECODE",
         "router",
-        "`on` (default): a step of decode tokens only (any number of sequences) whose experts "
+        "`on` (default): a step of decode tokens only (up to 64 sequences) whose experts "
         "are all colocated runs as one kernel call where the model allows it (bfloat16 panels, "
         "int8 or int4, the plain softmax router; the same bits as op by op); `off`: always op by "
         "op",

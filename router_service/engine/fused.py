@@ -3,7 +3,7 @@
 At small batches a step reads every weight it uses about once; op by op it is also a few hundred
 torch and ctypes calls, each waking the thread team, about a third of a step at batch 1 on 2
 cores. Where the model and its placement allow, a step of decode tokens only (one a sequence,
-any number of sequences) is one call on one thread team: embedding, every layer's attention,
+up to MAX_TOKENS sequences) is one call on one thread team: embedding, every layer's attention,
 routing, each routed expert over its tokens, combine, the LM head, with the op-by-op path's bits.
 
 It takes: weights in moe-mesh's panels (bfloat16, or int8 and int4 from --quantize and
@@ -249,8 +249,7 @@ class FusedDecode:
         """Float32 logits [sequences, vocab] of the step's decode tokens, one a sequence, on
         `threads` (default torch's); the experts each layer routed them to are in `chosen`
         [layers, sequences, top_k] until the next step."""
-        tables = bf16.dense(batch.decode_tables)
-        b = batch
+        b, tables = batch, bf16.dense(batch.decode_tables)
         return self._run(tokens, b.positions, tables, b.decode_lengths, b.slots, rope, threads)
 
     def routed(self) -> list[list[int]]:
