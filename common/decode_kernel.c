@@ -206,13 +206,8 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
     void (*norm)(const uint16_t *, const uint16_t *, uint16_t *, const uint16_t *, uint16_t *,
                  long, long, float, int) = PICK(rms_norm);
     long up_blocks = 2 * inter / 64, down_blocks = hidden / 64, used = 0;
-    block_fn block = pick_block(m->format);
-    long g = m->group, up_bytes = block_bytes(m->format, hidden);
-    long up_scales = block_scale_bytes(m->format, hidden, g);
-    long down_bytes = block_bytes(m->format, inter);
-    long down_scales = block_scale_bytes(m->format, inter, g);
-    int df = m->dense_format, failed = 0;
-    long dg = m->dense_group;
+    int f = m->format, df = m->dense_format, failed = 0;
+    long g = m->group, dg = m->dense_group;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp single
@@ -266,10 +261,8 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
 #pragma omp for schedule(static)
             for (long b = 0; b < used * up_blocks; b++) {
                 long *grp = groups + 3 * (b / up_blocks), c = b % up_blocks, e = grp[0];
-                block(xe + grp[1] * hidden, (const char *)up[e] + c * up_bytes,
-                      m->gate_up_scales ? (const char *)m->gate_up_scales[first + e] + c * up_scales
-                                        : 0,
-                      gu + grp[1] * 2 * inter + c * 64, 2 * inter, grp[2], hidden, g, 0);
+                product(f, g, xe + grp[1] * hidden, up[e], at(m->gate_up_scales, first + e),
+                        gu + grp[1] * 2 * inter, 2 * inter, hidden, c, grp[2]);
             }
 #pragma omp for schedule(static)
             for (long r = 0; r < slots; r++) {
@@ -279,10 +272,8 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
 #pragma omp for schedule(static)
             for (long b = 0; b < used * down_blocks; b++) {
                 long *grp = groups + 3 * (b / down_blocks), c = b % down_blocks, e = grp[0];
-                block(gf + grp[1] * inter, (const char *)dn[e] + c * down_bytes,
-                      m->down_scales ? (const char *)m->down_scales[first + e] + c * down_scales
-                                     : 0,
-                      ys + grp[1] * hidden + c * 64, hidden, grp[2], inter, g, 0);
+                product(f, g, gf + grp[1] * inter, dn[e], at(m->down_scales, first + e),
+                        ys + grp[1] * hidden, hidden, inter, c, grp[2]);
             }
 #pragma omp single
             {
