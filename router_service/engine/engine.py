@@ -251,6 +251,10 @@ class Engine:
         self._release(done)
         for seqs, error in failed:
             outputs += self._fail(seqs, error)
+        self._hand_over(outputs)
+
+    def _hand_over(self, outputs: list[StepOutput]) -> None:
+        """End a step: cancellations reaped, and every output pending added to `outputs`."""
         self._reap_cancelled()
         outputs += self._pending
         self._pending = []
@@ -292,9 +296,7 @@ class Engine:
             outputs.append(out)
             if out.finish_reason is not None:
                 self._release([seq])
-        self._reap_cancelled()
-        outputs += self._pending
-        self._pending = []
+        self._hand_over(outputs)
         return True
 
     def _chooser(self, seq: Sequence) -> Callable[[torch.Tensor, int], int]:
@@ -327,10 +329,7 @@ class Engine:
             return 1
         seq = chunks[0].seq
         p = seq.params
-        plain = not p.penalized and p.logprobs is None
-        if not plain or len(seq.output) < p.min_tokens or self.scheduler.has_waiting:
-            return 1
-        if not self.model.may_burst():
+        if not _logits_only(seq) or self.scheduler.has_waiting or not self.model.may_burst():
             return 1
         left = self.model.max_model_len - seq.num_tokens
         if p.max_tokens is not None:
@@ -362,9 +361,7 @@ class Engine:
     def _next_token(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
         """Sample and append one token; a sampling failure ends this sequence only."""
         p = seq.params
-        if logits.device.type != "cpu" and not (
-            p.greedy and not p.penalized and p.logprobs is None and len(seq.output) >= p.min_tokens
-        ):
+        if logits.device.type != "cpu" and not (p.greedy and _logits_only(seq)):
             # A GPU's logits row comes to host memory only where sampling reads more than its
             # argmax: a plain greedy row is argmaxed where it is ([sequences, vocab] float32 is
             # ~78 MB a step at 128 sequences and Qwen3's vocabulary).
@@ -460,6 +457,13 @@ class Engine:
                     seq.request_id, [], FinishReason.CANCELLED, len(seq.prompt), len(seq.output)
                 )
             )
+
+
+def _logits_only(seq: Sequence) -> bool:
+    """Whether sampling `seq`'s next token reads nothing but the step's logits: no penalties
+    (its tokens so far), no logprobs, no ending tokens barred by min_tokens."""
+    p = seq.params
+    return not p.penalized and p.logprobs is None and len(seq.output) >= p.min_tokens
 
 
 def _partition(

@@ -119,9 +119,8 @@ class MoeModel:
         if serial_max_tokens is None:  # what this host's CPU runs fastest (none on a GPU)
             serial_max_tokens = serial_tokens(self.dtype) if self.device.type == "cpu" else 0
         self.serial_max_tokens = serial_max_tokens
-        self._team = (
-            torch.get_num_threads()
-        )  # the threads a stretch found, before serial_max_tokens
+        # The threads a stretch found, before serial_max_tokens: what a one-call step takes.
+        self._team = torch.get_num_threads()
         self.rope = Rope(spec, max_model_len, self.dtype, self.device)
         # On a GPU, passes go to GpuPasses first (tests set one on the CPU).
         self.gpu: GpuPasses | None = None
