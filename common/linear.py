@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from common import bf16
+from common import bf16, float32
 
 log = logging.getLogger(__name__)
 
@@ -142,12 +142,15 @@ def serial_tokens(dtype: torch.dtype) -> int:
     weights = _weights(dtype, prepack)
     serial, gains = 0, []
     for rows in _SERIAL_ROWS:
-        every = _seconds(weights, rows, linear, repeats=5)
-        torch.set_num_threads(1)
-        try:
-            one = _seconds(weights, rows, linear, repeats=5)
-        finally:
-            torch.set_num_threads(threads)
+        # A serial pass splits float32 products over every thread all the same (float32.team):
+        # F.linear's own threads stand for how its other ops gain from them.
+        with float32.unsplit():
+            every = _seconds(weights, rows, linear, repeats=5)
+            torch.set_num_threads(1)
+            try:
+                one = _seconds(weights, rows, linear, repeats=5)
+            finally:
+                torch.set_num_threads(threads)
         gains.append(f"{rows} rows {one / every:.2f}×")
         if one >= _PARALLEL_GAIN * every:
             break
@@ -189,6 +192,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return weight(x, bias)
     if weight.is_mkldnn:
         return _packed_linear(x, weight, bias)
+    if bias is None and (y := float32.linear(x, weight)) is not None:
+        return y
     return F.linear(x, weight, bias)
 
 

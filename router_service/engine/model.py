@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common import float32
 from common.arch import ModelSpec
 from common.linear import linear, serial_tokens
 from common.moe import expert_ffn
@@ -119,6 +120,8 @@ class MoeModel:
         if serial_max_tokens is None:  # what this host's CPU runs fastest (none on a GPU)
             serial_max_tokens = serial_tokens(self.dtype) if self.device.type == "cpu" else 0
         self.serial_max_tokens = serial_max_tokens
+        if self.dtype == torch.float32 and self.device.type == "cpu":
+            float32.rows(torch.get_num_threads())  # measured now, not in the first request
         # The threads a stretch found, before serial_max_tokens: what a one-call step takes.
         self._team = torch.get_num_threads()
         self.rope = Rope(spec, max_model_len, self.dtype, self.device)
@@ -297,7 +300,8 @@ class MoeModel:
         if serial:
             torch.set_num_threads(1)
         try:
-            yield
+            with float32.team(threads):  # its products still read with every thread
+                yield
         finally:
             if serial:
                 torch.set_num_threads(threads)
