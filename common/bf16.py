@@ -74,7 +74,7 @@ _SIGNATURES = {
     "moe_decode_step_attention": ("iplppppppplpllllllfpi", True, 1),
     "moe_route": ("pplllliippi", True, 1),
     "moe_decode_step": ("ppppppi", True, 1),
-    "moe_sgemm_rows": ("ppppllli", False, 0),
+    "moe_sgemm_rows": ("pppppllli", False, 0),
 }
 
 

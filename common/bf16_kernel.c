@@ -352,28 +352,32 @@ int moe_decode_step_attention(int bf, const void *qkv, long ldqkv, const void *c
                                 heads / kv_heads, hd, hd, num_blocks, bs, scale, out, threads);
 }
 
-/* The BLAS sgemm torch's F.linear calls (MKL's `sgemm_`, Fortran arguments), found by the caller */
+/* The BLAS sgemm torch's F.linear calls (MKL's `sgemm_`, Fortran arguments), and MKL's
+   MKL_Set_Num_Threads_Local (its C name: the lower-case one takes a pointer), found by the caller */
 typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *,
                          const float *, const float *, const int *, const float *, const int *,
                          const float *, float *, const int *);
+typedef int (*threads_fn)(int);
 
 /* y [n][out] = x [n][k] · wᵀ, w [out][k] float32, out a multiple of 64: F.linear's products
-   split over `threads`, each thread calling `sgemm` (which runs on one thread inside a team)
-   for its share of w's rows, in 64-row blocks. MKL gives an output the same bits whichever
-   64-aligned block of rows it is computed in, so the result is F.linear's bit for bit
-   (common.linear checks that on this host before it uses this); alone, MKL runs a one-row
-   product on one thread, at half the host's read bandwidth on 2 cores. */
-void moe_sgemm_rows(void *sgemm, const float *x, const float *w, float *y, long n, long out,
-                    long k, int threads) {
+   split over `threads`, each thread calling `sgemm` on one thread for its share of w's rows,
+   in 64-row blocks. MKL mostly gives an output the same bits whichever 64-aligned block of rows
+   computes it (common/float32.py checks each shape before it relies on that); alone, it runs a
+   product of a few rows on one thread, at half the host's read bandwidth on 2 cores. */
+void moe_sgemm_rows(void *sgemm, void *set_threads, const float *x, const float *w, float *y,
+                    long n, long out, long k, int threads) {
     long blocks = out / 64;
     if (threads > blocks) threads = (int)blocks;
+    if (threads < 1 || n < 1 || k < 1) return;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < threads; t++) {
         long first = blocks * t / threads * 64, rows = blocks * (t + 1) / threads * 64 - first;
         int m = (int)rows, cols = (int)n, depth = (int)k, ldc = (int)out;
         float one = 1.0f, zero = 0.0f;
+        int before = ((threads_fn)set_threads)(1); /* MKL's own threads stay out of the team */
         ((sgemm_fn)sgemm)("T", "N", &m, &cols, &depth, &one, w + first * k, &depth, x, &depth,
                           &zero, y + first, &ldc);
+        ((threads_fn)set_threads)(before);
     }
 }
 

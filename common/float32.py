@@ -6,15 +6,16 @@ F.linear, which is MKL's sgemm: a near-tie in the logits flips on the last bit, 
 kernel's summation order will not do. But MKL runs a product of a few rows on one thread: on an
 AVX2 host (AMD EPYC, 2 cores, 20 GB/s) a one-row product read 11 GB/s on one thread or two, a
 4-row one 4.4 GB/s. Split by 64-row blocks of the weight, each block computed by the same sgemm
-on one thread, the products read 17 GB/s at one row and 9.8 at four, and each output has the
-bits F.linear gives it: MKL computes an output alike in whichever 64-aligned block of rows it
-sits. Not at every product size, though: there, 5-7 and 9-11 input rows gave other bits (and
-every other count up to 64 the same). So a process checks each row count on first use, and
-splits only those that agree, and only where splitting is faster than F.linear (`rows`).
+on one thread, the products read 17 GB/s at one row and 9.8 at four, and an output mostly has
+the bits F.linear gives it. Not always: there, at 5-7 and 9-11 input rows F.linear's bits
+depended on its own thread count, and the split's matched its one-thread bits. So each shape
+and row count is checked the first time it comes (one product computed both ways), and split
+from then on only if the bits agreed; and only on a host where splitting measured faster.
 
 A decode pass small enough to run its ops on one thread (common.linear.serial_tokens) still
-splits its float32 products over the whole team (`team`): waking the other threads costs more
-than it gains for a norm of one row, not for a product that reads megabytes.
+computes its float32 products on the whole team (`team`): waking the other threads costs more
+than it gains for a norm of one row, not for a product that reads megabytes; and F.linear's
+bits at some row counts depend on its threads, so one that is not split runs on the team too.
 """
 
 from __future__ import annotations
@@ -36,76 +37,61 @@ from common import bf16
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 64  # the largest product that is split; larger ones keep MKL's own threads
-_CHECKED = ((256, 1024), (192, 1000))  # [out, in]: the weights a row count is checked on
 _TIMED = (1536, 1024)  # a small model's qkv projection
 _WORKING_SET = 64 << 20
 _state = threading.local()  # this thread's `team` and `unsplit`
+# (out, in, rows, threads): whether the split gave F.linear's bits the first time
+_verdicts: dict[tuple[int, int, int, int], bool] = {}
 
 
 @functools.cache
-def _sgemm() -> int | None:
-    """The address of the sgemm torch's float32 products call (MKL's, inside libtorch_cpu), or
-    None where torch has none to find."""
+def _mkl() -> tuple[int, int] | None:
+    """The addresses of MKL's sgemm (what torch's float32 products call) and its
+    MKL_Set_Num_Threads_Local, inside libtorch_cpu; None where torch's BLAS is not MKL."""
+    if not torch.backends.mkl.is_available():
+        return None
     try:
         lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-        return ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
+        functions = (lib.sgemm_, lib.MKL_Set_Num_Threads_Local)  # C, not Fortran, arguments
     except (OSError, AttributeError):
         return None
+    return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in functions)
 
 
 def _split(x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor:
-    y = torch.empty(x.shape[0], weight.shape[0])
-    n, k = weight.shape
-    bf16.call(bf16.kernel("moe_sgemm_rows"), _sgemm(), x, weight, y, x.shape[0], n, k, threads)
+    (n, k), m = weight.shape, x.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32, device="cpu")
+    bf16.call(bf16.kernel("moe_sgemm_rows"), *_mkl(), x, weight, y, m, n, k, threads)
     return y
 
 
 @functools.cache
-def rows(threads: int) -> frozenset[int]:
-    """The input row counts (up to MAX_ROWS) whose float32 products are split over `threads`
-    here: none where the kernel or sgemm is missing or where splitting is not faster. Checked
-    against F.linear on as many threads, as a process with that many computes (at 5-11 rows MKL
-    gave other bits on one thread than on two)."""
-    if bf16.kernel("moe_sgemm_rows") is None or _sgemm() is None or threads < 2:
-        return frozenset()
+def faster(threads: int) -> bool:
+    """Whether float32 products split over `threads` run faster than F.linear here (timed on
+    first use; never where the kernel or MKL is missing)."""
+    if threads < 2 or bf16.kernel("moe_sgemm_rows") is None or _mkl() is None:
+        return False
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads)  # F.linear as a process of `threads` computes it
     try:
         began = time.perf_counter()
-        same = _same_bits(threads)
         ratio = _time_ratio(threads)
     finally:
         torch.set_num_threads(before)
-    chosen = same if ratio < 0.9 else frozenset()
     log.info(
-        "float32 products split over %d threads took %.2f× F.linear's time, same bits at %d of "
-        "%d row counts: %s (checked in %.2f s)",
+        "float32 products split over %d threads took %.2f× F.linear's time: %s (%.2f s)",
         threads,
         ratio,
-        len(same),
-        MAX_ROWS,
-        "split" if chosen else "not split",
+        "split" if ratio < 0.9 else "not split",
         time.perf_counter() - began,
     )
-    return chosen
-
-
-def _same_bits(threads: int) -> frozenset[int]:
-    """The row counts at which the split gives F.linear's bits on _CHECKED's weights."""
-    gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(shape, generator=gen) for shape in _CHECKED]
-    same = set()
-    for m in range(1, MAX_ROWS + 1):
-        xs = [torch.randn(m, w.shape[1], generator=gen) for w in weights]
-        if all(torch.equal(_split(x, w, threads), F.linear(x, w)) for x, w in zip(xs, weights)):
-            same.add(m)
-    return frozenset(same)
+    return ratio < 0.9
 
 
 def _time_ratio(threads: int) -> float:
     """Geometric mean of the split's time ÷ F.linear's over 1-, 4- and 16-row products of
     _WORKING_SET bytes of weights (more than the caches hold, as a model's)."""
-    count = _WORKING_SET // (_TIMED[0] * _TIMED[1] * 4)
+    count = max(2, _WORKING_SET // (_TIMED[0] * _TIMED[1] * 4))
     weights = [torch.full(_TIMED, 0.01) for _ in range(count)]
     ratio, sizes = 1.0, (1, 4, 16)
     for m in sizes:
@@ -128,7 +114,7 @@ def _best(product: Callable, x: torch.Tensor, weights: list[torch.Tensor]) -> fl
 
 @contextmanager
 def team(threads: int) -> Iterator[None]:
-    """Within, this thread's float32 products split over `threads`, whatever torch's count."""
+    """Within, this thread's float32 products run on `threads`, whatever torch's count."""
     before, _state.team = getattr(_state, "team", 0), threads
     try:
         yield
@@ -138,7 +124,8 @@ def team(threads: int) -> Iterator[None]:
 
 @contextmanager
 def unsplit() -> Iterator[None]:
-    """Within, this thread's float32 products are F.linear's own (serial_tokens times those)."""
+    """Within, this thread's float32 products are F.linear's on torch's threads, as they are
+    (serial_tokens times those)."""
     before, _state.unsplit = getattr(_state, "unsplit", False), True
     try:
         yield
@@ -146,21 +133,50 @@ def unsplit() -> Iterator[None]:
         _state.unsplit = before
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """x [m, in] · weightᵀ split over the threads, F.linear's bits; None where it is not split
-    here (the caller runs F.linear)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for a plain float32 weight, its bits included: split over the
+    threads where that gave the same bits, else F.linear on the team's threads."""
+    if getattr(_state, "unsplit", False):
+        return F.linear(x, weight, bias)
     threads = getattr(_state, "team", 0) or torch.get_num_threads()
-    if (
-        getattr(_state, "unsplit", False)
-        or threads < 2
-        or x.dtype != torch.float32
-        or weight.dtype != torch.float32
-        or x.dim() != 2
-        or weight.device.type != "cpu"
-        or weight.shape[0] % 64
-        or bf16.kernel("moe_sgemm_rows") is None
-        or not (x.is_contiguous() and weight.is_contiguous())
-        or x.shape[0] not in rows(threads)
-    ):
-        return None
-    return _split(x, weight, threads)
+    if bias is None and threads > 1 and _fits(x, weight) and faster(threads):
+        key = (*weight.shape, x.shape[0], threads)
+        same = _verdicts.get(key)
+        if same:
+            return _split(x, weight, threads)
+        if same is None:
+            y, want = _split(x, weight, threads), _on(threads, x, weight, None)
+            same = _verdicts[key] = torch.equal(y, want)
+            if not same:
+                log.info("float32 %s: split bits differ from F.linear's, not split", key[:3])
+            return want
+    return _on(threads, x, weight, bias)
+
+
+def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the split takes x [m, in] · weight [out, in]ᵀ: float32 on the CPU, contiguous,
+    1 to MAX_ROWS rows, `out` in 64-row blocks; whatever F.linear would refuse, it leaves to it."""
+    return (
+        x.dtype == weight.dtype == torch.float32
+        and x.dim() == weight.dim() == 2
+        and x.device.type == weight.device.type == "cpu"
+        and 0 < x.shape[0] <= MAX_ROWS
+        and 0 < x.shape[1] == weight.shape[1]
+        and 0 < weight.shape[0]
+        and weight.shape[0] % 64 == 0
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and bf16.kernel("moe_sgemm_rows") is not None
+    )
+
+
+def _on(threads: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """F.linear on `threads` threads."""
+    before = torch.get_num_threads()
+    if before == threads:
+        return F.linear(x, weight, bias)
+    torch.set_num_threads(threads)
+    try:
+        return F.linear(x, weight, bias)
+    finally:
+        torch.set_num_threads(before)

@@ -192,8 +192,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return weight(x, bias)
     if weight.is_mkldnn:
         return _packed_linear(x, weight, bias)
-    if bias is None and (y := float32.linear(x, weight)) is not None:
-        return y
+    if weight.dtype == torch.float32 and weight.device.type == "cpu":
+        return float32.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

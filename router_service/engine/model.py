@@ -121,7 +121,7 @@ class MoeModel:
             serial_max_tokens = serial_tokens(self.dtype) if self.device.type == "cpu" else 0
         self.serial_max_tokens = serial_max_tokens
         if self.dtype == torch.float32 and self.device.type == "cpu":
-            float32.rows(torch.get_num_threads())  # measured now, not in the first request
+            float32.faster(torch.get_num_threads())  # measured now, not in the first request
         # The threads a stretch found, before serial_max_tokens: what a one-call step takes.
         self._team = torch.get_num_threads()
         self.rope = Rope(spec, max_model_len, self.dtype, self.device)
@@ -300,7 +300,7 @@ class MoeModel:
         if serial:
             torch.set_num_threads(1)
         try:
-            with float32.team(threads):  # its products still read with every thread
+            with float32.team(threads):  # its products still run on every thread
                 yield
         finally:
             if serial:

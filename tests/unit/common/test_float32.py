@@ -10,78 +10,121 @@ from common import float32
 from common import linear as L
 
 needs_split = pytest.mark.skipif(
-    float32._sgemm() is None or float32.bf16.kernel("moe_sgemm_rows") is None,
-    reason="this torch has no sgemm to find, or the kernels are not built here",
+    float32._mkl() is None or float32.bf16.kernel("moe_sgemm_rows") is None,
+    reason="torch's BLAS is not MKL here, or the kernels are not built here",
 )
 
 
 @pytest.fixture
-def two_threads():
+def fresh(monkeypatch):
+    """Two torch threads, and nothing checked yet."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
+    monkeypatch.setattr(float32, "_verdicts", {})
     yield
     torch.set_num_threads(before)
 
 
 @needs_split
 @pytest.mark.parametrize("threads", [2, 3, 5])
-def test_the_split_gives_every_row_count_it_takes_the_bits_of_f_linear(two_threads, threads):
-    """At the row counts the process found equal, on weights other than the ones it checked
-    (rows not a multiple of the threads' share, an input width not a multiple of 8)."""
-    taken = float32._same_bits(2)
-    assert {1, 2, 4, 16, 32, 64} <= taken  # decode sizes: one sequence, a few, a full batch
+def test_the_kernel_computes_the_product(threads):
+    """Against float64, whatever the shares: 64-row blocks over `threads`, widths of any size."""
     gen = torch.Generator().manual_seed(1)
-    for out, k in ((64, 1024), (1472, 520), (8192, 1024)):
-        w = torch.randn(out, k, generator=gen)
-        for m in sorted(taken)[::7]:
-            x = torch.randn(m, k, generator=gen)
-            assert torch.equal(float32._split(x, w, threads), F.linear(x, w)), (out, k, m)
+    for out, k, m in ((64, 1024, 1), (1472, 520, 3), (8192, 1024, 16), (320, 7, 64)):
+        w, x = torch.randn(out, k, generator=gen), torch.randn(m, k, generator=gen)
+        want = (x.double() @ w.double().T).float()
+        torch.testing.assert_close(float32._split(x, w, threads), want, rtol=1e-5, atol=1e-4)
 
 
 @needs_split
-def test_linear_splits_only_what_it_can_and_otherwise_leaves_it_to_f_linear(
-    two_threads, monkeypatch
-):
-    monkeypatch.setattr(float32, "rows", lambda threads: frozenset({1, 4}))
-    split = []
-    monkeypatch.setattr(float32, "_split", lambda x, w, threads: split.append(threads) or "split")
+def test_one_row_products_split_with_f_linears_bits_where_mkl_computes_them(fresh, monkeypatch):
+    monkeypatch.setattr(float32, "faster", lambda threads: True)
+    w, x = torch.randn(1536, 1024), torch.randn(1, 1024)
+    assert torch.equal(L.linear(x, w), F.linear(x, w))
+    assert float32._verdicts == {(1536, 1024, 1, 2): True}  # MKL's one-row output, any block
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_each_shape_is_split_only_once_its_bits_were_seen_equal(fresh, monkeypatch, same):
+    monkeypatch.setattr(float32, "faster", lambda threads: True)
+    monkeypatch.setattr(float32.bf16, "kernel", lambda name: "built")
+    splits = []
+
+    def split(x, w, threads):
+        splits.append(threads)
+        return F.linear(x, w) if same else F.linear(x, w) + 1e-3
+
+    monkeypatch.setattr(float32, "_split", split)
     w, x = torch.randn(128, 64), torch.randn(4, 64)
-    assert L.linear(x, w) == "split" and split == [2]
-    assert L.linear(torch.randn(3, 64), w).shape == (3, 128)  # a row count not taken
-    assert L.linear(x, torch.randn(100, 64)).shape == (4, 100)  # rows not in 64-row blocks
-    assert L.linear(x, w, torch.zeros(128)).shape == (4, 128)  # a bias: torch adds it its way
-    assert L.linear(x.bfloat16(), w.bfloat16()).dtype == torch.bfloat16
-    assert L.linear(x.t().contiguous().t(), w).shape == (4, 128)  # columns apart
+    for _ in range(3):
+        assert torch.equal(L.linear(x, w), F.linear(x, w))  # F.linear's bits either way
+    assert float32._verdicts == {(128, 64, 4, 2): same}
+    assert len(splits) == (3 if same else 1)  # a shape that differed is never split again
+    L.linear(torch.randn(5, 64), w)
+    assert (128, 64, 5, 2) in float32._verdicts  # another row count: checked for itself
+
+
+def test_what_the_split_cannot_take_goes_to_f_linear(fresh, monkeypatch):
+    monkeypatch.setattr(float32, "faster", lambda threads: True)
+    monkeypatch.setattr(float32, "_split", lambda *a: pytest.fail("split"))
+    w, x = torch.randn(128, 64), torch.randn(4, 64)
+    for args in (
+        (torch.randn(3, 64), torch.randn(100, 64)),  # rows not in 64-row blocks
+        (x, w, torch.zeros(128)),  # a bias: torch adds it its way
+        (torch.randn(65, 64), w),  # more rows than a decode step
+        (x.t().contiguous().t(), w),  # an input's columns apart
+        (torch.randn(4, 0), torch.randn(128, 0)),  # nothing to sum
+    ):
+        assert torch.equal(L.linear(*args), F.linear(*args))
+    with pytest.raises(RuntimeError):  # widths that do not match: torch's error, no read past x
+        L.linear(torch.randn(1, 64), torch.randn(128, 4096))
     with float32.unsplit():
-        assert L.linear(x, w).shape == (4, 128)
+        assert torch.equal(L.linear(x, w), F.linear(x, w))
+    torch.set_num_threads(1)  # one thread: nothing to split over
+    assert torch.equal(L.linear(x, w), F.linear(x, w))
+
+
+def test_a_serial_pass_computes_its_products_on_the_whole_team(fresh, monkeypatch):
+    """torch on one thread for the pass's small ops; an unsplit product runs on the team all the
+    same, as F.linear's bits at some row counts depend on its threads."""
+    monkeypatch.setattr(float32, "faster", lambda threads: False)
+    seen = []
+    real = F.linear
+    monkeypatch.setattr(
+        float32.F, "linear", lambda *a: seen.append(torch.get_num_threads()) or real(*a)
+    )
     torch.set_num_threads(1)
-    assert L.linear(x, w).shape == (4, 128)  # one thread: nothing to split over
-    with float32.team(2):  # a serial pass: its products still take the whole team
-        assert L.linear(x, w) == "split"
-    assert split == [2, 2]
+    with float32.team(2):
+        L.linear(torch.randn(6, 64), torch.randn(128, 64))
+        assert torch.get_num_threads() == 1  # and back
+    assert seen == [2]
 
 
-def test_nothing_is_split_on_one_thread_or_without_the_kernel(monkeypatch):
-    assert float32.rows(1) == frozenset()
-    float32.rows.cache_clear()
-    monkeypatch.setattr(float32, "_sgemm", lambda: None)
+def test_nothing_is_split_on_one_thread_or_without_mkl(monkeypatch):
+    assert float32.faster(1) is False
+    monkeypatch.setattr(float32, "_mkl", lambda: None)
+    float32.faster.cache_clear()
     try:
-        assert float32.rows(2) == frozenset()
+        assert float32.faster(2) is False
     finally:
-        float32.rows.cache_clear()
+        float32.faster.cache_clear()
 
 
 @needs_split
-def test_rows_are_split_only_where_splitting_is_faster(monkeypatch):
-    float32.rows.cache_clear()
-    monkeypatch.setattr(float32, "_WORKING_SET", 4 << 20)
+@pytest.mark.parametrize(("ratio", "chosen"), [(0.95, False), (0.6, True)])
+def test_products_are_split_only_where_splitting_was_faster(monkeypatch, ratio, chosen):
+    monkeypatch.setattr(float32, "_time_ratio", lambda threads: ratio)
+    float32.faster.cache_clear()
     try:
-        monkeypatch.setattr(float32, "_time_ratio", lambda threads: 0.95)
-        assert float32.rows(2) == frozenset()
-        float32.rows.cache_clear()
-        monkeypatch.setattr(float32, "_time_ratio", lambda threads: 0.6)
-        assert 1 in float32.rows(2)
-        float32.rows.cache_clear()
-        assert 0 < float32._time_ratio(2) < 10  # really timed, both ways
+        assert float32.faster(2) is chosen
     finally:
-        float32.rows.cache_clear()
+        float32.faster.cache_clear()
+
+
+@needs_split
+def test_the_timing_times_real_products(monkeypatch):
+    monkeypatch.setattr(float32, "_WORKING_SET", 16 << 20)
+    calls = []
+    monkeypatch.setattr(float32, "_split", lambda x, w, threads: calls.append(x.shape[0]))
+    float32._time_ratio(2)
+    assert sorted(set(calls)) == [1, 4, 16] and len(calls) == 3 * 4 * 2  # 2 weights, 4 passes
