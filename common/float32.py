@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 64  # the largest product that is split; larger ones keep MKL's own threads
 _TIMED = (1536, 1024)  # a small model's qkv projection
-_WORKING_SET = 64 << 20
+_WORKING_SET = 32 << 20  # more than the caches hold, as a model's weights
 _state = threading.local()  # this thread's `team` and `unsplit`
 # (out, in, rows, threads): whether the split gave F.linear's bits the first time
 _verdicts: dict[tuple[int, int, int, int], bool] = {}
@@ -89,11 +89,11 @@ def faster(threads: int) -> bool:
 
 
 def _time_ratio(threads: int) -> float:
-    """Geometric mean of the split's time ÷ F.linear's over 1-, 4- and 16-row products of
-    _WORKING_SET bytes of weights (more than the caches hold, as a model's)."""
+    """Geometric mean of the split's time ÷ F.linear's over 1- and 4-row products (a decode
+    step's) of _WORKING_SET bytes of weights: every router process pays for it at start-up."""
     count = max(2, _WORKING_SET // (_TIMED[0] * _TIMED[1] * 4))
     weights = [torch.full(_TIMED, 0.01) for _ in range(count)]
-    ratio, sizes = 1.0, (1, 4, 16)
+    ratio, sizes = 1.0, (1, 4)
     for m in sizes:
         x = torch.full((m, _TIMED[1]), 0.01)
         ratio *= _best(functools.partial(_split, threads=threads), x, weights)
@@ -103,7 +103,7 @@ def _time_ratio(threads: int) -> float:
 
 def _best(product: Callable, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
     best = float("inf")
-    for i in range(4):
+    for i in range(3):
         start = time.perf_counter()
         for w in weights:
             product(x, w)
