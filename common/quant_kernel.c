@@ -14,14 +14,10 @@
    exact): per group, a = sum of x[k] * u in k order, then the group's share s * (a - 8 sum(x))
    = s * sum(x * q) is added to the column's total, groups in order.
 
-   Each row's arithmetic is the same whichever kernel (1 or 2 rows) computes it: a row's bits do
-   not depend on its batch-mates. */
+   Each row's arithmetic is the same whichever kernel (1 or 2 rows, or a tile of many_rows)
+   computes it: a row's bits do not depend on its batch-mates. */
 
 #define Q8_AHEAD 2048 /* bytes of a panel prefetched ahead, as AHEAD rows of bfloat16 panels are */
-/* From this many rows on, a block's weights are decoded once into float32 and every row reads
-   them there (many_rows) instead of each row pair decoding them again: the same products, the
-   same sums in the same order, so the same bits */
-#define MANY_ROWS 4
 
 TARGET static void many_rows(int format, const float *x, const void *p, const void *s, uint16_t *y,
                              long ldy, long m, long k, long group, const float *bias);
@@ -59,13 +55,14 @@ TARGET static void many_rows(int format, const float *x, const void *p, const vo
 Q8KERNEL(1, 2)
 Q8KERNEL(2, 1)
 
-/* One 64-column block of m rows into y: many_rows from MANY_ROWS rows on, else the second panel's
-   rows in pairs after the first's (TWO_ONE, a panel PANEL_BYTES and its scales SCALE_BYTES after
-   the first), and a last odd row against both panels at once (ONE_TWO) */
+/* One 64-column block of m rows into y: many_rows from 3 rows on (there each weight, converted
+   once, serves up to six rows: 1.2x the row pairs at 3 rows, 1.4x at 8 on AVX2), else the rows
+   in pairs against the first panel, then the second (TWO_ONE, a panel PANEL_BYTES and its scales
+   SCALE_BYTES after the first), and a last odd row against both panels at once (ONE_TWO) */
 #define BLOCK(NAME, FORMAT, TWO_ONE, ONE_TWO, PANEL_BYTES, SCALE_BYTES)                           \
     TARGET static void NAME(const float *x, const void *p, const void *s, uint16_t *y, long ldy,  \
                             long m, long k, long group, const float *bias) {                     \
-        if (m >= MANY_ROWS) return many_rows(FORMAT, x, p, s, y, ldy, m, k, group, bias);         \
+        if (m >= 3) return many_rows(FORMAT, x, p, s, y, ldy, m, k, group, bias);                 \
         for (int q = 0; q < 2; q++)                                                               \
             for (long r = 0; r + 1 < m; r += 2)                                                   \
                 TWO_ONE(x + r * k, (const void *)((const char *)p + q * (PANEL_BYTES)),           \
@@ -157,11 +154,15 @@ TARGET static inline float group_sum(const float *x, long n) {
             }                                                                                   \
     }
 Q4KERNEL(1, 2)
-Q4KERNEL(2, 1)
 #undef Q4STEP
 #undef NIB
 
-BLOCK(int4_block, FORMAT_INT4, q4_2_1, q4_1_2, k * PANEL / 2, k / group * PANEL * sizeof(uint16_t))
+/* int4: many_rows from 2 rows on (1.6x a row pair's kernel at 2 rows, 1.9x at 3 on AVX2) */
+TARGET static void int4_block(const float *x, const void *p, const void *s, uint16_t *y, long ldy,
+                              long m, long k, long group, const float *bias) {
+    if (m >= 2) return many_rows(FORMAT_INT4, x, p, s, y, ldy, m, k, group, bias);
+    q4_1_2(x, p, s, y, ldy, k, group, bias);
+}
 
 /* FP8 e4m3 as published (DeepSeek-V3's layout): panels of 32 columns, P[panel][k][32] bytes in
    column order (as int8), scales s[panel][k / group][1] float32, the weight_scale_inv of the block
@@ -227,105 +228,177 @@ F8KERNEL(2, 1)
 BLOCK(fp8_block, FORMAT_FP8, f8_2_1, f8_1_2, k * PANEL, k / group * sizeof(float))
 #undef BLOCK
 
-/* Inputs [i0, i0 + n) of a 64-column block (two panels from p) as float32 into w [n][64], each
-   weight as the row kernels multiply it: int8 q; int4 u * 2^(4 (i % 8)), x being scaled to match;
-   FP8 its value * 2^-8 */
-F8TARGET static void decode(int format, const void *p, long k, long i0, long n, float *w) {
-    for (int q = 0; q < 2; q++)
-        for (long i = i0; i < i0 + n; i++) {
-            float *row = w + (i - i0) * 64 + q * 32;
-            if (format == FORMAT_INT8) {
-                const int8_t *at = (const int8_t *)p + (q * k + i) * PANEL;
-                for (int j = 0; j < 4; j++)
-                    _mm256_storeu_ps(row + 8 * j, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                      _mm_loadl_epi64((const __m128i *)(at + 8 * j)))));
-            } else if (format == FORMAT_INT4) {
-                const uint32_t *at = (const uint32_t *)p + (q * k + i / 8 * 8) * 4;
-                int shift = 4 * (int)(i % 8);
-                __m256i mask = _mm256_set1_epi32(15 << shift), low = _mm256_set1_epi32(15);
-                for (int j = 0; j < 4; j++) {
-                    __m256i words = _mm256_loadu_si256((const __m256i *)at + j);
-                    __m256i nibble = shift == 28 ? _mm256_and_si256(_mm256_srli_epi32(words, 28), low)
-                                                 : _mm256_and_si256(words, mask);
-                    _mm256_storeu_ps(row + 8 * j, _mm256_cvtepi32_ps(nibble));
-                }
-            } else {
-                const uint8_t *at = (const uint8_t *)p + (q * k + i) * PANEL;
-                __m128i zero = _mm_setzero_si128();
-                __m128i lo = _mm_loadu_si128((const __m128i *)at);
-                __m128i hi = _mm_loadu_si128((const __m128i *)at + 1);
-                _mm256_storeu_ps(row, f8_widen(_mm_unpacklo_epi8(zero, lo)));
-                _mm256_storeu_ps(row + 8, f8_widen(_mm_unpackhi_epi8(zero, lo)));
-                _mm256_storeu_ps(row + 16, f8_widen(_mm_unpacklo_epi8(zero, hi)));
-                _mm256_storeu_ps(row + 24, f8_widen(_mm_unpackhi_epi8(zero, hi)));
-            }
-        }
-}
+/* Rows of x at a time in many_rows: 6 x 2 accumulators and the weights of one input for 16
+   columns fill AVX2's 16 registers, so each weight, converted once, serves 6 rows */
+#define TILE_ROWS 6
 
-/* m rows of x [m][k] against a 64-column block of `format`, the weights decoded a group (int8:
-   64 inputs) at a time, each row then summing its products from there: the arithmetic of the row
-   kernels above, step for step. */
+/* Tiles: R rows of x (row stride ldx) against 16 columns of a panel (p: the panel's first input
+   of the chunk, at the columns' offset) over n inputs. Each of the R x 16 sums starts from `from`
+   (row stride 64; zero without it), adds x[i] * w[i] for i in order, each weight as the row
+   kernels multiply it, and goes to `to`. Named accumulators, not an array: GCC kept an array's
+   on the stack and stored it every input. */
+#define TILE_ROW(r, DO)                                                                          \
+    if (rows > r) {                                                                            \
+        DO(r, a##r##0, a##r##1)                                                                \
+    }
+#define TILE_EACH(DO)                                                                            \
+    TILE_ROW(0, DO) TILE_ROW(1, DO) TILE_ROW(2, DO) TILE_ROW(3, DO) TILE_ROW(4, DO) TILE_ROW(5, DO)
+#define TILE_LOAD(r, lo, hi)                                                                     \
+    lo = from ? _mm256_loadu_ps(from + r * 64) : _mm256_setzero_ps();                           \
+    hi = from ? _mm256_loadu_ps(from + r * 64 + 8) : _mm256_setzero_ps();
+#define TILE_FMA(r, lo, hi)                                                                      \
+    {                                                                                          \
+        __m256 b = _mm256_broadcast_ss(x + r * ldx + i);                                       \
+        lo = _mm256_fmadd_ps(b, w0, lo);                                                       \
+        hi = _mm256_fmadd_ps(b, w1, hi);                                                       \
+    }
+#define TILE_STORE(r, lo, hi)                                                                    \
+    _mm256_storeu_ps(to + r * 64, lo);                                                         \
+    _mm256_storeu_ps(to + r * 64 + 8, hi);
+/* NAME##_R for R = 1..6: per input i (STEP at a time), WEIGHTS sets w0, w1 and FMAs */
+#define TILE(NAME, R, STEP, WEIGHTS)                                                            \
+    F8TARGET static void NAME##_##R(const float *x, long ldx, const void *p, long n,            \
+                                    const float *from, float *to) {                             \
+        const int rows = R; /* what TILE_ROW reads */                                           \
+        __m256 a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51, w0, w1;              \
+        TILE_EACH(TILE_LOAD)                                                                    \
+        for (long i0 = 0; i0 < n; i0 += STEP) {                                                 \
+            WEIGHTS                                                                             \
+        }                                                                                       \
+        TILE_EACH(TILE_STORE)                                                                   \
+    }
+
+/* int8: 8 bytes a vector */
+#define Q8_WEIGHTS                                                                              \
+    long i = i0;                                                                                \
+    const int8_t *at = (const int8_t *)p + i * PANEL;                                           \
+    _mm_prefetch((const char *)at + Q8_AHEAD, _MM_HINT_T0);                                     \
+    w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)at)));       \
+    w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(at + 8)))); \
+    TILE_EACH(TILE_FMA)
+/* FP8: 16 bytes, each the top of a half */
+#define F8_WEIGHTS                                                                              \
+    long i = i0;                                                                                \
+    const uint8_t *at = (const uint8_t *)p + i * PANEL;                                         \
+    _mm_prefetch((const char *)at + Q8_AHEAD, _MM_HINT_T0);                                     \
+    __m128i bytes = _mm_loadu_si128((const __m128i *)at);                                       \
+    w0 = f8_widen(_mm_unpacklo_epi8(_mm_setzero_si128(), bytes));                               \
+    w1 = f8_widen(_mm_unpackhi_epi8(_mm_setzero_si128(), bytes));                               \
+    TILE_EACH(TILE_FMA)
+/* int4: 8 inputs a step from two vectors of words (kept in memory: registers are full), nibble N
+   masked in place as Q4STEP does (x scaled to match by the caller) */
+#define Q4_NIBBLE(N, BITS)                                                                      \
+    {                                                                                           \
+        long i = i0 + N;                                                                        \
+        __asm__("" ::: "memory"); /* the words are read again, not kept in registers */         \
+        __m256i word = _mm256_loadu_si256(at);                                                  \
+        w0 = _mm256_cvtepi32_ps(BITS);                                                          \
+        word = _mm256_loadu_si256(at + 1);                                                      \
+        w1 = _mm256_cvtepi32_ps(BITS);                                                          \
+        TILE_EACH(TILE_FMA)                                                                     \
+    }
+#define Q4_WEIGHTS                                                                              \
+    const __m256i *at = (const __m256i *)((const uint32_t *)p + i0 / 8 * PANEL);                  \
+    _mm_prefetch((const char *)at + Q8_AHEAD, _MM_HINT_T0);                                     \
+    Q4_NIBBLE(0, NIB(0)) Q4_NIBBLE(1, NIB(1)) Q4_NIBBLE(2, NIB(2)) Q4_NIBBLE(3, NIB(3))         \
+    Q4_NIBBLE(4, NIB(4)) Q4_NIBBLE(5, NIB(5)) Q4_NIBBLE(6, NIB(6))                              \
+    Q4_NIBBLE(7, _mm256_srli_epi32(word, 28))
+#define NIB(N) _mm256_and_si256(word, _mm256_set1_epi32(15 << (4 * N)))
+
+typedef void (*tile_fn)(const float *, long, const void *, long, const float *, float *);
+#define TILES(NAME, STEP, WEIGHTS)                                                              \
+    TILE(NAME, 1, STEP, WEIGHTS)                                                                \
+    TILE(NAME, 2, STEP, WEIGHTS)                                                                \
+    TILE(NAME, 3, STEP, WEIGHTS)                                                                \
+    TILE(NAME, 4, STEP, WEIGHTS)                                                                \
+    TILE(NAME, 5, STEP, WEIGHTS)                                                                \
+    TILE(NAME, 6, STEP, WEIGHTS)                                                                \
+    static const tile_fn NAME[TILE_ROWS + 1] = {0,         NAME##_1, NAME##_2, NAME##_3,        \
+                                               NAME##_4, NAME##_5, NAME##_6};
+TILES(q8_tiles, 1, Q8_WEIGHTS)
+TILES(f8_tiles, 1, F8_WEIGHTS)
+TILES(q4_tiles, 8, Q4_WEIGHTS)
+#undef TILES
+#undef TILE
+#undef TILE_ROW
+#undef TILE_EACH
+#undef TILE_LOAD
+#undef TILE_FMA
+#undef TILE_STORE
+#undef Q8_WEIGHTS
+#undef F8_WEIGHTS
+#undef Q4_WEIGHTS
+#undef Q4_NIBBLE
+#undef NIB
+
+/* m rows of x [m][k] against a 64-column block of `format`, in tiles of up to 6 rows and 16
+   columns, each chunk of inputs at a time (int8: 64, int4 and FP8: a group): the arithmetic of
+   the row kernels, step for step. A row's 64 sums run in float32 (`total`; int4 and FP8 add each
+   group's sums into it, scaled, as the row kernels do). */
 TARGET static void many_rows(int format, const float *x, const void *p, const void *s, uint16_t *y,
                              long ldy, long m, long k, long group, const float *bias) {
-    float w[128 * 64] __attribute__((aligned(32))); /* a group of at most 128 inputs */
+    float total[TILE_ROWS * 64], part[TILE_ROWS * 64]; /* a tile's rows: all sums, a group's */
+    /* int4: a group's x, scaled (common/quant.py allows int4 groups of 32, 64 and 128) */
+    float scaled[TILE_ROWS * 128] __attribute__((aligned(32)));
+    const tile_fn *tiles = format == FORMAT_INT8 ? q8_tiles : format == FORMAT_INT4 ? q4_tiles
+                                                                                   : f8_tiles;
     long chunk = format == FORMAT_INT8 ? 64 : group; /* int4, FP8: group divides k */
-    float *total = calloc(m * 64, sizeof(float)); /* int8: the running sums */
+    long groups_k = format == FORMAT_INT8 ? 1 : k / group; /* int8's group is 0 */
+    long weight_bytes = format == FORMAT_INT4 ? k * PANEL / 2 : k * PANEL; /* a panel's */
     /* int4: x scaled as Q4STEP scales it (the top nibble is shifted down, not scaled) */
-    static const float shifts[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
-    static const float ones[8] = {1, 1, 1, 1, 1, 1, 1, 1};
-    const float *unit = format == FORMAT_INT4 ? shifts : ones;
-    if (!total) { /* no memory for the sums: the row kernels need none */
-        for (long r = 0; r < m; r += MANY_ROWS - 1) {
-            long rows = m - r < MANY_ROWS - 1 ? m - r : MANY_ROWS - 1;
-            (format == FORMAT_INT8   ? int8_block
-             : format == FORMAT_INT4 ? int4_block
-                                     : fp8_block)(x + r * k, p, s, y + r * ldy, ldy, rows, k,
-                                                  group, bias);
-        }
-        return;
-    }
-    for (long g = 0; g * chunk < k; g++) {
-        long n = k - g * chunk < chunk ? k - g * chunk : chunk;
-        decode(format, p, k, g * chunk, n, w);
-        for (long r = 0; r < m; r++) {
-            const float *xr = x + r * k + g * chunk;
-            float *t = total + r * 64;
-            __m256 acc[8];
-            for (int j = 0; j < 8; j++)
-                acc[j] = format == FORMAT_INT8 ? _mm256_loadu_ps(t + 8 * j) : _mm256_setzero_ps();
-            for (long i = 0; i < n; i++) {
-                __m256 b = _mm256_set1_ps(xr[i] * unit[i % 8]);
-                for (int j = 0; j < 8; j++)
-                    acc[j] = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + i * 64 + 8 * j), acc[j]);
+    const __m256 shifts = _mm256_setr_ps(1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f,
+                                         0x1p-24f, 1.0f);
+    long blocks = (m + TILE_ROWS - 1) / TILE_ROWS; /* rows spread evenly: 8 as 4 + 4 */
+    for (long b = 0, r0 = 0, rows; b < blocks; b++, r0 += rows) {
+        rows = m / blocks + (b < m % blocks);
+        memset(total, 0, sizeof total);
+        for (long g = 0; g * chunk < k; g++) {
+            long n = k - g * chunk < chunk ? k - g * chunk : chunk, i0 = g * chunk;
+            const float *xr = x + r0 * k + i0;
+            long ldx = k;
+            if (format == FORMAT_INT4) {
+                for (long r = 0; r < rows; r++)
+                    for (long i = 0; i < n; i += 8)
+                        _mm256_store_ps(scaled + r * n + i,
+                                        _mm256_mul_ps(_mm256_loadu_ps(xr + r * k + i), shifts));
+                xr = scaled, ldx = n;
             }
-            if (format == FORMAT_INT8) {
-                for (int j = 0; j < 8; j++) _mm256_storeu_ps(t + 8 * j, acc[j]);
-                continue;
+            for (int c = 0; c < 4; c++) { /* 16 columns: panel c / 2, its first or second half */
+                const char *at = (const char *)p + c / 2 * weight_bytes +
+                                 (format == FORMAT_INT4 ? i0 * PANEL / 2 + c % 2 * 64
+                                                        : i0 * PANEL + c % 2 * 16);
+                int carried = format == FORMAT_INT8; /* one sum across the chunks */
+                tiles[rows](xr, ldx, at, n, carried ? total + c * 16 : 0,
+                            carried ? total + c * 16 : part + c * 16);
             }
-            float sum = format == FORMAT_INT4 ? group_sum(xr, n) : 0.0f;
-            for (int j = 0; j < 8; j++) {
-                long q = j / 4, groups_k = k / group;
-                __m256 scale, a = acc[j];
-                if (format == FORMAT_INT4) {
-                    const uint16_t *sc = (const uint16_t *)s + (q * groups_k + g) * PANEL + (j % 4) * 8;
-                    scale = widen8(_mm_loadu_si128((const __m128i *)sc));
-                    a = _mm256_sub_ps(a, _mm256_set1_ps(8.0f * sum));
-                } else {
-                    scale = _mm256_set1_ps(((const float *)s)[q * groups_k + g] * 256.0f);
+            for (long r = 0; r < rows && format != FORMAT_INT8; r++) {
+                float sum = format == FORMAT_INT4 ? group_sum(x + (r0 + r) * k + i0, n) : 0.0f;
+                for (int j = 0; j < 8; j++) {
+                    long q = j / 4;
+                    __m256 scale, a = _mm256_loadu_ps(part + r * 64 + 8 * j);
+                    if (format == FORMAT_INT4) {
+                        const uint16_t *sc =
+                            (const uint16_t *)s + (q * groups_k + g) * PANEL + (j % 4) * 8;
+                        scale = widen8(_mm_loadu_si128((const __m128i *)sc));
+                        a = _mm256_sub_ps(a, _mm256_set1_ps(8.0f * sum));
+                    } else {
+                        scale = _mm256_set1_ps(((const float *)s)[q * groups_k + g] * 256.0f);
+                    }
+                    float *t = total + r * 64 + 8 * j;
+                    _mm256_storeu_ps(t, _mm256_fmadd_ps(scale, a, _mm256_loadu_ps(t)));
                 }
-                _mm256_storeu_ps(t + 8 * j, _mm256_fmadd_ps(scale, a, _mm256_loadu_ps(t + 8 * j)));
             }
         }
+        for (long r = 0; r < rows; r++)
+            for (int j = 0; j < 4; j++) {
+                vec v = vloadf(total + r * 64 + 16 * j);
+                if (format == FORMAT_INT8) v = vmul(v, vloadf((const float *)s + 16 * j));
+                if (bias) v = vadd(v, vloadf(bias + 16 * j));
+                vstore_bf16(y + (r0 + r) * ldy + 16 * j, v);
+            }
     }
-    for (long r = 0; r < m; r++)
-        for (int j = 0; j < 4; j++) {
-            vec v = vloadf(total + r * 64 + 16 * j);
-            if (format == FORMAT_INT8) v = vmul(v, vloadf((const float *)s + 16 * j));
-            if (bias) v = vadd(v, vloadf(bias + 16 * j));
-            vstore_bf16(y + r * ldy + 16 * j, v);
-        }
-    free(total);
 }
+#undef TILE_ROWS
 
 /* w [n][k] (bfloat16 where bf, else float32) quantized by common/quant.py's rule into the layouts
    above: int8 (scheme 1) or int4 in groups of `group` (scheme 2), each output row independently,
