@@ -53,6 +53,22 @@ def test_experts_hold_the_e4m3_bytes_and_compute_the_formats_meaning(fp8_dir):
     assert torch.equal(together[1], experts_ffn([(rows[:1], experts[(1, 1)])])[0])
 
 
+@pytest.mark.parametrize("block_k", [128, 256])
+def test_blocks_of_any_width_compute_their_meaning_whatever_the_rows(block_k):
+    """Blocks wider than 128 inputs included (the tiles of several rows once overflowed there)."""
+    g = torch.Generator().manual_seed(4)
+    q = (torch.randn(128, 512, generator=g) * 10).to(torch.float8_e4m3fn)
+    scale = torch.rand(1, 512 // block_k, generator=g) + 0.5
+    quant = Quantization("fp8", block_k)
+    data, scales = (torch.empty(n, dtype=t) for n, t in quant.layout((128, 512)).values())
+    fp8.pack(q, scale, (128, block_k), 0, data, scales)
+    panels = QuantPanels.of(data, scales, (128, 512), quant)
+    x = torch.randn(7, 512, generator=g).bfloat16()
+    y, ref = panels(x), x.double() @ dequantize_reference(q, scale, (128, block_k)).T
+    assert ((y.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-5).all()
+    assert all(torch.equal(panels(x[r : r + 1]), y[r : r + 1]) for r in range(7))
+
+
 def test_other_fp8_weights_are_dequantized_at_load_and_float32_dequantizes_everything(fp8_dir):
     name = "model.layers.0.self_attn.o_proj.weight"
     q, scale = stored(fp8_dir, name)
