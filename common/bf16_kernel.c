@@ -84,6 +84,10 @@ static void widen(const uint16_t *x, float *out, long n) {
    with their scales (quant_kernel.c) */
 enum { FORMAT_BF16, FORMAT_INT8, FORMAT_INT4, FORMAT_FP8 };
 
+static long block_bytes(int format, long k) { /* a 64-column block's weights */
+    return format == FORMAT_BF16 ? 128 * k : format == FORMAT_INT4 ? 32 * k : 64 * k;
+}
+
 #define ISA 512
 #include "bf16_kernel.c" /* itself, once per instruction set */
 #undef ISA
@@ -99,10 +103,6 @@ static block_fn pick_block(int format) {
            : format == FORMAT_INT4 ? int4_block
            : format == FORMAT_FP8  ? fp8_block
                                    : PICK(bf16_block);
-}
-
-static long block_bytes(int format, long k) { /* a 64-column block's weights */
-    return format == FORMAT_BF16 ? 128 * k : format == FORMAT_INT4 ? 32 * k : 64 * k;
 }
 
 static long block_scale_bytes(int format, long k, long group) { /* and its scales */

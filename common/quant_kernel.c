@@ -377,7 +377,7 @@ TARGET static void many_rows(int format, const float *x, const void *p, const vo
                                                                                    : f8_tiles;
     long chunk = format == FORMAT_INT8 ? 64 : group; /* int4, FP8: group divides k */
     long groups_k = format == FORMAT_INT8 ? 1 : k / group; /* int8's group is 0 */
-    long weight_bytes = format == FORMAT_INT4 ? k * PANEL / 2 : k * PANEL; /* a panel's */
+    int carried = format == FORMAT_INT8; /* one sum across the chunks, no group's */
     /* int4: x scaled as Q4STEP scales it (the top nibble is shifted down, not scaled) */
     const __m256 shifts = _mm256_setr_ps(1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f,
                                          0x1p-24f, 1.0f);
@@ -396,19 +396,15 @@ TARGET static void many_rows(int format, const float *x, const void *p, const vo
                                         _mm256_mul_ps(_mm256_loadu_ps(xr + r * k + i), shifts));
                 xr = scaled, ldx = n;
             }
-            for (int q = 0; q < 2 && format == FORMAT_INT4 && rows == 2; q++)
-                q4_pair(xr, ldx, (const char *)p + q * weight_bytes + i0 * PANEL / 2, n,
-                        part + q * 32);
-            for (int c = 0; c < 4 && !(format == FORMAT_INT4 && rows == 2); c++) {
-                /* 16 columns: panel c / 2, its first or second half */
-                const char *at = (const char *)p + c / 2 * weight_bytes +
-                                 (format == FORMAT_INT4 ? i0 * PANEL / 2 + c % 2 * 64
-                                                        : i0 * PANEL + c % 2 * 16);
-                int carried = format == FORMAT_INT8; /* one sum across the chunks */
-                tiles[rows](xr, ldx, at, n, carried ? total + c * 16 : 0,
-                            carried ? total + c * 16 : part + c * 16);
-            }
-            for (long r = 0; r < rows && format != FORMAT_INT8; r++) {
+            const char *panel[2]; /* the chunk's first input in each panel */
+            for (int q = 0; q < 2; q++)
+                panel[q] = (const char *)p + (q * k + i0) * block_bytes(format, 1) / 2;
+            int pair = format == FORMAT_INT4 && rows == 2;
+            for (int q = 0; q < 2 && pair; q++) q4_pair(xr, ldx, panel[q], n, part + q * 32);
+            for (int c = 0; c < 4 && !pair; c++) /* 16 columns: a panel's first or second half */
+                tiles[rows](xr, ldx, panel[c / 2] + c % 2 * (format == FORMAT_INT4 ? 64 : 16), n,
+                            carried ? total + c * 16 : 0, carried ? total + c * 16 : part + c * 16);
+            for (long r = 0; r < rows && !carried; r++) {
                 float sum = format == FORMAT_INT4 ? group_sum(x + (r0 + r) * k + i0, n) : 0.0f;
                 for (int j = 0; j < 8; j++) {
                     long q = j / 4;
