@@ -17,6 +17,7 @@ times that over the read bandwidth measured in the same run.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -107,43 +108,13 @@ def main() -> int:
         )
     bandwidth = read_bandwidth()
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for b in batches:
-        prompts = torch.randint(0, spec.vocab_size, (b, args.prompt_len), generator=gen).tolist()
-        rates: dict[str, list[float]] = {p: [] for p in precisions}
-        tokens: dict[str, list] = {}
-        for p in precisions:  # one-time costs out of the timed runs
-            _release_others(engines, p)
-            engine_generate(engines[p], prompts, 2)
-        for _ in range(args.repeats):
-            for p in precisions:
-                _release_others(engines, p)
-                rate, tokens[p] = decode_rate(
-                    partial(engine_generate, engines[p]), prompts, args.new_tokens
-                )
-                rates[p].append(rate)
-        base = statistics.median(rates[precisions[0]])
-        for p in precisions:
-            q = quantization(p, args.group_size)
-            rate = statistics.median(rates[p])
-            per_token = token_bytes(spec, q, b, p.endswith("-all"))
-            row = {
-                "precision": p if q is None else q.name + ("-all" if p.endswith("-all") else ""),
-                "batch": b,
-                "tokens_per_s": rate,
-                "vs_first": rate / base,
-                "bytes_per_token": per_token,
-                "bandwidth_share": rate * per_token / bandwidth,
-                "greedy_same_as_first": tokens[p] == tokens[precisions[0]],
-            }
-            rows.append(row)
-            print(
-                f"batch {b:>3} {row['precision']:>9}: {rate:7.1f} tok/s  {row['vs_first']:.2f}x "
-                f"{precisions[0]}  {per_token / 1e6:.1f} MB/token  {row['bandwidth_share']:.0%} of "
-                f"read bandwidth  same greedy tokens: {row['greedy_same_as_first']}",
-                flush=True,
-            )
+
+    def per_token(p: str, batch: int) -> tuple[str, int]:
+        q = quantization(p, args.group_size)
+        name = p if q is None else q.name + ("-all" if p.endswith("-all") else "")
+        return name, token_bytes(spec, q, batch, p.endswith("-all"))
+
+    rows = compare(engines, per_token, spec.vocab_size, batches, bandwidth, args)
     for engine in engines.values():
         engine.close()
     result = {
@@ -155,6 +126,57 @@ def main() -> int:
     }
     write_result(out, result)
     return 0
+
+
+def compare(
+    engines: dict,
+    per_token: Callable[[str, int], tuple[str, int]],
+    vocab: int,
+    batches: list[int],
+    bandwidth: float,
+    args: Settings,
+) -> list[dict]:
+    """Decode tokens/s of each engine at each batch size against the first's, the engines in
+    turn in each repeat; `per_token(key, batch)` names an engine's precision and the weight
+    bytes a token of it reads. A row per engine and batch size, printed as measured."""
+    gen = torch.Generator().manual_seed(0)
+    rows, first = [], next(iter(engines))
+    for b in batches:
+        prompts = torch.randint(0, vocab, (b, args.prompt_len), generator=gen).tolist()
+        rates: dict[str, list[float]] = {p: [] for p in engines}
+        tokens: dict[str, list] = {}
+        for p in engines:  # one-time costs out of the timed runs
+            _release_others(engines, p)
+            engine_generate(engines[p], prompts, 2)
+        for _ in range(args.repeats):
+            for p in engines:
+                _release_others(engines, p)
+                rate, tokens[p] = decode_rate(
+                    partial(engine_generate, engines[p]), prompts, args.new_tokens
+                )
+                rates[p].append(rate)
+        base = statistics.median(rates[first])
+        for p in engines:
+            rate = statistics.median(rates[p])
+            name, size = per_token(p, b)
+            row = {
+                "precision": name,
+                "batch": b,
+                "tokens_per_s": rate,
+                "vs_first": rate / base,
+                "bytes_per_token": size,
+                "bandwidth_share": rate * size / bandwidth,
+                "greedy_same_as_first": tokens[p] == tokens[first],
+            }
+            rows.append(row)
+            print(
+                f"batch {b:>3} {name:>9}: {rate:7.1f} tok/s  {row['vs_first']:.2f}x "
+                f"{per_token(first, b)[0]}  {size / 1e6:.1f} MB/token  "
+                f"{row['bandwidth_share']:.0%} of read bandwidth  "
+                f"same greedy tokens: {row['greedy_same_as_first']}",
+                flush=True,
+            )
+    return rows
 
 
 def _release_others(engines: dict, running: str) -> None:

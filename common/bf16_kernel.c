@@ -80,12 +80,14 @@ static void widen(const uint16_t *x, float *out, long n) {
     for (long i = 0; i < n; i++) ((uint32_t *)out)[i] = (uint32_t)x[i] << 16;
 }
 
-/* Weight formats (common/quant.py): bfloat16 panels (moe_bf16_pack), int8, int4 or FP8 panels
-   with their scales (quant_kernel.c) */
-enum { FORMAT_BF16, FORMAT_INT8, FORMAT_INT4, FORMAT_FP8 };
+/* Weight formats (common/quant.py): bfloat16 panels (moe_bf16_pack), int8, int4, FP8 or MXFP4
+   panels with their scales (quant_kernel.c) */
+enum { FORMAT_BF16, FORMAT_INT8, FORMAT_INT4, FORMAT_FP8, FORMAT_MXFP4 };
 
 static long block_bytes(int format, long k) { /* a 64-column block's weights */
-    return format == FORMAT_BF16 ? 128 * k : format == FORMAT_INT4 ? 32 * k : 64 * k;
+    return format == FORMAT_BF16                               ? 128 * k
+           : format == FORMAT_INT4 || format == FORMAT_MXFP4 ? 32 * k
+                                                               : 64 * k;
 }
 
 #define ISA 512
@@ -102,12 +104,13 @@ static block_fn pick_block(int format) {
     return format == FORMAT_INT8   ? int8_block
            : format == FORMAT_INT4 ? int4_block
            : format == FORMAT_FP8  ? fp8_block
+           : format == FORMAT_MXFP4 ? mxfp4_block
                                    : PICK(bf16_block);
 }
 
 static long block_scale_bytes(int format, long k, long group) { /* and its scales */
     return format == FORMAT_INT8   ? 64 * 4
-           : format == FORMAT_INT4 ? 64 * (k / group) * 2
+           : format == FORMAT_INT4 || format == FORMAT_MXFP4 ? 64 * (k / group) * 2
            : format == FORMAT_FP8  ? 2 * (k / group) * 4
                                    : 0;
 }

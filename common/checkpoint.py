@@ -413,6 +413,10 @@ class Checkpoint:
     def _packed(self) -> PackedExperts:
         return PackedExperts(self)
 
+    def packed_entry(self, name: str, sizes, fill) -> dict[str, torch.Tensor]:
+        """A family's packed weights `name`, once a host (PackedExperts.entry)."""
+        return self._packed.entry(name, sizes, fill)
+
     def files(self) -> list[str]:
         """The safetensors files holding this checkpoint's tensors, sorted."""
         return sorted(set(self._where.values()))

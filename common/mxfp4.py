@@ -6,18 +6,31 @@ A row of n weights is n / 32 blocks of 32 four-bit codes that share one power-of
     *_scales [..., n / 32]     uint8   the block's exponent + 127 (E8M0)
     weight = FP4_VALUES[code] * 2 ** (scale - 127)
 
-as transformers' integrations/mxfp4.py (`convert_moe_packed_tensors`) reads them. We dequantize
-one expert at a time at load: FP4 values times a power of two are exact in bfloat16 and float32,
-so the weights are bit-identical to transformers' dequantized ones.
+as transformers' integrations/mxfp4.py (`convert_moe_packed_tensors`) reads them.
+
+Served in bfloat16 on a CPU with the C kernels, experts are computed from that form (`panels`):
+the codes rearranged into the kernels' panels of 32 output rows, half a byte a weight, and each
+scale a bfloat16 power of two (common/quant_kernel.c). Otherwise (float32, a GPU, no kernels) an
+expert is dequantized at load (`dequantize`): FP4 values times a power of two are exact in
+bfloat16 and float32, so the weights are bit-identical to transformers' dequantized ones.
 """
 
 from __future__ import annotations
 
 import torch
 
+from common import bf16
+from common.errors import CheckpointError
+from common.quant import Quantization, QuantPanels
+
 BLOCK = 32  # weights per scale
 MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0-7; codes 8-15 are their negatives
 FP4_VALUES = MAGNITUDES + tuple(-m for m in MAGNITUDES)
+FORMAT = Quantization("mxfp4", BLOCK)
+# Code c as the kernel reads it: the rank of its value, so that code 0 means -6 and the kernel's
+# table (2 v + 12 by rank) starts at 0 (common/quant_kernel.c)
+_RANKS = torch.tensor([8 + c for c in range(8)] + [15 - c for c in range(8, 16)], dtype=torch.uint8)
+NAN_SCALE = 255  # E8M0's NaN
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -45,3 +58,44 @@ def quantize(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = (codes + 8 * (scaled < 0)).to(torch.uint8)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed, (exponent[..., 0] + 127).to(torch.uint8)
+
+
+def computable(dtype: torch.dtype | None, rows: int) -> bool:
+    """Whether an expert weight of `rows` output rows, served in `dtype`, is computed from its
+    codes here (`panels`) rather than dequantized."""
+    return (
+        dtype == torch.bfloat16
+        and rows % bf16.COLUMNS == 0
+        and bf16.kernel("moe_linear") is not None
+    )
+
+
+def pack(
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    tensor: str,
+    data: torch.Tensor,
+    packed_scales: torch.Tensor,
+) -> None:
+    """Codes [rows, n / 32, 16] and scales [rows, n / 32] (rows a multiple of bf16.COLUMNS) into
+    the kernels' MXFP4 panels (`data`, `packed_scales`: flat, of FORMAT.layout's sizes): codes
+    re-ranked and laid out as int4's words (input 8i + j of a column at bits 4j), scales as
+    bfloat16 2^(e - 128). A NaN scale is refused, naming `tensor`."""
+    rows, groups, _ = blocks.shape
+    if bool((scales == NAN_SCALE).any()):
+        raise CheckpointError(f"a scale of {NAN_SCALE} (NaN in E8M0)", tensor=tensor)
+    n = groups * BLOCK
+    codes = _RANKS[torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()].view(rows, n)
+    panels = rows // bf16.PANEL
+    words = codes.view(panels, bf16.PANEL, n // 8, 4, 2)  # a word's bytes, low nibble first
+    data.copy_((words[..., 0] | (words[..., 1] << 4)).transpose(1, 2).reshape(-1))
+    half = torch.ldexp(torch.ones(()), scales.float() - 128).to(torch.bfloat16)
+    packed_scales.copy_(half.view(panels, bf16.PANEL, groups).transpose(1, 2).reshape(-1))
+
+
+def panels(blocks: torch.Tensor, scales: torch.Tensor, tensor: str) -> QuantPanels:
+    """`pack`'s panels in this process's memory."""
+    shape = (blocks.shape[0], blocks.shape[1] * BLOCK)
+    data, packed_scales = (torch.empty(n, dtype=t) for n, t in FORMAT.layout(shape).values())
+    pack(blocks, scales, tensor, data, packed_scales)
+    return QuantPanels.of(data, packed_scales, shape, FORMAT)

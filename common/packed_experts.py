@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -73,11 +74,7 @@ class PackedExperts:
             for weight, views in parts.items():
                 self._pack_rows(views, out, weight, q)
 
-        entry += "" if q is None else f"-{q.name}"
-        if packcache.enabled():
-            tensors = self._packs.get(entry, sizes, fill)
-        else:
-            tensors = packcache.in_memory(sizes, fill)
+        tensors = self.entry(entry + ("" if q is None else f"-{q.name}"), sizes, fill)
         if q is None:
             weights = {w: bf16.Panels.of(tensors[w], x) for w, x in shapes.items()}
         else:
@@ -86,6 +83,15 @@ class PackedExperts:
                 for w, x in shapes.items()
             }
         return FFNWeights(**weights, activation=s.activation)
+
+    def entry(
+        self, name: str, sizes: packcache.Sizes, fill: Callable[[dict[str, torch.Tensor]], None]
+    ) -> dict[str, torch.Tensor]:
+        """Packed tensors `name` of `sizes`: mapped from this host's cache file (`fill` writes
+        one where none is valid), or with MOE_MESH_PACK_CACHE=off filled in this process."""
+        if packcache.enabled():
+            return self._packs.get(name, sizes, fill)
+        return packcache.in_memory(sizes, fill)
 
     def _format(
         self, stored: torch.dtype, names: list[str], shapes: dict[str, tuple[int, int]]

@@ -28,27 +28,32 @@ from common.errors import CheckpointError
 
 SCHEMES = ("none", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
-# bf16_kernel.c's FORMAT_INT8, FORMAT_INT4, FORMAT_FP8 (FP8 checkpoints as published: common/fp8.py)
-_FORMATS = {"int8": 1, "int4": 2, "fp8": 3}
+# bf16_kernel.c's FORMAT_INT8, FORMAT_INT4, FORMAT_FP8, FORMAT_MXFP4 (FP8 and MXFP4 checkpoints as
+# published: common/fp8.py, common/mxfp4.py)
+_FORMATS = {"int8": 1, "int4": 2, "fp8": 3, "mxfp4": 4}
 # What `pack` writes: a packed-weight cache file built for another layout is stale.
 LAYOUT = (
     "int8 and fp8 panels of 32 columns; int4 words of 8 nibbles in panels of 32, bfloat16 "
-    "scales; v1"
+    "scales; mxfp4 as int4, codes by rank, scales 2^(e - 128); v2"
 )
 
 
 @dataclass(frozen=True)
 class Quantization:
     """How experts are held: `scheme` int8 or int4, int4 in groups of `group_size` inputs; or
-    fp8, an FP8 checkpoint's blocks of `group_size` inputs (common/fp8.py)."""
+    fp8, an FP8 checkpoint's blocks of `group_size` inputs (common/fp8.py); or mxfp4, an MXFP4
+    checkpoint's codes in blocks of 32 (common/mxfp4.py)."""
 
-    scheme: Literal["int8", "int4", "fp8"]
+    scheme: Literal["int8", "int4", "fp8", "mxfp4"]
     group_size: int = 64
 
     def __post_init__(self) -> None:
         if self.scheme not in _FORMATS:
             raise ValueError(f"quantize: {self.scheme!r} is not one of {SCHEMES}")
-        if self.scheme == "fp8":
+        if self.scheme == "mxfp4":
+            if self.group_size != 32:
+                raise ValueError(f"MXFP4 blocks of {self.group_size} inputs: they hold 32")
+        elif self.scheme == "fp8":
             if self.group_size % 32:
                 raise ValueError(f"FP8 blocks of {self.group_size} inputs: not a multiple of 32")
         elif self.group_size not in GROUP_SIZES:
@@ -61,7 +66,8 @@ class Quantization:
 
     @property
     def name(self) -> str:
-        """'int8', 'int4-g64' or 'fp8': what status, placement and metrics call the precision."""
+        """'int8', 'int4-g64', 'fp8' or 'mxfp4': what status, placement and metrics call the
+        precision."""
         return f"int4-g{self.group_size}" if self.scheme == "int4" else self.scheme
 
     @property
@@ -101,7 +107,7 @@ class Quantization:
         if self.scheme == "fp8":  # a scale per panel of 32 rows and block of inputs
             blocks = out // bf16.PANEL * (k // self.group_size)
             return {"data": (out * k, torch.uint8), "scales": (blocks, torch.float32)}
-        return {
+        return {  # int4 and MXFP4: half a byte a weight, a scale per column and group
             "data": (out * k // 2, torch.uint8),
             "scales": (out * k // self.group_size, torch.bfloat16),
         }

@@ -14,6 +14,14 @@
    exact): per group, a = sum of x[k] * u in k order, then the group's share s * (a - 8 sum(x))
    = s * sum(x * q) is added to the column's total, groups in order.
 
+   MXFP4 (OCP microscaling, gpt-oss's experts; common/mxfp4.py): int4's words and scale layout,
+   groups of 32 inputs. The FP4 E2M1 codes are re-encoded once at load so that code c means
+   t[c] = 2 v + 12 in [0, 24] (v the FP4 value, t[0] = 0), and each scale holds 2^(e - 128), half
+   the block's power of two. Nibble N's code, masked to the low half of byte N / 2 (the odd ones
+   shifted down first), is looked up in place (a byte shuffle; the other bytes look up t[0] = 0),
+   which gives t * 2^(8 (N / 2)) exactly, and x is scaled by 2^(-8 (N / 2)) to match. Per group,
+   s * (a - 12 sum(x)) = s * sum(2 v x) as int4's, with 12 for 8.
+
    Each row's arithmetic is the same whichever kernel (1 or 2 rows, or a tile of many_rows)
    computes it: a row's bits do not depend on its batch-mates. */
 
@@ -79,17 +87,26 @@ BLOCK(int8_block, FORMAT_INT8, q8_2_1, q8_1_2, k * PANEL, PANEL * sizeof(float))
    accumulators, the words read again from L1 for each input: held in registers across the eight
    inputs, as a panel at a time held them, they left the accumulators no room and GCC spilled them
    (one-row products 22% slower on AVX2). A macro, so that masks are constants. */
-#define Q4STEP(N, BITS, SCALE)                                                               \
+#define Q4STEP(N, WEIGHT, SCALE)                                                             \
     __asm__("" ::: "memory"); /* the words are read again, not kept in registers */           \
     for (int r = 0; r < rows; r++) xr[r] = _mm256_set1_ps(x[r * k + i + N] * (SCALE));       \
     for (int q = 0; q < panels; q++)                                                         \
         for (int j = 0; j < 4; j++) {                                                        \
             __m256i word = _mm256_loadu_si256(at[q] + j);                                    \
-            __m256 f = _mm256_cvtepi32_ps(BITS);                                             \
+            __m256 f = WEIGHT;                                                               \
             for (int r = 0; r < rows; r++)                                                   \
                 acc[r][q * 4 + j] = _mm256_fmadd_ps(xr[r], f, acc[r][q * 4 + j]);            \
         }
-#define NIB(N) _mm256_and_si256(word, _mm256_set1_epi32(15 << (4 * N)))
+#define NIB(N) _mm256_and_si256(word, _mm256_set1_epi32((int)(15u << (4 * N))))
+/* int4's nibble N as a float, u * 2^(4N); the top one shifted down. MXFP4's, t * 2^(8 (N / 2)) */
+#define Q4F(N) _mm256_cvtepi32_ps(N == 7 ? _mm256_srli_epi32(word, 28) : NIB(N))
+#define MXF(N)                                                                                  \
+    _mm256_cvtepi32_ps(_mm256_shuffle_epi8(                                                    \
+        MX_TABLE, _mm256_and_si256(N % 2 ? _mm256_srli_epi32(word, 4) : word,                  \
+                                   _mm256_set1_epi32(15 << (8 * (N / 2))))))
+#define MX_TABLE                                                                                \
+    _mm256_setr_epi8(0, 4, 6, 8, 9, 10, 11, 12, 12, 13, 14, 15, 16, 18, 20, 24, 0, 4, 6, 8, 9, 10, \
+                     11, 12, 12, 13, 14, 15, 16, 18, 20, 24)
 
 /* The sum of x[0..n), n a multiple of 8, in eight lanes then across them: an int4 group's sum of
    inputs, the same in every kernel (a scalar chain of 64 additions cost as much as the group's
@@ -102,10 +119,10 @@ TARGET static inline float group_sum(const float *x, long n) {
     return _mm_cvtss_f32(h) + _mm_cvtss_f32(_mm_shuffle_ps(h, h, 1));
 }
 
-/* R rows of x [R][k] against P int4 panels from p (k * 16 bytes apart), their scales from s
-   ((k / group) * 32 apart), into y */
-#define Q4KERNEL(R, P)                                                                          \
-    TARGET static void q4_##R##_##P(const float *x, const uint32_t *p, const uint16_t *s,       \
+/* R rows of x [R][k] against P int4 (F Q4F, ZERO 8) or MXFP4 (MXF, 12) panels from p (k * 16 bytes
+   apart), their scales from s ((k / group) * 32 apart), into y; x scaled by SHIFT(N) for nibble N */
+#define NIBBLE_KERNEL(NAME, R, P, F, SHIFT, ZERO)                                               \
+    TARGET static void NAME##_##R##_##P(const float *x, const uint32_t *p, const uint16_t *s,   \
                                     uint16_t *y, long ldy, long k, long group,                  \
                                     const float *bias) {                                        \
         const int rows = R, panels = P; /* what Q4STEP reads */                                \
@@ -124,18 +141,18 @@ TARGET static inline float group_sum(const float *x, long n) {
                     _mm_prefetch((const char *)at[q] + Q8_AHEAD, _MM_HINT_T0);                  \
                 }                                                                               \
                 __m256 xr[R];                                                                   \
-                Q4STEP(0, NIB(0), 0x1p-0f)                                                      \
-                Q4STEP(1, NIB(1), 0x1p-4f)                                                      \
-                Q4STEP(2, NIB(2), 0x1p-8f)                                                      \
-                Q4STEP(3, NIB(3), 0x1p-12f)                                                     \
-                Q4STEP(4, NIB(4), 0x1p-16f)                                                     \
-                Q4STEP(5, NIB(5), 0x1p-20f)                                                     \
-                Q4STEP(6, NIB(6), 0x1p-24f)                                                     \
-                Q4STEP(7, _mm256_srli_epi32(word, 28), 1.0f)                                    \
+                Q4STEP(0, F(0), SHIFT(0))                                                       \
+                Q4STEP(1, F(1), SHIFT(1))                                                       \
+                Q4STEP(2, F(2), SHIFT(2))                                                       \
+                Q4STEP(3, F(3), SHIFT(3))                                                       \
+                Q4STEP(4, F(4), SHIFT(4))                                                       \
+                Q4STEP(5, F(5), SHIFT(5))                                                       \
+                Q4STEP(6, F(6), SHIFT(6))                                                       \
+                Q4STEP(7, F(7), SHIFT(7))                                                       \
             }                                                                                   \
             for (int r = 0; r < R; r++) {                                                       \
                 float sum = group_sum(x + r * k + g * group, group);                            \
-                __m256 shift = _mm256_set1_ps(8.0f * sum); /* u = q + 8 */                      \
+                __m256 shift = _mm256_set1_ps(ZERO * sum); /* the codes' offset */              \
                 for (int q = 0; q < P; q++)                                                     \
                     for (int j = 0; j < 4; j++) {                                               \
                         const uint16_t *sc = s + (q * groups + g) * PANEL + j * 8;              \
@@ -153,16 +170,23 @@ TARGET static inline float group_sum(const float *x, long n) {
                 vstore_bf16(y + r * ldy + j * 16, v);                                           \
             }                                                                                   \
     }
-Q4KERNEL(1, 2)
+#define Q4SHIFT(N) (N == 7 ? 1.0f : 1.0f / (1 << (4 * N))) /* 2^-4N: exact */
+#define MXSHIFT(N) (1.0f / (1 << (8 * (N / 2))))
+NIBBLE_KERNEL(q4, 1, 2, Q4F, Q4SHIFT, 8.0f)
+NIBBLE_KERNEL(mx, 1, 2, MXF, MXSHIFT, 12.0f)
 #undef Q4STEP
-#undef NIB
 
-/* int4: many_rows from 2 rows on (2.2x the row-pair kernel it replaced at 2 rows, 1.9x at 3, on
-   AVX2: that kernel's accumulators lived on the stack) */
+/* int4 and MXFP4: many_rows from 2 rows on (2.2x the row-pair kernel it replaced at 2 rows, 1.9x
+   at 3, on AVX2: that kernel's accumulators lived on the stack) */
 TARGET static void int4_block(const float *x, const void *p, const void *s, uint16_t *y, long ldy,
                               long m, long k, long group, const float *bias) {
     if (m >= 2) return many_rows(FORMAT_INT4, x, p, s, y, ldy, m, k, group, bias);
     q4_1_2(x, p, s, y, ldy, k, group, bias);
+}
+TARGET static void mxfp4_block(const float *x, const void *p, const void *s, uint16_t *y,
+                               long ldy, long m, long k, long group, const float *bias) {
+    if (m >= 2) return many_rows(FORMAT_MXFP4, x, p, s, y, ldy, m, k, group, bias);
+    mx_1_2(x, p, s, y, ldy, k, group, bias);
 }
 
 /* FP8 e4m3 as published (DeepSeek-V3's layout): panels of 32 columns, P[panel][k][32] bytes in
@@ -286,57 +310,62 @@ BLOCK(fp8_block, FORMAT_FP8, f8_2_1, f8_1_2, k * PANEL, k / group * sizeof(float
     w0 = f8_widen(_mm_unpacklo_epi8(_mm_setzero_si128(), bytes));                               \
     w1 = f8_widen(_mm_unpackhi_epi8(_mm_setzero_si128(), bytes));                               \
     TILE_EACH(TILE_FMA)
-/* int4: 8 inputs a step from two vectors of words (kept in memory: registers are full), nibble N
-   masked in place as Q4STEP does (x scaled to match by the caller) */
-#define Q4_NIBBLE(N, BITS)                                                                      \
+/* int4 or MXFP4 (F: Q4F or MXF): 8 inputs a step from two vectors of words (kept in memory:
+   registers are full), nibble N converted as the row kernels convert it (x scaled to match by the
+   caller) */
+#define NIBBLE(N, F)                                                                            \
     {                                                                                           \
         long i = i0 + N;                                                                        \
         __asm__("" ::: "memory"); /* the words are read again, not kept in registers */         \
         __m256i word = _mm256_loadu_si256(at);                                                  \
-        w0 = _mm256_cvtepi32_ps(BITS);                                                          \
+        w0 = F(N);                                                                              \
         word = _mm256_loadu_si256(at + 1);                                                      \
-        w1 = _mm256_cvtepi32_ps(BITS);                                                          \
+        w1 = F(N);                                                                              \
         TILE_EACH(TILE_FMA)                                                                     \
     }
-#define Q4_WEIGHTS                                                                              \
+#define NIBBLES(F)                                                                              \
     const __m256i *at = (const __m256i *)((const uint32_t *)p + i0 / 8 * PANEL);                  \
     _mm_prefetch((const char *)at + Q8_AHEAD, _MM_HINT_T0);                                     \
-    Q4_NIBBLE(0, NIB(0)) Q4_NIBBLE(1, NIB(1)) Q4_NIBBLE(2, NIB(2)) Q4_NIBBLE(3, NIB(3))         \
-    Q4_NIBBLE(4, NIB(4)) Q4_NIBBLE(5, NIB(5)) Q4_NIBBLE(6, NIB(6))                              \
-    Q4_NIBBLE(7, _mm256_srli_epi32(word, 28))
-#define NIB(N) _mm256_and_si256(word, _mm256_set1_epi32(15 << (4 * N)))
+    NIBBLE(0, F) NIBBLE(1, F) NIBBLE(2, F) NIBBLE(3, F) NIBBLE(4, F) NIBBLE(5, F) NIBBLE(6, F)  \
+    NIBBLE(7, F)
+#define Q4_WEIGHTS NIBBLES(Q4F)
+#define MX_WEIGHTS NIBBLES(MXF)
 
-/* int4, 2 rows against a whole panel (32 columns): 8 accumulators, where a tile of 2 rows and 16
-   columns has 4 and waits on the multiply-adds' latency (1.2-1.4x that tile). `to` as a tile's. */
-#define PAIR_COLUMNS(j, BITS)                                                                   \
+/* int4 or MXFP4, 2 rows against a whole panel (32 columns): 8 accumulators, where a tile of 2 rows
+   and 16 columns has 4 and waits on the multiply-adds' latency (1.2-1.4x that tile). `to` as a
+   tile's. */
+#define PAIR_COLUMNS(j, N, F)                                                                   \
     {                                                                                           \
         __m256i word = _mm256_loadu_si256(at + j);                                              \
-        __m256 w = _mm256_cvtepi32_ps(BITS);                                                    \
+        __m256 w = F(N);                                                                        \
         a0##j = _mm256_fmadd_ps(b0, w, a0##j);                                                  \
         a1##j = _mm256_fmadd_ps(b1, w, a1##j);                                                  \
     }
-#define PAIR_NIBBLE(N, BITS)                                                                    \
+#define PAIR_NIBBLE(N, F)                                                                       \
     {                                                                                           \
         __asm__("" ::: "memory"); /* the words are read again, not kept in registers */         \
         __m256 b0 = _mm256_broadcast_ss(x + i0 + N), b1 = _mm256_broadcast_ss(x + ldx + i0 + N); \
-        PAIR_COLUMNS(0, BITS) PAIR_COLUMNS(1, BITS) PAIR_COLUMNS(2, BITS) PAIR_COLUMNS(3, BITS) \
+        PAIR_COLUMNS(0, N, F) PAIR_COLUMNS(1, N, F) PAIR_COLUMNS(2, N, F) PAIR_COLUMNS(3, N, F) \
     }
-F8TARGET static void q4_pair(const float *x, long ldx, const void *p, long n, float *to) {
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-    __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-    for (long i0 = 0; i0 < n; i0 += 8) {
-        const __m256i *at = (const __m256i *)((const uint32_t *)p + i0 / 8 * PANEL);
-        _mm_prefetch((const char *)at + Q8_AHEAD, _MM_HINT_T0);
-        PAIR_NIBBLE(0, NIB(0)) PAIR_NIBBLE(1, NIB(1)) PAIR_NIBBLE(2, NIB(2))
-        PAIR_NIBBLE(3, NIB(3)) PAIR_NIBBLE(4, NIB(4)) PAIR_NIBBLE(5, NIB(5))
-        PAIR_NIBBLE(6, NIB(6)) PAIR_NIBBLE(7, _mm256_srli_epi32(word, 28))
+#define PAIR(NAME, F)                                                                           \
+    F8TARGET static void NAME(const float *x, long ldx, const void *p, long n, float *to) {     \
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;                      \
+        __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;                                      \
+        for (long i0 = 0; i0 < n; i0 += 8) {                                                    \
+            const __m256i *at = (const __m256i *)((const uint32_t *)p + i0 / 8 * PANEL);          \
+            _mm_prefetch((const char *)at + Q8_AHEAD, _MM_HINT_T0);                             \
+            PAIR_NIBBLE(0, F) PAIR_NIBBLE(1, F) PAIR_NIBBLE(2, F) PAIR_NIBBLE(3, F)             \
+            PAIR_NIBBLE(4, F) PAIR_NIBBLE(5, F) PAIR_NIBBLE(6, F) PAIR_NIBBLE(7, F)             \
+        }                                                                                       \
+        __m256 sums[2][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}};                       \
+        for (int r = 0; r < 2; r++)                                                             \
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(to + r * 64 + 8 * j, sums[r][j]);      \
     }
-    __m256 sums[2][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}};
-    for (int r = 0; r < 2; r++)
-        for (int j = 0; j < 4; j++) _mm256_storeu_ps(to + r * 64 + 8 * j, sums[r][j]);
-}
+PAIR(q4_pair, Q4F)
+PAIR(mx_pair, MXF)
 #undef PAIR_COLUMNS
 #undef PAIR_NIBBLE
+#undef PAIR
 
 typedef void (*tile_fn)(const float *, long, const void *, long, const float *, float *);
 #define TILES(NAME, STEP, WEIGHTS)                                                              \
@@ -351,6 +380,7 @@ typedef void (*tile_fn)(const float *, long, const void *, long, const float *, 
 TILES(q8_tiles, 1, Q8_WEIGHTS)
 TILES(f8_tiles, 1, F8_WEIGHTS)
 TILES(q4_tiles, 8, Q4_WEIGHTS)
+TILES(mx_tiles, 8, MX_WEIGHTS)
 #undef TILES
 #undef TILE
 #undef TILE_ROW
@@ -361,26 +391,35 @@ TILES(q4_tiles, 8, Q4_WEIGHTS)
 #undef Q8_WEIGHTS
 #undef F8_WEIGHTS
 #undef Q4_WEIGHTS
-#undef Q4_NIBBLE
-#undef NIB
+#undef MX_WEIGHTS
+#undef NIBBLES
+#undef NIBBLE
 
 /* m rows of x [m][k] against a 64-column block of `format`, in tiles of up to 6 rows and 16
-   columns (int4's 2 rows: q4_pair), each chunk of inputs at a time (int8: 64, int4 and FP8: a group): the arithmetic of
-   the row kernels, step for step. A row's 64 sums run in float32 (`total`; int4 and FP8 add each
-   group's sums into it, scaled, as the row kernels do). */
+   columns (int4's and MXFP4's 2 rows: their pair kernels), each chunk of inputs at a time (int8:
+   64, the others a group): the arithmetic of the row kernels, step for step. A row's 64 sums run
+   in float32 (`total`; all but int8 add each group's sums into it, scaled, as the row kernels
+   do). */
 TARGET static void many_rows(int format, const float *x, const void *p, const void *s, uint16_t *y,
                              long ldy, long m, long k, long group, const float *bias) {
     float total[TILE_ROWS * 64], part[TILE_ROWS * 64]; /* a tile's rows: all sums, a group's */
-    /* int4: a group's x, scaled (common/quant.py allows int4 groups of 32, 64 and 128) */
+    /* int4, MXFP4: a group's x, scaled (common/quant.py allows groups of 32, 64 and 128) */
     float scaled[TILE_ROWS * 128] __attribute__((aligned(32)));
-    const tile_fn *tiles = format == FORMAT_INT8 ? q8_tiles : format == FORMAT_INT4 ? q4_tiles
-                                                                                   : f8_tiles;
+    const tile_fn *tiles = format == FORMAT_INT8    ? q8_tiles
+                           : format == FORMAT_INT4  ? q4_tiles
+                           : format == FORMAT_MXFP4 ? mx_tiles
+                                                    : f8_tiles;
+    int nibbles = format == FORMAT_INT4 || format == FORMAT_MXFP4; /* words of 8 inputs */
     long chunk = format == FORMAT_INT8 ? 64 : group; /* int4, FP8: group divides k */
     long groups_k = format == FORMAT_INT8 ? 1 : k / group; /* int8's group is 0 */
     int carried = format == FORMAT_INT8; /* one sum across the chunks, no group's */
-    /* int4: x scaled as Q4STEP scales it (the top nibble is shifted down, not scaled) */
-    const __m256 shifts = _mm256_setr_ps(1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f,
-                                         0x1p-24f, 1.0f);
+    /* int4 and MXFP4: x scaled as the row kernels scale it for nibble N (Q4SHIFT, MXSHIFT) */
+    const __m256 shifts =
+        format == FORMAT_INT4
+            ? _mm256_setr_ps(Q4SHIFT(0), Q4SHIFT(1), Q4SHIFT(2), Q4SHIFT(3), Q4SHIFT(4),
+                             Q4SHIFT(5), Q4SHIFT(6), Q4SHIFT(7))
+            : _mm256_setr_ps(MXSHIFT(0), MXSHIFT(1), MXSHIFT(2), MXSHIFT(3), MXSHIFT(4),
+                             MXSHIFT(5), MXSHIFT(6), MXSHIFT(7));
     long blocks = (m + TILE_ROWS - 1) / TILE_ROWS; /* rows spread evenly: 8 as 4 + 4 */
     for (long b = 0, r0 = 0, rows; b < blocks; b++, r0 += rows) {
         rows = m / blocks + (b < m % blocks);
@@ -389,7 +428,7 @@ TARGET static void many_rows(int format, const float *x, const void *p, const vo
             long n = k - g * chunk < chunk ? k - g * chunk : chunk, i0 = g * chunk;
             const float *xr = x + r0 * k + i0;
             long ldx = k;
-            if (format == FORMAT_INT4) {
+            if (nibbles) {
                 for (long r = 0; r < rows; r++)
                     for (long i = 0; i < n; i += 8)
                         _mm256_store_ps(scaled + r * n + i,
@@ -399,21 +438,23 @@ TARGET static void many_rows(int format, const float *x, const void *p, const vo
             const char *panel[2]; /* the chunk's first input in each panel */
             for (int q = 0; q < 2; q++)
                 panel[q] = (const char *)p + (q * k + i0) * block_bytes(format, 1) / 2;
-            int pair = format == FORMAT_INT4 && rows == 2;
-            for (int q = 0; q < 2 && pair; q++) q4_pair(xr, ldx, panel[q], n, part + q * 32);
+            int pair = nibbles && rows == 2;
+            for (int q = 0; q < 2 && pair; q++)
+                (format == FORMAT_INT4 ? q4_pair : mx_pair)(xr, ldx, panel[q], n, part + q * 32);
             for (int c = 0; c < 4 && !pair; c++) /* 16 columns: a panel's first or second half */
-                tiles[rows](xr, ldx, panel[c / 2] + c % 2 * (format == FORMAT_INT4 ? 64 : 16), n,
+                tiles[rows](xr, ldx, panel[c / 2] + c % 2 * (nibbles ? 64 : 16), n,
                             carried ? total + c * 16 : 0, carried ? total + c * 16 : part + c * 16);
             for (long r = 0; r < rows && !carried; r++) {
-                float sum = format == FORMAT_INT4 ? group_sum(x + (r0 + r) * k + i0, n) : 0.0f;
+                float sum = nibbles ? group_sum(x + (r0 + r) * k + i0, n) : 0.0f;
+                float zero = format == FORMAT_INT4 ? 8.0f : 12.0f; /* the codes' offset */
                 for (int j = 0; j < 8; j++) {
                     long q = j / 4;
                     __m256 scale, a = _mm256_loadu_ps(part + r * 64 + 8 * j);
-                    if (format == FORMAT_INT4) {
+                    if (nibbles) {
                         const uint16_t *sc =
                             (const uint16_t *)s + (q * groups_k + g) * PANEL + (j % 4) * 8;
                         scale = widen8(_mm_loadu_si128((const __m128i *)sc));
-                        a = _mm256_sub_ps(a, _mm256_set1_ps(8.0f * sum));
+                        a = _mm256_sub_ps(a, _mm256_set1_ps(zero * sum));
                     } else {
                         scale = _mm256_set1_ps(((const float *)s)[q * groups_k + g] * 256.0f);
                     }

@@ -52,7 +52,7 @@ class ExpertDescription:
     hidden_size: int
     region: str
     stats: ExpertStats
-    precision: str  # the experts' weights: the dtype, or 'int8' / 'int4-g64'
+    precision: str  # the experts' weights: the dtype, or 'int8' / 'int4-g64' / 'fp8' / 'mxfp4'
     device: str = "cpu"  # where they compute: 'cpu', 'cuda:0', ...
 
 
@@ -176,8 +176,10 @@ class ExpertHost:
 
     @property
     def precision(self) -> str:
-        """What the experts are held in: the dtype, or 'int8' / 'int4-g64'."""
-        return precision(self.dtype, self.settings.quantization)
+        """What the experts are held in: the dtype, or 'int8' / 'int4-g64' (--quantize), 'fp8' /
+        'mxfp4' (the checkpoint's own, computed as published)."""
+        down = next(iter(self.weights.values())).down
+        return precision(self.dtype, getattr(down, "quantization", None))
 
     async def forward(
         self,

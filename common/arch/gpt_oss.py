@@ -9,6 +9,7 @@ import torch
 from common import mxfp4
 from common.arch.spec import ExpertActivation, ModelSpec, TensorNames, common_fields
 from common.errors import CheckpointError
+from common.quant import QuantPanels
 from common.weights import FFNWeights, LayerWeights
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -86,14 +87,15 @@ def load_expert(checkpoint, layer: int, expert: int) -> FFNWeights:
     gate_up_bias = checkpoint.tensor(base + "gate_up_proj_bias", (e, 2 * i))[expert]
     down_bias = checkpoint.tensor(base + "down_proj_bias", (e, h))[expert]
     if checkpoint.has(base + "gate_up_proj_blocks") or checkpoint.has(base + "gate_up_proj_scales"):
-        gate_up = _mxfp4(checkpoint, base + "gate_up_proj", expert, (e, 2 * i, h), down_bias.dtype)
-        down = _mxfp4(checkpoint, base + "down_proj", expert, (e, h, i), down_bias.dtype)
+        name, dtype = base + "gate_up_proj", down_bias.dtype
+        gate_up = _mxfp4(checkpoint, name, expert, (e, 2 * i, h), dtype, _gate_first)
+        down = _mxfp4(checkpoint, base + "down_proj", expert, (e, h, i), dtype)
     else:
-        gate_up = checkpoint.tensor(base + "gate_up_proj", (e, h, 2 * i))[expert].T  # [2I, H]
+        gate_up = _gate_first(checkpoint.tensor(base + "gate_up_proj", (e, h, 2 * i))[expert].T)
         down = checkpoint.tensor(base + "down_proj", (e, i, h))[expert].T.contiguous()  # [H, I]
     return FFNWeights(
-        gate_up=checkpoint.pack(_gate_first(gate_up)),
-        down=checkpoint.pack(down),
+        gate_up=_held(checkpoint, gate_up),
+        down=_held(checkpoint, down),
         gate_up_bias=_gate_first(gate_up_bias),
         down_bias=down_bias,
         activation=s.activation,
@@ -105,8 +107,15 @@ def _gate_first(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t[0::2], t[1::2]])
 
 
-def _mxfp4(checkpoint, name: str, expert: int, shape: tuple[int, int, int], dtype) -> torch.Tensor:
-    """Expert `expert` of the MXFP4 pair name_blocks / name_scales, dequantized: [rows, cols]."""
+def _held(checkpoint, weight):
+    """A weight as the checkpoint holds it for serving (MXFP4 panels are held already)."""
+    return weight if isinstance(weight, QuantPanels) else checkpoint.pack(weight)
+
+
+def _mxfp4(checkpoint, name: str, expert: int, shape, dtype, order=lambda rows: rows):
+    """Expert `expert` of the MXFP4 pair name_blocks / name_scales, [rows, cols], its rows in
+    `order`: computed from its codes where the kernels can (mxfp4.panels, served in bfloat16),
+    else dequantized."""
     e, rows, cols = shape
     if cols % mxfp4.BLOCK:
         raise CheckpointError(
@@ -115,6 +124,19 @@ def _mxfp4(checkpoint, name: str, expert: int, shape: tuple[int, int, int], dtyp
             tensor=name + "_blocks",
         )
     groups = cols // mxfp4.BLOCK
-    blocks = checkpoint.tensor(name + "_blocks", (e, rows, groups, 16), dtype=torch.uint8)[expert]
-    scales = checkpoint.tensor(name + "_scales", (e, rows, groups), dtype=torch.uint8)[expert]
-    return mxfp4.dequantize(blocks, scales, dtype)
+    raw = (
+        checkpoint.tensor(name + "_blocks", (e, rows, groups, 16), dtype=torch.uint8)[expert],
+        checkpoint.tensor(name + "_scales", (e, rows, groups), dtype=torch.uint8)[expert],
+    )
+    if not (checkpoint.prepacked and mxfp4.computable(dtype, rows)):
+        return mxfp4.dequantize(*(order(t) for t in raw), dtype)
+
+    def fill(out: dict[str, torch.Tensor]) -> None:
+        mxfp4.pack(*(order(t) for t in raw), name + "_scales", out["data"], out["scales"])
+        checkpoint.release(*raw)  # their file pages, copied into the panels
+
+    shape = (rows, cols)
+    held = checkpoint.packed_entry(
+        f"{name.removeprefix('model.')}-{expert}-mxfp4", mxfp4.FORMAT.layout(shape), fill
+    )
+    return QuantPanels.of(held["data"], held["scales"], shape, mxfp4.FORMAT)

@@ -127,6 +127,30 @@ def quantize_mxfp4(out_dir: Path) -> None:
     _rewrite_tensors(out_dir, rewrite, config)
 
 
+def dequantize_mxfp4(out_dir: Path) -> None:
+    """`quantize_mxfp4` undone: MXFP4 experts rewritten as gpt-oss's float checkpoints store them
+    ([E, H, 2I] and [E, I, H], bfloat16), each weight exactly the value its code and scale mean,
+    and no ``quantization_config``: the same model, stored unquantized (bench/mxfp4.py's
+    baseline)."""
+    import torch
+
+    from common import mxfp4
+
+    def rewrite(tensors: dict) -> dict[str, list[str]]:
+        held = {}
+        for name in [n for n in tensors if n.endswith("experts.gate_up_proj_blocks")] + [
+            n for n in tensors if n.endswith("experts.down_proj_blocks")
+        ]:
+            base = name.removesuffix("_blocks")
+            scales = tensors.pop(base + "_scales")
+            w = mxfp4.dequantize(tensors.pop(name), scales, torch.bfloat16)
+            tensors[base] = w.transpose(1, 2).contiguous()
+            held[name], held[base + "_scales"] = [base], [base]
+        return held
+
+    _rewrite_tensors(out_dir, rewrite, None)
+
+
 def quantize_fp8(out_dir: Path, block: tuple[int, int] = (128, 128)) -> None:
     """Rewrite a checkpoint's linear layers as DeepSeek-V3 publishes them: each `W.weight` of a
     decoder layer (not the routers' gates, norms, embeddings or LM head) as float8_e4m3fn with
@@ -151,11 +175,13 @@ def quantize_fp8(out_dir: Path, block: tuple[int, int] = (128, 128)) -> None:
 
 
 def _rewrite_tensors(
-    out_dir: Path, rewrite: Callable[[dict], dict[str, list[str]]], quantization_config: dict
+    out_dir: Path,
+    rewrite: Callable[[dict], dict[str, list[str]]],
+    quantization_config: dict | None,
 ) -> None:
     """Each safetensors file of `out_dir` through `rewrite` (which edits its tensors in place and
     returns, for each tensor it replaced, the names that hold it now), the index following, and
-    `quantization_config` written into config.json."""
+    `quantization_config` written into config.json (None: removed from it)."""
     from safetensors.torch import load_file, save_file
 
     index_path = out_dir / "model.safetensors.index.json"
@@ -174,7 +200,10 @@ def _rewrite_tensors(
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     cfg_path = out_dir / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["quantization_config"] = quantization_config
+    if quantization_config is None:
+        cfg.pop("quantization_config", None)
+    else:
+        cfg["quantization_config"] = quantization_config
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 

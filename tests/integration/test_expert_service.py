@@ -69,7 +69,7 @@ def settings(checkpoint) -> Callable[..., ExpertSettings]:
         ("olmoe", {}, "bfloat16"),
         ("deepseek_v3", {"expert_layout": "fused"}, "bfloat16"),
         ("dbrx", {}, "bfloat16"),
-        ("gpt_oss", {"quantize": "mxfp4"}, "bfloat16"),  # biases; MXFP4 dequantized at load
+        ("gpt_oss", {"quantize": "mxfp4"}, "bfloat16"),  # biases; MXFP4 computed from its codes
     ],
 )
 async def test_forward_matches_expert_ffn_and_describe_reports_what_is_served(

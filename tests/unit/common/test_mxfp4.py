@@ -1,5 +1,7 @@
 """MXFP4: our dequantizer gives transformers' weights bit for bit; our quantizer (for test
-checkpoints) round-trips FP4 values and rounds others to the nearest."""
+checkpoints) round-trips FP4 values and rounds others to the nearest; products computed from the
+codes (the kernels' MXFP4 panels) are the format's meaning to float accuracy, a row's bits its
+own whatever its batch-mates."""
 
 from __future__ import annotations
 
@@ -7,7 +9,12 @@ import pytest
 import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from common import mxfp4
+from common import bf16, mxfp4
+from common.errors import CheckpointError
+
+kernels = pytest.mark.skipif(
+    bf16.kernel("moe_linear") is None, reason="no C compiler or no AVX2: no MXFP4 kernels"
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -29,3 +36,46 @@ def test_quantize_round_trips_fp4_values_and_rounds_others_to_the_nearest() -> N
     # FP4 values are at most 2 apart (4 and 6): the nearest is within one unit of the scale.
     unit = torch.exp2(scales.float() - 127).repeat_interleave(32, dim=1)
     assert ((mxfp4.dequantize(codes, scales, torch.float32) - w).abs() <= unit).all()
+
+
+def codes(rows: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every code, and scales from 2^-127 (E8M0's smallest) to 2^9."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (rows, n // 32, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(127 - 12, 127 + 9, (rows, n // 32), dtype=torch.uint8, generator=gen)
+    scales[0, 0] = 0
+    return blocks, scales
+
+
+@kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+def test_a_product_from_the_codes_is_the_formats_meaning_to_float_accuracy(rows) -> None:
+    blocks, scales = codes(128, 256)
+    held = mxfp4.panels(blocks, scales, "w_scales")
+    assert held.quantization.name == "mxfp4" and held.nbytes == 128 * 256 // 2 + 128 * 8 * 2
+    w = mxfp4.dequantize(blocks, scales, torch.float64)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    y, ref = held(x).double(), x.double() @ w.T
+    # float32 sums (each group's offset by 12 sum(x), then scaled) and one bfloat16 rounding:
+    # half an ulp of the result, plus float32's error on sums of terms up to 12 |x| s
+    floor = 2**-16 * (
+        x.double().abs() @ (12 * torch.exp2(scales.double() - 127)).repeat_interleave(32, 1).T
+    )
+    assert ((y - ref).abs() <= ref.abs() * 2**-8 + floor).all()
+
+
+@kernels
+def test_a_rows_bits_from_the_codes_do_not_depend_on_its_batch_mates() -> None:
+    held = mxfp4.panels(*codes(128, 256, seed=2), "w_scales")
+    x = torch.randn(13, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+    whole = held(x)  # tiles of 5, 4 and 4 rows; below, the row kernel, the pair, tiles of 3 to 6
+    for start, stop in [(0, 1), (1, 3), (3, 6), (6, 13), (0, 12)]:
+        assert torch.equal(held(x[start:stop]), whole[start:stop])
+
+
+def test_a_nan_scale_is_refused_naming_the_tensor() -> None:
+    blocks, scales = codes(64, 64)
+    scales[3, 1] = 255
+    with pytest.raises(CheckpointError, match="NaN in E8M0") as e:
+        mxfp4.panels(blocks, scales, "model.layers.0.mlp.experts.down_proj_scales")
+    assert "down_proj_scales" in str(e.value)

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from common import bf16
 from common.errors import InvalidArgumentError
 from common.placement import parse_experts
 from common.telemetry import Telemetry
@@ -27,22 +28,32 @@ def test_host_loads_only_its_experts(settings) -> None:
         assert all(isinstance(w, FFNWeights) for w in host.weights.values())
 
 
+@pytest.mark.parametrize(
+    "arch, created, served, name",
+    [
+        ("mixtral", {"dtype": "bfloat16"}, {"quantize": "int8"}, "int8"),
+        pytest.param(  # as published: computed from its codes
+            *("gpt_oss", {"quantize": "mxfp4"}, {"dtype": "bfloat16"}, "mxfp4"),
+            marks=pytest.mark.skipif(
+                bf16.kernel("moe_linear") is None, reason="no C compiler or AVX2: dequantized"
+            ),
+        ),
+    ],
+)
 def test_the_weights_held_are_a_metric_named_by_their_precision(
-    checkpoint, tmp_path, monkeypatch
+    arch, created, served, name, checkpoint, tmp_path, monkeypatch
 ) -> None:
     monkeypatch.setenv("MOE_MESH_CACHE_DIR", str(tmp_path))
     telemetry = Telemetry.create("expert", metrics_port=0)
     try:
         host = ExpertHost.load(
-            ExpertSettings(
-                checkpoint=checkpoint("mixtral", dtype="bfloat16"), experts=SPEC, quantize="int8"
-            ),
+            ExpertSettings(checkpoint=checkpoint(arch, **created), experts=SPEC, **served),
             telemetry,
         )
-        assert host.describe().precision == "int8"
+        assert host.describe().precision == name
         held = sum(w.nbytes for w in host.weights.values())
         samples = scrape(telemetry)
-        assert samples["moe_expert_weight_bytes{moe_precision=int8}"] == held
+        assert samples[f"moe_expert_weight_bytes{{moe_precision={name}}}"] == held
     finally:
         telemetry.shutdown()
 

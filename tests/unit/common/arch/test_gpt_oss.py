@@ -12,10 +12,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+from common import bf16, mxfp4
 from common.arch import parse_spec
 from common.checkpoint import Checkpoint
 from common.errors import CheckpointError, UnsupportedModelError
 from common.moe import expert_ffn, route
+from common.quant import QuantPanels
 from common.safetensors_mmap import SafetensorsFile
 from tests.support.hf import load
 
@@ -171,6 +173,30 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(checkpoint) -> None
         assert w.gate_up.dtype == dtype
         assert torch.equal(w.gate_up, torch.cat([gate_up[:, 0::2].T, gate_up[:, 1::2].T]))
         assert torch.equal(w.down, down.T)
+
+
+@pytest.mark.skipif(bf16.kernel("moe_linear") is None, reason="no C compiler or AVX2: dequantized")
+def test_mxfp4_experts_served_in_bfloat16_are_computed_from_their_codes(
+    checkpoint, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setenv("MOE_MESH_CACHE_DIR", str(tmp_path))
+    path = checkpoint("gpt_oss", quantize="mxfp4")
+    [plain] = Checkpoint(path, dtype=torch.bfloat16).load_experts([(1, 2)]).values()
+    [held] = Checkpoint(path, dtype=torch.bfloat16, prepack=True).load_experts([(1, 2)]).values()
+    assert isinstance(held.gate_up, QuantPanels) and held.down.quantization.name == "mxfp4"
+    # Packed once a host: the next process maps the cache file and reads no code
+    monkeypatch.setattr(mxfp4, "pack", lambda *a: pytest.fail("packed again"))
+    [again] = Checkpoint(path, dtype=torch.bfloat16, prepack=True).load_experts([(1, 2)]).values()
+    assert torch.equal(again.gate_up.data, held.gate_up.data)
+    assert torch.equal(again.down.scales, held.down.scales)
+    assert held.gate_up.nbytes == 192 * 64 // 2 + 192 * 2 * 2  # codes and a scale a block
+    # The dequantized weights' FFN (gate rows first) to within a bfloat16 rounding: the products
+    # are exact in both, only their float32 sums differ in order
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    want, got = expert_ffn(x, plain).double(), expert_ffn(x, held).double()
+    assert ((got - want).abs() <= (want.abs() + want.abs().max()) * 2**-7).all()
+    [f32] = Checkpoint(path, dtype=torch.float32, prepack=True).load_experts([(1, 2)]).values()
+    assert not isinstance(f32.gate_up, QuantPanels)  # float32: dequantized, token-exact
 
 
 # -- broken checkpoints ----------------------------------------------------------------------------
