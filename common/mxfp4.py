@@ -82,6 +82,8 @@ def pack(
     re-ranked and laid out as int4's words (input 8i + j of a column at bits 4j), scales as
     bfloat16 2^(e - 128). A NaN scale is refused, naming `tensor`."""
     rows, groups, _ = blocks.shape
+    if rows % bf16.COLUMNS:
+        raise ValueError(f"MXFP4 panels hold rows in multiples of {bf16.COLUMNS}, not {rows}")
     if bool((scales == NAN_SCALE).any()):
         raise CheckpointError(f"a scale of {NAN_SCALE} (NaN in E8M0)", tensor=tensor)
     n = groups * BLOCK

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
 import mmap
 import os
+import resource
 import shutil
 import struct
 import tempfile
@@ -51,11 +53,23 @@ def enabled() -> bool:
     return os.environ.get("MOE_MESH_PACK_CACHE", "on").lower() not in ("off", "0", "false", "no")
 
 
+@functools.cache
+def raise_open_files_limit() -> None:
+    """Each mapped file holds a descriptor (Python's mmap keeps a copy of it), one an expert: a
+    process holding a large model's experts needs thousands, past the usual soft limit of 1,024.
+    Raised to the hard limit once, as vLLM does at start-up."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 class PackCache:
     """The packed-weight files of one checkpoint directory, valid for `key` (its content and
     the layout): $MOE_MESH_CACHE_DIR/packed/<hash of the checkpoint's path>/."""
 
     def __init__(self, checkpoint: Path, key: str) -> None:
+        raise_open_files_limit()
         self.checkpoint, self.key = checkpoint.resolve(), key
         self.directory = directory(checkpoint)
         self._files: list[SafetensorsFile] = []  # mapped: their tensors are views of them

@@ -32,9 +32,11 @@ GROUP_SIZES = (32, 64, 128)
 # published: common/fp8.py, common/mxfp4.py)
 _FORMATS = {"int8": 1, "int4": 2, "fp8": 3, "mxfp4": 4}
 # What `pack` writes: a packed-weight cache file built for another layout is stale.
+# (MXFP4's, common/mxfp4.py, came later under entry names of its own: unchanged here so that the
+# other formats' files stay valid; a change to it changes this string.)
 LAYOUT = (
     "int8 and fp8 panels of 32 columns; int4 words of 8 nibbles in panels of 32, bfloat16 "
-    "scales; mxfp4 as int4, codes by rank, scales 2^(e - 128); v2"
+    "scales; v1"
 )
 
 
@@ -150,6 +152,8 @@ def pack(weight: torch.Tensor, q: Quantization, data: torch.Tensor, scales: torc
     into the kernel's layout in `data` and `scales` (flat, of q.layout's sizes). Panels are
     independent: a weight's row blocks packed into consecutive parts of `data` and `scales` are
     that weight packed."""
+    if q.scheme not in ("int8", "int4"):  # checkpoints' own formats: fp8.pack, mxfp4.pack
+        raise ValueError(f"{q.name} weights are packed as published, not quantized here")
     rows, k = weight.shape
     sizes = q.layout((rows, k))
     assert rows % bf16.PANEL == 0 and k % 8 == 0
@@ -179,6 +183,8 @@ def unpack(
     values are e4m3, its scales one per row and block of inputs."""
     out, k = shape
     panels = out // bf16.PANEL
+    if q.scheme == "mxfp4":
+        raise ValueError("MXFP4 panels hold re-ranked codes: common/mxfp4.py reads the format")
     if q.scheme != "int4":  # [panel][k][32] bytes
         kind = torch.int8 if q.scheme == "int8" else torch.float8_e4m3fn
         values = data.view(kind).view(panels, k, bf16.PANEL).transpose(1, 2).reshape(out, k)

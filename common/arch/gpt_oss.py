@@ -87,9 +87,7 @@ def load_expert(checkpoint, layer: int, expert: int) -> FFNWeights:
     gate_up_bias = checkpoint.tensor(base + "gate_up_proj_bias", (e, 2 * i))[expert]
     down_bias = checkpoint.tensor(base + "down_proj_bias", (e, h))[expert]
     if checkpoint.has(base + "gate_up_proj_blocks") or checkpoint.has(base + "gate_up_proj_scales"):
-        name, dtype = base + "gate_up_proj", down_bias.dtype
-        gate_up = _mxfp4(checkpoint, name, expert, (e, 2 * i, h), dtype, _gate_first)
-        down = _mxfp4(checkpoint, base + "down_proj", expert, (e, h, i), dtype)
+        gate_up, down = _mxfp4(checkpoint, base, expert, down_bias.dtype)
     else:
         gate_up = _gate_first(checkpoint.tensor(base + "gate_up_proj", (e, h, 2 * i))[expert].T)
         down = checkpoint.tensor(base + "down_proj", (e, i, h))[expert].T.contiguous()  # [H, I]
@@ -112,31 +110,46 @@ def _held(checkpoint, weight):
     return weight if isinstance(weight, QuantPanels) else checkpoint.pack(weight)
 
 
-def _mxfp4(checkpoint, name: str, expert: int, shape, dtype, order=lambda rows: rows):
-    """Expert `expert` of the MXFP4 pair name_blocks / name_scales, [rows, cols], its rows in
-    `order`: computed from its codes where the kernels can (mxfp4.panels, served in bfloat16),
-    else dequantized."""
-    e, rows, cols = shape
-    if cols % mxfp4.BLOCK:
-        raise CheckpointError(
-            f"MXFP4 needs rows of a multiple of {mxfp4.BLOCK} weights; the config implies {cols}",
-            file=str(checkpoint.path),
-            tensor=name + "_blocks",
+def _mxfp4(checkpoint, base: str, expert: int, dtype) -> tuple:
+    """Expert `expert`'s gate_up (gate rows first) and down from the MXFP4 pairs *_blocks /
+    *_scales under `base`: computed from their codes where the kernels can take both (packed once
+    a host into one cache entry, as other formats' experts are: a file an expert), else
+    dequantized."""
+    s = checkpoint.spec
+    raw, shapes = {}, {"gate_up": (2 * s.expert_intermediate_size, s.hidden_size)}
+    shapes["down"] = (s.hidden_size, s.expert_intermediate_size)
+    for w, (rows, cols) in shapes.items():
+        name = f"{base}{w}_proj"
+        if cols % mxfp4.BLOCK:
+            raise CheckpointError(
+                f"MXFP4 needs rows of a multiple of {mxfp4.BLOCK} weights; the config implies "
+                f"{cols}",
+                file=str(checkpoint.path),
+                tensor=name + "_blocks",
+            )
+        e, groups = s.num_experts, cols // mxfp4.BLOCK
+        raw[w] = (
+            checkpoint.tensor(name + "_blocks", (e, rows, groups, 16), dtype=torch.uint8)[expert],
+            checkpoint.tensor(name + "_scales", (e, rows, groups), dtype=torch.uint8)[expert],
         )
-    groups = cols // mxfp4.BLOCK
-    raw = (
-        checkpoint.tensor(name + "_blocks", (e, rows, groups, 16), dtype=torch.uint8)[expert],
-        checkpoint.tensor(name + "_scales", (e, rows, groups), dtype=torch.uint8)[expert],
-    )
-    if not (checkpoint.prepacked and mxfp4.computable(dtype, rows)):
-        return mxfp4.dequantize(*(order(t) for t in raw), dtype)
+    order = {"gate_up": _gate_first, "down": lambda rows: rows}
+    if not (checkpoint.prepacked and all(mxfp4.computable(dtype, r) for r, _ in shapes.values())):
+        return tuple(mxfp4.dequantize(*map(order[w], raw[w]), dtype) for w in shapes)
 
     def fill(out: dict[str, torch.Tensor]) -> None:
-        mxfp4.pack(*(order(t) for t in raw), name + "_scales", out["data"], out["scales"])
-        checkpoint.release(*raw)  # their file pages, copied into the panels
+        for w, (blocks, scales) in raw.items():
+            tensor = f"{base}{w}_proj_scales"
+            data, packed_scales = out[f"{w}.data"], out[f"{w}.scales"]
+            mxfp4.pack(order[w](blocks), order[w](scales), tensor, data, packed_scales)
+            checkpoint.release(blocks, scales)  # their file pages, copied into the panels
 
-    shape = (rows, cols)
-    held = checkpoint.packed_entry(
-        f"{name.removeprefix('model.')}-{expert}-mxfp4", mxfp4.FORMAT.layout(shape), fill
+    sizes = {
+        f"{w}.{part}": size
+        for w, x in shapes.items()
+        for part, size in mxfp4.FORMAT.layout(x).items()
+    }
+    held = checkpoint.packed_entry(f"{base.removeprefix('model.')}{expert}-mxfp4", sizes, fill)
+    return tuple(
+        QuantPanels.of(held[f"{w}.data"], held[f"{w}.scales"], x, mxfp4.FORMAT)
+        for w, x in shapes.items()
     )
-    return QuantPanels.of(held["data"], held["scales"], shape, mxfp4.FORMAT)

@@ -51,10 +51,12 @@ PROCESS_WIDE = [
     (
         "MOE_MESH_PACK_CACHE",
         "router, expert service",
-        "`on` (default): experts held in moe-mesh's bfloat16 layout are packed once into files "
-        "under `$MOE_MESH_CACHE_DIR/packed/` that every process maps, one copy a host; a stale "
-        "or corrupt file is logged and rebuilt, an unwritable directory leaves the weights in "
-        "process memory (with a warning); `off`: each process packs its own copy",
+        "`on` (default): experts held in moe-mesh's bfloat16, int8, int4, FP8 or MXFP4 panels "
+        "are packed once into files under `$MOE_MESH_CACHE_DIR/packed/` (a file an expert) that "
+        "every process maps, one copy a host; a stale or corrupt file is logged and rebuilt, an "
+        "unwritable directory leaves the weights in process memory (with a warning); a mapped "
+        "file holds a descriptor, so the process raises its soft open-files limit to the hard "
+        "one; `off`: each process packs its own copy",
     ),
     (
         "MOE_MESH_FUSED_DECODE",

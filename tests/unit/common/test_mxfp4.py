@@ -39,22 +39,24 @@ def test_quantize_round_trips_fp4_values_and_rounds_others_to_the_nearest() -> N
 
 
 def codes(rows: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every code, and scales from 2^-127 (E8M0's smallest) to 2^9."""
+    """Every code, and scales from 2^-12 to 2^9; row 0's from 2^-127 (E8M0's smallest: subnormal
+    in bfloat16 and float32) to 2^-125."""
     gen = torch.Generator().manual_seed(seed)
     blocks = torch.randint(0, 256, (rows, n // 32, 16), dtype=torch.uint8, generator=gen)
     scales = torch.randint(127 - 12, 127 + 9, (rows, n // 32), dtype=torch.uint8, generator=gen)
-    scales[0, 0] = 0
+    scales[0] = torch.arange(n // 32) % 3
     return blocks, scales
 
 
 @kernels
 @pytest.mark.parametrize("rows", [1, 2, 3, 8])
-def test_a_product_from_the_codes_is_the_formats_meaning_to_float_accuracy(rows) -> None:
-    blocks, scales = codes(128, 256)
+@pytest.mark.parametrize("n", [96, 256])
+def test_a_product_from_the_codes_is_the_formats_meaning_to_float_accuracy(rows, n) -> None:
+    blocks, scales = codes(128, n)
     held = mxfp4.panels(blocks, scales, "w_scales")
-    assert held.quantization.name == "mxfp4" and held.nbytes == 128 * 256 // 2 + 128 * 8 * 2
+    assert held.quantization.name == "mxfp4" and held.nbytes == 128 * n // 2 + 128 * n // 32 * 2
     w = mxfp4.dequantize(blocks, scales, torch.float64)
-    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(1)).bfloat16()
     y, ref = held(x).double(), x.double() @ w.T
     # float32 sums (each group's offset by 12 sum(x), then scaled) and one bfloat16 rounding:
     # half an ulp of the result, plus float32's error on sums of terms up to 12 |x| s
@@ -62,6 +64,7 @@ def test_a_product_from_the_codes_is_the_formats_meaning_to_float_accuracy(rows)
         x.double().abs() @ (12 * torch.exp2(scales.double() - 127)).repeat_interleave(32, 1).T
     )
     assert ((y - ref).abs() <= ref.abs() * 2**-8 + floor).all()
+    assert (y[:, 0] != 0).all()  # row 0's tiny scales are not flushed to zero
 
 
 @kernels
@@ -71,6 +74,11 @@ def test_a_rows_bits_from_the_codes_do_not_depend_on_its_batch_mates() -> None:
     whole = held(x)  # tiles of 5, 4 and 4 rows; below, the row kernel, the pair, tiles of 3 to 6
     for start, stop in [(0, 1), (1, 3), (3, 6), (6, 13), (0, 12)]:
         assert torch.equal(held(x[start:stop]), whole[start:stop])
+
+
+def test_rows_not_in_whole_panels_are_refused() -> None:
+    with pytest.raises(ValueError, match="multiples of 64, not 96"):
+        mxfp4.panels(*codes(96, 64), "w_scales")
 
 
 def test_a_nan_scale_is_refused_naming_the_tensor() -> None:

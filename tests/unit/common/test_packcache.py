@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -203,3 +206,17 @@ def test_a_builder_that_died_leaves_no_file_behind_the_next_build(panels, ckpt_d
         "layer0-expert0.safetensors",
         "layer1-expert0.safetensors",
     ]
+
+
+def test_a_process_mapping_packed_files_may_hold_as_many_as_its_hard_limit(tmp_path) -> None:
+    # A mapped file holds a descriptor; a large model's experts need thousands (soft limit: 1,024)
+    script = (
+        "import resource; from pathlib import Path; from common import packcache\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))\n"
+        f"packcache.PackCache(Path({str(tmp_path)!r}), 'key')\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard) or hard <= 256)\n"
+    )
+    env = {**os.environ, "MOE_MESH_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
