@@ -8,7 +8,7 @@ A row of n weights is n / 32 blocks of 32 four-bit codes that share one power-of
 
 as transformers' integrations/mxfp4.py (`convert_moe_packed_tensors`) reads them.
 
-Served in bfloat16 on a CPU with the C kernels, experts are computed from that form (`panels`):
+Served in bfloat16 on a CPU with the C kernels, experts are computed from that form (`pack`):
 the codes rearranged into the kernels' panels of 32 output rows, half a byte a weight, and each
 scale a bfloat16 power of two (common/quant_kernel.c). Otherwise (float32, a GPU, no kernels) an
 expert is dequantized at load (`dequantize`): FP4 values times a power of two are exact in
