@@ -18,6 +18,7 @@ from common.weights import FFNWeights
 from expert_service.core import ExpertHost
 from expert_service.settings import ExpertSettings
 from tests.support.experts import SPEC, assert_close, reference
+from tests.support.fp8 import fp8_checkpoint
 from tests.support.metrics import scrape
 
 
@@ -56,6 +57,14 @@ def test_the_weights_held_are_a_metric_named_by_their_precision(
         assert samples[f"moe_expert_weight_bytes{{moe_precision={name}}}"] == held
     finally:
         telemetry.shutdown()
+
+
+@pytest.mark.skipif(bf16.kernel("moe_linear") is None, reason="no C compiler or AVX2: dequantized")
+def test_an_fp8_checkpoints_experts_are_reported_as_fp8(checkpoint, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MOE_MESH_CACHE_DIR", str(tmp_path))
+    path = fp8_checkpoint(checkpoint("deepseek_v3", dtype="bfloat16"), tmp_path / "fp8")
+    host = ExpertHost.load(ExpertSettings(checkpoint=path, experts="1:0-3"))
+    assert host.describe().precision == "fp8"  # computed from its e4m3 bytes, not bfloat16
 
 
 async def test_large_finite_activations_pass_and_any_nan_or_inf_is_counted(settings) -> None:
