@@ -15,7 +15,7 @@ not fit a 23 GB host.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -143,20 +143,34 @@ def mismatches(have: ModelSpec, want: ModelSpec) -> list[str]:
 
 
 def create(g: Geometry, out: Path) -> None:
-    """Write `g`'s checkpoint at `out`, with progress on stderr. It is built next to `out` and
-    renamed into place when whole, so an interrupted run leaves no half checkpoint to reuse."""
+    """Write `g`'s checkpoint at `out`, with progress on stderr (built whole, `built_whole`)."""
     from moe_mesh.dev.create_checkpoint import create_checkpoint  # here: see geometry_spec
 
+    print(f"[geometry] creating {g.name} at {out}: {g.about}", flush=True)
+    built_whole(
+        out,
+        lambda partial: create_checkpoint(
+            partial,
+            g.arch,
+            "small",
+            seed=0,
+            overrides=g.overrides,
+            progress=True,
+            dtype=g.disk_dtype,
+        ),
+    )
+    print(f"[geometry] {g.name} ready at {out}", flush=True)
+
+
+def built_whole(out: Path, build: Callable[[Path], None]) -> None:
+    """A checkpoint directory `build(partial)` writes beside `out`, renamed into place when
+    whole, so an interrupted run leaves no half checkpoint to reuse."""
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)  # ours, from an interrupted run
-    print(f"[geometry] creating {g.name} at {out}: {g.about}", flush=True)
-    create_checkpoint(
-        partial, g.arch, "small", seed=0, overrides=g.overrides, progress=True, dtype=g.disk_dtype
-    )
+    build(partial)
     if out.exists():  # an empty directory (create_checkpoint accepts those too)
         out.rmdir()
     partial.rename(out)
-    print(f"[geometry] {g.name} ready at {out}", flush=True)
 
 
 def attention_params(spec: ModelSpec) -> int:

@@ -32,10 +32,10 @@ runtime.configure()  # before torch loads OpenMP
 import torch  # noqa: E402
 from pydantic import Field  # noqa: E402
 
-from bench import ScriptSettings, parse_settings, write_result  # noqa: E402
-from bench.geometry import ROOT, bytes_per_token  # noqa: E402
+from bench import parse_settings, write_result  # noqa: E402
+from bench.geometry import ROOT, built_whole, bytes_per_token  # noqa: E402
 from bench.host import host_facts  # noqa: E402
-from bench.quantized import compare, token_bytes  # noqa: E402
+from bench.quantized import DecodeRuns, compare, token_bytes  # noqa: E402
 from common import bf16  # noqa: E402
 from common.arch import checkpoint_spec  # noqa: E402
 from common.mxfp4 import FORMAT, computable, dequantize, panels  # noqa: E402
@@ -48,16 +48,11 @@ SHAPES = ((5760, 2880), (2880, 2880))  # gpt-oss-20b's gate_up and down [out, in
 EXPERTS = 8  # cycled: ~70 MiB of MXFP4 and ~250 MiB of bfloat16 weights, past the L3
 
 
-class Settings(ScriptSettings):
+class Settings(DecodeRuns):
     checkpoint: Path = Field(
         CHECKPOINT, description="an MXFP4 gpt-oss checkpoint; the default is created if missing"
     )
     out: Path = Field(Path("bench/results/mxfp4.json"), description="the JSON result")
-    batch_sizes: str = Field("1,8,32", description="comma-separated batch sizes")
-    threads: int = Field(0, ge=0, description="threads to compute with; 0: torch's default")
-    new_tokens: int = Field(32, ge=2, description="tokens generated per sequence")
-    prompt_len: int = Field(16, ge=1, description="prompt tokens per sequence")
-    repeats: int = Field(3, ge=1, description="runs of each case")
     products: bool = Field(True, description="time the products alone first (a few seconds)")
 
 
@@ -71,19 +66,26 @@ def checkpoints(path: Path) -> tuple[Path, Path]:
         if path != CHECKPOINT:
             raise SystemExit(f"{path} holds no config.json: not a checkpoint")
         print(f"[mxfp4] creating the small gpt-oss preset in MXFP4 at {path}", flush=True)
-        partial = path.with_name(path.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)  # ours, from an interrupted run
-        create_checkpoint(
-            partial, "gpt_oss", "small", seed=0, quantize="mxfp4", dtype="bfloat16", progress=True
+        built_whole(
+            path,
+            lambda partial: create_checkpoint(
+                partial,
+                "gpt_oss",
+                "small",
+                seed=0,
+                quantize="mxfp4",
+                dtype="bfloat16",
+                progress=True,
+            ),
         )
-        partial.rename(path)
     if not (twin / "config.json").exists():
         print(f"[mxfp4] writing its experts dequantized at {twin}", flush=True)
-        partial = twin.with_name(twin.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        shutil.copytree(path, partial)
-        dequantize_mxfp4(partial)
-        partial.rename(twin)
+
+        def dequantized(partial: Path) -> None:
+            shutil.copytree(path, partial)
+            dequantize_mxfp4(partial)
+
+        built_whole(twin, dequantized)
     return path, twin
 
 

@@ -27,7 +27,7 @@ runtime.configure()  # before torch loads OpenMP
 import torch  # noqa: E402
 from pydantic import Field  # noqa: E402
 
-from bench import parse_settings, write_result  # noqa: E402
+from bench import ScriptSettings, parse_settings, write_result  # noqa: E402
 from bench.engine_vs_transformers import decode_rate, engine_generate  # noqa: E402
 from bench.geometry import (  # noqa: E402
     GeometrySettings,
@@ -43,20 +43,25 @@ from router_service.build import build_local_engine  # noqa: E402
 from router_service.settings import RouterSettings  # noqa: E402
 
 
-class Settings(GeometrySettings):
+class DecodeRuns(ScriptSettings):
+    """How `compare` runs each engine (bench/mxfp4.py's too)."""
+
+    batch_sizes: str = Field("1,8,32", description="comma-separated batch sizes")
+    threads: int = Field(0, ge=0, description="threads to compute with; 0: torch's default")
+    new_tokens: int = Field(32, ge=2, description="tokens generated per sequence")
+    prompt_len: int = Field(16, ge=1, description="prompt tokens per sequence")
+    repeats: int = Field(3, ge=1, description="runs of each case")
+
+
+class Settings(GeometrySettings, DecodeRuns):
     out: Path | None = Field(
         None, description="the JSON result; default bench/results/quantized-GEOMETRY.json"
     )
-    batch_sizes: str = Field("1,8,32", description="comma-separated batch sizes")
     precisions: str = Field(
         "bfloat16,int8,int4,int8-all,int4-all",
         description="bfloat16; int8, int4 (experts); int8-all, int4-all (and the dense layers)",
     )
     group_size: int = Field(64, description="inputs per int4 scale")
-    threads: int = Field(0, ge=0, description="threads to compute with; 0: torch's default")
-    new_tokens: int = Field(32, ge=2, description="tokens generated per sequence")
-    prompt_len: int = Field(16, ge=1, description="prompt tokens per sequence")
-    repeats: int = Field(3, ge=1, description="runs of each case")
 
 
 def quantization(precision: str, group_size: int) -> Quantization | None:
@@ -134,7 +139,7 @@ def compare(
     vocab: int,
     batches: list[int],
     bandwidth: float,
-    args: Settings,
+    args: DecodeRuns,
 ) -> list[dict]:
     """Decode tokens/s of each engine at each batch size against the first's, the engines in
     turn in each repeat; `per_token(key, batch)` names an engine's precision and the weight
