@@ -421,6 +421,7 @@ TARGET static void many_rows(int format, const float *x, const void *p, const vo
                            : format == FORMAT_MXFP4 ? mx_tiles
                                                     : f8_tiles;
     int nibbles = format == FORMAT_INT4 || format == FORMAT_MXFP4; /* words of 8 inputs */
+    float zero = format == FORMAT_INT4 ? 8.0f : 12.0f; /* their codes' offset */
     long chunk = format == FORMAT_INT8 ? 64 : group; /* int4, FP8: group divides k */
     long groups_k = format == FORMAT_INT8 ? 1 : k / group; /* int8's group is 0 */
     int carried = format == FORMAT_INT8; /* one sum across the chunks, no group's */
@@ -457,7 +458,6 @@ TARGET static void many_rows(int format, const float *x, const void *p, const vo
                             carried ? total + c * 16 : 0, carried ? total + c * 16 : part + c * 16);
             for (long r = 0; r < rows && !carried; r++) {
                 float sum = nibbles ? group_sum(x + (r0 + r) * k + i0, n) : 0.0f;
-                float zero = format == FORMAT_INT4 ? 8.0f : 12.0f; /* the codes' offset */
                 for (int j = 0; j < 8; j++) {
                     long q = j / 4;
                     __m256 scale, a = _mm256_loadu_ps(part + r * 64 + 8 * j);
