@@ -21,6 +21,7 @@
 
 #ifndef ISA /* the part that does not depend on the instruction set, read once */
 
+#include <float.h>
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -73,6 +74,24 @@ static inline float bf16_round(float f) { /* to the nearest bfloat16, ties to ev
     memcpy(&bits, &f, sizeof bits);
     if (f != f) return bf16_value(0x7FC0);
     return bf16_value((uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16));
+}
+
+/* The index of the largest of v [n] (bfloat16), as engine/sampling.py's greedy picks it from
+   their float32 values: NaN never wins, infinities count as the largest and smallest finite
+   values (nan_to_num), the first of equals wins. A burst's greedy token (engine/fused.py): its
+   torch ops ran cold after a step's weights went through the caches, 0.1-0.2 ms a token. */
+int moe_argmax_bf16(const uint16_t *v, long n) {
+    long best = 0;
+    float top = 0.0f;
+    for (long i = 0; i < n; i++) {
+        float x = bf16_value(v[i]);
+        if (x != x)
+            x = -INFINITY;
+        else if (isinf(x))
+            x = x > 0 ? FLT_MAX : -FLT_MAX;
+        if (i == 0 || x > top) top = x, best = i;
+    }
+    return (int)best;
 }
 
 /* bfloat16 x [n] widened to float32 out: a bfloat16 is a float32's upper half */

@@ -32,7 +32,8 @@ class Burst:
     start: int  # its position
     steps: int  # at most this many steps
     table: list[int]  # the block table; it covers positions up to start + steps - 1
-    choose: Callable[[torch.Tensor, int], int]  # the token from logits [vocab], at a position
+    # The token from logits [vocab], at a position; None: the greedy one (FusedDecode.greedy_at)
+    choose: Callable[[torch.Tensor, int], int] | None
     ending: frozenset[int]  # tokens that end the sequence
     stop: Callable[[], bool]  # True once a request waits or the sequence is cancelled
     deadline: float | None = None  # time.monotonic()
@@ -52,9 +53,11 @@ def run(
             break
         position = burst.start + i
         slot = burst.table[position // block_size] * block_size + position % block_size
-        token = burst.choose(
-            one.at(token, position, table, position + 1, slot, rope)[0], position + 1
-        )
+        if burst.choose is None:
+            token = one.greedy_at(token, position, table, position + 1, slot, rope)
+        else:
+            logits = one.at(token, position, table, position + 1, slot, rope)[0]
+            token = burst.choose(logits, position + 1)
         tokens.append(token)
         for layer, experts in zip(chosen, one.routed()):
             layer += experts

@@ -299,9 +299,12 @@ class Engine:
         self._hand_over(outputs)
         return True
 
-    def _chooser(self, seq: Sequence) -> Callable[[torch.Tensor, int], int]:
-        """How a burst picks `seq`'s token at a position from its logits: as _next_token does."""
+    def _chooser(self, seq: Sequence) -> Callable[[torch.Tensor, int], int] | None:
+        """How a burst picks `seq`'s token at a position from its logits, as _next_token does;
+        None where that is the greedy token (computed beside the step)."""
         p = seq.params
+        if p.greedy:
+            return None
         if seq.seed is None:
             return lambda logits, _: sample(logits, p, None)
         generator = torch.Generator()  # the burst's own: it runs on the compute thread

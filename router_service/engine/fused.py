@@ -16,7 +16,6 @@ each pass). Anything else runs op by op. `MOE_MESH_FUSED_DECODE=off` turns it of
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 from collections.abc import Mapping
 
@@ -29,6 +28,7 @@ from common.moe import fusable
 from common.weights import DenseWeights, FFNWeights
 from router_service.engine.kv_cache import KVCache
 from router_service.engine.layers import AttentionBatch, Rope
+from router_service.engine.sampling import greedy
 
 _L, _I, _F, _P = ctypes.c_long, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SIZES = "layers hidden heads kv_heads head_dim experts top_k inter vocab num_blocks block_size"
@@ -128,6 +128,17 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+class _Buffers:
+    """A step's outputs and the pointer arrays its tokens point at, for `n` tokens."""
+
+    def __init__(self, n: int, hidden: int, vocab: int, layers: int, top_k: int) -> None:
+        self.n = n
+        self.x, self.h = (torch.empty(n, hidden, dtype=torch.bfloat16) for _ in range(2))
+        self.logits = torch.empty(n, vocab, dtype=torch.bfloat16)
+        self.chosen = torch.empty(layers, n, top_k, dtype=torch.int64)
+        self.embedding, self.cos, self.sin = ((_P * n)() for _ in range(3))
+
+
 class FusedDecode:
     """One model's step in one call: its dense part bound once, the KV cache and the experts'
     weights bound when they change (a new cache, a new placement)."""
@@ -171,6 +182,8 @@ class FusedDecode:
             m.head_format, m.head_group = _kind(head)
         self.token = _Token()
         self.chosen = torch.empty(m.layers, 1, s.top_k, dtype=torch.int64)
+        self._buffers: _Buffers | None = None
+        self._one_token = (ctypes.c_int64 * 2)()  # `at`'s context length and cache slot
         self._cache: KVCache | None = None
         self._experts: Mapping | None = None  # bound
         self._refused: Mapping | None = None  # the current ones, which the kernel cannot take
@@ -250,7 +263,11 @@ class FusedDecode:
         `threads` (default torch's); the experts each layer routed them to are in `chosen`
         [layers, sequences, top_k] until the next step."""
         b, tables = batch, bf16.dense(batch.decode_tables)
-        return self._run(tokens, b.positions, tables, b.decode_lengths, b.slots, rope, threads)
+        lengths, slots = b.decode_lengths.contiguous(), b.slots.contiguous()
+        where = b.positions.tolist()
+        return self._run(
+            tokens, where, tables, lengths.data_ptr(), slots.data_ptr(), rope, threads
+        ).float()
 
     def routed(self) -> list[list[int]]:
         """The last step's experts, per layer those of every token in routing order."""
@@ -261,54 +278,66 @@ class FusedDecode:
     ) -> torch.Tensor:
         """`step` of one sequence's `token` at `position`, its block table `table` [1, width]
         int64 (dense), its context `length` tokens, its keys and values written to `slot`."""
-        as_tensor = functools.partial(torch.tensor, dtype=torch.int64)
-        return self._run(
-            [token], as_tensor([position]), table, as_tensor([length]), as_tensor([slot]), rope
-        )
+        return self._at(token, position, table, length, slot, rope).float()
+
+    def greedy_at(
+        self, token: int, position: int, table: torch.Tensor, length: int, slot: int, rope: Rope
+    ) -> int:
+        """The token sampling.greedy picks from `at`'s logits, picked in C where the LM head is
+        in the call: after a step has streamed its weights through the caches, torch's ops ran
+        cold (0.1-0.2 ms a token on host B)."""
+        logits = self._at(token, position, table, length, slot, rope)
+        if self.fused_head:
+            return bf16.kernel("moe_argmax_bf16")(logits.data_ptr(), self.model.vocab)
+        return greedy(logits[0])
+
+    def _at(
+        self, token: int, position: int, table: torch.Tensor, length: int, slot: int, rope: Rope
+    ) -> torch.Tensor:
+        held = self._one_token
+        held[0], held[1] = length, slot
+        at = ctypes.addressof(held)
+        return self._run([token], [position], table, at, at + 8, rope)
 
     def _run(
         self,
         tokens: list[int],
-        positions: torch.Tensor,
+        where: list[int],
         tables: torch.Tensor,
-        lengths: torch.Tensor,
-        slots: torch.Tensor,
+        lengths: int,
+        slots: int,
         rope: Rope,
         threads: int | None = None,
     ) -> torch.Tensor:
+        """The step's logits: bfloat16 in a buffer the next step of as many tokens reuses where
+        the LM head is in the call, else float32 from torch's. `lengths` and `slots` address
+        int64 arrays [tokens] (the contexts, the cache slots), held by the caller."""
         n, hd, hidden = len(tokens), self.spec.head_dim, self.model.hidden
-        where = positions.tolist()
         # Read in place, unchecked by the kernel: what indexing them in torch would refuse.
         vocab, reach = self.weights.embed.shape[0], rope.cos.shape[0]
         if not all(0 <= a < vocab for a in tokens) or not all(0 <= p < reach for p in where):
             raise IndexError(f"a token of {tokens} or a position of {where} out of range")
-        embed, cos, sin = (t.data_ptr() for t in (self.weights.embed, rope.cos, rope.sin))
-        t = self.token
+        t, b = self.token, self._buffers
+        if b is None or b.n != n:  # steps of as many tokens reuse them: a burst's allocate nothing
+            m = self.model
+            b = self._buffers = _Buffers(n, hidden, m.vocab, m.layers, self.spec.top_k)
+            t.embedding, t.cos, t.sin = (ctypes.addressof(a) for a in (b.embedding, b.cos, b.sin))
+        embed, cos, sin = self.weights.embed.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr()
+        for i, (a, p) in enumerate(zip(tokens, where)):
+            b.embedding[i] = embed + a * hidden * 2
+            b.cos[i], b.sin[i] = cos + p * hd * 2, sin + p * hd * 2
         t.count, t.width = n, tables.shape[1]
-        held = {  # pointer arrays and index tensors the structure points into, held for the call
-            "embedding": _array([embed + a * hidden * 2 for a in tokens]),
-            "cos": _array([cos + p * hd * 2 for p in where]),
-            "sin": _array([sin + p * hd * 2 for p in where]),
-        }
-        for name, array in held.items():
-            setattr(t, name, ctypes.addressof(array))
-        lengths, slots = lengths.contiguous(), slots.contiguous()
-        t.tables, t.lengths, t.slots = tables.data_ptr(), lengths.data_ptr(), slots.data_ptr()
-        x, h = (torch.empty(n, hidden, dtype=torch.bfloat16) for _ in range(2))
-        logits = torch.empty(n, self.model.vocab, dtype=torch.bfloat16)
-        self.chosen = torch.empty(self.model.layers, n, self.spec.top_k, dtype=torch.int64)
-        run = bf16.kernel("moe_decode_step")
-        failed = run(
+        t.tables, t.lengths, t.slots = tables.data_ptr(), lengths, slots
+        self.chosen = b.chosen
+        failed = bf16.kernel("moe_decode_step")(
             ctypes.byref(self.model),
             ctypes.byref(t),
-            x.data_ptr(),
-            h.data_ptr(),
-            logits.data_ptr(),
-            self.chosen.data_ptr(),
+            b.x.data_ptr(),
+            b.h.data_ptr(),
+            b.logits.data_ptr(),
+            b.chosen.data_ptr(),
             threads or torch.get_num_threads(),
         )
         if failed:
             raise MemoryError("decode step: no memory for its intermediates")
-        if self.fused_head:
-            return logits.float()
-        return linear(h, self.weights.lm_head).float()
+        return b.logits if self.fused_head else linear(b.h, self.weights.lm_head).float()

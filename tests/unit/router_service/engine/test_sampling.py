@@ -21,12 +21,14 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from common import bf16
 from common.errors import InvalidArgumentError
 from common.sampling import SamplingParams
 from router_service.build import build_local_engine
 from router_service.engine.engine import Engine, FinishReason
 from router_service.engine.sampling import (
     filtered_logits,
+    greedy,
     penalized_logits,
     position_seed,
     sample,
@@ -340,3 +342,26 @@ def test_bad_values_name_the_field(engine, params, field) -> None:
         engine.add_request("bad", PROMPT, params)
     assert e.value.field == field
     assert run(engine, GREEDY)[2] is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("special", ["none", "nan", "inf", "ties", "all nan", "-inf"])
+def test_the_c_argmax_of_bursts_picks_greedys_token(special: str) -> None:
+    run = bf16.kernel("moe_argmax_bf16")
+    if run is None:
+        pytest.skip("no C compiler: the kernels are not built")
+    g = torch.Generator().manual_seed(7)
+    for _ in range(20):
+        v = torch.randn(1000, generator=g).to(torch.bfloat16)
+        where = torch.randint(0, 1000, (5,), generator=g)
+        if special == "nan":
+            v[where] = float("nan")
+        elif special == "inf":
+            v[where[:2]] = float("inf")  # two: the first wins
+        elif special == "ties":
+            v[where] = v.max()
+        elif special == "all nan":
+            v[:] = float("nan")
+        elif special == "-inf":
+            v[:] = float("-inf")
+            v[where[0]] = float("nan")
+        assert run(v.data_ptr(), v.numel()) == greedy(v.float())
