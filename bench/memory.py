@@ -1,5 +1,7 @@
 """Resident memory of expert services against the weights they hold, in one run:
 
+0. (`--products`, on by default) what the float32 layout the services hold costs in speed: products
+   of 1-64 rows over 64 MiB of weights as stored against oneDNN's layout, GB/s of each;
 1. the import floor: a child process that imports what a service imports (torch, gRPC, the
    service's modules, ucxx unless the fast path is off) and holds no weights, its RSS;
 2. one expert service per `--specs` (default one expert, then every expert), and two replicas of
@@ -14,11 +16,11 @@
     .venv/bin/python -m bench.memory [--checkpoint DIR] [--dtype auto] [--prepack auto]
 
 (from the checkout root). `--prepack off` (MOE_MESH_PREPACK for the services) keeps every weight
-in the file's layout; by default float32 weights are repacked into oneDNN's layout wherever oneDNN
-has the dtype, which an expert service needs for batch-invariant products (common/linear.py):
-then each process holds its own copy. bfloat16 weights held in moe-mesh's panels are packed once
-into cache files that every service maps (common/packcache.py; MOE_MESH_PACK_CACHE=off: a copy
-each).
+in the file's layout. By default an expert service needs batch-invariant products
+(common/linear.py). float32 weights are read as stored by moe-mesh's kernel (views of the file,
+whose pages every service shares; `--prepack on`: oneDNN's layout); bfloat16 ones are held
+in moe-mesh's panels, packed once into cache files that every service maps (common/packcache.py;
+MOE_MESH_PACK_CACHE=off: a copy each); otherwise oneDNN's layout, a copy per process.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -149,9 +152,12 @@ def touch(address: str) -> tuple[str, int]:
     return str(dtype).removeprefix("torch."), len(d.experts)
 
 
-def row(proc: ServiceProcess, spec: str, args: Settings, floor: dict) -> dict:
-    """One service's memory next to its weights and the floor, after a call touched every weight."""
-    dtype, count = touch(proc.address)
+def row(
+    proc: ServiceProcess, spec: str, touched: tuple[str, int], args: Settings, floor: dict
+) -> dict:
+    """One service's memory next to its weights and the floor, once every service's calls have
+    touched every weight: PSS splits a page between the processes mapping it at that moment."""
+    dtype, count = touched
     weights = count * expert_bytes(args, dtype) / MIB
     m = memory(proc.proc.pid, args.checkpoint)
     margin = m["peak_rss_mib"] - weights - floor["rss_mib"]
@@ -197,7 +203,42 @@ def everyone(rows: list[dict], specs: list[str], args: Settings, floor: dict) ->
     return {"distinct_weights_mib": distinct, "weight_copies_in_pss": held / distinct}
 
 
+def products(working_set: int = 64 << 20, shape: tuple[int, int] = (2048, 1024)) -> dict | None:
+    """What the float32 layout an expert service holds costs in speed: products of 1-64 rows over
+    `working_set` bytes of weights as stored (common/float32_rows.py) against the same weights in
+    oneDNN's layout, each the best of 5 passes; GB/s of weights read. None where either is
+    missing here."""
+    from common import bf16
+    from common.float32_rows import Rows
+    from common.linear import _can_pack, _pack, _packed_linear
+
+    if bf16.kernel("moe_f32_linear") is None or not _can_pack(torch.float32):
+        return None
+    weights = [torch.randn(shape) * 0.02 for _ in range(working_set // (shape[0] * shape[1] * 4))]
+    layouts = {"as stored": [Rows(w) for w in weights], "oneDNN": [_pack(w) for w in weights]}
+    call = {"as stored": lambda x, w: w(x), "oneDNN": _packed_linear}
+    table: dict[int, dict[str, float]] = {}
+    for rows in (1, 2, 4, 8, 16, 32, 64):
+        x, table[rows] = torch.randn(rows, shape[1]), {}
+        for name, held in layouts.items():
+            best = float("inf")
+            for _ in range(5):
+                start = time.perf_counter()
+                for w in held:
+                    call[name](x, w)
+                best = min(best, time.perf_counter() - start)
+            table[rows][name] = len(weights) * shape[0] * shape[1] * 4 / best / 1e9
+        ratio = table[rows]["oneDNN"] / table[rows]["as stored"]
+        print(
+            f"float32 products of {rows:2d} rows: as stored {table[rows]['as stored']:5.1f} GB/s, "
+            f"oneDNN's layout {table[rows]['oneDNN']:5.1f} GB/s (time ratio {ratio:.2f})",
+            flush=True,
+        )
+    return {"gb_per_s": table, "threads": torch.get_num_threads(), "shape": shape}
+
+
 def main_run(args: Settings) -> dict:
+    timed = products() if args.products else None
     floor = import_floor(args.fast_path)
     print(f"import floor: RSS {floor['rss_mib']:.0f} MiB ({floor['modules']} modules)", flush=True)
     model = checkpoint_spec(args.checkpoint)
@@ -211,10 +252,12 @@ def main_run(args: Settings) -> dict:
         args.checkpoint, specs, Path(tempfile.mkdtemp(prefix="moe-memory-")), *extra, env=env
     )
     try:
-        rows = [row(p, s, args, floor) for p, s in zip(procs, specs)]
+        touched = [touch(p.address) for p in procs]
+        rows = [row(p, s, t, args, floor) for p, s, t in zip(procs, specs, touched)]
     finally:
         stop_all(procs)
     return {
+        "float32_products": timed,
         "import_floor": floor,
         "services": rows[: len(args.specs)],
         "replicas": replicas(rows[len(args.specs) :], floor),
@@ -240,6 +283,9 @@ class Settings(ScriptSettings):
         "none", description="the services' --quantize (with --dtype bfloat16)"
     )
     quantize_group_size: Literal[32, 64, 128] = Field(64, description="--quantize-group-size")
+    products: bool = Field(
+        True, description="first, time float32 products as stored against oneDNN's layout"
+    )
 
 
 def main() -> int:

@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 
 # bf16_kernel.c includes the others
 _SOURCES = [
-    Path(__file__).with_name(n) for n in ("bf16_kernel.c", "quant_kernel.c", "decode_kernel.c")
+    Path(__file__).with_name(n)
+    for n in ("bf16_kernel.c", "quant_kernel.c", "f32_kernel.c", "decode_kernel.c")
 ]
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 COLUMNS = 64  # output columns per kernel call: a weight's row count must be a multiple
@@ -76,6 +77,7 @@ _SIGNATURES = {
     "moe_route": ("pplllliippi", True, 1),
     "moe_decode_step": ("ppppppi", True, 1),
     "moe_sgemm_rows": ("pppppllli", False, 0),
+    "moe_f32_linear": ("ppppllli", False, 1),
 }
 
 

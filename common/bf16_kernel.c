@@ -153,6 +153,19 @@ int moe_linear(int format, long group, const uint16_t *x, const void *w, const v
     return 0;
 }
 
+/* y [m][n] = x [m][k] . W^T (+ bias [n]), all float32, W [n][k] as stored, k a multiple of 8:
+   blocks of W's rows split over `threads` OpenMP threads (f32_kernel.c) */
+void moe_f32_linear(const float *x, const float *w, const float *bias, float *y, long m, long n,
+                    long k, int threads) {
+    long width = m == 1 ? 8 : 4, blocks = n / width;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long c = 0; c < blocks; c++)
+        f32_block(x, w + c * width * k, bias ? bias + c * width : 0, y + c * width, n, m, k);
+    for (long j = blocks * width; j < n; j++)
+        for (long r = 0; r < m; r++)
+            f32_1_1(x + r * k, w + j * k, bias ? bias + j : 0, y + r * n + j, n, k);
+}
+
 /* RMSNorm of rows x [m][h] by weight [h] into y, all bfloat16, h a multiple of 16, computed as
    transformers computes it: in float32, the normalised row rounded to bfloat16, then multiplied
    by the weight and rounded again. One call instead of the eight torch ops of that recipe.
@@ -696,6 +709,7 @@ TARGET static void FN(bf16_block)(const float *x, const void *p, const void *sca
 
 #if ISA == 256
 #include "quant_kernel.c" /* int8 and int4 weights: AVX2 code, which AVX-512 hosts run too */
+#include "f32_kernel.c"   /* float32 weights as stored, likewise */
 #endif
 
 TARGET static void FN(rms_norm)(const uint16_t *x, const uint16_t *delta, uint16_t *sum,

@@ -6,17 +6,19 @@ files, so untouched tensors cost no memory. Experts may be stored per expert (pu
 checkpoints) or fused as 3-D tensors (transformers v5: gate_up_proj [E, 2I, H], down_proj [E, H, I]).
 
 With `prepack=True` (what the services use) every matrix a linear layer reads is converted once
-into oneDNN's layout where this host measured it faster, or wherever oneDNN has the dtype with
-`batch_invariant=True` (expert services; common/linear.py): a copy, no longer a view of the file.
+into the layout this host measured fastest (common/linear.py), a copy, no longer a view of the
+file; with `batch_invariant=True` (expert services) into one whose products do not depend on a
+row's batch-mates: moe-mesh's panels, oneDNN's layout, or for float32 the file's own layout
+read by moe-mesh's kernel (then still a view).
 
 Memory: a weight used as stored stays a view of the file, so processes on one host share its pages
 (an expert's gate and up too: one view when the file stores them back to back, two views apart
-when it does not and the dtype is not float32, whose fused product is transformers'). A weight
-converted, joined or repacked into a copy has its file pages released as it is copied (`copied`,
-16 MiB at a time) or once repacked (SafetensorsFile.release), so a load peaks near what it keeps,
-not that plus the pages it read. Experts held in the kernels' panels (bfloat16, int8 or int4 with
-`quantize`, an FP8 checkpoint's own) are packed once per host into files that every process maps
-(common/packed_experts.py): one copy a host. Other FP8 weights are dequantized at load
+when it does not and the dtype is not float32, whose fused product is transformers', or when the
+batch-invariant float32 kernel computes them). A weight converted, joined or repacked into a copy
+has its file pages released as it is copied (`copied`, 16 MiB at a time) or once repacked
+(SafetensorsFile.release), so a load peaks near what it keeps, not that plus the pages it read. Experts held in the kernels' panels (bfloat16, int8 or int4
+with `quantize`, an FP8 checkpoint's own) are packed once per host into files that every process
+maps (common/packed_experts.py): one copy a host. Other FP8 weights are dequantized at load
 (common/fp8.py), and with `quantize_dense` the dense layers are quantized too.
 """
 
@@ -33,7 +35,8 @@ from common import fp8
 from common.arch import ModelSpec, checkpoint_spec, family_module, tensor_names
 from common.arch.shapes import check_checkpoint, read_index
 from common.errors import CheckpointError, InvalidArgumentError, UnsupportedModelError
-from common.linear import prepack
+from common.float32_rows import Rows
+from common.linear import in_float32_rows, prepack
 from common.packed_experts import PackedExperts
 from common.quant import Quantization, QuantPanels
 from common.safetensors_mmap import SafetensorsFile
@@ -68,7 +71,7 @@ class Checkpoint:
                 f"{quantize.name} experts compute on CPUs only; on {self.device} serve the "
                 "checkpoint in bfloat16, float16 or float32 (--quantize none)",
             )
-        self.prepacked, self._batch_invariant = prepack and on_cpu, batch_invariant
+        self.prepacked, self.batch_invariant = prepack and on_cpu, batch_invariant
         # Routed experts (load_experts) and, with quantize_dense, the dense layers `pack` packs.
         self.quantize = quantize
         self._quantize_dense = quantize_dense and quantize is not None
@@ -219,9 +222,10 @@ class Checkpoint:
             packed = QuantPanels(weight, q)
             self.release(weight)
             return packed
-        packed = prepack(weight, self._batch_invariant)
-        if packed is not weight:
-            self.release(weight)
+        packed = prepack(weight, self.batch_invariant)
+        as_stored = isinstance(packed, Rows) and packed.data is weight
+        if packed is not weight and not as_stored:
+            self.release(weight)  # copied, so the pages it was read from go
         return packed
 
     def release(self, *views: torch.Tensor) -> None:
@@ -312,7 +316,8 @@ class Checkpoint:
     def ffn(self, p: str, gate: str, up: str, down: str, inter: int) -> FFNWeights:
         """A gated FFN stored as three matrices under prefix p. Gate and up become one [2I, H]
         matrix: a view when the file stores them back to back in the compute dtype, else a copy,
-        kept only when it is repacked or float32; otherwise the two views are kept apart."""
+        kept only when it is repacked or float32 (but for the batch-invariant float32 kernel);
+        otherwise the two views are kept apart."""
         h = self.spec.hidden_size
         down_w = self.pack(self.tensor(f"{p}{down}.weight", (h, inter)))
         names = (f"{p}{gate}.weight", f"{p}{up}.weight")
@@ -320,6 +325,9 @@ class Checkpoint:
             gate_up = self.pack(joined)  # [2 * inter, hidden]
             return FFNWeights(gate_up=gate_up, down=down_w, activation=self.spec.activation)
         parts = [self.tensor(n, (inter, h)) for n in names]
+        if self._stored(parts) and self._as_stored_rows(parts[0]):  # batch-invariant, as stored
+            gate, up = (self.pack(part) for part in parts)
+            return FFNWeights(gate_up=gate, up=up, down=down_w, activation=self.spec.activation)
         # float32 keeps one product over [gate; up]: transformers' own, to the last bit.
         if parts[0].dtype == torch.float32 or not self._stored(parts):
             fused = self.copied(parts)  # [2 * inter, hidden], the pages read released
@@ -347,6 +355,15 @@ class Checkpoint:
         if self.dtype is not None and first.dtype != self.dtype:
             return None
         return file.joined(names)
+
+    def _as_stored_rows(self, weight: torch.Tensor) -> bool:
+        """Whether `pack` keeps `weight` as stored, for moe-mesh's batch-invariant float32
+        kernel (an expert service's; common/float32_rows.py)."""
+        return (
+            self.prepacked
+            and self.batch_invariant
+            and in_float32_rows(weight.dtype, tuple(weight.shape))
+        )
 
     def _stored(self, tensors: list[torch.Tensor]) -> bool:
         """Whether every tensor is a view of one of this checkpoint's mapped files."""

@@ -19,6 +19,8 @@ default --serial-max-tokens. bfloat16 weights have a third candidate, moe-mesh's
 AVX2-only host (AMD EPYC) oneDNN has no bfloat16 layout, so against torch's F.linear alone,
 which it must beat like any other candidate to be used. Not cached across processes: a
 measurement disturbed by a busy neighbour must not outlive the process that took it.
+Batch-invariant float32 weights (an expert service's) are read as stored by moe-mesh's kernel
+(`float32_as_stored`): they stay views of the file, so a host keeps one copy.
 MOE_MESH_PREPACK overrides the measured layout: `on` oneDNN's, `off` plain tensors, `panels`
 moe-mesh's own bfloat16 kernel wherever it runs.
 """
@@ -34,7 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from common import bf16, float32
+from common import bf16, float32, float32_rows
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +128,23 @@ def panels(dtype: torch.dtype) -> bool:
     return faster
 
 
+def float32_as_stored() -> bool:
+    """Whether batch-invariant float32 weights (an expert service's) are used as stored, by
+    moe-mesh's kernel (common.float32_rows: views of the file, one copy a host), rather than
+    copied into oneDNN's layout: wherever the kernel runs, unless MOE_MESH_PREPACK says `on` or
+    `off`. Not by a measurement at start-up, as the other layouts are: on host B that timing gave
+    0.52-2.09x oneDNN's time for four services starting together against 0.68-0.86x for one
+    alone, and replicas that chose differently would hold two copies and answer in different
+    bits."""
+    return _prepack_setting() not in ("off", "on") and bf16.kernel("moe_f32_linear") is not None
+
+
+def in_float32_rows(dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether `prepack(batch_invariant=True)` holds a `dtype` weight of `shape` as
+    float32_rows.Rows (as stored) here."""
+    return dtype == torch.float32 and float32_rows.fits(shape) and float32_as_stored()
+
+
 def in_panels(dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     """Whether `prepack` holds a `dtype` weight of `shape` [out, in] as bf16.Panels here."""
     return panels(dtype) and len(shape) == 2 and shape[0] % bf16.COLUMNS == 0
@@ -165,20 +184,26 @@ def serial_tokens(dtype: torch.dtype) -> int:
     return serial
 
 
-def prepack(weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+def prepack(
+    weight: torch.Tensor, batch_invariant: bool = False
+) -> torch.Tensor | bf16.Panels | float32_rows.Rows:
     """`weight` [out, in] in the layout measured fastest here (oneDNN's blocked layout, or for
     bfloat16 moe-mesh's panels), else unchanged.
 
-    `batch_invariant`: in oneDNN's layout wherever it has the dtype, faster or not. Its products
-    give a row the same bits whatever else is in the batch; MKL's small-batch kernels do not (an
-    8-row product's rows differ from the same rows inside a 40-row one). An expert service merges
-    its callers' rows into one batch, so its answers must not depend on their batch-mates."""
+    `batch_invariant`: products that give a row the same bits whatever else is in the batch; MKL's
+    small-batch kernels do not (an 8-row product's rows differ from the same rows inside a 40-row
+    one). An expert service merges its callers' rows into one batch, so its answers must not
+    depend on their batch-mates. bfloat16 panels where measured fastest, float32 as stored for
+    moe-mesh's kernel where it runs (float32_as_stored), else oneDNN's layout wherever it has the
+    dtype, faster or not."""
     if weight.device.type != "cpu" or weight.is_mkldnn:
         return weight
     if in_panels(
         weight.dtype, tuple(weight.shape)
     ):  # batch-invariant too: a sum per output in order
         return bf16.Panels(weight)
+    if batch_invariant and in_float32_rows(weight.dtype, tuple(weight.shape)):
+        return float32_rows.Rows(weight)
     if batch_invariant:
         wanted = _prepack_setting() != "off" and _can_pack(weight.dtype)
     else:
@@ -188,7 +213,7 @@ def prepack(weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [n, in] · weightᵀ (+ bias) -> [n, out], for a plain or a prepacked weight."""
-    if isinstance(weight, bf16.Panels):
+    if isinstance(weight, (bf16.Panels, float32_rows.Rows)):
         return weight(x, bias)
     if weight.is_mkldnn:
         return _packed_linear(x, weight, bias)

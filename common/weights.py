@@ -26,7 +26,8 @@ class FFNWeights:
     gate_up_bias: torch.Tensor | None = None  # [2 * inter] (gpt-oss); never with `up`
     down_bias: torch.Tensor | None = None  # [hidden]
     activation: ExpertActivation = ExpertActivation()
-    up: torch.Tensor | None = None  # [inter, hidden], plain: the up projection apart from the gate
+    # [inter, hidden], as stored (a plain view, or float32_rows.Rows): up apart from the gate
+    up: torch.Tensor | None = None
 
     @classmethod
     def from_parts(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> FFNWeights:

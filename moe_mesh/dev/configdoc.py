@@ -38,9 +38,10 @@ PROCESS_WIDE = [
         "MOE_MESH_PREPACK",
         "router, expert service",
         "`auto` (default): hold linear weights in the layout the process measured fastest at "
-        "start-up (plain, oneDNN's prepacked, or for bfloat16 moe-mesh's own kernel); `on` "
-        "oneDNN's (where it has the dtype), `off` plain, `panels` moe-mesh's bfloat16 kernel "
-        "wherever it runs",
+        "start-up (plain, oneDNN's prepacked, or for bfloat16 moe-mesh's own kernel), and an "
+        "expert service's float32 weights as stored, for moe-mesh's batch-invariant kernel; "
+        "`on` oneDNN's (where it has the dtype), `off` plain, `panels` moe-mesh's bfloat16 "
+        "kernel wherever it runs (float32 as with `auto`)",
     ),
     (
         "MOE_MESH_CACHE_DIR",

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common import bf16
+from common import bf16, float32_rows
 from common import linear as L
 
 
@@ -31,7 +31,7 @@ def timed(monkeypatch, seconds) -> list[tuple[int, str, int]]:
 
     def fake(weights, rows, product, repeats=3):
         kernel = "packed" if product is L._packed_linear else "plain"
-        if product is L.linear and isinstance(weights[0], bf16.Panels):
+        if product is L.linear and isinstance(weights[0], (bf16.Panels, float32_rows.Rows)):
             kernel = "panels"
         calls.append((rows, kernel, torch.get_num_threads()))
         return seconds(rows, kernel, torch.get_num_threads())
@@ -139,17 +139,25 @@ def test_products_are_torchs_within_rounding(pack):
 
 
 @pytest.mark.skipif(not L._can_pack(torch.float32), reason="this torch has no oneDNN linear")
+@pytest.mark.parametrize("setting", ["auto", "on"])
 def test_batch_invariant_weights_give_a_row_the_same_bits_whatever_its_batch_mates(
-    fresh, monkeypatch
+    fresh, monkeypatch, setting
 ):
+    """float32: as stored, by moe-mesh's kernel, where it runs; MOE_MESH_PREPACK=on: oneDNN's."""
+    as_stored = setting == "auto" and bf16.kernel("moe_f32_linear") is not None
     monkeypatch.setattr(L, "_same_bits", lambda: False)  # the measured choice would stay plain
     w, x = torch.randn(2048, 1024), torch.randn(40, 1024)
-    assert not L.prepack(w).is_mkldnn
+    assert isinstance(L.prepack(w), torch.Tensor) and not L.prepack(w).is_mkldnn
+    monkeypatch.setenv("MOE_MESH_PREPACK", setting)
     weight = L.prepack(w, batch_invariant=True)
-    assert weight.is_mkldnn
-    for rows in (1, 8, 16):
+    assert isinstance(weight, float32_rows.Rows) is as_stored
+    assert weight.is_mkldnn is not as_stored
+    assert not as_stored or weight.data is w  # the weight itself: no copy
+    for rows in (1, 3, 8, 16):
         assert torch.equal(L.linear(x[:rows], weight), L.linear(x, weight)[:rows])
+    torch.testing.assert_close(L.linear(x, weight), F.linear(x, w), rtol=1e-4, atol=1e-4)
     monkeypatch.setenv("MOE_MESH_PREPACK", "off")
+    assert isinstance(L.prepack(w, batch_invariant=True), torch.Tensor)
     assert not L.prepack(w, batch_invariant=True).is_mkldnn
 
 

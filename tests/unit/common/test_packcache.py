@@ -160,7 +160,7 @@ def test_an_unwritable_cache_keeps_the_weights_in_memory(panels, ckpt_dir, caplo
 def test_float32_weights_and_a_cache_turned_off_write_no_file(
     panels, checkpoint, ckpt_dir, monkeypatch
 ):
-    load(checkpoint("mixtral"))  # float32: computed in no panels here
+    load(checkpoint("mixtral"))  # float32: used as stored (common/float32_rows.py)
     monkeypatch.setenv("MOE_MESH_PACK_CACHE", "off")
     load(ckpt_dir)
     assert not panels.exists() or files(panels) == []

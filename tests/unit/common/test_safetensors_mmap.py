@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.checkpoint import Checkpoint
+from common.float32_rows import Rows
 from common.moe import expert_ffn
 from common.safetensors_mmap import SafetensorsFile
 from common.weights import FFNWeights
@@ -164,12 +165,24 @@ def test_a_fused_expert_converts_its_own_rows_only(checkpoint, released) -> None
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's layout needs mkldnn")
-def test_prepacked_weights_release_the_pages_they_were_packed_from(checkpoint, released) -> None:
+def test_prepacked_weights_release_the_pages_they_were_packed_from(
+    checkpoint, released, monkeypatch
+) -> None:
+    monkeypatch.setenv("MOE_MESH_PREPACK", "on")  # oneDNN's layout, not float32 as stored
     ckpt = Checkpoint(checkpoint("qwen3_moe"), prepack=True, batch_invariant=True)
     w = ckpt.load_experts([(1, 0)])[(1, 0)]
     if not w.down.is_mkldnn:
         pytest.skip("oneDNN has no float32 layout here")
     assert len(released) == 2  # down, and gate and up's one view
+
+
+def test_float32_weights_used_as_stored_release_nothing(checkpoint, released, monkeypatch) -> None:
+    monkeypatch.delenv("MOE_MESH_PREPACK", raising=False)
+    ckpt = Checkpoint(checkpoint("mixtral"), prepack=True, batch_invariant=True)
+    w = ckpt.load_experts([(1, 0)])[(1, 0)]
+    if not isinstance(w.down, Rows):
+        pytest.skip("no C compiler or no AVX2+FMA: no float32 kernel here")
+    assert released == [] and isinstance(w.up, Rows)  # Mixtral's w1 and w3: two views
 
 
 def test_copies_go_block_by_block_releasing_each_block(checkpoint, released, monkeypatch) -> None:
