@@ -441,6 +441,7 @@ void moe_sgemm_rows(void *sgemm, void *set_threads, const float *x, const float 
 #define vfnma FN(vfnma)
 #define vload FN(vload)
 #define vstore_bf16 FN(vstore_bf16)
+#define hsum8 FN(hsum8)
 #define vsum FN(vsum)
 #define load_any FN(load_any)
 #define vexp FN(vexp)
@@ -580,13 +581,15 @@ TARGET static inline void vstore_bf16(uint16_t *p, vec v) {
     _mm256_storeu_si256((__m256i *)p, vbf16(v));
 }
 
-/* the sum of the 16 lanes, in the tree GCC's _mm512_reduce_add_ps adds them in */
-TARGET static inline float vsum(vec v) {
-    __m256 t = vhalves(v);
+/* the sum of 8 lanes, in the last three levels of vsum's tree */
+TARGET static inline float hsum8(__m256 t) {
     __m128 s = _mm_add_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(s) + _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
 }
+
+/* the sum of the 16 lanes, in the tree GCC's _mm512_reduce_add_ps adds them in */
+TARGET static inline float vsum(vec v) { return hsum8(vhalves(v)); }
 
 /* 16 lanes of a float32 (bf 0) or bfloat16 (bf 1) row from element i */
 TARGET static inline vec load_any(const void *p, long i, int bf) {

@@ -6,14 +6,8 @@
    that, is a copy per process. These read the file's own pages, which every process on a host
    shares. Every output is a dot product of two rows: 8 float32 lanes, lane l summing
    x[k] * w[k] over k = l mod 8 in order with fused multiply-adds from 0, the lanes then added in
-   one fixed tree (f32_hsum), then the bias. Every kernel below does exactly that, so a row's bits
-   do not depend on which one computes it, nor on its batch-mates. k is a multiple of 8. */
-
-TARGET static inline float f32_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(s) + _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
-}
+   one fixed tree (hsum8), then the bias. Every kernel below does exactly that, so a row's bits do
+   not depend on which one computes it, nor on its batch-mates. k is a multiple of 8. */
 
 /* R rows of x [R][k] against J weight rows from w (k apart) into y [R][ldy] (+ bias [J]) */
 #define F32KERNEL(R, J)                                                                        \
@@ -36,7 +30,7 @@ TARGET static inline float f32_hsum(__m256 v) {
         }                                                                                      \
         for (int r = 0; r < R; r++)                                                            \
             for (int j = 0; j < J; j++) {                                                      \
-                float s = f32_hsum(acc[r][j]);                                                 \
+                float s = hsum8(acc[r][j]);                                                    \
                 y[r * ldy + j] = bias ? s + bias[j] : s;                                       \
             }                                                                                  \
     }
