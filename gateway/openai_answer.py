@@ -51,8 +51,15 @@ def usage(finals: dict[int, Delta], n: int) -> dict:
     }
 
 
+# JSON leaves these unescaped, and SSE does not end a line at them, but Python clients that split a
+# stream with str.splitlines (httpx's aiter_lines, requests' iter_lines) do: a token decoding to one
+# would cut its event in two. Escaped, the event reads back the same.
+_SPLITLINES_ONLY = {ord(c): f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"}
+
+
 def sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_SPLITLINES_ONLY)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 def token_ids(on: bool, ids: list[int]) -> dict:

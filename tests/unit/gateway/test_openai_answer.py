@@ -28,3 +28,11 @@ def test_events_are_compact_utf8_json_and_token_ids_only_when_asked() -> None:
     assert event.startswith(b"data: ") and event.endswith(b"\n\n")
     assert json.loads(event[6:]) == {"text": "naïve"} and "ï".encode() in event
     assert token_ids(True, [1]) == {"token_ids": [1]} and token_ids(False, [1]) == {}
+
+
+def test_events_stay_one_line_for_clients_that_split_like_str_splitlines() -> None:
+    # httpx's aiter_lines and requests' iter_lines also end lines at these; a token can decode to one.
+    text = "a\x85b\u2028c\u2029d\ne\x1cf"
+    event = sse({"text": text})
+    assert event[:-2].decode().splitlines() == [event[:-2].decode()]
+    assert json.loads(event[6:]) == {"text": text}
