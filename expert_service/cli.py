@@ -7,6 +7,7 @@ the field's default, so deployments may configure by flags, environment or both.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -57,6 +58,8 @@ def _error(message: str) -> int:
 
 def run_serve_expert(args: argparse.Namespace) -> int:
     """Load the experts, serve until SIGTERM/SIGINT, drain, exit 0; bad configuration exits 2 with one line."""
+    # INFO, as the router and gateway log: what a load chose (kernels, layouts) and packing progress
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s expert %(levelname)s %(message)s")
     try:
         settings = settings_from_args(ExpertSettings, args)
         checkpoint_spec(settings.checkpoint)
