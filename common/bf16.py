@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 # bf16_kernel.c includes the others
 _SOURCES = [
     Path(__file__).with_name(n)
-    for n in ("bf16_kernel.c", "quant_kernel.c", "f32_kernel.c", "decode_kernel.c")
+    for n in ("bf16_kernel.c", "quant_kernel.c", "f32_kernel.c", "decode_kernel.c", "f32_step.c")
 ]
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 COLUMNS = 64  # output columns per kernel call: a weight's row count must be a multiple
@@ -78,6 +78,7 @@ _SIGNATURES = {
     "moe_decode_step": ("ppppppi", True, 1),
     "moe_sgemm_rows": ("pppppllli", False, 0),
     "moe_f32_linear": ("ppppllli", False, 1),
+    "moe_decode_step_f32": ("plppplllppppi", True, 1),
 }
 
 

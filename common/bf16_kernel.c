@@ -417,6 +417,7 @@ void moe_sgemm_rows(void *sgemm, void *set_threads, const float *x, const float 
 }
 
 #include "decode_kernel.c" /* a whole decode step in one call */
+#include "f32_step.c"      /* and a float32 one, with torch's bits */
 
 #else /* ISA is 512 or 256: the vector kernels, for that instruction set */
 

@@ -42,6 +42,20 @@ typedef struct { /* the step's tokens, one of each of `count` sequences */
     const int64_t *lengths, *slots; /* [count]: its context, itself included; its cache slot */
 } moe_token;
 
+/* The k most probable of probs [experts] into chosen[k], most probable first (ties: the lower
+   expert first) */
+static void top_k(const float *probs, long experts, long k, int64_t *chosen) {
+    for (long j = 0; j < k; j++) {
+        long best = -1;
+        for (long e = 0; e < experts; e++) {
+            int taken = 0;
+            for (long i = 0; i < j; i++) taken |= chosen[i] == e;
+            if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
+        }
+        chosen[j] = best;
+    }
+}
+
 /* One token's routing from its logits [experts] (bfloat16 values): softmax in float32, the k
    most probable (ties: the lower expert first), optionally renormalised to sum to 1, as float32
    or rounded to bfloat16 into weights[k]; probs is scratch [experts]. */
@@ -52,16 +66,8 @@ static void route_token(const float *logits, float *probs, long experts, long k,
     for (long e = 0; e < experts; e++) sum += probs[e] = expf(logits[e] - top);
     for (long e = 0; e < experts; e++) probs[e] /= sum;
     float w[k], total = 0.0f;
-    for (long j = 0; j < k; j++) {
-        long best = -1;
-        for (long e = 0; e < experts; e++) {
-            int taken = 0;
-            for (long i = 0; i < j; i++) taken |= chosen[i] == e;
-            if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
-        }
-        chosen[j] = best;
-        total += w[j] = probs[best];
-    }
+    top_k(probs, experts, k, chosen);
+    for (long j = 0; j < k; j++) total += w[j] = probs[chosen[j]];
     for (long j = 0; j < k; j++) {
         float v = renorm ? w[j] / total : w[j];
         if (weights_bf16) {

@@ -45,7 +45,7 @@ _verdicts: dict[tuple[int, int, int, int], bool] = {}
 
 
 @functools.cache
-def _mkl() -> tuple[int, int] | None:
+def mkl() -> tuple[int, int] | None:
     """The addresses of MKL's sgemm (what torch's float32 products call) and its
     MKL_Set_Num_Threads_Local, inside libtorch_cpu; None where torch's BLAS is not MKL."""
     if not torch.backends.mkl.is_available():
@@ -61,7 +61,7 @@ def _mkl() -> tuple[int, int] | None:
 def _split(x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor:
     (n, k), m = weight.shape, x.shape[0]
     y = torch.empty(m, n, dtype=torch.float32, device="cpu")
-    bf16.call(bf16.kernel("moe_sgemm_rows"), *_mkl(), x, weight, y, m, n, k, threads)
+    bf16.call(bf16.kernel("moe_sgemm_rows"), *mkl(), x, weight, y, m, n, k, threads)
     return y
 
 
@@ -69,7 +69,7 @@ def _split(x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor:
 def faster(threads: int) -> bool:
     """Whether float32 products split over `threads` run faster than F.linear here (timed on
     first use; never where the kernel or MKL is missing)."""
-    if threads < 2 or bf16.kernel("moe_sgemm_rows") is None or _mkl() is None:
+    if threads < 2 or bf16.kernel("moe_sgemm_rows") is None or mkl() is None:
         return False
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # F.linear as a process of `threads` computes it
@@ -139,18 +139,39 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if getattr(_state, "unsplit", False):
         return F.linear(x, weight, bias)
     threads = getattr(_state, "team", 0) or torch.get_num_threads()
-    if bias is None and threads > 1 and _fits(x, weight) and faster(threads):
-        key = (*weight.shape, x.shape[0], threads)
-        same = _verdicts.get(key)
+    if bias is None and _splittable(x, weight, threads):
+        same = _verdicts.get((*weight.shape, x.shape[0], threads))
+        if same is None:
+            return _check(x, weight, threads)
         if same:
             return _split(x, weight, threads)
-        if same is None:
-            y, want = _split(x, weight, threads), _on(threads, x, weight, None)
-            same = _verdicts[key] = torch.equal(y, want)
-            if not same:
-                log.info("float32 %s: split bits differ from F.linear's, not split", key[:3])
-            return want
     return _on(threads, x, weight, bias)
+
+
+def splits(weight: torch.Tensor, rows: int, threads: int) -> bool:
+    """Whether `linear` splits a product of `rows` rows by `weight` over `threads` (its bits
+    checked now where they were not yet): engine/fused_f32.py's step computes it as linear does."""
+    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    if not _splittable(x, weight, threads):
+        return False
+    key = (*weight.shape, rows, threads)
+    if key not in _verdicts:
+        _check(x, weight, threads)
+    return _verdicts[key]
+
+
+def _splittable(x: torch.Tensor, weight: torch.Tensor, threads: int) -> bool:
+    return threads > 1 and _fits(x, weight) and faster(threads)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor:
+    """F.linear's product, the split's bits compared with it on the way (the shape's verdict)."""
+    key = (*weight.shape, x.shape[0], threads)
+    y, want = _split(x, weight, threads), _on(threads, x, weight, None)
+    same = _verdicts[key] = torch.equal(y, want)
+    if not same:
+        log.info("float32 %s: split bits differ from F.linear's, not split", key[:3])
+    return want
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -170,7 +170,7 @@ def expert_ffn(x: torch.Tensor, w: FFNWeights) -> torch.Tensor:
         gate, up = linear(x, w.gate_up), linear(x, w.up)  # [n, inter] each
         y = linear(gated(gate, up, w.activation), w.down)  # [n, hidden]
         return y if w.down_bias is None else y + w.down_bias
-    if _plain_silu(w):
+    if plain_silu(w):
         if (y := bf16.silu_ffn(x, w.gate_up, w.down)) is not None:  # one call, bfloat16 panels
             return y
     h = linear(x, w.gate_up)  # [n, 2 * inter]
@@ -194,10 +194,11 @@ def experts_ffn(batches: Sequence[tuple[torch.Tensor, FFNWeights]]) -> list[torc
 
 def fusable(w: FFNWeights) -> bool:
     """Whether experts_ffn computes `w` together with its layer's other experts."""
-    return w.up is None and _plain_silu(w) and isinstance(w.gate_up, bf16.Panels)
+    return w.up is None and plain_silu(w) and isinstance(w.gate_up, bf16.Panels)
 
 
-def _plain_silu(w: FFNWeights) -> bool:
+def plain_silu(w: FFNWeights) -> bool:
+    """A SiLU-gated FFN without biases (what the one-call kernels take)."""
     return w.activation.kind == "silu" and w.gate_up_bias is None and w.down_bias is None
 
 

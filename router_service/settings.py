@@ -85,9 +85,9 @@ class RouterSettings(QuantizationSettings, TelemetrySettings, SecuritySettings):
         le=64,
         description="decode steps one engine step runs back to back for a sequence that runs "
         "alone, asks for no logprobs or penalties and takes the one-call step "
-        "(bfloat16, int8 or int4 on a CPU, every expert colocated): its tokens stream in bursts of "
-        "up to this many; a request arriving, a cancellation or the deadline ends a burst at the "
-        "next token. 1: one step per engine step",
+        "(bfloat16, int8, int4 or float32 on a CPU, every expert colocated): its tokens stream in "
+        "bursts of up to this many; a request arriving, a cancellation or the deadline ends a "
+        "burst at the next token. 1: one step per engine step",
     )
     serial_max_tokens: int | None = Field(
         None,

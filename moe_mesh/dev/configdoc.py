@@ -64,7 +64,8 @@ PROCESS_WIDE = [
         "router",
         "`on` (default): a step of decode tokens only (up to 64 sequences) whose experts "
         "are all colocated runs as one kernel call where the model allows it (bfloat16 panels, "
-        "int8 or int4, the plain softmax router; the same bits as op by op); `off`: always op by "
+        "int8 or int4, the plain softmax router; the same bits as op by op); in float32, a step "
+        "of one sequence, once its first gave op by op's logits to the bit; `off`: always op by "
         "op",
     ),
     (

@@ -72,6 +72,25 @@ def unfit(spec: ModelSpec, w: DenseWeights) -> str | None:
     """Why a decode step of this model cannot be one call (None: it can)."""
     if w.embed.device.type != "cpu" or bf16.kernel("moe_decode_step") is None:
         return "the kernels do not run here, or the weights are on a GPU"
+    if (why := unfit_model(spec, w)) is not None:
+        return why
+    read = [w.embed, w.final_norm]  # what the kernel reads as bfloat16 rows, as they are
+    for x in w.layers:
+        read += [x.input_norm, x.post_attention_norm, x.router]
+        read += [x.attention.q_norm, x.attention.k_norm] if spec.qk_norm == "per_head" else []
+    if not all(_plain_bf16(t) for t in read):
+        return "embeddings, norms or routers not plain bfloat16"
+    first = w.layers[0].attention.qkv
+    for layer in w.layers:
+        a = layer.attention
+        if any(not _panels(t) or _kind(t) != _kind(first) for t in (a.qkv, a.o)):
+            return "attention weights not in panels of one format"
+    return None
+
+
+def unfit_model(spec: ModelSpec, w: DenseWeights) -> str | None:
+    """What neither one-call step computes (this file's, fused_f32.py's): None where the
+    model's layers are theirs, whatever its weights' format."""
     if spec.mla is not None or spec.norm != "rms" or spec.router != "softmax":
         return "latent attention, LayerNorm or another router"
     if spec.qk_norm not in ("none", "per_head") or spec.clip_qkv is not None:
@@ -82,21 +101,12 @@ def unfit(spec: ModelSpec, w: DenseWeights) -> str | None:
         return "sliding windows, or heads not a multiple of 16"
     if not 0 < spec.top_k <= min(16, spec.num_experts) or spec.hidden_size % 16:
         return "more than 16 experts a token"  # combine sums up to 16 choices as torch does
-    read = [w.embed, w.final_norm]  # what the kernel reads as bfloat16 rows, as they are
-    for x in w.layers:
-        read += [x.input_norm, x.post_attention_norm, x.router]
-        read += [x.attention.q_norm, x.attention.k_norm] if spec.qk_norm == "per_head" else []
-    if not all(_plain_bf16(t) for t in read):
-        return "embeddings, norms or routers not plain bfloat16"
-    first = w.layers[0].attention.qkv
     for layer in w.layers:
         a = layer.attention
         if layer.router is None or layer.shared_expert is not None or layer.dense_mlp is not None:
             return "a dense layer or shared experts"
         if layer.router_bias is not None or layer.router_correction is not None:
             return "a router bias"
-        if any(not _panels(t) or _kind(t) != _kind(first) for t in (a.qkv, a.o)):
-            return "attention weights not in panels of one format"
         if any(t is not None for t in (a.qkv_bias, a.o_bias, a.sinks)):
             return "attention biases or sinks"
     return None
@@ -139,9 +149,97 @@ class _Buffers:
         self.embedding, self.cos, self.sin = ((_P * n)() for _ in range(3))
 
 
-class FusedDecode:
+class OneCallStep:
+    """What the one-call steps share (this file's, fused_f32.py's): the KV cache and every
+    layer's every expert, bound when they change (a new cache, a new placement), and the experts
+    the last step routed to. A subclass sets `model` (its ctypes structure, with num_blocks,
+    block_size, cache_k and cache_v), `_held` (the pointer arrays it points into), `spec`,
+    `chosen`, CACHE_DTYPE and EXPERT_FIELDS, and says in _point_at whether it takes the experts."""
+
+    CACHE_DTYPE: torch.dtype
+    EXPERT_FIELDS: tuple[str, ...]  # the model's fields pointing at expert weights
+    model: ctypes.Structure
+    spec: ModelSpec
+    chosen: torch.Tensor  # [layers, sequences, top_k]: the last step's experts
+    _held: dict[str, ctypes.Array]
+    _cache: KVCache | None = None
+    _experts: Mapping | None = None  # bound
+    _refused: Mapping | None = None  # the current ones, which the kernel cannot take
+
+    def bind_cache(self, cache: KVCache) -> bool:
+        """Point the step at `cache`; False where the kernel cannot read it."""
+        if cache is self._cache:
+            return True
+        k, v = cache.k, cache.v
+        if {k.dtype, v.dtype} != {self.CACHE_DTYPE} or not (
+            k.is_contiguous() and v.is_contiguous()
+        ):
+            return False
+        if cache.v_dim != cache.head_dim or cache.head_dim != self.spec.head_dim:
+            return False
+        m = self.model
+        m.num_blocks, m.block_size = cache.num_blocks, cache.block_size
+        self._held["cache_k"] = _array([k[i].data_ptr() for i in range(m.layers)])
+        self._held["cache_v"] = _array([v[i].data_ptr() for i in range(m.layers)])
+        m.cache_k = ctypes.addressof(self._held["cache_k"])
+        m.cache_v = ctypes.addressof(self._held["cache_v"])
+        self._cache = cache
+        return True
+
+    def bind_experts(self, experts: Mapping[tuple[int, int], FFNWeights]) -> bool:
+        """Point the step at these experts' weights (every layer's every expert); False where
+        the kernel cannot take them all (then the step runs op by op)."""
+        if experts is self._experts:
+            return True
+        if experts is self._refused:  # checked once per placement, not once per step
+            return False
+        self.unbind_experts()
+        self._refused = experts
+        keys = [
+            (layer, e) for layer in range(self.model.layers) for e in range(self.spec.num_experts)
+        ]
+        ffns = [experts.get(key) for key in keys]
+        if any(f is None for f in ffns) or not self._point_at(ffns):
+            return False
+        self._experts, self._refused = experts, None
+        return True
+
+    def _point_at(self, ffns: list[FFNWeights]) -> bool:
+        """Point the model at `ffns` (layer by layer, expert by expert); False where it cannot."""
+        raise NotImplementedError
+
+    def _point(self, name: str, tensors: list[torch.Tensor]) -> None:
+        """Point the model's field `name` at an array of these tensors' data."""
+        self._held[name] = _array([t.data_ptr() for t in tensors])
+        setattr(self.model, name, ctypes.addressof(self._held[name]))
+
+    def routed(self) -> list[list[int]]:
+        """The last step's experts, per layer those of every token in routing order."""
+        return self.chosen.view(self.model.layers, -1).tolist()
+
+    def refuses(self, experts: Mapping[tuple[int, int], FFNWeights]) -> bool:
+        """Whether bind_experts found that it cannot take these experts."""
+        return experts is self._refused
+
+    def unbind_experts(self) -> None:
+        """Hold no expert's weights (they moved away): bind_experts again before a step."""
+        if self._experts is None and self._refused is None:
+            return
+        self._experts = self._refused = None
+        for name in self.EXPERT_FIELDS:
+            self._held.pop(name, None)
+            setattr(self.model, name, None)
+
+
+class FusedDecode(OneCallStep):
     """One model's step in one call: its dense part bound once, the KV cache and the experts'
     weights bound when they change (a new cache, a new placement)."""
+
+    CACHE_DTYPE = torch.bfloat16
+    EXPERT_FIELDS = ("gate_up", "down", "gate_up_scales", "down_scales")
+
+    max_tokens = MAX_TOKENS
+    trusted = True  # its bits are the op-by-op path's by construction (tested)
 
     def __init__(self, spec: ModelSpec, w: DenseWeights) -> None:
         self.spec, self.weights = spec, w
@@ -184,43 +282,11 @@ class FusedDecode:
         self.chosen = torch.empty(m.layers, 1, s.top_k, dtype=torch.int64)
         self._buffers: _Buffers | None = None
         self._one_token = (ctypes.c_int64 * 2)()  # `at`'s context length and cache slot
-        self._cache: KVCache | None = None
-        self._experts: Mapping | None = None  # bound
-        self._refused: Mapping | None = None  # the current ones, which the kernel cannot take
 
-    def bind_cache(self, cache: KVCache) -> bool:
-        """Point the step at `cache`; False where the kernel cannot read it."""
-        if cache is self._cache:
-            return True
-        k, v = cache.k, cache.v
-        if {k.dtype, v.dtype} != {torch.bfloat16} or not (k.is_contiguous() and v.is_contiguous()):
+    def _point_at(self, ffns: list[FFNWeights]) -> bool:
+        if any(not fusable(f) or not _panels(f.down) for f in ffns):
             return False
-        if cache.v_dim != cache.head_dim or cache.head_dim != self.spec.head_dim:
-            return False
-        m = self.model
-        m.num_blocks, m.block_size = cache.num_blocks, cache.block_size
-        self._held["cache_k"] = _array([k[i].data_ptr() for i in range(m.layers)])
-        self._held["cache_v"] = _array([v[i].data_ptr() for i in range(m.layers)])
-        m.cache_k = ctypes.addressof(self._held["cache_k"])
-        m.cache_v = ctypes.addressof(self._held["cache_v"])
-        self._cache = cache
-        return True
-
-    def bind_experts(self, experts: Mapping[tuple[int, int], FFNWeights]) -> bool:
-        """Point the step at these experts' weights (every layer's every expert); False where
-        the kernel cannot take them all (then the step runs op by op)."""
-        if experts is self._experts:
-            return True
-        if experts is self._refused:  # checked once per placement, not once per step
-            return False
-        self.unbind_experts()
-        self._refused = experts
-        m, s = self.model, self.spec
-        keys = [(layer, e) for layer in range(m.layers) for e in range(s.num_experts)]
-        ffns = [experts.get(key) for key in keys]
-        if any(f is None or not fusable(f) or not _panels(f.down) for f in ffns):
-            return False
-        first = ffns[0]
+        m, first = self.model, ffns[0]
         inter = first.down.shape[1]
         for f in ffns:
             if (f.gate_up.format, f.gate_up.group) != (first.gate_up.format, first.gate_up.group):
@@ -231,30 +297,12 @@ class FusedDecode:
                 return False
         m.format, m.group, m.inter = first.gate_up.format, first.gate_up.group, inter
         quantized = first.gate_up.scales is not None
-        for name, part in (("gate_up", "gate_up"), ("down", "down")):
-            self._held[name] = _array([getattr(f, part).data.data_ptr() for f in ffns])
-            setattr(m, name, ctypes.addressof(self._held[name]))
-            scales = None
+        for name in ("gate_up", "down"):
+            self._point(name, [getattr(f, name).data for f in ffns])
+            setattr(self.model, name + "_scales", None)
             if quantized:
-                pointers = [getattr(f, part).scales.data_ptr() for f in ffns]
-                self._held[name + "_scales"] = _array(pointers)
-                scales = ctypes.addressof(self._held[name + "_scales"])
-            setattr(m, name + "_scales", scales)
-        self._experts, self._refused = experts, None
+                self._point(name + "_scales", [getattr(f, name).scales for f in ffns])
         return True
-
-    def refuses(self, experts: Mapping[tuple[int, int], FFNWeights]) -> bool:
-        """Whether bind_experts found that it cannot take these experts."""
-        return experts is self._refused
-
-    def unbind_experts(self) -> None:
-        """Hold no expert's weights (they moved away): bind_experts again before a step."""
-        if self._experts is None and self._refused is None:
-            return
-        self._experts = self._refused = None
-        for name in ("gate_up", "down", "gate_up_scales", "down_scales"):
-            self._held.pop(name, None)
-            setattr(self.model, name, None)
 
     def step(
         self, tokens: list[int], batch: AttentionBatch, rope: Rope, threads: int | None = None
@@ -268,10 +316,6 @@ class FusedDecode:
         return self._run(
             tokens, where, tables, lengths.data_ptr(), slots.data_ptr(), rope, threads
         ).float()
-
-    def routed(self) -> list[list[int]]:
-        """The last step's experts, per layer those of every token in routing order."""
-        return self.chosen.view(self.model.layers, -1).tolist()
 
     def at(
         self, token: int, position: int, table: torch.Tensor, length: int, slot: int, rope: Rope

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -17,10 +18,11 @@ from common.arch import ModelSpec
 from common.linear import linear, serial_tokens
 from common.moe import expert_ffn
 from common.weights import DenseWeights, LayerWeights
-from router_service.engine import fused
+from router_service.engine import fused, fused_f32
 from router_service.engine.burst import Burst
 from router_service.engine.burst import run as burst_run
 from router_service.engine.fused import FusedDecode
+from router_service.engine.fused_f32 import FusedDecodeF32
 from router_service.engine.gpu import GpuPasses
 from router_service.engine.kv_cache import KVCache, block_bytes
 from router_service.engine.layers import (
@@ -33,6 +35,8 @@ from router_service.engine.layers import (
 )
 from router_service.engine.pipeline import CallTimes, Compute, PassCosts, inline, run_stretches
 from router_service.experts.dispatch import ExpertDispatcher
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -132,12 +136,9 @@ class MoeModel:
                 spec, weights, dispatcher, self._layers, max_num_seqs, max_model_len
             )
             self.gpu.prepare()  # before the KV cache is sized from what memory is left
-        # A decode step as one kernel call, where the model allows (engine/fused.py).
-        self.fused = (
-            FusedDecode(spec, weights)
-            if fused.enabled() and not fused.unfit(spec, weights)
-            else None
-        )
+        # A decode step as one kernel call, where the model allows (engine/fused.py, and
+        # fused_f32.py for float32).
+        self.fused = _one_call_step(spec, weights, self._team)
 
     def close(self) -> None:
         """Stop the compute thread, if it has one."""
@@ -186,12 +187,16 @@ class MoeModel:
     async def _pass(
         self, batch: StepBatch, cache: KVCache, all_logits: bool, calls: list[CallTimes]
     ) -> torch.Tensor:
-        if (logits := self._in_one_call(batch, cache, all_logits)) is not None:
-            return logits
+        one_call = self._in_one_call(batch, cache, all_logits)
+        if one_call is not None and self.fused.trusted:
+            return one_call
         moe = functools.partial(self.dispatcher.moe_layer, deadline=batch.deadline, calls=calls)
         if self.gpu is None:
             rows = None if all_logits else batch.logits_rows
-            return await self._layers(batch.token_ids, batch.attention, rows, cache, moe)
+            logits = await self._layers(batch.token_ids, batch.attention, rows, cache, moe)
+            if one_call is not None:  # rewrote the cache slots the one call wrote
+                self._trust(one_call, logits)
+            return logits
         # On a GPU: the layout's indices go there once a step.
         tokens, layout = batch.token_ids.to(self.device), batch.attention.to(self.device)
         rows = None if all_logits else batch.logits_rows.to(self.device)
@@ -237,8 +242,22 @@ class MoeModel:
         # One call wakes the threads once, not once per op: it gains from all of them however
         # few its tokens (on 2 cores, 1.4x at one token), where _stretch chose one for op by op.
         logits = one.step(batch.token_ids.tolist(), batch.attention, self.rope, self._team)
-        self.dispatcher.computed_together(one.routed())
+        if one.trusted:  # else _pass computes the step op by op too, and counts it
+            self.dispatcher.computed_together(one.routed())
         return logits
+
+    def _trust(self, one_call: torch.Tensor, logits: torch.Tensor) -> None:
+        """Trust the float32 one-call step (fused_f32.py) where its first step gave the op-by-op
+        path's logits to the bit; else decode op by op from now on."""
+        if torch.equal(one_call, logits):
+            self.fused.trusted = True
+            log.info("float32 decode steps of one sequence run as one kernel call")
+            return
+        log.warning(
+            "float32 decode step in one call gave other logits than op by op here (torch's "
+            "build or this CPU): decoding op by op"
+        )
+        self.fused = None
 
     def _one_call(self, cache: KVCache, wanted: bool = True) -> FusedDecode | None:
         """The one-call step bound to the current experts and `cache`, where it can run now
@@ -262,7 +281,7 @@ class MoeModel:
         """Whether decode bursts (burst.py) may run: a one-call step over every expert, which
         its kernel takes, and no traced request."""
         one = self.fused
-        if one is None or self.dispatcher.traced():
+        if one is None or not one.trusted or self.dispatcher.traced():
             return False
         experts = self.dispatcher.all_colocated()
         return experts is not None and not one.refuses(experts)
@@ -286,7 +305,7 @@ class MoeModel:
         return (
             self.fused is not None
             and not batch.attention.prefills
-            and batch.token_ids.numel() <= fused.MAX_TOKENS
+            and batch.token_ids.numel() <= self.fused.max_tokens
         )
 
     @contextmanager
@@ -311,3 +330,14 @@ class MoeModel:
         """The weight of the norm that reads layer `layer`'s output (-1: the embeddings)."""
         w = self.weights
         return w.layers[layer + 1].input_norm if layer + 1 < len(w.layers) else w.final_norm
+
+
+def _one_call_step(
+    spec: ModelSpec, weights: DenseWeights, threads: int
+) -> FusedDecode | FusedDecodeF32 | None:
+    """The model's decode step as one kernel call, where it can be one (else None)."""
+    if not fused.enabled():
+        return None
+    if weights.embed.dtype == torch.float32:
+        return None if fused_f32.unfit(spec, weights) else FusedDecodeF32(spec, weights, threads)
+    return None if fused.unfit(spec, weights) else FusedDecode(spec, weights)

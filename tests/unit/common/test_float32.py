@@ -10,7 +10,7 @@ from common import float32
 from common import linear as L
 
 needs_split = pytest.mark.skipif(
-    float32._mkl() is None or float32.bf16.kernel("moe_sgemm_rows") is None,
+    float32.mkl() is None or float32.bf16.kernel("moe_sgemm_rows") is None,
     reason="torch's BLAS is not MKL here, or the kernels are not built here",
 )
 
@@ -110,7 +110,7 @@ def unmeasured():
 
 def test_nothing_is_split_on_one_thread_or_without_mkl(unmeasured, monkeypatch):
     assert float32.faster(1) is False
-    monkeypatch.setattr(float32, "_mkl", lambda: None)
+    monkeypatch.setattr(float32, "mkl", lambda: None)
     assert float32.faster(2) is False
 
 

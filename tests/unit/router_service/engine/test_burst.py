@@ -18,8 +18,7 @@ from router_service.build import build_local_engine
 from router_service.engine.engine import Engine, FinishReason
 from router_service.settings import RouterSettings
 from tests.support.backends import Recording
-
-PROMPT = [5, 9, 11, 3, 7, 2]
+from tests.support.engine_runs import PROMPT, run
 
 
 def greedy(n: int, **params) -> SamplingParams:
@@ -36,32 +35,6 @@ def engine(checkpoint, burst: int, arch: str = "mixtral") -> Engine:
             decode_burst=burst,
         )
     )
-
-
-def run(
-    e: Engine, requests: dict[str, SamplingParams], prompt: list[int] = PROMPT, close: bool = True
-) -> tuple[dict, list[dict]]:
-    """Each request's tokens and finish reason, and each step's new tokens per request."""
-    for rid, params in requests.items():
-        e.add_request(rid, prompt, params)
-    out: dict[str, tuple[list[int], FinishReason | None]] = {}
-    steps: list[dict[str, int]] = []
-
-    async def drive() -> None:
-        while e.has_unfinished():
-            step = {}
-            for o in await e.step():
-                ids, _ = out.get(o.request_id, ([], None))
-                out[o.request_id] = (ids + o.new_token_ids, o.finish_reason)
-                step[o.request_id] = len(o.new_token_ids)
-            steps.append(step)
-
-    try:
-        asyncio.run(drive())
-    finally:
-        if close:
-            e.close()
-    return out, steps
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
