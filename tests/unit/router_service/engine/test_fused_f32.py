@@ -20,6 +20,10 @@ from tests.support.engine_runs import decode, run
 pytestmark = pytest.mark.skipif(
     fused_f32._lanes() is None, reason="torch's vector width here is neither AVX2's nor AVX-512's"
 )
+# Where the kernel was seen to repeat torch to the bit: torch's AVX2 kernels. Its 16-lane sums for
+# torch's AVX-512 ones are written from torch's code, unchecked on such a host: there the first
+# step's check decides, and these tests ask only that the answers are op by op's either way.
+CHECKED_HERE = torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
 def model(path, one_call: bool = True, dtype: str = "float32"):
@@ -45,9 +49,12 @@ def test_a_float32_step_in_one_call_gives_the_op_by_op_bits(kernel, checkpoint, 
     with caplog.at_level(logging.INFO, logger="router_service.engine.model"):
         got, calls = decode(one, 8)
     want, _ = decode(op_by_op, 8)
-    assert calls == 8 and len(got) == 8 and all(torch.equal(g, w) for g, w in zip(got, want))
-    assert one.fused.trusted and "run as one kernel call" in caplog.text
+    assert len(got) == 8 and all(torch.equal(g, w) for g, w in zip(got, want))
     assert got[0].dtype == torch.float32 and got[0].shape == (1, one.spec.vocab_size)
+    if CHECKED_HERE or one.fused is not None:
+        assert calls == 8 and one.fused.trusted and "run as one kernel call" in caplog.text
+    else:
+        assert calls == 1 and "decoding op by op" in caplog.text
     # The first step, computed both ways to be checked, is counted once.
     a, b = one.dispatcher, op_by_op.dispatcher
     assert a.routed_counts() == b.routed_counts()
@@ -98,9 +105,13 @@ def test_float32_bursts_give_the_tokens_of_op_by_op_steps(kernel, checkpoint, ar
         return build_local_engine(settings)
 
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    got, steps = run(engine(), {"r": params})
+    bursting = engine()
+    got, steps = run(bursting, {"r": params}, close=False)
+    trusted = bursting.model.fused is not None
+    bursting.close()
     monkeypatch.setenv("MOE_MESH_FUSED_DECODE", "off")
     want, _ = run(engine(), {"r": params})
     assert got == want and len(want["r"][0]) == 20
+    assert trusted or not CHECKED_HERE
     # The prefill's token, a single step checked against op by op, then bursts.
-    assert [s["r"] for s in steps] == [1, 1, 8, 8, 2]
+    assert [s["r"] for s in steps] == ([1, 1, 8, 8, 2] if trusted else [1] * 20)
