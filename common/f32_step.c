@@ -2,12 +2,12 @@
    bf16_kernel.c, which includes this file after moe_sgemm_rows and the attention kernels.
 
    float32 must give transformers' tokens to the last bit, so every operation here gives the bits
-   of the torch op the op-by-op path runs (router_service/engine/fused_f32.py checks a whole step
-   against that path before it trusts this one):
+   of the torch op the op-by-op path runs (the engine checks a whole step against that path
+   before it trusts this one: router_service/engine/model.py):
    - products: MKL's sgemm, as F.linear and float32.py's split call it (`split` says which);
    - attention: moe_decode_step_attention, the op-by-op path's own kernel;
-   - sums (RMSNorm's mean, the top-k weights'): torch's cascade over `lanes`-wide vectors
-     (SumKernel.cpp), repeated lane by lane;
+   - sums (RMSNorm's mean, the top-k weights'): torch's cascade over `lanes`-wide vectors, or
+     over single values below one vector (SumKernel.cpp), repeated lane by lane;
    - softmax and SiLU: torch's vectorised formulas, exp from the Sleef function torch calls
      (passed in), a scalar tail through libm's expf as torch's scalar loop does;
    - elementwise arithmetic in the same order (the file builds with -ffp-contract=off).
@@ -57,11 +57,11 @@ static long ceil_log2(long x) { /* c10's CeilLog2 */
     return bits;
 }
 
-/* torch's float32 sum of n contiguous values (SumKernel.cpp's vectorized_inner_sum): vectors of
-   W lanes, four at a time into the first of four levels of partial sums, each level carried
-   up every 2^power steps; the four summed, then the scalar tail and the lanes, in order */
-static float torch_sum(const float *x, long n, int W) {
-    long vectors = n / W, size = vectors / 4;
+/* torch's cascade (SumKernel.cpp) over `vectors` vectors of W lanes: four at a time into the
+   first of four levels of partial sums, each level carried up every 2^power steps, then the
+   leftover vectors into the first of the four and the other three added to it: its lanes */
+static void cascade(const float *x, long vectors, int W, float *lanes) {
+    long size = vectors / 4;
     float acc[4][4][16] = {{{0}}}; /* [level][row][lane] */
     if (size) {
         long power = ceil_log2(size) / 4 < 4 ? 4 : ceil_log2(size) / 4;
@@ -87,9 +87,23 @@ static float torch_sum(const float *x, long n, int W) {
         for (int l = 0; l < W; l++) acc[0][0][l] += x[i * W + l];
     for (int r = 1; r < 4; r++)
         for (int l = 0; l < W; l++) acc[0][0][l] += acc[0][r][l];
+    memcpy(lanes, acc[0][0], sizeof(float) * W);
+}
+
+/* torch's float32 sum of n contiguous values: from a whole vector of W lanes on, the cascade
+   over the whole vectors, then from 0 the scalar tail and the lanes in order
+   (vectorized_inner_sum); below, the cascade over single values (scalar_inner_sum) */
+static float torch_sum(const float *x, long n, int W) {
+    float lanes[16];
+    if (n < W) {
+        cascade(x, n, 1, lanes);
+        return lanes[0];
+    }
+    long vectors = n / W;
+    cascade(x, vectors, W, lanes);
     float total = 0.0f;
     for (long i = vectors * W; i < n; i++) total += x[i];
-    for (int l = 0; l < W; l++) total += acc[0][0][l];
+    for (int l = 0; l < W; l++) total += lanes[l];
     return total;
 }
 

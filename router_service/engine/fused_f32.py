@@ -141,6 +141,11 @@ class FusedDecodeF32(OneCallStep):
         self.x, self.h = (torch.empty(1, spec.hidden_size) for _ in range(2))
         self.logits = torch.empty(1, m.vocab)
 
+    def runs_on(self, threads: int) -> bool:
+        """Only on the threads it was built for: its products' split bits were checked for
+        them, and the op-by-op path splits a product another way on another count."""
+        return threads == self.threads
+
     def _point_at(self, ffns: list[FFNWeights]) -> bool:
         m = self.model
         inter = ffns[0].down.shape[-1]
@@ -162,7 +167,7 @@ class FusedDecodeF32(OneCallStep):
         self, tokens: list[int], batch: AttentionBatch, rope: Rope, threads: int | None = None
     ) -> torch.Tensor:
         """Float32 logits [1, vocab] of the step's one decode token, on the threads the step
-        was built for whatever `threads` says: its products' split bits were checked for them."""
+        was built for (runs_on), whatever `threads` says."""
         [token], [position] = tokens, batch.positions.tolist()
         [length], [slot] = batch.decode_lengths.tolist(), batch.slots.tolist()
         table = bf16.dense(batch.decode_tables)

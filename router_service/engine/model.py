@@ -21,7 +21,7 @@ from common.weights import DenseWeights, LayerWeights
 from router_service.engine import fused, fused_f32
 from router_service.engine.burst import Burst
 from router_service.engine.burst import run as burst_run
-from router_service.engine.fused import FusedDecode
+from router_service.engine.fused import FusedDecode, OneCallStep
 from router_service.engine.fused_f32 import FusedDecodeF32
 from router_service.engine.gpu import GpuPasses
 from router_service.engine.kv_cache import KVCache, block_bytes
@@ -187,15 +187,16 @@ class MoeModel:
     async def _pass(
         self, batch: StepBatch, cache: KVCache, all_logits: bool, calls: list[CallTimes]
     ) -> torch.Tensor:
+        one = self.fused
         one_call = self._in_one_call(batch, cache, all_logits)
-        if one_call is not None and self.fused.trusted:
+        if one_call is not None and one.trusted:
             return one_call
         moe = functools.partial(self.dispatcher.moe_layer, deadline=batch.deadline, calls=calls)
         if self.gpu is None:
             rows = None if all_logits else batch.logits_rows
             logits = await self._layers(batch.token_ids, batch.attention, rows, cache, moe)
             if one_call is not None:  # rewrote the cache slots the one call wrote
-                self._trust(one_call, logits)
+                self._trust(one, one_call, logits)
             return logits
         # On a GPU: the layout's indices go there once a step.
         tokens, layout = batch.token_ids.to(self.device), batch.attention.to(self.device)
@@ -233,7 +234,7 @@ class MoeModel:
     def _in_one_call(
         self, batch: StepBatch, cache: KVCache, all_logits: bool
     ) -> torch.Tensor | None:
-        """The pass as one kernel call (engine/fused.py) where it is decode tokens only, every
+        """The pass as one kernel call (engine/fused.py, fused_f32.py) where it is decode tokens only, every
         expert is colocated in one backend and the kernel takes the weights; else None."""
         one = self._one_call(cache, wanted=not all_logits and self._one_decode(batch))
         if one is None:
@@ -246,11 +247,13 @@ class MoeModel:
             self.dispatcher.computed_together(one.routed())
         return logits
 
-    def _trust(self, one_call: torch.Tensor, logits: torch.Tensor) -> None:
-        """Trust the float32 one-call step (fused_f32.py) where its first step gave the op-by-op
-        path's logits to the bit; else decode op by op from now on."""
+    def _trust(self, one: OneCallStep, one_call: torch.Tensor, logits: torch.Tensor) -> None:
+        """Trust the float32 one-call step `one` (fused_f32.py) where its first step gave the
+        op-by-op path's logits to the bit; else decode op by op from now on."""
+        if self.fused is not one:
+            return
         if torch.equal(one_call, logits):
-            self.fused.trusted = True
+            one.trusted = True
             log.info("float32 decode steps of one sequence run as one kernel call")
             return
         log.warning(
@@ -259,7 +262,7 @@ class MoeModel:
         )
         self.fused = None
 
-    def _one_call(self, cache: KVCache, wanted: bool = True) -> FusedDecode | None:
+    def _one_call(self, cache: KVCache, wanted: bool = True) -> OneCallStep | None:
         """The one-call step bound to the current experts and `cache`, where it can run now
         and is `wanted`; asked on every pass, so that it lets go of experts moved away."""
         one = self.fused
@@ -272,6 +275,7 @@ class MoeModel:
         if (
             not wanted
             or self.dispatcher.traced()
+            or not one.runs_on(self._team)
             or not (one.bind_experts(experts) and one.bind_cache(cache))
         ):
             return None
@@ -300,7 +304,7 @@ class MoeModel:
         return tokens
 
     def _one_decode(self, batch: StepBatch) -> bool:
-        """Whether `batch` is decode tokens only (one a sequence, at most fused.MAX_TOKENS) of a
+        """Whether `batch` is decode tokens only (one a sequence, at most the step's max_tokens) of a
         model whose step can be one call."""
         return (
             self.fused is not None

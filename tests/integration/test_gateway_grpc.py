@@ -61,8 +61,9 @@ async def test_unary_and_stream_match_the_local_engine_and_stream_early(checkpoi
             arrivals.append(time.monotonic() - start)
             ids += msg.token_ids
             texts.append(msg.text)
-        # Tokens come as they are made: at least a message a decode burst (--decode-burst 8).
-        assert len(arrivals) >= 64 // 8 and arrivals[0] < arrivals[-1]
+        # Tokens come as they are made: at least a message a decode burst (--decode-burst 8),
+        # the first well before the last.
+        assert len(arrivals) >= 64 // 8 and arrivals[0] < arrivals[-1] / 2
         unary = await stub.Generate(greedy(3, max_tokens=64))
         assert ids == list(unary.token_ids) and "".join(texts) == unary.text
 

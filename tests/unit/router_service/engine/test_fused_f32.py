@@ -40,9 +40,24 @@ def kernel():
         pytest.skip("no C compiler or no AVX2 here: no one-call float32 step")
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_a_float32_step_in_one_call_gives_the_op_by_op_bits(kernel, checkpoint, arch, caplog):
-    path = checkpoint(arch)
+# Besides the tiny presets: sums long enough for the cascade's carries (hidden 1024), shorter
+# than a vector (6 of 8 experts' weights), and SiLU's scalar tail (an expert width of 72).
+WIDE = {"hidden_size": 1024, "num_local_experts": 8, "num_experts_per_tok": 6}
+
+
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [
+        ("mixtral", {}),
+        ("qwen3_moe", {}),
+        ("mixtral", {**WIDE, "intermediate_size": 72}),
+        ("qwen3_moe", {**WIDE, "num_experts": 8, "moe_intermediate_size": 72}),
+    ],
+)
+def test_a_float32_step_in_one_call_gives_the_op_by_op_bits(
+    kernel, checkpoint, arch, overrides, caplog
+):
+    path = checkpoint(arch, overrides=overrides) if overrides else checkpoint(arch)
     one, op_by_op = model(path), model(path, one_call=False)
     assert isinstance(one.fused, fused_f32.FusedDecodeF32), fused_f32.unfit(one.spec, one.weights)
     assert not one.fused.trusted
