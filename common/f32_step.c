@@ -5,7 +5,7 @@
    of the torch op the op-by-op path runs (the engine checks a whole step against that path
    before it trusts this one: router_service/engine/model.py):
    - products: MKL's sgemm, as F.linear and float32.py's split call it (`split` says which);
-   - attention: moe_decode_step_attention, the op-by-op path's own kernel;
+   - attention and the experts' combine: the op-by-op path's own kernels;
    - sums (RMSNorm's mean, the top-k weights'): torch's cascade over `lanes`-wide vectors, or
      over single values below one vector (SumKernel.cpp), repeated lane by lane;
    - softmax and SiLU: torch's vectorised formulas, exp from the Sleef function torch calls
@@ -231,12 +231,10 @@ int moe_decode_step_f32(const moe_model_f32 *m, long token, const float *cos, co
             f32_product(m, s & F32_DOWN, m->down[e], gated, ys + j * hidden, hidden, inter,
                         threads);
         }
-        /* moe_combine's sum: from 0, each choice's product in routing order */
-        for (long i = 0; i < hidden; i++) {
-            float acc = 0.0f;
-            for (long j = 0; j < k; j++) acc += ys[j * hidden + i] * weights[j];
-            x[i] += acc;
-        }
+        const void *rows[16]; /* top_k <= 16 (fused.unfit_model) */
+        for (long j = 0; j < k; j++) rows[j] = ys + j * hidden;
+        PICK(combine)(rows, 0, weights, 0, 1, k, hidden, 0, delta, 1); /* the op-by-op path's */
+        for (long i = 0; i < hidden; i++) x[i] += delta[i];
         f32_rms_norm(x, m->next_norm[l], h, scratch, hidden, m->eps, W);
     }
     if (!failed) f32_product(m, s & F32_HEAD, m->lm_head, h, logits, m->vocab, hidden, threads);

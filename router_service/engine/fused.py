@@ -78,7 +78,7 @@ def unfit(spec: ModelSpec, w: DenseWeights) -> str | None:
     for x in w.layers:
         read += [x.input_norm, x.post_attention_norm, x.router]
         read += [x.attention.q_norm, x.attention.k_norm] if spec.qk_norm == "per_head" else []
-    if not all(_plain_bf16(t) for t in read):
+    if not all(plain(t, torch.bfloat16) for t in read):
         return "embeddings, norms or routers not plain bfloat16"
     first = w.layers[0].attention.qkv
     for layer in w.layers:
@@ -112,12 +112,10 @@ def unfit_model(spec: ModelSpec, w: DenseWeights) -> str | None:
     return None
 
 
-def _plain_bf16(t: object) -> bool:
+def plain(t: object, dtype: torch.dtype) -> bool:
+    """A plain contiguous `dtype` tensor: what a one-call kernel reads as it is."""
     return (
-        isinstance(t, torch.Tensor)
-        and t.dtype == torch.bfloat16
-        and not t.is_mkldnn
-        and t.is_contiguous()
+        isinstance(t, torch.Tensor) and t.dtype == dtype and not t.is_mkldnn and t.is_contiguous()
     )
 
 

@@ -26,7 +26,7 @@ from common import bf16, float32
 from common.arch import ModelSpec
 from common.moe import plain_silu
 from common.weights import DenseWeights, FFNWeights
-from router_service.engine.fused import OneCallStep, unfit_model
+from router_service.engine.fused import OneCallStep, plain, unfit_model
 from router_service.engine.layers import AttentionBatch, Rope
 from router_service.engine.sampling import greedy
 
@@ -84,12 +84,7 @@ def unfit(spec: ModelSpec, w: DenseWeights) -> str | None:
 
 
 def _plain(t: object) -> bool:
-    return (
-        isinstance(t, torch.Tensor)
-        and t.dtype == torch.float32
-        and not t.is_mkldnn
-        and t.is_contiguous()
-    )
+    return plain(t, torch.float32)
 
 
 class FusedDecodeF32(OneCallStep):

@@ -234,8 +234,9 @@ class MoeModel:
     def _in_one_call(
         self, batch: StepBatch, cache: KVCache, all_logits: bool
     ) -> torch.Tensor | None:
-        """The pass as one kernel call (engine/fused.py, fused_f32.py) where it is decode tokens only, every
-        expert is colocated in one backend and the kernel takes the weights; else None."""
+        """The pass as one kernel call (engine/fused.py, fused_f32.py) where it is decode tokens
+        only, every expert is colocated in one backend and the kernel takes the weights; else
+        None."""
         one = self._one_call(cache, wanted=not all_logits and self._one_decode(batch))
         if one is None:
             return None
