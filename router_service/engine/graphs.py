@@ -101,6 +101,7 @@ class _Captured:
     slots: torch.Tensor
     tables: torch.Tensor  # [size, width]
     lengths: torch.Tensor
+    rows: torch.Tensor  # [size]: the logits rows; the graph reads its memory, so it is held here
 
 
 class DecodeGraphs:
@@ -187,10 +188,10 @@ class DecodeGraphs:
             return torch.zeros(*shape, dtype=torch.int64, device=self.device)
 
         c = _Captured(
-            None, (), zeros(size), zeros(size), zeros(size), zeros(size, width), zeros(size)
-        )
+            None, (), zeros(size), zeros(size), zeros(size), zeros(size, width), zeros(size),
+            torch.arange(size, device=self.device),
+        )  # fmt: skip
         self._pad(c, 0)
-        rows = torch.arange(size, device=self.device)
 
         def run() -> tuple[torch.Tensor, torch.Tensor]:
             # A new layout object each run: what a pass caches on it (RoPE rows, masks) is then
@@ -205,7 +206,7 @@ class DecodeGraphs:
                 block_size=self.block_size,
             )
             self.before_capture()
-            return self.run(c.tokens, attention, rows)
+            return self.run(c.tokens, attention, c.rows)
 
         c.graph, c.outputs = self.backend.capture(run)
         self.graphs[(size, width)] = c

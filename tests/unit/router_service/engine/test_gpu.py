@@ -1,12 +1,15 @@
 """A GPU's passes (engine/gpu.py, device_pass.py, graphs.py), run on the CPU where no GPU is:
 grouped-product MoE layers give the dispatcher path's tokens and routing counts; decode steps
 replay from graphs captured once per bucket, over a pass that makes no host synchronisation and
-no tensor off the model's device; padded rows change no real row. The same pass on a real GPU
-is bench/gpu_check.py's, and the CUDA test at the end."""
+no tensor off the model's device, and whose replays read no tensor the engine let go; padded rows
+change no real row. The same pass on a real GPU is bench/gpu_check.py's, and the CUDA test at
+the end."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
+import weakref
 
 import pytest
 import torch
@@ -50,11 +53,68 @@ class NoHostSync(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class Reads(TorchFunctionMode):
+    """The tensors a captured pass reads that it did not make. A CUDA graph keeps the memory of
+    what it made (its pool) but only the addresses of these: their owners must keep them alive
+    for as long as the graph replays, or a replay reads whatever took their place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: set[int] = set()
+        self.outside: dict[int, list[weakref.ref]] = {}
+        self.what: dict[int, str] = {}  # the first tensor read at each address, described
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors((args, kwargs)):
+            if (where := _address(t)) is not None and where not in self.made:
+                self.outside.setdefault(where, []).append(weakref.ref(t))
+                self.what.setdefault(where, f"{t.dtype} {list(t.shape)} read by {func.__name__}")
+        for t in _tensors(out):
+            if (where := _address(t)) is not None:
+                self.made.add(where)
+        return out
+
+    def dropped(self, run) -> list[str]:
+        """Those nothing holds any more but `run`'s closure, which a real graph does not keep."""
+        cells = run.__closure__ or ()
+        nobody = object()
+        floor = sys.getrefcount(nobody)  # this frame's name for it, and getrefcount's argument
+        gone = []
+        for where, refs in self.outside.items():
+            held = False
+            for r in refs:
+                t = r()
+                if t is not None:
+                    held |= sys.getrefcount(t) - floor > sum(c.cell_contents is t for c in cells)
+                del t
+            if not held:
+                gone.append(self.what[where])
+        return gone
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return _tensors(list(value.values()))
+    return []
+
+
+def _address(t: torch.Tensor) -> int | None:
+    if t.device.type == "meta" or not t.numel():
+        return None
+    return t.untyped_storage().data_ptr()
+
+
 class CpuGraphs:
     """A GraphBackend on the CPU with a CUDA graph's contract: capture runs the pass once over
     the static inputs (here with no host read and no tensor made on the default device, which
-    is the meta device meanwhile), and each replay leaves the pass's new outputs in the
-    captured output tensors."""
+    is the meta device meanwhile), each replay leaves the pass's new outputs in the captured
+    output tensors, and a replay refuses to run once a tensor the capture read but did not
+    make has been let go (a real graph would read freed memory)."""
 
     def __init__(self) -> None:
         self.captures: list[tuple[int, ...]] = []
@@ -62,15 +122,16 @@ class CpuGraphs:
     def capture(self, run):
         torch.set_default_device("meta")
         try:
-            with NoHostSync():
+            with NoHostSync(), Reads() as reads:
                 outputs = run()
         finally:
             torch.set_default_device(None)
         self.captures.append(tuple(outputs[1].shape))
-        return (run, outputs), outputs
+        return (run, outputs, reads), outputs
 
     def replay(self, graph) -> None:
-        run, outputs = graph
+        run, outputs, reads = graph
+        assert not (gone := reads.dropped(run)), f"a graph reads tensors nobody holds: {gone}"
         for kept, new in zip(outputs, run()):
             kept.copy_(new)
 
