@@ -1,5 +1,6 @@
-"""The one command a session lent a GPU runs (issue 42): ~8 minutes on one H100 or H200, the
-carried wheels' installation included, writing one JSON and printing a short table.
+"""The one command a session lent a GPU runs (issue 42): at most ~8 minutes on one H100 or H200
+(2.5 on the H200 it ran on), the carried wheels' installation included, writing one JSON and
+printing a short table.
 
     make gpu-wheels   # here: the wheels the GPU machine lacks, into .gpu-wheels/ (carried)
     # there, from the checkout root:
@@ -54,7 +55,7 @@ POLL_S = 0.5
 class Part:
     key: str
     title: str
-    bound_s: float  # an estimate until measured on a GPU (docs/performance.md#gpu-check)
+    bound_s: float  # an H200 took a 37, b 26, c 59, d 53 s (docs/performance.md#gpu-check)
     module: str
     function: str  # run(ctx) -> dict; plan_<function>(ctx) -> dict its dry-run prints
 
