@@ -82,3 +82,13 @@ def free_bytes(device: torch.device) -> int | None:
         return None
     free, _total = torch.cuda.mem_get_info(device)
     return int(free)
+
+
+def device_lost(error: BaseException) -> bool:
+    """Whether `error` leaves this process's device unusable. A CUDA error (a device-side assert,
+    an illegal address) outlives the call that raised it: every later call on the device fails
+    too, and only a new process recovers (vLLM's engine dies on one likewise). Running out of
+    device memory is not one (torch.OutOfMemoryError): the next, smaller step may fit."""
+    import torch
+
+    return isinstance(error, torch.AcceleratorError)

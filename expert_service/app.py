@@ -3,6 +3,8 @@ lifetime: `await ExpertApp.create(settings)`, `await app.start()`, `await app.wa
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 from common.fastpath.auth import HelloVerifier
@@ -17,6 +19,8 @@ from expert_service.fastpath import FastPath
 from expert_service.servicer import ExpertServicer
 from expert_service.settings import ExpertSettings
 from protos.moe_mesh.v1 import expert_pb2, expert_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = expert_pb2.DESCRIPTOR.services_by_name[
     "ExpertService"
@@ -63,6 +67,16 @@ class ExpertApp:
             self.server.on_stop.append(
                 quiet_hook(lambda: host.forward_calls, settings.drain_quiet_s)
             )
+        self._reports: set[asyncio.Task[None]] = set()
+        host.on_down.append(self._not_serving)
+
+    def _not_serving(self, reason: str) -> None:
+        """The device failed: every health service NOT_SERVING for good (liveness included, so an
+        orchestrator restarts the process), while calls are answered UNAVAILABLE."""
+        log.error("expert service NOT_SERVING: %s", reason)
+        task = asyncio.get_running_loop().create_task(self.server.health.enter_graceful_shutdown())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
     @classmethod
     async def create(

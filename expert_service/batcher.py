@@ -16,12 +16,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from common import runtime
+from common.device import device_lost
 from common.errors import NotFoundError, UnavailableError
 from common.moe import expert_ffn, experts_ffn, fusable
 from common.placement import Pair
@@ -138,6 +139,7 @@ class DynamicBatcher:
         max_queue_delay_us: int = 0,
         telemetry: Telemetry = OFF,
         stager: Stager = HOST,
+        on_device_lost: Callable[[BaseException], None] = lambda error: None,
     ) -> None:
         if max_batch_tokens < 1 or max_queue_delay_us < 0:
             raise ValueError("max_batch_tokens must be >= 1 and max_queue_delay_us >= 0")
@@ -155,6 +157,7 @@ class DynamicBatcher:
         )
         self._weights = dict(weights)
         self._stager = stager  # used on the compute thread only, one job at a time
+        self._on_device_lost = on_device_lost  # told of each device error (common.device)
         self._queues: dict[Pair, _Queue] = {}
         self._active: dict[Pair, _Queue] = {}  # the queues holding groups, in arrival order
         self._arrived = asyncio.Event()
@@ -293,6 +296,7 @@ class DynamicBatcher:
         # Fail every group of this job; their queued remainders are dropped later.
         except Exception as e:
             self._fail((g for _, batch in job for g, _, _ in batch), e)
+            self._told(e)
             return
         except BaseException as e:
             self._fail((g for _, batch in job for g, _, _ in batch), e)
@@ -300,6 +304,7 @@ class DynamicBatcher:
         for (_, batch), (out, seconds) in zip(job, results):
             if isinstance(out, Exception):
                 self._fail((g for g, _, _ in batch), out)
+                self._told(out)
                 continue
             self.stats.batches += 1
             self._compute_s.record(seconds)
@@ -313,6 +318,10 @@ class DynamicBatcher:
                     g.future.set_result(
                         g.outputs[0] if len(g.outputs) == 1 else torch.cat(g.outputs)
                     )
+
+    def _told(self, error: Exception) -> None:
+        if device_lost(error):
+            self._on_device_lost(error)
 
     def _fail_queued(self, error: BaseException | None) -> None:
         for queue in self._queues.values():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +20,12 @@ from opentelemetry.metrics import Observation
 from common.arch import ModelSpec
 from common.checkpoint import Checkpoint
 from common.device import for_experts, resolve
-from common.errors import InvalidArgumentError, NotFoundError, PreconditionError
+from common.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    PreconditionError,
+    UnavailableError,
+)
 from common.placement import Pair, format_experts, parse_experts
 from common.quant import precision
 from common.staging import Stager
@@ -112,7 +117,10 @@ class ExpertHost:
             settings.max_queue_delay_us,
             telemetry,
             Stager(device),  # activations arrive and leave in host memory (the wire's)
+            self._device_lost,
         )
+        self.down: str | None = None  # why this service stopped serving, once its device failed
+        self.on_down: list[Callable[[str], None]] = []  # told `down` once (the app: NOT_SERVING)
         self.telemetry = telemetry
         held = [
             Observation(sum(w.nbytes for w in weights.values()), {"moe.precision": self.precision})
@@ -195,6 +203,8 @@ class ExpertHost:
         hidden: [sum(token_counts), hidden_size], rows of expert_ids[0] first, then expert_ids[1], ...
         Groups are batched with concurrent calls for the same experts; the result keeps request order.
         """
+        if self.down is not None:  # retryable: routers go to another replica meanwhile
+            raise UnavailableError(f"this expert service stopped serving: {self.down}")
         self._check_model(model_id, weights_checksum)
         self._check_groups(expert_ids, token_counts)
         self._check_served(layer, expert_ids)
@@ -216,6 +226,13 @@ class ExpertHost:
         return (
             outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         )  # [sum(token_counts), hidden]
+
+    def _device_lost(self, error: BaseException) -> None:
+        """A device error outlives its call: every later one would fail too (common.device)."""
+        if self.down is None:
+            self.down = f"its device failed ({error!r}); only a new process recovers from that"
+            for hook in self.on_down:
+                hook(self.down)
 
     async def close(self) -> None:
         """Stop the batcher; call after the server has drained its in-flight calls."""

@@ -6,7 +6,8 @@ passed) aborts the request, which frees its batch slot and KV cache at the next 
 The loop is supervised: if it dies (a bug; the engine itself fails only the requests concerned), the
 requests in flight fail with InternalError and the loop restarts. After `max_loop_deaths` deaths
 within `loop_death_window_s` it stays down, new requests get UnavailableError, and `on_unhealthy`
-is told so the process reports NOT_SERVING and balancers and registries drop it.
+is told so the process reports NOT_SERVING and balancers and registries drop it. A device error
+(common.device.device_lost: a CUDA context an error left unusable) gives up at the first death.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from opentelemetry.context import Context
 from opentelemetry.metrics import Observation
 from opentelemetry.trace import Span, StatusCode
 
+from common.device import device_lost
 from common.errors import InternalError, MoeMeshError, UnavailableError
 from common.sampling import SamplingParams
 from common.telemetry import (
@@ -381,11 +383,14 @@ class RouterCore:
                 while deaths and deaths[0] < now - self.loop_death_window_s:
                     deaths.popleft()
                 self._fail_in_flight(InternalError(f"the router's engine loop failed: {e!r}"))
-                if len(deaths) >= self.max_loop_deaths:
+                if device_lost(e):  # a restarted loop would fail on the same device at once
+                    self.down = f"its device failed ({e!r}); only a new process recovers from that"
+                elif len(deaths) >= self.max_loop_deaths:
                     self.down = (
                         f"its engine loop died {len(deaths)} times within {self.loop_death_window_s:g}s, "
                         f"last: {e!r}"
                     )
+                if self.down is not None:
                     log.error("giving up: %s", self.down)
                     if self.on_unhealthy is not None:
                         try:

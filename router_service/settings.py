@@ -257,7 +257,7 @@ class RouterSettings(QuantizationSettings, TelemetrySettings, SecuritySettings):
         le=1000,
         description="engine-loop deaths (bugs; each fails the requests "
         "in flight and restarts the loop) within loop_death_window_s after which the "
-        "router stops serving and reports NOT_SERVING",
+        "router stops serving and reports NOT_SERVING; a device error (CUDA) stops it at the first",
     )
     loop_death_window_s: float = Field(
         60.0, gt=0, description="window over which engine-loop deaths are counted"

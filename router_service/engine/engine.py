@@ -24,7 +24,7 @@ from enum import Enum
 
 import torch
 
-from common.device import free_bytes
+from common.device import device_lost, free_bytes
 from common.errors import (
     AlreadyExistsError,
     InternalError,
@@ -190,6 +190,7 @@ class Engine:
         """Run one forward pass over the batch; return new tokens and finished/cancelled/failed sequences.
 
         A failure inside the step does not raise: the sequences it concerns end with FinishReason.ERROR.
+        A device error does (common.device.device_lost): no later step could run.
         """
         self._reap_cancelled()
         outputs, self._pending = self._pending, []
@@ -197,6 +198,8 @@ class Engine:
             await self._step(outputs)
         # A bug or a torch error not pinned on one request: fail the step's requests.
         except Exception as e:
+            if device_lost(e):
+                raise  # the serving loop gives up (router_service/core.py)
             log.exception("engine step failed")
             error = (
                 e if isinstance(e, MoeMeshError) else InternalError(f"engine step failed: {e!r}")
@@ -226,6 +229,9 @@ class Engine:
             self._stepping = False
         if not prefills and not any(isinstance(r, BaseException) for r in results):
             self.planner.observe_step(len(decodes), len(parts), time.perf_counter() - began)
+        for result in results:
+            if isinstance(result, Exception) and device_lost(result):
+                raise result  # a device error: step() lets it through
         done: list[Sequence] = []
         failed: list[tuple[list[Sequence], MoeMeshError]] = []
         for (p, d), result in zip(parts, results):

@@ -18,6 +18,7 @@ from common.checkpoint import Checkpoint
 from common.errors import PreconditionError, UnavailableError
 from common.fastpath.ucx import load_ucxx
 from common.placement import parse_experts
+from common.server import LIVENESS
 from common.wire import encode
 from expert_service import batcher as batcher_module
 from expert_service.app import SERVICE_NAME, ExpertApp
@@ -436,6 +437,58 @@ async def test_batches_are_capped_at_max_batch_tokens_and_results_stay_per_calle
             decode_output(response, [len(rows) for _, rows in g]),
             reference(settings().checkpoint, 0, g),
         )
+
+
+async def test_a_device_error_ends_serving_and_liveness_while_a_plain_one_fails_its_call(
+    settings, monkeypatch
+) -> None:
+    """A CUDA error outlives its call, so the service stops serving for good: liveness
+    NOT_SERVING (an orchestrator restarts it) and later calls UNAVAILABLE (routers fail over)."""
+    failure: list[Exception] = []
+    compute = batcher_module._compute
+
+    def failing(parts, w):
+        if failure:
+            raise failure[0]
+        return compute(parts, w)
+
+    monkeypatch.setattr(batcher_module, "_compute", failing)
+    groups = [(1, torch.randn(2, HIDDEN))]
+    async with serving(settings()) as (address, host), connect(address) as channel:
+        stub, health = (
+            expert_pb2_grpc.ExpertServiceStub(channel),
+            health_pb2_grpc.HealthStub(channel),
+        )
+
+        async def forward() -> expert_pb2.ExpertForwardResponse:
+            return await stub.Forward(forward_request(host, 0, groups), timeout=10)
+
+        async def live() -> bool:
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=LIVENESS), timeout=5)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        failure.append(RuntimeError("a bug in one batch"))
+        with pytest.raises(grpc.aio.AioRpcError, match="a bug in one batch"):
+            await forward()
+        failure.clear()
+        assert_close(
+            decode_output(await forward(), [2]), reference(settings().checkpoint, 0, groups)
+        )
+        assert await live()
+
+        failure.append(torch.AcceleratorError("CUDA error: an illegal memory access"))
+        with pytest.raises(grpc.aio.AioRpcError, match="illegal memory access"):
+            await forward()
+
+        async def dead() -> bool:
+            return not await live()
+
+        await eventually(dead, 5, "liveness NOT_SERVING")
+        failure.clear()  # the device would still fail; the service no longer tries it
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await forward()
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "stopped serving" in e.value.details() and "device failed" in e.value.details()
 
 
 # -- command line -------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """`--device` (common/device.py): names checked without torch, resolved on this host, and a GPU
-asked for where torch sees none refused naming the field."""
+asked for where torch sees none refused naming the field; which errors leave the device lost."""
 
 from __future__ import annotations
 
@@ -47,3 +47,9 @@ def test_gpus_resolve_by_index_and_one_past_the_last_is_refused():
     assert devices.free_bytes(devices.resolve("cuda:0")) > 0
     with pytest.raises(InvalidArgumentError, match="CUDA device"):
         devices.resolve(f"cuda:{torch.cuda.device_count()}")
+
+
+def test_only_an_accelerator_error_counts_as_the_device_lost() -> None:
+    assert devices.device_lost(torch.AcceleratorError("CUDA error: device-side assert triggered"))
+    assert not devices.device_lost(torch.OutOfMemoryError("CUDA out of memory"))  # may fit later
+    assert not devices.device_lost(RuntimeError("a bug"))

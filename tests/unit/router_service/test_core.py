@@ -1,12 +1,14 @@
 """router_service/core.py: RouterCore streams each request's tokens from the engine it steps, aborts
 a request its caller leaves, refuses an id in flight without disturbing its holder, reports status,
-and supervises its loop (deaths counted within a window, on a fake clock)."""
+and supervises its loop (deaths counted within a window, on a fake clock; a device error ends it at
+once)."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+import torch
 
 from common.errors import AlreadyExistsError, InternalError, UnavailableError
 from common.sampling import SamplingParams
@@ -116,4 +118,38 @@ async def test_the_loop_gives_up_after_max_deaths_within_the_window(make_core) -
     assert core.loop_deaths == 3 and core.down is not None
     assert reasons == [core.down] and "died 2 times within 60s" in core.down
     with pytest.raises(UnavailableError, match="stopped serving"):
+        await tokens(core, "after", PROMPTS[0])
+
+
+async def test_a_device_error_stops_serving_at_once(make_core) -> None:
+    """A CUDA error outlives its call (every later one on the device fails too), so the first one
+    ends the loop for good, where a plain bug fails only its micro-batch."""
+    reasons: list[str] = []
+
+    async def unhealthy(reason: str) -> None:
+        reasons.append(reason)
+
+    core = await make_core(on_unhealthy=unhealthy, max_loop_deaths=3)
+    real = core.engine.model.forward
+    failure = [RuntimeError("a bug in this micro-batch")]
+
+    async def failing(*args, **kwargs):
+        if failure:
+            raise failure[0]
+        return await real(*args, **kwargs)
+
+    core.engine.model.forward = failing
+    with pytest.raises(InternalError, match="a bug in this micro-batch"):
+        await tokens(core, "bug", PROMPTS[0])
+    failure.clear()
+    assert (await tokens(core, "next", PROMPTS[0]))[1] is FinishReason.LENGTH
+    assert core.down is None and core.loop_deaths == 0
+
+    failure.append(torch.AcceleratorError("CUDA error: device-side assert triggered"))
+    with pytest.raises(InternalError, match="engine loop failed.*device-side assert"):
+        await tokens(core, "lost", PROMPTS[0])
+    await eventually(lambda: reasons, 5, "the report")
+    assert core.loop_deaths == 1 and reasons == [core.down]
+    assert "device failed" in core.down and "new process" in core.down
+    with pytest.raises(UnavailableError, match="stopped serving.*device failed"):
         await tokens(core, "after", PROMPTS[0])
