@@ -12,9 +12,10 @@ the GPU, every family (bench/gpu_parity.py); b. `moe-mesh up --device cuda` answ
 gateway (ditto); c. decode tokens/s of the engine against transformers `generate` on the Mixtral
 and Qwen3 slices, with batch 1's share of the measured HBM read bandwidth (bench/gpu_speed.py);
 d. the mesh's tokens/s with experts on the GPU over gRPC (and UCX where it travelled), and the
-heterogeneous mesh's (ditto). Each part runs in a process of its own with its own time bound
-(within `--budget-s` for them all): one that fails, crashes or runs out of time is recorded, what
-it measured so far kept, and the next part runs; a lease is too short to lose to one failure.
+heterogeneous mesh's (ditto); e. the suite's tests that need a CUDA device (bench/gpu_suite.py).
+Each part runs in a process of its own with its own time bound (within `--budget-s` for them
+all): one that fails, crashes or runs out of time is recorded, what it measured so far kept, and
+the next part runs; a lease is too short to lose to one failure.
 
 `--dry-run` checks the plumbing in seconds, on any host: the wheels folder and every wheel
 bench/gpu_wheels.py names, each part's plan and the `up` command lines (parsed by `up`'s own
@@ -55,7 +56,7 @@ POLL_S = 0.5
 class Part:
     key: str
     title: str
-    bound_s: float  # an H200 took a 37, b 26, c 59, d 53 s (docs/performance.md#gpu-check)
+    bound_s: float  # an H200 took a 37, b 26, c 59, d 53, e 44 s (docs/performance.md#gpu-check)
     module: str
     function: str  # run(ctx) -> dict; plan_<function>(ctx) -> dict its dry-run prints
 
@@ -67,13 +68,14 @@ PARTS = {
         Part("b", "up --device cuda through the gateway", 60, "bench.gpu_parity", "mesh_answers"),
         Part("c", "decode tok/s: engine vs transformers", 190, "bench.gpu_speed", "decode"),
         Part("d", "mesh tok/s: gRPC, UCX, heterogeneous", 100, "bench.gpu_speed", "mesh_rates"),
+        Part("e", "the suite's CUDA tests", 90, "bench.gpu_suite", "suite"),
     )
 }
 
 
 class Settings(ScriptSettings):
     out: Path | None = Field(None, description="a folder to copy the JSON and log into ($OUT)")
-    parts: str = Field("a,b,c,d", description="comma-separated parts to run, in order")
+    parts: str = Field("a,b,c,d,e", description="comma-separated parts to run, in order")
     dry_run: bool = Field(False, description="check the plumbing only (seconds, no GPU needed)")
     device: DeviceName = Field("cuda", description="where the parts compute (cpu: a rehearsal)")
     work_dir: Path = Field(Path("/tmp/gpu-check"), description="scratch: checkpoints, mesh runs")

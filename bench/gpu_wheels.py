@@ -69,8 +69,12 @@ CARRIED_ANYWAY = {
     "huggingface-hub >= 1.31 and tokenizers 0.23, which the image has",
     "typing-extensions": "pydantic 2.14 needs >= 4.16, and the image's version was not read",
 }
+# Not runtime needs: what bench/gpu_check.py's part e runs the suite's CUDA tests with.
+FOR_TESTS = {
+    "pytest-asyncio": "the suite's async tests and its pytest settings; the image has pytest only",
+}
 # Every runtime need the image lacks (tests/unit/bench/test_gpu_wheels.py checks this against
-# pyproject.toml's dependency closure), then CARRIED_ANYWAY.
+# pyproject.toml's dependency closure), then CARRIED_ANYWAY and FOR_TESTS.
 WHEELS = (
     "annotated-types", "cffi", "cryptography", "fastapi", "googleapis-common-protos",
     "grpcio-health-checking", "grpcio-reflection", "opentelemetry-api",
@@ -79,7 +83,7 @@ WHEELS = (
     "opentelemetry-instrumentation", "opentelemetry-instrumentation-grpc", "opentelemetry-proto",
     "opentelemetry-sdk", "opentelemetry-semantic-conventions", "py-consul", "pycparser",
     "pydantic", "pydantic-core", "pydantic-settings", "python-dotenv", "starlette",
-    "typing-inspection", "uvicorn", *CARRIED_ANYWAY,
+    "typing-inspection", "uvicorn", *CARRIED_ANYWAY, *FOR_TESTS,
 )  # fmt: skip
 # In the closure here, but not needs there: huggingface-hub 2's (httpx2 and what it needs; the
 # image's hub 1.33 is what the carried transformers needs) and python-dateutil 4's (tzdata; the

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -64,7 +65,9 @@ class CudaGraphs:
                 # The second run refuses to wait on the device: an op that would fail the
                 # capture fails here, before any capture began.
                 mode = torch.cuda.get_sync_debug_mode()
-                torch.cuda.set_sync_debug_mode("error")
+                with warnings.catch_warnings():  # "a prototype feature", said once a process
+                    warnings.filterwarnings("ignore", "Synchronization debug mode", UserWarning)
+                    torch.cuda.set_sync_debug_mode("error")
                 try:
                     run()
                 finally:

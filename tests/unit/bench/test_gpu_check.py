@@ -61,6 +61,7 @@ def test_dry_run_reports_wheels_plans_and_commands(tmp_path) -> None:
     flags = report["parts"]["d"]["up_flags"]
     assert ["--expert-services", "2", "--device", "cuda", "--expert-device", "cpu"] in flags
     assert ["--expert-services", "2", "--device", "cuda", "--router-arg=--fast-path=off"] in flags
+    assert "tests/unit/router_service/engine/test_gpu.py" in report["parts"]["e"]["files"]
     # `up` and the router take every flag the plans give them.
     assert [p for plan in report["parts"].values() for p in plan["problems"]] == []
 

@@ -48,7 +48,10 @@ def test_the_weights_held_are_a_metric_named_by_their_precision(
     telemetry = Telemetry.create("expert", metrics_port=0)
     try:
         host = ExpertHost.load(
-            ExpertSettings(checkpoint=checkpoint(arch, **created), experts=SPEC, **served),
+            # the CPU's precisions (a GPU holds FP8 and MXFP4 experts dequantized)
+            ExpertSettings(
+                checkpoint=checkpoint(arch, **created), experts=SPEC, device="cpu", **served
+            ),
             telemetry,
         )
         assert host.describe().precision == name
@@ -63,7 +66,7 @@ def test_the_weights_held_are_a_metric_named_by_their_precision(
 def test_an_fp8_checkpoints_experts_are_reported_as_fp8(checkpoint, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("MOE_MESH_CACHE_DIR", str(tmp_path))
     path = fp8_checkpoint(checkpoint("deepseek_v3", dtype="bfloat16"), tmp_path / "fp8")
-    host = ExpertHost.load(ExpertSettings(checkpoint=path, experts="1:0-3"))
+    host = ExpertHost.load(ExpertSettings(checkpoint=path, experts="1:0-3", device="cpu"))
     assert host.describe().precision == "fp8"  # computed from its e4m3 bytes, not bfloat16
 
 

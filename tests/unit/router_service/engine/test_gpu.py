@@ -163,7 +163,9 @@ def off_the_default_device(run):
 
 
 def model(path, dtype: str, backend=None, device_pass: bool = True) -> MoeModel:
-    s = RouterSettings(checkpoint=path, dtype=dtype, max_model_len=64, max_num_seqs=4)
+    s = RouterSettings(  # on the CPU where a GPU is too: the stand-ins are these tests' point
+        checkpoint=path, dtype=dtype, max_model_len=64, max_num_seqs=4, device="cpu"
+    )
     m = build.build_model(build._open(s), s)
     m.fused = None  # the CPU's one-call step would take a lone sequence's decode
     if device_pass:
@@ -257,9 +259,9 @@ def test_a_new_placement_drops_the_graphs_of_the_old_stacks(checkpoint):
     m = model(path, "bfloat16", graphs)
     first, _ = generate(m, 2, close=False)
     old = m.gpu.graphs
-    experts = build._open(RouterSettings(checkpoint=path, dtype="bfloat16")).load_experts(
-        m.dispatcher.placement
-    )
+    experts = build._open(
+        RouterSettings(checkpoint=path, dtype="bfloat16", device="cpu")
+    ).load_experts(m.dispatcher.placement)
     moved = ColocatedExperts(experts)  # as a re-tiering hands over a new backend
     m.dispatcher.set_placement({p: [moved] for p in experts})
     again, _ = generate(m, 2)
