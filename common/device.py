@@ -88,7 +88,13 @@ def device_lost(error: BaseException) -> bool:
     """Whether `error` leaves this process's device unusable. A CUDA error (a device-side assert,
     an illegal address) outlives the call that raised it: every later call on the device fails
     too, and only a new process recovers (vLLM's engine dies on one likewise). Running out of
-    device memory is not one (torch.OutOfMemoryError): the next, smaller step may fit."""
+    device memory is not one (torch.OutOfMemoryError): the next, smaller step may fit. A library
+    call on a device already lost may raise a plain RuntimeError saying "CUDA error:" (cuBLAS's
+    CUBLAS_STATUS_EXECUTION_FAILED): one too."""
     import torch
 
-    return isinstance(error, torch.AcceleratorError)
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
+    return isinstance(error, torch.AcceleratorError) or (
+        isinstance(error, RuntimeError) and "CUDA error:" in str(error)
+    )

@@ -321,6 +321,8 @@ class DynamicBatcher:
 
     def _told(self, error: Exception) -> None:
         if device_lost(error):
+            # Queued groups would run on the lost device: fail them retryably, as later calls are.
+            self._fail_queued(UnavailableError(f"the expert service's device failed: {error!r}"))
             self._on_device_lost(error)
 
     def _fail_queued(self, error: BaseException | None) -> None:

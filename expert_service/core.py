@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -88,6 +89,8 @@ def large_frees_returned() -> Iterator[None]:
         if mallopt is not None:
             mallopt(_M_MMAP_THRESHOLD, _SERVING_THRESHOLD)
 
+
+log = logging.getLogger(__name__)
 
 CPU = torch.device("cpu")
 
@@ -203,8 +206,7 @@ class ExpertHost:
         hidden: [sum(token_counts), hidden_size], rows of expert_ids[0] first, then expert_ids[1], ...
         Groups are batched with concurrent calls for the same experts; the result keeps request order.
         """
-        if self.down is not None:  # retryable: routers go to another replica meanwhile
-            raise UnavailableError(f"this expert service stopped serving: {self.down}")
+        self.check_serving()
         self._check_model(model_id, weights_checksum)
         self._check_groups(expert_ids, token_counts)
         self._check_served(layer, expert_ids)
@@ -227,12 +229,21 @@ class ExpertHost:
             outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         )  # [sum(token_counts), hidden]
 
+    def check_serving(self) -> None:
+        """UnavailableError once the device failed: routers fail over, and their health check of
+        an ejected replica (Describe) keeps it out."""
+        if self.down is not None:
+            raise UnavailableError(f"this expert service stopped serving: {self.down}")
+
     def _device_lost(self, error: BaseException) -> None:
         """A device error outlives its call: every later one would fail too (common.device)."""
         if self.down is None:
             self.down = f"its device failed ({error!r}); only a new process recovers from that"
             for hook in self.on_down:
-                hook(self.down)
+                try:
+                    hook(self.down)
+                except Exception:  # the batcher's loop calls this: it must not die of a hook
+                    log.exception("could not report the device's failure")
 
     async def close(self) -> None:
         """Stop the batcher; call after the server has drained its in-flight calls."""

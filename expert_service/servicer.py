@@ -54,6 +54,11 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     async def Describe(
         self, request: expert_pb2.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> expert_pb2.DescribeResponse:
+        try:
+            self.host.check_serving()
+        except MoeMeshError as e:
+            await abort_with(context, e, self.errors)
+            raise  # unreachable: abort raises; keeps type checkers honest
         d = self.host.describe()
         return expert_pb2.DescribeResponse(
             model_id=d.model_id,

@@ -387,6 +387,8 @@ class Engine:
                 else [token_logprobs(logits, token, seq.params.logprobs)]
             )
         except Exception as e:
+            if device_lost(e):  # its first read of the device may be here: step() lets it through
+                raise
             log.exception("sampling failed for request %s", seq.request_id)
             return StepOutput(
                 seq.request_id,

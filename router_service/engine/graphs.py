@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from common.device import device_lost
 from router_service.engine.layers import AttentionBatch
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,8 @@ class DecodeGraphs:
             try:
                 captured = self._capture(*key)
             except RuntimeError as e:  # e.g. an op that reads the device inside capture
+                if device_lost(e):  # not the capture's fault: no eager step would run either
+                    raise
                 self.failed = repr(e)
                 log.warning(
                     "decode graphs off: capturing %s sequences x %s blocks failed: %s", *key, e

@@ -489,6 +489,10 @@ async def test_a_device_error_ends_serving_and_liveness_while_a_plain_one_fails_
             await forward()
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "stopped serving" in e.value.details() and "device failed" in e.value.details()
+        # Describe too: it is a router's health check of an ejected replica, which stays out
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Describe(expert_pb2.DescribeRequest(), timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 # -- command line -------------------------------------------------------------------------------------------

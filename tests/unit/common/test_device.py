@@ -49,7 +49,9 @@ def test_gpus_resolve_by_index_and_one_past_the_last_is_refused():
         devices.resolve(f"cuda:{torch.cuda.device_count()}")
 
 
-def test_only_an_accelerator_error_counts_as_the_device_lost() -> None:
+def test_which_errors_leave_the_device_lost() -> None:
     assert devices.device_lost(torch.AcceleratorError("CUDA error: device-side assert triggered"))
+    # cuBLAS on a device already lost raises a plain RuntimeError
+    assert devices.device_lost(RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when"))
     assert not devices.device_lost(torch.OutOfMemoryError("CUDA out of memory"))  # may fit later
     assert not devices.device_lost(RuntimeError("a bug"))

@@ -34,6 +34,9 @@ class ScriptedHost:
             raise self.error
         return hidden * 2
 
+    def check_serving(self) -> None:
+        pass
+
     def describe(self):
         stats = SimpleNamespace(forward_calls=5, groups=9, batches=4, tokens=40)
         return SimpleNamespace(

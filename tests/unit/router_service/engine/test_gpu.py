@@ -76,21 +76,23 @@ class Reads(TorchFunctionMode):
         return out
 
     def dropped(self, run) -> list[str]:
-        """Those nothing holds any more but `run`'s closure, which a real graph does not keep."""
+        """Those nothing holds any more but `run`'s closure, which a real graph does not keep (an
+        object the closure holds, holding one, is not looked into)."""
         cells = run.__closure__ or ()
-        nobody = object()
-        floor = sys.getrefcount(nobody)  # this frame's name for it, and getrefcount's argument
-        gone = []
-        for where, refs in self.outside.items():
-            held = False
-            for r in refs:
-                t = r()
-                if t is not None:
-                    held |= sys.getrefcount(t) - floor > sum(c.cell_contents is t for c in cells)
-                del t
-            if not held:
-                gone.append(self.what[where])
-        return gone
+        return [
+            self.what[where]
+            for where, refs in self.outside.items()
+            if not any(_holders(r) > sum(c.cell_contents is r() for c in cells) for r in refs)
+        ]
+
+
+def _holders(ref: weakref.ref) -> int:
+    """The references to what `ref` points at (0 once it is gone), this reading not counted."""
+    return 0 if ref() is None else sys.getrefcount(ref()) - _READING
+
+
+_PROBE = torch.empty(0)  # held by this name alone: what reading it as _holders does adds
+_READING = sys.getrefcount(weakref.ref(_PROBE)()) - 1
 
 
 def _tensors(value) -> list[torch.Tensor]:
