@@ -8,7 +8,8 @@ micro-batch writes only its own sequences' unshared blocks.
 
 No request can stop the engine: a failure while sampling fails only that sequence, an expert
 failure fails its micro-batch's sequences, any other failure in a step fails the step's
-sequences, and the engine keeps serving the rest.
+sequences, and the engine keeps serving the rest. Only a device error is raised (a CUDA error
+leaves the device unusable: common.device.device_lost), and the serving loop then gives up.
 """
 
 from __future__ import annotations
@@ -190,7 +191,6 @@ class Engine:
         """Run one forward pass over the batch; return new tokens and finished/cancelled/failed sequences.
 
         A failure inside the step does not raise: the sequences it concerns end with FinishReason.ERROR.
-        A device error does (common.device.device_lost): no later step could run.
         """
         self._reap_cancelled()
         outputs, self._pending = self._pending, []
@@ -229,13 +229,12 @@ class Engine:
             self._stepping = False
         if not prefills and not any(isinstance(r, BaseException) for r in results):
             self.planner.observe_step(len(decodes), len(parts), time.perf_counter() - began)
-        for result in results:
-            if isinstance(result, Exception) and device_lost(result):
-                raise result  # a device error: step() lets it through
         done: list[Sequence] = []
         failed: list[tuple[list[Sequence], MoeMeshError]] = []
         for (p, d), result in zip(parts, results):
             if isinstance(result, Exception):
+                if device_lost(result):
+                    raise result  # step() lets it through
                 # An expert was unreachable (expected: no traceback), or a bug in this
                 # micro-batch: either way only its sequences end; the others keep their tokens.
                 if not isinstance(result, MoeMeshError):
@@ -390,14 +389,7 @@ class Engine:
             if device_lost(e):  # its first read of the device may be here: step() lets it through
                 raise
             log.exception("sampling failed for request %s", seq.request_id)
-            return StepOutput(
-                seq.request_id,
-                [],
-                FinishReason.ERROR,
-                len(seq.prompt),
-                len(seq.output),
-                InternalError(f"sampling failed: {e!r}"),
-            )
+            return _ended(seq, FinishReason.ERROR, InternalError(f"sampling failed: {e!r}"))
         seq.output.append(token)
         reason = self._finish_reason(seq, token)
         return StepOutput(
@@ -426,11 +418,7 @@ class Engine:
         self.scheduler.clear()
         self._by_id, self._cancelled, self._pending = {}, [], []
         self._stepping = False
-        return [
-            StepOutput(s.request_id, [], FinishReason.ERROR, len(s.prompt), len(s.output), error)
-            for s in seqs
-            if not s.aborted
-        ]
+        return [_ended(s, FinishReason.ERROR, error) for s in seqs if not s.aborted]
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
@@ -450,11 +438,7 @@ class Engine:
         """End every sequence of a failed step: its KV cache is incomplete for this step."""
         self._release(seqs)
         self._reap_cancelled()
-        failed = [
-            StepOutput(s.request_id, [], FinishReason.ERROR, len(s.prompt), len(s.output), error)
-            for s in seqs
-            if not s.aborted
-        ]
+        failed = [_ended(s, FinishReason.ERROR, error) for s in seqs if not s.aborted]
         outputs, self._pending = failed + self._pending, []
         return outputs
 
@@ -463,11 +447,12 @@ class Engine:
         self._release(cancelled)
         for seq in cancelled:
             self._by_id.pop(seq.request_id, None)
-            self._pending.append(
-                StepOutput(
-                    seq.request_id, [], FinishReason.CANCELLED, len(seq.prompt), len(seq.output)
-                )
-            )
+            self._pending.append(_ended(seq, FinishReason.CANCELLED))
+
+
+def _ended(seq: Sequence, reason: FinishReason, error: MoeMeshError | None = None) -> StepOutput:
+    """A sequence's last output, with no token."""
+    return StepOutput(seq.request_id, [], reason, len(seq.prompt), len(seq.output), error)
 
 
 def _logits_only(seq: Sequence) -> bool:

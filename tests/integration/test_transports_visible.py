@@ -78,6 +78,9 @@ async def mesh(checkpoint) -> AsyncIterator[Mesh]:
                 colocate="*:6-7",
                 fast_path="auto",
                 fast_path_backoff_s=60.0,  # a replica that fell back stays on gRPC for the test
+                # The 0.5 s default fell back once on a fresh clone's loaded 2 cores; a lost fast
+                # path has tests of its own (the next one).
+                fast_path_timeout_s=10.0,
                 grace_s=1.0,
             ),
             telemetry,

@@ -14,6 +14,7 @@ from common.errors import AlreadyExistsError, InternalError, UnavailableError
 from common.sampling import SamplingParams
 from router_service.build import build_router
 from router_service.core import RouterCore
+from router_service.engine import engine as engine_module
 from router_service.engine.engine import FinishReason
 from router_service.settings import RouterSettings
 from tests.support.polling import eventually
@@ -121,24 +122,34 @@ async def test_the_loop_gives_up_after_max_deaths_within_the_window(make_core) -
         await tokens(core, "after", PROMPTS[0])
 
 
-async def test_a_device_error_stops_serving_at_once(make_core) -> None:
+@pytest.mark.parametrize("where", ["pass", "sampling"])
+async def test_a_device_error_stops_serving_at_once(make_core, monkeypatch, where) -> None:
     """A CUDA error outlives its call (every later one on the device fails too), so the first one
-    ends the loop for good, where a plain bug fails only its micro-batch."""
+    ends the loop for good, wherever it shows first (on a GPU the host first waits for the
+    device in the pass or in sampling), where a plain bug fails only its requests."""
     reasons: list[str] = []
 
     async def unhealthy(reason: str) -> None:
         reasons.append(reason)
 
     core = await make_core(on_unhealthy=unhealthy, max_loop_deaths=3)
-    real = core.engine.model.forward
     failure = [RuntimeError("a bug in this micro-batch")]
+    real_forward, real_sample = core.engine.model.forward, engine_module.sample
 
     async def failing(*args, **kwargs):
         if failure:
             raise failure[0]
-        return await real(*args, **kwargs)
+        return await real_forward(*args, **kwargs)
 
-    core.engine.model.forward = failing
+    def failing_sample(*args):
+        if failure:
+            raise failure[0]
+        return real_sample(*args)
+
+    if where == "pass":
+        core.engine.model.forward = failing
+    else:
+        monkeypatch.setattr(engine_module, "sample", failing_sample)
     with pytest.raises(InternalError, match="a bug in this micro-batch"):
         await tokens(core, "bug", PROMPTS[0])
     failure.clear()
