@@ -36,6 +36,8 @@ from common.wire import TO_WIRE, dtype_name
 from expert_service.batcher import DynamicBatcher
 from expert_service.settings import ExpertSettings
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class ExpertStats:
@@ -89,8 +91,6 @@ def large_frees_returned() -> Iterator[None]:
         if mallopt is not None:
             mallopt(_M_MMAP_THRESHOLD, _SERVING_THRESHOLD)
 
-
-log = logging.getLogger(__name__)
 
 CPU = torch.device("cpu")
 
