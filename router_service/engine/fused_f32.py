@@ -78,13 +78,9 @@ def unfit(spec: ModelSpec, w: DenseWeights) -> str | None:
         a = layer.attention
         read += [layer.input_norm, layer.post_attention_norm, layer.router, a.qkv, a.o]
         read += [a.q_norm, a.k_norm] if spec.qk_norm == "per_head" else []
-    if not all(_plain(t) for t in read):
+    if not all(plain(t, torch.float32) for t in read):
         return "weights not plain float32"
     return None
-
-
-def _plain(t: object) -> bool:
-    return plain(t, torch.float32)
 
 
 class FusedDecodeF32(OneCallStep):
@@ -145,7 +141,9 @@ class FusedDecodeF32(OneCallStep):
         m = self.model
         inter = ffns[0].down.shape[-1]
         for f in ffns:
-            if f.up is not None or not plain_silu(f) or not (_plain(f.gate_up) and _plain(f.down)):
+            if f.up is not None or not plain_silu(f):
+                return False
+            if not all(plain(t, torch.float32) for t in (f.gate_up, f.down)):
                 return False
             if f.gate_up.shape != (2 * inter, m.hidden) or f.down.shape != (m.hidden, inter):
                 return False
