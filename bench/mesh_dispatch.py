@@ -9,7 +9,10 @@ under .cache/ on first use; every process computes in the checkpoint's dtype), a
    transport controls);
 2. decode tokens/s of the all-remote mesh (gRPC only, then UCX) vs the monolithic engine at batch 1
    and 32 (`--decode-batches`; "mesh efficiency");
-3. peak RSS of each expert-service process vs the bytes of expert weights it holds.
+3. peak RSS of each expert-service process vs the bytes of expert weights it holds;
+4. the whole mesh's memory: the PSS of this process (the monolithic engine and both routers) and
+   of every expert service, against one copy of the model's weights at the compute dtype plus
+   each process's floor (issue 40: one copy a host, whatever the processes).
 
 Both remote routers talk to the same expert-service processes; one has its fast path off. The
 set-ups are timed in turn, repeat by repeat, so drift in this host's speed hits them alike.
@@ -27,6 +30,7 @@ set-up's share of the read bandwidth measured in the same run, before the servic
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -44,6 +48,7 @@ from pydantic import Field  # noqa: E402
 from bench import ScriptSettings, ensure_checkpoint, parse_settings  # noqa: E402
 from bench.geometry import GeometrySettings, bytes_per_token, checkpoint_for  # noqa: E402
 from bench.host import around  # noqa: E402
+from bench.memory import import_floor, status_kib  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,6 +121,56 @@ def transports(remotes) -> dict[str, int]:
     return {
         "ucx": sum(link.calls for link in links),
         "fallbacks": sum(sum(link.fallbacks.values()) for link in links),
+    }
+
+
+def model_bytes(checkpoint: Path, itemsize: int) -> int:
+    """One copy of every weight of the checkpoint at `itemsize` bytes each."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return total * itemsize
+
+
+def pss_mib(pid: int) -> float:
+    return status_kib(Path(f"/proc/{pid}/smaps_rollup").read_text())["Pss"] / 1024
+
+
+def mesh_memory(args, spec, services: list, floor, engines: dict, own_floor_mib: float) -> dict:
+    """PSS of this process and every service against one copy of the weights at the compute
+    dtype, the engines' KV caches (zeroed at start-up, so resident) and floors: this process's RSS
+    before it loaded any engine, and a service's import floor (bench/memory.py). The one-expert
+    `floor` service is stopped first: it maps pages the services map too."""
+    floor.stop()
+    itemsize = getattr(torch, spec.torch_dtype, torch.float32).itemsize
+    weights = model_bytes(args.checkpoint, itemsize)
+    experts = spec.expert_params * itemsize * len(spec.moe_layer_ids) * spec.num_experts
+    kv_mib = sum(e.cache.nbytes for e in engines.values()) / 2**20
+    imports = import_floor("ucx")["rss_mib"]
+    pss = {"this process": pss_mib(os.getpid())}
+    pss.update({f"expert service {s.name}": pss_mib(s.proc.pid) for s in services})
+    floors = own_floor_mib + imports * len(services)
+    copies = (sum(pss.values()) - floors - kv_mib) / (weights / 2**20)
+    print(
+        f"mesh memory: PSS {sum(pss.values()):.0f} MiB in {len(pss)} processes "
+        f"({', '.join(f'{k} {v:.0f}' for k, v in pss.items())}) = floors {floors:.0f} MiB "
+        f"(this process {own_floor_mib:.0f}, a service {imports:.0f}) + KV caches {kv_mib:.0f} + "
+        f"{copies:.2f} copies of the model's {weights / 2**20:.0f} MiB of weights "
+        f"({(weights - experts) / 2**20:.0f} MiB of them dense)",
+        flush=True,
+    )
+    return {
+        "pss_mib": pss,
+        "floors_mib": floors,
+        "kv_caches_mib": kv_mib,
+        "service_import_floor_mib": imports,
+        "this_process_floor_mib": own_floor_mib,
+        "weights_mib": weights / 2**20,
+        "dense_weights_mib": (weights - experts) / 2**20,
+        "weight_copies": copies,
     }
 
 
@@ -223,8 +278,7 @@ def rss_row(proc, s: str, spec, per: int, floor_rss: int, itemsize: int) -> dict
 
 
 async def main_async(args: ScriptSettings) -> dict:
-    ckpt = Checkpoint(args.checkpoint)
-    spec = ckpt.spec
+    spec = Checkpoint(args.checkpoint).spec
     # Every process computes in the checkpoint's dtype (their `--dtype auto`).
     itemsize = getattr(torch, spec.torch_dtype, torch.float32).itemsize
     bandwidth = read_bandwidth(repeats=20)  # best of 20, before the services start
@@ -253,6 +307,7 @@ async def main_async(args: ScriptSettings) -> dict:
         ready_timeout_s=60 + 40 * gib,
     )
     floor = experts.pop()  # one expert: the process's own footprint (Python, torch, gRPC)
+    own_floor = status_kib(Path("/proc/self/status").read_text())["VmRSS"] / 1024  # no engine yet
     try:
         seqs = max(64, *args.decode_batches)
         local = build_local_engine(RouterSettings(checkpoint=args.checkpoint, max_num_seqs=seqs))
@@ -277,6 +332,8 @@ async def main_async(args: ScriptSettings) -> dict:
             await decode_efficiency(engines, spec, b, args, itemsize, bandwidth)
             for b in args.decode_batches
         ]
+        floor_rss = peak_rss_bytes(floor.proc.pid)
+        whole = mesh_memory(args, spec, experts, floor, engines, own_floor)
         carried = {t: transports(p.remotes) for t, p in meshes.items()}
         print(f"calls per transport: {carried}", flush=True)
         if carried["ucx"].get("ucx", 0) == 0 or carried["ucx"].get("fallbacks"):
@@ -284,8 +341,6 @@ async def main_async(args: ScriptSettings) -> dict:
         for p in meshes.values():
             for r in p.remotes:
                 await r.close()
-
-        floor_rss = peak_rss_bytes(floor.proc.pid)
         print(f"one-expert service (process floor): peak RSS {floor_rss / 2**20:.0f} MiB")
         rss = [rss_row(e, s, spec, per, floor_rss, itemsize) for e, s in zip(experts, specs)]
     finally:
@@ -300,6 +355,7 @@ async def main_async(args: ScriptSettings) -> dict:
         "decode": efficiency,
         "expert_service_rss": rss,
         "one_expert_service_peak_rss_mib": floor_rss / 2**20,
+        "mesh_memory": whole,
     }
 
 
