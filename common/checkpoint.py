@@ -13,12 +13,13 @@ read by moe-mesh's kernel (then still a view).
 
 Memory: a weight used as stored stays a view of the file, so processes on one host share its pages
 (an expert's gate and up too: one view when the file stores them back to back, two views apart
-when it does not and the dtype is not float32, whose fused product is transformers', or when the
-batch-invariant float32 kernel computes them). A weight converted, joined or repacked into a copy
+when it does not, unless float32 products over the halves differ in bits from the joined one,
+which is transformers'; float32.halves_agree). A weight converted, joined or repacked into a copy
 has its file pages released as it is copied (`copied`, 16 MiB at a time) or once repacked
 (SafetensorsFile.release), so a load peaks near what it keeps, not that plus the pages it read. Experts held in the kernels' panels (bfloat16, int8 or int4
-with `quantize`, an FP8 checkpoint's own) are packed once per host into files that every process
-maps (common/packed_experts.py): one copy a host. Other FP8 weights are dequantized at load
+with `quantize`, an FP8 checkpoint's own), and the attention and LM-head weights a router holds in
+panels, are packed once per host into files that every process maps (common/packed_experts.py):
+one copy a host. Other FP8 weights are dequantized at load
 (common/fp8.py), and with `quantize_dense` the dense layers are quantized too.
 """
 
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from common import fp8
+from common import float32, fp8
 from common.arch import ModelSpec, checkpoint_spec, family_module, tensor_names
 from common.arch.shapes import check_checkpoint, read_index
 from common.errors import CheckpointError, InvalidArgumentError, UnsupportedModelError
@@ -228,6 +229,18 @@ class Checkpoint:
             self.release(weight)  # copied, so the pages it was read from go
         return packed
 
+    def dense(self, parts: list[tuple[str, tuple[int, ...]]]) -> torch.Tensor:
+        """The dense weights `parts` (name and shape each) stacked along rows, as a linear layer
+        reads them: mapped from this host's packed-weight cache where held in panels (one copy a
+        host, whatever the engines on it: PackedExperts.dense), else `pack`ed by this process."""
+        rows = sum(shape[0] for _, shape in parts)
+        q = self.quantize if self._quantize_dense else None
+        if not (q is not None and q.fits((rows, parts[0][1][1]))):  # quantized: pack's own
+            if (cached := self._packed.dense(parts)) is not None:
+                return cached
+        tensors = [self.tensor(name, shape) for name, shape in parts]
+        return self.pack(self.copied(tensors) if len(tensors) > 1 else tensors[0])
+
     def release(self, *views: torch.Tensor) -> None:
         """Drop this process's file pages under `views`, copied into what is kept and read no
         more; a tensor that is not a view of this checkpoint's files is left alone."""
@@ -250,11 +263,7 @@ class Checkpoint:
         embed = self.tensor(embed_name, (s.vocab_size, s.hidden_size))
         tied = s.tie_word_embeddings and not self.has("lm_head.weight")
         # A tied head stays the embedding itself: a packed copy would double the largest matrix.
-        lm_head = (
-            embed
-            if tied
-            else self.pack(self.tensor("lm_head.weight", (s.vocab_size, s.hidden_size)))
-        )
+        lm_head = embed if tied else self.dense([("lm_head.weight", (s.vocab_size, s.hidden_size))])
         load_layer = getattr(self.family, "load_layer", Checkpoint.layer)
         dense = DenseWeights(
             embed=embed,
@@ -302,11 +311,11 @@ class Checkpoint:
             "full": (q_out, kv_out),
         }[s.qk_norm]
         shapes = {"q": (q_out,), "k": (kv_out,), "v": (kv_out,)}
-        qkv = [self.tensor(f"{p}{n}_proj.weight", (*o, s.hidden_size)) for n, o in shapes.items()]
+        qkv = [(f"{p}{n}_proj.weight", (*o, s.hidden_size)) for n, o in shapes.items()]
         biases = [self.tensor(f"{p}{n}_proj.bias", o) for n, o in shapes.items() if s.qkv_bias]
         return AttentionWeights(
-            qkv=self.pack(self.copied(qkv)),  # [(heads + 2 * kv_heads) * head_dim, hidden]
-            o=self.pack(self.tensor(p + "o_proj.weight", (s.hidden_size, q_out))),
+            qkv=self.dense(qkv),  # [(heads + 2 * kv_heads) * head_dim, hidden]
+            o=self.dense([(p + "o_proj.weight", (s.hidden_size, q_out))]),
             qkv_bias=torch.cat(biases) if biases else None,
             o_bias=self.optional(p + "o_proj.bias", (s.hidden_size,), s.o_bias),
             q_norm=self.optional(p + "q_norm.weight", (norm_q,), s.qk_norm != "none"),
@@ -316,8 +325,8 @@ class Checkpoint:
     def ffn(self, p: str, gate: str, up: str, down: str, inter: int) -> FFNWeights:
         """A gated FFN stored as three matrices under prefix p. Gate and up become one [2I, H]
         matrix: a view when the file stores them back to back in the compute dtype, else a copy,
-        kept only when it is repacked or float32 (but for the batch-invariant float32 kernel);
-        otherwise the two views are kept apart."""
+        kept only when it is repacked, or float32 where two products over the halves would not
+        give the joined one's bits; otherwise the two views are kept apart."""
         h = self.spec.hidden_size
         down_w = self.pack(self.tensor(f"{p}{down}.weight", (h, inter)))
         names = (f"{p}{gate}.weight", f"{p}{up}.weight")
@@ -328,8 +337,12 @@ class Checkpoint:
         if self._stored(parts) and self._as_stored_rows(parts[0]):  # batch-invariant, as stored
             gate, up = (self.pack(part) for part in parts)
             return FFNWeights(gate_up=gate, up=up, down=down_w, activation=self.spec.activation)
-        # float32 keeps one product over [gate; up]: transformers' own, to the last bit.
-        if parts[0].dtype == torch.float32 or not self._stored(parts):
+        # float32 keeps transformers' one product over [gate; up] to the last bit: two views give
+        # its bits where two products do (float32.halves_agree), else a joined copy.
+        halves = self._stored(parts) and (
+            parts[0].dtype != torch.float32 or float32.halves_agree(*parts, torch.get_num_threads())
+        )
+        if not halves:
             fused = self.copied(parts)  # [2 * inter, hidden], the pages read released
             gate_up = self.pack(fused)
             return FFNWeights(gate_up=gate_up, down=down_w, activation=self.spec.activation)

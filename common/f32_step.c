@@ -30,9 +30,11 @@ typedef struct { /* the model; ctypes mirrors it (router_service/engine/fused_f3
     const float *const *q_norm, *const *k_norm;         /* [layers] with qk_norm */
     void *const *cache_k, *const *cache_v;              /* [layers]: [kv_heads][blocks][bs][hd] */
     const float *const *gate_up, *const *down;          /* [layers * experts]: [out][in] */
+    const float *const *up; /* NULL; or gate_up the gates alone, apart from these ups */
 } moe_model_f32;
 
-enum { F32_QKV = 1, F32_O = 2, F32_ROUTER = 4, F32_GATE_UP = 8, F32_DOWN = 16, F32_HEAD = 32 };
+enum { F32_QKV = 1, F32_O = 2, F32_ROUTER = 4, F32_GATE_UP = 8, F32_DOWN = 16, F32_HEAD = 32,
+       F32_HALVES = 64 /* gate and up apart: a product each, [inter][hidden] */ };
 
 /* y [out] = w [out][k] · x: split over the threads as float32.py splits it, else F.linear's own
    call on `threads` MKL threads */
@@ -226,7 +228,11 @@ int moe_decode_step_f32(const moe_model_f32 *m, long token, const float *cos, co
         f32_route(m, logit, probs, routed, weights);
         for (long j = 0; j < k; j++) {
             long e = l * m->experts + routed[j];
-            f32_product(m, s & F32_GATE_UP, m->gate_up[e], h, gu, 2 * inter, hidden, threads);
+            if (m->up) { /* as the checkpoint stores them: F.linear's bits over [gate; up] */
+                f32_product(m, s & F32_HALVES, m->gate_up[e], h, gu, inter, hidden, threads);
+                f32_product(m, s & F32_HALVES, m->up[e], h, gu + inter, inter, hidden, threads);
+            } else
+                f32_product(m, s & F32_GATE_UP, m->gate_up[e], h, gu, 2 * inter, hidden, threads);
             f32_silu_mul(m, gu, gu + inter, gated, scratch, inter);
             f32_product(m, s & F32_DOWN, m->down[e], gated, ys + j * hidden, hidden, inter,
                         threads);

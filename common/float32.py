@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 64  # the largest product that is split; larger ones keep MKL's own threads
 _TIMED = (1536, 1024)  # a small model's qkv projection
+_HALVES_ROWS = (*range(1, 13), 16, 32, 64, 128)
 _WORKING_SET = 32 << 20  # more than the caches hold, as a model's weights
 _state = threading.local()  # this thread's `team` and `unsplit`
 # (out, in, rows, threads): whether the split gave F.linear's bits the first time
@@ -158,6 +159,41 @@ def splits(weight: torch.Tensor, rows: int, threads: int) -> bool:
     if key not in _verdicts:
         _check(x, weight, threads)
     return _verdicts[key]
+
+
+def halves_agree(gate: torch.Tensor, up: torch.Tensor, threads: int) -> bool:
+    """Whether F.linear over `gate` and `up` [out, k] (views of a checkpoint) gives, on `threads`
+    threads, the bits of F.linear over them joined into a new tensor: transformers' one product
+    over [gate; up]. Where it does, an expert's gate and up stored apart stay views of the
+    checkpoint (common/checkpoint.py), with no joined copy. MKL's sum for an output does not depend
+    on how many outputs there are (measured on AVX2 at 1-1000 rows), but a one-row product's does
+    depend on where its weight lies: so both views must sit where a new tensor would (64-byte
+    aligned; a safetensors file puts its tensors where its header's length leaves them)."""
+    aligned = all(t.data_ptr() % 64 == 0 for t in (gate, up))
+    return aligned and gate.shape == up.shape and _halves_agree(*gate.shape, threads)
+
+
+@functools.cache
+def _halves_agree(out: int, k: int, threads: int) -> bool:
+    """halves_agree for new tensors of this shape at every row count of _HALVES_ROWS (a decode
+    batch's, a prefill chunk's share of an expert), checked once on random weights."""
+    began, generator = time.perf_counter(), torch.Generator().manual_seed(0)
+    halves = [torch.randn(out, k, generator=generator) for _ in range(2)]
+    joined = torch.cat(halves)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        same = all(
+            torch.equal(F.linear(x, joined), torch.cat([F.linear(x, h) for h in halves], 1))
+            for x in (torch.randn(rows, k, generator=generator) for rows in _HALVES_ROWS)
+        )
+    finally:
+        torch.set_num_threads(before)
+    log.info(
+        "float32 [%d, %d] products %s the bits of their halves' (checked in %.2f s)",
+        2 * out, k, "have" if same else "differ from", time.perf_counter() - began,
+    )  # fmt: skip
+    return same
 
 
 def _splittable(x: torch.Tensor, weight: torch.Tensor, threads: int) -> bool:

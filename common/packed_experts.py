@@ -1,4 +1,5 @@
-"""Routed experts held in the kernels' panels, packed once a host into files every process maps.
+"""Routed experts (and the dense weights beside them) held in the kernels' panels, packed once a
+host into files every process maps.
 
 Where a process holds experts in a layout no checkpoint stores (bfloat16 panels, int8 or int4
 quantized from the checkpoint's weights, or an FP8 checkpoint's e4m3 bytes with their block
@@ -83,6 +84,32 @@ class PackedExperts:
                 for w, x in shapes.items()
             }
         return FFNWeights(**weights, activation=s.activation)
+
+    def dense(self, parts: list[tuple[str, tuple[int, int]]]) -> bf16.Panels | None:
+        """The dense weights `parts` (name and [out, in] shape each) stacked along rows (q, k and
+        v as one qkv) in panels, from this host's cache file (built where there is none valid):
+        every engine on a host then maps one copy of the dense part as of the experts. None
+        where this process holds them otherwise (Checkpoint.pack makes its own)."""
+        ck = self.ckpt
+        views = [ck.view(name, shape)[1] for name, shape in parts]
+        stored = views[0].dtype
+        shape = (sum(v.shape[0] for v in views), views[0].shape[1])
+        if not (
+            ck.prepacked
+            and packcache.enabled()
+            and stored.is_floating_point
+            and stored != fp8.FP8  # dequantized at load (Checkpoint.tensor)
+            and all(v.dtype == stored for v in views)
+            and in_panels(ck.dtype or stored, shape)
+        ):
+            return None
+        names = [name for name, _ in parts]
+        tensors = self.entry(
+            f"dense-{names[0]}-{len(names)}",
+            {"w": (shape[0] * shape[1], torch.bfloat16)},
+            lambda out: self._pack_rows(list(zip(views, names)), out, "w", None),
+        )
+        return bf16.Panels.of(tensors["w"], shape)
 
     def entry(
         self, name: str, sizes: packcache.Sizes, fill: Callable[[dict[str, torch.Tensor]], None]

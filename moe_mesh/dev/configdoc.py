@@ -52,8 +52,9 @@ PROCESS_WIDE = [
     (
         "MOE_MESH_PACK_CACHE",
         "router, expert service",
-        "`on` (default): experts held in moe-mesh's bfloat16, int8, int4, FP8 or MXFP4 panels "
-        "are packed once into files under `$MOE_MESH_CACHE_DIR/packed/` (a file an expert) that "
+        "`on` (default): experts held in moe-mesh's bfloat16, int8, int4, FP8 or MXFP4 panels, "
+        "and a router's attention and LM-head weights held in bfloat16 panels, are packed once "
+        "into files under `$MOE_MESH_CACHE_DIR/packed/` (a file an expert or a weight) that "
         "every process maps, one copy a host; a stale or corrupt file is logged and rebuilt, an "
         "unwritable directory leaves the weights in process memory (with a warning); a mapped "
         "file holds a descriptor, so the process raises its soft open-files limit to the hard "

@@ -32,9 +32,9 @@ from router_service.engine.sampling import greedy
 
 _L, _I, _F, _P = ctypes.c_long, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SIZES = "layers hidden heads kv_heads head_dim experts top_k inter vocab num_blocks block_size"
-_POINTERS = "qkv o router post_norm next_norm q_norm k_norm cache_k cache_v gate_up down"
+_POINTERS = "qkv o router post_norm next_norm q_norm k_norm cache_k cache_v gate_up down up"
 # The products' bits in f32_step.c's `split`
-_QKV, _O, _ROUTER, _GATE_UP, _DOWN, _HEAD = 1, 2, 4, 8, 16, 32
+_QKV, _O, _ROUTER, _GATE_UP, _DOWN, _HEAD, _HALVES = 1, 2, 4, 8, 16, 32, 64
 
 
 class _Model(ctypes.Structure):  # f32_step.c's moe_model_f32, field for field
@@ -89,7 +89,7 @@ class FusedDecodeF32(OneCallStep):
 
     max_tokens = 1
     CACHE_DTYPE = torch.float32
-    EXPERT_FIELDS = ("gate_up", "down")
+    EXPERT_FIELDS = ("gate_up", "down", "up")
 
     def __init__(self, spec: ModelSpec, w: DenseWeights, threads: int) -> None:
         self.spec, self.weights, self.threads = spec, w, threads
@@ -138,21 +138,27 @@ class FusedDecodeF32(OneCallStep):
         return threads == self.threads
 
     def _point_at(self, ffns: list[FFNWeights]) -> bool:
-        m = self.model
-        inter = ffns[0].down.shape[-1]
+        m, first = self.model, ffns[0]
+        inter, apart = first.down.shape[-1], first.up is not None  # gate and up as stored
         for f in ffns:
-            if f.up is not None or not plain_silu(f):
+            gate_up = (f.gate_up, f.up) if apart else (f.gate_up,)
+            if (f.up is not None) != apart or not plain_silu(f):
                 return False
-            if not all(plain(t, torch.float32) for t in (f.gate_up, f.down)):
+            if not all(plain(t, torch.float32) for t in (*gate_up, f.down)):
                 return False
-            if f.gate_up.shape != (2 * inter, m.hidden) or f.down.shape != (m.hidden, inter):
+            rows = inter if apart else 2 * inter
+            if any(t.shape != (rows, m.hidden) for t in gate_up) or f.down.shape != (
+                m.hidden,
+                inter,
+            ):
                 return False
         m.inter = inter
         self._point("gate_up", [f.gate_up for f in ffns])
         self._point("down", [f.down for f in ffns])
-        first = ffns[0]
+        if apart:
+            self._point("up", [f.up for f in ffns])
         m.split = self._split | _split_bits(
-            self.threads, (_GATE_UP, first.gate_up), (_DOWN, first.down)
+            self.threads, (_HALVES if apart else _GATE_UP, first.gate_up), (_DOWN, first.down)
         )
         return True
 

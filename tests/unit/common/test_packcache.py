@@ -1,4 +1,5 @@
-"""Packed experts in cache files: built once, mapped by every load after, never used stale or corrupt."""
+"""Packed experts (and a router's attention and LM head) in cache files: built once, mapped by
+every load after, never used stale or corrupt."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from common import bf16, packcache, packed_experts
 from common import linear as L
 from common.checkpoint import Checkpoint
 from common.moe import expert_ffn
+from common.quant import Quantization, QuantPanels
 
 pytestmark = pytest.mark.skipif(
     bf16.kernel("moe_linear") is None, reason="no C compiler or no AVX2: no bfloat16 panels"
@@ -32,6 +34,7 @@ def panels(monkeypatch, tmp_path):
     L.panels.cache_clear()
     yield tmp_path / "cache" / "packed"
     L.panels.cache_clear()
+    L.packed.cache_clear()  # forced for a router's dense float32 weights too: not for later tests
 
 
 @pytest.fixture
@@ -106,6 +109,42 @@ def test_fused_experts_are_cached_too(panels, checkpoint, tmp_path):
     expected = outputs(load(path))
     assert len(files(panels)) == 2
     assert all(torch.equal(a, b) for a, b in zip(expected, outputs(load(path))))
+
+
+def test_a_routers_attention_and_lm_head_are_mapped_from_the_cache_too(
+    panels, ckpt_dir, monkeypatch
+):
+    def dense():
+        return Checkpoint(ckpt_dir, prepack=True).load_dense()  # a router's: not batch-invariant
+
+    monkeypatch.setenv("MOE_MESH_PACK_CACHE", "off")
+    private = dense()
+    monkeypatch.delenv("MOE_MESH_PACK_CACHE")
+    first = dense()
+    layers = len(first.layers)
+    assert len(files(panels)) == 2 * layers + 1  # qkv and o a layer, the LM head
+    packed: list[tuple] = []
+    monkeypatch.setattr(bf16, "pack", lambda w, out: packed.append(w.shape))
+    second = dense()
+    assert packed == []  # mapped, not packed again
+    for a, b in [(private, second), (first, second)]:
+        pairs = [(a.lm_head, b.lm_head)]
+        pairs += [
+            (getattr(x.attention, w), getattr(y.attention, w))
+            for x, y in zip(a.layers, b.layers)
+            for w in ("qkv", "o")
+        ]
+        for x, y in pairs:
+            assert isinstance(y, bf16.Panels) and x.shape == y.shape
+            assert torch.equal(x.data, y.data)
+
+
+def test_dense_weights_computed_in_float32_or_quantized_write_no_file(panels, ckpt_dir):
+    Checkpoint(ckpt_dir, dtype=torch.float32, prepack=True).load_dense()
+    int8 = Quantization.parse("int8", 64)
+    dense = Checkpoint(ckpt_dir, prepack=True, quantize=int8, quantize_dense=True).load_dense()
+    assert isinstance(dense.layers[0].attention.qkv, QuantPanels)
+    assert not panels.exists() or files(panels) == []
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated", "not safetensors"])

@@ -16,6 +16,7 @@ from router_service.build import build_local_engine
 from router_service.engine import fused_f32
 from router_service.settings import RouterSettings
 from tests.support.engine_runs import decode, run
+from tests.support.factories import realigned
 
 pytestmark = pytest.mark.skipif(
     fused_f32._lanes() is None, reason="torch's vector width here is neither AVX2's nor AVX-512's"
@@ -74,6 +75,22 @@ def test_a_float32_step_in_one_call_gives_the_op_by_op_bits(
     a, b = one.dispatcher, op_by_op.dispatcher
     assert a.routed_counts() == b.routed_counts()
     assert a.tokens_colocated == b.tokens_colocated > 0
+
+
+def test_gate_and_up_kept_apart_as_stored_decode_in_one_call_with_the_op_by_op_bits(
+    kernel, checkpoint, tmp_path
+):
+    """A checkpoint whose tensors lie as new tensors would keeps Mixtral's gate and up apart
+    (checkpoint.py, float32.halves_agree): the one-call step takes them as they are."""
+    path = realigned(checkpoint("mixtral"), tmp_path / "aligned")
+    one, op_by_op = model(path), model(path, one_call=False)
+    got, calls = decode(one, 8)
+    want, _ = decode(op_by_op, 8)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    if CHECKED_HERE:
+        assert calls == 8 and one.fused.trusted
+        assert all(f.up is not None for f in one.fused._experts.values())
+        assert one.fused.model.up  # the step points at the ups apart
 
 
 def test_a_step_that_differs_from_op_by_op_is_dropped_and_never_answers(kernel, checkpoint, caplog):
