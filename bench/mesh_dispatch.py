@@ -10,9 +10,10 @@ under .cache/ on first use; every process computes in the checkpoint's dtype), a
 2. decode tokens/s of the all-remote mesh (gRPC only, then UCX) vs the monolithic engine at batch 1
    and 32 (`--decode-batches`; "mesh efficiency");
 3. peak RSS of each expert-service process vs the bytes of expert weights it holds;
-4. the whole mesh's memory: the PSS of this process (the monolithic engine and both routers) and
-   of every expert service, against one copy of the model's weights at the compute dtype plus
-   each process's floor (issue 40: one copy a host, whatever the processes).
+4. the whole mesh's memory: the weights this process (the monolithic engine and both routers) and
+   every expert service hold, the files they map and their own memory above each one's floor,
+   against one copy of the model's weights at the compute dtype (issue 40: one copy a host,
+   whatever the processes).
 
 Both remote routers talk to the same expert-service processes; one has its fast path off. The
 set-ups are timed in turn, repeat by repeat, so drift in this host's speed hits them alike.
@@ -48,7 +49,7 @@ from pydantic import Field  # noqa: E402
 from bench import ScriptSettings, ensure_checkpoint, parse_settings  # noqa: E402
 from bench.geometry import GeometrySettings, bytes_per_token, checkpoint_for  # noqa: E402
 from bench.host import around  # noqa: E402
-from bench.memory import import_floor, status_kib  # noqa: E402
+from bench.memory import import_floor, memory, status_kib  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -135,39 +136,41 @@ def model_bytes(checkpoint: Path, itemsize: int) -> int:
     return total * itemsize
 
 
-def pss_mib(pid: int) -> float:
-    return status_kib(Path(f"/proc/{pid}/smaps_rollup").read_text())["Pss"] / 1024
-
-
-def mesh_memory(args, spec, services: list, floor, engines: dict, own_floor_mib: float) -> dict:
-    """PSS of this process and every service against one copy of the weights at the compute
-    dtype, the engines' KV caches (zeroed at start-up, so resident) and floors: this process's RSS
-    before it loaded any engine, and a service's import floor (bench/memory.py). The one-expert
-    `floor` service is stopped first: it maps pages the services map too."""
+def mesh_memory(args, spec, services: list, floor, engines: dict, own_anon_mib: float) -> dict:
+    """The weights this process and every service hold, against one copy at the compute dtype:
+    each one's PSS of the checkpoint's and the packed-weight cache's files (bench/memory.py) and
+    its anonymous memory, less its anonymous floor (this process's before it built any engine, a
+    service's import floor) and the engines' KV caches (zeroed at start-up, so resident). The
+    one-expert `floor` service is stopped first: it maps pages the services map too."""
     floor.stop()
     itemsize = getattr(torch, spec.torch_dtype, torch.float32).itemsize
     weights = model_bytes(args.checkpoint, itemsize)
     experts = spec.expert_params * itemsize * len(spec.moe_layer_ids) * spec.num_experts
     kv_mib = sum(e.cache.nbytes for e in engines.values()) / 2**20
-    imports = import_floor("ucx")["rss_mib"]
-    pss = {"this process": pss_mib(os.getpid())}
-    pss.update({f"expert service {s.name}": pss_mib(s.proc.pid) for s in services})
-    floors = own_floor_mib + imports * len(services)
-    copies = (sum(pss.values()) - floors - kv_mib) / (weights / 2**20)
+    anon_floor = import_floor("ucx")["anon_mib"]
+    pids = {
+        "this process": os.getpid(),
+        **{f"expert service {s.name}": s.proc.pid for s in services},
+    }
+    held = {name: memory(pid, args.checkpoint) for name, pid in pids.items()}
+    mapped = sum(m["pss_checkpoint_mib"] for m in held.values())
+    anon = sum(m["pss_anon_mib"] for m in held.values())
+    floors = own_anon_mib + anon_floor * len(services)
+    copies = (mapped + anon - floors - kv_mib) / (weights / 2**20)
     print(
-        f"mesh memory: PSS {sum(pss.values()):.0f} MiB in {len(pss)} processes "
-        f"({', '.join(f'{k} {v:.0f}' for k, v in pss.items())}) = floors {floors:.0f} MiB "
-        f"(this process {own_floor_mib:.0f}, a service {imports:.0f}) + KV caches {kv_mib:.0f} + "
-        f"{copies:.2f} copies of the model's {weights / 2**20:.0f} MiB of weights "
-        f"({(weights - experts) / 2**20:.0f} MiB of them dense)",
+        f"mesh memory: {len(held)} processes map {mapped:.0f} MiB of weight files and hold "
+        f"{anon:.0f} MiB of their own, less floors {floors:.0f} (this process {own_anon_mib:.0f}, "
+        f"a service {anon_floor:.0f}) and KV caches {kv_mib:.0f}: {copies:.2f} copies of the "
+        f"model's {weights / 2**20:.0f} MiB of weights ({(weights - experts) / 2**20:.0f} MiB "
+        "of them dense)",
         flush=True,
     )
     return {
-        "pss_mib": pss,
-        "floors_mib": floors,
+        "processes": held,
+        "mapped_weights_mib": mapped,
+        "anonymous_mib": anon,
+        "anonymous_floors_mib": floors,
         "kv_caches_mib": kv_mib,
-        "service_import_floor_mib": imports,
-        "this_process_floor_mib": own_floor_mib,
         "weights_mib": weights / 2**20,
         "dense_weights_mib": (weights - experts) / 2**20,
         "weight_copies": copies,
@@ -307,7 +310,7 @@ async def main_async(args: ScriptSettings) -> dict:
         ready_timeout_s=60 + 40 * gib,
     )
     floor = experts.pop()  # one expert: the process's own footprint (Python, torch, gRPC)
-    own_floor = status_kib(Path("/proc/self/status").read_text())["VmRSS"] / 1024  # no engine yet
+    own_anon = status_kib(Path("/proc/self/status").read_text())["RssAnon"] / 1024  # no engine
     try:
         seqs = max(64, *args.decode_batches)
         local = build_local_engine(RouterSettings(checkpoint=args.checkpoint, max_num_seqs=seqs))
@@ -333,7 +336,7 @@ async def main_async(args: ScriptSettings) -> dict:
             for b in args.decode_batches
         ]
         floor_rss = peak_rss_bytes(floor.proc.pid)
-        whole = mesh_memory(args, spec, experts, floor, engines, own_floor)
+        whole = mesh_memory(args, spec, experts, floor, engines, own_anon)
         carried = {t: transports(p.remotes) for t, p in meshes.items()}
         print(f"calls per transport: {carried}", flush=True)
         if carried["ucx"].get("ucx", 0) == 0 or carried["ucx"].get("fallbacks"):

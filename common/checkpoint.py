@@ -340,7 +340,8 @@ class Checkpoint:
         # float32 keeps transformers' one product over [gate; up] to the last bit: two views give
         # its bits where two products do (float32.halves_agree), else a joined copy.
         halves = self._stored(parts) and (
-            parts[0].dtype != torch.float32 or float32.halves_agree(*parts, torch.get_num_threads())
+            parts[0].dtype != torch.float32
+            or (self.device.type == "cpu" and float32.halves_agree(*parts))  # MKL's bits
         )
         if not halves:
             fused = self.copied(parts)  # [2 * inter, hidden], the pages read released

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 64  # the largest product that is split; larger ones keep MKL's own threads
 _TIMED = (1536, 1024)  # a small model's qkv projection
-_HALVES_ROWS = (*range(1, 13), 16, 32, 64, 128)
+_HALVES_ROWS = (*range(1, MAX_ROWS + 1), 128, 256)
 _WORKING_SET = 32 << 20  # more than the caches hold, as a model's weights
 _state = threading.local()  # this thread's `team` and `unsplit`
 # (out, in, rows, threads): whether the split gave F.linear's bits the first time
@@ -161,32 +162,39 @@ def splits(weight: torch.Tensor, rows: int, threads: int) -> bool:
     return _verdicts[key]
 
 
-def halves_agree(gate: torch.Tensor, up: torch.Tensor, threads: int) -> bool:
-    """Whether F.linear over `gate` and `up` [out, k] (views of a checkpoint) gives, on `threads`
-    threads, the bits of F.linear over them joined into a new tensor: transformers' one product
-    over [gate; up]. Where it does, an expert's gate and up stored apart stay views of the
-    checkpoint (common/checkpoint.py), with no joined copy. MKL's sum for an output does not depend
-    on how many outputs there are (measured on AVX2 at 1-1000 rows), but a one-row product's does
+def halves_agree(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether F.linear over `gate` and `up` [out, k] (views of a checkpoint) gives the bits of
+    F.linear over them joined into a new tensor: transformers' one product over [gate; up]. Where
+    it does, an expert's gate and up stored apart stay views of the checkpoint
+    (common/checkpoint.py), with no joined copy. MKL's sum for an output does not depend on how
+    many outputs there are (measured on AVX2 at 1-1000 input rows), but a one-row product's does
     depend on where its weight lies: so both views must sit where a new tensor would (64-byte
-    aligned; a safetensors file puts its tensors where its header's length leaves them)."""
+    aligned; a safetensors file puts its tensors where its header's length leaves them). `out` a
+    multiple of 32, so that SiLU-and-multiply over the halves meets no vector tail the joined
+    product's halves would not (torch's scalar tail rounds otherwise)."""
     aligned = all(t.data_ptr() % 64 == 0 for t in (gate, up))
-    return aligned and gate.shape == up.shape and _halves_agree(*gate.shape, threads)
+    out, k = gate.shape
+    return aligned and gate.shape == up.shape and out % 32 == 0 and _halves_agree(out, k)
 
 
 @functools.cache
-def _halves_agree(out: int, k: int, threads: int) -> bool:
-    """halves_agree for new tensors of this shape at every row count of _HALVES_ROWS (a decode
-    batch's, a prefill chunk's share of an expert), checked once on random weights."""
+def _halves_agree(out: int, k: int) -> bool:
+    """halves_agree for new tensors of this shape, checked once on random weights at every row
+    count of _HALVES_ROWS (a decode batch's, a prefill chunk's share of an expert) on one thread
+    and on every core this process may use (the counts its products run on; a load may run on
+    any thread, whatever torch's count there). Holds 4 [out, k] matrices meanwhile."""
     began, generator = time.perf_counter(), torch.Generator().manual_seed(0)
     halves = [torch.randn(out, k, generator=generator) for _ in range(2)]
     joined = torch.cat(halves)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    inputs = [torch.randn(rows, k, generator=generator) for rows in _HALVES_ROWS]
+    before, same = torch.get_num_threads(), True
     try:
-        same = all(
-            torch.equal(F.linear(x, joined), torch.cat([F.linear(x, h) for h in halves], 1))
-            for x in (torch.randn(rows, k, generator=generator) for rows in _HALVES_ROWS)
-        )
+        for threads in sorted({1, len(os.sched_getaffinity(0))}):
+            torch.set_num_threads(threads)
+            same = same and all(
+                torch.equal(F.linear(x, joined), torch.cat([F.linear(x, h) for h in halves], 1))
+                for x in inputs
+            )
     finally:
         torch.set_num_threads(before)
     log.info(

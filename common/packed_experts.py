@@ -1,5 +1,5 @@
-"""Routed experts (and the dense weights beside them) held in the kernels' panels, packed once a
-host into files every process maps.
+"""Routed experts (and a router's attention and LM head) held in the kernels' panels, packed once
+a host into files every process maps.
 
 Where a process holds experts in a layout no checkpoint stores (bfloat16 panels, int8 or int4
 quantized from the checkpoint's weights, or an FP8 checkpoint's e4m3 bytes with their block
@@ -99,9 +99,9 @@ class PackedExperts:
             and packcache.enabled()
             and stored.is_floating_point
             and stored != fp8.FP8  # dequantized at load (Checkpoint.tensor)
-            and all(v.dtype == stored for v in views)
+            and all(v.dtype == stored and v.shape[0] % bf16.PANEL == 0 for v in views)
             and in_panels(ck.dtype or stored, shape)
-        ):
+        ):  # packed part by part: each a whole number of panels
             return None
         names = [name for name, _ in parts]
         tensors = self.entry(
