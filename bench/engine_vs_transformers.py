@@ -29,7 +29,6 @@ routing, shared by the batch) and each side's tokens/s times that as a share of 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import gc
 import statistics
 import sys
@@ -212,10 +211,7 @@ def release_memory() -> None:
     of many few-MiB tensors (an engine's experts), measured at the Qwen3 slice: 6.5 GB resident
     after the engine was closed and collected, 0.3 GB after malloc_trim."""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: its allocator decides
-        pass
+    runtime.return_freed_heap()
 
 
 def mem_available() -> int:

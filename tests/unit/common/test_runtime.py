@@ -74,6 +74,22 @@ def test_a_thread_releases_its_openmp_workers_and_stays_serial() -> None:
     assert threads == 1
 
 
+TRIM = """
+from common import runtime
+def anon(): return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('RssAnon'))
+blocks = [bytearray(65536) for _ in range(2_500)]  # 160 MiB, below glibc's mmap threshold
+del blocks[::2]  # freed between live ones: holes glibc keeps
+before = anon()
+runtime.return_freed_heap()
+print(before, anon())
+"""
+
+
+def test_the_heap_freed_between_live_blocks_goes_back_to_the_system() -> None:
+    before, after = map(int, _child(TRIM).stdout.split())
+    assert before - after > 60 * 1024, (before, after)  # kB: most of the 80 MiB freed
+
+
 def _child(code: str) -> subprocess.CompletedProcess:
     """`code` in a child: the test process's collector and exit are left alone."""
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
