@@ -6,8 +6,8 @@
    before it trusts this one: router_service/engine/model.py):
    - products: MKL's sgemm, as F.linear and float32.py's split call it (`split` says which);
    - attention and the experts' combine: the op-by-op path's own kernels;
-   - sums (RMSNorm's mean, the top-k weights'): torch's cascade over `lanes`-wide vectors, or
-     over single values below one vector (SumKernel.cpp), repeated lane by lane;
+   - sums (RMSNorm's mean, the top-k weights'): torch's cascade over 8-lane vectors, or over
+     single values below one vector (SumKernel.cpp), repeated lane by lane (SUM_LANES);
    - softmax and SiLU: torch's vectorised formulas, exp from the Sleef function torch calls
      (passed in), a scalar tail through libm's expf as torch's scalar loop does;
    - elementwise arithmetic in the same order (the file builds with -ffp-contract=off).
@@ -20,7 +20,7 @@ typedef struct { /* the model; ctypes mirrors it (router_service/engine/fused_f3
     long layers, hidden, heads, kv_heads, head_dim, experts, top_k, inter, vocab;
     long num_blocks, block_size;
     int renorm, qk_norm; /* routing; 1: per-head q/k norm (Qwen3) */
-    int lanes; /* torch's float32 vector width here, 8 (AVX2) or 16 (AVX-512) */
+    int lanes; /* torch's float32 vector width here, 8 (AVX2) or 16 (AVX-512): its softmax's */
     int split;         /* products split over the threads (float32.py), a bit each: F32_* */
     float eps, scale;
     void *sgemm, *set_threads, *expf8; /* MKL's sgemm_ and thread count; Sleef's expf8_u10 */
@@ -58,6 +58,12 @@ static long ceil_log2(long x) { /* c10's CeilLog2 */
     for (x -= 1; x; x >>= 1) bits++;
     return bits;
 }
+
+/* The lanes of torch's sums on AVX2 and AVX-512 hosts alike: ATen builds its AVX-512 kernels
+   only where a file asks, and SumKernel.cpp does not, so there torch.sum runs the AVX2 kernel
+   (host C: a 16-lane cascade differed from torch.sum in about half of 100 sums of 8-4096
+   values, an 8-lane one in none), while softmax and SiLU run 16-lane ones (`lanes`). */
+#define SUM_LANES 8
 
 /* torch's cascade (SumKernel.cpp) over `vectors` vectors of W lanes: four at a time into the
    first of four levels of partial sums, each level carried up every 2^power steps, then the
@@ -184,7 +190,7 @@ static void f32_route(const moe_model_f32 *m, const float *logits, float *probs,
     top_k(probs, e, k, chosen);
     for (long j = 0; j < k; j++) weights[j] = probs[chosen[j]];
     if (m->renorm) {
-        float total = torch_sum(weights, k, m->lanes);
+        float total = torch_sum(weights, k, SUM_LANES);
         for (long j = 0; j < k; j++) weights[j] /= total;
     }
 }
@@ -208,7 +214,7 @@ int moe_decode_step_f32(const moe_model_f32 *m, long token, const float *cos, co
     float *gu = weights + k, *gated = gu + 2 * inter, *scratch = gated + widest;
     float *ys = scratch + widest;
     int64_t lengths[1] = {length}, slots[1] = {slot};
-    int failed = 0, s = m->split, W = m->lanes;
+    int failed = 0, s = m->split, W = SUM_LANES;
     memcpy(x, m->embed + token * hidden, sizeof(float) * hidden);
     f32_rms_norm(x, m->first_norm, h, scratch, hidden, m->eps, W);
     for (long l = 0; l < m->layers && !failed; l++) {

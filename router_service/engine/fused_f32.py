@@ -59,7 +59,8 @@ def _sleef_exp() -> int | None:
 
 
 def _lanes() -> int | None:
-    """torch's float32 vector width on this host, whose sums the kernel repeats."""
+    """torch's float32 vector width on this host, whose softmax the kernel repeats (its sums
+    run 8 lanes everywhere: f32_step.c's SUM_LANES)."""
     return {"AVX2": 8, "AVX512": 16}.get(torch.backends.cpu.get_cpu_capability())
 
 
