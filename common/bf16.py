@@ -8,8 +8,9 @@ rows (2 threads, 256 MiB of weights; the host read 21.4 GB/s). The kernel widens
 float32 in registers (a bfloat16 is a float32's upper half) from a layout made for it
 (`Panels`): on the Xeon (AVX-512) 2.2-4× oneDNN's speed at 4-32 rows and 1.1-1.45× at one row
 on 1-16 MiB weights; on the EPYC (AVX2) 15.9 GB/s at one row (1.4× torch, 74% of the read
-bandwidth) and 2.9-6.4× torch at 4-32 rows, 0.26× torch's time in common.linear's start-up
-measurement, which uses it only where it wins. EPYC figures from a host shared with other jobs.
+bandwidth) and 2.9-6.4× torch at 4-32 rows. EPYC figures from a host shared with other jobs.
+With AMX (host C) oneDNN's products of 16 rows and more are faster; common.linear.panels says
+why bfloat16 weights are panels wherever the kernel runs all the same.
 
 Where weights are panels, a gated expert FFN (`silu_ffn`) is one call too, every routed expert
 of a layer together is one (`silu_ffns`), and so is RMSNorm with the residual addition before it

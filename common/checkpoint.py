@@ -6,7 +6,7 @@ files, so untouched tensors cost no memory. Experts may be stored per expert (pu
 checkpoints) or fused as 3-D tensors (transformers v5: gate_up_proj [E, 2I, H], down_proj [E, H, I]).
 
 With `prepack=True` (what the services use) every matrix a linear layer reads is converted once
-into the layout this host measured fastest (common/linear.py), a copy, no longer a view of the
+into this host's layout for its dtype (common/linear.py), a copy, no longer a view of the
 file; with `batch_invariant=True` (expert services) into one whose products do not depend on a
 row's batch-mates: moe-mesh's panels, oneDNN's layout, or for float32 the file's own layout
 read by moe-mesh's kernel (then still a view).

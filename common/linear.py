@@ -14,15 +14,14 @@ same Xeon family (2 cores each):
 
 So a process measures both on first use, on 64 MiB of weights (0.1-0.5 s), and follows what it
 found: `prepack` holds weights in the faster layout, and the router asks `serial_tokens` for its
-default --serial-max-tokens. bfloat16 weights have a third candidate, moe-mesh's own kernel
-(common.bf16, on AVX-512 or AVX2+FMA), timed against the better of the other two; on an
-AVX2-only host (AMD EPYC) oneDNN has no bfloat16 layout, so against torch's F.linear alone,
-which it must beat like any other candidate to be used. Not cached across processes: a
-measurement disturbed by a busy neighbour must not outlive the process that took it.
-Batch-invariant float32 weights (an expert service's) are read as stored by moe-mesh's kernel
-(`float32_as_stored`): they stay views of the file, so a host keeps one copy.
-MOE_MESH_PREPACK overrides the measured layout: `on` oneDNN's, `off` plain tensors, `panels`
-moe-mesh's own bfloat16 kernel wherever it runs.
+default --serial-max-tokens. Not cached across processes: a measurement disturbed by a busy
+neighbour must not outlive the process that took it.
+Two layouts follow a rule instead, so that every process on a host holds the same one (one copy
+a host, mapped from a file, and the same bits in every replica): bfloat16 weights are held for
+moe-mesh's own kernel (common.bf16, `panels`) and batch-invariant float32 ones (an expert
+service's) are read as stored by it (`float32_as_stored`), wherever it runs.
+MOE_MESH_PREPACK overrides both: `on` oneDNN's layout, `off` plain tensors, `panels` (the
+default's bfloat16 layout) moe-mesh's own kernel wherever it runs.
 """
 
 from __future__ import annotations
@@ -103,29 +102,19 @@ def packed(dtype: torch.dtype) -> bool:
 @functools.cache
 def panels(dtype: torch.dtype) -> bool:
     """Whether `dtype` weights are held for moe-mesh's own kernel (bf16.Panels) in this process:
-    bfloat16 only, where it runs, and only where it beats the better of plain and oneDNN."""
+    bfloat16 wherever the kernel runs, unless MOE_MESH_PREPACK says `on` or `off`. A rule, not a
+    start-up timing: on host C (AMX) the kernel took 0.45-1.07× oneDNN's time in services starting
+    together, which then held two copies and computed different bits. In panels the engine decodes
+    a step in one kernel call (common/decode_kernel.c) and a host maps one copy (common.packcache):
+    on host C it decoded 2.7×, 2.2× and 1.5× faster than with oneDNN's layout at batch 1, 8 and
+    32, though oneDNN's AMX products of 16-64 rows are 1.4-3× faster. The cost is prefill: there
+    128-row products read 2.4 GB/s in panels against oneDNN's 10.4 (MOE_MESH_PREPACK=on)."""
     forced = _prepack_setting()
-    if dtype != torch.bfloat16 or forced in ("off", "on") or bf16.kernel("moe_linear") is None:
-        return False
-    if forced == "panels":
-        return True
-    began = time.perf_counter()
-    ours = _times(_weights(dtype, bf16.Panels), linear)
-    other = _times(_weights(dtype), F.linear)
-    if _can_pack(dtype):
-        layout = _times(_weights(dtype, _pack), _packed_linear)
-        other = {rows: min(other[rows], layout[rows]) for rows in _ROWS}
-    ratio = _time_ratio(ours.__getitem__, other.__getitem__)
-    faster = ratio < _MARGIN
-    log.info(
-        "%s weights %s: moe-mesh's kernel took %.2f× the time of the best other layout "
-        "(measured in %.2f s)",
-        dtype,
-        "in moe-mesh's panels" if faster else "not in moe-mesh's panels",
-        ratio,
-        time.perf_counter() - began,
+    return (
+        dtype == torch.bfloat16
+        and forced not in ("off", "on")
+        and bf16.kernel("moe_linear") is not None
     )
-    return faster
 
 
 def float32_as_stored() -> bool:
@@ -187,13 +176,13 @@ def serial_tokens(dtype: torch.dtype) -> int:
 def prepack(
     weight: torch.Tensor, batch_invariant: bool = False
 ) -> torch.Tensor | bf16.Panels | float32_rows.Rows:
-    """`weight` [out, in] in the layout measured fastest here (oneDNN's blocked layout, or for
-    bfloat16 moe-mesh's panels), else unchanged.
+    """`weight` [out, in] in this host's layout for its dtype (bfloat16: moe-mesh's panels where
+    the kernel runs; float32: oneDNN's blocked layout where measured faster), else unchanged.
 
     `batch_invariant`: products that give a row the same bits whatever else is in the batch; MKL's
     small-batch kernels do not (an 8-row product's rows differ from the same rows inside a 40-row
     one). An expert service merges its callers' rows into one batch, so its answers must not
-    depend on their batch-mates. bfloat16 panels where measured fastest, float32 as stored for
+    depend on their batch-mates. bfloat16 panels where the kernel runs, float32 as stored for
     moe-mesh's kernel where it runs (float32_as_stored), else oneDNN's layout wherever it has the
     dtype, faster or not."""
     if weight.device.type != "cpu" or weight.is_mkldnn:

@@ -37,11 +37,11 @@ PROCESS_WIDE = [
     (
         "MOE_MESH_PREPACK",
         "router, expert service",
-        "`auto` (default): hold linear weights in the layout the process measured fastest at "
-        "start-up (plain, oneDNN's prepacked, or for bfloat16 moe-mesh's own kernel), and an "
-        "expert service's float32 weights as stored, for moe-mesh's batch-invariant kernel; "
-        "`on` oneDNN's (where it has the dtype), `off` plain, `panels` moe-mesh's bfloat16 "
-        "kernel wherever it runs (float32 as with `auto`)",
+        "`auto` (default): bfloat16 weights in moe-mesh's own kernel's panels wherever it runs, "
+        "an expert service's float32 weights as stored for its batch-invariant kernel, other "
+        "float32 weights in the layout the process measured fastest at start-up (plain or "
+        "oneDNN's prepacked); `on` oneDNN's (where it has the dtype: faster prefill on AMX "
+        "hosts, slower decode), `off` plain, `panels` as `auto`",
     ),
     (
         "MOE_MESH_CACHE_DIR",

@@ -363,7 +363,9 @@ def outputs_of_every_vector_kernel() -> list[torch.Tensor]:
         gate_up(x, torch.randn(256, generator=gen)),
         bf16.silu_ffn(x, gate_up, down),
         *norm,
-        bf16.combine(rows, [g.slots for g in groups], torch.rand(36), 4, torch.bfloat16),
+        bf16.combine(
+            rows, [g.slots for g in groups], torch.rand(36, generator=gen), 4, torch.bfloat16
+        ),
         attention_kernels.decode_attention(
             q, k_cache, v_cache, tables, torch.tensor([1, 37, 150]), 0.125
         ),

@@ -10,7 +10,7 @@ from common import linear as L
 
 @pytest.fixture
 def panels(monkeypatch):
-    """Weights in moe-mesh's panels, as a host where they are measured fastest holds them."""
+    """Weights in moe-mesh's panels, as a host where the kernel runs holds them."""
     if bf16.kernel("moe_decode_step") is None:
         pytest.skip("no C compiler or no AVX2 here: no bfloat16 panels")
     monkeypatch.setenv("MOE_MESH_PREPACK", "panels")
