@@ -112,6 +112,9 @@ async def decode_rate(engine, batch: int, new_tokens: int, vocab: int) -> float:
                     raise o.error
         return time.perf_counter() - start
 
+    # Untimed first: on host C the first run's page faults on mapped weights outweighed a few
+    # tokens' decode, and the rate came out negative.
+    await run(1)
     t1, tn = await run(1), await run(new_tokens)
     return batch * (new_tokens - 1) / (tn - t1)
 
