@@ -45,7 +45,14 @@ log = logging.getLogger(__name__)
 # bf16_kernel.c includes the others
 _SOURCES = [
     Path(__file__).with_name(n)
-    for n in ("bf16_kernel.c", "quant_kernel.c", "f32_kernel.c", "decode_kernel.c", "f32_step.c")
+    for n in (
+        "bf16_kernel.c",
+        "quant_kernel.c",
+        "f32_kernel.c",
+        "decode_kernel.c",
+        "f32_step.c",
+        "amx_kernel.c",
+    )
 ]
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 COLUMNS = 64  # output columns per kernel call: a weight's row count must be a multiple
@@ -113,12 +120,17 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-_LEVELS = ("plain C only (no AVX2+FMA)", "AVX2+FMA", "AVX-512")
+_LEVELS = (
+    "plain C only (no AVX2+FMA)",
+    "AVX2+FMA",
+    "AVX-512",
+    "AVX-512, and AMX tiles for the router's dense products of 16 rows and more",
+)
 
 
 def level() -> int:
-    """The instruction set the vector kernels use here: 2 AVX-512F/BW, 1 AVX2+FMA, 0 none (or no
-    compiler)."""
+    """The instruction set the vector kernels use here: 3 AVX-512F/BW and AMX tiles, 2 AVX-512F/BW,
+    1 AVX2+FMA, 0 none (or no compiler)."""
     lib = library()
     return 0 if lib is None else lib.level
 
@@ -381,31 +393,43 @@ def silu_ffns(batches: Sequence[tuple[torch.Tensor, object, object]]) -> list[to
     ]
 
 
+TILES = 5  # bf16_kernel.c's FORMAT_BF16_TILES
+
+
+def _format(tiles: bool) -> int:
+    return TILES if tiles and level() >= 3 else 0
+
+
 class Panels:
     """A bfloat16 weight [out, in] in the kernel's layout; `panels(x, bias)` is F.linear's result.
-    common.quant.QuantPanels holds int8 and int4 weights the same way (`format`, `scales`)."""
+    common.quant.QuantPanels holds int8 and int4 weights the same way (`format`, `scales`).
+    `tiles`: products of 16 rows and more may run on AMX tiles where the CPU has them (level 3),
+    much faster, but a row's last bits then depend on how many rows its product has: for weights
+    whose products need not be batch-invariant (common.linear.prepack), not an expert's."""
 
     dtype = torch.bfloat16  # what it takes and returns
     device = torch.device("cpu")
     is_mkldnn = False
     format, group, scales = 0, 0, None  # bf16_kernel.c's FORMAT_BF16: no scales
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, tiles: bool = False) -> None:
         assert fits(weight)
         self.shape = weight.shape
         self.data = torch.empty(weight.numel(), dtype=torch.bfloat16)
         pack(weight, self.data)
+        self.format = _format(tiles)
 
     @classmethod
-    def of(cls, packed: torch.Tensor, shape: tuple[int, int]) -> Panels:
+    def of(cls, packed: torch.Tensor, shape: tuple[int, int], tiles: bool = False) -> Panels:
         """Panels over `packed`: the `data` of an earlier Panels of a [out, in] = `shape` weight
-        (mapped from a common.packcache file), used as it is."""
+        (mapped from a common.packcache file), used as it is. `tiles`: as Panels takes it."""
         if packed.dtype != torch.bfloat16 or packed.shape != (shape[0] * shape[1],):
             raise ValueError(
                 f"packed {packed.dtype} {list(packed.shape)} is not a {list(shape)} weight's"
             )
         panels = cls.__new__(cls)
         panels.shape, panels.data = torch.Size(shape), packed
+        panels.format = _format(tiles)
         return panels
 
     @property

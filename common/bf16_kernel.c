@@ -38,15 +38,18 @@ static int column(int p) { /* word p of a panel row -> the column stored there *
     return q < 4 ? lane * 4 + q : 16 + lane * 4 + (q - 4);
 }
 
-/* What this CPU runs: 2 AVX-512F/BW, 1 AVX2+FMA, 0 neither (only the scalar kernels: pack,
-   group, rope, kv_write). */
+static int tiles_granted(void); /* amx_kernel.c */
+
+/* What this CPU runs: 3 AVX-512F/BW and AMX's bfloat16 tiles, 2 AVX-512F/BW, 1 AVX2+FMA, 0
+   neither (only the scalar kernels: pack, group, rope, kv_write). */
 int moe_bf16_supported(void) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return 2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+        return tiles_granted() ? 3 : 2;
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-static int level_cap = 2;
+static int level_cap = 3;
 /* Run no higher than `level` (tests: the AVX2 kernels on an AVX-512 host too) */
 void moe_bf16_limit(int level) { level_cap = level; }
 
@@ -100,11 +103,12 @@ static void widen(const uint16_t *x, float *out, long n) {
 }
 
 /* Weight formats (common/quant.py): bfloat16 panels (moe_bf16_pack), int8, int4, FP8 or MXFP4
-   panels with their scales (quant_kernel.c) */
-enum { FORMAT_BF16, FORMAT_INT8, FORMAT_INT4, FORMAT_FP8, FORMAT_MXFP4 };
+   panels with their scales (quant_kernel.c); bfloat16 panels whose products may run on AMX tiles
+   (amx_kernel.c: a row's bits then depend on its product's row count) */
+enum { FORMAT_BF16, FORMAT_INT8, FORMAT_INT4, FORMAT_FP8, FORMAT_MXFP4, FORMAT_BF16_TILES };
 
 static long block_bytes(int format, long k) { /* a 64-column block's weights */
-    return format == FORMAT_BF16                               ? 128 * k
+    return format == FORMAT_BF16 || format == FORMAT_BF16_TILES ? 128 * k
            : format == FORMAT_INT4 || format == FORMAT_MXFP4 ? 32 * k
                                                                : 64 * k;
 }
@@ -115,6 +119,7 @@ static long block_bytes(int format, long k) { /* a 64-column block's weights */
 #define ISA 256
 #include "bf16_kernel.c" /* itself, once per instruction set */
 #undef ISA
+#include "amx_kernel.c"
 
 typedef void (*block_fn)(const float *x, const void *w, const void *scales, uint16_t *y, long ldy,
                          long m, long k, long group, const float *bias);
@@ -124,7 +129,7 @@ static block_fn pick_block(int format) {
            : format == FORMAT_INT4 ? int4_block
            : format == FORMAT_FP8  ? fp8_block
            : format == FORMAT_MXFP4 ? mxfp4_block
-                                   : PICK(bf16_block);
+                                   : PICK(bf16_block); /* FORMAT_BF16 and _TILES */
 }
 
 static long block_scale_bytes(int format, long k, long group) { /* and its scales */
@@ -140,6 +145,7 @@ static long block_scale_bytes(int format, long k, long group) { /* and its scale
    no memory for that. */
 int moe_linear(int format, long group, const uint16_t *x, const void *w, const void *scales,
                const float *bias, uint16_t *y, long m, long n, long k, int threads) {
+    if (tiles_take(format, m, k)) return tile_linear(x, w, bias, y, m, n, k, threads);
     float *xf = malloc(sizeof(float) * m * k);
     if (!xf) return -1;
     widen(x, xf, m * k);

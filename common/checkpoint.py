@@ -208,9 +208,9 @@ class Checkpoint:
             )
         return file, t
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+    def pack(self, weight: torch.Tensor, tiles: bool = False) -> torch.Tensor:
         """A weight a linear layer reads: prepacked when this checkpoint was opened to serve (and
-        then the file pages it was packed from released)."""
+        then the file pages it was packed from released). `tiles`: a dense weight (linear.prepack)."""
         if not self.prepacked:
             return weight
         q = self.quantize if self._quantize_dense else None
@@ -223,7 +223,7 @@ class Checkpoint:
             packed = QuantPanels(weight, q)
             self.release(weight)
             return packed
-        packed = prepack(weight, self.batch_invariant)
+        packed = prepack(weight, self.batch_invariant, tiles)
         as_stored = isinstance(packed, Rows) and packed.data is weight
         if packed is not weight and not as_stored:
             self.release(weight)  # copied, so the pages it was read from go
@@ -239,7 +239,7 @@ class Checkpoint:
             if (cached := self._packed.dense(parts)) is not None:
                 return cached
         tensors = [self.tensor(name, shape) for name, shape in parts]
-        return self.pack(self.copied(tensors) if len(tensors) > 1 else tensors[0])
+        return self.pack(self.copied(tensors) if len(tensors) > 1 else tensors[0], tiles=True)
 
     def release(self, *views: torch.Tensor) -> None:
         """Drop this process's file pages under `views`, copied into what is kept and read no

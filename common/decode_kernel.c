@@ -123,6 +123,13 @@ static void product(int format, long group, const float *xf, const void *w, cons
 
 static const void *at(const void *const *array, long i) { return array ? array[i] : 0; }
 
+/* product(), or with xt (the rows laid out by tile_rows) on AMX tiles where it ran */
+static void dense(int format, long group, const float *xf, const uint16_t *xt, const void *w,
+                  const void *scales, uint16_t *y, long ldy, long k, long c, long n) {
+    if (!xt || tile_columns(xt, (const uint16_t *)w + c * 64 * k, y + c * 64, ldy, n, k, 0))
+        product(format, group, xf, w, scales, y, ldy, k, c, n);
+}
+
 /* The step's attention after the qkv product, moe_decode_step_attention's work: for token i,
    with Qwen3's per-head q/k norm first where the model has it, RoPE of q and k and the cache
    write (`prepare`, one token a job), then each KV head's attention (`attend`, one job per token
@@ -199,6 +206,11 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
     size_t words = 3 * slots + 3 * slots + m->experts;
     char *work = malloc(sizeof(float) * floats + sizeof(uint16_t) * halves + 8 * words);
     if (!work) return -1;
+    /* the dense products' rows on AMX tiles (FORMAT_BF16_TILES, amx_kernel.c), from 16 tokens */
+    long dense_k = hidden > attended ? hidden : attended;
+    int tiled = tiles_take(m->dense_format, n, hidden) && tiles_take(m->dense_format, n, attended);
+    uint16_t *xt = tiled ? malloc(sizeof(uint16_t) * tile_rows_size(n, dense_k)) : 0;
+    int head_tiled = xt && m->head_format == FORMAT_BF16_TILES;
     int64_t *order = (int64_t *)work, *place = order + slots;
     const void **rows = (const void **)(place + slots);
     long *groups = (long *)(rows + slots);
@@ -222,6 +234,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                 memcpy(x + i * hidden, t->embedding[i], sizeof(uint16_t) * hidden);
             norm(x, 0, 0, m->first_norm, h, n, hidden, m->eps, 1);
             widen(h, xf, n * hidden);
+            if (xt) tile_rows(h, n, hidden, xt);
         }
         for (long l = 0; l < m->layers; l++) {
             int64_t *routed = chosen + l * slots;
@@ -229,7 +242,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
             const void *const *up = m->gate_up + first, *const *dn = m->down + first;
 #pragma omp for schedule(static)
             for (long c = 0; c < qkv_cols / 64; c++)
-                product(df, dg, xf, m->qkv[l], at(m->qkv_scales, l), qkv, qkv_cols, hidden, c, n);
+                dense(df, dg, xf, xt, m->qkv[l], at(m->qkv_scales, l), qkv, qkv_cols, hidden, c, n);
 #pragma omp for schedule(static)
             for (long i = 0; i < n; i++)
                 prepare(m, t, i, l, qkv + i * qkv_cols, normed + i * rotated, qk + i * rotated);
@@ -242,9 +255,13 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                     failed = 1;
                 }
             }
+            if (xt) {
+#pragma omp single
+                tile_rows(out, n, attended, xt);
+            }
 #pragma omp for schedule(static)
             for (long c = 0; c < hidden / 64; c++)
-                product(df, dg, xf, m->o[l], at(m->o_scales, l), delta, hidden, attended, c, n);
+                dense(df, dg, xf, xt, m->o[l], at(m->o_scales, l), delta, hidden, attended, c, n);
 #pragma omp single
             norm(x, delta, x, m->post_norm[l], h, n, hidden, m->eps, 1);
 #pragma omp for schedule(static)
@@ -287,15 +304,16 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                 PICK(combine)(rows, 1, weights, m->weights_bf16, n, k, hidden, 1, delta, 1);
                 norm(x, delta, x, m->next_norm[l], h, n, hidden, m->eps, 1);
                 widen(h, xf, n * hidden);
+                if (xt) tile_rows(h, n, hidden, xt);
             }
         }
         if (m->lm_head) {
 #pragma omp for schedule(static)
             for (long c = 0; c < m->vocab / 64; c++)
-                product(m->head_format, m->head_group, xf, m->lm_head, m->head_scales, logits,
-                        m->vocab, hidden, c, n);
+                dense(m->head_format, m->head_group, xf, head_tiled ? xt : 0, m->lm_head,
+                      m->head_scales, logits, m->vocab, hidden, c, n);
         }
     }
-    free(work);
+    free(work), free(xt);
     return failed ? -1 : 0;
 }

@@ -108,7 +108,9 @@ def panels(dtype: torch.dtype) -> bool:
     a step in one kernel call (common/decode_kernel.c) and a host maps one copy (common.packcache):
     on host C it decoded 2.7×, 2.2× and 1.5× faster than with oneDNN's layout at batch 1, 8 and
     32, though oneDNN's AMX products of 16-64 rows are 1.4-3× faster. The cost is prefill: there
-    128-row products read 2.4 GB/s in panels against oneDNN's 10.4 (MOE_MESH_PREPACK=on)."""
+    128-row products of an expert's panels read 2.5 GB/s against oneDNN's 10 (a router's dense
+    panels take AMX tiles: amx_kernel.c), and `small` prefilled 480 tokens in 290 ms against
+    oneDNN's 165 (MOE_MESH_PREPACK=on)."""
     forced = _prepack_setting()
     return (
         dtype == torch.bfloat16
@@ -174,7 +176,7 @@ def serial_tokens(dtype: torch.dtype) -> int:
 
 
 def prepack(
-    weight: torch.Tensor, batch_invariant: bool = False
+    weight: torch.Tensor, batch_invariant: bool = False, tiles: bool = False
 ) -> torch.Tensor | bf16.Panels | float32_rows.Rows:
     """`weight` [out, in] in this host's layout for its dtype (bfloat16: moe-mesh's panels where
     the kernel runs; float32: oneDNN's blocked layout where measured faster), else unchanged.
@@ -184,13 +186,16 @@ def prepack(
     one). An expert service merges its callers' rows into one batch, so its answers must not
     depend on their batch-mates. bfloat16 panels where the kernel runs, float32 as stored for
     moe-mesh's kernel where it runs (float32_as_stored), else oneDNN's layout wherever it has the
-    dtype, faster or not."""
+    dtype, faster or not.
+
+    `tiles` (a router's dense weights): bfloat16 products of 16 rows and more on AMX tiles where
+    the CPU has them (bf16.Panels), unless batch-invariant."""
     if weight.device.type != "cpu" or weight.is_mkldnn:
         return weight
     if in_panels(
         weight.dtype, tuple(weight.shape)
     ):  # batch-invariant too: a sum per output in order
-        return bf16.Panels(weight)
+        return bf16.Panels(weight, tiles=tiles and not batch_invariant)
     if batch_invariant and in_float32_rows(weight.dtype, tuple(weight.shape)):
         return float32_rows.Rows(weight)
     if batch_invariant:

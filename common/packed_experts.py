@@ -109,7 +109,7 @@ class PackedExperts:
             {"w": (shape[0] * shape[1], torch.bfloat16)},
             lambda out: self._pack_rows(list(zip(views, names)), out, "w", None),
         )
-        return bf16.Panels.of(tensors["w"], shape)
+        return bf16.Panels.of(tensors["w"], shape, tiles=not ck.batch_invariant)
 
     def entry(
         self, name: str, sizes: packcache.Sizes, fill: Callable[[dict[str, torch.Tensor]], None]

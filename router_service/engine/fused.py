@@ -121,7 +121,7 @@ def plain(t: object, dtype: torch.dtype) -> bool:
 
 def _panels(weight: object) -> bool:
     """In panels (bfloat16, or common.quant's int8 or int4) that the step's products read."""
-    return isinstance(weight, bf16.Panels) and weight.format in (0, 1, 2)
+    return isinstance(weight, bf16.Panels) and weight.format in (0, 1, 2, bf16.TILES)
 
 
 def _kind(weight: bf16.Panels) -> tuple[int, int]:
@@ -264,7 +264,7 @@ class FusedDecode(OneCallStep):
             "next_norm": norms_after,
             "router": self._routers,
         }
-        if m.dense_format:  # int8 or int4 (--quantize-dense)
+        if attention[0].qkv.scales is not None:  # int8 or int4 (--quantize-dense)
             arrays["qkv_scales"] = [a.qkv.scales for a in attention]
             arrays["o_scales"] = [a.o.scales for a in attention]
         if m.qk_norm:

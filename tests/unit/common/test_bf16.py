@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common import attention_kernels, bf16
+from common import attention_kernels, bf16, linear
 from common.moe import Routing, group_by_expert
 from tests.support.kernels import paged
 
@@ -326,9 +326,9 @@ def test_the_level_is_what_the_cpu_flags_say() -> None:
     flags = next((set(li.split(":", 1)[1].split()) for li in lines if li.startswith("flags")), None)
     if flags is None:
         pytest.skip("no /proc/cpuinfo flags here")
-    assert bf16.level() == (
-        2 if {"avx512f", "avx512bw"} <= flags else int({"avx2", "fma"} <= flags)
-    )
+    avx512 = {"avx512f", "avx512bw"} <= flags
+    tiles = avx512 and {"amx_tile", "amx_bf16"} <= flags  # Linux grants them where it lists them
+    assert bf16.level() == (3 if tiles else 2 if avx512 else int({"avx2", "fma"} <= flags))
 
 
 def test_a_cpu_without_the_vector_kernels_runs_only_the_plain_ones(monkeypatch) -> None:
@@ -380,6 +380,36 @@ def test_avx2_and_avx512_give_the_same_bits() -> None:
         lib.moe_bf16_limit(1)
         avx2 = outputs_of_every_vector_kernel()
     finally:
-        lib.moe_bf16_limit(2)
+        lib.moe_bf16_limit(3)
     for a, b in zip(avx2, outputs_of_every_vector_kernel(), strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_dense_panels_take_amx_tiles_from_16_rows_and_otherwise_the_vector_kernels() -> None:
+    gen = torch.Generator().manual_seed(5)
+    w, bias = torch.randn(192, 256, generator=gen).bfloat16(), torch.randn(192, generator=gen)
+    vector, tiles = bf16.Panels(w), bf16.Panels(w, tiles=True)
+    assert vector.format == 0 and tiles.format == (bf16.TILES if bf16.level() >= 3 else 0)
+    for rows in (1, 15, 16, 17, 40, 100):
+        x = torch.randn(rows, 256, generator=gen).bfloat16()
+        got = tiles(x, bias)
+        if rows < 16 or bf16.level() < 3:  # the vector kernel's own bits
+            assert torch.equal(got, vector(x, bias))
+        want = F.linear(x.double(), w.double(), bias.double())
+        torch.testing.assert_close(got.double(), want, rtol=8e-3, atol=8e-3)
+        assert torch.equal(tiles(x[:1], bias), vector(x[:1], bias))
+    lib = bf16.library()
+    try:
+        lib.moe_bf16_limit(2)  # no tiles: the vector kernel's bits at every size
+        x = torch.randn(40, 256, generator=gen).bfloat16()
+        assert torch.equal(tiles(x, bias), vector(x, bias))
+    finally:
+        lib.moe_bf16_limit(3)
+
+
+def test_batch_invariant_weights_never_take_tiles() -> None:
+    w = torch.randn(128, 64).bfloat16()
+    if not linear.in_panels(torch.bfloat16, tuple(w.shape)):
+        pytest.skip("bfloat16 weights are not panels here")
+    assert linear.prepack(w, batch_invariant=True, tiles=True).format == 0
+    assert linear.prepack(w, tiles=True).format == (bf16.TILES if bf16.level() >= 3 else 0)

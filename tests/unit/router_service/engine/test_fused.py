@@ -37,6 +37,7 @@ def model(path, one_call: bool = True, placement=None, **settings) -> MoeModel:
         ("mixtral", "none", False, 3),
         ("qwen3_moe", "none", False, 5),
         ("mixtral", "int4", True, 4),
+        ("qwen3_moe", "none", False, 20),  # attention and LM head on AMX tiles, where they run
     ],
 )
 def test_a_decode_step_in_one_call_gives_the_op_by_op_bits(
