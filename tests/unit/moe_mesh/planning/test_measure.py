@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common import float32_rows
+from common import bf16, float32_rows
 from common.checkpoint import Checkpoint
 from moe_mesh.planning import measure
 from moe_mesh.planning.measure import LayerBench, timed
@@ -108,3 +108,14 @@ def test_expert_timings_use_the_layout_expert_services_hold(checkpoint, runs) ->
     assert not bench.layer.attention.qkv.is_mkldnn  # the router's side stays as it was opened
     bench.experts_call(bench.layer_id, [(0, bench.hidden(2)), (1, bench.hidden(1))], repeats=1)
     assert runs[-1][1] == [2, 1]  # one Forward call's groups, one after another
+
+
+def test_the_read_bandwidth_is_the_faster_of_torchs_sum_and_the_bfloat16_kernels_read(
+    monkeypatch,
+) -> None:
+    read = []
+    call = bf16.Panels.__call__
+    monkeypatch.setattr(bf16.Panels, "__call__", lambda self, *a: read.append(1) or call(self, *a))
+    rate = measure.read_bandwidth(nbytes=2**24, repeats=2)
+    assert 1e8 < rate < 1e13  # bytes a second: between 0.1 GB/s and 10 TB/s
+    assert len(read) == (3 if bf16.kernel("moe_linear") is not None else 0)
