@@ -28,15 +28,24 @@ typedef struct { /* what ldtilecfg reads: palette 1 */
     uint8_t rows[16];
 } tile_config;
 
-/* Whether this process may use AMX's bfloat16 tiles: the CPU has them (CPUID 7: AMX-BF16 and
-   AMX-TILE) and Linux granted the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, once). The
-   caller checked AVX-512F/BW. */
+/* Compilers without AMX's intrinsics (GCC before 11, clang before 12) build the rest without
+   tiles, rather than fail the whole library */
+#if defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11
+#define HAVE_TILES 1
+#else
+#define HAVE_TILES 0
+#endif
+
+/* Whether this process may use AMX's bfloat16 tiles: built with them, the CPU has them (CPUID 7:
+   AMX-BF16 and AMX-TILE) and Linux granted the tile data state (arch_prctl
+   ARCH_REQ_XCOMP_PERM). Settled when the library loads (bf16.py reads the level), before any
+   thread calls it. The caller checked AVX-512F/BW. */
 static int tiles_granted(void) {
     static int granted = -1;
     if (granted < 0) {
         unsigned a, b, c, d;
         __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-        granted = (d >> 22 & 1) && (d >> 24 & 1) &&
+        granted = HAVE_TILES && (d >> 22 & 1) && (d >> 24 & 1) &&
                   syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
                           18 /* XFEATURE_XTILEDATA */) == 0;
     }
@@ -65,6 +74,7 @@ static void tile_rows(const uint16_t *x, long m, long k, uint16_t *xt) {
         }
 }
 
+#if HAVE_TILES
 #define TILE_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
 
 /* A panel's 32 rows from `at` as two weight tiles (columns 0-15, then 16-31) into `tiles` */
@@ -112,6 +122,7 @@ TILE_TARGET static int tile_columns(const uint16_t *xt, const uint16_t *p, uint1
             for (long s = 0; s < steps; s++) {
                 const uint16_t *w = panel ? panel + s * 1024 : one;
                 if (!panel) make_tiles(p + (q * k + s * 32) * PANEL, one);
+                __asm__ volatile("" ::: "memory"); /* tileloadd reads what the stores wrote */
                 _tile_loadd(4, rows32 + s * 1024, 64);
                 _tile_loadd(5, rows32 + s * 1024 + 512, 64);
                 _tile_loadd(6, w, 64);
@@ -151,3 +162,16 @@ static int tile_linear(const uint16_t *x, const uint16_t *w, const float *bias, 
     free(xt);
     return failed ? -1 : 0;
 }
+#else
+static int tile_columns(const uint16_t *xt, const uint16_t *p, uint16_t *y, long ldy, long m,
+                        long k, const float *bias) {
+    (void)xt, (void)p, (void)y, (void)ldy, (void)m, (void)k, (void)bias;
+    return -1;
+}
+
+static int tile_linear(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y,
+                       long m, long n, long k, int threads) {
+    (void)x, (void)w, (void)bias, (void)y, (void)m, (void)n, (void)k, (void)threads;
+    return -1;
+}
+#endif

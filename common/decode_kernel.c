@@ -206,11 +206,15 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
     size_t words = 3 * slots + 3 * slots + m->experts;
     char *work = malloc(sizeof(float) * floats + sizeof(uint16_t) * halves + 8 * words);
     if (!work) return -1;
-    /* the dense products' rows on AMX tiles (FORMAT_BF16_TILES, amx_kernel.c), from 16 tokens */
-    long dense_k = hidden > attended ? hidden : attended;
-    int tiled = tiles_take(m->dense_format, n, hidden) && tiles_take(m->dense_format, n, attended);
-    uint16_t *xt = tiled ? malloc(sizeof(uint16_t) * tile_rows_size(n, dense_k)) : 0;
-    int head_tiled = xt && m->head_format == FORMAT_BF16_TILES;
+    /* the dense products' rows on AMX tiles (FORMAT_BF16_TILES, amx_kernel.c), each product
+       where moe_linear would take them, so that the step keeps op by op's bits */
+    int qkv_tiles = tiles_take(m->dense_format, n, hidden);
+    int o_tiles = tiles_take(m->dense_format, n, attended);
+    int head_tiles = m->lm_head && tiles_take(m->head_format, n, hidden);
+    long tiled = qkv_tiles || head_tiles ? hidden : 0;
+    if (o_tiles && attended > tiled) tiled = attended;
+    uint16_t *xt = tiled ? malloc(sizeof(uint16_t) * tile_rows_size(n, tiled)) : 0;
+    if (!xt) qkv_tiles = o_tiles = head_tiles = 0; /* no memory for them: the vector kernel's */
     int64_t *order = (int64_t *)work, *place = order + slots;
     const void **rows = (const void **)(place + slots);
     long *groups = (long *)(rows + slots);
@@ -234,7 +238,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                 memcpy(x + i * hidden, t->embedding[i], sizeof(uint16_t) * hidden);
             norm(x, 0, 0, m->first_norm, h, n, hidden, m->eps, 1);
             widen(h, xf, n * hidden);
-            if (xt) tile_rows(h, n, hidden, xt);
+            if (qkv_tiles) tile_rows(h, n, hidden, xt);
         }
         for (long l = 0; l < m->layers; l++) {
             int64_t *routed = chosen + l * slots;
@@ -242,7 +246,8 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
             const void *const *up = m->gate_up + first, *const *dn = m->down + first;
 #pragma omp for schedule(static)
             for (long c = 0; c < qkv_cols / 64; c++)
-                dense(df, dg, xf, xt, m->qkv[l], at(m->qkv_scales, l), qkv, qkv_cols, hidden, c, n);
+                dense(df, dg, xf, qkv_tiles ? xt : 0, m->qkv[l], at(m->qkv_scales, l), qkv,
+                      qkv_cols, hidden, c, n);
 #pragma omp for schedule(static)
             for (long i = 0; i < n; i++)
                 prepare(m, t, i, l, qkv + i * qkv_cols, normed + i * rotated, qk + i * rotated);
@@ -255,13 +260,14 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                     failed = 1;
                 }
             }
-            if (xt) {
+            if (o_tiles) {
 #pragma omp single
                 tile_rows(out, n, attended, xt);
             }
 #pragma omp for schedule(static)
             for (long c = 0; c < hidden / 64; c++)
-                dense(df, dg, xf, xt, m->o[l], at(m->o_scales, l), delta, hidden, attended, c, n);
+                dense(df, dg, xf, o_tiles ? xt : 0, m->o[l], at(m->o_scales, l), delta, hidden,
+                      attended, c, n);
 #pragma omp single
             norm(x, delta, x, m->post_norm[l], h, n, hidden, m->eps, 1);
 #pragma omp for schedule(static)
@@ -304,13 +310,13 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                 PICK(combine)(rows, 1, weights, m->weights_bf16, n, k, hidden, 1, delta, 1);
                 norm(x, delta, x, m->next_norm[l], h, n, hidden, m->eps, 1);
                 widen(h, xf, n * hidden);
-                if (xt) tile_rows(h, n, hidden, xt);
+                if (qkv_tiles || (head_tiles && l == m->layers - 1)) tile_rows(h, n, hidden, xt);
             }
         }
         if (m->lm_head) {
 #pragma omp for schedule(static)
             for (long c = 0; c < m->vocab / 64; c++)
-                dense(m->head_format, m->head_group, xf, head_tiled ? xt : 0, m->lm_head,
+                dense(m->head_format, m->head_group, xf, head_tiles ? xt : 0, m->lm_head,
                       m->head_scales, logits, m->vocab, hidden, c, n);
         }
     }

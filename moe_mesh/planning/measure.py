@@ -221,7 +221,7 @@ def read_bandwidth(nbytes: int = 2**28, repeats: int = 5) -> float:
     seconds = _best(buf.sum, repeats)
     rows = nbytes // 2 // _READ_WIDTH
     if bf16.kernel("moe_linear") is not None and rows % bf16.COLUMNS == 0:
-        panels = bf16.Panels.of(buf.view(torch.bfloat16), (rows, _READ_WIDTH))
+        panels = bf16.Panels.of(buf.view(torch.bfloat16)[: rows * _READ_WIDTH], (rows, _READ_WIDTH))
         x = torch.zeros(1, _READ_WIDTH, dtype=torch.bfloat16)
         seconds = min(seconds, _best(lambda: panels(x), repeats))
     return nbytes / seconds
