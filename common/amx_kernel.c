@@ -62,7 +62,7 @@ static long tile_rows_size(long m, long k) { return (m + 31) / 32 * 32 * k; } /*
 
 /* x [m][k] bfloat16 into xt [m / 32 rounded up][k / 32][32][32]: each 32-step of 32 rows as two
    tiles of 64-byte rows, one after the other, rows past m zero (x's own rows, k * 2 bytes apart,
-   fell into two of L1's sets) */
+   would map a tile to two of L1's sets) */
 static void tile_rows(const uint16_t *x, long m, long k, uint16_t *xt) {
     for (long r = 0; r < (m + 31) / 32 * 32; r++)
         for (long i = 0; i < k; i += 32) {
