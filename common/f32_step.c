@@ -101,8 +101,9 @@ static void cascade(const float *x, long vectors, int W, float *lanes) {
 /* torch's float32 sum of n contiguous values: from a whole vector of W lanes on, the cascade
    over the whole vectors, then from 0 the scalar tail and the lanes in order
    (vectorized_inner_sum); below, the cascade over single values (scalar_inner_sum) */
-static float torch_sum(const float *x, long n, int W) {
-    float lanes[16];
+static float torch_sum(const float *x, long n) {
+    const int W = SUM_LANES;
+    float lanes[SUM_LANES];
     if (n < W) {
         cascade(x, n, 1, lanes);
         return lanes[0];
@@ -118,9 +119,9 @@ static float torch_sum(const float *x, long n, int W) {
 /* y = weight * F.rms_norm(x): x times 1/sqrt(mean(x²) + eps), then times the weight; sq is
    scratch [n] */
 static void f32_rms_norm(const float *x, const float *weight, float *y, float *sq, long n,
-                         float eps, int W) {
+                         float eps) {
     for (long i = 0; i < n; i++) sq[i] = x[i] * x[i];
-    float r = 1.0f / sqrtf(torch_sum(sq, n, W) / (float)n + eps);
+    float r = 1.0f / sqrtf(torch_sum(sq, n) / (float)n + eps);
     for (long i = 0; i < n; i++) y[i] = weight[i] * (x[i] * r);
 }
 
@@ -190,7 +191,7 @@ static void f32_route(const moe_model_f32 *m, const float *logits, float *probs,
     top_k(probs, e, k, chosen);
     for (long j = 0; j < k; j++) weights[j] = probs[chosen[j]];
     if (m->renorm) {
-        float total = torch_sum(weights, k, SUM_LANES);
+        float total = torch_sum(weights, k);
         for (long j = 0; j < k; j++) weights[j] /= total;
     }
 }
@@ -214,21 +215,21 @@ int moe_decode_step_f32(const moe_model_f32 *m, long token, const float *cos, co
     float *gu = weights + k, *gated = gu + 2 * inter, *scratch = gated + widest;
     float *ys = scratch + widest;
     int64_t lengths[1] = {length}, slots[1] = {slot};
-    int failed = 0, s = m->split, W = SUM_LANES;
+    int failed = 0, s = m->split;
     memcpy(x, m->embed + token * hidden, sizeof(float) * hidden);
-    f32_rms_norm(x, m->first_norm, h, scratch, hidden, m->eps, W);
+    f32_rms_norm(x, m->first_norm, h, scratch, hidden, m->eps);
     for (long l = 0; l < m->layers && !failed; l++) {
         f32_product(m, s & F32_QKV, m->qkv[l], h, qkv, qkv_cols, hidden, threads);
         for (long j = 0; m->qk_norm && j < m->heads + m->kv_heads; j++) /* in place, head by head */
             f32_rms_norm(qkv + j * hd, j < m->heads ? m->q_norm[l] : m->k_norm[l], qkv + j * hd,
-                         scratch, hd, m->eps, W);
+                         scratch, hd, m->eps);
         failed = moe_decode_step_attention(0, qkv, qkv_cols, cos, sin, qk, slots, m->cache_k[l],
                                            m->cache_v[l], table, width, lengths, 1, m->heads,
                                            m->kv_heads, hd, m->num_blocks, m->block_size,
                                            m->scale, out, threads);
         f32_product(m, s & F32_O, m->o[l], out, delta, hidden, attended, threads);
         for (long i = 0; i < hidden; i++) x[i] += delta[i];
-        f32_rms_norm(x, m->post_norm[l], h, scratch, hidden, m->eps, W);
+        f32_rms_norm(x, m->post_norm[l], h, scratch, hidden, m->eps);
         f32_product(m, s & F32_ROUTER, m->router[l], h, logit, m->experts, hidden, threads);
         int64_t *routed = chosen + l * k;
         f32_route(m, logit, probs, routed, weights);
@@ -247,7 +248,7 @@ int moe_decode_step_f32(const moe_model_f32 *m, long token, const float *cos, co
         for (long j = 0; j < k; j++) rows[j] = ys + j * hidden;
         PICK(combine)(rows, 0, weights, 0, 1, k, hidden, 0, delta, 1); /* the op-by-op path's */
         for (long i = 0; i < hidden; i++) x[i] += delta[i];
-        f32_rms_norm(x, m->next_norm[l], h, scratch, hidden, m->eps, W);
+        f32_rms_norm(x, m->next_norm[l], h, scratch, hidden, m->eps);
     }
     if (!failed) f32_product(m, s & F32_HEAD, m->lm_head, h, logits, m->vocab, hidden, threads);
     free(work);
