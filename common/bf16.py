@@ -49,6 +49,7 @@ _SOURCES = [
         "bf16_kernel.c",
         "quant_kernel.c",
         "f32_kernel.c",
+        "f32_lanes.c",
         "decode_kernel.c",
         "f32_step.c",
         "amx_kernel.c",
@@ -86,6 +87,7 @@ _SIGNATURES = {
     "moe_decode_step": ("ppppppi", True, 1),
     "moe_sgemm_rows": ("pppppllli", False, 0),
     "moe_f32_linear": ("ppppllli", False, 1),
+    "moe_sgemm_lanes16": ("pppllli", True, 2),
     "moe_decode_step_f32": ("plppplllppppi", True, 1),
 }
 

@@ -172,6 +172,23 @@ void moe_f32_linear(const float *x, const float *w, const float *bias, float *y,
             f32_1_1(x + r * k, w + j * k, bias ? bias + j : 0, y + r * n + j, n, k);
 }
 
+/* y [m][n] = x [m][k] . W^T, all float32, W [n][k] as stored, 2 <= m <= 15, k a multiple of 16:
+   MKL's sums for such a product on AVX-512 (f32_lanes.c), blocks of 4 of W's rows split over
+   `threads` OpenMP threads. -1 where the CPU lacks AVX-512 or the shape is not one of those. */
+int moe_sgemm_lanes16(const float *x, const float *w, float *y, long m, long n, long k,
+                      int threads) {
+    if (!avx512() || m < 2 || m > 15 || k < 16 || k % 16) return -1;
+    long blocks = n / 4;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long c = 0; c < blocks; c++)
+        lanes16_block_avx512(x, w + c * 4 * k, y + c * 4, n, m, k,
+                             c + 1 < blocks ? (const char *)(w + (c + 1) * 4 * k) : 0);
+    for (long j = blocks * 4; j < n; j++)
+        for (long r = 0; r < m; r++)
+            lanes16_1_1_avx512(x + r * k, w + j * k, y + r * n + j, n, k, 0);
+    return 0;
+}
+
 /* RMSNorm of rows x [m][h] by weight [h] into y, all bfloat16, h a multiple of 16, computed as
    transformers computes it: in float32, the normalised row rounded to bfloat16, then multiplied
    by the weight and rounded again. One call instead of the eight torch ops of that recipe.
@@ -720,6 +737,8 @@ TARGET static void FN(bf16_block)(const float *x, const void *p, const void *sca
 #if ISA == 256
 #include "quant_kernel.c" /* int8 and int4 weights: AVX2 code, which AVX-512 hosts run too */
 #include "f32_kernel.c"   /* float32 weights as stored, likewise */
+#else
+#include "f32_lanes.c" /* float32 products of a few rows with MKL's AVX-512 bits */
 #endif
 
 TARGET static void FN(rms_norm)(const uint16_t *x, const uint16_t *delta, uint16_t *sum,

@@ -16,6 +16,12 @@ A decode pass small enough to run its ops on one thread (common.linear.serial_to
 computes its float32 products on the whole team (`team`): waking the other threads costs more
 than it gains for a norm of one row, not for a product that reads megabytes; and F.linear's
 bits at some row counts depend on its threads, so one that is not split runs on the team too.
+
+On AVX-512, MKL's kernel for 2-15 rows sums an output in an order moe-mesh's kernel repeats
+(common/f32_lanes.c), and reads the weights faster from 4 rows on: on a 2-core AMX host (Intel
+Xeon, 30 GB/s), 256 MiB of [2048, 1024] products at 8 rows read 16 GB/s against MKL's 10, at
+15 rows 12 against 7. Those products run on it, each shape and row count checked first as a
+split's is; at 2 and 3 rows MKL's own reads as fast.
 """
 
 from __future__ import annotations
@@ -38,12 +44,14 @@ from common import bf16
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 64  # the largest product that is split; larger ones keep MKL's own threads
+LANES_ROWS = range(4, 16)  # the products f32_lanes.c computes
 _TIMED = (1536, 1024)  # a small model's qkv projection
 _HALVES_ROWS = (*range(1, MAX_ROWS + 1), 128, 256)
 _WORKING_SET = 32 << 20  # more than the caches hold, as a model's weights
 _state = threading.local()  # this thread's `team` and `unsplit`
-# (out, in, rows, threads): whether the split gave F.linear's bits the first time
-_verdicts: dict[tuple[int, int, int, int], bool] = {}
+# (way, out, in, rows, threads): whether that way ("split" or "lanes") gave F.linear's bits
+# the first time
+_verdicts: dict[tuple[str, int, int, int, int], bool] = {}
 
 
 @functools.cache
@@ -64,6 +72,14 @@ def _split(x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor:
     (n, k), m = weight.shape, x.shape[0]
     y = torch.empty(m, n, dtype=torch.float32, device="cpu")
     bf16.call(bf16.kernel("moe_sgemm_rows"), *mkl(), x, weight, y, m, n, k, threads)
+    return y
+
+
+def _lanes(x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor:
+    (n, k), m = weight.shape, x.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32, device="cpu")
+    if bf16.call(bf16.kernel("moe_sgemm_lanes16"), x, weight, y, m, n, k, threads):
+        return _on(threads, x, weight, None)  # the kernels held below AVX-512 (tests)
     return y
 
 
@@ -141,24 +157,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if getattr(_state, "unsplit", False):
         return F.linear(x, weight, bias)
     threads = getattr(_state, "team", 0) or torch.get_num_threads()
-    if bias is None and _splittable(x, weight, threads):
-        same = _verdicts.get((*weight.shape, x.shape[0], threads))
+    way = None if bias is not None else _way(x, weight, threads)
+    if way is not None:
+        key = (way, *weight.shape, x.shape[0], threads)
+        same = _verdicts.get(key)
         if same is None:
-            return _check(x, weight, threads)
+            return _check(key, x, weight)
         if same:
-            return _split(x, weight, threads)
+            return _run(way, x, weight, threads)
     return _on(threads, x, weight, bias)
+
+
+def _way(x: torch.Tensor, weight: torch.Tensor, threads: int) -> str | None:
+    """How `linear` may compute this product other than F.linear, its bits to be checked first
+    (the cheap tests first: a decode step makes hundreds of these calls)."""
+    if x.shape[0] in LANES_ROWS and x.shape[-1] % 16 == 0 and bf16.kernel("moe_sgemm_lanes16"):
+        way = "lanes"
+    elif _splittable(weight, threads):
+        way = "split"
+    else:
+        return None
+    return way if _fits(x, weight) else None
 
 
 def splits(weight: torch.Tensor, rows: int, threads: int) -> bool:
     """Whether `linear` splits a product of `rows` rows by `weight` over `threads` (its bits
     checked now where they were not yet): engine/fused_f32.py's step computes it as linear does."""
     x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(0))
-    if not _splittable(x, weight, threads):
+    if not (_fits(x, weight) and _splittable(weight, threads)):
         return False
-    key = (*weight.shape, rows, threads)
+    key = ("split", *weight.shape, rows, threads)
     if key not in _verdicts:
-        _check(x, weight, threads)
+        _check(key, x, weight)
     return _verdicts[key]
 
 
@@ -204,23 +234,27 @@ def _halves_agree(out: int, k: int) -> bool:
     return same
 
 
-def _splittable(x: torch.Tensor, weight: torch.Tensor, threads: int) -> bool:
-    return threads > 1 and _fits(x, weight) and faster(threads)
+def _splittable(weight: torch.Tensor, threads: int) -> bool:
+    return threads > 1 and weight.shape[0] % 64 == 0 and faster(threads)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor:
-    """F.linear's product, the split's bits compared with it on the way (the shape's verdict)."""
-    key = (*weight.shape, x.shape[0], threads)
-    y, want = _split(x, weight, threads), _on(threads, x, weight, None)
+def _run(way: str, x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor:
+    return (_lanes if way == "lanes" else _split)(x, weight, threads)
+
+
+def _check(key: tuple, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear's product, the bits of key's way compared with it on the way (its verdict)."""
+    way, threads = key[0], key[-1]
+    y, want = _run(way, x, weight, threads), _on(threads, x, weight, None)
     same = _verdicts[key] = torch.equal(y, want)
     if not same:
-        log.info("float32 %s: split bits differ from F.linear's, not split", key[:3])
+        log.info("float32 %s: %s bits differ from F.linear's, not used", key[1:4], way)
     return want
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the split takes x [m, in] · weight [out, in]ᵀ: float32 on the CPU, contiguous,
-    1 to MAX_ROWS rows, `out` in 64-row blocks; whatever F.linear would refuse, it leaves to it."""
+    """Whether moe-mesh's kernels take x [m, in] · weight [out, in]ᵀ: float32 on the CPU,
+    contiguous, 1 to MAX_ROWS rows; whatever F.linear would refuse, they leave to it."""
     return (
         x.dtype == weight.dtype == torch.float32
         and x.dim() == weight.dim() == 2
@@ -228,7 +262,6 @@ def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and 0 < x.shape[0] <= MAX_ROWS
         and 0 < x.shape[1] == weight.shape[1]
         and 0 < weight.shape[0]
-        and weight.shape[0] % 64 == 0
         and x.is_contiguous()
         and weight.is_contiguous()
         and bf16.kernel("moe_sgemm_rows") is not None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -41,27 +43,30 @@ def test_one_row_products_split_with_f_linears_bits_where_mkl_computes_them(fres
     monkeypatch.setattr(float32, "faster", lambda threads: True)
     w, x = torch.randn(1536, 1024), torch.randn(1, 1024)
     assert torch.equal(L.linear(x, w), F.linear(x, w))
-    assert float32._verdicts == {(1536, 1024, 1, 2): True}  # MKL's one-row output, any block
+    assert float32._verdicts == {("split", 1536, 1024, 1, 2): True}  # MKL's one row, any block
 
 
+@pytest.mark.parametrize(("way", "rows"), [("split", 2), ("lanes", 8)])
 @pytest.mark.parametrize("same", [True, False])
-def test_each_shape_is_split_only_once_its_bits_were_seen_equal(fresh, monkeypatch, same):
+def test_each_shape_runs_another_way_only_once_its_bits_were_seen_equal(
+    fresh, monkeypatch, same, way, rows
+):
     monkeypatch.setattr(float32, "faster", lambda threads: True)
     monkeypatch.setattr(float32.bf16, "kernel", lambda name: "built")
-    splits = []
+    calls = []
 
-    def split(x, w, threads):
-        splits.append(threads)
+    def product(x, w, threads):
+        calls.append(threads)
         return F.linear(x, w) if same else F.linear(x, w) + 1e-3
 
-    monkeypatch.setattr(float32, "_split", split)
-    w, x = torch.randn(128, 64), torch.randn(4, 64)
+    monkeypatch.setattr(float32, f"_{way}", product)
+    w, x = torch.randn(128, 64), torch.randn(rows, 64)
     for _ in range(3):
         assert torch.equal(L.linear(x, w), F.linear(x, w))  # F.linear's bits either way
-    assert float32._verdicts == {(128, 64, 4, 2): same}
-    assert len(splits) == (3 if same else 1)  # a shape that differed is never split again
-    L.linear(torch.randn(5, 64), w)
-    assert (128, 64, 5, 2) in float32._verdicts  # another row count: checked for itself
+    assert float32._verdicts == {(way, 128, 64, rows, 2): same}
+    assert len(calls) == (3 if same else 1)  # a shape that differed never runs so again
+    L.linear(torch.randn(rows + 1, 64), w)
+    assert (way, 128, 64, rows + 1, 2) in float32._verdicts  # another row count: checked too
 
 
 def test_what_the_split_cannot_take_goes_to_f_linear(fresh, monkeypatch):
@@ -95,9 +100,63 @@ def test_a_serial_pass_computes_its_products_on_the_whole_team(fresh, monkeypatc
     )
     torch.set_num_threads(1)
     with float32.team(2):
-        L.linear(torch.randn(6, 64), torch.randn(128, 64))
+        L.linear(torch.randn(3, 64), torch.randn(128, 64))
         assert torch.get_num_threads() == 1  # and back
     assert seen == [2]
+
+
+needs_lanes = pytest.mark.skipif(
+    float32.bf16.kernel("moe_sgemm_lanes16") is None,
+    reason="needs a CPU with AVX-512 (common/f32_lanes.c is AVX-512 code) and a C compiler",
+)
+# Where MKL's products of 4-15 rows were seen to sum as f32_lanes.c does: Intel's AVX-512 (host
+# C). Elsewhere each shape's check decides, and these tests ask only for F.linear's bits.
+PROBED_HERE = (
+    float32.bf16.kernel("moe_sgemm_lanes16") is not None
+    and float32.mkl() is not None
+    and "GenuineIntel" in Path("/proc/cpuinfo").read_text()
+)
+
+
+@needs_lanes
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_lanes_kernel_computes_the_product(threads):
+    """Against float64, with weight rows past the last block of 4 and shares of any size."""
+    gen = torch.Generator().manual_seed(2)
+    for out, k, m in ((64, 1024, 4), (1474, 528, 15), (6, 2048, 7), (130, 16, 9)):
+        w, x = torch.randn(out, k, generator=gen), torch.randn(m, k, generator=gen)
+        want = (x.double() @ w.double().T).float()
+        torch.testing.assert_close(float32._lanes(x, w, threads), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_products_of_4_to_15_rows_run_on_the_lanes_kernel_with_f_linears_bits(fresh, threads):
+    """At a small model's and the Qwen3 and Mixtral slices' shapes; on one thread too (a serial
+    pass's team)."""
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(3)
+    for out, k in ((1536, 1024), (2048, 768), (768, 2048), (512, 14336)):
+        w = torch.randn(out, k, generator=gen)
+        for m in float32.LANES_ROWS:
+            x = torch.randn(m, k, generator=gen)
+            for _ in range(2):  # checked, then computed as the check found
+                assert torch.equal(L.linear(x, w), F.linear(x, w))
+    lanes = [same for key, same in float32._verdicts.items() if key[0] == "lanes"]
+    if PROBED_HERE:
+        assert len(lanes) == 4 * len(float32.LANES_ROWS) and all(lanes)
+
+
+@needs_lanes
+def test_below_avx512_the_lanes_way_gives_f_linears_product():
+    """The kernels held to AVX2 (moe_bf16_limit, as tests of the AVX2 code do): the call refuses,
+    and F.linear computes the product."""
+    w, x = torch.randn(128, 64), torch.randn(8, 64)
+    limit = float32.bf16.kernel("moe_bf16_limit")
+    limit(1)
+    try:
+        assert torch.equal(float32._lanes(x, w, 2), F.linear(x, w))
+    finally:
+        limit(3)
 
 
 @pytest.fixture
