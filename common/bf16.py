@@ -48,6 +48,7 @@ _SOURCES = [
     for n in (
         "bf16_kernel.c",
         "quant_kernel.c",
+        "quant_avx512.c",
         "f32_kernel.c",
         "f32_lanes.c",
         "decode_kernel.c",

@@ -125,8 +125,8 @@ typedef void (*block_fn)(const float *x, const void *w, const void *scales, uint
                          long m, long k, long group, const float *bias);
 
 static block_fn pick_block(int format) {
-    return format == FORMAT_INT8   ? int8_block
-           : format == FORMAT_INT4 ? int4_block
+    return format == FORMAT_INT8   ? (avx512() ? int8_block512 : int8_block)
+           : format == FORMAT_INT4 ? (avx512() ? int4_block512 : int4_block)
            : format == FORMAT_FP8  ? fp8_block
            : format == FORMAT_MXFP4 ? mxfp4_block
                                    : PICK(bf16_block); /* FORMAT_BF16 and _TILES */
@@ -736,6 +736,7 @@ TARGET static void FN(bf16_block)(const float *x, const void *p, const void *sca
 
 #if ISA == 256
 #include "quant_kernel.c" /* int8 and int4 weights: AVX2 code, which AVX-512 hosts run too */
+#include "quant_avx512.c" /* ... but for their one-row products */
 #include "f32_kernel.c"   /* float32 weights as stored, likewise */
 #else
 #include "f32_lanes.c" /* float32 products of a few rows with MKL's AVX-512 bits */
