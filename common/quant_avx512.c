@@ -25,10 +25,12 @@ Q512TARGET static void q8_row512(const float *x, const int8_t *p, const float *s
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                      _mm512_setzero_ps()};
     for (long i = 0; i < k; i++) {
+        /* past a panel's end, the next block's panel: both of its streams start fetched */
+        long ahead = ROW_AHEAD + (i * PANEL + ROW_AHEAD >= k * PANEL ? k * PANEL : 0);
         __m512 xr = _mm512_set1_ps(x[i]);
         for (int q = 0; q < 2; q++) {
             const int8_t *at = p + (q * k + i) * PANEL;
-            _mm_prefetch((const char *)at + ROW_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char *)at + ahead, _MM_HINT_T0);
             for (int h = 0; h < 2; h++) {
                 __m128i bytes = _mm_loadu_si128((const __m128i *)(at + 16 * h));
                 __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
@@ -60,10 +62,11 @@ Q512TARGET static void q4_row512(const float *x, const uint32_t *p, const uint16
                          _mm512_setzero_ps()};
         for (long i = g * group; i < (g + 1) * group; i += 8) {
             __m512i word[4]; /* 32 words a panel per 8 inputs: columns 0-15, then 16-31 */
+            long ahead = ROW_AHEAD + (i * 16 + ROW_AHEAD >= k * 16 ? k * 16 : 0); /* as int8's */
             for (int q = 0; q < 2; q++) {
                 const uint32_t *at = p + (q * k + i) * 4;
-                _mm_prefetch((const char *)at + ROW_AHEAD, _MM_HINT_T0);
-                _mm_prefetch((const char *)at + ROW_AHEAD + 64, _MM_HINT_T0);
+                _mm_prefetch((const char *)at + ahead, _MM_HINT_T0);
+                _mm_prefetch((const char *)at + ahead + 64, _MM_HINT_T0);
                 word[q * 2] = _mm512_loadu_si512(at);
                 word[q * 2 + 1] = _mm512_loadu_si512(at + 16);
             }
