@@ -128,7 +128,7 @@ static block_fn pick_block(int format) {
     return format == FORMAT_INT8   ? (avx512() ? int8_block512 : int8_block)
            : format == FORMAT_INT4 ? (avx512() ? int4_block512 : int4_block)
            : format == FORMAT_FP8  ? fp8_block
-           : format == FORMAT_MXFP4 ? mxfp4_block
+           : format == FORMAT_MXFP4 ? (avx512() ? mxfp4_block512 : mxfp4_block)
                                    : PICK(bf16_block); /* FORMAT_BF16 and _TILES */
 }
 

@@ -1,11 +1,11 @@
-/* One-row int8 and int4 products in AVX-512, for bf16_kernel.c, which includes this file after
-   quant_kernel.c in its AVX2 pass; pick_block takes these blocks where the CPU has AVX-512.
+/* One-row int8, int4 and MXFP4 products in AVX-512, for bf16_kernel.c, which includes this file
+   after quant_kernel.c in its AVX2 pass; pick_block takes these blocks where the CPU has AVX-512.
 
    A decode step at batch 1 reads each weight once, and int4's AVX2 row kernel converts eight
    nibbles a word on 8 lanes: on a 2-core AMX host it read 11 GB/s of int4 weights where int8's
    read 23 and the host 30. These do a column's arithmetic on 16 lanes instead of 8 and nothing
    else: each column's sums, products and roundings are quant_kernel.c's row kernels' (the same
-   x scaled by 2^-4N, the same nibbles, the same group_sum, in the same order), so a row's bits
+   scaled x, the same nibbles or codes, the same group_sum, in the same order), so a row's bits
    do not depend on which kernel computed it, nor on the CPU. */
 
 #define Q512TARGET __attribute__((target("avx512f,avx512bw,avx2,fma")))
@@ -42,50 +42,67 @@ Q512TARGET static void q8_row512(const float *x, const int8_t *p, const float *s
     store_row512(acc, y, bias);
 }
 
-/* int4: nibble N of the words (one vector of 16 columns) as a float, u * 2^(4N), as Q4F */
+/* int4 and MXFP4: nibble N of a vector of words (16 columns) as a float, as Q4F and MXF_SHIFTED
+   (MXFP4's odd nibbles from words shifted down a nibble, once per 8 inputs) */
 #define Q4F512(word, N)                                                                         \
     _mm512_cvtepi32_ps(N == 7 ? _mm512_srli_epi32(word, 28)                                    \
                               : _mm512_and_si512(word, _mm512_set1_epi32((int)(15u << (4 * N)))))
-#define Q4STEP512(N)                                                                            \
+#define MXF512(word, N)                                                                         \
+    _mm512_cvtepi32_ps(_mm512_shuffle_epi8(                                                    \
+        _mm512_broadcast_i32x4(_mm256_castsi256_si128(MX_TABLE)),                              \
+        _mm512_and_si512(word, _mm512_set1_epi32(15 << (8 * (N / 2))))))
+#define STEP512(N, F, SHIFT, ODD)                                                               \
     {                                                                                           \
-        __m512 xr = _mm512_set1_ps(x[i + N] * Q4SHIFT(N));                                      \
-        for (int j = 0; j < 4; j++) acc[j] = _mm512_fmadd_ps(xr, Q4F512(word[j], N), acc[j]);  \
+        __m512 xr = _mm512_set1_ps(x[i + N] * SHIFT(N));                                        \
+        for (int j = 0; j < 4; j++)                                                             \
+            acc[j] = _mm512_fmadd_ps(xr, F((ODD && N % 2 ? odd[j] : word[j]), N), acc[j]);     \
     }
 
-Q512TARGET static void q4_row512(const float *x, const uint32_t *p, const uint16_t *s,
-                                 uint16_t *y, long k, long group, const float *bias) {
-    long groups = k / group;
-    __m512 total[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                       _mm512_setzero_ps()};
-    for (long g = 0; g < groups; g++) {
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                         _mm512_setzero_ps()};
-        for (long i = g * group; i < (g + 1) * group; i += 8) {
-            __m512i word[4]; /* 32 words a panel per 8 inputs: columns 0-15, then 16-31 */
-            long ahead = ROW_AHEAD + (i * 16 + ROW_AHEAD >= k * 16 ? k * 16 : 0); /* as int8's */
-            for (int q = 0; q < 2; q++) {
-                const uint32_t *at = p + (q * k + i) * 4;
-                _mm_prefetch((const char *)at + ahead, _MM_HINT_T0);
-                _mm_prefetch((const char *)at + ahead + 64, _MM_HINT_T0);
-                word[q * 2] = _mm512_loadu_si512(at);
-                word[q * 2 + 1] = _mm512_loadu_si512(at + 16);
-            }
-            Q4STEP512(0) Q4STEP512(1) Q4STEP512(2) Q4STEP512(3)
-            Q4STEP512(4) Q4STEP512(5) Q4STEP512(6) Q4STEP512(7)
-        }
-        __m512 shift = _mm512_set1_ps(8.0f * group_sum(x + g * group, group));
-        for (int j = 0; j < 4; j++) {
-            const uint16_t *sc = s + ((j / 2) * groups + g) * PANEL + (j % 2) * 16;
-            __m512 scale = vwiden_avx512(_mm256_loadu_si256((const __m256i *)sc));
-            total[j] = _mm512_fmadd_ps(scale, _mm512_sub_ps(acc[j], shift), total[j]);
-        }
+/* one row against the two panels of a 64-column block, as NIBBLE_KERNEL's NAME_1_2: per group,
+   a = sum of x * weight in order, then s * (a - ZERO sum(x)) added to the column's total */
+#define NIBBLE_ROW512(NAME, F, SHIFT, ZERO, ODD)                                                \
+    Q512TARGET static void NAME(const float *x, const uint32_t *p, const uint16_t *s,           \
+                                uint16_t *y, long k, long group, const float *bias) {           \
+        long groups = k / group;                                                                \
+        __m512 total[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),       \
+                           _mm512_setzero_ps()};                                                \
+        for (long g = 0; g < groups; g++) {                                                     \
+            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),     \
+                             _mm512_setzero_ps()};                                              \
+            for (long i = g * group; i < (g + 1) * group; i += 8) {                             \
+                /* past a panel's end, the next block's panel, as int8's */                     \
+                long ahead = ROW_AHEAD + (i * 16 + ROW_AHEAD >= k * 16 ? k * 16 : 0);           \
+                __m512i word[4], odd[4]; /* a panel's 32 words: columns 0-15, then 16-31 */     \
+                for (int q = 0; q < 2; q++) {                                                   \
+                    const uint32_t *at = p + (q * k + i) * 4;                                   \
+                    _mm_prefetch((const char *)at + ahead, _MM_HINT_T0);                        \
+                    _mm_prefetch((const char *)at + ahead + 64, _MM_HINT_T0);                   \
+                    word[q * 2] = _mm512_loadu_si512(at);                                       \
+                    word[q * 2 + 1] = _mm512_loadu_si512(at + 16);                              \
+                }                                                                               \
+                for (int j = 0; j < 4 && ODD; j++) odd[j] = _mm512_srli_epi32(word[j], 4);      \
+                STEP512(0, F, SHIFT, ODD) STEP512(1, F, SHIFT, ODD)                             \
+                STEP512(2, F, SHIFT, ODD) STEP512(3, F, SHIFT, ODD)                             \
+                STEP512(4, F, SHIFT, ODD) STEP512(5, F, SHIFT, ODD)                             \
+                STEP512(6, F, SHIFT, ODD) STEP512(7, F, SHIFT, ODD)                             \
+            }                                                                                   \
+            __m512 shift = _mm512_set1_ps(ZERO * group_sum(x + g * group, group));              \
+            for (int j = 0; j < 4; j++) {                                                       \
+                const uint16_t *sc = s + ((j / 2) * groups + g) * PANEL + (j % 2) * 16;         \
+                __m512 scale = vwiden_avx512(_mm256_loadu_si256((const __m256i *)sc));          \
+                total[j] = _mm512_fmadd_ps(scale, _mm512_sub_ps(acc[j], shift), total[j]);      \
+            }                                                                                   \
+        }                                                                                       \
+        store_row512(total, y, bias);                                                           \
     }
-    store_row512(total, y, bias);
-}
-#undef Q4STEP512
+NIBBLE_ROW512(q4_row512, Q4F512, Q4SHIFT, 8.0f, 0)
+NIBBLE_ROW512(mx_row512, MXF512, MXSHIFT, 12.0f, 1)
+#undef NIBBLE_ROW512
+#undef STEP512
+#undef MXF512
 #undef Q4F512
 
-/* int8_block and int4_block with their one-row products on these */
+/* int8_block, int4_block and mxfp4_block with their one-row products on these */
 Q512TARGET static void int8_block512(const float *x, const void *p, const void *s, uint16_t *y,
                                      long ldy, long m, long k, long group, const float *bias) {
     if (m != 1) return int8_block(x, p, s, y, ldy, m, k, group, bias);
@@ -95,4 +112,9 @@ Q512TARGET static void int4_block512(const float *x, const void *p, const void *
                                      long ldy, long m, long k, long group, const float *bias) {
     if (m != 1) return int4_block(x, p, s, y, ldy, m, k, group, bias);
     q4_row512(x, p, s, y, k, group, bias);
+}
+Q512TARGET static void mxfp4_block512(const float *x, const void *p, const void *s, uint16_t *y,
+                                      long ldy, long m, long k, long group, const float *bias) {
+    if (m != 1) return mxfp4_block(x, p, s, y, ldy, m, k, group, bias);
+    mx_row512(x, p, s, y, k, group, bias);
 }
