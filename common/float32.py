@@ -49,9 +49,9 @@ _TIMED = (1536, 1024)  # a small model's qkv projection
 _HALVES_ROWS = (*range(1, MAX_ROWS + 1), 128, 256)
 _WORKING_SET = 32 << 20  # more than the caches hold, as a model's weights
 _state = threading.local()  # this thread's `team` and `unsplit`
-# (way, out, in, rows, threads): whether that way ("split" or "lanes") gave F.linear's bits
-# the first time
-_verdicts: dict[tuple[str, int, int, int, int], bool] = {}
+# _key's (way, out, in, rows, threads, offsets): whether that way ("lanes" or "split") gave
+# F.linear's bits the first time
+_verdicts: dict[tuple, bool] = {}
 
 
 @functools.cache
@@ -75,12 +75,13 @@ def _split(x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor:
     return y
 
 
-def _lanes(x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor:
+def _lanes(x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor | None:
+    """None where the kernel refuses (held below AVX-512: tests)."""
     (n, k), m = weight.shape, x.shape[0]
     y = torch.empty(m, n, dtype=torch.float32, device="cpu")
-    if bf16.call(bf16.kernel("moe_sgemm_lanes16"), x, weight, y, m, n, k, threads):
-        return _on(threads, x, weight, None)  # the kernels held below AVX-512 (tests)
-    return y
+    return (
+        None if bf16.call(bf16.kernel("moe_sgemm_lanes16"), x, weight, y, m, n, k, threads) else y
+    )
 
 
 @functools.cache
@@ -152,32 +153,42 @@ def unsplit() -> Iterator[None]:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for a plain float32 weight, its bits included: split over the
-    threads where that gave the same bits, else F.linear on the team's threads."""
+    """F.linear(x, weight, bias) for a plain float32 weight, its bits included: on moe-mesh's
+    kernel or split over the threads where that gave the same bits, else F.linear on the team's
+    threads."""
     if getattr(_state, "unsplit", False):
         return F.linear(x, weight, bias)
     threads = getattr(_state, "team", 0) or torch.get_num_threads()
-    way = None if bias is not None else _way(x, weight, threads)
-    if way is not None:
-        key = (way, *weight.shape, x.shape[0], threads)
+    for way in () if bias is not None else _ways(x, weight, threads):
+        key = _key(way, x, weight, threads)
         same = _verdicts.get(key)
         if same is None:
-            return _check(key, x, weight)
-        if same:
-            return _run(way, x, weight, threads)
+            y = _check(key, x, weight)
+            if y is not None:
+                return y
+        elif same and (y := _run(way, x, weight, threads)) is not None:
+            return y
     return _on(threads, x, weight, bias)
 
 
-def _way(x: torch.Tensor, weight: torch.Tensor, threads: int) -> str | None:
-    """How `linear` may compute this product other than F.linear, its bits to be checked first
-    (the cheap tests first: a decode step makes hundreds of these calls)."""
-    if x.shape[0] in LANES_ROWS and x.shape[-1] % 16 == 0 and bf16.kernel("moe_sgemm_lanes16"):
-        way = "lanes"
-    elif _splittable(weight, threads):
-        way = "split"
-    else:
-        return None
-    return way if _fits(x, weight) else None
+def _ways(x: torch.Tensor, weight: torch.Tensor, threads: int) -> tuple[str, ...]:
+    """How `linear` may compute this product other than F.linear, in order of preference, each
+    way's bits checked before it is used (the cheap tests first: a decode step makes hundreds of
+    these calls)."""
+    rows = x.shape[0]
+    if not 0 < rows <= MAX_ROWS:
+        return ()
+    lanes = rows in LANES_ROWS and x.shape[-1] % 16 == 0 and bf16.kernel("moe_sgemm_lanes16")
+    ways = ("lanes",) if lanes else ()
+    if _splittable(weight, threads):
+        ways += ("split",)
+    return ways if ways and _fits(x, weight) else ()
+
+
+def _key(way: str, x: torch.Tensor, weight: torch.Tensor, threads: int) -> tuple:
+    """What a verdict holds for: MKL's sums may depend on where the operands lie (its one-row
+    products' do), so their offsets from a cache line are part of it."""
+    return (way, *weight.shape, x.shape[0], threads, weight.data_ptr() % 64, x.data_ptr() % 64)
 
 
 def splits(weight: torch.Tensor, rows: int, threads: int) -> bool:
@@ -186,7 +197,7 @@ def splits(weight: torch.Tensor, rows: int, threads: int) -> bool:
     x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(0))
     if not (_fits(x, weight) and _splittable(weight, threads)):
         return False
-    key = ("split", *weight.shape, rows, threads)
+    key = _key("split", x, weight, threads)
     if key not in _verdicts:
         _check(key, x, weight)
     return _verdicts[key]
@@ -238,14 +249,18 @@ def _splittable(weight: torch.Tensor, threads: int) -> bool:
     return threads > 1 and weight.shape[0] % 64 == 0 and faster(threads)
 
 
-def _run(way: str, x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor:
+def _run(way: str, x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor | None:
     return (_lanes if way == "lanes" else _split)(x, weight, threads)
 
 
-def _check(key: tuple, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear's product, the bits of key's way compared with it on the way (its verdict)."""
-    way, threads = key[0], key[-1]
-    y, want = _run(way, x, weight, threads), _on(threads, x, weight, None)
+def _check(key: tuple, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """F.linear's product, the bits of key's way compared with it on the way (its verdict);
+    None, and no verdict, where that way could not compute it now."""
+    way, threads = key[0], key[4]
+    y = _run(way, x, weight, threads)
+    if y is None:
+        return None
+    want = _on(threads, x, weight, None)
     same = _verdicts[key] = torch.equal(y, want)
     if not same:
         log.info("float32 %s: %s bits differ from F.linear's, not used", key[1:4], way)

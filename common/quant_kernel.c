@@ -1,7 +1,8 @@
 /* Weight-only int8 and int4 products for bf16_kernel.c, which includes this file in its AVX2 pass
-   (so it runs on AVX-512 hosts too). Activations stay float32 inside (bfloat16 outside); only the
-   weights are integers. common/quant.py quantizes and lays the weights out (LAYOUT there names the
-   layouts below: a change here changes that name).
+   (so it runs on AVX-512 hosts too, but for one-row products: quant_avx512.c's there, with the
+   same bits). Activations stay float32 inside (bfloat16 outside); only the weights are integers.
+   common/quant.py quantizes and lays the weights out (LAYOUT there names the layouts below: a
+   change here changes that name).
 
    int8 (per output column symmetric): panels of 32 columns, P[panel][k][32] int8 in column order,
    scales s[n] float32; y[c] = s[c] * sum over k in order of x[k] * q[c][k], one float32

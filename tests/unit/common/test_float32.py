@@ -17,6 +17,11 @@ needs_split = pytest.mark.skipif(
 )
 
 
+def verdicts() -> dict:
+    """float32's verdicts without the operands' offsets (fresh tensors lie on cache lines)."""
+    return {key[:5]: same for key, same in float32._verdicts.items()}
+
+
 @pytest.fixture
 def fresh(monkeypatch):
     """Two torch threads, and nothing checked yet."""
@@ -43,7 +48,7 @@ def test_one_row_products_split_with_f_linears_bits_where_mkl_computes_them(fres
     monkeypatch.setattr(float32, "faster", lambda threads: True)
     w, x = torch.randn(1536, 1024), torch.randn(1, 1024)
     assert torch.equal(L.linear(x, w), F.linear(x, w))
-    assert float32._verdicts == {("split", 1536, 1024, 1, 2): True}  # MKL's one row, any block
+    assert verdicts() == {("split", 1536, 1024, 1, 2): True}  # MKL's one row, any block
 
 
 @pytest.mark.parametrize(("way", "rows"), [("split", 2), ("lanes", 8)])
@@ -51,7 +56,7 @@ def test_one_row_products_split_with_f_linears_bits_where_mkl_computes_them(fres
 def test_each_shape_runs_another_way_only_once_its_bits_were_seen_equal(
     fresh, monkeypatch, same, way, rows
 ):
-    monkeypatch.setattr(float32, "faster", lambda threads: True)
+    monkeypatch.setattr(float32, "faster", lambda threads: way == "split")  # one way at a time
     monkeypatch.setattr(float32.bf16, "kernel", lambda name: "built")
     calls = []
 
@@ -63,15 +68,16 @@ def test_each_shape_runs_another_way_only_once_its_bits_were_seen_equal(
     w, x = torch.randn(128, 64), torch.randn(rows, 64)
     for _ in range(3):
         assert torch.equal(L.linear(x, w), F.linear(x, w))  # F.linear's bits either way
-    assert float32._verdicts == {(way, 128, 64, rows, 2): same}
+    assert verdicts() == {(way, 128, 64, rows, 2): same}
     assert len(calls) == (3 if same else 1)  # a shape that differed never runs so again
     L.linear(torch.randn(rows + 1, 64), w)
-    assert (way, 128, 64, rows + 1, 2) in float32._verdicts  # another row count: checked too
+    assert (way, 128, 64, rows + 1, 2) in verdicts()  # another row count: checked too
 
 
-def test_what_the_split_cannot_take_goes_to_f_linear(fresh, monkeypatch):
+def test_what_the_kernels_cannot_take_goes_to_f_linear(fresh, monkeypatch):
     monkeypatch.setattr(float32, "faster", lambda threads: True)
     monkeypatch.setattr(float32, "_split", lambda *a: pytest.fail("split"))
+    monkeypatch.setattr(float32, "_lanes", lambda *a: pytest.fail("lanes"))
     w, x = torch.randn(128, 64), torch.randn(4, 64)
     for args in (
         (torch.randn(3, 64), torch.randn(100, 64)),  # rows not in 64-row blocks
@@ -79,6 +85,8 @@ def test_what_the_split_cannot_take_goes_to_f_linear(fresh, monkeypatch):
         (torch.randn(65, 64), w),  # more rows than a decode step
         (x.t().contiguous().t(), w),  # an input's columns apart
         (torch.randn(4, 0), torch.randn(128, 0)),  # nothing to sum
+        (torch.randn(8, 24), torch.randn(100, 24)),  # inputs not in 16s, rows not in 64s
+        (torch.randn(8, 64), torch.randn(128, 128)[:, :64]),  # a weight's rows apart
     ):
         assert torch.equal(L.linear(*args), F.linear(*args))
     with pytest.raises(RuntimeError):  # widths that do not match: torch's error, no read past x
@@ -86,10 +94,12 @@ def test_what_the_split_cannot_take_goes_to_f_linear(fresh, monkeypatch):
     with float32.unsplit():
         assert torch.equal(L.linear(x, w), F.linear(x, w))
     torch.set_num_threads(1)  # one thread: nothing to split over
+    x = torch.randn(3, 64)
     assert torch.equal(L.linear(x, w), F.linear(x, w))
 
 
-def test_a_serial_pass_computes_its_products_on_the_whole_team(fresh, monkeypatch):
+@pytest.mark.parametrize("rows", [3, 6])
+def test_a_serial_pass_computes_its_products_on_the_whole_team(fresh, monkeypatch, rows):
     """torch on one thread for the pass's small ops; an unsplit product runs on the team all the
     same, as F.linear's bits at some row counts depend on its threads."""
     monkeypatch.setattr(float32, "faster", lambda threads: False)
@@ -100,7 +110,7 @@ def test_a_serial_pass_computes_its_products_on_the_whole_team(fresh, monkeypatc
     )
     torch.set_num_threads(1)
     with float32.team(2):
-        L.linear(torch.randn(3, 64), torch.randn(128, 64))
+        L.linear(torch.randn(rows, 64), torch.randn(128, 64))
         assert torch.get_num_threads() == 1  # and back
     assert seen == [2]
 
@@ -123,16 +133,49 @@ PROBED_HERE = (
 def test_the_lanes_kernel_computes_the_product(threads):
     """Against float64, with weight rows past the last block of 4 and shares of any size."""
     gen = torch.Generator().manual_seed(2)
-    for out, k, m in ((64, 1024, 4), (1474, 528, 15), (6, 2048, 7), (130, 16, 9)):
+    run = float32.bf16.kernel("moe_sgemm_lanes16")
+    for out, k, m in ((64, 1024, 4), (1474, 528, 15), (6, 2048, 7), (130, 16, 9), (64, 64, 2)):
         w, x = torch.randn(out, k, generator=gen), torch.randn(m, k, generator=gen)
+        y = torch.empty(m, out)
+        assert float32.bf16.call(run, x, w, y, m, out, k, threads) == 0
         want = (x.double() @ w.double().T).float()
-        torch.testing.assert_close(float32._lanes(x, w, threads), want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
+    for m, k in ((1, 64), (16, 64), (4, 24)):  # what MKL does not sum so: refused
+        assert float32.bf16.call(run, torch.ones(m, k), torch.ones(64, k), y, m, 64, k, 2) == -1
+
+
+def test_where_the_lanes_bits_differ_the_split_is_tried(fresh, monkeypatch):
+    monkeypatch.setattr(float32, "faster", lambda threads: True)
+    monkeypatch.setattr(float32.bf16, "kernel", lambda name: "built")
+    monkeypatch.setattr(float32, "_lanes", lambda x, w, threads: F.linear(x, w) + 1e-3)
+    splits = []
+    monkeypatch.setattr(
+        float32, "_split", lambda x, w, threads: splits.append(threads) or F.linear(x, w)
+    )
+    w, x = torch.randn(128, 64), torch.randn(8, 64)
+    for _ in range(3):
+        assert torch.equal(L.linear(x, w), F.linear(x, w))
+    assert verdicts() == {("lanes", 128, 64, 8, 2): False, ("split", 128, 64, 8, 2): True}
+    assert splits == [2, 2]  # checked at the second call, then run
+
+
+def test_a_verdict_holds_only_for_operands_that_lie_as_they_did(fresh, monkeypatch):
+    """MKL's sums may depend on where the operands lie, a moe-mesh kernel's do not: a weight
+    (a view of a checkpoint file) 16 bytes off a cache line is checked for itself."""
+    monkeypatch.setattr(float32, "faster", lambda threads: False)
+    monkeypatch.setattr(float32.bf16, "kernel", lambda name: "built")
+    monkeypatch.setattr(float32, "_lanes", lambda x, w, threads: F.linear(x, w))
+    flat, x = torch.randn(128 * 64 + 4), torch.randn(8, 64)
+    for w in (flat[: 128 * 64].view(128, 64), flat[4:].view(128, 64)):
+        assert torch.equal(L.linear(x, w), F.linear(x, w))
+    assert sorted(key[5] for key in float32._verdicts) == [0, 16]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_products_of_4_to_15_rows_run_on_the_lanes_kernel_with_f_linears_bits(fresh, threads):
     """At a small model's and the Qwen3 and Mixtral slices' shapes; on one thread too (a serial
-    pass's team)."""
+    pass's team). Where MKL was not probed (PROBED_HERE), only F.linear's bits are asked for:
+    they hold whichever way computed the products."""
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(3)
     for out, k in ((1536, 1024), (2048, 768), (768, 2048), (512, 14336)):
@@ -147,14 +190,17 @@ def test_products_of_4_to_15_rows_run_on_the_lanes_kernel_with_f_linears_bits(fr
 
 
 @needs_lanes
-def test_below_avx512_the_lanes_way_gives_f_linears_product():
+def test_below_avx512_the_lanes_way_gives_f_linears_product_and_no_verdict(fresh):
     """The kernels held to AVX2 (moe_bf16_limit, as tests of the AVX2 code do): the call refuses,
-    and F.linear computes the product."""
+    F.linear computes the product, and nothing is decided for when the kernel runs again."""
     w, x = torch.randn(128, 64), torch.randn(8, 64)
     limit = float32.bf16.kernel("moe_bf16_limit")
     limit(1)
     try:
-        assert torch.equal(float32._lanes(x, w, 2), F.linear(x, w))
+        assert float32._lanes(x, w, 2) is None
+        assert torch.equal(L.linear(x, w), F.linear(x, w)) and "lanes" not in {
+            key[0] for key in verdicts()
+        }
     finally:
         limit(3)
 
