@@ -1,5 +1,6 @@
-/* One-row int8, int4 and MXFP4 products in AVX-512, for bf16_kernel.c, which includes this file
-   after quant_kernel.c in its AVX2 pass; pick_block takes these blocks where the CPU has AVX-512.
+/* int8, int4, MXFP4 and FP8 products in AVX-512, for bf16_kernel.c, which includes this file
+   after quant_kernel.c in its AVX2 pass: one-row kernels (pick_block takes these blocks where the
+   CPU has AVX-512) and many_rows' tiles (wide_tiles).
 
    A decode step at batch 1 reads each weight once, and int4's AVX2 row kernel converts eight
    nibbles a word on 8 lanes: on a 2-core AMX host it read 11 GB/s of int4 weights where int8's
@@ -99,8 +100,6 @@ NIBBLE_ROW512(q4_row512, Q4F512, Q4SHIFT, 8.0f, 0)
 NIBBLE_ROW512(mx_row512, MXF512, MXSHIFT, 12.0f, 1)
 #undef NIBBLE_ROW512
 #undef STEP512
-#undef MXF512
-#undef Q4F512
 
 /* int8_block, int4_block and mxfp4_block with their one-row products on these */
 Q512TARGET static void int8_block512(const float *x, const void *p, const void *s, uint16_t *y,
@@ -118,3 +117,89 @@ Q512TARGET static void mxfp4_block512(const float *x, const void *p, const void 
     if (m != 1) return mxfp4_block(x, p, s, y, ldy, m, k, group, bias);
     mx_row512(x, p, s, y, k, group, bias);
 }
+
+/* many_rows' tiles (quant_kernel.c's TILE) on 16 lanes: R rows of x (row stride ldx, nibble
+   formats' x scaled by the caller) against 16 columns of a panel over n inputs, each sum from
+   `from` (row stride 64; zero without it) on in input order, to `to`. A column's arithmetic is
+   the AVX2 tile's; one weight vector, converted once, serves up to WIDE_ROWS rows where AVX2's
+   registers held 6. */
+#define TILE512(NAME, R, STEP, WEIGHTS)                                                          \
+    Q512TARGET static void NAME##_##R(const float *x, long ldx, const void *p, long n,          \
+                                      const float *from, float *to) {                           \
+        const int rows = R; /* what FMA512 reads */                                            \
+        __m512 a[R];                                                                            \
+        for (int r = 0; r < R; r++)                                                             \
+            a[r] = from ? _mm512_loadu_ps(from + r * 64) : _mm512_setzero_ps();                 \
+        for (long i0 = 0; i0 < n; i0 += STEP) {                                                 \
+            WEIGHTS                                                                             \
+        }                                                                                       \
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(to + r * 64, a[r]);                        \
+    }
+#define FMA512(i, w)                                                                            \
+    for (int r = 0; r < rows; r++)                                                              \
+        a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + (i)]), w, a[r]);
+#define Q8_WEIGHTS512                                                                           \
+    const int8_t *at = (const int8_t *)p + i0 * PANEL;                                          \
+    _mm_prefetch((const char *)at + Q8_AHEAD, _MM_HINT_T0);                                     \
+    __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)at)));  \
+    FMA512(i0, w)
+/* FP8: each byte the top of a half, as f8_widen's */
+#define F8_WEIGHTS512                                                                           \
+    const uint8_t *at = (const uint8_t *)p + i0 * PANEL;                                        \
+    _mm_prefetch((const char *)at + Q8_AHEAD, _MM_HINT_T0);                                     \
+    __m128i bytes = _mm_loadu_si128((const __m128i *)at);                                       \
+    __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);                              \
+    h = _mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16((short)0xBFFF));           \
+    __m512 w = _mm512_cvtph_ps(h);                                                              \
+    FMA512(i0, w)
+#define NIBBLE512(N, F)                                                                         \
+    {                                                                                           \
+        __m512 w = F;                                                                           \
+        FMA512(i0 + N, w)                                                                       \
+    }
+#define NIBBLES512(F0, F1, F2, F3, F4, F5, F6, F7)                                              \
+    const uint32_t *at = (const uint32_t *)p + i0 / 8 * PANEL;                                  \
+    _mm_prefetch((const char *)at + Q8_AHEAD, _MM_HINT_T0);                                     \
+    __m512i word = _mm512_loadu_si512(at);                                                      \
+    __m512i odd = _mm512_srli_epi32(word, 4); /* MXFP4's odd nibbles; unused by int4's */       \
+    (void)odd;                                                                                  \
+    NIBBLE512(0, F0) NIBBLE512(1, F1) NIBBLE512(2, F2) NIBBLE512(3, F3)                         \
+    NIBBLE512(4, F4) NIBBLE512(5, F5) NIBBLE512(6, F6) NIBBLE512(7, F7)
+#define Q4_WEIGHTS512                                                                           \
+    NIBBLES512(Q4F512(word, 0), Q4F512(word, 1), Q4F512(word, 2), Q4F512(word, 3),              \
+               Q4F512(word, 4), Q4F512(word, 5), Q4F512(word, 6), Q4F512(word, 7))
+#define MX_WEIGHTS512                                                                           \
+    NIBBLES512(MXF512(word, 0), MXF512(odd, 1), MXF512(word, 2), MXF512(odd, 3),                \
+               MXF512(word, 4), MXF512(odd, 5), MXF512(word, 6), MXF512(odd, 7))
+#define TILES512(NAME, STEP, WEIGHTS)                                                           \
+    TILE512(NAME, 1, STEP, WEIGHTS) TILE512(NAME, 2, STEP, WEIGHTS)                             \
+    TILE512(NAME, 3, STEP, WEIGHTS) TILE512(NAME, 4, STEP, WEIGHTS)                             \
+    TILE512(NAME, 5, STEP, WEIGHTS) TILE512(NAME, 6, STEP, WEIGHTS)                             \
+    TILE512(NAME, 7, STEP, WEIGHTS) TILE512(NAME, 8, STEP, WEIGHTS)                             \
+    TILE512(NAME, 9, STEP, WEIGHTS) TILE512(NAME, 10, STEP, WEIGHTS)                            \
+    TILE512(NAME, 11, STEP, WEIGHTS) TILE512(NAME, 12, STEP, WEIGHTS)                           \
+    static const tile_fn NAME[WIDE_ROWS + 1] = {                                                \
+        0,         NAME##_1, NAME##_2, NAME##_3,  NAME##_4,  NAME##_5,  NAME##_6,              \
+        NAME##_7, NAME##_8, NAME##_9, NAME##_10, NAME##_11, NAME##_12};
+TILES512(q8_tiles512, 1, Q8_WEIGHTS512)
+TILES512(f8_tiles512, 1, F8_WEIGHTS512)
+TILES512(q4_tiles512, 8, Q4_WEIGHTS512)
+TILES512(mx_tiles512, 8, MX_WEIGHTS512)
+
+static const tile_fn *wide_tiles(int format) {
+    return format == FORMAT_INT8    ? q8_tiles512
+           : format == FORMAT_INT4  ? q4_tiles512
+           : format == FORMAT_MXFP4 ? mx_tiles512
+                                    : f8_tiles512;
+}
+#undef TILES512
+#undef TILE512
+#undef FMA512
+#undef Q8_WEIGHTS512
+#undef F8_WEIGHTS512
+#undef NIBBLE512
+#undef NIBBLES512
+#undef Q4_WEIGHTS512
+#undef MX_WEIGHTS512
+#undef MXF512
+#undef Q4F512

@@ -77,20 +77,22 @@ def test_a_rows_bits_from_the_codes_do_not_depend_on_its_batch_mates() -> None:
 
 
 @kernels
-def test_one_row_products_on_avx512_give_the_avx2_kernels_bits() -> None:
-    """quant_avx512.c's MXFP4 row kernel against quant_kernel.c's, a bias and tiny scales included."""
+def test_products_on_avx512_give_the_avx2_kernels_bits() -> None:
+    """quant_avx512.c's MXFP4 row kernel and tiles against quant_kernel.c's, a bias and tiny
+    scales included."""
     if bf16.level() < 2:
         pytest.skip("this CPU has no AVX-512: only the AVX2 kernels run here")
     held = mxfp4.panels(*codes(192, 2048, seed=4), "w_scales")
     gen = torch.Generator().manual_seed(5)
-    x, bias = torch.randn(1, 2048, generator=gen).bfloat16(), torch.randn(192, generator=gen)
+    xs = [torch.randn(m, 2048, generator=gen).bfloat16() for m in (1, 2, 3, 7, 12, 13, 24)]
+    bias = torch.randn(192, generator=gen)
     lib = bf16.library()
     try:
         lib.moe_bf16_limit(1)
-        avx2 = [held(x), held(x, bias)]
+        avx2 = [held(x, b) for x in xs for b in (None, bias)]
     finally:
         lib.moe_bf16_limit(3)
-    for a, b in zip(avx2, [held(x), held(x, bias)], strict=True):
+    for a, b in zip(avx2, [held(x, b) for x in xs for b in (None, bias)], strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 

@@ -68,20 +68,21 @@ def test_a_rows_bits_do_not_depend_on_its_batch_mates(q):
 
 
 @pytest.mark.parametrize("q", FORMATS, ids=lambda q: q.name)
-def test_one_row_products_on_avx512_give_the_avx2_kernels_bits(q):
-    """quant_avx512.c's row kernels against quant_kernel.c's, a bias and many groups included."""
+def test_products_on_avx512_give_the_avx2_kernels_bits(q):
+    """quant_avx512.c's row kernels and tiles against quant_kernel.c's, at one row, a pair, tiles
+    of every width and two tiles' worth, a bias and many groups included."""
     if bf16.level() < 2:
         pytest.skip("this CPU has no AVX-512: only the AVX2 kernels run here")
     gen = torch.Generator().manual_seed(4)
     p, bias = QuantPanels(weight(192, 2048), q), torch.randn(192, generator=gen)
-    x = torch.randn(1, 2048, generator=gen).bfloat16()
+    xs = [torch.randn(m, 2048, generator=gen).bfloat16() for m in (1, 2, 3, 7, 12, 13, 24)]
     lib = bf16.library()
     try:
         lib.moe_bf16_limit(1)
-        avx2 = [p(x), p(x, bias)]
+        avx2 = [p(x, b) for x in xs for b in (None, bias)]
     finally:
         lib.moe_bf16_limit(3)
-    for a, b in zip(avx2, [p(x), p(x, bias)], strict=True):
+    for a, b in zip(avx2, [p(x, b) for x in xs for b in (None, bias)], strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
