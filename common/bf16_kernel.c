@@ -736,7 +736,7 @@ TARGET static void FN(bf16_block)(const float *x, const void *p, const void *sca
 
 #if ISA == 256
 #include "quant_kernel.c" /* int8 and int4 weights: AVX2 code, which AVX-512 hosts run too */
-#include "quant_avx512.c" /* ... but for their one-row products */
+#include "quant_avx512.c" /* ... and their AVX-512 versions */
 #include "f32_kernel.c"   /* float32 weights as stored, likewise */
 #else
 #include "f32_lanes.c" /* float32 products of a few rows with MKL's AVX-512 bits */

@@ -203,3 +203,4 @@ static const tile_fn *wide_tiles(int format) {
 #undef MX_WEIGHTS512
 #undef MXF512
 #undef Q4F512
+#undef WIDE_ROWS

@@ -1,6 +1,7 @@
 /* Weight-only int8 and int4 products for bf16_kernel.c, which includes this file in its AVX2 pass
-   (so it runs on AVX-512 hosts too, but for one-row products: quant_avx512.c's there, with the
-   same bits). Activations stay float32 inside (bfloat16 outside); only the weights are integers.
+   (AVX-512 hosts run quant_avx512.c's one-row kernels and tiles instead, with the same bits, and
+   the rest of this file). Activations stay float32 inside (bfloat16 outside); only the weights
+   are integers.
    common/quant.py quantizes and lays the weights out (LAYOUT there names the layouts below: a
    change here changes that name).
 
@@ -71,7 +72,8 @@ Q8KERNEL(1, 2)
 Q8KERNEL(2, 1)
 
 /* One 64-column block of m rows into y: many_rows from 3 rows on (there each weight, converted
-   once, serves up to six rows: 1.2x the row pairs at 3 rows, 1.4x at 8 on AVX2), else the rows
+   once, serves up to six rows, twelve on AVX-512: 1.2x the row pairs at 3 rows, 1.4x at 8 on
+   AVX2), else the rows
    in pairs against the first panel, then the second (TWO_ONE, a panel PANEL_BYTES and its scales
    SCALE_BYTES after the first), and a last odd row against both panels at once (ONE_TWO) */
 #define BLOCK(NAME, FORMAT, TWO_ONE, ONE_TWO, PANEL_BYTES, SCALE_BYTES)                           \
@@ -416,10 +418,10 @@ TILES(mx_tiles, 8, MX_WEIGHTS)
 static const tile_fn *wide_tiles(int format);
 
 /* m rows of x [m][k] against a 64-column block of `format`, in tiles of up to 6 rows and 16
-   columns (int4's and MXFP4's 2 rows: their pair kernels; on AVX-512, quant_avx512.c's tiles of
-   up to WIDE_ROWS rows: at 32 rows on a 2-core AMX host quantized experts decoded 1.12x
-   bfloat16's speed, 0.79x on the AVX2 tiles), each chunk of inputs at a time (int8:
-   64, the others a group): the arithmetic of the row kernels, step for step. A row's 64 sums run
+   columns (on AVX-512, quant_avx512.c's tiles of up to WIDE_ROWS rows: at 32 rows on a 2-core
+   AMX host quantized experts decoded 1.12x bfloat16's speed, 0.79x on the AVX2 tiles; int4's and
+   MXFP4's 2 rows: their pair kernels), each chunk of inputs at a time (int8: 64, the others a
+   group): the arithmetic of the row kernels, step for step. A row's 64 sums run
    in float32 (`total`; all but int8 add each group's sums into it, scaled, as the row kernels
    do). */
 TARGET static void many_rows(int format, const float *x, const void *p, const void *s, uint16_t *y,
@@ -464,7 +466,7 @@ TARGET static void many_rows(int format, const float *x, const void *p, const vo
             const char *panel[2]; /* the chunk's first input in each panel */
             for (int q = 0; q < 2; q++)
                 panel[q] = (const char *)p + (q * k + i0) * block_bytes(format, 1) / 2;
-            int pair = nibbles && rows == 2 && !wide;
+            int pair = nibbles && rows == 2;
             for (int q = 0; q < 2 && pair; q++)
                 (format == FORMAT_INT4 ? q4_pair : mx_pair)(xr, ldx, panel[q], n, part + q * 32);
             for (int c = 0; c < 4 && !pair; c++) /* 16 columns: a panel's first or second half */
