@@ -175,9 +175,9 @@ def _ways(x: torch.Tensor, weight: torch.Tensor, threads: int) -> tuple[str, ...
     """How `linear` may compute this product other than F.linear, in order of preference, each
     way's bits checked before it is used (the cheap tests first: a decode step makes hundreds of
     these calls)."""
+    if x.dim() != 2 or weight.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS:
+        return ()  # what F.linear refuses or a prefill computes: F.linear's
     rows = x.shape[0]
-    if not 0 < rows <= MAX_ROWS:
-        return ()
     lanes = rows in LANES_ROWS and x.shape[-1] % 16 == 0 and bf16.kernel("moe_sgemm_lanes16")
     ways = ("lanes",) if lanes else ()
     if _splittable(weight, threads):

@@ -91,6 +91,9 @@ def test_what_the_kernels_cannot_take_goes_to_f_linear(fresh, monkeypatch):
         assert torch.equal(L.linear(*args), F.linear(*args))
     with pytest.raises(RuntimeError):  # widths that do not match: torch's error, no read past x
         L.linear(torch.randn(1, 64), torch.randn(128, 4096))
+    for args in ((torch.tensor(1.0), w), (x, torch.tensor(1.0))):  # no rows: torch's error too
+        with pytest.raises(RuntimeError):
+            L.linear(*args)
     with float32.unsplit():
         assert torch.equal(L.linear(x, w), F.linear(x, w))
     torch.set_num_threads(1)  # one thread: nothing to split over
