@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from common import attention_kernels, bf16, linear
 from common.moe import Routing, group_by_expert
-from tests.support.kernels import paged
+from tests.support.kernels import assert_avx2_bits, paged
 
 pytestmark = pytest.mark.skipif(
     bf16.level() < 1, reason="no C compiler or no AVX2+FMA here: the kernels cannot run"
@@ -373,16 +373,7 @@ def outputs_of_every_vector_kernel() -> list[torch.Tensor]:
 
 
 def test_avx2_and_avx512_give_the_same_bits() -> None:
-    if bf16.level() < 2:
-        pytest.skip("this CPU has no AVX-512: only the AVX2 kernels run here")
-    lib = bf16.library()
-    try:
-        lib.moe_bf16_limit(1)
-        avx2 = outputs_of_every_vector_kernel()
-    finally:
-        lib.moe_bf16_limit(3)
-    for a, b in zip(avx2, outputs_of_every_vector_kernel(), strict=True):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert_avx2_bits(outputs_of_every_vector_kernel)
 
 
 def test_dense_panels_take_amx_tiles_from_16_rows_and_otherwise_the_vector_kernels() -> None:

@@ -16,6 +16,7 @@ from common.errors import CheckpointError
 from common.moe import experts_ffn
 from common.quant import Quantization, QuantPanels, dequantize, unpack
 from tests.support.fp8 import BLOCK, dequantize_reference, fp8_checkpoint
+from tests.support.kernels import ROWS, assert_avx2_bits
 
 pytestmark = pytest.mark.skipif(
     bf16.kernel("moe_silu_ffns") is None, reason="no C compiler or no AVX2: no FP8 kernels"
@@ -69,14 +70,8 @@ def test_blocks_of_any_width_compute_their_meaning_whatever_the_rows(block_k):
     assert all(torch.equal(panels(x[r : r + 1]), y[r : r + 1]) for r in range(7))
 
 
-# One row, a pair, tiles of every width up to 12 rows, and two and three tiles' worth
-ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 24, 25)
-
-
 def test_products_on_avx512_give_the_avx2_kernels_bits():
     """quant_avx512.c's FP8 tiles against quant_kernel.c's, subnormal e4m3 values included."""
-    if bf16.level() < 2:
-        pytest.skip("this CPU has no AVX-512: only the AVX2 kernels run here")
     g = torch.Generator().manual_seed(6)
     q = (torch.randn(192, 512, generator=g) * 10).to(torch.float8_e4m3fn)
     q[0, :64] = torch.tensor(2.0**-8).to(torch.float8_e4m3fn)  # subnormal in e4m3
@@ -86,14 +81,7 @@ def test_products_on_avx512_give_the_avx2_kernels_bits():
     fp8.pack(q, scale, (128, 128), 0, data, scales)
     panels, bias = QuantPanels.of(data, scales, (192, 512), quant), torch.randn(192, generator=g)
     xs = [torch.randn(m, 512, generator=g).bfloat16() for m in ROWS]
-    lib = bf16.library()
-    try:
-        lib.moe_bf16_limit(1)
-        avx2 = [panels(x, b) for x in xs for b in (None, bias)]
-    finally:
-        lib.moe_bf16_limit(3)
-    for a, b in zip(avx2, [panels(x, b) for x in xs for b in (None, bias)], strict=True):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert_avx2_bits(lambda: [panels(x, b) for x in xs for b in (None, bias)])
 
 
 def test_other_fp8_weights_are_dequantized_at_load_and_float32_dequantizes_everything(fp8_dir):

@@ -11,6 +11,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from common import bf16, mxfp4
 from common.errors import CheckpointError
+from tests.support.kernels import ROWS, assert_avx2_bits
 
 kernels = pytest.mark.skipif(
     bf16.kernel("moe_linear") is None, reason="no C compiler or no AVX2: no MXFP4 kernels"
@@ -76,28 +77,15 @@ def test_a_rows_bits_from_the_codes_do_not_depend_on_its_batch_mates() -> None:
         assert torch.equal(held(x[start:stop]), whole[start:stop])
 
 
-# One row, a pair, tiles of every width up to 12 rows, and two and three tiles' worth
-ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 24, 25)
-
-
 @kernels
 def test_products_on_avx512_give_the_avx2_kernels_bits() -> None:
     """quant_avx512.c's MXFP4 row kernel and tiles against quant_kernel.c's, a bias and tiny
     scales included."""
-    if bf16.level() < 2:
-        pytest.skip("this CPU has no AVX-512: only the AVX2 kernels run here")
     held = mxfp4.panels(*codes(192, 2048, seed=4), "w_scales")
     gen = torch.Generator().manual_seed(5)
     xs = [torch.randn(m, 2048, generator=gen).bfloat16() for m in ROWS]
     bias = torch.randn(192, generator=gen)
-    lib = bf16.library()
-    try:
-        lib.moe_bf16_limit(1)
-        avx2 = [held(x, b) for x in xs for b in (None, bias)]
-    finally:
-        lib.moe_bf16_limit(3)
-    for a, b in zip(avx2, [held(x, b) for x in xs for b in (None, bias)], strict=True):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert_avx2_bits(lambda: [held(x, b) for x in xs for b in (None, bias)])
 
 
 def test_rows_not_in_whole_panels_are_refused() -> None:

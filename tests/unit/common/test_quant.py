@@ -14,6 +14,7 @@ from common.checkpoint import Checkpoint
 from common.errors import CheckpointError, UnsupportedModelError
 from common.moe import experts_ffn
 from common.quant import Quantization, QuantPanels, dequantize, quantize, unpack
+from tests.support.kernels import ROWS, assert_avx2_bits
 
 pytestmark = pytest.mark.skipif(
     bf16.kernel("moe_silu_ffns") is None, reason="no C compiler or no AVX2: no quantized kernels"
@@ -67,27 +68,14 @@ def test_a_rows_bits_do_not_depend_on_its_batch_mates(q):
         assert torch.equal(p(x[start:stop]), whole[start:stop])
 
 
-# One row, a pair, tiles of every width up to 12 rows, and two and three tiles' worth
-ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 24, 25)
-
-
 @pytest.mark.parametrize("q", FORMATS, ids=lambda q: q.name)
 def test_products_on_avx512_give_the_avx2_kernels_bits(q):
     """quant_avx512.c's row kernels and tiles against quant_kernel.c's, at one row, a pair, tiles
     of every width, and two and three tiles' worth, a bias and many groups included."""
-    if bf16.level() < 2:
-        pytest.skip("this CPU has no AVX-512: only the AVX2 kernels run here")
     gen = torch.Generator().manual_seed(4)
     p, bias = QuantPanels(weight(192, 2048), q), torch.randn(192, generator=gen)
     xs = [torch.randn(m, 2048, generator=gen).bfloat16() for m in ROWS]
-    lib = bf16.library()
-    try:
-        lib.moe_bf16_limit(1)
-        avx2 = [p(x, b) for x in xs for b in (None, bias)]
-    finally:
-        lib.moe_bf16_limit(3)
-    for a, b in zip(avx2, [p(x, b) for x in xs for b in (None, bias)], strict=True):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert_avx2_bits(lambda: [p(x, b) for x in xs for b in (None, bias)])
 
 
 @pytest.mark.parametrize(
