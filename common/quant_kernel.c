@@ -1,9 +1,8 @@
 /* Weight-only int8 and int4 products for bf16_kernel.c, which includes this file in its AVX2 pass
    (AVX-512 hosts run quant_avx512.c's one-row kernels and tiles instead, with the same bits, and
    the rest of this file). Activations stay float32 inside (bfloat16 outside); only the weights
-   are integers.
-   common/quant.py quantizes and lays the weights out (LAYOUT there names the layouts below: a
-   change here changes that name).
+   are integers. common/quant.py quantizes and lays the weights out (LAYOUT there names the
+   layouts below: a change here changes that name).
 
    int8 (per output column symmetric): panels of 32 columns, P[panel][k][32] int8 in column order,
    scales s[n] float32; y[c] = s[c] * sum over k in order of x[k] * q[c][k], one float32
@@ -73,9 +72,9 @@ Q8KERNEL(2, 1)
 
 /* One 64-column block of m rows into y: many_rows from 3 rows on (there each weight, converted
    once, serves up to six rows, twelve on AVX-512: 1.2x the row pairs at 3 rows, 1.4x at 8 on
-   AVX2), else the rows
-   in pairs against the first panel, then the second (TWO_ONE, a panel PANEL_BYTES and its scales
-   SCALE_BYTES after the first), and a last odd row against both panels at once (ONE_TWO) */
+   AVX2), else the rows in pairs against the first panel, then the second (TWO_ONE, a panel
+   PANEL_BYTES and its scales SCALE_BYTES after the first), and a last odd row against both
+   panels at once (ONE_TWO) */
 #define BLOCK(NAME, FORMAT, TWO_ONE, ONE_TWO, PANEL_BYTES, SCALE_BYTES)                           \
     TARGET static void NAME(const float *x, const void *p, const void *s, uint16_t *y, long ldy,  \
                             long m, long k, long group, const float *bias) {                     \
@@ -421,9 +420,8 @@ static const tile_fn *wide_tiles(int format);
    columns (on AVX-512, quant_avx512.c's tiles of up to WIDE_ROWS rows: at 32 rows on a 2-core
    AMX host quantized experts decoded 1.12x bfloat16's speed, 0.79x on the AVX2 tiles; int4's and
    MXFP4's 2 rows: their pair kernels), each chunk of inputs at a time (int8: 64, the others a
-   group): the arithmetic of the row kernels, step for step. A row's 64 sums run
-   in float32 (`total`; all but int8 add each group's sums into it, scaled, as the row kernels
-   do). */
+   group): the arithmetic of the row kernels, step for step. A row's 64 sums run in float32
+   (`total`; all but int8 add each group's sums into it, scaled, as the row kernels do). */
 TARGET static void many_rows(int format, const float *x, const void *p, const void *s, uint16_t *y,
                              long ldy, long m, long k, long group, const float *bias) {
     float total[WIDE_ROWS * 64], part[WIDE_ROWS * 64]; /* a tile's rows: all sums, a group's */
