@@ -53,6 +53,7 @@ _SOURCES = [
         "f32_lanes.c",
         "decode_kernel.c",
         "f32_step.c",
+        "f32_experts.c",
         "amx_kernel.c",
     )
 ]
@@ -90,6 +91,7 @@ _SIGNATURES = {
     "moe_f32_linear": ("ppppllli", False, 1),
     "moe_sgemm_lanes16": ("pppllli", True, 2),
     "moe_decode_step_f32": ("plppplllppppi", True, 1),
+    "moe_silu_ffns_f32": ("pppppplllpii", True, 2),
 }
 
 

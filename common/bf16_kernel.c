@@ -172,12 +172,19 @@ void moe_f32_linear(const float *x, const float *w, const float *bias, float *y,
             f32_1_1(x + r * k, w + j * k, bias ? bias + j : 0, y + r * n + j, n, k);
 }
 
-/* y [m][n] = x [m][k] . W^T, all float32, W [n][k] as stored, 2 <= m <= 15, k a multiple of 16:
-   MKL's sums for such a product on AVX-512 (f32_lanes.c), blocks of 4 of W's rows split over
+/* y [m][n] = x [m][k] . W^T, all float32, W [n][k] as stored, m 1 or 2 to 15, k a multiple of
+   16: MKL's sums for such a product on AVX-512 (f32_lanes.c), blocks of W's rows split over
    `threads` OpenMP threads. -1 where the CPU lacks AVX-512 or the shape is not one of those. */
 int moe_sgemm_lanes16(const float *x, const float *w, float *y, long m, long n, long k,
                       int threads) {
-    if (!avx512() || m < 2 || m > 15 || k < 16 || k % 16) return -1;
+    if (!avx512() || m < 1 || m > 15 || k < 16 || k % 16) return -1;
+    if (m == 1) { /* sgemv's order, 8 rows of W a block */
+        long rows = n / 8;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (long c = 0; c < rows; c++) gemv16_8_avx512(x, w + c * 8 * k, y + c * 8, k);
+        for (long j = rows * 8; j < n; j++) gemv16_1_avx512(x, w + j * k, y + j, k);
+        return 0;
+    }
     long blocks = n / 4;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long c = 0; c < blocks; c++)
@@ -441,6 +448,7 @@ void moe_sgemm_rows(void *sgemm, void *set_threads, const float *x, const float 
 
 #include "decode_kernel.c" /* a whole decode step in one call */
 #include "f32_step.c"      /* and a float32 one, with torch's bits */
+#include "f32_experts.c"   /* a layer's float32 experts, with F.linear's bits */
 
 #else /* ISA is 512 or 256: the vector kernels, for that instruction set */
 

@@ -1,4 +1,4 @@
-/* float32 products of 2-15 rows with the bits MKL's sgemm gives them on AVX-512, for
+/* float32 products of 1 and 2-15 rows with the bits MKL's sgemm gives them on AVX-512, for
    bf16_kernel.c, which includes this file in its AVX-512 pass (TARGET, FN).
 
    Why: float32 must give transformers' tokens, so its products must be F.linear's to the bit,
@@ -50,6 +50,48 @@ LANES16(4, 4)
 LANES16(5, 4) /* 20 sums and 4 weight vectors of 32 registers */
 LANES16(1, 1) /* the weight rows past the last whole block */
 #undef LANES16
+
+/* One row (MKL's sgemv) sums in another order, probed the same way and checked bit for bit
+   against F.linear at k from 33 to 14336 on one and two threads: x[0] * w[0], rounded, starts
+   lane 0; 16 lanes take inputs 1 to 16 m (m = (k - 1) / 16) with fused multiply-adds; the lanes
+   fold in halves (lane l + lane l + 8, then + 4, + 2, + 1); the last (k - 1) % 16 inputs are
+   then fused multiply-added onto a vector of that sum in lane 0 and zeros, which folds again. */
+TARGET static inline float FN(fold16)(__m512 a) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+
+/* x [k] against J weight rows from w (k apart) into y (no prefetches: fetching the next block
+   ahead, as LANES16 does, read 20-24 GB/s on host C where the hardware's own prefetcher read 27-32,
+   MKL's sgemv 26-34) */
+#define GEMV16(J)                                                                              \
+    TARGET static void FN(gemv16_##J)(const float *x, const float *w, float *y, long k) {      \
+        long m = (k - 1) / 16, tail = (k - 1) % 16;                                            \
+        __m512 acc[J];                                                                         \
+        for (int j = 0; j < J; j++)                                                            \
+            acc[j] = _mm512_maskz_mov_ps(1, _mm512_set1_ps(x[0] * w[j * k]));                  \
+        for (long t = 0; t < m; t++) {                                                         \
+            __m512 xv = _mm512_loadu_ps(x + 1 + 16 * t);                                       \
+            for (int j = 0; j < J; j++)                                                        \
+                acc[j] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w + j * k + 1 + 16 * t), acc[j]); \
+        }                                                                                      \
+        __mmask16 last = (__mmask16)((1u << tail) - 1);                                        \
+        __m512 xt = _mm512_maskz_loadu_ps(last, x + 1 + 16 * m);                               \
+        for (int j = 0; j < J; j++) {                                                          \
+            float sum = FN(fold16)(acc[j]);                                                    \
+            if (tail)                                                                          \
+                sum = FN(fold16)(_mm512_fmadd_ps(                                              \
+                    xt, _mm512_maskz_loadu_ps(last, w + j * k + 1 + 16 * m),                   \
+                    _mm512_maskz_mov_ps(1, _mm512_set1_ps(sum))));                             \
+            y[j] = sum;                                                                        \
+        }                                                                                      \
+    }
+GEMV16(8)
+GEMV16(1)
+#undef GEMV16
 
 typedef void (*lanes16_fn)(const float *, const float *, float *, long, long, const char *);
 

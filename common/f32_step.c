@@ -173,11 +173,11 @@ static void f32_softmax(const moe_model_f32 *m, const float *x, float *p, long n
 
 /* F.silu(gate) * up over n values: x / (1 + exp(-x)) through Sleef for the whole pairs of
    vectors torch's loop takes, libm's expf for its scalar tail; neg is scratch [n] */
-static void f32_silu_mul(const moe_model_f32 *m, const float *gate, const float *up, float *y,
+static void f32_silu_mul(expf8_fn expf8, int lanes, const float *gate, const float *up, float *y,
                          float *neg, long n) {
-    long vectorised = n - n % (2 * m->lanes);
+    long vectorised = n - n % (2 * lanes);
     for (long i = 0; i < n; i++) neg[i] = -gate[i];
-    sleef_exp((expf8_fn)m->expf8, neg, neg, vectorised);
+    sleef_exp(expf8, neg, neg, vectorised);
     for (long i = vectorised; i < n; i++) neg[i] = expf(neg[i]);
     for (long i = 0; i < n; i++) y[i] = gate[i] / (1.0f + neg[i]) * up[i];
 }
@@ -240,7 +240,7 @@ int moe_decode_step_f32(const moe_model_f32 *m, long token, const float *cos, co
                 f32_product(m, s & F32_HALVES, m->up[e], h, gu + inter, inter, hidden, threads);
             } else
                 f32_product(m, s & F32_GATE_UP, m->gate_up[e], h, gu, 2 * inter, hidden, threads);
-            f32_silu_mul(m, gu, gu + inter, gated, scratch, inter);
+            f32_silu_mul((expf8_fn)m->expf8, m->lanes, gu, gu + inter, gated, scratch, inter);
             f32_product(m, s & F32_DOWN, m->down[e], gated, ys + j * hidden, hidden, inter,
                         threads);
         }

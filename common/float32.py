@@ -44,7 +44,7 @@ from common import bf16
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 64  # the largest product that is split; larger ones keep MKL's own threads
-LANES_ROWS = range(4, 16)  # the products f32_lanes.c computes
+LANES_ROWS = range(4, 16)  # the products float32.linear computes on f32_lanes.c
 _TIMED = (1536, 1024)  # a small model's qkv projection
 _HALVES_ROWS = (*range(1, MAX_ROWS + 1), 128, 256)
 _WORKING_SET = 32 << 20  # more than the caches hold, as a model's weights
@@ -66,6 +66,41 @@ def mkl() -> tuple[int, int] | None:
     except (OSError, AttributeError):
         return None
     return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in functions)
+
+
+@functools.cache
+def sleef_exp() -> int | None:
+    """The address of Sleef's expf8_u10 inside libtorch_cpu: what torch's float32 exp calls."""
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        return ctypes.cast(lib.Sleef_expf8_u10, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+def torch_lanes() -> int | None:
+    """torch's float32 vector width on this host, whose softmax and SiLU the kernels repeat (its
+    sums run 8 lanes everywhere: f32_step.c's SUM_LANES)."""
+    return {"AVX2": 8, "AVX512": 16}.get(torch.backends.cpu.get_cpu_capability())
+
+
+def team_threads() -> int:
+    """The threads this thread's float32 products run on (`team`, else torch's count)."""
+    return getattr(_state, "team", 0) or torch.get_num_threads()
+
+
+def lanes_agree(rows: int, weight: torch.Tensor, team: int) -> bool:
+    """Whether f32_lanes.c's kernels give F.linear's bits to `rows` rows (1 to 15) times `weight`
+    on `team` threads, the rows at a cache line's start as a new tensor's are (checked now where
+    that was not yet known). No product under `unsplit`: F.linear's own."""
+    if getattr(_state, "unsplit", False) or not 0 < rows < 16 or weight.shape[-1] % 16:
+        return False
+    key = ("lanes", *weight.shape, rows, team, weight.data_ptr() % 64, 0)
+    if key not in _verdicts:
+        x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
+        if not _fits(x, weight) or _check(key, x, weight) is None:
+            return False
+    return _verdicts[key]
 
 
 def _split(x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor:
@@ -158,7 +193,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     threads."""
     if getattr(_state, "unsplit", False):
         return F.linear(x, weight, bias)
-    threads = getattr(_state, "team", 0) or torch.get_num_threads()
+    threads = team_threads()
     for way in () if bias is not None else _ways(x, weight, threads):
         key = _key(way, x, weight, threads)
         same = _verdicts.get(key)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common import bf16
+from common import bf16, float32_ffns
 from common.arch import ModelSpec
 from common.arch.spec import ExpertActivation
 from common.linear import linear
@@ -184,12 +184,17 @@ def expert_ffn(x: torch.Tensor, w: FFNWeights) -> torch.Tensor:
 def experts_ffn(batches: Sequence[tuple[torch.Tensor, FFNWeights]]) -> list[torch.Tensor]:
     """expert_ffn(x, w) for each (x, w) of one layer: in one kernel call where every expert is a
     plain SiLU FFN in bfloat16 panels (bf16.silu_ffns: the threads share all the experts' work,
-    as SGLang's fused_experts does), else one call each. The same bits either way."""
+    as SGLang's fused_experts does); plain float32 ones of a few rows likewise
+    (float32_ffns.silu_ffns); the rest one call each. The same bits either way."""
     if all(fusable(w) for _, w in batches):
         fused = bf16.silu_ffns([(x, w.gate_up, w.down) for x, w in batches])
         if fused is not None:
             return fused
-    return [expert_ffn(x, w) for x, w in batches]
+    outs = float32_ffns.silu_ffns(
+        [(x, w.gate_up, w.up, w.down) if plain_silu(w) else None for x, w in batches],
+        lambda i: expert_ffn(*batches[i]),
+    )
+    return [expert_ffn(x, w) if y is None else y for y, (x, w) in zip(outs, batches)]
 
 
 def fusable(w: FFNWeights) -> bool:

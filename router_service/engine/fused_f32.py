@@ -17,8 +17,6 @@ products of more rows would need their own bits checked): Mixtral's and Qwen3's 
 from __future__ import annotations
 
 import ctypes
-import functools
-from pathlib import Path
 
 import torch
 
@@ -48,29 +46,13 @@ class _Model(ctypes.Structure):  # f32_step.c's moe_model_f32, field for field
     ]
 
 
-@functools.cache
-def _sleef_exp() -> int | None:
-    """The address of Sleef's expf8_u10 inside libtorch_cpu: what torch's float32 exp calls."""
-    try:
-        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-        return ctypes.cast(lib.Sleef_expf8_u10, _P).value
-    except (OSError, AttributeError):
-        return None
-
-
-def _lanes() -> int | None:
-    """torch's float32 vector width on this host, whose softmax the kernel repeats (its sums
-    run 8 lanes everywhere: f32_step.c's SUM_LANES)."""
-    return {"AVX2": 8, "AVX512": 16}.get(torch.backends.cpu.get_cpu_capability())
-
-
 def unfit(spec: ModelSpec, w: DenseWeights) -> str | None:
     """Why a float32 decode step of this model cannot be one call (None: it can)."""
     if w.embed.dtype != torch.float32 or w.embed.device.type != "cpu":
         return "not float32 on the CPU"
     if bf16.kernel("moe_decode_step_f32") is None or float32.mkl() is None:
         return "the kernel does not run here, or torch's BLAS is not MKL"
-    if _sleef_exp() is None or _lanes() is None:
+    if float32.sleef_exp() is None or float32.torch_lanes() is None:
         return "torch's exp or vector width unknown here"
     if (why := unfit_model(spec, w)) is not None:
         return why
@@ -101,11 +83,11 @@ class FusedDecodeF32(OneCallStep):
         m.heads, m.kv_heads = spec.num_heads, spec.num_kv_heads
         m.head_dim, m.experts, m.top_k = spec.head_dim, spec.num_experts, spec.top_k
         m.vocab = w.lm_head.shape[0]
-        m.renorm, m.lanes = spec.norm_topk_prob, _lanes()
+        m.renorm, m.lanes = spec.norm_topk_prob, float32.torch_lanes()
         m.qk_norm = spec.qk_norm == "per_head"
         m.eps, m.scale = spec.rms_norm_eps, spec.head_dim**-0.5
         m.sgemm, m.set_threads = float32.mkl()
-        m.expf8 = _sleef_exp()
+        m.expf8 = float32.sleef_exp()
         m.embed, m.lm_head = w.embed.data_ptr(), w.lm_head.data_ptr()
         m.first_norm = layers[0].input_norm.data_ptr()
         arrays = {

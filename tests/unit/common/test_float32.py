@@ -137,13 +137,14 @@ def test_the_lanes_kernel_computes_the_product(threads):
     """Against float64, with weight rows past the last block of 4 and shares of any size."""
     gen = torch.Generator().manual_seed(2)
     run = float32.bf16.kernel("moe_sgemm_lanes16")
-    for out, k, m in ((64, 1024, 4), (1474, 528, 15), (6, 2048, 7), (130, 16, 9), (64, 64, 2)):
+    shapes = ((64, 1024, 4), (1474, 528, 15), (6, 2048, 7), (130, 16, 9), (64, 64, 2))
+    for out, k, m in (*shapes, (70, 1024, 1), (8, 16, 1), (3, 2048, 1)):  # and sgemv's order
         w, x = torch.randn(out, k, generator=gen), torch.randn(m, k, generator=gen)
         y = torch.empty(m, out)
         assert float32.bf16.call(run, x, w, y, m, out, k, threads) == 0
         want = (x.double() @ w.double().T).float()
         torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
-    for m, k in ((1, 64), (16, 64), (4, 24)):  # what MKL does not sum so: refused
+    for m, k in ((16, 64), (4, 24), (1, 24)):  # what MKL does not sum so: refused
         assert float32.bf16.call(run, torch.ones(m, k), torch.ones(64, k), y, m, 64, k, 2) == -1
 
 
@@ -190,6 +191,15 @@ def test_products_of_4_to_15_rows_run_on_the_lanes_kernel_with_f_linears_bits(fr
     lanes = [same for key, same in float32._verdicts.items() if key[0] == "lanes"]
     if PROBED_HERE:
         assert len(lanes) == 4 * len(float32.LANES_ROWS) and all(lanes)
+
+
+@pytest.mark.skipif(not PROBED_HERE, reason="MKL's one-row order was probed on Intel's AVX-512")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_row_products_on_the_lanes_kernel_give_f_linears_bits(fresh, threads):
+    """sgemv's order (f32_lanes.c's GEMV16) at the shapes of test_products_of_4_to_15_rows..."""
+    gen = torch.Generator().manual_seed(4)
+    for out, k in ((1536, 1024), (2048, 768), (768, 2048), (512, 14336)):
+        assert float32.lanes_agree(1, torch.randn(out, k, generator=gen), threads)
 
 
 @needs_lanes

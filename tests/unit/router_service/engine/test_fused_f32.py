@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 
+from common import float32
 from common.sampling import SamplingParams
 from router_service import build
 from router_service.build import build_local_engine
@@ -19,7 +20,8 @@ from tests.support.engine_runs import decode, run
 from tests.support.factories import realigned
 
 pytestmark = pytest.mark.skipif(
-    fused_f32._lanes() is None, reason="torch's vector width here is neither AVX2's nor AVX-512's"
+    float32.torch_lanes() is None,
+    reason="torch's vector width here is neither AVX2's nor AVX-512's",
 )
 # Where the kernel was seen to repeat torch to the bit: torch's AVX2 kernels (host B) and its
 # AVX-512 ones (host C). Elsewhere the first step's check decides, and these tests ask only that

@@ -1,0 +1,80 @@
+"""A layer's float32 experts in one kernel call (common.float32_ffns): op by op's bits, and op by op
+wherever the kernel cannot give them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from common import float32, float32_ffns
+from common.moe import expert_ffn, experts_ffn
+from common.weights import FFNWeights
+
+pytestmark = pytest.mark.skipif(
+    float32_ffns.bf16.kernel("moe_silu_ffns_f32") is None
+    or float32.mkl() is None
+    or float32.torch_lanes() is None
+    or "GenuineIntel" not in Path("/proc/cpuinfo").read_text(),
+    reason="needs AVX-512 and a C compiler (the kernel), and MKL on an Intel CPU: the sums "
+    "common/f32_lanes.c repeats were probed there",
+)
+HIDDEN, INTER = 256, 96  # INTER a multiple of 2 x 16 lanes: torch's SiLU has no scalar tail
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    """Two torch threads, and nothing checked yet."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    monkeypatch.setattr(float32, "_verdicts", {})
+    monkeypatch.setattr(float32_ffns, "_verdicts", {})
+    yield
+    torch.set_num_threads(before)
+
+
+def layer(joined: bool, rows: list[int], seed: int = 0) -> list[tuple[torch.Tensor, FFNWeights]]:
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for m in rows:
+        gate, up = (torch.randn(INTER, HIDDEN, generator=gen) * 0.1 for _ in range(2))
+        down = torch.randn(HIDDEN, INTER, generator=gen) * 0.1
+        w = FFNWeights(torch.cat([gate, up]), down) if joined else FFNWeights(gate, down, up=up)
+        batches.append((torch.randn(m, HIDDEN, generator=gen), w))
+    return batches
+
+
+@pytest.mark.parametrize("joined", [True, False], ids=["gate_up", "apart"])
+def test_a_layers_experts_in_one_call_give_op_by_ops_bits(joined):
+    """Every row count the kernel takes, MKL's one-row (sgemv) and few-row (sgemm) orders alike;
+    twice: the first call is held to op by op, the second runs as it found."""
+    batches = layer(joined, [1, 2, 3, 4, 7, 8, 15, 1])
+    want = [expert_ffn(x, w) for x, w in batches]
+    for _ in range(2):
+        got = experts_ffn(batches)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert float32_ffns._verdicts == {(HIDDEN, INTER, joined, 2): True}
+
+
+def test_experts_the_kernel_cannot_take_are_computed_op_by_op(monkeypatch):
+    """16 rows (MKL sums those in blocks f32_lanes.c does not repeat), and rows off a cache line
+    (a verdict holds for a new tensor's), go op by op; the rest in one call."""
+    batches = layer(False, [2, 16, 1, 3])
+    offset = torch.randn(3 * HIDDEN + 4)[4:].view(3, HIDDEN)
+    batches[3] = (offset, batches[3][1])
+    taken = float32_ffns.silu_ffns(
+        [(x, w.gate_up, w.up, w.down) for x, w in batches], lambda i: expert_ffn(*batches[i])
+    )
+    assert [y is not None for y in taken] == [True, False, True, False]
+    got = experts_ffn(batches)
+    assert all(torch.equal(g, expert_ffn(x, w)) for g, (x, w) in zip(got, batches))
+
+
+def test_a_shape_whose_first_call_differs_from_op_by_op_is_never_fused(monkeypatch):
+    batches = layer(True, [1, 2])
+    experts = [(x, w.gate_up, w.up, w.down) for x, w in batches]
+    wrong = float32_ffns.silu_ffns(experts, lambda i: torch.zeros(batches[i][0].shape[0], HIDDEN))
+    assert wrong == [None, None] and float32_ffns._verdicts == {(HIDDEN, INTER, True, 2): False}
+    monkeypatch.setattr(float32_ffns.bf16, "kernel", lambda name: lambda *a: pytest.fail("ran"))
+    assert float32_ffns.silu_ffns(experts, lambda i: pytest.fail("checked again")) == [None, None]
