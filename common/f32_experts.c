@@ -2,8 +2,9 @@
    f32_step.c: down(silu(x · gate^T) * (x · up^T)) of each expert's rows, with the bits expert_ffn
    gives them op by op. Each product sums as MKL sums a product of its row count on AVX-512
    (f32_lanes.c: one row as its sgemv, 2-15 as its sgemm), SiLU as torch computes it
-   (f32_step.c's f32_silu_mul); common/float32.py holds every product to F.linear's bits before
-   it calls this, as it does before float32.linear computes one on those kernels.
+   (f32_step.c's f32_silu_mul); common/float32_ffns.py holds every product to F.linear's bits
+   (float32.lanes_agree) before it calls this, and takes only the experts whose SiLU torch
+   computes in one piece.
 
    Op by op, a decode step of 8 sequences on the Qwen3-30B-A3B slice made some 600 products of one
    or two rows, each a call that woke the threads anew: its one-row products read 20 GB/s where
@@ -25,11 +26,11 @@ static void f32_eight(const float *x, const float *w, float *y, long ldy, long m
    up[g] likewise, or with `up` NULL gate[g] the two joined [2 * inter][hidden] (transformers' one
    product); down[g] [hidden][inter]. m[g] from 0 to 15; hidden and inter multiples of 16, inter
    of 2 * lanes (torch's SiLU then has no scalar tail in a row); expf8 Sleef's expf8_u10 and lanes
-   torch's float32 vector width, as f32_step.c takes them. -1 without AVX-512 or memory. */
+   torch's float32 vector width, as f32_step.c takes them. -1 without memory, -2 without AVX-512. */
 int moe_silu_ffns_f32(const float *const *x, const float *const *gate, const float *const *up,
                       const float *const *down, float *const *y, const long *m, long count,
                       long inter, long hidden, void *expf8, int lanes, int threads) {
-    if (!avx512()) return -1;
+    if (!avx512()) return -2;
     long *start = malloc(sizeof(long) * (count + 1)); /* expert g's rows: [start[g], start[g+1]) */
     if (!start) return -1;
     start[0] = 0;

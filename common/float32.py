@@ -21,7 +21,9 @@ On AVX-512, MKL's kernel for 2-15 rows sums an output in an order moe-mesh's ker
 (common/f32_lanes.c), and reads the weights faster from 4 rows on: on a 2-core AMX host (Intel
 Xeon, 30 GB/s), 256 MiB of [2048, 1024] products at 8 rows read 16 GB/s against MKL's 10, at
 15 rows 12 against 7. Those products run on it, each shape and row count checked first as a
-split's is; at 2 and 3 rows MKL's own reads as fast.
+split's is; at 2 and 3 rows MKL's own reads as fast. Its one-row kernel sums in another order,
+which f32_lanes.c repeats too, for a layer's experts in one call (common/float32_ffns.py:
+lanes_agree checks those products); one at a time it reads no faster than MKL's.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def sleef_exp() -> int | None:
         return None
 
 
+@functools.cache
 def torch_lanes() -> int | None:
     """torch's float32 vector width on this host, whose softmax and SiLU the kernels repeat (its
     sums run 8 lanes everywhere: f32_step.c's SUM_LANES)."""

@@ -4,10 +4,12 @@ expert_ffn gives it op by op.
 Op by op, an expert is three float32.linear calls and two torch ops, and each product wakes the
 threads anew: a decode step of 8 sequences on the Qwen3-30B-A3B slice made some 600 products of
 one or two rows, and its one-row products read 20 GB/s where the same products back to back read
-27-32 (host C, MKL's and f32_lanes.c's alike). The kernel takes the experts of 1 to 15 rows whose
+27-32 (host C, MKL's and f32_lanes.c's alike). The kernel takes an expert of 1 to 15 rows whose
 products f32_lanes.c computes with F.linear's bits (float32.lanes_agree: per weight, row count
-and thread count), and computes SiLU as torch does; the first call of each layer shape is also
-computed op by op and compared, and the kernel is used for that shape only if the bits agreed.
+and thread count) and whose SiLU torch computes in one piece: below GRAIN values, or on one
+thread (at::parallel_for splits more over its threads, and each piece ends in a scalar tail
+through libm's expf). The first experts of each row count and layer shape are also computed op
+by op and compared; a shape and row count whose bits differed is never taken again.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ log = logging.getLogger(__name__)
 # [2 inter, hidden]), down [hidden, inter]
 Expert = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]
 MAX_ROWS = 15  # what f32_lanes.c's kernels sum as MKL does
+GRAIN = 32768  # at::internal::GRAIN_SIZE: elementwise ops of fewer values run in one piece
 
-# (hidden, inter, joined, threads): whether the kernel gave expert_ffn's bits the first time
+# (hidden, inter, joined, products' threads, torch's threads, rows): whether the kernel gave
+# expert_ffn's bits the first time
 _verdicts: dict[tuple, bool] = {}
 
 
@@ -36,30 +40,29 @@ def silu_ffns(
 ) -> list[torch.Tensor | None]:
     """down(silu(x · gateᵀ) * (x · upᵀ)) of each expert of one layer that the kernel takes, in one
     call, and None for the rest (None entries included: the caller computes those).
-    `reference(i)` is expert i computed op by op, which the first call of a shape is held to."""
+    `reference(i)` is expert i computed op by op, which new row counts are held to."""
     out: list[torch.Tensor | None] = [None] * len(experts)
     run, lanes, expf8 = bf16.kernel("moe_silu_ffns_f32"), float32.torch_lanes(), float32.sleef_exp()
     first = next((e for e in experts if e is not None), None)
     if run is None or lanes is None or expf8 is None or first is None:
         return out
     hidden, inter = first[3].shape
-    joined, team = first[2] is None, float32.team_threads()
-    key = (hidden, inter, joined, team)
-    if _verdicts.get(key) is False or inter % (2 * lanes) or hidden % 16:
+    shape = (hidden, inter, first[2] is None, float32.team_threads(), torch.get_num_threads())
+    if inter % (2 * lanes) or hidden % 16:
         return out  # a row of SiLU with no scalar tail is computed alike flat or row by row
-    take = [i for i, e in enumerate(experts) if e is not None and _takes(e, key)]
+    take = [i for i, e in enumerate(experts) if e is not None and _takes(e, shape)]
     if not take:
         return out
-    ys = [torch.empty(experts[i][0].shape[0], hidden) for i in take]
+    chosen = [experts[i] for i in take]
+    ys = [torch.empty(e[0].shape[0], hidden, dtype=torch.float32) for e in chosen]
 
     def pointers(tensors: Sequence[torch.Tensor]) -> ctypes.Array:
         return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
 
-    chosen = [experts[i] for i in take]
     failed = run(
         pointers([e[0] for e in chosen]),
         pointers([e[1] for e in chosen]),
-        None if joined else pointers([e[2] for e in chosen]),
+        None if shape[2] else pointers([e[2] for e in chosen]),
         pointers([e[3] for e in chosen]),
         pointers(ys),
         (ctypes.c_long * len(take))(*(e[0].shape[0] for e in chosen)),
@@ -68,31 +71,37 @@ def silu_ffns(
         hidden,
         expf8,
         lanes,
-        team,
+        shape[3],
     )
+    if failed == -2:  # held below AVX-512 since the verdicts (tests)
+        return out
     if failed:
         raise MemoryError(f"float32 experts: no memory for {len(take)} experts' intermediates")
-    if key not in _verdicts:
-        _verdicts[key] = same = torch.equal(ys[0], reference(take[0]))
-        if not same:
-            log.info("float32 experts %s: one call's bits differ from op by op's, not used", key)
-            return out
     for i, y in zip(take, ys):
+        key = (*shape, y.shape[0])
+        if key not in _verdicts:
+            _verdicts[key] = torch.equal(y, reference(i))
+            if not _verdicts[key]:
+                log.info("float32 experts %s: one call's bits differ from op by op's", key)
+                return [None] * len(experts)
         out[i] = y
     return out
 
 
-def _takes(expert: Expert, key: tuple) -> bool:
+def _takes(expert: Expert, shape: tuple) -> bool:
     """Whether the kernel computes this expert with op by op's bits: plain float32 weights, which
-    float32.linear computes (a new tensor's rows, as op by op's products take them), and
-    products f32_lanes.c sums as F.linear does at its row count."""
+    float32.linear computes (a new tensor's rows, as op by op's products take them), products
+    f32_lanes.c sums as F.linear does at its row count, SiLU in one piece in torch, and no
+    verdict against that row count."""
     x, gate, up, down = expert
-    hidden, inter, joined, team = key
+    hidden, inter, joined, team, torch_threads = shape
     weights = (gate, down) if up is None else (gate, up, down)
     rows = x.shape[0] if x.dim() == 2 else 0
     return (
         all(_plain(t) for t in (x, *weights))
         and 0 < rows <= MAX_ROWS
+        and (rows * inter < GRAIN or torch_threads == 1)
+        and _verdicts.get((*shape, rows), True)
         and x.shape[1] == hidden
         and x.data_ptr() % 64 == 0
         and (up is None) == joined
