@@ -4,11 +4,11 @@ expert_ffn gives it op by op.
 Op by op, an expert is three float32.linear calls and two torch ops, and each product wakes the
 threads anew: a decode step of 8 sequences on the Qwen3-30B-A3B slice made some 600 products of
 one or two rows, and its one-row products read 20 GB/s where the same products back to back read
-27-32 (host C, MKL's and f32_lanes.c's alike). The kernel takes an expert of 1 to 15 rows whose
-products f32_lanes.c computes with F.linear's bits (float32.lanes_agree: per weight, row count
-and thread count) and whose SiLU torch computes in one piece: below GRAIN values, or on one
-thread (at::parallel_for splits more over its threads, and each piece ends in a scalar tail
-through libm's expf). The first experts of each row count and layer shape are also computed op
+27-32 (host C, MKL's and f32_lanes.c's alike). The kernel takes an expert of 1 to 15 rows, on a
+cache line as a new tensor's are, whose products f32_lanes.c computes with F.linear's bits
+(float32.lanes_agree: per weight and where it lies, row count and thread count) and whose SiLU
+torch computes in one piece: below GRAIN values, or on one thread (at::parallel_for splits more
+over its threads, and a piece may end in a scalar tail through libm's expf). The first experts of each row count and layer shape are also computed op
 by op and compared; a shape and row count whose bits differed is never taken again.
 """
 

@@ -80,14 +80,26 @@ def test_experts_the_kernel_cannot_take_are_computed_op_by_op():
     assert all(torch.equal(g, expert_ffn(x, w)) for g, (x, w) in zip(got, batches))
 
 
-def test_silu_that_torch_splits_over_its_threads_goes_op_by_op():
-    """At 32,768 values and more on 3 threads, torch's SiLU runs in pieces, each with a scalar
-    tail of its own (through libm's expf): such an expert is left to op by op."""
+def test_silu_that_torch_may_split_over_its_threads_goes_op_by_op():
+    """From 32,768 values on several threads torch runs SiLU in pieces, which end in scalar tails
+    of their own (libm's expf) wherever a piece's length is not a multiple of 32 (FFN 14,336 on 3
+    threads: 1-5 values differed at 5-14 rows): such an expert is left to op by op."""
     torch.set_num_threads(3)
     batches = layer(True, [7, 9], inter=4096)  # 28,672 and 36,864 values
     taken = float32_ffns.silu_ffns(experts(batches), lambda i: expert_ffn(*batches[i]))
     assert [y is not None for y in taken] == [True, False]
     assert all(torch.equal(g, expert_ffn(x, w)) for g, (x, w) in zip(experts_ffn(batches), batches))
+
+
+def test_a_serial_pass_runs_silu_in_one_piece_and_its_products_on_the_team():
+    """A decode pass small enough for one torch thread still runs its products on the team
+    (float32.team): torch's SiLU is then one piece at any size, and the expert is taken."""
+    torch.set_num_threads(1)
+    batches = layer(False, [9], inter=4096)  # 36,864 values
+    with float32.team(2):
+        taken = float32_ffns.silu_ffns(experts(batches), lambda i: expert_ffn(*batches[i]))
+        assert taken[0] is not None and torch.equal(taken[0], expert_ffn(*batches[0]))
+    assert float32_ffns._verdicts == {(HIDDEN, 4096, False, 2, 1, 9): True}
 
 
 def test_a_row_count_whose_first_call_differs_from_op_by_op_is_never_fused(monkeypatch):
