@@ -8,8 +8,9 @@ one or two rows, and its one-row products read 20 GB/s where the same products b
 cache line as a new tensor's are, whose products f32_lanes.c computes with F.linear's bits
 (float32.lanes_agree: per weight and where it lies, row count and thread count) and whose SiLU
 torch computes in one piece: below GRAIN values, or on one thread (at::parallel_for splits more
-over its threads, and a piece may end in a scalar tail through libm's expf). The first experts of each row count and layer shape are also computed op
-by op and compared; a shape and row count whose bits differed is never taken again.
+over its threads, and a piece may end in a scalar tail through libm's expf). The first experts
+of each row count and layer shape are also computed op by op and compared; a shape and row count
+whose bits differed is never taken again.
 """
 
 from __future__ import annotations
