@@ -65,7 +65,7 @@ TARGET static inline float FN(fold16)(__m512 a) {
 }
 
 /* x [k] against J weight rows from w (k apart) into y (no prefetches: fetching the next block
-   ahead, as LANES16 does, read 20-24 GB/s on host C where the hardware's own prefetcher read 27-32,
+   ahead, as LANES16 does, read 20-23 GB/s on host C where the hardware's own prefetcher read 27-32,
    MKL's sgemv 26-34) */
 #define GEMV16(J)                                                                              \
     TARGET static void FN(gemv16_##J)(const float *x, const float *w, float *y, long k) {      \

@@ -98,7 +98,7 @@ def lanes_agree(rows: int, weight: torch.Tensor, team: int) -> bool:
     that was not yet known). No product under `unsplit`: F.linear's own."""
     if getattr(_state, "unsplit", False) or not 0 < rows < 16 or weight.shape[-1] % 16:
         return False
-    key = ("lanes", *weight.shape, rows, team, weight.data_ptr() % 64, 0)
+    key = _key("lanes", weight, rows, team)
     if key not in _verdicts:
         x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
         if not _fits(x, weight) or _check(key, x, weight) is None:
@@ -198,7 +198,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     threads = team_threads()
     for way in () if bias is not None else _ways(x, weight, threads):
-        key = _key(way, x, weight, threads)
+        key = _key(way, weight, x.shape[0], threads, x.data_ptr() % 64)
         same = _verdicts.get(key)
         if same is None:
             y = _check(key, x, weight)
@@ -223,10 +223,10 @@ def _ways(x: torch.Tensor, weight: torch.Tensor, threads: int) -> tuple[str, ...
     return ways if ways and _fits(x, weight) else ()
 
 
-def _key(way: str, x: torch.Tensor, weight: torch.Tensor, threads: int) -> tuple:
+def _key(way: str, weight: torch.Tensor, rows: int, threads: int, x_offset: int = 0) -> tuple:
     """What a verdict holds for: MKL's sums may depend on where the operands lie (its one-row
-    products' do), so their offsets from a cache line are part of it."""
-    return (way, *weight.shape, x.shape[0], threads, weight.data_ptr() % 64, x.data_ptr() % 64)
+    products' do), so their offsets from a cache line are part of it (x's: 0 for a new tensor)."""
+    return (way, *weight.shape, rows, threads, weight.data_ptr() % 64, x_offset)
 
 
 def splits(weight: torch.Tensor, rows: int, threads: int) -> bool:
@@ -235,7 +235,7 @@ def splits(weight: torch.Tensor, rows: int, threads: int) -> bool:
     x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(0))
     if not (_fits(x, weight) and _splittable(weight, threads)):
         return False
-    key = _key("split", x, weight, threads)
+    key = _key("split", weight, rows, threads)
     if key not in _verdicts:
         _check(key, x, weight)
     return _verdicts[key]
