@@ -126,7 +126,7 @@ typedef void (*block_fn)(const float *x, const void *w, const void *scales, uint
 
 static block_fn pick_block(int format) {
     return format == FORMAT_INT8   ? (avx512() ? int8_block512 : int8_block)
-           : format == FORMAT_INT4 ? (avx512() ? int4_block512 : int4_block)
+           : format == FORMAT_INT4 ? (vnni() ? int4_block512 : int4_block)
            : format == FORMAT_FP8  ? fp8_block
            : format == FORMAT_MXFP4 ? (avx512() ? mxfp4_block512 : mxfp4_block)
                                    : PICK(bf16_block); /* FORMAT_BF16 and _TILES */
@@ -139,6 +139,11 @@ static long block_scale_bytes(int format, long k, long group) { /* and its scale
                                    : 0;
 }
 
+/* Rows xf [m][k], widened, made what `format`'s blocks read: int4's prepared in place */
+static void block_rows(int format, long group, float *xf, long m, long k) {
+    if (format == FORMAT_INT4) q4_prepare(xf, m, k, group);
+}
+
 /* x [m][k] bfloat16, w a weight [n][k] in `format` (scales with it, NULL for bfloat16), bias [n]
    float32 or NULL, y [m][n] bfloat16; n a multiple of 64. Columns are split over `threads` OpenMP
    threads. x is widened to float32 once, here (every column block reads it); -1 when there is
@@ -148,13 +153,20 @@ int moe_linear(int format, long group, const uint16_t *x, const void *w, const v
     if (tiles_take(format, m, k)) return tile_linear(x, w, bias, y, m, n, k, threads);
     float *xf = malloc(sizeof(float) * m * k);
     if (!xf) return -1;
-    widen(x, xf, m * k);
     block_fn block = pick_block(format);
     long wb = block_bytes(format, k), sb = block_scale_bytes(format, k, group);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (long c = 0; c < n / 64; c++)
-        block(xf, (const char *)w + c * wb, scales ? (const char *)scales + c * sb : 0, y + c * 64,
-              n, m, k, group, bias ? bias + c * 64 : 0);
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (long r = 0; r < m; r++) {
+            widen(x + r * k, xf + r * k, k);
+            block_rows(format, group, xf + r * k, 1, k);
+        }
+#pragma omp for schedule(static)
+        for (long c = 0; c < n / 64; c++)
+            block(xf, (const char *)w + c * wb, scales ? (const char *)scales + c * sb : 0,
+                  y + c * 64, n, m, k, group, bias ? bias + c * 64 : 0);
+    }
     free(xf);
     return 0;
 }
@@ -297,7 +309,10 @@ int moe_silu_ffns(int format, long group, const uint16_t *const *x, const void *
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-        for (long g = 0; g < count; g++) widen(x[g], xf + start[g] * hidden, m[g] * hidden);
+        for (long g = 0; g < count; g++) {
+            widen(x[g], xf + start[g] * hidden, m[g] * hidden);
+            block_rows(format, group, xf + start[g] * hidden, m[g], hidden);
+        }
 #pragma omp for schedule(static)
         for (long b = 0; b < count * up_blocks; b++) {
             long g = b / up_blocks, c = b % up_blocks;
@@ -310,6 +325,7 @@ int moe_silu_ffns(int format, long group, const uint16_t *const *x, const void *
         for (long r = 0; r < rows; r++) {
             silu_mul(h + r * 2 * inter, gated + r * inter, inter);
             widen(gated + r * inter, gf + r * inter, inter);
+            block_rows(format, group, gf + r * inter, 1, inter);
         }
 #pragma omp for schedule(static)
         for (long b = 0; b < count * down_blocks; b++) {
@@ -745,6 +761,7 @@ TARGET static void FN(bf16_block)(const float *x, const void *p, const void *sca
 #if ISA == 256
 #include "quant_kernel.c" /* int8 and int4 weights: AVX2 code, which AVX-512 hosts run too */
 #include "quant_avx512.c" /* ... and their AVX-512 versions */
+#include "int4_dot.c"     /* int4's products, as integer dot products */
 #include "f32_kernel.c"   /* float32 weights as stored, likewise */
 #else
 #include "f32_lanes.c" /* float32 products of a few rows with MKL's AVX-512 bits */

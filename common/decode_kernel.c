@@ -238,6 +238,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                 memcpy(x + i * hidden, t->embedding[i], sizeof(uint16_t) * hidden);
             norm(x, 0, 0, m->first_norm, h, n, hidden, m->eps, 1);
             widen(h, xf, n * hidden);
+            block_rows(df, dg, xf, n, hidden);
             if (qkv_tiles) tile_rows(h, n, hidden, xt);
         }
         for (long l = 0; l < m->layers; l++) {
@@ -264,6 +265,10 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
 #pragma omp single
                 tile_rows(out, n, attended, xt);
             }
+            if (df == FORMAT_INT4) {
+#pragma omp for schedule(static)
+                for (long i = 0; i < n; i++) block_rows(df, dg, xf + i * attended, 1, attended);
+            }
 #pragma omp for schedule(static)
             for (long c = 0; c < hidden / 64; c++)
                 dense(df, dg, xf, o_tiles ? xt : 0, m->o[l], at(m->o_scales, l), delta, hidden,
@@ -285,8 +290,10 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                 used = group_choices(routed, slots, m->experts, next, order, place, groups);
             }
 #pragma omp for schedule(static)
-            for (long p = 0; p < slots; p++) /* each choice's input: its token's row, widened */
+            for (long p = 0; p < slots; p++) { /* each choice's input: its token's row, widened */
                 widen(h + order[p] / k * hidden, xe + p * hidden, hidden);
+                block_rows(f, g, xe + p * hidden, 1, hidden);
+            }
 #pragma omp for schedule(static)
             for (long b = 0; b < used * up_blocks; b++) {
                 long *grp = groups + 3 * (b / up_blocks), c = b % up_blocks, e = grp[0];
@@ -297,6 +304,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
             for (long r = 0; r < slots; r++) {
                 PICK(silu_mul)(gu + r * 2 * inter, gated + r * inter, inter);
                 widen(gated + r * inter, gf + r * inter, inter);
+                block_rows(f, g, gf + r * inter, 1, inter);
             }
 #pragma omp for schedule(static)
             for (long b = 0; b < used * down_blocks; b++) {
@@ -310,6 +318,10 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                 PICK(combine)(rows, 1, weights, m->weights_bf16, n, k, hidden, 1, delta, 1);
                 norm(x, delta, x, m->next_norm[l], h, n, hidden, m->eps, 1);
                 widen(h, xf, n * hidden);
+                if (l + 1 < m->layers) /* the next layer's qkv reads xf, else the LM head */
+                    block_rows(df, dg, xf, n, hidden);
+                else if (m->lm_head)
+                    block_rows(m->head_format, m->head_group, xf, n, hidden);
                 if (qkv_tiles || (head_tiles && l == m->layers - 1)) tile_rows(h, n, hidden, xt);
             }
         }

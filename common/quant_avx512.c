@@ -1,11 +1,10 @@
-/* int8, int4, MXFP4 and FP8 products in AVX-512, for bf16_kernel.c, which includes this file
-   after quant_kernel.c in its AVX2 pass: one-row kernels (pick_block takes these blocks where the
-   CPU has AVX-512) and many_rows' tiles (wide_tiles).
+/* int8, MXFP4 and FP8 products in AVX-512 (int4's: int4_dot.c), for bf16_kernel.c, which
+   includes this file after quant_kernel.c in its AVX2 pass: one-row kernels (pick_block takes
+   these blocks where the CPU has AVX-512) and many_rows' tiles (wide_tiles).
 
-   A decode step at batch 1 reads each weight once, and int4's AVX2 row kernel converts eight
-   nibbles a word on 8 lanes: on a 2-core AMX host it read 11 GB/s of int4 weights where int8's
-   read 23 and the host 30. These do a column's arithmetic on 16 lanes instead of 8 and nothing
-   else: each column's sums, products and roundings are quant_kernel.c's row kernels' (the same
+   A decode step at batch 1 reads each weight once, and the AVX2 row kernels convert a weight a
+   lane on 8 lanes: on a 2-core AMX host int4's read 11 GB/s of weights where int8's read 23 and
+   the host 30. These do a column's arithmetic on 16 lanes instead of 8 and nothing else: each column's sums, products and roundings are quant_kernel.c's row kernels' (the same
    scaled x, the same nibbles or codes, the same group_sum, in the same order), so a row's bits
    do not depend on which kernel computed it, nor on the CPU. */
 
@@ -43,11 +42,8 @@ Q512TARGET static void q8_row512(const float *x, const int8_t *p, const float *s
     store_row512(acc, y, bias);
 }
 
-/* int4 and MXFP4: nibble N of a vector of words (16 columns) as a float, as Q4F and MXF_SHIFTED
-   (MXFP4's odd nibbles from words shifted down a nibble, once per 8 inputs) */
-#define Q4F512(word, N)                                                                         \
-    _mm512_cvtepi32_ps(N == 7 ? _mm512_srli_epi32(word, 28)                                    \
-                              : _mm512_and_si512(word, _mm512_set1_epi32((int)(15u << (4 * N)))))
+/* MXFP4: nibble N of a vector of words (16 columns) as a float, as MXF_SHIFTED (the odd nibbles
+   from words shifted down a nibble, once per 8 inputs) */
 #define MXF512(word, N)                                                                         \
     _mm512_cvtepi32_ps(_mm512_shuffle_epi8(                                                    \
         _mm512_broadcast_i32x4(_mm256_castsi256_si128(MX_TABLE)),                              \
@@ -96,21 +92,15 @@ Q512TARGET static void q8_row512(const float *x, const int8_t *p, const float *s
         }                                                                                       \
         store_row512(total, y, bias);                                                           \
     }
-NIBBLE_ROW512(q4_row512, Q4F512, Q4SHIFT, 8.0f, 0)
 NIBBLE_ROW512(mx_row512, MXF512, MXSHIFT, 12.0f, 1)
 #undef NIBBLE_ROW512
 #undef STEP512
 
-/* int8_block, int4_block and mxfp4_block with their one-row products on these */
+/* int8_block and mxfp4_block with their one-row products on these */
 Q512TARGET static void int8_block512(const float *x, const void *p, const void *s, uint16_t *y,
                                      long ldy, long m, long k, long group, const float *bias) {
     if (m != 1) return int8_block(x, p, s, y, ldy, m, k, group, bias);
     q8_row512(x, p, s, y, k, bias);
-}
-Q512TARGET static void int4_block512(const float *x, const void *p, const void *s, uint16_t *y,
-                                     long ldy, long m, long k, long group, const float *bias) {
-    if (m != 1) return int4_block(x, p, s, y, ldy, m, k, group, bias);
-    q4_row512(x, p, s, y, k, group, bias);
 }
 Q512TARGET static void mxfp4_block512(const float *x, const void *p, const void *s, uint16_t *y,
                                       long ldy, long m, long k, long group, const float *bias) {
@@ -161,13 +151,9 @@ Q512TARGET static void mxfp4_block512(const float *x, const void *p, const void 
     const uint32_t *at = (const uint32_t *)p + i0 / 8 * PANEL;                                  \
     _mm_prefetch((const char *)at + Q8_AHEAD, _MM_HINT_T0);                                     \
     __m512i word = _mm512_loadu_si512(at);                                                      \
-    __m512i odd = _mm512_srli_epi32(word, 4); /* MXFP4's odd nibbles; unused by int4's */       \
-    (void)odd;                                                                                  \
+    __m512i odd = _mm512_srli_epi32(word, 4); /* MXFP4's odd nibbles */                        \
     NIBBLE512(0, F0) NIBBLE512(1, F1) NIBBLE512(2, F2) NIBBLE512(3, F3)                         \
     NIBBLE512(4, F4) NIBBLE512(5, F5) NIBBLE512(6, F6) NIBBLE512(7, F7)
-#define Q4_WEIGHTS512                                                                           \
-    NIBBLES512(Q4F512(word, 0), Q4F512(word, 1), Q4F512(word, 2), Q4F512(word, 3),              \
-               Q4F512(word, 4), Q4F512(word, 5), Q4F512(word, 6), Q4F512(word, 7))
 #define MX_WEIGHTS512                                                                           \
     NIBBLES512(MXF512(word, 0), MXF512(odd, 1), MXF512(word, 2), MXF512(odd, 3),                \
                MXF512(word, 4), MXF512(odd, 5), MXF512(word, 6), MXF512(odd, 7))
@@ -183,12 +169,10 @@ Q512TARGET static void mxfp4_block512(const float *x, const void *p, const void 
         NAME##_7, NAME##_8, NAME##_9, NAME##_10, NAME##_11, NAME##_12};
 TILES512(q8_tiles512, 1, Q8_WEIGHTS512)
 TILES512(f8_tiles512, 1, F8_WEIGHTS512)
-TILES512(q4_tiles512, 8, Q4_WEIGHTS512)
 TILES512(mx_tiles512, 8, MX_WEIGHTS512)
 
 static const tile_fn *wide_tiles(int format) {
     return format == FORMAT_INT8    ? q8_tiles512
-           : format == FORMAT_INT4  ? q4_tiles512
            : format == FORMAT_MXFP4 ? mx_tiles512
                                     : f8_tiles512;
 }
@@ -199,8 +183,6 @@ static const tile_fn *wide_tiles(int format) {
 #undef F8_WEIGHTS512
 #undef NIBBLE512
 #undef NIBBLES512
-#undef Q4_WEIGHTS512
 #undef MX_WEIGHTS512
 #undef MXF512
-#undef Q4F512
 #undef WIDE_ROWS

@@ -10,10 +10,8 @@
 
    int4 (groups of `group` inputs along k, group a multiple of 8, symmetric: q in [-8, 7] stored as
    u = q + 8): panels of 32 columns, for each 8 inputs of a panel 32 words W[c] holding column c's
-   8 nibbles, input k0 + j at bits 4j; scales s[panel][k / group][32] bfloat16. A nibble is
-   masked in place and converted to float exactly (u * 2^4j, the matching x scaled by 2^-4j, also
-   exact): per group, a = sum of x[k] * u in k order, then the group's share s * (a - 8 sum(x))
-   = s * sum(x * q) is added to the column's total, groups in order.
+   8 nibbles, input k0 + j at bits 4j; scales s[panel][k / group][32] bfloat16. Its products are
+   integer dot products (int4_dot.c).
 
    MXFP4 (OCP microscaling, gpt-oss's experts; common/mxfp4.py): int4's words and scale layout,
    groups of 32 inputs. The FP4 E2M1 codes are re-encoded once at load so that code c means
@@ -21,7 +19,8 @@
    the block's power of two. Nibble N's code, masked to the low half of byte N / 2 (the odd ones
    shifted down first), is looked up in place (a byte shuffle; the other bytes look up t[0] = 0),
    which gives t * 2^(8 (N / 2)) exactly, and x is scaled by 2^(-8 (N / 2)) to match. Per group,
-   s * (a - 12 sum(x)) = s * sum(2 v x) as int4's, with 12 for 8.
+   a = sum of x[k] * t in k order, then s * (a - 12 sum(x)) = s * sum(2 v x) is added to the
+   column's total, groups in order.
 
    Each row's arithmetic is the same whichever kernel (1 or 2 rows, or a tile of many_rows)
    computes it: a row's bits do not depend on its batch-mates. */
@@ -88,10 +87,9 @@ Q8KERNEL(2, 1)
     }
 BLOCK(int8_block, FORMAT_INT8, q8_2_1, q8_1_2, k * PANEL, PANEL * sizeof(float))
 
-/* input i + N of every column of the P panels (words from at[q]) times x, into acc. The nibble is
-   masked in place, u * 2^(4N), and converted to float exactly; x is scaled by 2^(-4N) (exact too)
-   to match, so each product is x * u, as rounded as a plain one. The top nibble is shifted down
-   instead (in place it would read as a negative int32). Input by input over all R * 4P
+/* input i + N of every column of the P panels (words from at[q]) times x, into acc: the code,
+   looked up in place, times x scaled to match, so each product is as rounded as a plain one.
+   Input by input over all R * 4P
    accumulators, the words read again from L1 for each input: held in registers across the eight
    inputs, as a panel at a time held them, they left the accumulators no room and GCC spilled them
    (one-row products 22% slower on AVX2). A macro, so that masks are constants. */
@@ -105,9 +103,7 @@ BLOCK(int8_block, FORMAT_INT8, q8_2_1, q8_1_2, k * PANEL, PANEL * sizeof(float))
             for (int r = 0; r < rows; r++)                                                   \
                 acc[r][q * 4 + j] = _mm256_fmadd_ps(xr[r], f, acc[r][q * 4 + j]);            \
         }
-#define NIB(N) _mm256_and_si256(word, _mm256_set1_epi32((int)(15u << (4 * N))))
-/* int4's nibble N as a float, u * 2^(4N); the top one shifted down. MXFP4's, t * 2^(8 (N / 2)) */
-#define Q4F(N) _mm256_cvtepi32_ps(N == 7 ? _mm256_srli_epi32(word, 28) : NIB(N))
+/* MXFP4's nibble N as a float, t * 2^(8 (N / 2)) */
 #define MX_LOOKUP(N, V)                                                                         \
     _mm256_cvtepi32_ps(_mm256_shuffle_epi8(                                                    \
         MX_TABLE, _mm256_and_si256(V, _mm256_set1_epi32(15 << (8 * (N / 2))))))
@@ -117,7 +113,7 @@ BLOCK(int8_block, FORMAT_INT8, q8_2_1, q8_1_2, k * PANEL, PANEL * sizeof(float))
     _mm256_setr_epi8(0, 4, 6, 8, 9, 10, 11, 12, 12, 13, 14, 15, 16, 18, 20, 24, 0, 4, 6, 8, 9, 10, \
                      11, 12, 12, 13, 14, 15, 16, 18, 20, 24)
 
-/* The sum of x[0..n), n a multiple of 8, in eight lanes then across them: an int4 group's sum of
+/* The sum of x[0..n), n a multiple of 8, in eight lanes then across them: an MXFP4 group's sum of
    inputs, the same in every kernel (a scalar chain of 64 additions cost as much as the group's
    products) */
 TARGET static inline float group_sum(const float *x, long n) {
@@ -128,7 +124,7 @@ TARGET static inline float group_sum(const float *x, long n) {
     return _mm_cvtss_f32(h) + _mm_cvtss_f32(_mm_shuffle_ps(h, h, 1));
 }
 
-/* R rows of x [R][k] against P int4 (F Q4F, ZERO 8) or MXFP4 (MXF_SHIFTED, 12) panels from p
+/* R rows of x [R][k] against P MXFP4 (F MXF_SHIFTED, ZERO 12) panels from p
    (k * 16 bytes apart), their scales from s ((k / group) * 32 apart), into y; x scaled by
    SHIFT(N) for nibble N. ODD_SHIFTED: the words shifted down a nibble once per 8 inputs, into
    `odd`, for the odd nibbles to read (MXFP4: 1.07x its one-row products on AVX2) */
@@ -186,19 +182,12 @@ TARGET static inline float group_sum(const float *x, long n) {
                 vstore_bf16(y + r * ldy + j * 16, v);                                           \
             }                                                                                   \
     }
-#define Q4SHIFT(N) (N == 7 ? 1.0f : 1.0f / (1 << (4 * N))) /* 2^-4N: exact */
 #define MXSHIFT(N) (1.0f / (1 << (8 * (N / 2))))
-NIBBLE_KERNEL(q4, 1, 2, Q4F, Q4SHIFT, 8.0f, 0)
 NIBBLE_KERNEL(mx, 1, 2, MXF_SHIFTED, MXSHIFT, 12.0f, 1)
 #undef Q4STEP
 
-/* int4 and MXFP4: many_rows from 2 rows on (2.2x the row-pair kernel it replaced at 2 rows, 1.9x
-   at 3, on AVX2: that kernel's accumulators lived on the stack) */
-TARGET static void int4_block(const float *x, const void *p, const void *s, uint16_t *y, long ldy,
-                              long m, long k, long group, const float *bias) {
-    if (m >= 2) return many_rows(FORMAT_INT4, x, p, s, y, ldy, m, k, group, bias);
-    q4_1_2(x, p, s, y, ldy, k, group, bias);
-}
+/* MXFP4: many_rows from 2 rows on (2.2x the row-pair kernel it replaced at 2 rows, 1.9x at 3, on
+   AVX2: that kernel's accumulators lived on the stack) */
 TARGET static void mxfp4_block(const float *x, const void *p, const void *s, uint16_t *y,
                                long ldy, long m, long k, long group, const float *bias) {
     if (m >= 2) return many_rows(FORMAT_MXFP4, x, p, s, y, ldy, m, k, group, bias);
@@ -326,7 +315,7 @@ BLOCK(fp8_block, FORMAT_FP8, f8_2_1, f8_1_2, k * PANEL, k / group * sizeof(float
     w0 = f8_widen(_mm_unpacklo_epi8(_mm_setzero_si128(), bytes));                               \
     w1 = f8_widen(_mm_unpackhi_epi8(_mm_setzero_si128(), bytes));                               \
     TILE_EACH(TILE_FMA)
-/* int4 or MXFP4 (F: Q4F or MXF): 8 inputs a step from two vectors of words (kept in memory:
+/* MXFP4 (F: MXF): 8 inputs a step from two vectors of words (kept in memory:
    registers are full), nibble N converted as the row kernels convert it (x scaled to match by the
    caller) */
 #define NIBBLE(N, F)                                                                            \
@@ -344,10 +333,9 @@ BLOCK(fp8_block, FORMAT_FP8, f8_2_1, f8_1_2, k * PANEL, k / group * sizeof(float
     _mm_prefetch((const char *)at + Q8_AHEAD, _MM_HINT_T0);                                     \
     NIBBLE(0, F) NIBBLE(1, F) NIBBLE(2, F) NIBBLE(3, F) NIBBLE(4, F) NIBBLE(5, F) NIBBLE(6, F)  \
     NIBBLE(7, F)
-#define Q4_WEIGHTS NIBBLES(Q4F)
 #define MX_WEIGHTS NIBBLES(MXF)
 
-/* int4 or MXFP4, 2 rows against a whole panel (32 columns): 8 accumulators, where a tile of 2 rows
+/* MXFP4, 2 rows against a whole panel (32 columns): 8 accumulators, where a tile of 2 rows
    and 16 columns has 4 and waits on the multiply-adds' latency (1.2-1.4x that tile). `to` as a
    tile's. */
 #define PAIR_COLUMNS(j, N, F)                                                                   \
@@ -378,7 +366,6 @@ BLOCK(fp8_block, FORMAT_FP8, f8_2_1, f8_1_2, k * PANEL, k / group * sizeof(float
         for (int r = 0; r < 2; r++)                                                             \
             for (int j = 0; j < 4; j++) _mm256_storeu_ps(to + r * 64 + 8 * j, sums[r][j]);      \
     }
-PAIR(q4_pair, Q4F)
 PAIR(mx_pair, MXF)
 #undef PAIR_COLUMNS
 #undef PAIR_NIBBLE
@@ -396,7 +383,6 @@ typedef void (*tile_fn)(const float *, long, const void *, long, const float *, 
                                                NAME##_4, NAME##_5, NAME##_6};
 TILES(q8_tiles, 1, Q8_WEIGHTS)
 TILES(f8_tiles, 1, F8_WEIGHTS)
-TILES(q4_tiles, 8, Q4_WEIGHTS)
 TILES(mx_tiles, 8, MX_WEIGHTS)
 #undef TILES
 #undef TILE
@@ -407,7 +393,6 @@ TILES(mx_tiles, 8, MX_WEIGHTS)
 #undef TILE_STORE
 #undef Q8_WEIGHTS
 #undef F8_WEIGHTS
-#undef Q4_WEIGHTS
 #undef MX_WEIGHTS
 #undef NIBBLES
 #undef NIBBLE
@@ -418,34 +403,29 @@ static const tile_fn *wide_tiles(int format);
 
 /* m rows of x [m][k] against a 64-column block of `format`, in tiles of up to 6 rows and 16
    columns (on AVX-512, quant_avx512.c's tiles of up to WIDE_ROWS rows: at 32 rows on a 2-core
-   AMX host quantized experts decoded 1.12x bfloat16's speed, 0.79x on the AVX2 tiles; int4's and
-   MXFP4's 2 rows: their pair kernels), each chunk of inputs at a time (int8: 64, the others a
+   AMX host quantized experts decoded 1.12x bfloat16's speed, 0.79x on the AVX2 tiles; MXFP4's 2
+   rows: its pair kernel; int4: int4_dot.c), each chunk of inputs at a time (int8: 64, the others a
    group): the arithmetic of the row kernels, step for step. A row's 64 sums run in float32
    (`total`; all but int8 add each group's sums into it, scaled, as the row kernels do). */
 TARGET static void many_rows(int format, const float *x, const void *p, const void *s, uint16_t *y,
                              long ldy, long m, long k, long group, const float *bias) {
     float total[WIDE_ROWS * 64], part[WIDE_ROWS * 64]; /* a tile's rows: all sums, a group's */
-    /* int4, MXFP4: a group's x, scaled (common/quant.py allows groups of 32, 64 and 128) */
+    /* MXFP4: a group's x, scaled (groups of 32) */
     float scaled[WIDE_ROWS * 128] __attribute__((aligned(32)));
     const tile_fn *wide = avx512() ? wide_tiles(format) : 0;
     const tile_fn *tiles = wide                     ? wide
                            : format == FORMAT_INT8  ? q8_tiles
-                           : format == FORMAT_INT4  ? q4_tiles
                            : format == FORMAT_MXFP4 ? mx_tiles
                                                     : f8_tiles;
     long most = wide ? WIDE_ROWS : TILE_ROWS;
-    int nibbles = format == FORMAT_INT4 || format == FORMAT_MXFP4; /* words of 8 inputs */
-    float zero = format == FORMAT_INT4 ? 8.0f : 12.0f; /* their codes' offset */
-    long chunk = format == FORMAT_INT8 ? 64 : group; /* int4, FP8: group divides k */
+    int nibbles = format == FORMAT_MXFP4; /* words of 8 inputs */
+    float zero = 12.0f;                    /* their codes' offset */
+    long chunk = format == FORMAT_INT8 ? 64 : group; /* MXFP4, FP8: group divides k */
     long groups_k = format == FORMAT_INT8 ? 1 : k / group; /* int8's group is 0 */
     int carried = format == FORMAT_INT8; /* one sum across the chunks, no group's */
-    /* int4 and MXFP4: x scaled as the row kernels scale it for nibble N (Q4SHIFT, MXSHIFT) */
-    const __m256 shifts =
-        format == FORMAT_INT4
-            ? _mm256_setr_ps(Q4SHIFT(0), Q4SHIFT(1), Q4SHIFT(2), Q4SHIFT(3), Q4SHIFT(4),
-                             Q4SHIFT(5), Q4SHIFT(6), Q4SHIFT(7))
-            : _mm256_setr_ps(MXSHIFT(0), MXSHIFT(1), MXSHIFT(2), MXSHIFT(3), MXSHIFT(4),
-                             MXSHIFT(5), MXSHIFT(6), MXSHIFT(7));
+    /* MXFP4: x scaled as the row kernels scale it for nibble N (MXSHIFT) */
+    const __m256 shifts = _mm256_setr_ps(MXSHIFT(0), MXSHIFT(1), MXSHIFT(2), MXSHIFT(3),
+                                         MXSHIFT(4), MXSHIFT(5), MXSHIFT(6), MXSHIFT(7));
     long blocks = (m + most - 1) / most; /* rows spread evenly: 8 as 4 + 4 on AVX2 */
     for (long b = 0, r0 = 0, rows; b < blocks; b++, r0 += rows) {
         rows = m / blocks + (b < m % blocks);
@@ -466,7 +446,7 @@ TARGET static void many_rows(int format, const float *x, const void *p, const vo
                 panel[q] = (const char *)p + (q * k + i0) * block_bytes(format, 1) / 2;
             int pair = nibbles && rows == 2;
             for (int q = 0; q < 2 && pair; q++)
-                (format == FORMAT_INT4 ? q4_pair : mx_pair)(xr, ldx, panel[q], n, part + q * 32);
+                mx_pair(xr, ldx, panel[q], n, part + q * 32);
             for (int c = 0; c < 4 && !pair; c++) /* 16 columns: a panel's first or second half */
                 tiles[rows](xr, ldx, panel[c / 2] + c % 2 * (nibbles ? 64 : 16), n,
                             carried ? total + c * 16 : 0, carried ? total + c * 16 : part + c * 16);

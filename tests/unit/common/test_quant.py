@@ -59,6 +59,26 @@ def test_a_product_is_the_formats_reference_arithmetic_to_float_accuracy(q, rows
     assert ((y.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-5).all()
 
 
+def test_int4_inputs_of_any_range_give_the_reference_and_a_nan_spreads_only_to_its_row():
+    """int4's inputs become integers per group (int4_dot.c): tiny, huge, zero and mixed groups
+    keep the reference's accuracy; a NaN or an infinity makes its row NaN, and only its row."""
+    p = QuantPanels(weight(128, 256), Quantization("int4", 64))
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 256, generator=gen)
+    x[0] *= 1e-30  # about 2^-100: below it a group is computed on 2^-122's grid
+    x[1] *= 1e30
+    x[2, :64] = 0  # a group of zeros
+    x[3, ::7] *= 2.0**-20  # inputs far below their group's largest, rounded to its grid
+    x = x.bfloat16()
+    y, ref = p(x), reference(x, p)
+    assert ((y.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-5 * ref.abs().amax(1, True)).all()
+    for bad in (float("nan"), float("inf")):
+        z = x.clone()
+        z[4, 70] = bad
+        out = p(z)
+        assert out[4].isnan().all() and torch.equal(out[[0, 1, 2, 3, 5]], y[[0, 1, 2, 3, 5]])
+
+
 @pytest.mark.parametrize("q", FORMATS, ids=lambda q: q.name)
 def test_a_rows_bits_do_not_depend_on_its_batch_mates(q):
     p = QuantPanels(weight(128, 256), q)

@@ -1,0 +1,282 @@
+/* int4 products as integer dot products, for bf16_kernel.c, which includes this file after
+   quant_avx512.c in its AVX2 pass.
+
+   Converting each nibble to float and multiplying it in costs an AND, a conversion and a
+   multiply-add for 16 weights: on a 2-core AMX host that was 1.56 cycles, about 10 weights a
+   cycle a core, and held one-row int4 products below what memory gives two cores. Here the
+   inputs are made integers instead, once per row (q4_prepare), and the nibbles stay bytes.
+
+   A group's inputs become multiples of 2^(e - 22), e the exponent of the group's largest
+   magnitude (|x| < 2^e), rounded to the nearest: N = x * 2^(22 - e), |N| <= 2^22, exact for a
+   bfloat16 input at most 2^14 times smaller than that largest one (the rest rounded to within
+   2^-23 of it, below what a float32 sum of the products would round away).
+   Each N is split into three signed bytes, N = b0 + 2^8 b1 + 2^16 b2. Per group, column and
+   digit d, T_d = sum of b_d * q over the group's inputs (q = u - 8, u the stored nibble) is an
+   exact int32 however it is summed: sum(b_d * u) by byte products (VNNI's vpdpbusd, 64 a
+   instruction; AVX2's vpmaddubsw and vpmaddwd), started at the codes' offset -8 sum(b_d). Then,
+   each step a float32 operation rounded once: a = T_1 * 2^8 + T_0, a = T_2 * 2^16 + a, a * 2^(e -
+   22), and the group's scale times that added to the column's total, groups in order.
+
+   As the integer sums are exact, each kernel here (AVX2 or VNNI, one row or two) gives a row the
+   same bits, independent of its batch-mates and of the CPU. On that host (VNNI), a one-row
+   product from L2 read 1.6x the float kernel's weights a second, and a decode step's int4 weights
+   stream at bfloat16's share of the bandwidth (docs/performance.md, host C, stop 65). */
+
+#define Q4_HEADER 16 /* a group's: the unit 2^(e - 22), float; the offsets -8 sum(b_d), 3 int32 */
+
+static long q4_group_bytes(long group) { return Q4_HEADER + 3 * group; }
+
+/* Rows x [m][k] prepared in place for int4_block's products, each still k floats apart: per
+   group of `group` inputs, its header, then per 8 inputs 24 bytes, the digits of inputs 0, 2, 4
+   and 6 (the low nibbles of a column's word), digit 0's four bytes, 1's, then 2's, and those of
+   inputs 1, 3, 5 and 7 (the high nibbles) likewise. A group's bytes end where the next group's
+   floats begin at the latest (groups hold 32 inputs or more), and are written once its floats
+   are read. A group holding a NaN or an infinity gets a NaN unit, so its columns come out NaN. */
+TARGET static void q4_prepare(float *x, long m, long k, long group) {
+    /* the inputs of one word's low nibbles first, then its high ones' */
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    /* each lane's low byte into the low 4 bytes of its half */
+    const __m256i bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                           -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                           -1, -1);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    int8_t digits[3 * 128]; /* common/quant.py allows groups of 32, 64 and 128 */
+    for (long r = 0; r < m; r++)
+        for (long g = 0; g < k / group; g++) {
+            const float *v = x + r * k + g * group;
+            __m256 top = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+            for (long i = 0; i < group; i += 8) {
+                __m256 a = _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude);
+                finite = _mm256_and_ps(finite, _mm256_cmp_ps(a, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ));
+                top = _mm256_max_ps(top, a);
+            }
+            __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+            t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+            t = _mm_max_ss(t, _mm_shuffle_ps(t, t, 1));
+            int ok = _mm256_movemask_ps(finite) == 0xFF, e = 0;
+            frexpf(_mm_cvtss_f32(t), &e);
+            e = e < -100 ? -100 : e; /* 2^(22 - e) finite: tinier groups on 2^-122's grid */
+            __m256 up = _mm256_set1_ps(ok ? ldexpf(1.0f, 22 - e) : 0.0f);
+            __m256i sum[3] = {_mm256_setzero_si256(), _mm256_setzero_si256(),
+                              _mm256_setzero_si256()};
+            for (long i = 0; i < group; i += 8) {
+                /* N to the nearest, split into b0 + 2^8 b1 + 2^16 b2, each a signed byte */
+                __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i), up));
+                n = _mm256_permutevar8x32_epi32(n, order);
+                __m256i d[3];
+                d[0] = _mm256_srai_epi32(_mm256_slli_epi32(n, 24), 24);
+                __m256i n1 = _mm256_srai_epi32(_mm256_sub_epi32(n, d[0]), 8);
+                d[1] = _mm256_srai_epi32(_mm256_slli_epi32(n1, 24), 24);
+                d[2] = _mm256_srai_epi32(_mm256_sub_epi32(n1, d[1]), 8);
+                for (int j = 0; j < 3; j++) {
+                    sum[j] = _mm256_add_epi32(sum[j], d[j]);
+                    __m256i b = _mm256_shuffle_epi8(d[j], bytes);
+                    int32_t low = _mm256_extract_epi32(b, 0), high = _mm256_extract_epi32(b, 4);
+                    memcpy(digits + i * 3 + 4 * j, &low, 4);
+                    memcpy(digits + i * 3 + 12 + 4 * j, &high, 4);
+                }
+            }
+            int32_t head[4];
+            float unit = ok ? ldexpf(1.0f, e - 22) : NAN;
+            memcpy(head, &unit, sizeof unit);
+            for (int j = 0; j < 3; j++) {
+                __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sum[j]),
+                                          _mm256_extracti128_si256(sum[j], 1));
+                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+                head[1 + j] = -8 * _mm_cvtsi128_si32(h);
+            }
+            char *out = (char *)(x + r * k) + g * q4_group_bytes(group);
+            memcpy(out, head, Q4_HEADER);
+            memcpy(out + Q4_HEADER, digits, 3 * group);
+        }
+}
+
+/* a, the group's T_0..T_2 combined as the top comment says, times `unit` */
+#define Q4_COMBINE(CVT, FMA, MUL, SET, T0, T1, T2, UNIT)                                        \
+    MUL(FMA(CVT(T2), SET(65536.0f), FMA(CVT(T1), SET(256.0f), CVT(T0))), UNIT)
+
+/* AVX2: one prepared row against one panel (32 columns, 4 vectors of 8 words) into out [32]:
+   scales s and weights p of that panel */
+TARGET static void q4_panel(const char *row, long k, long group, const uint32_t *p,
+                            const uint16_t *s, float *out) {
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 total[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                       _mm256_setzero_ps()};
+    for (long g = 0; g < k / group; g++) {
+        const char *head = row + g * q4_group_bytes(group);
+        __m256i acc[3][4];
+        for (int d = 0; d < 3; d++)
+            for (int j = 0; j < 4; j++) acc[d][j] = _mm256_set1_epi32(((const int32_t *)head)[1 + d]);
+        for (long i = g * group; i < (g + 1) * group; i += 8) {
+            const __m256i *at = (const __m256i *)(p + i * 4);
+            const int32_t *x = (const int32_t *)(head + Q4_HEADER + (i - g * group) * 3);
+            _mm_prefetch((const char *)at + ROW_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char *)at + ROW_AHEAD + 64, _MM_HINT_T0);
+            for (int j = 0; j < 4; j++) {
+                __m256i w = _mm256_loadu_si256(at + j);
+                __m256i lo = _mm256_and_si256(w, low);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+                for (int d = 0; d < 3; d++) { /* |each 16-bit sum| <= 2 * 2 * 15 * 128 */
+                    __m256i pairs =
+                        _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[d])),
+                                         _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[3 + d])));
+                    acc[d][j] = _mm256_add_epi32(acc[d][j], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+        }
+        __m256 unit = _mm256_set1_ps(*(const float *)head);
+        for (int j = 0; j < 4; j++) {
+            __m256 a = Q4_COMBINE(_mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_mul_ps,
+                                  _mm256_set1_ps, acc[0][j], acc[1][j], acc[2][j], unit);
+            __m256 scale = widen8(_mm_loadu_si128((const __m128i *)(s + g * PANEL + j * 8)));
+            total[j] = _mm256_fmadd_ps(scale, a, total[j]);
+        }
+    }
+    for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + 8 * j, total[j]);
+}
+
+/* AVX2, R prepared rows (k floats apart) against 8 columns (words `col` of each 8 inputs' 32 in
+   a panel) into out [R][64] at the columns' place, the nibbles unpacked once for the R rows. 2
+   rows: their 6 sums and the step's words fill the 16 registers (3 rows spilled, as did 16-bit
+   sums kept over 4 steps). */
+#define Q4_COLUMNS(R)                                                                           \
+    TARGET static void q4_columns_##R(const float *x, long k, long group, const uint32_t *p,   \
+                                      const uint16_t *s, int col, float *out) {                 \
+        const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                  \
+        __m256 total[R];                                                                        \
+        for (int r = 0; r < R; r++) total[r] = _mm256_setzero_ps();                             \
+        for (long g = 0; g < k / group; g++) {                                                  \
+            const char *head[R];                                                                \
+            __m256i acc[R][3];                                                                  \
+            for (int r = 0; r < R; r++) {                                                       \
+                head[r] = (const char *)(x + r * k) + g * q4_group_bytes(group);                \
+                for (int d = 0; d < 3; d++)                                                     \
+                    acc[r][d] = _mm256_set1_epi32(((const int32_t *)head[r])[1 + d]);           \
+            }                                                                                   \
+            for (long i = g * group; i < (g + 1) * group; i += 8) {                             \
+                __m256i w = _mm256_loadu_si256((const __m256i *)(p + i * 4) + col);             \
+                __m256i lo = _mm256_and_si256(w, low);                                          \
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);                    \
+                long at = Q4_HEADER + (i - g * group) * 3;                                      \
+                for (int r = 0; r < R; r++) {                                                   \
+                    const int32_t *xd = (const int32_t *)(head[r] + at);                        \
+                    for (int d = 0; d < 3; d++) {                                               \
+                        __m256i pairs = _mm256_add_epi16(                                       \
+                            _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xd[d])),                 \
+                            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xd[3 + d])));            \
+                        acc[r][d] = _mm256_add_epi32(acc[r][d], _mm256_madd_epi16(pairs, ones)); \
+                    }                                                                           \
+                }                                                                               \
+            }                                                                                   \
+            __m256 scale = widen8(_mm_loadu_si128((const __m128i *)(s + g * PANEL + col * 8))); \
+            for (int r = 0; r < R; r++) {                                                       \
+                __m256 unit = _mm256_set1_ps(*(const float *)head[r]);                          \
+                __m256 a = Q4_COMBINE(_mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_mul_ps,       \
+                                      _mm256_set1_ps, acc[r][0], acc[r][1], acc[r][2], unit);   \
+                total[r] = _mm256_fmadd_ps(scale, a, total[r]);                                 \
+            }                                                                                   \
+        }                                                                                       \
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * 64, total[r]);                   \
+    }
+Q4_COLUMNS(2)
+#undef Q4_COLUMNS
+
+/* int4's block_fn: x its m rows prepared (q4_prepare), k floats apart. One row streams both
+   panels (q4_panel); more go 2 rows at a time, 8 columns at a time. */
+TARGET static void int4_block(const float *x, const void *p, const void *s, uint16_t *y, long ldy,
+                              long m, long k, long group, const float *bias) {
+    float out[2 * 64];
+    for (long r0 = 0, rows; r0 < m; r0 += rows) {
+        rows = m - r0 >= 2 ? 2 : 1;
+        const float *xr = x + r0 * k;
+        for (int q = 0; q < 2; q++) {
+            const uint32_t *panel = (const uint32_t *)p + q * k * 4;
+            const uint16_t *scales = (const uint16_t *)s + q * (k / group) * PANEL;
+            for (int c = 0; c < 4 && rows > 1; c++)
+                q4_columns_2(xr, k, group, panel, scales, c, out + q * 32 + c * 8);
+            if (rows == 1) q4_panel((const char *)xr, k, group, panel, scales, out + q * 32);
+        }
+        for (long r = 0; r < rows; r++)
+            for (int j = 0; j < 4; j++) {
+                vec v = vloadf(out + r * 64 + 16 * j);
+                if (bias) v = vadd(v, vloadf(bias + 16 * j));
+                vstore_bf16(y + (r0 + r) * ldy + 16 * j, v);
+            }
+    }
+}
+
+#define Q4VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma")))
+
+static int vnni(void) { return avx512() && __builtin_cpu_supports("avx512vnni"); }
+
+/* VNNI: R prepared rows (k floats apart) against both panels of a 64-column block, the nibbles
+   of 16 columns unpacked once for the R rows */
+#define Q4_ROWS512(R)                                                                           \
+    Q4VNNI static void q4_rows512_##R(const float *x, long k, const uint32_t *p,               \
+                                      const uint16_t *s, uint16_t *y, long ldy, long group,    \
+                                      const float *bias) {                                      \
+        const __m512i low = _mm512_set1_epi8(15);                                               \
+        long groups = k / group;                                                                \
+        __m512 total[R][4];                                                                     \
+        for (int r = 0; r < R; r++)                                                             \
+            for (int j = 0; j < 4; j++) total[r][j] = _mm512_setzero_ps();                      \
+        for (long g = 0; g < groups; g++) {                                                     \
+            const char *head[R];                                                                \
+            __m512i acc[R][3][4];                                                               \
+            for (int r = 0; r < R; r++) {                                                       \
+                head[r] = (const char *)(x + r * k) + g * q4_group_bytes(group);                \
+                for (int d = 0; d < 3; d++)                                                     \
+                    for (int j = 0; j < 4; j++)                                                 \
+                        acc[r][d][j] = _mm512_set1_epi32(((const int32_t *)head[r])[1 + d]);    \
+            }                                                                                   \
+            for (long i = g * group; i < (g + 1) * group; i += 8) {                             \
+                /* past a panel's end, the next block's panel, as quant_avx512.c's */           \
+                long ahead = ROW_AHEAD + (i * 16 + ROW_AHEAD >= k * 16 ? k * 16 : 0);           \
+                long at_x = Q4_HEADER + (i - g * group) * 3;                                    \
+                for (int q = 0; q < 2; q++) {                                                   \
+                    const uint32_t *at = p + (q * k + i) * 4;                                   \
+                    _mm_prefetch((const char *)at + ahead, _MM_HINT_T0);                        \
+                    _mm_prefetch((const char *)at + ahead + 64, _MM_HINT_T0);                   \
+                    for (int h = 0; h < 2; h++) { /* columns 0-15 of the panel, then 16-31 */   \
+                        __m512i w = _mm512_loadu_si512(at + 16 * h);                            \
+                        __m512i lo = _mm512_and_si512(w, low);                                  \
+                        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);            \
+                        for (int r = 0; r < R; r++) {                                           \
+                            const int32_t *xd = (const int32_t *)(head[r] + at_x);              \
+                            for (int d = 0; d < 3; d++) {                                       \
+                                __m512i *a = &acc[r][d][q * 2 + h];                             \
+                                *a = _mm512_dpbusd_epi32(*a, lo, _mm512_set1_epi32(xd[d]));     \
+                                *a = _mm512_dpbusd_epi32(*a, hi, _mm512_set1_epi32(xd[3 + d])); \
+                            }                                                                   \
+                        }                                                                       \
+                    }                                                                           \
+                }                                                                               \
+            }                                                                                   \
+            for (int r = 0; r < R; r++) {                                                       \
+                __m512 unit = _mm512_set1_ps(*(const float *)head[r]);                          \
+                for (int j = 0; j < 4; j++) {                                                   \
+                    __m512 a = Q4_COMBINE(_mm512_cvtepi32_ps, _mm512_fmadd_ps, _mm512_mul_ps,   \
+                                          _mm512_set1_ps, acc[r][0][j], acc[r][1][j],           \
+                                          acc[r][2][j], unit);                                  \
+                    const uint16_t *sc = s + ((j / 2) * groups + g) * PANEL + (j % 2) * 16;     \
+                    __m512 scale = vwiden_avx512(_mm256_loadu_si256((const __m256i *)sc));      \
+                    total[r][j] = _mm512_fmadd_ps(scale, a, total[r][j]);                       \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        for (int r = 0; r < R; r++) store_row512(total[r], y + r * ldy, bias);                  \
+    }
+Q4_ROWS512(1)
+Q4_ROWS512(2)
+#undef Q4_ROWS512
+#undef Q4_COMBINE
+
+/* int4_block on VNNI: rows in pairs, a last odd one alone */
+Q4VNNI static void int4_block512(const float *x, const void *p, const void *s, uint16_t *y,
+                                 long ldy, long m, long k, long group, const float *bias) {
+    long r = 0;
+    for (; r + 1 < m; r += 2)
+        q4_rows512_2(x + r * k, k, p, s, y + r * ldy, ldy, group, bias);
+    if (r < m) q4_rows512_1(x + r * k, k, p, s, y + r * ldy, ldy, group, bias);
+}
