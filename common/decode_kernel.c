@@ -238,7 +238,10 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                 memcpy(x + i * hidden, t->embedding[i], sizeof(uint16_t) * hidden);
             norm(x, 0, 0, m->first_norm, h, n, hidden, m->eps, 1);
             widen(h, xf, n * hidden);
-            block_rows(df, dg, xf, n, hidden);
+            if (m->layers) /* the first layer's qkv reads xf, else the LM head */
+                block_rows(df, dg, xf, n, hidden);
+            else if (m->lm_head)
+                block_rows(m->head_format, m->head_group, xf, n, hidden);
             if (qkv_tiles) tile_rows(h, n, hidden, xt);
         }
         for (long l = 0; l < m->layers; l++) {

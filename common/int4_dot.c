@@ -9,7 +9,8 @@
    A group's inputs become multiples of 2^(e - 22), e the exponent of the group's largest
    magnitude (|x| < 2^e), rounded to the nearest: N = x * 2^(22 - e), |N| <= 2^22, exact for a
    bfloat16 input at most 2^14 times smaller than that largest one (the rest rounded to within
-   2^-23 of it, below what a float32 sum of the products would round away).
+   2^-22 of it, about what a float32 sum of the products rounds away anyway; a group whose
+   largest input is below 2^-100 is held on 2^-122's grid).
    Each N is split into three signed bytes, N = b0 + 2^8 b1 + 2^16 b2. Per group, column and
    digit d, T_d = sum of b_d * q over the group's inputs (q = u - 8, u the stored nibble) is an
    exact int32 however it is summed: sum(b_d * u) by byte products (VNNI's vpdpbusd, 64 a
@@ -26,13 +27,27 @@
 
 static long q4_group_bytes(long group) { return Q4_HEADER + 3 * group; }
 
+static inline int32_t q4_word(const char *p) { /* the prepared bytes, read as they were written */
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float q4_unit(const char *head) {
+    float v;
+    memcpy(&v, head, sizeof v);
+    return v;
+}
+
 /* Rows x [m][k] prepared in place for int4_block's products, each still k floats apart: per
    group of `group` inputs, its header, then per 8 inputs 24 bytes, the digits of inputs 0, 2, 4
    and 6 (the low nibbles of a column's word), digit 0's four bytes, 1's, then 2's, and those of
    inputs 1, 3, 5 and 7 (the high nibbles) likewise. A group's bytes end where the next group's
    floats begin at the latest (groups hold 32 inputs or more), and are written once its floats
-   are read. A group holding a NaN or an infinity gets a NaN unit, so its columns come out NaN. */
+   are read. A group holding a NaN or an infinity gets a NaN unit, so its columns come out NaN.
+   common/quant.py admits groups of 32, 64 and 128 only; any other is left unprepared. */
 TARGET static void q4_prepare(float *x, long m, long k, long group) {
+    if (group < 32 || group > 128 || group % 8 || k % group) return; /* digits[] holds 128 */
     /* the inputs of one word's low nibbles first, then its high ones' */
     const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     /* each lane's low byte into the low 4 bytes of its half */
@@ -47,7 +62,9 @@ TARGET static void q4_prepare(float *x, long m, long k, long group) {
             __m256 top = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
             for (long i = 0; i < group; i += 8) {
                 __m256 a = _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude);
-                finite = _mm256_and_ps(finite, _mm256_cmp_ps(a, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ));
+                /* NaN compares false */
+                __m256 bounded = _mm256_cmp_ps(a, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ);
+                finite = _mm256_and_ps(finite, bounded);
                 top = _mm256_max_ps(top, a);
             }
             __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
@@ -107,10 +124,10 @@ TARGET static void q4_panel(const char *row, long k, long group, const uint32_t 
         const char *head = row + g * q4_group_bytes(group);
         __m256i acc[3][4];
         for (int d = 0; d < 3; d++)
-            for (int j = 0; j < 4; j++) acc[d][j] = _mm256_set1_epi32(((const int32_t *)head)[1 + d]);
+            for (int j = 0; j < 4; j++) acc[d][j] = _mm256_set1_epi32(q4_word(head + 4 + 4 * d));
         for (long i = g * group; i < (g + 1) * group; i += 8) {
             const __m256i *at = (const __m256i *)(p + i * 4);
-            const int32_t *x = (const int32_t *)(head + Q4_HEADER + (i - g * group) * 3);
+            const char *x = head + Q4_HEADER + (i - g * group) * 3;
             _mm_prefetch((const char *)at + ROW_AHEAD, _MM_HINT_T0);
             _mm_prefetch((const char *)at + ROW_AHEAD + 64, _MM_HINT_T0);
             for (int j = 0; j < 4; j++) {
@@ -118,14 +135,15 @@ TARGET static void q4_panel(const char *row, long k, long group, const uint32_t 
                 __m256i lo = _mm256_and_si256(w, low);
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
                 for (int d = 0; d < 3; d++) { /* |each 16-bit sum| <= 2 * 2 * 15 * 128 */
-                    __m256i pairs =
-                        _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[d])),
-                                         _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[3 + d])));
+                    __m256i b0 = _mm256_set1_epi32(q4_word(x + 4 * d));
+                    __m256i b1 = _mm256_set1_epi32(q4_word(x + 12 + 4 * d));
+                    __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, b0),
+                                                     _mm256_maddubs_epi16(hi, b1));
                     acc[d][j] = _mm256_add_epi32(acc[d][j], _mm256_madd_epi16(pairs, ones));
                 }
             }
         }
-        __m256 unit = _mm256_set1_ps(*(const float *)head);
+        __m256 unit = _mm256_set1_ps(q4_unit(head));
         for (int j = 0; j < 4; j++) {
             __m256 a = Q4_COMBINE(_mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_mul_ps,
                                   _mm256_set1_ps, acc[0][j], acc[1][j], acc[2][j], unit);
@@ -152,7 +170,7 @@ TARGET static void q4_panel(const char *row, long k, long group, const uint32_t 
             for (int r = 0; r < R; r++) {                                                       \
                 head[r] = (const char *)(x + r * k) + g * q4_group_bytes(group);                \
                 for (int d = 0; d < 3; d++)                                                     \
-                    acc[r][d] = _mm256_set1_epi32(((const int32_t *)head[r])[1 + d]);           \
+                    acc[r][d] = _mm256_set1_epi32(q4_word(head[r] + 4 + 4 * d));                \
             }                                                                                   \
             for (long i = g * group; i < (g + 1) * group; i += 8) {                             \
                 __m256i w = _mm256_loadu_si256((const __m256i *)(p + i * 4) + col);             \
@@ -160,18 +178,19 @@ TARGET static void q4_panel(const char *row, long k, long group, const uint32_t 
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);                    \
                 long at = Q4_HEADER + (i - g * group) * 3;                                      \
                 for (int r = 0; r < R; r++) {                                                   \
-                    const int32_t *xd = (const int32_t *)(head[r] + at);                        \
+                    const char *xd = head[r] + at;                                              \
                     for (int d = 0; d < 3; d++) {                                               \
-                        __m256i pairs = _mm256_add_epi16(                                       \
-                            _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xd[d])),                 \
-                            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xd[3 + d])));            \
+                        __m256i b0 = _mm256_set1_epi32(q4_word(xd + 4 * d));                    \
+                        __m256i b1 = _mm256_set1_epi32(q4_word(xd + 12 + 4 * d));               \
+                        __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, b0),          \
+                                                         _mm256_maddubs_epi16(hi, b1));         \
                         acc[r][d] = _mm256_add_epi32(acc[r][d], _mm256_madd_epi16(pairs, ones)); \
                     }                                                                           \
                 }                                                                               \
             }                                                                                   \
             __m256 scale = widen8(_mm_loadu_si128((const __m128i *)(s + g * PANEL + col * 8))); \
             for (int r = 0; r < R; r++) {                                                       \
-                __m256 unit = _mm256_set1_ps(*(const float *)head[r]);                          \
+                __m256 unit = _mm256_set1_ps(q4_unit(head[r]));                                 \
                 __m256 a = Q4_COMBINE(_mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_mul_ps,       \
                                       _mm256_set1_ps, acc[r][0], acc[r][1], acc[r][2], unit);   \
                 total[r] = _mm256_fmadd_ps(scale, a, total[r]);                                 \
@@ -228,7 +247,7 @@ static int vnni(void) { return avx512() && __builtin_cpu_supports("avx512vnni");
                 head[r] = (const char *)(x + r * k) + g * q4_group_bytes(group);                \
                 for (int d = 0; d < 3; d++)                                                     \
                     for (int j = 0; j < 4; j++)                                                 \
-                        acc[r][d][j] = _mm512_set1_epi32(((const int32_t *)head[r])[1 + d]);    \
+                        acc[r][d][j] = _mm512_set1_epi32(q4_word(head[r] + 4 + 4 * d));         \
             }                                                                                   \
             for (long i = g * group; i < (g + 1) * group; i += 8) {                             \
                 /* past a panel's end, the next block's panel, as quant_avx512.c's */           \
@@ -243,18 +262,19 @@ static int vnni(void) { return avx512() && __builtin_cpu_supports("avx512vnni");
                         __m512i lo = _mm512_and_si512(w, low);                                  \
                         __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);            \
                         for (int r = 0; r < R; r++) {                                           \
-                            const int32_t *xd = (const int32_t *)(head[r] + at_x);              \
+                            const char *xd = head[r] + at_x;                                    \
                             for (int d = 0; d < 3; d++) {                                       \
                                 __m512i *a = &acc[r][d][q * 2 + h];                             \
-                                *a = _mm512_dpbusd_epi32(*a, lo, _mm512_set1_epi32(xd[d]));     \
-                                *a = _mm512_dpbusd_epi32(*a, hi, _mm512_set1_epi32(xd[3 + d])); \
+                                __m512i b0 = _mm512_set1_epi32(q4_word(xd + 4 * d));            \
+                                __m512i b1 = _mm512_set1_epi32(q4_word(xd + 12 + 4 * d));       \
+                                *a = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*a, lo, b0), hi, b1); \
                             }                                                                   \
                         }                                                                       \
                     }                                                                           \
                 }                                                                               \
             }                                                                                   \
             for (int r = 0; r < R; r++) {                                                       \
-                __m512 unit = _mm512_set1_ps(*(const float *)head[r]);                          \
+                __m512 unit = _mm512_set1_ps(q4_unit(head[r]));                                 \
                 for (int j = 0; j < 4; j++) {                                                   \
                     __m512 a = Q4_COMBINE(_mm512_cvtepi32_ps, _mm512_fmadd_ps, _mm512_mul_ps,   \
                                           _mm512_set1_ps, acc[r][0][j], acc[r][1][j],           \

@@ -14,6 +14,9 @@ def panels(monkeypatch):
     if bf16.kernel("moe_decode_step") is None:
         pytest.skip("no C compiler or no AVX2 here: no bfloat16 panels")
     monkeypatch.setenv("MOE_MESH_PREPACK", "panels")
-    L.panels.cache_clear()
+    caches = (L.panels, L.packed)  # both read MOE_MESH_PREPACK: none may outlive the test
+    for c in caches:
+        c.cache_clear()
     yield
-    L.panels.cache_clear()
+    for c in caches:
+        c.cache_clear()
