@@ -20,7 +20,7 @@
 
    As the integer sums are exact, each kernel here (AVX2 or VNNI, one row or two) gives a row the
    same bits, independent of its batch-mates and of the CPU. On that host (VNNI), a one-row
-   product from L2 read 1.6x the float kernel's weights a second, and a decode step's int4 weights
+   product from L2 read 1.5x the float kernel's weights a second, and a decode step's int4 weights
    stream at bfloat16's share of the bandwidth (docs/performance.md, host C, stop 65). */
 
 #define Q4_HEADER 16 /* a group's: the unit 2^(e - 22), float; the offsets -8 sum(b_d), 3 int32 */
