@@ -4,9 +4,10 @@
 
    A decode step at batch 1 reads each weight once, and the AVX2 row kernels convert a weight a
    lane on 8 lanes: on a 2-core AMX host int4's read 11 GB/s of weights where int8's read 23 and
-   the host 30. These do a column's arithmetic on 16 lanes instead of 8 and nothing else: each column's sums, products and roundings are quant_kernel.c's row kernels' (the same
-   scaled x, the same nibbles or codes, the same group_sum, in the same order), so a row's bits
-   do not depend on which kernel computed it, nor on the CPU. */
+   the host 30. These do a column's arithmetic on 16 lanes instead of 8 and nothing else: each
+   column's sums, products and roundings are quant_kernel.c's row kernels' (the same scaled x,
+   the same codes, the same group_sum, in the same order), so a row's bits do not depend on which
+   kernel computed it, nor on the CPU. */
 
 #define Q512TARGET __attribute__((target("avx512f,avx512bw,avx2,fma")))
 

@@ -89,10 +89,10 @@ BLOCK(int8_block, FORMAT_INT8, q8_2_1, q8_1_2, k * PANEL, PANEL * sizeof(float))
 
 /* input i + N of every column of the P panels (words from at[q]) times x, into acc: the code,
    looked up in place, times x scaled to match, so each product is as rounded as a plain one.
-   Input by input over all R * 4P
-   accumulators, the words read again from L1 for each input: held in registers across the eight
-   inputs, as a panel at a time held them, they left the accumulators no room and GCC spilled them
-   (one-row products 22% slower on AVX2). A macro, so that masks are constants. */
+   Input by input over all R * 4P accumulators, the words read again from L1 for each input: held
+   in registers across the eight inputs, as a panel at a time held them, they left the
+   accumulators no room and GCC spilled them (one-row products 22% slower on AVX2). A macro, so
+   that masks are constants. */
 #define Q4STEP(N, WEIGHT, SCALE)                                                             \
     __asm__("" ::: "memory"); /* the words are read again, not kept in registers */           \
     for (int r = 0; r < rows; r++) xr[r] = _mm256_set1_ps(x[r * k + i + N] * (SCALE));       \
