@@ -162,61 +162,58 @@ TARGET static void q4_panel(const char *row, long k, long group, const uint32_t 
     for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + 8 * j, total[j]);
 }
 
-/* AVX2, R prepared rows (k floats apart) against 8 columns (words `col` of each 8 inputs' 32 in
-   a panel) into out [R][64] at the columns' place, the nibbles unpacked once for the R rows and
-   two steps' byte products summed in 16 bits before they are widened (1.1x one step at a time).
-   2 rows: their 6 sums and two steps' words fill the 16 registers (3 rows spilled, as did 4
-   steps). */
-#define Q4_COLUMNS(R)                                                                           \
-    TARGET static void q4_columns_##R(const float *x, long k, long group, const uint32_t *p,   \
-                                      const uint16_t *s, int col, float *out) {                 \
-        const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                  \
-        __m256 total[R];                                                                        \
-        for (int r = 0; r < R; r++) total[r] = _mm256_setzero_ps();                             \
-        for (long g = 0; g < k / group; g++) {                                                  \
-            const char *head[R];                                                                \
-            __m256i acc[R][3];                                                                  \
-            for (int r = 0; r < R; r++) {                                                       \
-                head[r] = (const char *)(x + r * k) + g * q4_group_bytes(group);                \
-                for (int d = 0; d < 3; d++)                                                     \
-                    acc[r][d] = _mm256_set1_epi32(q4_word(head[r] + 4 + 4 * d));                \
-            }                                                                                   \
-            for (long i = g * group; i < (g + 1) * group; i += 16) { /* two steps */           \
-                const __m256i *at = (const __m256i *)(p + i * 4) + col;                        \
-                __m256i w0 = _mm256_loadu_si256(at), w1 = _mm256_loadu_si256(at + PANEL / 8);   \
-                __m256i lo0 = _mm256_and_si256(w0, low);                                        \
-                __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low);                  \
-                __m256i lo1 = _mm256_and_si256(w1, low);                                        \
-                __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low);                  \
-                long at_x = Q4_HEADER + (i - g * group) * 3;                                    \
-                for (int r = 0; r < R; r++) {                                                   \
-                    const char *xd = head[r] + at_x;                                            \
-                    for (int d = 0; d < 3; d++) { /* |16-bit sums| <= 4 * 2 * 15 * 128 */       \
-                        __m256i b0 = _mm256_set1_epi32(q4_word(xd + 4 * d));                    \
-                        __m256i b1 = _mm256_set1_epi32(q4_word(xd + 12 + 4 * d));               \
-                        __m256i b2 = _mm256_set1_epi32(q4_word(xd + 24 + 4 * d));               \
-                        __m256i b3 = _mm256_set1_epi32(q4_word(xd + 36 + 4 * d));               \
-                        __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, b0),            \
-                                                      _mm256_maddubs_epi16(hi0, b1));           \
-                        __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, b2),            \
-                                                      _mm256_maddubs_epi16(hi1, b3));           \
-                        __m256i pairs = _mm256_add_epi16(s0, s1);                               \
-                        acc[r][d] = _mm256_add_epi32(acc[r][d], _mm256_madd_epi16(pairs, ones)); \
-                    }                                                                           \
-                }                                                                               \
-            }                                                                                   \
-            __m256 scale = widen8(_mm_loadu_si128((const __m128i *)(s + g * PANEL + col * 8))); \
-            for (int r = 0; r < R; r++) {                                                       \
-                __m256 unit = _mm256_set1_ps(q4_unit(head[r]));                                 \
-                __m256 a = Q4_COMBINE(_mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_mul_ps,       \
-                                      _mm256_set1_ps, acc[r][0], acc[r][1], acc[r][2], unit);   \
-                total[r] = _mm256_fmadd_ps(scale, a, total[r]);                                 \
-            }                                                                                   \
-        }                                                                                       \
-        for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * 64, total[r]);                   \
+/* AVX2, 2 prepared rows (k floats apart) against 8 columns (words `col` of each 8 inputs' 32 in a
+   panel) into out [2][64] at the columns' place, the nibbles unpacked once for both rows and two
+   steps' byte products summed in 16 bits before they are widened (1.1x one step at a time). The
+   rows' 6 sums and two steps' words fill the 16 registers (3 rows spilled, as did 4 steps). */
+TARGET static void q4_columns_2(const float *x, long k, long group, const uint32_t *p,
+                                const uint16_t *s, int col, float *out) {
+    enum { R = 2 };
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 total[R];
+    for (int r = 0; r < R; r++) total[r] = _mm256_setzero_ps();
+    for (long g = 0; g < k / group; g++) {
+        const char *head[R];
+        __m256i acc[R][3];
+        for (int r = 0; r < R; r++) {
+            head[r] = (const char *)(x + r * k) + g * q4_group_bytes(group);
+            for (int d = 0; d < 3; d++)
+                acc[r][d] = _mm256_set1_epi32(q4_word(head[r] + 4 + 4 * d));
+        }
+        for (long i = g * group; i < (g + 1) * group; i += 16) { /* two steps */
+            const __m256i *at = (const __m256i *)(p + i * 4) + col;
+            __m256i w0 = _mm256_loadu_si256(at), w1 = _mm256_loadu_si256(at + PANEL / 8);
+            __m256i lo0 = _mm256_and_si256(w0, low);
+            __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low);
+            __m256i lo1 = _mm256_and_si256(w1, low);
+            __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low);
+            long at_x = Q4_HEADER + (i - g * group) * 3;
+            for (int r = 0; r < R; r++) {
+                const char *xd = head[r] + at_x;
+                for (int d = 0; d < 3; d++) { /* |16-bit sums| <= 4 * 2 * 15 * 128 */
+                    __m256i b0 = _mm256_set1_epi32(q4_word(xd + 4 * d));
+                    __m256i b1 = _mm256_set1_epi32(q4_word(xd + 12 + 4 * d));
+                    __m256i b2 = _mm256_set1_epi32(q4_word(xd + 24 + 4 * d));
+                    __m256i b3 = _mm256_set1_epi32(q4_word(xd + 36 + 4 * d));
+                    __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, b0),
+                                                  _mm256_maddubs_epi16(hi0, b1));
+                    __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, b2),
+                                                  _mm256_maddubs_epi16(hi1, b3));
+                    __m256i pairs = _mm256_add_epi16(s0, s1);
+                    acc[r][d] = _mm256_add_epi32(acc[r][d], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+        }
+        __m256 scale = widen8(_mm_loadu_si128((const __m128i *)(s + g * PANEL + col * 8)));
+        for (int r = 0; r < R; r++) {
+            __m256 unit = _mm256_set1_ps(q4_unit(head[r]));
+            __m256 a = Q4_COMBINE(_mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_mul_ps,
+                                  _mm256_set1_ps, acc[r][0], acc[r][1], acc[r][2], unit);
+            total[r] = _mm256_fmadd_ps(scale, a, total[r]);
+        }
     }
-Q4_COLUMNS(2)
-#undef Q4_COLUMNS
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * 64, total[r]);
+}
 
 /* int4's block_fn: x its m rows prepared (q4_prepare), k floats apart. One row streams both
    panels (q4_panel); more go 2 rows at a time, 8 columns at a time. */
