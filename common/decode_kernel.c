@@ -130,6 +130,15 @@ static void dense(int format, long group, const float *xf, const uint16_t *xt, c
         product(format, group, xf, w, scales, y, ldy, k, c, n);
 }
 
+/* xf [n][hidden], h widened, made what reads it next: layer l's qkv, or past the last layer the
+   LM head */
+static void next_rows(const moe_model *m, long l, float *xf, long n) {
+    if (l < m->layers)
+        block_rows(m->dense_format, m->dense_group, xf, n, m->hidden);
+    else if (m->lm_head)
+        block_rows(m->head_format, m->head_group, xf, n, m->hidden);
+}
+
 /* The step's attention after the qkv product, moe_decode_step_attention's work: for token i,
    with Qwen3's per-head q/k norm first where the model has it, RoPE of q and k and the cache
    write (`prepare`, one token a job), then each KV head's attention (`attend`, one job per token
@@ -238,10 +247,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                 memcpy(x + i * hidden, t->embedding[i], sizeof(uint16_t) * hidden);
             norm(x, 0, 0, m->first_norm, h, n, hidden, m->eps, 1);
             widen(h, xf, n * hidden);
-            if (m->layers) /* the first layer's qkv reads xf, else the LM head */
-                block_rows(df, dg, xf, n, hidden);
-            else if (m->lm_head)
-                block_rows(m->head_format, m->head_group, xf, n, hidden);
+            next_rows(m, 0, xf, n);
             if (qkv_tiles) tile_rows(h, n, hidden, xt);
         }
         for (long l = 0; l < m->layers; l++) {
@@ -321,10 +327,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                 PICK(combine)(rows, 1, weights, m->weights_bf16, n, k, hidden, 1, delta, 1);
                 norm(x, delta, x, m->next_norm[l], h, n, hidden, m->eps, 1);
                 widen(h, xf, n * hidden);
-                if (l + 1 < m->layers) /* the next layer's qkv reads xf, else the LM head */
-                    block_rows(df, dg, xf, n, hidden);
-                else if (m->lm_head)
-                    block_rows(m->head_format, m->head_group, xf, n, hidden);
+                next_rows(m, l + 1, xf, n);
                 if (qkv_tiles || (head_tiles && l == m->layers - 1)) tile_rows(h, n, hidden, xt);
             }
         }

@@ -113,12 +113,34 @@ TARGET static void q4_prepare(float *x, long m, long k, long group) {
 #define Q4_COMBINE(CVT, FMA, MUL, SET, T0, T1, T2, UNIT)                                        \
     MUL(FMA(CVT(T2), SET(65536.0f), FMA(CVT(T1), SET(256.0f), CVT(T0))), UNIT)
 
+/* AVX2: two steps' words (w0, then w1 8 inputs on) as their low and high nibbles, bytes */
+typedef struct {
+    __m256i lo0, hi0, lo1, hi1;
+} q4_nibbles;
+
+TARGET static inline q4_nibbles q4_unpack(__m256i w0, __m256i w1) {
+    const __m256i low = _mm256_set1_epi8(15);
+    return (q4_nibbles){_mm256_and_si256(w0, low), _mm256_and_si256(_mm256_srli_epi16(w0, 4), low),
+                        _mm256_and_si256(w1, low), _mm256_and_si256(_mm256_srli_epi16(w1, 4), low)};
+}
+
+/* digit d's byte products of those two steps with the digits at x (the first step's), summed per
+   column in int32: summed in 16 bits first (|each sum| <= 4 * 2 * 15 * 128), then widened */
+TARGET static inline __m256i q4_dot(q4_nibbles n, const char *x, int d) {
+    __m256i s0 = _mm256_add_epi16(
+        _mm256_maddubs_epi16(n.lo0, _mm256_set1_epi32(q4_word(x + 4 * d))),
+        _mm256_maddubs_epi16(n.hi0, _mm256_set1_epi32(q4_word(x + 12 + 4 * d))));
+    __m256i s1 = _mm256_add_epi16(
+        _mm256_maddubs_epi16(n.lo1, _mm256_set1_epi32(q4_word(x + 24 + 4 * d))),
+        _mm256_maddubs_epi16(n.hi1, _mm256_set1_epi32(q4_word(x + 36 + 4 * d))));
+    return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), _mm256_set1_epi16(1));
+}
+
 /* AVX2: one prepared row against one panel (32 columns, 4 vectors of 8 words) into out [32]:
-   scales s and weights p of that panel, two steps at a time (their byte products summed in 16
-   bits before they are widened: 1.1x from L2) */
+   scales s and weights p of that panel, two steps at a time (q4_dot: 1.1x one at a time from
+   L2) */
 TARGET static void q4_panel(const char *row, long k, long group, const uint32_t *p,
                             const uint16_t *s, float *out) {
-    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256 total[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                        _mm256_setzero_ps()};
     for (long g = 0; g < k / group; g++) {
@@ -135,20 +157,9 @@ TARGET static void q4_panel(const char *row, long k, long group, const uint32_t 
             }
             for (int j = 0; j < 4; j++) {
                 __m256i w0 = _mm256_loadu_si256(at + j), w1 = _mm256_loadu_si256(at + 4 + j);
-                __m256i lo0 = _mm256_and_si256(w0, low);
-                __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low);
-                __m256i lo1 = _mm256_and_si256(w1, low);
-                __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low);
-                for (int d = 0; d < 3; d++) { /* |each 16-bit sum| <= 4 * 2 * 15 * 128 */
-                    __m256i s0 = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo0, _mm256_set1_epi32(q4_word(x + 4 * d))),
-                        _mm256_maddubs_epi16(hi0, _mm256_set1_epi32(q4_word(x + 12 + 4 * d))));
-                    __m256i s1 = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo1, _mm256_set1_epi32(q4_word(x + 24 + 4 * d))),
-                        _mm256_maddubs_epi16(hi1, _mm256_set1_epi32(q4_word(x + 36 + 4 * d))));
-                    __m256i pairs = _mm256_add_epi16(s0, s1);
-                    acc[d][j] = _mm256_add_epi32(acc[d][j], _mm256_madd_epi16(pairs, ones));
-                }
+                q4_nibbles n = q4_unpack(w0, w1);
+                for (int d = 0; d < 3; d++)
+                    acc[d][j] = _mm256_add_epi32(acc[d][j], q4_dot(n, x, d));
             }
         }
         __m256 unit = _mm256_set1_ps(q4_unit(head));
@@ -163,13 +174,12 @@ TARGET static void q4_panel(const char *row, long k, long group, const uint32_t 
 }
 
 /* AVX2, 2 prepared rows (k floats apart) against 8 columns (words `col` of each 8 inputs' 32 in a
-   panel) into out [2][64] at the columns' place, the nibbles unpacked once for both rows and two
-   steps' byte products summed in 16 bits before they are widened (1.1x one step at a time). The
-   rows' 6 sums and two steps' words fill the 16 registers (3 rows spilled, as did 4 steps). */
+   panel) into out [2][64] at the columns' place, the nibbles unpacked once for both rows, two
+   steps at a time (q4_dot: 1.1x one at a time). The rows' 6 sums and two steps' words fill the 16
+   registers (3 rows spilled, as did 4 steps). */
 TARGET static void q4_columns_2(const float *x, long k, long group, const uint32_t *p,
                                 const uint16_t *s, int col, float *out) {
     enum { R = 2 };
-    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256 total[R];
     for (int r = 0; r < R; r++) total[r] = _mm256_setzero_ps();
     for (long g = 0; g < k / group; g++) {
@@ -182,27 +192,11 @@ TARGET static void q4_columns_2(const float *x, long k, long group, const uint32
         }
         for (long i = g * group; i < (g + 1) * group; i += 16) { /* two steps */
             const __m256i *at = (const __m256i *)(p + i * 4) + col;
-            __m256i w0 = _mm256_loadu_si256(at), w1 = _mm256_loadu_si256(at + PANEL / 8);
-            __m256i lo0 = _mm256_and_si256(w0, low);
-            __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low);
-            __m256i lo1 = _mm256_and_si256(w1, low);
-            __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low);
+            q4_nibbles n = q4_unpack(_mm256_loadu_si256(at), _mm256_loadu_si256(at + PANEL / 8));
             long at_x = Q4_HEADER + (i - g * group) * 3;
-            for (int r = 0; r < R; r++) {
-                const char *xd = head[r] + at_x;
-                for (int d = 0; d < 3; d++) { /* |16-bit sums| <= 4 * 2 * 15 * 128 */
-                    __m256i b0 = _mm256_set1_epi32(q4_word(xd + 4 * d));
-                    __m256i b1 = _mm256_set1_epi32(q4_word(xd + 12 + 4 * d));
-                    __m256i b2 = _mm256_set1_epi32(q4_word(xd + 24 + 4 * d));
-                    __m256i b3 = _mm256_set1_epi32(q4_word(xd + 36 + 4 * d));
-                    __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, b0),
-                                                  _mm256_maddubs_epi16(hi0, b1));
-                    __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, b2),
-                                                  _mm256_maddubs_epi16(hi1, b3));
-                    __m256i pairs = _mm256_add_epi16(s0, s1);
-                    acc[r][d] = _mm256_add_epi32(acc[r][d], _mm256_madd_epi16(pairs, ones));
-                }
-            }
+            for (int r = 0; r < R; r++)
+                for (int d = 0; d < 3; d++)
+                    acc[r][d] = _mm256_add_epi32(acc[r][d], q4_dot(n, head[r] + at_x, d));
         }
         __m256 scale = widen8(_mm_loadu_si128((const __m128i *)(s + g * PANEL + col * 8)));
         for (int r = 0; r < R; r++) {
