@@ -49,7 +49,7 @@ _SOURCES = [
         "bf16_kernel.c",
         "quant_kernel.c",
         "quant_avx512.c",
-        "int4_dot.c",
+        "int_dot.c",
         "f32_kernel.c",
         "f32_lanes.c",
         "decode_kernel.c",

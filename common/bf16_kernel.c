@@ -125,7 +125,7 @@ typedef void (*block_fn)(const float *x, const void *w, const void *scales, uint
                          long m, long k, long group, const float *bias);
 
 static block_fn pick_block(int format) {
-    return format == FORMAT_INT8   ? (avx512() ? int8_block512 : int8_block)
+    return format == FORMAT_INT8   ? (avx512() ? int8_block_dot512 : int8_block)
            : format == FORMAT_INT4 ? (vnni() ? int4_block512 : int4_block)
            : format == FORMAT_FP8  ? fp8_block
            : format == FORMAT_MXFP4 ? (avx512() ? mxfp4_block512 : mxfp4_block)
@@ -139,9 +139,16 @@ static long block_scale_bytes(int format, long k, long group) { /* and its scale
                                    : 0;
 }
 
-/* Rows xf [m][k], widened, made what `format`'s blocks read: int4's prepared in place */
+/* Whether `format`'s blocks read rows prepared by block_rows, not the widened floats */
+static int prepared(int format, long k) {
+    return format == FORMAT_INT4 || (format == FORMAT_INT8 && q8_dot(k));
+}
+
+/* Rows xf [m][k], widened, made what `format`'s blocks read: int4's and int8's prepared in place
+   where their products are integer dot products (int_dot.c) */
 static void block_rows(int format, long group, float *xf, long m, long k) {
     if (format == FORMAT_INT4) q4_prepare(xf, m, k, group);
+    if (format == FORMAT_INT8) q8_prepare(xf, m, k);
 }
 
 /* x [m][k] bfloat16, w a weight [n][k] in `format` (scales with it, NULL for bfloat16), bias [n]
@@ -761,7 +768,7 @@ TARGET static void FN(bf16_block)(const float *x, const void *p, const void *sca
 #if ISA == 256
 #include "quant_kernel.c" /* int8 and int4 weights: AVX2 code, which AVX-512 hosts run too */
 #include "quant_avx512.c" /* ... and their AVX-512 versions */
-#include "int4_dot.c"     /* int4's products, as integer dot products */
+#include "int_dot.c"     /* int4's and int8's products, as integer dot products */
 #include "f32_kernel.c"   /* float32 weights as stored, likewise */
 #else
 #include "f32_lanes.c" /* float32 products of a few rows with MKL's AVX-512 bits */

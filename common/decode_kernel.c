@@ -274,7 +274,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
 #pragma omp single
                 tile_rows(out, n, attended, xt);
             }
-            if (df == FORMAT_INT4) {
+            if (prepared(df, attended)) {
 #pragma omp for schedule(static)
                 for (long i = 0; i < n; i++) block_rows(df, dg, xf + i * attended, 1, attended);
             }

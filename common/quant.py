@@ -1,8 +1,9 @@
 """Weight-only int8 and int4 experts: quantized once per host, computed by the bfloat16 kernels.
 
 Activations stay bfloat16 (float32 inside the kernel); only the weights are integers, each
-output column's products summed in float32 (common/quant_kernel.c), int4's in integers from each
-group's inputs made exact integers (common/int4_dot.c):
+output column's products summed in float32 (common/quant_kernel.c), int4's (and int8's on a CPU
+with AVX-512 VNNI and VBMI) in integers from each group's inputs made exact integers
+(common/int_dot.c):
 
 - int8, per output channel, symmetric: s = max|w| / 127 (float32), q = round(w / s) in
   [-127, 127]. One byte a weight.

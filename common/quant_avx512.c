@@ -1,4 +1,4 @@
-/* int8, MXFP4 and FP8 products in AVX-512 (int4's: int4_dot.c), for bf16_kernel.c, which
+/* int8, MXFP4 and FP8 products in AVX-512 (int4's: int_dot.c), for bf16_kernel.c, which
    includes this file after quant_kernel.c in its AVX2 pass: one-row kernels (pick_block takes
    these blocks where the CPU has AVX-512) and many_rows' tiles (wide_tiles).
 

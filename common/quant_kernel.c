@@ -11,7 +11,7 @@
    int4 (groups of `group` inputs along k, group a multiple of 8, symmetric: q in [-8, 7] stored as
    u = q + 8): panels of 32 columns, for each 8 inputs of a panel 32 words W[c] holding column c's
    8 nibbles, input k0 + j at bits 4j; scales s[panel][k / group][32] bfloat16. Its products are
-   integer dot products (int4_dot.c).
+   integer dot products (int_dot.c).
 
    MXFP4 (OCP microscaling, gpt-oss's experts; common/mxfp4.py): int4's words and scale layout,
    groups of 32 inputs. The FP4 E2M1 codes are re-encoded once at load so that code c means
@@ -404,7 +404,7 @@ static const tile_fn *wide_tiles(int format);
 /* m rows of x [m][k] against a 64-column block of `format`, in tiles of up to 6 rows and 16
    columns (on AVX-512, quant_avx512.c's tiles of up to WIDE_ROWS rows: at 32 rows on a 2-core
    AMX host quantized experts decoded 1.12x bfloat16's speed, 0.79x on the AVX2 tiles; MXFP4's 2
-   rows: its pair kernel; int4: int4_dot.c), each chunk of inputs at a time (int8: 64, the others a
+   rows: its pair kernel; int4: int_dot.c), each chunk of inputs at a time (int8: 64, the others a
    group): the arithmetic of the row kernels, step for step. A row's 64 sums run in float32
    (`total`; all but int8 add each group's sums into it, scaled, as the row kernels do). */
 TARGET static void many_rows(int format, const float *x, const void *p, const void *s, uint16_t *y,

@@ -59,15 +59,30 @@ def test_a_product_is_the_formats_reference_arithmetic_to_float_accuracy(q, rows
     assert ((y.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-5).all()
 
 
-def test_int4_inputs_of_any_range_give_the_reference_and_a_nan_spreads_only_to_its_row():
-    """int4's inputs become integers per group (int4_dot.c): tiny, huge, zero and mixed groups
-    keep the reference's accuracy; a NaN or an infinity makes its row NaN, and only its row."""
-    p = QuantPanels(weight(128, 256), Quantization("int4", 64))
+@pytest.mark.parametrize("k", [72, 96, 192, 320])
+def test_int8_of_any_width_is_the_reference_arithmetic(k):
+    """int8's input groups are the largest of 128, 64 and 32 inputs dividing k (int_dot.c); a k
+    that none divides (72) is computed by the float kernels instead."""
+    p = QuantPanels(weight(64, k), Quantization("int8"))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    y, ref = p(x), reference(x, p)
+    assert ((y.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-5).all()
+    assert torch.equal(p(x[1:2]), y[1:2])
+
+
+@pytest.mark.parametrize(
+    "q", [Quantization("int8"), Quantization("int4", 64)], ids=lambda q: q.name
+)
+def test_inputs_of_any_range_give_the_reference_and_a_nan_spreads_only_to_its_row(q):
+    """int4's inputs, and int8's where the CPU has VNNI and VBMI, become integers per group
+    (int_dot.c): tiny, huge, zero and mixed groups keep the reference's accuracy; a NaN or an
+    infinity makes its row NaN, and only its row."""
+    p = QuantPanels(weight(128, 256), q)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(6, 256, generator=gen)
     x[0] *= 1e-30  # about 2^-100: below it a group is computed on 2^-122's grid
     x[1] *= 1e30
-    x[2, :64] = 0  # a group of zeros
+    x[2, :128] = 0  # a group of zeros (int8's hold 128 inputs here)
     x[3, ::7] *= 2.0**-20  # inputs far below their group's largest, rounded to its grid
     x = x.bfloat16()
     y, ref = p(x), reference(x, p)
@@ -91,11 +106,14 @@ def test_a_rows_bits_do_not_depend_on_its_batch_mates(q):
 @pytest.mark.parametrize("q", FORMATS, ids=lambda q: q.name)
 def test_products_on_avx512_give_the_avx2_kernels_bits(q):
     """quant_avx512.c's row kernels and tiles against quant_kernel.c's, at one row, a pair, tiles
-    of every width, and two and three tiles' worth, a bias and many groups included."""
+    of every width, and two and three tiles' worth, a bias and many groups included. int8's at
+    level 2: where the CPU has VNNI and VBMI, the full level computes int8 as integer dot
+    products, whose bits are that CPU's own (int_dot.c)."""
     gen = torch.Generator().manual_seed(4)
     p, bias = QuantPanels(weight(192, 2048), q), torch.randn(192, generator=gen)
     xs = [torch.randn(m, 2048, generator=gen).bfloat16() for m in ROWS]
-    assert_avx2_bits(lambda: [p(x, b) for x in xs for b in (None, bias)])
+    level = 2 if q.scheme == "int8" else 3
+    assert_avx2_bits(lambda: [p(x, b) for x in xs for b in (None, bias)], level)
 
 
 @pytest.mark.parametrize(
