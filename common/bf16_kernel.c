@@ -50,7 +50,8 @@ int moe_bf16_supported(void) {
 }
 
 static int level_cap = 3;
-/* Run no higher than `level` (tests: the AVX2 kernels on an AVX-512 host too) */
+/* Run no higher than `level` (tests: the AVX2 kernels on an AVX-512 host too; 2 also leaves out
+   int8's integer dot products, whose bits are the CPU's own: int_dot.c) */
 void moe_bf16_limit(int level) { level_cap = level; }
 
 static int avx512(void) { return level_cap >= 2 && moe_bf16_supported() >= 2; }
@@ -768,7 +769,7 @@ TARGET static void FN(bf16_block)(const float *x, const void *p, const void *sca
 #if ISA == 256
 #include "quant_kernel.c" /* int8 and int4 weights: AVX2 code, which AVX-512 hosts run too */
 #include "quant_avx512.c" /* ... and their AVX-512 versions */
-#include "int_dot.c"     /* int4's and int8's products, as integer dot products */
+#include "int_dot.c"      /* int4's and int8's products, as integer dot products */
 #include "f32_kernel.c"   /* float32 weights as stored, likewise */
 #else
 #include "f32_lanes.c" /* float32 products of a few rows with MKL's AVX-512 bits */

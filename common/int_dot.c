@@ -363,13 +363,13 @@ TARGET static void q8_prepare(float *x, long m, long k) {
     Q8DOT static void q8_rows512_##R(const float *x, long k, const int8_t *p, const float *s,  \
                                      uint16_t *y, long ldy, const float *bias) {                \
         long group = q8_group(k);                                                               \
-        __m512i gather[2];                                                                      \
-        for (int h = 0; h < 2; h++) {                                                           \
-            uint8_t at[64];                                                                     \
-            for (int c = 0; c < 16; c++)                                                        \
-                for (int j = 0; j < 4; j++) at[4 * c + j] = (uint8_t)(32 * j + 16 * h + c);     \
-            gather[h] = _mm512_loadu_si512(at);                                                 \
-        }                                                                                       \
+        /* byte 4c + j: 32j + c (dword c: 0x60402000 + c * 0x01010101), then those + 16 */       \
+        const __m512i first = _mm512_add_epi32(                                                 \
+            _mm512_set1_epi32(0x60402000),                                                      \
+            _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, \
+                                                 14, 15),                                       \
+                               _mm512_set1_epi32(0x01010101)));                                 \
+        const __m512i gather[2] = {first, _mm512_add_epi8(first, _mm512_set1_epi8(16))};        \
         const __m512i flip = _mm512_set1_epi8((char)0x80);                                      \
         __m512 total[R][4];                                                                     \
         for (int r = 0; r < R; r++)                                                             \

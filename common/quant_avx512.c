@@ -1,6 +1,6 @@
-/* int8, MXFP4 and FP8 products in AVX-512 (int4's: int_dot.c), for bf16_kernel.c, which
-   includes this file after quant_kernel.c in its AVX2 pass: one-row kernels (pick_block takes
-   these blocks where the CPU has AVX-512) and many_rows' tiles (wide_tiles).
+/* int8, MXFP4 and FP8 products in AVX-512 (int4's, and int8's on VNNI and VBMI: int_dot.c), for
+   bf16_kernel.c, which includes this file after quant_kernel.c in its AVX2 pass: one-row kernels
+   (pick_block takes these blocks where the CPU has AVX-512) and many_rows' tiles (wide_tiles).
 
    A decode step at batch 1 reads each weight once, and the AVX2 row kernels convert a weight a
    lane on 8 lanes: on a 2-core AMX host int4's read 11 GB/s of weights where int8's read 23 and

@@ -6,7 +6,8 @@
 
    int8 (per output column symmetric): panels of 32 columns, P[panel][k][32] int8 in column order,
    scales s[n] float32; y[c] = s[c] * sum over k in order of x[k] * q[c][k], one float32
-   accumulator per column.
+   accumulator per column (on a CPU with AVX-512 VNNI and VBMI, integer dot products instead:
+   int_dot.c).
 
    int4 (groups of `group` inputs along k, group a multiple of 8, symmetric: q in [-8, 7] stored as
    u = q + 8): panels of 32 columns, for each 8 inputs of a panel 32 words W[c] holding column c's
