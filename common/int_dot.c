@@ -420,9 +420,12 @@ Q8_ROWS512(2)
 #undef Q8_ROWS512
 
 /* int8's block_fn where the CPU has AVX-512: x prepared (q8_prepare) where q8_dot(k), its rows
-   in pairs and a last odd one alone; else quant_avx512.c's float kernels */
-Q8DOT static void int8_block_dot512(const float *x, const void *p, const void *s, uint16_t *y,
-                                    long ldy, long m, long k, long group, const float *bias) {
+   in pairs and a last odd one alone; else quant_avx512.c's float kernels. AVX-512F's target, not
+   Q8DOT's: on a CPU without VNNI or VBMI the float kernels run from here, and GCC may inline them
+   with the instructions its target allows. */
+Q512TARGET static void int8_block_dot512(const float *x, const void *p, const void *s,
+                                         uint16_t *y, long ldy, long m, long k, long group,
+                                         const float *bias) {
     if (!q8_dot(k)) return int8_block512(x, p, s, y, ldy, m, k, group, bias);
     long r = 0;
     for (; r + 1 < m; r += 2) q8_rows512_2(x + r * k, k, p, s, y + r * ldy, ldy, bias);
