@@ -252,6 +252,12 @@ TARGET static void int4_block(const float *x, const void *p, const void *s, uint
 
 static int vnni(void) { return avx512() && __builtin_cpu_supports("avx512vnni"); }
 
+/* Bytes of a panel the VNNI kernels prefetch ahead: as the bfloat16 kernels' AHEAD, where the AVX2
+   row kernels' ROW_AHEAD is 8192. On host C (docs/performance.md, stop 66) a Qwen3-slice decode
+   with every layer in int8 ran 99.2 tok/s against 95.6 with 8192 (six alternations), int4 199.2
+   against 194.1 (three). */
+#define DOT_AHEAD 2048
+
 /* acc + the byte products of u (unsigned) and b (signed), as _mm512_dpbusd_epi32; written out
    because around the intrinsic GCC copied each accumulator out and back every step (int8: 12
    moves beside 6 vpdpbusd, a one-row product from L2 1.3x slower) */
@@ -287,7 +293,7 @@ Q4VNNI static inline __m512i dpbusd512(__m512i acc, __m512i u, __m512i b) {
             DOT_START512(R, x, k, g, group, head, acc)                                          \
             for (long i = g * group; i < (g + 1) * group; i += 8) {                             \
                 /* past a panel's end, the next block's panel, as quant_avx512.c's */           \
-                long ahead = ROW_AHEAD + (i * 16 + ROW_AHEAD >= k * 16 ? k * 16 : 0);           \
+                long ahead = DOT_AHEAD + (i * 16 + DOT_AHEAD >= k * 16 ? k * 16 : 0);           \
                 long at_x = DOT_HEADER + (i - g * group) * 3;                                    \
                 for (int q = 0; q < 2; q++) {                                                   \
                     const uint32_t *at = p + (q * k + i) * 4;                                   \
@@ -380,7 +386,7 @@ TARGET static void q8_prepare(float *x, long m, long k) {
             DOT_START512(R, x, k, g, group, head, acc)                                          \
             for (long i = g * group; i < (g + 1) * group; i += 4) {                             \
                 /* past a panel's end, the next block's panel, as quant_avx512.c's */           \
-                long ahead = ROW_AHEAD + (i * PANEL + ROW_AHEAD >= k * PANEL ? k * PANEL : 0);  \
+                long ahead = DOT_AHEAD + (i * PANEL + DOT_AHEAD >= k * PANEL ? k * PANEL : 0);  \
                 long at_x = DOT_HEADER + (i - g * group) / 8 * 24 + (i % 8 ? 12 : 0);            \
                 __m512i w[4];                                                                   \
                 for (int q = 0; q < 2; q++) {                                                   \
