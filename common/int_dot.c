@@ -125,7 +125,7 @@ TARGET static void q4_prepare(float *x, long m, long k, long group) {
 }
 
 /* a, the group's T_0..T_2 combined as the top comment says, times `unit` */
-#define DOT_COMBINE(CVT, FMA, MUL, SET, T0, T1, T2, UNIT)                                        \
+#define DOT_COMBINE(CVT, FMA, MUL, SET, T0, T1, T2, UNIT)                                       \
     MUL(FMA(CVT(T2), SET(65536.0f), FMA(CVT(T1), SET(256.0f), CVT(T0))), UNIT)
 
 /* AVX2: two steps' words (w0, then w1 8 inputs on) as their low and high nibbles, bytes */
@@ -270,10 +270,10 @@ Q4VNNI static inline __m512i dpbusd512(__m512i acc, __m512i u, __m512i b) {
    vectors of 16 columns started at its offset */
 #define DOT_START512(R, x, k, g, group, head, acc)                                              \
     for (int r = 0; r < R; r++) {                                                               \
-        head[r] = (const char *)(x + r * k) + g * dot_group_bytes(group);                        \
+        head[r] = (const char *)(x + r * k) + g * dot_group_bytes(group);                       \
         for (int d = 0; d < 3; d++)                                                             \
             for (int j = 0; j < 4; j++)                                                         \
-                acc[r][d][j] = _mm512_set1_epi32(dot_word(head[r] + 4 + 4 * d));                 \
+                acc[r][d][j] = _mm512_set1_epi32(dot_word(head[r] + 4 + 4 * d));                \
     }
 
 /* VNNI: R prepared rows (k floats apart) against both panels of a 64-column block, the nibbles
@@ -294,7 +294,7 @@ Q4VNNI static inline __m512i dpbusd512(__m512i acc, __m512i u, __m512i b) {
             for (long i = g * group; i < (g + 1) * group; i += 8) {                             \
                 /* past a panel's end, the next block's panel, as quant_avx512.c's */           \
                 long ahead = DOT_AHEAD + (i * 16 + DOT_AHEAD >= k * 16 ? k * 16 : 0);           \
-                long at_x = DOT_HEADER + (i - g * group) * 3;                                    \
+                long at_x = DOT_HEADER + (i - g * group) * 3;                                   \
                 for (int q = 0; q < 2; q++) {                                                   \
                     const uint32_t *at = p + (q * k + i) * 4;                                   \
                     _mm_prefetch((const char *)at + ahead, _MM_HINT_T0);                        \
@@ -307,8 +307,8 @@ Q4VNNI static inline __m512i dpbusd512(__m512i acc, __m512i u, __m512i b) {
                             const char *xd = head[r] + at_x;                                    \
                             for (int d = 0; d < 3; d++) {                                       \
                                 __m512i *a = &acc[r][d][q * 2 + h];                             \
-                                __m512i b0 = _mm512_set1_epi32(dot_word(xd + 4 * d));            \
-                                __m512i b1 = _mm512_set1_epi32(dot_word(xd + 12 + 4 * d));       \
+                                __m512i b0 = _mm512_set1_epi32(dot_word(xd + 4 * d));           \
+                                __m512i b1 = _mm512_set1_epi32(dot_word(xd + 12 + 4 * d));      \
                                 *a = dpbusd512(dpbusd512(*a, lo, b0), hi, b1);                  \
                             }                                                                   \
                         }                                                                       \
@@ -316,9 +316,9 @@ Q4VNNI static inline __m512i dpbusd512(__m512i acc, __m512i u, __m512i b) {
                 }                                                                               \
             }                                                                                   \
             for (int r = 0; r < R; r++) {                                                       \
-                __m512 unit = _mm512_set1_ps(dot_unit(head[r]));                                 \
+                __m512 unit = _mm512_set1_ps(dot_unit(head[r]));                                \
                 for (int j = 0; j < 4; j++) {                                                   \
-                    __m512 a = DOT_COMBINE(_mm512_cvtepi32_ps, _mm512_fmadd_ps, _mm512_mul_ps,   \
+                    __m512 a = DOT_COMBINE(_mm512_cvtepi32_ps, _mm512_fmadd_ps, _mm512_mul_ps,  \
                                           _mm512_set1_ps, acc[r][0][j], acc[r][1][j],           \
                                           acc[r][2][j], unit);                                  \
                     const uint16_t *sc = s + ((j / 2) * groups + g) * PANEL + (j % 2) * 16;     \
@@ -369,7 +369,7 @@ TARGET static void q8_prepare(float *x, long m, long k) {
     Q8DOT static void q8_rows512_##R(const float *x, long k, const int8_t *p, const float *s,  \
                                      uint16_t *y, long ldy, const float *bias) {                \
         long group = q8_group(k);                                                               \
-        /* byte 4c + j: 32j + c (dword c: 0x60402000 + c * 0x01010101), then those + 16 */       \
+        /* byte 4c + j: 32j + c (dword c: 0x60402000 + c * 0x01010101), then those + 16 */      \
         const __m512i first = _mm512_add_epi32(                                                 \
             _mm512_set1_epi32(0x60402000),                                                      \
             _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, \
@@ -387,7 +387,7 @@ TARGET static void q8_prepare(float *x, long m, long k) {
             for (long i = g * group; i < (g + 1) * group; i += 4) {                             \
                 /* past a panel's end, the next block's panel, as quant_avx512.c's */           \
                 long ahead = DOT_AHEAD + (i * PANEL + DOT_AHEAD >= k * PANEL ? k * PANEL : 0);  \
-                long at_x = DOT_HEADER + (i - g * group) / 8 * 24 + (i % 8 ? 12 : 0);            \
+                long at_x = DOT_HEADER + (i - g * group) / 8 * 24 + (i % 8 ? 12 : 0);           \
                 __m512i w[4];                                                                   \
                 for (int q = 0; q < 2; q++) {                                                   \
                     const int8_t *at = p + (q * k + i) * PANEL;                                 \
@@ -400,24 +400,24 @@ TARGET static void q8_prepare(float *x, long m, long k) {
                 }                                                                               \
                 for (int r = 0; r < R; r++)                                                     \
                     for (int d = 0; d < 3; d++) {                                               \
-                        __m512i b = _mm512_set1_epi32(dot_word(head[r] + at_x + 4 * d));         \
+                        __m512i b = _mm512_set1_epi32(dot_word(head[r] + at_x + 4 * d));        \
                         for (int j = 0; j < 4; j++)                                             \
                             acc[r][d][j] = dpbusd512(acc[r][d][j], w[j], b);                    \
                     }                                                                           \
             }                                                                                   \
             for (int r = 0; r < R; r++) {                                                       \
-                __m512 unit = _mm512_set1_ps(dot_unit(head[r]));                                 \
+                __m512 unit = _mm512_set1_ps(dot_unit(head[r]));                                \
                 for (int j = 0; j < 4; j++)                                                     \
                     total[r][j] = _mm512_add_ps(                                                \
                         total[r][j],                                                            \
-                        DOT_COMBINE(_mm512_cvtepi32_ps, _mm512_fmadd_ps, _mm512_mul_ps,          \
+                        DOT_COMBINE(_mm512_cvtepi32_ps, _mm512_fmadd_ps, _mm512_mul_ps,         \
                                    _mm512_set1_ps, acc[r][0][j], acc[r][1][j], acc[r][2][j],    \
                                    unit));                                                      \
             }                                                                                   \
         }                                                                                       \
         for (int r = 0; r < R; r++) {                                                           \
             for (int j = 0; j < 4; j++)                                                         \
-                total[r][j] = _mm512_mul_ps(total[r][j], _mm512_loadu_ps(s + 16 * j));         \
+                total[r][j] = _mm512_mul_ps(total[r][j], _mm512_loadu_ps(s + 16 * j));          \
             store_row512(total[r], y + r * ldy, bias);                                          \
         }                                                                                       \
     }
