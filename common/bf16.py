@@ -88,6 +88,7 @@ _SIGNATURES = {
     "moe_decode_step_attention": ("iplppppppplpllllllfpi", True, 1),
     "moe_route": ("pplllliippi", True, 1),
     "moe_decode_step": ("ppppppi", True, 1),
+    "moe_decode_burst": ("pppppppi", True, 1),
     "moe_sgemm_rows": ("pppppllli", False, 0),
     "moe_f32_linear": ("ppppllli", False, 1),
     "moe_sgemm_lanes16": ("pppllli", True, 2),

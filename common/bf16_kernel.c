@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define PANEL 32
 /* Panel rows prefetched ahead (2 KiB): the hardware prefetcher alone left one- and two-row
@@ -367,6 +368,11 @@ void moe_rope_f32(const float *x, long ldx, const float *cos, const float *sin, 
 void moe_rope_bf16(const uint16_t *x, long ldx, const uint16_t *cos, const uint16_t *sin,
                    uint16_t *out, long n, long heads, long d) {
     long half = d / 2;
+    if (d % 32 == 0 && level_cap >= 1 && moe_bf16_supported() >= 1) { /* vectors: same bits */
+        for (long t = 0; t < n; t++)
+            PICK(rope_rows)(x + t * ldx, cos + t * d, sin + t * d, out + t * heads * d, heads, d);
+        return;
+    }
     for (long t = 0; t < n; t++)
         for (long h = 0; h < heads; h++) {
             const uint16_t *v = x + t * ldx + h * d, *c = cos + t * d, *s = sin + t * d;
@@ -856,6 +862,37 @@ TARGET static float FN(dot)(const uint16_t *a, const uint16_t *b, long n) {
     vec acc = vset(0.0f);
     for (long i = 0; i < n; i += 16) acc = vfma(vload(a + i), vload(b + i), acc);
     return vsum(acc);
+}
+
+/* moe_rope_bf16 of one token's `heads` rows x [heads][d] (d a multiple of 32) into out, 16
+   elements at a time, each rounded as that rounds it */
+TARGET static void FN(rope_rows)(const uint16_t *x, const uint16_t *cos, const uint16_t *sin,
+                                 uint16_t *out, long heads, long d) {
+    long half = d / 2;
+    for (long h = 0; h < heads; h++) {
+        const uint16_t *v = x + h * d;
+        uint16_t *o = out + h * d;
+        for (long i = 0; i < half; i += 16) {
+            vec lo = vload(v + i), hi = vload(v + half + i);
+            vec turned = vsub(vset(-0.0f), hi); /* -hi, -0 for +0 */
+            vec a = vwiden(vbf16(vmul(lo, vload(cos + i))));
+            vstore_bf16(o + i, vadd(a, vwiden(vbf16(vmul(turned, vload(sin + i))))));
+            a = vwiden(vbf16(vmul(hi, vload(cos + half + i))));
+            vstore_bf16(o + half + i, vadd(a, vwiden(vbf16(vmul(lo, vload(sin + half + i))))));
+        }
+    }
+}
+
+/* dot of a with each of the 4 rows b [4][n] into out [4], each as dot sums it: four chains in
+   flight, where one waits on each of its fused products in turn */
+TARGET static void FN(dot4)(const uint16_t *a, const uint16_t *b, long n, float *out) {
+    vec s0 = vset(0.0f), s1 = s0, s2 = s0, s3 = s0;
+    for (long i = 0; i < n; i += 16) {
+        vec x = vload(a + i);
+        s0 = vfma(x, vload(b + i), s0), s1 = vfma(x, vload(b + n + i), s1);
+        s2 = vfma(x, vload(b + 2 * n + i), s2), s3 = vfma(x, vload(b + 3 * n + i), s3);
+    }
+    out[0] = vsum(s0), out[1] = vsum(s1), out[2] = vsum(s2), out[3] = vsum(s3);
 }
 
 /* moe_decode_attention's work, for this instruction set */

@@ -81,8 +81,14 @@ static void route_token(const float *logits, float *probs, long experts, long k,
     }
 }
 
-static float router_logit(const uint16_t *x, const uint16_t *w, long hidden) {
-    return bf16_round(PICK(dot)(x, w, hidden)); /* a bfloat16 product, as the layer's output */
+/* logits [experts] of x [hidden] over the router's rows w [experts][hidden], those from `first`
+   to `last`: each a bfloat16 product, as the layer's output, four rows at a time */
+static void router_logits(const uint16_t *x, const uint16_t *w, long hidden, long first,
+                          long last, float *logits) {
+    long e = first;
+    for (; e + 4 <= last; e += 4) PICK(dot4)(x, w + e * hidden, hidden, logits + e);
+    for (; e < last; e++) logits[e] = PICK(dot)(x, w + e * hidden, hidden);
+    for (e = first; e < last; e++) logits[e] = bf16_round(logits[e]);
 }
 
 /* The router of n tokens x [n][hidden] over weight [experts][hidden] (bfloat16, hidden a
@@ -102,8 +108,7 @@ int moe_route(const uint16_t *x, const uint16_t *w, long n, long hidden, long ex
 #pragma omp for schedule(static)
         for (long t = 0; t < n; t++) {
             if (!logits) continue;
-            for (long e = 0; e < experts; e++)
-                logits[e] = router_logit(x + t * hidden, w + e * hidden, hidden);
+            router_logits(x + t * hidden, w, hidden, 0, experts, logits);
             route_token(logits, logits + experts, experts, k, renorm, weights_bf16,
                         (char *)weights + t * k * (weights_bf16 ? 2 : 4), chosen + t * k);
         }
@@ -139,24 +144,27 @@ static void next_rows(const moe_model *m, long l, float *xf, long n) {
         block_rows(m->head_format, m->head_group, xf, n, m->hidden);
 }
 
-/* The step's attention after the qkv product, moe_decode_step_attention's work: for token i,
-   with Qwen3's per-head q/k norm first where the model has it, RoPE of q and k and the cache
-   write (`prepare`, one token a job), then each KV head's attention (`attend`, one job per token
-   and KV head) into out [heads][hd]. qkv, normed and qk are the token's rows. */
-static void prepare(const moe_model *m, const moe_token *t, long i, long l, const uint16_t *qkv,
-                    uint16_t *normed, uint16_t *qk) {
-    long hd = m->head_dim, rotated = m->heads + m->kv_heads, ld = (rotated + m->kv_heads) * hd;
+/* The step's attention after the qkv product, moe_decode_step_attention's work, for token i's KV
+   head h: with Qwen3's per-head q/k norm first where the model has it, RoPE of the head's g
+   queries and its key and the key's and value's cache write (`prepare`), then the head's attention
+   (`attend`). A job of token and KV head does both, each head as the whole token's call does it.
+   qkv, normed and qk are the token's rows. */
+static void prepare(const moe_model *m, const moe_token *t, long i, long l, long h,
+                    const uint16_t *qkv, uint16_t *normed, uint16_t *qk) {
+    long hd = m->head_dim, g = m->heads / m->kv_heads, rotated = m->heads + m->kv_heads;
+    long ld = (rotated + m->kv_heads) * hd, q = h * g * hd, k = (m->heads + h) * hd;
+    long per_head = m->num_blocks * m->block_size;
     const uint16_t *source = qkv;
     if (m->qk_norm) {
-        PICK(rms_norm)(qkv, 0, 0, m->q_norm[l], normed, m->heads, hd, m->eps, 1);
-        PICK(rms_norm)(qkv + m->heads * hd, 0, 0, m->k_norm[l], normed + m->heads * hd,
-                       m->kv_heads, hd, m->eps, 1);
+        PICK(rms_norm)(qkv + q, 0, 0, m->q_norm[l], normed + q, g, hd, m->eps, 1);
+        PICK(rms_norm)(qkv + k, 0, 0, m->k_norm[l], normed + k, 1, hd, m->eps, 1);
         source = normed;
     }
-    moe_rope_bf16(source, rotated * hd, t->cos[i], t->sin[i], qk, 1, rotated, hd);
-    moe_kv_write(1, qk + m->heads * hd, rotated * hd, qkv + rotated * hd, ld, t->slots + i, 1,
-                 m->kv_heads, hd, hd, m->num_blocks * m->block_size, m->cache_k[l],
-                 m->cache_v[l]);
+    moe_rope_bf16(source + q, rotated * hd, t->cos[i], t->sin[i], qk + q, 1, g, hd);
+    moe_rope_bf16(source + k, rotated * hd, t->cos[i], t->sin[i], qk + k, 1, 1, hd);
+    moe_kv_write(1, qk + k, rotated * hd, qkv + (rotated + h) * hd, ld, t->slots + i, 1, 1, hd,
+                 hd, per_head, (uint16_t *)m->cache_k[l] + h * per_head * hd,
+                 (uint16_t *)m->cache_v[l] + h * per_head * hd);
 }
 
 /* Token i's KV head h: its g query heads over the token's context (decode attention of one
@@ -237,6 +245,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
     void (*norm)(const uint16_t *, const uint16_t *, uint16_t *, const uint16_t *, uint16_t *,
                  long, long, float, int) = PICK(rms_norm);
     long up_blocks = 2 * inter / 64, down_blocks = hidden / 64, used = 0;
+    long ex = m->experts, quads = (ex + 3) / 4;
     int f = m->format, df = m->dense_format, failed = 0;
     long g = m->group, dg = m->dense_group;
 #pragma omp parallel num_threads(threads)
@@ -259,12 +268,10 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                 dense(df, dg, xf, qkv_tiles ? xt : 0, m->qkv[l], at(m->qkv_scales, l), qkv,
                       qkv_cols, hidden, c, n);
 #pragma omp for schedule(static)
-            for (long i = 0; i < n; i++)
-                prepare(m, t, i, l, qkv + i * qkv_cols, normed + i * rotated, qk + i * rotated);
-#pragma omp for schedule(static)
             for (long job = 0; job < n * m->kv_heads; job++) {
-                long i = job / m->kv_heads;
-                if (attend(m, t, i, l, job % m->kv_heads, qk + i * rotated, out + i * attended,
+                long i = job / m->kv_heads, kh = job % m->kv_heads;
+                prepare(m, t, i, l, kh, qkv + i * qkv_cols, normed + i * rotated, qk + i * rotated);
+                if (attend(m, t, i, l, kh, qk + i * rotated, out + i * attended,
                            xf + i * attended)) {
 #pragma omp atomic write
                     failed = 1;
@@ -285,9 +292,9 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
 #pragma omp single
             norm(x, delta, x, m->post_norm[l], h, n, hidden, m->eps, 1);
 #pragma omp for schedule(static)
-            for (long job = 0; job < n * m->experts; job++) {
-                long i = job / m->experts, e = job % m->experts;
-                logit[job] = router_logit(h + i * hidden, m->router[l] + e * hidden, hidden);
+            for (long job = 0; job < n * quads; job++) { /* a token's experts, four a job */
+                long i = job / quads, e = job % quads * 4, last = e + 4 < ex ? e + 4 : ex;
+                router_logits(h + i * hidden, m->router[l], hidden, e, last, logit + i * ex);
             }
 #pragma omp single
             {
@@ -340,4 +347,54 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
     }
     free(work), free(xt);
     return failed ? -1 : 0;
+}
+
+typedef struct { /* greedy decode steps of one sequence (moe_decode_burst); ctypes mirrors it */
+    long token, start, steps;   /* the first step's input, its position; at most this many steps */
+    const uint16_t *embed;      /* the embedding [embed_rows][hidden] */
+    long embed_rows;
+    const uint16_t *cos, *sin;  /* RoPE's [positions][head_dim], past start + steps - 1 */
+    const int64_t *table;       /* the sequence's block table [width], covering those positions */
+    long width, block_size;
+    const int64_t *ending;      /* [endings]: tokens that end the sequence */
+    long endings;
+    const volatile int *halt;   /* set (by another thread): end at the next token */
+    double deadline;            /* CLOCK_MONOTONIC seconds, time.monotonic()'s clock; 0: none */
+} moe_burst;
+
+static double monotonic(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return now.tv_sec + now.tv_nsec * 1e-9;
+}
+
+/* Up to b->steps decode steps of one sequence, each step's input the argmax of the last one's
+   logits (moe_argmax_bf16; the LM head in the call): tokens [steps], and each layer's experts
+   over the steps, chosen [layers][steps][top_k]. As steps called one by one from Python, without the
+   interpreter's 0.1-0.2 ms between them (its code and data gone cold once a step's weights went
+   through the caches). After the first step it ends, as the caller's loop did, once halt is set
+   or the deadline passed; after a token that ends the sequence or that the embedding lacks (the
+   caller's next step refuses it). Returns the tokens made, -1 where a step had no memory. */
+int moe_decode_burst(const moe_model *m, const moe_burst *b, uint16_t *x, uint16_t *h,
+                     uint16_t *logits, int64_t *chosen, int64_t *tokens, int threads) {
+    long token = b->token, made = 0, hd = m->head_dim, k = m->top_k;
+    int64_t length, slot, step[m->layers * k];
+    const uint16_t *embedding, *cos, *sin;
+    moe_token t = {1, &embedding, &cos, &sin, b->table, b->width, &length, &slot};
+    for (long i = 0; i < b->steps; i++) {
+        if (i && (*b->halt || (b->deadline > 0 && monotonic() >= b->deadline))) break;
+        long position = b->start + i;
+        length = position + 1;
+        slot = b->table[position / b->block_size] * b->block_size + position % b->block_size;
+        embedding = b->embed + token * m->hidden;
+        cos = b->cos + position * hd, sin = b->sin + position * hd;
+        if (moe_decode_step(m, &t, x, h, logits, step, threads)) return -1;
+        for (long l = 0; l < m->layers; l++)
+            memcpy(chosen + (l * b->steps + i) * k, step + l * k, sizeof(int64_t) * k);
+        tokens[made++] = token = moe_argmax_bf16(logits, m->vocab);
+        int ends = token >= b->embed_rows;
+        for (long e = 0; e < b->endings; e++) ends |= token == b->ending[e];
+        if (ends) break;
+    }
+    return (int)made;
 }

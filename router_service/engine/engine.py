@@ -15,6 +15,7 @@ leaves the device unusable: common.device.device_lost), and the serving loop the
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import itertools
 import logging
 import random
@@ -108,6 +109,7 @@ class Engine:
         # cancellations reaped between steps, reported by the next step
         self._pending: list[StepOutput] = []
         self._stepping = False
+        self._halt: ctypes.c_int | None = None  # the running burst's (burst.py)
         self.eos_ids = frozenset(model.spec.eos_token_ids)
         self.planner = MicroBatchPlanner(settings.micro_batches)
 
@@ -143,6 +145,12 @@ class Engine:
         )
         self._by_id[request_id] = seq
         self.scheduler.add(seq)
+        self._halt_burst()
+
+    def _halt_burst(self) -> None:
+        """End a running burst at its next token: a request waits, or one was cancelled."""
+        if self._halt is not None:
+            self._halt.value = 1
 
     def _validate(self, request_id: str, prompt: list[int], p: SamplingParams) -> None:
         """What any router client may send wrong: the params' limits (SamplingParams.validate) and
@@ -173,6 +181,7 @@ class Engine:
         if seq is None or seq.aborted:
             return False
         seq.aborted = True
+        self._halt_burst()
         self._cancelled.append(seq)
         if not self._stepping:
             self._reap_cancelled()
@@ -281,9 +290,9 @@ class Engine:
             list(seq.blocks),
             self._chooser(seq),
             frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids),
-            lambda: self.scheduler.has_waiting or seq.aborted,
-            seq.deadline,
+            deadline=seq.deadline,
         )
+        self._halt = burst.halt  # nothing waits now (_burst_steps): add_request and abort set it
         self._stepping = True
         try:
             tokens = await self.model.decode_burst(burst, self.cache)
@@ -291,7 +300,7 @@ class Engine:
             outputs += self._fail([seq], e)
             return True
         finally:
-            self._stepping = False
+            self._stepping, self._halt = False, None
         if tokens is None:
             return False
         if not seq.aborted:

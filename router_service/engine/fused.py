@@ -57,6 +57,20 @@ class _Token(ctypes.Structure):  # decode_kernel.c's moe_token
     ]
 
 
+class _Burst(ctypes.Structure):  # decode_kernel.c's moe_burst
+    _fields_ = [
+        *((n, _L) for n in ("token", "start", "steps")),
+        ("embed", _P),
+        ("embed_rows", _L),
+        *((n, _P) for n in ("cos", "sin", "table")),
+        *((n, _L) for n in ("width", "block_size")),
+        ("ending", _P),
+        ("endings", _L),
+        ("halt", _P),
+        ("deadline", ctypes.c_double),
+    ]
+
+
 # Sequences a step in one call takes at most: its serial phases (norms, routing, grouping,
 # combine) grow with them while the op-by-op path splits them over the threads.
 MAX_TOKENS = 64
@@ -337,6 +351,70 @@ class FusedDecode(OneCallStep):
             return bf16.kernel("moe_argmax_bf16")(logits.data_ptr(), self.model.vocab)
         return greedy(logits[0])
 
+    def greedy_steps(
+        self,
+        token: int,
+        start: int,
+        steps: int,
+        table: list[int],
+        block_size: int,
+        rope: Rope,
+        ending: frozenset[int],
+        halt: ctypes.c_int,
+        deadline: float | None,
+    ) -> tuple[list[int], list[list[int]]] | None:
+        """Up to `steps` greedy_at steps of one sequence from `token` at position `start` in one
+        call (moe_decode_burst), its block table `table` covering them: the tokens, and each
+        layer's experts over the steps. After the first step it ends once `halt` is set or past
+        `deadline` (time.monotonic()); after a token in `ending`. None where the LM head is not
+        in the call. Its arrays are ctypes', not torch's: after the steps, a torch op ran cold
+        (0.4 ms a burst on host C)."""
+        if not self.fused_head:
+            return None
+        steps = min(steps, rope.cos.shape[0] - start)  # past RoPE's reach: the next step refuses
+        embed = self.weights.embed
+        if steps < 1 or not 0 <= token < embed.shape[0]:
+            raise IndexError(f"token {token} or position {start} out of range")
+        m, b, k = self.model, self._buffers_for(1), self.spec.top_k
+        tokens, chosen = (ctypes.c_int64 * steps)(), (ctypes.c_int64 * (m.layers * steps * k))()
+        blocks, ends = (
+            (ctypes.c_int64 * len(table))(*table),
+            (ctypes.c_int64 * len(ending))(*ending),
+        )
+        burst = _Burst(token, start, steps, embed.data_ptr(), embed.shape[0])
+        burst.cos, burst.sin = rope.cos.data_ptr(), rope.sin.data_ptr()
+        burst.table, burst.width, burst.block_size = (
+            ctypes.addressof(blocks),
+            len(table),
+            block_size,
+        )
+        burst.ending, burst.endings = ctypes.addressof(ends), len(ending)
+        burst.halt, burst.deadline = ctypes.addressof(halt), deadline or 0.0
+        made = bf16.kernel("moe_decode_burst")(
+            ctypes.byref(m),
+            ctypes.byref(burst),
+            b.x.data_ptr(),
+            b.h.data_ptr(),
+            b.logits.data_ptr(),
+            ctypes.addressof(chosen),
+            ctypes.addressof(tokens),
+            torch.get_num_threads(),
+        )
+        if made < 0:
+            raise MemoryError("decode step: no memory for its intermediates")
+        layers = range(0, m.layers * steps * k, steps * k)
+        return tokens[:made], [chosen[at : at + made * k] for at in layers]
+
+    def _buffers_for(self, n: int) -> _Buffers:
+        """The outputs of steps of `n` tokens: steps of as many reuse them (a burst's allocate
+        nothing)."""
+        t, b = self.token, self._buffers
+        if b is None or b.n != n:
+            m = self.model
+            b = self._buffers = _Buffers(n, m.hidden, m.vocab, m.layers, self.spec.top_k)
+            t.embedding, t.cos, t.sin = (ctypes.addressof(a) for a in (b.embedding, b.cos, b.sin))
+        return b
+
     def _at(
         self, token: int, position: int, table: torch.Tensor, length: int, slot: int, rope: Rope
     ) -> torch.Tensor:
@@ -363,11 +441,7 @@ class FusedDecode(OneCallStep):
         vocab, reach = self.weights.embed.shape[0], rope.cos.shape[0]
         if not all(0 <= a < vocab for a in tokens) or not all(0 <= p < reach for p in where):
             raise IndexError(f"a token of {tokens} or a position of {where} out of range")
-        t, b = self.token, self._buffers
-        if b is None or b.n != n:  # steps of as many tokens reuse them: a burst's allocate nothing
-            m = self.model
-            b = self._buffers = _Buffers(n, hidden, m.vocab, m.layers, self.spec.top_k)
-            t.embedding, t.cos, t.sin = (ctypes.addressof(a) for a in (b.embedding, b.cos, b.sin))
+        t, b = self.token, self._buffers_for(n)
         embed, cos, sin = self.weights.embed.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr()
         for i, (a, p) in enumerate(zip(tokens, where)):
             b.embedding[i] = embed + a * hidden * 2

@@ -107,8 +107,7 @@ class Scheduler:
 
     @property
     def has_waiting(self) -> bool:
-        """Whether any sequence waits (cancelled ones too): cheap, and safe to ask from the
-        compute thread while the event loop queues requests."""
+        """Whether any sequence waits (cancelled ones too)."""
         return bool(self._waiting)
 
     def add(self, seq: Sequence) -> None:

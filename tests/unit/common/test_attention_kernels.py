@@ -19,18 +19,23 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("tokens", "heads", "d"), [(1, 20, 64), (7, 6, 128), (33, 3, 16)])
-def test_rope_gives_the_bits_of_torchs_three_ops(dtype, tokens, heads, d) -> None:
+def test_rope_gives_the_bits_of_torchs_three_ops(dtype, tokens, heads, d, isa) -> None:
     gen = torch.Generator().manual_seed(d)
     qkv = (torch.randn(tokens, heads + 4, d, generator=gen) * 3).to(dtype)
     qkv[0, 0, :3] = torch.tensor([float("inf"), float("nan"), -0.0])
+    qkv[0, 1, d // 2 : d // 2 + 3] = torch.tensor([1e-39, -1e-39, 0.0])  # turned: -x, -0 for +0
+    qkv[0, 1, 2] = -0.0  # -0 * cos + -(+0) * sin: -0
     x = qkv[:, :heads]  # q and k of a fused projection: a view, tokens heads + 4 rows apart
     angle = torch.randn(tokens, 1, d, generator=gen) * 100
+    angle[0, 0, 2] = 0.5  # cos and sin both positive
     cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
     half = d // 2
     want = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-    torch.testing.assert_close(
-        attention_kernels.rope(x, cos, sin), want, rtol=0, atol=0, equal_nan=True
-    )
+    got = attention_kernels.rope(x, cos, sin)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    numbers = ~want.isnan()  # and zeros' signs too
+    assert torch.equal(got.view(bits)[numbers], want.view(bits)[numbers])
 
 
 def test_rope_leaves_what_it_cannot_take_to_torch() -> None:

@@ -68,27 +68,32 @@ def test_a_burst_ends_at_a_stop_token_and_at_max_tokens(panels, checkpoint):
     assert out["r"] == (tokens[:3], FinishReason.LENGTH) and [s["r"] for s in steps] == [1, 2]
 
 
-@pytest.mark.parametrize("interrupt", ["a request arrives", "the sequence is cancelled"])
+@pytest.mark.parametrize(
+    "interrupt", ["a request arrives", "the sequence is cancelled", "its deadline passes"]
+)
 def test_a_burst_ends_at_the_next_token_when(panels, checkpoint, interrupt):
     e = engine(checkpoint, 8)
+    deadline = time.monotonic() + 3 if interrupt == "its deadline passes" else None
     entered, go = threading.Event(), threading.Event()
-    at = e.model.fused.greedy_at  # greedy: the burst picks its tokens in C
+    steps = e.model.fused.greedy_steps  # greedy: the whole burst runs in C
 
-    def gated(*args):  # the first step of the burst waits until the interruption happened
+    def gated(*args):  # the burst begins once the interruption happened
         entered.set()
         assert go.wait(10)
-        return at(*args)
+        return steps(*args)
 
     async def drive() -> list:
-        e.add_request("r", PROMPT, greedy(30))
+        e.add_request("r", PROMPT, greedy(30), deadline=deadline)
         await e.step()  # the prefill
-        e.model.fused.greedy_at = gated
+        e.model.fused.greedy_steps = gated
         step = asyncio.create_task(e.step())
         assert await asyncio.to_thread(entered.wait, 10)
         if interrupt == "a request arrives":
             e.add_request("late", PROMPT, greedy(2))
-        else:
+        elif deadline is None:
             e.abort("r")
+        else:  # past the check before the burst, before its second step
+            await asyncio.sleep(deadline - time.monotonic() + 0.01)
         go.set()
         return await step
 
@@ -97,7 +102,7 @@ def test_a_burst_ends_at_the_next_token_when(panels, checkpoint, interrupt):
     finally:
         e.close()
     [out] = [o for o in outputs if o.request_id == "r"]
-    if interrupt == "a request arrives":
+    if interrupt != "the sequence is cancelled":
         assert len(out.new_token_ids) == 1 and out.finish_reason is None
     else:
         assert out.new_token_ids == [] and out.finish_reason is FinishReason.CANCELLED
