@@ -370,11 +370,11 @@ static double monotonic(void) {
 
 /* Up to b->steps decode steps of one sequence, each step's input the argmax of the last one's
    logits (moe_argmax_bf16; the LM head in the call): tokens [steps], and each layer's experts
-   over the steps, chosen [layers][steps][top_k]. As steps called one by one from Python, without the
-   interpreter's 0.1-0.2 ms between them (its code and data gone cold once a step's weights went
-   through the caches). After the first step it ends, as the caller's loop did, once halt is set
-   or the deadline passed; after a token that ends the sequence or that the embedding lacks (the
-   caller's next step refuses it). Returns the tokens made, -1 where a step had no memory. */
+   over the steps, chosen [layers][steps][top_k]. The steps Python called one by one, without
+   the interpreter's 0.2 ms between them (its code and data cold once a step's weights went
+   through the caches). After the first step it ends once halt is set or the deadline passed;
+   after a token that ends the sequence or that the embedding lacks (the caller's next step
+   refuses it). Returns the tokens made, -1 where a step had no memory. */
 int moe_decode_burst(const moe_model *m, const moe_burst *b, uint16_t *x, uint16_t *h,
                      uint16_t *logits, int64_t *chosen, int64_t *tokens, int threads) {
     long token = b->token, made = 0, hd = m->head_dim, k = m->top_k;

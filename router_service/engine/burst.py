@@ -13,9 +13,10 @@ sequence is cancelled, so nobody waits longer than one step for it. Its tokens a
 steps give: the same kernel on the same inputs, and the same sampling (its randomness is seeded
 by position, engine/sampling.py).
 
-A greedy burst on the one-call step of bfloat16 or quantized weights runs whole in C
-(FusedDecode.greedy_steps): stepping in Python cost 0.2-0.3 ms a token on host C (Intel Xeon, 2
-vCPUs), its interpreter's code and data gone cold once a step's weights went through the caches.
+A greedy burst on the one-call step of bfloat16 or quantized weights, the LM head in the call,
+runs whole in C (FusedDecode.greedy_steps): stepping in Python cost 0.2 ms a token on host C
+(Intel Xeon, 2 vCPUs), its interpreter's code and data cold once a step's weights went through
+the caches.
 """
 
 from __future__ import annotations

@@ -300,6 +300,7 @@ class Engine:
             outputs += self._fail([seq], e)
             return True
         finally:
+            burst.halt.value = 1  # left running (this step was cancelled): its next token ends it
             self._stepping, self._halt = False, None
         if tokens is None:
             return False

@@ -292,8 +292,9 @@ class MoeModel:
         return experts is not None and not one.refuses(experts)
 
     async def decode_burst(self, burst: Burst, cache: KVCache) -> list[int] | None:
-        """`burst`'s tokens, each step one kernel call, on the compute thread; None where the
-        step cannot be one call now (then the engine takes a plain step)."""
+        """`burst`'s tokens, each step one kernel call (a greedy burst one call in all where the
+        LM head is in it), on the compute thread; None where the step cannot be one call now
+        (then the engine takes a plain step)."""
         return await self.compute(self._burst, burst, cache)
 
     def _burst(self, burst: Burst, cache: KVCache) -> list[int] | None:

@@ -62,8 +62,12 @@ def test_a_burst_ends_at_a_stop_token_and_at_max_tokens(panels, checkpoint):
     ((tokens, _),) = run(engine(checkpoint, 1), {"r": greedy(12)})[0].values()
     stop = tokens[5]
     first = tokens.index(stop)
-    out, steps = run(engine(checkpoint, 8), {"r": greedy(12, stop_token_ids=(stop,))})
+    single, bursts = engine(checkpoint, 1), engine(checkpoint, 8)
+    run(single, {"r": greedy(12, stop_token_ids=(stop,))})
+    out, steps = run(bursts, {"r": greedy(12, stop_token_ids=(stop,))})
     assert out["r"] == (tokens[: first + 1], FinishReason.STOP)
+    # a burst that stopped early counts its steps' experts alone
+    assert bursts.model.dispatcher.routed_counts() == single.model.dispatcher.routed_counts()
     out, steps = run(engine(checkpoint, 8), {"r": greedy(3)})
     assert out["r"] == (tokens[:3], FinishReason.LENGTH) and [s["r"] for s in steps] == [1, 2]
 
@@ -80,7 +84,9 @@ def test_a_burst_ends_at_the_next_token_when(panels, checkpoint, interrupt):
     def gated(*args):  # the burst begins once the interruption happened
         entered.set()
         assert go.wait(10)
-        return steps(*args)
+        made = steps(*args)
+        assert made is not None  # it ran in C
+        return made
 
     async def drive() -> list:
         e.add_request("r", PROMPT, greedy(30), deadline=deadline)
