@@ -75,6 +75,7 @@ _SIGNATURES = {
     "moe_bf16_limit": ("i", False, 0),
     "moe_bf16_pack": ("ppll", False, 0),
     "moe_argmax_bf16": ("pl", True, 0),
+    "moe_int8_dot": ("l", True, 0),
     "moe_linear": ("ilpppppllli", True, 1),
     "moe_silu_ffns": ("ilpppppppllli", True, 1),
     "moe_quantize": ("ilpillppi", False, 0),

@@ -353,6 +353,9 @@ static int q8_dot(long k) {
     return level_cap >= 3 && vnni() && __builtin_cpu_supports("avx512vbmi") && q8_group(k);
 }
 
+/* q8_dot, for tests: whose bits int8's products of k inputs give here */
+int moe_int8_dot(long k) { return q8_dot(k); }
+
 TARGET static void q8_prepare(float *x, long m, long k) {
     if (q8_dot(k))
         dot_prepare(x, m, k, q8_group(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), 128);
