@@ -377,19 +377,24 @@ class FusedDecode(OneCallStep):
             raise IndexError(f"token {token} or position {start} out of range")
         m, b, k = self.model, self._buffers_for(1), self.spec.top_k
         tokens, chosen = (ctypes.c_int64 * steps)(), (ctypes.c_int64 * (m.layers * steps * k))()
-        blocks, ends = (
-            (ctypes.c_int64 * len(table))(*table),
-            (ctypes.c_int64 * len(ending))(*ending),
+        blocks = (ctypes.c_int64 * len(table))(*table)
+        ends = (ctypes.c_int64 * len(ending))(*ending)
+        burst = _Burst(
+            token=token,
+            start=start,
+            steps=steps,
+            embed=embed.data_ptr(),
+            embed_rows=embed.shape[0],
+            cos=rope.cos.data_ptr(),
+            sin=rope.sin.data_ptr(),
+            table=ctypes.addressof(blocks),
+            width=len(table),
+            block_size=block_size,
+            ending=ctypes.addressof(ends),
+            endings=len(ending),
+            halt=ctypes.addressof(halt),
+            deadline=deadline or 0.0,
         )
-        burst = _Burst(token, start, steps, embed.data_ptr(), embed.shape[0])
-        burst.cos, burst.sin = rope.cos.data_ptr(), rope.sin.data_ptr()
-        burst.table, burst.width, burst.block_size = (
-            ctypes.addressof(blocks),
-            len(table),
-            block_size,
-        )
-        burst.ending, burst.endings = ctypes.addressof(ends), len(ending)
-        burst.halt, burst.deadline = ctypes.addressof(halt), deadline or 0.0
         made = bf16.kernel("moe_decode_burst")(
             ctypes.byref(m),
             ctypes.byref(burst),
