@@ -343,13 +343,9 @@ class FusedDecode(OneCallStep):
     def greedy_at(
         self, token: int, position: int, table: torch.Tensor, length: int, slot: int, rope: Rope
     ) -> int:
-        """The token sampling.greedy picks from `at`'s logits, picked in C where the LM head is
-        in the call: after a step has streamed its weights through the caches, torch's ops ran
-        cold (0.1-0.2 ms a token on host B)."""
-        logits = self._at(token, position, table, length, slot, rope)
-        if self.fused_head:
-            return bf16.kernel("moe_argmax_bf16")(logits.data_ptr(), self.model.vocab)
-        return greedy(logits[0])
+        """The token sampling.greedy picks from `at`'s logits: a greedy burst's step where the
+        LM head is not in the call (with it, greedy_steps runs the whole burst in C)."""
+        return greedy(self.at(token, position, table, length, slot, rope)[0])
 
     def greedy_steps(
         self,
