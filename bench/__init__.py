@@ -3,6 +3,7 @@ They use the product's own tooling (moe_mesh/local/processes.py, moe_mesh/benchm
 tests'. Each declares its flags once, as a `ScriptSettings` model; JSON goes to bench/results/."""
 
 import argparse
+import os
 import sys
 import typing
 from pathlib import Path
@@ -14,6 +15,7 @@ from common.cli import add_settings_arguments, flag, settings_from_args
 from common.errors import InvalidArgumentError
 
 DEFAULT_CHECKPOINT = Path(".cache/bench-small-mixtral")
+CPU_ONLY = ("MOE_ROUTER_DEVICE", "MOE_EXPERT_DEVICE", "MOE_MESH_UP_DEVICE")
 S = typing.TypeVar("S", bound="ScriptSettings")
 
 
@@ -22,6 +24,10 @@ class ScriptSettings(BaseSettings):
     setting `out`'s default and adding its own fields; each field is a flag (common/cli.py)."""
 
     model_config = SettingsConfigDict(env_prefix="MOE_BENCH_", extra="forbid")
+    # The benches measure CPUs. On a GPU host `auto` put quantized engines on the CPU and the
+    # bfloat16 one on the GPU, and compared the two (bench/quantized.py on the H200's host).
+    # gpu_check's parts name their devices themselves.
+    cpu_only: typing.ClassVar[bool] = True
 
     checkpoint: Path = Field(
         DEFAULT_CHECKPOINT,
@@ -46,6 +52,8 @@ def parse_settings(
             flag(name), dest=name, nargs="+", default=None,
             help=f"{field.description} (default {' '.join(map(str, field.default))})",
         )  # fmt: skip
+    if model.cpu_only:  # read by RouterSettings, ExpertSettings and `up`, here and in children
+        os.environ.update(dict.fromkeys(CPU_ONLY, "cpu"))
     try:
         return typing.cast(S, settings_from_args(model, parser.parse_args(argv)))
     except InvalidArgumentError as e:

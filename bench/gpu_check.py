@@ -74,6 +74,8 @@ PARTS = {
 
 
 class Settings(ScriptSettings):
+    cpu_only = False  # each part says its device
+
     out: Path | None = Field(None, description="a folder to copy the JSON and log into ($OUT)")
     parts: str = Field("a,b,c,d,e", description="comma-separated parts to run, in order")
     dry_run: bool = Field(False, description="check the plumbing only (seconds, no GPU needed)")

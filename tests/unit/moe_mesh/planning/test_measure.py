@@ -119,3 +119,22 @@ def test_the_read_bandwidth_is_the_faster_of_torchs_sum_and_the_bfloat16_kernels
     rate = measure.read_bandwidth(nbytes=2**24, repeats=2)
     assert 1e8 < rate < 1e13  # bytes a second: between 0.1 GB/s and 10 TB/s
     assert len(read) == (3 if bf16.kernel("moe_linear") is not None else 0)
+
+
+@pytest.mark.parametrize(
+    ("reported", "mib"),
+    [
+        ("307200K", 1280),  # the H200 host's 16-core Xeon: 300 MiB of L3, read at 4x
+        ("32768K", 256),  # 32 MiB: the floor
+        ("491520K", 2048),  # host C's 480 MiB: the ceiling
+        ("96M", 512),  # rounded up to 256 MiB steps
+        ("", 256),
+        ("many", 256),
+        (None, 256),  # no such file (a container without sysfs caches)
+    ],
+)
+def test_the_read_buffer_is_four_times_the_l3(tmp_path, reported, mib) -> None:
+    l3 = tmp_path / "size"
+    if reported is not None:
+        l3.write_text(reported + "\n")
+    assert measure.past_caches(l3) == mib << 20
