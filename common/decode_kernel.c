@@ -7,8 +7,9 @@
    of a step at batch 1, and a second sequence cost more than it added. Here one OpenMP team runs
    the whole step, its phases separated by barriers: the products split their 64-column blocks
    (of every routed expert at once) over the threads, RoPE and the cache write split the tokens,
-   attention their KV heads, and the small serial work (norms, routing, grouping, combine) runs
-   on one thread while the others wait at the barrier.
+   attention their KV heads (and their query heads where there are more threads than KV heads),
+   the combine its columns, and the small serial work (norms, routing, grouping) runs on one
+   thread while the others wait at the barrier.
 
    Every phase calls the function the op-by-op path calls (moe_linear's block, moe_silu_ffns'
    phases, rms_norm, combine, rope, kv_write, decode attention, route_token), in the same order on
@@ -167,21 +168,44 @@ static void prepare(const moe_model *m, const moe_token *t, long i, long l, long
                  (uint16_t *)m->cache_v[l] + h * per_head * hd);
 }
 
-/* Token i's KV head h: its g query heads over the token's context (decode attention of one
-   sequence and one KV head: the cache's head h as a cache of one), into out and widened into xf
-   (the token's rows) */
-static int attend(const moe_model *m, const moe_token *t, long i, long l, long h,
-                  const uint16_t *qk, uint16_t *out, float *xf) {
-    long hd = m->head_dim, g = m->heads / m->kv_heads;
+/* Token i's KV head h: `rows` of its g query heads from the r0-th over the token's context
+   (decode attention of one sequence and one KV head: the cache's head h as a cache of one; each
+   query row's arithmetic its own, so any split of the heads gives the same bits), into out and
+   widened into xf (the token's rows) */
+static int attend(const moe_model *m, const moe_token *t, long i, long l, long h, long r0,
+                  long rows, const uint16_t *qk, uint16_t *out, float *xf) {
+    long hd = m->head_dim, q = (h * (m->heads / m->kv_heads) + r0) * hd;
     long per_head = m->num_blocks * m->block_size * hd;
-    int failed = PICK(decode_attention)(1, qk + h * g * hd, (m->heads + m->kv_heads) * hd,
+    int failed = PICK(decode_attention)(1, qk + q, (m->heads + m->kv_heads) * hd,
                                         (const uint16_t *)m->cache_k[l] + h * per_head,
                                         (const uint16_t *)m->cache_v[l] + h * per_head,
                                         t->tables + i * t->width, t->width, t->lengths + i, 1, 1,
-                                        g, hd, hd, m->num_blocks, m->block_size, m->scale,
-                                        out + h * g * hd, 1);
-    widen(out + h * g * hd, xf + h * g * hd, g * hd);
+                                        rows, hd, hd, m->num_blocks, m->block_size, m->scale,
+                                        out + q, 1);
+    widen(out + q, xf + q, rows * hd);
     return failed;
+}
+
+/* Parts to split each KV head's query heads into: 1 where the step's tokens give every thread a
+   KV head; else the most that divide them and keep a part per thread (a 16-thread step of one
+   token of 4 KV heads ran 4 jobs). A part reads its head's keys and values again. */
+static long query_parts(const moe_model *m, long n, int threads) {
+    long g = m->heads / m->kv_heads;
+    for (long parts = g; parts > 1; parts--)
+        if (g % parts == 0 && n * m->kv_heads * parts <= threads) return parts;
+    return 1;
+}
+
+/* Token i's combine of its k experts' outputs (choice s's the row place[s] of ys) over `width`
+   columns from c0: the combine is column by column, so any split of a row gives the row's bits.
+   The rows were written by every thread; one thread reading them all waited on each line. */
+static void combine_span(const moe_model *m, const uint16_t *ys, const int64_t *place,
+                         const void *weights, long i, long c0, long width, uint16_t *delta) {
+    long k = m->top_k, hidden = m->hidden;
+    const void *r[k];
+    for (long j = 0; j < k; j++) r[j] = ys + place[i * k + j] * hidden + c0;
+    PICK(combine)(r, 1, (const char *)weights + i * k * (m->weights_bf16 ? 2 : 4),
+                  m->weights_bf16, 1, k, width, 1, delta + i * hidden + c0, 1);
 }
 
 /* The layer's routed choices [n][k] grouped by expert (moe_group's stable counting sort: ties in
@@ -219,8 +243,8 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
        normed and rotated q|k, attention, a product's output; per choice: gate|up, gated, output */
     size_t floats = n * (widest + 2 * m->experts + k) + slots * (hidden + inter);
     size_t halves = n * (qkv_cols + 2 * rotated + attended + hidden) + slots * (3 * inter + hidden);
-    /* order, at and the combine's rows per choice, the groups, the sort's counters: 8 bytes */
-    size_t words = 3 * slots + 3 * slots + m->experts;
+    /* order and at per choice, the groups, the sort's counters: 8 bytes */
+    size_t words = 2 * slots + 3 * slots + m->experts;
     char *work = malloc(sizeof(float) * floats + sizeof(uint16_t) * halves + 8 * words);
     if (!work) return -1;
     /* the dense products' rows on AMX tiles (FORMAT_BF16_TILES, amx_kernel.c), each product
@@ -233,8 +257,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
     uint16_t *xt = tiled ? malloc(sizeof(uint16_t) * tile_rows_size(n, tiled)) : 0;
     if (!xt) qkv_tiles = o_tiles = head_tiles = 0; /* no memory for them: the vector kernel's */
     int64_t *order = (int64_t *)work, *place = order + slots;
-    const void **rows = (const void **)(place + slots);
-    long *groups = (long *)(rows + slots);
+    long *groups = (long *)(place + slots);
     int64_t *next = (int64_t *)(groups + 3 * slots);
     float *xf = (float *)(next + m->experts), *logit = xf + n * widest;
     float *probs = logit + n * m->experts, *weights = probs + n * m->experts;
@@ -248,6 +271,11 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
     long ex = m->experts, quads = (ex + 3) / 4;
     int f = m->format, df = m->dense_format, failed = 0;
     long g = m->group, dg = m->dense_group;
+    long parts = query_parts(m, n, threads), share = m->heads / m->kv_heads / parts;
+    /* the combine's spans of columns, whole vectors: about a thread's share of the tokens' */
+    long spans = n >= threads ? 1 : (threads + n - 1) / n;
+    long span = (hidden / 16 + spans - 1) / spans * 16;
+    spans = (hidden + span - 1) / span;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp single
@@ -267,12 +295,22 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
             for (long c = 0; c < qkv_cols / 64; c++)
                 dense(df, dg, xf, qkv_tiles ? xt : 0, m->qkv[l], at(m->qkv_scales, l), qkv,
                       qkv_cols, hidden, c, n);
+            if (parts > 1) {
 #pragma omp for schedule(static)
-            for (long job = 0; job < n * m->kv_heads; job++) {
-                long i = job / m->kv_heads, kh = job % m->kv_heads;
-                prepare(m, t, i, l, kh, qkv + i * qkv_cols, normed + i * rotated, qk + i * rotated);
-                if (attend(m, t, i, l, kh, qk + i * rotated, out + i * attended,
-                           xf + i * attended)) {
+                for (long job = 0; job < n * m->kv_heads; job++) {
+                    long i = job / m->kv_heads, kh = job % m->kv_heads;
+                    prepare(m, t, i, l, kh, qkv + i * qkv_cols, normed + i * rotated,
+                            qk + i * rotated);
+                }
+            }
+#pragma omp for schedule(static)
+            for (long job = 0; job < n * m->kv_heads * parts; job++) {
+                long i = job / (m->kv_heads * parts), kh = job / parts % m->kv_heads;
+                if (parts == 1) /* the head's whole: prepared by the job that attends */
+                    prepare(m, t, i, l, kh, qkv + i * qkv_cols, normed + i * rotated,
+                            qk + i * rotated);
+                if (attend(m, t, i, l, kh, job % parts * share, share, qk + i * rotated,
+                           out + i * attended, xf + i * attended)) {
 #pragma omp atomic write
                     failed = 1;
                 }
@@ -328,10 +366,14 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                 product(f, g, gf + grp[1] * inter, dn[e], at(m->down_scales, first + e),
                         ys + grp[1] * hidden, hidden, inter, c, grp[2]);
             }
+#pragma omp for schedule(static)
+            for (long job = 0; job < n * spans; job++) {
+                long c0 = job % spans * span;
+                combine_span(m, ys, place, weights, job / spans, c0,
+                             hidden - c0 < span ? hidden - c0 : span, delta);
+            }
 #pragma omp single
             {
-                for (long s = 0; s < slots; s++) rows[s] = ys + place[s] * hidden;
-                PICK(combine)(rows, 1, weights, m->weights_bf16, n, k, hidden, 1, delta, 1);
                 norm(x, delta, x, m->next_norm[l], h, n, hidden, m->eps, 1);
                 widen(h, xf, n * hidden);
                 next_rows(m, l + 1, xf, n);
