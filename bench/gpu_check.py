@@ -1,5 +1,5 @@
-"""The one command a session lent a GPU runs (issue 42): at most ~8 minutes on one H100 or H200
-(about 4 on the H200 it ran on), the carried wheels' installation included, writing one JSON and
+"""The one command a session lent a GPU runs (issue 42): at most ~9 minutes on one H100 or H200
+(about 5 on the H200 it ran on), the carried wheels' installation included, writing one JSON and
 printing a short table.
 
     make gpu-wheels   # here: the wheels the GPU machine lacks, into .gpu-wheels/ (carried)
@@ -12,7 +12,9 @@ the GPU, every family (bench/gpu_parity.py); b. `moe-mesh up --device cuda` answ
 gateway (ditto); c. decode tokens/s of the engine against transformers `generate` on the Mixtral
 and Qwen3 slices, with batch 1's share of the measured HBM read bandwidth (bench/gpu_speed.py);
 d. the mesh's tokens/s with experts on the GPU over gRPC (and UCX where it travelled), and the
-heterogeneous mesh's (ditto); e. the suite's tests that need a CUDA device (bench/gpu_suite.py).
+heterogeneous mesh's (ditto); e. the suite's tests that need a CUDA device (bench/gpu_suite.py);
+f. the host's own CPU, a kind CPU sessions do not get: batch-1 decode in bfloat16, int8 and int4
+on every core (bench/gpu_host_cpu.py).
 Each part runs in a process of its own with its own time bound (within `--budget-s` for them
 all): one that fails, crashes or runs out of time is recorded, what it measured so far kept, and
 the next part runs; a lease is too short to lose to one failure.
@@ -56,7 +58,7 @@ POLL_S = 0.5
 class Part:
     key: str
     title: str
-    bound_s: float  # an H200 took a 37, b 26, c 59, d 53, e 44 s (docs/performance.md#gpu-check)
+    bound_s: float  # an H200 took a 35, b 20, c 64, d 45, e 23 s (docs/performance.md#gpu-check)
     module: str
     function: str  # run(ctx) -> dict; plan_<function>(ctx) -> dict its dry-run prints
 
@@ -69,6 +71,9 @@ PARTS = {
         Part("c", "decode tok/s: engine vs transformers", 120, "bench.gpu_speed", "decode"),
         Part("d", "mesh tok/s: gRPC, UCX, heterogeneous", 100, "bench.gpu_speed", "mesh_rates"),
         Part("e", "the suite's CUDA tests", 90, "bench.gpu_suite", "suite"),
+        Part(
+            "f", "the host's CPU: batch-1 decode, every core", 150, "bench.gpu_host_cpu", "host_cpu"
+        ),
     )
 }
 
@@ -77,11 +82,11 @@ class Settings(ScriptSettings):
     cpu_only = False  # each part says its device
 
     out: Path | None = Field(None, description="a folder to copy the JSON and log into ($OUT)")
-    parts: str = Field("a,b,c,d,e", description="comma-separated parts to run, in order")
+    parts: str = Field("a,b,c,d,e,f", description="comma-separated parts to run, in order")
     dry_run: bool = Field(False, description="check the plumbing only (seconds, no GPU needed)")
     device: DeviceName = Field("cuda", description="where the parts compute (cpu: a rehearsal)")
     work_dir: Path = Field(Path("/tmp/gpu-check"), description="scratch: checkpoints, mesh runs")
-    budget_s: float = Field(480.0, gt=0, description="seconds for all the parts together")
+    budget_s: float = Field(540.0, gt=0, description="seconds for all the parts together")
     wheels_dir: Path = Field(gpu_wheels.FOLDER, description="the carried wheels (make gpu-wheels)")
     bound_scale: float = Field(
         1.0, gt=0, description="each part's time bound times this (a slower host's rehearsal)"

@@ -230,8 +230,8 @@ def read_bandwidth(nbytes: int | None = None, repeats: int = 5) -> float:
 
 def past_caches(l3: Path = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")) -> int:
     """A read buffer the last-level cache cannot hold: four times the L3, in 256 MiB steps, at
-    least 256 MiB and at most 2 GiB. A 16-core Xeon's 300 MiB L3 held a 256 MiB buffer, and the
-    probe read 216-260 GB/s where memory gave 78-99 (issue 40, the GPU host's CPU)."""
+    least 256 MiB and at most 2 GiB. On a 16-core Xeon with 300 MiB of L3 (the GPU host's CPU),
+    the probe read 216-260 GB/s over 256 MiB in runs where 1.25 GiB gave 78-88."""
     try:
         text = l3.read_text().strip()
         size = int(text[:-1]) << {"K": 10, "M": 20}[text[-1]]

@@ -1,6 +1,6 @@
-"""bench/__init__.py: a CPU bench computes on the CPU on a GPU host too. `auto` there put the
-bfloat16 engine of bench/quantized.py on the GPU and its int8 and int4 engines on the CPU, and
-the ratios compared the two."""
+"""bench/quantized.py, as every CPU bench (bench/__init__.py's parse_settings), computes on the CPU
+on a GPU host too: `auto` there put its bfloat16 engine on the GPU and its int8 and int4 engines on
+the CPU, and the ratios compared the two."""
 
 from __future__ import annotations
 
