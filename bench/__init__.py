@@ -15,7 +15,13 @@ from common.cli import add_settings_arguments, flag, settings_from_args
 from common.errors import InvalidArgumentError
 
 DEFAULT_CHECKPOINT = Path(".cache/bench-small-mixtral")
-CPU_ONLY = ("MOE_ROUTER_DEVICE", "MOE_EXPERT_DEVICE", "MOE_MESH_UP_DEVICE")
+CPU_ONLY = (  # the device settings of the router, expert services, `up` and `generate --local`
+    "MOE_ROUTER_DEVICE",
+    "MOE_EXPERT_DEVICE",
+    "MOE_MESH_UP_DEVICE",
+    "MOE_MESH_UP_EXPERT_DEVICE",
+    "MOE_MESH_GENERATE_DEVICE",
+)
 S = typing.TypeVar("S", bound="ScriptSettings")
 
 
@@ -52,7 +58,7 @@ def parse_settings(
             flag(name), dest=name, nargs="+", default=None,
             help=f"{field.description} (default {' '.join(map(str, field.default))})",
         )  # fmt: skip
-    if model.cpu_only:  # read by RouterSettings, ExpertSettings and `up`, here and in children
+    if model.cpu_only:  # read here and by every child process
         os.environ.update(dict.fromkeys(CPU_ONLY, "cpu"))
     try:
         return typing.cast(S, settings_from_args(model, parser.parse_args(argv)))

@@ -228,17 +228,23 @@ def read_bandwidth(nbytes: int | None = None, repeats: int = 5) -> float:
     return nbytes / seconds
 
 
-def past_caches(l3: Path = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")) -> int:
-    """A read buffer the last-level cache cannot hold: four times the L3, in 256 MiB steps, at
-    least 256 MiB and at most 2 GiB. On a 16-core Xeon with 300 MiB of L3 (the GPU host's CPU),
-    the probe read 216-260 GB/s over 256 MiB in runs where 1.25 GiB gave 78-88."""
-    try:
-        text = l3.read_text().strip()
-        size = int(text[:-1]) << {"K": 10, "M": 20}[text[-1]]
-    except (OSError, ValueError, KeyError, IndexError):
-        size = 0
-    step = 2**28
-    return min(2**31, max(step, -(-4 * size // step) * step))
+def past_caches(cpus: Path = Path("/sys/devices/system/cpu")) -> int:
+    """A read buffer the last-level caches cannot hold: four times their size (every L3 instance
+    once: sockets and AMD's core complexes each have their own), in 256 MiB steps, at least
+    256 MiB and at most 2 GiB (a bound on the probe's memory, below four L3s of some servers). On
+    a 16-core Xeon with 300 MiB of L3 (the GPU host's CPU), the probe read 216-260 GB/s over
+    256 MiB in runs where 1.25 GiB gave 78-88."""
+    step, instances = 2**28, {}
+    for cache in cpus.glob("cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            if (cache / "level").read_text().strip() != "3":
+                continue
+            text = (cache / "size").read_text().strip()
+            size = int(text[:-1]) << {"K": 10, "M": 20}[text[-1]]
+            instances[(cache / "shared_cpu_list").read_text().strip()] = size
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return min(2**31, max(step, -(-4 * sum(instances.values()) // step) * step))
 
 
 _READ_WIDTH = 4096  # the panels' input width: a row of a 7B-class model's projection

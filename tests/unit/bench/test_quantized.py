@@ -10,7 +10,7 @@ import pytest
 
 from bench import CPU_ONLY, parse_settings, quantized
 from bench.gpu_check import Settings as GpuCheck
-from moe_mesh.local.settings import UpSettings
+from moe_mesh.local.settings import GenerateSettings, UpSettings
 from router_service.settings import RouterSettings
 
 
@@ -20,11 +20,13 @@ def cuda_env(monkeypatch):
         monkeypatch.setenv(name, "cuda")
 
 
-def test_a_cpu_bench_puts_router_experts_and_up_on_the_cpu(cuda_env, tmp_path) -> None:
+def test_a_cpu_bench_puts_router_experts_up_and_generate_on_the_cpu(cuda_env, tmp_path) -> None:
     parse_settings(quantized.Settings, None, [])
     assert {os.environ[name] for name in CPU_ONLY} == {"cpu"}  # children inherit them
     assert RouterSettings(checkpoint=tmp_path).device == "cpu"
-    assert UpSettings(checkpoint=tmp_path).device == "cpu"
+    up = UpSettings(checkpoint=tmp_path)
+    assert up.device == up.expert_device == "cpu"
+    assert GenerateSettings().device == "cpu"
 
 
 def test_the_gpu_check_leaves_devices_to_its_parts(cuda_env) -> None:

@@ -122,19 +122,30 @@ def test_the_read_bandwidth_is_the_faster_of_torchs_sum_and_the_bfloat16_kernels
 
 
 @pytest.mark.parametrize(
-    ("reported", "mib"),
+    ("l3s", "mib"),
     [
-        ("307200K", 1280),  # the H200 host's 16-core Xeon: 300 MiB of L3, read at 4x
-        ("32768K", 256),  # 32 MiB: the floor
-        ("491520K", 2048),  # host C's 480 MiB: the ceiling
-        ("96M", 512),  # rounded up to 256 MiB steps
-        ("", 256),
-        ("many", 256),
-        (None, 256),  # no such file (a container without sysfs caches)
+        ({"0-15": "307200K"}, 1280),  # the H200 host's 16-core Xeon: 300 MiB of L3, read at 4x
+        ({"0-1": "32768K"}, 256),  # 32 MiB: the floor
+        ({"0-1": "491520K"}, 2048),  # host C's 480 MiB: 4 x 480 = 1920, rounded up
+        ({"0-63": "1048576K"}, 2048),  # 1 GiB: the ceiling
+        ({"0-7": "96M"}, 512),  # rounded up to 256 MiB steps
+        ({"0-7": "32M", "8-15": "32M", "16-23": "32M"}, 512),  # AMD: one L3 a core complex
+        ({"0-1": ""}, 256),
+        ({"0-1": "many"}, 256),
+        ({}, 256),  # no caches in sysfs (some containers)
     ],
 )
-def test_the_read_buffer_is_four_times_the_l3(tmp_path, reported, mib) -> None:
-    l3 = tmp_path / "size"
-    if reported is not None:
-        l3.write_text(reported + "\n")
-    assert measure.past_caches(l3) == mib << 20
+def test_the_read_buffer_is_four_times_the_l3s(tmp_path, l3s, mib) -> None:
+    cpu = 0
+    for shared, size in l3s.items():
+        for _ in range(2):  # two CPUs of each instance: counted once
+            for index, (level, text) in enumerate([("2", "2048K"), ("3", size)]):
+                cache = tmp_path / f"cpu{cpu}" / "cache" / f"index{index + 2}"
+                cache.mkdir(parents=True)
+                (cache / "level").write_text(level + "\n")
+                (cache / "size").write_text(text + "\n")
+                (cache / "shared_cpu_list").write_text(
+                    f"{shared}-{cpu}" if level == "2" else shared
+                )
+            cpu += 1
+    assert measure.past_caches(tmp_path) == mib << 20

@@ -63,7 +63,8 @@ def test_a_decode_step_in_one_call_gives_the_op_by_op_bits(
     [
         ("qwen3_moe", "none", 1, 8),  # 2 query heads of each of 2 KV heads apart; 4 spans
         ("mixtral", "int4", 1, 3),  # KV heads whole, 2 spans
-        ("qwen3_moe", "int8", 3, 8),  # 3 spans a token
+        ("qwen3_moe", "int8", 3, 8),  # KV heads whole, 2 spans a token
+        ("qwen3_moe", "int4", 2, 8),  # both tokens' query heads apart; 4 spans a token
     ],
 )
 def test_more_threads_than_kv_heads_split_query_heads_and_the_combine_with_the_bits(
@@ -73,10 +74,10 @@ def test_more_threads_than_kv_heads_split_query_heads_and_the_combine_with_the_b
     extra = dict(quantize=quantize, quantize_group_size=32, quantize_dense=quantize != "none")
     one, op_by_op = model(path, **extra), model(path, one_call=False, **extra)
     step, ran = one.fused.step, []
-    one.fused.step = lambda *args: ran.append(args[-1]) or step(*args[:-1], threads)
+    one.fused.step = lambda *args: ran.append(1) or step(*args[:-1], threads)
     got, calls = decode(one, 4, sequences)
     want, _ = decode(op_by_op, 4, sequences)
-    assert calls == 4 and len(ran) == 4  # every step in one call, on `threads` threads
+    assert calls == 4 and len(ran) == 4  # every step in one call
     assert all(torch.equal(g, w) for g, w in zip(got, want)) and len(got) == 4
 
 
