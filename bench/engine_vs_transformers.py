@@ -15,8 +15,8 @@ time: the engine runs every batch, is closed and freed, then transformers loads 
 and the greedy tokens are compared afterwards.
 
 Decode reads weights, so its rate is bounded by memory bandwidth: the run measures this machine's
-read bandwidth (all threads reading four times the L3, 256 MiB to 2 GiB: the faster of torch's sum and moe-mesh's bfloat16
-kernel, moe_mesh/planning/measure.py's read_bandwidth), and each row
+read bandwidth (all threads reading four times the L3, 256 MiB to 2 GiB: the faster of torch's
+sum and moe-mesh's bfloat16 kernel, moe_mesh/planning/measure.py's read_bandwidth), and each row
 gives the weight bytes read per token (bench.geometry.bytes_per_token: attention, gate, the
 experts a step's tokens use, LM head; at batch > 1 the expected distinct experts under uniform
 routing, shared by the batch) and each side's tokens/s times that as a share of the bandwidth.

@@ -58,7 +58,7 @@ POLL_S = 0.5
 class Part:
     key: str
     title: str
-    bound_s: float  # an H200 took a 35, b 20, c 64, d 45, e 23 s (docs/performance.md#gpu-check)
+    bound_s: float  # an H200 took a 35, b 20, c 64, d 45, e 23 s; f ~50 on host C (performance.md)
     module: str
     function: str  # run(ctx) -> dict; plan_<function>(ctx) -> dict its dry-run prints
 

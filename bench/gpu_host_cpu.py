@@ -66,7 +66,7 @@ def rates(ctx: Context, name: str, threads: int) -> dict:
 
 def runs(cores: int) -> list[tuple[str, int]]:
     """(geometry, threads) in order: each geometry on every core, then the Qwen3 slice on 4
-    threads where there are more, which host D's ratios were higher on."""
+    threads where there are more (host D's ratios differed between 4 and 16, in different runs)."""
     out = [(name, cores) for name in GEOMETRIES]
     return out + [(GEOMETRIES[0], FEW)] if cores > FEW else out
 
