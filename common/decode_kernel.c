@@ -46,14 +46,14 @@ typedef struct { /* the step's tokens, one of each of `count` sequences */
 /* The k most probable of probs [experts] into chosen[k], most probable first (ties: the lower
    expert first) */
 static void top_k(const float *probs, long experts, long k, int64_t *chosen) {
+    char taken[experts];
+    memset(taken, 0, sizeof taken);
     for (long j = 0; j < k; j++) {
         long best = -1;
-        for (long e = 0; e < experts; e++) {
-            int taken = 0;
-            for (long i = 0; i < j; i++) taken |= chosen[i] == e;
-            if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
-        }
+        for (long e = 0; e < experts; e++)
+            if (!taken[e] && (best < 0 || probs[e] > probs[best])) best = e;
         chosen[j] = best;
+        if (best >= 0) taken[best] = 1;
     }
 }
 
@@ -342,17 +342,24 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                                 (char *)weights + i * k * (m->weights_bf16 ? 2 : 4),
                                 routed + i * k);
                 used = group_choices(routed, slots, m->experts, next, order, place, groups);
+                if (n == 1) { /* every choice's input is the one token's row: made once */
+                    widen(h, xe, hidden);
+                    block_rows(f, g, xe, 1, hidden);
+                }
             }
+            if (n > 1) {
 #pragma omp for schedule(static)
-            for (long p = 0; p < slots; p++) { /* each choice's input: its token's row, widened */
-                widen(h + order[p] / k * hidden, xe + p * hidden, hidden);
-                block_rows(f, g, xe + p * hidden, 1, hidden);
+                for (long p = 0; p < slots; p++) { /* each choice's input: its token's row */
+                    widen(h + order[p] / k * hidden, xe + p * hidden, hidden);
+                    block_rows(f, g, xe + p * hidden, 1, hidden);
+                }
             }
 #pragma omp for schedule(static)
             for (long b = 0; b < used * up_blocks; b++) {
                 long *grp = groups + 3 * (b / up_blocks), c = b % up_blocks, e = grp[0];
-                product(f, g, xe + grp[1] * hidden, up[e], at(m->gate_up_scales, first + e),
-                        gu + grp[1] * 2 * inter, 2 * inter, hidden, c, grp[2]);
+                product(f, g, xe + (n > 1) * grp[1] * hidden, up[e],
+                        at(m->gate_up_scales, first + e), gu + grp[1] * 2 * inter, 2 * inter,
+                        hidden, c, grp[2]);
             }
 #pragma omp for schedule(static)
             for (long r = 0; r < slots; r++) {

@@ -153,8 +153,8 @@ async def test_the_fast_path_drops_unproven_hellos_and_the_router_falls_back_to_
         identity = Identity(app.host.model_id, app.host.weights_checksum)
         router_tls = certs.mesh_tls(mesh, "router")
 
-        def backend(signer: HelloSigner | None) -> RemoteExperts:
-            config = FastPathConfig(mode="ucx", timeout_s=0.5, signer=signer)
+        def backend(signer: HelloSigner | None, timeout_s: float) -> RemoteExperts:
+            config = FastPathConfig(mode="ucx", timeout_s=timeout_s, signer=signer)
             return RemoteExperts(
                 app.address,
                 identity,
@@ -165,7 +165,8 @@ async def test_the_fast_path_drops_unproven_hellos_and_the_router_falls_back_to_
             )
 
         groups = [(0, torch.randn(3, HIDDEN)), (2, torch.randn(1, HIDDEN))]
-        unproven, proven = backend(None), backend(HelloSigner.from_tls(router_tls))
+        # The proven one has 10 s: its first call timed out at 0.5 s on a loaded fresh clone.
+        unproven, proven = backend(None, 0.5), backend(HelloSigner.from_tls(router_tls), 10.0)
         try:
             began = time.monotonic()
             fell_back = await unproven.forward(1, groups, 10.0)

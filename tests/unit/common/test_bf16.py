@@ -208,6 +208,15 @@ def test_route_chooses_and_weighs_as_torchs_softmax_top_k(experts, k, renorm, we
     assert chosen.dtype == torch.int64 and chosen.shape == weights.shape == (5, k)
 
 
+def test_route_breaks_ties_toward_the_lower_expert(isa) -> None:
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x[1] = -x[0]
+    w = torch.zeros(16, 64).bfloat16()  # every logit 0: all sixteen equal
+    w[9] = x[0]  # but expert 9's: x[0] · x[0] > 0 for token 0, its negative for token 1
+    chosen, _ = bf16.route(x, w, 4, True, False)
+    assert chosen.tolist() == [[9, 0, 1, 2], [0, 1, 2, 3]]
+
+
 def test_route_leaves_what_it_cannot_take_to_torch() -> None:
     x, w = torch.randn(2, 64).bfloat16(), torch.randn(8, 64).bfloat16()
     assert bf16.route(x.float(), w, 2, True, False) is None
