@@ -2,8 +2,9 @@
 (the H200 lent so far sat on 16 cores of an AMX Xeon). Batch-1 decode of the Qwen3-30B-A3B slice
 (part c's checkpoint) and of `small` (part d's where it made one) in bfloat16 and with every layer
 in int8 and in int4, on every core and then the slice on 4, by bench/quantized.py, which computes
-on the CPU; with the CPU's model, cores, L3 and flags. There, int8 ran 1.98x bfloat16 on 4
-threads and 1.72-1.73x on 16 (docs/performance.md#host-d): each lease adds runs."""
+on the CPU; then where a token's time goes on every core (bench/step_phases.py); with the CPU's
+model, cores, L3 and flags. There, int8 ran 1.98x bfloat16 on 4 threads and 1.72-1.73x on 16
+(docs/performance.md#host-d): each lease adds runs."""
 
 from __future__ import annotations
 
@@ -91,9 +92,27 @@ def host_cpu(ctx: Context) -> dict:
                 f"{p} {r['vs_first']:.2f}x" for p, r in row["rows"].items() if p != "bfloat16"
             ]
             heads.append(f"{name.split('-')[0]} x{threads}: {', '.join(ratios)}")
+    if ctx.left_s() >= 40:
+        try:
+            ctx.record("phases", phases(ctx, facts["cores"]))
+        except Exception as e:
+            ctx.record("phases", {"error": f"{type(e).__name__}: {e}"[:600]})
     ctx.record("summary", "; ".join(heads) or "no rate measured")
     ctx.record("ok", bool(heads))
     return ctx.result
+
+
+def phases(ctx: Context, threads: int) -> dict:
+    """bench/step_phases.py on the slice on every core: where a token's time goes, per
+    precision (microseconds: the products, the work between them, the decode's wall time)."""
+    path = make_slice(ctx, GEOMETRIES[0], ctx.slice_layers)[0]
+    out = ctx.work / "cpu-phases.json"
+    cmd = [sys.executable, "-m", "bench.step_phases", "--geometry", GEOMETRIES[0]]
+    cmd += ["--checkpoint", str(path), "--threads", str(threads), "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=max(ctx.left_s() - 5, 1))
+    if done.returncode:
+        raise RuntimeError(f"bench.step_phases exited {done.returncode}: {done.stderr[-400:]}")
+    return {"threads": threads, "rows": json.loads(out.read_text())["rows"]}
 
 
 def plan_host_cpu(ctx: Context) -> dict:

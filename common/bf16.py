@@ -59,6 +59,7 @@ _SOURCES = [
     )
 ]
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+_PHASES = "-DMOE_STEP_PHASES"
 COLUMNS = 64  # output columns per kernel call: a weight's row count must be a multiple
 PANEL = 32  # rows of a weight packed together (moe_bf16_pack)
 # What moe_bf16_pack writes: a packed-weight cache file (common.packcache) built for another
@@ -110,11 +111,12 @@ def library() -> ctypes.CDLL | None:
     which of them this CPU runs."""
     compiler = os.environ.get("CC", "cc")
     sources = b"".join(s.read_bytes() for s in _SOURCES)
-    tag = hashlib.sha256(sources + " ".join([compiler, *_FLAGS]).encode())
-    path = cache_dir() / f"bf16-{tag.hexdigest()[:16]}.so"
+    flags, name = (_FLAGS, "bf16") if not step_phases() else ([*_FLAGS, _PHASES], "bf16phases")
+    tag = hashlib.sha256(sources + " ".join([compiler, *flags]).encode())
+    path = cache_dir() / f"{name}-{tag.hexdigest()[:16]}.so"
     try:
         if not path.exists():
-            _build(compiler, path)
+            _build(compiler, flags, path, name)
         lib = ctypes.CDLL(str(path))  # its libgomp is the one torch loaded: one thread pool
     except (OSError, subprocess.SubprocessError) as e:
         log.info("bfloat16 kernel unavailable: %s", e)
@@ -152,13 +154,19 @@ def kernel(name: str) -> Callable[..., int | None] | None:
     return getattr(lib, name)
 
 
-def _build(compiler: str, path: Path) -> None:
+def step_phases() -> bool:
+    """MOE_MESH_STEP_PHASES=1: a build of the kernels whose decode step times its phases
+    (decode_kernel.c; bench/step_phases.py reads them). A tool's, not a server's: off by default."""
+    return os.environ.get("MOE_MESH_STEP_PHASES", "0").lower() in ("1", "on", "true", "yes")
+
+
+def _build(compiler: str, flags: list[str], path: Path, name: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *_FLAGS, "-o", tmp, str(_SOURCES[0]), "-lm"],
+            [compiler, *flags, "-o", tmp, str(_SOURCES[0]), "-lm"],
             capture_output=True,
             text=True,
             timeout=120,
@@ -166,7 +174,7 @@ def _build(compiler: str, path: Path) -> None:
         if done.returncode:
             raise subprocess.SubprocessError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, path)  # whole or not at all, however many processes build at once
-        for old in path.parent.glob("bf16-*.so"):  # earlier sources' builds (a mapped one lives on)
+        for old in path.parent.glob(f"{name}-*.so"):  # earlier sources' (a mapped one lives on)
             if old != path:
                 old.unlink(missing_ok=True)
     finally:

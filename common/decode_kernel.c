@@ -229,6 +229,29 @@ static long group_choices(const int64_t *routed, long slots, long experts, int64
     return count;
 }
 
+/* A build with MOE_STEP_PHASES (common/bf16.py builds one where MOE_MESH_STEP_PHASES=1) adds
+   each phase's seconds on thread 0, its barrier's wait included, to moe_step_phases[phase]:
+   bench/step_phases.py reads them, in this order. */
+enum {
+    PHASE_EMBED, PHASE_QKV, PHASE_KV_PREPARE, PHASE_ATTENTION, PHASE_O_TILES, PHASE_O_INPUTS,
+    PHASE_O, PHASE_POST_NORM, PHASE_ROUTER, PHASE_ROUTE, PHASE_EXPERT_INPUTS, PHASE_GATE_UP,
+    PHASE_SILU, PHASE_DOWN, PHASE_COMBINE, PHASE_NEXT_NORM, PHASE_LM_HEAD, STEP_PHASES
+};
+#ifdef MOE_STEP_PHASES
+#include <omp.h>
+double moe_step_phases[STEP_PHASES];
+long moe_step_phase_count(void) { return STEP_PHASES; }
+#define PHASES_START double phase_mark = omp_get_wtime()
+#define PHASE(p)                                                                               \
+    if (omp_get_thread_num() == 0) {                                                           \
+        double phase_now = omp_get_wtime();                                                    \
+        moe_step_phases[p] += phase_now - phase_mark, phase_mark = phase_now;                  \
+    }
+#else
+#define PHASES_START
+#define PHASE(p)
+#endif
+
 /* The step of the tokens t: x [n][hidden] ends as the residual stream, h [n][hidden] as it normed
    by the final norm, logits [n][vocab] (with lm_head) as the LM head's bfloat16 product, chosen
    [layers][n][top_k] as each layer's experts in routing order. -1 without memory. */
@@ -278,6 +301,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
     spans = (hidden + span - 1) / span;
 #pragma omp parallel num_threads(threads)
     {
+        PHASES_START;
 #pragma omp single
         {
             for (long i = 0; i < n; i++)
@@ -287,6 +311,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
             next_rows(m, 0, xf, n);
             if (qkv_tiles) tile_rows(h, n, hidden, xt);
         }
+        PHASE(PHASE_EMBED);
         for (long l = 0; l < m->layers; l++) {
             int64_t *routed = chosen + l * slots;
             long first = l * m->experts; /* the layer's experts' weights and scales */
@@ -295,6 +320,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
             for (long c = 0; c < qkv_cols / 64; c++)
                 dense(df, dg, xf, qkv_tiles ? xt : 0, m->qkv[l], at(m->qkv_scales, l), qkv,
                       qkv_cols, hidden, c, n);
+            PHASE(PHASE_QKV);
             if (parts > 1) {
 #pragma omp for schedule(static)
                 for (long job = 0; job < n * m->kv_heads; job++) {
@@ -302,6 +328,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                     prepare(m, t, i, l, kh, qkv + i * qkv_cols, normed + i * rotated,
                             qk + i * rotated);
                 }
+                PHASE(PHASE_KV_PREPARE);
             }
 #pragma omp for schedule(static)
             for (long job = 0; job < n * m->kv_heads * parts; job++) {
@@ -315,25 +342,31 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                     failed = 1;
                 }
             }
+            PHASE(PHASE_ATTENTION);
             if (o_tiles) {
 #pragma omp single
                 tile_rows(out, n, attended, xt);
+                PHASE(PHASE_O_TILES);
             }
             if (prepared(df, attended)) {
 #pragma omp for schedule(static)
                 for (long i = 0; i < n; i++) block_rows(df, dg, xf + i * attended, 1, attended);
+                PHASE(PHASE_O_INPUTS);
             }
 #pragma omp for schedule(static)
             for (long c = 0; c < hidden / 64; c++)
                 dense(df, dg, xf, o_tiles ? xt : 0, m->o[l], at(m->o_scales, l), delta, hidden,
                       attended, c, n);
+            PHASE(PHASE_O);
 #pragma omp single
             norm(x, delta, x, m->post_norm[l], h, n, hidden, m->eps, 1);
+            PHASE(PHASE_POST_NORM);
 #pragma omp for schedule(static)
             for (long job = 0; job < n * quads; job++) { /* a token's experts, four a job */
                 long i = job / quads, e = job % quads * 4, last = e + 4 < ex ? e + 4 : ex;
                 router_logits(h + i * hidden, m->router[l], hidden, e, last, logit + i * ex);
             }
+            PHASE(PHASE_ROUTER);
 #pragma omp single
             {
                 for (long i = 0; i < n; i++)
@@ -347,12 +380,14 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                     block_rows(f, g, xe, 1, hidden);
                 }
             }
+            PHASE(PHASE_ROUTE);
             if (n > 1) {
 #pragma omp for schedule(static)
                 for (long p = 0; p < slots; p++) { /* each choice's input: its token's row */
                     widen(h + order[p] / k * hidden, xe + p * hidden, hidden);
                     block_rows(f, g, xe + p * hidden, 1, hidden);
                 }
+                PHASE(PHASE_EXPERT_INPUTS);
             }
 #pragma omp for schedule(static)
             for (long b = 0; b < used * up_blocks; b++) {
@@ -361,24 +396,28 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                         at(m->gate_up_scales, first + e), gu + grp[1] * 2 * inter, 2 * inter,
                         hidden, c, grp[2]);
             }
+            PHASE(PHASE_GATE_UP);
 #pragma omp for schedule(static)
             for (long r = 0; r < slots; r++) {
                 PICK(silu_mul)(gu + r * 2 * inter, gated + r * inter, inter);
                 widen(gated + r * inter, gf + r * inter, inter);
                 block_rows(f, g, gf + r * inter, 1, inter);
             }
+            PHASE(PHASE_SILU);
 #pragma omp for schedule(static)
             for (long b = 0; b < used * down_blocks; b++) {
                 long *grp = groups + 3 * (b / down_blocks), c = b % down_blocks, e = grp[0];
                 product(f, g, gf + grp[1] * inter, dn[e], at(m->down_scales, first + e),
                         ys + grp[1] * hidden, hidden, inter, c, grp[2]);
             }
+            PHASE(PHASE_DOWN);
 #pragma omp for schedule(static)
             for (long job = 0; job < n * spans; job++) {
                 long c0 = job % spans * span;
                 combine_span(m, ys, place, weights, job / spans, c0,
                              hidden - c0 < span ? hidden - c0 : span, delta);
             }
+            PHASE(PHASE_COMBINE);
 #pragma omp single
             {
                 norm(x, delta, x, m->next_norm[l], h, n, hidden, m->eps, 1);
@@ -386,12 +425,14 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                 next_rows(m, l + 1, xf, n);
                 if (qkv_tiles || (head_tiles && l == m->layers - 1)) tile_rows(h, n, hidden, xt);
             }
+            PHASE(PHASE_NEXT_NORM);
         }
         if (m->lm_head) {
 #pragma omp for schedule(static)
             for (long c = 0; c < m->vocab / 64; c++)
                 dense(m->head_format, m->head_group, xf, head_tiles ? xt : 0, m->lm_head,
                       m->head_scales, logits, m->vocab, hidden, c, n);
+            PHASE(PHASE_LM_HEAD);
         }
     }
     free(work), free(xt);

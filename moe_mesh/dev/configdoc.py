@@ -70,6 +70,13 @@ PROCESS_WIDE = [
         "op",
     ),
     (
+        "MOE_MESH_STEP_PHASES",
+        "benchmarks",
+        "`1`: the kernels are built (once, as `bf16phases-*.so` beside the usual build) with a "
+        "timer on each phase of the one-call decode step; `bench/step_phases.py` sets it and "
+        "reads the timers. Unset (default): the usual build. Not for servers",
+    ),
+    (
         "MOE_MESH_CUDA_GRAPHS",
         "router",
         "`on` (default): on a GPU holding every expert, decode steps replay CUDA graphs captured "
