@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from bench.gpu_speed import SLICES, make_slice
 from bench.gpu_support import Context
@@ -46,18 +47,12 @@ def rates(ctx: Context, name: str, threads: int) -> dict:
     under the scratch folder (created where no part made it). Past the time left, the rows it
     printed."""
     path = make_slice(ctx, name, ctx.slice_layers)[0] if name in SLICES else ctx.work / SMALL
-    out = ctx.work / f"cpu-{name}.json"
-    cmd = [sys.executable, "-m", "bench.quantized", "--geometry", name, "--checkpoint", str(path)]
-    cmd += ["--threads", str(threads), "--batch-sizes", "1", "--precisions", PRECISIONS]
-    cmd += ["--repeats", "3", "--out", str(out)]
+    flags = ["--batch-sizes", "1", "--precisions", PRECISIONS, "--repeats", "3"]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=max(ctx.left_s() - 5, 1))
+        result = child(ctx, "bench.quantized", name, path, threads, flags)
     except subprocess.TimeoutExpired as e:
         printed = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
         return {"timed_out": True, "printed": [x for x in printed.splitlines() if "batch" in x]}
-    if done.returncode:
-        raise RuntimeError(f"bench.quantized exited {done.returncode}: {done.stderr[-400:]}")
-    result = json.loads(out.read_text())
     keep = ("tokens_per_s", "vs_first", "bandwidth_share", "bytes_per_token")
     return {
         "read_bandwidth_gb_per_s": round(result["read_bandwidth_gb_per_s"], 1),
@@ -106,13 +101,22 @@ def phases(ctx: Context, threads: int) -> dict:
     """bench/step_phases.py on the slice on every core: where a token's time goes, per
     precision (microseconds: the products, the work between them, the decode's wall time)."""
     path = make_slice(ctx, GEOMETRIES[0], ctx.slice_layers)[0]
-    out = ctx.work / "cpu-phases.json"
-    cmd = [sys.executable, "-m", "bench.step_phases", "--geometry", GEOMETRIES[0]]
-    cmd += ["--checkpoint", str(path), "--threads", str(threads), "--out", str(out)]
+    result = child(ctx, "bench.step_phases", GEOMETRIES[0], path, threads, [])
+    return {"threads": threads, "rows": result["rows"]}
+
+
+def child(
+    ctx: Context, module: str, geometry: str, path: Path, threads: int, flags: list[str]
+) -> dict:
+    """`python -m module` at the geometry's checkpoint `path` on `threads` threads, within the
+    time left: the JSON it wrote. Its exit status not 0 raises, with its stderr's end."""
+    out = ctx.work / f"cpu-{module.removeprefix('bench.')}-{geometry}-{threads}.json"
+    cmd = [sys.executable, "-m", module, "--geometry", geometry, "--checkpoint", str(path)]
+    cmd += ["--threads", str(threads), "--out", str(out), *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=max(ctx.left_s() - 5, 1))
     if done.returncode:
-        raise RuntimeError(f"bench.step_phases exited {done.returncode}: {done.stderr[-400:]}")
-    return {"threads": threads, "rows": json.loads(out.read_text())["rows"]}
+        raise RuntimeError(f"{module} exited {done.returncode}: {done.stderr[-400:]}")
+    return json.loads(out.read_text())
 
 
 def plan_host_cpu(ctx: Context) -> dict:

@@ -149,12 +149,13 @@ static void next_rows(const moe_model *m, long l, float *xf, long n) {
    head h: with Qwen3's per-head q/k norm first where the model has it, RoPE of the head's g
    queries and its key and the key's and value's cache write (`prepare`), then the head's attention
    (`attend`). A job of token and KV head does both, each head as the whole token's call does it.
-   qkv, normed and qk are the token's rows. */
+   qkv [n][ld], normed and qk [n][rotated * hd] are the step's rows. */
 static void prepare(const moe_model *m, const moe_token *t, long i, long l, long h,
                     const uint16_t *qkv, uint16_t *normed, uint16_t *qk) {
     long hd = m->head_dim, g = m->heads / m->kv_heads, rotated = m->heads + m->kv_heads;
     long ld = (rotated + m->kv_heads) * hd, q = h * g * hd, k = (m->heads + h) * hd;
     long per_head = m->num_blocks * m->block_size;
+    qkv += i * ld, normed += i * rotated * hd, qk += i * rotated * hd;
     const uint16_t *source = qkv;
     if (m->qk_norm) {
         PICK(rms_norm)(qkv + q, 0, 0, m->q_norm[l], normed + q, g, hd, m->eps, 1);
@@ -325,8 +326,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
 #pragma omp for schedule(static)
                 for (long job = 0; job < n * m->kv_heads; job++) {
                     long i = job / m->kv_heads, kh = job % m->kv_heads;
-                    prepare(m, t, i, l, kh, qkv + i * qkv_cols, normed + i * rotated,
-                            qk + i * rotated);
+                    prepare(m, t, i, l, kh, qkv, normed, qk);
                 }
                 PHASE(PHASE_KV_PREPARE);
             }
@@ -334,8 +334,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
             for (long job = 0; job < n * m->kv_heads * parts; job++) {
                 long i = job / (m->kv_heads * parts), kh = job / parts % m->kv_heads;
                 if (parts == 1) /* the head's whole: prepared by the job that attends */
-                    prepare(m, t, i, l, kh, qkv + i * qkv_cols, normed + i * rotated,
-                            qk + i * rotated);
+                    prepare(m, t, i, l, kh, qkv, normed, qk);
                 if (attend(m, t, i, l, kh, job % parts * share, share, qk + i * rotated,
                            out + i * attended, xf + i * attended)) {
 #pragma omp atomic write
