@@ -153,6 +153,20 @@ static void block_rows(int format, long group, float *xf, long m, long k) {
     if (format == FORMAT_INT8) q8_prepare(xf, m, k);
 }
 
+/* The inputs a group of `format`'s rows of k holds once block_rows prepared them; 0 where they
+   stay floats */
+static long prepared_group(int format, long group, long k) {
+    return format == FORMAT_INT4 ? group : prepared(format, k) ? q8_group(k) : 0;
+}
+
+/* Inputs c0 to c0 + width of row xf [k], whole groups of prepared_group, prepared as block_rows
+   prepares them but into row out [k] */
+static void block_span(int format, long group, const float *xf, float *out, long k, long c0,
+                       long width) {
+    if (format == FORMAT_INT4) q4_prepare_span(xf, out, k, group, c0, width);
+    if (format == FORMAT_INT8) q8_prepare_span(xf, out, k, c0, width);
+}
+
 /* x [m][k] bfloat16, w a weight [n][k] in `format` (scales with it, NULL for bfloat16), bias [n]
    float32 or NULL, y [m][n] bfloat16; n a multiple of 64. Columns are split over `threads` OpenMP
    threads. x is widened to float32 once, here (every column block reads it); -1 when there is
@@ -313,7 +327,7 @@ int moe_silu_ffns(int format, long group, const uint16_t *const *x, const void *
     long up_bytes = block_bytes(format, hidden), up_scales = block_scale_bytes(format, hidden, group);
     long down_bytes = block_bytes(format, inter);
     long down_scales_bytes = block_scale_bytes(format, inter, group);
-    void (*silu_mul)(const uint16_t *, uint16_t *, long) = PICK(silu_mul);
+    void (*silu_mul)(const uint16_t *, const uint16_t *, uint16_t *, long) = PICK(silu_mul);
     long up_blocks = 2 * inter / 64, down_blocks = hidden / 64;
 #pragma omp parallel num_threads(threads)
     {
@@ -332,7 +346,7 @@ int moe_silu_ffns(int format, long group, const uint16_t *const *x, const void *
         }
 #pragma omp for schedule(static)
         for (long r = 0; r < rows; r++) {
-            silu_mul(h + r * 2 * inter, gated + r * inter, inter);
+            silu_mul(h + r * 2 * inter, h + r * 2 * inter + inter, gated + r * inter, inter);
             widen(gated + r * inter, gf + r * inter, inter);
             block_rows(format, group, gf + r * inter, 1, inter);
         }
@@ -846,13 +860,13 @@ TARGET static inline vec vexp(vec x) {
     return vscale(p, n);
 }
 
-/* out[i] = silu(g[i]) * u[i] for one row g|u [2][n], n a multiple of 16 */
-TARGET static void FN(silu_mul)(const uint16_t *gu, uint16_t *out, long n) {
+/* out[i] = silu(gate[i]) * up[i] for i < n, n a multiple of 16 */
+TARGET static void FN(silu_mul)(const uint16_t *gate, const uint16_t *up, uint16_t *out, long n) {
     for (long i = 0; i < n; i += 16) {
-        vec g = vload(gu + i);
+        vec g = vload(gate + i);
         vec e = vexp(vsub(vset(0.0f), g));
         vec act = vwiden(vbf16(vdiv(g, vadd(vset(1.0f), e))));
-        vstore_bf16(out + i, vmul(act, vload(gu + n + i)));
+        vstore_bf16(out + i, vmul(act, vload(up + i)));
     }
 }
 

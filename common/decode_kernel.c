@@ -188,12 +188,15 @@ static int attend(const moe_model *m, const moe_token *t, long i, long l, long h
 }
 
 /* Parts to split each KV head's query heads into: 1 where the step's tokens give every thread a
-   KV head; else the most that divide them and keep a part per thread (a 16-thread step of one
-   token of 4 KV heads ran 4 jobs). A part reads its head's keys and values again. */
-static long query_parts(const moe_model *m, long n, int threads) {
+   KV head; else the most that divide them, keep a part per thread and, where o's inputs are
+   prepared in groups of `og`, hold whole groups (a 16-thread step of one token of 4 KV heads ran
+   4 jobs). A part reads its head's keys and values again. */
+static long query_parts(const moe_model *m, long n, int threads, long og) {
     long g = m->heads / m->kv_heads;
     for (long parts = g; parts > 1; parts--)
-        if (g % parts == 0 && n * m->kv_heads * parts <= threads) return parts;
+        if (g % parts == 0 && n * m->kv_heads * parts <= threads &&
+            (!og || g / parts * m->head_dim % og == 0))
+            return parts;
     return 1;
 }
 
@@ -207,6 +210,34 @@ static void combine_span(const moe_model *m, const uint16_t *ys, const int64_t *
     for (long j = 0; j < k; j++) r[j] = ys + place[i * k + j] * hidden + c0;
     PICK(combine)(r, 1, (const char *)weights + i * k * (m->weights_bf16 ? 2 : 4),
                   m->weights_bf16, 1, k, width, 1, delta + i * hidden + c0, 1);
+}
+
+/* Column block c of layer l's gate|up product for the expert group grp (expert, first row,
+   rows), its inputs xe [slots][hidden] (one row for all, n == 1) */
+static void gate_up(const moe_model *m, long l, const long *grp, const float *xe, uint16_t *gu,
+                    long c, long n) {
+    long e = l * m->experts + grp[0], h = m->hidden, width = 2 * m->inter;
+    product(m->format, m->group, xe + (n > 1) * grp[1] * h, m->gate_up[e], at(m->gate_up_scales, e),
+            gu + grp[1] * width, width, h, c, grp[2]);
+}
+
+/* Column block c of layer l's down product for the expert group grp, its inputs gin
+   [slots][inter] */
+static void down(const moe_model *m, long l, const long *grp, const float *gin, uint16_t *ys,
+                 long c) {
+    long e = l * m->experts + grp[0];
+    product(m->format, m->group, gin + grp[1] * m->inter, m->down[e], at(m->down_scales, e),
+            ys + grp[1] * m->hidden, m->hidden, m->inter, c, grp[2]);
+}
+
+/* Columns c0 to c0 + width of a choice's gate|up row gu [2][inter] gated into `gated` and
+   widened into gf, and where `prepared` is given, made there what down reads (whole groups):
+   each column's own arithmetic, so any split of the row gives its bits */
+static void gate(int format, long group, long inter, const uint16_t *gu, uint16_t *gated,
+                 float *gf, float *prepared, long c0, long width) {
+    PICK(silu_mul)(gu + c0, gu + inter + c0, gated + c0, width);
+    widen(gated + c0, gf + c0, width);
+    if (prepared) block_span(format, group, gf, prepared, inter, c0, width);
 }
 
 /* The layer's routed choices [n][k] grouped by expert (moe_group's stable counting sort: ties in
@@ -262,10 +293,12 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
     long qkv_cols = (m->heads + 2 * m->kv_heads) * hd, attended = m->heads * hd;
     long widest = hidden > attended ? hidden : attended, rotated = (m->heads + m->kv_heads) * hd;
     long slots = n * k;
-    /* per token: the float32 inputs; logits and probabilities; weights. Per choice: the expert's
-       input, gate|up widened after gating, the outputs; the grouping. Halves per token: qkv,
-       normed and rotated q|k, attention, a product's output; per choice: gate|up, gated, output */
-    size_t floats = n * (widest + 2 * m->experts + k) + slots * (hidden + inter);
+    /* per token: the float32 inputs, attention's output prepared for o; logits and
+       probabilities; weights. Per choice: the expert's input, gate|up widened after gating and
+       that prepared for down; the grouping. Halves per token: qkv, normed and rotated q|k,
+       attention, a product's output; per choice: gate|up, gated, output */
+    size_t floats = n * (widest + attended + 2 * m->experts + k) + slots * (hidden + 2 * inter);
+    floats += hidden; /* a lone token's expert input, widened */
     size_t halves = n * (qkv_cols + 2 * rotated + attended + hidden) + slots * (3 * inter + hidden);
     /* order and at per choice, the groups, the sort's counters: 8 bytes */
     size_t words = 2 * slots + 3 * slots + m->experts;
@@ -283,10 +316,11 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
     int64_t *order = (int64_t *)work, *place = order + slots;
     long *groups = (long *)(place + slots);
     int64_t *next = (int64_t *)(groups + 3 * slots);
-    float *xf = (float *)(next + m->experts), *logit = xf + n * widest;
+    float *xf = (float *)(next + m->experts), *xo = xf + n * widest, *logit = xo + n * attended;
     float *probs = logit + n * m->experts, *weights = probs + n * m->experts;
-    float *xe = weights + n * k, *gf = xe + slots * hidden;
-    uint16_t *qkv = (uint16_t *)(gf + slots * inter), *normed = qkv + n * qkv_cols;
+    float *xe = weights + n * k, *gf = xe + slots * hidden, *gp = gf + slots * inter;
+    float *xw = gp + slots * inter;
+    uint16_t *qkv = (uint16_t *)(xw + hidden), *normed = qkv + n * qkv_cols;
     uint16_t *qk = normed + n * rotated, *out = qk + n * rotated, *delta = out + n * attended;
     uint16_t *gu = delta + n * hidden, *gated = gu + slots * 2 * inter, *ys = gated + slots * inter;
     void (*norm)(const uint16_t *, const uint16_t *, uint16_t *, const uint16_t *, uint16_t *,
@@ -295,7 +329,20 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
     long ex = m->experts, quads = (ex + 3) / 4;
     int f = m->format, df = m->dense_format, failed = 0;
     long g = m->group, dg = m->dense_group;
-    long parts = query_parts(m, n, threads), share = m->heads / m->kv_heads / parts;
+    /* Inputs prepared (int4, int8) by the threads that wrote them, where each holds whole groups,
+       into rows of their own: o's by the attention jobs, down's by the gate|up jobs (which then
+       take a gate block and its up block at once, and gate them). A phase of its own read every
+       thread's writes from one, 20-26 us a layer at 16 threads (host D). */
+    long og = prepared_group(df, dg, attended);
+    long parts = query_parts(m, n, threads, og), share = m->heads / m->kv_heads / parts;
+    int o_jobs = og && share * hd % og == 0;
+    long gg = prepared_group(f, g, inter), unit = gg > 64 ? gg : 64; /* lcm(64, gg) */
+    long units = inter % unit ? 0 : inter / unit;
+    /* A lone token's expert input (every choice's) is made once, in spans of whole groups beside
+       the router's logits, widened into xw first where it is then prepared */
+    long ig = prepared_group(f, g, hidden), iunit = ig ? ig : 16;
+    long ispan = (hidden / iunit + threads - 1) / threads * iunit;
+    long inputs = n == 1 ? (hidden + ispan - 1) / ispan : 0;
     /* the combine's spans of columns, whole vectors: about a thread's share of the tokens' */
     long spans = n >= threads ? 1 : (threads + n - 1) / n;
     long span = (hidden / 16 + spans - 1) / spans * 16;
@@ -315,8 +362,6 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
         PHASE(PHASE_EMBED);
         for (long l = 0; l < m->layers; l++) {
             int64_t *routed = chosen + l * slots;
-            long first = l * m->experts; /* the layer's experts' weights and scales */
-            const void *const *up = m->gate_up + first, *const *dn = m->down + first;
 #pragma omp for schedule(static)
             for (long c = 0; c < qkv_cols / 64; c++)
                 dense(df, dg, xf, qkv_tiles ? xt : 0, m->qkv[l], at(m->qkv_scales, l), qkv,
@@ -335,11 +380,14 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                 long i = job / (m->kv_heads * parts), kh = job / parts % m->kv_heads;
                 if (parts == 1) /* the head's whole: prepared by the job that attends */
                     prepare(m, t, i, l, kh, qkv, normed, qk);
-                if (attend(m, t, i, l, kh, job % parts * share, share, qk + i * rotated,
-                           out + i * attended, xf + i * attended)) {
+                long r0 = job % parts * share, q0 = (kh * (m->heads / m->kv_heads) + r0) * hd;
+                if (attend(m, t, i, l, kh, r0, share, qk + i * rotated, out + i * attended,
+                           xf + i * attended)) {
 #pragma omp atomic write
                     failed = 1;
                 }
+                if (o_jobs) block_span(df, dg, xf + i * attended, xo + i * attended, attended, q0,
+                                       share * hd);
             }
             PHASE(PHASE_ATTENTION);
             if (o_tiles) {
@@ -347,23 +395,30 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                 tile_rows(out, n, attended, xt);
                 PHASE(PHASE_O_TILES);
             }
-            if (prepared(df, attended)) {
+            if (prepared(df, attended) && !o_jobs) {
 #pragma omp for schedule(static)
                 for (long i = 0; i < n; i++) block_rows(df, dg, xf + i * attended, 1, attended);
                 PHASE(PHASE_O_INPUTS);
             }
 #pragma omp for schedule(static)
             for (long c = 0; c < hidden / 64; c++)
-                dense(df, dg, xf, o_tiles ? xt : 0, m->o[l], at(m->o_scales, l), delta, hidden,
-                      attended, c, n);
+                dense(df, dg, o_jobs ? xo : xf, o_tiles ? xt : 0, m->o[l], at(m->o_scales, l),
+                      delta, hidden, attended, c, n);
             PHASE(PHASE_O);
 #pragma omp single
             norm(x, delta, x, m->post_norm[l], h, n, hidden, m->eps, 1);
             PHASE(PHASE_POST_NORM);
 #pragma omp for schedule(static)
-            for (long job = 0; job < n * quads; job++) { /* a token's experts, four a job */
-                long i = job / quads, e = job % quads * 4, last = e + 4 < ex ? e + 4 : ex;
-                router_logits(h + i * hidden, m->router[l], hidden, e, last, logit + i * ex);
+            for (long job = 0; job < n * quads + inputs; job++) {
+                if (job < n * quads) { /* a token's experts, four a job */
+                    long i = job / quads, e = job % quads * 4, last = e + 4 < ex ? e + 4 : ex;
+                    router_logits(h + i * hidden, m->router[l], hidden, e, last, logit + i * ex);
+                } else { /* a span of a lone token's expert input */
+                    long c0 = (job - n * quads) * ispan;
+                    long width = hidden - c0 < ispan ? hidden - c0 : ispan;
+                    widen(h + c0, (ig ? xw : xe) + c0, width);
+                    if (ig) block_span(f, g, xw, xe, hidden, c0, width);
+                }
             }
             PHASE(PHASE_ROUTER);
 #pragma omp single
@@ -374,10 +429,6 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                                 (char *)weights + i * k * (m->weights_bf16 ? 2 : 4),
                                 routed + i * k);
                 used = group_choices(routed, slots, m->experts, next, order, place, groups);
-                if (n == 1) { /* every choice's input is the one token's row: made once */
-                    widen(h, xe, hidden);
-                    block_rows(f, g, xe, 1, hidden);
-                }
             }
             PHASE(PHASE_ROUTE);
             if (n > 1) {
@@ -388,27 +439,41 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                 }
                 PHASE(PHASE_EXPERT_INPUTS);
             }
+            if (units) {
+                /* a job: `chunk` columns of an expert's gate and up, gated; the fewest jobs that
+                   give each thread two, so that a thread reads long runs of each panel (2 threads
+                   ran 4-10% slower in jobs of 128 columns) */
+                long chunks = 1;
+                while (chunks < units && (units % chunks || used * chunks < 2 * threads)) chunks++;
+                long chunk = units / chunks * unit;
 #pragma omp for schedule(static)
-            for (long b = 0; b < used * up_blocks; b++) {
-                long *grp = groups + 3 * (b / up_blocks), c = b % up_blocks, e = grp[0];
-                product(f, g, xe + (n > 1) * grp[1] * hidden, up[e],
-                        at(m->gate_up_scales, first + e), gu + grp[1] * 2 * inter, 2 * inter,
-                        hidden, c, grp[2]);
-            }
-            PHASE(PHASE_GATE_UP);
+                for (long job = 0; job < used * chunks; job++) {
+                    long *grp = groups + 3 * (job / chunks), c0 = job % chunks * chunk;
+                    for (long half = 0; half < 2; half++) /* gate's blocks, then up's */
+                        for (long c = c0 / 64; c < (c0 + chunk) / 64; c++)
+                            gate_up(m, l, grp, xe, gu, c + half * inter / 64, n);
+                    for (long r = grp[1]; r < grp[1] + grp[2]; r++)
+                        gate(f, g, inter, gu + r * 2 * inter, gated + r * inter, gf + r * inter,
+                             gg ? gp + r * inter : 0, c0, chunk);
+                }
+                PHASE(PHASE_GATE_UP);
+            } else {
 #pragma omp for schedule(static)
-            for (long r = 0; r < slots; r++) {
-                PICK(silu_mul)(gu + r * 2 * inter, gated + r * inter, inter);
-                widen(gated + r * inter, gf + r * inter, inter);
-                block_rows(f, g, gf + r * inter, 1, inter);
-            }
-            PHASE(PHASE_SILU);
+                for (long b = 0; b < used * up_blocks; b++)
+                    gate_up(m, l, groups + 3 * (b / up_blocks), xe, gu, b % up_blocks, n);
+                PHASE(PHASE_GATE_UP);
 #pragma omp for schedule(static)
-            for (long b = 0; b < used * down_blocks; b++) {
-                long *grp = groups + 3 * (b / down_blocks), c = b % down_blocks, e = grp[0];
-                product(f, g, gf + grp[1] * inter, dn[e], at(m->down_scales, first + e),
-                        ys + grp[1] * hidden, hidden, inter, c, grp[2]);
+                for (long r = 0; r < slots; r++) {
+                    gate(f, g, inter, gu + r * 2 * inter, gated + r * inter, gf + r * inter, 0, 0,
+                         inter);
+                    block_rows(f, g, gf + r * inter, 1, inter);
+                }
+                PHASE(PHASE_SILU);
             }
+            const float *gin = units && gg ? gp : gf; /* down's inputs */
+#pragma omp for schedule(static)
+            for (long b = 0; b < used * down_blocks; b++)
+                down(m, l, groups + 3 * (b / down_blocks), gin, ys, b % down_blocks);
             PHASE(PHASE_DOWN);
 #pragma omp for schedule(static)
             for (long job = 0; job < n * spans; job++) {

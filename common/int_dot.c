@@ -50,78 +50,98 @@ static inline float dot_unit(const char *head) {
     return v;
 }
 
-/* Rows x [m][k] prepared in place for the products below, each still k floats apart: per group
-   of `group` inputs, its header, then per 8 inputs 24 bytes in two halves of four inputs, each
-   half digit 0's four bytes, 1's, then 2's. int4's halves are inputs 0, 2, 4, 6 and 1, 3, 5, 7
-   (a column's word's low nibbles, then its high ones: `order`), int8's 0-3 and 4-7; `zero` is
-   their Z. A group's bytes end where the next group's floats begin at the latest (groups hold 32
-   inputs or more), and are written once its floats are read. A group holding a NaN or an
-   infinity gets a NaN unit, so its columns come out NaN. Groups other than 32, 64 and 128 are
-   left unprepared (common/quant.py admits no other; q8_group picks no other). */
-TARGET static inline void dot_prepare(float *x, long m, long k, long group, __m256i order,
-                                      int zero) {
-    if (group < 32 || group > 128 || group % 8 || k % group) return; /* digits[] holds 128 */
+/* Groups g0 to g1 of a row x [k] prepared for the products below into the row `out` (x's own
+   place, or another k floats long): group g at byte g * dot_group_bytes, its header, then per 8
+   inputs 24 bytes in two halves of four inputs, each half digit 0's four bytes, 1's, then 2's.
+   int4's halves are inputs 0, 2, 4, 6 and 1, 3, 5, 7 (a column's word's low nibbles, then its
+   high ones: `order`), int8's 0-3 and 4-7; `zero` is their Z. In place, a group's bytes end
+   where the next group's floats begin at the latest (groups hold 32 inputs or more), and are
+   written once its floats are read. A group holding a NaN or an infinity gets a NaN unit, so its
+   columns come out NaN. */
+TARGET static inline void dot_prepare_groups(const float *x, char *out, long g0, long g1,
+                                             long group, __m256i order, int zero) {
     /* each lane's low byte into the low 4 bytes of its half */
     const __m256i bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                            -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                            -1, -1);
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    int8_t digits[3 * 128]; /* common/quant.py allows groups of 32, 64 and 128 */
-    for (long r = 0; r < m; r++)
-        for (long g = 0; g < k / group; g++) {
-            const float *v = x + r * k + g * group;
-            __m256 top = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-            for (long i = 0; i < group; i += 8) {
-                __m256 a = _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude);
-                /* NaN compares false */
-                __m256 bounded = _mm256_cmp_ps(a, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ);
-                finite = _mm256_and_ps(finite, bounded);
-                top = _mm256_max_ps(top, a);
-            }
-            __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-            t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-            t = _mm_max_ss(t, _mm_shuffle_ps(t, t, 1));
-            int ok = _mm256_movemask_ps(finite) == 0xFF, e = 0;
-            frexpf(_mm_cvtss_f32(t), &e);
-            e = e < -100 ? -100 : e; /* 2^(22 - e) finite: tinier groups on 2^-122's grid */
-            __m256 up = _mm256_set1_ps(ok ? ldexpf(1.0f, 22 - e) : 0.0f);
-            __m256i sum[3] = {_mm256_setzero_si256(), _mm256_setzero_si256(),
-                              _mm256_setzero_si256()};
-            for (long i = 0; i < group; i += 8) {
-                /* N to the nearest, split into b0 + 2^8 b1 + 2^16 b2, each a signed byte */
-                __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i), up));
-                n = _mm256_permutevar8x32_epi32(n, order);
-                __m256i d[3];
-                d[0] = _mm256_srai_epi32(_mm256_slli_epi32(n, 24), 24);
-                __m256i n1 = _mm256_srai_epi32(_mm256_sub_epi32(n, d[0]), 8);
-                d[1] = _mm256_srai_epi32(_mm256_slli_epi32(n1, 24), 24);
-                d[2] = _mm256_srai_epi32(_mm256_sub_epi32(n1, d[1]), 8);
-                for (int j = 0; j < 3; j++) {
-                    sum[j] = _mm256_add_epi32(sum[j], d[j]);
-                    __m256i b = _mm256_shuffle_epi8(d[j], bytes);
-                    int32_t low = _mm256_extract_epi32(b, 0), high = _mm256_extract_epi32(b, 4);
-                    memcpy(digits + i * 3 + 4 * j, &low, 4);
-                    memcpy(digits + i * 3 + 12 + 4 * j, &high, 4);
-                }
-            }
-            int32_t head[4];
-            float unit = ok ? ldexpf(1.0f, e - 22) : NAN;
-            memcpy(head, &unit, sizeof unit);
-            for (int j = 0; j < 3; j++) {
-                __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sum[j]),
-                                          _mm256_extracti128_si256(sum[j], 1));
-                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
-                head[1 + j] = -zero * _mm_cvtsi128_si32(h);
-            }
-            char *out = (char *)(x + r * k) + g * dot_group_bytes(group);
-            memcpy(out, head, DOT_HEADER);
-            memcpy(out + DOT_HEADER, digits, 3 * group);
+    int8_t digits[3 * 128]; /* dot_prepare's callers take groups of 32, 64 and 128 */
+    for (long g = g0; g < g1; g++) {
+        const float *v = x + g * group;
+        __m256 top = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        for (long i = 0; i < group; i += 8) {
+            __m256 a = _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude);
+            /* NaN compares false */
+            __m256 bounded = _mm256_cmp_ps(a, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ);
+            finite = _mm256_and_ps(finite, bounded);
+            top = _mm256_max_ps(top, a);
         }
+        __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+        t = _mm_max_ss(t, _mm_shuffle_ps(t, t, 1));
+        int ok = _mm256_movemask_ps(finite) == 0xFF, e = 0;
+        frexpf(_mm_cvtss_f32(t), &e);
+        e = e < -100 ? -100 : e; /* 2^(22 - e) finite: tinier groups on 2^-122's grid */
+        __m256 up = _mm256_set1_ps(ok ? ldexpf(1.0f, 22 - e) : 0.0f);
+        __m256i sum[3] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (long i = 0; i < group; i += 8) {
+            /* N to the nearest, split into b0 + 2^8 b1 + 2^16 b2, each a signed byte */
+            __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i), up));
+            n = _mm256_permutevar8x32_epi32(n, order);
+            __m256i d[3];
+            d[0] = _mm256_srai_epi32(_mm256_slli_epi32(n, 24), 24);
+            __m256i n1 = _mm256_srai_epi32(_mm256_sub_epi32(n, d[0]), 8);
+            d[1] = _mm256_srai_epi32(_mm256_slli_epi32(n1, 24), 24);
+            d[2] = _mm256_srai_epi32(_mm256_sub_epi32(n1, d[1]), 8);
+            for (int j = 0; j < 3; j++) {
+                sum[j] = _mm256_add_epi32(sum[j], d[j]);
+                __m256i b = _mm256_shuffle_epi8(d[j], bytes);
+                int32_t low = _mm256_extract_epi32(b, 0), high = _mm256_extract_epi32(b, 4);
+                memcpy(digits + i * 3 + 4 * j, &low, 4);
+                memcpy(digits + i * 3 + 12 + 4 * j, &high, 4);
+            }
+        }
+        int32_t head[4];
+        float unit = ok ? ldexpf(1.0f, e - 22) : NAN;
+        memcpy(head, &unit, sizeof unit);
+        for (int j = 0; j < 3; j++) {
+            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sum[j]),
+                                      _mm256_extracti128_si256(sum[j], 1));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+            head[1 + j] = -zero * _mm_cvtsi128_si32(h);
+        }
+        char *at = out + g * dot_group_bytes(group);
+        memcpy(at, head, DOT_HEADER);
+        memcpy(at + DOT_HEADER, digits, 3 * group);
+    }
+}
+
+/* Groups other than 32, 64 and 128 are left unprepared (common/quant.py admits no other;
+   q8_group picks no other): digits[] holds 128 */
+static int dot_groups(long k, long group) {
+    return group >= 32 && group <= 128 && group % 8 == 0 && k % group == 0;
+}
+
+/* Rows x [m][k] prepared in place, each still k floats apart */
+TARGET static void dot_prepare(float *x, long m, long k, long group, __m256i order, int zero) {
+    if (dot_groups(k, group))
+        for (long r = 0; r < m; r++)
+            dot_prepare_groups(x + r * k, (char *)(x + r * k), 0, k / group, group, order, zero);
 }
 
 TARGET static void q4_prepare(float *x, long m, long k, long group) {
     dot_prepare(x, m, k, group, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7), 8);
+}
+
+/* Inputs c0 to c0 + width of row x [k], whole groups, prepared as q4_prepare prepares them but
+   into row out (k floats long): threads that each hold some of a row's inputs prepare their own
+   (decode_kernel.c) */
+TARGET static void q4_prepare_span(const float *x, float *out, long k, long group, long c0,
+                                   long width) {
+    if (dot_groups(k, group))
+        dot_prepare_groups(x, (char *)out, c0 / group, (c0 + width) / group, group,
+                           _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7), 8);
 }
 
 /* a, the group's T_0..T_2 combined as the top comment says, times `unit` */
@@ -359,6 +379,13 @@ int moe_int8_dot(long k) { return q8_dot(k); }
 TARGET static void q8_prepare(float *x, long m, long k) {
     if (q8_dot(k))
         dot_prepare(x, m, k, q8_group(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), 128);
+}
+
+TARGET static void q8_prepare_span(const float *x, float *out, long k, long c0, long width) {
+    long group = q8_group(k);
+    if (q8_dot(k))
+        dot_prepare_groups(x, (char *)out, c0 / group, (c0 + width) / group, group,
+                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), 128);
 }
 
 #define Q8DOT __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma")))

@@ -58,19 +58,37 @@ def test_a_decode_step_in_one_call_gives_the_op_by_op_bits(
     assert a.tokens_colocated == b.tokens_colocated > 0
 
 
+# Widths of 64-column blocks: each thread prepares the inputs it wrote (o's in attention, down's
+# beside gate|up); tiny's 96-wide experts do not.
+WIDER = dict(
+    hidden_size=256,
+    moe_intermediate_size=128,
+    head_dim=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+)
+
+
 @pytest.mark.parametrize(
-    "arch, quantize, sequences, threads",
+    "arch, quantize, sequences, threads, widths",
     [
-        ("qwen3_moe", "none", 1, 8),  # 2 query heads of each of 2 KV heads apart; 4 spans
-        ("mixtral", "int4", 1, 3),  # KV heads whole, 2 spans
-        ("qwen3_moe", "int8", 3, 8),  # KV heads whole, 2 spans a token
-        ("qwen3_moe", "int4", 2, 8),  # both tokens' query heads apart; 4 spans a token
+        ("qwen3_moe", "none", 1, 8, {}),  # 2 query heads of each of 2 KV heads apart; 4 spans
+        ("mixtral", "int4", 1, 3, {}),  # KV heads whole, 2 spans
+        ("qwen3_moe", "int8", 3, 8, {}),  # KV heads whole, 2 spans a token
+        ("qwen3_moe", "int4", 2, 8, {}),  # both tokens' query heads apart; 4 spans a token
+        ("qwen3_moe", "none", 1, 2, WIDER),  # gate|up in jobs of 64 columns
+        ("qwen3_moe", "int4", 1, 2, WIDER),  # o's and down's inputs prepared where written
+        ("qwen3_moe", "int8", 1, 2, WIDER),  # int8's groups of 128
+        ("qwen3_moe", "int4", 3, 3, WIDER),  # more experts routed: longer gate|up jobs
+        ("qwen3_moe", "int8", 1, 8, WIDER),  # KV heads whole: parts would split o's groups
+        ("qwen3_moe", "int4", 2, 8, WIDER),
     ],
 )
-def test_more_threads_than_kv_heads_split_query_heads_and_the_combine_with_the_bits(
-    panels, checkpoint, arch, quantize, sequences, threads
+def test_a_step_on_more_threads_splits_its_work_with_the_bits(
+    panels, checkpoint, arch, quantize, sequences, threads, widths
 ):
-    path = checkpoint(arch)
+    path = checkpoint(arch, **({"overrides": widths} if widths else {}))
     extra = dict(quantize=quantize, quantize_group_size=32, quantize_dense=quantize != "none")
     one, op_by_op = model(path, **extra), model(path, one_call=False, **extra)
     step, ran = one.fused.step, []
