@@ -3,8 +3,9 @@
 (part c's checkpoint) and of `small` (part d's where it made one) in bfloat16 and with every layer
 in int8 and in int4, on every core and then the slice on 4, by bench/quantized.py, which computes
 on the CPU; then where a token's time goes on every core (bench/step_phases.py); with the CPU's
-model, cores, L3 and flags. There, int8 ran 1.98x bfloat16 on 4 threads and 1.72-1.73x on 16
-(docs/performance.md#host-d): each lease adds runs."""
+model, cores, L3 and flags. There, int8 ran 1.98x bfloat16 on 4 threads and 1.72-1.74x on 16
+until stop 69 had the step's threads prepare what they wrote (2.03-2.14x; docs/performance.md,
+#host-d-stop-69): each lease adds runs."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def rates(ctx: Context, name: str, threads: int) -> dict:
     under the scratch folder (created where no part made it). Past the time left, the rows it
     printed."""
     path = make_slice(ctx, name, ctx.slice_layers)[0] if name in SLICES else ctx.work / SMALL
-    flags = ["--batch-sizes", "1", "--precisions", PRECISIONS, "--repeats", "3"]
+    flags = ["--batch-sizes", "1", "--precisions", PRECISIONS, "--repeats", "5"]
+    flags += ["--new-tokens", "64"]  # a 16-thread int4 token is ~1.5 ms: time more of them
     try:
         result = child(ctx, "bench.quantized", name, path, threads, flags)
     except subprocess.TimeoutExpired as e:
