@@ -16,6 +16,8 @@ from common.telemetry import TelemetrySettings
 from common.tls import SecuritySettings
 from common.units import parse_size
 
+MAX_DECODE_BURST = 64  # steps of one burst at most
+
 
 class RouterSettings(QuantizationSettings, TelemetrySettings, SecuritySettings):
     """Everything one router process needs: model, batching limits, expert placement, serving."""
@@ -82,12 +84,21 @@ class RouterSettings(QuantizationSettings, TelemetrySettings, SecuritySettings):
     decode_burst: int = Field(
         8,
         ge=1,
-        le=64,
+        le=MAX_DECODE_BURST,
         description="decode steps one engine step runs back to back for a sequence that runs "
         "alone, asks for no logprobs or penalties and takes the one-call step "
         "(bfloat16, int8, int4 or float32 on a CPU, every expert colocated): its tokens stream in "
-        "bursts of up to this many; a request arriving, a cancellation or the deadline ends a "
-        "burst at the next token. 1: one step per engine step",
+        "bursts of up to this many (more where --decode-burst-ms allows); a request arriving, a "
+        "cancellation or the deadline ends a burst at the next token. 1: one step per engine step",
+    )
+    decode_burst_ms: float = Field(
+        20.0,
+        ge=0,
+        le=1000,
+        description="a burst runs more than --decode-burst steps, up to 64, where that many of "
+        "the last burst's steps fit in this many milliseconds: fast steps stream in bursts about "
+        "this long, and the work between bursts (0.4-0.5 ms) is paid less often. 0: "
+        "--decode-burst steps",
     )
     serial_max_tokens: int | None = Field(
         None,

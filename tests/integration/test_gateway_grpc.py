@@ -62,9 +62,9 @@ async def test_unary_and_stream_match_the_local_engine_and_stream_early(checkpoi
             ids += msg.token_ids
             texts.append(msg.text)
             sizes.append(len(msg.token_ids))
-        # Tokens come as they are made: at least a message a decode burst (--decode-burst 8),
-        # the first long before the last (counted in tokens: the whole stream takes ~50 ms here).
-        assert len(arrivals) >= 64 // 8 and sizes[0] < 64 // 4 and arrivals[0] < arrivals[-1]
+        # Tokens come as they are made: the prefill's token alone, then bursts (of as many of
+        # tiny's steps as fit in --decode-burst-ms: all the rest here).
+        assert len(arrivals) >= 2 and sizes[0] == 1 and arrivals[0] < arrivals[-1]
         unary = await stub.Generate(greedy(3, max_tokens=64))
         assert ids == list(unary.token_ids) and "".join(texts) == unary.text
 

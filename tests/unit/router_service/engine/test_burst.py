@@ -25,7 +25,7 @@ def greedy(n: int, **params) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **params)
 
 
-def engine(checkpoint, burst: int, arch: str = "mixtral") -> Engine:
+def engine(checkpoint, burst: int, arch: str = "mixtral", window_ms: float = 0) -> Engine:
     return build_local_engine(
         RouterSettings(
             checkpoint=checkpoint(arch),
@@ -33,6 +33,7 @@ def engine(checkpoint, burst: int, arch: str = "mixtral") -> Engine:
             max_model_len=64,
             kv_block_size=4,
             decode_burst=burst,
+            decode_burst_ms=window_ms,  # 0: bursts of `burst` steps, however fast
         )
     )
 
@@ -47,6 +48,19 @@ def test_a_burst_gives_the_tokens_and_routing_counts_of_single_steps(panels, che
     assert [s["r"] for s in steps] == [1, 8, 8, 4]  # the prefill's token, then bursts
     a, b = bursts.model.dispatcher, single.model.dispatcher
     assert a.routed_counts() == b.routed_counts() and a.tokens_colocated == b.tokens_colocated
+
+
+def test_bursts_grow_to_what_fits_in_their_window_of_time(panels, checkpoint):
+    want, _ = run(engine(checkpoint, 1), {"r": greedy(40)})
+    # tiny's steps take well under a millisecond: after the first burst, the window holds the
+    # 64 steps a burst may have, and max_tokens ends it
+    got, steps = run(engine(checkpoint, 2, window_ms=1000), {"r": greedy(40)})
+    assert got == want and [s["r"] for s in steps] == [1, 2, 37]
+    # a window shorter than any step leaves bursts at decode_burst
+    _, steps = run(engine(checkpoint, 2, window_ms=0.001), {"r": greedy(9)})
+    assert [s["r"] for s in steps] == [1, 2, 2, 2, 2]
+    _, steps = run(engine(checkpoint, 1, window_ms=1000), {"r": greedy(5)})
+    assert [s["r"] for s in steps] == [1] * 5  # 1: no bursts, whatever the window
 
 
 def test_a_sampled_sequence_bursts_with_the_tokens_of_single_steps(panels, checkpoint):

@@ -135,6 +135,7 @@ def test_float32_bursts_give_the_tokens_of_op_by_op_steps(kernel, checkpoint, ar
             max_model_len=64,
             kv_block_size=4,
             decode_burst=8,
+            decode_burst_ms=0,
         )
         return build_local_engine(settings)
 
