@@ -31,6 +31,7 @@ import torch
 from router_service.engine.fused import FusedDecode
 from router_service.engine.fused_f32 import FusedDecodeF32
 from router_service.engine.layers import Rope
+from router_service.settings import MAX_DECODE_BURST
 
 
 @dataclass
@@ -46,6 +47,26 @@ class Burst:
     # cancelled: a C int, which a burst in C reads too
     halt: ctypes.c_int = field(default_factory=ctypes.c_int)
     deadline: float | None = None  # time.monotonic()
+
+
+@dataclass
+class Pace:
+    """A burst's length: `steps` (--decode-burst), or where more of the last burst's steps fit
+    in `window_s` (--decode-burst-ms), that many, up to MAX_DECODE_BURST. Fast steps then stream
+    in bursts about window_s long, and pay what a burst costs beside its steps less often."""
+
+    steps: int
+    window_s: float
+    step_s: float | None = None  # the last burst's seconds a step
+
+    def length(self) -> int:
+        if self.steps < 2 or self.window_s <= 0 or not self.step_s:  # 1: no bursts
+            return self.steps
+        return max(self.steps, min(MAX_DECODE_BURST, int(self.window_s / self.step_s)))
+
+    def ran(self, seconds: float, steps: int) -> None:
+        if steps:
+            self.step_s = seconds / steps
 
 
 def run(

@@ -36,7 +36,7 @@ from common.errors import (
 from common.limits import check_context_length, check_kv_capacity
 from common.sampling import SamplingParams
 from router_service.engine.blocks import BlockPool
-from router_service.engine.burst import Burst
+from router_service.engine.burst import Burst, Pace
 from router_service.engine.kv_cache import AUTO_SHARE, GPU_AUTO_SHARE, KVCache, num_blocks
 from router_service.engine.model import MoeModel, pack_step
 from router_service.engine.pipeline import MicroBatchPlanner, PassCosts
@@ -48,7 +48,7 @@ from router_service.engine.sampling import (
     token_logprobs,
 )
 from router_service.engine.scheduler import Chunk, Scheduler, Sequence
-from router_service.settings import MAX_DECODE_BURST, RouterSettings
+from router_service.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class Engine:
         self._pending: list[StepOutput] = []
         self._stepping = False
         self._halt: ctypes.c_int | None = None  # the running burst's (burst.py)
-        self._burst_step_s: float | None = None  # the last burst's seconds a step
+        self.pace = Pace(settings.decode_burst, settings.decode_burst_ms / 1e3)
         self.eos_ids = frozenset(model.spec.eos_token_ids)
         self.planner = MicroBatchPlanner(settings.micro_batches)
 
@@ -294,8 +294,7 @@ class Engine:
             deadline=seq.deadline,
         )
         self._halt = burst.halt  # nothing waits now (_burst_steps): add_request and abort set it
-        self._stepping = True
-        began = time.perf_counter()
+        self._stepping, began = True, time.perf_counter()
         try:
             tokens = await self.model.decode_burst(burst, self.cache)
         except MoeMeshError as e:  # e.g. its deadline passed: as a failed micro-batch ends
@@ -306,8 +305,7 @@ class Engine:
             self._stepping, self._halt = False, None
         if tokens is None:
             return False
-        if tokens:
-            self._burst_step_s = (time.perf_counter() - began) / len(tokens)
+        self.pace.ran(time.perf_counter() - began, len(tokens))
         if not seq.aborted:
             out = self._appended(seq, tokens)
             # After the tokens are the sequence's: the prefix cache keys its full blocks by them.
@@ -343,20 +341,16 @@ class Engine:
         return StepOutput(seq.request_id, new, reason, len(seq.prompt), len(seq.output))
 
     def _burst_steps(self, chunks: list[Chunk]) -> int:
-        """How many decode steps this step may run at once: decode_burst (or as many of the last
-        burst's steps as fit in decode_burst_ms, if more) for one sequence that runs alone, with
-        nobody waiting, and whose sampling reads nothing but its logits (no penalties, logprobs
-        or unmet min_tokens); else 1."""
-        n = self.settings.decode_burst
+        """How many decode steps this step may run at once: a burst's length (Pace) for one
+        sequence that runs alone, with nobody waiting, and whose sampling reads nothing but its
+        logits (no penalties, logprobs or unmet min_tokens); else 1."""
+        n = self.pace.length()
         if n < 2 or len(chunks) != 1 or not chunks[0].decode or len(self.running) != 1:
             return 1
         seq = chunks[0].seq
         p = seq.params
         if not _logits_only(seq) or self.scheduler.has_waiting or not self.model.may_burst():
             return 1
-        window, step = self.settings.decode_burst_ms / 1e3, self._burst_step_s
-        if window > 0 and step:
-            n = max(n, min(MAX_DECODE_BURST, int(window / step)))
         left = self.model.max_model_len - seq.num_tokens
         if p.max_tokens is not None:
             left = min(left, p.max_tokens - len(seq.output))
