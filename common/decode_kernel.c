@@ -9,7 +9,8 @@
    (of every routed expert at once) over the threads, RoPE and the cache write split the tokens,
    attention their KV heads (and their query heads where there are more threads than KV heads),
    the combine its columns, and the small serial work (norms, routing, grouping) runs on one
-   thread while the others wait at the barrier.
+   thread while the others wait at the barrier; for a lone token every thread does that work
+   itself instead (solo_state), and prepares the int8/int4 inputs it wrote.
 
    Every phase calls the function the op-by-op path calls (moe_linear's block, moe_silu_ffns'
    phases, rms_norm, combine, rope, kv_write, decode attention, route_token), in the same order on
@@ -270,7 +271,6 @@ enum {
     PHASE_SILU, PHASE_DOWN, PHASE_COMBINE, PHASE_NEXT_NORM, PHASE_LM_HEAD, STEP_PHASES
 };
 #ifdef MOE_STEP_PHASES
-#include <omp.h>
 double moe_step_phases[STEP_PHASES];
 long moe_step_phase_count(void) { return STEP_PHASES; }
 #define PHASES_START double phase_mark = omp_get_wtime()
@@ -283,6 +283,44 @@ long moe_step_phase_count(void) { return STEP_PHASES; }
 #define PHASES_START
 #define PHASE(p)
 #endif
+
+/* A lone token's state where every thread keeps its own copy (a solo step): the residual
+   stream, it normed, the experts' combined update, the next product's input; routing's
+   probabilities, weights and grouping. Each thread computing these itself, from the same values
+   with the same calls, takes the place of one thread computing them while the rest wait at a
+   barrier, and of the barrier. */
+typedef struct {
+    int64_t *chosen, *order, *place, *next;
+    long *groups, used;
+    float *xf, *probs, *weights;
+    uint16_t *x, *h, *delta;
+} solo_state;
+
+/* bytes of a thread's solo_state arrays, in 64-byte lines */
+static size_t solo_bytes(const moe_model *m) {
+    size_t k = m->top_k, words = 3 * k + m->experts + 3 * k;
+    size_t bytes = 8 * words + 4 * (m->hidden + m->experts + k) + 2 * 3 * m->hidden;
+    return (bytes + 63) / 64 * 64;
+}
+
+static solo_state solo_at(const moe_model *m, char *own) {
+    solo_state s;
+    long k = m->top_k, hidden = m->hidden;
+    s.chosen = (int64_t *)own, s.order = s.chosen + k, s.place = s.order + k;
+    s.next = s.place + k, s.groups = (long *)(s.next + m->experts), s.used = 0;
+    s.xf = (float *)(s.groups + 3 * k), s.probs = s.xf + hidden, s.weights = s.probs + m->experts;
+    s.x = (uint16_t *)(s.weights + k), s.h = s.x + hidden, s.delta = s.h + hidden;
+    return s;
+}
+
+/* `stmt` on every thread of a solo step (each on its own state), else on one while the rest
+   wait */
+#define EACH_OR_ONE(stmt)                                                                      \
+    if (solo) {                                                                                \
+        stmt;                                                                                  \
+    } else {                                                                                   \
+        _Pragma("omp single") { stmt; }                                                        \
+    }
 
 /* The step of the tokens t: x [n][hidden] ends as the residual stream, h [n][hidden] as it normed
    by the final norm, logits [n][vocab] (with lm_head) as the LM head's bfloat16 product, chosen
@@ -313,6 +351,12 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
     if (o_tiles && attended > tiled) tiled = attended;
     uint16_t *xt = tiled ? malloc(sizeof(uint16_t) * tile_rows_size(n, tiled)) : 0;
     if (!xt) qkv_tiles = o_tiles = head_tiles = 0; /* no memory for them: the vector kernel's */
+    int solo = n == 1; /* each thread keeps a solo_state; 4 barriers a layer fewer */
+    char *solos = solo ? aligned_alloc(64, threads * solo_bytes(m)) : 0;
+    if (solo && !solos) {
+        free(work), free(xt);
+        return -1;
+    }
     int64_t *order = (int64_t *)work, *place = order + slots;
     long *groups = (long *)(place + slots);
     int64_t *next = (int64_t *)(groups + 3 * slots);
@@ -325,7 +369,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
     uint16_t *gu = delta + n * hidden, *gated = gu + slots * 2 * inter, *ys = gated + slots * inter;
     void (*norm)(const uint16_t *, const uint16_t *, uint16_t *, const uint16_t *, uint16_t *,
                  long, long, float, int) = PICK(rms_norm);
-    long up_blocks = 2 * inter / 64, down_blocks = hidden / 64, used = 0;
+    long up_blocks = 2 * inter / 64, down_blocks = hidden / 64, routed_groups = 0;
     long ex = m->experts, quads = (ex + 3) / 4;
     int f = m->format, df = m->dense_format, failed = 0;
     long g = m->group, dg = m->dense_group;
@@ -350,21 +394,24 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
 #pragma omp parallel num_threads(threads)
     {
         PHASES_START;
-#pragma omp single
-        {
+        /* the state this thread reads and writes: its own in a solo step, else the shared one */
+        solo_state s = {0, order, place, next, groups, 0, xf, probs, weights, x, h, delta};
+        if (solo) s = solo_at(m, solos + omp_get_thread_num() * solo_bytes(m));
+        long *used_by = solo ? &s.used : &routed_groups;
+        EACH_OR_ONE({
             for (long i = 0; i < n; i++)
-                memcpy(x + i * hidden, t->embedding[i], sizeof(uint16_t) * hidden);
-            norm(x, 0, 0, m->first_norm, h, n, hidden, m->eps, 1);
-            widen(h, xf, n * hidden);
-            next_rows(m, 0, xf, n);
-            if (qkv_tiles) tile_rows(h, n, hidden, xt);
-        }
+                memcpy(s.x + i * hidden, t->embedding[i], sizeof(uint16_t) * hidden);
+            norm(s.x, 0, 0, m->first_norm, s.h, n, hidden, m->eps, 1);
+            widen(s.h, s.xf, n * hidden);
+            next_rows(m, 0, s.xf, n);
+            if (qkv_tiles) tile_rows(s.h, n, hidden, xt);
+        });
         PHASE(PHASE_EMBED);
         for (long l = 0; l < m->layers; l++) {
             int64_t *routed = chosen + l * slots;
 #pragma omp for schedule(static)
             for (long c = 0; c < qkv_cols / 64; c++)
-                dense(df, dg, xf, qkv_tiles ? xt : 0, m->qkv[l], at(m->qkv_scales, l), qkv,
+                dense(df, dg, s.xf, qkv_tiles ? xt : 0, m->qkv[l], at(m->qkv_scales, l), qkv,
                       qkv_cols, hidden, c, n);
             PHASE(PHASE_QKV);
             if (parts > 1) {
@@ -405,32 +452,33 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                 dense(df, dg, o_jobs ? xo : xf, o_tiles ? xt : 0, m->o[l], at(m->o_scales, l),
                       delta, hidden, attended, c, n);
             PHASE(PHASE_O);
-#pragma omp single
-            norm(x, delta, x, m->post_norm[l], h, n, hidden, m->eps, 1);
+            EACH_OR_ONE(norm(s.x, delta, s.x, m->post_norm[l], s.h, n, hidden, m->eps, 1));
             PHASE(PHASE_POST_NORM);
 #pragma omp for schedule(static)
             for (long job = 0; job < n * quads + inputs; job++) {
                 if (job < n * quads) { /* a token's experts, four a job */
                     long i = job / quads, e = job % quads * 4, last = e + 4 < ex ? e + 4 : ex;
-                    router_logits(h + i * hidden, m->router[l], hidden, e, last, logit + i * ex);
+                    router_logits(s.h + i * hidden, m->router[l], hidden, e, last, logit + i * ex);
                 } else { /* a span of a lone token's expert input */
                     long c0 = (job - n * quads) * ispan;
                     long width = hidden - c0 < ispan ? hidden - c0 : ispan;
-                    widen(h + c0, (ig ? xw : xe) + c0, width);
+                    widen(s.h + c0, (ig ? xw : xe) + c0, width);
                     if (ig) block_span(f, g, xw, xe, hidden, c0, width);
                 }
             }
             PHASE(PHASE_ROUTER);
-#pragma omp single
-            {
+            EACH_OR_ONE({
+                int64_t *picked = solo ? s.chosen : routed;
                 for (long i = 0; i < n; i++)
-                    route_token(logit + i * m->experts, probs + i * m->experts, m->experts, k,
-                                m->renorm, m->weights_bf16,
-                                (char *)weights + i * k * (m->weights_bf16 ? 2 : 4),
-                                routed + i * k);
-                used = group_choices(routed, slots, m->experts, next, order, place, groups);
-            }
+                    route_token(logit + i * ex, s.probs + i * ex, ex, k, m->renorm,
+                                m->weights_bf16,
+                                (char *)s.weights + i * k * (m->weights_bf16 ? 2 : 4),
+                                picked + i * k);
+                *used_by = group_choices(picked, slots, ex, s.next, s.order, s.place, s.groups);
+                if (solo && omp_get_thread_num() == 0) memcpy(routed, picked, sizeof(int64_t) * k);
+            });
             PHASE(PHASE_ROUTE);
+            long used = *used_by; /* groups of routed rows, in s.groups */
             if (n > 1) {
 #pragma omp for schedule(static)
                 for (long p = 0; p < slots; p++) { /* each choice's input: its token's row */
@@ -448,7 +496,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
                 long chunk = units / chunks * unit;
 #pragma omp for schedule(static)
                 for (long job = 0; job < used * chunks; job++) {
-                    long *grp = groups + 3 * (job / chunks), c0 = job % chunks * chunk;
+                    long *grp = s.groups + 3 * (job / chunks), c0 = job % chunks * chunk;
                     for (long half = 0; half < 2; half++) /* gate's blocks, then up's */
                         for (long c = c0 / 64; c < (c0 + chunk) / 64; c++)
                             gate_up(m, l, grp, xe, gu, c + half * inter / 64, n);
@@ -460,7 +508,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
             } else {
 #pragma omp for schedule(static)
                 for (long b = 0; b < used * up_blocks; b++)
-                    gate_up(m, l, groups + 3 * (b / up_blocks), xe, gu, b % up_blocks, n);
+                    gate_up(m, l, s.groups + 3 * (b / up_blocks), xe, gu, b % up_blocks, n);
                 PHASE(PHASE_GATE_UP);
 #pragma omp for schedule(static)
                 for (long r = 0; r < slots; r++) {
@@ -473,33 +521,40 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
             const float *gin = units && gg ? gp : gf; /* down's inputs */
 #pragma omp for schedule(static)
             for (long b = 0; b < used * down_blocks; b++)
-                down(m, l, groups + 3 * (b / down_blocks), gin, ys, b % down_blocks);
+                down(m, l, s.groups + 3 * (b / down_blocks), gin, ys, b % down_blocks);
             PHASE(PHASE_DOWN);
+            if (solo) { /* the whole row, on each thread */
+                combine_span(m, ys, s.place, s.weights, 0, 0, hidden, s.delta);
+            } else {
 #pragma omp for schedule(static)
-            for (long job = 0; job < n * spans; job++) {
-                long c0 = job % spans * span;
-                combine_span(m, ys, place, weights, job / spans, c0,
-                             hidden - c0 < span ? hidden - c0 : span, delta);
+                for (long job = 0; job < n * spans; job++) {
+                    long c0 = job % spans * span;
+                    combine_span(m, ys, place, weights, job / spans, c0,
+                                 hidden - c0 < span ? hidden - c0 : span, delta);
+                }
             }
             PHASE(PHASE_COMBINE);
-#pragma omp single
-            {
-                norm(x, delta, x, m->next_norm[l], h, n, hidden, m->eps, 1);
-                widen(h, xf, n * hidden);
-                next_rows(m, l + 1, xf, n);
-                if (qkv_tiles || (head_tiles && l == m->layers - 1)) tile_rows(h, n, hidden, xt);
-            }
+            EACH_OR_ONE({
+                norm(s.x, s.delta, s.x, m->next_norm[l], s.h, n, hidden, m->eps, 1);
+                widen(s.h, s.xf, n * hidden);
+                next_rows(m, l + 1, s.xf, n);
+                if (qkv_tiles || (head_tiles && l == m->layers - 1)) tile_rows(s.h, n, hidden, xt);
+            });
             PHASE(PHASE_NEXT_NORM);
         }
         if (m->lm_head) {
 #pragma omp for schedule(static)
             for (long c = 0; c < m->vocab / 64; c++)
-                dense(m->head_format, m->head_group, xf, head_tiles ? xt : 0, m->lm_head,
+                dense(m->head_format, m->head_group, s.xf, head_tiles ? xt : 0, m->lm_head,
                       m->head_scales, logits, m->vocab, hidden, c, n);
             PHASE(PHASE_LM_HEAD);
         }
+        if (solo && omp_get_thread_num() == 0) { /* the step's outputs */
+            memcpy(x, s.x, sizeof(uint16_t) * hidden);
+            memcpy(h, s.h, sizeof(uint16_t) * hidden);
+        }
     }
-    free(work), free(xt);
+    free(work), free(xt), free(solos);
     return failed ? -1 : 0;
 }
 
