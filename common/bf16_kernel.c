@@ -157,7 +157,8 @@ static void block_rows(int format, long group, float *xf, long m, long k) {
 /* The inputs a group of `format`'s rows of k holds once block_rows prepared them; 0 where they
    stay floats */
 static long prepared_group(int format, long group, long k) {
-    return format == FORMAT_INT4 ? group : prepared(format, k) ? q8_group(k) : 0;
+    if (format == FORMAT_INT4) return dot_groups(k, group) ? group : 0;
+    return prepared(format, k) ? q8_group(k) : 0;
 }
 
 /* Inputs c0 to c0 + width of row xf [k], whole groups of prepared_group, prepared as block_rows

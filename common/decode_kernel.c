@@ -351,7 +351,7 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
     if (o_tiles && attended > tiled) tiled = attended;
     uint16_t *xt = tiled ? malloc(sizeof(uint16_t) * tile_rows_size(n, tiled)) : 0;
     if (!xt) qkv_tiles = o_tiles = head_tiles = 0; /* no memory for them: the vector kernel's */
-    int solo = n == 1; /* each thread keeps a solo_state; 4 barriers a layer fewer */
+    int solo = n == 1 && !xt; /* each thread keeps a solo_state; 4 barriers a layer fewer */
     char *solos = solo ? aligned_alloc(64, threads * solo_bytes(m)) : 0;
     if (solo && !solos) {
         free(work), free(xt);
@@ -380,7 +380,8 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
     long og = prepared_group(df, dg, attended);
     long parts = query_parts(m, n, threads, og), share = m->heads / m->kv_heads / parts;
     int o_jobs = og && share * hd % og == 0;
-    long gg = prepared_group(f, g, inter), unit = gg > 64 ? gg : 64; /* lcm(64, gg) */
+    long gg = prepared_group(f, g, inter), unit = 64;
+    while (gg && unit % gg) unit += 64; /* lcm(64, gg): whole blocks of whole groups */
     long units = inter % unit ? 0 : inter / unit;
     /* A lone token's expert input (every choice's) is made once, in spans of whole groups beside
        the router's logits, widened into xw first where it is then prepared */
