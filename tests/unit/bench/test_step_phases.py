@@ -36,7 +36,10 @@ def test_a_token_is_timed_phase_by_phase(checkpoint, tmp_path, threads) -> None:
         assert list(phases) == list(step_phases.PHASES)
         assert all(phases[p] > 0 for p in ("qkv", "attention", "gate up", "down", "lm head"))
         assert (phases["kv prepare"] > 0) == (threads == 8 and row["precision"] == "bfloat16")
-        assert 0 < row["products_us"] + row["between_us"] <= row["decode_us"]
+        # The decode's wall time is two runs' difference (the prefill's, the fastest of three,
+        # taken away), and long bursts leave little but the step: on a busy host it can come
+        # out a little under the step's own timers.
+        assert 0 < row["products_us"] + row["between_us"] <= 1.25 * row["decode_us"]
 
 
 def test_the_usual_build_is_refused(monkeypatch) -> None:
