@@ -490,8 +490,8 @@ int moe_decode_step(const moe_model *m, const moe_token *t, uint16_t *x, uint16_
             }
             if (units) {
                 /* a job: `chunk` columns of an expert's gate and up, gated; the fewest jobs that
-                   give each thread two, so that a thread reads long runs of each panel (2 threads
-                   ran 4-10% slower in jobs of 128 columns) */
+                   give each thread two, so that a thread reads long runs of each panel (host C's
+                   2 threads ran 4-10% slower in jobs of 128 columns) */
                 long chunks = 1;
                 while (chunks < units && (units % chunks || used * chunks < 2 * threads)) chunks++;
                 long chunk = units / chunks * unit;

@@ -97,7 +97,7 @@ class RouterSettings(QuantizationSettings, TelemetrySettings, SecuritySettings):
         le=1000,
         description="a burst runs more than --decode-burst steps, up to 64, where that many of "
         "the last burst's steps fit in this many milliseconds: fast steps stream in bursts about "
-        "this long, and the work between bursts (0.4-0.5 ms) is paid less often. 0: "
+        "this long, and the work between bursts is paid less often. 0: "
         "--decode-burst steps",
     )
     serial_max_tokens: int | None = Field(
