@@ -788,8 +788,13 @@ async def test_streamed_choices_are_admitted_together_so_concurrent_ones_never_d
 async def test_client_leaving_a_stream_frees_the_router_slot(mesh) -> None:
     since = mesh.router.core.status().steps
     async with client(mesh) as c:
-        stream = await c.completions.create(
-            model="", prompt=IDS, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+        stream = await c.completions.create(  # a penalty: no decode bursts, a step a token
+            model="",
+            prompt=IDS,
+            max_tokens=400,
+            stream=True,
+            presence_penalty=0.5,
+            extra_body={"ignore_eos": True},
         )
         chunks = aiter(stream)
         got = [await anext(chunks), await anext(chunks)]
@@ -803,13 +808,16 @@ async def test_client_leaving_a_non_streaming_request_frees_the_router_slot(mesh
     since = mesh.router.core.status().steps
     async with httpx.AsyncClient(base_url=mesh.http_base_url) as h:
         task = asyncio.create_task(
-            h.post("/v1/completions", json=completion(max_tokens=500, ignore_eos=True))
+            h.post(  # a penalty: no decode bursts, so a step a token, and it runs long enough
+                "/v1/completions",
+                json=completion(max_tokens=500, ignore_eos=True, presence_penalty=0.5),
+            )
         )
         await eventually(lambda: mesh.router.core.status().running, 30, "the request to run")
         task.cancel()  # closes the connection mid-request
         with pytest.raises(asyncio.CancelledError):
             await task
-    assert await steps_to_idle(mesh, since) < 500
+    assert await steps_to_idle(mesh, since) < 500  # each step one token of this request
 
 
 async def test_sse_wire_format(mesh) -> None:
