@@ -36,11 +36,14 @@ ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+:\d+|localhost:\d+|\[[0-9a-f:]+\]:\d+")
 
 @contextmanager
 def routers(path: Path, workdir: Path, n: int = 2) -> Iterator[list[ServiceProcess]]:
-    """`n` router processes (every expert colocated), started together; each is stopped at the end."""
+    """`n` router processes (every expert colocated), started together; each is stopped at the end.
+    Bursts of 8 steps: a stream that starts alone would otherwise run bursts of 64 of tiny's fast
+    steps (--decode-burst-ms) and be near its end before the others arrive, and the kill is to
+    come mid-stream for every one."""
     procs = [
         ServiceProcess(
             "router_service",
-            ["--checkpoint", str(path), "--compute-threads", "1"],
+            ["--checkpoint", str(path), "--compute-threads", "1", "--decode-burst-ms", "0"],
             workdir,
             f"router{i}",
         )
