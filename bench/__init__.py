@@ -76,7 +76,8 @@ def ensure_checkpoint(path: Path) -> None:
 
 
 def write_result(path, result: dict) -> None:
-    """`result` plus the run's torch version, threads and machine, as JSON at `path`."""
+    """`result` plus the run's torch version, threads, machine and MOE_MESH_MAX_ISA (where set), as
+    JSON at `path`."""
     import json
     import platform
 
@@ -84,5 +85,7 @@ def write_result(path, result: dict) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     run = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    if isa := os.environ.get("MOE_MESH_MAX_ISA"):  # kernels held below what this CPU has
+        run["max_isa"] = isa
     path.write_text(json.dumps({**result, **run, "machine": platform.machine()}, indent=2))
     print(f"wrote {path}")

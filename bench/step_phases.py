@@ -1,11 +1,12 @@
 """Where a batch-1 decode step's time goes, phase by phase, in each precision: the one-call step
 of a build of the kernels that times its phases on thread 0 (MOE_MESH_STEP_PHASES=1,
-common/bf16.py; the phases are decode_kernel.c's, each with its barrier's wait). Per token: each
-phase's microseconds, the products' and the rest's sums, and the decode's wall time (its bursts'
-Python between them included). Shares of a token are what say whether a precision is bound by
-its products or by the work between them (docs/performance.md#host-d). Where the step's threads
-prepare what they wrote, "o inputs", "silu" and a lone token's expert inputs have no phase: their
-work is timed in "attention", "gate up" and "router", the last two counted as products.
+common/kernel_build.py; the phases are decode_kernel.c's, each with its barrier's wait). Per
+token: each phase's microseconds, the products' and the rest's sums, and the decode's wall time
+(its bursts' Python between them included). Shares of a token are what say whether a precision
+is bound by its products or by the work between them (docs/performance.md#host-d). Where the
+step's threads prepare what they wrote, "o inputs", "silu" and a lone token's expert inputs have
+no phase: their work is timed in "attention", "gate up" and "router", the last two counted as
+products.
 
     .venv/bin/python -m bench.step_phases [--geometry qwen3-30b-a3b-slice] \\
         [--precisions bfloat16,int8-all,int4-all] [--threads N]

@@ -20,46 +20,27 @@ and decode attention. Each rounds where torch's op-by-op recipe rounds.
 
 What runs where (`level`, `kernel`): the vector kernels (linear, silu_ffn, rms_norm, combine,
 decode attention) on AVX-512F/BW or on AVX2+FMA, with the same bits on both; rope, kv_write and
-group (plain C) on any x86-64. The C source is compiled on first use with the host's compiler
-(`$CC`, else `cc`) into $MOE_MESH_CACHE_DIR (default ~/.cache/moe-mesh), once per source
-version; a kernel that cannot run here (no compiler, or neither instruction set) returns None
-and torch computes its op, and that is logged.
+group (plain C) on any x86-64, built on first use (common/kernel_build.py); a kernel that cannot
+run here (no compiler, neither instruction set, or MOE_MESH_MAX_ISA below it) returns None and
+torch computes its op, and that is logged.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import subprocess
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
+from common import kernel_build
+from common.errors import InvalidArgumentError
+
 log = logging.getLogger(__name__)
 
-# bf16_kernel.c includes the others
-_SOURCES = [
-    Path(__file__).with_name(n)
-    for n in (
-        "bf16_kernel.c",
-        "quant_kernel.c",
-        "quant_avx512.c",
-        "int_dot.c",
-        "f32_kernel.c",
-        "f32_lanes.c",
-        "decode_kernel.c",
-        "f32_step.c",
-        "f32_experts.c",
-        "amx_kernel.c",
-    )
-]
-_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-_PHASES = "-DMOE_STEP_PHASES"
 COLUMNS = 64  # output columns per kernel call: a weight's row count must be a multiple
 PANEL = 32  # rows of a weight packed together (moe_bf16_pack)
 # What moe_bf16_pack writes: a packed-weight cache file (common.packcache) built for another
@@ -99,25 +80,14 @@ _SIGNATURES = {
 }
 
 
-def cache_dir() -> Path:
-    if root := os.environ.get("MOE_MESH_CACHE_DIR"):
-        return Path(root)
-    return Path.home() / ".cache" / "moe-mesh"
-
-
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernels, or None where they cannot be built here (no compiler); `kernel` says
     which of them this CPU runs."""
-    compiler = os.environ.get("CC", "cc")
-    sources = b"".join(s.read_bytes() for s in _SOURCES)
-    flags, name = (_FLAGS, "bf16") if not step_phases() else ([*_FLAGS, _PHASES], "bf16phases")
-    tag = hashlib.sha256(sources + " ".join([compiler, *flags]).encode())
-    path = cache_dir() / f"{name}-{tag.hexdigest()[:16]}.so"
     try:
-        if not path.exists():
-            _build(compiler, flags, path, name)
-        lib = ctypes.CDLL(str(path))  # its libgomp is the one torch loaded: one thread pool
+        lib = ctypes.CDLL(
+            str(kernel_build.built())
+        )  # its libgomp is the one torch loaded: one thread pool
     except (OSError, subprocess.SubprocessError) as e:
         log.info("bfloat16 kernel unavailable: %s", e)
         return None
@@ -125,9 +95,22 @@ def library() -> ctypes.CDLL | None:
         function = getattr(lib, name)
         function.argtypes = [_C_TYPES[a] for a in arguments]
         function.restype = ctypes.c_int if returns_int else None
-    lib.level = lib.moe_bf16_supported()
+    lib.level = min(lib.moe_bf16_supported(), _max_isa())
+    lib.moe_bf16_limit(lib.level)
     log.info("bfloat16 kernels: %s", _LEVELS[lib.level])
     return lib
+
+
+_ISAS = {"none": 0, "avx2": 1, "avx512": 2, "all": 3}
+
+
+def _max_isa() -> int:
+    """MOE_MESH_MAX_ISA: the highest instruction set the kernels use (as oneDNN's
+    ONEDNN_MAX_CPU_ISA), to measure or debug another host kind's code on this one."""
+    name = os.environ.get("MOE_MESH_MAX_ISA", "all").strip().lower() or "all"
+    if name not in _ISAS:
+        raise InvalidArgumentError("MOE_MESH_MAX_ISA", f"{name!r} is not one of {', '.join(_ISAS)}")
+    return _ISAS[name]
 
 
 _LEVELS = (
@@ -152,34 +135,6 @@ def kernel(name: str) -> Callable[..., int | None] | None:
     if lib is None or lib.level < _SIGNATURES[name][2]:
         return None
     return getattr(lib, name)
-
-
-def step_phases() -> bool:
-    """MOE_MESH_STEP_PHASES=1: a build of the kernels whose decode step times its phases
-    (decode_kernel.c; bench/step_phases.py reads them). A tool's, not a server's: off by default."""
-    return os.environ.get("MOE_MESH_STEP_PHASES", "0").lower() in ("1", "on", "true", "yes")
-
-
-def _build(compiler: str, flags: list[str], path: Path, name: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [compiler, *flags, "-o", tmp, str(_SOURCES[0]), "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if done.returncode:
-            raise subprocess.SubprocessError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, path)  # whole or not at all, however many processes build at once
-        for old in path.parent.glob(f"{name}-*.so"):  # earlier sources' (a mapped one lives on)
-            if old != path:
-                old.unlink(missing_ok=True)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def fits(weight: torch.Tensor) -> bool:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from common import bf16
+from common import kernel_build
 from common.errors import CheckpointError
 from common.safetensors_mmap import DTYPES, SafetensorsFile
 
@@ -237,4 +237,4 @@ def checksum(t: torch.Tensor) -> int:
 def directory(checkpoint: Path) -> Path:
     """Where the packed files of the checkpoint at `checkpoint` live."""
     name = hashlib.sha256(str(checkpoint.resolve()).encode()).hexdigest()[:16]
-    return bf16.cache_dir() / "packed" / name  # beside the built kernels: one setting
+    return kernel_build.cache_dir() / "packed" / name  # beside the built kernels: one setting

@@ -195,8 +195,8 @@ def test_the_cpu_image_requirements_hold_no_cuda_package_and_agree_with_constrai
 
 
 def test_the_wheel_carries_every_kernel_source_the_images_build() -> None:
-    """The images install the project's wheel, not the checkout: common/bf16.py compiles every C
-    file beside it, so each must be package data."""
+    """The images install the project's wheel, not the checkout: common/kernel_build.py compiles
+    every C file beside it, so each must be package data."""
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     shipped = set(data["package-data"]["common"])
     assert {p.name for p in (ROOT / "common").glob("*.c")} - shipped == set()

@@ -70,6 +70,15 @@ PROCESS_WIDE = [
         "op",
     ),
     (
+        "MOE_MESH_MAX_ISA",
+        "router, expert service, benchmarks",
+        "the highest instruction set moe-mesh's kernels use: `all` (default: every one this CPU "
+        "has), `avx512` (no AMX tiles, and int8 on the float kernels), `avx2`, or `none` (torch "
+        "computes every product). As oneDNN's `ONEDNN_MAX_CPU_ISA`: to run another host "
+        "kind's code on this one, or to rule a kernel out; another value is refused (exit 2) "
+        "when the kernels first load",
+    ),
+    (
         "MOE_MESH_STEP_PHASES",
         "benchmarks",
         "`1`: the kernels are built (once, as `bf16phases-*.so` beside the usual build) with a "

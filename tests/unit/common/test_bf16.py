@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from common import attention_kernels, bf16, linear
+from common.errors import InvalidArgumentError
 from common.moe import Routing, group_by_expert
 from tests.support.kernels import assert_avx2_bits, paged
 
@@ -338,6 +339,33 @@ def test_the_level_is_what_the_cpu_flags_say() -> None:
     avx512 = {"avx512f", "avx512bw"} <= flags
     tiles = avx512 and {"amx_tile", "amx_bf16"} <= flags  # Linux grants them where it lists them
     assert bf16.level() == (3 if tiles else 2 if avx512 else int({"avx2", "fma"} <= flags))
+
+
+def test_max_isa_holds_every_kernel_to_the_instruction_set_it_names(monkeypatch) -> None:
+    full = bf16.level()
+    w, x = torch.randn(64, 32).bfloat16(), torch.randn(3, 32).bfloat16()
+    want = bf16.Panels(w)(x, None)
+    try:
+        for name, cap in (("avx2", 1), ("none", 0)):
+            monkeypatch.setenv("MOE_MESH_MAX_ISA", name)
+            bf16.library.cache_clear()
+            assert bf16.level() == min(full, cap)
+            if cap:  # the AVX2 kernels give AVX-512's bits
+                assert torch.equal(
+                    bf16.Panels(w)(x, None).view(torch.int16), want.view(torch.int16)
+                )
+            else:  # torch computes instead
+                assert not bf16.fits(w) and bf16.rms_norm(x, w[0], 1e-5) is None
+        monkeypatch.setenv("MOE_MESH_MAX_ISA", "sse")
+        bf16.library.cache_clear()
+        with pytest.raises(
+            InvalidArgumentError, match="MOE_MESH_MAX_ISA: 'sse' is not one of .*avx2"
+        ):
+            bf16.library()
+    finally:
+        monkeypatch.delenv("MOE_MESH_MAX_ISA")
+        bf16.library.cache_clear()
+    assert bf16.level() == full  # the full set again: the library's state is one per process
 
 
 def test_a_cpu_without_the_vector_kernels_runs_only_the_plain_ones(monkeypatch) -> None:
