@@ -46,10 +46,13 @@ TARGET static void many_rows(int format, const float *x, const void *p, const vo
         __m256 acc[R][4 * P];                                                                   \
         for (int r = 0; r < R; r++)                                                             \
             for (int j = 0; j < 4 * P; j++) acc[r][j] = _mm256_setzero_ps();                    \
-        for (long i = 0; i < k; i++)                                                            \
+        for (long i = 0; i < k; i++) {                                                          \
+            /* past a panel's end, the next block's panel: each of its streams starts fetched */ \
+            long end = i * PANEL + ROW_AHEAD >= k * PANEL;                                     \
+            long ahead = ROW_AHEAD + (end ? (P - 1) * k * PANEL : 0);                           \
             for (int q = 0; q < P; q++) {                                                       \
                 const int8_t *at = p + (q * k + i) * PANEL;                                     \
-                _mm_prefetch((const char *)at + ROW_AHEAD, _MM_HINT_T0);                        \
+                _mm_prefetch((const char *)at + ahead, _MM_HINT_T0);                            \
                 __m256 w[4];                                                                    \
                 for (int j = 0; j < 4; j++)                                                     \
                     w[j] = _mm256_cvtepi32_ps(                                                  \
@@ -60,6 +63,7 @@ TARGET static void many_rows(int format, const float *x, const void *p, const vo
                         acc[r][q * 4 + j] = _mm256_fmadd_ps(xr, w[j], acc[r][q * 4 + j]);       \
                 }                                                                               \
             }                                                                                   \
+        }                                                                                       \
         for (int r = 0; r < R; r++)                                                             \
             for (int j = 0; j < 2 * P; j++) { /* 16 columns at a time */                        \
                 vec v = vmul((vec){acc[r][2 * j], acc[r][2 * j + 1]}, vloadf(s + j * 16));       \
