@@ -85,7 +85,7 @@ def write_result(path, result: dict) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     run = {"torch": torch.__version__, "threads": torch.get_num_threads()}
-    if isa := os.environ.get("MOE_MESH_MAX_ISA"):  # kernels held below what this CPU has
+    if isa := os.environ.get("MOE_MESH_MAX_ISA"):  # as set: the kernels ran no higher
         run["max_isa"] = isa
     path.write_text(json.dumps({**result, **run, "machine": platform.machine()}, indent=2))
     print(f"wrote {path}")

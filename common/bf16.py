@@ -30,14 +30,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import subprocess
 from collections.abc import Callable, Sequence
 
 import torch
 
 from common import kernel_build
-from common.errors import InvalidArgumentError
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +81,11 @@ _SIGNATURES = {
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernels, or None where they cannot be built here (no compiler); `kernel` says
-    which of them this CPU runs."""
+    which of them this CPU runs, held to MOE_MESH_MAX_ISA (InvalidArgumentError for a bad one)."""
+    cap = kernel_build.max_isa()  # first: a typo is refused before a build, with or without one
     try:
-        lib = ctypes.CDLL(
-            str(kernel_build.built())
-        )  # its libgomp is the one torch loaded: one thread pool
+        path = kernel_build.built()
+        lib = ctypes.CDLL(str(path))  # its libgomp is the one torch loaded: one thread pool
     except (OSError, subprocess.SubprocessError) as e:
         log.info("bfloat16 kernel unavailable: %s", e)
         return None
@@ -95,22 +93,11 @@ def library() -> ctypes.CDLL | None:
         function = getattr(lib, name)
         function.argtypes = [_C_TYPES[a] for a in arguments]
         function.restype = ctypes.c_int if returns_int else None
-    lib.level = min(lib.moe_bf16_supported(), _max_isa())
-    lib.moe_bf16_limit(lib.level)
-    log.info("bfloat16 kernels: %s", _LEVELS[lib.level])
+    lib.level = min(lib.moe_bf16_supported(), cap)
+    lib.moe_bf16_limit(cap)  # a ceiling: at 3, int8's dot products still run where AMX does not
+    held = f" (MOE_MESH_MAX_ISA holds it below {_LEVELS[lib.moe_bf16_supported()]})"
+    log.info("bfloat16 kernels: %s%s", _LEVELS[lib.level], held if cap < 3 else "")
     return lib
-
-
-_ISAS = {"none": 0, "avx2": 1, "avx512": 2, "all": 3}
-
-
-def _max_isa() -> int:
-    """MOE_MESH_MAX_ISA: the highest instruction set the kernels use (as oneDNN's
-    ONEDNN_MAX_CPU_ISA), to measure or debug another host kind's code on this one."""
-    name = os.environ.get("MOE_MESH_MAX_ISA", "all").strip().lower() or "all"
-    if name not in _ISAS:
-        raise InvalidArgumentError("MOE_MESH_MAX_ISA", f"{name!r} is not one of {', '.join(_ISAS)}")
-    return _ISAS[name]
 
 
 _LEVELS = (
@@ -122,8 +109,8 @@ _LEVELS = (
 
 
 def level() -> int:
-    """The instruction set the vector kernels use here: 3 AVX-512F/BW and AMX tiles, 2 AVX-512F/BW,
-    1 AVX2+FMA, 0 none (or no compiler)."""
+    """The instruction set the vector kernels use here (no higher than MOE_MESH_MAX_ISA): 3
+    AVX-512F/BW and AMX tiles, 2 AVX-512F/BW, 1 AVX2+FMA, 0 none (or no compiler)."""
     lib = library()
     return 0 if lib is None else lib.level
 

@@ -52,8 +52,8 @@ int moe_bf16_supported(void) {
 }
 
 static int level_cap = 3;
-/* Run no higher than `level` (tests: the AVX2 kernels on an AVX-512 host too; 2 also leaves out
-   int8's integer dot products, whose bits are the CPU's own: int_dot.c) */
+/* Run no higher than `level` (MOE_MESH_MAX_ISA, and tests: the AVX2 kernels on an AVX-512 host
+   too; 2 also leaves out int8's integer dot products, whose bits are the CPU's own: int_dot.c) */
 void moe_bf16_limit(int level) { level_cap = level; }
 
 static int avx512(void) { return level_cap >= 2 && moe_bf16_supported() >= 2; }

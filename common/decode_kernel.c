@@ -262,8 +262,8 @@ static long group_choices(const int64_t *routed, long slots, long experts, int64
     return count;
 }
 
-/* A build with MOE_STEP_PHASES (common/bf16.py builds one where MOE_MESH_STEP_PHASES=1) adds
-   each phase's seconds on thread 0, its barrier's wait included, to moe_step_phases[phase]:
+/* A build with MOE_STEP_PHASES (common/kernel_build.py builds one where MOE_MESH_STEP_PHASES=1)
+   adds each phase's seconds on thread 0, its barrier's wait included, to moe_step_phases[phase]:
    bench/step_phases.py reads them, in this order. */
 enum {
     PHASE_EMBED, PHASE_QKV, PHASE_KV_PREPARE, PHASE_ATTENTION, PHASE_O_TILES, PHASE_O_INPUTS,

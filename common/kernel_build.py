@@ -14,6 +14,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from common.errors import InvalidArgumentError
+
 # bf16_kernel.c includes the others
 _SOURCES = [
     Path(__file__).with_name(n)
@@ -38,6 +40,19 @@ def cache_dir() -> Path:
     if root := os.environ.get("MOE_MESH_CACHE_DIR"):
         return Path(root)
     return Path.home() / ".cache" / "moe-mesh"
+
+
+ISAS = {"none": 0, "avx2": 1, "avx512": 2, "all": 3}  # MOE_MESH_MAX_ISA's values: bf16.level's
+
+
+def max_isa() -> int:
+    """MOE_MESH_MAX_ISA: the highest instruction set the kernels may use, as oneDNN's
+    ONEDNN_MAX_CPU_ISA (to run another host kind's code on this one); torch-free, so a command
+    checks it before it starts anything."""
+    name = os.environ.get("MOE_MESH_MAX_ISA", "")
+    if (key := name.strip().lower() or "all") not in ISAS:  # set but empty: unset
+        raise InvalidArgumentError("MOE_MESH_MAX_ISA", f"{name!r} is not one of {', '.join(ISAS)}")
+    return ISAS[key]
 
 
 def step_phases() -> bool:

@@ -149,7 +149,10 @@ class PackedExperts:
                 tensor=names[-1],
             )
         if bf16.kernel("moe_silu_ffns") is None:
-            raise CheckpointError(f"{q.name} experts need the C kernels (a C compiler and AVX2)")
+            raise CheckpointError(
+                f"{q.name} experts need the C kernels (a C compiler and AVX2, and "
+                "MOE_MESH_MAX_ISA unset or avx2 and above)"
+            )
         for name, shape in zip([names[0], names[-1]], shapes.values()):
             q.check(shape, name)
         return q

@@ -24,6 +24,7 @@ runtime.configure()  # the console script's entry: before anything imports torch
 
 import grpc  # noqa: E402
 
+from common import kernel_build  # noqa: E402
 from common.cli import exit_code  # noqa: E402
 from common.errors import MoeMeshError, UnavailableError  # noqa: E402
 
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # reported by the command they were given to, not by `moe-mesh` itself
         _Parser.finished[0].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        kernel_build.max_isa()  # refused here, not where the kernels first load (a request's step)
         return args.func(args)
     except MoeMeshError as e:
         from moe_mesh.ops.hints import hint  # the fix that applies: CA, API key, scale, address

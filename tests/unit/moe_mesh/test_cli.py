@@ -106,3 +106,13 @@ def test_a_wrong_checkpoint_is_refused_before_torch_is_imported(argv, tmp_path) 
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["2", "False"], out.stderr
     assert "checkpoint directory not found" in out.stderr, out.stderr
+
+
+def test_a_bad_max_isa_is_refused_before_any_command_runs(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("MOE_MESH_MAX_ISA", "avx-512")
+    assert main(["certs", "--out", str(tmp_path / "certs")]) == 2
+    assert not (tmp_path / "certs").exists()
+    assert (
+        "MOE_MESH_MAX_ISA: 'avx-512' is not one of none, avx2, avx512, all"
+        in capsys.readouterr().err
+    )
