@@ -16,7 +16,7 @@ from bench.gpu_wheels import ROOT
 
 def run(path, out, threads: int) -> dict:
     cmd = [sys.executable, "-m", "bench.step_phases", "--checkpoint", str(path), "--out", str(out)]
-    cmd += ["--precisions", "bfloat16,int4-all", "--group-size", "32", "--new-tokens", "17"]
+    cmd += ["--precisions", "bfloat16,int4-all", "--group-size", "32", "--new-tokens", "65"]
     done = subprocess.run(
         [*cmd, "--threads", str(threads)], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
@@ -36,9 +36,9 @@ def test_a_token_is_timed_phase_by_phase(checkpoint, tmp_path, threads) -> None:
         assert list(phases) == list(step_phases.PHASES)
         assert all(phases[p] > 0 for p in ("qkv", "attention", "gate up", "down", "lm head"))
         assert (phases["kv prepare"] > 0) == (threads == 8 and row["precision"] == "bfloat16")
-        # The decode's wall time is two runs' difference (the prefill's, the fastest of three,
-        # taken away), and long bursts leave little but the step: on a busy host it can come
-        # out a little under the step's own timers.
+        # The decode's wall time is two fastest runs' difference (the prefill's taken away), and
+        # long bursts leave little but the step: on a busy host it can come out a little under
+        # the step's own timers. 64 tokens: 16 of this tiny model's came out under a slow prefill.
         assert 0 < row["products_us"] + row["between_us"] <= 1.25 * row["decode_us"]
 
 
