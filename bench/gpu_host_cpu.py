@@ -1,11 +1,11 @@
 """Part f of bench/gpu_check.py: the GPU host's own CPU, a kind of host CPU sessions do not get
 (the H200 lent so far sat on 16 cores of an AMX Xeon). Batch-1 decode of the Qwen3-30B-A3B slice
-(part c's checkpoint) and of `small` (part d's where it made one) in bfloat16 and with every layer
-in int8 and in int4, on every core and then the slice on 4, by bench/quantized.py, which computes
-on the CPU; then where a token's time goes on every core (bench/step_phases.py); with the CPU's
-model, cores, L3 and flags. There, int8 ran 1.98x bfloat16 on 4 threads and 1.72-1.74x on 16
-until stop 69 had the step's threads prepare what they wrote (2.03-2.14x; docs/performance.md,
-#host-d-stop-69): each lease adds runs."""
+(part c's checkpoint) and of `small` (part d's where it made one) in bfloat16 and with every
+layer in int8 and in int4, on every core and then the slice on 4, by bench/quantized.py, which
+computes on the CPU; then where a token's time goes on every core, `small`'s and then the
+slice's (bench/step_phases.py); with the CPU's model, cores, L3 and flags. There, int8 ran 1.98x
+bfloat16 on 4 threads and 1.72-1.74x on 16 until stop 69 had the step's threads prepare what
+they wrote (2.03-2.14x; docs/performance.md, #host-d-stop-69): each lease adds runs."""
 
 from __future__ import annotations
 
@@ -89,22 +89,27 @@ def host_cpu(ctx: Context) -> dict:
                 f"{p} {r['vs_first']:.2f}x" for p, r in row["rows"].items() if p != "bfloat16"
             ]
             heads.append(f"{name.split('-')[0]} x{threads}: {', '.join(ratios)}")
-    if ctx.left_s() >= 40:
-        try:
-            ctx.record("phases", phases(ctx, facts["cores"]))
-        except Exception as e:
-            ctx.record("phases", {"error": f"{type(e).__name__}: {e}"[:600]})
+    ctx.record("phases", phases(ctx, facts["cores"]))
     ctx.record("summary", "; ".join(heads) or "no rate measured")
     ctx.record("ok", bool(heads))
     return ctx.result
 
 
 def phases(ctx: Context, threads: int) -> dict:
-    """bench/step_phases.py on the slice on every core: where a token's time goes, per
-    precision (microseconds: the products, the work between them, the decode's wall time)."""
-    path = make_slice(ctx, GEOMETRIES[0], ctx.slice_layers)[0]
-    result = child(ctx, "bench.step_phases", GEOMETRIES[0], path, threads, [])
-    return {"threads": threads, "rows": result["rows"]}
+    """bench/step_phases.py on every core, `small` first (host D's short geometry since stop 69),
+    then the slice, while time is left: where a token's time goes, per precision (microseconds:
+    the products, the work between them, the decode's wall time)."""
+    out: dict = {}
+    for name in reversed(GEOMETRIES):
+        if ctx.left_s() < 40:
+            break
+        path = make_slice(ctx, name, ctx.slice_layers)[0] if name in SLICES else ctx.work / SMALL
+        try:
+            result = child(ctx, "bench.step_phases", name, path, threads, [])
+            out[name] = {"threads": threads, "rows": result["rows"]}
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:600]}
+    return out
 
 
 def child(

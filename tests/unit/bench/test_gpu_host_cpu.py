@@ -29,6 +29,7 @@ def test_a_failed_run_is_recorded_and_the_next_runs(tmp_path, monkeypatch) -> No
 
     monkeypatch.setattr(gpu_host_cpu, "rates", rates)
     monkeypatch.setattr(gpu_host_cpu, "cpu_facts", lambda: {"cores": 16})
+    monkeypatch.setattr(gpu_host_cpu, "phases", lambda ctx, threads: {})  # tested on its own
     ctx = Context("cpu", tmp_path, float("inf"), tmp_path / "part-f.json")
     result = gpu_host_cpu.host_cpu(ctx)
     assert "CalledProcessError" in result["small, 16 threads"]["error"]
@@ -48,3 +49,23 @@ def test_a_run_past_the_time_left_keeps_the_rows_it_printed(tmp_path, monkeypatc
     (tmp_path / gpu_host_cpu.SMALL).mkdir()
     row = gpu_host_cpu.rates(ctx, "small", 4)
     assert row == {"timed_out": True, "printed": [printed.splitlines()[1]]}
+
+
+def test_phases_profile_small_first_and_a_failure_leaves_the_slice_to_run(
+    tmp_path, monkeypatch
+) -> None:
+    calls = []
+
+    def child(ctx, module, geometry, path, threads, flags):
+        calls.append((geometry, path.name, threads))
+        if geometry == "small":
+            raise RuntimeError("bench.step_phases exited 1")
+        return {"rows": [{"precision": "bfloat16"}]}
+
+    monkeypatch.setattr(gpu_host_cpu, "child", child)
+    monkeypatch.setattr(gpu_host_cpu, "make_slice", lambda ctx, name, layers: (tmp_path / name,))
+    out = gpu_host_cpu.phases(Context("cpu", tmp_path, float("inf")), 16)
+    slice_, small = gpu_host_cpu.GEOMETRIES
+    assert calls == [(small, gpu_host_cpu.SMALL, 16), (slice_, slice_, 16)]
+    assert "exited 1" in out[small]["error"]
+    assert out[slice_] == {"threads": 16, "rows": [{"precision": "bfloat16"}]}
