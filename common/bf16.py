@@ -95,13 +95,13 @@ def library() -> ctypes.CDLL | None:
         function.restype = ctypes.c_int if returns_int else None
     lib.level = min(lib.moe_bf16_supported(), cap)
     lib.moe_bf16_limit(cap)  # a ceiling: at 3, int8's dot products still run where AMX does not
-    held = f" (MOE_MESH_MAX_ISA holds it below {_LEVELS[lib.moe_bf16_supported()]})"
+    held = f"; this CPU has {_LEVELS[lib.moe_bf16_supported()]}, MOE_MESH_MAX_ISA holds it lower"
     log.info("bfloat16 kernels: %s%s", _LEVELS[lib.level], held if cap < 3 else "")
     return lib
 
 
 _LEVELS = (
-    "plain C only (no AVX2+FMA)",
+    "plain C only (torch computes the products)",
     "AVX2+FMA",
     "AVX-512",
     "AVX-512, and AMX tiles for the router's dense products of 16 rows and more",

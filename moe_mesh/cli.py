@@ -51,6 +51,19 @@ _COMMANDS = {
     "bench": ("moe_mesh.benchmark.cli", "add_subcommand"),
 }
 
+# The commands that compute, or start what does: MOE_MESH_MAX_ISA is theirs (`status` in an
+# incident works whatever it says)
+_COMPUTE = {
+    "checkpoint",
+    "generate",
+    "serve-expert",
+    "serve-router",
+    "up",
+    "scale",
+    "autoscale",
+    "profile",
+}
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse, except that a mistyped flag is reported by the command it was given to, with that
@@ -118,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # reported by the command they were given to, not by `moe-mesh` itself
         _Parser.finished[0].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        kernel_build.max_isa()  # refused here, not where the kernels first load (a request's step)
+        if args.command in _COMPUTE:  # refused here, not where the kernels first load (a step)
+            kernel_build.max_isa()
         return args.func(args)
     except MoeMeshError as e:
         from moe_mesh.ops.hints import hint  # the fix that applies: CA, API key, scale, address

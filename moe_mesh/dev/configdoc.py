@@ -72,11 +72,15 @@ PROCESS_WIDE = [
     (
         "MOE_MESH_MAX_ISA",
         "router, expert service, benchmarks",
-        "the highest instruction set moe-mesh's kernels use: `all` (default: every one this CPU "
-        "has), `avx512` (no AMX tiles, and int8 on the float kernels), `avx2`, or `none` (torch "
-        "computes every product). As oneDNN's `ONEDNN_MAX_CPU_ISA`: to run another host "
-        "kind's code on this one, or to rule a kernel out; another value is refused (exit 2) "
-        "when the kernels first load",
+        "the highest instruction set moe-mesh's kernels use: `all` (default; also unset or "
+        "empty: every one this CPU has), `avx512` (no AMX tiles, and int8 on the float "
+        "kernels), `avx2`, or `none` (torch computes the products; quantized experts refused). "
+        "As oneDNN's `ONEDNN_MAX_CPU_ISA`, for moe-mesh's kernels only: to run another host "
+        "kind's code on this one, or to rule a kernel out. Greedy tokens can differ from "
+        "`all`'s on a CPU with AMX, whose tiles sum a router's products of 16 rows and more in "
+        "their own order. Case-insensitive; another value is refused (exit 2) by the commands "
+        "that compute or start what does (`up`, `serve-*`, `generate`, `scale`, `autoscale`, "
+        "`profile`, `checkpoint`) before they start anything",
     ),
     (
         "MOE_MESH_STEP_PHASES",

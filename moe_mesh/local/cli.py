@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from common import kernel_build
 from common.cli import add_settings_arguments, flag, settings_from_args
 from common.device import for_experts, is_cuda
 from common.errors import InvalidArgumentError
@@ -104,8 +105,11 @@ def _check_flags(args: argparse.Namespace, router_args: list[str]) -> str | None
     if args.quantize != "none" and dtype != "bfloat16":
         return (
             f"--quantize {args.quantize}: quantized experts compute with bfloat16 activations, "
-            f"and a local mesh computes in the checkpoint's dtype, {dtype}"
+            f"and a local mesh computes in the checkpoint's dtype, {dtype} (a bfloat16 one: "
+            "`moe-mesh checkpoint create --dtype bfloat16`, or a published model)"
         )
+    if args.quantize != "none" and kernel_build.max_isa() == 0:
+        return f"--quantize {args.quantize}: quantized experts need the C kernels (MOE_MESH_MAX_ISA=none)"
     from router_service import cli as router_cli
 
     # Every router flag, --router-arg's included, through the router's own parser and settings.

@@ -425,9 +425,9 @@ def run_search(s: PlanSettings) -> int:
             f"{r.calibration.predicted_tpot_s * 1e3:.1f} ms; every step x {r.calibration.factor:.3f}",
             file=sys.stderr,
         )
+    meet = "meet the SLO" if s.tpot_slo_ms is not None else "fit the inventory (no --tpot-slo-ms)"
     print(
-        f"{len(r.found)} candidates meet the SLO; the best {min(s.top, len(r.found))}:",
-        file=sys.stderr,
+        f"{len(r.found)} candidates {meet}; the best {min(s.top, len(r.found))}:", file=sys.stderr
     )
     print(table(r.found[: s.top]), file=sys.stderr)
     kinds = Counter(n.kind for n in best.nodes)

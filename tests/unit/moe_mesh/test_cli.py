@@ -108,11 +108,12 @@ def test_a_wrong_checkpoint_is_refused_before_torch_is_imported(argv, tmp_path) 
     assert "checkpoint directory not found" in out.stderr, out.stderr
 
 
-def test_a_bad_max_isa_is_refused_before_any_command_runs(tmp_path, monkeypatch, capsys) -> None:
+def test_a_bad_max_isa_is_refused_before_a_command_that_computes_runs(
+    tmp_path, monkeypatch, capsys
+):
     monkeypatch.setenv("MOE_MESH_MAX_ISA", "avx-512")
-    assert main(["certs", "--out", str(tmp_path / "certs")]) == 2
-    assert not (tmp_path / "certs").exists()
-    assert (
-        "MOE_MESH_MAX_ISA: 'avx-512' is not one of none, avx2, avx512, all"
-        in capsys.readouterr().err
-    )
+    assert main(["up", "--checkpoint", str(tmp_path / "nope")]) == 2  # before the checkpoint
+    said = "MOE_MESH_MAX_ISA: 'avx-512' is not one of none, avx2, avx512, all"
+    assert said in capsys.readouterr().err
+    assert main(["status", "--ready-file", str(tmp_path / "mesh.json")]) == 2  # not its business
+    assert "MOE_MESH_MAX_ISA" not in (err := capsys.readouterr().err) and "mesh.json" in err

@@ -89,3 +89,19 @@ def test_a_router_arg_device_is_later_than_up_s_and_wins() -> None:
     router_cli.add_arguments(parser)
     parsed = parser.parse_args(["--checkpoint", "c", "--device", "cpu", "--device=cuda"])
     assert parsed.device == "cuda"
+
+
+def test_quantized_experts_are_refused_before_any_process_starts_where_they_cannot_run(
+    checkpoint, monkeypatch
+) -> None:
+    from moe_mesh.local.cli import _check_flags
+
+    float32 = checkpoint("mixtral")  # the demo's dtype
+    args = _up("--quantize", "int4")
+    args.checkpoint = float32
+    assert "checkpoint create --dtype bfloat16" in _check_flags(args, [])
+    args.checkpoint = checkpoint("mixtral", dtype="bfloat16")
+    monkeypatch.setenv("MOE_MESH_MAX_ISA", "none")
+    assert _check_flags(args, []) == (
+        "--quantize int4: quantized experts need the C kernels (MOE_MESH_MAX_ISA=none)"
+    )
