@@ -25,6 +25,8 @@ compiler, no AMX, no oneDNN bfloat16) is recorded with the reason, and the other
 
 from __future__ import annotations
 
+import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -95,6 +97,9 @@ def runner(name: str, weights: list[torch.Tensor], rows: int) -> Callable[[torch
 def compiled(weights: list[torch.Tensor], rows: int) -> Callable[[torch.Tensor], object]:
     """inductor's: the weights as a frozen module's parameters, compiled for `rows`."""
     import torch._inductor.config as inductor
+
+    if not shutil.which(os.environ.get("CXX") or "g++"):  # inductor's compiler (cpp.cxx)
+        raise Unavailable("no C++ compiler for inductor ($CXX, else g++)")
 
     torch._dynamo.reset()
     inductor.freezing = True
