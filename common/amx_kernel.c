@@ -124,13 +124,15 @@ TILE_TARGET static int tile_columns(const uint16_t *xt, const uint16_t *p, uint1
                 if (!panel) make_tiles(p + (q * k + s * 32) * PANEL, one);
                 __asm__ volatile("" ::: "memory"); /* tileloadd reads what the stores wrote */
                 _tile_loadd(4, rows32 + s * 1024, 64);
-                _tile_loadd(5, rows32 + s * 1024 + 512, 64);
                 _tile_loadd(6, w, 64);
                 _tile_loadd(7, w + 512, 64);
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
+                if (m - r0 > 16) { /* rows 16-31 of these 32, else zeros past m */
+                    _tile_loadd(5, rows32 + s * 1024 + 512, 64);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
             }
             _tile_stored(0, sums, 128);
             _tile_stored(1, sums + 16, 128);
