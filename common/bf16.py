@@ -82,7 +82,7 @@ _SIGNATURES = {
 def library() -> ctypes.CDLL | None:
     """The built kernels, or None where they cannot be built here (no compiler); `kernel` says
     which of them this CPU runs, held to MOE_MESH_MAX_ISA (InvalidArgumentError for a bad one)."""
-    cap = kernel_build.max_isa()  # first: a typo is refused before a build, with or without one
+    cap = kernel_build.max_isa()  # first: a typo is refused before a build, compiler or not
     try:
         path = kernel_build.built()
         lib = ctypes.CDLL(str(path))  # its libgomp is the one torch loaded: one thread pool

@@ -164,7 +164,7 @@ async def test_per_key_priority_cap_and_rate_limit_are_applied_and_counted(mesh)
     tls = MeshTls.ca_only(ca_file(mesh))
     async with open_channel(mesh.grpc_address, [], tls=tls) as channel:
         reply = await inference_pb2_grpc.InferenceStub(channel).Generate(
-            inference_pb2.GenerateRequest(prompt_token_ids=[5, 6], max_tokens=2),
+            inference_pb2.GenerateRequest(prompt_token_ids=[5, 6], max_tokens=2, ignore_eos=True),
             metadata=(("authorization", f"Bearer {BATCH}"),),
             timeout=10,
         )
@@ -173,7 +173,8 @@ async def test_per_key_priority_cap_and_rate_limit_are_applied_and_counted(mesh)
 
 async def test_grpc_callers_need_the_key_too(mesh) -> None:
     tls = MeshTls.ca_only(ca_file(mesh))
-    request = inference_pb2.GenerateRequest(prompt_token_ids=[5, 6], max_tokens=2)
+    # ignore_eos: a sampled end of sequence would end a reply at one token (a fresh clone saw it)
+    request = inference_pb2.GenerateRequest(prompt_token_ids=[5, 6], max_tokens=2, ignore_eos=True)
     async with open_channel(mesh.grpc_address, [], tls=tls) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         for metadata in [(), (("authorization", "Bearer sk-wrong-0123456789"),)]:
