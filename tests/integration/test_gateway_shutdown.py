@@ -66,14 +66,20 @@ async def _stop_with_requests_in_flight(gateway: GatewayApp) -> None:
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
     channel = grpc.aio.insecure_channel(gateway.grpc.address)
     async with client, channel, httpx.AsyncClient(base_url=base, timeout=30) as h:
-        sse = await client.completions.create(
-            model="m", prompt=[1, 2, 3], max_tokens=400, stream=True
+        sse = await client.completions.create(  # ignore_eos: the streams must outlast the drain
+            model="m",
+            prompt=[1, 2, 3],
+            max_tokens=400,
+            stream=True,
+            extra_body={"ignore_eos": True},
         )
         chunks = aiter(sse)
         await anext(chunks)
         stub = inference_pb2_grpc.InferenceStub(channel)
         call = stub.GenerateStream(
-            inference_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=400)
+            inference_pb2.GenerateRequest(
+                prompt_token_ids=[1, 2, 3], max_tokens=400, ignore_eos=True
+            )
         )
         await anext(aiter(call))
         # Both places are taken: this one waits in line through the whole grace period.
