@@ -65,7 +65,7 @@ TARGET static inline void dot_prepare_groups(const float *x, char *out, long g0,
                                            -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                            -1, -1);
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    int8_t digits[3 * 128]; /* dot_prepare's callers take groups of 32, 64 and 128 */
+    int8_t digits[3 * 128]; /* the callers take groups of 32, 64 and 128 (dot_groups) */
     for (long g = g0; g < g1; g++) {
         const float *v = x + g * group;
         __m256 top = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
@@ -123,25 +123,19 @@ static int dot_groups(long k, long group) {
     return group >= 32 && group <= 128 && group % 8 == 0 && k % group == 0;
 }
 
-/* Rows x [m][k] prepared in place, each still k floats apart */
-TARGET static void dot_prepare(float *x, long m, long k, long group, __m256i order, int zero) {
-    if (dot_groups(k, group))
-        for (long r = 0; r < m; r++)
-            dot_prepare_groups(x + r * k, (char *)(x + r * k), 0, k / group, group, order, zero);
-}
-
-TARGET static void q4_prepare(float *x, long m, long k, long group) {
-    dot_prepare(x, m, k, group, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7), 8);
-}
-
-/* Inputs c0 to c0 + width of row x [k], whole groups, prepared as q4_prepare prepares them but
-   into row out (k floats long): threads that each hold some of a row's inputs prepare their own
-   (decode_kernel.c) */
+/* Inputs c0 to c0 + width of row x [k], whole groups, prepared for int4's products into row out
+   (k floats long; x itself for in place): threads that each hold some of a row's inputs prepare
+   their own (decode_kernel.c) */
 TARGET static void q4_prepare_span(const float *x, float *out, long k, long group, long c0,
                                    long width) {
     if (dot_groups(k, group))
         dot_prepare_groups(x, (char *)out, c0 / group, (c0 + width) / group, group,
                            _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7), 8);
+}
+
+/* Rows x [m][k] prepared in place, each still k floats apart */
+TARGET static void q4_prepare(float *x, long m, long k, long group) {
+    for (long r = 0; r < m; r++) q4_prepare_span(x + r * k, x + r * k, k, group, 0, k);
 }
 
 /* a, the group's T_0..T_2 combined as the top comment says, times `unit` */
@@ -376,16 +370,16 @@ static int q8_dot(long k) {
 /* q8_dot, for tests: whose bits int8's products of k inputs give here */
 int moe_int8_dot(long k) { return q8_dot(k); }
 
-TARGET static void q8_prepare(float *x, long m, long k) {
-    if (q8_dot(k))
-        dot_prepare(x, m, k, q8_group(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), 128);
-}
-
+/* int8's q4_prepare_span, where its products are integer dot products (q8_dot) */
 TARGET static void q8_prepare_span(const float *x, float *out, long k, long c0, long width) {
     long group = q8_group(k);
     if (q8_dot(k))
         dot_prepare_groups(x, (char *)out, c0 / group, (c0 + width) / group, group,
                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), 128);
+}
+
+TARGET static void q8_prepare(float *x, long m, long k) {
+    for (long r = 0; r < m; r++) q8_prepare_span(x + r * k, x + r * k, k, 0, k);
 }
 
 #define Q8DOT __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma")))
