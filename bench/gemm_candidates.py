@@ -83,7 +83,7 @@ def runner(name: str, weights: list[torch.Tensor], rows: int) -> Callable[[torch
         if not linear._can_pack(torch.bfloat16):
             raise Unavailable("oneDNN has no bfloat16 layout on this CPU")
         packed = [linear._pack(w) for w in weights]
-        return lambda x: [linear._packed_linear(x, w) for w in packed]
+        return lambda x: [linear.linear(x, w) for w in packed]
     if name in ("panels", "panels-tiles"):
         if not bf16.fits(weights[0]):
             raise Unavailable("moe-mesh's kernel does not run here")

@@ -43,11 +43,17 @@ def cpu_facts() -> dict:
     }
 
 
+def checkpoint(ctx: Context, name: str) -> Path:
+    """Geometry `name`'s checkpoint under the scratch folder: part c's slice (made where no part
+    made it), or `small` where part d made it (else the bench that reads it creates it)."""
+    return make_slice(ctx, name, ctx.slice_layers)[0] if name in SLICES else ctx.work / SMALL
+
+
 def rates(ctx: Context, name: str, threads: int) -> dict:
     """bench/quantized.py's batch-1 rows for geometry `name` on `threads` threads, its checkpoint
     under the scratch folder (created where no part made it). Past the time left, the rows it
     printed."""
-    path = make_slice(ctx, name, ctx.slice_layers)[0] if name in SLICES else ctx.work / SMALL
+    path = checkpoint(ctx, name)
     flags = ["--batch-sizes", "1", "--precisions", PRECISIONS, "--repeats", "5"]
     flags += ["--new-tokens", "64"]  # a 16-thread int4 token is ~1.5 ms: time more of them
     try:
@@ -103,9 +109,8 @@ def phases(ctx: Context, threads: int) -> dict:
     for name in reversed(GEOMETRIES):
         if ctx.left_s() < 40:
             break
-        path = make_slice(ctx, name, ctx.slice_layers)[0] if name in SLICES else ctx.work / SMALL
         try:
-            result = child(ctx, "bench.step_phases", name, path, threads, [])
+            result = child(ctx, "bench.step_phases", name, checkpoint(ctx, name), threads, [])
             out[name] = {"threads": threads, "rows": result["rows"]}
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {e}"[:600]}
