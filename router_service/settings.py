@@ -95,9 +95,9 @@ class RouterSettings(QuantizationSettings, TelemetrySettings, SecuritySettings):
         20.0,
         ge=0,
         le=1000,
-        description="a burst runs more than --decode-burst steps, up to 64, where that many of "
-        "the last burst's steps fit in this many milliseconds: fast steps stream in bursts about "
-        "this long, and the work between bursts is paid less often. 0: "
+        description=f"a burst runs more than --decode-burst steps, up to {MAX_DECODE_BURST}, "
+        "where that many of the last burst's steps fit in this many milliseconds: fast steps "
+        "stream in bursts about this long, and the work between bursts is paid less often. 0: "
         "--decode-burst steps",
     )
     serial_max_tokens: int | None = Field(
