@@ -11,7 +11,7 @@ of a geometry's layers (q|k|v, o, an expert's gate|up and down, the LM head) is 
   backends (`max_autotune_gemm_backends = "CPP,ATEN"`) and freezing, so the weights are
   constants the template packs once, as a served model's are;
 - `panels`: moe-mesh's kernel (common/bf16.py), the vector kernel at every size;
-- `panels-tiles`: the same with AMX tiles from 16 rows (a router's dense weights), where the CPU
+- `panels-tiles`: the same with AMX tiles from 8 rows (a router's dense weights), where the CPU
   has them.
 
 Each candidate reads the same weights: per shape, as many distinct weights as fill `--pool-mib`

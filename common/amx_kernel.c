@@ -3,24 +3,23 @@
    tile's products in its own order, not one after another as the vector kernels do (on host C
    2,236 of 2,368 sums differed in their last bits), so a row's bits depend on whether its product
    had TILE_ROWS rows or more, and an expert service's rows must not see their batch-mates.
-   Products of fewer rows, and a k that is not a multiple of 32, take the vector kernels. On
-   host C, 256 MiB of [4096][1024] weights on two threads: 17.7, 17.8, 10.4 and 7.4 GB/s at 16,
-   32, 64 and 128 rows against the vector kernel's 12.5, 7.8, 4.6 and 2.5 (oneDNN's AMX products
-   about 18, 16, 14 and 10); `small` decoded 32 sequences 7% faster and prefilled a 480-token
-   prompt in 290 ms against 355 (oneDNN's layout: 165 ms, its experts' products on tiles too).
+   Products of fewer rows, and a k that is not a multiple of 32, take the vector kernels.
 
    The caller lays x's rows out for the tiles once a product (tile_rows: x is read once, not once
-   per 64 columns), then each 64-column block (tile_columns) makes its two panels into weight
-   tiles and runs 32 rows at a time: four accumulator tiles (2 x 2 of 16 rows by 16 columns), two
-   of x, two of the panel. A weight tile's row t holds its columns'
-   steps 2t and 2t + 1 side by side, which unpacklo/unpackhi of the panel's rows 2t and 2t + 1
-   give (the lo half columns 0-15, in the order moe_bf16_pack wrote them). */
+   per 64 columns), then each 64-column block (tile_columns) runs 32 rows at a time: four
+   accumulator tiles (2 x 2 of 16 rows by 16 columns), two of x, two of the panel; 16 rows or
+   fewer run both panels at once, an accumulator tile per 16 columns. A weight tile's row t holds
+   its columns' steps 2t and 2t + 1 side by side, as the panels hold them (moe_bf16_pack), so the
+   tiles load from the panels as they lie. On host C (docs/performance.md, stop 71), the Qwen3
+   slice's products from memory on two threads: 19-26 GB/s at 8 rows (the vector kernel 15-21),
+   16-22 at 32 (7-8.5); each 32-row group made its weight tiles from the panels before, and that
+   held 8 rows below the vector kernel, 16 and 32 to 15-19 GB/s. */
 
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define TILE_ROWS 16
-#define TILE_AHEAD 64 /* panel rows prefetched ahead */
+#define TILE_ROWS 8
+#define TILE_AHEAD 64 /* panel rows prefetched ahead (4 KiB) */
 
 typedef struct { /* what ldtilecfg reads: palette 1 */
     uint8_t palette, start_row, reserved[14];
@@ -77,35 +76,28 @@ static void tile_rows(const uint16_t *x, long m, long k, uint16_t *xt) {
 #if HAVE_TILES
 #define TILE_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
 
-/* A panel's 32 rows from `at` as two weight tiles (columns 0-15, then 16-31) into `tiles` */
-TILE_TARGET static inline void make_tiles(const uint16_t *at, uint16_t *tiles) {
-    for (int t = 0; t < 16; t++, at += 2 * PANEL) {
-        _mm_prefetch((const char *)(at + TILE_AHEAD * PANEL), _MM_HINT_T0);
-        _mm_prefetch((const char *)(at + (TILE_AHEAD + 1) * PANEL), _MM_HINT_T0);
-        __m512i even = _mm512_loadu_si512(at), odd = _mm512_loadu_si512(at + PANEL);
-        _mm512_storeu_si512(tiles + t * 32, _mm512_unpacklo_epi16(even, odd));
-        _mm512_storeu_si512(tiles + 512 + t * 32, _mm512_unpackhi_epi16(even, odd));
-    }
+TILE_TARGET static inline void zero_sums(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+/* accumulators 0-3 into sums [32][32]: 0 and 1 its rows 0-15, 2 and 3 rows 16-31 */
+TILE_TARGET static inline void store_sums(float *sums) {
+    _tile_stored(0, sums, 128);
+    _tile_stored(1, sums + 16, 128);
+    _tile_stored(2, sums + 16 * 32, 128);
+    _tile_stored(3, sums + 16 * 32 + 16, 128);
 }
 
 /* One 64-column block (the two panels from p) of the m rows xt (tile_rows' layout) into y
-   (bfloat16, row stride ldy), + bias when given. -1 without memory for the weight tiles. */
+   (bfloat16, row stride ldy), + bias when given. A panel's 16 pair rows of a 32-step (2 KiB) are
+   its two weight tiles as they lie, columns 0-15 and 16-31 at 128-byte strides. Up to 16 rows,
+   both panels at once (two streams of weights, not one after the other: 1.1-1.3x at 8 and 16
+   rows on host C). */
 TILE_TARGET static int tile_columns(const uint16_t *xt, const uint16_t *p, uint16_t *y, long ldy,
                                     long m, long k, const float *bias) {
-    /* More than 32 rows read each weight tile more than once: made once into a buffer of the
-       thread's (kept: malloc maps and faults in a fresh one this size). Up to 32, each is made
-       as it is used (2 KB on the stack): 9.9 GB/s at 32 rows with the buffer, 16 without. */
-    static __thread uint16_t *buffer;
-    static __thread long held;
-    uint16_t one[1024] __attribute__((aligned(64)));
-    int reused = m > 32;
-    if (reused && held < 64 * k) {
-        uint16_t *grown = realloc(buffer, sizeof(uint16_t) * 64 * k);
-        if (!grown) return -1;
-        buffer = grown, held = 64 * k;
-    }
-    if (reused)
-        for (long i = 0; i < 2 * k; i += 32) make_tiles(p + i * PANEL, buffer + i / 32 * 1024);
     tile_config config = {.palette = 1};
     for (int t = 0; t < 8; t++) config.bytes_per_row[t] = 64, config.rows[t] = 16;
     _tile_loadconfig(&config);
@@ -113,31 +105,51 @@ TILE_TARGET static int tile_columns(const uint16_t *xt, const uint16_t *p, uint1
     long steps = k / 32;
     for (long r0 = 0; r0 < m; r0 += 32) {
         const uint16_t *rows32 = xt + (r0 / 32) * steps * 1024;
-        for (int q = 0; q < 2; q++) {
-            const uint16_t *panel = reused ? buffer + q * steps * 1024 : 0;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+        if (m - r0 <= 16) { /* both panels at once: accumulators 0-3 hold columns 0-63 */
+            const uint16_t *p0 = p, *p1 = p + k * PANEL;
+            zero_sums();
             for (long s = 0; s < steps; s++) {
-                const uint16_t *w = panel ? panel + s * 1024 : one;
-                if (!panel) make_tiles(p + (q * k + s * 32) * PANEL, one);
-                __asm__ volatile("" ::: "memory"); /* tileloadd reads what the stores wrote */
+                const uint16_t *w0 = p0 + s * 32 * PANEL, *w1 = p1 + s * 32 * PANEL;
+                for (int line = 0; line < 32; line++) { /* TILE_AHEAD panel rows on */
+                    _mm_prefetch((const char *)(w0 + TILE_AHEAD * PANEL) + 64 * line, _MM_HINT_T0);
+                    _mm_prefetch((const char *)(w1 + TILE_AHEAD * PANEL) + 64 * line, _MM_HINT_T0);
+                }
                 _tile_loadd(4, rows32 + s * 1024, 64);
-                _tile_loadd(6, w, 64);
-                _tile_loadd(7, w + 512, 64);
+                _tile_loadd(6, w0, 128);
+                _tile_loadd(7, w0 + 32, 128);
+                _tile_loadd(5, w1, 128);
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_dpbf16ps(1, 4, 7);
-                if (m - r0 > 16) { /* rows 16-31 of these 32, else zeros past m */
-                    _tile_loadd(5, rows32 + s * 1024 + 512, 64);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_loadd(6, w1 + 32, 128);
+                _tile_dpbf16ps(3, 4, 6);
             }
-            _tile_stored(0, sums, 128);
-            _tile_stored(1, sums + 16, 128);
-            _tile_stored(2, sums + 16 * 32, 128);
-            _tile_stored(3, sums + 16 * 32 + 16, 128);
+            store_sums(sums);
+            for (long r = 0; r + r0 < m; r++)
+                for (int j = 0; j < 64; j += 16) {
+                    __m512 v = _mm512_load_ps(sums + (j / 32) * 16 * 32 + r * 32 + j % 32);
+                    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j));
+                    vstore_bf16_avx512(y + (r0 + r) * ldy + j, v);
+                }
+            continue;
+        }
+        for (int q = 0; q < 2; q++) {
+            const uint16_t *panel = p + q * k * PANEL;
+            zero_sums();
+            for (long s = 0; s < steps; s++) {
+                const uint16_t *w = panel + s * 32 * PANEL;
+                for (int line = 0; line < 32; line++) /* TILE_AHEAD panel rows on */
+                    _mm_prefetch((const char *)(w + TILE_AHEAD * PANEL) + 64 * line, _MM_HINT_T0);
+                _tile_loadd(4, rows32 + s * 1024, 64);
+                _tile_loadd(6, w, 128);
+                _tile_loadd(7, w + 32, 128);
+                _tile_loadd(5, rows32 + s * 1024 + 512, 64); /* rows 16-31, zeros past m */
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            store_sums(sums);
             for (long r = 0; r < 32 && r0 + r < m; r++)
                 for (int j = 0; j < 32; j += 16) {
                     __m512 v = _mm512_load_ps(sums + r * 32 + j);

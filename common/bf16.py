@@ -43,7 +43,7 @@ COLUMNS = 64  # output columns per kernel call: a weight's row count must be a m
 PANEL = 32  # rows of a weight packed together (moe_bf16_pack)
 # What moe_bf16_pack writes: a packed-weight cache file (common.packcache) built for another
 # layout is stale. Change it with moe_bf16_pack.
-LAYOUT = "panels of 32 columns, v1"
+LAYOUT = "panels of 32 columns, steps in pairs, v2"
 
 
 _C_TYPES = {"i": ctypes.c_int, "l": ctypes.c_long, "f": ctypes.c_float, "p": ctypes.c_void_p}
@@ -104,7 +104,7 @@ _LEVELS = (
     "plain C only (torch computes the products)",
     "AVX2+FMA",
     "AVX-512",
-    "AVX-512, and AMX tiles for the router's dense products of 16 rows and more",
+    "AVX-512, and AMX tiles for the router's dense products of 8 rows and more",
 )
 
 
@@ -361,7 +361,7 @@ def _format(tiles: bool) -> int:
 class Panels:
     """A bfloat16 weight [out, in] in the kernel's layout; `panels(x, bias)` is F.linear's result.
     common.quant.QuantPanels holds int8 and int4 weights the same way (`format`, `scales`).
-    `tiles`: products of 16 rows and more may run on AMX tiles where the CPU has them (level 3),
+    `tiles`: products of 8 rows and more may run on AMX tiles where the CPU has them (level 3),
     much faster, but a row's last bits then depend on how many rows its product has: for weights
     whose products need not be batch-invariant (common.linear.prepack), not an expert's."""
 

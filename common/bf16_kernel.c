@@ -3,11 +3,13 @@
    (quant_kernel.c); a layer's expert grouping and combine, RoPE, the KV-cache write and decode
    attention over the paged cache in bfloat16 and float32.
 
-   y[M][N] = x[M][K] . W^T, all bfloat16, with W [N][K] held in panels of 32 output columns:
-   P[panel][k][32]. A bfloat16 is a float32's upper half, so unpacking a row of a panel with
-   zeros (unpacklo/unpackhi) yields its columns as float32 with no arithmetic; pack() permutes
-   each row so that with 64-byte registers the two halves come out as columns 0-15 and 16-31, and
-   with 32-byte ones each unpack of a half-row as 8 consecutive columns: one layout for both.
+   y[M][N] = x[M][K] . W^T, all bfloat16, with W [N][K] held in panels of 32 output columns
+   whose steps go in pairs: P[panel][K / 2][32][2], column c's steps 2t and 2t + 1 side by side
+   in one 32-bit word (for an odd K, the last step alone after them, P[panel][K - 1][32]). A
+   bfloat16 is a float32's upper half, so a word shifted left by 16 is step 2t's weight as a
+   float32 and the word with its low half cleared is step 2t + 1's: no arithmetic, and a
+   register's lanes are consecutive columns whatever its width. The same words are AMX's VNNI
+   order, so the tiles (amx_kernel.c) load them as they are.
 
    Every output element sums x[m][k] * W[n][k] over k in order, one float32 accumulator each:
    a row's result does not depend on the other rows of the batch (expert services merge callers),
@@ -35,11 +37,6 @@
    products at 20 GB/s on 256 MiB of weights, this at 25 (prefetches past the end never fault) */
 #define AHEAD 32
 
-static int column(int p) { /* word p of a panel row -> the column stored there */
-    int lane = p / 8, q = p % 8;
-    return q < 4 ? lane * 4 + q : 16 + lane * 4 + (q - 4);
-}
-
 static int tiles_granted(void); /* amx_kernel.c */
 
 /* What this CPU runs: 3 AVX-512F/BW and AMX's bfloat16 tiles, 2 AVX-512F/BW, 1 AVX2+FMA, 0
@@ -59,13 +56,17 @@ void moe_bf16_limit(int level) { level_cap = level; }
 static int avx512(void) { return level_cap >= 2 && moe_bf16_supported() >= 2; }
 #define PICK(name) (avx512() ? name##_avx512 : name##_avx2)
 
-/* w [N][K] -> out [N / 32][K][32]; N a multiple of 32. common/bf16.py names this layout (LAYOUT):
-   a change here changes that name, or packed-weight cache files of the old layout look valid. */
+/* w [N][K] -> out [N / 32][K / 2][32][2] (and an odd K's last step [32]); N a multiple of 32.
+   common/bf16.py names this layout (LAYOUT): a change here changes that name, or packed-weight
+   cache files of the old layout look valid. */
 void moe_bf16_pack(const uint16_t *w, uint16_t *out, long n, long k) {
     for (long panel = 0; panel < n / PANEL; panel++)
         for (long i = 0; i < k; i++)
-            for (int p = 0; p < PANEL; p++)
-                out[(panel * k + i) * PANEL + p] = w[(panel * PANEL + column(p)) * k + i];
+            for (int c = 0; c < PANEL; c++) {
+                long pair = i - i % 2, at = i + 1 < k || i % 2 ? pair * PANEL + 2 * c + i % 2
+                                                              : i * PANEL + c;
+                out[panel * k * PANEL + at] = w[(panel * PANEL + c) * k + i];
+            }
 }
 
 static inline float bf16_value(uint16_t v) {
@@ -680,25 +681,40 @@ TARGET static inline vec load_any(const void *p, long i, int bf) {
 #define ROWS 6 /* x rows per pass: 6 x 4 accumulators + 4 weight vectors fit the 32 registers */
 /* rows x[0..R) (float32) against two panels (64 columns) into y (bfloat16, row stride ldy),
    + bias when given */
+/* the 16 columns at `at` of a step as float32: an even step's from a pair row's words (shifted),
+   an odd one's (masked), or an odd k's last step (bfloat16 in order). The kernels take a step a
+   pass, as before the pairs: written as two steps a pass, GCC kept their accumulators on the
+   stack (products of 8 rows and more 2x slower). */
+#define EVEN(at) _mm512_slli_epi32(_mm512_loadu_si512(at), 16)
+#define ODD(at) _mm512_and_si512(_mm512_loadu_si512(at), _mm512_set1_epi32((int)0xFFFF0000))
+#define LAST(at)                                                                               \
+    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(at))), 16)
 #define KERNEL(R)                                                                              \
     TARGET static void kernel_##R(const float *x, const uint16_t *p0, const uint16_t *p1,      \
                                   uint16_t *y, long ldy, long k, const float *bias) {          \
         __m512 acc[R][4];                                                                      \
         for (int r = 0; r < R; r++)                                                            \
             for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();                       \
-        const __m512i zero = _mm512_setzero_si512();                                           \
         for (long i = 0; i < k; i++) {                                                         \
-            _mm_prefetch((const char *)(p0 + (i + AHEAD) * PANEL), _MM_HINT_T0);               \
-            _mm_prefetch((const char *)(p1 + (i + AHEAD) * PANEL), _MM_HINT_T0);               \
-            __m512i a = _mm512_loadu_si512(p0 + i * PANEL);                                    \
-            __m512i b = _mm512_loadu_si512(p1 + i * PANEL);                                    \
-            __m512 w[4] = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, a)),                \
-                           _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, a)),                \
-                           _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, b)),                \
-                           _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, b))};               \
+            long row = i - i % 2, last = i % 2 == 0 && i + 1 == k;                              \
+            const uint16_t *a = p0 + row * PANEL, *b = p1 + row * PANEL;                       \
+            if (i % 2 == 0) {                                                                  \
+                _mm_prefetch((const char *)(a + AHEAD * PANEL), _MM_HINT_T0);                  \
+                _mm_prefetch((const char *)(a + AHEAD * PANEL + 32), _MM_HINT_T0);             \
+                _mm_prefetch((const char *)(b + AHEAD * PANEL), _MM_HINT_T0);                  \
+                _mm_prefetch((const char *)(b + AHEAD * PANEL + 32), _MM_HINT_T0);             \
+            }                                                                                  \
+            __m512i w[4];                                                                      \
+            if (last)                                                                          \
+                w[0] = LAST(a), w[1] = LAST(a + 16), w[2] = LAST(b), w[3] = LAST(b + 16);       \
+            else if (i % 2)                                                                    \
+                w[0] = ODD(a), w[1] = ODD(a + 32), w[2] = ODD(b), w[3] = ODD(b + 32);           \
+            else                                                                               \
+                w[0] = EVEN(a), w[1] = EVEN(a + 32), w[2] = EVEN(b), w[3] = EVEN(b + 32);       \
             for (int r = 0; r < R; r++) {                                                      \
                 __m512 xr = _mm512_set1_ps(x[r * k + i]);                                      \
-                for (int j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(xr, w[j], acc[r][j]);  \
+                for (int j = 0; j < 4; j++)                                                    \
+                    acc[r][j] = _mm512_fmadd_ps(xr, _mm512_castsi512_ps(w[j]), acc[r][j]);     \
             }                                                                                  \
         }                                                                                      \
         for (int r = 0; r < R; r++)                                                            \
@@ -729,35 +745,52 @@ TARGET static void FN(columns)(const float *x, const uint16_t *p, uint16_t *y, l
 }
 #undef ROWS
 #undef KERNEL
+#undef EVEN
+#undef ODD
+#undef LAST
 
 #else
+/* the 8 columns at `at` of a step as float32: an even step's from a pair row's words (shifted),
+   an odd one's (masked), or an odd k's last step (bfloat16 in order) */
+#define EVEN(at) _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(at)), 16)
+#define ODD(at)                                                                                \
+    _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(at)), _mm256_set1_epi32((int)0xFFFF0000))
+#define LAST(at) _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(at))), 16)
 /* rows x[0..R) (float32) against P panels from p (k * 32 apart) into y (bfloat16, row stride
    ldy), + bias when given. 16 registers: 8 accumulators (2 rows or 2 panels), the 4 weight
-   vectors, the rows' x and zero (with 3 rows GCC kept two accumulators on the stack) */
+   vectors, the rows' x (with 3 rows GCC kept two accumulators on the stack) */
 #define KERNEL(R, P)                                                                           \
     TARGET static void kernel_##R##_##P(const float *x, const uint16_t *p, uint16_t *y,        \
                                         long ldy, long k, const float *bias) {                 \
         __m256 acc[R][4 * P];                                                                  \
         for (int r = 0; r < R; r++)                                                            \
             for (int j = 0; j < 4 * P; j++) acc[r][j] = _mm256_setzero_ps();                   \
-        const __m256i zero = _mm256_setzero_si256();                                           \
-        for (long i = 0; i < k; i++)                                                           \
+        for (long i = 0; i < k; i++) {                                                         \
+            long row = i - i % 2, last = i % 2 == 0 && i + 1 == k;                              \
             for (int q = 0; q < P; q++) {                                                      \
-                const uint16_t *at = p + (q * k + i) * PANEL;                                  \
-                _mm_prefetch((const char *)(at + AHEAD * PANEL), _MM_HINT_T0);                 \
-                __m256i lo = _mm256_loadu_si256((const __m256i *)at);                          \
-                __m256i hi = _mm256_loadu_si256((const __m256i *)at + 1);                      \
-                __m256 w[4] = {/* columns 0-7, 8-15, 16-23, 24-31 */                           \
-                               _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, lo)),           \
-                               _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, hi)),           \
-                               _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, lo)),           \
-                               _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, hi))};          \
+                const uint16_t *at = p + (q * k + row) * PANEL;                                \
+                if (i % 2 == 0) {                                                              \
+                    _mm_prefetch((const char *)(at + AHEAD * PANEL), _MM_HINT_T0);             \
+                    _mm_prefetch((const char *)(at + AHEAD * PANEL + 32), _MM_HINT_T0);        \
+                }                                                                              \
+                __m256i w[4]; /* columns 0-7, 8-15, 16-23, 24-31 */                            \
+                if (last)                                                                      \
+                    w[0] = LAST(at), w[1] = LAST(at + 8), w[2] = LAST(at + 16),                \
+                    w[3] = LAST(at + 24);                                                      \
+                else if (i % 2)                                                                \
+                    w[0] = ODD(at), w[1] = ODD(at + 16), w[2] = ODD(at + 32),                  \
+                    w[3] = ODD(at + 48);                                                       \
+                else                                                                           \
+                    w[0] = EVEN(at), w[1] = EVEN(at + 16), w[2] = EVEN(at + 32),               \
+                    w[3] = EVEN(at + 48);                                                      \
                 for (int r = 0; r < R; r++) {                                                  \
                     __m256 xr = _mm256_set1_ps(x[r * k + i]);                                  \
                     for (int j = 0; j < 4; j++)                                                \
-                        acc[r][q * 4 + j] = _mm256_fmadd_ps(xr, w[j], acc[r][q * 4 + j]);      \
+                        acc[r][q * 4 + j] = _mm256_fmadd_ps(xr, _mm256_castsi256_ps(w[j]),     \
+                                                            acc[r][q * 4 + j]);                \
                 }                                                                              \
             }                                                                                  \
+        }                                                                                      \
         for (int r = 0; r < R; r++)                                                            \
             for (int j = 0; j < 2 * P; j++) { /* 16 columns at a time */                       \
                 vec v = {acc[r][2 * j], acc[r][2 * j + 1]};                                    \
@@ -779,6 +812,9 @@ TARGET static void FN(columns)(const float *x, const uint16_t *p, uint16_t *y, l
         kernel_1_2(x + (m - 1) * k, p, y + (m - 1) * ldy, ldy, k, bias);
 }
 #undef KERNEL
+#undef EVEN
+#undef ODD
+#undef LAST
 #endif
 
 /* columns() as a block_fn: bfloat16 panels have no scales or groups */

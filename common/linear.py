@@ -188,7 +188,7 @@ def prepack(
     moe-mesh's kernel where it runs (float32_as_stored), else oneDNN's layout wherever it has the
     dtype, faster or not.
 
-    `tiles` (a router's dense weights): bfloat16 products of 16 rows and more on AMX tiles where
+    `tiles` (a router's dense weights): bfloat16 products of 8 rows and more on AMX tiles where
     the CPU has them (bf16.Panels), unless batch-invariant."""
     if weight.device.type != "cpu" or weight.is_mkldnn:
         return weight

@@ -77,7 +77,7 @@ PROCESS_WIDE = [
         "kernels), `avx2`, or `none` (torch computes the products; quantized experts refused). "
         "As oneDNN's `ONEDNN_MAX_CPU_ISA`, for moe-mesh's kernels only: to run another host "
         "kind's code on this one, or to rule a kernel out. Greedy tokens can differ from "
-        "`all`'s on a CPU with AMX, whose tiles sum a router's products of 16 rows and more in "
+        "`all`'s on a CPU with AMX, whose tiles sum a router's products of 8 rows and more in "
         "their own order. Case-insensitive; another value is refused (exit 2) by the commands "
         "that compute or start what does (`up`, `serve-*`, `generate`, `scale`, `autoscale`, "
         "`profile`, `checkpoint`) before they start anything",
