@@ -679,8 +679,6 @@ TARGET static inline vec load_any(const void *p, long i, int bf) {
 
 #if ISA == 512
 #define ROWS 6 /* x rows per pass: 6 x 4 accumulators + 4 weight vectors fit the 32 registers */
-/* rows x[0..R) (float32) against two panels (64 columns) into y (bfloat16, row stride ldy),
-   + bias when given */
 /* the 16 columns at `at` of a step as float32: an even step's from a pair row's words (shifted),
    an odd one's (masked), or an odd k's last step (bfloat16 in order). The kernels take a step a
    pass, as before the pairs: written as two steps a pass, GCC kept their accumulators on the
@@ -689,6 +687,8 @@ TARGET static inline vec load_any(const void *p, long i, int bf) {
 #define ODD(at) _mm512_and_si512(_mm512_loadu_si512(at), _mm512_set1_epi32((int)0xFFFF0000))
 #define LAST(at)                                                                               \
     _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(at))), 16)
+/* rows x[0..R) (float32) against two panels (64 columns) into y (bfloat16, row stride ldy),
+   + bias when given */
 #define KERNEL(R)                                                                              \
     TARGET static void kernel_##R(const float *x, const uint16_t *p0, const uint16_t *p1,      \
                                   uint16_t *y, long ldy, long k, const float *bias) {          \
