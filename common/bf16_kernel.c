@@ -755,7 +755,8 @@ TARGET static void FN(columns)(const float *x, const uint16_t *p, uint16_t *y, l
 #define EVEN(at) _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(at)), 16)
 #define ODD(at)                                                                                \
     _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(at)), _mm256_set1_epi32((int)0xFFFF0000))
-#define LAST(at) _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(at))), 16)
+#define LAST(at)                                                                               \
+    _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(at))), 16)
 /* rows x[0..R) (float32) against P panels from p (k * 32 apart) into y (bfloat16, row stride
    ldy), + bias when given. 16 registers: 8 accumulators (2 rows or 2 panels), the 4 weight
    vectors, the rows' x (with 3 rows GCC kept two accumulators on the stack) */

@@ -133,7 +133,9 @@ static const void *at(const void *const *array, long i) { return array ? array[i
 /* product(), or with xt (the rows laid out by tile_rows) on AMX tiles where it ran */
 static void dense(int format, long group, const float *xf, const uint16_t *xt, const void *w,
                   const void *scales, uint16_t *y, long ldy, long k, long c, long n) {
-    if (!xt || tile_columns(xt, (const uint16_t *)w + c * 64 * k, y + c * 64, ldy, n, k, 0))
+    if (xt)
+        tile_columns(xt, (const uint16_t *)w + c * 64 * k, y + c * 64, ldy, n, k, 0);
+    else
         product(format, group, xf, w, scales, y, ldy, k, c, n);
 }
 

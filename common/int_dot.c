@@ -306,8 +306,7 @@ Q4VNNI static inline __m512i dpbusd512(__m512i acc, __m512i u, __m512i b) {
             __m512i acc[R][3][4];                                                               \
             DOT_START512(R, x, k, g, group, head, acc)                                          \
             for (long i = g * group; i < (g + 1) * group; i += 8) {                             \
-                /* past a panel's end, the next block's panel, as quant_avx512.c's */           \
-                long ahead = DOT_AHEAD + (i * 16 + DOT_AHEAD >= k * 16 ? k * 16 : 0);           \
+                long ahead = ahead_of(i, k, 16, DOT_AHEAD, k * 16);                             \
                 long at_x = DOT_HEADER + (i - g * group) * 3;                                   \
                 for (int q = 0; q < 2; q++) {                                                   \
                     const uint32_t *at = p + (q * k + i) * 4;                                   \
@@ -409,8 +408,7 @@ TARGET static void q8_prepare(float *x, long m, long k) {
             __m512i acc[R][3][4];                                                               \
             DOT_START512(R, x, k, g, group, head, acc)                                          \
             for (long i = g * group; i < (g + 1) * group; i += 4) {                             \
-                /* past a panel's end, the next block's panel, as quant_avx512.c's */           \
-                long ahead = DOT_AHEAD + (i * PANEL + DOT_AHEAD >= k * PANEL ? k * PANEL : 0);  \
+                long ahead = ahead_of(i, k, PANEL, DOT_AHEAD, k * PANEL);                       \
                 long at_x = DOT_HEADER + (i - g * group) / 8 * 24 + (i % 8 ? 12 : 0);           \
                 __m512i w[4];                                                                   \
                 for (int q = 0; q < 2; q++) {                                                   \

@@ -26,8 +26,7 @@ Q512TARGET static void q8_row512(const float *x, const int8_t *p, const float *s
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                      _mm512_setzero_ps()};
     for (long i = 0; i < k; i++) {
-        /* past a panel's end, the next block's panel: both of its streams start fetched */
-        long ahead = ROW_AHEAD + (i * PANEL + ROW_AHEAD >= k * PANEL ? k * PANEL : 0);
+        long ahead = ahead_of(i, k, PANEL, ROW_AHEAD, k * PANEL);
         __m512 xr = _mm512_set1_ps(x[i]);
         for (int q = 0; q < 2; q++) {
             const int8_t *at = p + (q * k + i) * PANEL;
@@ -68,8 +67,7 @@ Q512TARGET static void q8_row512(const float *x, const int8_t *p, const float *s
             __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),     \
                              _mm512_setzero_ps()};                                              \
             for (long i = g * group; i < (g + 1) * group; i += 8) {                             \
-                /* past a panel's end, the next block's panel, as int8's */                     \
-                long ahead = ROW_AHEAD + (i * 16 + ROW_AHEAD >= k * 16 ? k * 16 : 0);           \
+                long ahead = ahead_of(i, k, 16, ROW_AHEAD, k * 16);                             \
                 __m512i word[4], odd[4]; /* a panel's 32 words: columns 0-15, then 16-31 */     \
                 for (int q = 0; q < 2; q++) {                                                   \
                     const uint32_t *at = p + (q * k + i) * 4;                                   \

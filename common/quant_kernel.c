@@ -34,6 +34,13 @@
    streamed from memory ran 1.2x slower and 2-row ones 1.7x on host B */
 #define ROW_AHEAD 8192
 
+/* The bytes on from input i of a panel (k inputs of `step` bytes) to prefetch, `ahead`, where
+   that is past the panel's end `next` bytes further: into the panel the kernel reads next, so
+   each of its streams starts fetched */
+static inline long ahead_of(long i, long k, long step, long ahead, long next) {
+    return ahead + (i * step + ahead >= k * step ? next : 0);
+}
+
 TARGET static void many_rows(int format, const float *x, const void *p, const void *s, uint16_t *y,
                              long ldy, long m, long k, long group, const float *bias);
 
@@ -47,9 +54,7 @@ TARGET static void many_rows(int format, const float *x, const void *p, const vo
         for (int r = 0; r < R; r++)                                                             \
             for (int j = 0; j < 4 * P; j++) acc[r][j] = _mm256_setzero_ps();                    \
         for (long i = 0; i < k; i++) {                                                          \
-            /* past a panel's end, the next block's panel: each of its streams starts fetched */ \
-            long end = i * PANEL + ROW_AHEAD >= k * PANEL;                                     \
-            long ahead = ROW_AHEAD + (end ? (P - 1) * k * PANEL : 0);                           \
+            long ahead = ahead_of(i, k, PANEL, ROW_AHEAD, (P - 1) * k * PANEL);                 \
             for (int q = 0; q < P; q++) {                                                       \
                 const int8_t *at = p + (q * k + i) * PANEL;                                     \
                 _mm_prefetch((const char *)at + ahead, _MM_HINT_T0);                            \
