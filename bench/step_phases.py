@@ -14,9 +14,11 @@ products.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import sys
+import time
 from pathlib import Path
 
 from pydantic import Field
@@ -28,10 +30,10 @@ runtime.configure()
 import torch  # noqa: E402
 
 from bench import parse_settings, write_result  # noqa: E402
-from bench.engine_vs_transformers import engine_generate  # noqa: E402
 from bench.geometry import GeometrySettings, checkpoint_for  # noqa: E402
 from bench.quantized import quantization  # noqa: E402
 from common import bf16  # noqa: E402
+from common.sampling import SamplingParams  # noqa: E402
 from router_service.build import build_local_engine  # noqa: E402
 from router_service.settings import RouterSettings  # noqa: E402
 
@@ -63,25 +65,43 @@ def timers() -> ctypes.Array:
     return (ctypes.c_double * len(PHASES)).in_dll(lib, "moe_step_phases")
 
 
+def decode(engine, n: int) -> tuple[float, int]:
+    """One request's decode: seconds from its first token (the prefill's) to its last, and the
+    tokens in between. Timed within one run, so a slow prefill cannot make it negative, as taking
+    one run's prefill from another's whole did on a busy host."""
+    runtime.release_openmp_threads()
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    marks: list[tuple[float, int]] = []
+
+    async def drive() -> None:
+        count = 0
+        while engine.has_unfinished():
+            for o in await engine.step():
+                count += len(o.new_token_ids)
+            if count:
+                marks.append((time.perf_counter(), count))
+
+    asyncio.run(drive())
+    (start, first), (end, last) = marks[0], marks[-1]
+    return end - start, last - first
+
+
 def measure(engine, seconds: ctypes.Array, new_tokens: int) -> dict:
     """Microseconds a decode token spends in each phase, and the decode's wall time a token, of
-    the fastest of three runs (less the fastest prefill's: one run of a small model can take
-    less than a slow prefill)."""
-    engine_generate(engine, [PROMPT], 4)  # one-time costs
-    first = min(engine_generate(engine, [PROMPT], 1)[0] for _ in range(3))
+    the fastest of three runs."""
+    decode(engine, 4)  # one-time costs
     runs = []
     for _ in range(3):
         ctypes.memset(seconds, 0, ctypes.sizeof(seconds))
-        runs.append((engine_generate(engine, [PROMPT], new_tokens)[0], list(seconds)))
-    wall, spent = min(runs)
-    tokens = new_tokens - 1  # the first comes from the prefill, which runs op by op
+        runs.append((*decode(engine, new_tokens), list(seconds)))
+    wall, tokens, spent = min(runs)
     phases = {p: round(spent[i] / tokens * 1e6, 1) for i, p in enumerate(PHASES)}
     products = sum(phases[p] for p in PRODUCTS)
     return {
         "phases_us": phases,
         "products_us": round(products, 1),
         "between_us": round(sum(phases.values()) - products, 1),
-        "decode_us": round((wall - first) / tokens * 1e6, 1),
+        "decode_us": round(wall / tokens * 1e6, 1),
     }
 
 
