@@ -322,6 +322,16 @@ class ConsulRegistry:
         instances = tuple(sorted((_instance(e) for e in entries or ()), key=lambda i: i.id))
         return int(raw_index), instances  # py-consul hands the X-Consul-Index header back as a str
 
+    async def instances(self, service: str) -> tuple[Instance, ...]:
+        """The passing instances of `service` now (one plain read); UnavailableError naming the
+        agent where it cannot be read."""
+        try:
+            return (await self._query(service, 0))[1]
+        except _REGISTRY_ERRORS as e:
+            raise UnavailableError(
+                f"registry {self.config.address} unreachable: {_why(e)}"
+            ) from None
+
     async def watch(self, service: str) -> AsyncIterator[Membership]:
         """See `Registry.watch`. Each iterator keeps its own index; after an error the next query is
         a plain read so a recovered (maybe restarted, index reset) agent is seen at once."""

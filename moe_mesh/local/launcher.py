@@ -81,7 +81,9 @@ class Launcher:
         tls_dir: Path | None = None,
         expert_args: list[str] | None = None,
     ) -> None:
-        self.tls_dir = tls_dir  # mutual TLS everywhere, with the certificates there
+        # Absolute: the ready file names them, and its readers run from other directories.
+        checkpoint, run_dir = checkpoint.resolve(), run_dir.resolve()
+        self.tls_dir = tls_dir and tls_dir.resolve()  # mutual TLS everywhere, certificates there
         self.expert_args = expert_args or []  # more serve-expert flags for every expert service
         self.checkpoint, self.run_dir, self.trace_sample = checkpoint, run_dir, trace_sample
         self.expert_services, self.replicas, self.routers = expert_services, replicas, routers

@@ -250,7 +250,7 @@ def _rows(flat, width: int) -> list[list]:
 
 def print_status(st: dict) -> None:
     g = st["gateway"]
-    url = f"{g.get('scheme', 'http')}://{g['http']}/v1"
+    url = f"{g.get('scheme', 'http')}://{g['http']}/v1" if g["http"] else ""  # "": not in Consul
     print(f"gateway  {g['address']:<22} {g['health']:<12} {url}")
     for r in st["routers"]:
         load = f"running {r.get('running', '?')} waiting {r.get('waiting', '?')} steps {r.get('steps', '?')}"
@@ -350,9 +350,19 @@ class StatusSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    ready_file: Path = Field(
+    ready_file: Path | None = Field(
+        None,
         description="the file `moe-mesh up --ready-file` wrote",
         json_schema_extra={"metavar": "FILE"},
+    )
+    gateway: str | None = Field(
+        None,
+        description="instead of --ready-file, for a mesh started without `up`: its gateway's gRPC "
+        "address, its routers and expert services found in the Consul they registered in",
+        json_schema_extra={"metavar": "HOST:PORT"},
+    )
+    registry_address: str | None = Field(
+        None, description="with --gateway: Consul's HTTP address (default CONSUL_HTTP_ADDR)"
     )
     as_json: bool = Field(False, description="print JSON instead of tables")
 
@@ -364,15 +374,49 @@ def _add_status(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "status",
         help="health, experts and load of a running mesh",
-        description="Query every service of a mesh started by `moe-mesh up`.",
+        description="Query every service of a mesh: one `moe-mesh up` started (--ready-file), "
+        "or one started by hand (--gateway, with the Consul its services registered in).",
     )
     add_settings_arguments(p, StatusSettings, flags=STATUS_FLAGS)
     p.set_defaults(func=_run_status)
 
 
+async def registered_mesh(gateway: str, registry_address: str | None) -> dict:
+    """What a ready file would say of a mesh started by hand: its gateway, and the routers and
+    expert services passing their health checks in Consul. UnavailableError naming the registry
+    where it cannot be read."""
+    from common.registry import EXPERT_SERVICE, ROUTER_SERVICE
+    from common.registry.consul import ConsulRegistry
+
+    try:
+        registry = ConsulRegistry(registry_address)
+    except ValueError as e:  # a malformed address
+        raise InvalidArgumentError("--registry-address", str(e)) from None
+    try:
+        routers = await registry.instances(ROUTER_SERVICE)
+        experts = await registry.instances(EXPERT_SERVICE)
+    finally:
+        await registry.close()
+    return {
+        "gateway_grpc": gateway,
+        "gateway_http": "",
+        "routers": [r.endpoint for r in routers],
+        "experts": [{"address": e.endpoint, "experts": e.meta.get("experts", "")} for e in experts],
+    }
+
+
 def _run_status(args: argparse.Namespace) -> int:
     s = typing.cast(StatusSettings, settings_from_args(StatusSettings, args, flags=STATUS_FLAGS))
-    mesh = read_ready_file(s.ready_file, "gateway_grpc", "gateway_http", "routers", "experts")
+    if (s.ready_file is None) == (s.gateway is None):
+        raise InvalidArgumentError(
+            "--ready-file",
+            "give --ready-file FILE (a mesh `moe-mesh up` started) or --gateway HOST:PORT (one "
+            "started by hand), not both or neither",
+        )
+    if s.ready_file is not None:
+        mesh = read_ready_file(s.ready_file, "gateway_grpc", "gateway_http", "routers", "experts")
+    else:
+        mesh = asyncio.run(registered_mesh(typing.cast(str, s.gateway), s.registry_address))
     status = asyncio.run(mesh_status(mesh))
     if s.as_json:
         print(json.dumps(status))

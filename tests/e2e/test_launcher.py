@@ -4,8 +4,10 @@ a dying gateway, and scale operations that race."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +47,17 @@ def launcher(checkpoint, tmp_path):
     yield make
     for launcher in made:
         launcher.stop()
+
+
+def test_the_paths_a_ready_file_names_are_absolute(checkpoint, tmp_path, monkeypatch) -> None:
+    # `up --run-dir run --tls-dir certs` from one directory, `status` or `traces` from another
+    monkeypatch.chdir(tmp_path)
+    ckpt = checkpoint("mixtral")
+    relative = Path(os.path.relpath(ckpt, tmp_path))
+    mesh = Launcher(relative, Path("run"), 1, 1, 1, [], [], tls_dir=Path("certs"))
+    assert mesh.checkpoint == ckpt and mesh.run_dir == tmp_path / "run"
+    assert mesh.tls_dir == tmp_path / "certs"
+    mesh.stop()
 
 
 def test_a_child_failing_at_start_is_reported_with_its_exit_code_and_log(launcher) -> None:

@@ -59,8 +59,11 @@ def _until_eos(tokens: tuple[int, ...], eos: tuple[int, ...]) -> tuple[tuple[int
 
 def _status_experts(ready: Path) -> dict[str, str]:
     """address -> experts of every expert service `moe-mesh status` shows."""
-    status = moe_mesh("status", "--ready-file", ready, "--json")
-    return {e["address"]: e["experts"] for e in json.loads(status.stdout)["experts"]}
+    return _experts_of(json.loads(moe_mesh("status", "--ready-file", ready, "--json").stdout))
+
+
+def _experts_of(status: dict) -> dict[str, str]:
+    return {e["address"]: e["experts"] for e in status["experts"]}
 
 
 def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(
@@ -123,6 +126,13 @@ def test_up_serves_local_engine_tokens_reports_dead_children_and_stops_cleanly(
             e["health"] == "SERVING" for e in st["experts"]
         )
         assert sum(map(sum, st["routers"][0]["tokens_routed"])) > 0
+        # A mesh started by hand has no ready file: its gateway and the registry find the rest.
+        found = moe_mesh("status", "--gateway", mesh["gateway_grpc"], "--registry-address",
+                         mesh["registry"], "--json")  # fmt: skip
+        assert found.returncode == 0, found.stderr
+        by_registry = json.loads(found.stdout)
+        assert [r["address"] for r in by_registry["routers"]] == mesh["routers"]
+        assert _experts_of(by_registry) == _experts_of(st) and len(st["experts"]) == 4
         # `up` uses the fast path by default: status names each replica's transport and record.
         replicas = [r for r in st["routers"][0]["replicas"] if r["backend"] != "colocated"]
         assert len(replicas) == 4

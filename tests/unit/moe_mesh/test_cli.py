@@ -3,6 +3,7 @@ broken ready file is one line and exit 2 for every command that reads one."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -117,3 +118,22 @@ def test_a_bad_max_isa_is_refused_before_a_command_that_computes_runs(
     assert said in capsys.readouterr().err
     assert main(["status", "--ready-file", str(tmp_path / "mesh.json")]) == 2  # not its business
     assert "MOE_MESH_MAX_ISA" not in (err := capsys.readouterr().err) and "mesh.json" in err
+
+
+def test_status_takes_a_ready_file_or_a_gateway_and_says_so(tmp_path, capsys) -> None:
+    assert main(["status"]) == 2
+    assert (
+        "--ready-file FILE (a mesh `moe-mesh up` started) or --gateway" in capsys.readouterr().err
+    )
+    assert main(["status", "--ready-file", str(tmp_path / "m.json"), "--gateway", "h:1"]) == 2
+    assert "not both or neither" in capsys.readouterr().err
+
+
+def test_status_of_a_hand_built_mesh_names_a_registry_it_cannot_read(capsys) -> None:
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["status", "--gateway", "127.0.0.1:1", "--registry-address", f"127.0.0.1:{port}"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"registry http://127.0.0.1:{port} unreachable" in err and "Traceback" not in err
