@@ -75,9 +75,29 @@ def ensure_checkpoint(path: Path) -> None:
     checkpoint_for("small", path)
 
 
+# The CPU flags that say which kernels a host runs: what every figure is quoted with.
+FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni")
+FLAGS += ("amx_tile", "amx_bf16", "amx_int8")
+
+
+def host_cpu() -> dict:
+    """The CPU model, core count and which of FLAGS it has, from /proc/cpuinfo."""
+    model, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "flags": {f: f in flags for f in FLAGS}}
+
+
 def write_result(path, result: dict) -> None:
-    """`result` plus the run's torch version, threads, machine and MOE_MESH_MAX_ISA (where set), as
-    JSON at `path`."""
+    """`result` plus the run's torch version, threads, machine, CPU (`host_cpu`) and
+    MOE_MESH_MAX_ISA (where set), as JSON at `path`."""
     import json
     import platform
 
@@ -87,5 +107,6 @@ def write_result(path, result: dict) -> None:
     run = {"torch": torch.__version__, "threads": torch.get_num_threads()}
     if isa := os.environ.get("MOE_MESH_MAX_ISA"):  # as set: the kernels ran no higher
         run["max_isa"] = isa
+    run["host_cpu"] = result.get("host_cpu") or host_cpu()
     path.write_text(json.dumps({**result, **run, "machine": platform.machine()}, indent=2))
     print(f"wrote {path}")

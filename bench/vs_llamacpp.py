@@ -41,7 +41,6 @@ build features.
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import sys
 import time
@@ -55,7 +54,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from pydantic import Field  # noqa: E402
 
-from bench import parse_settings, write_result  # noqa: E402
+from bench import host_cpu, parse_settings, write_result  # noqa: E402
 from bench.engine_vs_transformers import decode_rate, engine_generate  # noqa: E402
 from bench.geometry import GeometrySettings, bytes_per_token, checkpoint_for, expected_experts  # noqa: E402
 from common.arch import ModelSpec, checkpoint_spec  # noqa: E402
@@ -67,8 +66,6 @@ INSTALL = (
     "pip install -e '.[peers]' (builds llama-cpp-python from source, several minutes; "
     "CMAKE_ARGS='-DGGML_NATIVE=ON' builds it for this CPU's instructions)"
 )
-FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni")
-FLAGS += ("amx_tile", "amx_bf16", "amx_int8")
 # GGUF bytes per expert weight (ggml's blocks of 32: a float16 scale and the codes)
 EXPERT_BYTES = {"bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 # The engine's experts against each: --quantize and --quantize-group-size
@@ -290,21 +287,6 @@ def engine_bytes_per_token(spec: ModelSpec, kind: str, batch: int) -> int:
     return round(
         bytes_per_token(spec, 2, batch) + expert_params * (held / spec.expert_params - 2.0)
     )
-
-
-def host_cpu() -> dict:
-    """The CPU model, core count and which of FLAGS it has, from /proc/cpuinfo."""
-    model, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "flags": {f: f in flags for f in FLAGS}}
 
 
 def skipped(args, why: str) -> int:
