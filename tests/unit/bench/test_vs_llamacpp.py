@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from bench import vs_llamacpp
+from bench import FLAGS, vs_llamacpp, write_result
 from bench.geometry import GEOMETRIES, bytes_per_token, geometry_spec
 
 
@@ -139,3 +140,14 @@ def test_sequences_of_a_batch_decode_as_they_do_alone(llama_cpp, checkpoint, tmp
         peer.close()
     assert together == alone
     assert all(len(t) == 6 for t in together)
+
+
+def test_every_benchs_result_names_the_hosts_cpu_model_and_flags(tmp_path) -> None:
+    # bench.write_result adds what vs_llamacpp's JSON had alone: every figure is quoted with them
+    write_result(tmp_path / "r.json", {"figure": 1.0})
+    result = json.loads((tmp_path / "r.json").read_text())
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    model = next(line for line in cpuinfo if line.startswith("model name"))
+    assert result["figure"] == 1.0 and result["host_cpu"]["cpu"] == model.split(":", 1)[1].strip()
+    flags = set(next(line for line in cpuinfo if line.startswith("flags")).split())
+    assert result["host_cpu"]["flags"] == {f: f in flags for f in FLAGS}
