@@ -56,7 +56,11 @@ from router_service.settings import RouterSettings  # noqa: E402
 Run = Callable[[list[list[int]], int], tuple[float, list[list[int]]]]
 
 
-def engine_generate(engine, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+def engine_generate(
+    engine, prompts: list[list[int]], n: int, marks: list[tuple[float, int]] | None = None
+) -> tuple[float, list[list[int]]]:
+    """Seconds to generate n tokens greedily for each prompt, and the tokens. `marks`, where
+    given, gets each step's end that brought tokens: (its time, the tokens so far)."""
     runtime.release_openmp_threads()  # transformers' team, on this thread
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -64,9 +68,13 @@ def engine_generate(engine, prompts: list[list[int]], n: int) -> tuple[float, li
     out: dict[str, list[int]] = {}
 
     async def drive() -> None:
+        count = 0
         while engine.has_unfinished():
             for o in await engine.step():
                 out.setdefault(o.request_id, []).extend(o.new_token_ids)
+                count += len(o.new_token_ids)
+            if marks is not None and count:
+                marks.append((time.perf_counter(), count))
 
     start = time.perf_counter()
     asyncio.run(drive())

@@ -14,11 +14,9 @@ products.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import os
 import sys
-import time
 from pathlib import Path
 
 from pydantic import Field
@@ -30,10 +28,10 @@ runtime.configure()
 import torch  # noqa: E402
 
 from bench import parse_settings, write_result  # noqa: E402
+from bench.engine_vs_transformers import engine_generate  # noqa: E402
 from bench.geometry import GeometrySettings, checkpoint_for  # noqa: E402
 from bench.quantized import quantization  # noqa: E402
 from common import bf16  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
 from router_service.build import build_local_engine  # noqa: E402
 from router_service.settings import RouterSettings  # noqa: E402
 
@@ -69,19 +67,8 @@ def decode(engine, n: int) -> tuple[float, int]:
     """One request's decode: seconds from its first token (the prefill's) to its last, and the
     tokens in between. Timed within one run, so a slow prefill cannot make it negative, as taking
     one run's prefill from another's whole did on a busy host."""
-    runtime.release_openmp_threads()
-    engine.add_request("r", PROMPT, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     marks: list[tuple[float, int]] = []
-
-    async def drive() -> None:
-        count = 0
-        while engine.has_unfinished():
-            for o in await engine.step():
-                count += len(o.new_token_ids)
-            if count:
-                marks.append((time.perf_counter(), count))
-
-    asyncio.run(drive())
+    engine_generate(engine, [PROMPT], n, marks)
     (start, first), (end, last) = marks[0], marks[-1]
     return end - start, last - first
 
