@@ -19,12 +19,13 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from bench import host_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 READ_BYTES = 256 << 20
@@ -66,7 +67,7 @@ def _work(kind: str, repeats: int, together: bool = False) -> float:
 def host_facts() -> dict:
     """CPU model and core count, and the speedups and bandwidth above (a few seconds)."""
     workers = os.cpu_count() or 1
-    facts: dict = {"cpu": _cpu_model(), "cores": workers, "speedup": {}}
+    facts: dict = {"cpu": host_cpu()["cpu"], "cores": workers, "speedup": {}}
     # spawn: fork after torch loaded OpenMP in the caller would hang the workers
     spawn = multiprocessing.get_context("spawn")
     with spawn.Pool(workers, _init, (spawn.Barrier(workers),)) as pool:
@@ -88,17 +89,6 @@ def around(run: Callable[[], dict]) -> dict:
     after = host_facts()
     print(f"host after: {after}", flush=True)
     return {**result, "host": {"before": before, "after": after}}
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> int:

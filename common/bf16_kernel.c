@@ -677,16 +677,27 @@ TARGET static inline vec load_any(const void *p, long i, int bf) {
 
 /* ===== the kernels, written once over vec ===== */
 
+/* w[0..3]: a step's columns c0..c3 of the panel rows at p0..p3 as float32, by the ISA's EVEN,
+   ODD or LAST: an even step's from a pair row's words (shifted), an odd one's (masked), or an odd
+   k's last step (bfloat16 in order) */
+#define STEP_WEIGHTS(w, last, odd, p0, c0, p1, c1, p2, c2, p3, c3)                              \
+    if (last)                                                                                  \
+        w[0] = LAST(p0, c0), w[1] = LAST(p1, c1), w[2] = LAST(p2, c2), w[3] = LAST(p3, c3);    \
+    else if (odd)                                                                              \
+        w[0] = ODD(p0, c0), w[1] = ODD(p1, c1), w[2] = ODD(p2, c2), w[3] = ODD(p3, c3);        \
+    else                                                                                       \
+        w[0] = EVEN(p0, c0), w[1] = EVEN(p1, c1), w[2] = EVEN(p2, c2), w[3] = EVEN(p3, c3);
+
 #if ISA == 512
 #define ROWS 6 /* x rows per pass: 6 x 4 accumulators + 4 weight vectors fit the 32 registers */
-/* the 16 columns at `at` of a step as float32: an even step's from a pair row's words (shifted),
-   an odd one's (masked), or an odd k's last step (bfloat16 in order). The kernels take a step a
-   pass, as before the pairs: written as two steps a pass, GCC kept their accumulators on the
-   stack (products of 8 rows and more 2x slower). */
-#define EVEN(at) _mm512_slli_epi32(_mm512_loadu_si512(at), 16)
-#define ODD(at) _mm512_and_si512(_mm512_loadu_si512(at), _mm512_set1_epi32((int)0xFFFF0000))
-#define LAST(at)                                                                               \
-    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(at))), 16)
+/* 16 columns of a step from column c (STEP_WEIGHTS). The kernels take a step a pass, as before
+   the pairs: written as two steps a pass, GCC kept their accumulators on the stack (products of 8
+   rows and more 2x slower). */
+#define EVEN(at, c) _mm512_slli_epi32(_mm512_loadu_si512((at) + 2 * (c)), 16)
+#define ODD(at, c)                                                                             \
+    _mm512_and_si512(_mm512_loadu_si512((at) + 2 * (c)), _mm512_set1_epi32((int)0xFFFF0000))
+#define LAST(at, c)                                                                            \
+    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((at) + (c)))), 16)
 /* rows x[0..R) (float32) against two panels (64 columns) into y (bfloat16, row stride ldy),
    + bias when given */
 #define KERNEL(R)                                                                              \
@@ -705,12 +716,7 @@ TARGET static inline vec load_any(const void *p, long i, int bf) {
                 _mm_prefetch((const char *)(b + AHEAD * PANEL + 32), _MM_HINT_T0);             \
             }                                                                                  \
             __m512i w[4];                                                                      \
-            if (last)                                                                          \
-                w[0] = LAST(a), w[1] = LAST(a + 16), w[2] = LAST(b), w[3] = LAST(b + 16);       \
-            else if (i % 2)                                                                    \
-                w[0] = ODD(a), w[1] = ODD(a + 32), w[2] = ODD(b), w[3] = ODD(b + 32);           \
-            else                                                                               \
-                w[0] = EVEN(a), w[1] = EVEN(a + 32), w[2] = EVEN(b), w[3] = EVEN(b + 32);       \
+            STEP_WEIGHTS(w, last, i % 2, a, 0, a, 16, b, 0, b, 16);                            \
             for (int r = 0; r < R; r++) {                                                      \
                 __m512 xr = _mm512_set1_ps(x[r * k + i]);                                      \
                 for (int j = 0; j < 4; j++)                                                    \
@@ -750,13 +756,13 @@ TARGET static void FN(columns)(const float *x, const uint16_t *p, uint16_t *y, l
 #undef LAST
 
 #else
-/* the 8 columns at `at` of a step as float32: an even step's from a pair row's words (shifted),
-   an odd one's (masked), or an odd k's last step (bfloat16 in order) */
-#define EVEN(at) _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(at)), 16)
-#define ODD(at)                                                                                \
-    _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(at)), _mm256_set1_epi32((int)0xFFFF0000))
-#define LAST(at)                                                                               \
-    _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(at))), 16)
+/* 8 columns of a step from column c (STEP_WEIGHTS) */
+#define EVEN(at, c) _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)((at) + 2 * (c))), 16)
+#define ODD(at, c)                                                                             \
+    _mm256_and_si256(_mm256_loadu_si256((const __m256i *)((at) + 2 * (c))),                   \
+                     _mm256_set1_epi32((int)0xFFFF0000))
+#define LAST(at, c)                                                                            \
+    _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((at) + (c)))), 16)
 /* rows x[0..R) (float32) against P panels from p (k * 32 apart) into y (bfloat16, row stride
    ldy), + bias when given. 16 registers: 8 accumulators (2 rows or 2 panels), the 4 weight
    vectors, the rows' x (with 3 rows GCC kept two accumulators on the stack) */
@@ -775,15 +781,7 @@ TARGET static void FN(columns)(const float *x, const uint16_t *p, uint16_t *y, l
                     _mm_prefetch((const char *)(at + AHEAD * PANEL + 32), _MM_HINT_T0);        \
                 }                                                                              \
                 __m256i w[4]; /* columns 0-7, 8-15, 16-23, 24-31 */                            \
-                if (last)                                                                      \
-                    w[0] = LAST(at), w[1] = LAST(at + 8), w[2] = LAST(at + 16),                \
-                    w[3] = LAST(at + 24);                                                      \
-                else if (i % 2)                                                                \
-                    w[0] = ODD(at), w[1] = ODD(at + 16), w[2] = ODD(at + 32),                  \
-                    w[3] = ODD(at + 48);                                                       \
-                else                                                                           \
-                    w[0] = EVEN(at), w[1] = EVEN(at + 16), w[2] = EVEN(at + 32),               \
-                    w[3] = EVEN(at + 48);                                                      \
+                STEP_WEIGHTS(w, last, i % 2, at, 0, at, 8, at, 16, at, 24);                    \
                 for (int r = 0; r < R; r++) {                                                  \
                     __m256 xr = _mm256_set1_ps(x[r * k + i]);                                  \
                     for (int j = 0; j < 4; j++)                                                \
@@ -817,6 +815,7 @@ TARGET static void FN(columns)(const float *x, const uint16_t *p, uint16_t *y, l
 #undef ODD
 #undef LAST
 #endif
+#undef STEP_WEIGHTS
 
 /* columns() as a block_fn: bfloat16 panels have no scales or groups */
 TARGET static void FN(bf16_block)(const float *x, const void *p, const void *scales, uint16_t *y,
