@@ -71,6 +71,8 @@ _SIGNATURES = {
     "moe_decode_step": ("ppppppi", True, 1),
     "moe_decode_burst": ("pppppppi", True, 1),
     "moe_sgemm_rows": ("pppppllli", False, 0),
+    "moe_sgemv4": ("pppll", False, 0),
+    "moe_sgemv4_use": ("i", False, 0),
     "moe_f32_linear": ("ppppllli", False, 1),
     "moe_sgemm_lanes16": ("pppllli", True, 2),
     "moe_decode_step_f32": ("plppplllppppi", True, 1),

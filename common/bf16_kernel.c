@@ -471,6 +471,8 @@ typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, c
                          const float *, float *, const int *);
 typedef int (*threads_fn)(int);
 
+#include "sgemv4.c" /* one-row products summed as MKL sums them off Intel's kernels */
+
 /* y [n][out] = x [n][k] · wᵀ, w [out][k] float32, out a multiple of 64: F.linear's products
    split over `threads`, each thread calling `sgemm` on one thread for its share of w's rows,
    in 64-row blocks. MKL mostly gives an output the same bits whichever 64-aligned block of rows
@@ -484,6 +486,10 @@ void moe_sgemm_rows(void *sgemm, void *set_threads, const float *x, const float 
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < threads; t++) {
         long first = blocks * t / threads * 64, rows = blocks * (t + 1) / threads * 64 - first;
+        if (n == 1 && sgemv4_on) {
+            moe_sgemv4(x, w + first * k, y + first, rows, k);
+            continue;
+        }
         int m = (int)rows, cols = (int)n, depth = (int)k, ldc = (int)out;
         float one = 1.0f, zero = 0.0f;
         int before = ((threads_fn)set_threads)(1); /* MKL's own threads stay out of the team */

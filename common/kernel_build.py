@@ -29,6 +29,7 @@ _SOURCES = [
         "decode_kernel.c",
         "f32_step.c",
         "f32_experts.c",
+        "sgemv4.c",
         "amx_kernel.c",
     )
 ]

@@ -51,6 +51,36 @@ def test_one_row_products_split_with_f_linears_bits_where_mkl_computes_them(fres
     assert verdicts() == {("split", 1536, 1024, 1, 2): True}  # MKL's one row, any block
 
 
+def sgemv4_order(x: torch.Tensor, w: torch.Tensor, offset: int) -> torch.Tensor:
+    """common/sgemv4.c's sums, spelled out in float32 ops (each rounded, none fused) over the
+    rows of w, whose first element lies `offset` floats past 16 bytes."""
+    k = x.numel()
+    head = min((k - 1 - offset) % 4 + 1, k)
+    body = head + (k - head) // 4 * 4
+    s = x[0] * w[:, 0]
+    for i in range(1, head):
+        s = s + x[i] * w[:, i]
+    lanes = [s] + [torch.zeros_like(s) for _ in range(3)]
+    for i in range(head, body, 4):
+        for lane in range(4):
+            lanes[lane] = lanes[lane] + x[i + lane] * w[:, i + lane]
+    total = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3])
+    for i in range(body, k):
+        total = total + x[i] * w[:, i]
+    return total
+
+
+@pytest.mark.skipif(float32.bf16.kernel("moe_sgemv4") is None, reason="no C compiler here")
+@pytest.mark.parametrize("k", [1, 3, 6, 33, 770, 1023, 1024])
+def test_sgemv4_sums_in_the_order_it_documents(k):
+    gen = torch.Generator().manual_seed(k)
+    for offset in range(4):  # a fresh tensor starts on a cache line
+        w = torch.randn(11 * k + offset, generator=gen)[offset:].view(11, k)  # 8 rows, then 3
+        x, y = torch.randn(k, generator=gen), torch.empty(11)
+        float32.bf16.call(float32.bf16.kernel("moe_sgemv4"), x, w, y, 11, k)
+        assert torch.equal(y, sgemv4_order(x, w, offset))
+
+
 @pytest.mark.parametrize(("way", "rows"), [("split", 2), ("lanes", 8)])
 @pytest.mark.parametrize("same", [True, False])
 def test_each_shape_runs_another_way_only_once_its_bits_were_seen_equal(
