@@ -109,13 +109,15 @@ async def decode_rate(engine, batch: int, new_tokens: int, vocab: int) -> float:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         for i, p in enumerate(prompts):
             engine.add_request(f"{n}-{i}", p, params)
-        count, first = 0, None
+        count, started, first = 0, set(), None
         while engine.has_unfinished():
             for o in await engine.step():
                 if o.error is not None:
                     raise o.error
                 count += len(o.new_token_ids)
-            if first is None and count >= batch:
+                if o.new_token_ids:
+                    started.add(o.request_id)
+            if first is None and len(started) == batch:  # later prefills outside the window
                 first = (time.perf_counter(), count)
         if first is None:
             raise RuntimeError(f"{batch} sequences ended before each had a token")

@@ -477,7 +477,10 @@ typedef int (*threads_fn)(int);
    split over `threads`, each thread calling `sgemm` on one thread for its share of w's rows,
    in 64-row blocks. MKL mostly gives an output the same bits whichever 64-aligned block of rows
    computes it (common/float32.py checks each shape before it relies on that); alone, it runs a
-   product of a few rows on one thread, at half the host's read bandwidth on 2 cores. */
+   product of a few rows on one thread, at half the host's read bandwidth on 2 cores. One-row
+   products go to moe_sgemv4 instead where common/float32.py found MKL summing as it does: every
+   block starts a multiple of 64 rows in, so at the whole weight's alignment, which sets its
+   head. */
 void moe_sgemm_rows(void *sgemm, void *set_threads, const float *x, const float *w, float *y,
                     long n, long out, long k, int threads) {
     long blocks = out / 64;
@@ -687,12 +690,14 @@ TARGET static inline vec load_any(const void *p, long i, int bf) {
    ODD or LAST: an even step's from a pair row's words (shifted), an odd one's (masked), or an odd
    k's last step (bfloat16 in order) */
 #define STEP_WEIGHTS(w, last, odd, p0, c0, p1, c1, p2, c2, p3, c3)                              \
-    if (last)                                                                                  \
-        w[0] = LAST(p0, c0), w[1] = LAST(p1, c1), w[2] = LAST(p2, c2), w[3] = LAST(p3, c3);    \
-    else if (odd)                                                                              \
-        w[0] = ODD(p0, c0), w[1] = ODD(p1, c1), w[2] = ODD(p2, c2), w[3] = ODD(p3, c3);        \
-    else                                                                                       \
-        w[0] = EVEN(p0, c0), w[1] = EVEN(p1, c1), w[2] = EVEN(p2, c2), w[3] = EVEN(p3, c3);
+    do {                                                                                       \
+        if (last)                                                                              \
+            w[0] = LAST(p0, c0), w[1] = LAST(p1, c1), w[2] = LAST(p2, c2), w[3] = LAST(p3, c3);\
+        else if (odd)                                                                          \
+            w[0] = ODD(p0, c0), w[1] = ODD(p1, c1), w[2] = ODD(p2, c2), w[3] = ODD(p3, c3);    \
+        else                                                                                   \
+            w[0] = EVEN(p0, c0), w[1] = EVEN(p1, c1), w[2] = EVEN(p2, c2), w[3] = EVEN(p3, c3);\
+    } while (0)
 
 #if ISA == 512
 #define ROWS 6 /* x rows per pass: 6 x 4 accumulators + 4 weight vectors fit the 32 registers */

@@ -4,7 +4,8 @@
    float32 must give transformers' tokens to the last bit, so every operation here gives the bits
    of the torch op the op-by-op path runs (the engine checks a whole step against that path
    before it trusts this one: router_service/engine/model.py):
-   - products: MKL's sgemm, as F.linear and float32.py's split call it (`split` says which);
+   - products: MKL's sgemm, as F.linear and float32.py's split call it (`split` says which; the
+     split's one-row products sgemv4.c's, where MKL sums as it does);
    - attention and the experts' combine: the op-by-op path's own kernels;
    - sums (RMSNorm's mean, the top-k weights'): torch's cascade over 8-lane vectors, or over
      single values below one vector (SumKernel.cpp), repeated lane by lane (SUM_LANES);

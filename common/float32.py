@@ -24,6 +24,9 @@ Xeon, 30 GB/s), 256 MiB of [2048, 1024] products at 8 rows read 16 GB/s against 
 split's is; at 2 and 3 rows MKL's own reads as fast. Its one-row kernel sums in another order,
 which f32_lanes.c repeats too, for a layer's experts in one call (common/float32_ffns.py:
 lanes_agree checks those products); one at a time it reads no faster than MKL's.
+
+Where MKL does not run its Intel kernels (AMD EPYC), it sums a one-row product in another order
+again, which common/sgemv4.c repeats; the split computes one-row products there (`mkl`).
 """
 
 from __future__ import annotations
@@ -56,13 +59,21 @@ _state = threading.local()  # this thread's `team` and `unsplit`
 _verdicts: dict[tuple, bool] = {}
 
 
-@functools.cache
 def mkl() -> tuple[int, int] | None:
     """The addresses of MKL's sgemm (what torch's float32 products call) and its
-    MKL_Set_Num_Threads_Local, inside libtorch_cpu; None where torch's BLAS is not MKL. First,
-    where MKL sums one-row products as common/sgemv4.c does, moe_sgemm_rows is told to compute
-    those itself: on host E (AMD EPYC) that read 1.2-1.4x MKL's bytes a second on one thread,
-    and float32 decode ran 3-11% faster, with the same tokens."""
+    MKL_Set_Num_Threads_Local, inside libtorch_cpu; None where torch's BLAS is not MKL. Each call
+    also tells the loaded kernels (a library may be loaded anew) whether moe_sgemm_rows computes
+    one-row products itself: where MKL sums them as common/sgemv4.c does. On host E (AMD EPYC)
+    that read 1.2-1.4x MKL's bytes a second on one thread, and float32 decode ran 3-11% faster,
+    with the same tokens."""
+    addresses = _mkl_addresses()
+    if addresses is not None and (use := bf16.kernel("moe_sgemv4_use")) is not None:
+        use(int(_sums_as_sgemv4()))
+    return addresses
+
+
+@functools.cache
+def _mkl_addresses() -> tuple[int, int] | None:
     if not torch.backends.mkl.is_available():
         return None
     try:
@@ -70,14 +81,13 @@ def mkl() -> tuple[int, int] | None:
         functions = (lib.sgemm_, lib.MKL_Set_Num_Threads_Local)  # C, not Fortran, arguments
     except (OSError, AttributeError):
         return None
-    if (use := bf16.kernel("moe_sgemv4_use")) is not None:
-        use(int(_sums_as_sgemv4()))
     return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in functions)
 
 
+@functools.cache
 def _sums_as_sgemv4() -> bool:
-    """Whether F.linear gives one-row products sgemv4.c's bits here, on weights of widths that
-    leave 0-3 inputs past the last group of 4, each at all four float offsets from 16 bytes."""
+    """Whether F.linear gives one-row products sgemv4.c's bits here, on widths of every
+    remainder mod 4, each at all four float offsets from 16 bytes."""
     gen = torch.Generator().manual_seed(0)
     for k in (1024, 1023, 770, 33):
         for offset in range(4):

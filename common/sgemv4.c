@@ -47,6 +47,10 @@ static inline __attribute__((always_inline)) void sgemv4_rows(const float *x, co
 
 /* y [out] = w [out][k] · x [k], each output summed as described above */
 void moe_sgemv4(const float *x, const float *w, float *y, long out, long k) {
+    if (k < 1) {
+        memset(y, 0, sizeof(float) * (size_t)(out > 0 ? out : 0));
+        return;
+    }
     long a = (long)((uintptr_t)w / sizeof(float) % 4);
     long head = ((k - 1 - a) % 4 + 4) % 4 + 1;
     if (head > k) head = k;

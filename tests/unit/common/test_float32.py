@@ -48,7 +48,7 @@ def test_one_row_products_split_with_f_linears_bits_where_mkl_computes_them(fres
     monkeypatch.setattr(float32, "faster", lambda threads: True)
     w, x = torch.randn(1536, 1024), torch.randn(1, 1024)
     assert torch.equal(L.linear(x, w), F.linear(x, w))
-    assert verdicts() == {("split", 1536, 1024, 1, 2): True}  # MKL's one row, any block
+    assert verdicts() == {("split", 1536, 1024, 1, 2): True}  # one row, any block (sgemv4's too)
 
 
 def sgemv4_order(x: torch.Tensor, w: torch.Tensor, offset: int) -> torch.Tensor:
@@ -70,15 +70,37 @@ def sgemv4_order(x: torch.Tensor, w: torch.Tensor, offset: int) -> torch.Tensor:
     return total
 
 
-@pytest.mark.skipif(float32.bf16.kernel("moe_sgemv4") is None, reason="no C compiler here")
+needs_sgemv4 = pytest.mark.skipif(
+    float32.bf16.kernel("moe_sgemv4") is None, reason="the kernels are not built here"
+)
+
+
+@needs_sgemv4
 @pytest.mark.parametrize("k", [1, 3, 6, 33, 770, 1023, 1024])
 def test_sgemv4_sums_in_the_order_it_documents(k):
     gen = torch.Generator().manual_seed(k)
-    for offset in range(4):  # a fresh tensor starts on a cache line
-        w = torch.randn(11 * k + offset, generator=gen)[offset:].view(11, k)  # 8 rows, then 3
+    for start in range(4):
+        w = torch.randn(11 * k + start, generator=gen)[start:].view(11, k)  # 8 rows, then 3
         x, y = torch.randn(k, generator=gen), torch.empty(11)
         float32.bf16.call(float32.bf16.kernel("moe_sgemv4"), x, w, y, 11, k)
-        assert torch.equal(y, sgemv4_order(x, w, offset))
+        assert torch.equal(y, sgemv4_order(x, w, w.data_ptr() // 4 % 4))
+
+
+@needs_sgemv4
+@pytest.mark.parametrize("k", [1023, 1024])
+def test_the_split_gives_one_row_sgemv4s_bits_of_the_whole_weight(k):
+    """Each thread's 64-row blocks start where the whole weight's alignment holds."""
+    kernel = float32.bf16.kernel
+    w, x = torch.randn(1 + 192 * k)[1:].view(192, k), torch.randn(1, k)
+    whole, split = torch.empty(192), torch.empty(1, 192)
+    float32.bf16.call(kernel("moe_sgemv4"), x, w, whole, 192, k)
+    kernel("moe_sgemv4_use")(1)
+    try:  # MKL's addresses go unused: every product here is one row
+        float32.bf16.call(kernel("moe_sgemm_rows"), None, None, x, w, split, 1, 192, k, 3)
+    finally:
+        kernel("moe_sgemv4_use")(0)
+        float32.mkl()  # back to what this host's MKL asks for
+    assert torch.equal(split[0], whole)
 
 
 @pytest.mark.parametrize(("way", "rows"), [("split", 2), ("lanes", 8)])
