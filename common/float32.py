@@ -64,7 +64,7 @@ def mkl() -> tuple[int, int] | None:
     MKL_Set_Num_Threads_Local, inside libtorch_cpu; None where torch's BLAS is not MKL. Each call
     also tells the loaded kernels (a library may be loaded anew) whether moe_sgemm_rows computes
     one-row products itself: where MKL sums them as common/sgemv4.c does. On host E (AMD EPYC)
-    that read 1.2-1.4x MKL's bytes a second on one thread, and float32 decode ran 3-11% faster,
+    that read 1.2-1.4x MKL's bytes a second on one thread, and float32 decode ran 2-11% faster,
     with the same tokens."""
     addresses = _mkl_addresses()
     if addresses is not None and (use := bf16.kernel("moe_sgemv4_use")) is not None:
